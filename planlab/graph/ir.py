@@ -1,0 +1,174 @@
+"""The operator graph: tensors, operators and the graph that holds them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from planlab.errors import GraphError
+from planlab.graph.signature import Axis, Signature
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of the graph. ``role`` is input, param, buffer or activation."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str = "activation"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    def __str__(self) -> str:
+        return f"{self.name}{list(self.shape)}:{self.dtype}"
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """Placeholder in a call template for the operator's ``index``-th input."""
+
+    index: int
+
+
+@dataclass(frozen=True, eq=False)
+class CallSpec:
+    """How to run an operator: ``target(*args, **kwargs)`` with TensorArg slots."""
+
+    target: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Operator:
+    """One operator of the graph with its dimension signature and costs.
+
+    ``inputs`` lists tensor names in signature order (activations first as
+    they appear in the call, then parameters); ``saves`` names the tensors its
+    backward needs, which the memory model keeps alive until the backward runs.
+    """
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    signature: Signature
+    dim_sizes: dict[str, int]
+    flops: float
+    bytes_moved: float
+    module: str
+    call: CallSpec
+    saves: tuple[str, ...] = ()
+    bwd_flops_ratio: float = 2.0
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.kind}]({self.signature})"
+
+    def axes_of(self, tensor: str) -> tuple[Axis, ...]:
+        """The signature axes of one of this operator's tensors."""
+        if tensor in self.inputs:
+            return self.signature.inputs[self.inputs.index(tensor)]
+        if tensor in self.outputs:
+            return self.signature.outputs[self.outputs.index(tensor)]
+        raise GraphError(f"operator {self.name!r} has no tensor {tensor!r}")
+
+    def splittable_dims(self) -> list[str]:
+        return [d for d in self.signature.dims() if self.signature.splittable(d)]
+
+
+@dataclass
+class Graph:
+    """A traced model: tensors by name and operators in topological order.
+
+    ``loss`` names the scalar the model returns; ``labels`` maps each tensor
+    axis to a dimension label shared by every axis that is the same dimension
+    of the model (the batch of the input is the batch of the loss), so search
+    spaces can say "split the batch" once for every operator.
+    """
+
+    tensors: dict[str, TensorSpec]
+    operators: list[Operator]
+    inputs: tuple[str, ...]
+    loss: str
+    labels: dict[tuple[str, int], str] = field(default_factory=dict)
+    unknown: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._by_name = {op.name: op for op in self.operators}
+        self.producer: dict[str, Operator] = {}
+        self.consumers: dict[str, list[Operator]] = {}
+        for op in self.operators:
+            for t in op.outputs:
+                self.producer[t] = op
+            for t in op.inputs:
+                self.consumers.setdefault(t, []).append(op)
+
+    def op(self, name: str) -> Operator:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise GraphError(f"no operator named {name!r} in the graph") from None
+
+    @property
+    def params(self) -> list[TensorSpec]:
+        return [t for t in self.tensors.values() if t.role == "param"]
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.params)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs of one pass over the traced batch."""
+        return sum(op.flops for op in self.operators)
+
+    def dim_label(self, op: Operator, dim: str) -> str | None:
+        """The model-wide label of ``op``'s dimension ``dim``."""
+        for t in op.inputs + op.outputs:
+            for i, ax in enumerate(op.axes_of(t)):
+                if ax and ax[0] == dim:
+                    return self.labels.get((t, i))
+        return None
+
+    def dim_with_label(self, op: Operator, label: str) -> str | None:
+        """The dimension of ``op`` that carries ``label``, if any."""
+        for t in op.inputs + op.outputs:
+            for i, ax in enumerate(op.axes_of(t)):
+                if ax and self.labels.get((t, i)) == label:
+                    return ax[0]
+        return None
+
+    @property
+    def batch_label(self) -> str:
+        """Label of the first input's first axis: the batch."""
+        return self.labels[(self.inputs[0], 0)]
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for op in self.operators:
+            kinds[op.kind] = kinds.get(op.kind, 0) + 1
+        lines = [
+            f"{len(self.operators)} operators, {self.num_params:,} parameters, "
+            f"{self.flops / 1e9:,.1f} GFLOP forward",
+            "  " + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())),
+        ]
+        if self.unknown:
+            lines.append("  kept whole (no signature): " + ", ".join(self.unknown))
+        return "\n".join(lines)

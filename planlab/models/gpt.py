@@ -1,0 +1,118 @@
+"""A GPT decoder family as real torch modules, written so torch.fx traces it whole.
+
+Separate q, k and v projections (so tensor parallelism splits heads without a
+weight permutation), a position-id buffer (no size-dependent Python), fused
+causal attention, untied embedding and output layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT decoder. ``ffn_mult`` scales the MLP's hidden width."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn_mult: int = 4
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def num_params(self) -> int:
+        """Parameter count of the module (weights and biases)."""
+        h, f = self.hidden, self.ffn_mult * self.hidden
+        per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+        return self.vocab * h + self.seq * h + self.layers * per_layer + 2 * h + h * self.vocab + self.vocab
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.q, self.k, self.v, self.proj = (nn.Linear(h, h) for _ in range(4))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, C) -> q, k, v: (B, nh, T, hs)
+        shape = (self.heads, self.head_dim)
+        q = self.q(x).unflatten(-1, shape).transpose(1, 2)
+        k = self.k(x).unflatten(-1, shape).transpose(1, 2)
+        v = self.v(x).unflatten(-1, shape).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.drop(self.proj(y.transpose(1, 2).flatten(-2)))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn_mult * cfg.hidden)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(cfg.ffn_mult * cfg.hidden, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """GPT decoder whose forward returns the mean next-token cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
+        self.register_buffer("pos", torch.arange(cfg.seq), persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # idx, targets: (B, T) token ids
+        x = self.drop(self.wte(idx) + self.wpe(self.pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    @staticmethod
+    def example_inputs(cfg: GPTConfig, batch: int, device: str | torch.device = "meta",
+                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and next-token targets of shape (batch, seq)."""
+        if str(device) == "meta":
+            z = torch.empty(batch, cfg.seq, dtype=torch.long, device="meta")
+            return z, z.clone()
+        g = torch.Generator().manual_seed(0 if seed is None else seed)
+        toks = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
+        return toks[:, :-1].contiguous().to(device), toks[:, 1:].contiguous().to(device)

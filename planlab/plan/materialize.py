@@ -1,0 +1,393 @@
+"""``materialize``: from a Plan to a Program of per-device tasks.
+
+Passes, in this order:
+1. layouts: each operator's mesh, the layout each input needs and each output has;
+2. forward: per operator, the conversions of its inputs, then one compute task per piece;
+3. backward: per operator in reverse, the conversions that sum its outputs' gradient
+   contributions into the layout its output had, then one backward task per piece;
+4. weight gradients: bucketed all-reduces of partial weight gradients, then the optimizer step;
+5. order and memory: block tasks sorted, liveness gives each task's allocations and frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from itertools import count
+
+from planlab.errors import InfeasiblePlan, choices
+from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
+from planlab.plan.plan import Action, Plan
+from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
+from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+
+W_BLOCK = (0, "W")
+
+
+def precision_for(cluster: str) -> Precision:
+    """fp32 on the CPU cluster, bf16 mixed precision on GPUs."""
+    return FP32 if cluster == "cpu" else MIXED_BF16
+
+
+def trace_plan_model(plan: Plan) -> Graph:
+    """Trace the plan's model at the plan's global batch on meta tensors."""
+    from planlab.graph.trace import trace
+    from planlab.models.registry import build_model
+
+    model, inputs = build_model(plan.model, batch=plan.global_batch)
+    return trace(model, inputs)
+
+
+class _Layouts:
+    """Mesh and layouts of every operator, at micro-batch shapes."""
+
+    def __init__(self, plan: Plan, graph: Graph) -> None:
+        self.graph, self.plan = graph, plan
+        m = plan.microbatches
+        names = {op.name for op in graph.operators}
+        extra = [p.op for p in plan.ops if p.op not in names]
+        if extra:
+            raise InfeasiblePlan(f"the plan names operator {extra[0]!r}, which the model {plan.model} does not have")
+        self.op_plan = {p.op: p for p in plan.ops}
+        missing = [n for n in names if n not in self.op_plan]
+        if missing:
+            raise InfeasiblePlan(f"the plan does not place operator {sorted(missing)[0]!r}")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for t, spec in graph.tensors.items():
+            shape = list(spec.shape)
+            for a in range(len(shape)):
+                if graph.labels.get((t, a)) == graph.batch_label:
+                    if shape[a] % m:
+                        raise InfeasiblePlan(f"batch axis {a} of {t!r} (size {shape[a]}) does not split "
+                                             f"into {m} micro-batches")
+                    shape[a] //= m
+            self.shapes[t] = tuple(shape)
+        self.mesh: dict[str, Mesh] = {}
+        self.dims: dict[str, tuple[str | None, ...]] = {}
+        for op in graph.operators:
+            p = self.op_plan[op.name]
+            sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
+            if len(p.devices) != math.prod(sizes):
+                raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but "
+                                     f"{len(p.devices)} devices")
+            bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
+            if bad:
+                raise InfeasiblePlan(f"operator {op.name!r} is placed on device {bad[0]}; the plan has "
+                                     f"devices 0..{plan.num_devices - 1}")
+            if len(set(p.devices)) != len(p.devices):
+                raise InfeasiblePlan(f"operator {op.name!r} places two pieces on one device: {list(p.devices)}")
+            self.mesh[op.name] = Mesh(tuple(sizes), tuple(p.devices))
+            self.dims[op.name] = tuple(dims)
+            for d in set(x for x in dims if x is not None):
+                if not op.signature.splittable(d):
+                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
+                n = math.prod(s for x, s in zip(dims, sizes) if x == d)
+                size = self._dim_size(op, d)
+                if size % n:
+                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} has size {size} per "
+                                         f"micro-batch, which does not split into {n} pieces")
+
+    def _dim_size(self, op: Operator, dim: str) -> int:
+        for t in op.inputs + op.outputs:
+            for a, ax in enumerate(op.axes_of(t)):
+                if ax and ax[0] == dim:
+                    full = self.shapes[t][a]
+                    inner = math.prod(op.dim_sizes[n] for n in ax[1:])
+                    return full // inner
+        return op.dim_sizes[dim]
+
+    def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False) -> Layout:
+        out = []
+        for d in self.dims[op.name]:
+            axis = next((a for a, ax in enumerate(tensor_axes) if ax and ax[0] == d), None) if d else None
+            if d is None:
+                out.append(Replicate())
+            elif axis is not None:
+                out.append(Shard(axis))
+            elif contrib or d in partial_dims:
+                out.append(Partial())
+            else:
+                out.append(Replicate())
+        return Layout(self.mesh[op.name], tuple(out))
+
+    def needs(self, op: Operator, i: int) -> Layout:
+        """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
+        return self._place(op, op.signature.inputs[i])
+
+    def has(self, op: Operator, j: int) -> Layout:
+        """Layout in which ``op`` produces its ``j``-th output."""
+        return self._place(op, op.signature.outputs[j], op.signature.reduce)
+
+    def contributes(self, op: Operator, i: int) -> Layout:
+        """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
+        return self._place(op, op.signature.inputs[i], contrib=True)
+
+
+def _full(layout: Layout) -> Layout:
+    return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
+
+
+def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision | None = None) -> Program:
+    """Turn ``plan`` into a Program (see the module docstring for the passes).
+
+    Raises InfeasiblePlan naming the operator or value when the plan cannot be
+    realised (an operator left unplaced, a split that does not divide, a bad schedule).
+    """
+    graph = graph if graph is not None else trace_plan_model(plan)
+    precision = precision or precision_for(plan.cluster)
+    L = _Layouts(plan, graph)
+    topo = {op.name: i for i, op in enumerate(graph.operators)}
+    m = plan.microbatches
+    stage = {p.op: p.stage for p in plan.ops}
+    entries: dict[int, dict[tuple[int, str], list]] = defaultdict(lambda: defaultdict(list))
+    buf_bytes: dict[int, dict[str, int]] = defaultdict(dict)
+    params_on: dict[int, list[tuple[str, tuple]]] = defaultdict(list)
+    seq = count()
+    tags = count()
+
+    def ebytes(t: str) -> int:
+        spec = graph.tensors[t]
+        return precision.activation_bytes if spec.is_float else DTYPE_BYTES.get(spec.dtype, 4)
+
+    def emit(dev: int, block: tuple[int, str], key: tuple, task: Task, t: str | None = None) -> None:
+        entries[dev][block].append((key + (next(seq),), task))
+        if t is not None:
+            for w in task.writes:
+                if w and not is_static(w) and task.shape is not None:
+                    buf_bytes[dev].setdefault(w, math.prod(task.shape) * ebytes(t))
+
+    def place(conv: Conversion, t: str, src_block, src_key, dst_block, dst_key) -> None:
+        for dev, tasks in conv.src.items():
+            for task in tasks:
+                emit(dev, src_block, src_key, task, t)
+        for dev, tasks in conv.dst.items():
+            for task in tasks:
+                emit(dev, dst_block, dst_key, task, t)
+
+    # -- pass 2: forward --------------------------------------------------------
+    converted: dict[tuple[str, Layout], str] = {}
+    in_bufs: dict[str, list[str]] = {}
+    owner: dict[str, tuple[Operator, int]] = {}
+    for i, op in enumerate(graph.operators):
+        mesh, blk = L.mesh[op.name], (stage[op.name], "F")
+        bufs = []
+        for ti, t in enumerate(op.inputs):
+            spec, need = graph.tensors[t], L.needs(op, ti)
+            if spec.role == "param":
+                if t in owner and owner[t][0] is not op:
+                    raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
+                                         f"{op.name!r}; tied weights are not supported yet")
+                owner[t] = (op, ti)
+                for flat, dev in enumerate(mesh.devices):
+                    params_on[dev].append((t, need.box(flat, L.shapes[t])))
+                bufs.append(f"w:{t}")
+                continue
+            if (t, need) in converted:
+                bufs.append(converted[(t, need)])
+                continue
+            if spec.role in ("input", "buffer"):
+                buf = f"a:{t}#{len([k for k in converted if k[0] == t])}"
+                batch_axis = next((a for a in range(len(spec.shape))
+                                   if graph.labels.get((t, a)) == graph.batch_label), -1)
+                for flat, dev in enumerate(mesh.devices):
+                    box = need.box(flat, L.shapes[t])
+                    emit(dev, blk, (i, 0), Task(f"load:{t}", TaskKind.LOCAL, (f"src:{t}",), (buf,),
+                                                src_region=box, shape=box_shape(box), axis=batch_axis,
+                                                dtype=spec.dtype), t)
+                converted[(t, need)] = buf
+                bufs.append(buf)
+                continue
+            prod = graph.producer[t]
+            have = L.has(prod, prod.outputs.index(t))
+            if same_layout(have, need):
+                bufs.append(f"a:{t}")
+                continue
+            buf = f"a:{t}#{len([k for k in converted if k[0] == t]) + 1}"
+            conv = plan_conversion(have, need, L.shapes[t], ebytes(t), src_buf=f"a:{t}", dst_buf=buf,
+                                   tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype)
+            place(conv, t, (stage[prod.name], "F"), (topo[prod.name], 2), blk, (i, 0))
+            converted[(t, need)] = buf
+            bufs.append(buf)
+        in_bufs[op.name] = bufs
+        outs = tuple(f"a:{o}" for o in op.outputs)
+        pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
+        saved = tuple(dict.fromkeys(
+            outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
+            for s in op.saves if not (s in op.inputs and graph.tensors[s].role == "param")))
+        for flat, dev in enumerate(mesh.devices):
+            out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
+            task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
+                        flops=op.flops / pieces / m, bytes_moved=op.bytes_moved / pieces / m,
+                        shape=out_shape, saved=saved)
+            emit(dev, blk, (i, 1), task)
+            for j, o in enumerate(op.outputs):
+                buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
+
+    # -- pass 3: backward -------------------------------------------------------
+    for i in range(len(graph.operators) - 1, -1, -1):
+        op = graph.operators[i]
+        mesh, blk = L.mesh[op.name], (stage[op.name], "B")
+        gbufs = []
+        for j, t in enumerate(op.outputs):
+            spec = graph.tensors[t]
+            uses = [(c, k) for c in graph.consumers.get(t, []) for k, x in enumerate(c.inputs) if x == t]
+            if t == graph.loss:
+                gbufs.append("")  # seeded with ones by the executor
+                continue
+            if not spec.is_float or not uses:
+                gbufs.append("")
+                continue
+            target = _full(L.has(op, j))
+            if len(uses) == 1 and same_layout(L.contributes(*uses[0]), target):
+                c, k = uses[0]
+                gbufs.append(f"gc:{t}<{c.name}.{k}")
+                continue
+            for c, k in uses:
+                conv = plan_conversion(L.contributes(c, k), target, L.shapes[t], ebytes(t),
+                                       src_buf=f"gc:{t}<{c.name}.{k}", dst_buf=f"g:{t}", accumulate=True,
+                                       tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype)
+                place(conv, t, (stage[c.name], "B"), (-topo[c.name], 2), blk, (-i, 0))
+            gbufs.append(f"g:{t}")
+        needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
+                      for t in op.inputs]
+        if op.outputs[0] != graph.loss and all(g == "" for g in gbufs):
+            continue
+        if not any(needs_grad):
+            continue
+        writes = tuple(("wg:" if graph.tensors[t].role == "param" else f"gc:") + t +
+                       ("" if graph.tensors[t].role == "param" else f"<{op.name}.{k}") if ng else ""
+                       for k, (t, ng) in enumerate(zip(op.inputs, needs_grad)))
+        pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
+        fwd_saved = next(t for _, t in entries[mesh.devices[0]][(stage[op.name], "F")]
+                         if t.kind is TaskKind.FORWARD and t.op == op.name).saved
+        for flat, dev in enumerate(mesh.devices):
+            task = Task(op.name, TaskKind.BACKWARD, tuple(gbufs), writes, op=op.name, coord=flat,
+                        flops=op.flops * op.bwd_flops_ratio / pieces / m,
+                        bytes_moved=op.bytes_moved / pieces / m, saved=fwd_saved)
+            emit(dev, blk, (-i, 1), task)
+            for k, (t, w) in enumerate(zip(op.inputs, writes)):
+                if w.startswith("gc:"):
+                    buf_bytes[dev][w] = box_numel(L.contributes(op, k).box(flat, L.shapes[t])) * ebytes(t)
+        for j, t in enumerate(op.outputs):
+            if gbufs[j].startswith("g:"):
+                for flat, dev in enumerate(mesh.devices):
+                    buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
+
+    # -- pass 4: weight gradients and optimizer ---------------------------------
+    buckets: dict[int, dict[tuple[int, ...], list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
+    for p, (op, k) in owner.items():
+        contrib, target = L.contributes(op, k), L.needs(op, k)
+        axes = [a for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
+                if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1]
+        mesh = contrib.mesh
+        for flat, dev in enumerate(mesh.devices):
+            if not axes:
+                continue
+            c = mesh.coord(flat)
+            group = []
+            for f2, d2 in enumerate(mesh.devices):
+                c2 = mesh.coord(f2)
+                if all(c2[a] == c[a] for a in range(len(c)) if a not in axes):
+                    group.append(d2)
+            nb = box_numel(target.box(flat, L.shapes[p])) * precision.grad_bytes
+            buckets[dev][tuple(sorted(group))].append((f"wg:{p}", nb))
+    devices = sorted(set(entries) | set(params_on))
+    for dev in devices:
+        for group in sorted(buckets[dev]):
+            items = buckets[dev][group]
+            bufs = tuple(b for b, _ in items)
+            emit(dev, W_BLOCK, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
+                                            collective="all_reduce", group=group,
+                                            nbytes=sum(n for _, n in items)))
+        nparams = sum(box_numel(b) for _, b in params_on[dev])
+        if nparams:
+            w = tuple(f"w:{p}" for p, _ in params_on[dev])
+            g = tuple(f"wg:{p}" for p, _ in params_on[dev])
+            emit(dev, W_BLOCK, (1, 0), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
+                                            bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
+                                                                   + 2 * precision.optimizer_bytes)))
+
+    # -- pass 5: order, schedule, memory ----------------------------------------
+    programs = []
+    groups: set[tuple[int, ...]] = set()
+    for dev in range(plan.num_devices):
+        blocks = {}
+        for key, items in entries.get(dev, {}).items():
+            items.sort(key=lambda x: x[0])
+            blocks[key] = Block(key[0], key[1], tuple(t for _, t in items))
+            groups.update(tuple(sorted(t.group)) for t in blocks[key].tasks if t.kind is TaskKind.COLLECTIVE)
+        schedule = _schedule(plan, dev, blocks)
+        blocks = _liveness(blocks, buf_bytes[dev])
+        nparams = sum(box_numel(b) for _, b in params_on.get(dev, []))
+        programs.append(DeviceProgram(
+            device=dev, blocks=blocks, schedule=schedule, params=tuple(params_on.get(dev, [])),
+            param_bytes=nparams * precision.param_bytes, grad_bytes=nparams * precision.grad_bytes,
+            optimizer_bytes=nparams * precision.optimizer_bytes))
+    loss_op = graph.producer[graph.loss]
+    lay = L.has(loss_op, 0)
+    holders = []
+    for flat, dev in enumerate(lay.mesh.devices):
+        c = lay.mesh.coord(flat)
+        primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
+        holders.append((dev, f"a:{graph.loss}", int(primary)))
+    return Program(devices=tuple(programs), microbatches=m, precision=precision,
+                   groups=tuple(sorted(g for g in groups if len(g) > 1)), loss_holders=tuple(holders))
+
+
+def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
+    m = plan.microbatches
+    fs = sorted(s for s, ph in blocks if ph == "F")
+    bs = sorted((s for s, ph in blocks if ph == "B"), reverse=True)
+    need = {Action(s, "F", k) for s in fs for k in range(m)} | {Action(s, "B", k) for s in bs for k in range(m)}
+    if W_BLOCK in blocks:
+        need.add(Action(0, "W", 0))
+    given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) and plan.schedule[dev] else None
+    if given is None:
+        order = [Action(s, "F", k) for k in range(m) for s in fs] + [Action(s, "B", k) for k in range(m) for s in bs]
+        if W_BLOCK in blocks:
+            order.append(Action(0, "W", 0))
+        return tuple(order)
+    seen = set()
+    for a in given:
+        if a not in need:
+            raise InfeasiblePlan(f"device {dev}'s schedule has action {a}, which names no block of that device; "
+                                 f"expected actions: {choices(sorted(map(str, need)))}")
+        if a in seen:
+            raise InfeasiblePlan(f"device {dev}'s schedule runs action {a} twice")
+        seen.add(a)
+    if seen != need:
+        miss = sorted(map(str, need - seen))
+        raise InfeasiblePlan(f"device {dev}'s schedule misses actions {', '.join(miss[:6])}")
+    return tuple(given)
+
+
+def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
+    """Fill ``alloc``/``free``: a buffer is allocated by its first writer and freed
+    after its last reader, in the canonical block order (forward stages ascending,
+    backward stages descending), which every valid schedule preserves per micro-batch."""
+    order = sorted(blocks, key=lambda k: (0, k[0]) if k[1] == "F" else (1, -k[0]) if k[1] == "B" else (2, 0))
+    first: dict[str, tuple] = {}
+    last: dict[str, tuple] = {}
+    for bk in order:
+        for ti, t in enumerate(blocks[bk].tasks):
+            for b in t.writes:
+                if b and not is_static(b):
+                    first.setdefault(b, (bk, ti))
+                    last.setdefault(b, (bk, ti))
+            for b in t.reads + t.saved:
+                if b and not is_static(b):
+                    last[b] = (bk, ti)
+    allocs: dict[tuple, list] = defaultdict(list)
+    frees: dict[tuple, list] = defaultdict(list)
+    for b, pos in first.items():
+        allocs[pos].append((b, sizes.get(b, 0)))
+    for b, pos in last.items():
+        frees[pos].append(b)
+    out = {}
+    for bk in order:
+        tasks = tuple(dataclasses.replace(t, alloc=tuple(allocs.get((bk, ti), ())), free=tuple(frees.get((bk, ti), ())))
+                      for ti, t in enumerate(blocks[bk].tasks))
+        out[bk] = Block(bk[0], bk[1], tasks)
+    return out

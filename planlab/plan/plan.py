@@ -1,0 +1,192 @@
+"""Plans: the three primitives (op-trans, op-assign, op-order) recorded as data.
+
+A :class:`PlanBuilder` applies the primitives to a traced graph and returns an
+immutable :class:`Plan`. ``materialize`` turns a Plan into a Program; the plan
+file format (JSON, versioned) lives in :mod:`planlab.plan.plan_file`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from planlab.errors import InfeasiblePlan, choices
+from planlab.graph.ir import Graph
+from planlab.models.registry import ModelSpec
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """How one operator is split and placed.
+
+    ``dims[i]`` is the dimension split across mesh axis ``i`` into
+    ``sizes[i]`` pieces (``None``: replicated ``sizes[i]`` times); ``devices``
+    lists the device of each piece in row-major mesh order; ``stage`` groups
+    operators whose pieces a schedule runs together.
+    """
+
+    op: str
+    dims: tuple[str | None, ...] = ()
+    sizes: tuple[int, ...] = ()
+    devices: tuple[int, ...] = ()
+    stage: int = 0
+
+    def __str__(self) -> str:
+        tr = " x ".join(f"{d or 'R'}/{n}" for d, n in zip(self.dims, self.sizes)) or "whole"
+        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}"
+
+
+_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a device's schedule: run ``phase`` of ``stage`` for ``microbatch``.
+
+    Phases: ``F`` forward, ``B`` backward, ``W`` weight-gradient reduction and
+    optimizer step (once per iteration). Text form ``{stage}{phase}{microbatch}``
+    as in torch.distributed.pipelining, e.g. ``1F0``.
+    """
+
+    stage: int
+    phase: str
+    microbatch: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.phase}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        m = _ACTION.match(text.strip())
+        if not m:
+            raise ValueError(f"{text!r} is not an action like '0F3' (stage, phase F/B/W, microbatch)")
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelization plan: model, batch, cluster and the primitives applied."""
+
+    model: ModelSpec
+    global_batch: int
+    cluster: str
+    nodes: int
+    num_devices: int
+    microbatches: int
+    ops: tuple[OpPlan, ...]
+    schedule: tuple[tuple[Action, ...], ...] = ()  # per device; empty: the default order
+    space: str = ""
+    knobs: tuple[tuple[str, Any], ...] = ()
+    version: int = PLAN_VERSION
+
+    def op_plan(self, name: str) -> OpPlan:
+        for p in self.ops:
+            if p.op == name:
+                return p
+        raise InfeasiblePlan(f"the plan does not place operator {name!r}")
+
+    def describe(self) -> str:
+        k = " ".join(f"{a}={b}" for a, b in self.knobs)
+        return f"{self.space or 'plan'}({k}) on {self.num_devices} devices, {self.microbatches} micro-batches"
+
+
+class PlanBuilder:
+    """Applies op-trans, op-assign and op-order to a graph, then ``build()``s a Plan.
+
+    Example::
+
+        b = PlanBuilder(graph, model=spec, global_batch=8, cluster="cpu", nodes=2)
+        for op in graph.operators:
+            b.op_trans(op.name, graph.dim_with_label(op, graph.batch_label), 2)
+            b.op_assign(op.name, [0, 1])
+        plan = b.build()
+    """
+
+    def __init__(self, graph: Graph, *, model: ModelSpec, global_batch: int, cluster: str,
+                 nodes: int, num_devices: int, space: str = "", knobs: dict | None = None) -> None:
+        self.graph = graph
+        self.model, self.global_batch, self.cluster, self.nodes = model, global_batch, cluster, nodes
+        self.num_devices, self.space = num_devices, space
+        self.knobs = dict(knobs or {})
+        self._dims: dict[str, list[str | None]] = {op.name: [] for op in graph.operators}
+        self._sizes: dict[str, list[int]] = {op.name: [] for op in graph.operators}
+        self._devices: dict[str, tuple[int, ...]] = {}
+        self._stage: dict[str, int] = {}
+        self._schedule: dict[int, tuple[Action, ...]] = {}
+        self._microbatches = 1
+
+    # -- the three primitives --------------------------------------------------
+    def op_trans(self, op: str, dim: str | None, n: int) -> None:
+        """Split operator ``op`` along dimension ``dim`` into ``n`` pieces
+        (``dim=None``: replicate it ``n`` times). Repeated calls split every
+        piece again, adding an axis to the operator's mesh."""
+        o = self.graph.op(op)
+        if not isinstance(n, int) or n < 1:
+            raise InfeasiblePlan(f"op_trans({op!r}): the number of pieces must be a positive integer, got {n!r}")
+        if dim is not None:
+            if dim not in o.signature.dims():
+                raise InfeasiblePlan(f"operator {op!r} has no dimension {dim!r}; its signature is "
+                                     f"{o.signature} (dimensions {choices(o.signature.dims())})")
+            if not o.signature.splittable(dim):
+                raise InfeasiblePlan(f"dimension {dim!r} of operator {op!r} ({o.signature}) cannot be split; "
+                                     f"splittable: {choices(o.splittable_dims())}")
+            done = math.prod(s for d, s in zip(self._dims[op], self._sizes[op]) if d == dim)
+            size = o.dim_sizes[dim]
+            if size % (done * n):
+                raise InfeasiblePlan(f"dimension {dim!r} of operator {op!r} has size {size}, "
+                                     f"which does not split into {done * n} pieces")
+        self._dims[op].append(dim)
+        self._sizes[op].append(n)
+
+    def op_assign(self, op: str, devices: list[int] | tuple[int, ...], *, stage: int = 0) -> None:
+        """Place the pieces of ``op`` (row-major over its splits) on ``devices``."""
+        self.graph.op(op)
+        devices = tuple(int(d) for d in devices)
+        want = math.prod(self._sizes[op])
+        if len(devices) != want:
+            raise InfeasiblePlan(f"operator {op!r} has {want} pieces; op_assign got {len(devices)} devices")
+        bad = [d for d in devices if not 0 <= d < self.num_devices]
+        if bad:
+            raise InfeasiblePlan(f"operator {op!r} assigned to device {bad[0]}; devices are 0..{self.num_devices - 1}")
+        if len(set(devices)) != len(devices):
+            raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
+                                 "(co-located pieces are not supported yet)")
+        self._devices[op] = devices
+        self._stage[op] = int(stage)
+
+    def op_order(self, device: int, actions: list[Action | str]) -> None:
+        """Fix the order in which ``device`` runs its stages' forward and backward
+        pieces per micro-batch (and the final ``W`` step)."""
+        if not 0 <= device < self.num_devices:
+            raise InfeasiblePlan(f"op_order: device {device} out of range 0..{self.num_devices - 1}")
+        self._schedule[device] = tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions)
+
+    def microbatch(self, m: int) -> None:
+        """Split the batch into ``m`` micro-batches run one after another on the same devices
+        (op-trans of every operator's batch dimension over time)."""
+        if not isinstance(m, int) or m < 1 or self.global_batch % m:
+            raise InfeasiblePlan(f"{m!r} micro-batches do not divide the global batch {self.global_batch}")
+        self._microbatches = m
+
+    # -- helpers for spaces ----------------------------------------------------
+    def pieces(self, op: str) -> int:
+        return math.prod(self._sizes[op])
+
+    def split_dims(self, op: str) -> tuple[str | None, ...]:
+        return tuple(self._dims[op])
+
+    def build(self) -> Plan:
+        missing = [op.name for op in self.graph.operators if op.name not in self._devices]
+        if missing:
+            raise InfeasiblePlan(f"{len(missing)} operators have no op_assign, e.g. {', '.join(missing[:5])}")
+        ops = tuple(OpPlan(op.name, tuple(self._dims[op.name]), tuple(self._sizes[op.name]),
+                           self._devices[op.name], self._stage[op.name]) for op in self.graph.operators)
+        schedule = tuple(self._schedule.get(d, ()) for d in range(self.num_devices)) \
+            if self._schedule else ()
+        return Plan(model=self.model, global_batch=self.global_batch, cluster=self.cluster, nodes=self.nodes,
+                    num_devices=self.num_devices, microbatches=self._microbatches, ops=ops,
+                    schedule=schedule, space=self.space, knobs=tuple(sorted(self.knobs.items())))

@@ -1,0 +1,194 @@
+"""The Program: per device, blocks of tasks and the schedule that runs them.
+
+A Program is plain data consumed by both the simulator and the executor.
+Each device holds blocks keyed by ``(stage, phase)``; a block's tasks are the
+same for every micro-batch (buffers other than weights are per micro-batch).
+The device's schedule lists :class:`~planlab.plan.plan.Action` s naming the
+block and micro-batch to run next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from planlab.plan.layout import Box
+from planlab.plan.plan import Action
+
+
+class TaskKind(str, Enum):
+    """Kinds of task, with short codes as in pipelining's F/B/W."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    COLLECTIVE = "C"
+    SEND = "S"
+    RECV = "R"
+    LOCAL = "L"
+    OPTIMIZER = "O"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def stream(self) -> str:
+        """The stream a task runs on: ``compute`` or ``comm``."""
+        return "comm" if self in (TaskKind.COLLECTIVE, TaskKind.SEND, TaskKind.RECV) else "compute"
+
+
+STATIC_PREFIXES = ("w:", "wg:", "src:")
+
+
+def is_static(buffer: str) -> bool:
+    """Weights, weight gradients and source tensors live for the whole iteration."""
+    return buffer.startswith(STATIC_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One step of a device: compute on a piece, a collective, a send or receive, or a local copy.
+
+    ``reads``/``writes`` name buffers. For a forward task they are the
+    operator's inputs and outputs in signature order; for a backward task the
+    gradients of its outputs (``""``: the loss seed or an unused output) and
+    the gradient contributions for its inputs (``""``: no gradient). ``saved``
+    names the buffers its backward keeps alive. ``region`` is the slice of the
+    written buffer (receive, local copy) or of the read buffer (send) moved;
+    ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
+    the memory effects, filled in by liveness analysis.
+    """
+
+    name: str
+    kind: TaskKind
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    op: str = ""
+    coord: int = -1
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    collective: str = ""
+    group: tuple[int, ...] = ()
+    axis: int = -1
+    peer: int = -1
+    nbytes: int = 0
+    region: Box | None = None
+    src_region: Box | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    accumulate: bool = False
+    saved: tuple[str, ...] = ()
+    alloc: tuple[tuple[str, int], ...] = ()
+    free: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind in (TaskKind.SEND, TaskKind.RECV):
+            arrow = "->" if self.kind is TaskKind.SEND else "<-"
+            return f"{self.kind}:{self.name}{arrow}{self.peer}"
+        if self.kind is TaskKind.COLLECTIVE:
+            return f"C:{self.collective}({self.name})@{list(self.group)}"
+        return f"{self.kind}:{self.name}"
+
+    @property
+    def stream(self) -> str:
+        return self.kind.stream
+
+
+@dataclass(frozen=True)
+class Block:
+    """The tasks a device runs for one (stage, phase), the same for every micro-batch."""
+
+    stage: int
+    phase: str
+    tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True)
+class DeviceProgram:
+    """One device's blocks, schedule and static memory (weights, gradients, optimizer states)."""
+
+    device: int
+    blocks: dict[tuple[int, str], Block]
+    schedule: tuple[Action, ...]
+    params: tuple[tuple[str, Box], ...] = ()  # (parameter, region of it held here)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def block(self, action: Action) -> Block:
+        return self.blocks[(action.stage, action.phase)]
+
+    def tasks_in_order(self):
+        """Yield ``(action, task)`` in execution order."""
+        for a in self.schedule:
+            for t in self.block(a).tasks:
+                yield a, t
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of activations and per parameter of weights, gradients and optimizer states."""
+
+    name: str
+    activation_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    compute_dtype: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Mixed precision with Adam: bf16 weights, fp32 main gradients, fp32 master weights + 2 moments
+# (Megatron-LM without the distributed optimizer: 18 bytes per parameter).
+MIXED_BF16 = Precision("bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
+                       compute_dtype="bf16")
+FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                 compute_dtype="fp32")
+
+
+@dataclass(frozen=True)
+class Program:
+    """Per-device programs of one training iteration of a Plan."""
+
+    devices: tuple[DeviceProgram, ...]
+    microbatches: int
+    precision: Precision
+    groups: tuple[tuple[int, ...], ...] = ()
+    loss_holders: tuple[tuple[int, str, int], ...] = field(default=())  # (device, buffer, replica-coord==0)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def num_tasks(self) -> int:
+        return sum(len(b.tasks) for dp in self.devices for a in dp.schedule for b in [dp.block(a)])
+
+    def grid(self, mark: tuple[int, int] | None = None, limit: int = 60) -> str:
+        """Rank-by-step text grid of the first ``limit`` tasks of each device;
+        ``mark=(device, step)`` flags one cell with ``>>``."""
+        cols = []
+        for dp in self.devices:
+            col = []
+            for i, (a, t) in enumerate(dp.tasks_in_order()):
+                if i >= limit and not (mark and mark[0] == dp.device and i <= mark[1]):
+                    continue
+                cell = f"{a} {t}"
+                if mark and mark == (dp.device, i):
+                    cell = ">> " + cell
+                col.append((i, cell))
+            cols.append(col)
+        width = 44
+        lines = ["step | " + " | ".join(f"dev {d.device}".ljust(width) for d in self.devices)]
+        rows = sorted({i for c in cols for i, _ in c})
+        for i in rows:
+            cells = []
+            for c in cols:
+                d = dict(c)
+                cells.append(d.get(i, "").ljust(width)[:width])
+            lines.append(f"{i:4d} | " + " | ".join(cells))
+        return "\n".join(lines)

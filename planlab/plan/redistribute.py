@@ -1,0 +1,162 @@
+"""Planning layout conversions: the collectives (or copies) that turn one layout into another.
+
+A pure planner, after DTensor's ``_redistribute``: :func:`plan_conversion`
+returns per-device tasks and never runs anything. Conversions over the same
+mesh become one collective per changed mesh axis (all-reduce, reduce-scatter,
+all-gather, or a local slice); anything else falls back to point-to-point
+copies of overlapping slices, which is always correct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from itertools import count
+
+from planlab.plan.layout import Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
+from planlab.plan.program import Task, TaskKind
+
+
+@dataclass
+class Conversion:
+    """Tasks of one conversion: ``src`` tasks run where the data is produced
+    (sends), ``dst`` tasks where it is consumed (collectives, receives, copies)."""
+
+    src: dict[int, list[Task]] = field(default_factory=dict)
+    dst: dict[int, list[Task]] = field(default_factory=dict)
+    kinds: list[str] = field(default_factory=list)
+
+    def add(self, side: str, device: int, task: Task) -> None:
+        getattr(self, side).setdefault(device, []).append(task)
+
+
+def _same_mesh(a: Layout, b: Layout) -> bool:
+    return a.mesh == b.mesh
+
+
+def _nested(layout: Layout) -> bool:
+    dims = [p.dim for p in layout.placements if isinstance(p, Shard)]
+    return len(dims) != len(set(dims))
+
+
+def _normalize(layout: Layout) -> tuple:
+    """Placements with size-1 mesh axes ignored."""
+    return tuple(p if s > 1 else Replicate() for p, s in zip(layout.placements, layout.mesh.shape))
+
+
+def same_layout(a: Layout, b: Layout) -> bool:
+    return a.mesh == b.mesh and _normalize(a) == _normalize(b)
+
+
+def plan_conversion(src: Layout, dst: Layout, shape: tuple[int, ...], elem_bytes: int, *,
+                    src_buf: str, dst_buf: str, accumulate: bool = False, tags: count | None = None,
+                    name: str = "", dtype: str = "float32") -> Conversion:
+    """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
+
+    ``dst`` must hold full values (no Partial). With ``accumulate`` the result
+    is added into ``dst_buf`` (gradient accumulation).
+    """
+    if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
+        raise ValueError(f"cannot convert into a partial layout {dst}")
+    tags = tags if tags is not None else count()
+    if _same_mesh(src, dst) and not _nested(src) and not _nested(dst):
+        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name)
+        if conv is not None:
+            return _with_dtype(conv, dtype)
+    return _with_dtype(_point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name), dtype)
+
+
+def _with_dtype(conv: Conversion, dtype: str) -> Conversion:
+    for side in (conv.src, conv.dst):
+        for dev, tasks in side.items():
+            side[dev] = [dataclasses.replace(t, dtype=dtype) for t in tasks]
+    return conv
+
+
+def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name) -> Conversion | None:
+    mesh = src.mesh
+    steps = []
+    cur = list(_normalize(src))
+    want = _normalize(dst)
+    # Reductions first (they shrink nothing but must precede slicing of the same data),
+    # then gathers, then local slices.
+    order = sorted(range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else
+                                                 1 if isinstance(cur[i], Shard) else 2, i))
+    for ax in order:
+        s, d = cur[ax], want[ax]
+        if s == d:
+            continue
+        if isinstance(s, Partial) and isinstance(d, Replicate):
+            kind = "all_reduce"
+        elif isinstance(s, Partial) and isinstance(d, Shard):
+            kind = "reduce_scatter"
+        elif isinstance(s, Shard) and isinstance(d, Replicate):
+            kind = "all_gather"
+        elif isinstance(s, Replicate) and isinstance(d, Shard):
+            kind = "chunk"
+        else:
+            return None  # shard-to-shard: all-to-all is left to the point-to-point fallback
+        before = Layout(mesh, tuple(cur))
+        cur[ax] = d
+        steps.append((ax, kind, before, Layout(mesh, tuple(cur))))
+    conv = Conversion()
+    if not steps:
+        if not accumulate:
+            return conv  # nothing to do: the caller aliases src_buf
+        for flat, dev in enumerate(mesh.devices):
+            conv.add("dst", dev, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
+                                      shape=box_shape(dst.box(flat, shape)), accumulate=True))
+        return conv
+    for k, (ax, kind, before, after) in enumerate(steps):
+        last = k == len(steps) - 1
+        rbuf = src_buf if k == 0 else f"{dst_buf}~{k}"
+        wbuf = dst_buf if last else f"{dst_buf}~{k + 1}"
+        conv.kinds.append(kind)
+        groups = {dev: g for g in mesh.groups(ax) for dev in g}
+        for flat, dev in enumerate(mesh.devices):
+            bin_, bout = before.box(flat, shape), after.box(flat, shape)
+            if kind == "chunk":
+                conv.add("dst", dev, Task(f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,),
+                                          src_region=relative(bout, bin_), shape=box_shape(bout),
+                                          accumulate=accumulate and last))
+                continue
+            tensor_axis = after.placements[ax].dim if kind == "reduce_scatter" else \
+                before.placements[ax].dim if kind == "all_gather" else -1
+            nbytes = max(box_numel(bin_), box_numel(bout)) * eb
+            conv.add("dst", dev, Task(f"{name}{kind}{k}", TaskKind.COLLECTIVE, (rbuf,), (wbuf,),
+                                      collective=kind, group=groups[dev], axis=tensor_axis, nbytes=nbytes,
+                                      shape=box_shape(bout), accumulate=accumulate and last))
+    return conv
+
+
+def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, name) -> Conversion:
+    conv = Conversion(kinds=["p2p"])
+    pieces = []  # (device, box, partial key)
+    for flat, dev in enumerate(src.mesh.devices):
+        pieces.append((dev, src.box(flat, shape), src.partial_key(flat)))
+    keys = sorted({p[2] for p in pieces})
+    acc = accumulate or len(keys) > 1
+    for flat, dd in enumerate(dst.mesh.devices):
+        dbox = dst.box(flat, shape)
+        for key in keys:
+            by_box: dict = {}
+            for dev, sbox, k in pieces:
+                if k == key and intersect(sbox, dbox) is not None:
+                    by_box.setdefault(sbox, []).append(dev)
+            for sbox, replicas in by_box.items():
+                chosen = dd if dd in replicas else replicas[flat % len(replicas)]
+                region = intersect(sbox, dbox)
+                if chosen == dd:
+                    conv.add("dst", dd, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
+                                             src_region=relative(region, sbox), region=relative(region, dbox),
+                                             shape=box_shape(dbox), accumulate=acc))
+                    continue
+                tag = next(tags)
+                nbytes = box_numel(region) * eb
+                conv.add("src", chosen, Task(f"{name}send{tag}", TaskKind.SEND, (src_buf,), (),
+                                             peer=dd, nbytes=nbytes, region=relative(region, sbox),
+                                             axis=tag))
+                conv.add("dst", dd, Task(f"{name}recv{tag}", TaskKind.RECV, (), (dst_buf,), peer=chosen,
+                                         nbytes=nbytes, region=relative(region, dbox), shape=box_shape(dbox),
+                                         accumulate=acc, axis=tag))
+    return conv

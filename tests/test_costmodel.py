@@ -1,0 +1,375 @@
+"""Cost model: spec loading, units, published anchors, monotonicity, errors.
+
+GB are 1e9 bytes (vendor datasheets); MiB and GiB are 2**20 and 2**30 bytes
+(nccl-tests message sizes). Anchors are from /work/shared/reference/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planlab.costmodel import (
+    ClusterSpec,
+    CostModel,
+    DeviceSpec,
+    NodeSpec,
+    collective_time_s,
+    compute_time_s,
+    list_clusters,
+    load_cluster,
+    p2p_time_s,
+)
+from planlab.costmodel.hardware import SPEC_DIR
+from planlab.errors import ConfigError
+
+MiB = 2**20
+GiB = 2**30
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+ANCHOR_TOLERANCE = 0.25  # relative error allowed against published bus bandwidths
+
+
+# ---------------------------------------------------------------- loading and units
+
+
+@pytest.mark.parametrize(
+    "name, device, per_node, memory_bytes",
+    [
+        ("dgx-a100-80g", "a100-80g", 8, 80e9),
+        ("dgx-a100-40g", "a100-40g", 8, 40e9),
+        ("dgx-h100", "h100-80g", 8, 80e9),
+        ("cpu", "cpu", 1, 4e9),
+    ],
+)
+@pytest.mark.parametrize("nodes", [1, 2, 128])
+def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_bytes: float, nodes: int) -> None:
+    c = load_cluster(name, nodes)
+    assert isinstance(c, ClusterSpec) and isinstance(c.node, NodeSpec) and isinstance(c.device, DeviceSpec)
+    assert (c.node.name, c.device.name, c.node.devices_per_node) == (name, device, per_node)
+    assert c.num_devices == per_node * nodes
+    assert c.device.memory_bytes == memory_bytes
+    assert set(c.device.peak_flops_per_s) == {"fp32", "tf32", "bf16", "fp16"}
+
+
+def test_list_clusters() -> None:
+    assert list_clusters() == ["cpu", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100"]
+
+
+@pytest.mark.parametrize(
+    "name, attr, expected",
+    [
+        # device: GB = 1e9 bytes, GBps = 1e9 B/s, tflops = 1e12 flop/s, us = 1e-6 s
+        ("dgx-a100-80g", "device.memory_bytes", 80e9),
+        ("dgx-a100-80g", "device.hbm_bytes_per_s", 2039e9),
+        ("dgx-a100-80g", "device.peak_flops_per_s.bf16", 312e12),
+        ("dgx-a100-80g", "device.peak_flops_per_s.fp32", 19.5e12),
+        ("dgx-a100-80g", "device.launch_overhead_s", 4e-6),
+        ("dgx-a100-40g", "device.hbm_bytes_per_s", 1555e9),
+        ("dgx-h100", "device.peak_flops_per_s.bf16", 989e12),
+        ("dgx-h100", "device.hbm_bytes_per_s", 3350e9),
+        # links: NVLink 600 GB/s bidirectional = 300e9 B/s per direction
+        ("dgx-a100-80g", "node.intra_bytes_per_s", 300e9),
+        ("dgx-h100", "node.intra_bytes_per_s", 450e9),
+        # 8 NICs of 200 Gb/s for 8 GPUs = 25e9 B/s per GPU; NDR 400 Gb/s = 50e9
+        ("dgx-a100-80g", "node.inter_bytes_per_s", 25e9),
+        ("dgx-h100", "node.inter_bytes_per_s", 50e9),
+        ("dgx-a100-80g", "node.intra_latency_s", 1e-6),
+        ("cpu", "node.inter_latency_s", 50e-6),
+        ("cpu", "node.inter_bytes_per_s", 4e9),
+    ],
+)
+def test_unit_conversion(name: str, attr: str, expected: float) -> None:
+    obj: object = load_cluster(name)
+    for part in attr.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    assert obj == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "nodes, rank, node", [(1, 0, 0), (1, 7, 0), (2, 7, 0), (2, 8, 1), (2, 15, 1), (16, 127, 15)]
+)
+def test_node_of_fills_node_by_node(nodes: int, rank: int, node: int) -> None:
+    assert load_cluster("dgx-a100-80g", nodes).node_of(rank) == node
+
+
+def test_str_and_repr() -> None:
+    c = load_cluster("dgx-a100-80g", 2)
+    assert str(c) == "2x dgx-a100-80g (16x a100-80g)"
+    assert str(c.node) == "dgx-a100-80g (8x a100-80g)"
+    assert str(c.device) == "a100-80g (80 GB, 312 TFLOP/s bf16)"
+    assert repr(c).startswith("ClusterSpec(node=NodeSpec(name='dgx-a100-80g', device=DeviceSpec(name='a100-80g'")
+
+
+def test_values_are_frozen_hashable_and_picklable() -> None:
+    model = CostModel(load_cluster("dgx-h100", 4))
+    assert pickle.loads(pickle.dumps(model)) == model
+    assert hash(model) == hash(CostModel(load_cluster("dgx-h100", 4)))
+    with pytest.raises(AttributeError):
+        model.cluster.nodes = 2  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- collectives vs published numbers
+
+
+def bus_bandwidth(cluster: ClusterSpec, nbytes: float, group: tuple[int, ...]) -> float:
+    """nccl-tests all-reduce bus bandwidth in GB/s: algbw x 2(n-1)/n."""
+    n = len(group)
+    return nbytes / collective_time_s(cluster, "all_reduce", nbytes, group) * 2 * (n - 1) / n / 1e9
+
+
+@pytest.mark.parametrize(
+    "cluster, nodes, ranks, nbytes, busbw_GBps",
+    [
+        # nccl-tests logs published with Echo (NetX-lab): 8x A100 40GB, NVSwitch, 8x HDR per node
+        ("dgx-a100-40g", 1, 8, 1 * MiB, 25.3),
+        ("dgx-a100-40g", 1, 8, 16 * MiB, 124.6),
+        ("dgx-a100-40g", 1, 8, 128 * MiB, 209.8),
+        ("dgx-a100-40g", 1, 8, 1 * GiB, 230.9),
+        ("dgx-a100-40g", 2, 16, 1 * MiB, 19.6),
+        ("dgx-a100-40g", 2, 16, 16 * MiB, 85.7),
+        ("dgx-a100-40g", 2, 16, 128 * MiB, 123.4),
+        ("dgx-a100-40g", 2, 16, 1 * GiB, 124.5),
+        # same logs, 16 nodes: large messages only (NCCL uses trees for small ones; a ring is slower)
+        ("dgx-a100-40g", 16, 128, 128 * MiB, 100.3),
+        ("dgx-a100-40g", 16, 128, 1 * GiB, 128.5),
+        # vTrain's all-reduce lookup table, 8x A100 NVSwitch, 1 GiB
+        ("dgx-a100-80g", 1, 8, 1 * GiB, 229.4),
+        ("dgx-a100-80g", 1, 4, 1 * GiB, 221.9),
+        ("dgx-a100-80g", 1, 2, 1 * GiB, 197.3),
+        # NVIDIA in nccl-tests issue 290: 8x H100 NVLS about 476 GB/s
+        ("dgx-h100", 1, 8, 1 * GiB, 476.0),
+    ],
+)
+def test_all_reduce_bus_bandwidth_anchors(
+    cluster: str, nodes: int, ranks: int, nbytes: int, busbw_GBps: float
+) -> None:
+    c = load_cluster(cluster, nodes)
+    assert bus_bandwidth(c, nbytes, tuple(range(ranks))) == pytest.approx(busbw_GBps, rel=ANCHOR_TOLERANCE)
+
+
+def test_one_ndr_nic_anchor() -> None:
+    """nccl-tests issue 290: one NDR 400 Gb/s NIC reaches 46 to 48 GB/s for large messages."""
+    c = load_cluster("dgx-h100", 2)
+    gbps = GiB / p2p_time_s(c, GiB, 0, 8) / 1e9
+    assert 46 * (1 - ANCHOR_TOLERANCE) <= gbps <= 48 * (1 + ANCHOR_TOLERANCE)
+
+
+# ---------------------------------------------------------------- collectives: shape of the model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "cluster, nodes, group",
+    [("dgx-a100-80g", 1, tuple(range(8))), ("dgx-a100-80g", 4, tuple(range(0, 32, 4))), ("cpu", 3, (0, 1, 2))],
+)
+def test_bigger_messages_take_longer(kind: str, cluster: str, nodes: int, group: tuple[int, ...]) -> None:
+    c = load_cluster(cluster, nodes)
+    times = [collective_time_s(c, kind, 4**k, group) for k in range(16)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("nbytes", [4 * 1024, MiB, 64 * MiB, GiB])
+def test_spanning_nodes_is_slower(kind: str, nbytes: int) -> None:
+    c = load_cluster("dgx-a100-80g", 2)
+    within = collective_time_s(c, kind, nbytes, tuple(range(8)))  # node 0
+    across = collective_time_s(c, kind, nbytes, tuple(range(4, 12)))  # 4 on node 0, 4 on node 1
+    strided = collective_time_s(c, kind, nbytes, (0, 1, 8, 9))  # 2 and 2: fewer NICs
+    assert within < across
+    assert collective_time_s(c, kind, nbytes, (0, 1, 2, 3)) < strided
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trivial_cases_cost_nothing(kind: str) -> None:
+    c = load_cluster("dgx-a100-80g", 2)
+    assert collective_time_s(c, kind, GiB, (5,)) == 0.0
+    assert collective_time_s(c, kind, 0, (0, 1, 8)) == 0.0
+
+
+@pytest.mark.parametrize("group", [tuple(range(8)), tuple(range(16)), (0, 8)])
+def test_ring_identities(group: tuple[int, ...]) -> None:
+    """Large messages: all_reduce = reduce_scatter + all_gather = 2 x all_gather."""
+    c = load_cluster("dgx-a100-80g", 2)
+    ar = collective_time_s(c, "all_reduce", GiB, group)
+    rs = collective_time_s(c, "reduce_scatter", GiB, group)
+    ag = collective_time_s(c, "all_gather", GiB, group)
+    assert rs == ag
+    assert ar == pytest.approx(rs + ag, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "cluster, nodes, src, dst, link",
+    [("dgx-a100-80g", 2, 0, 7, "intra"), ("dgx-a100-80g", 2, 7, 8, "inter"), ("cpu", 2, 0, 1, "inter")],
+)
+def test_p2p_uses_the_right_link(cluster: str, nodes: int, src: int, dst: int, link: str) -> None:
+    c = load_cluster(cluster, nodes)
+    bw = getattr(c.node, f"{link}_bytes_per_s")
+    latency = getattr(c.node, f"{link}_latency_s")
+    eff = getattr(c.node, f"{link}_efficiency").at(GiB)
+    assert p2p_time_s(c, GiB, src, dst) == pytest.approx(latency + GiB / (bw * eff))
+    assert p2p_time_s(c, GiB, src, src) == 0.0
+
+
+def test_p2p_across_nodes_is_slower() -> None:
+    c = load_cluster("dgx-a100-80g", 2)
+    for nbytes in (4, MiB, GiB):
+        assert p2p_time_s(c, nbytes, 0, 1) < p2p_time_s(c, nbytes, 0, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    small=st.floats(1, 2**34),
+    factor=st.floats(1.01, 1e3),
+    group=st.sets(st.integers(0, 31), min_size=2, max_size=32),
+)
+def test_monotone_property(kind: str, small: float, factor: float, group: set[int]) -> None:
+    c = load_cluster("dgx-h100", 4)
+    g = tuple(sorted(group))
+    assert 0 < collective_time_s(c, kind, small, g) < collective_time_s(c, kind, small * factor, g)
+
+
+# ---------------------------------------------------------------- compute
+
+
+def matmul_time(cluster: str, n: int, dtype: str, elem_bytes: int) -> float:
+    c = load_cluster(cluster)
+    return compute_time_s(c.device, flops=2.0 * n**3, bytes_moved=3.0 * n * n * elem_bytes, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "cluster, n, dtype, elem_bytes, low, high",
+    [
+        ("dgx-a100-80g", 8192, "bf16", 2, 0.50, 0.90),  # large GEMMs: 50..90% of peak
+        ("dgx-a100-80g", 8192, "tf32", 4, 0.50, 0.90),
+        ("dgx-h100", 8192, "bf16", 2, 0.50, 0.90),
+        ("dgx-a100-80g", 512, "bf16", 2, 0.0, 0.20),  # small GEMMs: far from peak
+        ("cpu", 1024, "fp32", 4, 0.80, 1.0),  # measured on this machine
+    ],
+)
+def test_matmul_fraction_of_peak(cluster: str, n: int, dtype: str, elem_bytes: int, low: float, high: float) -> None:
+    peak = load_cluster(cluster).device.peak_flops_per_s[dtype]
+    achieved = 2.0 * n**3 / matmul_time(cluster, n, dtype, elem_bytes) / peak
+    assert low <= achieved <= high
+
+
+def test_bigger_matmuls_reach_more_of_peak() -> None:
+    rates = [2.0 * n**3 / matmul_time("dgx-a100-80g", n, "bf16", 2) for n in (128, 512, 2048, 8192)]
+    assert rates == sorted(rates)
+
+
+@pytest.mark.parametrize("nbytes", [64 * MiB, GiB])
+def test_elementwise_is_memory_bound(nbytes: int) -> None:
+    dev = load_cluster("dgx-a100-80g").device
+    t = compute_time_s(dev, flops=nbytes / 4, bytes_moved=nbytes, dtype="bf16")
+    assert nbytes / dev.hbm_bytes_per_s < t < nbytes / (0.7 * dev.hbm_bytes_per_s)
+
+
+@pytest.mark.parametrize("dtype, same_as", [("bfloat16", "bf16"), ("torch.float32", "fp32"), ("float16", "fp16")])
+def test_dtype_aliases(dtype: str, same_as: str) -> None:
+    dev = load_cluster("dgx-a100-80g").device
+    assert compute_time_s(dev, flops=1e12, bytes_moved=1e6, dtype=dtype) == compute_time_s(
+        dev, flops=1e12, bytes_moved=1e6, dtype=same_as
+    )
+
+
+def test_zero_work_and_launch_floor() -> None:
+    dev = load_cluster("dgx-a100-80g").device
+    assert compute_time_s(dev, flops=0, bytes_moved=0, dtype="bf16") == 0.0
+    assert compute_time_s(dev, flops=1, bytes_moved=0, dtype="bf16") >= dev.launch_overhead_s
+
+
+# ---------------------------------------------------------------- the CostModel facade
+
+
+def test_cost_model_delegates() -> None:
+    c = load_cluster("dgx-a100-80g", 2)
+    m = CostModel.load("dgx-a100-80g", 2)
+    assert m == CostModel(c) and m.device_memory_bytes == 80e9
+    assert m.compute_time_s(flops=1e12, bytes_moved=1e9, dtype="bf16") == compute_time_s(
+        c.device, flops=1e12, bytes_moved=1e9, dtype="bf16"
+    )
+    assert m.collective_time_s("all_gather", MiB, (0, 9)) == collective_time_s(c, "all_gather", MiB, (0, 9))
+    assert m.p2p_time_s(MiB, 3, 12) == p2p_time_s(c, MiB, 3, 12)
+
+
+# ---------------------------------------------------------------- errors and user spec files
+
+
+def user_spec(**changes: object) -> dict:
+    """The dgx-a100-80g spec with ``changes`` (None deletes a field)."""
+    spec = json.loads((SPEC_DIR / "dgx-a100-80g.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            del spec[key]
+        else:
+            spec[key] = value
+    return spec
+
+
+def test_user_spec_file_with_inline_device(tmp_path) -> None:
+    devices = json.loads((SPEC_DIR / "devices.json").read_text())
+    device = dict(devices["h100-80g"], name="my-gpu", memory_GB=141)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(user_spec(name="mine", device=device, inter_adapters=4)))
+    c = load_cluster(str(path), nodes=3)
+    assert (c.node.name, c.device.name, c.num_devices) == ("mine", "my-gpu", 24)
+    assert c.device.memory_bytes == 141e9
+    assert c.node.inter_bytes_per_s == pytest.approx(4 * 25e9 / 8)  # 4 NICs shared by 8 GPUs
+    assert load_cluster(path).node == c.node  # a Path works too
+
+
+@pytest.mark.parametrize(
+    "content, fragments",
+    [
+        ("{not json", ["cannot read JSON"]),
+        ("[1, 2]", ["top level", "JSON object"]),
+        (user_spec(intra_GBps=None), ["'intra_GBps'", "missing"]),
+        (user_spec(intra_GBps="300"), ["'intra_GBps'", "must be a number", "'300'"]),
+        (user_spec(intra_GBps=-1), ["'intra_GBps'", "must be > 0"]),
+        (user_spec(devices_per_node=8.5), ["'devices_per_node'", "integer"]),
+        (user_spec(device="b200"), ["'device'", "'b200'", "'a100-80g'", "'h100-80g'"]),
+        (user_spec(device={"name": "x", "memory_GB": 1}), ["'device.hbm_GBps'", "missing"]),
+        (user_spec(intra_efficiency={"max": 1.5, "half_MiB": 1, "exponent": 1}), ["'intra_efficiency.max'", "<= 1"]),
+        (user_spec(inter_efficiency={"max": 0.5, "exponent": 1}), ["'inter_efficiency.half_MiB'", "missing"]),
+    ],
+)
+def test_malformed_spec_file(tmp_path, content: object, fragments: list[str]) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ConfigError) as info:
+        load_cluster(str(path))
+    for fragment in [str(path), *fragments]:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "call, fragments",
+    [
+        (lambda: load_cluster("nope"), ["'nope'", "'cpu'", "'dgx-a100-80g'", "'dgx-h100'", "JSON spec file"]),
+        (lambda: load_cluster("/no/such/file.json"), ["'/no/such/file.json'", "not found"]),
+        (lambda: load_cluster("cpu", nodes=0), ["nodes", "0"]),
+        (lambda: ClusterSpec(load_cluster("cpu").node, nodes=-1), ["nodes", "-1"]),
+        (lambda: load_cluster("cpu", 2).node_of(2), ["rank 2", "0..1"]),
+        (lambda: collective_time_s(load_cluster("cpu", 2), "all_reduce", 1, (0, 2)), ["rank 2"]),
+        (
+            lambda: collective_time_s(load_cluster("cpu", 2), "allreduce", 1, (0, 1)),
+            ["'allreduce'", "'all_reduce'", "'broadcast'"],
+        ),
+        (lambda: collective_time_s(load_cluster("cpu", 2), "all_reduce", 1, ()), ["non-empty"]),
+        (lambda: collective_time_s(load_cluster("cpu", 2), "all_reduce", 1, (1, 1)), ["repeats"]),
+        (lambda: collective_time_s(load_cluster("cpu", 2), "all_reduce", -1, (0, 1)), ["nbytes", "-1"]),
+        (lambda: p2p_time_s(load_cluster("cpu", 2), 8, 0, 5), ["rank 5"]),
+        (lambda: compute_time_s(load_cluster("cpu").device, flops=1, bytes_moved=1, dtype="fp8"), ["'fp8'", "'bf16'"]),
+        (lambda: compute_time_s(load_cluster("cpu").device, flops=-1, bytes_moved=1, dtype="fp32"), ["flops=-1"]),
+    ],
+)
+def test_error_messages(call, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        call()
+    for fragment in fragments:
+        assert fragment in str(info.value)
