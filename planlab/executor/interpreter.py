@@ -35,6 +35,8 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
     """Run one piece of ``op`` on local tensors; returns the output tensor(s)."""
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
+    if not task.lead and op.add_once:
+        tensors = [None if k in op.add_once else x for k, x in enumerate(tensors)]
     if op.kind == "cross_entropy" and op.call.kwargs.get("reduction", "mean") == "mean":
         # A piece of a mean: sum its share and divide by the full count, so pieces add up.
         full = 1

@@ -77,6 +77,7 @@ class Operator:
     call: CallSpec
     saves: tuple[str, ...] = ()
     bwd_flops_ratio: float = 2.0
+    add_once: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.name}[{self.kind}]({self.signature})"

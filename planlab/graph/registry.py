@@ -56,6 +56,7 @@ class OpDef:
     functional: Callable[[nn.Module], tuple[Callable, tuple, dict]] | None = None
     params: tuple[str, ...] = ()
     view: bool = False
+    add_once: tuple[int, ...] = ()
 
 
 _BY_FUNCTION: dict[Any, OpDef] = {}
@@ -312,7 +313,8 @@ def _numel(s) -> int:
 
 _reg(modules=(nn.Linear,), targets_fn=(F.linear,), kind="linear", signature=_linear,
      flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
-     saves=lambda c: ("in0",), functional=lambda m: (F.linear, (), {}), params=("weight", "bias"))
+     saves=lambda c: ("in0",), functional=lambda m: (F.linear, (), {}), params=("weight", "bias"),
+     add_once=(2,))
 _reg(modules=(nn.Embedding,), targets_fn=(F.embedding,), kind="embedding", signature=_embedding,
      saves=lambda c: ("in0",), bwd_flops_ratio=1.0,
      functional=lambda m: (F.embedding, (), {}), params=("weight",))

@@ -208,7 +208,8 @@ class _GraphBuilder:
             name=node.name, kind=opdef.kind, inputs=tuple(inputs), outputs=tuple(out_names), signature=sig,
             dim_sizes=sizes, flops=float(opdef.flops(ctx)), bytes_moved=float(nbytes),
             module=_module_path(node), call=call, saves=tuple(dict.fromkeys(saves)),
-            bwd_flops_ratio=opdef.bwd_flops_ratio))
+            bwd_flops_ratio=opdef.bwd_flops_ratio,
+            add_once=tuple(k for k in opdef.add_once if k < len(inputs))))
 
 
 def _module_path(node: fx.Node) -> str:

@@ -23,9 +23,6 @@ from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
 
-W_BLOCK = (0, "W")
-
-
 def precision_for(cluster: str) -> Precision:
     """fp32 on the CPU cluster, bf16 mixed precision on GPUs."""
     return FP32 if cluster == "cpu" else MIXED_BF16
@@ -216,11 +213,13 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         saved = tuple(dict.fromkeys(
             outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
             for s in op.saves if not (s in op.inputs and graph.tensors[s].role == "param")))
+        red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         for flat, dev in enumerate(mesh.devices):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
+            lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
             task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
                         flops=op.flops / pieces / m, bytes_moved=op.bytes_moved / pieces / m,
-                        shape=out_shape, saved=saved)
+                        shape=out_shape, saved=saved, lead=lead)
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
@@ -295,17 +294,18 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
             buckets[dev][tuple(sorted(group))].append((f"wg:{p}", nb))
     devices = sorted(set(entries) | set(params_on))
     for dev in devices:
+        w_block = (min((s for s, _ in entries[dev]), default=0), "W")
         for group in sorted(buckets[dev]):
             items = buckets[dev][group]
             bufs = tuple(b for b, _ in items)
-            emit(dev, W_BLOCK, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
+            emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
                                             collective="all_reduce", group=group,
                                             nbytes=sum(n for _, n in items)))
         nparams = sum(box_numel(b) for _, b in params_on[dev])
         if nparams:
             w = tuple(f"w:{p}" for p, _ in params_on[dev])
             g = tuple(f"wg:{p}" for p, _ in params_on[dev])
-            emit(dev, W_BLOCK, (1, 0), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
+            emit(dev, w_block, (1, 0), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
                                             bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
                                                                    + 2 * precision.optimizer_bytes)))
 
@@ -341,13 +341,13 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
     fs = sorted(s for s, ph in blocks if ph == "F")
     bs = sorted((s for s, ph in blocks if ph == "B"), reverse=True)
     need = {Action(s, "F", k) for s in fs for k in range(m)} | {Action(s, "B", k) for s in bs for k in range(m)}
-    if W_BLOCK in blocks:
-        need.add(Action(0, "W", 0))
+    w_blocks = [s for s, ph in blocks if ph == "W"]
+    for s in w_blocks:
+        need.add(Action(s, "W", 0))
     given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) and plan.schedule[dev] else None
     if given is None:
         order = [Action(s, "F", k) for k in range(m) for s in fs] + [Action(s, "B", k) for k in range(m) for s in bs]
-        if W_BLOCK in blocks:
-            order.append(Action(0, "W", 0))
+        order += [Action(s, "W", 0) for s in w_blocks]
         return tuple(order)
     seen = set()
     for a in given:

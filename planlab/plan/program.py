@@ -52,7 +52,9 @@ class Task:
     operator's inputs and outputs in signature order; for a backward task the
     gradients of its outputs (``""``: the loss seed or an unused output) and
     the gradient contributions for its inputs (``""``: no gradient). ``saved``
-    names the buffers its backward keeps alive. ``region`` is the slice of the
+    names the buffers its backward keeps alive; ``lead`` is False on pieces
+    other than the first along a split reduction dimension, which leave out
+    terms added once (a linear layer's bias) so the partial sums add up. ``region`` is the slice of the
     written buffer (receive, local copy) or of the read buffer (send) moved;
     ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
     the memory effects, filled in by liveness analysis.
@@ -76,6 +78,7 @@ class Task:
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
     accumulate: bool = False
+    lead: bool = True
     saved: tuple[str, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()

@@ -1,0 +1,217 @@
+"""Built-in spaces: data parallel, Megatron tensor parallel, 1F1B pipeline, and ``megatron``.
+
+Each is written with the public Space API only; ``megatron`` is their product.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from planlab.errors import ConfigError, choices
+from planlab.graph.ir import Graph, Operator
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _pow2_upto(n: int) -> tuple[int, ...]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return tuple(out)
+
+
+def _get(values: dict, name: str, default: int = 1) -> int:
+    v = values.get(name)
+    return default if v is None else v
+
+
+def _uses_all(a: dict, c: Context) -> bool:
+    present = [a[k] for k in ("dp", "tp", "pp") if k in a]
+    if any(v is None for v in present):
+        return True
+    prod = 1
+    for v in present:
+        prod *= v
+    return prod == c.num_devices
+
+
+# Every device runs a piece: the degrees of the spaces in a plan multiply to the device count.
+ALL_DEVICES = Constraint(_uses_all, lambda a, c: "the degrees " + " x ".join(
+    f"{k}={a[k]}" for k in ("dp", "tp", "pp") if k in a) + f" do not multiply to the {c.num_devices} devices")
+
+
+class DataParallel(Space):
+    """Every operator split along the batch over ``dp`` devices; ``microbatch`` samples per
+    device per micro-batch (gradient accumulation over the rest)."""
+
+    name = "dp"
+    order = 1
+    knobs = (
+        Knob("dp", lambda c: _divisors(c.num_devices), "data-parallel degree"),
+        Knob("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica"),
+    )
+    constraints = (
+        Constraint(lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
+                   lambda a, c: f"dp={a['dp']} does not divide the {c.num_devices} devices"),
+        Constraint(lambda a, c: a["dp"] is None or c.global_batch % a["dp"] == 0,
+                   lambda a, c: f"dp={a['dp']} does not divide the global batch {c.global_batch}"),
+        Constraint(lambda a, c: a["dp"] is None or a["microbatch"] is None
+                   or c.global_batch % (a["dp"] * a["microbatch"]) == 0,
+                   lambda a, c: f"dp={a['dp']} x microbatch={a['microbatch']} does not divide "
+                                f"the global batch {c.global_batch}"),
+        ALL_DEVICES,
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        g = draft.ctx.graph
+        dp = values.get("dp") or draft.ctx.num_devices
+        mbs = values.get("microbatch") or draft.ctx.global_batch // dp
+        draft.microbatches = draft.ctx.global_batch // (dp * mbs)
+
+        def batch_dim(op: Operator):
+            d = g.dim_with_label(op, g.batch_label)
+            return d if d is not None and op.signature.splittable(d) else None
+
+        draft.add_axis("dp", dp, batch_dim)
+
+
+# Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise).
+COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc)$")
+ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj)$")
+
+
+def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
+    """Per operator, the dimension Megatron's tensor parallelism splits: ``n`` of column-parallel
+    linears, ``k`` of row-parallel ones, and between them the head or hidden dimension their
+    outputs carry; everything else replicated."""
+    labels: set[str] = set()
+    out: dict[str, str | None] = {}
+    for op in g.operators:
+        dim = None
+        if op.kind == "linear" and COLWISE.search(op.module):
+            dim = "n"
+            labels.add(g.dim_label(op, "n"))
+        elif op.kind == "linear" and ROWWISE.search(op.module):
+            dim = "k"
+        else:
+            for d in op.splittable_dims():
+                if g.dim_label(op, d) in labels:
+                    dim = d
+                    break
+        out[op.name] = dim
+    return out
+
+
+class TensorParallel(Space):
+    """Megatron-style tensor parallelism over ``tp`` devices inside a node."""
+
+    name = "tp"
+    order = 2
+    knobs = (Knob("tp", lambda c: tuple(v for v in _pow2_upto(min(c.devices_per_node, c.num_devices))),
+                  "tensor-parallel degree"),)
+    constraints = (
+        Constraint(lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
+                   lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
+        Constraint(lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
+                   lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads"),
+        Constraint(lambda a, c: a["tp"] is None or a["tp"] <= c.devices_per_node,
+                   lambda a, c: f"tp={a['tp']} exceeds the {c.devices_per_node} devices of a node"),
+        ALL_DEVICES,
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        tp = values.get("tp") or 1
+        dims = tensor_parallel_dims(draft.ctx.graph)
+        draft.add_axis("tp", tp, lambda op: dims[op.name])
+
+
+_BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(\.|$)")
+
+
+def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
+    """Layers split evenly over ``pp`` stages; other operators follow their inputs
+    (or, with no computed inputs, their first consumer)."""
+    per = layers // pp
+    stage: dict[str, int] = {}
+    for op in g.operators:
+        m = _BLOCK.search(op.module)
+        if m:
+            stage[op.name] = int(m.group(2)) // per
+        else:
+            prods = [stage[g.producer[t].name] for t in op.inputs if t in g.producer]
+            stage[op.name] = max(prods) if prods else -1
+    for op in reversed(g.operators):
+        if stage[op.name] == -1:
+            cons = [stage[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
+            stage[op.name] = min(cons) if cons else 0
+    return stage
+
+
+class PipelineParallel(Space):
+    """Layers in ``pp`` stages run with the 1F1B schedule."""
+
+    name = "pp"
+    order = 0
+    knobs = (Knob("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
+                  "pipeline-parallel degree (stages)"),)
+    constraints = (
+        Constraint(lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
+                   lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices"),
+        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
+        ALL_DEVICES,
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        pp = values.get("pp") or 1
+        draft.num_stages = pp
+        draft.schedule = "1f1b"
+        if pp > 1:
+            draft.stages = pipeline_stages(draft.ctx.graph, pp, draft.ctx.layers)
+
+
+class Megatron(Product):
+    """The Megatron-LM grid: data x tensor x pipeline (1F1B) parallelism."""
+
+    def __init__(self) -> None:
+        super().__init__((PipelineParallel(), DataParallel(), TensorParallel()), name="megatron")
+
+
+BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
+                                   "megatron": Megatron}
+
+
+def get_space(spec: str) -> Space:
+    """A built-in name, a product ``a*b``, or ``package.module:attribute`` for a user's space."""
+    spec = spec.strip()
+    if "*" in spec:
+        parts = [get_space(p) for p in spec.split("*")]
+        out = parts[0]
+        for p in parts[1:]:
+            out = out * p
+        out.name = spec
+        return out
+    if spec in BUILTIN:
+        sp = BUILTIN[spec]()
+        return sp
+    if ":" in spec:
+        mod, _, attr = spec.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"cannot load space {spec!r}: {e}") from None
+        obj = obj() if isinstance(obj, type) else obj
+        if not isinstance(obj, Space):
+            raise ConfigError(f"{spec!r} is a {type(obj).__name__}, not a planlab Space")
+        return obj
+    raise ConfigError(f"unknown space {spec!r}; choose {choices(list(BUILTIN))}, a product like 'dp*tp', "
+                      "or package.module:space")
+
+
+def list_spaces() -> list[Space]:
+    return [cls() for cls in BUILTIN.values()]
