@@ -107,20 +107,24 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
     return out
 
 
+def _tp_limit(c: Context) -> int:
+    """Tensor parallelism stays inside a node; on single-device nodes (the CPU cluster) it may span them."""
+    return c.num_devices if c.devices_per_node == 1 else min(c.devices_per_node, c.num_devices)
+
+
 class TensorParallel(Space):
     """Megatron-style tensor parallelism over ``tp`` devices inside a node."""
 
     name = "tp"
     order = 2
-    knobs = (Knob("tp", lambda c: tuple(v for v in _pow2_upto(min(c.devices_per_node, c.num_devices))),
-                  "tensor-parallel degree"),)
+    knobs = (Knob("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree"),)
     constraints = (
         Constraint(lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
         Constraint(lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads"),
-        Constraint(lambda a, c: a["tp"] is None or a["tp"] <= c.devices_per_node,
-                   lambda a, c: f"tp={a['tp']} exceeds the {c.devices_per_node} devices of a node"),
+        Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
+                   lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
         ALL_DEVICES,
     )
 

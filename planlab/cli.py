@@ -1,0 +1,217 @@
+"""The ``planlab`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from planlab.errors import PlanlabError
+
+LOSS_TOL = 1e-4   # absolute, on losses of order 1 (fp32)
+GRAD_TOL = 1e-4   # absolute, largest element of any gradient shard
+
+
+def _kv(text: str) -> tuple[str, int | float | str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    k, v = text.split("=", 1)
+    for conv in (int, float):
+        try:
+            return k.strip(), conv(v)
+        except ValueError:
+            pass
+    return k.strip(), v
+
+
+def _model(args):
+    from planlab.models import ModelSpec
+
+    return ModelSpec(args.model, tuple(sorted(dict(args.model_arg or []).items())))
+
+
+def cmd_explore(args) -> int:
+    from planlab.explore import explore
+
+    df = explore(_model(args), cluster=args.cluster, nodes=args.nodes, space=args.space,
+                 fixed=dict(args.set or []), global_batch=args.global_batch, jobs=args.jobs, out=args.out,
+                 progress=sys.stderr.isatty())
+    cols = [c for c in df.columns if c not in ("reason",)] + ["reason"]
+    show = df[cols].head(args.top).copy()
+    show["iter_time_s"] = show["iter_time_s"].map(lambda v: f"{v:.4g}")
+    show["peak_mem_gib"] = show["peak_mem_gib"].map(lambda v: f"{v:.2f}")
+    show["tflops_per_gpu"] = show["tflops_per_gpu"].map(lambda v: f"{v:.3g}")
+    show["mfu"] = show["mfu"].map(lambda v: f"{v:.1%}" if v == v else "nan")
+    show["reason"] = show["reason"].fillna("").map(lambda s: (s[:60] + "...") if len(s) > 63 else s)
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(show.to_string(index=False))
+    n_ok = int(df["feasible"].sum())
+    print(f"\n{len(df)} plans, {n_ok} feasible.")
+    if df.attrs.get("best_plan") is None:
+        print("No plan fits in device memory; see the reason column.")
+    if args.out:
+        out = Path(args.out)
+        print(f"wrote {out / 'results.csv'}, {out / 'pareto.png'}"
+              + (f", {out / 'best_plan.json'}" if df.attrs.get("best_plan") is not None else ""))
+    return 0
+
+
+def _simulate_plan(plan, *, timeline: bool = False):
+    from planlab.costmodel import CostModel
+    from planlab.plan import materialize, trace_plan_model
+    from planlab.simulator import find_deadlock, simulate
+
+    graph = trace_plan_model(plan)
+    program = materialize(plan, graph)
+    if program.num_tasks() < 200_000:
+        find_deadlock(program)
+    return simulate(program, CostModel.load(plan.cluster, plan.nodes), model_flops=3.0 * graph.flops,
+                    timeline=timeline)
+
+
+def cmd_simulate(args) -> int:
+    from planlab.plan import load_plan
+
+    plan = load_plan(args.plan)
+    res = _simulate_plan(plan, timeline=bool(args.trace))
+    if args.trace:
+        res.write_trace(args.trace)
+    if args.json:
+        print(json.dumps({"iter_time_s": res.iter_time_s, "peak_mem_gib": res.peak_mem_bytes / 2**30,
+                          "tflops_per_gpu": res.tflops_per_gpu, "mfu": res.mfu, "feasible": res.feasible,
+                          "reason": res.reason}))
+    else:
+        print(f"{plan.describe()}: {res.summary()}")
+        print(res.device_table().to_string(index=False))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from planlab.errors import ConfigError
+    from planlab.executor import launch_local
+    from planlab.plan import load_plan
+
+    plan = load_plan(args.plan)
+    if args.nproc != plan.num_devices:
+        raise ConfigError(f"--nproc {args.nproc} differs from the plan's device count {plan.num_devices}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    sim = _simulate_plan(plan)
+    res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=not args.no_check)
+    print(f"{plan.describe()} on {res.world_size} {res.backend} processes, {args.steps} steps")
+    for i, loss in enumerate(res.losses):
+        ref = f" (single process {res.ref_losses[i]:.6f})" if res.ref_losses else ""
+        print(f"  step {i}: loss {loss:.6f}{ref}")
+    print(f"measured iteration {res.measured_iter_s * 1e3:.2f} ms, simulated {sim.iter_time_s * 1e3:.2f} ms "
+          f"(measured / simulated = {res.measured_iter_s / sim.iter_time_s:.2f})")
+    if args.no_check:
+        return 0
+    ok = res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
+    print(f"numeric check against one process: loss error {res.max_loss_error:.2e} (tolerance {LOSS_TOL:g}), "
+          f"gradient error {res.max_grad_error:.2e} (tolerance {GRAD_TOL:g}): {'PASSED' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def cmd_models(args) -> int:
+    from planlab.models import list_models
+
+    for name, cfg in list_models():
+        print(f"{name:12s} {cfg.num_params() / 1e6:12,.1f}M params  layers={cfg.layers} hidden={cfg.hidden} "
+              f"heads={cfg.heads} seq={cfg.seq} vocab={cfg.vocab}")
+    print("family: gpt (use --model gpt --model-arg layers=.. hidden=.. heads=.. seq=.. vocab=..)")
+    return 0
+
+
+def cmd_clusters(args) -> int:
+    from planlab.costmodel import list_clusters, load_cluster
+
+    for name in list_clusters():
+        c = load_cluster(name)
+        print(f"{name:14s} {c}")
+    return 0
+
+
+def cmd_spaces(args) -> int:
+    from planlab.search_spaces import list_spaces
+
+    for sp in list_spaces():
+        doc = (type(sp).__doc__ or "").strip().splitlines()[0]
+        print(f"{sp.name:10s} knobs: {', '.join(k.name for k in sp.all_knobs()):28s} {doc}")
+    return 0
+
+
+def cmd_graph(args) -> int:
+    from planlab.graph import trace
+    from planlab.models import build_model
+
+    model, inputs = build_model(_model(args), batch=args.global_batch)
+    g = trace(model, inputs)
+    print(g.summary())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="planlab", description="Find and run parallelization plans for training.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(sp, required=True):
+        sp.add_argument("--model", required=required, help="a preset (planlab models) or a family")
+        sp.add_argument("--model-arg", action="append", type=_kv, metavar="KEY=VALUE", help="override a size")
+
+    e = sub.add_parser("explore", help="evaluate every plan of a space and rank them")
+    model_args(e)
+    e.add_argument("--cluster", required=True, help="a built-in cluster (planlab clusters) or a spec file")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--space", default="megatron", help="a built-in space, a product a*b, or package.module:space")
+    e.add_argument("--set", action="append", type=_kv, metavar="KNOB=VALUE", help="fix a knob")
+    e.add_argument("--global-batch", type=int, default=None)
+    e.add_argument("--out", default=None, help="folder for results.csv, pareto.png and best_plan.json")
+    e.add_argument("--jobs", type=int, default=1, help="plans evaluated in parallel")
+    e.add_argument("--top", type=int, default=10, help="rows printed")
+    e.set_defaults(fn=cmd_explore)
+
+    r = sub.add_parser("run", help="run a plan on local processes and check it against one process")
+    r.add_argument("plan")
+    r.add_argument("--nproc", type=int, required=True)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--no-check", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("simulate", help="simulate one plan")
+    s.add_argument("plan")
+    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_simulate)
+
+    sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)
+    sub.add_parser("clusters", help="list built-in clusters").set_defaults(fn=cmd_clusters)
+    sub.add_parser("spaces", help="list built-in spaces and their knobs").set_defaults(fn=cmd_spaces)
+    g = sub.add_parser("graph", help="trace a model and summarise its graph")
+    model_args(g)
+    g.add_argument("--global-batch", type=int, default=1)
+    g.set_defaults(fn=cmd_graph)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+    try:
+        return args.fn(args)
+    except PlanlabError as e:
+        print(f"planlab: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        rest = str(e).splitlines()[1:]
+        if rest and getattr(args, "cmd", "") in ("simulate", "run"):
+            print("\n".join(rest), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

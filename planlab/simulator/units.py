@@ -1,0 +1,110 @@
+"""Lowering a device's blocks to simulation units (pure).
+
+Consecutive compute tasks, local copies and collectives among devices of one
+class run back to back on the device and become one :class:`Segment` with
+their summed time and their memory profile; sends, receives and collectives
+that wait on other classes stay separate units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planlab.costmodel import CostModel
+from planlab.plan.program import Block, Task, TaskKind
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tasks run back to back: ``compute_s`` on the compute stream, ``comm_s`` in
+    class-internal collectives; memory rises by ``peak_bytes`` at most and ends at ``net_bytes``."""
+
+    tasks: tuple[str, ...]
+    compute_s: float
+    comm_s: float
+    peak_bytes: int
+    net_bytes: int
+    durations: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Send:
+    task: str
+    peer: int
+    tag: int
+    duration_s: float
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    task: str
+    peer: int
+    tag: int
+    alloc_bytes: int
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective whose members span several classes: a barrier, then ``duration_s``."""
+
+    task: str
+    group: tuple[int, ...]
+    duration_s: float
+    alloc_bytes: int
+    free_bytes: int
+
+
+Unit = Segment | Send | Recv | Collective
+
+
+def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
+    """Seconds for one task on its stream."""
+    k = task.kind
+    if k in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.OPTIMIZER):
+        if task.flops == 0 and task.bytes_moved == 0:
+            return 0.0
+        return cost.compute_time_s(flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype)
+    if k is TaskKind.LOCAL:
+        n = sum(s for _, s in task.alloc) or 0
+        return cost.compute_time_s(flops=0.0, bytes_moved=2.0 * n, dtype=dtype) if n else 0.0
+    if k is TaskKind.COLLECTIVE:
+        return cost.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+    return 0.0  # sends and receives are priced by lower_block, which knows the device
+
+
+def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
+                sizes: dict[str, int]) -> tuple[Unit, ...]:
+    """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees)."""
+    units: list[Unit] = []
+    cur: list = []  # (task, duration, is_comm)
+
+    def flush():
+        if not cur:
+            return
+        mem = peak = 0
+        for t, _, _ in cur:
+            mem += sum(n for _, n in t.alloc)
+            peak = max(peak, mem)
+            mem -= sum(sizes.get(b, 0) for b in t.free)
+        units.append(Segment(tuple(t.name for t, _, _ in cur),
+                             sum(d for _, d, c in cur if not c), sum(d for _, d, c in cur if c),
+                             peak, mem, tuple(d for _, d, _ in cur)))
+        cur.clear()
+
+    for t in block.tasks:
+        if t.kind is TaskKind.SEND:
+            flush()
+            units.append(Send(t.name, t.peer, t.axis, cost.p2p_time_s(t.nbytes, device, t.peer),
+                              sum(sizes.get(b, 0) for b in t.free)))
+        elif t.kind is TaskKind.RECV:
+            flush()
+            units.append(Recv(t.name, t.peer, t.axis, sum(n for _, n in t.alloc)))
+        elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
+            flush()
+            units.append(Collective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
+                                    sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
+        else:
+            cur.append((t, task_time_s(t, cost, dtype), t.kind is TaskKind.COLLECTIVE))
+    flush()
+    return tuple(units)
