@@ -17,7 +17,7 @@ from planlab.graph.trace import trace
 from planlab.models.registry import ModelSpec, build_model
 from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
-from planlab.plan.plan_file import plan_from_json, plan_to_json, save_plan
+from planlab.plan.plan_file import save_plan
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
@@ -45,35 +45,62 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     return ctx, cost, graph
 
 
-def static_lower_bound_bytes(plan: Plan, graph: Graph) -> int:
-    """Bytes of weights, gradients and optimizer states on the fullest device: a lower bound
-    on peak memory that needs no simulation."""
+def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
+    """``(static, activations)`` bytes on the fullest device, without simulating: weights,
+    gradients and optimizer states, plus the activations saved for backward by one micro-batch
+    times the most micro-batches the device's schedule keeps in flight."""
     prec = precision_for(plan.cluster)
     per_param = prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes
-    load = [0] * plan.num_devices
+    by_devices: dict[tuple[int, ...], list[int]] = {}  # device set -> [static, saved] bytes on each
+    m = plan.microbatches
     for p in plan.ops:
+        acc = by_devices.setdefault(p.devices, [0, 0])
         op = graph.op(p.op)
-        for t in op.inputs:
+        for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
-            if spec.role != "param":
+            if spec.role != "param" and t not in op.saves:
                 continue
             axes = op.axes_of(t)
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and any(ax and ax[0] == d for ax in axes))
-            for dev in p.devices:
-                load[dev] += spec.numel // cut * per_param
-    return max(load)
+            if spec.role == "param":
+                acc[0] += spec.numel // cut * per_param
+            else:
+                batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
+                acc[1] += spec.numel // cut // (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
+    static = [0] * plan.num_devices
+    saved = [0] * plan.num_devices
+    for devs, (st, sv) in by_devices.items():
+        for dev in devs:
+            static[dev] += st
+            saved[dev] += sv
+    worst = (0, 0)
+    for dev in range(plan.num_devices):
+        sched = plan.schedule[dev] if plan.schedule and plan.schedule[dev] else None
+        if sched is None:
+            flight = m
+        else:
+            flight = cur = 0
+            for a in sched:
+                cur += 1 if a.phase == "F" else -1 if a.phase == "B" else 0
+                flight = max(flight, cur)
+        total = (static[dev], saved[dev] * flight)
+        if sum(total) > sum(worst):
+            worst = total
+    return worst
 
 
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
-    bound = static_lower_bound_bytes(plan, graph)
-    if bound > mem_cap:
-        row.update(iter_time_s=math.nan, peak_mem_gib=bound / 2**30, tflops_per_gpu=math.nan, mfu=math.nan,
-                   feasible=False, reason=f"weights, gradients and optimizer states alone need "
-                                          f"{bound / 2**30:.1f} GiB per device (device memory "
-                                          f"{mem_cap / 2**30:.1f} GiB)")
+    static, acts = memory_lower_bound_bytes(plan, graph)
+    if static + acts > mem_cap:
+        what = "weights, gradients and optimizer states alone need" if static > mem_cap else \
+            "weights, optimizer states and the activations saved in flight need at least"
+        row.update(iter_time_s=math.nan, peak_mem_gib=(static + acts) / 2**30, tflops_per_gpu=math.nan,
+                   mfu=math.nan, feasible=False,
+                   reason=f"{what} {(static if static > mem_cap else static + acts) / 2**30:.1f} GiB per device "
+                          f"(device memory {mem_cap / 2**30:.1f} GiB)")
         return row, None
     try:
         program = materialize(plan, graph)
@@ -95,11 +122,10 @@ def _init_worker(setup: Setup, space: str) -> None:
     _WORKER.update(ctx=ctx, cost=cost, graph=graph, space=get_space(space))
 
 
-def _eval_assignment(values: dict) -> tuple[dict, str]:
+def _eval_assignment(values: dict) -> dict:
     w = _WORKER
-    plan = w["space"].build(w["ctx"], values)
-    row, _ = evaluate(plan, w["graph"], w["cost"])
-    return row, plan_to_json(plan)
+    row, _ = evaluate(w["space"].build(w["ctx"], values), w["graph"], w["cost"])
+    return row
 
 
 def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str = "megatron",
@@ -124,20 +150,16 @@ def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str 
     if not assignments:
         raise ConfigError(f"no plan of space {sp.name!r} fits {cost.cluster.num_devices} devices, "
                           f"{spec.config().layers} layers and global batch {batch} with {fixed or {}}")
-    rows, plans = [], []
+    rows = []
     bar = _progress(len(assignments), progress)
     if jobs > 1 and isinstance(space, str):
         with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(setup, space)) as pool:
-            for row, pj in pool.map(_eval_assignment, assignments):
+            for row in pool.map(_eval_assignment, assignments):
                 rows.append(row)
-                plans.append(pj)
                 bar.update(1)
     else:
         for values in assignments:
-            plan = sp.build(ctx, values)
-            row, _ = evaluate(plan, graph, cost)
-            rows.append(row)
-            plans.append(plan)
+            rows.append(evaluate(sp.build(ctx, values), graph, cost)[0])
             bar.update(1)
     bar.close()
     df = pd.DataFrame(rows)
@@ -145,14 +167,13 @@ def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str 
         if c not in df:
             df[c] = math.nan
     df["pareto"] = pareto_mask(df)
-    df["_plan"] = plans
+    df["_index"] = range(len(df))
     df = df.sort_values(["feasible", "iter_time_s"], ascending=[False, True], na_position="last")
     df = df.reset_index(drop=True)
     best = None
     if len(df) and bool(df.loc[0, "feasible"]):
-        best = df.loc[0, "_plan"]
-        best = plan_from_json(best) if isinstance(best, str) else best
-    df = df.drop(columns=["_plan"])
+        best = sp.build(ctx, assignments[int(df.loc[0, "_index"])])  # plans are rebuilt, not shipped
+    df = df.drop(columns=["_index"])
     df.attrs["best_plan"] = best
     df.attrs["space"] = sp.name
     df.attrs["device_memory_gib"] = cost.device_memory_bytes / 2**30

@@ -24,18 +24,22 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ok = df[df["feasible"] == True]  # noqa: E712
     bad = df[(df["feasible"] == False) & df["iter_time_s"].notna()]  # noqa: E712
-    ax.scatter(ok["peak_mem_gib"], ok["iter_time_s"], s=18, label="feasible", color="tab:blue")
+    top = float(df["peak_mem_gib"].max()) if len(df) else 0.0
+    unit, scale = ("MiB", 1024.0) if top < 1.0 else ("GiB", 1.0)
+    ax.scatter(ok["peak_mem_gib"] * scale, ok["iter_time_s"], s=18, label="feasible", color="tab:blue")
     if len(bad):
-        ax.scatter(bad["peak_mem_gib"], bad["iter_time_s"], s=18, marker="x", color="tab:gray",
+        ax.scatter(bad["peak_mem_gib"] * scale, bad["iter_time_s"], s=18, marker="x", color="tab:gray",
                    label="out of memory")
     front = ok[ok["pareto"] == True].sort_values("peak_mem_gib")  # noqa: E712
     if len(front):
-        ax.step(front["peak_mem_gib"], front["iter_time_s"], where="post", color="tab:red", label="Pareto front")
-        ax.scatter(front["peak_mem_gib"], front["iter_time_s"], s=40, facecolors="none", edgecolors="tab:red")
+        ax.step(front["peak_mem_gib"] * scale, front["iter_time_s"], where="post", color="tab:red",
+                label="Pareto front")
+        ax.scatter(front["peak_mem_gib"] * scale, front["iter_time_s"], s=40, facecolors="none",
+                   edgecolors="tab:red")
     cap = df.attrs.get("device_memory_gib")
-    if cap:
-        ax.axvline(cap, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
-    ax.set_xlabel("peak memory per device (GiB)")
+    if cap and cap <= 3 * top:
+        ax.axvline(cap * scale, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
+    ax.set_xlabel(f"peak memory per device ({unit})")
     ax.set_ylabel("iteration time (s)")
     ax.set_title(f"{df.attrs.get('space', 'plans')}: {len(df)} plans, {len(ok)} feasible")
     ax.legend(fontsize=8)

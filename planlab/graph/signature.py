@@ -10,6 +10,7 @@ split, since only that split cuts the axis into contiguous pieces.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -94,22 +95,25 @@ class Signature:
 
     def dims(self) -> list[str]:
         """All dimension names, in order of first appearance."""
+        return list(self._dims)
+
+    @functools.cached_property
+    def _dims(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for t in self.inputs + self.outputs:
             for ax in t:
                 for n in ax:
                     seen.setdefault(n, None)
-        return list(seen)
+        return tuple(seen)
 
     def splittable(self, dim: str) -> bool:
         """True if ``dim`` may be split: not frozen and outermost in every group."""
-        if dim in self.frozen or dim not in self.dims():
-            return False
-        for t in self.inputs + self.outputs:
-            for ax in t:
-                if dim in ax[1:]:
-                    return False
-        return True
+        return dim in self._splittable
+
+    @functools.cached_property
+    def _splittable(self) -> frozenset[str]:
+        inner = {n for t in self.inputs + self.outputs for ax in t for n in ax[1:]}
+        return frozenset(d for d in self._dims if d not in self.frozen and d not in inner)
 
     def __str__(self) -> str:
         def fmt_name(n: str) -> str:

@@ -30,11 +30,13 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def num_params(self) -> int:
-        """Parameter count of the module (weights and biases)."""
+    def num_params(self, *, tied: bool = False) -> int:
+        """Parameter count of the module (weights and biases). ``tied=True`` leaves out the
+        output layer, as published counts do for models that tie it to the embedding."""
         h, f = self.hidden, self.ffn_mult * self.hidden
         per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-        return self.vocab * h + self.seq * h + self.layers * per_layer + 2 * h + h * self.vocab + self.vocab
+        out = 0 if tied else h * self.vocab + self.vocab
+        return self.vocab * h + self.seq * h + self.layers * per_layer + 2 * h + out
 
 
 class Attention(nn.Module):

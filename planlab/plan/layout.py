@@ -7,6 +7,7 @@ partial sums (``P``). :func:`piece_boxes` gives the region each device holds.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -101,6 +102,9 @@ class Layout:
 
     def box(self, flat: int, shape: tuple[int, ...]) -> Box:
         """Region of the tensor held by the ``flat``-th mesh position."""
+        return _box(self, flat, tuple(shape))
+
+    def _box(self, flat: int, shape: tuple[int, ...]) -> Box:
         c = self.mesh.coord(flat)
         out = []
         for d, size in enumerate(shape):
@@ -138,3 +142,8 @@ def relative(inner: Box, outer: Box) -> Box:
 
 def box_numel(box: Box) -> int:
     return math.prod(b - a for a, b in box)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _box(layout: Layout, flat: int, shape: tuple[int, ...]) -> Box:
+    return layout._box(flat, shape)

@@ -11,7 +11,8 @@ Passes, in this order:
 
 from __future__ import annotations
 
-import dataclasses
+import copy
+import functools
 import math
 from collections import defaultdict
 from itertools import count
@@ -63,6 +64,7 @@ class _Layouts:
             self.shapes[t] = tuple(shape)
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
+        self._memo: dict[tuple, Layout] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
             sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
@@ -111,15 +113,22 @@ class _Layouts:
 
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
-        return self._place(op, op.signature.inputs[i])
+        return self._cached(("in", op.name, i), lambda: self._place(op, op.signature.inputs[i]))
 
     def has(self, op: Operator, j: int) -> Layout:
         """Layout in which ``op`` produces its ``j``-th output."""
-        return self._place(op, op.signature.outputs[j], op.signature.reduce)
+        return self._cached(("out", op.name, j),
+                            lambda: self._place(op, op.signature.outputs[j], op.signature.reduce))
 
     def contributes(self, op: Operator, i: int) -> Layout:
         """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
-        return self._place(op, op.signature.inputs[i], contrib=True)
+        return self._cached(("grad", op.name, i), lambda: self._place(op, op.signature.inputs[i], contrib=True))
+
+    def _cached(self, key, make) -> Layout:
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
 
 
 def _full(layout: Layout) -> Layout:
@@ -204,7 +213,9 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
             buf = f"a:{t}#{len([k for k in converted if k[0] == t]) + 1}"
             conv = plan_conversion(have, need, L.shapes[t], ebytes(t), src_buf=f"a:{t}", dst_buf=buf,
                                    tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype)
-            place(conv, t, (stage[prod.name], "F"), (topo[prod.name], 2), blk, (i, 0))
+            # sends sit where the consumer is in topological order, as the receives do, so
+            # every channel carries its messages in the order they are received (NCCL matches in order)
+            place(conv, t, (stage[prod.name], "F"), (i, 0), blk, (i, 0))
             converted[(t, need)] = buf
             bufs.append(buf)
         in_bufs[op.name] = bufs
@@ -243,11 +254,11 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 c, k = uses[0]
                 gbufs.append(f"gc:{t}<{c.name}.{k}")
                 continue
-            for c, k in uses:
+            for c, k in sorted(uses, key=lambda u: -topo[u[0].name]):
                 conv = plan_conversion(L.contributes(c, k), target, L.shapes[t], ebytes(t),
                                        src_buf=f"gc:{t}<{c.name}.{k}", dst_buf=f"g:{t}", accumulate=True,
                                        tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype)
-                place(conv, t, (stage[c.name], "B"), (-topo[c.name], 2), blk, (-i, 0))
+                place(conv, t, (stage[c.name], "B"), (-i, 0), blk, (-i, 0))
             gbufs.append(f"g:{t}")
         needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
                       for t in op.inputs]
@@ -340,27 +351,31 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
     m = plan.microbatches
     fs = sorted(s for s, ph in blocks if ph == "F")
     bs = sorted((s for s, ph in blocks if ph == "B"), reverse=True)
-    need = {Action(s, "F", k) for s in fs for k in range(m)} | {Action(s, "B", k) for s in bs for k in range(m)}
-    w_blocks = [s for s, ph in blocks if ph == "W"]
-    for s in w_blocks:
-        need.add(Action(s, "W", 0))
+    ws = sorted(s for s, ph in blocks if ph == "W")
     given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) and plan.schedule[dev] else None
     if given is None:
-        order = [Action(s, "F", k) for k in range(m) for s in fs] + [Action(s, "B", k) for k in range(m) for s in bs]
-        order += [Action(s, "W", 0) for s in w_blocks]
-        return tuple(order)
+        return tuple([Action(s, "F", k) for k in range(m) for s in fs] +
+                     [Action(s, "B", k) for k in range(m) for s in bs] + [Action(s, "W", 0) for s in ws])
+    _check_schedule(dev, tuple((a.stage, a.phase, a.microbatch) for a in given), tuple(fs), tuple(bs),
+                    tuple(ws), m)
+    return tuple(given)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: int) -> None:
+    need = {(s, "F", k) for s in fs for k in range(m)} | {(s, "B", k) for s in bs for k in range(m)} | \
+        {(s, "W", 0) for s in ws}
     seen = set()
     for a in given:
         if a not in need:
-            raise InfeasiblePlan(f"device {dev}'s schedule has action {a}, which names no block of that device; "
-                                 f"expected actions: {choices(sorted(map(str, need)))}")
+            raise InfeasiblePlan(f"device {dev}'s schedule has action {Action(*a)}, which names no block of that "
+                                 f"device; expected actions like {', '.join(str(Action(*x)) for x in sorted(need)[:6])}")
         if a in seen:
-            raise InfeasiblePlan(f"device {dev}'s schedule runs action {a} twice")
+            raise InfeasiblePlan(f"device {dev}'s schedule runs action {Action(*a)} twice")
         seen.add(a)
-    if seen != need:
-        miss = sorted(map(str, need - seen))
-        raise InfeasiblePlan(f"device {dev}'s schedule misses actions {', '.join(miss[:6])}")
-    return tuple(given)
+    if len(seen) != len(need):
+        miss = sorted(need - seen)
+        raise InfeasiblePlan(f"device {dev}'s schedule misses actions {', '.join(str(Action(*x)) for x in miss[:6])}")
 
 
 def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
@@ -387,7 +402,13 @@ def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
         frees[pos].append(b)
     out = {}
     for bk in order:
-        tasks = tuple(dataclasses.replace(t, alloc=tuple(allocs.get((bk, ti), ())), free=tuple(frees.get((bk, ti), ())))
-                      for ti, t in enumerate(blocks[bk].tasks))
-        out[bk] = Block(bk[0], bk[1], tasks)
+        tasks = []
+        for ti, t in enumerate(blocks[bk].tasks):
+            a, f = allocs.get((bk, ti)), frees.get((bk, ti))
+            if a or f:
+                t = copy.copy(t)  # a shallow copy is much cheaper than dataclasses.replace here
+                object.__setattr__(t, "alloc", tuple(a or ()))
+                object.__setattr__(t, "free", tuple(f or ()))
+            tasks.append(t)
+        out[bk] = Block(bk[0], bk[1], tuple(tasks))
     return out

@@ -145,13 +145,13 @@ class PlanBuilder:
     def op_assign(self, op: str, devices: list[int] | tuple[int, ...], *, stage: int = 0) -> None:
         """Place the pieces of ``op`` (row-major over its splits) on ``devices``."""
         self.graph.op(op)
-        devices = tuple(int(d) for d in devices)
+        devices = tuple(map(int, devices))
         want = math.prod(self._sizes[op])
         if len(devices) != want:
             raise InfeasiblePlan(f"operator {op!r} has {want} pieces; op_assign got {len(devices)} devices")
-        bad = [d for d in devices if not 0 <= d < self.num_devices]
-        if bad:
-            raise InfeasiblePlan(f"operator {op!r} assigned to device {bad[0]}; devices are 0..{self.num_devices - 1}")
+        if min(devices) < 0 or max(devices) >= self.num_devices:
+            bad = next(d for d in devices if not 0 <= d < self.num_devices)
+            raise InfeasiblePlan(f"operator {op!r} assigned to device {bad}; devices are 0..{self.num_devices - 1}")
         if len(set(devices)) != len(devices):
             raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
                                  "(co-located pieces are not supported yet)")

@@ -32,7 +32,7 @@ def plan_to_dict(plan: Plan) -> dict:
 
 
 def plan_to_json(plan: Plan) -> str:
-    return json.dumps(plan_to_dict(plan), indent=1)
+    return json.dumps(plan_to_dict(plan), separators=(",", ":"))
 
 
 def _need(d: dict, key: str, typ, where: str):

@@ -1,13 +1,13 @@
 """The simpy model: one process per device class runs its schedule's units.
 
-Segments occupy the device; sends run on the device's communication stream
-(a simpy Resource) while the device goes on; receives wait for the matching
+Segments occupy the device; sends run on the device's communication stream,
+first come first served, while the device goes on; receives wait for the matching
 send; collectives that span classes start when every class has reached them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import simpy
 
@@ -32,26 +32,25 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
     members = {r: cls.count(r) for r in reps}
     dtype = program.precision.compute_dtype
     env = simpy.Environment()
-    comm = {r: simpy.Resource(env, capacity=1) for r in reps}
-    boxes: dict[tuple, simpy.Store] = defaultdict(lambda: simpy.Store(env))
+    comm_free = {r: 0.0 for r in reps}  # when each communication stream is next free
+    boxes: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
     barriers: dict[tuple, list] = {}
     stats: dict[int, dict] = {}
     events: list[Event] = []
     memory: list[tuple[int, float, int]] = []
     hw_flops = 0.0
 
-    def mailbox(src: int, dst: int, tag: int) -> simpy.Store:
+    def mailbox(src: int, dst: int, tag: int) -> "_Mailbox":
         return boxes[(cls[src], cls[dst], tag)]
 
-    def sender(rep: int, unit: Send, action: str):
-        with comm[rep].request() as req:
-            yield req
-            start = env.now
-            yield env.timeout(unit.duration_s)
-            stats[rep]["comm_s"] += unit.duration_s
-            if timeline:
-                events.append(Event(rep, "comm", action, unit.task, start, env.now))
-        yield mailbox(rep, unit.peer, unit.tag).put(env.now)
+    def send(rep: int, unit: Send, action: str) -> None:
+        # The send occupies the communication stream, first come first served, while the device goes on.
+        start = max(env.now, comm_free[rep])
+        arrival = comm_free[rep] = start + unit.duration_s
+        stats[rep]["comm_s"] += unit.duration_s
+        if timeline:
+            events.append(Event(rep, "comm", action, unit.task, start, arrival))
+        mailbox(rep, unit.peer, unit.tag).post(arrival)
 
     def device(rep: int):
         dp = program.devices[rep]
@@ -89,11 +88,14 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
                             t += d
                         memory.append((rep, env.now, mem))
                 elif isinstance(u, Send):
-                    env.process(sender(rep, u, a))
+                    send(rep, u, a)
                     mem -= u.free_bytes
                 elif isinstance(u, Recv):
                     start = env.now
-                    yield mailbox(u.peer, rep, u.tag).get()
+                    box = mailbox(u.peer, rep, u.tag)
+                    arrival = box.take() if box.arrivals else (yield box.wait(env))
+                    if arrival > env.now:
+                        yield env.timeout(arrival - env.now)
                     st["wait_s"] += env.now - start
                     bump(u.alloc_bytes, u.task)
                     mem += u.alloc_bytes
@@ -138,3 +140,25 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
                      hardware_flops=hw_flops, num_devices=program.num_devices,
                      peak_flops_per_s=peak_flops_per_s(cluster.device, dtype),
                      events=tuple(sorted(events, key=lambda e: (e.device, e.start_s))), memory=tuple(memory))
+
+
+class _Mailbox:
+    """Arrival times of messages on one channel, first in first out, and a waiting receiver."""
+
+    def __init__(self) -> None:
+        self.arrivals: deque[float] = deque()
+        self.waiter: simpy.Event | None = None
+
+    def post(self, arrival: float) -> None:
+        if self.waiter is not None:
+            w, self.waiter = self.waiter, None
+            w.succeed(arrival)
+        else:
+            self.arrivals.append(arrival)
+
+    def take(self) -> float:
+        return self.arrivals.popleft()
+
+    def wait(self, env: simpy.Environment) -> simpy.Event:
+        self.waiter = env.event()
+        return self.waiter

@@ -1,0 +1,18 @@
+import functools
+
+import pytest
+
+from planlab.graph import trace
+from planlab.models import ModelSpec, build_model
+
+
+@functools.lru_cache(maxsize=8)
+def traced(name: str = "gpt-tiny", batch: int = 8, args: tuple = ()):
+    spec = ModelSpec(name, args)
+    model, inputs = build_model(spec, batch=batch)
+    return spec, trace(model, inputs)
+
+
+@pytest.fixture
+def tiny():
+    return traced("gpt-tiny", 8)

@@ -1,0 +1,123 @@
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import planlab
+from planlab.errors import GraphError
+from planlab.graph import register_op, trace
+from planlab.models import GPT_PRESETS, ModelSpec, build_model
+
+from conftest import traced
+
+
+def _op(g, name):
+    return g.op(name)
+
+
+@pytest.mark.parametrize("op, kind, sig", [
+    ("wte", "embedding", "a0 a1, v^ h -> a0 a1 h"),
+    ("blocks_0_ln1", "layer_norm", "a0 a1 h0^, h0^, h0^ -> a0 a1 h0^"),
+    ("blocks_0_attn_q", "linear", "a0 a1 k+, n k+, n -> a0 a1 n"),
+    ("unflatten", "reshape", "g0_0 g1_0 (g2_0 g2_1) -> g0_0 g1_0 g2_0 g2_1"),
+    ("transpose", "transpose", "a0 a1 a2 a3 -> a0 a2 a1 a3"),
+    ("scaled_dot_product_attention", "attention", "a0 a1 s^ d^, a0 a1 t^ d^, a0 a1 t^ e^ -> a0 a1 s^ e^"),
+    ("blocks_0_mlp_act", "activation", "a0 a1 a2 -> a0 a1 a2"),
+    ("blocks_0_attn_drop", "dropout", "a0 a1 a2 -> a0 a1 a2"),
+    ("add", "add", "a0 a1 a2, a1 a2 -> a0 a1 a2"),
+    ("cross_entropy", "cross_entropy", "n+ c^, n+ -> "),
+])
+def test_gpt_operator_signatures(tiny, op, kind, sig):
+    _, g = tiny
+    o = g.op(op)
+    assert o.kind == kind
+    assert str(o.signature) == sig
+
+
+def test_graph_facts(tiny):
+    spec, g = tiny
+    assert g.loss == "cross_entropy" and g.tensors[g.loss].shape == ()
+    assert g.num_params == spec.config().num_params()
+    assert not g.unknown
+    q = g.op("blocks_0_attn_q")
+    assert q.flops == 2 * 8 * 32 * 64 * 64
+    # the batch of the input is the batch of the loss's inputs, through reshapes
+    ce = g.op("cross_entropy")
+    assert g.dim_label(ce, "n") == g.batch_label
+    assert g.tensors["blocks.0.attn.q.weight"].role == "param"
+
+
+@pytest.mark.parametrize("preset, published", [
+    ("gpt3-125m", 125e6), ("gpt3-1.3b", 1.3e9), ("gpt3-13b", 13e9), ("gpt3-175b", 175e9),
+])
+def test_preset_sizes(preset, published):
+    # GPT-3 paper sizes (Brown et al. 2020, table 2.1) count a tied output layer; planlab's is untied
+    # names are rounded to two significant figures, hence 2%
+    assert abs(GPT_PRESETS[preset].num_params(tied=True) - published) / published < 0.02
+
+
+def test_gpt3_175b_traces_on_meta():
+    spec, g = traced("gpt3-175b", 8)
+    assert abs(g.num_params - 175e9) / 175e9 < 0.01
+    assert len(g.operators) > 2000
+
+
+def test_unknown_operator_is_kept_whole_with_a_warning():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.lin(x), dim=1).sum()
+
+    with pytest.warns(UserWarning, match="cumsum"):
+        g = trace(M(), (torch.zeros(2, 4),))
+    op = next(o for o in g.operators if o.kind == "opaque" and "cumsum" in o.name)
+    assert op.splittable_dims() == []
+    assert "cumsum" in g.summary()
+
+
+def my_scale(x, w):
+    return x * w
+
+
+register_op("b h, h -> b h")(my_scale)
+
+
+def test_register_op_makes_a_leaf_with_its_signature():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return my_scale(x, self.w).sum()
+
+    g = trace(M(), (torch.zeros(2, 4),))
+    op = next(o for o in g.operators if o.kind == "my_scale")
+    assert str(op.signature) == "b h, h -> b h"
+    assert op.splittable_dims() == ["b", "h"]
+    assert planlab.register_op is register_op
+
+
+@pytest.mark.parametrize("forward, message", [
+    (lambda self, x: self.lin(x), "scalar training loss"),
+])
+def test_trace_errors(forward, message):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    M.forward = forward
+    with pytest.raises(GraphError, match=message):
+        trace(M(), (torch.zeros(2, 4),))
+
+
+def test_trace_wrong_number_of_inputs(tiny):
+    spec, _ = tiny
+    model, inputs = build_model(spec, batch=2)
+    with pytest.raises(GraphError, match="takes 2 inputs"):
+        trace(model, inputs[:1])
