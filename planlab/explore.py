@@ -148,7 +148,8 @@ def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str 
     ctx, cost, graph = make_context(setup)
     assignments = list(sp.assignments(ctx, fixed))
     if not assignments:
-        raise ConfigError(f"no plan of space {sp.name!r} fits {cost.cluster.num_devices} devices, "
+        why = sp.explain(ctx, dict(fixed or {}))
+        raise ConfigError(why or f"no plan of space {sp.name!r} fits {cost.cluster.num_devices} devices, "
                           f"{spec.config().layers} layers and global batch {batch} with {fixed or {}}")
     rows = []
     bar = _progress(len(assignments), progress)

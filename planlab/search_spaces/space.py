@@ -159,14 +159,19 @@ class Space(abc.ABC):
                 yield a
 
     def _why(self, knob: Knob, value, ctx: Context, fixed: dict) -> str:
+        msg = self.explain(ctx, {**fixed, knob.name: value})
+        return msg or f"choose {choices(knob.values(ctx))}"
+
+    def explain(self, ctx: Context, fixed: dict) -> str:
+        """The first constraint that the ``fixed`` knobs alone violate ('' if none does)."""
+        probe = {k.name: fixed.get(k.name) for k in self.all_knobs()}
         for c in self.all_constraints():
-            probe = {k.name: (fixed.get(k.name, value if k.name == knob.name else None)) for k in self.all_knobs()}
             try:
                 if not c.check(probe, ctx):
                     return c.message(probe, ctx)
-            except TypeError:
+            except TypeError:  # the constraint needs a knob that is not fixed
                 continue
-        return f"choose {choices(knob.values(ctx))}"
+        return ""
 
     def build(self, ctx: Context, values: dict) -> Plan:
         """The plan of one assignment."""

@@ -20,14 +20,16 @@ from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import Collective, Recv, Segment, Send, lower_block
 
 
-def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False) -> SimResult:
+def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False,
+             symmetry: bool = True) -> SimResult:
     """Simulate one iteration of ``program``; ``model_flops`` (forward + backward of the
-    model at the global batch) gives MFU. With ``timeline`` every task is recorded."""
+    model at the global batch) gives MFU. With ``timeline`` every task is recorded. With
+    ``symmetry`` one representative per device class is simulated (same result, less work)."""
     cluster = cost.cluster
     if program.num_devices > cluster.num_devices:
         raise DeadlockError(f"the program has {program.num_devices} devices; the cluster {cluster} has "
                             f"{cluster.num_devices}")
-    cls = device_classes(program, cluster)
+    cls = device_classes(program, cluster) if symmetry else list(range(program.num_devices))
     reps = sorted(set(cls))
     members = {r: cls.count(r) for r in reps}
     dtype = program.precision.compute_dtype

@@ -1,0 +1,107 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planlab.cli import main
+
+BIN = Path(sys.executable).with_name("planlab")
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.err.strip()
+
+
+EXPLORE = ["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["explore", "--model", "gpt-huge", "--cluster", "cpu"], "unknown model 'gpt-huge'; choose 'gpt-tiny'"),
+    (["explore", "--model", "gpt-tiny", "--cluster", "tpu-pod"], "unknown cluster 'tpu-pod'"),
+    (EXPLORE + ["--space", "zero9"], "unknown space 'zero9'"),
+    (EXPLORE + ["--set", "zz=1"], "space 'megatron' has no knob 'zz'"),
+    (EXPLORE + ["--set", "tp=3"], "tp=3 is not valid here: tp=3 does not divide the 2 devices"),
+    (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "4", "--set", "pp=4"],
+     "pp=4 does not divide the model's 2 layers"),
+    (EXPLORE + ["--set", "dp=2", "--set", "microbatch=8"], "dp=2 x microbatch=8 does not divide the global batch 8"),
+    (["explore", "--model", "gpt", "--model-arg", "layers=2", "--cluster", "cpu"], "needs --model-arg for hidden"),
+    (["explore", "--model", "gpt-tiny", "--model-arg", "colour=3", "--cluster", "cpu"], "unknown model argument 'colour'"),
+    (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "0"], "nodes"),
+])
+def test_bad_input_gets_one_clear_line(capsys, argv, message):
+    code, err = _err(capsys, argv)
+    assert code == 2
+    assert err.startswith("planlab: error: ") and message in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def explored(tmp_path_factory):
+    out = tmp_path_factory.mktemp("explore")
+    assert main(EXPLORE + ["--space", "megatron", "--out", str(out)]) == 0
+    return out
+
+
+def test_explore_writes_the_three_files(explored):
+    import pandas as pd
+
+    df = pd.read_csv(explored / "results.csv")
+    for col in ["dp", "tp", "pp", "microbatch", "iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible"]:
+        assert col in df.columns
+    assert df["feasible"].all() and df["pareto"].any()
+    assert (explored / "pareto.png").stat().st_size > 1000
+    plan = json.loads((explored / "best_plan.json").read_text())
+    assert plan["format"] == "planlab-plan" and plan["num_devices"] == 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version=2), "plan format version 2; this planlab reads version 1"),
+    (lambda d: d.pop("model"), "field 'model' is missing"),
+    (lambda d: d["ops"].pop(), "does not place operator"),
+])
+def test_bad_plan_files(capsys, explored, tmp_path, edit, message):
+    d = json.loads((explored / "best_plan.json").read_text())
+    edit(d)
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(d))
+    for cmd in (["simulate", str(p)], ["run", str(p), "--nproc", "2"]):
+        code, err = _err(capsys, cmd)
+        assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_nproc_must_match_the_plan(capsys, explored):
+    code, err = _err(capsys, ["run", str(explored / "best_plan.json"), "--nproc", "3"])
+    assert code == 2 and "--nproc 3 differs from the plan's device count 2" in err
+
+
+def test_simulate_json_and_trace(capsys, explored, tmp_path):
+    assert main(["simulate", str(explored / "best_plan.json"), "--json", "--trace", str(tmp_path / "t.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and out["iter_time_s"] > 0
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_listings(capsys):
+    for cmd, word in (["models"], "gpt3-175b"), (["clusters"], "dgx-a100-80g"), (["spaces"], "megatron"):
+        assert main(cmd) == 0
+        assert word in capsys.readouterr().out
+    assert main(["graph", "--model", "gpt-tiny"]) == 0
+    assert "operators" in capsys.readouterr().out
+
+
+def test_console_script_explore_then_run(tmp_path):
+    """The README's loop through the installed command: explore, then run the best plan."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([str(BIN)] + EXPLORE + ["--out", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(BIN), "run", str(tmp_path / "best_plan.json"), "--nproc", "2", "--steps", "2"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "PASSED" in r.stdout and "measured iteration" in r.stdout
+    r = subprocess.run([str(BIN), "explore", "--model", "nope", "--cluster", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "unknown model 'nope'" in r.stderr

@@ -1,0 +1,134 @@
+import dataclasses
+
+import pytest
+
+from planlab.costmodel import CostModel
+from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.search_spaces import Context, get_space, gpipe, one_f_one_b
+from planlab.simulator import device_classes, find_deadlock, simulate
+
+from conftest import traced
+
+
+@dataclasses.dataclass(frozen=True)
+class IdealCost:
+    """Exact prices: 1 GFLOP/s compute, 1 GB/s links, no latency, on a real cluster's layout."""
+
+    base: CostModel
+    memory_bytes: float = 1e12
+
+    @property
+    def cluster(self):
+        return self.base.cluster
+
+    @property
+    def device_memory_bytes(self):
+        return self.memory_bytes
+
+    def compute_time_s(self, *, flops, bytes_moved, dtype):
+        return flops / 1e9
+
+    def collective_time_s(self, kind, nbytes, group):
+        return nbytes / 1e9
+
+    def p2p_time_s(self, nbytes, src, dst):
+        return nbytes / 1e9
+
+
+def _pipeline_program(p: int, m: int, schedule, f_flops=1e9, b_flops=2e9, nbytes=0) -> Program:
+    """p stages in a chain; each F/B block is one compute task with send/recv to neighbours."""
+    devs = []
+    for s in range(p):
+        fwd, bwd = [], []
+        if s > 0:
+            fwd.append(Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0, nbytes=nbytes,
+                            alloc=(("x", 100),)))
+        fwd.append(Task(f"f{s}", TaskKind.FORWARD, ("x",) if s else (), ("y",), flops=f_flops, alloc=(("y", 100),)))
+        if s < p - 1:
+            fwd.append(Task("send_y", TaskKind.SEND, ("y",), (), peer=s + 1, axis=0, nbytes=nbytes))
+            bwd.append(Task("recv_dy", TaskKind.RECV, (), ("dy",), peer=s + 1, axis=1, nbytes=nbytes))
+        bwd.append(Task(f"b{s}", TaskKind.BACKWARD, ("dy",) if s < p - 1 else (), ("dx",), flops=b_flops,
+                        free=("y",) + (("x",) if s else ())))
+        if s > 0:
+            bwd.append(Task("send_dx", TaskKind.SEND, ("dx",), (), peer=s - 1, axis=1, nbytes=nbytes))
+        blocks = {(s, "F"): Block(s, "F", tuple(fwd)), (s, "B"): Block(s, "B", tuple(bwd))}
+        devs.append(DeviceProgram(s, blocks, tuple(schedule(s, p, m))))
+    return Program(tuple(devs), m, FP32)
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (3, 7)])
+def test_pipeline_matches_the_bubble_formula(schedule, p, m):
+    # idealised: equal compute per micro-batch and stage, free communication
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    prog = _pipeline_program(p, m, schedule)
+    find_deadlock(prog)
+    res = simulate(prog, cost)
+    f, b = 1.0, 2.0
+    assert res.iter_time_s == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
+    busy = m * (f + b)
+    assert (res.iter_time_s - busy) / res.iter_time_s == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_exact_event_log_of_a_two_stage_pipeline():
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    prog = _pipeline_program(2, 2, one_f_one_b, f_flops=1e9, b_flops=2e9, nbytes=int(0.5e9))
+    res = simulate(prog, cost, timeline=True)
+    log = [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
+    assert log == [
+        (0, "compute", "0F0", "f0", 0.0, 1.0),
+        (0, "comm", "0F0", "send_y", 1.0, 1.5),
+        (0, "compute", "0F1", "f0", 1.0, 2.0),
+        (0, "comm", "0F1", "send_y", 2.0, 2.5),
+        (0, "wait", "0B0", "recv_dy", 2.0, 5.0),
+        (0, "compute", "0B0", "b0", 5.0, 7.0),
+        (0, "wait", "0B1", "recv_dy", 7.0, 8.0),
+        (0, "compute", "0B1", "b0", 8.0, 10.0),
+        (1, "wait", "1F0", "recv_x", 0.0, 1.5),
+        (1, "compute", "1F0", "f1", 1.5, 2.5),
+        (1, "compute", "1B0", "b1", 2.5, 4.5),
+        (1, "comm", "1B0", "send_dx", 4.5, 5.0),
+        (1, "wait", "1F1", "recv_x", 4.5, 4.5),
+        (1, "compute", "1F1", "f1", 4.5, 5.5),
+        (1, "compute", "1B1", "b1", 5.5, 7.5),
+        (1, "comm", "1B1", "send_dx", 7.5, 8.0),
+    ]
+    assert res.iter_time_s == pytest.approx(10.0)
+    # memory: 1F1B keeps at most 2 micro-batches' activation on stage 0
+    assert res.devices[0].peak_mem_bytes == 200
+
+
+def test_deterministic_and_symmetry_gives_the_same_result():
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 4, 4, 1)
+    prog = materialize(get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=2, microbatch=2)), g)
+    cost = CostModel.load("cpu", 4)
+    assert sorted(set(device_classes(prog, cost.cluster))) == [0, 2]
+    a = simulate(prog, cost)
+    b = simulate(prog, cost)
+    c = simulate(prog, cost, symmetry=False)
+    assert a == b
+    # the same up to the order of floating-point additions
+    assert a.iter_time_s == pytest.approx(c.iter_time_s, rel=1e-12) and a.peak_mem_bytes == c.peak_mem_bytes
+
+
+def test_out_of_memory_is_a_result_with_the_device_and_task():
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    prog = materialize(get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=4)), g)
+    res = simulate(prog, IdealCost(CostModel.load("cpu", 2), memory_bytes=1.5e6))
+    assert not res.feasible
+    assert "out of memory: device 0" in res.reason and "in task" in res.reason
+
+
+def test_trace_and_dataframe(tmp_path):
+    import json
+
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    res = simulate(_pipeline_program(2, 2, one_f_one_b), cost, timeline=True)
+    res.write_trace(tmp_path / "t.json")
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert {e["ph"] for e in data["traceEvents"]} >= {"X", "M", "C"}
+    df = res.to_dataframe()
+    assert list(df.columns) == ["device", "stream", "action", "name", "start_s", "end_s"]
+    assert len(df) == len(res.events)
