@@ -77,7 +77,7 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
             a = str(action)
             for u in units[(action.stage, action.phase)]:
                 if isinstance(u, Segment):
-                    bump(u.peak_bytes, u.tasks[-1])
+                    bump(u.peak_bytes, u.peak_task)
                     start = env.now
                     yield env.timeout(u.compute_s + u.comm_s)
                     st["compute_s"] += u.compute_s

@@ -25,6 +25,7 @@ class Segment:
     peak_bytes: int
     net_bytes: int
     durations: tuple[float, ...]
+    peak_task: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,15 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
         if not cur:
             return
         mem = peak = 0
+        at = cur[0][0].name
         for t, _, _ in cur:
             mem += sum(n for _, n in t.alloc)
-            peak = max(peak, mem)
+            if mem > peak:
+                peak, at = mem, t.name
             mem -= sum(sizes.get(b, 0) for b in t.free)
         units.append(Segment(tuple(t.name for t, _, _ in cur),
                              sum(d for _, d, c in cur if not c), sum(d for _, d, c in cur if c),
-                             peak, mem, tuple(d for _, d, _ in cur)))
+                             peak, mem, tuple(d for _, d, _ in cur), at))
         cur.clear()
 
     for t in block.tasks:
