@@ -105,3 +105,16 @@ def test_console_script_explore_then_run(tmp_path):
     assert "PASSED" in r.stdout and "measured iteration" in r.stdout
     r = subprocess.run([str(BIN), "explore", "--model", "nope", "--cluster", "cpu"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "unknown model 'nope'" in r.stderr
+
+
+@pytest.mark.slow
+def test_gpt3_175b_exploration_completes(tmp_path):
+    """GPT-3 175B on 16 DGX A100 nodes: every plan of the Megatron grid, on this machine."""
+    import pandas as pd
+
+    assert main(["explore", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--nodes", "16",
+                 "--space", "megatron", "--global-batch", "1536", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "results.csv")
+    assert len(df) > 100 and df["feasible"].any()
+    assert df["reason"].fillna("").str.contains("GiB per device").any()  # pruned before simulation
+    assert (tmp_path / "pareto.png").exists() and (tmp_path / "best_plan.json").exists()

@@ -48,6 +48,8 @@ class RunResult:
 def worker(plan_json: str, steps: int, lr: float, check: bool, seed: int, record: bool = False) -> dict:
     """Entry point of one rank: join the process group, run ``steps`` iterations, check numerics."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        torch.set_num_threads(1)  # one process stands for one device: one core each, as the cpu spec assumes
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     try:
