@@ -58,8 +58,8 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
         op = graph.op(p.op)
         for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
-            if spec.role != "param" and t not in op.saves:
-                continue
+            if spec.role != "param" and (t not in op.saves or p.recompute):
+                continue  # a recomputed operator keeps nothing for its backward
             axes = op.axes_of(t)
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and any(ax and ax[0] == d for ax in axes))
             if spec.role == "param":

@@ -27,6 +27,7 @@ def _check(plan, n, steps=2):
     (2, dict(dp=1, tp=2, pp=1, microbatch=8)),   # Megatron tensor parallel
     (2, dict(dp=1, tp=1, pp=2, microbatch=2)),   # 1F1B pipeline, 4 micro-batches
     (4, dict(dp=1, tp=2, pp=2, microbatch=4)),   # TP x PP
+    (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
 ])
 def test_megatron_plans_match_one_process(n, knobs):
     spec, g = traced("gpt-tiny", 8)

@@ -111,3 +111,25 @@ def test_dry_run_finds_collectives_issued_in_different_orders(tiny):
     msg = str(e.value)
     assert "device 0" in msg and "device 1" in msg and "different orders" in msg
     assert ">>" in msg  # the grid marks the failing step
+
+
+def test_full_recompute_trades_memory_for_time(tiny):
+    from planlab.costmodel import CostModel
+    from planlab.simulator import simulate
+
+    spec, g = tiny
+    ctx = _ctx(g, spec, 2)
+    res = {}
+    for rc in ("none", "full"):
+        prog = materialize(get_space("megatron").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=4, recompute=rc)), g)
+        find_deadlock(prog)
+        tasks = [t for _, t in prog.devices[0].tasks_in_order()]
+        if rc == "full":
+            redo = [t for t in tasks if t.recompute == "redo"]
+            assert redo and all(t.name.startswith("re:") for t in redo)
+            # the recomputed layers issue their tensor-parallel all-reduces again
+            assert any(t.kind is TaskKind.COLLECTIVE and t.name.startswith("re:") for t in tasks)
+        res[rc] = simulate(prog, CostModel.load("cpu", 2))
+    assert res["full"].peak_mem_bytes < res["none"].peak_mem_bytes
+    assert res["full"].iter_time_s > res["none"].iter_time_s
+    assert res["full"].hardware_flops > res["none"].hardware_flops

@@ -12,6 +12,7 @@ Passes, in this order:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -285,6 +286,11 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 for flat, dev in enumerate(mesh.devices):
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
+    # -- pass 3b: recomputation ------------------------------------------------
+    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute}
+    if groups_of:
+        _recompute(entries, graph, groups_of, seq, buf_bytes)
+
     # -- pass 4: weight gradients and optimizer ---------------------------------
     buckets: dict[int, dict[tuple[int, ...], list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
     for p, (op, k) in owner.items():
@@ -345,6 +351,41 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         holders.append((dev, f"a:{graph.loss}", int(primary)))
     return Program(devices=tuple(programs), microbatches=m, precision=precision,
                    groups=tuple(sorted(g for g in groups if len(g) > 1)), loss_holders=tuple(holders))
+
+
+def _recompute(entries, graph: Graph, groups_of: dict[str, int], seq, buf_bytes) -> None:
+    """Per device and recompute group: mark the group's forward tasks ``drop``, copy them
+    (without sends and receives) into the backward block just before the group's first
+    backward task, writing renamed buffers (``r:``) that the group's backward tasks read."""
+    names = [op.name for op in graph.operators]
+    for dev, blocks in entries.items():
+        for (st, ph), items in list(blocks.items()):
+            if ph != "F":
+                continue
+            by_group: dict[int, list] = defaultdict(list)
+            for i, (key, task) in enumerate(items):
+                g = groups_of.get(names[key[0]]) if key[0] < len(names) else None
+                if g and task.kind not in (TaskKind.SEND, TaskKind.RECV):
+                    by_group[g].append(i)
+            for g, idxs in by_group.items():
+                written = {w for i in idxs for w in items[i][1].writes if w}
+                for w in written:
+                    if w in buf_bytes[dev]:
+                        buf_bytes[dev][f"r:{w[2:]}"] = buf_bytes[dev][w]
+                ren = lambda bufs: tuple(f"r:{b[2:]}" if b in written else b for b in bufs)  # noqa: E731
+                last_op = max(items[i][0][0] for i in idxs)
+                bkey = (st, "B")
+                for i in idxs:
+                    key, t = items[i]
+                    if t.kind is TaskKind.FORWARD:
+                        items[i] = (key, dataclasses.replace(t, recompute="drop", saved=()))
+                    redo = dataclasses.replace(t, name=f"re:{t.name}", reads=ren(t.reads), writes=ren(t.writes),
+                                               saved=ren(t.saved), recompute="redo" if t.kind is TaskKind.FORWARD
+                                               else "")
+                    blocks[bkey].append(((-last_op, -1, key[0], next(seq)), redo))
+                members = {names[items[i][0][0]] for i in idxs}
+                blocks[bkey][:] = [(k, dataclasses.replace(t, saved=ren(t.saved)) if t.kind is TaskKind.BACKWARD
+                                    and t.op in members else t) for k, t in blocks[bkey]]
 
 
 def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:

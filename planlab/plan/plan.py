@@ -34,10 +34,12 @@ class OpPlan:
     sizes: tuple[int, ...] = ()
     devices: tuple[int, ...] = ()
     stage: int = 0
+    recompute: int = 0  # 0: keep what the backward needs; k > 0: recompute with group k in the backward
 
     def __str__(self) -> str:
         tr = " x ".join(f"{d or 'R'}/{n}" for d, n in zip(self.dims, self.sizes)) or "whole"
-        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}"
+        rc = f" recompute {self.recompute}" if self.recompute else ""
+        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
 
 
 _ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
@@ -117,6 +119,8 @@ class PlanBuilder:
         self._devices: dict[str, tuple[int, ...]] = {}
         self._stage: dict[str, int] = {}
         self._schedule: dict[int, tuple[Action, ...]] = {}
+        self._recompute: dict[str, int] = {}
+        self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
 
     # -- the three primitives --------------------------------------------------
@@ -145,16 +149,18 @@ class PlanBuilder:
     def op_assign(self, op: str, devices: list[int] | tuple[int, ...], *, stage: int = 0) -> None:
         """Place the pieces of ``op`` (row-major over its splits) on ``devices``."""
         self.graph.op(op)
-        devices = tuple(map(int, devices))
+        devices = devices if type(devices) is tuple else tuple(map(int, devices))
         want = math.prod(self._sizes[op])
         if len(devices) != want:
             raise InfeasiblePlan(f"operator {op!r} has {want} pieces; op_assign got {len(devices)} devices")
-        if min(devices) < 0 or max(devices) >= self.num_devices:
-            bad = next(d for d in devices if not 0 <= d < self.num_devices)
-            raise InfeasiblePlan(f"operator {op!r} assigned to device {bad}; devices are 0..{self.num_devices - 1}")
-        if len(set(devices)) != len(devices):
-            raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
-                                 "(co-located pieces are not supported yet)")
+        if devices not in self._checked:  # spaces place many operators on the same devices
+            if min(devices) < 0 or max(devices) >= self.num_devices:
+                bad = next(d for d in devices if not 0 <= d < self.num_devices)
+                raise InfeasiblePlan(f"operator {op!r} assigned to device {bad}; devices are 0..{self.num_devices - 1}")
+            if len(set(devices)) != len(devices):
+                raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
+                                     "(co-located pieces are not supported yet)")
+            self._checked.add(devices)
         self._devices[op] = devices
         self._stage[op] = int(stage)
 
@@ -164,6 +170,15 @@ class PlanBuilder:
         if not 0 <= device < self.num_devices:
             raise InfeasiblePlan(f"op_order: device {device} out of range 0..{self.num_devices - 1}")
         self._schedule[device] = tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions)
+
+    def recompute(self, op: str, group: int) -> None:
+        """Recompute ``op`` in the backward instead of keeping its activations (op-order: its
+        forward runs again, with the rest of ``group``, right before the group's backward).
+        Group 0 turns recomputation off."""
+        self.graph.op(op)
+        if not isinstance(group, int) or group < 0:
+            raise InfeasiblePlan(f"recompute({op!r}): the group must be a non-negative integer, got {group!r}")
+        self._recompute[op] = group
 
     def microbatch(self, m: int) -> None:
         """Split the batch into ``m`` micro-batches run one after another on the same devices
@@ -184,7 +199,8 @@ class PlanBuilder:
         if missing:
             raise InfeasiblePlan(f"{len(missing)} operators have no op_assign, e.g. {', '.join(missing[:5])}")
         ops = tuple(OpPlan(op.name, tuple(self._dims[op.name]), tuple(self._sizes[op.name]),
-                           self._devices[op.name], self._stage[op.name]) for op in self.graph.operators)
+                           self._devices[op.name], self._stage[op.name], self._recompute.get(op.name, 0))
+                    for op in self.graph.operators)
         schedule = tuple(self._schedule.get(d, ()) for d in range(self.num_devices)) \
             if self._schedule else ()
         return Plan(model=self.model, global_batch=self.global_batch, cluster=self.cluster, nodes=self.nodes,

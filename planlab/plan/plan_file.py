@@ -26,7 +26,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "space": plan.space,
         "knobs": dict(plan.knobs),
         "ops": [{"op": p.op, "dims": list(p.dims), "sizes": list(p.sizes), "devices": list(p.devices),
-                 "stage": p.stage} for p in plan.ops],
+                 "stage": p.stage, **({"recompute": p.recompute} if p.recompute else {})} for p in plan.ops],
         "schedule": [[str(a) for a in s] for s in plan.schedule],
     }
 
@@ -70,8 +70,11 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
             raise PlanFileError(f"{w}: sizes must be positive integers, one per dim")
         if any(not isinstance(x, int) or isinstance(x, bool) for x in devices):
             raise PlanFileError(f"{w}: devices must be integers")
+        rc = o.get("recompute", 0)
+        if not isinstance(rc, int) or isinstance(rc, bool) or rc < 0:
+            raise PlanFileError(f"{w}: recompute must be a non-negative integer group, got {rc!r}")
         ops.append(OpPlan(_need(o, "op", str, w), tuple(dims), tuple(sizes), tuple(devices),
-                          int(_need(o, "stage", int, w))))
+                          int(_need(o, "stage", int, w)), rc))
     schedule = []
     for k, s in enumerate(d.get("schedule", [])):
         if not isinstance(s, list):

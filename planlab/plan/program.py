@@ -54,7 +54,9 @@ class Task:
     the gradient contributions for its inputs (``""``: no gradient). ``saved``
     names the buffers its backward keeps alive; ``lead`` is False on pieces
     other than the first along a split reduction dimension, which leave out
-    terms added once (a linear layer's bias) so the partial sums add up. ``region`` is the slice of the
+    terms added once (a linear layer's bias) so the partial sums add up.
+    ``recompute`` is ``"drop"`` on a forward whose activations are not kept
+    and ``"redo"`` on its second run in the backward block. ``region`` is the slice of the
     written buffer (receive, local copy) or of the read buffer (send) moved;
     ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
     the memory effects, filled in by liveness analysis.
@@ -79,6 +81,7 @@ class Task:
     dtype: str = "float32"
     accumulate: bool = False
     lead: bool = True
+    recompute: str = ""
     saved: tuple[str, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()

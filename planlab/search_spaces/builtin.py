@@ -80,15 +80,23 @@ class DataParallel(Space):
         draft.add_axis("dp", dp, batch_dim)
 
 
-# Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise).
-COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc)$")
-ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj)$")
+# Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise):
+# GPT's attn.q/k/v, mlp.fc | attn.proj, mlp.proj; LLaMA's attention.wq/wk/wv, feed_forward.w1/w3 |
+# attention.wo, feed_forward.w2 (grouped-query attention splits its key/value heads too).
+COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3))$")
+ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2)$")
+
+
+_TP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
 
 
 def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
-    """Per operator, the dimension Megatron's tensor parallelism splits: ``n`` of column-parallel
+    """Per operator (cached per graph), the dimension Megatron's tensor parallelism splits: ``n`` of column-parallel
     linears, ``k`` of row-parallel ones, and between them the head or hidden dimension their
     outputs carry; everything else replicated."""
+    hit = _TP_CACHE.get(id(g))
+    if hit is not None and hit[0] is g:
+        return hit[1]
     labels: set[str] = set()
     out: dict[str, str | None] = {}
     for op in g.operators:
@@ -104,12 +112,19 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
                     dim = d
                     break
         out[op.name] = dim
+    _TP_CACHE.clear()  # one graph at a time is plenty
+    _TP_CACHE[id(g)] = (g, out)
     return out
 
 
 def _tp_limit(c: Context) -> int:
     """Tensor parallelism stays inside a node; on single-device nodes (the CPU cluster) it may span them."""
     return c.num_devices if c.devices_per_node == 1 else min(c.devices_per_node, c.num_devices)
+
+
+def _kv_heads(c: Context) -> int | None:
+    """Key/value heads of a grouped-query attention model (None if the model does not say)."""
+    return getattr(c.model.config(), "kv_heads", None)
 
 
 class TensorParallel(Space):
@@ -123,6 +138,8 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
         Constraint(lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads"),
+        Constraint(lambda a, c: a["tp"] is None or _kv_heads(c) is None or _kv_heads(c) % a["tp"] == 0,
+                   lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
         Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
         ALL_DEVICES,
@@ -179,15 +196,41 @@ class PipelineParallel(Space):
             draft.stages = pipeline_stages(draft.ctx.graph, pp, draft.ctx.layers)
 
 
+ATTENTION_CORE = ("attention", "softmax")
+
+
+class Recompute(Space):
+    """Activation recomputation per transformer layer: ``none``, ``selective`` (the attention
+    core only, as Megatron-LM's selective recompute) or ``full`` (every operator of the layer;
+    only the layer's input is kept)."""
+
+    name = "recompute"
+    order = 3
+    knobs = (Knob("recompute", lambda c: ("none", "selective", "full"), "activation recomputation"),)
+    constraints = (
+        Constraint(lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
+                   lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'"),
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        mode = values.get("recompute") or "none"
+        if mode == "none":
+            return
+        for op in draft.ctx.graph.operators:
+            m = _BLOCK.search(op.module)
+            if m and (mode == "full" or op.kind in ATTENTION_CORE):
+                draft.recompute[op.name] = int(m.group(2)) + 1
+
+
 class Megatron(Product):
-    """The Megatron-LM grid: data x tensor x pipeline (1F1B) parallelism."""
+    """The Megatron-LM grid: data x tensor x pipeline (1F1B) parallelism x recomputation."""
 
     def __init__(self) -> None:
-        super().__init__((PipelineParallel(), DataParallel(), TensorParallel()), name="megatron")
+        super().__init__((PipelineParallel(), DataParallel(), TensorParallel(), Recompute()), name="megatron")
 
 
 BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
-                                   "megatron": Megatron}
+                                   "recompute": Recompute, "megatron": Megatron}
 
 
 def get_space(spec: str) -> Space:

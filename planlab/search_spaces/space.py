@@ -75,6 +75,7 @@ class Draft:
     num_stages: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
+    recompute: dict[str, int] = field(default_factory=dict)
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` names the dimension each
@@ -93,12 +94,15 @@ class Draft:
         b = PlanBuilder(g, model=self.ctx.model, global_batch=self.ctx.global_batch, cluster=self.ctx.cluster,
                         nodes=self.ctx.nodes, num_devices=self.ctx.num_devices, space=space, knobs=knobs)
         b.microbatch(self.microbatches)
+        stage_devices = [tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(self.num_stages)]
         for op in g.operators:
             dims = self.dims.get(op.name, [None] * len(self.axes))
             for dim, (_, size) in zip(dims, self.axes):
                 b.op_trans(op.name, dim, size)
             s = self.stages.get(op.name, 0)
-            b.op_assign(op.name, range(s * per_stage, (s + 1) * per_stage), stage=s)
+            b.op_assign(op.name, stage_devices[s], stage=s)
+            if self.recompute.get(op.name):
+                b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1:
             make = SCHEDULES[self.schedule]
             for s in range(self.num_stages):
