@@ -1,0 +1,49 @@
+"""Predicted against measured iteration time on vTrain's 1,549 measured runs.
+
+Prints, for the single-node and the multi-node sets, the mean absolute percentage error (MAPE)
+of planlab's prediction next to vTrain's own published MAPE (8.37% and 14.73%), and the worst
+runs. By default every 10th single-node run and every multi-node run; --all for every run.
+
+    .venv/bin/python benchmarks/validate_vtrain.py [--all] [--jobs 2] [--csv out.csv]
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+from planlab.validation import load_runs, mape, validate
+
+REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+SPEC = str(Path(__file__).with_name("specs") / "vtrain-a100.json")
+VTRAIN_MAPE = {"single": 8.37, "multi": 14.73}  # vTrain (MICRO 2024), reference README
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true", help="every single-node run, not every 10th")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--ref", default=str(REF))
+    args = ap.parse_args()
+    frames = []
+    for kind in ("single", "multi"):
+        runs = load_runs(Path(args.ref) / f"vtrain_ground_truth_{kind}.csv")
+        if kind == "single" and not args.all:
+            runs = runs[::10]
+        t = time.perf_counter()
+        df = validate(runs, SPEC, jobs=args.jobs)
+        df["set"] = kind
+        frames.append(df)
+        print(f"{kind}-node: {len(df)} runs in {time.perf_counter() - t:.0f} s; planlab MAPE {mape(df):.2f}% "
+              f"(vTrain's own: {VTRAIN_MAPE[kind]}%); mean signed error {df['error'].mean() * 100:+.1f}%")
+        worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(5)
+        print(worst[["gpus", "hidden", "layers", "global_batch", "micro_batch", "tp", "dp", "pp", "measured_s",
+                     "predicted_s", "error"]].to_string(index=False))
+    if args.csv:
+        import pandas as pd
+
+        pd.concat(frames).to_csv(args.csv, index=False)
+
+
+if __name__ == "__main__":
+    main()
