@@ -58,3 +58,20 @@ def timeline_plot(result, path: str | os.PathLike) -> None:
     ax.set_yticks([i + 0.3 for i in ys.values()], [f"device {d}" for d in ys])
     ax.set_xlabel("time (s)")
     _save(fig, path)
+
+
+def memory_plot(result, path: str | os.PathLike) -> None:
+    """Memory over time per device class (needs ``simulate(..., timeline=True)``)."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    cap = result.device_memory_bytes / 2**30
+    for d in result.devices:
+        pts = [(t, b / 2**30) for dev, t, b in result.memory if dev == d.device]
+        if pts:
+            ax.step([t for t, _ in pts], [b for _, b in pts], where="post", label=f"device {d.device} (x{d.members})")
+    if max((d.peak_mem_bytes for d in result.devices), default=0) / 2**30 > cap / 3:
+        ax.axhline(cap, color="k", ls=":", lw=1, label="device memory")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("memory (GiB)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    _save(fig, path)

@@ -132,3 +132,15 @@ def test_trace_and_dataframe(tmp_path):
     df = res.to_dataframe()
     assert list(df.columns) == ["device", "stream", "action", "name", "start_s", "end_s"]
     assert len(df) == len(res.events)
+
+
+def test_a_straggler_slows_the_pipeline_and_gets_its_own_class():
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    prog = _pipeline_program(4, 8, one_f_one_b)
+    base = simulate(prog, cost)
+    slow = simulate(prog, cost, stragglers={2: 2.0})
+    # the slowed stage sets the pace: (m + p - 1) steps of its own doubled time at most
+    assert base.iter_time_s < slow.iter_time_s <= (8 + 4 - 1) * 2 * 3.0
+    assert slow.devices[2].compute_s == pytest.approx(2 * base.devices[2].compute_s)
+    with pytest.raises(Exception, match="stragglers"):
+        simulate(prog, cost, stragglers={9: 2.0})

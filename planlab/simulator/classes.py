@@ -22,10 +22,11 @@ def _stripped(dp: DeviceProgram, cluster: ClusterSpec) -> tuple:
     return tuple(out)
 
 
-def device_classes(program: Program, cluster: ClusterSpec) -> list[int]:
-    """``cls[d]``: the class id of device ``d`` (ids are the lowest device of each class)."""
-    n = program.num_devices
-    keys = [_stripped(dp, cluster) for dp in program.devices]
+def device_classes(program: Program, cluster: ClusterSpec, slowdown: dict[int, float] | None = None) -> list[int]:
+    """``cls[d]``: the class id of device ``d`` (ids are the lowest device of each class).
+    Devices with different ``slowdown`` factors never share a class."""
+    slowdown = slowdown or {}
+    keys = [(slowdown.get(dp.device, 1.0), _stripped(dp, cluster)) for dp in program.devices]
     cls = _canon(keys)
     while True:
         refined = []

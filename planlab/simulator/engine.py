@@ -13,7 +13,7 @@ import simpy
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.compute import peak_flops_per_s
-from planlab.errors import DeadlockError
+from planlab.errors import ConfigError, DeadlockError
 from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.result import DeviceStats, Event, SimResult
@@ -21,15 +21,21 @@ from planlab.simulator.units import Collective, Recv, Segment, Send, lower_block
 
 
 def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False,
-             symmetry: bool = True) -> SimResult:
+             symmetry: bool = True, stragglers: dict[int, float] | None = None) -> SimResult:
     """Simulate one iteration of ``program``; ``model_flops`` (forward + backward of the
     model at the global batch) gives MFU. With ``timeline`` every task is recorded. With
-    ``symmetry`` one representative per device class is simulated (same result, less work)."""
+    ``symmetry`` one representative per device class is simulated (same result, less work).
+    ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies."""
     cluster = cost.cluster
     if program.num_devices > cluster.num_devices:
         raise DeadlockError(f"the program has {program.num_devices} devices; the cluster {cluster} has "
                             f"{cluster.num_devices}")
-    cls = device_classes(program, cluster) if symmetry else list(range(program.num_devices))
+    slow = dict(stragglers or {})
+    bad = {d: f for d, f in slow.items() if not isinstance(d, int) or not isinstance(f, (int, float))
+           or not 0 <= d < program.num_devices or not f > 0}
+    if bad:
+        raise ConfigError(f"stragglers {bad}: devices must be 0..{program.num_devices - 1} and factors positive")
+    cls = device_classes(program, cluster, slow) if symmetry else list(range(program.num_devices))
     reps = sorted(set(cls))
     members = {r: cls.count(r) for r in reps}
     dtype = program.precision.compute_dtype
@@ -64,6 +70,7 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
                  for k, b in dp.blocks.items()}
         st = stats[rep] = dict(compute_s=0.0, comm_s=0.0, wait_s=0.0, peak=dp.static_bytes, peak_at=0.0,
                                peak_task="(weights)")
+        factor = slow.get(rep, 1.0)
         mem = dp.static_bytes
         seen_coll: dict[tuple, int] = defaultdict(int)
         if timeline:
@@ -79,14 +86,17 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
                 if isinstance(u, Segment):
                     bump(u.peak_bytes, u.peak_task)
                     start = env.now
-                    yield env.timeout(u.compute_s + u.comm_s)
-                    st["compute_s"] += u.compute_s
+                    if timeline:
+                        memory.append((rep, start, mem + u.peak_bytes))
+                    yield env.timeout(u.compute_s * factor + u.comm_s)
+                    st["compute_s"] += u.compute_s * factor
                     st["comm_s"] += u.comm_s
                     mem += u.net_bytes
                     if timeline:
                         t = start
-                        for name, d in zip(u.tasks, u.durations):
-                            events.append(Event(rep, "compute", a, name, t, t + d))
+                        for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
+                            d = d if comm else d * factor
+                            events.append(Event(rep, "comm" if comm else "compute", a, name, t, t + d))
                             t += d
                         memory.append((rep, env.now, mem))
                 elif isinstance(u, Send):

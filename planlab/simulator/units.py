@@ -26,6 +26,7 @@ class Segment:
     net_bytes: int
     durations: tuple[float, ...]
     peak_task: str = ""
+    is_comm: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
             mem -= sum(sizes.get(b, 0) for b in t.free)
         units.append(Segment(tuple(t.name for t, _, _ in cur),
                              sum(d for _, d, c in cur if not c), sum(d for _, d, c in cur if c),
-                             peak, mem, tuple(d for _, d, _ in cur), at))
+                             peak, mem, tuple(d for _, d, _ in cur), at, tuple(c for _, _, c in cur)))
         cur.clear()
 
     for t in block.tasks:
