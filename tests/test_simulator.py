@@ -4,7 +4,7 @@ import pytest
 
 from planlab.costmodel import CostModel
 from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
-from planlab.search_spaces import Context, get_space, gpipe, one_f_one_b
+from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
 from planlab.simulator import device_classes, find_deadlock, simulate
 
 from conftest import traced
@@ -144,3 +144,50 @@ def test_a_straggler_slows_the_pipeline_and_gets_its_own_class():
     assert slow.devices[2].compute_s == pytest.approx(2 * base.devices[2].compute_s)
     with pytest.raises(Exception, match="stragglers"):
         simulate(prog, cost, stragglers={9: 2.0})
+
+
+def _interleaved_program(p: int, v: int, m: int, f_flops=1e9, b_flops=2e9) -> Program:
+    """p devices, v chunks each; chunk c of the model lives on device c % p; one task per block."""
+    devs = []
+    n = p * v
+    for r in range(p):
+        blocks = {}
+        for c in range(v):
+            s = c * p + r
+            fwd, bwd = [], []
+            if s > 0:
+                fwd.append(Task(f"recv_x{s}", TaskKind.RECV, (), (f"x{s}",), peer=(s - 1) % p, axis=2 * s))
+            fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (f"y{s}",), flops=f_flops / v))
+            if s < n - 1:
+                fwd.append(Task(f"send_y{s}", TaskKind.SEND, (f"y{s}",), (), peer=(s + 1) % p, axis=2 * (s + 1)))
+                bwd.append(Task(f"recv_dy{s}", TaskKind.RECV, (), (f"dy{s}",), peer=(s + 1) % p, axis=2 * s + 1))
+            bwd.append(Task(f"b{s}", TaskKind.BACKWARD, (), (f"dx{s}",), flops=b_flops / v))
+            if s > 0:
+                bwd.append(Task(f"send_dx{s}", TaskKind.SEND, (f"dx{s}",), (), peer=(s - 1) % p, axis=2 * (s - 1) + 1))
+            blocks[(s, "F")] = Block(s, "F", tuple(fwd))
+            blocks[(s, "B")] = Block(s, "B", tuple(bwd))
+        devs.append(DeviceProgram(r, blocks, tuple(interleaved_1f1b(r, p, m, v))))
+    return Program(tuple(devs), m, FP32)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6)])
+def test_interleaved_1f1b_matches_its_formula(p, v, m):
+    # idealised: each chunk takes f/v forward and b/v backward; bubble (p - 1) / (v m)
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    prog = _interleaved_program(p, v, m)
+    find_deadlock(prog)
+    res = simulate(prog, cost)
+    f, b = 1.0, 2.0
+    assert res.iter_time_s == pytest.approx((m + (p - 1) / v) * (f + b), rel=1e-12)
+
+
+@pytest.mark.parametrize("rank, expected", [
+    (0, "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
+    (1, "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"),
+])
+def test_interleaved_schedule_text(rank, expected):
+    from planlab.search_spaces.schedules import format_schedule, parse_schedule
+
+    text = format_schedule(interleaved_1f1b(rank, 2, 4, 2))
+    assert text == expected
+    assert format_schedule(parse_schedule(text)) == text
