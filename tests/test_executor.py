@@ -28,9 +28,10 @@ def _check(plan, n, steps=2):
     (2, dict(dp=1, tp=1, pp=2, microbatch=2)),   # 1F1B pipeline, 4 micro-batches
     (4, dict(dp=1, tp=2, pp=2, microbatch=4)),   # TP x PP
     (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
+    (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
 ])
 def test_megatron_plans_match_one_process(n, knobs):
-    spec, g = traced("gpt-tiny", 8)
+    spec, g = traced("gpt-small" if knobs.get("virtual_stages", 1) > 1 else "gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
     _check(plan, n)
 

@@ -174,26 +174,46 @@ def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
 
 
 class PipelineParallel(Space):
-    """Layers in ``pp`` stages run with the 1F1B schedule."""
+    """Layers in ``pp`` stages, run with 1F1B, GPipe, or interleaved 1F1B over ``virtual_stages``
+    model chunks per device (explored at 1F1B unless ``--set`` picks another schedule)."""
 
     name = "pp"
     order = 0
-    knobs = (Knob("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
-                  "pipeline-parallel degree (stages)"),)
+    knobs = (
+        Knob("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
+             "pipeline-parallel degree (device groups)"),
+        Knob("schedule", lambda c: ("1f1b", "gpipe", "interleaved"), "pipeline schedule", default="1f1b"),
+        Knob("virtual_stages", lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
+             "model chunks per device (interleaved schedule)", default=1),
+    )
     constraints = (
         Constraint(lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
                    lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices"),
         Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
                    lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
+        Constraint(lambda a, c: a["pp"] is None or a["virtual_stages"] is None
+                   or c.layers % (a["pp"] * a["virtual_stages"]) == 0,
+                   lambda a, c: f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the "
+                                f"model's {c.layers} layers"),
+        Constraint(lambda a, c: a["schedule"] is None or a["virtual_stages"] is None
+                   or (a["schedule"] == "interleaved") == (a["virtual_stages"] > 1),
+                   lambda a, c: f"virtual_stages={a['virtual_stages']} goes with schedule=interleaved "
+                                f"(and only with it), not schedule={a['schedule']}"),
+        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a["microbatch"] is None
+                   or a.get("dp") is None
+                   or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0,
+                   lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp"),
         ALL_DEVICES,
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
         pp = values.get("pp") or 1
-        draft.num_stages = pp
-        draft.schedule = "1f1b"
-        if pp > 1:
-            draft.stages = pipeline_stages(draft.ctx.graph, pp, draft.ctx.layers)
+        v = values.get("virtual_stages") or 1
+        draft.num_stages = pp * v
+        draft.chunks = v
+        draft.schedule = values.get("schedule") or "1f1b"
+        if pp * v > 1:
+            draft.stages = pipeline_stages(draft.ctx.graph, pp * v, draft.ctx.layers)
 
 
 ATTENTION_CORE = ("attention", "softmax")

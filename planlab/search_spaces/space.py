@@ -20,7 +20,7 @@ from planlab.errors import ConfigError, InfeasiblePlan, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 from planlab.plan.plan import Action, Plan, PlanBuilder
-from planlab.search_spaces.schedules import SCHEDULES
+from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,13 @@ class Context:
 
 @dataclass(frozen=True)
 class Knob:
-    """A named choice with its candidate values in a context."""
+    """A named choice with its candidate values in a context. A knob with a ``default`` is
+    explored at that value only, unless ``--set`` picks another of its values."""
 
     name: str
     values: Callable[[Context], tuple[Any, ...]]
     doc: str = ""
+    default: Any = None
 
     def __str__(self) -> str:
         return self.name
@@ -73,6 +75,7 @@ class Draft:
     dims: dict[str, list[str | None]] = field(default_factory=dict)
     stages: dict[str, int] = field(default_factory=dict)
     num_stages: int = 1
+    chunks: int = 1  # stages per device group (virtual pipeline stages)
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
@@ -88,26 +91,30 @@ class Draft:
         """Issue op-trans, op-assign and op-order for this draft."""
         g = self.ctx.graph
         per_stage = math.prod(s for _, s in self.axes)
-        if per_stage * self.num_stages != self.ctx.num_devices:
-            raise InfeasiblePlan(f"{space}: {per_stage} devices per stage x {self.num_stages} stages "
+        groups = self.num_stages // self.chunks  # device groups; stage s runs on group s % groups
+        if per_stage * groups != self.ctx.num_devices:
+            raise InfeasiblePlan(f"{space}: {per_stage} devices per stage x {groups} pipeline ranks "
                                  f"!= {self.ctx.num_devices} devices")
         b = PlanBuilder(g, model=self.ctx.model, global_batch=self.ctx.global_batch, cluster=self.ctx.cluster,
                         nodes=self.ctx.nodes, num_devices=self.ctx.num_devices, space=space, knobs=knobs)
         b.microbatch(self.microbatches)
-        stage_devices = [tuple(range(s * per_stage, (s + 1) * per_stage)) for s in range(self.num_stages)]
+        group_devices = [tuple(range(r * per_stage, (r + 1) * per_stage)) for r in range(groups)]
         for op in g.operators:
             dims = self.dims.get(op.name, [None] * len(self.axes))
             for dim, (_, size) in zip(dims, self.axes):
                 b.op_trans(op.name, dim, size)
             s = self.stages.get(op.name, 0)
-            b.op_assign(op.name, stage_devices[s], stage=s)
+            b.op_assign(op.name, group_devices[s % groups], stage=s)
             if self.recompute.get(op.name):
                 b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1:
-            make = SCHEDULES[self.schedule]
-            for s in range(self.num_stages):
-                actions = make(s, self.num_stages, self.microbatches) + [Action(s, "W", 0)]
-                for d in range(s * per_stage, (s + 1) * per_stage):
+            for r in range(groups):
+                if self.chunks > 1:
+                    actions = interleaved_1f1b(r, groups, self.microbatches, self.chunks)
+                else:
+                    actions = SCHEDULES[self.schedule](r, groups, self.microbatches)
+                actions = actions + [Action(r, "W", 0)]
+                for d in group_devices[r]:
                     b.op_order(d, actions)
         return b.build()
 
@@ -156,6 +163,8 @@ class Space(abc.ABC):
                 if v not in vals:
                     raise ConfigError(f"{k.name}={v} is not valid here: {self._why(k, v, ctx, fixed)}")
                 vals = (v,)
+            elif k.default is not None:
+                vals = (k.default,)
             ranges.append(vals)
         for combo in itertools.product(*ranges):
             a = dict(zip(names, combo))
