@@ -363,3 +363,112 @@ _reg(targets_fn=(torch.permute,), methods=("permute",), kind="permute", signatur
      bwd_flops_ratio=0.0)
 _reg(targets_fn=(torch.transpose,), methods=("transpose",), kind="transpose", signature=_transpose,
      bwd_flops_ratio=0.0)
+
+
+# ---- LLaMA operators: RMSNorm, slicing, negation, concatenation, GQA repeats ------
+
+def _rms_norm(c: OpContext) -> Signature:
+    """Like layer norm: the normalized trailing axes stay whole, the leading ones split."""
+    ns = c.module.normalized_shape if c.module is not None else \
+        c.kwargs.get("normalized_shape", c.args[1] if len(c.args) > 1 else None)
+    k = 1 if isinstance(ns, int) else len(ns) if isinstance(ns, (tuple, list)) else 1
+    r = len(c.in_shapes[0])
+    b = _letters(r - k)
+    h = [f"h{i}" for i in range(k)]
+    xs = [*[(n,) for n in b], *[(n,) for n in h]]
+    return Signature.of([xs] + [[(n,) for n in h] for _ in c.in_shapes[1:]], [xs], (), set(h))
+
+
+def _getitem(c: OpContext) -> Signature:
+    """Basic indexing ``x[...]`` by ints, slices, None and one Ellipsis. A full slice keeps its
+    axis's name; any other slice makes the axis a new whole dimension; an int removes the axis
+    (kept whole); None adds a size-1 axis. Anything else (tensor indices) is kept whole."""
+    idx = c.args[1] if len(c.args) > 1 else None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    basic = all(i is None or i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))
+                for i in idx)
+    if len(c.in_shapes) != 1 or not basic or sum(i is Ellipsis for i in idx) > 1:
+        return _opaque(c)
+    r = len(c.in_shapes[0])
+    real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    if real > r:
+        return _opaque(c)
+    fill = (slice(None),) * (r - real)
+    idx = tuple(x for i in idx for x in (fill if i is Ellipsis else (i,))) + (() if Ellipsis in idx else fill)
+    names = _letters(r)
+    ins: list[tuple[str, ...]] = [(n,) for n in names]
+    outs: list[tuple[str, ...]] = []
+    a = 0
+    for i in idx:
+        if i is None:
+            outs.append(())
+            continue
+        if isinstance(i, int):
+            ins[a] = (f"x{a}",)  # vanishes from the output: kept whole
+        elif i == slice(None):
+            outs.append((names[a],))
+        else:
+            ins[a] = (f"x{a}",)
+            outs.append((f"y{a}",))  # a new dimension: kept whole on both sides
+        a += 1
+    return Signature.of([ins], [outs])
+
+
+def _cat(c: OpContext) -> Signature:
+    """``torch.cat(tensors, dim)``: the joined axis is whole (a new dimension per tensor), the
+    other axes are shared. Each distinct input tensor appears once (``cat((x, x))`` has one)."""
+    dim = c.kwargs.get("dim", c.args[1] if len(c.args) > 1 and isinstance(c.args[1], int) else 0)
+    r = len(c.out_shapes[0])
+    if r == 0 or any(len(s) != r for s in c.in_shapes):
+        return _opaque(c)
+    d = dim % r
+    names = _letters(r)
+    def axes(tag: str):
+        return [(f"c{tag}",) if a == d else (names[a],) for a in range(r)]
+    return Signature.of([axes(str(t)) for t in range(len(c.in_shapes))], [axes("out")])
+
+
+def _repeat_interleave(c: OpContext) -> Signature:
+    """``x.repeat_interleave(r, dim)`` with an int ``r``: output axis ``dim`` is the group
+    ``(a r)``, so splitting ``a`` (e.g. key/value heads) splits the repeated axis (query heads)
+    into matching contiguous pieces."""
+    rep = c.kwargs.get("repeats", c.args[1] if len(c.args) > 1 else None)
+    dim = c.kwargs.get("dim", c.args[2] if len(c.args) > 2 else None)
+    if len(c.in_shapes) != 1 or not isinstance(rep, int) or not isinstance(dim, int):
+        return _opaque(c)
+    r = len(c.in_shapes[0])
+    names = _letters(r)
+    d = dim % r
+    outs = [(n,) for n in names]
+    outs[d] = (names[d], "rep")
+    return Signature.of([[(n,) for n in names]], [outs])
+
+
+def _expand(c: OpContext) -> Signature:
+    """``x.expand(*sizes)``: input axes aligned right; an axis that keeps its size keeps its
+    name, a broadcast (size-1) or new leading axis is a new whole dimension."""
+    x, out = c.in_shapes[0], c.out_shapes[0]
+    off = len(out) - len(x)
+    names = _letters(len(out))
+    ins = [(names[j + off],) if s == out[j + off] else () for j, s in enumerate(x)]
+    outs = [(n,) if a >= off and x[a - off] == out[a] else (f"e{a}",) for a, n in enumerate(names)]
+    return Signature.of([ins], [outs])
+
+
+_reg(modules=(nn.RMSNorm,), kind="rms_norm", signature=_rms_norm,
+     flops=lambda c: 4.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5,
+     functional=lambda m: (lambda x, *w, _s=tuple(m.normalized_shape), _e=m.eps:
+                           F.rms_norm(x, _s, *w, eps=_e), (), {}),
+     params=("weight",))
+_reg(targets_fn=(F.rms_norm,), kind="rms_norm_fn", signature=_rms_norm,
+     flops=lambda c: 4.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5)
+_reg(targets_fn=(_op.getitem,), kind="getitem", signature=_getitem, bwd_flops_ratio=0.0)
+_reg(targets_fn=(_op.neg, torch.neg), methods=("neg",), kind="neg", signature=_elementwise,
+     flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.5)
+_reg(targets_fn=(torch.cat, torch.concat, torch.concatenate), kind="cat", signature=_cat, bwd_flops_ratio=0.0)
+_reg(targets_fn=(torch.repeat_interleave,), methods=("repeat_interleave",), kind="repeat_interleave",
+     signature=_repeat_interleave, bwd_flops_ratio=0.5)
+_reg(targets_fn=(torch.unsqueeze, torch.squeeze), methods=("unsqueeze", "squeeze"), kind="reshape",
+     signature=_reshape, bwd_flops_ratio=0.0, view=True)
+# a piece runs as an expand to the piece's own output shape (the call's sizes are the whole tensor's)
+_reg(methods=("expand",), kind="expand", signature=_expand, bwd_flops_ratio=0.5)

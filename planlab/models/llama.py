@@ -1,0 +1,164 @@
+"""A LLaMA decoder family as real torch modules, written so torch.fx traces it whole.
+
+The architecture of Meta's LLaMA 2 and 3 (Touvron et al. 2023; Llama Team 2024): RMSNorm
+before attention and MLP, rotary position embeddings on queries and keys, grouped-query
+attention (``kv_heads`` key/value heads shared by groups of query heads), a SwiGLU MLP and an
+untied output layer, no biases. Module names follow Meta's reference code (``attention.wq``,
+``feed_forward.w1``, ...) with the layers in ``blocks`` so pipeline staging finds them.
+
+Tracing-friendly: the rotary tables are buffers computed once, the rotation is written with
+ordinary ops (slices, negation, concatenation, broadcast multiply), and keys and values are
+repeated to the query heads with ``repeat_interleave`` (so splitting key/value heads splits
+query heads consistently). No Python control flow depends on tensor sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of a LLaMA decoder.
+
+    ``kv_heads`` key/value heads (dividing ``heads``; equal to it is plain multi-head
+    attention), ``ffn_hidden`` the SwiGLU width, ``rope_theta`` the rotary base and
+    ``norm_eps`` the RMSNorm epsilon.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    seq: int
+    vocab: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def num_params(self) -> int:
+        """Parameter count of the module: embedding, layers, final norm and untied output."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.ffn_hidden + 2 * h
+        return 2 * self.vocab * h + self.layers * per_layer + h
+
+    def __str__(self) -> str:
+        return (f"llama(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, "
+                f"kv_heads={self.kv_heads}, ffn_hidden={self.ffn_hidden}, seq={self.seq}, vocab={self.vocab})")
+
+
+def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine of the rotary angles, each ``(seq, head_dim)``.
+
+    Frequency ``i`` of ``head_dim / 2`` is ``theta ** (-2i / head_dim)``; both halves of the
+    head dimension use the same frequencies (the "rotate half" layout).
+    """
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # (hd/2,)
+    angles = torch.outer(torch.arange(cfg.seq, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings on queries and keys."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, hd
+        self.rep = cfg.heads // cfg.kv_heads  # query heads per key/value head
+        self.half = hd // 2
+        self.wq = nn.Linear(h, cfg.heads * hd, bias=False)
+        self.wk = nn.Linear(h, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(h, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.heads * hd, h, bias=False)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x: (B, n, T, hs) with cos, sin: (T, hs)."""
+        x1 = x[..., : self.half]  # (B, n, T, hs/2)
+        x2 = x[..., self.half:]  # (B, n, T, hs/2)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin  # (B, n, T, hs)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, C) -> q: (B, nh, T, hs); k, v: (B, nkv, T, hs)
+        q = self.wq(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        k = self.wk(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        if self.rep > 1:  # a config constant, not a tensor size
+            k = k.repeat_interleave(self.rep, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(self.rep, dim=1)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.wo(y.transpose(1, 2).flatten(-2))  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, C) -> (B, T, F) -> (B, T, C)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm LLaMA layer."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """LLaMA decoder whose forward returns the mean next-token cross-entropy."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (T, hs)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # idx, targets: (B, T) token ids
+        x = self.tok_embeddings(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin)
+        logits = self.output(self.norm(x))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    @staticmethod
+    def example_inputs(cfg: LlamaConfig, batch: int, device: str | torch.device = "meta",
+                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and next-token targets of shape (batch, seq)."""
+        if str(device) == "meta":
+            z = torch.empty(batch, cfg.seq, dtype=torch.long, device="meta")
+            return z, z.clone()
+        g = torch.Generator().manual_seed(0 if seed is None else seed)
+        toks = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
+        return toks[:, :-1].contiguous().to(device), toks[:, 1:].contiguous().to(device)
