@@ -310,19 +310,42 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
             nb = box_numel(target.box(flat, L.shapes[p])) * precision.grad_bytes
             buckets[dev][tuple(sorted(group))].append((f"wg:{p}", nb))
     devices = sorted(set(entries) | set(params_on))
+    zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # bytes of grads, optimizer states saved
     for dev in devices:
         w_block = (min((s for s, _ in entries[dev]), default=0), "W")
-        for group in sorted(buckets[dev]):
+        sharded: set[str] = set()
+        for gid, group in enumerate(sorted(buckets[dev])):
             items = buckets[dev][group]
             bufs = tuple(b for b, _ in items)
-            emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
-                                            collective="all_reduce", group=group,
-                                            nbytes=sum(n for _, n in items)))
-        nparams = sum(box_numel(b) for _, b in params_on[dev])
+            grad_bytes = sum(n for _, n in items)
+            if plan.zero == 0:
+                emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
+                                                collective="all_reduce", group=group, nbytes=grad_bytes))
+                continue
+            # ZeRO: reduce-scatter the bucket, step the optimizer on this device's shard, all-gather weights
+            n = len(group)
+            numel = grad_bytes // precision.grad_bytes
+            zg, zp = f"zg:{list(group)}", f"zp:{list(group)}"
+            wbufs = tuple("w:" + b[3:] for b in bufs)
+            emit(dev, w_block, (0, 0), Task(f"grad-reduce-scatter{list(group)}", TaskKind.COLLECTIVE, bufs, (zg,),
+                                            collective="reduce_scatter", group=group, nbytes=grad_bytes))
+            emit(dev, w_block, (1, 0), Task(f"optimizer-shard{list(group)}", TaskKind.OPTIMIZER, (zg,), (zp,),
+                                            flops=12.0 * numel / n,
+                                            bytes_moved=numel / n * (2 * precision.param_bytes + precision.grad_bytes
+                                                                     + 2 * precision.optimizer_bytes)))
+            emit(dev, w_block, (2, 0), Task(f"param-all-gather{list(group)}", TaskKind.COLLECTIVE, (zp,), wbufs,
+                                            collective="all_gather", group=group,
+                                            nbytes=numel * precision.param_bytes))
+            sharded.update(b[3:] for b in bufs)
+            zero_saved[dev][1] += numel * precision.optimizer_bytes * (n - 1) // n
+            if plan.zero >= 2:
+                zero_saved[dev][0] += numel * precision.grad_bytes * (n - 1) // n
+        rest = [(p, b) for p, b in params_on[dev] if p not in sharded]
+        nparams = sum(box_numel(b) for _, b in rest)
         if nparams:
-            w = tuple(f"w:{p}" for p, _ in params_on[dev])
-            g = tuple(f"wg:{p}" for p, _ in params_on[dev])
-            emit(dev, w_block, (1, 0), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
+            w = tuple(f"w:{p}" for p, _ in rest)
+            g = tuple(f"wg:{p}" for p, _ in rest)
+            emit(dev, w_block, (1, 1), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
                                             bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
                                                                    + 2 * precision.optimizer_bytes)))
 
@@ -340,8 +363,9 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         nparams = sum(box_numel(b) for _, b in params_on.get(dev, []))
         programs.append(DeviceProgram(
             device=dev, blocks=blocks, schedule=schedule, params=tuple(params_on.get(dev, [])),
-            param_bytes=nparams * precision.param_bytes, grad_bytes=nparams * precision.grad_bytes,
-            optimizer_bytes=nparams * precision.optimizer_bytes))
+            param_bytes=nparams * precision.param_bytes,
+            grad_bytes=nparams * precision.grad_bytes - zero_saved[dev][0],
+            optimizer_bytes=nparams * precision.optimizer_bytes - zero_saved[dev][1]))
     loss_op = graph.producer[graph.loss]
     lay = L.has(loss_op, 0)
     holders = []

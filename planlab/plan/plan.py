@@ -84,6 +84,7 @@ class Plan:
     space: str = ""
     knobs: tuple[tuple[str, Any], ...] = ()
     version: int = PLAN_VERSION
+    zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients
 
     def op_plan(self, name: str) -> OpPlan:
         for p in self.ops:
@@ -122,6 +123,7 @@ class PlanBuilder:
         self._recompute: dict[str, int] = {}
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
+        self._zero = 0
 
     # -- the three primitives --------------------------------------------------
     def op_trans(self, op: str, dim: str | None, n: int) -> None:
@@ -180,6 +182,14 @@ class PlanBuilder:
             raise InfeasiblePlan(f"recompute({op!r}): the group must be a non-negative integer, got {group!r}")
         self._recompute[op] = group
 
+    def zero(self, stage: int) -> None:
+        """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
+        shards their optimizer states over those devices (reduce-scatter the gradients, step the
+        shard, all-gather the weights); stage 2 also keeps only a shard of the gradients."""
+        if stage not in (0, 1, 2):
+            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1 or 2 (stage 3 is not supported yet)")
+        self._zero = stage
+
     def microbatch(self, m: int) -> None:
         """Split the batch into ``m`` micro-batches run one after another on the same devices
         (op-trans of every operator's batch dimension over time)."""
@@ -205,4 +215,4 @@ class PlanBuilder:
             if self._schedule else ()
         return Plan(model=self.model, global_batch=self.global_batch, cluster=self.cluster, nodes=self.nodes,
                     num_devices=self.num_devices, microbatches=self._microbatches, ops=ops,
-                    schedule=schedule, space=self.space, knobs=tuple(sorted(self.knobs.items())))
+                    schedule=schedule, space=self.space, knobs=tuple(sorted(self.knobs.items())), zero=self._zero)

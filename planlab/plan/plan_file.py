@@ -28,6 +28,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "ops": [{"op": p.op, "dims": list(p.dims), "sizes": list(p.sizes), "devices": list(p.devices),
                  "stage": p.stage, **({"recompute": p.recompute} if p.recompute else {})} for p in plan.ops],
         "schedule": [[str(a) for a in s] for s in plan.schedule],
+        **({"zero": plan.zero} if plan.zero else {}),
     }
 
 
@@ -94,7 +95,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
                 cluster=_need(d, "cluster", str, where), nodes=_need(d, "nodes", int, where),
                 num_devices=_need(d, "num_devices", int, where), microbatches=_need(d, "microbatches", int, where),
                 ops=tuple(ops), schedule=tuple(schedule), space=str(d.get("space", "")),
-                knobs=tuple(sorted(knobs.items())), version=version)
+                knobs=tuple(sorted(knobs.items())), version=version, zero=_zero(d, where))
 
 
 def plan_from_json(text: str, where: str = "plan") -> Plan:
@@ -120,3 +121,10 @@ def load_plan(path: str | os.PathLike) -> Plan:
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {str(path)!r}: {e.strerror}") from None
     return plan_from_json(text, where=str(path))
+
+
+def _zero(d: dict, where: str) -> int:
+    z = d.get("zero", 0)
+    if z not in (0, 1, 2) or isinstance(z, bool):
+        raise PlanFileError(f"{where}: field 'zero' must be 0, 1 or 2, got {z!r}")
+    return z

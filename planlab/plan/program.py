@@ -36,7 +36,7 @@ class TaskKind(str, Enum):
         return "comm" if self in (TaskKind.COLLECTIVE, TaskKind.SEND, TaskKind.RECV) else "compute"
 
 
-STATIC_PREFIXES = ("w:", "wg:", "src:")
+STATIC_PREFIXES = ("w:", "wg:", "src:", "zg:", "zp:")
 
 
 def is_static(buffer: str) -> bool:
