@@ -8,15 +8,14 @@ The flow: ``trace`` a model into a Graph, build Plans from a search space,
 from planlab.errors import ConfigError, DeadlockError, GraphError, InfeasiblePlan, PlanFileError, PlanlabError
 from planlab.graph import Graph, Signature, register_op, trace
 
+# Bound eagerly: the submodule planlab.explore would otherwise shadow the function once imported.
+from planlab.explore import explore  # noqa: E402
+
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Heavier entry points load on first use.
-    if name == "explore":
-        from planlab.explore import explore
-
-        return explore
     if name in ("materialize", "PlanBuilder", "Plan", "load_plan", "save_plan"):
         import planlab.plan as p
 

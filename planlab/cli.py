@@ -60,7 +60,7 @@ def cmd_explore(args) -> int:
     return 0
 
 
-def _simulate_plan(plan, *, timeline: bool = False):
+def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None):
     from planlab.costmodel import CostModel
     from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
@@ -70,20 +70,34 @@ def _simulate_plan(plan, *, timeline: bool = False):
     if program.num_tasks() < 200_000:
         find_deadlock(program)
     return simulate(program, CostModel.load(plan.cluster, plan.nodes), model_flops=3.0 * graph.flops,
-                    timeline=timeline)
+                    timeline=timeline, stragglers=stragglers)
 
 
 def cmd_simulate(args) -> int:
     from planlab.plan import load_plan
 
     plan = load_plan(args.plan)
-    res = _simulate_plan(plan, timeline=bool(args.trace))
+    stragglers = {}
+    for k, v in args.straggler or []:
+        if not k.isdigit() or not isinstance(v, (int, float)):
+            from planlab.errors import ConfigError
+
+            raise ConfigError(f"--straggler {k}={v}: expected DEVICE=FACTOR, e.g. 3=1.5")
+        stragglers[int(k)] = float(v)
+    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers)
     if args.trace:
         res.write_trace(args.trace)
+    if args.plot:
+        from planlab.plotting import memory_plot, timeline_plot
+
+        out = Path(args.plot)
+        out.mkdir(parents=True, exist_ok=True)
+        timeline_plot(res, out / "timeline.png")
+        memory_plot(res, out / "memory.png")
     if args.json:
         print(json.dumps({"iter_time_s": res.iter_time_s, "peak_mem_gib": res.peak_mem_bytes / 2**30,
-                          "tflops_per_gpu": res.tflops_per_gpu, "mfu": res.mfu, "feasible": res.feasible,
-                          "reason": res.reason}))
+                          "tflops_per_gpu": res.tflops_per_gpu, "mfu": res.mfu, "hfu": res.hfu,
+                          "feasible": res.feasible, "reason": res.reason}))
     else:
         print(f"{plan.describe()}: {res.summary()}")
         print(res.device_table().to_string(index=False))
@@ -93,6 +107,7 @@ def cmd_simulate(args) -> int:
 def cmd_run(args) -> int:
     from planlab.errors import ConfigError
     from planlab.executor import launch_local
+    from planlab.executor.timeline import compare, format_report, measured_events, predict, write_trace
     from planlab.plan import load_plan
 
     plan = load_plan(args.plan)
@@ -100,15 +115,31 @@ def cmd_run(args) -> int:
         raise ConfigError(f"--nproc {args.nproc} differs from the plan's device count {plan.num_devices}")
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
-    sim = _simulate_plan(plan)
-    res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=not args.no_check)
-    print(f"{plan.describe()} on {res.world_size} {res.backend} processes, {args.steps} steps")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    pred = predict(plan)  # every device simulated, with a timeline to compare against
+    sim = pred.sim
+    check = not args.no_check and not args.load  # the check starts from the seed, not a checkpoint
+    res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=check, record=True,
+                       timeout_s=args.timeout, save_dir=args.save, load_dir=args.load)
+    print(f"{plan.describe()} on {res.world_size} {res.backend} processes, {args.steps} steps"
+          + (f", from the checkpoint {args.load}" if args.load else ""))
     for i, loss in enumerate(res.losses):
         ref = f" (single process {res.ref_losses[i]:.6f})" if res.ref_losses else ""
         print(f"  step {i}: loss {loss:.6f}{ref}")
     print(f"measured iteration {res.measured_iter_s * 1e3:.2f} ms, simulated {sim.iter_time_s * 1e3:.2f} ms "
           f"(measured / simulated = {res.measured_iter_s / sim.iter_time_s:.2f})")
-    if args.no_check:
+    measured = measured_events(res.timeline)
+    print(format_report(compare(pred.program, sim.events, measured)))
+    if args.trace:
+        write_trace(args.trace, measured)
+        print(f"wrote the measured trace of the last step to {args.trace}")
+    if args.predicted_trace:
+        sim.write_trace(args.predicted_trace)
+        print(f"wrote the simulated trace (every device) to {args.predicted_trace}")
+    if args.save:
+        print(f"wrote a sharded checkpoint to {args.save}")
+    if not check:
         return 0
     ok = res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
     print(f"numeric check against one process: loss error {res.max_loss_error:.2e} (tolerance {LOSS_TOL:g}), "
@@ -117,12 +148,18 @@ def cmd_run(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from planlab.models import list_models
+    from planlab.models import FAMILIES
 
-    for name, cfg in list_models():
-        print(f"{name:12s} {cfg.num_params() / 1e6:12,.1f}M params  layers={cfg.layers} hidden={cfg.hidden} "
-              f"heads={cfg.heads} seq={cfg.seq} vocab={cfg.vocab}")
-    print("family: gpt (use --model gpt --model-arg layers=.. hidden=.. heads=.. seq=.. vocab=..)")
+    for fam in FAMILIES.values():
+        for name, cfg in fam.presets.items():
+            kv = f" kv_heads={cfg.kv_heads} ffn_hidden={cfg.ffn_hidden}" if fam.name == "llama" else ""
+            print(f"{name:12s} {cfg.num_params() / 1e6:12,.1f}M params  layers={cfg.layers} hidden={cfg.hidden} "
+                  f"heads={cfg.heads}{kv} seq={cfg.seq} vocab={cfg.vocab}")
+    for fam in FAMILIES.values():
+        print(f"family: {fam.name} (use --model {fam.name} --model-arg "
+              + " ".join(f"{k}=.." for k in fam.required) + ")")
+    print("your own: --model package.module:function (returns the module and example inputs; "
+          "--model-arg KEY=VALUE become keyword arguments)")
     return 0
 
 
@@ -180,12 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--no-check", action="store_true")
+    r.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the measured Chrome/Perfetto trace of the last step (every rank)")
+    r.add_argument("--predicted-trace", default=None, metavar="FILE",
+                   help="write the simulated trace of every device, to open beside --trace")
+    r.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a collective or receive waiting longer fails the run (default 300)")
+    r.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
+    r.add_argument("--load", default=None, metavar="DIR",
+                   help="start from a checkpoint of the same model, written under any plan (no numeric check)")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("simulate", help="simulate one plan")
     s.add_argument("plan")
     s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--plot", default=None, metavar="DIR", help="write timeline.png and memory.png there")
+    s.add_argument("--straggler", action="append", type=_kv, metavar="DEVICE=FACTOR",
+                   help="slow one device's computation by FACTOR (what-if)")
     s.set_defaults(fn=cmd_simulate)
 
     sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)

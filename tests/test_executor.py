@@ -29,6 +29,7 @@ def _check(plan, n, steps=2):
     (4, dict(dp=1, tp=2, pp=2, microbatch=4)),   # TP x PP
     (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
     (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
+    (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # ZeRO-2: sharded Adam steps, weights all-gathered
 ])
 def test_megatron_plans_match_one_process(n, knobs):
     spec, g = traced("gpt-small" if knobs.get("virtual_stages", 1) > 1 else "gpt-tiny", 8)

@@ -133,3 +133,17 @@ def test_full_recompute_trades_memory_for_time(tiny):
     assert res["full"].peak_mem_bytes < res["none"].peak_mem_bytes
     assert res["full"].iter_time_s > res["none"].iter_time_s
     assert res["full"].hardware_flops > res["none"].hardware_flops
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_shards_optimizer_states_and_gradients(tiny, zero):
+    spec, g = tiny
+    ctx = _ctx(g, spec, 2)
+    base = materialize(get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=2)), g)
+    z = materialize(get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=2, zero=zero)), g)
+    find_deadlock(z)
+    b0, z0 = base.devices[0], z.devices[0]
+    assert z0.optimizer_bytes < b0.optimizer_bytes
+    assert (z0.grad_bytes < b0.grad_bytes) == (zero == 2)
+    kinds = [t.collective for t in z0.blocks[(0, "W")].tasks if t.kind is TaskKind.COLLECTIVE]
+    assert kinds == ["reduce_scatter", "all_gather"]

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
+from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
 from planlab.plan.program import DeviceProgram, Program, Task, TaskKind, is_static
@@ -31,10 +32,25 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+_binders: dict = {}  # CallSpec (hashed by identity) -> its slots, or False when nested
+
+
+def _binder(call) -> tuple | bool:
+    """``((input index or -1, constant) per positional argument, (name, index, constant) per
+    keyword)`` when no argument nests others (a list, tuple, dict or slice), else False."""
+    values = list(call.args) + list(call.kwargs.values())
+    if any(isinstance(v, (tuple, list, dict, slice)) for v in values):
+        return False
+    slot = lambda v: (v.index, None) if isinstance(v, TensorArg) else (-1, v)  # noqa: E731
+    return tuple(slot(a) for a in call.args), tuple((k,) + slot(v) for k, v in call.kwargs.items())
+
+
 def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Graph, microbatches: int):
     """Run one piece of ``op`` on local tensors; returns the output tensor(s)."""
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
+    if op.kind == "expand":  # the call's sizes are the whole tensor's; expand to the piece's
+        return tensors[0].expand(task.shape)
     if not task.lead and op.add_once:
         tensors = [None if k in op.add_once else x for k, x in enumerate(tensors)]
     if op.kind == "cross_entropy" and op.call.kwargs.get("reduction", "mean") == "mean":
@@ -45,19 +61,44 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
         kwargs = dict(op.call.kwargs, reduction="sum")
         args = [tensors[a.index] if isinstance(a, TensorArg) else a for a in op.call.args]
         return F.cross_entropy(*args, **kwargs) / full
-    sub = lambda a: tensors[a.index] if isinstance(a, TensorArg) else a  # noqa: E731
-    args = [torch.fx.node.map_aggregate(a, sub) for a in op.call.args]
-    kwargs = {k: torch.fx.node.map_aggregate(v, sub) for k, v in op.call.kwargs.items()}
+    bind = _binders.get(op.call)
+    if bind is None:
+        bind = _binders[op.call] = _binder(op.call)
+    if bind:  # a flat call: tensors go straight into their slots
+        args = [tensors[i] if i >= 0 else c for i, c in bind[0]]
+        kwargs = {k: tensors[i] if i >= 0 else c for k, i, c in bind[1]}
+    else:
+        sub = lambda a: tensors[a.index] if isinstance(a, TensorArg) else a  # noqa: E731
+        args = [torch.fx.node.map_aggregate(a, sub) for a in op.call.args]
+        kwargs = {k: torch.fx.node.map_aggregate(v, sub) for k, v in op.call.kwargs.items()}
     target = op.call.target
     if isinstance(target, str):
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
 
 
+try:  # the engine call behind torch.autograd.grad, without its per-call argument checks
+    _run_backward = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - other torch versions
+    _run_backward = None
+
+
+def _grad(ys: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor]) -> tuple:
+    """``torch.autograd.grad(ys, xs, gs, allow_unused=True)``; gradients of mismatched shape
+    are refused here, as ``torch.autograd.grad`` would."""
+    for y, g in zip(ys, gs):
+        if y.shape != g.shape:
+            raise ExecutionError(f"gradient of shape {tuple(g.shape)} for an output of shape {tuple(y.shape)}")
+    if _run_backward is None:
+        return torch.autograd.grad(ys, xs, gs, allow_unused=True)
+    return _run_backward(tuple(ys), tuple(gs), False, False, tuple(xs), True, False)
+
+
 @dataclass
 class TaskTiming:
-    """Measured start and end of one task (seconds since the iteration began)."""
+    """Measured start and end of one task on ``device`` (seconds since the iteration began)."""
 
+    device: int
     action: str
     task: str
     kind: str
@@ -78,6 +119,8 @@ class Interpreter:
     lr: float = 1e-3
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     record: bool = False
+    progress: Progress | None = None  # where this rank is, for failure reports and the watchdog
+    fault: Fault | None = None        # a test-only injected fault (PLANLAB_FAULT)
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
@@ -87,22 +130,49 @@ class Interpreter:
         for p, box in self.dp.params:
             w = named[p].detach()[_slices(box)].clone().to(self.torch_device).requires_grad_(True)
             self.static[f"w:{p}"] = w
-            self.static[f"wg:{p}"] = torch.zeros_like(w, requires_grad=False)
-            self.leaves.append((p, w))
+            self.leaves.append((p, w))  # its gradient "wg:{p}" is made at its first contribution
         for t, x in zip(self.graph.inputs, self.inputs):
             self.static[f"src:{t}"] = x.to(self.torch_device)
         for name, b in self.module.named_buffers():
             self.static[f"src:{name}"] = b.to(self.torch_device)
-        self.optimizer = torch.optim.Adam([w for _, w in self.leaves], lr=self.lr) if self.leaves else None
+        self.zero = self._zero_buckets()
+        zeroed = {p for bucket in self.zero.values() for p in bucket.params}
+        plain = [w for p, w in self.leaves if p not in zeroed]
+        self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.captured_grads: dict[str, torch.Tensor] = {}
         self.timeline: list[TaskTiming] = []
+        self.steps_run = 0
+        self._compiled: dict[tuple[int, str], tuple] = {}
+        self._read_cache: dict[int, tuple] = {}  # by id(task): the Program's tasks live as long as it
+        self._loss_buffer = f"a:{self.graph.loss}"
+        self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
+
+    def _zero_buckets(self) -> dict[str, "_ZeroBucket"]:
+        """ZeRO: per reduce-scattered gradient bucket, this device's shard of the flattened
+        weights (fp32 master copy) with its own Adam, keyed by the shard gradient buffer."""
+        out = {}
+        for block in self.dp.blocks.values():
+            for t in block.tasks:
+                if t.kind is TaskKind.COLLECTIVE and t.collective == "reduce_scatter" and t.writes[0].startswith("zg:"):
+                    params = tuple(b[3:] for b in t.reads)
+                    flat = torch.cat([self.static[f"w:{p}"].detach().reshape(-1) for p in params])
+                    group = tuple(sorted(t.group))
+                    n, me = len(group), group.index(self.device)
+                    chunk = -(-flat.numel() // n)
+                    flat = torch.nn.functional.pad(flat, (0, chunk * n - flat.numel()))
+                    shard = flat[me * chunk:(me + 1) * chunk].clone().requires_grad_(True)
+                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr))
+        return out
 
     # -- buffers --------------------------------------------------------------
     def _get(self, name: str, mb: int) -> torch.Tensor:
         try:
             return self.static[name] if is_static(name) else self.bufs[(name, mb)]
         except KeyError:
+            if name.startswith("wg:") and f"w:{name[3:]}" in self.static:  # no contribution yet: zero
+                z = self.static[name] = torch.zeros_like(self.static[f"w:{name[3:]}"], requires_grad=False)
+                return z
             raise ExecutionError(f"device {self.device}: buffer {name!r} (micro-batch {mb}) was read before "
                                  "any task wrote it") from None
 
@@ -129,95 +199,165 @@ class Interpreter:
         self.pending: list = []
         self.capture = capture_grads
         self.timeline = []
+        self.step, self.steps_run = self.steps_run, self.steps_run + 1
+        step, progress, record, bufs = self.step, self.progress, self.record, self.bufs
+        clock = time.perf_counter
         loss = 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         for action in self.dp.schedule:
-            block = self.dp.block(action)
-            for task in block.tasks:
-                s = time.perf_counter()
+            mb = action.microbatch
+            self.action = action
+            if progress is not None:
+                progress.phase(f"step {step}, action {action}")
+            for task, fn, label, frees, is_loss in self._steps(action):
+                if progress is not None:
+                    progress.task(label)
+                if record:
+                    s = clock()
                 try:
-                    self._run(task, action.microbatch)
-                except ExecutionError:
-                    raise
+                    fn(task, mb)
                 except Exception as e:
-                    raise ExecutionError(f"device {self.device}, action {action}, task {task}: "
-                                         f"{type(e).__name__}: {e}") from e
-                if self.record:
-                    self.timeline.append(TaskTiming(str(action), task.name, task.kind.value,
-                                                    s - t0, time.perf_counter() - t0))
-                if task.kind is TaskKind.FORWARD and task.op == self.graph.producer[self.graph.loss].name:
-                    if any(d == self.device and p for d, _, p in self.program.loss_holders):
-                        loss += float(self.bufs[(f"a:{self.graph.loss}", action.microbatch)])
-                for b in task.free:
-                    self.bufs.pop((b, action.microbatch), None)
-        for work, _ in self.pending:
-            work.wait()
+                    raise TaskError(self.device, str(action), task, e) from e
+                if record:
+                    self.timeline.append(TaskTiming(self.device, str(action), task.name, task.kind.value,
+                                                    s - t0, clock() - t0))
+                if is_loss:
+                    loss += float(bufs[(self._loss_buffer, mb)])
+                for b in frees:
+                    bufs.pop((b, mb), None)
+        if progress is not None and self.pending:
+            progress.phase(f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} "
+                           "to complete")
+        for work, task, _ in self.pending:
+            try:
+                work.wait()
+            except Exception as e:
+                raise TaskError(self.device, "end of step", task, e) from e
         self.pending = []
         return loss
 
+    def _steps(self, action) -> tuple:
+        """A block's tasks ready to run, made once per block: ``(task, function, progress label,
+        buffers freed after it, whether it yields this device's loss)``."""
+        key = (action.stage, action.phase)
+        steps = self._compiled.get(key)
+        if steps is None:
+            dispatch = self._dispatch()
+            loss_op = self.graph.producer[self.graph.loss].name
+            holds_loss = any(d == self.device and p for d, _, p in self.program.loss_holders)
+            steps = []
+            for task in self.dp.blocks[key].tasks:
+                if task.kind not in dispatch:  # pragma: no cover - TaskKind is closed
+                    raise ExecutionError(f"unknown task kind {task.kind}")
+                fn = dispatch[task.kind]
+                if self.fault is not None and self.fault.task == task.name:
+                    fn = self._with_fault(fn)
+                steps.append((task, fn, Progress.encode(str(task)), task.free,
+                              holds_loss and task.kind is TaskKind.FORWARD and task.op == loss_op))
+            steps = self._compiled[key] = tuple(steps)
+        return steps
+
+    def _with_fault(self, fn):
+        """``fn`` preceded by the injected fault's trigger at its step and action."""
+        fault = self.fault
+
+        def run(task: Task, mb: int) -> None:
+            if fault.step == self.step and fault.action in ("", str(self.action)):
+                fault.trigger()
+            fn(task, mb)
+
+        return run
+
+    def _dispatch(self) -> dict:
+        """The method that runs each kind of task, as ``fn(task, microbatch)``."""
+        return {TaskKind.FORWARD: self._forward, TaskKind.BACKWARD: self._backward, TaskKind.LOCAL: self._local,
+                TaskKind.COLLECTIVE: self._collective, TaskKind.SEND: self._send, TaskKind.RECV: self._recv,
+                TaskKind.OPTIMIZER: self._optimizer}
+
     def _run(self, task: Task, mb: int) -> None:
-        kind = task.kind
-        if kind is TaskKind.FORWARD:
-            self._forward(task, mb)
-        elif kind is TaskKind.BACKWARD:
-            self._backward(task, mb)
-        elif kind is TaskKind.LOCAL:
-            self._local(task, mb)
-        elif kind is TaskKind.COLLECTIVE:
-            self._collective(task, mb)
-        elif kind is TaskKind.SEND:
-            x = self._get(task.reads[0], mb)[_slices(task.region)].contiguous()
-            self.pending.append((dist.isend(x, dst=task.peer, tag=task.axis), x))
-        elif kind is TaskKind.RECV:
-            shape = tuple(b - a for a, b in task.region)
-            buf = torch.empty(shape, dtype=_dtype(task.dtype), device=self.torch_device)
-            dist.recv(buf, src=task.peer, tag=task.axis)
-            self._put(task.writes[0], mb, buf, task, task.accumulate)
-        elif kind is TaskKind.OPTIMIZER:
-            self._optimizer_step()
-        else:  # pragma: no cover - TaskKind is closed
-            raise ExecutionError(f"unknown task kind {kind}")
+        """Run one task (``run_iteration`` uses the same dispatch, made once per block)."""
+        fn = self._dispatch().get(task.kind)
+        if fn is None:  # pragma: no cover - TaskKind is closed
+            raise ExecutionError(f"unknown task kind {task.kind}")
+        fn(task, mb)
+
+    def _send(self, task: Task, mb: int) -> None:
+        x = self._get(task.reads[0], mb)[_slices(task.region)].contiguous()
+        self.pending.append((dist.isend(x, dst=task.peer, tag=task.axis), task, x))
+
+    def _recv(self, task: Task, mb: int) -> None:
+        shape = tuple(b - a for a, b in task.region)
+        buf = torch.empty(shape, dtype=_dtype(task.dtype), device=self.torch_device)
+        dist.recv(buf, src=task.peer, tag=task.axis)
+        self._put(task.writes[0], mb, buf, task, task.accumulate)
+
+    def _reads(self, task: Task) -> tuple:
+        """``task``'s operator (or None) and ``(buffer, static?, detach?)`` per buffer it reads,
+        made once per task."""
+        r = self._read_cache.get(id(task))
+        if r is None:
+            r = self._read_cache[id(task)] = (self.graph.op(task.op) if task.op else None, tuple(
+                (b, is_static(b), not b.startswith("w:")) for b in task.reads))
+        return r
 
     def _forward(self, task: Task, mb: int) -> None:
-        op = self.graph.op(task.op)
+        op, reads = self._reads(task)
+        static, bufs = self.static, self.bufs
         ins = []
-        for b in task.reads:
-            v = self._get(b, mb)
-            if not b.startswith("w:") and v.is_floating_point():
+        for b, st, detach in reads:
+            v = static.get(b) if st else bufs.get((b, mb))
+            if v is None:
+                v = self._get(b, mb)
+            if detach and v.is_floating_point():  # a leaf of this piece's own autograd graph
                 v = v.detach().requires_grad_(True)
             ins.append(v)
-        with torch.enable_grad():
+        if task.recompute == "drop":  # its backward runs after a second forward ("redo"): keep no graph
+            with torch.no_grad():
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches)
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            for b, o in zip(task.writes, outs):
+                self.bufs[(b, mb)] = o
+            return
+        if torch.is_grad_enabled():
             out = run_piece(op, task, ins, self.graph, self.program.microbatches)
+        else:
+            with torch.enable_grad():
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         self.ctx[(task.op, mb)] = (ins, outs)
         for b, o in zip(task.writes, outs):
             self.bufs[(b, mb)] = o.detach()
 
     def _backward(self, task: Task, mb: int) -> None:
-        op = self.graph.op(task.op)
+        op = self._reads(task)[0]
         ins, outs = self.ctx.pop((task.op, mb))
         ys, gs = [], []
+        bufs, loss = self.bufs, self.graph.loss
         for b, o, t in zip(task.reads, outs, op.outputs):
             if not o.requires_grad:
                 continue
             if b:
-                g = self._get(b, mb)
-            elif t == self.graph.loss:
+                g = bufs.get((b, mb))
+                if g is None:
+                    g = self._get(b, mb)
+            elif t == loss:
                 g = torch.ones_like(o)
             else:
                 continue
             ys.append(o)
             gs.append(g)
-        wanted = [(k, x) for k, x in enumerate(ins) if task.writes[k] and x.requires_grad]
+        writes = task.writes
+        wanted = [(k, x) for k, x in enumerate(ins) if writes[k] and x.requires_grad]
         if not ys or not wanted:
             grads = [None] * len(wanted)
         else:
-            grads = torch.autograd.grad(ys, [x for _, x in wanted], gs, allow_unused=True)
+            grads = _grad(ys, [x for _, x in wanted], gs)
+        static = self.static
         for (k, x), g in zip(wanted, grads):
             g = torch.zeros_like(x) if g is None else g
             w = task.writes[k]
-            if w.startswith("wg:"):
-                self.static[w] = self.static[w] + g
+            if w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
+                static[w] = static[w] + g if w in static else g
             else:
                 self.bufs[(w, mb)] = g
 
@@ -226,9 +366,8 @@ class Interpreter:
         if task.name.startswith("load:") and task.axis >= 0:
             size = src.shape[task.axis] // self.program.microbatches
             src = src.narrow(task.axis, mb * size, size)
-        x = src[_slices(task.src_region)]
-        if task.region is None and not task.accumulate:
-            x = x.clone()
+        # a view (or src itself): no buffer is ever changed in place, so no copy is needed
+        x = src if task.src_region is None else src[_slices(task.src_region)]
         self._put(task.writes[0], mb, x, task, task.accumulate)
 
     def _collective(self, task: Task, mb: int) -> None:
@@ -240,8 +379,14 @@ class Interpreter:
             off = 0
             for b in task.reads:
                 cur = self._get(b, mb)
-                self.static[b] = flat[off:off + cur.numel()].view_as(cur).clone()
+                self.static[b] = flat[off:off + cur.numel()].view_as(cur)  # views of a fresh buffer
                 off += cur.numel()
+            return
+        if task.writes and task.writes[0].startswith("zg:"):
+            self._zero_reduce_scatter(task, pg)
+            return
+        if task.reads and task.reads[0].startswith("zp:"):
+            self._zero_all_gather(task, pg)
             return
         x = self._get(task.reads[0], mb).contiguous()
         n, me = len(group), group.index(self.device)
@@ -266,14 +411,74 @@ class Interpreter:
             raise ExecutionError(f"collective {task.collective!r} is not supported by the executor")
         self._put(task.writes[0], mb, y, None, task.accumulate)
 
+    def _zero_reduce_scatter(self, task: Task, pg) -> None:
+        """Sum the bucket's gradients over the group; keep this device's shard of the sum."""
+        z = self.zero[task.writes[0]]
+        flat = torch.cat([self._get(b, 0).reshape(-1) for b in task.reads])
+        flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
+        if self._backend == "nccl":
+            out = torch.empty(z.chunk, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(out, flat, group=pg)
+        else:  # gloo has no reduce-scatter: all-reduce, keep our shard
+            dist.all_reduce(flat, group=pg)
+            if self.capture:
+                off = 0
+                for p in z.params:
+                    w = self.static[f"w:{p}"]
+                    self.captured_grads[p] = flat[off:off + w.numel()].view_as(w).clone()
+                    off += w.numel()
+            out = flat[z.me * z.chunk:(z.me + 1) * z.chunk]
+        self.static[task.writes[0]] = out
+        for p in z.params:  # the next step's gradients start from zero
+            self.static.pop(f"wg:{p}", None)
+
+    def _zero_all_gather(self, task: Task, pg) -> None:
+        """Gather the updated shards and write them into this device's weights."""
+        z = self.zero["zg:" + task.reads[0][3:]]  # the bucket's shard gradient and weight buffers share a key
+        parts = [torch.empty_like(z.shard) for _ in range(z.n)]
+        dist.all_gather(parts, z.shard.detach(), group=pg)
+        flat = torch.cat(parts)
+        off = 0
+        with torch.no_grad():
+            for p in z.params:
+                w = self.static[f"w:{p}"]
+                w.copy_(flat[off:off + w.numel()].view_as(w))
+                off += w.numel()
+
+    def _optimizer(self, task: Task, mb: int) -> None:
+        if task.reads and task.reads[0].startswith("zg:"):
+            z = self.zero[task.reads[0]]
+            z.shard.grad = self.static[task.reads[0]].detach()
+            z.optimizer.step()
+            z.optimizer.zero_grad(set_to_none=True)
+            return
+        self._optimizer_step()
+
     def _optimizer_step(self) -> None:
+        zeroed = {p for bucket in self.zero.values() for p in bucket.params}
         for p, w in self.leaves:
-            g = self.static[f"wg:{p}"]
+            if p in zeroed:
+                continue
+            g = self._get(f"wg:{p}", 0)
             if self.capture:
                 self.captured_grads[p] = g.detach().clone()
-            w.grad = g.detach().clone()
+            w.grad = g.detach()  # Adam only reads it
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        for p, w in self.leaves:
-            self.static[f"wg:{p}"] = torch.zeros_like(w, requires_grad=False)
+        for p, _ in self.leaves:  # the next step's gradients start from zero (see _get)
+            if p not in zeroed:
+                self.static.pop(f"wg:{p}", None)
+
+
+@dataclass
+class _ZeroBucket:
+    """One ZeRO bucket on this device: its weights (in flattening order), the group size, this
+    device's position, the shard length, the fp32 shard and its optimizer."""
+
+    params: tuple[str, ...]
+    n: int
+    me: int
+    chunk: int
+    shard: torch.Tensor
+    optimizer: torch.optim.Optimizer

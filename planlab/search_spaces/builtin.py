@@ -47,13 +47,16 @@ ALL_DEVICES = Constraint(_uses_all, lambda a, c: "the degrees " + " x ".join(
 
 class DataParallel(Space):
     """Every operator split along the batch over ``dp`` devices; ``microbatch`` samples per
-    device per micro-batch (gradient accumulation over the rest)."""
+    device per micro-batch (gradient accumulation over the rest); ``zero`` shards optimizer
+    states (1) and gradients (2) over the replicas (explored at 0 unless set)."""
 
     name = "dp"
     order = 1
     knobs = (
         Knob("dp", lambda c: _divisors(c.num_devices), "data-parallel degree"),
         Knob("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica"),
+        Knob("zero", lambda c: (0, 1, 2), "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients",
+             default=0),
     )
     constraints = (
         Constraint(lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
@@ -78,6 +81,7 @@ class DataParallel(Space):
             return d if d is not None and op.signature.splittable(d) else None
 
         draft.add_axis("dp", dp, batch_dim)
+        draft.zero = values.get("zero") or 0
 
 
 # Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise):

@@ -79,6 +79,7 @@ class Draft:
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
+    zero: int = 0
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` names the dimension each
@@ -98,6 +99,7 @@ class Draft:
         b = PlanBuilder(g, model=self.ctx.model, global_batch=self.ctx.global_batch, cluster=self.ctx.cluster,
                         nodes=self.ctx.nodes, num_devices=self.ctx.num_devices, space=space, knobs=knobs)
         b.microbatch(self.microbatches)
+        b.zero(self.zero)
         group_devices = [tuple(range(r * per_stage, (r + 1) * per_stage)) for r in range(groups)]
         for op in g.operators:
             dims = self.dims.get(op.name, [None] * len(self.axes))
