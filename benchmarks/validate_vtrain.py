@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from planlab.validation import load_runs, mape, validate
+from planlab.validation import load_runs, mape, rank_correlation, validate
 
 REF = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 SPEC = str(Path(__file__).with_name("specs") / "vtrain-a100.json")
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ref", default=str(REF))
+    ap.add_argument("--spec", default=SPEC, help="cluster spec (default: the reference's stated machines)")
     args = ap.parse_args()
     frames = []
     for kind in ("single", "multi"):
@@ -31,11 +32,12 @@ def main() -> None:
         if kind == "single" and not args.all:
             runs = runs[::10]
         t = time.perf_counter()
-        df = validate(runs, SPEC, jobs=args.jobs)
+        df = validate(runs, args.spec, jobs=args.jobs)
         df["set"] = kind
         frames.append(df)
         print(f"{kind}-node: {len(df)} runs in {time.perf_counter() - t:.0f} s; planlab MAPE {mape(df):.2f}% "
-              f"(vTrain's own: {VTRAIN_MAPE[kind]}%); mean signed error {df['error'].mean() * 100:+.1f}%")
+              f"(vTrain's own: {VTRAIN_MAPE[kind]}%); mean signed error {df['error'].mean() * 100:+.1f}%; "
+              f"Kendall tau within model sizes {rank_correlation(df):.3f}")
         worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(5)
         print(worst[["gpus", "hidden", "layers", "global_batch", "micro_batch", "tp", "dp", "pp", "measured_s",
                      "predicted_s", "error"]].to_string(index=False))

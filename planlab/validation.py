@@ -105,3 +105,27 @@ def validate(runs: list[MeasuredRun], cluster: str, *, jobs: int = 1) -> pd.Data
 def mape(df: pd.DataFrame) -> float:
     """Mean absolute percentage error."""
     return float(df["error"].abs().mean() * 100)
+
+
+def kendall_tau(a, b) -> float:
+    """Kendall's tau-a between two equally long sequences (1: same order, -1: reversed)."""
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    s = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            s += (x > 0) - (x < 0) if y > 0 else -((x > 0) - (x < 0)) if y < 0 else 0
+    return 2.0 * s / (n * (n - 1))
+
+
+def rank_correlation(df: pd.DataFrame) -> float:
+    """Mean Kendall tau of predicted against measured time within each model size
+    (hidden, layers), weighted by the number of runs of the size."""
+    taus, weights = [], []
+    for _, g in df.groupby(["hidden", "layers"]):
+        if len(g) >= 2:
+            taus.append(kendall_tau(list(g["predicted_s"]), list(g["measured_s"])))
+            weights.append(len(g))
+    return sum(t * w for t, w in zip(taus, weights)) / sum(weights) if weights else float("nan")

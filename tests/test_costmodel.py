@@ -373,3 +373,16 @@ def test_error_messages(call, fragments: list[str]) -> None:
         call()
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_kendall_tau_and_validation_rows(tmp_path):
+    from planlab.validation import kendall_tau, load_runs
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    p = tmp_path / "runs.csv"
+    p.write_text("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+                 "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
+                 "2,16,8,1024,16,24,1024,1,1,2,372.16\n")
+    (run,) = load_runs(p)
+    assert (run.gpus, run.pp) == (2, 2) and run.measured_s == pytest.approx(0.37216)
