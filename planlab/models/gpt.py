@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.tokens import token_batch
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -112,9 +114,4 @@ class GPT(nn.Module):
     def example_inputs(cfg: GPTConfig, batch: int, device: str | torch.device = "meta",
                        seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
-        if str(device) == "meta":
-            z = torch.empty(batch, cfg.seq, dtype=torch.long, device="meta")
-            return z, z.clone()
-        g = torch.Generator().manual_seed(0 if seed is None else seed)
-        toks = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
-        return toks[:, :-1].contiguous().to(device), toks[:, 1:].contiguous().to(device)
+        return token_batch(cfg.vocab, cfg.seq, batch, device, seed)
