@@ -25,6 +25,7 @@ def _check(plan, n, steps=2):
 @pytest.mark.parametrize("n, knobs", [
     (2, dict(dp=2, tp=1, pp=1, microbatch=2)),   # data parallel, 2 micro-batches
     (2, dict(dp=1, tp=2, pp=1, microbatch=8)),   # Megatron tensor parallel
+    (2, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True)),  # ... with sequence parallelism
     (2, dict(dp=1, tp=1, pp=2, microbatch=2)),   # 1F1B pipeline, 4 micro-batches
     (4, dict(dp=1, tp=2, pp=2, microbatch=4)),   # TP x PP
     (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers

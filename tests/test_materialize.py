@@ -147,3 +147,22 @@ def test_zero_shards_optimizer_states_and_gradients(tiny, zero):
     assert (z0.grad_bytes < b0.grad_bytes) == (zero == 2)
     kinds = [t.collective for t in z0.blocks[(0, "W")].tasks if t.kind is TaskKind.COLLECTIVE]
     assert kinds == ["reduce_scatter", "all_gather"]
+
+
+def test_sequence_parallel_turns_all_reduces_into_reduce_scatter_and_all_gather(tiny):
+    from collections import Counter
+
+    spec, g = tiny
+    ctx = _ctx(g, spec, 2)
+    counts = {}
+    for sp in (False, True):
+        knobs = dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=sp)
+        prog = materialize(get_space("megatron").build(ctx, knobs), g)
+        find_deadlock(prog)
+        counts[sp] = Counter(t.collective for _, t in prog.devices[0].tasks_in_order()
+                             if t.kind is TaskKind.COLLECTIVE)
+    # 2 layers x (attention, MLP) x (forward, backward) all-reduces, plus the embedding boundary
+    assert counts[False] == Counter(all_reduce=13)
+    # each becomes a reduce-scatter; all-gathers come back before the column-parallel layers and ln_f;
+    # the layer norms' weight gradients (now partial over tp) are all-reduced once
+    assert counts[True] == Counter(reduce_scatter=12, all_gather=11, all_reduce=1)

@@ -132,11 +132,14 @@ def _kv_heads(c: Context) -> int | None:
 
 
 class TensorParallel(Space):
-    """Megatron-style tensor parallelism over ``tp`` devices inside a node."""
+    """Megatron-style tensor parallelism over ``tp`` devices inside a node, with sequence
+    parallelism when ``sequence_parallel`` is set (explored off unless set)."""
 
     name = "tp"
     order = 2
-    knobs = (Knob("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree"),)
+    knobs = (Knob("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree"),
+             Knob("sequence_parallel", lambda c: (False, True), "split the sequence where tp replicates",
+                  default=False))
     constraints = (
         Constraint(lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
@@ -151,7 +154,18 @@ class TensorParallel(Space):
 
     def apply(self, draft: Draft, values: dict) -> None:
         tp = values.get("tp") or 1
-        dims = tensor_parallel_dims(draft.ctx.graph)
+        g = draft.ctx.graph
+        dims = tensor_parallel_dims(g)
+        if values.get("sequence_parallel"):
+            # Megatron's sequence parallelism: inside the layers, the operators tensor parallelism
+            # replicates (norms, dropout, residual adds) split the sequence instead; materialize
+            # then turns each all-reduce into a reduce-scatter and an all-gather.
+            seq = g.labels.get((g.inputs[0], 1))
+            for op in g.operators:
+                if dims[op.name] is None and _BLOCK.search(op.module):
+                    d = g.dim_with_label(op, seq) if seq else None
+                    if d is not None and op.signature.splittable(d):
+                        dims = {**dims, op.name: d}
         draft.add_axis("tp", tp, lambda op: dims[op.name])
 
 
