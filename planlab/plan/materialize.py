@@ -255,11 +255,31 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 c, k = uses[0]
                 gbufs.append(f"gc:{t}<{c.name}.{k}")
                 continue
+            # Contributions in one layout on the producer's own devices are summed locally first,
+            # so that one conversion (one all-reduce, say) carries them all.
+            pending: list[tuple[Layout, str, str]] = []  # (layout, buffer, stage of its source)
+            local: dict[Layout, list[tuple[str, Operator]]] = {}
             for c, k in sorted(uses, key=lambda u: -topo[u[0].name]):
-                conv = plan_conversion(L.contributes(c, k), target, L.shapes[t], ebytes(t),
-                                       src_buf=f"gc:{t}<{c.name}.{k}", dst_buf=f"g:{t}", accumulate=True,
-                                       tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype)
-                place(conv, t, (stage[c.name], "B"), (-i, 0), blk, (-i, 0))
+                lay, buf = L.contributes(c, k), f"gc:{t}<{c.name}.{k}"
+                if lay.mesh == target.mesh:
+                    local.setdefault(lay, []).append((buf, c))
+                else:
+                    pending.append((lay, buf, c.name))
+            for lay, items in local.items():
+                if len(items) == 1 or same_layout(lay, target):
+                    pending += [(lay, buf, c.name) for buf, c in items]
+                    continue
+                summed = f"gs:{t}#{len(pending)}"
+                for flat, dev in enumerate(lay.mesh.devices):
+                    for buf, _ in items:
+                        emit(dev, blk, (-i, 0), Task(f"d{t}:sum", TaskKind.LOCAL, (buf,), (summed,),
+                                                     shape=box_shape(lay.box(flat, L.shapes[t])), accumulate=True,
+                                                     dtype=graph.tensors[t].dtype), t)
+                pending.append((lay, summed, op.name))
+            for lay, buf, src in pending:
+                conv = plan_conversion(lay, target, L.shapes[t], ebytes(t), src_buf=buf, dst_buf=f"g:{t}",
+                                       accumulate=True, tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype)
+                place(conv, t, (stage[src], "B"), (-i, 0), blk, (-i, 0))
             gbufs.append(f"g:{t}")
         needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
                       for t in op.inputs]
