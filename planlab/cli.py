@@ -38,7 +38,11 @@ def cmd_explore(args) -> int:
     df = explore(_model(args), cluster=args.cluster, nodes=args.nodes, space=args.space,
                  fixed=dict(args.set or []), global_batch=args.global_batch, jobs=args.jobs, out=args.out,
                  progress=sys.stderr.isatty())
-    cols = [c for c in df.columns if c not in ("reason",)] + ["reason"]
+    from planlab.explore import RESULT_COLUMNS
+
+    knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
+    fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
+    cols = [c for c in df.columns if c not in fixed and c != "reason"] + ["reason"]
     show = df[cols].head(args.top).copy()
     show["iter_time_s"] = show["iter_time_s"].map(lambda v: f"{v:.4g}")
     show["peak_mem_gib"] = show["peak_mem_gib"].map(lambda v: f"{v:.2f}")
@@ -50,7 +54,8 @@ def cmd_explore(args) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(show.to_string(index=False))
     n_ok = int(df["feasible"].sum())
-    print(f"\n{len(df)} plans, {n_ok} feasible.")
+    same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
+    print(f"\n{len(df)} plans, {n_ok} feasible." + (f" Every plan has {same}." if same else ""))
     if df.attrs.get("best_plan") is None:
         print("No plan fits in device memory; see the reason column.")
     if args.out:
