@@ -118,3 +118,16 @@ def test_gpt3_175b_exploration_completes(tmp_path):
     assert len(df) > 100 and df["feasible"].any()
     assert df["reason"].fillna("").str.contains("GiB per device").any()  # pruned before simulation
     assert (tmp_path / "pareto.png").exists() and (tmp_path / "best_plan.json").exists()
+
+
+def test_run_refuses_a_model_this_machine_cannot_build(capsys, tmp_path):
+    """Every rank builds the whole model today: GPT-3 1.3B on 2 ranks with the check needs ~50 GiB."""
+    from planlab.explore import Setup, make_context
+    from planlab.models import ModelSpec
+    from planlab.plan import save_plan
+    from planlab.search_spaces import get_space
+
+    ctx, _, _ = make_context(Setup(ModelSpec("gpt3-1.3b"), "cpu", 2, 2))
+    save_plan(get_space("dp").build(ctx, dict(dp=2, microbatch=1)), tmp_path / "p.json")
+    code, err = _err(capsys, ["run", str(tmp_path / "p.json"), "--nproc", "2"])
+    assert code == 2 and "needs about" in err and "GiB available" in err

@@ -240,6 +240,30 @@ def _quiet_launcher() -> Iterator[None]:
             lg.setLevel(lv)
 
 
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_host_memory(plan, nproc: int, check: bool) -> None:
+    """Refuse a launch whose processes cannot all build the model here: every rank builds the
+    whole model in fp32 today (4 bytes a parameter) and, for the check, a single-process
+    reference with gradients and Adam states (16 more)."""
+    graph = trace_plan_model(plan)
+    per_rank = graph.num_params * (4 + (16 if check else 0))
+    need, have = per_rank * nproc, _available_bytes()
+    if have is not None and need > have:
+        raise ConfigError(f"running {plan.model} on {nproc} local processes needs about {need / 2**30:.1f} GiB "
+                          f"({graph.num_params / 1e9:.2f}B parameters built by every rank); this machine has "
+                          f"{have / 2**30:.1f} GiB available. Run a smaller model or fewer processes.")
+
+
 def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: bool = True, seed: int = 0,
                  record: bool = False, timeout_s: float = 300.0, run_id: str | None = None,
                  save_dir: str | os.PathLike | None = None, load_dir: str | os.PathLike | None = None) -> RunResult:
@@ -263,6 +287,7 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
         read_manifest(load_dir, plan.model.to_json())  # a wrong folder or model fails here
     if os.environ.get(FAULT_ENV, "").strip():
         Fault.parse(os.environ[FAULT_ENV])  # a malformed fault fails here, not in every rank
+    _check_host_memory(plan, nproc, check)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
