@@ -212,17 +212,7 @@ def write_outputs(df: pd.DataFrame, out: Path) -> None:
         (out / "best_plan.json").unlink()
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, show: bool):
-    if not show:
-        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="plan", desc="exploring")
+    return tqdm(total=total, unit="plan", desc="exploring", disable=not show)

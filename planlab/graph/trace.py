@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import warnings
 from typing import Any
 
@@ -138,7 +139,7 @@ class _GraphBuilder:
                     role = "param" if isinstance(val, nn.Parameter) else "buffer"
                     self.tensor_of[node] = self._add_tensor(node.target, val, role)
                 continue
-            if node.op == "call_function" and node.target is getattr(__import__("operator"), "getitem") \
+            if node.op == "call_function" and node.target is operator.getitem \
                     and isinstance(self.tensor_of.get(node.args[0]), tuple):
                 self.tensor_of[node] = self.tensor_of[node.args[0]][node.args[1]]
                 continue

@@ -7,7 +7,7 @@ send; collectives that span classes start when every class has reached them.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 
 import simpy
 
@@ -37,7 +37,7 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
         raise ConfigError(f"stragglers {bad}: devices must be 0..{program.num_devices - 1} and factors positive")
     cls = device_classes(program, cluster, slow) if symmetry else list(range(program.num_devices))
     reps = sorted(set(cls))
-    members = {r: cls.count(r) for r in reps}
+    members = Counter(cls)  # class representative -> devices it stands for
     dtype = program.precision.compute_dtype
     env = simpy.Environment()
     comm_free = {r: 0.0 for r in reps}  # when each communication stream is next free
