@@ -33,10 +33,11 @@ class Setup:
     cluster: str
     nodes: int
     global_batch: int
+    profile: str | None = None  # a calibration profile (planlab calibrate) pricing the cluster
 
 
 def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, CostModel, Graph]:
-    cost = CostModel.load(setup.cluster, setup.nodes)
+    cost = CostModel.load(setup.cluster, setup.nodes, profile=setup.profile)
     if graph is None:
         model, inputs = build_model(setup.model, batch=setup.global_batch)
         graph = trace(model, inputs)
@@ -103,7 +104,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
                           f"(device memory {mem_cap / 2**30:.1f} GiB)")
         return row, None
     try:
-        program = materialize(plan, graph)
+        program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
         res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline)
     except InfeasiblePlan as e:
         row.update(iter_time_s=math.nan, peak_mem_gib=math.nan, tflops_per_gpu=math.nan, mfu=math.nan,
@@ -130,21 +131,24 @@ def _eval_assignment(values: dict) -> dict:
 
 def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str = "megatron",
             fixed: dict | None = None, global_batch: int | None = None, jobs: int = 1,
-            out: str | os.PathLike | None = None, progress: bool = False) -> pd.DataFrame:
+            out: str | os.PathLike | None = None, progress: bool = False,
+            profile: str | os.PathLike | None = None) -> pd.DataFrame:
     """Evaluate every plan of ``space``; return the ranked DataFrame (fastest feasible first).
 
     Columns: the knobs, ``iter_time_s``, ``peak_mem_gib``, ``tflops_per_gpu``, ``mfu``,
     ``feasible``, ``reason``, ``pareto``. ``df.attrs["best_plan"]`` is the best Plan (or None).
     With ``out``, writes ``results.csv``, ``pareto.png`` and ``best_plan.json`` there.
+    ``profile`` (a file from ``planlab calibrate``) prices the cluster with its measurements.
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
-    cost = CostModel.load(cluster, nodes)
+    profile = None if profile is None else os.fspath(profile)
+    cost = CostModel.load(cluster, nodes, profile=profile)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     if not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"--global-batch must be a positive integer, got {batch!r}")
     sp = get_space(space) if isinstance(space, str) else space
-    setup = Setup(spec, cluster, nodes, batch)
+    setup = Setup(spec, cluster, nodes, batch, profile)
     ctx, cost, graph = make_context(setup)
     assignments = list(sp.assignments(ctx, fixed))
     if not assignments:

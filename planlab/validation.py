@@ -80,7 +80,7 @@ def predict(run: MeasuredRun, cluster: str) -> dict:
                   cost.cluster.node.devices_per_node)
     plan = get_space("megatron").build(ctx, dict(tp=run.tp, dp=run.dp, pp=run.pp, microbatch=run.micro_batch,
                                                  recompute="full"))
-    res = simulate(materialize(plan, graph), cost)
+    res = simulate(materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of), cost)
     row = asdict(run)
     row.update(predicted_s=res.iter_time_s, error=(res.iter_time_s - run.measured_s) / run.measured_s)
     return row

@@ -197,12 +197,14 @@ class Interpreter:
         self.bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.ctx: dict[tuple[str, int], tuple] = {}
         self.pending: list = []
+        self.overlapped: list = []
         self.capture = capture_grads
         self.timeline = []
         self.step, self.steps_run = self.steps_run, self.steps_run + 1
         step, progress, record, bufs = self.step, self.progress, self.record, self.bufs
         clock = time.perf_counter
         loss = 0.0
+        last_mb = self.program.microbatches - 1
         t0 = clock()
         for action in self.dp.schedule:
             mb = action.microbatch
@@ -210,6 +212,8 @@ class Interpreter:
             if progress is not None:
                 progress.phase(f"step {step}, action {action}")
             for task, fn, label, frees, is_loss in self._steps(action):
+                if task.final and mb != last_mb:
+                    continue  # runs with the last micro-batch only
                 if progress is not None:
                     progress.task(label)
                 if record:
@@ -234,7 +238,22 @@ class Interpreter:
             except Exception as e:
                 raise TaskError(self.device, "end of step", task, e) from e
         self.pending = []
+        self._finish_overlapped()
         return loss
+
+    def _finish_overlapped(self) -> None:
+        """Wait for the overlapped gradient reductions and take their results."""
+        for work, task, flat in self.overlapped:
+            try:
+                work.wait()
+            except Exception as e:
+                raise TaskError(self.device, "gradient reduction", task, e) from e
+            off = 0
+            for b in task.reads:
+                cur = self._get(b, 0)
+                self.static[b] = flat[off:off + cur.numel()].view_as(cur)  # views of a fresh buffer
+                off += cur.numel()
+        self.overlapped = []
 
     def _steps(self, action) -> tuple:
         """A block's tasks ready to run, made once per block: ``(task, function, progress label,
@@ -375,6 +394,9 @@ class Interpreter:
         pg = self.groups[tuple(sorted(group))]
         if task.collective == "all_reduce" and (len(task.reads) > 1 or task.reads[0].startswith("wg:")):
             flat = torch.cat([self._get(b, mb).reshape(-1) for b in task.reads])
+            if task.overlap:  # runs while the backward goes on; the optimizer waits for it
+                self.overlapped.append((dist.all_reduce(flat, group=pg, async_op=True), task, flat))
+                return
             dist.all_reduce(flat, group=pg)
             off = 0
             for b in task.reads:
@@ -446,6 +468,7 @@ class Interpreter:
                 off += w.numel()
 
     def _optimizer(self, task: Task, mb: int) -> None:
+        self._finish_overlapped()
         if task.reads and task.reads[0].startswith("zg:"):
             z = self.zero[task.reads[0]]
             z.shard.grad = self.static[task.reads[0]].detach()

@@ -54,12 +54,31 @@ class Mesh:
         if math.prod(self.shape) != len(self.devices):
             raise ValueError(f"mesh shape {self.shape} does not hold {len(self.devices)} devices")
 
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.devices))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def coord(self, flat: int) -> tuple[int, ...]:
+        return self._coords[flat]
+
+    @functools.cached_property
+    def _coords(self) -> tuple[tuple[int, ...], ...]:
         out = []
-        for s in reversed(self.shape):
-            out.append(flat % s)
-            flat //= s
-        return tuple(reversed(out))
+        for flat in range(len(self.devices)):
+            c = []
+            for s in reversed(self.shape):
+                c.append(flat % s)
+                flat //= s
+            out.append(tuple(reversed(c)))
+        return tuple(out)
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """``position[device]``: the device's flat index in the mesh."""
+        return {d: i for i, d in enumerate(self.devices)}
 
     def flat(self, coord: tuple[int, ...]) -> int:
         i = 0
@@ -69,14 +88,25 @@ class Mesh:
 
     def groups(self, axis: int) -> list[tuple[int, ...]]:
         """Device groups that vary along ``axis`` with the other coordinates fixed."""
-        out = []
-        for flat in range(len(self.devices)):
-            c = self.coord(flat)
-            if c[axis] != 0:
-                continue
-            out.append(tuple(self.devices[self.flat(c[:axis] + (k,) + c[axis + 1:])]
-                             for k in range(self.shape[axis])))
-        return out
+        return list(self.group_map((axis,)).values())
+
+    def group_map(self, axes: tuple[int, ...]) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """The device groups that vary along ``axes`` with the other coordinates fixed, keyed by
+        those other coordinates (cached per mesh)."""
+        cache = self.__dict__.setdefault("_group_cache", {})
+        got = cache.get(axes)
+        if got is None:
+            got = {}
+            for flat, c in enumerate(self._coords):
+                key = tuple(x for a, x in enumerate(c) if a not in axes)
+                got.setdefault(key, []).append(self.devices[flat])
+            got = cache[axes] = {k: tuple(v) for k, v in got.items()}
+        return got
+
+    def group_of(self, flat: int, axes: tuple[int, ...]) -> tuple[int, ...]:
+        """The devices that share every coordinate of position ``flat`` but those along ``axes``."""
+        c = self._coords[flat]
+        return self.group_map(axes)[tuple(x for a, x in enumerate(c) if a not in axes)]
 
     def __str__(self) -> str:
         return f"{'x'.join(map(str, self.shape))}{list(self.devices)}"

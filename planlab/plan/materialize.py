@@ -11,12 +11,12 @@ Passes, in this order:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
 from collections import defaultdict
 from itertools import count
+from typing import Callable
 
 from planlab.errors import InfeasiblePlan, choices
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
@@ -66,6 +66,7 @@ class _Layouts:
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
+        interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
             sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
@@ -78,7 +79,8 @@ class _Layouts:
                                      f"devices 0..{plan.num_devices - 1}")
             if len(set(p.devices)) != len(p.devices):
                 raise InfeasiblePlan(f"operator {op.name!r} places two pieces on one device: {list(p.devices)}")
-            self.mesh[op.name] = Mesh(tuple(sizes), tuple(p.devices))
+            mesh = Mesh(tuple(sizes), tuple(p.devices))
+            self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
             self.dims[op.name] = tuple(dims)
             for d in set(x for x in dims if x is not None):
                 if not op.signature.splittable(d):
@@ -136,15 +138,56 @@ def _full(layout: Layout) -> Layout:
     return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
 
 
-def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision | None = None) -> Program:
+def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision | None = None,
+                symmetric: bool = False, node_of: Callable[[int], int] | None = None) -> Program:
     """Turn ``plan`` into a Program (see the module docstring for the passes).
 
-    Raises InfeasiblePlan naming the operator or value when the plan cannot be
-    realised (an operator left unplaced, a split that does not divide, a bad schedule).
+    With ``symmetric``, devices are first grouped into classes from the plan alone
+    (:mod:`planlab.plan.symmetry`) and tasks are built for one representative of
+    each class (and one more member, to check the classes): the reduced Program
+    the simulator runs at cluster scale. ``node_of`` maps a device to its node
+    (default: the plan's cluster). Raises InfeasiblePlan naming the operator or
+    value when the plan cannot be realised (an operator left unplaced, a split
+    that does not divide, a bad schedule).
     """
     graph = graph if graph is not None else trace_plan_model(plan)
     precision = precision or precision_for(plan.cluster)
     L = _Layouts(plan, graph)
+    if symmetric and plan.num_devices > 1:
+        from planlab.plan.symmetry import plan_classes, reduce_program
+
+        if node_of is None:
+            from planlab.costmodel import load_cluster
+
+            node_of = load_cluster(plan.cluster, plan.nodes).node_of
+        classes = plan_classes(plan, L.mesh.values(), node_of)
+        reps = sorted(set(classes))
+        if len(reps) < plan.num_devices:
+            witnesses = {}
+            for d, c in enumerate(classes):
+                if d != c:
+                    witnesses[c] = d  # the last member of each class
+            program = _build(plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()))
+            reduced = reduce_program(program, classes, witnesses, node_of)
+            if reduced is not None:
+                return reduced
+    return _build(plan, graph, L, precision, None)
+
+
+def _positions(mesh: Mesh, keep: frozenset[int] | None):
+    """``(flat, device)`` of a mesh's devices, or of those in ``keep``."""
+    if keep is None:
+        return enumerate(mesh.devices)
+    cache = mesh.__dict__.setdefault("_kept", {})
+    got = cache.get(keep)
+    if got is None:
+        pos = mesh.position
+        got = cache[keep] = sorted((pos[d], d) for d in keep if d in pos)
+    return got
+
+
+def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None) -> Program:
+    """The passes, for every device or only for those in ``keep``."""
     topo = {op.name: i for i, op in enumerate(graph.operators)}
     m = plan.microbatches
     stage = {p.op: p.stage for p in plan.ops}
@@ -153,6 +196,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
     params_on: dict[int, list[tuple[str, tuple]]] = defaultdict(list)
     seq = count()
     tags = count()
+    channels = count()
 
     def ebytes(t: str) -> int:
         spec = graph.tensors[t]
@@ -175,6 +219,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
 
     # -- pass 2: forward --------------------------------------------------------
     converted: dict[tuple[str, Layout], str] = {}
+    saved_of: dict[str, tuple[str, ...]] = {}
     in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
     for i, op in enumerate(graph.operators):
@@ -187,7 +232,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                     raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
                                          f"{op.name!r}; tied weights are not supported yet")
                 owner[t] = (op, ti)
-                for flat, dev in enumerate(mesh.devices):
+                for flat, dev in _positions(mesh, keep):
                     params_on[dev].append((t, need.box(flat, L.shapes[t])))
                 bufs.append(f"w:{t}")
                 continue
@@ -198,7 +243,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 buf = f"a:{t}#{len([k for k in converted if k[0] == t])}"
                 batch_axis = next((a for a in range(len(spec.shape))
                                    if graph.labels.get((t, a)) == graph.batch_label), -1)
-                for flat, dev in enumerate(mesh.devices):
+                for flat, dev in _positions(mesh, keep):
                     box = need.box(flat, L.shapes[t])
                     emit(dev, blk, (i, 0), Task(f"load:{t}", TaskKind.LOCAL, (f"src:{t}",), (buf,),
                                                 src_region=box, shape=box_shape(box), axis=batch_axis,
@@ -213,7 +258,8 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 continue
             buf = f"a:{t}#{len([k for k in converted if k[0] == t]) + 1}"
             conv = plan_conversion(have, need, L.shapes[t], ebytes(t), src_buf=f"a:{t}", dst_buf=buf,
-                                   tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype)
+                                   tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype, only=keep,
+                                   channel=next(channels))
             # sends sit where the consumer is in topological order, as the receives do, so
             # every channel carries its messages in the order they are received (NCCL matches in order)
             place(conv, t, (stage[prod.name], "F"), (i, 0), blk, (i, 0))
@@ -226,7 +272,8 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
             outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
             for s in op.saves if not (s in op.inputs and graph.tensors[s].role == "param")))
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
-        for flat, dev in enumerate(mesh.devices):
+        saved_of[op.name] = saved
+        for flat, dev in _positions(mesh, keep):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
             lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
             task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
@@ -237,13 +284,15 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
 
     # -- pass 3: backward -------------------------------------------------------
+    dead: set[str] = set()  # operators without a backward: nothing they produce reaches the loss
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
         mesh, blk = L.mesh[op.name], (stage[op.name], "B")
         gbufs = []
         for j, t in enumerate(op.outputs):
             spec = graph.tensors[t]
-            uses = [(c, k) for c in graph.consumers.get(t, []) for k, x in enumerate(c.inputs) if x == t]
+            uses = [(c, k) for c in graph.consumers.get(t, []) for k, x in enumerate(c.inputs)
+                    if x == t and c.name not in dead]  # a consumer whose outputs reach no loss gives no gradient
             if t == graph.loss:
                 gbufs.append("")  # seeded with ones by the executor
                 continue
@@ -270,7 +319,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                     pending += [(lay, buf, c.name) for buf, c in items]
                     continue
                 summed = f"gs:{t}#{len(pending)}"
-                for flat, dev in enumerate(lay.mesh.devices):
+                for flat, dev in _positions(lay.mesh, keep):
                     for buf, _ in items:
                         emit(dev, blk, (-i, 0), Task(f"d{t}:sum", TaskKind.LOCAL, (buf,), (summed,),
                                                      shape=box_shape(lay.box(flat, L.shapes[t])), accumulate=True,
@@ -278,12 +327,14 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                 pending.append((lay, summed, op.name))
             for lay, buf, src in pending:
                 conv = plan_conversion(lay, target, L.shapes[t], ebytes(t), src_buf=buf, dst_buf=f"g:{t}",
-                                       accumulate=True, tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype)
+                                       accumulate=True, tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype,
+                                       only=keep, channel=next(channels))
                 place(conv, t, (stage[src], "B"), (-i, 0), blk, (-i, 0))
             gbufs.append(f"g:{t}")
         needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
                       for t in op.inputs]
         if op.outputs[0] != graph.loss and all(g == "" for g in gbufs):
+            dead.add(op.name)
             continue
         if not any(needs_grad):
             continue
@@ -291,9 +342,8 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                        ("" if graph.tensors[t].role == "param" else f"<{op.name}.{k}") if ng else ""
                        for k, (t, ng) in enumerate(zip(op.inputs, needs_grad)))
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
-        fwd_saved = next(t for _, t in entries[mesh.devices[0]][(stage[op.name], "F")]
-                         if t.kind is TaskKind.FORWARD and t.op == op.name).saved
-        for flat, dev in enumerate(mesh.devices):
+        fwd_saved = saved_of[op.name]
+        for flat, dev in _positions(mesh, keep):
             task = Task(op.name, TaskKind.BACKWARD, tuple(gbufs), writes, op=op.name, coord=flat,
                         flops=op.flops * op.bwd_flops_ratio / pieces / m,
                         bytes_moved=op.bytes_moved / pieces / m, saved=fwd_saved)
@@ -303,7 +353,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
                     buf_bytes[dev][w] = box_numel(L.contributes(op, k).box(flat, L.shapes[t])) * ebytes(t)
         for j, t in enumerate(op.outputs):
             if gbufs[j].startswith("g:"):
-                for flat, dev in enumerate(mesh.devices):
+                for flat, dev in _positions(mesh, keep):
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
@@ -312,23 +362,19 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
     # -- pass 4: weight gradients and optimizer ---------------------------------
-    buckets: dict[int, dict[tuple[int, ...], list[tuple[str, int]]]] = defaultdict(lambda: defaultdict(list))
+    # per device and reduction group: (topological index of the owner, gradient buffer, bytes)
+    buckets: dict[int, dict[tuple[int, ...], list[tuple[int, str, int]]]] = defaultdict(lambda: defaultdict(list))
     for p, (op, k) in owner.items():
         contrib, target = L.contributes(op, k), L.needs(op, k)
         axes = [a for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
                 if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1]
         mesh = contrib.mesh
-        for flat, dev in enumerate(mesh.devices):
-            if not axes:
-                continue
-            c = mesh.coord(flat)
-            group = []
-            for f2, d2 in enumerate(mesh.devices):
-                c2 = mesh.coord(f2)
-                if all(c2[a] == c[a] for a in range(len(c)) if a not in axes):
-                    group.append(d2)
+        if not axes:
+            continue
+        for flat, dev in _positions(mesh, keep):
+            group = tuple(sorted(mesh.group_of(flat, tuple(axes))))
             nb = box_numel(target.box(flat, L.shapes[p])) * precision.grad_bytes
-            buckets[dev][tuple(sorted(group))].append((f"wg:{p}", nb))
+            buckets[dev][group].append((topo[op.name], f"wg:{p}", nb))
     devices = sorted(set(entries) | set(params_on))
     zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # bytes of grads, optimizer states saved
     for dev in devices:
@@ -336,12 +382,11 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         sharded: set[str] = set()
         for gid, group in enumerate(sorted(buckets[dev])):
             items = buckets[dev][group]
-            bufs = tuple(b for b, _ in items)
-            grad_bytes = sum(n for _, n in items)
             if plan.zero == 0:
-                emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
-                                                collective="all_reduce", group=group, nbytes=grad_bytes))
+                _overlapped_buckets(emit, dev, group, items, stage, graph, precision)
                 continue
+            bufs = tuple(b for _, b, _ in items)
+            grad_bytes = sum(n for _, _, n in items)
             # ZeRO: reduce-scatter the bucket, step the optimizer on this device's shard, all-gather weights
             n = len(group)
             numel = grad_bytes // precision.grad_bytes
@@ -372,7 +417,7 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
     # -- pass 5: order, schedule, memory ----------------------------------------
     programs = []
     groups: set[tuple[int, ...]] = set()
-    for dev in range(plan.num_devices):
+    for dev in (range(plan.num_devices) if keep is None else sorted(keep)):
         blocks = {}
         for key, items in entries.get(dev, {}).items():
             items.sort(key=lambda x: x[0])
@@ -395,6 +440,37 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
         holders.append((dev, f"a:{graph.loss}", int(primary)))
     return Program(devices=tuple(programs), microbatches=m, precision=precision,
                    groups=tuple(sorted(g for g in groups if len(g) > 1)), loss_holders=tuple(holders))
+
+
+# Megatron-LM's default gradient bucket (--ddp-bucket-size: 40M elements).
+BUCKET_ELEMENTS = 40_000_000
+
+
+def _overlapped_buckets(emit, dev: int, group: tuple[int, ...], items: list[tuple[int, str, int]],
+                        stage: dict[str, int], graph: Graph, precision: Precision) -> None:
+    """Data-parallel gradient reduction overlapped with the backward, as Megatron-LM and DDP do it:
+    gradients in buckets of at most :data:`BUCKET_ELEMENTS`, filled in the order the backward
+    completes them; each bucket's all-reduce is issued, with the last micro-batch, right after
+    the backward task that completes it, and runs on the communication stream."""
+    names = [op.name for op in graph.operators]
+    by_stage: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
+    for item in items:
+        by_stage[stage[names[item[0]]]].append(item)
+    cap = BUCKET_ELEMENTS * precision.grad_bytes
+    for st in sorted(by_stage):
+        ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
+        bucket: list[tuple[int, str, int]] = []
+        for k, item in enumerate(ordered):
+            bucket.append(item)
+            full = sum(n for _, _, n in bucket) >= cap
+            if full or k == len(ordered) - 1:
+                bufs = tuple(b for _, b, _ in bucket)
+                last = min(i for i, _, _ in bucket)  # the bucket is complete after this operator's backward
+                emit(dev, (st, "B"), (-last, 1), Task(
+                    f"grad-reduce{list(group)}#{bufs[0][3:]}", TaskKind.COLLECTIVE, bufs, bufs,
+                    collective="all_reduce", group=group, nbytes=sum(n for _, _, n in bucket),
+                    final=True, overlap=True))
+                bucket = []
 
 
 def _recompute(entries, graph: Graph, groups_of: dict[str, int], seq, buf_bytes) -> None:
@@ -491,9 +567,9 @@ def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
         for ti, t in enumerate(blocks[bk].tasks):
             a, f = allocs.get((bk, ti)), frees.get((bk, ti))
             if a or f:
-                t = copy.copy(t)  # a shallow copy is much cheaper than dataclasses.replace here
-                object.__setattr__(t, "alloc", tuple(a or ()))
-                object.__setattr__(t, "free", tuple(f or ()))
+                fields = dict(t.__dict__, alloc=tuple(a or ()), free=tuple(f or ()))
+                t = object.__new__(Task)  # a shallow copy: much cheaper than dataclasses.replace here
+                t.__dict__.update(fields)
             tasks.append(t)
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
     return out

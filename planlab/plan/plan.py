@@ -171,7 +171,12 @@ class PlanBuilder:
         pieces per micro-batch (and the final ``W`` step)."""
         if not 0 <= device < self.num_devices:
             raise InfeasiblePlan(f"op_order: device {device} out of range 0..{self.num_devices - 1}")
-        self._schedule[device] = tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions)
+        seen = self.__dict__.setdefault("_orders_seen", {})  # replicas often share one tuple of actions
+        hit = seen.get(id(actions)) if isinstance(actions, tuple) else None
+        if hit is None or hit[0] is not actions:
+            hit = seen[id(actions)] = (actions, tuple(a if isinstance(a, Action) else Action.parse(a)
+                                                      for a in actions))
+        self._schedule[device] = hit[1]
 
     def recompute(self, op: str, group: int) -> None:
         """Recompute ``op`` in the backward instead of keeping its activations (op-order: its

@@ -51,7 +51,12 @@ class Task:
     ``reads``/``writes`` name buffers. For a forward task they are the
     operator's inputs and outputs in signature order; for a backward task the
     gradients of its outputs (``""``: the loss seed or an unused output) and
-    the gradient contributions for its inputs (``""``: no gradient). ``saved``
+    the gradient contributions for its inputs (``""``: no gradient). A send or receive of a
+    Program reduced to device classes carries its conversion's ``channel``, on which the
+    simulator matches the messages of whole classes in order. A ``final`` task runs
+    with the last micro-batch of its block only (a bucket of weight gradients is reduced
+    once they are complete); an ``overlap`` collective runs on the communication stream
+    while the device goes on, and the optimizer waits for it. ``saved``
     names the buffers its backward keeps alive; ``lead`` is False on pieces
     other than the first along a split reduction dimension, which leave out
     terms added once (a linear layer's bias) so the partial sums add up.
@@ -82,6 +87,9 @@ class Task:
     accumulate: bool = False
     lead: bool = True
     recompute: str = ""
+    channel: int = -1
+    final: bool = False
+    overlap: bool = False
     saved: tuple[str, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
@@ -128,10 +136,12 @@ class DeviceProgram:
         return self.blocks[(action.stage, action.phase)]
 
     def tasks_in_order(self):
-        """Yield ``(action, task)`` in execution order."""
+        """Yield ``(action, task)`` in execution order (``final`` tasks with the last micro-batch only)."""
+        last = max((a.microbatch for a in self.schedule), default=0)
         for a in self.schedule:
             for t in self.block(a).tasks:
-                yield a, t
+                if not t.final or a.microbatch == last:
+                    yield a, t
 
 
 @dataclass(frozen=True)
@@ -159,17 +169,38 @@ FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimi
 
 @dataclass(frozen=True)
 class Program:
-    """Per-device programs of one training iteration of a Plan."""
+    """Per-device programs of one training iteration of a Plan.
+
+    A Program reduced by symmetry (``materialize(..., symmetric=True)``) holds the
+    programs of one representative per device class only; ``classes[d]`` is the
+    representative that device ``d`` is identical to, up to the names of its peers.
+    """
 
     devices: tuple[DeviceProgram, ...]
     microbatches: int
     precision: Precision
     groups: tuple[tuple[int, ...], ...] = ()
     loss_holders: tuple[tuple[int, str, int], ...] = field(default=())  # (device, buffer, replica-coord==0)
+    classes: tuple[int, ...] = ()
 
     @property
     def num_devices(self) -> int:
-        return len(self.devices)
+        return len(self.classes) if self.classes else len(self.devices)
+
+    @property
+    def reduced(self) -> bool:
+        """True when only class representatives are held."""
+        return bool(self.classes) and len(self.devices) < len(self.classes)
+
+    def device(self, d: int) -> DeviceProgram:
+        """The program of device ``d`` (a representative's, for a reduced Program)."""
+        if not self.reduced:
+            return self.devices[d]
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {dp.device: dp for dp in self.devices}
+            object.__setattr__(self, "_index", index)
+        return index[self.classes[d]]
 
     def num_tasks(self) -> int:
         return sum(len(b.tasks) for dp in self.devices for a in dp.schedule for b in [dp.block(a)])

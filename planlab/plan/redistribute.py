@@ -9,7 +9,6 @@ copies of overlapping slices, which is always correct.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -50,30 +49,38 @@ def same_layout(a: Layout, b: Layout) -> bool:
 
 def plan_conversion(src: Layout, dst: Layout, shape: tuple[int, ...], elem_bytes: int, *,
                     src_buf: str, dst_buf: str, accumulate: bool = False, tags: count | None = None,
-                    name: str = "", dtype: str = "float32") -> Conversion:
+                    name: str = "", dtype: str = "float32", only: frozenset[int] | None = None,
+                    channel: int = -1) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
     ``dst`` must hold full values (no Partial). With ``accumulate`` the result
-    is added into ``dst_buf`` (gradient accumulation).
+    is added into ``dst_buf`` (gradient accumulation). With ``only``, tasks are
+    planned for those devices alone (the representatives of device classes);
+    point-to-point messages then get tags computed from their positions, the
+    same whichever devices are planned, and carry ``channel`` for the simulator.
     """
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
         raise ValueError(f"cannot convert into a partial layout {dst}")
     tags = tags if tags is not None else count()
     if _same_mesh(src, dst) and not _nested(src) and not _nested(dst):
-        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name)
+        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only)
         if conv is not None:
-            return _with_dtype(conv, dtype)
-    return _with_dtype(_point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name), dtype)
+            return conv
+    if only is not None:
+        return _point_to_point_only(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype,
+                                    only, channel)
+    return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name, dtype)
 
 
-def _with_dtype(conv: Conversion, dtype: str) -> Conversion:
-    for side in (conv.src, conv.dst):
-        for dev, tasks in side.items():
-            side[dev] = [dataclasses.replace(t, dtype=dtype) for t in tasks]
-    return conv
+def _positions(mesh, only: frozenset[int] | None):
+    """``(flat, device)`` of the mesh's devices, or of those in ``only``."""
+    if only is None:
+        return enumerate(mesh.devices)
+    pos = mesh.position
+    return sorted((pos[d], d) for d in only if d in pos)
 
 
-def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name) -> Conversion | None:
+def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only) -> Conversion | None:
     mesh = src.mesh
     steps = []
     cur = list(_normalize(src))
@@ -103,33 +110,33 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name) -> Conver
     if not steps:
         if not accumulate:
             return conv  # nothing to do: the caller aliases src_buf
-        for flat, dev in enumerate(mesh.devices):
+        for flat, dev in _positions(mesh, only):
             conv.add("dst", dev, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
-                                      shape=box_shape(dst.box(flat, shape)), accumulate=True))
+                                      shape=box_shape(dst.box(flat, shape)), accumulate=True, dtype=dtype))
         return conv
     for k, (ax, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
         rbuf = src_buf if k == 0 else f"{dst_buf}~{k}"
         wbuf = dst_buf if last else f"{dst_buf}~{k + 1}"
         conv.kinds.append(kind)
-        groups = {dev: g for g in mesh.groups(ax) for dev in g}
-        for flat, dev in enumerate(mesh.devices):
+        for flat, dev in _positions(mesh, only):
             bin_, bout = before.box(flat, shape), after.box(flat, shape)
             if kind == "chunk":
                 conv.add("dst", dev, Task(f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,),
                                           src_region=relative(bout, bin_), shape=box_shape(bout),
-                                          accumulate=accumulate and last))
+                                          accumulate=accumulate and last, dtype=dtype))
                 continue
             tensor_axis = after.placements[ax].dim if kind == "reduce_scatter" else \
                 before.placements[ax].dim if kind == "all_gather" else -1
             nbytes = max(box_numel(bin_), box_numel(bout)) * eb
             conv.add("dst", dev, Task(f"{name}{kind}{k}", TaskKind.COLLECTIVE, (rbuf,), (wbuf,),
-                                      collective=kind, group=groups[dev], axis=tensor_axis, nbytes=nbytes,
-                                      shape=box_shape(bout), accumulate=accumulate and last))
+                                      collective=kind, group=mesh.group_of(flat, (ax,)), axis=tensor_axis,
+                                      nbytes=nbytes, shape=box_shape(bout), accumulate=accumulate and last,
+                                      dtype=dtype))
     return conv
 
 
-def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, name) -> Conversion:
+def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, name, dtype) -> Conversion:
     conv = Conversion(kinds=["p2p"])
     pieces = []  # (device, box, partial key)
     for flat, dev in enumerate(src.mesh.devices):
@@ -149,14 +156,79 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                 if chosen == dd:
                     conv.add("dst", dd, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
                                              src_region=relative(region, sbox), region=relative(region, dbox),
-                                             shape=box_shape(dbox), accumulate=acc))
+                                             shape=box_shape(dbox), accumulate=acc, dtype=dtype))
                     continue
                 tag = next(tags)
                 nbytes = box_numel(region) * eb
                 conv.add("src", chosen, Task(f"{name}send{tag}", TaskKind.SEND, (src_buf,), (),
                                              peer=dd, nbytes=nbytes, region=relative(region, sbox),
-                                             axis=tag))
+                                             axis=tag, dtype=dtype))
                 conv.add("dst", dd, Task(f"{name}recv{tag}", TaskKind.RECV, (), (dst_buf,), peer=chosen,
                                          nbytes=nbytes, region=relative(region, dbox), shape=box_shape(dbox),
-                                         accumulate=acc, axis=tag))
+                                         accumulate=acc, axis=tag, dtype=dtype))
+    return conv
+
+
+def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only,
+                         channel) -> Conversion:
+    """:func:`_point_to_point` for the devices in ``only``: the same messages, chosen the same way,
+    found without visiting every pair of pieces. A message's tag is computed from the positions of
+    its receiver and sender, so both ends agree without planning anyone else."""
+    conv = Conversion(kinds=["p2p"])
+    n_src = len(src.mesh.devices)
+    pieces = [(dev, src.box(flat, shape), src.partial_key(flat)) for flat, dev in enumerate(src.mesh.devices)]
+    keys = sorted({p[2] for p in pieces})
+    key_index = {k: i for i, k in enumerate(keys)}
+    acc = accumulate or len(keys) > 1
+    by_key: dict[tuple, dict] = {k: {} for k in keys}  # key -> box -> devices holding it, in mesh order
+    for dev, sbox, k in pieces:
+        by_key[k].setdefault(sbox, []).append(dev)
+    src_pos = src.mesh.position
+
+    def messages(flat: int, dd: int):
+        """Every piece ``dd`` (at ``flat`` of the destination mesh) takes: (key, sender, region, dbox, sbox)."""
+        dbox = dst.box(flat, shape)
+        for k in keys:
+            for sbox, reps in by_key[k].items():
+                region = intersect(sbox, dbox)
+                if region is None:
+                    continue
+                chosen = dd if dd in reps else reps[flat % len(reps)]
+                yield k, chosen, region, dbox, sbox
+
+    def tag_of(flat: int, k, chosen: int) -> int:
+        return (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
+
+    dst_pos = dst.mesh.position
+    wanted = {}  # destination position -> device, for destinations planned or fed by a planned sender
+    for d in only:
+        if d in dst_pos:
+            wanted[dst_pos[d]] = d
+    senders = [d for d in only if d in src_pos]
+    if senders:
+        mine = {src.box(src_pos[d], shape) for d in senders}
+        for flat, dd in enumerate(dst.mesh.devices):
+            if flat not in wanted:
+                dbox = dst.box(flat, shape)
+                if any(intersect(b, dbox) is not None for b in mine):
+                    wanted[flat] = dd
+    for flat in sorted(wanted):
+        dd = wanted[flat]
+        for k, chosen, region, dbox, sbox in messages(flat, dd):
+            if chosen == dd:
+                if dd in only:
+                    conv.add("dst", dd, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
+                                             src_region=relative(region, sbox), region=relative(region, dbox),
+                                             shape=box_shape(dbox), accumulate=acc, dtype=dtype))
+                continue
+            tag = tag_of(flat, k, chosen)
+            nbytes = box_numel(region) * eb
+            if chosen in only:
+                conv.add("src", chosen, Task(f"{name}send{tag}", TaskKind.SEND, (src_buf,), (),
+                                             peer=dd, nbytes=nbytes, region=relative(region, sbox),
+                                             axis=tag, dtype=dtype, channel=channel))
+            if dd in only:
+                conv.add("dst", dd, Task(f"{name}recv{tag}", TaskKind.RECV, (), (dst_buf,), peer=chosen,
+                                         nbytes=nbytes, region=relative(region, dbox), shape=box_shape(dbox),
+                                         accumulate=acc, axis=tag, dtype=dtype, channel=channel))
     return conv

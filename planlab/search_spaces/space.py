@@ -115,7 +115,7 @@ class Draft:
                     actions = interleaved_1f1b(r, groups, self.microbatches, self.chunks)
                 else:
                     actions = SCHEDULES[self.schedule](r, groups, self.microbatches)
-                actions = actions + [Action(r, "W", 0)]
+                actions = tuple(actions) + (Action(r, "W", 0),)
                 for d in group_devices[r]:
                     b.op_order(d, actions)
         return b.build()
@@ -189,7 +189,15 @@ class Space(abc.ABC):
         return ""
 
     def build(self, ctx: Context, values: dict) -> Plan:
-        """The plan of one assignment."""
+        """The plan of one assignment; ConfigError if it breaks one of the space's constraints."""
+        probe = {k.name: values.get(k.name, k.default) for k in self.all_knobs()}
+        for c in self.all_constraints():
+            try:
+                ok = c.check(probe, ctx)
+            except TypeError:  # the constraint needs a knob that is not set
+                continue
+            if not ok:
+                raise ConfigError(f"space {self.name!r}: {c.message(probe, ctx)}")
         draft = Draft(ctx)
         for p in sorted(self.parts(), key=lambda s: s.order):
             p.apply(draft, values)

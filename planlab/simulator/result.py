@@ -10,7 +10,14 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class DeviceStats:
-    """One device class: its representative, how many devices it stands for, and where its time went."""
+    """One device class: its representative, how many devices it stands for, and where its time went.
+
+    ``compute_s`` is busy computing; ``comm_s`` all communication, overlapped or not;
+    ``exposed_comm_s`` the part of it the device waited for (collectives in its way, and
+    overlapped reductions still running when the optimizer needs them); ``bubble_s``
+    waiting for pipeline messages from other stages; ``wait_s`` every wait (bubbles, and
+    peers late to a collective); ``idle_s`` what is left of the iteration.
+    """
 
     device: int
     members: int
@@ -21,10 +28,12 @@ class DeviceStats:
     peak_mem_bytes: int
     peak_at_s: float
     peak_task: str
+    exposed_comm_s: float = 0.0
+    bubble_s: float = 0.0
 
     @property
     def idle_s(self) -> float:
-        return max(0.0, self.finish_s - self.compute_s - self.comm_s)
+        return max(0.0, self.finish_s - self.compute_s - self.exposed_comm_s - self.bubble_s)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,17 @@ class Collective:
     free_bytes: int
 
 
-Unit = Segment | Send | Recv | Collective
+@dataclass(frozen=True)
+class AsyncCollective:
+    """A collective on the communication stream while the device goes on (a bucket of weight
+    gradients reduced during the backward); the optimizer waits for it."""
+
+    task: str
+    group: tuple[int, ...]
+    duration_s: float
+
+
+Unit = Segment | Send | Recv | Collective | AsyncCollective
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
@@ -76,8 +86,9 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 
 
 def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
-                sizes: dict[str, int]) -> tuple[Unit, ...]:
-    """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees)."""
+                sizes: dict[str, int], final: bool = True) -> tuple[Unit, ...]:
+    """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
+    ``final`` includes the tasks that run with the last micro-batch only."""
     units: list[Unit] = []
     cur: list = []  # (task, duration, is_comm)
 
@@ -97,13 +108,18 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
         cur.clear()
 
     for t in block.tasks:
-        if t.kind is TaskKind.SEND:
+        if t.final and not final:
+            continue
+        if t.overlap:
             flush()
-            units.append(Send(t.name, t.peer, t.axis, cost.p2p_time_s(t.nbytes, device, t.peer),
+            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype)))
+        elif t.kind is TaskKind.SEND:
+            flush()
+            units.append(Send(t.name, t.peer, _tag(t), cost.p2p_time_s(t.nbytes, device, t.peer),
                               sum(sizes.get(b, 0) for b in t.free)))
         elif t.kind is TaskKind.RECV:
             flush()
-            units.append(Recv(t.name, t.peer, t.axis, sum(n for _, n in t.alloc)))
+            units.append(Recv(t.name, t.peer, _tag(t), sum(n for _, n in t.alloc)))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
             flush()
             units.append(Collective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
@@ -112,3 +128,8 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
             cur.append((t, task_time_s(t, cost, dtype), t.kind is TaskKind.COLLECTIVE))
     flush()
     return tuple(units)
+
+
+def _tag(task: Task) -> int:
+    """The channel a message is matched on: its conversion's in a reduced Program, else its own tag."""
+    return task.channel if task.channel >= 0 else task.axis

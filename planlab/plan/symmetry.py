@@ -1,0 +1,114 @@
+"""Device classes from the plan alone, and the Program reduced to their representatives.
+
+At cluster scale most devices are copies of each other: data-parallel replicas,
+tensor-parallel peers. :func:`plan_classes` groups devices by what the plan gives
+them (the meshes they belong to, how the groups along each mesh axis spread over
+nodes, their schedule) without building anyone's tasks; ``materialize(...,
+symmetric=True)`` then builds tasks for one representative per class and one more
+member, and :func:`reduce_program` checks the two agree (up to the names of their
+peers) before it keeps the representatives only. When they do not, the caller
+builds every device's tasks instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import combinations
+from typing import Callable, Iterable
+
+from planlab.plan.layout import Mesh
+from planlab.plan.plan import Plan
+from planlab.plan.program import DeviceProgram, Program, TaskKind
+
+
+def _spread(group: Iterable[int], node_of: Callable[[int], int]) -> tuple[int, ...]:
+    """How a group spreads over nodes: its members per node, sorted."""
+    return tuple(sorted(Counter(node_of(d) for d in group).values()))
+
+
+def _mesh_roles(mesh: Mesh, node_of: Callable[[int], int]) -> list[tuple]:
+    """Per mesh position, the node spread of its group along every set of (non-trivial) mesh axes."""
+    axes = [a for a, s in enumerate(mesh.shape) if s > 1]
+    roles: list[list] = [[] for _ in mesh.devices]
+    for k in range(1, len(axes) + 1):
+        for subset in combinations(axes, k):
+            spread = {key: _spread(g, node_of) for key, g in mesh.group_map(subset).items()}
+            for flat, c in enumerate(mesh._coords):
+                roles[flat].append(spread[tuple(x for a, x in enumerate(c) if a not in subset)])
+    return [tuple(r) for r in roles]
+
+
+def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], int]) -> tuple[int, ...]:
+    """``classes[d]``: the lowest device whose share of the plan matches device ``d``'s.
+
+    ``meshes`` are the operators' meshes in graph order. Two devices match when they
+    sit in the same meshes, their groups along each set of mesh axes spread over nodes
+    alike, the devices at their positions in the neighbouring mesh (where data moves
+    between stages) are on their node or not alike, and their schedules are equal.
+    """
+    order = list(meshes)
+    unique = list(dict.fromkeys(order))
+    index = {m: i for i, m in enumerate(unique)}
+    parts: list[list] = [[] for _ in range(plan.num_devices)]
+    for i, mesh in enumerate(unique):
+        for flat, role in enumerate(_mesh_roles(mesh, node_of)):
+            parts[mesh.devices[flat]].append((i, role))
+    for a, b in dict.fromkeys((x, y) for x, y in zip(order, order[1:]) if x != y):
+        if a.shape != b.shape:
+            continue
+        for da, db in zip(a.devices, b.devices):
+            same = node_of(da) == node_of(db)
+            parts[da].append(("to", index[b], same))
+            parts[db].append(("from", index[a], same))
+    schedule = plan.schedule or ()
+    by_object: dict[int, int] = {}  # a schedule object shared by many devices is hashed once
+    distinct: dict[tuple, int] = {}
+    first: dict = {}
+    out = []
+    for d in range(plan.num_devices):
+        sched = schedule[d] if d < len(schedule) else ()
+        k = by_object.get(id(sched))
+        if k is None:
+            k = by_object[id(sched)] = distinct.setdefault(tuple(sched), len(distinct))
+        key = (tuple(parts[d]), k)
+        out.append(first.setdefault(key, d))
+    return tuple(out)
+
+
+def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int]) -> tuple:
+    """A device's program with its peers replaced by their classes and node relations."""
+    me = node_of(dp.device)
+    out: list = [tuple(map(str, dp.schedule)), dp.static_bytes]
+    for key in sorted(dp.blocks):
+        for t in dp.blocks[key].tasks:
+            peer = (classes[t.peer], node_of(t.peer) == me) if t.peer >= 0 else None
+            group = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of)) if t.group else None
+            out.append((key, t.kind.value, t.op, t.collective, group, peer, t.channel, t.nbytes, t.flops,
+                        t.bytes_moved, t.shape, t.recompute, tuple(n for _, n in t.alloc), len(t.free)))
+    return tuple(out)
+
+
+def reduce_program(program: Program, classes: tuple[int, ...], witnesses: dict[int, int],
+                   node_of: Callable[[int], int]) -> Program | None:
+    """The Program of the representatives alone, or None when a witness (another member of
+    a class) differs from its representative or the classes' messages do not pair up."""
+    by_dev = {dp.device: dp for dp in program.devices}
+    for rep, other in witnesses.items():
+        if _outline(by_dev[rep], classes, node_of) != _outline(by_dev[other], classes, node_of):
+            return None
+    reps = sorted(set(classes))
+    balance: Counter = Counter()  # per (sender class, receiver class, channel): sends - receives per micro-batch
+    for r in reps:
+        for block in by_dev[r].blocks.values():
+            for t in block.tasks:
+                if t.kind is TaskKind.SEND:
+                    balance[(r, classes[t.peer], t.channel)] += 1
+                elif t.kind is TaskKind.RECV:
+                    balance[(classes[t.peer], r, t.channel)] -= 1
+    if any(balance.values()):
+        return None
+    keep = tuple(by_dev[r] for r in reps)
+    groups = {tuple(sorted(t.group)) for dp in keep for b in dp.blocks.values() for t in b.tasks
+              if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1}
+    return Program(devices=keep, microbatches=program.microbatches, precision=program.precision,
+                   groups=tuple(sorted(groups)), loss_holders=program.loss_holders, classes=classes)

@@ -1,0 +1,166 @@
+"""The simulator at scale: the Program reduced to device classes, links shared by concurrent
+transfers, and gradient reductions overlapped with the backward."""
+
+import dataclasses
+
+import pytest
+
+from planlab.costmodel import CostModel
+from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan.layout import box_numel
+from planlab.plan.symmetry import plan_classes, reduce_program
+from planlab.search_spaces import Context, get_space
+from planlab.simulator import simulate
+
+from conftest import traced
+from test_simulator import IdealCost
+
+
+def _stats(res):
+    return [(d.device, d.members, d.finish_s, d.compute_s, d.comm_s, d.wait_s, d.peak_mem_bytes, d.peak_at_s,
+             d.exposed_comm_s, d.bubble_s) for d in res.devices]
+
+
+@pytest.mark.parametrize("model, cluster, nodes, knobs", [
+    ("gpt-tiny", "cpu", 4, dict(dp=4, tp=1, pp=1, microbatch=2)),
+    ("gpt-tiny", "cpu", 4, dict(dp=2, tp=1, pp=2, microbatch=2, schedule="1f1b")),
+    ("gpt-tiny", "cpu", 4, dict(dp=1, tp=2, pp=2, microbatch=1, recompute="full")),
+    ("gpt-small", "dgx-a100-80g", 2, dict(dp=2, tp=4, pp=2, microbatch=1, sequence_parallel=True)),
+    ("gpt-small", "dgx-a100-80g", 2, dict(dp=4, tp=2, pp=2, microbatch=2, zero=1)),
+    ("gpt-small", "dgx-a100-80g", 2, dict(dp=4, tp=2, pp=2, microbatch=2, schedule="interleaved",
+                                          virtual_stages=2)),
+    ("llama-tiny", "dgx-a100-80g", 1, dict(dp=4, tp=2, pp=1, microbatch=1)),
+])
+def test_the_reduced_program_simulates_exactly_like_every_device(model, cluster, nodes, knobs):
+    spec, g = traced(model, 16)
+    cost = CostModel.load(cluster, nodes)
+    ctx = Context(g, spec, 16, cluster, nodes, cost.cluster.num_devices, 1)
+    plan = get_space("megatron").build(ctx, knobs)
+    full = materialize(plan, g)
+    reduced = materialize(plan, g, symmetric=True)
+    assert reduced.reduced and len(reduced.devices) < full.num_devices == reduced.num_devices
+    a, b = simulate(full, cost), simulate(reduced, cost)
+    assert a.iter_time_s == b.iter_time_s  # bit for bit
+    assert _stats(a) == _stats(b)
+    assert simulate(reduced, cost) == b  # deterministic
+
+
+def test_classes_that_do_not_hold_are_caught_by_the_witness():
+    spec, g = traced("gpt-tiny", 8)
+    cost = CostModel.load("cpu", 2)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=1, pp=2, microbatch=2))
+    full = materialize(plan, g)
+    # pretend the two pipeline stages were copies of each other
+    assert reduce_program(full, (0, 0), {0: 1}, cost.cluster.node_of) is None
+    # the classes the plan gives are right: two stages, two classes
+    layouts = {p.op: p for p in plan.ops}
+    assert len(layouts) == len(g.operators)
+    assert materialize(plan, g, symmetric=True).num_devices == 2
+
+
+def test_plan_classes_of_a_data_parallel_plan_on_two_nodes():
+    spec, g = traced("gpt", 16, tuple(sorted(dict(layers=1, hidden=64, heads=8, seq=16, vocab=64).items())))
+    cost = CostModel.load("dgx-a100-80g", 2)
+    ctx = Context(g, spec, 16, "dgx-a100-80g", 2, 16, 1)
+    plan = get_space("megatron").build(ctx, dict(dp=2, tp=8, pp=1, microbatch=1))
+    from planlab.plan.materialize import _Layouts
+    classes = plan_classes(plan, _Layouts(plan, g).mesh.values(), cost.cluster.node_of)
+    assert sorted(set(classes)) == [0]  # tensor-parallel inside each node, replicas across nodes
+
+
+def _sender_program(sends: list[tuple[int, int]], nbytes: int = 10**9) -> Program:
+    """Devices 0..3; each ``(src, dst)`` is one message sent at time 0."""
+    tasks = {d: [] for d in range(4)}
+    for tag, (src, dst) in enumerate(sends):
+        tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, axis=tag, nbytes=nbytes))
+    for tag, (src, dst) in enumerate(sends):
+        tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, axis=tag, nbytes=nbytes))
+    devs = tuple(DeviceProgram(d, {(0, "F"): Block(0, "F", tuple(tasks[d]))}, (Action(0, "F", 0),))
+                 for d in range(4))
+    return Program(devs, 1, FP32)
+
+
+@pytest.mark.parametrize("sends, seconds", [
+    ([(0, 1)], 1.0),                      # alone on its links: the cost model's time
+    ([(0, 1), (0, 2)], 2.0),              # two transfers out of one device: half the bandwidth each
+    ([(1, 0), (2, 0)], 2.0),              # two into one device
+    ([(0, 1), (2, 3)], 1.0),              # different links: no sharing
+    ([(0, 1), (0, 2), (3, 2)], 2.0),      # max-min: 0->1 and 0->2 share 0's port, 3->2 shares 2's
+])
+def test_concurrent_transfers_share_their_links(sends, seconds):
+    cost = IdealCost(CostModel.load("cpu", 4))
+    res = simulate(_sender_program(sends), cost, symmetry=False, timeline=True)
+    assert res.iter_time_s == pytest.approx(seconds)
+    ends = [e.end_s for e in res.events if e.stream == "comm"]
+    assert max(ends) == pytest.approx(seconds)
+
+
+def test_max_min_fair_rates_give_the_spare_bandwidth_to_the_unshared_flow():
+    # 0->1 and 0->2 share device 0's outgoing port (half each); 3->1 shares 1's incoming port with
+    # 0->1, which only uses half of it, so 3->1 runs at one half too; after 2 s all are done.
+    cost = IdealCost(CostModel.load("cpu", 4))
+    res = simulate(_sender_program([(0, 1), (0, 2), (3, 1)]), cost, symmetry=False, timeline=True)
+    assert res.iter_time_s == pytest.approx(2.0)
+    # a flow alone on one link after the others end speeds up: 1 GB, then 3 GB more, on 0->1
+    res = simulate(_sender_program([(0, 1), (0, 2)], nbytes=10**9), cost, symmetry=False)
+    assert res.iter_time_s == pytest.approx(2.0)
+
+
+def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Program:
+    """Two data-parallel devices: backward = two 1 s tasks with a gradient all-reduce between them."""
+    devs = []
+    for d in range(2):
+        b = (Task("b1", TaskKind.BACKWARD, (), (), flops=1e9),
+             Task("grad-reduce", TaskKind.COLLECTIVE, ("wg:w",), ("wg:w",), collective="all_reduce", group=(0, 1),
+                  nbytes=int(reduce_s * 1e9), final=True, overlap=overlap),
+             Task("b2", TaskKind.BACKWARD, (), (), flops=1e9))
+        w = (Task("optimizer", TaskKind.OPTIMIZER, ("wg:w",), ("w:w",)),)
+        sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "W", 0),)
+        devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "W"): Block(0, "W", w)}, sched))
+    return Program(tuple(devs), microbatches, FP32)
+
+
+@pytest.mark.parametrize("reduce_s, overlap, microbatches, seconds, exposed", [
+    (0.5, True, 1, 2.0, 0.0),    # hidden behind b2: costs nothing extra
+    (0.5, False, 1, 2.5, 0.5),   # in the way of the backward
+    (1.5, True, 1, 2.5, 0.5),    # longer than what is left to hide it: the optimizer waits 0.5 s
+    (0.5, True, 3, 6.0, 0.0),    # issued with the last micro-batch only
+    (0.5, False, 3, 6.5, 0.5),
+])
+def test_an_overlapped_gradient_reduction_hides_behind_the_backward(reduce_s, overlap, microbatches, seconds,
+                                                                    exposed):
+    cost = IdealCost(CostModel.load("cpu", 2))
+    res = simulate(_dp_program(reduce_s, overlap, microbatches), cost, symmetry=False)
+    assert res.iter_time_s == pytest.approx(seconds)
+    assert res.devices[0].exposed_comm_s == pytest.approx(exposed)
+    assert res.devices[0].comm_s == pytest.approx(reduce_s)
+
+
+def test_compute_sharing_the_device_with_communication_slows_down():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    res = simulate(_dp_program(0.5, True), cost, symmetry=False, overlap_slowdown=1.2)
+    # b2 overlaps the 0.5 s reduction for 0.5 s of its 1 s: 0.5 * 1.2 + 0.5
+    assert res.iter_time_s == pytest.approx(1.0 + 1.1)
+
+
+def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeypatch):
+    import importlib
+
+    mat = importlib.import_module("planlab.plan.materialize")
+    monkeypatch.setattr(mat, "BUCKET_ELEMENTS", 5000)  # gpt-tiny's 100k parameters in several buckets
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=2))
+    prog = materialize(plan, g)
+    b = prog.devices[0].blocks[(0, "B")].tasks
+    reduces = [i for i, t in enumerate(b) if t.kind is TaskKind.COLLECTIVE and t.name.startswith("grad-reduce")]
+    assert reduces and all(b[i].final and b[i].overlap for i in reduces)
+    # each bucket is issued right after the backward that completes it, before the backward ends
+    assert reduces[0] < max(i for i, t in enumerate(b) if t.kind is TaskKind.BACKWARD)
+    assert not any(t.kind is TaskKind.COLLECTIVE for t in prog.devices[0].blocks[(0, "W")].tasks)
+    assert len(reduces) > 3
+    # each gradient is reduced once, in the last micro-batch only (the position embedding's gradient
+    # is already summed over the batch by the all-reduce of its broadcast add's input gradient)
+    reduced = [r for a, t in prog.devices[0].tasks_in_order() if t.name.startswith("grad-reduce") for r in t.reads]
+    numel = dict((f"wg:{p}", box_numel(bx)) for p, bx in prog.devices[0].params)
+    assert len(reduced) == len(set(reduced)) == len(numel) - 1 and "wg:wpe.weight" not in reduced
+    assert sum(b[i].nbytes for i in reduces) == 4 * sum(numel[r] for r in reduced)
