@@ -472,3 +472,9 @@ _reg(targets_fn=(torch.unsqueeze, torch.squeeze), methods=("unsqueeze", "squeeze
      signature=_reshape, bwd_flops_ratio=0.0, view=True)
 # a piece runs as an expand to the piece's own output shape (the call's sizes are the whole tensor's)
 _reg(methods=("expand",), kind="expand", signature=_expand, bwd_flops_ratio=0.5)
+
+from planlab.graph import ops_einsum  # noqa: E402,F401  (einsum, F.sigmoid)
+from planlab.graph import ops_biased_attention  # noqa: E402,F401  (attention with an additive bias: T5)
+from planlab.graph import ops_vision  # noqa: E402,F401  (convolution, roll, sum/mean, adaptive pooling: Swin)
+from planlab.graph import ops_routing  # noqa: E402,F401  (top-k, one-hot, gather/scatter: mixture of experts)
+from planlab.graph import ops_hf  # noqa: E402,F401  (Hugging Face models: GQA attention, masks, factories, Conv1D)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import operator
@@ -14,7 +15,7 @@ import torch.nn as nn
 from torch.fx.node import map_aggregate
 
 from planlab.errors import GraphError
-from planlab.graph import registry
+from planlab.graph import hf, registry
 from planlab.graph.ir import DTYPE_BYTES, CallSpec, Graph, Operator, TensorArg, TensorSpec
 from planlab.graph.signature import Signature
 
@@ -61,16 +62,19 @@ def trace(module: nn.Module, example_inputs: tuple, *, name: str | None = None) 
     """
     if not isinstance(module, nn.Module):
         raise GraphError(f"trace() needs a torch.nn.Module, got {type(module).__name__}")
+    inputs = tuple(map_aggregate(tuple(example_inputs), _to_meta))
+    # Hugging Face models trace with proxies that know their meta values (planlab/graph/hf.py)
+    tracer, scope = hf.tracer_for(module, inputs) or (_Tracer(), contextlib.nullcontext())
     if any(p.device.type != "meta" for p in module.parameters()) or any(
             b.device.type != "meta" for b in module.buffers()):
         module = copy.deepcopy(module).to("meta")
     try:
-        fx_graph = _Tracer().trace(module)
+        fx_graph = tracer.trace(module)
     except Exception as e:  # fx raises many kinds on untraceable code
         raise GraphError(f"torch.fx could not trace {type(module).__name__}: {e}") from e
     gm = fx.GraphModule(module, fx_graph)
-    inputs = tuple(map_aggregate(tuple(example_inputs), _to_meta))
-    return _GraphBuilder(gm, module).build(inputs)
+    with scope:
+        return _GraphBuilder(gm, module).build(inputs)
 
 
 class _GraphBuilder:

@@ -16,9 +16,13 @@ import torch.nn as nn
 from planlab.errors import ConfigError, choices
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.llama import Llama, LlamaConfig
+from planlab.models.t5 import T5, T5Config
+from planlab.models.evoformer import Evoformer, EvoformerConfig
+from planlab.models.moe import MoE, MoEConfig
+from planlab.models.swin import Swin, SwinConfig, check_swin
 from planlab.models.user import UserModelConfig, build_user_model, user_model_config
 
-ModelConfig = Union[GPTConfig, LlamaConfig, UserModelConfig]
+ModelConfig = Union[GPTConfig, LlamaConfig, T5Config, EvoformerConfig, MoEConfig, SwinConfig, UserModelConfig]
 
 # GPT-3 shapes from Brown et al. 2020, table 2.1 (sequence 2048, vocabulary 50257 rounded to 51200
 # as Megatron-LM pads it).
@@ -58,6 +62,43 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
                                vocab=128256, rope_theta=500000.0),
 }
 
+# T5 v1.1 shapes from the released config.json of google/t5-v1_1-{small,base,large,xl,xxl} (d_model,
+# d_ff, num_heads, d_kv = 64, num_layers = num_decoder_layers, vocab_size 32,128, 32 relative
+# buckets up to distance 128). Sequence lengths of T5's span-corruption pre-training (Raffel et al.
+# 2020, section 3.1.4; t5x's pretrain gin files): 512 input tokens; 15% noise in spans of mean
+# length 3 leaves targets of 114 tokens, the decoder length here. For fine-tuning on long outputs
+# use --model-arg decoder_seq=512.
+T5_PRESETS: dict[str, T5Config] = {
+    "t5-tiny": T5Config(encoder_layers=2, decoder_layers=2, hidden=64, heads=4, head_dim=8, ffn_hidden=128,
+                        seq=32, decoder_seq=16, vocab=128),
+    "t5-v1_1-small": T5Config(encoder_layers=8, decoder_layers=8, hidden=512, heads=6, head_dim=64,
+                              ffn_hidden=1024, seq=512, decoder_seq=114, vocab=32128),
+    "t5-v1_1-base": T5Config(encoder_layers=12, decoder_layers=12, hidden=768, heads=12, head_dim=64,
+                             ffn_hidden=2048, seq=512, decoder_seq=114, vocab=32128),
+    "t5-v1_1-large": T5Config(encoder_layers=24, decoder_layers=24, hidden=1024, heads=16, head_dim=64,
+                              ffn_hidden=2816, seq=512, decoder_seq=114, vocab=32128),
+    "t5-v1_1-xl": T5Config(encoder_layers=24, decoder_layers=24, hidden=2048, heads=32, head_dim=64,
+                           ffn_hidden=5120, seq=512, decoder_seq=114, vocab=32128),
+    "t5-v1_1-xxl": T5Config(encoder_layers=24, decoder_layers=24, hidden=4096, heads=64, head_dim=64,
+                            ffn_hidden=10240, seq=512, decoder_seq=114, vocab=32128),
+}
+
+# AlphaFold2's Evoformer stack (Jumper et al. 2021, supplementary information, section 1.6 and
+# Algorithms 6-15): 48 blocks, c_m = 256, c_z = 128, MSA attention 8 heads x 32 channels, triangle
+# attention 4 heads x 32, outer product mean 32 channels, triangle multiplication 128, transitions
+# x4 (the EvoformerConfig defaults). Crop sizes of its training stages (supplement section 1.11):
+# initial training N_res = 256 residues with N_seq = 128 MSA sequences, fine-tuning N_res = 384 with
+# N_seq = 512 (nnScaler's AlphaFold2 example, msrasys/nnscaler examples/alphafold2/README.md,
+# uses the same shapes). The larger AlphaFold2 settings of nnScaler's evaluation (OSDI'24, section 7)
+# are not included: their sizes were not found in a source we could cite.
+EVOFORMER_PRESETS: dict[str, EvoformerConfig] = {
+    "evoformer-tiny": EvoformerConfig(blocks=2, c_m=16, c_z=8, heads_msa=2, heads_pair=2, n_seq=8, n_res=8,
+                                      c_att_msa=8, c_att_pair=4, c_opm=4, c_tri_mul=8),
+    "alphafold2": EvoformerConfig(blocks=48, c_m=256, c_z=128, heads_msa=8, heads_pair=4, n_seq=128, n_res=256),
+    "alphafold2-finetune": EvoformerConfig(blocks=48, c_m=256, c_z=128, heads_msa=8, heads_pair=4, n_seq=512,
+                                           n_res=384),
+}
+
 
 def _check_gpt(cfg: GPTConfig) -> None:
     if cfg.hidden % cfg.heads:
@@ -71,6 +112,86 @@ def _check_llama(cfg: LlamaConfig) -> None:
         raise ConfigError(f"kv_heads={cfg.kv_heads} does not divide heads={cfg.heads}")
     if cfg.head_dim % 2:
         raise ConfigError(f"the head size hidden/heads={cfg.head_dim} must be even for rotary embeddings")
+
+
+def _check_t5(cfg: T5Config) -> None:
+    for name in ("encoder_layers", "decoder_layers", "hidden", "heads", "head_dim", "ffn_hidden", "seq",
+                 "decoder_seq", "vocab"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer")
+    if cfg.decoder_seq < 2:
+        raise ConfigError(f"decoder_seq={cfg.decoder_seq} must be at least 2 (the labels shifted right "
+                          "behind the start token)")
+    if cfg.rel_buckets < 4 or cfg.rel_buckets % 2:
+        raise ConfigError(f"rel_buckets={cfg.rel_buckets} must be an even number of at least 4")
+    if cfg.rel_max_distance <= cfg.rel_buckets // 2:
+        raise ConfigError(f"rel_max_distance={cfg.rel_max_distance} must exceed rel_buckets/2="
+                          f"{cfg.rel_buckets // 2} (the exactly bucketed distances)")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"dropout={cfg.dropout} must be in [0, 1)")
+
+
+def _check_evoformer(cfg: EvoformerConfig) -> None:
+    for name in EvoformerConfig.__dataclass_fields__:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer")
+    if cfg.relpos_bins % 2 == 0:
+        raise ConfigError(f"relpos_bins={cfg.relpos_bins} must be odd (offsets -k..k, 2k+1 bins)")
+
+
+# Mixtral shapes from the released config.json of mistralai/Mixtral-8x7B-v0.1 (hidden_size 4,096,
+# intermediate_size 14,336, 32 layers, 32 heads, 8 key/value heads, 8 local experts, 2 per token,
+# vocab_size 32,000, rope_theta 1e6, router_aux_loss_coef 0.02; Jiang et al. 2024, "Mixtral of
+# Experts", table 1) and of Mixtral-8x22B-v0.1 (as released by Mistral AI, mirrored at
+# mistral-community/Mixtral-8x22B-v0.1: hidden_size 6,144, intermediate_size 16,384, 56 layers, 48
+# heads, 8 key/value heads, 8 experts, 2 per token, vocab_size 32,000, rope_theta 1e6,
+# router_aux_loss_coef 0.001). Sequence 4,096, the length Megatron-Core's Mixtral training examples
+# use; the released context lengths (32,768 and 65,536) are --model-arg seq=.. away.
+MOE_PRESETS: dict[str, MoEConfig] = {
+    "moe-tiny": MoEConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, experts=4, top_k=2, seq=32,
+                          vocab=128),
+    "mixtral-8x7b": MoEConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, experts=8, top_k=2,
+                              seq=4096, vocab=32000, aux_loss_coef=0.02),
+    "mixtral-8x22b": MoEConfig(layers=56, hidden=6144, heads=48, kv_heads=8, ffn_hidden=16384, experts=8, top_k=2,
+                               seq=4096, vocab=32000, aux_loss_coef=0.001),
+}
+
+
+def _check_moe(cfg: MoEConfig) -> None:
+    _check_llama(cfg)  # the attention's sizes
+    if cfg.experts < 1:
+        raise ConfigError(f"experts={cfg.experts} must be at least 1")
+    if not 1 <= cfg.top_k <= cfg.experts:
+        raise ConfigError(f"top_k={cfg.top_k} must be between 1 and experts={cfg.experts}")
+    if not cfg.capacity_factor > 0:
+        raise ConfigError(f"capacity_factor={cfg.capacity_factor} must be positive (tokens an expert takes, "
+                          "relative to an even share)")
+    if cfg.aux_loss_coef < 0:
+        raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
+
+
+# Swin Transformer shapes (224x224 images, 4x4 patches, window 7, ImageNet-1k head). Swin-T/S/B/L from
+# Liu et al. 2021, "Swin Transformer", section 3.3 and table 1 (C = 96, 96, 128, 192; depths 2,2,6,2
+# for T and 2,2,18,2 for the others; heads 3,6,12,24 scaled with C; 28M, 50M, 88M, 197M parameters;
+# 28.3M, 49.6M, 87.8M and 196.5M as timm's model cards of the released weights report). The large
+# shapes come from Swin Transformer V2 (Liu et al. 2022, section 3.4): SwinV2-H (C = 352, depths
+# 2,2,18,2, heads of 32 channels: 11,22,44,88; 658M parameters) and SwinV2-G (C = 512, depths 2,2,42,4,
+# heads 16,32,64,128; 3.0B), the sizes nnScaler's Swin experiments scale to (msrasys/nnscaler,
+# examples/swin/swin_dwt.py, at 224x224 with window 7). They are built here with V1 blocks (a bias
+# table instead of V2's position MLP, pre-norm), within 0.1% of V2's parameters; SwinV2-G's 192x192
+# pre-training with window 12 is --model-arg image=192 --model-arg window=12 away.
+SWIN_PRESETS: dict[str, SwinConfig] = {
+    "swin-tiny": SwinConfig(embed=16, depths=(2, 2, 2), num_heads=(2, 4, 8), image=32, patch=4, window=2,
+                            classes=10),
+    "swin-t": SwinConfig(embed=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
+    "swin-s": SwinConfig(embed=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
+    "swin-b": SwinConfig(embed=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+    "swin-l": SwinConfig(embed=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
+    "swin-h": SwinConfig(embed=352, depths=(2, 2, 18, 2), num_heads=(11, 22, 44, 88)),
+    "swin-g": SwinConfig(embed=512, depths=(2, 2, 42, 4), num_heads=(16, 32, 64, 128)),
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +216,15 @@ FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", GPTConfig, GPT, GPT_PRESETS, ("layers", "hidden", "heads", "seq", "vocab"), _check_gpt),
     "llama": Family("llama", LlamaConfig, Llama, LLAMA_PRESETS,
                     ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq", "vocab"), _check_llama),
+    "t5": Family("t5", T5Config, T5, T5_PRESETS,
+                 ("encoder_layers", "decoder_layers", "hidden", "heads", "head_dim", "ffn_hidden", "seq",
+                  "decoder_seq", "vocab"), _check_t5),
+    "evoformer": Family("evoformer", EvoformerConfig, Evoformer, EVOFORMER_PRESETS,
+                        ("blocks", "c_m", "c_z", "heads_msa", "heads_pair", "n_seq", "n_res"), _check_evoformer),
+    "moe": Family("moe", MoEConfig, MoE, MOE_PRESETS,
+                  ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts", "top_k", "seq", "vocab"),
+                  _check_moe),
+    "swin": Family("swin", SwinConfig, Swin, SWIN_PRESETS, ("embed", "depths", "num_heads"), check_swin),
 }
 PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
 

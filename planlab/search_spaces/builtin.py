@@ -86,9 +86,13 @@ class DataParallel(Space):
 
 # Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise):
 # GPT's attn.q/k/v, mlp.fc | attn.proj, mlp.proj; LLaMA's attention.wq/wk/wv, feed_forward.w1/w3 |
-# attention.wo, feed_forward.w2 (grouped-query attention splits its key/value heads too).
-COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3))$")
-ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2)$")
+# attention.wo, feed_forward.w2 (grouped-query attention splits its key/value heads too). Hugging Face
+# models (planlab/graph/hf.py, transformers 5): LLaMA/Mixtral self_attn.q_proj/k_proj/v_proj,
+# mlp.gate_proj/up_proj | self_attn.o_proj, mlp.down_proj; ViT/Swin attention.q_proj/k_proj/v_proj,
+# mlp.fc1 | attention.o_proj, mlp.fc2; T5 SelfAttention/EncDecAttention.q/k/v, DenseReluDense.wi(_0/_1)
+# | .o, DenseReluDense.wo.
+COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1))$")
+ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo)$")
 
 
 _TP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
@@ -110,6 +114,9 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
             labels.add(g.dim_label(op, "n"))
         elif op.kind == "linear" and ROWWISE.search(op.module):
             dim = "k"
+        elif expert_column_dim(op) is not None:  # stacked mixture-of-experts weights, see below
+            dim = expert_column_dim(op)
+            labels.add(g.dim_label(op, dim))
         else:
             for d in op.splittable_dims():
                 if g.dim_label(op, d) in labels:
@@ -121,6 +128,21 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
     return out
 
 
+# Mixture-of-experts layers (planlab.models.moe) hold their experts as stacked weights
+# ``(experts, in, out)`` used by batched matmuls ``e t h, e h f -> e t f``, not by linears. The w1
+# and w3 matmuls split their ffn dimension ``n`` as column-parallel linears do; the label
+# propagation of tensor_parallel_dims then splits the SwiGLU product between them and the w2
+# matmul's reduction ``k``, as a row-parallel linear (its output is summed by an all-reduce).
+EXPERT_COLWISE = re.compile(r"(^|\.)experts\.(w1|w3)$")
+
+
+def expert_column_dim(op: Operator) -> str | None:
+    """``n`` for a batched matmul by stacked column-parallel expert weights, else None."""
+    if op.kind == "matmul" and len(op.inputs) == 2 and EXPERT_COLWISE.search(op.inputs[1]):
+        return "n"
+    return None
+
+
 def _tp_limit(c: Context) -> int:
     """Tensor parallelism stays inside a node; on single-device nodes (the CPU cluster) it may span them."""
     return c.num_devices if c.devices_per_node == 1 else min(c.devices_per_node, c.num_devices)
@@ -129,6 +151,22 @@ def _tp_limit(c: Context) -> int:
 def _kv_heads(c: Context) -> int | None:
     """Key/value heads of a grouped-query attention model (None if the model does not say)."""
     return getattr(c.model.config(), "kv_heads", None)
+
+
+# A fused q/k/v projection (GPT-2's Conv1D ``attn.c_attn``, Hugging Face) holds q, k and v side by side
+# in one weight: its contiguous column shards would mix them, so tensor parallelism refuses the model.
+FUSED_QKV = re.compile(r"(^|\.)attn\.c_attn$")
+_FUSED_CACHE: dict[int, tuple[Graph, str | None]] = {}
+
+
+def fused_qkv(g: Graph) -> str | None:
+    """The module of the graph's first fused q/k/v projection, or None (cached per graph)."""
+    hit = _FUSED_CACHE.get(id(g))
+    if hit is None or hit[0] is not g:
+        _FUSED_CACHE.clear()
+        hit = _FUSED_CACHE[id(g)] = (g, next((op.module for op in g.operators
+                                               if op.kind == "linear" and FUSED_QKV.search(op.module)), None))
+    return hit[1]
 
 
 class TensorParallel(Space):
@@ -149,6 +187,9 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
         Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
+        Constraint(lambda a, c: a["tp"] is None or a["tp"] == 1 or fused_qkv(c.graph) is None,
+                   lambda a, c: f"tp={a['tp']}: {fused_qkv(c.graph)!r} projects q, k and v with one fused weight, "
+                                "whose column shards would mix them; tensor parallelism is refused (use dp or pp)"),
         ALL_DEVICES,
     )
 

@@ -1,0 +1,207 @@
+"""A mixture-of-experts decoder (Mixtral-style) as real torch modules, written so torch.fx traces it whole.
+
+The architecture of Mistral AI's Mixtral (Jiang et al. 2024, "Mixtral of Experts"): a LLaMA
+decoder (RMSNorm, rotary embeddings, grouped-query attention, imported from
+:mod:`planlab.models.llama`) whose feed-forward is a sparse mixture of SwiGLU experts. A router
+linear scores the experts, softmax turns the scores into probabilities, each token keeps its
+top-k experts with the kept probabilities renormalised to sum to one, and its output is the
+weighted sum of those experts' outputs.
+
+Static shapes, as GShard (Lepikhin et al. 2020) and Switch (Fedus et al. 2021) route: each
+sequence is a group whose tokens queue for every expert, first choices ahead of second choices,
+and an expert takes at most ``capacity`` tokens of a group, ``capacity_factor * seq * top_k /
+experts`` rounded up (at most ``seq``); assignments past it are dropped (their token keeps the
+residual only). ``capacity_factor >= experts / top_k`` drops nothing and computes exactly what
+Mixtral's dropless routing computes. The dispatch is index based: ``scatter_add`` writes each
+kept assignment into its slot of a ``(B, experts * capacity, H)`` buffer, the experts run as
+batched matmuls over stacked weights ``(experts, hidden, ffn)`` (splitting the expert axis is
+expert parallelism, splitting ``ffn`` tensor parallelism), and ``gather`` reads each
+assignment's result back. Every index addresses an axis of its own sequence, so any split along
+the batch (or the hidden axis) leaves the indices valid in each piece.
+
+The load-balancing loss is Mixtral's (Switch's with top-k, as Hugging Face's
+``load_balancing_loss_func``): ``experts * sum_e f_e * P_e`` with ``f_e`` the fraction of tokens
+routed to expert ``e`` and ``P_e`` its mean router probability, here per group (sequence) and
+averaged over the batch as GShard does, so the loss is a sum over samples and splits over data
+parallel replicas and micro-batches exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planlab.models.llama import Attention, rotary_tables
+from planlab.models.tokens import token_batch
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sizes of a mixture-of-experts decoder.
+
+    ``experts`` SwiGLU experts of width ``ffn_hidden`` per layer, ``top_k`` of them per token;
+    ``capacity_factor`` sets the tokens an expert takes per sequence (see :attr:`capacity`);
+    ``aux_loss_coef`` weighs the load-balancing loss (0 leaves it out). The attention is
+    LLaMA's: ``kv_heads`` key/value heads, rotary base ``rope_theta``, RMSNorm ``norm_eps``.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    experts: int
+    top_k: int
+    seq: int
+    vocab: int
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.02
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one expert takes per sequence: ``ceil(capacity_factor * seq * top_k / experts)``,
+        at most ``seq`` (a token picks an expert once)."""
+        return min(self.seq, math.ceil(self.capacity_factor * self.seq * self.top_k / self.experts))
+
+    def num_params(self) -> int:
+        """Parameter count of the module: embedding, layers (attention, router, experts, norms),
+        final norm and untied output."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attention = 2 * h * h + 2 * h * kv
+        moe = h * self.experts + self.experts * 3 * h * self.ffn_hidden
+        return 2 * self.vocab * h + self.layers * (attention + moe + 2 * h) + h
+
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the ``experts - top_k`` experts it skips per layer."""
+        return self.num_params() - self.layers * (self.experts - self.top_k) * 3 * self.hidden * self.ffn_hidden
+
+    def __str__(self) -> str:
+        return (f"moe(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, "
+                f"ffn_hidden={self.ffn_hidden}, experts={self.experts}, top_k={self.top_k}, seq={self.seq}, "
+                f"vocab={self.vocab})")
+
+
+class Experts(nn.Module):
+    """``experts`` SwiGLU MLPs as stacked weights: ``w2(silu(w1 x) * w3 x)`` per expert."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, h, f = cfg.experts, cfg.hidden, cfg.ffn_hidden
+        self.w1 = nn.Parameter(torch.empty(e, h, f))  # (E, H, F)
+        self.w3 = nn.Parameter(torch.empty(e, h, f))  # (E, H, F)
+        self.w2 = nn.Parameter(torch.empty(e, f, h))  # (E, F, H)
+        for w, fan_in in ((self.w1, h), (self.w3, h), (self.w2, f)):  # as nn.Linear draws its weights
+            nn.init.uniform_(w, -fan_in ** -0.5, fan_in ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (E, T, H) -> (E, T, F) -> (E, T, H), each expert on its own T tokens
+        return torch.matmul(F.silu(torch.matmul(x, self.w1)) * torch.matmul(x, self.w3), self.w2)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts with a per-sequence capacity; returns the output and the
+    per-sequence load-balancing loss."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity = cfg.experts, cfg.top_k, cfg.capacity
+        self.balance = cfg.aux_loss_coef > 0  # a config constant: no load-balancing operators without it
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)  # the router
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        E, K, C = self.num_experts, self.top_k, self.capacity
+        S = x.shape[1]
+        # routing: probabilities, top-k, renormalised weights
+        probs = F.softmax(self.gate(x), dim=-1)  # (B, S, E)
+        top = torch.topk(probs, K, dim=-1)
+        top_p, top_i = top[0], top[1]  # (B, S, K) probabilities and experts
+        weight = top_p / top_p.sum(dim=-1, keepdim=True)  # (B, S, K)
+        choice = F.one_hot(top_i, E)  # (B, S, K, E)
+        # queue positions per sequence: first choices (k = 0) of every token, then second ones
+        order = choice.transpose(1, 2).flatten(1, 2)  # (B, K*S, E)
+        pos = (torch.cumsum(order, dim=1) * order).sum(dim=-1) - 1  # (B, K*S) place in its expert's queue
+        keep = pos < C  # (B, K*S) within capacity
+        expert = top_i.transpose(1, 2).flatten(1, 2)  # (B, K*S)
+        slot = ((expert * C + pos) * keep).unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, K*S, H)
+        # dispatch: each kept assignment's token into its slot (dropped ones add zeros to slot 0)
+        src = x.unsqueeze(1).expand(-1, K, -1, -1).flatten(1, 2) * keep.unsqueeze(-1)  # (B, K*S, H)
+        empty = torch.zeros_like(x[:, :1]).expand(-1, E * C, -1)  # (B, E*C, H)
+        slots = torch.scatter_add(empty, 1, slot, src)  # (B, E*C, H)
+        xe = slots.unflatten(1, (E, C)).transpose(0, 1).flatten(1, 2)  # (E, B*C, H)
+        ye = self.experts(xe)  # (E, B*C, H)
+        yo = ye.unflatten(1, (-1, C)).transpose(0, 1).flatten(1, 2)  # (B, E*C, H)
+        # combine: each assignment reads its slot, weighted (zero when dropped), summed over k
+        wk = (weight.transpose(1, 2).flatten(1, 2) * keep).unsqueeze(-1)  # (B, K*S, 1)
+        y = (torch.gather(yo, 1, slot) * wk).unflatten(1, (K, S)).sum(dim=1)  # (B, S, H)
+        if not self.balance:
+            return y, None
+        # load balancing per sequence: E * sum_e (tokens routed to e / S) * (mean probability of e)
+        routed = choice.sum(dim=(1, 2)).to(probs.dtype) / S  # (B, E)
+        mean_p = probs.sum(dim=1) / S  # (B, E)
+        aux = (routed * mean_p).sum(dim=-1) * E  # (B,)
+        return y, aux
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: grouped-query attention, then the sparse mixture of experts."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.feed_forward = SparseMoE(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        y, aux = self.feed_forward(self.ffn_norm(x))  # (B, T, C), (B,) or None
+        return x + y, aux
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts decoder whose forward returns the mean next-token cross-entropy plus
+    ``aux_loss_coef`` times the load-balancing loss summed over layers."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (T, hs)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # idx, targets: (B, T) token ids
+        x = self.tok_embeddings(idx)  # (B, T, C)
+        aux = None
+        for block in self.blocks:
+            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
+            if a is not None:  # None when aux_loss_coef is 0, a config constant
+                aux = a if aux is None else aux + a
+        logits = self.output(self.norm(x))  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        if aux is None:
+            return loss
+        # the batch mean as a sum over samples divided by the whole batch, so pieces add up
+        return loss + aux.sum() * (self.cfg.aux_loss_coef / idx.shape[0])
+
+    @staticmethod
+    def example_inputs(cfg: MoEConfig, batch: int, device: str | torch.device = "meta",
+                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and next-token targets of shape (batch, seq)."""
+        return token_batch(cfg.vocab, cfg.seq, batch, device, seed)
