@@ -2,9 +2,10 @@
 
 Prints, for the single-node and the multi-node sets, the mean absolute percentage error (MAPE)
 of planlab's prediction next to vTrain's own published MAPE (8.37% and 14.73%), and the worst
-runs. By default every 10th single-node run and every multi-node run; --all for every run.
+runs. By default every 10th single-node run and every multi-node run; --all for every run,
+--every N and --multi-every M for other subsets (M = 0 skips the multi-node set).
 
-    .venv/bin/python benchmarks/validate_vtrain.py [--all] [--jobs 2] [--csv out.csv]
+    .venv/bin/python benchmarks/validate_vtrain.py [--all] [--every 10] [--multi-every 1] [--jobs 2] [--csv out.csv]
 """
 
 import argparse
@@ -21,6 +22,8 @@ VTRAIN_MAPE = {"single": 8.37, "multi": 14.73}  # vTrain (MICRO 2024), reference
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--all", action="store_true", help="every single-node run, not every 10th")
+    ap.add_argument("--every", type=int, default=10, help="every N-th single-node run (default 10)")
+    ap.add_argument("--multi-every", type=int, default=1, help="every M-th multi-node run (0: none)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ref", default=str(REF))
@@ -29,8 +32,10 @@ def main() -> None:
     frames = []
     for kind in ("single", "multi"):
         runs = load_runs(Path(args.ref) / f"vtrain_ground_truth_{kind}.csv")
-        if kind == "single" and not args.all:
-            runs = runs[::10]
+        step = 1 if args.all else args.every if kind == "single" else args.multi_every
+        if step <= 0:
+            continue
+        runs = runs[::step]
         t = time.perf_counter()
         df = validate(runs, args.spec, jobs=args.jobs)
         df["set"] = kind

@@ -8,7 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from planlab.errors import PlanlabError
+from planlab.errors import DeadlockError, PlanlabError
 
 LOSS_TOL = 1e-4   # absolute, on losses of order 1 (fp32)
 GRAD_TOL = 1e-4   # absolute, largest element of any gradient shard
@@ -37,7 +37,7 @@ def cmd_explore(args) -> int:
 
     df = explore(_model(args), cluster=args.cluster, nodes=args.nodes, space=args.space,
                  fixed=dict(args.set or []), global_batch=args.global_batch, jobs=args.jobs, out=args.out,
-                 progress=sys.stderr.isatty())
+                 progress=sys.stderr.isatty(), profile=args.profile)
     from planlab.explore import RESULT_COLUMNS
 
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
@@ -65,17 +65,37 @@ def cmd_explore(args) -> int:
     return 0
 
 
-def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None):
+def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
     from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 
+    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
+    graph = trace_plan_model(plan)
+    # one representative per device class, unless a straggler needs every device's tasks
+    program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
+    try:
+        return simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline, stragglers=stragglers)
+    except DeadlockError:
+        full = materialize(plan, graph) if program.reduced else program
+        if full.num_tasks() < 200_000:
+            find_deadlock(full)  # the report names the device, its task and the peer it waits for
+        raise
+
+
+def _predict_with_profile(plan, profile: str):
+    """As ``executor.timeline.predict`` (every device, with a timeline), priced with a calibration profile."""
+    from planlab.costmodel import CostModel
+    from planlab.executor.timeline import Prediction
+    from planlab.plan import materialize, trace_plan_model
+    from planlab.simulator import find_deadlock, simulate
+
+    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)  # a bad profile fails before any work
     graph = trace_plan_model(plan)
     program = materialize(plan, graph)
     if program.num_tasks() < 200_000:
         find_deadlock(program)
-    return simulate(program, CostModel.load(plan.cluster, plan.nodes), model_flops=3.0 * graph.flops,
-                    timeline=timeline, stragglers=stragglers)
+    return Prediction(program, simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True, symmetry=False))
 
 
 def cmd_simulate(args) -> int:
@@ -89,7 +109,7 @@ def cmd_simulate(args) -> int:
 
             raise ConfigError(f"--straggler {k}={v}: expected DEVICE=FACTOR, e.g. 3=1.5")
         stragglers[int(k)] = float(v)
-    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers)
+    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers, profile=args.profile)
     if args.trace:
         res.write_trace(args.trace)
     if args.plot:
@@ -122,7 +142,8 @@ def cmd_run(args) -> int:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    pred = predict(plan)  # every device simulated, with a timeline to compare against
+    # every device simulated, with a timeline to compare against
+    pred = _predict_with_profile(plan, args.profile) if args.profile else predict(plan)
     sim = pred.sim
     check = not args.no_check and not args.load  # the check starts from the seed, not a checkpoint
     res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=check, record=True,
@@ -152,14 +173,38 @@ def cmd_run(args) -> int:
     return 0 if ok else 1
 
 
+def _preset_sizes(fam, cfg) -> str:
+    """A preset's sizes as KEY=VALUE (the --model-arg form): the family's required fields, then
+    any other field that differs from its default."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    names = [n for n in fam.required if n in fields] + [
+        n for n, f in fields.items() if n not in fam.required and f.default is not dataclasses.MISSING
+        and getattr(cfg, n) != f.default]
+
+    def fmt(v) -> str:
+        return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else str(v)
+
+    return " ".join(f"{n}={fmt(getattr(cfg, n))}" for n in names)
+
+
+def cmd_calibrate(args) -> int:
+    from planlab.costmodel.calibrate import calibrate
+
+    prof = calibrate(out=args.out, nproc=args.nproc, quick=args.quick, cluster=args.cluster,
+                     log=lambda line: print(line, flush=True))
+    print(f"wrote {args.out}: {prof}; use it with --profile {args.out} on explore, simulate and run")
+    return 0
+
+
 def cmd_models(args) -> int:
     from planlab.models import FAMILIES
 
+    width = max(len(name) for fam in FAMILIES.values() for name in fam.presets)
     for fam in FAMILIES.values():
         for name, cfg in fam.presets.items():
-            kv = f" kv_heads={cfg.kv_heads} ffn_hidden={cfg.ffn_hidden}" if fam.name == "llama" else ""
-            print(f"{name:12s} {cfg.num_params() / 1e6:12,.1f}M params  layers={cfg.layers} hidden={cfg.hidden} "
-                  f"heads={cfg.heads}{kv} seq={cfg.seq} vocab={cfg.vocab}")
+            print(f"{name:{width}s} {cfg.num_params() / 1e6:12,.1f}M params  {_preset_sizes(fam, cfg)}")
     for fam in FAMILIES.values():
         print(f"family: {fam.name} (use --model {fam.name} --model-arg "
               + " ".join(f"{k}=.." for k in fam.required) + ")")
@@ -214,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="folder for results.csv, pareto.png and best_plan.json")
     e.add_argument("--jobs", type=int, default=1, help="plans evaluated in parallel")
     e.add_argument("--top", type=int, default=10, help="rows printed")
+    e.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser("run", help="run a plan on local processes and check it against one process")
@@ -231,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
     r.add_argument("--load", default=None, metavar="DIR",
                    help="start from a checkpoint of the same model, written under any plan (no numeric check)")
+    r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("simulate", help="simulate one plan")
@@ -240,7 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", default=None, metavar="DIR", help="write timeline.png and memory.png there")
     s.add_argument("--straggler", action="append", type=_kv, metavar="DEVICE=FACTOR",
                    help="slow one device's computation by FACTOR (what-if)")
+    s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
     s.set_defaults(fn=cmd_simulate)
+
+    c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")
+    c.add_argument("--out", default="profile.json", metavar="PROFILE.json", help="where to write the profile")
+    c.add_argument("--nproc", type=int, default=2, help="processes for the collective benchmark (>= 2)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (under a minute)")
+    c.add_argument("--cluster", default="cpu", help="the cluster whose device this machine is (default cpu)")
+    c.set_defaults(fn=cmd_calibrate)
 
     sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)
     sub.add_parser("clusters", help="list built-in clusters").set_defaults(fn=cmd_clusters)

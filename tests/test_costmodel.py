@@ -24,7 +24,7 @@ from planlab.costmodel import (
     load_cluster,
     p2p_time_s,
 )
-from planlab.costmodel.hardware import SPEC_DIR
+from planlab.costmodel.hardware import SPEC_DIR, Efficiency, Network, list_devices, load_device
 from planlab.errors import ConfigError
 
 MiB = 2**20
@@ -42,6 +42,10 @@ ANCHOR_TOLERANCE = 0.25  # relative error allowed against published bus bandwidt
         ("dgx-a100-80g", "a100-80g", 8, 80e9),
         ("dgx-a100-40g", "a100-40g", 8, 40e9),
         ("dgx-h100", "h100-80g", 8, 80e9),
+        ("hgx-h200", "h200-141g", 8, 141e9),
+        ("dgx-1-v100", "v100-32g", 8, 32e9),
+        ("dgx-2-v100", "v100-32g", 16, 32e9),
+        ("mi300x-8", "mi300x", 8, 192e9),
         ("cpu", "cpu", 1, 4e9),
     ],
 )
@@ -52,11 +56,42 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
     assert (c.node.name, c.device.name, c.node.devices_per_node) == (name, device, per_node)
     assert c.num_devices == per_node * nodes
     assert c.device.memory_bytes == memory_bytes
-    assert set(c.device.peak_flops_per_s) == {"fp32", "tf32", "bf16", "fp16"}
+    assert {"fp32", "bf16", "fp16"} <= set(c.device.peak_flops_per_s)
+    assert c.network == Network()  # a non-blocking fat tree unless the spec says otherwise
 
 
-def test_list_clusters() -> None:
-    assert list_clusters() == ["cpu", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100"]
+def test_list_clusters_and_devices() -> None:
+    assert list_clusters() == ["cpu", "dgx-1-v100", "dgx-2-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100",
+                               "hgx-h200", "mi300x-8"]
+    assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g",
+                              "v100-32g"]
+    assert load_device("v100-16g").memory_bytes == 16e9
+
+
+@pytest.mark.parametrize(
+    "device, dtype, tflops",
+    [  # vendor datasheets, dense; the reference README's device table where it has them
+        ("v100-32g", "fp16", 125), ("v100-32g", "fp32", 15.7), ("h200-141g", "bf16", 989),
+        ("h200-141g", "fp8", 1979), ("h100-80g", "fp8", 1979), ("mi300x", "bf16", 1307.4), ("mi300x", "fp32", 163.4),
+        ("mi300x", "fp8", 2614.9), ("a100-80g", "tf32", 156),
+    ],
+)
+def test_device_peaks(device: str, dtype: str, tflops: float) -> None:
+    assert load_device(device).peak_flops_per_s[dtype] == pytest.approx(tflops * 1e12)
+
+
+def test_every_spec_number_names_its_source() -> None:
+    """Each number of a built-in spec has an entry in its 'source' (specifications or measurements)."""
+    devices = json.loads((SPEC_DIR / "devices.json").read_text())
+    for name, dev in devices.items():
+        if name.startswith("_"):
+            continue
+        numbers = {k for k, v in dev.items() if k not in ("source", "description")}
+        assert numbers <= set(dev["source"]), (name, numbers - set(dev["source"]))
+    for cluster in list_clusters():
+        spec = json.loads((SPEC_DIR / f"{cluster}.json").read_text())
+        for key in ("intra_GBps", "inter_Gbps", "inter_efficiency"):
+            assert key in spec["source"], (cluster, key)
 
 
 @pytest.mark.parametrize(
@@ -194,9 +229,9 @@ def test_trivial_cases_cost_nothing(kind: str) -> None:
 def test_ring_identities(group: tuple[int, ...]) -> None:
     """Large messages: all_reduce = reduce_scatter + all_gather = 2 x all_gather."""
     c = load_cluster("dgx-a100-80g", 2)
-    ar = collective_time_s(c, "all_reduce", GiB, group)
-    rs = collective_time_s(c, "reduce_scatter", GiB, group)
-    ag = collective_time_s(c, "all_gather", GiB, group)
+    ar = collective_time_s(c, "all_reduce", GiB, group, algorithm="ring")
+    rs = collective_time_s(c, "reduce_scatter", GiB, group, algorithm="ring")
+    ag = collective_time_s(c, "all_gather", GiB, group, algorithm="ring")
     assert rs == ag
     assert ar == pytest.approx(rs + ag, rel=1e-9)
 
@@ -231,6 +266,155 @@ def test_monotone_property(kind: str, small: float, factor: float, group: set[in
     c = load_cluster("dgx-h100", 4)
     g = tuple(sorted(group))
     assert 0 < collective_time_s(c, kind, small, g) < collective_time_s(c, kind, small * factor, g)
+
+
+# ---------------------------------------------------------------- hand-computed cases
+# A toy cluster with round numbers and flat efficiency curves (Efficiency(max, half=0) is max at
+# every size), so every expected time below is worked out by hand in its comment.
+
+TOY_DEVICE = DeviceSpec(
+    name="toy", memory_bytes=80e9, hbm_bytes_per_s=1e12, peak_flops_per_s={"bf16": 100e12, "fp32": 10e12},
+    launch_overhead_s=5e-6, compute_efficiency=Efficiency(0.5, 0.0), memory_efficiency=Efficiency(0.8, 0.0),
+)
+TOY_NODE = NodeSpec(
+    name="toy-node", device=TOY_DEVICE, devices_per_node=4,
+    intra_bytes_per_s=100e9, intra_latency_s=2e-6,  # 100 GB/s, 2 us per step
+    inter_bytes_per_s=10e9, inter_latency_s=5e-6,  # 10 GB/s NIC share per device, 5 us per step
+)
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    "kind, group, algorithm, seconds",
+    [
+        # one node, n=4, ring: all_reduce 2(n-1) steps + 2(n-1)/n x 1 GB / 100 GB/s = 12 us + 15 ms
+        ("all_reduce", (0, 1, 2, 3), "ring", 12e-6 + 0.015),
+        ("all_gather", (0, 1, 2, 3), "ring", 6e-6 + 0.0075),  # (n-1) steps, (n-1)/n traffic
+        ("reduce_scatter", (0, 1, 2, 3), "ring", 6e-6 + 0.0075),
+        ("broadcast", (0, 1, 2, 3), "ring", 6e-6 + 0.010),  # pipelined: the whole buffer once
+        ("all_to_all", (0, 1, 2, 3), "direct", 6e-6 + 0.0075),  # 3/4 of the buffer to peers
+        # tree in one node: depth log2(4) = 2, up and down: 4 x 2 us + 2 x 1 GB / 100 GB/s
+        ("all_reduce", (0, 1, 2, 3), "tree", 8e-6 + 0.020),
+        # two nodes of 4: 4 rings in parallel over 4 NICs = 40 GB/s < 100 GB/s NVLink
+        # ring: 14 steps x 5 us + 2 x 7/8 x 1 GB / 40 GB/s
+        ("all_reduce", tuple(range(8)), "ring", 70e-6 + 0.04375),
+        # tree: 2 x (1 inter hop x 5 us + 3 intra hops x 2 us) + 2 x 1 GB / 40 GB/s
+        ("all_reduce", tuple(range(8)), "tree", 22e-6 + 0.050),
+        # hierarchical: reduce-scatter and all-gather in each node (2 x (6 us + 7.5 ms)), then each
+        # member's 1/4 shard (250 MB) all-reduced across 2 nodes on its own NIC: 2 x 5 us + 250 MB / 10 GB/s
+        ("all_reduce", tuple(range(8)), "hierarchical", 2 * (6e-6 + 0.0075) + 10e-6 + 0.025),
+        ("all_gather", tuple(range(8)), "hierarchical", (6e-6 + 0.0075) + (5e-6 + 0.0125)),
+        ("reduce_scatter", tuple(range(8)), "hierarchical", (6e-6 + 0.0075) + (5e-6 + 0.0125)),
+        # all_to_all over 2 nodes: 7 steps x 5 us + max(3/8 GB / 100 GB/s, 4/8 GB / 10 GB/s)
+        ("all_to_all", tuple(range(8)), "direct", 35e-6 + 0.05),
+        # without an algorithm the fastest is priced: hierarchical here (40.0 ms < ring 43.8 ms)
+        ("all_reduce", tuple(range(8)), None, 2 * (6e-6 + 0.0075) + 10e-6 + 0.025),
+    ],
+)
+def test_collectives_by_hand(kind: str, group: tuple[int, ...], algorithm: str | None, seconds: float) -> None:
+    c = ClusterSpec(TOY_NODE, nodes=2)
+    assert collective_time_s(c, kind, GB, group, algorithm=algorithm) == pytest.approx(seconds, rel=1e-12)
+
+
+def test_tree_beats_ring_for_small_messages_on_many_ranks() -> None:
+    c = ClusterSpec(TOY_NODE, nodes=16)  # 64 ranks
+    group = tuple(range(64))
+    # 1 KiB: ring 126 steps x 5 us = 630 us; tree 2 x (4 x 5 us + 3 x 2 us) = 52 us (+ the bytes)
+    ring = collective_time_s(c, "all_reduce", 1024, group, algorithm="ring")
+    tree = collective_time_s(c, "all_reduce", 1024, group, algorithm="tree")
+    assert ring == pytest.approx(126 * 5e-6 + 2 * 63 / 64 * 1024 / 40e9)
+    assert tree == pytest.approx(52e-6 + 2 * 1024 / 40e9)
+    assert collective_time_s(c, "all_reduce", 1024, group) == tree
+    # 1 GB: the ring's traffic 2(n-1)/n < the tree's 2, so the ring (or the hierarchy) wins
+    assert collective_time_s(c, "all_reduce", GB, group) < collective_time_s(c, "all_reduce", GB, group, "tree")
+
+
+@pytest.mark.parametrize(
+    "src, dst, seconds",
+    [(0, 3, 2e-6 + 0.010), (3, 4, 5e-6 + 0.100), (2, 2, 0.0)],  # 1 GB over 100 GB/s, over 10 GB/s, itself
+)
+def test_p2p_by_hand(src: int, dst: int, seconds: float) -> None:
+    assert p2p_time_s(ClusterSpec(TOY_NODE, nodes=2), GB, src, dst) == pytest.approx(seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "group, seconds",
+    [
+        ((0, 4), 2 * 5e-6 + GB / 10e9),  # nodes 0 and 1 under one leaf: the full NIC rate
+        ((0, 4, 8, 12), 6 * 5e-6 + 1.5 * GB / (10e9 / 4)),  # 2 leaves, 4:1 uplinks: a quarter of it
+    ],
+)
+def test_oversubscribed_fat_tree_by_hand(group: tuple[int, ...], seconds: float) -> None:
+    c = ClusterSpec(TOY_NODE, nodes=4, network=Network(nodes_per_switch=2, oversubscription=4.0))
+    assert collective_time_s(c, "all_reduce", GB, group, algorithm="ring") == pytest.approx(seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "flops, bytes_moved, dtype, seconds",
+    [
+        # a 4096^3 bf16 matmul: 2 x 4096^3 flop at 50% of 100 TFLOP/s; its 3 x 4096^2 x 2 B of traffic
+        # at 80% of 1 TB/s take 126 us < 2.75 ms: compute bound, + 5 us launch
+        (2 * 4096**3, 3 * 4096**2 * 2, "bf16", 2 * 4096**3 / 50e12 + 5e-6),
+        # the same in fp32: 10 TFLOP/s peak
+        (2 * 4096**3, 3 * 4096**2 * 4, "fp32", 2 * 4096**3 / 5e12 + 5e-6),
+        # an elementwise add of 1M fp32: 1 Mflop (0.2 us) against 12 MB at 0.8 TB/s (15 us): memory bound
+        (1e6, 12e6, "fp32", 12e6 / 0.8e12 + 5e-6),
+        # a skinny matmul 8192 x 8192 x 16 bf16: 2.1 Gflop (43 us) against 2 x (8192^2 + 2 x 8192 x 16) B
+        # at 0.8 TB/s (170 us): memory bound
+        (2 * 8192 * 8192 * 16, 2 * (8192**2 + 2 * 8192 * 16), "bf16", 2 * (8192**2 + 2 * 8192 * 16) / 0.8e12 + 5e-6),
+    ],
+)
+def test_roofline_by_hand(flops: float, bytes_moved: float, dtype: str, seconds: float) -> None:
+    assert compute_time_s(TOY_DEVICE, flops=flops, bytes_moved=bytes_moved, dtype=dtype) == pytest.approx(seconds)
+
+
+GPT_TINY_PARAMS = (  # hidden 64, 2 layers, vocabulary 128, sequence 32, MLP 4 x hidden; every layer has a bias
+    128 * 64 + 32 * 64  # token and position embeddings
+    + 2 * (4 * (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64) + 2 * 2 * 64)  # attention, MLP, 2 LayerNorms
+    + 2 * 64  # final LayerNorm
+    + 64 * 128 + 128  # lm_head
+)  # = 118,656
+
+
+@pytest.mark.parametrize(
+    "cluster, devices, knobs, per_param",
+    [
+        # mixed precision: bf16 weights (2 B), fp32 gradients (4 B), Adam's fp32 master, m and v (12 B)
+        ("dgx-a100-80g", 1, dict(dp=1, tp=1, pp=1, microbatch=8), (2, 4, 12)),
+        # fp32 on the CPU: weights 4 B, gradients 4 B, Adam's m and v 8 B (the weights are the master)
+        ("cpu", 1, dict(dp=1, tp=1, pp=1, microbatch=8), (4, 4, 8)),
+        # data parallel replicates everything
+        ("dgx-a100-80g", 2, dict(dp=2, tp=1, pp=1, microbatch=4), (2, 4, 12)),
+    ],
+)
+def test_adam_state_size_by_hand(cluster: str, devices: int, knobs: dict, per_param: tuple) -> None:
+    from conftest import traced
+
+    from planlab.plan.materialize import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, graph = traced("gpt-tiny", 8)
+    assert graph.num_params == GPT_TINY_PARAMS
+    per_node = 1 if cluster == "cpu" else 8
+    plan = get_space("megatron").build(Context(graph, spec, 8, cluster, max(1, devices // per_node), devices,
+                                               per_node), knobs)
+    for dev in materialize(plan, graph).devices:
+        assert (dev.param_bytes, dev.grad_bytes, dev.optimizer_bytes) == tuple(b * GPT_TINY_PARAMS for b in per_param)
+
+
+def test_zero1_shards_adam_states() -> None:
+    """ZeRO-1 over 2 replicas: each holds about half of the 12 B per parameter (buckets pad to equal shards)."""
+    from conftest import traced
+
+    from planlab.plan.materialize import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, graph = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(graph, spec, 8, "dgx-a100-80g", 1, 2, 8),
+                                       dict(dp=2, tp=1, pp=1, microbatch=4, zero=1))
+    for dev in materialize(plan, graph).devices:
+        assert 12 * GPT_TINY_PARAMS / 2 <= dev.optimizer_bytes <= 1.05 * 12 * GPT_TINY_PARAMS / 2
+        assert dev.grad_bytes == 4 * GPT_TINY_PARAMS  # ZeRO-1 keeps whole gradients
 
 
 # ---------------------------------------------------------------- compute
@@ -330,11 +514,20 @@ def test_user_spec_file_with_inline_device(tmp_path) -> None:
         ("[1, 2]", ["top level", "JSON object"]),
         (user_spec(intra_GBps=None), ["'intra_GBps'", "missing"]),
         (user_spec(intra_GBps="300"), ["'intra_GBps'", "must be a number", "'300'"]),
-        (user_spec(intra_GBps=-1), ["'intra_GBps'", "must be > 0"]),
+        (user_spec(intra_GBps=-1), ["'intra_GBps'", "must be in (0, 100000]", "GB/s"]),
+        (user_spec(intra_GBps=3e5), ["'intra_GBps'", "(0, 100000]", "1e9 bytes per second", "300000"]),
+        (user_spec(inter_latency_us=-2), ["'inter_latency_us'", "[0, 1e+06]", "microseconds"]),
+        (user_spec(intra_GiBps=300), ["'intra_GiBps'", "not a known field", "'intra_GBps'"]),
+        (user_spec(device={**json.loads((SPEC_DIR / "devices.json").read_text())["a100-80g"], "name": "x",
+                           "memory_GB": 80000}), ["'device.memory_GB'", "(0, 10000]", "gigabytes", "80000"]),
+        (user_spec(network={"topology": "torus"}), ["'network.topology'", "'torus'", "'fat_tree'"]),
+        (user_spec(network={"topology": "fat_tree", "oversubscription": 0.5}),
+         ["'network.oversubscription'", "[1, 64]", "non-blocking"]),
+        (user_spec(network=[1]), ["'network'", "JSON object"]),
         (user_spec(devices_per_node=8.5), ["'devices_per_node'", "integer"]),
         (user_spec(device="b200"), ["'device'", "'b200'", "'a100-80g'", "'h100-80g'"]),
         (user_spec(device={"name": "x", "memory_GB": 1}), ["'device.hbm_GBps'", "missing"]),
-        (user_spec(intra_efficiency={"max": 1.5, "half_MiB": 1, "exponent": 1}), ["'intra_efficiency.max'", "<= 1"]),
+        (user_spec(intra_efficiency={"max": 1.5, "half_MiB": 1, "exponent": 1}), ["'intra_efficiency.max'", "(0, 1]"]),
         (user_spec(inter_efficiency={"max": 0.5, "exponent": 1}), ["'inter_efficiency.half_MiB'", "missing"]),
     ],
 )

@@ -1,34 +1,49 @@
-"""Collective and point-to-point times: an alpha-beta model with ring algorithms.
+"""Collective and point-to-point times: alpha-beta models of ring, tree and hierarchical algorithms.
 
 ``nbytes`` is always the FULL buffer, as in nccl-tests' "size" column:
 all_reduce the buffer, all_gather the gathered output, reduce_scatter the input
 before scattering, all_to_all one rank's whole buffer, broadcast the buffer.
 
-For a group of n ranks, ``time = steps * latency + traffic * nbytes / bandwidth``:
+For a group of n ranks, ``time = steps * latency + traffic * nbytes / bandwidth``.
+
+Ring (every kind but all_to_all):
 
 | kind           | traffic per rank | latency steps |
 |----------------|------------------|---------------|
 | all_reduce     | 2(n-1)/n         | 2(n-1)        |
 | all_gather     | (n-1)/n          | n-1           |
 | reduce_scatter | (n-1)/n          | n-1           |
-| all_to_all     | (n-1)/n          | n-1           |
 | broadcast      | 1 (pipelined)    | n-1           |
+
+Tree (all_reduce, as NCCL's double binary tree): a reduce up and a broadcast down,
+pipelined: traffic 2, latency steps 2 x depth, where depth is ``ceil(log2 nodes)``
+inter-node hops plus a chain through the node's members. It beats the ring for
+small messages on many ranks (fewer steps) and loses for large ones (twice the traffic).
+
+Hierarchical (all_reduce, all_gather, reduce_scatter spanning nodes): within each
+node a reduce-scatter over the intra-node link, across nodes the node-local
+shards in parallel, one per member's NIC, then an all-gather within each node.
 
 Placement decides the link. Within one node: the intra-node link per device,
 ``bandwidth = intra * eff_intra(nbytes)``, intra latency per step. Spanning
 nodes, with g members on the node that has fewest: g rings run in parallel,
 one per member's NIC, and each ring also crosses intra-node links, so
 ``bandwidth = min(intra * eff_intra(nbytes), g * inter * eff_inter(nbytes))``
-and every ring step pays the inter-node latency. all_to_all spanning nodes is
-bounded by the slower of the traffic to node peers (intra link) and to other
-nodes (the rank's own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)``
-makes small messages reach lower bandwidth; its parameters live in the spec
-files, fitted against nccl-tests all-reduce bus bandwidths.
+and every ring step pays the inter-node latency. When the nodes sit under more
+than one leaf switch of an oversubscribed fat tree, the inter-node bandwidth is
+divided by the oversubscription. all_to_all spanning nodes is bounded by the
+slower of the traffic to node peers (intra link) and to other nodes (the rank's
+own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
+messages reach lower bandwidth; its parameters live in the spec files, fitted
+against nccl-tests all-reduce bus bandwidths. Without an explicit algorithm the
+fastest applicable one is priced, as NCCL's tuner picks per size.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from dataclasses import dataclass
 from enum import Enum
 
 from planlab.costmodel.hardware import ClusterSpec, NodeSpec
@@ -48,6 +63,18 @@ class Collective(str, Enum):
         return self.value
 
 
+class Algorithm(str, Enum):
+    """Collective algorithms; the value is the name ``collective_time_s`` accepts."""
+
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    DIRECT = "direct"  # all_to_all: every pair at once
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # kind -> (latency steps, traffic per rank in units of nbytes), as functions of n
 _RING = {
     Collective.ALL_REDUCE: (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
@@ -56,15 +83,36 @@ _RING = {
     Collective.BROADCAST: (lambda n: n - 1, lambda n: 1.0),
 }
 
+_APPLICABLE = {
+    Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE, Algorithm.HIERARCHICAL),
+    Collective.ALL_GATHER: (Algorithm.RING, Algorithm.HIERARCHICAL),
+    Collective.REDUCE_SCATTER: (Algorithm.RING, Algorithm.HIERARCHICAL),
+    Collective.BROADCAST: (Algorithm.RING,),
+    Collective.ALL_TO_ALL: (Algorithm.DIRECT,),
+}
 
-def _placement(cluster: ClusterSpec, group: tuple[int, ...]) -> tuple[int, int, int]:
-    """(nodes spanned, fewest members on a node, most members on a node); validates ranks."""
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's members sit: ``n`` ranks on ``nodes`` nodes, ``g_min``/``g_max`` members on
+    the emptiest/fullest node, spanning ``switches`` leaf switches."""
+
+    n: int
+    nodes: int
+    g_min: int
+    g_max: int
+    switches: int = 1
+
+
+def placement(cluster: ClusterSpec, group: tuple[int, ...]) -> Placement:
+    """The placement of ``group`` on ``cluster``; validates the ranks."""
     if len(group) == 0:
         raise ConfigError("a collective needs a non-empty group of ranks")
     if len(set(group)) != len(group):
         raise ConfigError(f"group {group!r} repeats a rank")
     per_node = Counter(cluster.node_of(r) for r in group)
-    return len(per_node), min(per_node.values()), max(per_node.values())
+    return Placement(len(group), len(per_node), min(per_node.values()), max(per_node.values()),
+                     cluster.network.switches_spanned(set(per_node)))
 
 
 def _check_nbytes(nbytes: float) -> None:
@@ -77,39 +125,109 @@ def _intra_bw(node: NodeSpec, nbytes: float) -> float:
     return node.intra_bytes_per_s * node.intra_efficiency.at(nbytes)
 
 
-def _inter_bw(node: NodeSpec, nbytes: float) -> float:
-    """Achieved inter-node bandwidth of one device's NIC share for a message of nbytes, bytes/s."""
-    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes)
+def _inter_bw(cluster: ClusterSpec, nbytes: float, switches: int = 1) -> float:
+    """Achieved inter-node bandwidth of one device's NIC share for a message of nbytes, bytes/s;
+    shared uplinks divide it when the nodes sit under several leaf switches."""
+    node = cluster.node
+    over = cluster.network.oversubscription if switches > 1 else 1.0
+    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes) / over
 
 
-def collective_time_s(cluster: ClusterSpec, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
+    node = cluster.node
+    steps, traffic = _RING[kind]
+    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
+    bw = _intra_bw(node, nbytes)  # bytes/s
+    if p.nodes > 1:
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches))  # g_min rings in parallel, one NIC each
+    return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
+
+
+def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
+    """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them."""
+    node = cluster.node
+    depth_s = math.ceil(math.log2(p.nodes)) * node.inter_latency_s if p.nodes > 1 else 0.0
+    if p.nodes == 1:
+        depth_s = math.ceil(math.log2(p.n)) * node.intra_latency_s
+    else:
+        depth_s += (p.g_max - 1) * node.intra_latency_s
+    bw = _intra_bw(node, nbytes)
+    if p.nodes > 1:
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches))
+    return 2.0 * depth_s + 2.0 * nbytes / bw
+
+
+def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
+    """Within nodes over the intra link, across nodes on each member's shard over its own NIC."""
+    node = cluster.node
+    g, k = p.g_max, p.nodes
+    shard = nbytes / p.g_min  # bytes each NIC carries across nodes
+    local = Placement(g, 1, g, g)
+    if kind is Collective.ALL_REDUCE:
+        inner = _ring(cluster, Collective.REDUCE_SCATTER, nbytes, local) + _ring(
+            cluster, Collective.ALL_GATHER, nbytes, local) if g > 1 else 0.0
+        outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches)
+    else:  # all_gather or reduce_scatter: one intra-node and one inter-node phase
+        inner = _ring(cluster, kind, nbytes, local) if g > 1 else 0.0
+        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches)
+    return inner + outer
+
+
+def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
+    node = cluster.node
+    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
+    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes)  # to ranks on the same node
+    t_remote = (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches) if p.nodes > 1 else 0.0
+    return (p.n - 1) * alpha + max(t_peers, t_remote)
+
+
+def algorithms(kind: str) -> tuple[str, ...]:
+    """The algorithms that can run collective ``kind``."""
+    return tuple(a.value for a in _APPLICABLE[_kind(kind)])
+
+
+def _kind(kind: str) -> Collective:
+    try:
+        return Collective(kind)
+    except ValueError:
+        raise ConfigError(f"unknown collective {kind!r}; choose {choices([k.value for k in Collective])}") from None
+
+
+def collective_time_s(cluster: ClusterSpec, kind: str, nbytes: float, group: tuple[int, ...],
+                      algorithm: str | None = None) -> float:
     """Seconds for the collective ``kind`` on ``nbytes`` (the full buffer) among the ranks ``group``.
 
     kind: "all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "broadcast".
-    A group of one rank, or zero bytes, costs 0.0. Raises ConfigError for an
-    unknown kind, a rank outside the cluster or a repeated rank.
+    ``algorithm`` ("ring", "tree", "hierarchical", "direct"; see ``algorithms(kind)``) prices
+    one algorithm; None prices the fastest. A hierarchical collective within one node is a ring.
+    A group of one rank, or zero bytes, costs 0.0. Raises ConfigError for an unknown kind or
+    algorithm, a rank outside the cluster or a repeated rank.
     """
-    try:
-        kind_ = Collective(kind)
-    except ValueError:
-        raise ConfigError(f"unknown collective {kind!r}; choose {choices([k.value for k in Collective])}") from None
+    kind_ = _kind(kind)
+    if algorithm is not None:
+        try:
+            algo = Algorithm(algorithm)
+        except ValueError:
+            algo = None
+        if algo not in _APPLICABLE[kind_]:
+            raise ConfigError(f"unknown algorithm {algorithm!r} for {kind_}; choose {choices(algorithms(kind))}")
     _check_nbytes(nbytes)
-    group = tuple(group)
-    nodes, g_min, g_max = _placement(cluster, group)
-    n = len(group)
-    if n == 1 or nbytes == 0:
+    p = placement(cluster, tuple(group))
+    if p.n == 1 or nbytes == 0:
         return 0.0
-    node = cluster.node
-    alpha = node.intra_latency_s if nodes == 1 else node.inter_latency_s  # s per ring step
-    if kind_ is Collective.ALL_TO_ALL:
-        t_peers = (g_max - 1) / n * nbytes / _intra_bw(node, nbytes)  # to ranks on the same node
-        t_remote = (n - g_min) / n * nbytes / _inter_bw(node, nbytes) if nodes > 1 else 0.0  # over own NIC
-        return (n - 1) * alpha + max(t_peers, t_remote)
-    steps, traffic = _RING[kind_]
-    bw = _intra_bw(node, nbytes)  # bytes/s
-    if nodes > 1:
-        bw = min(bw, g_min * _inter_bw(node, nbytes))  # g_min rings in parallel, one NIC each
-    return steps(n) * alpha + traffic(n) * nbytes / bw
+    todo = (algo,) if algorithm is not None else _APPLICABLE[kind_]
+    best = math.inf
+    for a in todo:
+        if a is Algorithm.DIRECT:
+            t = _all_to_all(cluster, nbytes, p)
+        elif a is Algorithm.TREE:
+            t = _tree(cluster, nbytes, p)
+        elif a is Algorithm.HIERARCHICAL and p.nodes > 1:
+            t = _hierarchical(cluster, kind_, nbytes, p)
+        else:
+            t = _ring(cluster, kind_, nbytes, p)
+        best = min(best, t)
+    return best
 
 
 def p2p_time_s(cluster: ClusterSpec, nbytes: float, src: int, dst: int) -> float:
@@ -117,10 +235,10 @@ def p2p_time_s(cluster: ClusterSpec, nbytes: float, src: int, dst: int) -> float
     share a node, else the inter-node link (the sender's NIC). ``src == dst`` or zero bytes cost 0.0.
     """
     _check_nbytes(nbytes)
-    same_node = cluster.node_of(src) == cluster.node_of(dst)
+    a, b = cluster.node_of(src), cluster.node_of(dst)
     if src == dst or nbytes == 0:
         return 0.0
     node = cluster.node
-    if same_node:
+    if a == b:
         return node.intra_latency_s + nbytes / _intra_bw(node, nbytes)
-    return node.inter_latency_s + nbytes / _inter_bw(node, nbytes)
+    return node.inter_latency_s + nbytes / _inter_bw(cluster, nbytes, cluster.network.switches_spanned({a, b}))

@@ -1,9 +1,14 @@
 """Compute time of one kernel: a roofline with size-dependent efficiency.
 
-``time = max(flops / (peak[dtype] * eff_c(flops)), bytes / (hbm * eff_m(bytes))) + launch``
+``kernel = max(flops / (peak[dtype] * eff_c(flops)), bytes / (hbm * eff_m(bytes))) + launch``
+``time = max(kernel, host)``
 
 where ``eff_c`` and ``eff_m`` are the device's efficiency curves (from its spec
-file): small kernels reach a lower fraction of peak than large ones.
+file): small kernels reach a lower fraction of peak than large ones. ``launch`` is
+the device-side launch latency every kernel pays; ``host`` (0 unless the spec sets
+``host_overhead_us``) is the host's time to issue one operator (framework dispatch
+and kernel launches): while the device runs kernels shorter than that, the host
+cannot keep it busy, so an operator never takes less.
 """
 
 from __future__ import annotations
@@ -62,4 +67,4 @@ def compute_time_s(device: DeviceSpec, *, flops: float, bytes_moved: float, dtyp
     t_mem = (
         bytes_moved / (device.hbm_bytes_per_s * device.memory_efficiency.at(bytes_moved)) if bytes_moved > 0 else 0.0
     )  # s
-    return max(t_math, t_mem) + device.launch_overhead_s
+    return max(max(t_math, t_mem) + device.launch_overhead_s, device.host_overhead_s)

@@ -6,9 +6,13 @@ loader converts them once into SI units: bytes, bytes/s, flop/s, seconds.
 GB are 1e9 bytes, as on vendor datasheets; MiB are 2**20 bytes, as in
 nccl-tests message sizes.
 
-A cluster spec file (``specs/<name>.json``) describes one node type; its
-``device`` is the name of a device in ``specs/devices.json`` or an inline
-device object with a ``name``. A user's spec file has the same format.
+A cluster spec file (``specs/<name>.json``) describes one node type and the
+network between nodes; its ``device`` is the name of a device in
+``specs/devices.json`` or an inline device object with a ``name``. A user's
+spec file has the same format. ``nodes`` (how many) is given at load time.
+Every number is checked against a plausible range for its unit, so that a
+value written in the wrong unit (``memory_GB: 80000``) is refused with the
+file, the field and the expected form.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from planlab.errors import ConfigError, choices
 
 SPEC_DIR = Path(__file__).parent / "specs"
 DEVICES_FILE = "devices.json"
-DTYPES = ("fp32", "tf32", "bf16", "fp16")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+TOPOLOGIES = ("fat_tree",)
 
 # Unit definitions (not hardware numbers): spec field unit -> SI factor.
 _GB = 1e9  # bytes
@@ -32,6 +37,23 @@ _TFLOPS = 1e12  # flop/s
 _GFLOP = 1e9  # flop
 _GBIT = 1e9 / 8  # bytes per Gbit
 _US = 1e-6  # seconds
+
+# Plausible ranges per unit (low exclusive unless noted, high inclusive): a value outside is
+# almost surely written in another unit.
+_RANGE = {
+    "GB": (0.0, 1e4, "gigabytes (1e9 bytes) of device memory"),
+    "GBps": (0.0, 1e5, "GB/s (1e9 bytes per second, one direction)"),
+    "Gbps": (0.0, 1e5, "Gbit/s per adapter"),
+    "tflops": (0.0, 1e5, "TFLOP/s (1e12 flop per second)"),
+    "us": (0.0, 1e6, "microseconds"),
+}
+
+_DEVICE_FIELDS = {"name", "description", "source", "memory_GB", "hbm_GBps", "launch_overhead_us", "host_overhead_us",
+                  "compute_efficiency", "memory_efficiency", *(f"peak_{dt}_tflops" for dt in DTYPES)}
+_NODE_FIELDS = {"name", "description", "source", "device", "devices_per_node", "intra_link", "intra_GBps",
+                "intra_latency_us", "intra_efficiency", "inter_link", "inter_Gbps", "inter_adapters",
+                "inter_latency_us", "inter_efficiency", "network"}
+_NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
 
 @dataclass(frozen=True)
@@ -62,12 +84,13 @@ class DeviceSpec:
     memory_bytes: float
     hbm_bytes_per_s: float
     peak_flops_per_s: Mapping[str, float] = field(hash=False)  # dtype -> flop/s
-    launch_overhead_s: float
+    launch_overhead_s: float  # added to every kernel (device-side launch latency)
     compute_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in flop
     memory_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
+    host_overhead_s: float = 0.0  # the host's time to issue one operator: a floor on its time
 
     def __str__(self) -> str:
-        best = max(self.peak_flops_per_s.items(), key=lambda kv: kv[1])
+        best = max(self.peak_flops_per_s.items(), key=lambda kv: kv[1] if kv[0] != "fp8" else 0.0)
         return f"{self.name} ({self.memory_bytes / _GB:g} GB, {best[1] / _TFLOPS:g} TFLOP/s {best[0]})"
 
 
@@ -84,17 +107,40 @@ class NodeSpec:
     inter_latency_s: float
     intra_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
     inter_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
+    intra_link: str = ""
+    inter_link: str = ""
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
 
 
 @dataclass(frozen=True)
+class Network:
+    """How nodes connect: a fat tree of switches with ``nodes_per_switch`` nodes under each leaf
+    switch; traffic between leaves shares the uplinks, ``oversubscription`` (>= 1) times fewer
+    than the nodes' adapters (1: non-blocking, full bisection bandwidth)."""
+
+    topology: str = "fat_tree"
+    nodes_per_switch: int = 1 << 30  # one leaf holds every node unless the spec says otherwise
+    oversubscription: float = 1.0
+
+    def switches_spanned(self, nodes: set[int] | frozenset[int]) -> int:
+        """How many leaf switches the given node indices sit under (nodes fill switch 0 first)."""
+        return len({n // self.nodes_per_switch for n in nodes})
+
+    def __str__(self) -> str:
+        if self.oversubscription == 1.0:
+            return f"{self.topology} (non-blocking)"
+        return f"{self.topology} ({self.nodes_per_switch} nodes per leaf, {self.oversubscription:g}:1)"
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
-    """``nodes`` identical nodes; ranks are numbered node by node."""
+    """``nodes`` identical nodes on ``network``; ranks are numbered node by node."""
 
     node: NodeSpec
     nodes: int = 1
+    network: Network = Network()
 
     def __post_init__(self) -> None:
         _check_nodes(self.nodes)
@@ -115,6 +161,14 @@ class ClusterSpec:
             raise ConfigError(f"rank {rank!r} is not in cluster {self} (ranks 0..{self.num_devices - 1})")
         return rank // self.node.devices_per_node
 
+    def describe(self) -> str:
+        """One line: devices, links and network."""
+        n = self.node
+        intra = f"{n.intra_link or 'intra-node link'} {n.intra_bytes_per_s / _GB:g} GB/s" \
+            if n.devices_per_node > 1 else "one device per node"
+        inter = f"{n.inter_link or 'inter-node link'} {n.inter_bytes_per_s / _GB:g} GB/s per device"
+        return f"{n.devices_per_node}x {self.device}; {intra}; {inter}; {self.network}"
+
     def __str__(self) -> str:
         return f"{self.nodes}x {self.node.name} ({self.num_devices}x {self.device.name})"
 
@@ -122,6 +176,21 @@ class ClusterSpec:
 def list_clusters() -> list[str]:
     """Names of the built-in cluster (node) specs, sorted."""
     return sorted(p.stem for p in SPEC_DIR.glob("*.json") if p.name != DEVICES_FILE)
+
+
+def list_devices() -> list[str]:
+    """Names of the built-in devices (``specs/devices.json``), sorted."""
+    path = SPEC_DIR / DEVICES_FILE
+    return sorted(k for k in _read_json(path) if not k.startswith("_"))
+
+
+def load_device(name: str) -> DeviceSpec:
+    """A built-in device by name (see ``list_devices``)."""
+    path = SPEC_DIR / DEVICES_FILE
+    table = _Fields(_read_json(path), str(path))
+    if name not in list_devices():
+        raise ConfigError(f"unknown device {name!r}; choose {choices(list_devices())}")
+    return _device_from(table.sub(name), name)
 
 
 def load_cluster(name_or_path: str | os.PathLike[str], nodes: int = 1) -> ClusterSpec:
@@ -140,7 +209,9 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int = 1) -> Cluste
         raise ConfigError(
             f"unknown cluster {name_or_path!r}; choose {choices(names)} or a path to a JSON spec file"
         )
-    return ClusterSpec(node=_node_from(_Fields(_read_json(path), str(path))), nodes=nodes)
+    f = _Fields(_read_json(path), str(path))
+    network = _network_from(f.sub("network")) if "network" in f.obj else Network()
+    return ClusterSpec(node=_node_from(f), nodes=nodes, network=network)
 
 
 def _check_nodes(nodes: object) -> None:
@@ -160,28 +231,44 @@ def _read_json(path: Path) -> Any:
 class _Fields:
     """Typed access to one JSON object; errors name the file and the field path."""
 
-    def __init__(self, obj: Any, where: str, prefix: str = "") -> None:
+    def __init__(self, obj: Any, where: str, prefix: str = "", what: str = "cluster spec file") -> None:
         if not isinstance(obj, dict):
-            what = f"field {prefix.rstrip('.')!r}" if prefix else "the top level"
-            raise ConfigError(f"cluster spec file {where!r}: {what} must be a JSON object, got {obj!r}")
-        self.obj, self.where, self.prefix = obj, where, prefix
+            at = f"field {prefix.rstrip('.')!r}" if prefix else "the top level"
+            raise ConfigError(f"{what} {where!r}: {at} must be a JSON object, got {obj!r}")
+        self.obj, self.where, self.prefix, self.what = obj, where, prefix, what
 
     def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"cluster spec file {self.where!r}: field {self.prefix + key!r} {problem}")
+        return ConfigError(f"{self.what} {self.where!r}: field {self.prefix + key!r} {problem}")
 
     def get(self, key: str) -> Any:
         if key not in self.obj:
             raise self.error(key, "is missing")
         return self.obj[key]
 
-    def number(self, key: str, *, low: float = 0.0, strict: bool = True) -> float:
-        """A number > low (strict) or >= low."""
+    def only(self, allowed: set[str]) -> None:
+        """Refuse fields not in ``allowed`` (``_``-prefixed comments are fine): a unit typo
+        (``memory_GiB``) must not pass silently."""
+        extra = sorted(k for k in self.obj if k not in allowed and not str(k).startswith("_"))
+        if extra:
+            raise self.error(extra[0], f"is not a known field; expected one of {choices(sorted(allowed))}")
+
+    def number(self, key: str, *, low: float = 0.0, strict: bool = True, high: float | None = None,
+               unit: str = "") -> float:
+        """A number in (low, high] (strict) or [low, high]; ``unit`` names the expected form."""
         val = self.get(key)
+        form = f" ({unit})" if unit else ""
         if isinstance(val, bool) or not isinstance(val, (int, float)):
-            raise self.error(key, f"must be a number, got {val!r}")
-        if val < low or (strict and val == low):
-            raise self.error(key, f"must be {'>' if strict else '>='} {low:g}, got {val!r}")
+            raise self.error(key, f"must be a number{form}, got {val!r}")
+        if val < low or (strict and val == low) or (high is not None and val > high):
+            rng = f"{'>' if strict else '>='} {low:g}" if high is None else \
+                f"in {'(' if strict else '['}{low:g}, {high:g}]"
+            raise self.error(key, f"must be {rng}{form}, got {val!r}")
         return float(val)
+
+    def unit(self, key: str, unit: str, *, strict: bool = True) -> float:
+        """A number whose unit is the field name's suffix, within that unit's plausible range."""
+        low, high, form = _RANGE[unit]
+        return self.number(key, low=low, strict=strict, high=high, unit=form)
 
     def integer(self, key: str) -> int:
         """An integer >= 1."""
@@ -197,30 +284,32 @@ class _Fields:
         return val
 
     def sub(self, key: str) -> _Fields:
-        return _Fields(self.get(key), self.where, f"{self.prefix}{key}.")
+        return _Fields(self.get(key), self.where, f"{self.prefix}{key}.", self.what)
 
 
 def _efficiency(f: _Fields, key: str, half_unit: str, unit: float) -> Efficiency:
     e = f.sub(key)
-    eff_max = e.number("max")
-    if eff_max > 1.0:
-        raise e.error("max", f"must be <= 1, got {eff_max!r}")
-    return Efficiency(max=eff_max, half=e.number(half_unit, strict=False) * unit, exponent=e.number("exponent"))
+    e.only({"max", half_unit, "exponent"})
+    return Efficiency(max=e.number("max", high=1.0, unit="fraction of peak"),
+                      half=e.number(half_unit, strict=False, unit=f"size reaching half of max, in {half_unit[5:]}") * unit,
+                      exponent=e.number("exponent", high=10.0))
 
 
 def _device_from(f: _Fields, name: str) -> DeviceSpec:
-    memory_bytes = f.number("memory_GB") * _GB
-    hbm_bytes_per_s = f.number("hbm_GBps") * _GB
-    f.number("peak_fp32_tflops")  # required; the other dtypes are optional
-    peaks = {dt: f.number(f"peak_{dt}_tflops") * _TFLOPS for dt in DTYPES if f"peak_{dt}_tflops" in f.obj}
+    f.only(_DEVICE_FIELDS)
+    memory_bytes = f.unit("memory_GB", "GB") * _GB
+    hbm_bytes_per_s = f.unit("hbm_GBps", "GBps") * _GB
+    f.unit("peak_fp32_tflops", "tflops")  # required; the other dtypes are optional
+    peaks = {dt: f.unit(f"peak_{dt}_tflops", "tflops") * _TFLOPS for dt in DTYPES if f"peak_{dt}_tflops" in f.obj}
     return DeviceSpec(
         name=name,
         memory_bytes=memory_bytes,
         hbm_bytes_per_s=hbm_bytes_per_s,
         peak_flops_per_s=peaks,
-        launch_overhead_s=f.number("launch_overhead_us", strict=False) * _US,
+        launch_overhead_s=f.unit("launch_overhead_us", "us", strict=False) * _US,
         compute_efficiency=_efficiency(f, "compute_efficiency", "half_gflop", _GFLOP),
         memory_efficiency=_efficiency(f, "memory_efficiency", "half_MiB", _MiB),
+        host_overhead_s=f.unit("host_overhead_us", "us", strict=False) * _US if "host_overhead_us" in f.obj else 0.0,
     )
 
 
@@ -236,6 +325,7 @@ def _builtin_device(f: _Fields, key: str) -> DeviceSpec:
 
 
 def _node_from(f: _Fields) -> NodeSpec:
+    f.only(_NODE_FIELDS)
     if isinstance(f.get("device"), dict):  # an inline device object
         inline = f.sub("device")
         device = _device_from(inline, inline.text("name"))
@@ -247,11 +337,25 @@ def _node_from(f: _Fields) -> NodeSpec:
         name=f.text("name"),
         device=device,
         devices_per_node=per_node,
-        intra_bytes_per_s=f.number("intra_GBps") * _GB,
-        intra_latency_s=f.number("intra_latency_us", strict=False) * _US,
+        intra_bytes_per_s=f.unit("intra_GBps", "GBps") * _GB,
+        intra_latency_s=f.unit("intra_latency_us", "us", strict=False) * _US,
         # each device's share of the node's NICs
-        inter_bytes_per_s=f.number("inter_Gbps") * _GBIT * adapters / per_node,
-        inter_latency_s=f.number("inter_latency_us", strict=False) * _US,
+        inter_bytes_per_s=f.unit("inter_Gbps", "Gbps") * _GBIT * adapters / per_node,
+        inter_latency_s=f.unit("inter_latency_us", "us", strict=False) * _US,
         intra_efficiency=_efficiency(f, "intra_efficiency", "half_MiB", _MiB),
         inter_efficiency=_efficiency(f, "inter_efficiency", "half_MiB", _MiB),
+        intra_link=f.text("intra_link") if "intra_link" in f.obj else "",
+        inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
     )
+
+
+def _network_from(f: _Fields) -> Network:
+    f.only(_NETWORK_FIELDS)
+    topology = f.text("topology")
+    if topology not in TOPOLOGIES:
+        raise f.error("topology", f"is {topology!r}; choose {choices(TOPOLOGIES)}")
+    per_switch = f.integer("nodes_per_switch") if "nodes_per_switch" in f.obj else Network.nodes_per_switch
+    over = f.number("oversubscription", low=1.0, strict=False, high=64.0,
+                    unit="ratio of downlink to uplink bandwidth, 1 = non-blocking") \
+        if "oversubscription" in f.obj else 1.0
+    return Network(topology, per_switch, over)

@@ -1,24 +1,51 @@
-"""The cost model the simulator and the searches query: one cluster, three prices."""
+"""The cost model the simulator and the searches query: one cluster, three prices, and an
+optional calibration profile that replaces the specs' numbers where it has measurements."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planlab.costmodel import comm, compute
 from planlab.costmodel.hardware import ClusterSpec, load_cluster
+from planlab.costmodel.profile import Profile, load_profile
+from planlab.errors import ConfigError
+
+if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at run time
+    from planlab.plan.program import Task
+
+# The ring's latency steps and traffic per rank, to carry a collective measured at one group
+# size to another (comm._RING, by kind name; all_to_all moves (n-1)/n of the buffer in n-1 steps).
+_SCALE = {c.value: f for c, f in comm._RING.items()}
+_SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Prices compute, collectives and point-to-point transfers on ``cluster`` (seconds)."""
+    """Prices compute, collectives and point-to-point transfers on ``cluster`` (seconds).
+
+    With a ``profile`` (from ``planlab calibrate``), measured kernels, task overheads and
+    collective fits take precedence over the spec's roofline and link models.
+    """
 
     cluster: ClusterSpec
+    profile: Profile | None = None
+
+    def __post_init__(self) -> None:
+        if self.profile is not None and self.profile.device != self.cluster.device.name:
+            where = f" ({self.profile.path})" if self.profile.path else ""
+            raise ConfigError(f"the profile{where} calibrates device {self.profile.device!r}; cluster "
+                              f"{self.cluster.node.name!r} has {self.cluster.device.name!r}. Calibrate on that "
+                              f"cluster or choose the cluster the profile was made on")
 
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike[str], nodes: int = 1) -> CostModel:
-        """The cost model of a built-in cluster name or a spec file path (see ``load_cluster``)."""
-        return cls(load_cluster(name_or_path, nodes))
+    def load(cls, name_or_path: str | os.PathLike[str], nodes: int = 1,
+             profile: str | os.PathLike[str] | Profile | None = None) -> CostModel:
+        """The cost model of a built-in cluster name or a spec file path (see ``load_cluster``),
+        with a profile (a path or a Profile) if given."""
+        prof = load_profile(profile) if isinstance(profile, (str, os.PathLike)) else profile
+        return cls(load_cluster(name_or_path, nodes), prof)
 
     @property
     def device_memory_bytes(self) -> float:
@@ -26,16 +53,82 @@ class CostModel:
         return self.cluster.device.memory_bytes
 
     def compute_time_s(self, *, flops: float, bytes_moved: float, dtype: str) -> float:
-        """Seconds for one kernel on one device (see ``compute.compute_time_s``)."""
+        """Seconds for one compute task on one device (see ``compute.compute_time_s``). With a
+        profile: the profiled kernel time plus the mean cost per forward/backward task."""
+        if self.profile is not None:
+            t = self._kernel_s(flops, bytes_moved, dtype, None)
+            if t is not None:
+                return t + self.profile.compute_overhead_s
         return compute.compute_time_s(self.cluster.device, flops=flops, bytes_moved=bytes_moved, dtype=dtype)
 
+    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None) -> float | None:
+        if flops < 0 or bytes_moved < 0:
+            raise ConfigError(f"work must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}")
+        if flops == 0 and bytes_moved == 0:
+            return 0.0
+        return self.profile.kernel_time_s(flops, bytes_moved, compute.canonical_dtype(dtype), phase)
+
+    def task_time_s(self, task: Task, dtype: str) -> float:
+        """Seconds for one task of a Program on its stream, from everything the task says (its
+        kind, work, tensors and group). Sends and receives cost 0 here: ``p2p_time_s`` prices
+        the transfer, which needs the sending device.
+
+        Without a profile this is the spec's price: compute tasks by ``compute_time_s`` (no work,
+        no time), local copies as memory traffic, collectives by ``collective_time_s``. With a
+        profile, every compute and copy task also pays the executor's measured cost per task of
+        its kind (even a view does), and the optimizer step its fitted per-tensor and
+        per-parameter costs.
+        """
+        kind = task.kind.value
+        if kind == "C":
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+        if kind in ("S", "R"):
+            return 0.0
+        nbytes = float(sum(s for _, s in task.alloc)) if kind == "L" else 0.0
+        if self.profile is None:
+            if kind == "L":
+                return self.compute_time_s(flops=0.0, bytes_moved=2.0 * nbytes, dtype=dtype) if nbytes else 0.0
+            if task.flops == 0 and task.bytes_moved == 0:
+                return 0.0
+            return self.compute_time_s(flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype)
+        prof = self.profile
+        if kind == "O" and prof.optimizer is not None:
+            params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
+            return prof.optimizer.time_s(max(1, len(task.writes)), params)
+        if kind == "L":
+            t = self._kernel_s(0.0, 2.0 * nbytes, dtype, "F")
+        else:
+            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None)
+        if t is None:  # the profile has no kernel model for this dtype: the spec's roofline
+            t = compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved,
+                                       dtype=dtype) if (task.flops or task.bytes_moved) else 0.0
+        return t + prof.overhead_s(kind)
+
     def collective_time_s(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
-        """Seconds for a collective on the full buffer of ``nbytes`` (see ``comm.collective_time_s``)."""
-        return comm.collective_time_s(self.cluster, kind, nbytes, group)
+        """Seconds for a collective on the full buffer of ``nbytes`` (see ``comm.collective_time_s``).
+        With a profile that measured ``kind``: its fit at the group's size, or carried from the
+        nearest measured size by the ring's steps and traffic."""
+        base = comm.collective_time_s(self.cluster, kind, nbytes, group)  # validates everything
+        if self.profile is None or base == 0.0:
+            return base
+        found = self.profile.collective(kind, len(group))
+        if found is None:
+            return base
+        fit, ranks = found
+        n = len(group)
+        if ranks == n:
+            return fit.fit.time_s(nbytes)
+        steps, traffic = _SCALE[kind]
+        return fit.fit.alpha_s * steps(n) / steps(ranks) + nbytes / fit.fit.bytes_per_s * traffic(n) / traffic(ranks)
 
     def p2p_time_s(self, nbytes: float, src: int, dst: int) -> float:
-        """Seconds to send ``nbytes`` from ``src`` to ``dst`` (see ``comm.p2p_time_s``)."""
-        return comm.p2p_time_s(self.cluster, nbytes, src, dst)
+        """Seconds to send ``nbytes`` from ``src`` to ``dst`` (see ``comm.p2p_time_s``); with a
+        profile that measured transfers, its fit."""
+        base = comm.p2p_time_s(self.cluster, nbytes, src, dst)
+        if self.profile is None or base == 0.0:
+            return base
+        found = self.profile.collective("p2p", 2)
+        return found[0].fit.time_s(nbytes) if found is not None else base
 
     def __str__(self) -> str:
-        return f"CostModel({self.cluster})"
+        return f"CostModel({self.cluster}" + (f", {self.profile}" if self.profile is not None else "") + ")"

@@ -1,0 +1,487 @@
+"""``planlab calibrate``: microbenchmarks on this machine, fitted into a :class:`Profile`.
+
+What is measured, in this order (each step's fit feeds the next):
+
+1. kernels, in this process with one thread per process as the executor runs (gloo): linear
+   layers (matmuls) over shapes, causal attention, layer norm, GELU, add, embedding and cross
+   entropy, forward and backward, in each dtype asked for. Their flop and byte counts come
+   from tracing each operator with planlab's own tracer, so the table is keyed as the
+   Program's tasks are. A roofline with efficiency curves is fitted per dtype; the per-kernel
+   launch cost is the time of a one-element add.
+2. the optimizer step (torch's Adam, as the executor steps it) over tensor counts and sizes:
+   a fixed cost, a cost per tensor and one per parameter.
+3. the executor's own cost per task: planlab's interpreter runs a small GPT on one device;
+   each task kind's cost is the median over tasks of measured minus modelled kernel time.
+4. collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all) and
+   point-to-point transfers over message sizes and group sizes 2..nproc, through
+   torch.distributed on processes started by torch's elastic launcher (as ``planlab run``
+   starts ranks), issued the way the executor issues them; ``alpha`` and bandwidth fitted per
+   kind and group size.
+
+Repeated measurements are summarised by their lower quartile (:func:`typical_s`): on a machine
+shared with other work, some repetitions are slowed by preemption, and it ignores them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planlab.costmodel.fit import fit_alpha_beta, fit_linear, fit_roofline, robust_overhead
+from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile
+from planlab.errors import ConfigError
+
+MiB = 2**20
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+QUANTILE = 0.25  # the statistic of repeated measurements: their lower quartile
+
+
+def typical_s(times: list[float]) -> float:
+    """The lower quartile of repeated measurements of one thing: on a machine shared with other
+    work, slower repetitions were preempted; the lower quartile is the uninterrupted time
+    without being the single luckiest run. Validation reports measured times the same way."""
+    if not times:
+        raise ConfigError("no measurements to summarise")
+    xs = sorted(times)
+    pos = QUANTILE * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_s(fn: Callable[[], object], *, min_time_s: float, min_reps: int = 5, max_reps: int = 200) -> float:
+    """The typical seconds (see :func:`typical_s`) of ``fn()`` after one warm-up call, repeated
+    until ``min_time_s`` has passed (at least ``min_reps``, at most ``max_reps`` times)."""
+    fn()
+    clock = time.perf_counter
+    times: list[float] = []
+    start = clock()
+    while len(times) < max_reps and (len(times) < min_reps or clock() - start < min_time_s):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return typical_s(times)
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+class _One(nn.Module):
+    """One operator and a sum: the smallest module planlab's tracer takes (it wants a scalar)."""
+
+    def __init__(self, fn: Callable, module: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fn, self.m = fn, module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.m, x).sum()
+
+
+class _Two(_One):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.fn(self.m, x, y).sum()
+
+
+class _Three(_One):
+    def forward(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.fn(self.m, x, y, z).sum()
+
+
+def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]:
+    """(kind, shape, make module, make inputs(dtype)) per kernel case. Sizes step by factors of 2
+    (the profile's table interpolates within a factor of 2) over the small models this machine
+    runs: 64 to 4,096 tokens per micro-batch, widths 32 to 512."""
+    cases = []
+    lin_m = (128, 512) if quick else (64, 128, 256, 512, 1024, 2048, 4096)
+    lin_kn = ((64, 64), (64, 256), (256, 64), (128, 512)) if quick else \
+        ((32, 64), (64, 32), (64, 64), (64, 128), (128, 64), (64, 256), (256, 64), (128, 128), (128, 256),
+         (256, 128), (128, 512), (512, 128), (256, 256), (64, 512), (256, 512))
+    for m in lin_m:
+        for k, n in lin_kn:
+            cases.append(("linear", (m, k, n), lambda k=k, n=n: nn.Linear(k, n),
+                          lambda dt, m=m, k=k: (torch.randn(m, k, dtype=dt),)))
+    attn = ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32)) if quick else \
+        ((4, 2, 16, 16), (8, 2, 32, 16), (8, 4, 32, 16), (4, 2, 64, 32), (8, 2, 64, 32), (8, 4, 64, 32),
+         (8, 8, 64, 16), (4, 4, 128, 32), (8, 4, 128, 32), (2, 8, 256, 64))
+    for b, h, s, d in attn:
+        cases.append(("attention", (b, h, s, d), lambda: None,
+                      lambda dt, b=b, h=h, s=s, d=d: tuple(torch.randn(b, h, s, d, dtype=dt) for _ in range(3))))
+    rows = ((256, 64), (2048, 256)) if quick else tuple((m, h) for m in (128, 512, 2048) for h in (32, 64, 128, 256))
+    for m, h in rows:
+        cases.append(("layer_norm", (m, h), lambda h=h: nn.LayerNorm(h), lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt),)))
+        cases.append(("activation", (m, 4 * h), lambda: nn.GELU(), lambda dt, m=m, h=h: (torch.randn(m, 4 * h, dtype=dt),)))
+        cases.append(("add", (m, h), lambda: None, lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt),
+                                                                         torch.randn(m, h, dtype=dt))))
+    emb = ((256, 128, 64), (2048, 512, 128)) if quick else \
+        tuple((m, v, h) for m in (128, 512, 2048) for v, h in ((128, 64), (512, 128), (1024, 256)))
+    for m, v, h in emb:
+        cases.append(("embedding", (m, v, h), lambda v=v, h=h: nn.Embedding(v, h),
+                      lambda dt, m=m, v=v: (torch.randint(0, v, (m,)),)))
+        cases.append(("cross_entropy", (m, v), lambda: None,
+                      lambda dt, m=m, v=v: (torch.randn(m, v, dtype=dt), torch.randint(0, v, (m,)))))
+    return cases
+
+
+_CALL = {
+    "linear": lambda mod, x: mod(x),
+    "attention": lambda mod, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "layer_norm": lambda mod, x: mod(x),
+    "activation": lambda mod, x: mod(x),
+    "add": lambda mod, x, y: x + y,
+    "embedding": lambda mod, i: mod(i),
+    "cross_entropy": lambda mod, x, t: F.cross_entropy(x, t),
+}
+
+
+def _traced_cost(kind: str, module: nn.Module | None, inputs: tuple) -> tuple[float, float, float]:
+    """(forward flop, bytes moved, backward/forward flop ratio) of the case's operator, as
+    planlab's tracer and signature registry count them."""
+    from planlab.graph.trace import trace
+
+    g = trace((_One, _Two, _Three)[len(inputs) - 1](_CALL[kind], module), inputs)
+    ops = [op for op in g.operators if op.kind == kind]
+    if not ops:  # pragma: no cover - the registry names these kinds
+        raise ConfigError(f"calibrate: tracing a {kind} case gave operators {[o.kind for o in g.operators]}")
+    op = ops[0]
+    return op.flops, op.bytes_moved, op.bwd_flops_ratio
+
+
+COLD_BYTES = 8 * MiB  # each case cycles through copies of its inputs adding up to this (> L2)
+CHUNK = 16  # cases measured round-robin together
+
+
+class _Case:
+    """One kernel case ready to time: ``copies`` sets of module and inputs (cycled, so that a
+    call does not find its data in the core's caches, as an operator in a training step does not)
+    with their forward graphs, for the backward."""
+
+    def __init__(self, kind: str, make: Callable, inputs_of: Callable, dt: torch.dtype) -> None:
+        torch.manual_seed(0)
+        self.kind, self.call = kind, _CALL[kind]
+        proto = make()
+        proto = proto.to(dt) if proto is not None else None
+        xs = inputs_of(dt)
+        self.flops, self.nbytes, self.ratio = _traced_cost(kind, proto, xs)
+        per_set = sum(x.numel() * x.element_size() for x in xs) + sum(
+            p.numel() * p.element_size() for p in (proto.parameters() if proto is not None else ()))
+        copies = max(1, min(8, -(-COLD_BYTES // max(per_set, 1))))
+        self.sets = []
+        for i in range(copies):
+            mod = copy.deepcopy(proto) if (proto is not None and i) else proto
+            ins = tuple((x.clone().requires_grad_(True) if x.is_floating_point() else x.clone()) for x in xs)
+            leaves = [x for x in ins if x.requires_grad] + (list(mod.parameters()) if mod is not None else [])
+            y = self.call(mod, *ins)
+            self.sets.append((mod, ins, leaves, y, torch.ones_like(y)))
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+        self.next = 0
+
+    def sample(self) -> None:
+        """Time one forward and one backward, each on the next set of inputs."""
+        clock = time.perf_counter
+        mod, ins, _, _, _ = self.sets[self.next % len(self.sets)]
+        t0 = clock()
+        self.call(mod, *ins)
+        self.fwd.append(clock() - t0)
+        self.next += 1
+        _, _, leaves, y, gy = self.sets[self.next % len(self.sets)]
+        t0 = clock()
+        torch.autograd.grad(y, leaves, gy, retain_graph=True, allow_unused=True)
+        self.bwd.append(clock() - t0)
+        self.next += 1
+
+
+def measure_kernels(dtypes: tuple[str, ...] = ("fp32",), *, quick: bool = False,
+                    log: Callable[[str], None] = lambda s: None) -> list[KernelTime]:
+    """Forward and backward time of every kernel case in every dtype (one thread).
+
+    Cases are measured round-robin in chunks, a sample of each per round, so that a passing
+    disturbance of a shared machine touches a few samples of many cases rather than all samples
+    of one; each case's time is the lower quartile of its samples (``typical_s``)."""
+    out: list[KernelTime] = []
+    rounds = 6 if quick else 16
+    for dtname in dtypes:
+        dt = _DTYPES[dtname]
+        cases = _cases(quick)
+        for at in range(0, len(cases), CHUNK):
+            chunk = [(kind, shape, _Case(kind, make, inputs_of, dt)) for kind, shape, make, inputs_of
+                     in cases[at:at + CHUNK]]
+            for c in chunk:  # warm up every set once
+                for _ in range(len(c[2].sets)):
+                    c[2].sample()
+                c[2].fwd.clear()
+                c[2].bwd.clear()
+            for _ in range(rounds):
+                for _, _, c in chunk:
+                    c.sample()
+            for kind, shape, c in chunk:
+                out.append(KernelTime("F", kind, dtname, shape, c.flops, c.nbytes, typical_s(c.fwd)))
+                out.append(KernelTime("B", kind, dtname, shape, c.flops * c.ratio, c.nbytes, typical_s(c.bwd)))
+        log(f"  kernels {dtname}: {len(cases)} cases, forward and backward, {rounds} rounds")
+    return out
+
+
+def measure_launch_s() -> float:
+    """The cost of the smallest kernel: a one-element add (framework dispatch, no work)."""
+    a, b = torch.ones(1), torch.ones(1)
+    return time_s(lambda: torch.add(a, b), min_time_s=0.01, min_reps=50, max_reps=2000)
+
+
+# ---------------------------------------------------------------------------------- optimizer
+
+
+def measure_optimizer(*, quick: bool = False) -> list[tuple[int, int, float]]:
+    """``(tensors, parameters, seconds)`` of one Adam step as the executor takes it (gradients set
+    on each weight, ``step()``, ``zero_grad(set_to_none=True)``)."""
+    grid = ((1, 1000), (1, 200_000), (8, 1000), (32, 1000), (8, 50_000)) if quick else \
+        ((1, 1000), (1, 100_000), (1, 1_000_000), (8, 1000), (8, 100_000), (32, 1000), (32, 10_000), (64, 4000))
+    out = []
+    for k, n in grid:
+        ws = [torch.zeros(n // k, requires_grad=True) for _ in range(k)]
+        gs = [torch.randn(n // k) for _ in range(k)]
+        opt = torch.optim.Adam(ws, lr=1e-3)
+
+        def step() -> None:
+            for w, g in zip(ws, gs):
+                w.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out.append((k, (n // k) * k, time_s(step, min_time_s=0.02 if quick else 0.08)))
+    return out
+
+
+def fit_optimizer(points: list[tuple[int, int, float]]) -> OptimizerFit:
+    """Fixed, per-tensor and per-parameter costs of the optimizer step (non-negative least squares)."""
+    a, b, c = fit_linear([[1.0, k, n] for k, n, _ in points], [t for _, _, t in points])
+    return OptimizerFit(a, b, c)
+
+
+# ---------------------------------------------------------------------------------- executor
+
+
+OVERHEAD_MODEL = (("layers", 2), ("hidden", 32), ("heads", 2), ("seq", 16), ("vocab", 64))
+
+
+def measure_task_overheads(profile: Profile, *, quick: bool = False, cluster: str = "cpu") -> dict[str, float]:
+    """The executor's cost per task kind: planlab's interpreter runs one device's program of a small
+    GPT (``OVERHEAD_MODEL``, kernels of a few microseconds); per kind, the median over tasks of
+    (typical measured time - the profile's kernel time)."""
+    from planlab.costmodel.model import CostModel
+    from planlab.executor.interpreter import Interpreter
+    from planlab.graph.trace import trace
+    from planlab.models.registry import ModelSpec, build_model
+    from planlab.plan.materialize import materialize
+    from planlab.search_spaces.builtin import get_space
+    from planlab.search_spaces.space import Context
+
+    spec = ModelSpec("gpt", OVERHEAD_MODEL)
+    batch = 4
+    graph = trace(*build_model(spec, batch=batch))
+    plan = get_space("megatron").build(Context(graph, spec, batch, cluster, 1, 1, 1),
+                                       dict(dp=1, tp=1, pp=1, microbatch=2))
+    program = materialize(plan, graph)
+    module, inputs = build_model(spec, batch=batch, device="cpu", seed=0)
+    interp = Interpreter(program, graph, 0, module, inputs, {}, lr=1e-3)
+    interp.record = True
+    samples: dict[tuple[str, str, str], list[float]] = {}
+    for _ in range(6 if quick else 20):
+        interp.run_iteration()
+        for t in interp.timeline:
+            samples.setdefault((t.action, t.task, t.kind), []).append(t.end_s - t.start_s)
+    tasks = {(str(a), t.name): t for a, t in program.devices[0].tasks_in_order()}
+    costs = CostModel.load(cluster, 1, profile=Profile(profile.device, profile.rooflines, (), None, (),
+                                                       profile.kernels))
+    dtype = program.precision.compute_dtype
+    residuals: dict[str, list[float]] = {}
+    for (action, name, kind), ts in samples.items():
+        if kind not in ("F", "B", "L"):
+            continue
+        model = costs.task_time_s(tasks[(action, name)], dtype)  # kernels only: no overheads in this profile
+        residuals.setdefault(kind, []).append(typical_s(ts) - model)
+    return {k: robust_overhead(v) for k, v in residuals.items()}
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+
+def _sizes(quick: bool) -> tuple[int, ...]:
+    return (4096, 65536, MiB, 4 * MiB) if quick else (4096, 16384, 65536, 262144, MiB, 4 * MiB, 16 * MiB)
+
+
+def _reps(nbytes: int, quick: bool) -> int:
+    reps = 30 if nbytes <= 65536 else 12 if nbytes <= MiB else 5
+    return max(3, reps // 2) if quick else reps
+
+
+def collective_worker(quick: bool) -> dict:
+    """One rank of the collective benchmark (started by torch's elastic launcher): for each
+    group size 2..world, kind and size, the typical seconds per operation issued back to back,
+    the way the executor issues it. Rank 0 returns ``{"kind/ranks": [[nbytes, seconds], ...]}``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as the executor's gloo ranks
+    dist.init_process_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, list[list[float]]] = {}
+    groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}
+
+    def bench(key: str, fn: Callable[[], None], nbytes: int, member: bool) -> None:
+        reps = _reps(nbytes, quick)
+        times = []
+        if member:
+            fn()  # warm up
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0:
+            results.setdefault(key, []).append([nbytes, typical_s(times)])
+
+    for n, pg in groups.items():
+        member = rank < n
+        for nbytes in _sizes(quick):
+            numel = nbytes // 4
+            x = torch.randn(numel)
+            part = torch.randn(numel // n)
+
+            def all_reduce() -> None:
+                y = x.clone()
+                dist.all_reduce(y, group=pg)
+
+            def all_gather() -> None:
+                parts = [torch.empty_like(part) for _ in range(n)]
+                dist.all_gather(parts, part, group=pg)
+                torch.cat(parts)
+
+            def reduce_scatter() -> None:  # gloo has no reduce-scatter: the executor all-reduces
+                z = x.clone()
+                dist.all_reduce(z, group=pg)
+                z.chunk(n)[rank % n].contiguous()
+
+            def broadcast() -> None:
+                dist.broadcast(x, src=0, group=pg)
+
+            def all_to_all() -> None:
+                out = torch.empty_like(x[: numel // n * n])
+                dist.all_to_all_single(out, x[: numel // n * n], group=pg)
+
+            for kind, fn in (("all_reduce", all_reduce), ("all_gather", all_gather),
+                             ("reduce_scatter", reduce_scatter), ("broadcast", broadcast),
+                             ("all_to_all", all_to_all)):
+                bench(f"{kind}/{n}", fn, nbytes, member)
+    for nbytes in _sizes(quick):  # one transfer between ranks 0 and 1: half a round trip
+        x = torch.randn(nbytes // 4)
+
+        def ping() -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        bench("p2p/2", ping, nbytes, rank < 2)
+        if rank == 0:
+            results["p2p/2"][-1][1] /= 2
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def measure_collectives(nproc: int, *, quick: bool = False, timeout_s: float = 600.0) -> dict:
+    """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from planlab.executor.run import _free_port, _quiet_launcher
+
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                       rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
+                       run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}")
+    with _quiet_launcher():
+        out = elastic_launch(cfg, collective_worker)(quick)
+    return out[0]
+
+
+def fit_collectives(measured: dict) -> tuple[CollectiveFit, ...]:
+    """Alpha and bandwidth per ``kind/ranks`` from :func:`collective_worker`'s points."""
+    fits = []
+    for key in sorted(measured):
+        kind, ranks = key.split("/")
+        pts = tuple((float(n), float(t)) for n, t in measured[key])
+        fits.append(CollectiveFit(kind, int(ranks), fit_alpha_beta(pts), pts))
+    return tuple(fits)
+
+
+# ---------------------------------------------------------------------------------- the command
+
+
+def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bool = False,
+              cluster: str = "cpu", dtypes: tuple[str, ...] = ("fp32",),
+              log: Callable[[str], None] = lambda s: None) -> Profile:
+    """Measure this machine and return (and with ``out``, write) its profile.
+
+    ``nproc`` processes (>= 2) run the collective benchmark. ``cluster`` names the cluster
+    whose device the profile calibrates (``cpu``: one process = one device). ``quick`` runs
+    fewer sizes and repetitions (under a minute; for tests).
+    """
+    from planlab.costmodel.hardware import load_cluster
+
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise ConfigError(f"--nproc must be an integer >= 2 (the collectives need two processes), got {nproc!r}")
+    bad = [d for d in dtypes if d not in _DTYPES]
+    if bad:
+        raise ConfigError(f"calibrate: unknown dtype {bad[0]!r}; choose {', '.join(map(repr, _DTYPES))}")
+    device = load_cluster(cluster).device.name
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        log("measuring kernels (one thread, as each executor rank)")
+        kernels = measure_kernels(dtypes, quick=quick, log=log)
+        launch = measure_launch_s()
+        rooflines = []
+        for dt in dtypes:
+            mine = [(k.flops, k.bytes_moved, k.time_s) for k in kernels if k.dtype == dt]
+            rooflines.append((dt, fit_roofline(mine, launch_s=launch)))
+            log(f"  {dt}: {rooflines[-1][1]}")
+        log("measuring the optimizer step")
+        optimizer = fit_optimizer(measure_optimizer(quick=quick))
+        log(f"  Adam: {optimizer.fixed_s * 1e6:.0f} us + {optimizer.per_tensor_s * 1e6:.1f} us per tensor + "
+            f"{optimizer.per_param_s * 1e9:.2f} ns per parameter")
+        base = Profile(device, tuple(rooflines), (), optimizer, (), tuple(kernels))
+        log("measuring the executor's cost per task")
+        overheads = measure_task_overheads(base, quick=quick, cluster=cluster)
+        log("  " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items())))
+    finally:
+        torch.set_num_threads(threads)
+    log(f"measuring collectives on {nproc} gloo processes")
+    collectives = fit_collectives(measure_collectives(nproc, quick=quick))
+    for c in collectives:
+        log(f"  {c}")
+    meta = (("created", datetime.now(timezone.utc).isoformat(timespec="seconds")), ("host", platform.node()),
+            ("torch", torch.__version__), ("threads", 1), ("quick", quick),
+            ("seconds", round(time.perf_counter() - t0, 1)))
+    prof = Profile(device, tuple(rooflines), tuple(sorted(overheads.items())), optimizer, collectives,
+                   tuple(kernels), meta)
+    if out is not None:
+        prof = Profile(prof.device, prof.rooflines, prof.task_overhead_s, prof.optimizer, prof.collectives,
+                       prof.kernels, prof.meta, str(Path(out)))
+        prof.save(out)
+    return prof
+
