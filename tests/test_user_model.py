@@ -134,3 +134,42 @@ def test_command_prints_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == (f"planlab: error: model function '{HERE}:raises' raised RuntimeError: "
                                  "no data here")
+
+
+class _Branchy(nn.Module):  # control flow on a value, which torch.fx cannot follow
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            h = h * 2
+        return h.mean()
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(self.emb(x)).mean()
+
+
+def test_untraceable_code_is_reported_with_its_source_line():
+    import inspect
+
+    from planlab.errors import GraphError
+
+    line = inspect.getsourcelines(_Branchy.forward)[1] + 2
+    with pytest.raises(GraphError, match=rf"_Branchy at .*test_user_model.py:{line} \(if h.sum\(\) > 0:\)"):
+        trace(_Branchy(), (torch.randn(4, 8),))
+
+
+def test_tied_weights_are_refused_by_name():
+    from planlab.errors import GraphError
+
+    with pytest.raises(GraphError, match="'emb.weight' is tied to 'out.weight'"):
+        trace(_Tied(), (torch.randint(0, 16, (4, 3)),))

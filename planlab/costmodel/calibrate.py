@@ -25,6 +25,7 @@ shared with other work, some repetitions are slowed by preemption, and it ignore
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import platform
 import time
@@ -246,21 +247,30 @@ def measure_launch_s() -> float:
 
 def measure_optimizer(*, quick: bool = False) -> list[tuple[int, int, float]]:
     """``(tensors, parameters, seconds)`` of one Adam step as the executor takes it (gradients set
-    on each weight, ``step()``, ``zero_grad(set_to_none=True)``)."""
+    on each weight, ``step()``, ``zero_grad(set_to_none=True)``), cycling through copies of the
+    weights and states so that a step finds them out of cache, as a training step does."""
     grid = ((1, 1000), (1, 200_000), (8, 1000), (32, 1000), (8, 50_000)) if quick else \
-        ((1, 1000), (1, 100_000), (1, 1_000_000), (8, 1000), (8, 100_000), (32, 1000), (32, 10_000), (64, 4000))
+        ((1, 1000), (1, 100_000), (1, 1_000_000), (8, 1000), (8, 100_000), (32, 1000), (32, 10_000), (64, 4000),
+         (64, 1_000_000))
     out = []
     for k, n in grid:
-        ws = [torch.zeros(n // k, requires_grad=True) for _ in range(k)]
-        gs = [torch.randn(n // k) for _ in range(k)]
-        opt = torch.optim.Adam(ws, lr=1e-3)
+        steps = []
+        for _ in range(max(1, min(4, -(-COLD_BYTES // (16 * n))))):  # weights, gradients, m and v: 16 B each
+            ws = [torch.zeros(n // k, requires_grad=True) for _ in range(k)]
+            gs = [torch.randn(n // k) for _ in range(k)]
+            steps.append((ws, gs, torch.optim.Adam(ws, lr=1e-3)))
+        turn = [0]
 
         def step() -> None:
+            ws, gs, opt = steps[turn[0] % len(steps)]
+            turn[0] += 1
             for w, g in zip(ws, gs):
                 w.grad = g
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        for _ in steps:
+            step()  # the first step of each copy creates its states
         out.append((k, (n // k) * k, time_s(step, min_time_s=0.02 if quick else 0.08)))
     return out
 
@@ -277,10 +287,26 @@ def fit_optimizer(points: list[tuple[int, int, float]]) -> OptimizerFit:
 OVERHEAD_MODEL = (("layers", 2), ("hidden", 32), ("heads", 2), ("seq", 16), ("vocab", 64))
 
 
-def measure_task_overheads(profile: Profile, *, quick: bool = False, cluster: str = "cpu") -> dict[str, float]:
-    """The executor's cost per task kind: planlab's interpreter runs one device's program of a small
-    GPT (``OVERHEAD_MODEL``, kernels of a few microseconds); per kind, the median over tasks of
-    (typical measured time - the profile's kernel time)."""
+def measure_bare_view_s() -> tuple[float, float]:
+    """(forward, backward) seconds of a view operator run bare: a reshape, and the autograd
+    engine carrying a gradient back through it (what a view task costs without the executor)."""
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    y = x.reshape(4, 16, 2, 16)
+    gy = torch.ones_like(y)
+    fwd = time_s(lambda: x.reshape(4, 16, 2, 16), min_time_s=0.01, min_reps=50, max_reps=2000)
+    bwd = time_s(lambda: torch.autograd.grad(y, [x], gy, retain_graph=True), min_time_s=0.01, min_reps=50,
+                 max_reps=2000)
+    return fwd, bwd
+
+
+def measure_task_overheads(profile: Profile, *, quick: bool = False,
+                           cluster: str = "cpu") -> tuple[dict[str, float], dict[str, float]]:
+    """The executor's cost per task kind, beyond the kernels: planlab's interpreter runs one
+    device's program of a small GPT (``OVERHEAD_MODEL``). Forward and backward: the median over
+    its view tasks (reshapes and transposes, no kernel) of their typical time less the same view
+    run bare (``measure_bare_view_s``); local copies (views too): the median of their typical
+    time less the profile's kernel time. Returns (those costs, the median whole time of forward
+    and backward view tasks)."""
     from planlab.costmodel.model import CostModel
     from planlab.executor.interpreter import Interpreter
     from planlab.graph.trace import trace
@@ -307,13 +333,18 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False, cluster: st
     costs = CostModel.load(cluster, 1, profile=Profile(profile.device, profile.rooflines, (), None, (),
                                                        profile.kernels))
     dtype = program.precision.compute_dtype
+    bare = dict(zip("FB", measure_bare_view_s()))
     residuals: dict[str, list[float]] = {}
+    views: dict[str, list[float]] = {}
     for (action, name, kind), ts in samples.items():
-        if kind not in ("F", "B", "L"):
-            continue
-        model = costs.task_time_s(tasks[(action, name)], dtype)  # kernels only: no overheads in this profile
-        residuals.setdefault(kind, []).append(typical_s(ts) - model)
-    return {k: robust_overhead(v) for k, v in residuals.items()}
+        task = tasks[(action, name)]
+        if kind in ("F", "B") and task.flops == 0 and task.bytes_moved == 0:
+            views.setdefault(kind, []).append(typical_s(ts))
+            residuals.setdefault(kind, []).append(typical_s(ts) - bare[kind])
+        elif kind == "L":
+            residuals.setdefault(kind, []).append(typical_s(ts) - costs.task_time_s(task, dtype))
+    return ({k: robust_overhead(v) for k, v in residuals.items()},
+            {k: robust_overhead(v) for k, v in views.items()})
 
 
 # ---------------------------------------------------------------------------------- collectives
@@ -466,8 +497,9 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
             f"{optimizer.per_param_s * 1e9:.2f} ns per parameter")
         base = Profile(device, tuple(rooflines), (), optimizer, (), tuple(kernels))
         log("measuring the executor's cost per task")
-        overheads = measure_task_overheads(base, quick=quick, cluster=cluster)
-        log("  " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items())))
+        overheads, views = measure_task_overheads(base, quick=quick, cluster=cluster)
+        log("  " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items()))
+            + "; a view task " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(views.items())))
     finally:
         torch.set_num_threads(threads)
     log(f"measuring collectives on {nproc} gloo processes")
@@ -478,10 +510,9 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
             ("torch", torch.__version__), ("threads", 1), ("quick", quick),
             ("seconds", round(time.perf_counter() - t0, 1)))
     prof = Profile(device, tuple(rooflines), tuple(sorted(overheads.items())), optimizer, collectives,
-                   tuple(kernels), meta)
+                   tuple(kernels), meta, view_task_s=tuple(sorted(views.items())))
     if out is not None:
-        prof = Profile(prof.device, prof.rooflines, prof.task_overhead_s, prof.optimizer, prof.collectives,
-                       prof.kernels, prof.meta, str(Path(out)))
+        prof = dataclasses.replace(prof, path=str(Path(out)))
         prof.save(out)
     return prof
 

@@ -76,8 +76,8 @@ class CostModel:
         Without a profile this is the spec's price: compute tasks by ``compute_time_s`` (no work,
         no time), local copies as memory traffic, collectives by ``collective_time_s``. With a
         profile, every compute and copy task also pays the executor's measured cost per task of
-        its kind (even a view does), and the optimizer step its fitted per-tensor and
-        per-parameter costs.
+        its kind, a task with no work (a view) the measured time of one, and the optimizer step
+        its fitted fixed, per-tensor and per-parameter costs.
         """
         kind = task.kind.value
         if kind == "C":
@@ -97,6 +97,8 @@ class CostModel:
             return prof.optimizer.time_s(max(1, len(task.writes)), params)
         if kind == "L":
             t = self._kernel_s(0.0, 2.0 * nbytes, dtype, "F")
+        elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
+            return prof.view_s(kind)  # a view: the executor's whole cost of a task with no kernel
         else:
             t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None)
         if t is None:  # the profile has no kernel model for this dtype: the spec's roofline

@@ -8,7 +8,8 @@ A profile is versioned JSON with units in the field names (``time_us``, ``alpha_
  "created": "2025-01-01T00:00:00", "host": "...", "torch": "2.13.0", "threads": 1, "quick": false,
  "kernel_model": {"fp32": {"peak_gflops": 150, "half_mflop": 1.0, "compute_exponent": 1.0,
                            "GBps": 12, "half_MiB": 0.3, "memory_exponent": 0.8, "launch_us": 3.5}},
- "task_overhead_us": {"F": 25, "B": 60, "L": 15, "C": 0, "S": 0, "R": 0},
+ "task_overhead_us": {"F": 7, "B": 0, "L": 5},
+ "view_task_us": {"F": 9, "B": 22},
  "optimizer": {"fixed_us": 80, "per_tensor_us": 55, "per_param_ns": 5},
  "collectives": [{"kind": "all_reduce", "ranks": 2, "alpha_us": 90, "GBps": 1.2, "points": [[4096, 95.0]]}],
  "kernels": [{"phase": "F", "kind": "linear", "dtype": "fp32", "shape": [512, 64, 256],
@@ -20,13 +21,15 @@ counts lie near measured entries (within a factor of :data:`NEAR` in both) takes
 measured times, carried to its shape by the fitted model (nearest-shape interpolation, see
 ``Profile.kernel_time_s``); elsewhere the fitted ``kernel_model`` (a roofline with efficiency
 curves) prices it.
-``task_overhead_us`` is the executor's own cost per task kind (dispatch, autograd bookkeeping)
-on top of the kernels; the collectives' ``alpha_us`` and ``GBps`` are fitted per collective and
+``task_overhead_us`` is the executor's own cost per task kind on top of the kernels (whose
+measured times include the framework's dispatch and, backward, the autograd engine's call);
+``view_task_us`` is the whole time of a forward or backward task with no kernel (a view); the collectives' ``alpha_us`` and ``GBps`` are fitted per collective and
 group size, measured the way the executor issues them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -100,6 +103,7 @@ class Profile:
     kernels: tuple[KernelTime, ...] = ()
     meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     path: str = field(default="", compare=False)
+    view_task_s: tuple[tuple[str, float], ...] = ()  # (F or B, seconds of a whole task with no kernel)
 
     # ------------------------------------------------------------------ lookups
 
@@ -110,6 +114,10 @@ class Profile:
     def overhead_s(self, kind: str) -> float:
         """The executor's cost per task of ``kind`` (a TaskKind code), 0 if not measured."""
         return dict(self.task_overhead_s).get(kind, 0.0)
+
+    def view_s(self, kind: str) -> float | None:
+        """Seconds of a whole ``kind`` (F or B) task with no work (a view), if measured."""
+        return dict(self.view_task_s).get(kind)
 
     @property
     def compute_overhead_s(self) -> float:
@@ -183,6 +191,8 @@ class Profile:
             "half_MiB": r.memory_efficiency.half / 2**20, "memory_exponent": r.memory_efficiency.exponent,
             "launch_us": r.launch_s * 1e6} for dt, r in self.rooflines}
         out["task_overhead_us"] = {k: v * 1e6 for k, v in self.task_overhead_s}
+        if self.view_task_s:
+            out["view_task_us"] = {k: v * 1e6 for k, v in self.view_task_s}
         if self.optimizer is not None:
             o = self.optimizer
             out["optimizer"] = {"fixed_us": o.fixed_s * 1e6, "per_tensor_us": o.per_tensor_s * 1e6,
@@ -214,9 +224,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
         raise ConfigError(f"{_WHAT} {str(path)!r} not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{_WHAT} {str(path)!r}: cannot read JSON: {exc}") from None
-    p = profile_from_json(obj, str(path))
-    return Profile(p.device, p.rooflines, p.task_overhead_s, p.optimizer, p.collectives, p.kernels, p.meta,
-                   str(path))
+    return dataclasses.replace(profile_from_json(obj, str(path)), path=str(path))
 
 
 def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
@@ -245,6 +253,11 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
     ov = f.sub("task_overhead_us")
     ov.only(set(TASK_KINDS))
     overheads = tuple((k, ov.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(ov.obj))
+    views: tuple[tuple[str, float], ...] = ()
+    if "view_task_us" in f.obj:
+        vw = f.sub("view_task_us")
+        vw.only({"F", "B"})
+        views = tuple((k, vw.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(vw.obj))
     optimizer = None
     if "optimizer" in f.obj:
         o = f.sub("optimizer")
@@ -281,7 +294,8 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
                                   kf.number("bytes", strict=False, unit="bytes of memory traffic"),
                                   kf.number("time_us", high=1e8, unit="microseconds") * 1e-6))
     meta = tuple((k, f.obj[k]) for k in ("created", "host", "torch", "threads", "quick", "seconds") if k in f.obj)
-    return Profile(device, tuple(rooflines), overheads, optimizer, tuple(colls), tuple(kernels), meta)
+    return Profile(device, tuple(rooflines), overheads, optimizer, tuple(colls), tuple(kernels), meta,
+                   view_task_s=views)
 
 
 def _list(f: _Fields, key: str) -> list:

@@ -65,16 +65,43 @@ def trace(module: nn.Module, example_inputs: tuple, *, name: str | None = None) 
     inputs = tuple(map_aggregate(tuple(example_inputs), _to_meta))
     # Hugging Face models trace with proxies that know their meta values (planlab/graph/hf.py)
     tracer, scope = hf.tracer_for(module, inputs) or (_Tracer(), contextlib.nullcontext())
+    _refuse_tied_weights(module)
     if any(p.device.type != "meta" for p in module.parameters()) or any(
             b.device.type != "meta" for b in module.buffers()):
         module = copy.deepcopy(module).to("meta")
     try:
         fx_graph = tracer.trace(module)
     except Exception as e:  # fx raises many kinds on untraceable code
-        raise GraphError(f"torch.fx could not trace {type(module).__name__}: {e}") from e
+        raise GraphError(f"torch.fx could not trace {type(module).__name__}{_user_line(e)}: {e}") from e
     gm = fx.GraphModule(module, fx_graph)
     with scope:
         return _GraphBuilder(gm, module).build(inputs)
+
+
+def _refuse_tied_weights(module: nn.Module) -> None:
+    """Tied weights (one parameter under two names) are refused by name, before the copy to meta
+    tensors would silently untie them."""
+    owners: dict[int, tuple[int, str]] = {}  # parameter -> (module holding it, its name)
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            seen = owners.setdefault(id(p), (id(mod), name))
+            if seen[0] != id(mod):  # one module registered under two names is not a tie
+                raise GraphError(f"parameter {seen[1]!r} is tied to {name!r} (one tensor used by two modules); "
+                                 "tied weights are not supported yet: give each module its own parameter")
+
+
+def _user_line(exc: BaseException) -> str:
+    """`` at FILE:LINE`` of the innermost frame of the failing call outside torch and planlab, or ''."""
+    import traceback
+
+    where = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/planlab/" in path or "/transformers/" in path:
+            continue
+        where = f" at {path}:{frame.lineno} ({(frame.line or '').strip()})"
+    return where
 
 
 class _GraphBuilder:
