@@ -66,6 +66,7 @@ class _Layouts:
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
+        self._placed: dict[tuple, Layout] = {}
         interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
@@ -101,8 +102,18 @@ class _Layouts:
         return op.dim_sizes[dim]
 
     def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False) -> Layout:
+        dims, mesh = self.dims[op.name], self.mesh[op.name]
+        key = (mesh, dims, tuple(tensor_axes), contrib,
+               frozenset(d for d in dims if d in partial_dims) if partial_dims else frozenset())
+        got = self._placed.get(key)  # layers repeat: most operators share a few layouts
+        if got is None:
+            got = self._placed[key] = self._make_layout(dims, mesh, tensor_axes, partial_dims, contrib)
+        return got
+
+    @staticmethod
+    def _make_layout(dims, mesh: Mesh, tensor_axes, partial_dims, contrib: bool) -> Layout:
         out = []
-        for d in self.dims[op.name]:
+        for d in dims:
             axis = next((a for a, ax in enumerate(tensor_axes) if ax and ax[0] == d), None) if d else None
             if d is None:
                 out.append(Replicate())
@@ -112,7 +123,7 @@ class _Layouts:
                 out.append(Partial())
             else:
                 out.append(Replicate())
-        return Layout(self.mesh[op.name], tuple(out))
+        return Layout(mesh, tuple(out))
 
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
