@@ -24,6 +24,7 @@ from planlab.graph.registry import OpContext, lookup  # noqa: E402
 from planlab.models import ModelSpec, build_model  # noqa: E402
 from planlab.plan.program import Task, TaskKind  # noqa: E402
 from planlab.search_spaces import Context, get_space  # noqa: E402
+from planlab.search_spaces.builtin import fused_qkv  # noqa: E402
 
 from conftest import traced  # noqa: E402
 
@@ -320,13 +321,13 @@ def test_missing_transformers_names_the_extra(monkeypatch):
         hf.llama()
 
 
-def test_tp_refuses_gpt2_fused_qkv():
+def test_tp_splits_gpt2_mlp_and_keeps_its_fused_qkv_attention_whole():
     spec, g = traced(HF + "gpt2", 4)
     ctx = Context(g, spec, 4, "cpu", 2, 2, 1)
-    assert get_space("tp").explain(ctx, {"tp": 2}) == (
-        "tp=2: 'model.transformer.h.0.attn.c_attn' projects q, k and v with one fused weight, whose column "
-        "shards would mix them; tensor parallelism is refused (use dp or pp)")
-    assert {a["tp"] for a in get_space("megatron").assignments(ctx, {"pp": 1})} == {1}
+    assert fused_qkv(g) == "model.transformer.h.0.attn.c_attn"
+    dims = {p.op: p.dims for p in get_space("megatron").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=4)).ops}
+    assert "n" in dims["model_transformer_h_0_mlp_c_fc"] and "k" in dims["model_transformer_h_0_mlp_c_proj"]
+    assert not any(dims["model_transformer_h_0_attn_c_attn"])  # its column shards would mix q, k and v
 
 
 # ---- plans on 2 gloo ranks match one process -----------------------------------------------------------
@@ -334,13 +335,13 @@ def test_tp_refuses_gpt2_fused_qkv():
 DP = dict(dp=2, tp=1, pp=1, microbatch=2)
 TP = dict(dp=1, tp=2, pp=1, microbatch=4)
 # A column-parallel projection whose output dimension tp splits, per family (fx names are snake case).
-COLUMN = {"llama": "self_attn_k_proj", "mixtral": "self_attn_q_proj", "t5": "enc_dec_attention_v",
+COLUMN = {"llama": "self_attn_k_proj", "gpt2": "mlp_c_fc", "mixtral": "self_attn_q_proj", "t5": "enc_dec_attention_v",
           "vit": "attention_q_proj", "swin": "attention_v_proj"}
 
 
 @pytest.mark.parametrize("family, knobs", [
     *[(f, DP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
-    *[(f, TP) for f in ("llama", "t5", "mixtral", "swin", "vit")],
+    *[(f, TP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
 ])
 def test_tiny_plans_match_one_process(family, knobs):
     spec, g = traced(HF + family, 4)

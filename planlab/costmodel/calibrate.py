@@ -12,7 +12,9 @@ What is measured, in this order (each step's fit feeds the next):
    a fixed cost, a cost per tensor and one per parameter.
 3. the executor's own cost per task: planlab's interpreter runs a small GPT on one device;
    each task kind's cost is the median over tasks of measured minus modelled kernel time.
-4. collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all) and
+4. on ``nproc`` processes: how much slower a rank computes while the others compute too (they
+   share this machine's caches, memory and, on a virtual machine, perhaps physical cores);
+   then collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all) and
    point-to-point transfers over message sizes and group sizes 2..nproc, through
    torch.distributed on processes started by torch's elastic launcher (as ``planlab run``
    starts ranks), issued the way the executor issues them; ``alpha`` and bandwidth fitted per
@@ -28,6 +30,7 @@ import copy
 import dataclasses
 import os
 import platform
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -161,14 +164,32 @@ def _traced_cost(kind: str, module: nn.Module | None, inputs: tuple) -> tuple[fl
     return op.flops, op.bytes_moved, op.bwd_flops_ratio
 
 
-COLD_BYTES = 8 * MiB  # each case cycles through copies of its inputs adding up to this (> L2)
 CHUNK = 16  # cases measured round-robin together
 
 
+def l2_bytes() -> int:
+    """The size of a core's level-2 cache (Linux sysfs), or 2 MiB if it cannot be read."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            if (idx / "level").read_text().strip() == "2":
+                text = (idx / "size").read_text().strip().upper()
+                unit = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+                return int(text.rstrip("KM")) * unit
+    except (OSError, ValueError):
+        pass
+    return 2 * MiB
+
+
+# Each case cycles through copies of its data adding up to a core's L2 cache: a call finds its
+# inputs in L2 but not in L1, as an operator of a training step finds the activations a recent
+# operator wrote (hot data would flatter small kernels, data from memory burden them).
+CYCLE_BYTES = l2_bytes()
+
+
 class _Case:
-    """One kernel case ready to time: ``copies`` sets of module and inputs (cycled, so that a
-    call does not find its data in the core's caches, as an operator in a training step does not)
-    with their forward graphs, for the backward."""
+    """One kernel case ready to time: sets of module and inputs (cycled, see ``CYCLE_BYTES``) with
+    their forward graphs, for the backward."""
 
     def __init__(self, kind: str, make: Callable, inputs_of: Callable, dt: torch.dtype) -> None:
         torch.manual_seed(0)
@@ -179,7 +200,7 @@ class _Case:
         self.flops, self.nbytes, self.ratio = _traced_cost(kind, proto, xs)
         per_set = sum(x.numel() * x.element_size() for x in xs) + sum(
             p.numel() * p.element_size() for p in (proto.parameters() if proto is not None else ()))
-        copies = max(1, min(8, -(-COLD_BYTES // max(per_set, 1))))
+        copies = max(1, min(8, CYCLE_BYTES // max(per_set, 1)))
         self.sets = []
         for i in range(copies):
             mod = copy.deepcopy(proto) if (proto is not None and i) else proto
@@ -248,14 +269,14 @@ def measure_launch_s() -> float:
 def measure_optimizer(*, quick: bool = False) -> list[tuple[int, int, float]]:
     """``(tensors, parameters, seconds)`` of one Adam step as the executor takes it (gradients set
     on each weight, ``step()``, ``zero_grad(set_to_none=True)``), cycling through copies of the
-    weights and states so that a step finds them out of cache, as a training step does."""
+    weights and states as the kernels do (``CYCLE_BYTES``)."""
     grid = ((1, 1000), (1, 200_000), (8, 1000), (32, 1000), (8, 50_000)) if quick else \
         ((1, 1000), (1, 100_000), (1, 1_000_000), (8, 1000), (8, 100_000), (32, 1000), (32, 10_000), (64, 4000),
          (64, 1_000_000))
     out = []
     for k, n in grid:
         steps = []
-        for _ in range(max(1, min(4, -(-COLD_BYTES // (16 * n))))):  # weights, gradients, m and v: 16 B each
+        for _ in range(max(1, min(4, CYCLE_BYTES // (16 * n)))):  # weights, gradients, m and v: 16 B each
             ws = [torch.zeros(n // k, requires_grad=True) for _ in range(k)]
             gs = [torch.randn(n // k) for _ in range(k)]
             steps.append((ws, gs, torch.optim.Adam(ws, lr=1e-3)))
@@ -305,8 +326,9 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False,
     device's program of a small GPT (``OVERHEAD_MODEL``). Forward and backward: the median over
     its view tasks (reshapes and transposes, no kernel) of their typical time less the same view
     run bare (``measure_bare_view_s``); local copies (views too): the median of their typical
-    time less the profile's kernel time. Returns (those costs, the median whole time of forward
-    and backward view tasks)."""
+    time less the profile's kernel time; the optimizer step: its time less the fitted Adam step,
+    per weight (setting and releasing each gradient), under "O". Returns (those costs, the median
+    whole time of forward and backward view tasks)."""
     from planlab.costmodel.model import CostModel
     from planlab.executor.interpreter import Interpreter
     from planlab.graph.trace import trace
@@ -343,6 +365,10 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False,
             residuals.setdefault(kind, []).append(typical_s(ts) - bare[kind])
         elif kind == "L":
             residuals.setdefault(kind, []).append(typical_s(ts) - costs.task_time_s(task, dtype))
+        elif kind == "O" and profile.optimizer is not None:  # the executor's own work per weight
+            tensors = max(1, len(task.writes))
+            model = profile.optimizer.time_s(tensors, task.flops / 12.0)
+            residuals.setdefault("O", []).append((typical_s(ts) - model) / tensors)
     return ({k: robust_overhead(v) for k, v in residuals.items()},
             {k: robust_overhead(v) for k, v in views.items()})
 
@@ -359,10 +385,74 @@ def _reps(nbytes: int, quick: bool) -> int:
     return max(3, reps // 2) if quick else reps
 
 
+def _probes() -> list[Callable[[], object]]:
+    """Small and mid-size operators, forward and backward, and an optimizer step: what every
+    rank of a training step runs, for :func:`concurrency_slowdowns`."""
+    torch.manual_seed(0)
+    probes: list[Callable[[], object]] = []
+    for m, k, n in ((512, 128, 512), (128, 64, 64)):
+        lin = nn.Linear(k, n)
+        x = torch.randn(m, k, requires_grad=True)
+        y = lin(x)
+        gy = torch.ones_like(y)
+        probes += [lambda lin=lin, x=x: lin(x),
+                   lambda y=y, x=x, lin=lin, gy=gy: torch.autograd.grad(y, [x, *lin.parameters()], gy,
+                                                                        retain_graph=True)]
+    q = torch.randn(8, 4, 64, 32, requires_grad=True)
+    a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    ga = torch.ones_like(a)
+    probes += [lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+               lambda: torch.autograd.grad(a, [q], ga, retain_graph=True)]
+    ln, z = nn.LayerNorm(128), torch.randn(512, 128)
+    probes += [lambda: ln(z), lambda: F.gelu(z), lambda: z + z]
+    ws = [torch.zeros(4000, requires_grad=True) for _ in range(16)]
+    gs = [torch.randn(4000) for _ in range(16)]
+    opt = torch.optim.Adam(ws, lr=1e-3)
+
+    def adam() -> None:
+        for w, g in zip(ws, gs):
+            w.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    probes.append(adam)
+    return probes
+
+
+def concurrency_slowdowns(rank: int, world: int, quick: bool) -> dict[int, float]:
+    """How much slower rank 0 computes while ``n`` ranks (this machine's processes) compute at
+    once than alone, for n = 2..world: the median over :func:`_probes` of the ratio of their
+    typical times. Processes on one machine share its cores' caches, memory bandwidth and,
+    on virtual machines, perhaps the physical cores; devices of a cluster do not."""
+    import torch.distributed as dist
+
+    probes = _probes()
+    min_time = 0.02 if quick else 0.06
+
+    def timed() -> list[float]:
+        return [time_s(p, min_time_s=min_time) for p in probes]
+
+    alone = None
+    dist.barrier()
+    if rank == 0:
+        alone = timed()
+    dist.barrier()
+    out = {}
+    for n in range(2, world + 1):
+        dist.barrier()
+        together = timed() if rank < n else None
+        dist.barrier()
+        if rank == 0:
+            out[n] = float(statistics.median([b / a for a, b in zip(alone, together)]))
+    return out
+
+
 def collective_worker(quick: bool) -> dict:
-    """One rank of the collective benchmark (started by torch's elastic launcher): for each
-    group size 2..world, kind and size, the typical seconds per operation issued back to back,
-    the way the executor issues it. Rank 0 returns ``{"kind/ranks": [[nbytes, seconds], ...]}``."""
+    """One rank of the distributed benchmark (started by torch's elastic launcher): first the
+    concurrency slowdowns (:func:`concurrency_slowdowns`), then for each group size 2..world,
+    collective kind and size, the typical seconds per operation issued back to back, the way the
+    executor issues it. Rank 0 returns ``{"collectives": {"kind/ranks": [[nbytes, seconds], ...]},
+    "slowdown": {ranks: factor}}``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as the executor's gloo ranks
@@ -370,6 +460,7 @@ def collective_worker(quick: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, list[list[float]]] = {}
     groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}
+    slowdowns = concurrency_slowdowns(rank, world, quick)
 
     def bench(key: str, fn: Callable[[], None], nbytes: int, member: bool) -> None:
         reps = _reps(nbytes, quick)
@@ -432,7 +523,7 @@ def collective_worker(quick: bool) -> dict:
             results["p2p/2"][-1][1] /= 2
     dist.barrier()
     dist.destroy_process_group()
-    return results
+    return {"collectives": results, "slowdown": slowdowns}
 
 
 def measure_collectives(nproc: int, *, quick: bool = False, timeout_s: float = 600.0) -> dict:
@@ -498,19 +589,25 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
         base = Profile(device, tuple(rooflines), (), optimizer, (), tuple(kernels))
         log("measuring the executor's cost per task")
         overheads, views = measure_task_overheads(base, quick=quick, cluster=cluster)
+        per_weight = overheads.pop("O", 0.0)  # the executor's work per weight joins the optimizer's per-tensor cost
+        optimizer = OptimizerFit(optimizer.fixed_s, optimizer.per_tensor_s + per_weight, optimizer.per_param_s)
         log("  " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items()))
-            + "; a view task " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(views.items())))
+            + "; a view task " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(views.items()))
+            + f"; the optimizer {per_weight * 1e6:.1f} us more per weight")
     finally:
         torch.set_num_threads(threads)
     log(f"measuring collectives on {nproc} gloo processes")
-    collectives = fit_collectives(measure_collectives(nproc, quick=quick))
+    measured = measure_collectives(nproc, quick=quick)
+    collectives = fit_collectives(measured["collectives"])
+    slowdown = tuple(sorted((int(n), float(f)) for n, f in measured["slowdown"].items()))
     for c in collectives:
         log(f"  {c}")
+    log("  computing beside other ranks: " + ", ".join(f"{n} ranks x{f:.2f}" for n, f in slowdown))
     meta = (("created", datetime.now(timezone.utc).isoformat(timespec="seconds")), ("host", platform.node()),
             ("torch", torch.__version__), ("threads", 1), ("quick", quick),
             ("seconds", round(time.perf_counter() - t0, 1)))
     prof = Profile(device, tuple(rooflines), tuple(sorted(overheads.items())), optimizer, collectives,
-                   tuple(kernels), meta, view_task_s=tuple(sorted(views.items())))
+                   tuple(kernels), meta, view_task_s=tuple(sorted(views.items())), slowdown=slowdown)
     if out is not None:
         prof = dataclasses.replace(prof, path=str(Path(out)))
         prof.save(out)

@@ -58,7 +58,7 @@ class CostModel:
         if self.profile is not None:
             t = self._kernel_s(flops, bytes_moved, dtype, None)
             if t is not None:
-                return t + self.profile.compute_overhead_s
+                return (t + self.profile.compute_overhead_s) * self._slowdown
         return compute.compute_time_s(self.cluster.device, flops=flops, bytes_moved=bytes_moved, dtype=dtype)
 
     def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None) -> float | None:
@@ -77,7 +77,8 @@ class CostModel:
         no time), local copies as memory traffic, collectives by ``collective_time_s``. With a
         profile, every compute and copy task also pays the executor's measured cost per task of
         its kind, a task with no work (a view) the measured time of one, and the optimizer step
-        its fitted fixed, per-tensor and per-parameter costs.
+        its fitted fixed, per-tensor and per-parameter costs; all of them times the profile's
+        slowdown for as many busy processes as the cluster has devices.
         """
         kind = task.kind.value
         if kind == "C":
@@ -91,20 +92,26 @@ class CostModel:
             if task.flops == 0 and task.bytes_moved == 0:
                 return 0.0
             return self.compute_time_s(flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype)
-        prof = self.profile
+        prof, slow = self.profile, self._slowdown
         if kind == "O" and prof.optimizer is not None:
             params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
-            return prof.optimizer.time_s(max(1, len(task.writes)), params)
+            return prof.optimizer.time_s(max(1, len(task.writes)), params) * slow
         if kind == "L":
             t = self._kernel_s(0.0, 2.0 * nbytes, dtype, "F")
         elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
-            return prof.view_s(kind)  # a view: the executor's whole cost of a task with no kernel
+            return prof.view_s(kind) * slow  # a view: the executor's whole cost of a task with no kernel
         else:
             t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None)
         if t is None:  # the profile has no kernel model for this dtype: the spec's roofline
             t = compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved,
                                        dtype=dtype) if (task.flops or task.bytes_moved) else 0.0
-        return t + prof.overhead_s(kind)
+        return (t + prof.overhead_s(kind)) * slow
+
+    @property
+    def _slowdown(self) -> float:
+        """The profile's factor on compute while every device of the cluster computes (a machine's
+        processes share it; see ``Profile.slowdown_at``)."""
+        return self.profile.slowdown_at(self.cluster.num_devices) if self.profile is not None else 1.0
 
     def collective_time_s(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
         """Seconds for a collective on the full buffer of ``nbytes`` (see ``comm.collective_time_s``).

@@ -9,7 +9,7 @@ A profile is versioned JSON with units in the field names (``time_us``, ``alpha_
  "kernel_model": {"fp32": {"peak_gflops": 150, "half_mflop": 1.0, "compute_exponent": 1.0,
                            "GBps": 12, "half_MiB": 0.3, "memory_exponent": 0.8, "launch_us": 3.5}},
  "task_overhead_us": {"F": 7, "B": 0, "L": 5},
- "view_task_us": {"F": 9, "B": 22},
+ "view_task_us": {"F": 9, "B": 22}, "concurrent_slowdown": {"2": 1.6},
  "optimizer": {"fixed_us": 80, "per_tensor_us": 55, "per_param_ns": 5},
  "collectives": [{"kind": "all_reduce", "ranks": 2, "alpha_us": 90, "GBps": 1.2, "points": [[4096, 95.0]]}],
  "kernels": [{"phase": "F", "kind": "linear", "dtype": "fp32", "shape": [512, 64, 256],
@@ -23,7 +23,9 @@ measured times, carried to its shape by the fitted model (nearest-shape interpol
 curves) prices it.
 ``task_overhead_us`` is the executor's own cost per task kind on top of the kernels (whose
 measured times include the framework's dispatch and, backward, the autograd engine's call);
-``view_task_us`` is the whole time of a forward or backward task with no kernel (a view); the collectives' ``alpha_us`` and ``GBps`` are fitted per collective and
+``view_task_us`` is the whole time of a forward or backward task with no kernel (a view);
+``concurrent_slowdown`` the factor on compute times while that many processes of the machine
+compute at once (they share its caches and memory; on a virtual machine, perhaps its cores); the collectives' ``alpha_us`` and ``GBps`` are fitted per collective and
 group size, measured the way the executor issues them.
 """
 
@@ -104,6 +106,7 @@ class Profile:
     meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     path: str = field(default="", compare=False)
     view_task_s: tuple[tuple[str, float], ...] = ()  # (F or B, seconds of a whole task with no kernel)
+    slowdown: tuple[tuple[int, float], ...] = ()  # (busy ranks, factor on compute while they all compute)
 
     # ------------------------------------------------------------------ lookups
 
@@ -118,6 +121,15 @@ class Profile:
     def view_s(self, kind: str) -> float | None:
         """Seconds of a whole ``kind`` (F or B) task with no work (a view), if measured."""
         return dict(self.view_task_s).get(kind)
+
+    def slowdown_at(self, ranks: int) -> float:
+        """The factor on compute times while ``ranks`` processes of this machine compute at once
+        (1 for one; the largest measured count stands for more)."""
+        if ranks <= 1 or not self.slowdown:
+            return 1.0
+        fits = dict(self.slowdown)
+        return fits.get(ranks, fits[max(n for n in fits if n <= ranks)] if any(n <= ranks for n in fits)
+                        else fits[min(fits)])
 
     @property
     def compute_overhead_s(self) -> float:
@@ -193,6 +205,8 @@ class Profile:
         out["task_overhead_us"] = {k: v * 1e6 for k, v in self.task_overhead_s}
         if self.view_task_s:
             out["view_task_us"] = {k: v * 1e6 for k, v in self.view_task_s}
+        if self.slowdown:
+            out["concurrent_slowdown"] = {str(n): f for n, f in self.slowdown}
         if self.optimizer is not None:
             o = self.optimizer
             out["optimizer"] = {"fixed_us": o.fixed_s * 1e6, "per_tensor_us": o.per_tensor_s * 1e6,
@@ -294,8 +308,15 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
                                   kf.number("bytes", strict=False, unit="bytes of memory traffic"),
                                   kf.number("time_us", high=1e8, unit="microseconds") * 1e-6))
     meta = tuple((k, f.obj[k]) for k in ("created", "host", "torch", "threads", "quick", "seconds") if k in f.obj)
+    slowdown: list[tuple[int, float]] = []
+    if "concurrent_slowdown" in f.obj:
+        sd = f.sub("concurrent_slowdown")
+        for key in sd.obj:
+            if not str(key).isdigit() or int(key) < 2:
+                raise sd.error(key, "must be a number of ranks >= 2 (a JSON key like \"2\")")
+            slowdown.append((int(key), sd.number(key, low=0.1, high=100.0, unit="factor on compute times")))
     return Profile(device, tuple(rooflines), overheads, optimizer, tuple(colls), tuple(kernels), meta,
-                   view_task_s=views)
+                   view_task_s=views, slowdown=tuple(sorted(slowdown)))
 
 
 def _list(f: _Fields, key: str) -> list:

@@ -91,8 +91,8 @@ class DataParallel(Space):
 # mlp.gate_proj/up_proj | self_attn.o_proj, mlp.down_proj; ViT/Swin attention.q_proj/k_proj/v_proj,
 # mlp.fc1 | attention.o_proj, mlp.fc2; T5 SelfAttention/EncDecAttention.q/k/v, DenseReluDense.wi(_0/_1)
 # | .o, DenseReluDense.wo.
-COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1))$")
-ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo)$")
+COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1)|mlp\.c_fc)$")
+ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo|mlp\.c_proj)$")
 
 
 _TP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
@@ -154,7 +154,8 @@ def _kv_heads(c: Context) -> int | None:
 
 
 # A fused q/k/v projection (GPT-2's Conv1D ``attn.c_attn``, Hugging Face) holds q, k and v side by side
-# in one weight: its contiguous column shards would mix them, so tensor parallelism refuses the model.
+# in one weight: its contiguous column shards would mix them, so tensor parallelism leaves that
+# attention replicated and splits the MLP (c_fc column-, c_proj row-parallel) only.
 FUSED_QKV = re.compile(r"(^|\.)attn\.c_attn$")
 _FUSED_CACHE: dict[int, tuple[Graph, str | None]] = {}
 
@@ -187,9 +188,6 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
         Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
-        Constraint(lambda a, c: a["tp"] is None or a["tp"] == 1 or fused_qkv(c.graph) is None,
-                   lambda a, c: f"tp={a['tp']}: {fused_qkv(c.graph)!r} projects q, k and v with one fused weight, "
-                                "whose column shards would mix them; tensor parallelism is refused (use dp or pp)"),
         ALL_DEVICES,
     )
 
