@@ -19,6 +19,7 @@ from itertools import count
 from typing import Callable
 
 from planlab.errors import InfeasiblePlan, choices
+from planlab.gcpause import paused_gc
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
@@ -162,7 +163,12 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
     that does not divide, a bad schedule).
     """
     graph = graph if graph is not None else trace_plan_model(plan)
-    precision = precision or precision_for(plan.cluster)
+    with paused_gc():
+        return _materialize(plan, graph, precision or precision_for(plan.cluster), symmetric, node_of)
+
+
+def _materialize(plan: Plan, graph: Graph, precision: Precision, symmetric: bool,
+                 node_of: Callable[[int], int] | None) -> Program:
     L = _Layouts(plan, graph)
     if symmetric and plan.num_devices > 1:
         from planlab.plan.symmetry import plan_classes, reduce_program
@@ -231,6 +237,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     # -- pass 2: forward --------------------------------------------------------
     converted: dict[tuple[str, Layout], str] = {}
     saved_of: dict[str, tuple[str, ...]] = {}
+    versions: dict[str, int] = defaultdict(int)  # layouts of each tensor converted so far
     in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
     for i, op in enumerate(graph.operators):
@@ -251,7 +258,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 bufs.append(converted[(t, need)])
                 continue
             if spec.role in ("input", "buffer"):
-                buf = f"a:{t}#{len([k for k in converted if k[0] == t])}"
+                buf = f"a:{t}#{versions[t]}"
                 batch_axis = next((a for a in range(len(spec.shape))
                                    if graph.labels.get((t, a)) == graph.batch_label), -1)
                 for flat, dev in _positions(mesh, keep):
@@ -260,6 +267,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                                                 src_region=box, shape=box_shape(box), axis=batch_axis,
                                                 dtype=spec.dtype), t)
                 converted[(t, need)] = buf
+                versions[t] += 1
                 bufs.append(buf)
                 continue
             prod = graph.producer[t]
@@ -267,7 +275,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             if same_layout(have, need):
                 bufs.append(f"a:{t}")
                 continue
-            buf = f"a:{t}#{len([k for k in converted if k[0] == t]) + 1}"
+            buf = f"a:{t}#{versions[t] + 1}"
             conv = plan_conversion(have, need, L.shapes[t], ebytes(t), src_buf=f"a:{t}", dst_buf=buf,
                                    tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype, only=keep,
                                    channel=next(channels))
@@ -275,6 +283,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             # every channel carries its messages in the order they are received (NCCL matches in order)
             place(conv, t, (stage[prod.name], "F"), (i, 0), blk, (i, 0))
             converted[(t, need)] = buf
+            versions[t] += 1
             bufs.append(buf)
         in_bufs[op.name] = bufs
         outs = tuple(f"a:{o}" for o in op.outputs)

@@ -75,14 +75,20 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
     return tuple(out)
 
 
-def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int]) -> tuple:
-    """A device's program with its peers replaced by their classes and node relations."""
+def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int], groups: dict) -> tuple:
+    """A device's program with its peers replaced by their classes and node relations
+    (``groups`` caches the outline of each collective group)."""
     me = node_of(dp.device)
-    out: list = [tuple(map(str, dp.schedule)), dp.static_bytes]
+    out: list = [dp.schedule, dp.static_bytes]
     for key in sorted(dp.blocks):
         for t in dp.blocks[key].tasks:
             peer = (classes[t.peer], node_of(t.peer) == me) if t.peer >= 0 else None
-            group = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of)) if t.group else None
+            group = None
+            if t.group:
+                group = groups.get(t.group)
+                if group is None:
+                    group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)),
+                                               _spread(t.group, node_of))
             out.append((key, t.kind.value, t.op, t.collective, group, peer, t.channel, t.nbytes, t.flops,
                         t.bytes_moved, t.shape, t.recompute, tuple(n for _, n in t.alloc), len(t.free)))
     return tuple(out)
@@ -93,8 +99,10 @@ def reduce_program(program: Program, classes: tuple[int, ...], witnesses: dict[i
     """The Program of the representatives alone, or None when a witness (another member of
     a class) differs from its representative or the classes' messages do not pair up."""
     by_dev = {dp.device: dp for dp in program.devices}
+    groups: dict = {}
     for rep, other in witnesses.items():
-        if _outline(by_dev[rep], classes, node_of) != _outline(by_dev[other], classes, node_of):
+        if by_dev[rep].schedule != by_dev[other].schedule or \
+                _outline(by_dev[rep], classes, node_of, groups) != _outline(by_dev[other], classes, node_of, groups):
             return None
     reps = sorted(set(classes))
     balance: Counter = Counter()  # per (sender class, receiver class, channel): sends - receives per micro-batch

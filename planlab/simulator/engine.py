@@ -17,6 +17,7 @@ import simpy
 from planlab.costmodel import CostModel
 from planlab.costmodel.compute import peak_flops_per_s
 from planlab.errors import ConfigError, DeadlockError
+from planlab.gcpause import paused_gc
 from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.network import Network
@@ -32,6 +33,13 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
     ``symmetry`` one representative per device class is simulated (same result, less work).
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
     ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device."""
+    with paused_gc():
+        return _simulate(program, cost, model_flops=model_flops, timeline=timeline, symmetry=symmetry,
+                         stragglers=stragglers, overlap_slowdown=overlap_slowdown)
+
+
+def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline: bool, symmetry: bool,
+              stragglers: dict[int, float] | None, overlap_slowdown: float) -> SimResult:
     cluster = cost.cluster
     if program.num_devices > cluster.num_devices:
         raise DeadlockError(f"the program has {program.num_devices} devices; the cluster {cluster} has "
@@ -81,13 +89,13 @@ def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, tim
         start = env.now
         box = mailbox(rep, unit.peer, unit.tag)
 
-        def arrived(_e) -> None:
+        def arrived() -> None:
             stats[rep]["comm_s"] += env.now - start
             if timeline:
                 events.append((seq, Event(rep, "comm", action, unit.task, start, env.now)))
             box.post(env.now)
 
-        net.transfer(unit.duration_s, links(rep, unit.peer)).callbacks.append(arrived)
+        net.transfer(unit.duration_s, links(rep, unit.peer), arrived)
 
     def barrier(key_cls: tuple, n: int) -> simpy.Event:
         bar = barriers.setdefault((key_cls, n), [0, env.event()])

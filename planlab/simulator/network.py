@@ -11,6 +11,8 @@ share links with it, directly or through others, and only those are rescheduled.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import simpy
 
 _EPS = 1e-12
@@ -19,7 +21,7 @@ _EPS = 1e-12
 class _Flow:
     __slots__ = ("work_s", "links", "done", "rate", "since_s", "version")
 
-    def __init__(self, work_s: float, links: tuple, done: simpy.Event, now: float) -> None:
+    def __init__(self, work_s: float, links: tuple, done: Callable[[], None], now: float) -> None:
         self.work_s, self.links, self.done = work_s, links, done  # work_s: seconds left at full speed
         self.rate, self.since_s, self.version = 0.0, now, 0
 
@@ -31,12 +33,11 @@ class Network:
         self.env = env
         self.users: dict = {}  # link -> flows on it, in the order they started
 
-    def transfer(self, work_s: float, links: tuple) -> simpy.Event:
-        """Start a flow that takes ``work_s`` seconds alone on ``links``; the event fires when it ends."""
-        done = self.env.event()
+    def transfer(self, work_s: float, links: tuple, done: Callable[[], None]) -> None:
+        """Start a flow that takes ``work_s`` seconds alone on ``links``; ``done()`` is called when it ends."""
         if work_s <= 0:
-            done.succeed(self.env.now)
-            return done
+            done()
+            return
         flow = _Flow(work_s, links, done, self.env.now)
         shared = any(link in self.users for link in links)
         for link in links:
@@ -46,7 +47,6 @@ class Network:
         else:  # alone on its links: full speed, nobody else changes
             flow.rate = 1.0
             self.env.timeout(work_s).callbacks.append(lambda _e: self._end(flow, 0))
-        return done
 
     def _component(self, links: tuple) -> list[_Flow]:
         """Flows that share links with ``links``, directly or through other flows."""
@@ -96,7 +96,7 @@ class Network:
             self.users[link].remove(flow)
             if not self.users[link]:
                 del self.users[link]
-        flow.done.succeed(self.env.now)
+        flow.done()
         rest = tuple(link for link in flow.links if link in self.users)
         if rest:
             self._rebalance(rest)
