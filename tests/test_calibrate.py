@@ -4,6 +4,7 @@ spec's models, and one quick end-to-end ``planlab calibrate`` run on 2 gloo proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -135,6 +136,7 @@ def toy_profile() -> Profile:
                      CollectiveFit("p2p", 2, AlphaBeta(40e-6, 3e9))),
         kernels=(LINEAR_F, KernelTime("B", "linear", "fp32", (512, 64, 256), 2 * LINEAR_F.flops, 700_000.0, 900e-6)),
         meta=(("host", "test"), ("quick", True)),
+        view_task_s=(("B", 25e-6), ("F", 12e-6)),
     )
 
 
@@ -192,6 +194,9 @@ def _broken(**changes) -> dict:
         (_broken(kernels=[dict(toy_profile().to_json()["kernels"][0], time_us=0)]),
          ["'kernels[0].time_us'", "microseconds"]),
         (_broken(kernels={"a": 1}), ["'kernels'", "JSON list"]),
+        (_broken(view_task_us={"F": 1, "C": 2}), ["'view_task_us.C'", "not a known field"]),
+        (_broken(concurrent_slowdown={"1": 1.5}), ["'concurrent_slowdown.1'", "ranks >= 2"]),
+        (_broken(concurrent_slowdown={"2": 0}), ["'concurrent_slowdown.2'", "factor on compute times"]),
     ],
 )
 def test_malformed_profile(tmp_path, content, fragments: list[str]) -> None:
@@ -237,9 +242,9 @@ def _task(kind: TaskKind, **kw) -> Task:
         # a forward linear of the measured shape: its kernel + the executor's 20 us per forward task
         (_task(TaskKind.FORWARD, flops=LINEAR_F.flops, bytes_moved=700_000.0), 400e-6 + 20e-6),
         (_task(TaskKind.BACKWARD, flops=2 * LINEAR_F.flops, bytes_moved=700_000.0), 900e-6 + 60e-6),
-        # a view: no work, but the executor still dispatches it
-        (_task(TaskKind.FORWARD), 20e-6),
-        (_task(TaskKind.BACKWARD), 60e-6),
+        # a view: no kernel, but the executor still runs the task: its measured whole time
+        (_task(TaskKind.FORWARD), 12e-6),
+        (_task(TaskKind.BACKWARD), 25e-6),
         # the optimizer over 3 tensors of 1,000 parameters in all (12 flop per parameter)
         (_task(TaskKind.OPTIMIZER, writes=("w:a", "w:b", "w:c"), flops=12_000.0, bytes_moved=1.0),
          100e-6 + 3 * 50e-6 + 1000 * 4e-9),
@@ -253,6 +258,19 @@ def _task(kind: TaskKind, **kw) -> Task:
 def test_task_time_with_a_profile(task: Task, expected_s: float) -> None:
     cost = CostModel(load_cluster("cpu", 2), toy_profile())
     assert cost.task_time_s(task, "float32") == pytest.approx(expected_s)
+
+
+@pytest.mark.parametrize("devices, factor", [(1, 1.0), (2, 1.5), (3, 1.5), (4, 2.0), (8, 2.0)])
+def test_compute_slows_while_every_process_computes(devices: int, factor: float) -> None:
+    """Measured at 2 and 4 busy processes: 3 takes 2's factor, more take 4's; one process none."""
+    prof = dataclasses.replace(toy_profile(), slowdown=((2, 1.5), (4, 2.0)))
+    assert prof.slowdown_at(devices) == factor
+    task = _task(TaskKind.FORWARD, flops=LINEAR_F.flops, bytes_moved=700_000.0)
+    cost = CostModel(load_cluster("cpu", devices), prof)
+    assert cost.task_time_s(task, "float32") == pytest.approx((400e-6 + 20e-6) * factor)
+    # collectives were measured with every rank running: no factor
+    if devices >= 2:
+        assert cost.collective_time_s("all_reduce", MiB, (0, 1)) == pytest.approx(90e-6 + MiB / 1.5e9)
 
 
 def test_collectives_carried_to_other_group_sizes_and_p2p() -> None:
@@ -312,13 +330,15 @@ def test_quick_calibration_end_to_end(quick_profile) -> None:
     assert {("F", "linear"), ("B", "linear"), ("F", "attention"), ("F", "layer_norm")} <= kinds
     assert all(k.time_s > 0 and k.flops >= 0 for k in prof.kernels)
     assert {"F", "B", "L"} <= {k for k, _ in prof.task_overhead_s}
+    assert {"F", "B"} == {k for k, _ in prof.view_task_s} and all(0 < v < 1e-3 for _, v in prof.view_task_s)
+    assert dict(prof.slowdown).keys() == {2} and 0.3 < prof.slowdown_at(2) < 5
     fits = {(c.kind, c.ranks) for c in prof.collectives}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("broadcast", 2), ("p2p", 2)} <= fits
     for c in prof.collectives:  # loopback gloo: microseconds to tens of milliseconds, MB/s to tens of GB/s
         assert 0 <= c.fit.alpha_s < 0.05 and 1e7 < c.fit.bytes_per_s < 1e11, c
     # a measured linear forward is priced by the table (as measured, plus the executor's cost per task)
     k = next(k for k in prof.kernels if (k.phase, k.kind) == ("F", "linear"))
-    cost = CostModel.load("cpu", 2, profile=quick_profile)
+    cost = CostModel.load("cpu", 1, profile=quick_profile)  # one process: no slowdown
     assert cost.task_time_s(Task("x", TaskKind.FORWARD, flops=k.flops, bytes_moved=k.bytes_moved), "float32") == \
         pytest.approx(k.time_s + prof.overhead_s("F"))
 

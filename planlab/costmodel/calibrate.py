@@ -6,12 +6,14 @@ What is measured, in this order (each step's fit feeds the next):
    layers (matmuls) over shapes, causal attention, layer norm, GELU, add, embedding and cross
    entropy, forward and backward, in each dtype asked for. Their flop and byte counts come
    from tracing each operator with planlab's own tracer, so the table is keyed as the
-   Program's tasks are. A roofline with efficiency curves is fitted per dtype; the per-kernel
-   launch cost is the time of a one-element add.
+   Program's tasks are. Each case cycles through copies of its data filling a core's L2 cache
+   and cases are sampled round-robin. A roofline with efficiency curves is fitted per dtype;
+   the per-kernel launch cost is the time of a one-element add.
 2. the optimizer step (torch's Adam, as the executor steps it) over tensor counts and sizes:
    a fixed cost, a cost per tensor and one per parameter.
 3. the executor's own cost per task: planlab's interpreter runs a small GPT on one device;
-   each task kind's cost is the median over tasks of measured minus modelled kernel time.
+   its view tasks (no kernel) give the cost of a task beyond its kernel, and of a task with
+   none; its optimizer step, the executor's own work per weight.
 4. on ``nproc`` processes: how much slower a rank computes while the others compute too (they
    share this machine's caches, memory and, on a virtual machine, perhaps physical cores);
    then collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all) and
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from planlab.costmodel.fit import fit_alpha_beta, fit_linear, fit_roofline, robust_overhead
 from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile
-from planlab.errors import ConfigError
+from planlab.errors import ConfigError, ExecutionError
 
 MiB = 2**20
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -421,30 +423,32 @@ def _probes() -> list[Callable[[], object]]:
 
 def concurrency_slowdowns(rank: int, world: int, quick: bool) -> dict[int, float]:
     """How much slower rank 0 computes while ``n`` ranks (this machine's processes) compute at
-    once than alone, for n = 2..world: the median over :func:`_probes` of the ratio of their
-    typical times. Processes on one machine share its cores' caches, memory bandwidth and,
-    on virtual machines, perhaps the physical cores; devices of a cluster do not."""
+    once than alone, for n = 2..world: rounds alternate rank 0 alone and ``n`` ranks together
+    (so that a drift of the shared machine's speed touches both), and the factor is the median
+    over rounds and :func:`_probes` of the ratio of their times. Processes on one machine share
+    its caches, memory bandwidth and, on virtual machines, perhaps the physical cores; devices of
+    a cluster do not."""
     import torch.distributed as dist
 
     probes = _probes()
-    min_time = 0.02 if quick else 0.06
+    min_time = 0.005 if quick else 0.01
+    for p in probes:
+        p()  # warm up
 
     def timed() -> list[float]:
-        return [time_s(p, min_time_s=min_time) for p in probes]
+        return [time_s(p, min_time_s=min_time, min_reps=3) for p in probes]
 
-    alone = None
-    dist.barrier()
-    if rank == 0:
-        alone = timed()
-    dist.barrier()
-    out = {}
-    for n in range(2, world + 1):
-        dist.barrier()
-        together = timed() if rank < n else None
-        dist.barrier()
-        if rank == 0:
-            out[n] = float(statistics.median([b / a for a, b in zip(alone, together)]))
-    return out
+    ratios: dict[int, list[float]] = {n: [] for n in range(2, world + 1)}
+    for _ in range(3 if quick else 6):
+        for n in ratios:
+            dist.barrier()
+            alone = timed() if rank == 0 else None
+            dist.barrier()
+            together = timed() if rank < n else None
+            dist.barrier()
+            if rank == 0:
+                ratios[n] += [b / a for a, b in zip(alone, together)]
+    return {n: float(statistics.median(r)) for n, r in ratios.items()} if rank == 0 else {}
 
 
 def collective_worker(quick: bool) -> dict:
@@ -526,7 +530,7 @@ def collective_worker(quick: bool) -> dict:
     return {"collectives": results, "slowdown": slowdowns}
 
 
-def measure_collectives(nproc: int, *, quick: bool = False, timeout_s: float = 600.0) -> dict:
+def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -535,8 +539,14 @@ def measure_collectives(nproc: int, *, quick: bool = False, timeout_s: float = 6
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
                        run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}")
-    with _quiet_launcher():
-        out = elastic_launch(cfg, collective_worker)(quick)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        with _quiet_launcher():
+            out = elastic_launch(cfg, collective_worker)(quick)
+    except ChildFailedError as e:
+        ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
+        raise ExecutionError(f"calibrate: the distributed benchmark on {nproc} gloo processes failed: {ranks}") from None
     return out[0]
 
 

@@ -77,6 +77,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
         return boxes[(cls[src], cls[dst], tag)]
 
     link_cache: dict[tuple[int, int], tuple] = {}
+    prices: dict = {}  # task times by what they depend on, shared by every device
 
     def links(src: int, dst: int) -> tuple:
         got = link_cache.get((src, dst))
@@ -147,7 +148,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             block_units = units.get(key)
             if block_units is None:
                 block_units = units[key] = lower_block(dp.blocks[key[:2]], device=rep, cls=cls, cost=cost,
-                                                       dtype=dtype, sizes=sizes, final=key[2])
+                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices)
             if action.phase == "W" and in_flight:
                 yield from drain()
             for u in block_units:

@@ -71,7 +71,10 @@ Unit = Segment | Send | Recv | Collective | AsyncCollective
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
-    """Seconds for one task on its stream."""
+    """Seconds for one task on its stream: the cost model's ``task_time_s`` where it has one
+    (a calibrated profile prices each kind of task), else from its compute and collective times."""
+    if hasattr(cost, "task_time_s"):
+        return cost.task_time_s(task, dtype)
     k = task.kind
     if k in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.OPTIMIZER):
         if task.flops == 0 and task.bytes_moved == 0:
@@ -85,12 +88,25 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
     return 0.0  # sends and receives are priced by lower_block, which knows the device
 
 
+_task_time_s = task_time_s
+
+
 def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
-                sizes: dict[str, int], final: bool = True) -> tuple[Unit, ...]:
+                sizes: dict[str, int], final: bool = True, prices: dict | None = None) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
-    ``final`` includes the tasks that run with the last micro-batch only."""
+    ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
+    task times across the blocks of one simulation."""
     units: list[Unit] = []
     cur: list = []  # (task, duration, is_comm)
+    prices = prices if prices is not None else {}
+
+    def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
+        key = (t.kind, t.flops, t.bytes_moved, t.collective, t.nbytes, t.group, len(t.writes),
+               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0)
+        got = prices.get(key)
+        if got is None:
+            got = prices[key] = _task_time_s(t, cost, dtype)
+        return got
 
     def flush():
         if not cur:
