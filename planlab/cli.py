@@ -83,21 +83,6 @@ def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = No
         raise
 
 
-def _predict_with_profile(plan, profile: str):
-    """As ``executor.timeline.predict`` (every device, with a timeline), priced with a calibration profile."""
-    from planlab.costmodel import CostModel
-    from planlab.executor.timeline import Prediction
-    from planlab.plan import materialize, trace_plan_model
-    from planlab.simulator import find_deadlock, simulate
-
-    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)  # a bad profile fails before any work
-    graph = trace_plan_model(plan)
-    program = materialize(plan, graph)
-    if program.num_tasks() < 200_000:
-        find_deadlock(program)
-    return Prediction(program, simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True, symmetry=False))
-
-
 def cmd_simulate(args) -> int:
     from planlab.plan import load_plan
 
@@ -143,7 +128,7 @@ def cmd_run(args) -> int:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     # every device simulated, with a timeline to compare against
-    pred = _predict_with_profile(plan, args.profile) if args.profile else predict(plan)
+    pred = predict(plan, profile=args.profile)
     sim = pred.sim
     check = not args.no_check and not args.load  # the check starts from the seed, not a checkpoint
     res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=check, record=True,

@@ -38,18 +38,19 @@ class Prediction:
     sim: SimResult
 
 
-def predict(plan) -> Prediction:
-    """Materialize ``plan``, check it for deadlocks and simulate every device with a timeline."""
+def predict(plan, *, profile: str | None = None) -> Prediction:
+    """Materialize ``plan``, check it for deadlocks and simulate every device with a timeline,
+    priced by the plan's cluster spec or by a calibration ``profile`` (checked before any work)."""
     from planlab.costmodel import CostModel
     from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 
+    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
     graph = trace_plan_model(plan)
     program = materialize(plan, graph)
     if program.num_tasks() < 200_000:
         find_deadlock(program)
-    sim = simulate(program, CostModel.load(plan.cluster, plan.nodes), model_flops=3.0 * graph.flops,
-                   timeline=True, symmetry=False)
+    sim = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True, symmetry=False)
     return Prediction(program, sim)
 
 
