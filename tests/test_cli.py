@@ -60,7 +60,7 @@ def test_explore_writes_the_three_files(explored):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=2), "plan format version 2; this planlab reads version 1"),
+    (lambda d: d.update(version=3), "plan format version 3; this planlab reads versions 1, 2"),
     (lambda d: d.pop("model"), "field 'model' is missing"),
     (lambda d: d["ops"].pop(), "does not place operator"),
 ])

@@ -67,8 +67,8 @@ def test_megatron_programs_have_the_expected_collectives(tiny, n, knobs, collect
     if knobs["pp"] == 2:
         kinds = {t.kind for _, t in prog.devices[0].tasks_in_order()}
         assert TaskKind.SEND in kinds and TaskKind.RECV in kinds
-        assert [str(a) for a in prog.devices[1].schedule] == ["1F0", "1B0", "1F1", "1B1", "1W0"]
-        assert [str(a) for a in prog.devices[0].schedule] == ["0F0", "0F1", "0B0", "0B1", "0W0"]
+        assert [str(a) for a in prog.devices[1].schedule] == ["1F0", "1B0", "1F1", "1B1", "1U0"]
+        assert [str(a) for a in prog.devices[0].schedule] == ["0F0", "0F1", "0B0", "0B1", "0U0"]
 
 
 def test_memory_liveness_frees_everything_but_weights(tiny):
@@ -145,7 +145,7 @@ def test_zero_shards_optimizer_states_and_gradients(tiny, zero):
     b0, z0 = base.devices[0], z.devices[0]
     assert z0.optimizer_bytes < b0.optimizer_bytes
     assert (z0.grad_bytes < b0.grad_bytes) == (zero == 2)
-    kinds = [t.collective for t in z0.blocks[(0, "W")].tasks if t.kind is TaskKind.COLLECTIVE]
+    kinds = [t.collective for t in z0.blocks[(0, "U")].tasks if t.kind is TaskKind.COLLECTIVE]
     assert kinds == ["reduce_scatter", "all_gather"]
 
 

@@ -49,7 +49,7 @@ def test_plan_file_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=99), "version 99; this planlab reads version 1"),
+    (lambda d: d.update(version=99), "version 99; this planlab reads versions 1, 2"),
     (lambda d: d.update(format="other"), "not a planlab plan"),
     (lambda d: d.pop("ops"), "field 'ops' is missing"),
     (lambda d: d.update(global_batch="8"), "'global_batch' must be int"),
@@ -73,6 +73,19 @@ def test_unreadable_and_invalid_json(tmp_path):
         load_plan(tmp_path / "bad.json")
 
 
-@pytest.mark.parametrize("text", ["0F0", "3B12", "1W0"])
+@pytest.mark.parametrize("text", ["0F0", "3B12", "1U0", "2I3", "0W1"])
 def test_action_text_round_trips(text):
     assert str(Action.parse(text)) == text
+
+
+def test_version_1_plan_files_load_with_the_update_phase_renamed(tiny):
+    """Version 1 named the once-per-iteration update ``W``; version 2 calls it ``U`` (``W`` is
+    the weight-gradient half of a split backward, as in torch.distributed.pipelining)."""
+    spec, g = tiny
+    plan = dp_plan(g, spec, micro=2)
+    d = plan_to_dict(plan)
+    d["version"] = 1
+    d["schedule"] = [["0F0", "0F1", "0B0", "0B1", "0W0"]] * plan.num_devices
+    old = plan_from_json(json.dumps(d))
+    assert old.version == 2
+    assert [str(a) for a in old.schedule[0]] == ["0F0", "0F1", "0B0", "0B1", "0U0"]

@@ -115,8 +115,8 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
                   nbytes=int(reduce_s * 1e9), final=True, overlap=overlap),
              Task("b2", TaskKind.BACKWARD, (), (), flops=1e9))
         w = (Task("optimizer", TaskKind.OPTIMIZER, ("wg:w",), ("w:w",)),)
-        sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "W", 0),)
-        devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "W"): Block(0, "W", w)}, sched))
+        sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "U", 0),)
+        devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "U"): Block(0, "U", w)}, sched))
     return Program(tuple(devs), microbatches, FP32)
 
 
@@ -156,7 +156,7 @@ def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeyp
     assert reduces and all(b[i].final and b[i].overlap for i in reduces)
     # each bucket is issued right after the backward that completes it, before the backward ends
     assert reduces[0] < max(i for i, t in enumerate(b) if t.kind is TaskKind.BACKWARD)
-    assert not any(t.kind is TaskKind.COLLECTIVE for t in prog.devices[0].blocks[(0, "W")].tasks)
+    assert not any(t.kind is TaskKind.COLLECTIVE for t in prog.devices[0].blocks[(0, "U")].tasks)
     assert len(reduces) > 3
     # each gradient is reduced once, in the last micro-batch only (the position embedding's gradient
     # is already summed over the batch by the all-reduce of its broadcast add's input gradient)

@@ -398,7 +398,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     devices = sorted(set(entries) | set(params_on))
     zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # bytes of grads, optimizer states saved
     for dev in devices:
-        w_block = (min((s for s, _ in entries[dev]), default=0), "W")
+        w_block = (min((s for s, _ in entries[dev]), default=0), "U")
         sharded: set[str] = set()
         for gid, group in enumerate(sorted(buckets[dev])):
             items = buckets[dev][group]
@@ -532,11 +532,11 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
     m = plan.microbatches
     fs = sorted(s for s, ph in blocks if ph == "F")
     bs = sorted((s for s, ph in blocks if ph == "B"), reverse=True)
-    ws = sorted(s for s, ph in blocks if ph == "W")
+    ws = sorted(s for s, ph in blocks if ph == "U")
     given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) and plan.schedule[dev] else None
     if given is None:
         return tuple([Action(s, "F", k) for k in range(m) for s in fs] +
-                     [Action(s, "B", k) for k in range(m) for s in bs] + [Action(s, "W", 0) for s in ws])
+                     [Action(s, "B", k) for k in range(m) for s in bs] + [Action(s, "U", 0) for s in ws])
     _check_schedule(dev, tuple((a.stage, a.phase, a.microbatch) for a in given), tuple(fs), tuple(bs),
                     tuple(ws), m)
     return tuple(given)
@@ -545,7 +545,7 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
 @functools.lru_cache(maxsize=256)
 def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: int) -> None:
     need = {(s, "F", k) for s in fs for k in range(m)} | {(s, "B", k) for s in bs for k in range(m)} | \
-        {(s, "W", 0) for s in ws}
+        {(s, "U", 0) for s in ws}
     seen = set()
     for a in given:
         if a not in need:

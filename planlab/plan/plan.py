@@ -16,7 +16,8 @@ from planlab.errors import InfeasiblePlan, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
+READ_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,19 @@ class OpPlan:
         return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
 
 
-_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
+PHASES = ("F", "B", "I", "W", "U")
 
 
 @dataclass(frozen=True)
 class Action:
     """One step of a device's schedule: run ``phase`` of ``stage`` for ``microbatch``.
 
-    Phases: ``F`` forward, ``B`` backward, ``W`` weight-gradient reduction and
-    optimizer step (once per iteration). Text form ``{stage}{phase}{microbatch}``
-    as in torch.distributed.pipelining, e.g. ``1F0``.
+    Phases, with torch.distributed.pipelining's codes: ``F`` forward, ``B`` full backward,
+    ``I`` backward for the inputs' gradients only and ``W`` for the weights' gradients only
+    (zero-bubble schedules split ``B`` into the two), and ``U`` the update: weight-gradient
+    reduction and optimizer step, once per iteration. Text form ``{stage}{phase}{microbatch}``
+    as in pipelining's schedules, e.g. ``1F0``.
     """
 
     stage: int
@@ -65,7 +69,7 @@ class Action:
     def parse(cls, text: str) -> "Action":
         m = _ACTION.match(text.strip())
         if not m:
-            raise ValueError(f"{text!r} is not an action like '0F3' (stage, phase F/B/W, microbatch)")
+            raise ValueError(f"{text!r} is not an action like '0F3' (stage, phase F/B/I/W/U, microbatch)")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
@@ -168,7 +172,7 @@ class PlanBuilder:
 
     def op_order(self, device: int, actions: list[Action | str]) -> None:
         """Fix the order in which ``device`` runs its stages' forward and backward
-        pieces per micro-batch (and the final ``W`` step)."""
+        pieces per micro-batch (and the final ``U`` update)."""
         if not 0 <= device < self.num_devices:
             raise InfeasiblePlan(f"op_order: device {device} out of range 0..{self.num_devices - 1}")
         seen = self.__dict__.setdefault("_orders_seen", {})  # replicas often share one tuple of actions

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from planlab.errors import PlanFileError
 from planlab.models.registry import ModelSpec
-from planlab.plan.plan import PLAN_VERSION, Action, OpPlan, Plan
+from planlab.plan.plan import PLAN_VERSION, READ_VERSIONS, Action, OpPlan, Plan
 
 FORMAT = "planlab-plan"
 
@@ -53,8 +53,9 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
     if d.get("format") != FORMAT:
         raise PlanFileError(f"{where}: not a planlab plan (format {d.get('format')!r}, expected {FORMAT!r})")
     version = _need(d, "version", int, where)
-    if version != PLAN_VERSION:
-        raise PlanFileError(f"{where}: plan format version {version}; this planlab reads version {PLAN_VERSION}")
+    if version not in READ_VERSIONS:
+        raise PlanFileError(f"{where}: plan format version {version}; this planlab reads versions "
+                            f"{', '.join(map(str, READ_VERSIONS))}")
     model = _need(d, "model", dict, where)
     _need(model, "name", str, f"{where}: model")
     ops = []
@@ -81,6 +82,8 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         if not isinstance(s, list):
             raise PlanFileError(f"{where}: schedule[{k}] must be a list of actions")
         try:
+            if version == 1:  # version 1 named the once-per-iteration update W
+                s = [a.replace("W", "U") if isinstance(a, str) else a for a in s]
             schedule.append(tuple(Action.parse(a) for a in s))
         except (ValueError, AttributeError) as e:
             raise PlanFileError(f"{where}: schedule[{k}]: {e}") from None
@@ -95,7 +98,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
                 cluster=_need(d, "cluster", str, where), nodes=_need(d, "nodes", int, where),
                 num_devices=_need(d, "num_devices", int, where), microbatches=_need(d, "microbatches", int, where),
                 ops=tuple(ops), schedule=tuple(schedule), space=str(d.get("space", "")),
-                knobs=tuple(sorted(knobs.items())), version=version, zero=_zero(d, where))
+                knobs=tuple(sorted(knobs.items())), zero=_zero(d, where))
 
 
 def plan_from_json(text: str, where: str = "plan") -> Plan:

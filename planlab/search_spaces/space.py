@@ -115,7 +115,7 @@ class Draft:
                     actions = interleaved_1f1b(r, groups, self.microbatches, self.chunks)
                 else:
                     actions = SCHEDULES[self.schedule](r, groups, self.microbatches)
-                actions = tuple(actions) + (Action(r, "W", 0),)
+                actions = tuple(actions) + (Action(r, "U", 0),)
                 for d in group_devices[r]:
                     b.op_order(d, actions)
         return b.build()

@@ -149,7 +149,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             if block_units is None:
                 block_units = units[key] = lower_block(dp.blocks[key[:2]], device=rep, cls=cls, cost=cost,
                                                        dtype=dtype, sizes=sizes, final=key[2], prices=prices)
-            if action.phase == "W" and in_flight:
+            if action.phase == "U" and in_flight:
                 yield from drain()
             for u in block_units:
                 if isinstance(u, Segment):
