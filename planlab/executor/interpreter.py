@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
+from planlab.executor import zero3
 from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
@@ -83,15 +84,15 @@ except AttributeError:  # pragma: no cover - other torch versions
     _run_backward = None
 
 
-def _grad(ys: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor]) -> tuple:
-    """``torch.autograd.grad(ys, xs, gs, allow_unused=True)``; gradients of mismatched shape
-    are refused here, as ``torch.autograd.grad`` would."""
+def _grad(ys: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor], keep: bool = False) -> tuple:
+    """``torch.autograd.grad(ys, xs, gs, retain_graph=keep, allow_unused=True)``; gradients of
+    mismatched shape are refused here, as ``torch.autograd.grad`` would."""
     for y, g in zip(ys, gs):
         if y.shape != g.shape:
             raise ExecutionError(f"gradient of shape {tuple(g.shape)} for an output of shape {tuple(y.shape)}")
     if _run_backward is None:
-        return torch.autograd.grad(ys, xs, gs, allow_unused=True)
-    return _run_backward(tuple(ys), tuple(gs), False, False, tuple(xs), True, False)
+        return torch.autograd.grad(ys, xs, gs, retain_graph=keep, allow_unused=True)
+    return _run_backward(tuple(ys), tuple(gs), keep, False, tuple(xs), True, False)
 
 
 @dataclass
@@ -137,6 +138,15 @@ class Interpreter:
             self.static[f"src:{name}"] = b.to(self.torch_device)
         self.zero = self._zero_buckets()
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
+        # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py)
+        self.unit_of = {pre + p: z.key for z in self.zero.values() if z.stage3 for p in z.params
+                        for pre in zero3.GATHERED}
+        self.gathered: dict[tuple[str, int], torch.Tensor] = {}
+        if self.unit_of:
+            full = {b[3:] for b in self.unit_of}
+            self.leaves = [(p, w) for p, w in self.leaves if p not in full]
+            for p in full:
+                del self.static[f"w:{p}"]
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.captured_grads: dict[str, torch.Tensor] = {}
@@ -162,7 +172,9 @@ class Interpreter:
                     chunk = -(-flat.numel() // n)
                     flat = torch.nn.functional.pad(flat, (0, chunk * n - flat.numel()))
                     shard = flat[me * chunk:(me + 1) * chunk].clone().requires_grad_(True)
-                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr))
+                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr),
+                                                   t.writes[0], group, t.reads[0].startswith("zd:"),
+                                                   tuple(tuple(self.static[f"w:{p}"].shape) for p in params))
         return out
 
     # -- buffers --------------------------------------------------------------
@@ -229,6 +241,8 @@ class Interpreter:
                     loss += float(bufs[(self._loss_buffer, mb)])
                 for b in frees:
                     bufs.pop((b, mb), None)
+                    if b in self.unit_of:  # a ZeRO-3 layer's gathered weights: give the memory back
+                        zero3.release(self, b, mb)
         if progress is not None and self.pending:
             progress.phase(f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} "
                            "to complete")
@@ -248,6 +262,9 @@ class Interpreter:
                 work.wait()
             except Exception as e:
                 raise TaskError(self.device, "gradient reduction", task, e) from e
+            if task.collective == "reduce_scatter":
+                zero3.take(self, task, flat)
+                continue
             off = 0
             for b in task.reads:
                 cur = self._get(b, 0)
@@ -265,10 +282,15 @@ class Interpreter:
             loss_op = self.graph.producer[self.graph.loss].name
             holds_loss = any(d == self.device and p for d, _, p in self.program.loss_holders)
             steps = []
+            # zero-bubble: an I task whose operator has a W task too keeps the autograd graph for it
+            w_block = self.dp.blocks.get((action.stage, "W")) if action.phase == "I" else None
+            later = {t.op for t in w_block.tasks if t.kind is TaskKind.BACKWARD} if w_block else set()
             for task in self.dp.blocks[key].tasks:
                 if task.kind not in dispatch:  # pragma: no cover - TaskKind is closed
                     raise ExecutionError(f"unknown task kind {task.kind}")
                 fn = dispatch[task.kind]
+                if task.kind is TaskKind.BACKWARD and task.op in later:
+                    fn = self._backward_input
                 if self.fault is not None and self.fault.task == task.name:
                     fn = self._with_fault(fn)
                 steps.append((task, fn, Progress.encode(str(task)), task.free,
@@ -343,13 +365,19 @@ class Interpreter:
             with torch.enable_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
+            outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])
         self.ctx[(task.op, mb)] = (ins, outs)
         for b, o in zip(task.writes, outs):
             self.bufs[(b, mb)] = o.detach()
 
-    def _backward(self, task: Task, mb: int) -> None:
+    def _backward_input(self, task: Task, mb: int) -> None:
+        """Zero-bubble's ``I``: the inputs' gradients, keeping the graph for the ``W`` task."""
+        self._backward(task, mb, keep=True)
+
+    def _backward(self, task: Task, mb: int, keep: bool = False) -> None:
         op = self._reads(task)[0]
-        ins, outs = self.ctx.pop((task.op, mb))
+        ins, outs = self.ctx[(task.op, mb)] if keep else self.ctx.pop((task.op, mb))
         ys, gs = [], []
         bufs, loss = self.bufs, self.graph.loss
         for b, o, t in zip(task.reads, outs, op.outputs):
@@ -370,7 +398,7 @@ class Interpreter:
         if not ys or not wanted:
             grads = [None] * len(wanted)
         else:
-            grads = _grad(ys, [x for _, x in wanted], gs)
+            grads = _grad(ys, [x for _, x in wanted], gs, keep)
         static = self.static
         for (k, x), g in zip(wanted, grads):
             g = torch.zeros_like(x) if g is None else g
@@ -405,10 +433,16 @@ class Interpreter:
                 off += cur.numel()
             return
         if task.writes and task.writes[0].startswith("zg:"):
-            self._zero_reduce_scatter(task, pg)
+            if self.zero[task.writes[0]].stage3:
+                zero3.reduce_scatter(self, task, mb, pg)
+            else:
+                self._zero_reduce_scatter(task, pg)
             return
         if task.reads and task.reads[0].startswith("zp:"):
-            self._zero_all_gather(task, pg)
+            if task.writes[0] in self.unit_of:
+                zero3.gather(self, task, mb, pg)
+            else:
+                self._zero_all_gather(task, pg)
             return
         x = self._get(task.reads[0], mb).contiguous()
         n, me = len(group), group.index(self.device)
@@ -471,7 +505,14 @@ class Interpreter:
         self._finish_overlapped()
         if task.reads and task.reads[0].startswith("zg:"):
             z = self.zero[task.reads[0]]
-            z.shard.grad = self.static[task.reads[0]].detach()
+            if z.stage3:  # the shard gradient was summed over the micro-batches; the next step's starts at zero
+                grad = self.static.pop(task.reads[0], None)
+                grad = torch.zeros_like(z.shard) if grad is None else grad
+                if self.capture:
+                    self.captured_grads.update(zero3.full_gradients(z, grad, self.groups[z.group]))
+            else:
+                grad = self.static[task.reads[0]]
+            z.shard.grad = grad.detach()
             z.optimizer.step()
             z.optimizer.zero_grad(set_to_none=True)
             return
@@ -497,7 +538,8 @@ class Interpreter:
 @dataclass
 class _ZeroBucket:
     """One ZeRO bucket on this device: its weights (in flattening order), the group size, this
-    device's position, the shard length, the fp32 shard and its optimizer."""
+    device's position, the shard length, the fp32 shard and its optimizer; its shard gradient
+    buffer, its group, whether it is a ZeRO-3 unit (weights sharded too) and the weights' shapes."""
 
     params: tuple[str, ...]
     n: int
@@ -505,3 +547,7 @@ class _ZeroBucket:
     chunk: int
     shard: torch.Tensor
     optimizer: torch.optim.Optimizer
+    key: str = ""
+    group: tuple[int, ...] = ()
+    stage3: bool = False
+    shapes: tuple[tuple[int, ...], ...] = ()

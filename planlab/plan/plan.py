@@ -43,6 +43,7 @@ class OpPlan:
         return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
 
 
+ZERO_STAGES = (0, 1, 2, 3)
 _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
 PHASES = ("F", "B", "I", "W", "U")
 
@@ -88,7 +89,7 @@ class Plan:
     space: str = ""
     knobs: tuple[tuple[str, Any], ...] = ()
     version: int = PLAN_VERSION
-    zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients
+    zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
 
     def op_plan(self, name: str) -> OpPlan:
         for p in self.ops:
@@ -194,9 +195,11 @@ class PlanBuilder:
     def zero(self, stage: int) -> None:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
-        shard, all-gather the weights); stage 2 also keeps only a shard of the gradients."""
-        if stage not in (0, 1, 2):
-            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1 or 2 (stage 3 is not supported yet)")
+        shard, all-gather the weights); stage 2 also keeps only a shard of the gradients; stage 3
+        (FSDP's full sharding) also of the weights, all-gathered per layer before its forward and
+        again before its backward, and freed after each (:mod:`planlab.plan.zero`)."""
+        if stage not in ZERO_STAGES or isinstance(stage, bool):
+            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1, 2 or 3")
         self._zero = stage
 
     def microbatch(self, m: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
-from planlab.plan.program import Block, Task, TaskKind
+from planlab.plan.program import Block, Task, TaskKind, is_static
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,26 @@ class Collective:
 @dataclass(frozen=True)
 class AsyncCollective:
     """A collective on the communication stream while the device goes on (a bucket of weight
-    gradients reduced during the backward); the optimizer waits for it."""
+    gradients reduced during the backward, a ZeRO-3 layer's weights gathered ahead); the
+    optimizer waits for it. Its output (``alloc_bytes``) is allocated when it is issued, its
+    input (``free_bytes``) freed when it completes."""
 
     task: str
     group: tuple[int, ...]
     duration_s: float
+    alloc_bytes: int = 0
+    free_bytes: int = 0
 
 
-Unit = Segment | Send | Recv | Collective | AsyncCollective
+@dataclass(frozen=True)
+class Await:
+    """Wait for overlapped collectives issued earlier in the block, whose outputs the next
+    task reads (a ZeRO-3 layer's forward waits for its weights)."""
+
+    tasks: tuple[str, ...]
+
+
+Unit = Segment | Send | Recv | Collective | AsyncCollective | Await
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
@@ -98,6 +110,7 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     task times across the blocks of one simulation."""
     units: list[Unit] = []
     cur: list = []  # (task, duration, is_comm)
+    pending: dict[str, str] = {}  # buffer -> the overlapped collective still writing it
     prices = prices if prices is not None else {}
 
     def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
@@ -126,9 +139,18 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     for t in block.tasks:
         if t.final and not final:
             continue
+        if pending:
+            waits = {pending[b] for b in t.reads + t.saved if b in pending}
+            if waits:
+                flush()
+                units.append(Await(tuple(sorted(waits))))
+                for b in [b for b, name in pending.items() if name in waits]:
+                    del pending[b]
         if t.overlap:
             flush()
-            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype)))
+            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
+                                         sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
+            pending.update((b, t.name) for b in t.writes if b and not is_static(b))
         elif t.kind is TaskKind.SEND:
             flush()
             units.append(Send(t.name, t.peer, _tag(t), cost.p2p_time_s(t.nbytes, device, t.peer),
