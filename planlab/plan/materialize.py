@@ -24,10 +24,10 @@ from typing import Callable
 from planlab.errors import InfeasiblePlan, choices
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.plan.backward_split import split_backward, split_stages
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
-from planlab.plan.backward_split import split_backward, split_stages
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
 from planlab.plan.zero import shard_fully, units_of
 

@@ -23,7 +23,8 @@ from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.network import Network
 from planlab.simulator.result import DeviceStats, Event, SimResult
-from planlab.simulator.units import AsyncCollective, Await, Collective, Recv, Segment, Send, lower_block
+from planlab.simulator.units import (AsyncCollective, Await, Collective, Recv, Segment, Send, lower_block,
+                                     overlap_writers)
 
 
 def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False,
@@ -123,6 +124,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
         for b in dp.blocks.values():
             for t in b.tasks:
                 sizes.update(t.alloc)
+        writers = overlap_writers(dp.blocks.values())
         units: dict[tuple, tuple] = {}
         st = stats[rep] = dict(compute_s=0.0, comm_s=0.0, wait_s=0.0, exposed_s=0.0, bubble_s=0.0,
                                peak=dp.static_bytes, peak_at=0.0, peak_task="(weights)")
@@ -159,7 +161,8 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             block_units = units.get(key)
             if block_units is None:
                 block_units = units[key] = lower_block(dp.blocks[key[:2]], device=rep, cls=cls, cost=cost,
-                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices)
+                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices,
+                                                       writers=writers)
             if action.phase == "U" and in_flight:
                 yield from drain()
             for u in block_units:
@@ -214,12 +217,10 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
                     by_name[u.task] = proc
                     if overlap_slowdown != 1.0:
                         yield env.timeout(0)  # let it claim the stream, so what follows knows it is shared
-                elif isinstance(u, Await):
+                elif isinstance(u, Await):  # no event: the collectives' own events show the wait
                     start = env.now
-                    yield env.all_of([by_name[name] for name in u.tasks])
+                    yield env.all_of([by_name[name] for name in u.tasks if name in by_name])
                     st["exposed_s"] += env.now - start
-                    if timeline and env.now > start:
-                        events.append((next(issued), Event(rep, "wait", a, "+".join(u.tasks), start, env.now)))
                 elif isinstance(u, Collective):
                     key_cls = tuple(sorted({cls[d] for d in u.group}))
                     n = seen_coll[key_cls]

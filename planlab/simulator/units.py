@@ -73,8 +73,8 @@ class AsyncCollective:
 
 @dataclass(frozen=True)
 class Await:
-    """Wait for overlapped collectives issued earlier in the block, whose outputs the next
-    task reads (a ZeRO-3 layer's forward waits for its weights)."""
+    """Wait for the latest run of overlapped collectives whose outputs the next task reads
+    (a ZeRO-3 layer's forward waits for its gathered weights)."""
 
     tasks: tuple[str, ...]
 
@@ -103,14 +103,23 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 _task_time_s = task_time_s
 
 
+def overlap_writers(blocks) -> dict[str, str]:
+    """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
+    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not is_static(b)}
+
+
 def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
-                sizes: dict[str, int], final: bool = True, prices: dict | None = None) -> tuple[Unit, ...]:
+                sizes: dict[str, int], final: bool = True, prices: dict | None = None,
+                writers: dict[str, str] | None = None) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
-    task times across the blocks of one simulation."""
+    task times across the blocks of one simulation. A task reading a buffer of ``writers``
+    (:func:`overlap_writers` of the device's blocks; default: this block's) waits for the
+    collective's latest run first."""
     units: list[Unit] = []
     cur: list = []  # (task, duration, is_comm)
-    pending: dict[str, str] = {}  # buffer -> the overlapped collective still writing it
+    writers = overlap_writers([block]) if writers is None else writers
+    awaited: set[str] = set()  # buffers already waited for in this block
     prices = prices if prices is not None else {}
 
     def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
@@ -139,18 +148,17 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     for t in block.tasks:
         if t.final and not final:
             continue
-        if pending:
-            waits = {pending[b] for b in t.reads + t.saved if b in pending}
+        if writers:
+            waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 flush()
-                units.append(Await(tuple(sorted(waits))))
-                for b in [b for b, name in pending.items() if name in waits]:
-                    del pending[b]
+                units.append(Await(tuple(sorted({writers[b] for b in waits}))))
+                awaited.update(waits)
         if t.overlap:
             flush()
             units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
                                          sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
-            pending.update((b, t.name) for b in t.writes if b and not is_static(b))
+            awaited.difference_update(t.writes)
         elif t.kind is TaskKind.SEND:
             flush()
             units.append(Send(t.name, t.peer, _tag(t), cost.p2p_time_s(t.nbytes, device, t.peer),
