@@ -6,6 +6,7 @@ Passes, in this order:
 3. backward: per operator in reverse, the conversions that sum its outputs' gradient
    contributions into the layout its output had, then one backward task per piece;
 4. weight gradients: bucketed all-reduces of partial weight gradients, then the optimizer step;
+4b. co-located pieces: a device's k pieces of an operator run as k chunks (planlab.plan.coshard);
 5. order and memory: block tasks sorted, liveness gives each task's allocations and frees.
 """
 
@@ -21,6 +22,7 @@ from typing import Callable
 from planlab.errors import InfeasiblePlan, choices
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
@@ -68,6 +70,7 @@ class _Layouts:
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
+        self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
@@ -79,11 +82,14 @@ class _Layouts:
             if bad:
                 raise InfeasiblePlan(f"operator {op.name!r} is placed on device {bad[0]}; the plan has "
                                      f"devices 0..{plan.num_devices - 1}")
-            if len(set(p.devices)) != len(p.devices):
-                raise InfeasiblePlan(f"operator {op.name!r} places two pieces on one device: {list(p.devices)}")
-            mesh = Mesh(tuple(sizes), tuple(p.devices))
+            co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
+            mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
+            if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+                self.chunks[op.name] = co
+                mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
+            mesh = Mesh(tuple(msizes), tuple(mdevices))
             self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
-            self.dims[op.name] = tuple(dims)
+            self.dims[op.name] = tuple(mdims)
             for d in set(x for x in dims if x is not None):
                 if not op.signature.splittable(d):
                     raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
@@ -377,7 +383,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
-    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute}
+    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks}  # coshard: per piece
     if groups_of:
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
@@ -433,6 +439,12 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             emit(dev, w_block, (1, 1), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
                                             bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
                                                                    + 2 * precision.optimizer_bytes)))
+
+    # -- pass 4b: co-located pieces run one after another (coshard) ---------------
+    if L.chunks:
+        from planlab.plan.coshard import run_in_chunks
+
+        run_in_chunks(entries, graph, L, plan, buf_bytes)
 
     # -- pass 5: order, schedule, memory ----------------------------------------
     programs = []
