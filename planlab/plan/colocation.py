@@ -16,6 +16,7 @@ split gives it (same layouts, same collectives) and ``materialize`` runs its com
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from planlab.errors import InfeasiblePlan
@@ -37,20 +38,27 @@ class CoLocation:
                devices: tuple[int, ...]) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
         """The ``n``-way split each device's share is: mesh axis ``axis`` shrunk ``k`` times
         (dropped when that leaves it one piece wide), one entry per device."""
-        mesh = Mesh(tuple(sizes), tuple(devices))
-        a, k = self.axis, self.k
-        out_sizes = list(sizes)
-        out_sizes[a] //= k
-        reduced = Mesh(tuple(out_sizes), tuple(range(len(devices) // k)))
-        out_devices = []
-        for flat in range(len(reduced.devices)):
-            c = list(reduced.coord(flat))
-            c[a] *= k
-            out_devices.append(devices[mesh.flat(tuple(c))])
-        out_dims = list(dims)
-        if out_sizes[a] == 1:
-            del out_sizes[a], out_dims[a]
-        return tuple(out_dims), tuple(out_sizes), tuple(out_devices)
+        return _reduce(self, tuple(dims), tuple(sizes), tuple(devices))
+
+
+@functools.lru_cache(maxsize=1024)
+def _reduce(co: CoLocation, dims: tuple[str | None, ...], sizes: tuple[int, ...],
+            devices: tuple[int, ...]) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
+    """:meth:`CoLocation.reduce`, once per placement (operators share a few)."""
+    mesh = Mesh(sizes, devices)
+    a, k = co.axis, co.k
+    out_sizes = list(sizes)
+    out_sizes[a] //= k
+    reduced = Mesh(tuple(out_sizes), tuple(range(len(devices) // k)))
+    out_devices = []
+    for flat in range(len(reduced.devices)):
+        c = list(reduced.coord(flat))
+        c[a] *= k
+        out_devices.append(devices[mesh.flat(tuple(c))])
+    out_dims = list(dims)
+    if out_sizes[a] == 1:
+        del out_sizes[a], out_dims[a]
+    return tuple(out_dims), tuple(out_sizes), tuple(out_devices)
 
 
 def colocation(op: str, dims: tuple[str | None, ...], sizes: tuple[int, ...],
@@ -63,32 +71,38 @@ def colocation(op: str, dims: tuple[str | None, ...], sizes: tuple[int, ...],
     """
     if len(set(devices)) == len(devices):
         return None
-    where = f"operator {op!r} on devices {list(devices)}"
-    mesh = Mesh(tuple(sizes), tuple(devices))
+    got = _analyse(tuple(dims), tuple(sizes), tuple(devices))  # operators share a few placements
+    if isinstance(got, str):
+        raise InfeasiblePlan(f"operator {op!r} on devices {list(devices)}: {got}")
+    return got
+
+
+@functools.lru_cache(maxsize=1024)
+def _analyse(dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tuple[int, ...]) -> CoLocation | str:
+    """The co-location of pieces placed so, or what is wrong with it."""
+    mesh = Mesh(sizes, devices)
     held: dict[int, list[tuple[int, ...]]] = {}
     for flat, d in enumerate(devices):
         held.setdefault(d, []).append(mesh.coord(flat))
     counts = sorted({len(v) for v in held.values()})
     if len(counts) > 1:
-        raise InfeasiblePlan(f"{where}: devices hold {' or '.join(map(str, counts))} pieces; co-located pieces "
-                             "must be as many on every device (k of k x n pieces each)")
+        return (f"devices hold {' or '.join(map(str, counts))} pieces; co-located pieces must be as many on "
+                "every device (k of k x n pieces each)")
     k = counts[0]
     axes = sorted({a for cs in held.values() for c in cs for a in range(len(sizes)) if c[a] != cs[0][a]})
     if len(axes) != 1:
-        raise InfeasiblePlan(f"{where}: a device's pieces differ along mesh axes {axes}; co-located pieces "
-                             "must be neighbours along one split")
+        return f"a device's pieces differ along mesh axes {axes}; co-located pieces must be neighbours along one split"
     a = axes[0]
     for d, cs in held.items():
         idx = sorted(c[a] for c in cs)
         if idx != list(range(idx[0], idx[0] + k)) or idx[0] % k:
-            raise InfeasiblePlan(f"{where}: device {d} holds pieces {idx} of the {sizes[a]} along mesh axis {a}; "
-                                 f"co-located pieces must be {k} consecutive ones, e.g. devices "
-                                 f"{[x for x in sorted(held) for _ in range(k)]}")
+            return (f"device {d} holds pieces {idx} of the {sizes[a]} along mesh axis {a}; co-located pieces "
+                    f"must be {k} consecutive ones, e.g. devices {[x for x in sorted(held) for _ in range(k)]}")
     dim = dims[a]
     if dim is None:
-        raise InfeasiblePlan(f"{where}: {k} replicas on one device; co-located pieces must split a dimension")
+        return f"{k} replicas on one device; co-located pieces must split a dimension"
     inner = [b for b in range(a + 1, len(sizes)) if dims[b] == dim and sizes[b] > 1]
     if inner:
-        raise InfeasiblePlan(f"{where}: mesh axis {inner[0]} splits dimension {dim!r} again inside the "
-                             f"co-located pieces of axis {a}, so a device's pieces are not one contiguous share")
+        return (f"mesh axis {inner[0]} splits dimension {dim!r} again inside the co-located pieces of axis {a}, "
+                "so a device's pieces are not one contiguous share")
     return CoLocation(a, dim, k)

@@ -129,29 +129,34 @@ class _Stage:
                 for b in t.reads + t.saved:
                     if b:
                         readers[b].add((phase, i))
-        jobs = []
+        fpos: dict[str, list[int]] = defaultdict(list)
+        bpos: dict[str, list[int]] = defaultdict(list)
+        for pos, kind, tasks in ((fpos, TaskKind.FORWARD, fw), (bpos, TaskKind.BACKWARD, bw)):
+            for i, t in enumerate(tasks):
+                if t.kind is kind and t.op in self.L.chunks:
+                    pos[t.op].append(i)
+        # what the layer's recomputation (planlab.plan.materialize._recompute) makes again: a
+        # recomputed chunk reads that instead of keeping the forward's buffer until the backward
+        relay = {f"a:{w[2:]}": w for t in bw if t.name.startswith("re:") for w in t.writes if w.startswith("r:")}
+        fjobs, bjobs = [], []
         for members in found:
-            mem = set(members)
-            fi = [i for i, t in enumerate(fw) if t.kind is TaskKind.FORWARD and t.op in mem]
+            fi = sorted(i for m in members for i in fpos.get(m, ()))
             if not fi:
                 continue  # the group is not on this device
-            bi = [i for i, t in enumerate(bw) if t.kind is TaskKind.BACKWARD and t.op in mem]
+            bi = sorted(i for m in members for i in bpos.get(m, ()))
             group = {("F", i) for i in fi} | {("B", i) for i in bi}
             internal = self._internal(fw, bw, group, bi, writers, readers)
             bi = sorted(i for p, i in group if p == "B")
-            jobs.append((fi[0], members, [fw[i] for i in fi], [bw[i] for i in bi], internal))
-        # splice the groups in, the last first (each finds its members again by identity)
-        for _, members, ftasks, btasks, internal in sorted(jobs, key=lambda j: -j[0]):
-            co = self.L.chunks[members[0]]
-            made = _Chunks(self, co.k, internal, ftasks)
-            fw = _splice(fw, ftasks, [made.forward(t, c) for c in range(co.k) for t in ftasks], members)
-            if btasks:
+            k = self.L.chunks[members[0]].k
+            made = _Chunks(self, k, internal, [fw[i] for i in fi], relay)
+            fjobs.append((fi, [made.forward(fw[i], c) for c in range(k) for i in fi], members))
+            if bi:
                 seq = []
-                for c in range(co.k):
-                    seq += [made.redo(t, c) for t in ftasks if t.op in self.recomputed]
-                    seq += [made.backward(t, c) for t in btasks]
-                bw = _splice(bw, btasks, seq, members)
-        return fw, bw
+                for c in range(k):
+                    seq += [made.redo(fw[i], c) for i in fi if fw[i].op in self.recomputed]
+                    seq += [made.backward(bw[i], c) for i in bi]
+                bjobs.append((bi, seq, members))
+        return _splice_all(fw, fjobs), _splice_all(bw, bjobs)
 
     def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[str]:
         """Buffers only the group writes and reads; the group grows by the local sums and copies
@@ -174,16 +179,47 @@ class _Stage:
         written = {b for p, i in group for b in tasks[p][i].writes if b}
         return frozenset(b for b in written if inside(b, group))
 
-    def op_shapes(self, op: Operator, flat: int) -> tuple:
-        """Local shapes of ``op``'s inputs, outputs and input-gradient contributions at ``flat``."""
-        key = (op.name, flat)
+    def _local(self, op: Operator, flat: int, phase: str, dim: str) -> tuple:
+        """``(local shape, axis of dim)`` per read and write of ``op``'s piece at ``flat`` in
+        ``phase``, and their total size."""
+        key = (op.name, flat, phase)
         got = self.shapes.get(key)
         if got is None:
             L = self.L
-            ins = tuple(box_shape(L.needs(op, i).box(flat, L.shapes[t])) for i, t in enumerate(op.inputs))
-            outs = tuple(box_shape(L.has(op, j).box(flat, L.shapes[t])) for j, t in enumerate(op.outputs))
-            grads = tuple(box_shape(L.contributes(op, i).box(flat, L.shapes[t])) for i, t in enumerate(op.inputs))
-            got = self.shapes[key] = (ins, outs, grads)
+            ins = [(box_shape(L.needs(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
+                   for i, t in enumerate(op.inputs)]
+            outs = [(box_shape(L.has(op, j).box(flat, L.shapes[t])), _axis(op.signature.outputs[j], dim))
+                    for j, t in enumerate(op.outputs)]
+            if phase == "B":
+                ins, outs = outs, [(box_shape(L.contributes(op, i).box(flat, L.shapes[t])),
+                                    _axis(op.signature.inputs[i], dim)) for i, t in enumerate(op.inputs)]
+            got = self.shapes[key] = (ins, outs, sum(math.prod(s) for s, _ in ins + outs))
+        return got
+
+    def geometry(self, op: Operator, flat: int, phase: str, c: int) -> tuple:
+        """Chunk ``c`` of ``op``'s piece at ``flat``, for its forward (``phase`` F: reads are the inputs,
+        writes the outputs) or backward (B: reads are the outputs' gradients, writes the inputs'):
+        per read and write ``(slice or None, chunk box, local shape, chunk shape)``, the share of the
+        piece's memory traffic the chunk moves (a tensor without the split dimension is read whole
+        by every chunk), the chunk's first output shape, and whether it may add terms added once."""
+        key = (op.name, flat, phase, c)
+        got = self.shapes.get(key)
+        if got is None:
+            co = self.L.chunks[op.name]
+            reads, writes, total = self._local(op, flat, phase, co.dim)
+
+            def parts(pairs) -> tuple:
+                out = []
+                for shape, axis in pairs:
+                    box = _chunk(shape, axis, c, co.k)
+                    out.append((box if axis is not None else None, box, shape, box_shape(box)))
+                return tuple(out)
+
+            rgeo, wgeo = parts(reads), parts(writes)
+            moved = sum(math.prod(g[3]) for g in rgeo + wgeo)
+            first = (wgeo if phase == "F" else rgeo)[0][3]
+            got = self.shapes[key] = (rgeo, wgeo, moved / max(1, total), first,
+                                      c == 0 or co.dim not in op.signature.reduce)
         return got
 
 
@@ -195,8 +231,9 @@ def _r(b: str, c: int) -> str:
 class _Chunks:
     """Builds the chunk tasks of one group on one device."""
 
-    def __init__(self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task]) -> None:
-        self.s, self.k, self.internal = stage, k, internal
+    def __init__(self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task],
+                 relay: dict[str, str]) -> None:
+        self.s, self.k, self.internal, self.relay = stage, k, internal, relay
         self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
         self.chunk_shape: dict[str, tuple[int, ...]] = {}
 
@@ -209,46 +246,34 @@ class _Chunks:
         self.chunk_shape[new] = chunk
         return new
 
-    def _fields(self, t: Task, c: int, op: Operator, reads, writes, read_shapes, write_shapes, rd, wr) -> dict:
-        """Reads, writes, slices and places of chunk ``c`` of ``t``: ``rd``/``wr`` map a buffer to
-        its chunk name (or None: the chunk uses its slice of the whole buffer)."""
-        co: CoLocation = self.s.L.chunks[op.name]
-        k = self.k
+    def _fields(self, t: Task, c: int, op: Operator, phase: str, reads, writes, rd, wr) -> dict:
+        """Reads, writes, slices and places of chunk ``c`` of ``t`` (``phase`` F: of a forward task,
+        B: of a backward task): ``rd``/``wr`` map a buffer to its chunk's own buffer, or to None when
+        the chunk uses its slice of the whole buffer."""
+        rgeo, wgeo, frac, _, lead = self.s.geometry(op, t.coord, phase, c)
         out_r, slices, out_w, places = [], [], [], []
-        moved = total = 0
-        for b, (shape, axis) in zip(reads, read_shapes):
-            chunk = _chunk(shape, axis, c, k)
-            total += math.prod(shape)
-            moved += math.prod(box_shape(chunk))
-            new = rd(b, c, shape, box_shape(chunk)) if b else ""
+        for b, (sl, _, full, chunk) in zip(reads, rgeo):
+            new = rd(b, c, full, chunk) if b else ""
             out_r.append(new or b)
-            slices.append(None if new or not b or axis is None else chunk)
-        for b, (shape, axis) in zip(writes, write_shapes):
-            chunk = _chunk(shape, axis, c, k)
-            total += math.prod(shape)
-            moved += math.prod(box_shape(chunk))
-            new = wr(b, c, shape, box_shape(chunk)) if b else ""
+            slices.append(None if new or not b else sl)
+        for b, (_, box, full, chunk) in zip(writes, wgeo):
+            new = wr(b, c, full, chunk) if b else ""
             out_w.append(new or b)
-            places.append(None if new or not b else (chunk, shape))
-        lead = t.lead and (c == 0 or co.dim not in op.signature.reduce)
+            places.append(None if new or not b else (box, full))
         return dict(reads=tuple(out_r), writes=tuple(out_w), slices=tuple(slices), places=tuple(places),
-                    chunk=c, flops=t.flops / k, bytes_moved=t.bytes_moved * moved / max(1, total), lead=lead)
+                    chunk=c, flops=t.flops / self.k, bytes_moved=t.bytes_moved * frac, lead=t.lead and lead)
 
-    def _op(self, t: Task) -> tuple[Operator, CoLocation, tuple]:
-        op = self.s.graph.op(t.op)
-        return op, self.s.L.chunks[op.name], self.s.op_shapes(op, t.coord)
+    def _op(self, t: Task) -> Operator:
+        return self.s.graph.op(t.op)
 
     def _inner(self, b, c, local, chunk):
         return self._name(b, c, local, chunk) if b in self.internal else None
 
     def forward(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of forward task ``t``: without the graph when its operator is recomputed."""
-        op, co, (ins, outs, _) = self._op(t)
-        f = self._fields(t, c, op, t.reads, t.writes,
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(ins, op.signature.inputs)],
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(outs, op.signature.outputs)],
-                         self._inner, self._inner)
-        shape = box_shape(_chunk(outs[0], _axis(op.signature.outputs[0], co.dim), c, self.k))
+        op = self._op(t)
+        f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner)
+        shape = self.s.geometry(op, t.coord, "F", c)[3]
         if op.name in self.s.recomputed:
             return _replace(t, name=f"{t.name}@{c}", shape=shape, recompute="drop", saved=(), **f)
         saved = tuple(f"{b}@{c}" if b in self.internal else b for b in t.saved)
@@ -256,7 +281,7 @@ class _Chunks:
 
     def redo(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of forward task ``t`` run again before the chunk's backward, into ``r:`` buffers."""
-        op, co, (ins, outs, _) = self._op(t)
+        op = self._op(t)
 
         def rd(b, c, local, chunk):
             if b in self.remade:
@@ -270,17 +295,18 @@ class _Chunks:
                 sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
             return new
 
-        f = self._fields(t, c, op, t.reads, t.writes,
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(ins, op.signature.inputs)],
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(outs, op.signature.outputs)], rd, wr)
-        shape = box_shape(_chunk(outs[0], _axis(op.signature.outputs[0], co.dim), c, self.k))
+        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
+        shape = self.s.geometry(op, t.coord, "F", c)[3]
         return _replace(t, name=f"re:{t.name}@{c}", shape=shape, recompute="redo",
                         saved=tuple(self._saved(b, c, True) for b in t.saved), **f)
 
     def _saved(self, b: str, c: int, remade: bool) -> str:
         if remade and b in self.remade:
             return _r(b, c)
-        return f"{b}@{c}" if b in self.internal else b
+        if b in self.internal:
+            return f"{b}@{c}"
+        return self.relay.get(b, b) if remade else b
 
     def backward(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of a member's backward task, or of a local sum or copy between members."""
@@ -297,11 +323,8 @@ class _Chunks:
                 self.chunk_shape[w] = shape
             return _replace(t, name=f"{t.name}@{c}", reads=reads, writes=tuple(writes), shape=shape, chunk=c,
                             flops=t.flops / self.k, bytes_moved=t.bytes_moved / self.k)
-        op, co, (ins, outs, grads) = self._op(t)
-        f = self._fields(t, c, op, t.reads, t.writes,
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(outs, op.signature.outputs)],
-                         [(s, _axis(ax, co.dim)) for s, ax in zip(grads, op.signature.inputs)],
-                         self._inner, self._inner)
+        op = self._op(t)
+        f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
         return _replace(t, name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
 
@@ -313,19 +336,40 @@ def _replace(t: Task, **changes) -> Task:
     return new
 
 
-def _splice(tasks: list[Task], members: list[Task], seq: list[Task], ops: list[str]) -> list[Task]:
-    """``tasks`` with ``members`` replaced by ``seq``, placed where the last member was: the tasks
-    between the first and last member that read what the group (or a task moved after it)
-    writes move after ``seq``, the others before it."""
-    ids = {id(t) for t in members}
-    idx = [i for i, t in enumerate(tasks) if id(t) in ids]
+def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[str]]]) -> list[Task]:
+    """``tasks`` with each job's members (at positions ``idx``) replaced by its ``seq``, the last
+    job first: a splice moves nothing before its first member, so earlier jobs keep their
+    positions unless their members interleave (then they are found again by identity)."""
+    ids = [{id(tasks[i]) for i in idx} for idx, _, _ in jobs]
+    bound = len(tasks)
+    for n in sorted(range(len(jobs)), key=lambda n: -jobs[n][0][0]):
+        idx, seq, ops = jobs[n]
+        if idx[-1] >= bound:  # members inside a later job's span: find them where it put them
+            idx = [i for i in idx if i < bound]
+            want = len(ids[n]) - len(idx)
+            for i in range(bound, len(tasks)):
+                if want == 0:
+                    break
+                if id(tasks[i]) in ids[n]:
+                    idx.append(i)
+                    want -= 1
+        tasks = _splice(tasks, idx, seq, ops)
+        bound = idx[0]
+    return tasks
+
+
+def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) -> list[Task]:
+    """``tasks`` with the members at ``idx`` replaced by ``seq``, placed where the last member was:
+    the tasks between the first and last member that read what the group (or a task moved after
+    it) writes move after ``seq``, the others before it."""
     first, last = idx[0], idx[-1]
+    inside = set(idx)
     out = {w for i in idx for w in tasks[i].writes if w}
     before, after = [], []
     for i in range(first + 1, last):
-        t = tasks[i]
-        if id(t) in ids:
+        if i in inside:
             continue
+        t = tasks[i]
         if any(b in out for b in t.reads + t.saved if b):
             after.append(t)
             out.update(w for w in t.writes if w)
