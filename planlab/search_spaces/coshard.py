@@ -26,10 +26,11 @@ PARTS = ("attention", "mlp", "both")
 
 
 def _heads_ok(a: dict, c: Context) -> bool:
-    k, tp, part = a.get("coshard"), a.get("tp") or 1, a.get("coshard_blocks")
-    if k is None or part == "mlp":
+    """Tensor parallelism times coshard divides the heads (a space without tp: tp = 1)."""
+    k, part = a.get("coshard"), a.get("coshard_blocks")
+    if k is None or part == "mlp" or "tp" in a and a["tp"] is None:
         return True
-    return c.heads % (tp * k) == 0
+    return c.heads % ((a.get("tp") or 1) * k) == 0
 
 
 class Coshard(Space):
