@@ -30,7 +30,7 @@ from collections import defaultdict
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation
-from planlab.plan.layout import Box, box_shape
+from planlab.plan.layout import Box, Layout, Partial, Replicate, box_shape
 from planlab.plan.plan import Plan
 from planlab.plan.program import Task, TaskKind, is_static
 from planlab.plan.redistribute import same_layout
@@ -50,10 +50,20 @@ def _chunk(shape: tuple[int, ...], axis: int | None, c: int, k: int) -> Box:
     return tuple(box)
 
 
+def _all_reduced(contrib: Layout, need: Layout) -> bool:
+    """True when gradient contributions in ``contrib`` become ``need`` as they are or by all-reduces."""
+    if contrib.mesh != need.mesh:
+        return False
+    return all(c == n or isinstance(c, Partial) and isinstance(n, Replicate) or size == 1
+               for c, n, size in zip(contrib.placements, need.placements, need.mesh.shape))
+
+
 def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
     """Co-located operators whose chunks run together, each group in topological order: those
     joined by tensors that pass, to co-located readers only, in one layout chunked along the
-    same axis, and whose gradients pass back in that layout too."""
+    same axis, and whose gradients pass back in that layout too or as partial sums that one
+    all-reduce completes (a tensor without the batch axis read by data-parallel pieces: that
+    all-reduce then runs per chunk)."""
     chunks: dict[str, CoLocation] = L.chunks
     parent = {name: name for name in chunks}
 
@@ -67,10 +77,8 @@ def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
         if co is None or cp.k != co.k or stage[prod.name] != stage[op.name]:
             return False
         a = _axis(prod.signature.outputs[j], cp.dim)
-        # the tensor and its gradient pass without a conversion (a gradient summed over the
-        # replicas of a tensor that has no batch axis, say, needs a collective: made whole first)
         return a is not None and a == _axis(op.signature.inputs[i], co.dim) and \
-            same_layout(L.has(prod, j), L.needs(op, i)) and same_layout(L.contributes(op, i), L.needs(op, i))
+            same_layout(L.has(prod, j), L.needs(op, i)) and _all_reduced(L.contributes(op, i), L.needs(op, i))
 
     for prod in graph.operators:
         if prod.name not in chunks:
@@ -148,10 +156,18 @@ class _Stage:
             internal = self._internal(fw, bw, group, bi, writers, readers)
             bi = sorted(i for p, i in group if p == "B")
             k = self.L.chunks[members[0]].k
-            made = _Chunks(self, k, internal, [fw[i] for i in fi], relay)
+            # inputs the group alone loads are loaded again for its recomputation, not kept
+            reload = [fw[i] for i in range(fi[0], fi[-1]) if fw[i].kind is TaskKind.LOCAL and
+                      fw[i].name.startswith("load:") and all(readers[w] <= group for w in fw[i].writes)]
+            again = {w: f"r:{w[2:]}" for t in reload for w in t.writes}
+            made = _Chunks(self, k, internal, [fw[i] for i in fi], {**relay, **again})
             fjobs.append((fi, [made.forward(fw[i], c) for c in range(k) for i in fi], members))
             if bi:
                 seq = []
+                if any(fw[i].op in self.recomputed for i in fi):
+                    for t in reload:
+                        self.sizes.update({again[w]: self.sizes[w] for w in t.writes if w in self.sizes})
+                        seq.append(_replace(t, name=f"re:{t.name}", writes=tuple(again[w] for w in t.writes)))
                 for c in range(k):
                     seq += [made.redo(fw[i], c) for i in fi if fw[i].op in self.recomputed]
                     seq += [made.backward(bw[i], c) for i in bi]
@@ -159,11 +175,11 @@ class _Stage:
         return _splice_all(fw, fjobs), _splice_all(bw, bjobs)
 
     def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[str]:
-        """Buffers only the group writes and reads; the group grows by the local sums and copies
-        of gradients that pass between its members in the backward (a greatest fixpoint)."""
+        """Buffers only the group writes and reads; the group grows by the local sums, copies and
+        all-reduces of gradients that pass between its members in the backward (a greatest
+        fixpoint): they run per chunk too."""
         lo, hi = (min(bi), max(bi)) if bi else (0, -1)
-        cand = {("B", i) for i in range(lo, hi + 1) if bw[i].kind is TaskKind.LOCAL
-                and bw[i].region is None and bw[i].src_region is None}
+        cand = {("B", i) for i in range(lo, hi + 1) if _per_chunk(bw[i])}
 
         def inside(b: str, g: set) -> bool:
             return bool(b) and not is_static(b) and writers[b] <= g and readers[b] <= g
@@ -221,6 +237,14 @@ class _Stage:
             got = self.shapes[key] = (rgeo, wgeo, moved / max(1, total), first,
                                       c == 0 or co.dim not in op.signature.reduce)
         return got
+
+
+def _per_chunk(t: Task) -> bool:
+    """A task that may run chunk by chunk on chunks of its buffers: an elementwise local sum or
+    copy, or an all-reduce issued in the backward's order (not a bucket of weight gradients)."""
+    if t.kind is TaskKind.LOCAL:
+        return t.region is None and t.src_region is None and not t.name.startswith("load:")
+    return t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce" and not t.final and not t.overlap
 
 
 def _r(b: str, c: int) -> str:
@@ -310,7 +334,7 @@ class _Chunks:
 
     def backward(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of a member's backward task, or of a local sum or copy between members."""
-        if t.kind is not TaskKind.BACKWARD:  # a local sum or copy of a gradient inside the group
+        if t.kind is not TaskKind.BACKWARD:  # a local sum, copy or all-reduce of a gradient inside the group
             reads = tuple(f"{b}@{c}" if b in self.internal else b for b in t.reads)
             writes = []
             for b in t.writes:
@@ -322,7 +346,7 @@ class _Chunks:
             for w in writes:
                 self.chunk_shape[w] = shape
             return _replace(t, name=f"{t.name}@{c}", reads=reads, writes=tuple(writes), shape=shape, chunk=c,
-                            flops=t.flops / self.k, bytes_moved=t.bytes_moved / self.k)
+                            flops=t.flops / self.k, bytes_moved=t.bytes_moved / self.k, nbytes=t.nbytes // self.k)
         op = self._op(t)
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
