@@ -257,7 +257,7 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
      dict(dp=1, tp=2, pp=1, microbatch=4, coshard=2, coshard_blocks="both", recompute="full")),
     ("swin-tiny", (("num_heads", "4,8,16"),),
      dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention")),
-    ("gpt-tiny", (), dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="both")),
+    ("gpt-tiny", (), dict(dp=1, tp=1, pp=2, microbatch=2, coshard=4, coshard_blocks="both")),
 ])
 def test_coshard_plans_match_one_process(model, model_args, knobs):
     spec, g = traced(model, 8, model_args)
@@ -270,6 +270,6 @@ def test_coshard_plans_match_one_process(model, model_args, knobs):
     for dev in (0, 1):  # every chunk task ran, and the collectives the program issues
         ran = Counter(t["kind"] for t in res.timeline if t["device"] == dev)
         want = Counter(t.kind.value for _, t in prog.devices[dev].tasks_in_order())
-        assert ran == want and ran["C"] > 0
+        assert ran == want  # collectives, sends and receives included
         assert sum("@" in t["task"] for t in res.timeline if t["device"] == dev) == \
             sum(t.chunk >= 0 for _, t in prog.devices[dev].tasks_in_order()) > 0
