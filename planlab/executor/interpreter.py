@@ -338,17 +338,19 @@ class Interpreter:
         r = self._read_cache.get(id(task))
         if r is None:
             r = self._read_cache[id(task)] = (self.graph.op(task.op) if task.op else None, tuple(
-                (b, is_static(b), not b.startswith("w:")) for b in task.reads))
+                (b, is_static(b), task.chunk >= 0 or not b.startswith("w:")) for b in task.reads))
         return r
 
     def _forward(self, task: Task, mb: int) -> None:
         op, reads = self._reads(task)
         static, bufs = self.static, self.bufs
         ins = []
-        for b, st, detach in reads:
+        for k, (b, st, detach) in enumerate(reads):
             v = static.get(b) if st else bufs.get((b, mb))
             if v is None:
                 v = self._get(b, mb)
+            if task.slices and task.slices[k] is not None:  # a co-located chunk's slice
+                v = v[_slices(task.slices[k])]
             if detach and v.is_floating_point():  # a leaf of this piece's own autograd graph
                 v = v.detach().requires_grad_(True)
             ins.append(v)
@@ -356,8 +358,11 @@ class Interpreter:
             with torch.no_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            for b, o in zip(task.writes, outs):
-                self.bufs[(b, mb)] = o
+            for k, (b, o) in enumerate(zip(task.writes, outs)):
+                if task.places and task.places[k] is not None:
+                    self._add_into(b, mb, o, task.places[k])
+                else:
+                    self.bufs[(b, mb)] = o
             return
         if torch.is_grad_enabled():
             out = run_piece(op, task, ins, self.graph, self.program.microbatches)
@@ -367,9 +372,12 @@ class Interpreter:
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
             outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])
-        self.ctx[(task.op, mb)] = (ins, outs)
-        for b, o in zip(task.writes, outs):
-            self.bufs[(b, mb)] = o.detach()
+        self.ctx[(task.op, task.chunk, mb)] = (ins, outs)
+        for k, (b, o) in enumerate(zip(task.writes, outs)):
+            if task.places and task.places[k] is not None:
+                self._add_into(b, mb, o.detach(), task.places[k])
+            else:
+                self.bufs[(b, mb)] = o.detach()
 
     def _backward_input(self, task: Task, mb: int) -> None:
         """Zero-bubble's ``I``: the inputs' gradients, keeping the graph for the ``W`` task."""
@@ -377,16 +385,19 @@ class Interpreter:
 
     def _backward(self, task: Task, mb: int, keep: bool = False) -> None:
         op = self._reads(task)[0]
-        ins, outs = self.ctx[(task.op, mb)] if keep else self.ctx.pop((task.op, mb))
+        key = (task.op, task.chunk, mb)
+        ins, outs = self.ctx[key] if keep else self.ctx.pop(key)
         ys, gs = [], []
         bufs, loss = self.bufs, self.graph.loss
-        for b, o, t in zip(task.reads, outs, op.outputs):
+        for j, (b, o, t) in enumerate(zip(task.reads, outs, op.outputs)):
             if not o.requires_grad:
                 continue
             if b:
                 g = bufs.get((b, mb))
                 if g is None:
                     g = self._get(b, mb)
+                if task.slices and task.slices[j] is not None:  # a co-located chunk's slice
+                    g = g[_slices(task.slices[j])]
             elif t == loss:
                 g = torch.ones_like(o)
             else:
@@ -403,10 +414,23 @@ class Interpreter:
         for (k, x), g in zip(wanted, grads):
             g = torch.zeros_like(x) if g is None else g
             w = task.writes[k]
-            if w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
+            if task.places and task.places[k] is not None:  # a co-located chunk adds its share
+                self._add_into(w, mb, g, task.places[k])
+            elif w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
                 static[w] = static[w] + g if w in static else g
             else:
                 self.bufs[(w, mb)] = g
+
+    def _add_into(self, name: str, mb: int, value: torch.Tensor, place: tuple) -> None:
+        """Add ``value`` into ``region`` of buffer ``name`` (made of zeros of ``shape`` by the first
+        chunk that writes it): the co-located chunks of one piece fill or sum it in turn. In place:
+        nothing reads the buffer before its last chunk has written it."""
+        region, shape = place
+        store, key = (self.static, name) if is_static(name) else (self.bufs, (name, mb))
+        cur = store.get(key)
+        if cur is None:
+            cur = store[key] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        cur[_slices(region)] += value
 
     def _local(self, task: Task, mb: int) -> None:
         src = self._get(task.reads[0], mb)

@@ -7,8 +7,9 @@ Passes, in this order:
    contributions into the layout its output had, then one backward task per piece;
 4. weight gradients: bucketed all-reduces of partial weight gradients (ZeRO: reduce-scatters, and for
    stage 3 per-layer weight all-gathers, :mod:`planlab.plan.zero`), then the optimizer step;
-4b. where the schedule asks for it, each backward block split into input- and weight-gradient
-   blocks ``I`` and ``W`` (zero-bubble, :mod:`planlab.plan.backward_split`);
+4b. co-located pieces: a device's k pieces of an operator run as k chunks (:mod:`planlab.plan.coshard`);
+4c. where the schedule asks for it, each backward block split into input- and weight-gradient
+   blocks ``I`` and ``W`` (zero-bubble, :mod:`planlab.plan.backward_split`), chunk by chunk;
 5. order and memory: block tasks sorted, liveness gives each task's allocations and frees.
 """
 
@@ -25,6 +26,7 @@ from planlab.errors import InfeasiblePlan, choices
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
 from planlab.plan.backward_split import split_backward, split_stages
+from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
@@ -73,6 +75,7 @@ class _Layouts:
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
+        self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
@@ -84,11 +87,14 @@ class _Layouts:
             if bad:
                 raise InfeasiblePlan(f"operator {op.name!r} is placed on device {bad[0]}; the plan has "
                                      f"devices 0..{plan.num_devices - 1}")
-            if len(set(p.devices)) != len(p.devices):
-                raise InfeasiblePlan(f"operator {op.name!r} places two pieces on one device: {list(p.devices)}")
-            mesh = Mesh(tuple(sizes), tuple(p.devices))
+            co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
+            mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
+            if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+                self.chunks[op.name] = co
+                mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
+            mesh = Mesh(tuple(msizes), tuple(mdevices))
             self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
-            self.dims[op.name] = tuple(dims)
+            self.dims[op.name] = tuple(mdims)
             for d in set(x for x in dims if x is not None):
                 if not op.signature.splittable(d):
                     raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
@@ -382,7 +388,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
-    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute}
+    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks}  # coshard: per piece
     if groups_of:
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
@@ -450,7 +456,13 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                                             bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
                                                                    + 2 * precision.optimizer_bytes)))
 
-    # -- pass 4b: zero-bubble's split backward, where the schedule has I and W actions --------
+    # -- pass 4b: co-located pieces run one after another (coshard) ---------------
+    if L.chunks:
+        from planlab.plan.coshard import run_in_chunks
+
+        run_in_chunks(entries, graph, L, plan, buf_bytes)
+
+    # -- pass 4c: zero-bubble's split backward, where the schedule has I and W actions --------
     for dev in devices:
         given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) else ()
         if any(a.phase in ("I", "W") for a in given):  # planlab/plan/backward_split.py

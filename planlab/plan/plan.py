@@ -15,6 +15,7 @@ from typing import Any
 from planlab.errors import InfeasiblePlan, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
+from planlab.plan.colocation import colocation
 
 PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
 READ_VERSIONS = (1, 2)
@@ -154,7 +155,10 @@ class PlanBuilder:
         self._sizes[op].append(n)
 
     def op_assign(self, op: str, devices: list[int] | tuple[int, ...], *, stage: int = 0) -> None:
-        """Place the pieces of ``op`` (row-major over its splits) on ``devices``."""
+        """Place the pieces of ``op`` (row-major over its splits) on ``devices``. A device listed
+        ``k`` times holds ``k`` neighbouring pieces of one split, which it runs one after another
+        (nnScaler's coshard, :mod:`planlab.plan.colocation`), e.g. ``[0, 0, 1, 1]`` after
+        ``op_trans(op, dim, 4)``."""
         self.graph.op(op)
         devices = devices if type(devices) is tuple else tuple(map(int, devices))
         want = math.prod(self._sizes[op])
@@ -164,10 +168,10 @@ class PlanBuilder:
             if min(devices) < 0 or max(devices) >= self.num_devices:
                 bad = next(d for d in devices if not 0 <= d < self.num_devices)
                 raise InfeasiblePlan(f"operator {op!r} assigned to device {bad}; devices are 0..{self.num_devices - 1}")
-            if len(set(devices)) != len(devices):
-                raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
-                                     "(co-located pieces are not supported yet)")
-            self._checked.add(devices)
+            if len(set(devices)) == len(devices):
+                self._checked.add(devices)
+            else:  # co-located pieces (coshard): k neighbours of one split per device, checked per operator
+                colocation(op, tuple(self._dims[op]), tuple(self._sizes[op]), devices)
         self._devices[op] = devices
         self._stage[op] = int(stage)
 

@@ -309,6 +309,7 @@ class Megatron(Product):
 
 BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
                                    "recompute": Recompute, "megatron": Megatron}
+BUILTIN["coshard"] = importlib.import_module("planlab.search_spaces.coshard").Coshard  # nnScaler's coshard
 
 
 def get_space(spec: str) -> Space:
