@@ -115,9 +115,18 @@ def cmd_simulate(args) -> int:
 
 
 def _run_config(args):
+    from planlab.errors import ConfigError
     from planlab.executor.run import RunConfig
 
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     warmup = args.warmup if args.warmup is not None else min(1, args.steps - 1)
+    if not 0 <= warmup < args.steps:
+        raise ConfigError(f"--warmup must be at least 0 and less than --steps {args.steps}, got {warmup}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+        raise ConfigError(f"--clip-grad-norm must be a positive number, got {args.clip_grad_norm:g}")
     return RunConfig(steps=args.steps, warmup=warmup, lr=args.lr, check=not args.no_check and not args.load,
                      seed=args.seed, record=True, timeout_s=args.timeout, save_dir=args.save, load_dir=args.load,
                      data=args.data, clip_grad_norm=args.clip_grad_norm, log=True)

@@ -46,7 +46,7 @@ from planlab.executor.failures import (FAULT_ENV, Fault, Progress, TaskError, Wa
 from planlab.executor.interpreter import Interpreter
 from planlab.executor.launch_env import check_launch
 from planlab.executor.memory import PeakMemory
-from planlab.executor.shards import build_shards, check_memory, limit_address_space
+from planlab.executor.shards import build_shards, check_memory
 from planlab.models.init import build_skeleton
 from planlab.plan.materialize import materialize, trace_plan_model
 from planlab.plan.plan_file import plan_from_json, plan_to_json
@@ -221,7 +221,6 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
         batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps) \
             if cfg.data else None
-        limit_address_space()
         shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
         interp = Interpreter(program, graph, rank, skeleton, inputs, groups, lr=cfg.lr, torch_device=device,
                              progress=progress, fault=fault, shards=shards, clip_grad_norm=cfg.clip_grad_norm)

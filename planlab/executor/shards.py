@@ -15,7 +15,6 @@ the machine has available.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
@@ -101,22 +100,3 @@ def check_memory(plan, program: Program, ranks: Iterable[int], *, device: str = 
                           f"{' and '.join(parts)}; {have / 2**30:.2f} GiB is available. Use more machines, a plan "
                           "that splits the model further, or a smaller model")
     return need
-
-
-def limit_address_space(env: str = "PLANLAB_RANK_MEMORY_LIMIT") -> int | None:
-    """Test and validation aid: with ``env`` set to a number of bytes, cap this process's address
-    space (``RLIMIT_AS``) at its current size plus that many bytes; returns the cap."""
-    text = os.environ.get(env, "").strip()
-    if not text:
-        return None
-    import resource
-
-    try:
-        extra = int(float(text))
-    except ValueError:
-        raise ConfigError(f"{env}={text!r} is not a number of bytes") from None
-    with open("/proc/self/statm") as f:
-        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = size + extra
-    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    return cap

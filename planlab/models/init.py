@@ -12,16 +12,18 @@ name, i)``, and a region takes the overlapping rows of the chunks it touches, sl
 the other dimensions. Memory is bounded by one chunk; a region split along a later
 dimension still draws its rows' chunks whole (time, not memory).
 
-The distribution of each parameter is read from the module that owns it, as PyTorch's own
-``reset_parameters`` draws it (:func:`init_rules`): ``nn.Linear`` and convolutions uniform in
-``+-1/sqrt(fan_in)`` (weights and biases), ``nn.Embedding`` standard normal (its padding row
-zero), normalisation layers ones (weights) and zeros (biases). A module declares its own
-parameters' rules with a method ``param_init(name) -> InitRule`` (the mixture-of-experts
-stacked weights do). Models built by Hugging Face ``transformers`` (a ``config`` with
-``initializer_range``) draw linear, embedding and unknown weights from a normal of that
-standard deviation, zero biases and one norm weights, as their ``_init_weights`` does. Any
-other parameter: zeros if it is named ``bias`` (or ``*_bias``), else normal with standard
-deviation :data:`FALLBACK_STD`.
+The distribution of each parameter is read from the model's own initialisation: while the
+module is built with its parameters on the meta device (:func:`params_on_meta`), the draws
+its code makes on them (``reset_parameters`` of PyTorch's layers, a model's ``nn.init`` calls,
+Hugging Face's ``_init_weights``) are recorded instead of made: ``normal_``, ``uniform_``,
+``fill_``/``zero_`` (also of an embedding's padding row) and ``trunc_normal_`` (recorded as the
+normal it truncates, which at the usual two-sigma-plus bounds is the same draw up to rare
+tails); a ``clone`` is drawn as its source. The last draw on a parameter wins, as it would. A parameter no recorded draw reached
+(set by ``copy_``, ``orthogonal_``, or through ``.data``) gets, from the module that owns it: the
+module's own ``param_init(name) -> InitRule`` if it declares one; uniform ``+-1/sqrt(fan_in)``
+for linear and convolution layers; standard normal for embeddings; ones and zeros for
+normalisation layers; zeros for a parameter named ``bias`` or ``*_bias``; else a normal of
+standard deviation :data:`FALLBACK_STD`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -78,36 +81,61 @@ def _torch_rule(module: nn.Module, name: str, p: torch.Tensor) -> InitRule | Non
     return None
 
 
-def _hf_std(root: nn.Module) -> float | None:
-    for m in root.modules():
-        std = getattr(getattr(m, "config", None), "initializer_range", None)
-        if isinstance(std, (int, float)) and not isinstance(std, bool):
-            return float(std)
-    return None
-
-
 def _is_bias(name: str) -> bool:
     return name == "bias" or name.endswith("_bias")
 
 
-def init_rules(root: nn.Module) -> dict[str, InitRule]:
-    """The rule of every parameter of ``root`` by its qualified name (see the module docstring)."""
-    hf_std = _hf_std(root)
+def _fallback(module: nn.Module, name: str, p: torch.Tensor) -> InitRule:
+    declared = getattr(module, "param_init", None)
+    rule = declared(name) if callable(declared) else None
+    rule = rule or _torch_rule(module, name, p)
+    return rule or (ZEROS if _is_bias(name) else InitRule("normal", 0.0, FALLBACK_STD))
+
+
+class InitRecorder:
+    """The draws made on meta tensors while it is active (see :func:`params_on_meta`), by storage."""
+
+    def __init__(self) -> None:
+        self.by_storage: dict[int, InitRule] = {}
+        self.row_elements: dict[int, int] = {}
+        self._keep: list = []  # the storages recorded, so their addresses are not reused
+
+    def record(self, t: torch.Tensor, rule: InitRule | None) -> None:
+        """Record ``rule`` as the draw made on ``t``: a whole tensor, or one of its rows zeroed."""
+        st = t.untyped_storage()
+        key = st._cdata
+        self._keep.append(st)
+        if t.storage_offset() == 0 and t.numel() * t.element_size() == st.nbytes():
+            if rule is None:
+                self.by_storage.pop(key, None)  # a draw not recorded: fall back to the module's rule
+            else:
+                self.by_storage[key] = rule
+                self.row_elements[key] = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+            return
+        row, r = self.row_elements.get(key, 0), self.by_storage.get(key)
+        if r is not None and rule == ZEROS and row and t.numel() == row and t.is_contiguous() \
+                and t.storage_offset() % row == 0:  # a zeroed row: an embedding's padding row
+            self.by_storage[key] = InitRule(r.kind, r.a, r.b, t.storage_offset() // row)
+
+    def rules(self, root: nn.Module) -> dict[str, InitRule]:
+        """The recorded rule of each parameter of ``root`` that a draw reached, by qualified name."""
+        return {n: self.by_storage[p.untyped_storage()._cdata] for n, p in root.named_parameters()
+                if p.is_meta and p.untyped_storage()._cdata in self.by_storage}
+
+
+_RECORDED: "weakref.WeakKeyDictionary[nn.Module, dict[str, InitRule]]" = weakref.WeakKeyDictionary()
+
+
+def init_rules(root: nn.Module, recorder: InitRecorder | None = None) -> dict[str, InitRule]:
+    """The rule of every parameter of ``root`` by its qualified name (see the module docstring):
+    recorded while it was built (by ``recorder``, or by :func:`build_skeleton`), else from the
+    module that owns it."""
+    recorded = recorder.rules(root) if recorder is not None else _RECORDED.get(root, {})
     out: dict[str, InitRule] = {}
     for prefix, module in root.named_modules():
         for name, p in module.named_parameters(recurse=False):
             full = f"{prefix}.{name}" if prefix else name
-            declared = getattr(module, "param_init", None)
-            rule = declared(name) if callable(declared) else None
-            if rule is None and hf_std is not None:
-                norm = isinstance(module, _NORMS) or "norm" in type(module).__name__.lower()
-                rule = (ONES if norm and name == "weight" else ZEROS if _is_bias(name)
-                        else InitRule("normal", 0.0, hf_std))
-            if rule is None:
-                rule = _torch_rule(module, name, p)
-            if rule is None:
-                rule = ZEROS if _is_bias(name) else InitRule("normal", 0.0, FALLBACK_STD)
-            out[full] = rule
+            out[full] = recorded.get(full) or _fallback(module, name, p)
     return out
 
 
@@ -161,11 +189,15 @@ def init_region(rule: InitRule, name: str, shape: tuple[int, ...], box: Box | No
 
 
 @contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
+def params_on_meta() -> Iterator[InitRecorder]:
     """Build modules with their parameters on the meta device and their buffers (position ids,
-    masks, rotary tables) real: every parameter registered inside is moved to meta at once,
-    so the layers' own ``reset_parameters`` draw nothing."""
+    masks, rotary tables) real: every parameter registered inside is moved to meta at once, and
+    the draws the model's code makes on meta tensors are recorded (the recorder is yielded)
+    instead of made, so nothing is drawn and no parameter takes memory."""
+    rec = InitRecorder()
     register = nn.Module.register_parameter
+    saved = {m: getattr(torch.Tensor, m) for m in ("normal_", "uniform_", "fill_", "zero_", "clone")}
+    trunc = nn.init._no_grad_trunc_normal_
 
     def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(self, name, param)
@@ -173,11 +205,53 @@ def params_on_meta() -> Iterator[None]:
         if p is not None and p.device.type != "meta":
             self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
+    def recording(method: str, rule):
+        def draw(self, *args, **kwargs):
+            if not self.is_meta:
+                return saved[method](self, *args, **kwargs)
+            try:
+                value = rule(*args, **kwargs)
+            except (TypeError, RuntimeError, NotImplementedError):  # e.g. a fill from a meta tensor
+                value = None
+            rec.record(self, value)
+            return self
+        return draw
+
+    def normal(mean=0.0, std=1.0, *, generator=None):
+        return InitRule("normal", float(mean), float(std))
+
+    def uniform(lo=0.0, hi=1.0, *, generator=None, **kw):
+        return InitRule("uniform", float(kw.get("from", lo)), float(kw.get("to", hi)))
+
+    def clone(self, *args, **kwargs):  # a copy is drawn as its source was
+        out = saved["clone"](self, *args, **kwargs)
+        if self.is_meta:
+            rule = rec.by_storage.get(self.untyped_storage()._cdata)
+            if rule is not None and self.storage_offset() == 0 and \
+                    self.numel() * self.element_size() == self.untyped_storage().nbytes():
+                rec.record(out, rule)
+        return out
+
+    def trunc_normal(tensor, mean, std, a, b, generator=None):
+        if tensor.is_meta:
+            rec.record(tensor, InitRule("normal", float(mean), float(std)))
+            return tensor
+        return trunc(tensor, mean, std, a, b, generator=generator)
+
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.Tensor.normal_ = recording("normal_", normal)  # type: ignore[method-assign]
+    torch.Tensor.uniform_ = recording("uniform_", uniform)  # type: ignore[method-assign]
+    torch.Tensor.fill_ = recording("fill_", lambda value: InitRule("constant", float(value)))  # type: ignore
+    torch.Tensor.zero_ = recording("zero_", lambda: ZEROS)  # type: ignore[method-assign]
+    torch.Tensor.clone = clone  # type: ignore[method-assign]
+    nn.init._no_grad_trunc_normal_ = trunc_normal
     try:
-        yield
+        yield rec
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
+        for m, fn in saved.items():
+            setattr(torch.Tensor, m, fn)
+        nn.init._no_grad_trunc_normal_ = trunc
 
 
 def fill_parameters(module: nn.Module, *, seed: int, device: str | torch.device = "cpu") -> nn.Module:
@@ -200,7 +274,7 @@ def build_skeleton(spec, *, batch: int, seed: int = 0) -> tuple[nn.Module, tuple
 
     fam = spec.family()
     torch.manual_seed(seed)
-    with params_on_meta():
+    with params_on_meta() as recorder:
         if fam is None:
             module, inputs = user._call(spec.name, spec.args, meta=False)
             inputs = tuple(user._rebatch(x, batch) for x in inputs)
@@ -208,6 +282,7 @@ def build_skeleton(spec, *, batch: int, seed: int = 0) -> tuple[nn.Module, tuple
             cfg = spec.config()
             module = fam.module(cfg)
             inputs = fam.module.example_inputs(cfg, batch, "cpu", seed=seed + 1)
+    _RECORDED[module] = recorder.rules(module)
     stray = [n for n, b in module.named_buffers() if b.device.type == "meta"]
     if stray:
         raise ConfigError(f"model {spec}: buffers {stray[:3]} were made on the meta device; build them on the "

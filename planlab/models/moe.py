@@ -103,13 +103,6 @@ class Experts(nn.Module):
         for w, fan_in in ((self.w1, h), (self.w3, h), (self.w2, f)):  # as nn.Linear draws its weights
             nn.init.uniform_(w, -fan_in ** -0.5, fan_in ** -0.5)
 
-    def param_init(self, name: str):
-        """The same draw for planlab's piece-by-piece initialisation (:mod:`planlab.models.init`)."""
-        from planlab.models.init import InitRule
-
-        bound = getattr(self, name).shape[1] ** -0.5  # fan_in: H for w1 and w3, F for w2
-        return InitRule("uniform", -bound, bound)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (E, T, H) -> (E, T, F) -> (E, T, H), each expert on its own T tokens
         return torch.matmul(F.silu(torch.matmul(x, self.w1)) * torch.matmul(x, self.w3), self.w2)
