@@ -30,12 +30,13 @@ def _plan(n, knobs):
     return get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
 
 
-def _trace_task_lists(path):
-    """Per (device, action) the task names of a Chrome trace file, in start order."""
+def _trace_task_lists(path, by_stream=False):
+    """Per (device, action) (and stream: the trace's thread) the task names of a Chrome trace
+    file, in start order."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     out = defaultdict(list)
     for e in sorted(events, key=lambda e: (e["pid"], e["ts"])):
-        out[(e["pid"], e["cat"])].append(e["name"])
+        out[(e["pid"], e["cat"]) + ((e["tid"],) if by_stream else ())].append(e["name"])
     return dict(out)
 
 
@@ -95,9 +96,14 @@ def test_torchrun_runs_each_process_as_a_rank(tmp_path, n, knobs, extra):
     _check_report(r.stdout, n, 3, "torchrun")
     if "--clip-grad-norm" in extra:
         assert r.stdout.count("gradient norm") >= 6  # every step, against one process's clip_grad_norm_
-    m = _trace_task_lists(measured)
-    assert m == _trace_task_lists(predicted) == _program_task_lists(plan)
+    m, p = _trace_task_lists(measured), _trace_task_lists(predicted)
+    assert m == _program_task_lists(plan)  # the Program's tasks, in the order it lists them
     assert {d for d, _ in m} == set(range(n))
+    # the simulated trace: the same tasks per device and action, in the same order on each stream
+    # (an overlapped gradient reduction may start on the simulated comm stream before the
+    # compute tasks the Program lists ahead of it)
+    assert {k: sorted(v) for k, v in m.items()} == {k: sorted(v) for k, v in p.items()}
+    assert _trace_task_lists(measured, by_stream=True) == _trace_task_lists(predicted, by_stream=True)
 
 
 def _free_port_between(lo: int, hi: int) -> int:
