@@ -203,8 +203,6 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         watchdog.start()
         rank, world = dist.get_rank(), dist.get_world_size()
         everyone = f"group {list(range(world))}"
-        memory = PeakMemory(device)
-        memory.reset()
         plan = plan_from_json(plan_json)
         if world != plan.num_devices:
             raise ConfigError(f"the plan is for {plan.num_devices} devices; this launch has {world} processes")
@@ -218,6 +216,8 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S))) \
             if cfg.check else None
         phase("setup: building this rank's pieces", armed=False)
+        memory = PeakMemory(device)
+        memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
         skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
         batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps) \
             if cfg.data else None
