@@ -291,12 +291,13 @@ def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, b
     """Rank 0 runs the single-process reference and compares; the other ranks send it their
     first-step gradients one at a time (so rank 0 holds one rank's at once)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    grads = {p: g.cpu() for p, g in interp.captured_grads.items()}  # the reference runs on the CPU
     if rank != 0:
-        dist.send_object_list([interp.captured_grads], dst=0, group=group)
+        dist.send_object_list([grads], dst=0, group=group)
         return
     ref = reference_run(plan.model, global_batch=plan.global_batch, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
                         batches=batches, clip_grad_norm=cfg.clip_grad_norm)
-    err = max_grad_error(interp.captured_grads, dict(program.devices[0].params), ref)
+    err = max_grad_error(grads, dict(program.devices[0].params), ref)
     for r in range(1, world):
         got: list = [None]
         dist.recv_object_list(got, src=r, group=group)
