@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
 from planlab.executor import zero3
+from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
@@ -122,18 +123,20 @@ class Interpreter:
     record: bool = False
     progress: Progress | None = None  # where this rank is, for failure reports and the watchdog
     fault: Fault | None = None        # a test-only injected fault (PLANLAB_FAULT)
+    shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
+    clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
         self.static: dict[str, torch.Tensor] = {}
-        named = dict(self.module.named_parameters())
+        named = dict(self.module.named_parameters()) if self.shards is None else {}
         self.leaves: list[tuple[str, torch.Tensor]] = []
         for p, box in self.dp.params:
-            w = named[p].detach()[_slices(box)].clone().to(self.torch_device).requires_grad_(True)
+            piece = self.shards[p] if self.shards is not None else named[p].detach()[_slices(box)].clone()
+            w = piece.to(self.torch_device).requires_grad_(True)
             self.static[f"w:{p}"] = w
             self.leaves.append((p, w))  # its gradient "wg:{p}" is made at its first contribution
-        for t, x in zip(self.graph.inputs, self.inputs):
-            self.static[f"src:{t}"] = x.to(self.torch_device)
+        self.set_inputs(self.inputs)
         for name, b in self.module.named_buffers():
             self.static[f"src:{name}"] = b.to(self.torch_device)
         self.zero = self._zero_buckets()
@@ -149,6 +152,10 @@ class Interpreter:
                 del self.static[f"w:{p}"]
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
+        self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
+        self._norm_weights = norm_weights(self.program, self.device, self.zero) \
+            if self.clip_grad_norm is not None else {}
+        self._updating = False  # within this step's update (its first optimizer task has run)
         self.captured_grads: dict[str, torch.Tensor] = {}
         self.timeline: list[TaskTiming] = []
         self.steps_run = 0
@@ -176,6 +183,11 @@ class Interpreter:
                                                    t.writes[0], group, t.reads[0].startswith("zd:"),
                                                    tuple(tuple(self.static[f"w:{p}"].shape) for p in params))
         return out
+
+    def set_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Train on ``inputs`` (the whole global batch, as the model's example inputs) from now on."""
+        for t, x in zip(self.graph.inputs, inputs):
+            self.static[f"src:{t}"] = x.to(self.torch_device)
 
     # -- buffers --------------------------------------------------------------
     def _get(self, name: str, mb: int) -> torch.Tensor:
@@ -213,11 +225,12 @@ class Interpreter:
         self.capture = capture_grads
         self.timeline = []
         self.step, self.steps_run = self.steps_run, self.steps_run + 1
+        self._updating = False
         step, progress, record, bufs = self.step, self.progress, self.record, self.bufs
-        clock = time.perf_counter
+        stamp, marks = self._stamp, []  # recorded: (action, task, start, end) stamps
         loss = 0.0
         last_mb = self.program.microbatches - 1
-        t0 = clock()
+        t0 = stamp() if record else None
         for action in self.dp.schedule:
             mb = action.microbatch
             self.action = action
@@ -229,14 +242,13 @@ class Interpreter:
                 if progress is not None:
                     progress.task(label)
                 if record:
-                    s = clock()
+                    s = stamp()
                 try:
                     fn(task, mb)
                 except Exception as e:
                     raise TaskError(self.device, str(action), task, e) from e
                 if record:
-                    self.timeline.append(TaskTiming(self.device, str(action), task.name, task.kind.value,
-                                                    s - t0, clock() - t0))
+                    marks.append((action, task, s, stamp()))
                 if is_loss:
                     loss += float(bufs[(self._loss_buffer, mb)])
                 for b in frees:
@@ -253,7 +265,26 @@ class Interpreter:
                 raise TaskError(self.device, "end of step", task, e) from e
         self.pending = []
         self._finish_overlapped()
+        if record:
+            self.timeline = self._timings(t0, marks)
         return loss
+
+    def _stamp(self):
+        """Now: a CUDA event recorded on the current stream on a GPU, the monotonic clock on a CPU."""
+        if self.torch_device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _timings(self, t0, marks: list) -> list[TaskTiming]:
+        """The recorded stamps as seconds since ``t0`` (on a GPU after one synchronisation)."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+            since = lambda e: t0.elapsed_time(e) / 1e3  # noqa: E731 - milliseconds between events
+        else:
+            since = lambda t: t - t0  # noqa: E731
+        return [TaskTiming(self.device, str(a), t.name, t.kind.value, since(s), since(e)) for a, t, s, e in marks]
 
     def _finish_overlapped(self) -> None:
         """Wait for the overlapped gradient reductions and take their results."""
@@ -527,13 +558,14 @@ class Interpreter:
 
     def _optimizer(self, task: Task, mb: int) -> None:
         self._finish_overlapped()
+        if not self._updating:  # every gradient is reduced: capture, clip
+            self._updating = True
+            self._before_update()
         if task.reads and task.reads[0].startswith("zg:"):
             z = self.zero[task.reads[0]]
             if z.stage3:  # the shard gradient was summed over the micro-batches; the next step's starts at zero
                 grad = self.static.pop(task.reads[0], None)
                 grad = torch.zeros_like(z.shard) if grad is None else grad
-                if self.capture:
-                    self.captured_grads.update(zero3.full_gradients(z, grad, self.groups[z.group]))
             else:
                 grad = self.static[task.reads[0]]
             z.shard.grad = grad.detach()
@@ -542,14 +574,37 @@ class Interpreter:
             return
         self._optimizer_step()
 
+    def _before_update(self) -> None:
+        """Before the step's first optimizer task: capture the gradients of pieces updated whole
+        (for the numeric check; ZeRO shards are captured at their reduction) and clip every
+        gradient to the global norm (one all-reduce of a float64 over every rank)."""
+        zeroed = {p for bucket in self.zero.values() for p in bucket.params}
+        if self.capture:
+            for p, _ in self.leaves:
+                if p not in zeroed:
+                    self.captured_grads[p] = self._get(f"wg:{p}", 0).detach().clone()
+            for z in self.zero.values():  # ZeRO-3 units: gathered from every replica's shard
+                if z.stage3:
+                    grad = self.static.get(z.key)
+                    grad = torch.zeros_like(z.shard) if grad is None else grad
+                    self.captured_grads.update(zero3.full_gradients(z, grad, self.groups[z.group]))
+        if self.clip_grad_norm is None:
+            return
+        grads = {b: self.static[b] for b in self._norm_weights if b in self.static}
+        total = local_square_sum(grads, self._norm_weights).to(self.torch_device)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        self.grad_norm = float(total) ** 0.5
+        coef = clip_coefficient(self.grad_norm, self.clip_grad_norm)
+        for b, g in grads.items():
+            self.static[b] = g * coef  # out of place: a gradient may be a view of a reduced buffer
+
     def _optimizer_step(self) -> None:
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
         for p, w in self.leaves:
             if p in zeroed:
                 continue
             g = self._get(f"wg:{p}", 0)
-            if self.capture:
-                self.captured_grads[p] = g.detach().clone()
             w.grad = g.detach()  # Adam only reads it
         if self.optimizer is not None:
             self.optimizer.step()
