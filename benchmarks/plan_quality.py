@@ -1,0 +1,151 @@
+"""Plan quality: composed spaces against the hand-made ones, on nnScaler's three workloads.
+
+nnScaler (Lin et al., OSDI 2024) reports its wins on SwinV2 at large image sizes (coshard), on
+GPT with a very large vocabulary (the interlaced pipeline) and on AlphaFold2 with recycling
+(3F1B). For each of those workloads, on a cluster of nnScaler's sizes, this script explores
+
+- the hand-made spaces: ``megatron`` (Megatron-LM's and DeepSpeed's whole grid: data x tensor x
+  pipeline parallelism, ZeRO, sequence parallelism, schedules, recomputation), DeepSpeed-style
+  ZeRO data parallelism (``dp*recompute`` with ZeRO 1 to 3) and the Alpa-style automatic search
+  (``alpa``: per-operator splits by an integer program inside a dynamic program over stages);
+- the composed spaces built from the primitives for that workload (``megatron*coshard`` for
+  Swin, ``interlaced`` for the large-vocabulary GPT, ``3f1b`` for the Evoformer),
+
+and prints the best simulated plan of each (iteration time, peak memory, knobs), then the
+speedup of the best composed plan over the best hand-made one. Every figure is the simulator's
+prediction with the cluster's specification (no GPU is used); a space that is not installed, or
+whose every plan is out of memory, is reported as such.
+
+Run: .venv/bin/python benchmarks/plan_quality.py [--jobs 2] [--only swin,gpt,evoformer] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Run:
+    """One space to explore for a workload: a label, the space expression and pinned knobs."""
+
+    label: str
+    space: str
+    fixed: dict = field(default_factory=dict)
+    composed: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model at one shape on one cluster, with the spaces to compare."""
+
+    key: str
+    title: str
+    model: str
+    model_args: tuple
+    cluster: str
+    nodes: int
+    global_batch: int
+    runs: tuple[Run, ...]
+
+
+def _hand_made(zero_fixed: dict | None = None) -> tuple[Run, ...]:
+    return (Run("megatron", "megatron"),
+            Run("zero (deepspeed)", "dp*recompute", dict(zero_fixed or {})),
+            Run("alpa", "alpa"))
+
+
+WORKLOADS = (
+    Workload("swin", "SwinV2-G, 1536x1536 images, 48x48 windows", "swin-g", (("image", 1536), ("window", 48)),
+             "dgx-a100-40g", 4, 32,
+             _hand_made() + (Run("megatron*coshard", "megatron*coshard", {"coshard_blocks": "attention"}, True),)),
+    Workload("gpt", "GPT with a 256k vocabulary (32 x 4096, 8.5B parameters)", "gpt",
+             (("layers", 32), ("hidden", 4096), ("heads", 32), ("seq", 2048), ("vocab", 256000)),
+             "dgx-a100-80g", 2, 128,
+             _hand_made() + (Run("interlaced", "interlaced", {}, True),)),
+    Workload("evoformer", "AlphaFold2 Evoformer, 3 recycling passes", "alphafold2", (("recycles", 3),),
+             "dgx-a100-80g", 1, 16,
+             _hand_made() + (Run("3f1b", "3f1b", {}, True),)),
+)
+
+
+def _best(df):
+    ok = df[df["feasible"].astype(bool)]
+    return None if ok.empty else ok.sort_values("iter_time_s").iloc[0]
+
+
+def _knobs(row, names) -> str:
+    out = []
+    for k in names:
+        if k in row.index and row[k] is not None and not (isinstance(row[k], float) and math.isnan(row[k])):
+            out.append(f"{k}={row[k]}")
+    return " ".join(out)
+
+
+KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "sequence_parallel", "recompute",
+         "coshard", "head_dp", "recycling", "stages", "mesh")
+
+
+def run_workload(w: Workload, *, jobs: int, candidates: int | None) -> dict:
+    import planlab
+    from planlab.errors import PlanlabError
+    from planlab.models import ModelSpec
+
+    spec = ModelSpec(w.model, w.model_args)
+    print(f"\n== {w.title}: {w.nodes} x {w.cluster}, global batch {w.global_batch}", flush=True)
+    best: dict[str, tuple] = {}
+    for r in w.runs:
+        t0 = time.perf_counter()
+        try:
+            df = planlab.explore(spec, cluster=w.cluster, nodes=w.nodes, space=r.space, fixed=r.fixed,
+                                 global_batch=w.global_batch, jobs=jobs, candidates=candidates)
+        except PlanlabError as e:
+            print(f"  {r.label:<18} not explored: {e}", flush=True)
+            continue
+        row = _best(df)
+        took = time.perf_counter() - t0
+        n_sim = int(df["simulated"].sum()) if "simulated" in df else len(df)
+        if row is None:
+            print(f"  {r.label:<18} {len(df)} plans ({n_sim} simulated, {took:.0f} s): none fits", flush=True)
+            continue
+        best[r.label] = (row, r.composed)
+        print(f"  {r.label:<18} {len(df)} plans ({n_sim} simulated, {took:.0f} s): {row['iter_time_s']:.3f} s, "
+              f"{row['peak_mem_gib']:.1f} GiB  {_knobs(row, KNOBS)}", flush=True)
+    hand = [(row["iter_time_s"], k) for k, (row, c) in best.items() if not c]
+    comp = [(row["iter_time_s"], k) for k, (row, c) in best.items() if c]
+    result = {"workload": w.key, "hand": min(hand) if hand else None, "composed": min(comp) if comp else None}
+    if hand and comp:
+        (th, kh), (tc, kc) = min(hand), min(comp)
+        print(f"  best hand-made: {kh} {th:.3f} s; best composed: {kc} {tc:.3f} s; speedup {th / tc:.2f}x", flush=True)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated workloads: " + ",".join(w.key for w in WORKLOADS))
+    ap.add_argument("--candidates", type=int, default=32, help="plans simulated per space beyond the screen's front")
+    a = ap.parse_args()
+    keys = [k for k in a.only.split(",") if k] or [w.key for w in WORKLOADS]
+    unknown = set(keys) - {w.key for w in WORKLOADS}
+    if unknown:
+        print(f"unknown workload(s) {sorted(unknown)}; expected some of {[w.key for w in WORKLOADS]}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = [run_workload(w, jobs=a.jobs, candidates=a.candidates) for w in WORKLOADS if w.key in keys]
+    print(f"\n{'workload':<10} {'best hand-made':>24} {'best composed':>24} {'speedup':>8}")
+    for r in results:
+        h, c = r["hand"], r["composed"]
+        hs = f"{h[1]} {h[0]:.3f} s" if h else "none fits"
+        cs = f"{c[1]} {c[0]:.3f} s" if c else "none fits"
+        sp = f"{h[0] / c[0]:.2f}x" if h and c else "-"
+        print(f"{r['workload']:<10} {hs:>24} {cs:>24} {sp:>8}")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
