@@ -199,8 +199,8 @@ def param_specs(graph) -> dict[str, dict]:
 
 
 def staging_dir(folder: str | os.PathLike) -> Path:
-    """Where the ranks write a checkpoint before it is renamed to ``folder``."""
-    folder = Path(folder)
+    """Where the ranks write a checkpoint before it is renamed to ``folder`` (beside it)."""
+    folder = Path(os.path.abspath(folder))
     return folder.with_name(f".{folder.name}.saving")
 
 
@@ -262,7 +262,7 @@ def save_checkpoint(interp, folder: str | os.PathLike, *, rank: int, world_size:
 
 def commit(stage: str | os.PathLike, folder: str | os.PathLike) -> None:
     """Rename the complete ``stage`` folder to ``folder``, replacing a checkpoint there."""
-    stage, folder = Path(stage), Path(folder)
+    stage, folder = Path(stage), Path(os.path.abspath(folder))
     old = folder.with_name(f".{folder.name}.replaced")
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():
