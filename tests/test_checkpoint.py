@@ -206,52 +206,52 @@ def test_any_plan_loads_any_plans_checkpoint(root, saver, loader):
 # -- refused checkpoints --------------------------------------------------------
 
 def _edit_manifest(folder, fn):
-    path = f"{folder}/{MANIFEST}"
-    meta = json.loads(open(path).read())
+    path = folder / MANIFEST
+    meta = json.loads(path.read_text())
     fn(meta)
-    open(path, "w").write(json.dumps(meta))
+    path.write_text(json.dumps(meta))
 
 
-def _edit_file(folder, name, fn):
-    data = torch.load(f"{folder}/{name}", weights_only=True)
+def _edit_entries(folder, fn):
+    data = torch.load(folder / "rank1.pt", weights_only=True)
     fn(data["entries"])
-    torch.save(data, f"{folder}/{name}")
+    torch.save(data, folder / "rank1.pt")
 
 
-def _truncate(folder, name):
-    path = f"{folder}/{name}"
-    raw = open(path, "rb").read()
-    open(path, "wb").write(raw[: len(raw) // 2])
+def _truncate(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
 
 
-def _drop_entry(meta):
-    del meta["files"]["rank1.pt"][0]
+def _bad_box(m, k):
+    m["files"]["rank1.pt"][k][1][0][1] = 999
 
 
+# (damage(folder, k), message): k is the index of an entry of rank1.pt that alone holds its region
+# ({p}, {box}; {shape} the box's shape, {region} the box as a list of tuples)
 BAD = [
-    (lambda f: __import__("os").remove(f"{f}/{MANIFEST}"), "holds no complete checkpoint (checkpoint.json is missing)"),
-    (lambda f: open(f"{f}/{MANIFEST}", "w").write("{"), "checkpoint.json cannot be read as JSON"),
-    (lambda f: _edit_manifest(f, lambda m: m.update(version=1)),
+    (lambda f, k: (f / MANIFEST).unlink(), "holds no complete checkpoint (checkpoint.json is missing)"),
+    (lambda f, k: (f / MANIFEST).write_text("{"), "checkpoint.json cannot be read as JSON"),
+    (lambda f, k: _edit_manifest(f, lambda m: m.update(version=1)),
      "is 'planlab-checkpoint' version 1; this planlab reads 'planlab-checkpoint' version 2"),
-    (lambda f: _edit_manifest(f, lambda m: m.update(model={"name": "gpt-small", "args": {}})),
-     "is of model {'name': 'gpt-small', 'args': {}}; the plan is of model"),
-    (lambda f: _edit_manifest(f, lambda m: m["params"]["wte.weight"].update(shape=[100, 64])),
+    (lambda f, k: _edit_manifest(f, lambda m: m.update(model={"name": "gpt-small", "args": {}})),
+     "is of model {{'name': 'gpt-small', 'args': {{}}}}; the plan is of model"),
+    (lambda f, k: _edit_manifest(f, lambda m: m["params"]["wte.weight"].update(shape=[100, 64])),
      "parameter 'wte.weight' is float32 [100, 64]; the model's is float32 [128, 64]"),
-    (lambda f: _edit_manifest(f, lambda m: m["params"].pop("lm_head.bias")),
+    (lambda f, k: _edit_manifest(f, lambda m: m["params"].pop("lm_head.bias")),
      "the model's parameter 'lm_head.bias' is not in the checkpoint"),
-    (lambda f: _edit_manifest(f, lambda m: m["files"]["rank0.pt"][0][1][0].__setitem__(1, 999)),
-     "entry ['wte.weight', [[0, 999], [0, 64]]] of rank0.pt is not a parameter of the model and a box within"),
-    (lambda f: _edit_manifest(f, _drop_entry),
-     "no saved entry holds region [(32, 64), (0, 64)] of parameter 'blocks.0.attn.q.weight' (a partial checkpoint)"),
-    (lambda f: __import__("os").remove(f"{f}/rank1.pt"), "/rank1.pt is missing"),
-    (lambda f: _truncate(f, "rank1.pt"), "/rank1.pt cannot be read: "),
-    (lambda f: _edit_file(f, "rank1.pt", lambda es: es[0].update(exp_avg=torch.zeros(3))),
-     "/rank1.pt, parameter 'blocks.0.attn.q.weight' box [[32, 64], [0, 64]]: exp_avg is float32 [3]; "
-     "expected float32 [32, 64]"),
-    (lambda f: _edit_file(f, "rank1.pt", lambda es: es[0].pop("step")),
-     "/rank1.pt, parameter 'blocks.0.attn.q.weight' box [[32, 64], [0, 64]]: Adam's step is missing"),
-    (lambda f: _edit_file(f, "rank0.pt", lambda es: es.reverse()),
-     "/rank0.pt, parameter 'wte.weight' box [[0, 128], [0, 64]]: the file's entry is"),
+    (lambda f, k: _edit_manifest(f, lambda m: _bad_box(m, k)),
+     "of rank1.pt is not a parameter of the model and a box within its shape"),
+    (lambda f, k: _edit_manifest(f, lambda m: m["files"]["rank1.pt"].pop(k)),
+     "no saved entry holds region {region} of parameter '{p}' (a partial checkpoint)"),
+    (lambda f, k: (f / "rank1.pt").unlink(), "/rank1.pt is missing"),
+    (lambda f, k: _truncate(f / "rank1.pt"), "/rank1.pt cannot be read: "),
+    (lambda f, k: _edit_entries(f, lambda es: es[k].update(exp_avg=torch.zeros(3))),
+     "/rank1.pt, parameter '{p}' box {box}: exp_avg is float32 [3]; expected float32 {shape}"),
+    (lambda f, k: _edit_entries(f, lambda es: es[k].pop("step")),
+     "/rank1.pt, parameter '{p}' box {box}: Adam's step is missing"),
+    (lambda f, k: _edit_entries(f, lambda es: es.insert(k, es.pop(k + 1))),
+     "/rank1.pt, parameter '{p}' box {box}: the file's entry is"),
 ]
 
 
@@ -259,11 +259,14 @@ BAD = [
 def test_a_damaged_partial_or_foreign_checkpoint_is_refused_naming_file_and_tensor(root, tmp_path, damage, message):
     folder = tmp_path / "ckpt"
     shutil.copytree(_saved("tp", root), folder)
-    damage(folder)
+    meta = json.loads((folder / MANIFEST).read_text())
+    k, (p, box) = next((k, e) for k, e in enumerate(meta["files"]["rank1.pt"])
+                       if e[1] != [[0, s] for s in meta["params"][e[0]]["shape"]])  # a tensor-parallel half
+    damage(folder, k)
     plan, g, _ = _plan("tp")
     with pytest.raises(CheckpointError) as e:
         check_checkpoint(folder, param_specs(g), plan.model.to_json())
-    assert message in str(e.value)
+    assert message.format(p=p, box=box, shape=[b - a for a, b in box], region=[tuple(b) for b in box]) in str(e.value)
 
 
 def test_the_run_command_refuses_a_bad_checkpoint_and_a_busy_save_folder(root, tmp_path, capsys):

@@ -19,7 +19,7 @@ what it needs, and a partial or damaged checkpoint is refused before any rank st
 may overlap (replicas that hold equal values); together they cover every parameter.
 
 Who writes what (no rank gathers the whole model): a piece held whole by several ranks (data
-parallel replicas) is written by the lowest of them; a ZeRO shard (stages 1 to 3: a slice of a
+parallel replicas) is written by one of them, chosen to even out what each writes; a ZeRO shard (stages 1 to 3: a slice of a
 bucket's flattened pieces) by the rank that owns it, cut into at most ``2 * ndim - 1`` boxes per
 parameter it touches (:func:`flat_range_boxes`). Loading fills each piece and each ZeRO shard of
 the new plan, weights and Adam states, from the overlaps of the saved boxes.
@@ -143,13 +143,21 @@ def zeroed_params(dp: DeviceProgram) -> set[str]:
 
 
 def whole_writers(program: Program) -> dict[tuple[str, Box], int]:
-    """Who writes each piece held whole (outside ZeRO buckets): the lowest device holding it."""
-    out: dict[tuple[str, Box], int] = {}
+    """Who writes each piece held whole (outside ZeRO buckets): of the devices holding it, the one
+    with the fewest elements to write so far, largest pieces first (ties: the lowest device), so
+    that replicas (embeddings and norms under tensor parallelism) share the writing."""
+    holders: dict[tuple[str, Box], list[int]] = {}
     for r, dp in enumerate(program.devices):
         zeroed = zeroed_params(dp)
         for p, box in dp.params:
             if p not in zeroed:
-                out.setdefault((p, tuple(tuple(b) for b in box)), r)
+                holders.setdefault((p, tuple(tuple(b) for b in box)), []).append(r)
+    load = [0] * len(program.devices)
+    out: dict[tuple[str, Box], int] = {}
+    for key in sorted(holders, key=lambda k: (-math.prod(_shape(k[1])), k)):
+        r = min(holders[key], key=lambda d: (load[d], d))
+        out[key] = r
+        load[r] += math.prod(_shape(key[1]))
     return out
 
 
@@ -173,7 +181,7 @@ def _entry(p: str, box: Box, value: torch.Tensor, state: dict) -> dict[str, Any]
 
 
 def shard_entries(interp) -> list[dict[str, Any]]:
-    """What ``interp``'s rank writes: the pieces it holds whole and is the lowest holder of, and
+    """What ``interp``'s rank writes: the pieces it holds whole and writes (:func:`whole_writers`), and
     the boxes of its ZeRO shards, each with its Adam state."""
     boxes = {p: tuple(tuple(b) for b in box) for p, box in interp.dp.params}
     writers = whole_writers(interp.program)
@@ -420,12 +428,12 @@ class CheckpointReader:
             out.append(e)
         return out
 
-    def region(self, p: str, box: Box) -> dict[str, torch.Tensor]:
-        """``value``, ``exp_avg``, ``exp_avg_sq`` of region ``box`` of parameter ``p`` and Adam's
-        ``step`` (one for the region: CheckpointError if its entries differ)."""
+    def region(self, p: str, box: Box, keys: tuple[str, ...] = KEYS) -> dict[str, torch.Tensor]:
+        """``keys`` (of ``value``, ``exp_avg``, ``exp_avg_sq``) of region ``box`` of parameter ``p``
+        and Adam's ``step`` (one for the region: CheckpointError if its entries differ)."""
         pieces = self._entries(p, box)
-        out = {k: assemble(pieces, box, p, k) for k in KEYS}
-        if out["value"] is None:
+        out = {k: assemble(pieces, box, p, k) for k in keys}
+        if not pieces or any(v is None for v in out.values()):
             raise CheckpointError(f"checkpoint {self.folder}: no entry holds region {list(box)} of parameter {p!r}")
         steps = sorted({float(e["step"]) for e in pieces})
         if len(steps) > 1:
@@ -451,7 +459,7 @@ def load_shards(interp, folder: str | os.PathLike, model_json: dict | None = Non
     boxes = {p: tuple(tuple(b) for b in box) for p, box in interp.dp.params}
     zeroed = {p for z in interp.zero.values() for p in z.params}
     for p, w in interp.leaves:  # pieces held whole (ZeRO-1/2 too: their weights are whole)
-        got = reader.region(p, boxes[p])
+        got = reader.region(p, boxes[p], ("value",) if p in zeroed else KEYS)
         with torch.no_grad():
             w.copy_(got["value"])
         if p not in zeroed and interp.optimizer is not None:
