@@ -35,6 +35,11 @@ class ExecutionError(PlanlabError):
     """A failure while running a Program on torch.distributed."""
 
 
+class CheckpointError(PlanlabError):
+    """A checkpoint that is missing, partial or malformed, of another format version or of
+    another model, or a folder that cannot take one; the message names the file and tensor."""
+
+
 def choices(values) -> str:
     """Format valid choices for an error message: ``'a', 'b' or 'c'``."""
     vals = [repr(v) for v in values]

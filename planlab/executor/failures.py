@@ -22,7 +22,8 @@ each worker) makes one rank fail at one task::
 
 ``task`` is a task name of that rank's Program (as in ``planlab run``'s report);
 ``step`` (default 0) and ``action`` (default: the first action running that task)
-pick the occurrence.
+pick the occurrence. ``task=save-checkpoint`` fails the rank right after it has written
+its checkpoint file (:mod:`planlab.executor.checkpoint`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ from torch.distributed.elastic.multiprocessing.errors import record as record_er
 
 from planlab.errors import ConfigError
 from planlab.executor.check import max_grad_error, reference_run
-from planlab.executor.checkpoint import load_shards, read_manifest, save_shards, write_manifest
+from planlab.executor.checkpoint import (check_checkpoint, check_save_dir, load_shards, param_specs, read_manifest,
+                                         save_checkpoint, staging_dir)
 from planlab.executor.data import load_batches
 from planlab.executor.failures import (FAULT_ENV, Fault, Progress, TaskError, Watchdog, classify, diagnose,
                                        failure_message, fault_from_env, progress_path, write_report)
@@ -225,9 +226,10 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         interp = Interpreter(program, graph, rank, skeleton, inputs, groups, lr=cfg.lr, torch_device=device,
                              progress=progress, fault=fault, shards=shards, clip_grad_norm=cfg.clip_grad_norm)
         del shards
+        loaded_steps = 0
         if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
-            load_shards(interp, cfg.load_dir, plan.model.to_json())
+            loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
         losses, times, norms = [], [], []
         for step in range(cfg.steps):
             interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
@@ -266,13 +268,9 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
             _check(res, interp, program, plan, cfg, batches, slow)
         if cfg.save_dir:
             phase("end: saving the checkpoint", everyone)
-            save_shards(interp, cfg.save_dir, rank)
-            dist.barrier(group=ctl)
-            if rank == 0:
-                done = read_manifest(cfg.load_dir)["steps"] if cfg.load_dir else 0
-                write_manifest(cfg.save_dir, model_json=plan.model.to_json(), world_size=world,
-                               steps=done + cfg.steps)
-            dist.barrier(group=ctl)
+            save_checkpoint(interp, cfg.save_dir, rank=rank, world_size=world, group=ctl,
+                            model_json=plan.model.to_json(), steps=loaded_steps + cfg.steps,
+                            params=param_specs(graph), saved_by=plan.describe())
         phase("end", armed=False)
         watchdog.stop()
         dist.destroy_process_group()
@@ -402,6 +400,8 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
         with _quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
     except ChildFailedError as e:
+        if save_dir is not None:  # a failed save leaves nothing half-written
+            shutil.rmtree(staging_dir(save_dir), ignore_errors=True)
         raise diagnose(run_dir, {r: f.exitcode for r, f in e.failures.items()}, nproc) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -410,8 +410,9 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
 
 def prepare(plan, cfg: RunConfig, ranks, *, reference_here: bool = True) -> tuple:
     """Checks made before any model is built, for the ``ranks`` on this machine: the user's data
-    matches the model's inputs, and the ranks' pieces (and, with the check and
-    ``reference_here``, rank 0's single-process reference) fit its memory. Returns
+    matches the model's inputs, the ranks' pieces (and, with the check and
+    ``reference_here``, rank 0's single-process reference) fit its memory, the checkpoint to
+    load is whole and of this model, the folder to save to can take one. Returns
     ``(graph, program)``."""
     graph = trace_plan_model(plan)
     program = materialize(plan, graph)
@@ -420,4 +421,8 @@ def prepare(plan, cfg: RunConfig, ranks, *, reference_here: bool = True) -> tupl
         load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps)
     check_memory(plan, program, ranks, device=cfg.device, num_params=graph.num_params,
                  reference=cfg.check and reference_here)
+    if cfg.load_dir:  # a partial, damaged or foreign checkpoint fails here, naming the file and tensor
+        check_checkpoint(cfg.load_dir, param_specs(graph), plan.model.to_json())
+    if cfg.save_dir:
+        check_save_dir(cfg.save_dir)
     return graph, program
