@@ -18,6 +18,7 @@ from planlab.models.registry import ModelSpec
 
 PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
 READ_VERSIONS = (1, 2)
+ZERO_STAGES = (0, 1, 2)  # the ZeRO stages materialize supports; the search spaces' zero knob explores these
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,8 @@ class PlanBuilder:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
         shard, all-gather the weights); stage 2 also keeps only a shard of the gradients."""
-        if stage not in (0, 1, 2):
-            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1 or 2 (stage 3 is not supported yet)")
+        if stage not in ZERO_STAGES:
+            raise InfeasiblePlan(f"zero stage {stage!r}: choose {choices(ZERO_STAGES)}")
         self._zero = stage
 
     def microbatch(self, m: int) -> None:
