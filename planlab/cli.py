@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planlab.errors import DeadlockError, PlanlabError
 
-DEFAULT_CANDIDATES = 24  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
+DEFAULT_CANDIDATES = 16  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
 LOSS_TOL = 1e-4   # absolute, on losses of order 1 (fp32)
 GRAD_TOL = 1e-4   # absolute, largest element of any gradient shard
 
@@ -63,7 +63,9 @@ def cmd_explore(args) -> int:
     print(f"time: trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.1f} s, screen {ph['screen_s']:.1f} s, "
           f"simulate {ph['simulate_s']:.1f} s, total {ph['total_s']:.1f} s"
           + (f"; screen vs simulation rank correlation {rho:.2f}" if rho == rho else ""))
-    if df.attrs.get("best_plan") is None:
+    if c["simulated"] == 0:
+        print("No plan was simulated (see --budget); the screen's estimates are in the ~ columns.")
+    elif df.attrs.get("best_plan") is None:
         print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
@@ -280,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="stop simulating after SECONDS from the start and return the best found so far")
     e.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES, metavar="K",
-                   help=f"simulate the K fastest plans by the screen, and those near its Pareto front "
+                   help=f"simulate the K fastest plans by the screen and up to K along its Pareto front "
                         f"(default {DEFAULT_CANDIDATES})")
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
     e.set_defaults(fn=cmd_explore)

@@ -34,6 +34,7 @@ from planlab.plan.plan_file import save_plan
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
+from planlab.search_spaces.select import MEMORY_SLACK
 from planlab.search_spaces.select import candidates as choose_candidates
 from planlab.search_spaces.select import pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
@@ -42,7 +43,7 @@ from planlab.simulator.engine import simulate
 SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
 RESULT_COLUMNS = SCREEN_COLUMNS + ["iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible",
                                    "simulated", "reason"]
-DEFAULT_CANDIDATES = 24  # plans simulated besides those near the screen's Pareto front
+DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
 
 
 @dataclass(frozen=True)
@@ -68,48 +69,67 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
 
 def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
-    gradients and optimizer states, plus the activations saved for backward by one micro-batch
-    (each tensor once per device set, however many operators save it) times the most
-    micro-batches the device's schedule keeps in flight."""
+    gradients and optimizer states (ZeRO's shards where the plan has them), plus the activations
+    saved for the backward (each tensor once per stage, however many operators save it) of the
+    micro-batches the device's schedule keeps in flight at its fullest moment."""
     prec = precision_for(plan.cluster)
-    per_param = prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes
-    by_devices: dict[tuple[int, ...], list] = {}  # device set -> [static, saved bytes, tensors counted]
     m = plan.microbatches
+    # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
+    by_devices: dict[tuple[int, ...], list] = {}
     for p in plan.ops:
-        acc = by_devices.setdefault(p.devices, [0, 0, set()])
+        acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
         for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
             if spec.role != "param" and (t not in op.saves or p.recompute):
                 continue  # a recomputed operator keeps nothing for its backward
-            axes = op.axes_of(t)
-            cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and any(ax and ax[0] == d for ax in axes))
+            held = {ax[0] for ax in op.axes_of(t) if ax}
+            cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             if spec.role == "param":
-                acc[0] += spec.numel // cut * per_param
+                # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
+                red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+                elems = spec.numel / cut
+                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+                grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
+                acc[0] += elems * (prec.param_bytes + grad + opt)
             elif (t, cut) not in acc[2]:
                 acc[2].add((t, cut))
                 batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1] += spec.numel // cut // (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
-    static = [0] * plan.num_devices
-    saved = [0] * plan.num_devices
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + \
+                    spec.numel / cut / (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
+    static = [0.0] * plan.num_devices
+    saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
     for devs, (st, sv, _) in by_devices.items():
         for dev in devs:
             static[dev] += st
-            saved[dev] += sv
-    worst = (0, 0)
+            for s, b in sv.items():
+                saved[dev][s] = saved[dev].get(s, 0.0) + b
+    peaks: dict[tuple, float] = {}
+    worst = (0.0, 0.0)
     for dev in range(plan.num_devices):
         sched = plan.schedule[dev] if plan.schedule and plan.schedule[dev] else None
-        if sched is None:
-            flight = m
-        else:
-            flight = cur = 0
-            for a in sched:
-                cur += 1 if a.phase == "F" else -1 if a.phase in ("B", "W") else 0
-                flight = max(flight, cur)
-        total = (static[dev], saved[dev] * flight)
+        key = (id(sched), tuple(sorted(saved[dev].items())))
+        if key not in peaks:
+            peaks[key] = _activation_peak(sched, saved[dev], m)
+        total = (static[dev], peaks[key])
         if sum(total) > sum(worst):
             worst = total
-    return worst
+    return int(worst[0]), int(worst[1])
+
+
+def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
+    """The most saved-activation bytes alive at once under ``schedule`` (None: every micro-batch's
+    forwards first, as materialize orders a plan without one)."""
+    if schedule is None:
+        return m * sum(saved.values())
+    cur = peak = 0.0
+    for a in schedule:
+        if a.phase == "F":
+            cur += saved.get(a.stage, 0.0)
+            peak = max(peak, cur)
+        elif a.phase in ("B", "W"):
+            cur -= saved.get(a.stage, 0.0)
+    return peak
 
 
 def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
@@ -198,6 +218,7 @@ class _Workers:
 
     def __init__(self, jobs: int, setup: Setup, space_spec: str | None) -> None:
         self.pool = None
+        self.jobs = jobs
         if jobs <= 1:
             return
         if "fork" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
@@ -303,7 +324,7 @@ def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> t
             est[i], why[i] = _screen_one(values)
             bar.update(1)
     else:
-        for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.pool._processes)):
+        for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.jobs)):
             for i, e, w in chunk:
                 est[i], why[i] = e, w
             bar.update(len(chunk))
@@ -348,10 +369,10 @@ def _plan_rows(sp: Space, assignments: list[dict], est: list, why: list, cost: C
     for i in range(n):
         if rows[i]["reason"] or live[i] is None:
             continue
-        rows[i]["reason"] = ("not simulated: the screen estimates " if est[i].mem_bytes > cap * 1.1 else
+        rows[i]["reason"] = ("not simulated: the screen estimates " if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else
                              f"not simulated: screen rank {rows[i]['screen_rank']} of {len(ranked)}, estimated ") + \
             f"{est[i].time_s:.3g} s and {est[i].mem_bytes / 2**30:.1f} GiB per device" + \
-            (f" (device memory {cap / 2**30:.1f} GiB)" if est[i].mem_bytes > cap * 1.1 else "")
+            (f" (device memory {cap / 2**30:.1f} GiB)" if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else "")
     counts = dict(plans=n, screened=len(ranked), pruned=pruned, candidates=len(chosen))
     return rows, chosen, counts
 
@@ -385,7 +406,7 @@ def _simulate_all(order: list[int], assignments: list[dict], rows: list[dict], w
     else:
         pending = []
         queue = list(order)
-        slots = 2 * workers.pool._processes
+        slots = 2 * workers.jobs
         while queue or pending:
             while queue and len(pending) < slots and not late():
                 i = queue.pop(0)
@@ -426,6 +447,10 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
             df[c] = math.nan
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS and c != "_index"]
     df = df[knobs + RESULT_COLUMNS + ["_index"]]
+    kinds = {k.name: k.kind_of() for k in sp.all_knobs()}
+    for k in knobs:  # a union's parts leave each other's knobs empty: keep the others' types
+        if df[k].isna().any() and kinds.get(k) in ("int", "bool"):
+            df[k] = df[k].astype("Int64" if kinds[k] == "int" else "boolean")
     df["feasible"] = df["feasible"].astype(bool)
     df["simulated"] = df["simulated"].astype(bool)
     df["pareto"] = pareto_mask(df)

@@ -32,7 +32,7 @@ def _knobs_text(df, i: int) -> str:
     from planlab.explore import RESULT_COLUMNS
 
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"] and df[c].nunique(dropna=False) > 1]
-    return " ".join(f"{k}={df.loc[i, k]}" for k in knobs)
+    return "\n    ".join(textwrap.wrap(" ".join(f"{k}={df.loc[i, k]}" for k in knobs), 60))
 
 
 def pareto_plot(df, path: str | os.PathLike) -> None:
@@ -71,15 +71,17 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
         ax.scatter([df.loc[i, "peak_mem_gib"] * scale], [df.loc[i, "iter_time_s"]], s=160, marker="*",
                    color="gold", edgecolors="k", label=f"chosen: {_knobs_text(df, i)}", zorder=6)
     cap = df.attrs.get("device_memory_gib")
-    xs = [top] + ([float(df["screen_mem_gib"].max())] if "screen_mem_gib" in df and df["screen_mem_gib"].notna().any()
-                  else [])
-    if cap and cap <= 3 * max(xs):
+    if cap and cap <= 3 * max(top, 1e-9):
         ax.axvline(cap * scale, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
+    times = df.loc[sim, "iter_time_s"].dropna()
+    if len(times) and len(peaks):  # the simulated plans and the device's memory, not every estimate
+        ax.set_xlim(0, 1.3 * max(top, cap or 0.0) * scale)
+        ax.set_ylim(0, 1.5 * float(times.max()))
     ax.set_xlabel(f"peak memory per device ({unit})")
     ax.set_ylabel("iteration time (s)")
     n_sim = int(sim.sum())
     ax.set_title(f"{df.attrs.get('space', 'plans')}: {len(df)} plans, {n_sim} simulated, {len(ok)} feasible")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     _save(fig, path)
 

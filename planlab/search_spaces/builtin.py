@@ -311,7 +311,7 @@ class PipelineParallel(Space):
                    or (a["schedule"] == "interleaved") == (a["virtual_stages"] > 1),
                    lambda a, c: f"virtual_stages={a['virtual_stages']} goes with schedule=interleaved "
                                 f"(and only with it), not schedule={a['schedule']}"),
-        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a["microbatch"] is None
+        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a.get("microbatch") is None
                    or a.get("dp") is None
                    or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0,
                    lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp"),

@@ -14,8 +14,8 @@ import pandas as pd
 
 from planlab.search_spaces.space import Space
 
-MEMORY_SLACK = 0.10  # the screen's memory estimate may be this far above the device's and still be simulated
-NEAR_FRONT = 0.05  # plans within 5% of the screen's Pareto front (in time) are simulated too
+MEMORY_SLACK = 0.05  # the screen's memory estimate may be this far above the device's and still be simulated
+NEAR_FRONT = 0.02  # plans within 2% of the screen's Pareto front (in time) are near it
 
 
 def front(points: Sequence[tuple[float, float] | None], tol: float = 0.0) -> list[bool]:
@@ -42,8 +42,9 @@ def candidates(est: Sequence[tuple[float, float] | None], *, k: int | None, memo
                parts: dict[str, Sequence[bool]] | None = None, tol: float = NEAR_FRONT) -> list[int]:
     """Indices to simulate, fastest estimate first: with ``k`` None every estimated plan; else the
     ``k`` fastest whose estimated memory fits (with :data:`MEMORY_SLACK`; topped up with the
-    smallest if fewer fit), those within ``tol`` of the screen's Pareto front, and the fastest of
-    each part. ``est[i]`` is ``(time_s, mem_bytes)``, or None to leave the plan out."""
+    smallest if fewer fit), up to ``k`` plans within ``tol`` of the screen's Pareto front (spread
+    along it, from the fastest to the smallest), and the fastest of each part. ``est[i]`` is
+    ``(time_s, mem_bytes)``, or None to leave the plan out."""
     known = [i for i, e in enumerate(est) if e is not None]
     if k is None:
         chosen = set(known)
@@ -56,7 +57,9 @@ def candidates(est: Sequence[tuple[float, float] | None], *, k: int | None, memo
             chosen.update(rest[:k - len(chosen)])
         fit = set(fits)
         near = front([est[i] if i in fit else None for i in range(len(est))], tol)
-        chosen.update(i for i, n in enumerate(near) if n)
+        on = sorted((i for i, n in enumerate(near) if n), key=lambda i: est[i][0])
+        step = max(1.0, (len(on) - 1) / max(1, k - 1))
+        chosen.update(on[min(len(on) - 1, round(j * step))] for j in range(min(k, len(on))))
         for mask in (parts or {}).values():
             mine = [i for i in fits if mask[i]]
             if mine:

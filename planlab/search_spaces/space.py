@@ -527,7 +527,7 @@ class Space(abc.ABC):
         from planlab.search_spaces.compose import Restricted
         from planlab.search_spaces.rules import SplitRule
 
-        return Restricted(self, rules=(SplitRule(pattern, tuple(dims)),))
+        return Restricted(self, rules=(SplitRule(pattern, dims),))
 
     def allow_devices(self, pattern: str, devices: Iterable[int] | Callable[[Context], Iterable[int]]) -> "Space":
         """Operators matching ``pattern`` may be placed on ``devices`` only (or a function of the Context)."""
@@ -614,8 +614,10 @@ class Space(abc.ABC):
 
     def with_defaults(self, values: Mapping) -> dict:
         """``values`` with every unset knob that has a default at its default."""
-        out = {k.name: k.default for k in self.all_knobs() if k.default is not None}
-        out.update(values)
+        out = dict(values)
+        for k in self.all_knobs():
+            if k.name not in out and k.default is not None:
+                out[k.name] = k.default
         return out
 
     def draft(self, ctx: Context, values: dict) -> Draft:
