@@ -231,7 +231,7 @@ def cmd_spaces(args) -> int:
         ctx = make_context(Setup(_model(args), args.cluster, args.nodes, batch))[0]
     spaces = list_spaces() if not args.space else [_space(args.space)]
     for sp in spaces:
-        doc = " ".join((type(sp).__doc__ or "").replace("``", "").split()).split(". ")[0].rstrip(".")
+        doc = " ".join((sp.__doc__ or "").replace("``", "").split()).split(". ")[0].rstrip(".")
         print(f"{sp.name}: {doc}" if doc else sp.name)
         for k in sp.all_knobs():
             default = "" if k.default is None else f"  default {k.default}" + (" (pinned)" if k.pinned else "")

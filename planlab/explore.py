@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -163,7 +164,15 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
 _STATE: dict = {}  # ctx, cost, graph, space, screen: set before the workers fork (or by _init_spawned)
 
 
+def _init_worker() -> None:
+    """A worker dies on SIGTERM (``Pool.terminate``) whatever handler its parent had installed (a
+    forked worker inherits them: torch's elastic launcher, say), and leaves Ctrl-C to its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _init_spawned(setup: Setup, space: str) -> None:
+    _init_worker()
     ctx, cost, graph = make_context(setup)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=get_space(space), screen=None)
 
@@ -222,7 +231,7 @@ class _Workers:
         if jobs <= 1:
             return
         if "fork" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
-            self.pool = mp.get_context("fork").Pool(jobs)
+            self.pool = mp.get_context("fork").Pool(jobs, initializer=_init_worker)
         elif space_spec is not None:
             self.pool = mp.get_context("spawn").Pool(jobs, initializer=_init_spawned, initargs=(setup, space_spec))
 
@@ -286,8 +295,9 @@ def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str 
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
         deadline = None if budget is None else t0 + budget
         done = _simulate_all(order, assignments, rows, workers, progress, deadline)
+        workers.close()
     finally:
-        workers.close(kill=True)
+        workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
         _STATE.clear()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))

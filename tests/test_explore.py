@@ -2,6 +2,8 @@
 
 import dataclasses
 import math
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -188,3 +190,23 @@ def test_evaluate_prunes_by_the_bound_and_names_the_memory():
     row, res = evaluate(plan, g, small)
     assert res is None and not row["feasible"] and math.isnan(row["iter_time_s"])
     assert "weights, gradients and optimizer states alone need" in row["reason"]
+
+
+def test_workers_end_when_terminated_whatever_sigterm_handler_the_parent_has():
+    """Forked workers inherit their parent's signal handlers (torch's elastic launcher installs one
+    for SIGTERM that returns): Pool.terminate must still end them, or an exploration that runs out
+    of budget would wait forever."""
+    code = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *a: None)
+from planlab.explore import _Workers
+w = _Workers(2, None, None)
+w.pool.apply_async(time.sleep, (120,))
+time.sleep(1.0)
+t = time.perf_counter()
+w.close(kill=True)
+print(round(time.perf_counter() - t))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 60
