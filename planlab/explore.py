@@ -35,9 +35,9 @@ from planlab.plan.plan_file import save_plan
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
-from planlab.search_spaces.select import MEMORY_SLACK
-from planlab.search_spaces.select import candidates as choose_candidates
-from planlab.search_spaces.select import pareto_mask, part_masks
+from planlab.search_spaces.selection import MEMORY_SLACK
+from planlab.search_spaces.selection import candidates as choose_candidates
+from planlab.search_spaces.selection import pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
 

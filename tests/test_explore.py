@@ -17,7 +17,7 @@ from planlab.explore import evaluate, memory_lower_bound_bytes
 from planlab.plan.materialize import materialize, precision_for
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.screen import Screen
-from planlab.search_spaces.select import candidates, front
+from planlab.search_spaces.selection import candidates, front
 from planlab.simulator import simulate
 
 TINY = dict(cluster="cpu", nodes=2, global_batch=8)
