@@ -36,10 +36,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from planlab.costmodel import CostModel
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.materialize import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
+from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.space import Draft
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -149,6 +151,7 @@ class _Split:
     conv_f: list[tuple]  # per edge: ((kind, axis, local elements), ...) converting the activation
     conv_b: list[tuple]  # per edge: the same for the gradient contribution
     recv: list[float]  # per edge: elements each device of the consumer's stage needs (across stages)
+    keep: list[float]  # per edge: elements of the buffer the consumer reads (a local slice reads the whole)
 
 
 def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple]) -> _Split:
@@ -169,7 +172,7 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple]) -> _Split:
         saves.append(tuple(ss))
         numel, odset, batch, eb = t.out[i]
         work.append(numel / math.prod(sizes[a] for a, dm in od if dm in odset) * eb if batch else 0.0)
-    conv_f, conv_b, recv = [], [], []
+    conv_f, conv_b, recv, keep = [], [], [], []
     fdone: set = set()
     bdone: set = set()
     for e in t.edges:
@@ -177,6 +180,7 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple]) -> _Split:
         need = tuple(_placement(dims[a][c], e.need) for a in live)
         have = tuple(_placement(dims[a][p], e.have) for a in live)
         recv.append(e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0))
+        keep.append(e.numel / math.prod(sizes[a] for a, x, h in zip(live, need, have) if x >= 0 and h >= 0))
         cf = ()
         if (e.tensor, need) not in fdone:  # one conversion per tensor and layout, shared by its consumers
             fdone.add((e.tensor, need))
@@ -192,7 +196,7 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple]) -> _Split:
         conv_b.append(cb)
     fkeys = [(w, n, "F") for w, n in zip(t.work_class, pieces)]
     bkeys = [(w, n, "B") for w, n in zip(t.work_class, pieces)]
-    return _Split(pieces, fkeys, bkeys, params, saves, work, conv_f, conv_b, recv)
+    return _Split(pieces, fkeys, bkeys, params, saves, work, conv_f, conv_b, recv, keep)
 
 
 def _conversions(have: tuple, need: tuple, live: list[int], sizes, numel: int) -> tuple:
@@ -213,7 +217,7 @@ class _Profile:
     bwd: tuple  # the backward's, with recomputed forwards
     comm: tuple  # ((kind, axis, elements, batch, element bytes), collectives), ...
     params: tuple  # ((reduction axes, elements), ...)
-    saved: tuple[tuple[float, float], ...]  # per stage of the group: (batch, other) bytes one micro-batch keeps
+    saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
     work: float  # the largest operator's working set, batch bytes
 
 
@@ -260,6 +264,8 @@ def _aggregate(t: _Tables, sp: _Split, stage: tuple, rcs: tuple, G: int) -> _Str
                 seen[sc % G].add((e.tensor, sc))
                 p2p[sc % G][(sp.recv[j], e.batch, e.ebytes, sp_ % G)] += 1  # the activation
                 p2p[sp_ % G][(sp.recv[j], e.batch, e.ebytes, sc % G)] += 1  # its gradient
+                if rcs[e.consumer]:  # a recomputed consumer runs again from the received tensor
+                    saved[sc % G][sc][0 if e.batch else 1] += sp.recv[j] * e.ebytes
             continue
         for kind, axis, numel in sp.conv_f[j]:
             comm[sc % G][(kind, axis, numel, e.batch, e.ebytes)] += 1
@@ -269,10 +275,10 @@ def _aggregate(t: _Tables, sp: _Split, stage: tuple, rcs: tuple, G: int) -> _Str
             r = sc % G  # a recomputed group keeps the inputs it reads from outside the group
             if (e.tensor, "in") not in seen[r]:
                 seen[r].add((e.tensor, "in"))
-                saved[r][sc][0 if e.batch else 1] += sp.recv[j] * e.ebytes
+                saved[r][sc][0 if e.batch else 1] += sp.keep[j] * e.ebytes
     profiles = [_Profile(tuple(sorted(fwd[r].items())), tuple(sorted(bwd[r].items())),
                          tuple(sorted(comm[r].items())), tuple(sorted(params[r].items())),
-                         tuple(tuple(saved[r][x]) for x in sorted(saved[r])), work[r]) for r in range(G)]
+                         tuple((x, tuple(saved[r][x])) for x in sorted(saved[r])), work[r]) for r in range(G)]
     return _Structure(profiles, [tuple(sorted(p.items())) for p in p2p])
 
 
@@ -424,11 +430,16 @@ class Screen:
             times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
             back.append(c.bwd_s)
             syncs.append(c.sync_s)
-            per_stage = [b / m + o for b, o in p.saved] or [0.0]
-            flight = _in_flight(schedule, r, G, m, v)  # units of one stage's activations
-            # the bound counts what any of these schedules keeps: 1F1B's units, of the smallest stage
-            bounds.append(c.static_bytes + min(flight, m, G - r) * min(per_stage))
-            mems.append(c.static_bytes + flight * sum(per_stage) / len(per_stage) + 2 * p.work / m)
+            per_chunk = np.zeros(v)  # bytes one micro-batch keeps on each of the group's model chunks
+            for stage, (b, o) in p.saved:
+                per_chunk[min(v - 1, stage // G)] += b / m + o
+            if v == 1 and schedule in ("1f1b", "gpipe"):
+                act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
+            else:
+                act = float((flight_counts(schedule, r, G, m, v) @ per_chunk).max())
+            # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
+            bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
+            mems.append(c.static_bytes + act + 2 * p.work / m)
         t_max = max(times)
         pipe = m * t_max + (sum(times) - t_max) / v
         # group r's last backward ends about r backward steps before the first group's (1F1B drains to it)
@@ -461,3 +472,37 @@ def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
     if schedule == "gpipe":
         return m
     return min(m, groups - r) * chunks  # another schedule: as 1F1B
+
+
+_FLIGHT: dict[tuple, np.ndarray] = {}
+
+
+def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np.ndarray:
+    """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
+    row after each forward of its schedule; forwards add one, full or weight backwards take one
+    away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
+    is ``max(rows @ w)``. Cached per schedule and shape."""
+    key = (schedule, r, groups, m, chunks)
+    got = _FLIGHT.get(key)
+    if got is None:
+        if chunks > 1:
+            actions = interleaved_1f1b(r, groups, m, chunks)
+        elif schedule in SCHEDULES:
+            actions = SCHEDULES[schedule](r, groups, m)
+        else:
+            actions = one_f_one_b(r, groups, m)
+        steps = np.zeros((len(actions), chunks), dtype=np.int32)
+        fwd = np.zeros(len(actions), dtype=bool)
+        for k, a in enumerate(actions):
+            c = a.stage // groups
+            if a.phase == "F":
+                steps[k, c] = 1
+                fwd[k] = True
+            elif a.phase in ("B", "W"):
+                steps[k, c] = -1
+        rows = np.cumsum(steps, axis=0)[fwd] if len(actions) else np.zeros((1, chunks), dtype=np.int32)
+        got = np.unique(rows, axis=0)
+        if len(_FLIGHT) > 4096:
+            _FLIGHT.clear()
+        _FLIGHT[key] = got
+    return got
