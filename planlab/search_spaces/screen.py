@@ -224,6 +224,7 @@ class _Profile:
 @dataclass
 class _Structure:
     profiles: list[_Profile]  # per device group of the pipeline
+    ids: list[int]  # per group: its profile's number (equal profiles, equal numbers)
     p2p: list[tuple]  # per group: ((elements, batch, element bytes, peer group), transfers), ...
 
 
@@ -279,7 +280,7 @@ def _aggregate(t: _Tables, sp: _Split, stage: tuple, rcs: tuple, G: int) -> _Str
     profiles = [_Profile(tuple(sorted(fwd[r].items())), tuple(sorted(bwd[r].items())),
                          tuple(sorted(comm[r].items())), tuple(sorted(params[r].items())),
                          tuple((x, tuple(saved[r][x])) for x in sorted(saved[r])), work[r]) for r in range(G)]
-    return _Structure(profiles, [tuple(sorted(p.items())) for p in p2p])
+    return _Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])
 
 
 @dataclass(frozen=True)
@@ -301,14 +302,17 @@ class Screen:
         self._splits: dict[Any, _Split] = {}
         self._structures: dict[Any, _Structure] = {}
         self._priced: dict[tuple, _Priced] = {}
-        self._ids: dict[int, tuple[Any, Any]] = {}
+        self._profile_ids: dict[_Profile, int] = {}
+        self._ids: dict[int, tuple[Any, int]] = {}
+        self._numbers: dict[tuple, int] = {}
         self._compute: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
         self._p2p: dict[tuple, float] = {}
         self.dtype = precision.compute_dtype
 
-    def _key(self, t: tuple | None) -> Any:
-        """A dictionary key for a long tuple: the object itself, hashed by value once per object."""
+    def _key(self, t: tuple | None) -> int | None:
+        """A small number for a long tuple (equal tuples, equal numbers): hashed by value once per
+        tuple object, since the spaces hand the same objects to many plans."""
         if t is None:
             return None
         hit = self._ids.get(id(t))
@@ -316,8 +320,9 @@ class Screen:
             return hit[1]
         if len(self._ids) > 4096:
             self._ids.clear()
-        self._ids[id(t)] = (t, t)
-        return t
+        n = self._numbers.setdefault(t, len(self._numbers))
+        self._ids[id(t)] = (t, n)
+        return n
 
     def structure(self, d: Draft) -> _Structure:
         names = self.t.names
@@ -334,11 +339,13 @@ class Screen:
         else:
             stages = tuple(d.stages.get(n, 0) for n in names)
         rc = tuple(d.recompute.items()) if d.recompute else None
-        key = (skey, stages, rc, d.groups)
+        key = (skey, self._numbers.setdefault(stages, len(self._numbers)),
+               self._numbers.setdefault(rc, len(self._numbers)), d.groups)
         got = self._structures.get(key)
         if got is None:
             rcs = tuple(d.recompute.get(n, 0) for n in names) if rc else (0,) * self.t.n
             got = self._structures[key] = _aggregate(self.t, split, stages or (0,) * self.t.n, rcs, d.groups)
+            got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
         return got
 
     # -- prices ------------------------------------------------------------------------
@@ -377,8 +384,8 @@ class Screen:
             got = self._p2p[key] = self.cost.p2p_time_s(nbytes, src * per, dst * per)
         return got
 
-    def _price(self, p: _Profile, sizes: tuple[int, ...], m: int, zero: int) -> _Priced:
-        key = (p, sizes, m, zero)
+    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int) -> _Priced:
+        key = (pid, sizes, m, zero)
         got = self._priced.get(key)
         if got is not None:
             return got
@@ -421,10 +428,11 @@ class Screen:
         per = math.prod(sizes)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
         schedule = d.schedule if v == 1 else "interleaved"
-        times, back, syncs, mems, bounds = [], [], [], [], []
+        times, back, syncs, mems, bounds, prices = [], [], [], [], [], []
         for r in range(G):
             p = s.profiles[r]
-            c = self._price(p, sizes, m, d.zero)
+            c = self._price(p, s.ids[r], sizes, m, d.zero)
+            prices.append(c)
             pp = sum(n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
                      for (numel, batch, eb, src), n in s.p2p[r])
             times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
@@ -443,12 +451,15 @@ class Screen:
         t_max = max(times)
         pipe = m * t_max + (sum(times) - t_max) / v
         # group r's last backward ends about r backward steps before the first group's (1F1B drains to it)
-        total = max(pipe - sum(back[:r]) / v + syncs[r] for r in range(G))
+        total, before = 0.0, 0.0
+        for r in range(G):
+            total = max(total, pipe - before / v + syncs[r])
+            before += back[r]
         worst = max(range(G), key=lambda r: mems[r])
         slow = max(range(G), key=lambda r: times[r])
-        c = self._price(s.profiles[slow], sizes, m, d.zero)
+        c = prices[slow]
         return Estimate(time_s=total, mem_bytes=mems[worst], bound_bytes=max(bounds),
-                        static_bytes=self._price(s.profiles[worst], sizes, m, d.zero).static_bytes,
+                        static_bytes=prices[worst].static_bytes,
                         compute_s=m * (c.fwd_s + c.bwd_s), comm_s=m * c.comm_s,
                         p2p_s=m * (times[slow] - c.fwd_s - c.bwd_s - c.comm_s),
                         bubble_s=pipe - m * t_max, grad_sync_s=max(syncs))
