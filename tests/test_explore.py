@@ -210,3 +210,29 @@ print(round(time.perf_counter() - t))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) < 60
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(dp=1, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
+    dict(dp=1, tp=4, pp=2, microbatch=2, schedule="1f1b", virtual_stages=1),
+    dict(dp=2, tp=2, pp=2, microbatch=1, schedule="interleaved", virtual_stages=2, recompute="full"),
+])
+def test_the_screen_counts_each_pipeline_transfer_once(knobs):
+    """Per device group, one transfer per tensor and receiving stage (the activation on the
+    receiving group, its gradient on the sending one), counted from the graph apart; a split whose
+    pieces number a stage's index (tp=2, stage 2) must not hide one."""
+    spec, g = traced("gpt-small", 8)
+    n = knobs["dp"] * knobs["tp"] * knobs["pp"]
+    ctx = Context(g, spec, 8, "cpu", n, n, 1)
+    values = {**dict(zero=0, sequence_parallel=False, recompute="none"), **knobs}
+    assert values in get_space("megatron").enumerate(ctx)
+    d = get_space("megatron").draft(ctx, values)
+    s = Screen(g, CostModel.load("cpu", n), precision_for("cpu")).structure(d)
+    expected = [0] * d.groups
+    for t, sc in {(t, d.stages[op.name]) for op in g.operators for t in op.inputs
+                  if t in g.producer and g.tensors[t].role != "param"
+                  and d.stages[g.producer[t].name] != d.stages[op.name]}:
+        expected[sc % d.groups] += 1
+        expected[d.stages[g.producer[t].name] % d.groups] += 1
+    assert [sum(n for _, n in p) for p in s.p2p] == expected
+    assert sum(expected) > 0
