@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from planlab.costmodel import CostModel
-from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError
+from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.graph.ir import Graph
 from planlab.graph.trace import trace
 from planlab.models.registry import ModelSpec, build_model
@@ -70,9 +70,11 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
 
 def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
-    gradients and optimizer states (ZeRO's shards where the plan has them), plus the activations
-    saved for the backward (each tensor once per stage, however many operators save it) of the
-    micro-batches the device's schedule keeps in flight at its fullest moment."""
+    gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
+    gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
+    plus the activations saved for the backward (each tensor once per stage, however many
+    operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
+    moment (until their backward, or its input-gradient part ``I``)."""
     prec = precision_for(plan.cluster)
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
@@ -90,9 +92,10 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
                 # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
                 red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
                 elems = spec.numel / cut
-                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+                weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
                 grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
-                acc[0] += elems * (prec.param_bytes + grad + opt)
+                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+                acc[0] += elems * (weights + grad + opt)
             elif (t, cut) not in acc[2]:
                 acc[2].add((t, cut))
                 batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
@@ -128,7 +131,7 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
         if a.phase == "F":
             cur += saved.get(a.stage, 0.0)
             peak = max(peak, cur)
-        elif a.phase in ("B", "W"):
+        elif a.phase in ("B", "I"):  # zero-bubble's W keeps less than I frees: count it freed at I
             cur -= saved.get(a.stage, 0.0)
     return peak
 

@@ -7,6 +7,7 @@ import pytest
 from conftest import traced
 
 from planlab.errors import ConfigError, InfeasiblePlan
+from planlab.plan.plan import ZERO_STAGES
 from planlab.search_spaces import (SPACES, Constraint, Context, Knob, Space, get_space, register_space, space_names)
 from planlab.search_spaces.builtin import DataParallel
 from planlab.search_spaces.space import _holds
@@ -74,7 +75,7 @@ def test_knob_kinds_and_ranges_in_words():
 @pytest.mark.parametrize("knobs, message", [
     (dict(dp=2, tp=3, pp=1, microbatch=4), "space 'megatron': knob 'tp' = 3 is outside its range: choose 1 or 2"),
     (dict(dp=2, tp=1, pp=1, microbatch=4, recompute="most"), "knob 'recompute' = 'most' is outside its range"),
-    (dict(dp=2, tp=1, pp=1, microbatch=4, zero=7), "knob 'zero' = 7 is outside its range: choose 0, 1 or 2"),
+    (dict(dp=2, tp=1, pp=1, microbatch=4, zero=7), "knob 'zero' = 7 is outside its range: choose 0, 1, 2 or 3"),
     (dict(dp=2, tp=1, pp=1, microbatch=4, colour=1), "space 'megatron' has no knob 'colour'"),
     (dict(dp=1, tp=1, pp=1, microbatch=4), "the degrees dp=1 x tp=1 x pp=1 do not multiply to the 2 devices"),
     (dict(dp=1, tp=2, pp=1, microbatch=4, sequence_parallel=True, zero=1),
@@ -124,7 +125,9 @@ def test_megatron_drops_meaningless_combinations():
         assert a["dp"] > 1 or a["zero"] == 0
         assert a["pp"] > 1 or a["schedule"] == "1f1b"
         assert (a["virtual_stages"] > 1) == (a["schedule"] == "interleaved")
-    assert {a["zero"] for a in got} == {0, 1, 2} and {a["sequence_parallel"] for a in got} == {False, True}
+    assert {a["zero"] for a in got} == set(ZERO_STAGES) == {0, 1, 2, 3}
+    assert {a["sequence_parallel"] for a in got} == {False, True}
+    assert {a["schedule"] for a in got} <= {"1f1b", "interleaved"}  # gpipe and zb-h1 when picked
     assert {a["recompute"] for a in got} == {"none", "selective", "full"}
 
 
@@ -279,7 +282,7 @@ def test_a_user_space_that_raises_gets_a_config_error_naming_the_space_and_the_k
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("zero9", "unknown space 'zero9'; choose 'dp', 'tp', 'pp', 'recompute' or 'megatron'"),
+    ("zero9", "unknown space 'zero9'; choose 'dp', 'tp', 'pp', 'recompute', 'megatron'"),
     ("dp**tp", "space 'dp**tp': an empty name around '*'"),
     ("dp|", "an empty name around '|'"),
     ("no_such_pkg.mod:space", "cannot load space 'no_such_pkg.mod:space': ModuleNotFoundError"),

@@ -65,7 +65,7 @@ def batch_dims(g: Graph) -> dict[str, str | None]:
 class DataParallel(Space):
     """Every operator split along the batch over ``dp`` devices; ``microbatch`` samples per
     device per micro-batch (gradient accumulation over the rest); ``zero`` shards optimizer
-    states (1) and gradients (2) over the replicas (with dp > 1)."""
+    states (1), gradients (2) and weights (3, FSDP: gathered per layer) over the replicas (with dp > 1)."""
 
     name = "dp"
     order = 1
@@ -74,7 +74,8 @@ class DataParallel(Space):
                  range="divisors of the device count"),
         Knob.int("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica",
                  range="powers of 2 up to the global batch"),
-        Knob.int("zero", lambda c: ZERO_STAGES, "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients",
+        Knob.int("zero", lambda c: ZERO_STAGES,
+                 "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)",
                  default=0, range=", ".join(map(str, ZERO_STAGES))),
     )
     constraints = (
@@ -284,7 +285,8 @@ EXPLORED_SCHEDULES = ("1f1b", "interleaved")
 
 class PipelineParallel(Space):
     """Layers in ``pp`` stages, run with 1F1B or interleaved 1F1B over ``virtual_stages`` model
-    chunks per device (GPipe and other schedules when ``--set schedule=`` picks them)."""
+    chunks per device (explored); GPipe and zero-bubble ZB-H1 (backward split into input and
+    weight gradients) when ``--set schedule=`` (or ``restrict``) picks them."""
 
     name = "pp"
     order = 0

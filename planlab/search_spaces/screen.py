@@ -41,7 +41,8 @@ from planlab.graph.ir import Graph
 from planlab.plan.materialize import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
-from planlab.search_spaces.screen_structure import _aggregate, _Ids, _Profile, _split, _Split, _Structure, _Tables
+from planlab.search_spaces.screen_structure import (_aggregate, _Ids, _Profile, _split, _Split, _Structure, _Tables,
+                                                    colocated)
 from planlab.search_spaces.space import Draft
 
 @dataclass(frozen=True)
@@ -67,9 +68,11 @@ class Estimate:
 class _Priced:
     fwd_s: float
     bwd_s: float
-    comm_s: float
+    comm_s: float  # collectives on the critical path, and ZeRO-3's gathers the computation does not hide
     sync_s: float  # exposed gradient reduction or ZeRO collectives, and the optimizer step
     static_bytes: float
+    wgt_s: float = 0.0  # the weight-gradient part of bwd_s (zero-bubble's W)
+    gathered_bytes: float = 0.0  # ZeRO-3: a prefetched unit's weights and a unit's full gradient, besides static
 
 
 class Screen:
@@ -84,6 +87,7 @@ class Screen:
         self._priced: dict[tuple, _Priced] = {}
         self._micro: dict[tuple, tuple] = {}
         self._grad: dict[tuple, tuple] = {}
+        self._zero3: dict[tuple, tuple] = {}
         self._profile_ids: dict[_Profile, int] = {}
         self._ids: dict[int, tuple[Any, int]] = {}
         self._numbers: dict[tuple, int] = {}
@@ -122,14 +126,19 @@ class Screen:
         else:
             stages = tuple(d.stages.get(n, 0) for n in names)
         rc = tuple(d.recompute.items()) if d.recompute else None
+        co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
         key = (skey, self._numbers.setdefault(stages, len(self._numbers)),
-               self._numbers.setdefault(rc, len(self._numbers)), d.groups)
+               self._numbers.setdefault(rc, len(self._numbers)), d.groups, self._numbers.setdefault(co, len(self._numbers)))
         got = self._structures.get(key)
         if got is None:
             n = self.t.n
             rcs = np.array([d.recompute.get(x, 0) for x in names] if rc else [0] * n, dtype=np.int64)
+            pieces = None
+            if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
+                pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
+                split = colocated(split, pieces, self._values)
             got = self._structures[key] = _aggregate(self.t, split, np.array(stages or [0] * n, dtype=np.int64),
-                                                     rcs, d.groups, self._values)
+                                                     rcs, d.groups, self._values, pieces)
             got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
         return got
 
@@ -138,9 +147,13 @@ class Screen:
         key = (work, pieces, m, phase)
         got = self._compute.get(key)
         if got is None:
-            flops, nbytes, ratio = self.t.works[work]
+            flops, nbytes, ratio, share = self.t.works[work]
             if phase == "B":
                 flops *= ratio
+            elif phase == "W":  # the weight-gradient part of the backward (zero-bubble's split)
+                flops, nbytes = flops * ratio * share, nbytes * share
+            elif phase == "I":  # the rest, the input gradients
+                flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
             got = self._compute[key] = self.cost.compute_time_s(
                 flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype) \
                 if (flops or nbytes) else 0.0
@@ -169,18 +182,24 @@ class Screen:
             got = self._p2p[key] = self.cost.p2p_time_s(nbytes, src * per, dst * per)
         return got
 
-    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int) -> _Priced:
-        key = (pid, sizes, m, zero)
+    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool) -> _Priced:
+        key = (pid, sizes, m, zero, zb)
         got = self._priced.get(key)
         if got is None:
-            f, b, cm = self._micro_s(p, pid, sizes, m)
-            fixed, ar, last, opt_s, static = self._grads(p, pid, sizes, zero)
+            f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
+            if zb:
+                b += split
+            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
+            if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
+                zc, first = self._units_s(p, pid, sizes)  # unit ahead: computation hides all but the first gathers
+                cm += max(first, zc - (f + b))
             # buckets overlap the last micro-batch's backward; the last one does not
-            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static)
+            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
-    def _micro_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, float, float]:
-        """Forward, backward and collectives of one micro-batch of ``m``."""
+    def _micro_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, ...]:
+        """Forward, backward, collectives, the backward's weight-gradient part, and what splitting
+        the backward into two tasks per operator adds (smaller kernels), one micro-batch of ``m``."""
         key = (pid, sizes, m)
         got = self._micro.get(key)
         if got is None:
@@ -188,21 +207,55 @@ class Screen:
             b = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.bwd)
             cm = sum(c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
                      for (kind, axis, numel, batch, eb), c in p.comm)
-            got = self._micro[key] = (f, b, cm)
+            wg = split = 0.0
+            for (w, pieces, _), c in p.wgt:
+                one = self._compute_s(w, pieces, m, "W")
+                wg += c * one
+                split += c * (self._compute_s(w, pieces, m, "I") + one - self._compute_s(w, pieces, m, "B"))
+            got = self._micro[key] = (f, b, cm, wg, split)
+        return got
+
+    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...]) -> tuple[float, float]:
+        """ZeRO-3 per micro-batch: (every unit's two weight all-gathers and gradient reduce-scatter,
+        the first unit's gathers in the forward and the backward), seconds."""
+        key = (pid, sizes)
+        got = self._zero3.get(key)
+        if got is None:
+            prec = self.prec
+            total = first = 0.0
+            for axes, (n_units, _) in p.units:
+                if math.prod(sizes[a] for a in axes) == 1:
+                    continue
+                elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
+                ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
+                total += n_units * (2 * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
+                first = max(first, 2 * ag)
+            got = self._zero3[key] = (total, first)
         return got
 
     def _grads(self, p: _Profile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
         """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
-        bytes)`` of the group's parameters (seconds, bytes)."""
+        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
         key = (pid, sizes, zero)
         got = self._grad.get(key)
         if got is not None:
             return got
         prec = self.prec
-        sync = opt = static = ar = last = 0.0
+        sync = opt = static = ar = last = gathered = 0.0
+        units = dict(p.units)
         for axes, elems in p.params:
             n_red = math.prod(sizes[a] for a in axes)
             static += elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes)
+            if n_red > 1 and zero >= 3:
+                # weights, gradients and states sharded; the unit computed is gathered (static: a lower
+                # bound), the next one prefetched and a unit's full gradient alive (gathered)
+                big = units[axes][1]
+                static -= elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes) * (n_red - 1) / n_red
+                static += big * prec.param_bytes
+                gathered = max(gathered, big * (prec.param_bytes + prec.grad_bytes))
+                sync = max(sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes))  # the last unit's
+                opt += elems / n_red
+                continue
             if n_red > 1 and zero:
                 sync += self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes)
                 sync += self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
@@ -220,7 +273,7 @@ class Screen:
         opt_s = self.cost.compute_time_s(
             flops=12.0 * opt, dtype=self.dtype,
             bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)) if opt else 0.0
-        got = self._grad[key] = (sync, ar, last, opt_s, static)
+        got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
 
     # -- the estimate --------------------------------------------------------------------
@@ -231,35 +284,44 @@ class Screen:
         per = math.prod(sizes)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
         schedule = d.schedule if v == 1 else "interleaved"
-        times, back, syncs, mems, bounds, prices = [], [], [], [], [], []
+        zb = schedule == "zb-h1"
+        deferred = min(1.0, (m - 1) / max(1, G - 1))
+        times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         for r in range(G):
             p = s.profiles[r]
-            c = self._price(p, s.ids[r], sizes, m, d.zero)
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb)
             prices.append(c)
             pp = sum(n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
                      for (numel, batch, eb, src), n in s.p2p[r])
             times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
-            back.append(c.bwd_s)
+            # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
+            # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
+            # one, each W only overlaps the I upstream: F + I), and its backward drains as its I passes
+            back.append(c.bwd_s - c.wgt_s if zb else c.bwd_s)
+            fill.append(max(0.0, times[-1] - (1 + deferred) * c.wgt_s) if zb else times[-1])
             syncs.append(c.sync_s)
             per_chunk = np.zeros(v)  # bytes one micro-batch keeps on each of the group's model chunks
             for stage, (b, o) in p.saved:
                 per_chunk[min(v - 1, stage // G)] += b / m + o
             if v == 1 and schedule in ("1f1b", "gpipe"):
                 act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
+            elif zb:  # the activations until I; from I to W, what W reads: the output gradients and
+                # about as much of the inputs (a product's dW = dY^T X)
+                act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
                 act = float((flight_counts(schedule, r, G, m, v) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
-            mems.append(c.static_bytes + act + 2 * p.work / m)
+            mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
         t_max = max(times)
-        pipe = m * t_max + (sum(times) - t_max) / v
+        slow = max(range(G), key=lambda r: times[r])
+        pipe = m * t_max + (sum(fill) - fill[slow]) / v
         # group r's last backward ends about r backward steps before the first group's (1F1B drains to it)
         total, before = 0.0, 0.0
         for r in range(G):
             total = max(total, pipe - before / v + syncs[r])
             before += back[r]
         worst = max(range(G), key=lambda r: mems[r])
-        slow = max(range(G), key=lambda r: times[r])
         c = prices[slow]
         return Estimate(time_s=total, mem_bytes=mems[worst], bound_bytes=max(bounds),
                         static_bytes=prices[worst].static_bytes,
@@ -280,6 +342,28 @@ def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
 
 
 _FLIGHT: dict[tuple, np.ndarray] = {}
+
+
+def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
+    """ZB-H1 on group ``r``: the distinct (micro-batches past F before their I, micro-batches past
+    I before their W) after each action of its schedule."""
+    key = ("zb", r, groups, m)
+    got = _FLIGHT.get(key)
+    if got is None:
+        kept = pending = 0
+        rows = [(0, 0)]
+        for a in SCHEDULES["zb-h1"](r, groups, m):
+            if a.phase == "F":
+                kept += 1
+            elif a.phase == "I":
+                kept, pending = kept - 1, pending + 1
+            elif a.phase == "W":
+                pending -= 1
+            elif a.phase == "B":
+                kept -= 1
+            rows.append((kept, pending))
+        got = _FLIGHT[key] = np.unique(np.array(rows, dtype=np.int32), axis=0)
+    return got
 
 
 def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np.ndarray:

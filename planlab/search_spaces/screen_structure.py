@@ -17,6 +17,7 @@ number by ``_Ids``, so that counting and summing run on integer arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from planlab.graph.ir import DTYPE_BYTES, Graph
+from planlab.plan.backward_split import weight_share
 from planlab.plan.program import Precision
+from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
 _P = -2
@@ -90,9 +93,16 @@ class _Tables:
         self.n = len(ops)
         self.names = [op.name for op in ops]
         index = {op.name: i for i, op in enumerate(ops)}
+
+        def grads(op, role: str) -> int:  # the gradients its backward writes for inputs of ``role``
+            return sum(1 for t in op.inputs if g.tensors[t].is_float and g.tensors[t].role == role)
+
+        # the share of its backward that computes weight gradients (zero-bubble's W)
+        share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
         works: dict[tuple, int] = {}
-        self.work_class = [works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio), len(works)) for op in ops]
-        self.works = list(works)  # class -> (flops, bytes, backward flops ratio)
+        self.work_class = [works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works))
+                           for op, w in zip(ops, share)]
+        self.works = list(works)  # class -> (flops, bytes, backward flops ratio, weight-gradient share)
         batch = g.batch_label
 
         def is_batch(t: str) -> bool:
@@ -106,22 +116,26 @@ class _Tables:
             return {ax[0]: i for i, ax in enumerate(op.axes_of(t)) if ax}
 
         self.params: list[list[tuple[int, frozenset[str]]]] = []
+        self.param_units: list[tuple[int, ...]] = []  # per operator, per parameter: its ZeRO-3 unit (a layer)
+        units: dict[str, int] = {}
         self.saves: list[list[tuple[int, frozenset[str], bool, int]]] = []  # (elements, dims, batch, bytes)
         self.save_names: list[tuple[str, ...]] = []
         self.out: list[tuple[int, frozenset[str], bool, int]] = []
         self.edges: list[_Edge] = []
         has_backward = []
         for i, op in enumerate(ops):
-            ps, ss, names = [], [], []
+            ps, ss, names, us = [], [], [], []
             for t in op.inputs:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
+                    us.append(units.setdefault(unit_key(t), len(units)))
             for t in op.saves:
                 spec = g.tensors[t]
                 if spec.role != "param":
                     ss.append((spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t)))
                     names.append(t)
             self.params.append(ps)
+            self.param_units.append(tuple(us))
             self.saves.append(ss)
             self.save_names.append(tuple(names))
             o = op.outputs[0]
@@ -158,6 +172,7 @@ class _Split:
 
     fkey: np.ndarray  # per operator: its forward's price key, (work class, pieces, "F")
     bkey: np.ndarray  # per operator: its backward's, (work class, pieces, "B")
+    wkey: np.ndarray  # per operator: its backward's weight-gradient part, (work class, pieces, "W"); -1: none
     work: np.ndarray  # per operator: its local output's batch bytes (a working set)
     s_op: np.ndarray  # per saved tensor of an operator: the operator
     s_key: np.ndarray  # ... (tensor, cut): the buffer (several operators may save one)
@@ -165,6 +180,7 @@ class _Split:
     p_op: np.ndarray  # per parameter of an operator: the operator
     p_red: np.ndarray  # ... its gradient's reduction axes (a tuple)
     p_elems: np.ndarray  # ... local elements
+    p_unit: np.ndarray  # ... its ZeRO-3 unit
     recv: np.ndarray  # per edge: elements each device of the consumer's stage needs (across stages)
     keep: np.ndarray  # per edge: elements of the buffer the consumer reads (a local slice reads the whole)
     cf_edge: np.ndarray  # per conversion of an activation: its edge
@@ -181,8 +197,8 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
     live = [a for a, s in enumerate(sizes) if s > 1]
     cols = [dims[a] for a in live]
     n = t.n
-    fkey, bkey, work = [0] * n, [0] * n, [0.0] * n
-    s_op, s_key, s_bytes, p_op, p_red, p_elems = [], [], [], [], [], []
+    fkey, bkey, wkey, work = [0] * n, [0] * n, [0] * n, [0.0] * n
+    s_op, s_key, s_bytes, p_op, p_red, p_elems, p_unit = [], [], [], [], [], [], []
     memo: dict[tuple, tuple] = {}
     for i in range(n):
         od = tuple(c[i] for c in cols)
@@ -190,11 +206,12 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
         got = memo.get(key)
         if got is None:
             got = memo[key] = _op_split(t, i, live, sizes, od, ids)
-        fkey[i], bkey[i], work[i], params, saves = got
-        for red, elems in params:
+        fkey[i], bkey[i], wkey[i], work[i], params, saves = got
+        for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
             p_red.append(red)
             p_elems.append(elems)
+            p_unit.append(unit)
         for name, (cut, sb, so) in zip(t.save_names[i], saves):
             s_op.append(i)
             s_key.append(ids.of((name, cut)))
@@ -221,15 +238,16 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
             bdone.add((e.tensor, contrib))
             cb_edge.extend([j] * len(cb))
             cb_key.extend(cb)
-    return _Split(_ints(fkey), _ints(bkey), np.array(work), _ints(s_op), _ints(s_key),
+    return _Split(_ints(fkey), _ints(bkey), _ints(wkey), np.array(work), _ints(s_op), _ints(s_key),
                   np.array(s_bytes, dtype=np.float64).reshape(-1, 2), _ints(p_op), _ints(p_red),
-                  np.array(p_elems, dtype=np.float64), np.array(recv, dtype=np.float64),
+                  np.array(p_elems, dtype=np.float64), _ints(p_unit), np.array(recv, dtype=np.float64),
                   np.array(keep, dtype=np.float64), _ints(cf_edge), _ints(cf_key), _ints(cb_edge), _ints(cb_key))
 
 
 def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) -> tuple:
-    """(forward key, backward key, working set, ((reduction axes, elements), ...), ((cut, batch
-    bytes, other bytes), ...)) of operator ``i`` split along ``od`` (per live axis)."""
+    """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
+    elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
+    (per live axis)."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
@@ -243,7 +261,8 @@ def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) 
     numel, odset, batch, eb = t.out[i]
     work = numel / math.prod(sizes[a] for a, dm in split if dm in odset) * eb if batch else 0.0
     w = t.work_class[i]
-    return ids.of((w, pieces, "F")), ids.of((w, pieces, "B")), work, tuple(params), tuple(saves)
+    wkey = ids.of((w, pieces, "W")) if t.works[w][3] > 0 else -1
+    return ids.of((w, pieces, "F")), ids.of((w, pieces, "B")), wkey, work, tuple(params), tuple(saves)
 
 
 def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: _Ids) -> tuple:
@@ -269,10 +288,14 @@ class _Profile:
 
     fwd: tuple  # ((work class, pieces, priced as phase), tasks), ...
     bwd: tuple  # the backward's, with recomputed forwards
+    wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W"), tasks)
     comm: tuple  # ((kind, axis, elements, batch, element bytes), collectives), ...
     params: tuple  # ((reduction axes, elements), ...)
+    units: tuple  # ((reduction axes, (ZeRO-3 units, the largest's elements)), ...)
     saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
     work: float  # the largest operator's working set, batch bytes
+    dy: float = 0.0  # output-gradient and saved-input batch bytes of the operators with weights (what
+    # zero-bubble's W reads: a product's dW = dY^T X)
 
 
 @dataclass
@@ -301,22 +324,64 @@ def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: _Ids, weights:
     return [tuple(sorted(o)) for o in out]
 
 
-def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids) -> _Structure:
-    """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch."""
+def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndarray, G: int, ids: _Ids) -> list:
+    """Per group, ``((reduction axes, (units, the largest unit's elements)), ...)``."""
+    out: list[dict] = [{} for _ in range(G)]
+    if len(red):
+        nu, nr = int(unit.max()) + 1, len(ids.values) + 1
+        u, inv = np.unique((groups * nr + red) * nu + unit, return_inverse=True)
+        tot = np.bincount(inv.ravel(), weights=elems)
+        for code, x in zip(u.tolist(), tot.tolist()):
+            r, rd = divmod(code // nu, nr)
+            n, big = out[r].get(rd, (0, 0.0))
+            out[r][rd] = (n + 1, max(big, x))
+    return [tuple(sorted((ids.values[rd], v) for rd, v in o.items())) for o in out]
+
+
+def colocated(sp: _Split, pieces: np.ndarray, ids: _Ids) -> _Split:
+    """``sp`` with each operator's work in ``pieces[i]`` times smaller tasks (co-located pieces,
+    run one after another: ``_aggregate`` counts them ``pieces[i]`` times)."""
+    keys = {}
+    for name in ("fkey", "bkey", "wkey"):
+        old = getattr(sp, name)
+        new = old.copy()
+        for i in np.nonzero(pieces > 1)[0].tolist():
+            if old[i] >= 0:
+                w, n, ph = ids.values[old[i]]
+                new[i] = ids.of((w, n * int(pieces[i]), ph))
+        keys[name] = new
+    return dataclasses.replace(sp, **keys)
+
+
+def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids,
+               pieces: np.ndarray | None = None) -> _Structure:
+    """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
+    ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
     grp = stage % G
     rc = rcs != 0
     hb = t.has_backward
-    fwd = _per_group(grp, sp.fkey, G, ids)
+    task = np.arange(t.n) if pieces is None else np.repeat(np.arange(t.n), pieces)  # operator of each task
+    tg, trc, thb = grp[task], rc[task], hb[task]
+    fwd = _per_group(tg, sp.fkey[task], G, ids)
     # the backward, and a recomputed operator's forward again before it
-    bwd = _per_group(np.concatenate([grp[hb], grp[rc]]), np.concatenate([sp.bkey[hb], sp.fkey[rc]]), G, ids)
+    bwd = _per_group(np.concatenate([tg[thb], tg[trc]]), np.concatenate([sp.bkey[task][thb], sp.fkey[task][trc]]),
+                     G, ids)
+    w = thb & (sp.wkey[task] >= 0)
+    wgt = _per_group(tg[w], sp.wkey[task][w], G, ids)
     params = _per_group(grp[sp.p_op], sp.p_red, G, ids, sp.p_elems)
+    units = _units(grp[sp.p_op], sp.p_red, sp.p_unit, sp.p_elems, G, ids)
     work = np.zeros(G)
     np.maximum.at(work, grp, sp.work)
+    wop = hb & (sp.wkey >= 0)  # operators with a weight-gradient part
+    dy = np.bincount(grp[wop], weights=sp.work[wop], minlength=G)
     # saved activations: each buffer once per group (several operators may save one), not when recomputed
     keep = ~rc[sp.s_op]
     s_op, s_bytes = sp.s_op[keep], sp.s_bytes[keep]
     first = _first(grp[s_op] * (len(ids.values) + 1) + sp.s_key[keep])
     add_stage, add_bytes = [stage[s_op[first]]], [s_bytes[first]]
+    xw = wop[s_op[first]]  # inputs saved by operators with weights
+    if xw.any():
+        dy += np.bincount(grp[s_op[first][xw]], weights=s_bytes[first][xw, 0], minlength=G)
     # edges: across stages, a transfer (once per tensor and receiving stage); within one, conversions
     sp_, sc = stage[t.e_producer], stage[t.e_consumer]
     cross = sp_ != sc
@@ -355,5 +420,6 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     saved: list[list] = [[] for _ in range(G)]
     for s in np.nonzero(touched)[0].tolist():
         saved[s % G].append((s, (float(sb[s]), float(so[s]))))
-    profiles = [_Profile(fwd[r], bwd[r], comm[r], params[r], tuple(saved[r]), float(work[r])) for r in range(G)]
+    profiles = [_Profile(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]),
+                         float(dy[r])) for r in range(G)]
     return _Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])

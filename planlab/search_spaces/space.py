@@ -323,6 +323,7 @@ class Draft:
     zero: int = 0
     axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
+    colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
 
     def add_axis(self, name: str, size: int,
                  dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
@@ -411,10 +412,18 @@ class Draft:
                 if b is not None:
                     b.op_trans(op.name, dim, size)
             s = self.stages.get(op.name, 0)
+            where = devices[s % groups]
+            if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
+                dim, k = self.colocate[op.name]
+                if chk.splits:
+                    chk.split(op, dim)
+                if b is not None:
+                    b.op_trans(op.name, dim, k)
+                where = tuple(d for d in where for _ in range(k))
             if chk.places:
-                chk.place(op, devices[s % groups])
+                chk.place(op, where)
             if b is not None:
-                b.op_assign(op.name, devices[s % groups], stage=s)
+                b.op_assign(op.name, where, stage=s)
                 if self.recompute.get(op.name):
                     b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1 and chk.orders:
