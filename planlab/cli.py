@@ -10,6 +10,7 @@ from pathlib import Path
 
 from planlab.errors import DeadlockError, PlanlabError
 
+DEFAULT_CANDIDATES = 16  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
 LOSS_TOL = 1e-4   # absolute, on losses of order 1 (fp32)
 GRAD_TOL = 1e-4   # absolute, largest element of any gradient shard
 
@@ -33,35 +34,44 @@ def _model(args):
 
 
 def cmd_explore(args) -> int:
-    from planlab.explore import explore
+    from planlab.explore import RESULT_COLUMNS, SCREEN_COLUMNS, explore
 
     df = explore(_model(args), cluster=args.cluster, nodes=args.nodes, space=args.space,
                  fixed=dict(args.set or []), global_batch=args.global_batch, jobs=args.jobs, out=args.out,
-                 progress=sys.stderr.isatty(), profile=args.profile)
-    from planlab.explore import RESULT_COLUMNS
-
+                 progress=sys.stderr.isatty(), profile=args.profile, budget=args.budget,
+                 candidates=None if args.all else args.candidates)
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
-    cols = [c for c in df.columns if c not in fixed and c != "reason"] + ["reason"]
+    cols = [c for c in df.columns if c not in fixed and c not in ("reason", "simulated", "screen_rank")] + ["reason"]
     show = df[cols].head(args.top).copy()
-    show["iter_time_s"] = show["iter_time_s"].map(lambda v: f"{v:.4g}")
-    show["peak_mem_gib"] = show["peak_mem_gib"].map(lambda v: f"{v:.2f}")
-    show["tflops_per_gpu"] = show["tflops_per_gpu"].map(lambda v: f"{v:.3g}")
-    show["mfu"] = show["mfu"].map(lambda v: f"{v:.1%}" if v == v else "nan")
+    for c, f in (("screen_time_s", "{:.4g}"), ("screen_mem_gib", "{:.2f}"), ("iter_time_s", "{:.4g}"),
+                 ("peak_mem_gib", "{:.2f}"), ("tflops_per_gpu", "{:.3g}")):
+        show[c] = show[c].map(lambda v, f=f: f.format(v) if v == v else "-")
+    show["mfu"] = show["mfu"].map(lambda v: f"{v:.1%}" if v == v else "-")
     show["reason"] = show["reason"].fillna("").map(lambda s: (s[:60] + "...") if len(s) > 63 else s)
+    show = show.rename(columns={c: c.replace("screen_", "~") for c in SCREEN_COLUMNS})
     import pandas as pd
 
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
+    with pd.option_context("display.width", 220, "display.max_columns", 24):
         print(show.to_string(index=False))
-    n_ok = int(df["feasible"].sum())
+    c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
-    print(f"\n{len(df)} plans, {n_ok} feasible." + (f" Every plan has {same}." if same else ""))
-    if df.attrs.get("best_plan") is None:
-        print("No plan fits in device memory; see the reason column.")
+    print(f"\n{c['plans']} plans: {c['screened']} screened, {c['pruned']} pruned by the memory bound, "
+          f"{c['simulated']} of {c['candidates']} candidates simulated, {c['feasible']} feasible."
+          + (f" Every plan has {same}." if same else ""))
+    rho = df.attrs.get("screen_rank_corr")
+    print(f"time: trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.1f} s, screen {ph['screen_s']:.1f} s, "
+          f"simulate {ph['simulate_s']:.1f} s, total {ph['total_s']:.1f} s"
+          + (f"; screen vs simulation rank correlation {rho:.2f}" if rho == rho else ""))
+    if c["simulated"] == 0:
+        print("No plan was simulated (see --budget); the screen's estimates are in the ~ columns.")
+    elif df.attrs.get("best_plan") is None:
+        print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
-        print(f"wrote {out / 'results.csv'}, {out / 'pareto.png'}"
-              + (f", {out / 'best_plan.json'}" if df.attrs.get("best_plan") is not None else ""))
+        files = ["results.csv", "pareto.png"] + (["best_plan.json", "timeline.png", "memory.png"]
+                                                 if df.attrs.get("best_plan") is not None else [])
+        print("wrote " + ", ".join(str(out / f) for f in files))
     return 0
 
 
@@ -102,8 +112,8 @@ def cmd_simulate(args) -> int:
 
         out = Path(args.plot)
         out.mkdir(parents=True, exist_ok=True)
-        timeline_plot(res, out / "timeline.png")
-        memory_plot(res, out / "memory.png")
+        timeline_plot(res, out / "timeline.png", title=plan.describe())
+        memory_plot(res, out / "memory.png", title=plan.describe())
     if args.json:
         print(json.dumps({"iter_time_s": res.iter_time_s, "peak_mem_gib": res.peak_mem_bytes / 2**30,
                           "tflops_per_gpu": res.tflops_per_gpu, "mfu": res.mfu, "hfu": res.hfu,
@@ -229,10 +239,33 @@ def cmd_clusters(args) -> int:
 def cmd_spaces(args) -> int:
     from planlab.search_spaces import list_spaces
 
-    for sp in list_spaces():
-        doc = (type(sp).__doc__ or "").strip().splitlines()[0]
-        print(f"{sp.name:10s} knobs: {', '.join(k.name for k in sp.all_knobs()):28s} {doc}")
+    ctx = None
+    if args.model:
+        from planlab.errors import ConfigError
+        from planlab.explore import Setup, make_context
+
+        if not args.cluster:
+            raise ConfigError("planlab spaces --model needs --cluster too (the values of the knobs depend on both)")
+        batch = args.global_batch or 8
+        ctx = make_context(Setup(_model(args), args.cluster, args.nodes, batch))[0]
+    spaces = list_spaces() if not args.space else [_space(args.space)]
+    for sp in spaces:
+        doc = " ".join((sp.__doc__ or "").replace("``", "").split()).split(". ")[0].rstrip(".")
+        print(f"{sp.name}: {doc}" if doc else sp.name)
+        for k in sp.all_knobs():
+            default = "" if k.default is None else f"  default {k.default}" + (" (pinned)" if k.pinned else "")
+            explored = f"  explores {', '.join(map(str, k.explore))}" if k.explore is not None else ""
+            print(f"    {k.name:18s} {k.kind_of():6s} {k.describe_range(ctx)}{default}{explored}  -- {k.doc}")
+        rules = sp.all_rules()
+        if rules:
+            print("    rules: " + "; ".join(map(str, rules)))
     return 0
+
+
+def _space(spec: str):
+    from planlab.search_spaces import get_space
+
+    return get_space(spec)
 
 
 def cmd_graph(args) -> int:
@@ -257,13 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.add_argument("--cluster", required=True, help="a built-in cluster (planlab clusters) or a spec file")
     e.add_argument("--nodes", type=int, default=1)
-    e.add_argument("--space", default="megatron", help="a built-in space, a product a*b, or package.module:space")
+    e.add_argument("--space", default="megatron",
+                   help="a registered space (planlab spaces), a product a*b, a union a|b, or package.module:space")
     e.add_argument("--set", action="append", type=_kv, metavar="KNOB=VALUE", help="fix a knob")
     e.add_argument("--global-batch", type=int, default=None)
     e.add_argument("--out", default=None, help="folder for results.csv, pareto.png and best_plan.json")
     e.add_argument("--jobs", type=int, default=1, help="plans evaluated in parallel")
     e.add_argument("--top", type=int, default=10, help="rows printed")
     e.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
+    e.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="stop simulating after SECONDS from the start and return the best found so far")
+    e.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES, metavar="K",
+                   help=f"simulate the K fastest plans by the screen and up to K along its Pareto front "
+                        f"(default {DEFAULT_CANDIDATES})")
+    e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser("run", help="run a plan (local processes, or one rank under torchrun or srun) and check it "
@@ -314,7 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)
     sub.add_parser("clusters", help="list built-in clusters").set_defaults(fn=cmd_clusters)
-    sub.add_parser("spaces", help="list built-in spaces and their knobs").set_defaults(fn=cmd_spaces)
+    sp = sub.add_parser("spaces", help="list the spaces, their knobs with types and ranges, and their rules")
+    sp.add_argument("space", nargs="?", default=None, help="one space (any --space form) instead of all")
+    model_args(sp, required=False)
+    sp.add_argument("--cluster", default=None, help="with --model: print the knobs' values for this cluster")
+    sp.add_argument("--nodes", type=int, default=1)
+    sp.add_argument("--global-batch", type=int, default=None)
+    sp.set_defaults(fn=cmd_spaces)
     g = sub.add_parser("graph", help="trace a model and summarise its graph")
     model_args(g)
     g.add_argument("--global-batch", type=int, default=1)

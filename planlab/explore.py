@@ -1,17 +1,31 @@
-"""Exploring a space: build, bound, simulate and rank every plan; Pareto front and plot."""
+"""Exploring a space: enumerate, screen, prune, simulate the best candidates, rank; Pareto front and plots.
+
+Phases, in order:
+1. enumerate the knob assignments the space's constraints allow (``Space.enumerate``);
+2. screen every plan (``planlab.search_spaces.screen``): an analytic estimate of its iteration
+   time and memory from its Draft, without materializing;
+3. prune the plans whose memory lower bound exceeds the device's (their ``reason`` says why);
+4. simulate (materialize + simpy) the candidates: the ``candidates`` fastest by the screen, those
+   near the screen's Pareto front and the fastest of each part of the space, fastest first, in
+   ``jobs`` processes, until ``budget`` seconds have passed since the start;
+5. rank: simulated feasible plans first, fastest first; the Pareto front of time against memory.
+"""
 
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+import signal
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from planlab.costmodel import CostModel
-from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError
+from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.graph.ir import Graph
 from planlab.graph.trace import trace
 from planlab.models.registry import ModelSpec, build_model
@@ -19,10 +33,18 @@ from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
 from planlab.search_spaces.builtin import get_space
+from planlab.search_spaces.compose import SPACE_KEY
+from planlab.search_spaces.screen import Estimate, Screen
+from planlab.search_spaces.selection import MEMORY_SLACK
+from planlab.search_spaces.selection import candidates as choose_candidates
+from planlab.search_spaces.selection import pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
 
-RESULT_COLUMNS = ["iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason"]
+SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
+RESULT_COLUMNS = SCREEN_COLUMNS + ["iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible",
+                                   "simulated", "reason"]
+DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
 
 
 @dataclass(frozen=True)
@@ -50,49 +72,73 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
     gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
     gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
-    plus the activations saved for backward by one micro-batch times the most micro-batches the
-    device's schedule keeps in flight (until their backward, or its input-gradient part ``I``)."""
+    plus the activations saved for the backward (each tensor once per stage, however many
+    operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
+    moment (until their backward, or its input-gradient part ``I``)."""
     prec = precision_for(plan.cluster)
-    per_param = (prec.param_bytes, prec.grad_bytes, prec.optimizer_bytes)
-    sharded = (plan.zero >= 3, plan.zero >= 2, plan.zero >= 1)  # which of them ZeRO shards
-    by_devices: dict[tuple[int, ...], list[int]] = {}  # device set -> [static, saved] bytes on each
     m = plan.microbatches
+    # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
+    by_devices: dict[tuple[int, ...], list] = {}
     for p in plan.ops:
-        acc = by_devices.setdefault(p.devices, [0, 0])
+        acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
         for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
             if spec.role != "param" and (t not in op.saves or p.recompute):
                 continue  # a recomputed operator keeps nothing for its backward
-            axes = op.axes_of(t)
-            cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and any(ax and ax[0] == d for ax in axes))
+            held = {ax[0] for ax in op.axes_of(t) if ax}
+            cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             if spec.role == "param":
-                reduced = math.prod(n for d, n in zip(p.dims, p.sizes)  # devices summing its gradient
-                                    if d is not None and not any(ax and ax[0] == d for ax in axes))
-                acc[0] += sum(spec.numel // cut // (reduced if z else 1) * b for b, z in zip(per_param, sharded))
-            else:
+                # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
+                red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+                elems = spec.numel / cut
+                weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
+                grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
+                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+                acc[0] += elems * (weights + grad + opt)
+            elif (t, cut) not in acc[2]:
+                acc[2].add((t, cut))
                 batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1] += spec.numel // cut // (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
-    static = [0] * plan.num_devices
-    saved = [0] * plan.num_devices
-    for devs, (st, sv) in by_devices.items():
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + \
+                    spec.numel / cut / (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
+    static = [0.0] * plan.num_devices
+    saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
+    for devs, (st, sv, _) in by_devices.items():
         for dev in devs:
             static[dev] += st
-            saved[dev] += sv
-    worst = (0, 0)
+            for s, b in sv.items():
+                saved[dev][s] = saved[dev].get(s, 0.0) + b
+    peaks: dict[tuple, float] = {}
+    worst = (0.0, 0.0)
     for dev in range(plan.num_devices):
         sched = plan.schedule[dev] if plan.schedule and plan.schedule[dev] else None
-        if sched is None:
-            flight = m
-        else:
-            flight = cur = 0
-            for a in sched:
-                cur += 1 if a.phase == "F" else -1 if a.phase in ("B", "I") else 0
-                flight = max(flight, cur)
-        total = (static[dev], saved[dev] * flight)
+        key = (id(sched), tuple(sorted(saved[dev].items())))
+        if key not in peaks:
+            peaks[key] = _activation_peak(sched, saved[dev], m)
+        total = (static[dev], peaks[key])
         if sum(total) > sum(worst):
             worst = total
-    return worst
+    return int(worst[0]), int(worst[1])
+
+
+def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
+    """The most saved-activation bytes alive at once under ``schedule`` (None: every micro-batch's
+    forwards first, as materialize orders a plan without one)."""
+    if schedule is None:
+        return m * sum(saved.values())
+    cur = peak = 0.0
+    for a in schedule:
+        if a.phase == "F":
+            cur += saved.get(a.stage, 0.0)
+            peak = max(peak, cur)
+        elif a.phase in ("B", "I"):  # zero-bubble's W keeps less than I frees: count it freed at I
+            cur -= saved.get(a.stage, 0.0)
+    return peak
+
+
+def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
+    return dict(iter_time_s=math.nan, peak_mem_gib=math.nan, tflops_per_gpu=math.nan, mfu=math.nan,
+                feasible=feasible, reason=reason, **extra)
 
 
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
@@ -103,125 +149,355 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     if static + acts > mem_cap:
         what = "weights, gradients and optimizer states alone need" if static > mem_cap else \
             "weights, optimizer states and the activations saved in flight need at least"
-        row.update(iter_time_s=math.nan, peak_mem_gib=(static + acts) / 2**30, tflops_per_gpu=math.nan,
-                   mfu=math.nan, feasible=False,
-                   reason=f"{what} {(static if static > mem_cap else static + acts) / 2**30:.1f} GiB per device "
-                          f"(device memory {mem_cap / 2**30:.1f} GiB)")
+        row.update(_nan_row(f"{what} {(static if static > mem_cap else static + acts) / 2**30:.1f} GiB per device "
+                            f"(device memory {mem_cap / 2**30:.1f} GiB)"), peak_mem_gib=(static + acts) / 2**30)
         return row, None
     try:
         program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
         res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline)
     except InfeasiblePlan as e:
-        row.update(iter_time_s=math.nan, peak_mem_gib=math.nan, tflops_per_gpu=math.nan, mfu=math.nan,
-                   feasible=False, reason=str(e).splitlines()[0])
+        row.update(_nan_row(str(e).splitlines()[0]))
         return row, None
     row.update(iter_time_s=res.iter_time_s, peak_mem_gib=res.peak_mem_bytes / 2**30,
                tflops_per_gpu=res.tflops_per_gpu, mfu=res.mfu, feasible=res.feasible, reason=res.reason)
     return row, res
 
 
-_WORKER: dict = {}
+# -- the work of one plan, in this process or in a worker --------------------------------------
+_STATE: dict = {}  # ctx, cost, graph, space, screen: set before the workers fork (or by _init_spawned)
 
 
-def _init_worker(setup: Setup, space: str) -> None:
+def _init_worker() -> None:
+    """A worker dies on SIGTERM (``Pool.terminate``) whatever handler its parent had installed (a
+    forked worker inherits them: torch's elastic launcher, say), and leaves Ctrl-C to its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _init_spawned(setup: Setup, space: str) -> None:
+    _init_worker()
     ctx, cost, graph = make_context(setup)
-    _WORKER.update(ctx=ctx, cost=cost, graph=graph, space=get_space(space))
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=get_space(space), screen=None)
 
 
-def _eval_assignment(values: dict) -> dict:
-    w = _WORKER
-    row, _ = evaluate(w["space"].build(w["ctx"], values), w["graph"], w["cost"])
-    return row
+def _screen_of() -> Screen:
+    if _STATE.get("screen") is None:
+        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], precision_for(_STATE["ctx"].cluster))
+    return _STATE["screen"]
 
 
-def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str = "megatron",
+def _screen_one(values: dict) -> tuple[Estimate | None, str]:
+    """The screen's estimate of one assignment; or None and the rule it breaks; or None and
+    ``SCREEN_FAILED``, the screen's own failure (such plans are simulated)."""
+    sp, ctx = _STATE["space"], _STATE["ctx"]
+    draft = sp.draft(ctx, values)  # ConfigError (a space that raises) ends the exploration
+    try:
+        draft.check_rules(_rules_of(sp, values), sp.name)
+    except InfeasiblePlan as e:
+        return None, str(e).splitlines()[0]
+    try:
+        return _screen_of().estimate(draft), ""
+    except Exception as e:  # noqa: BLE001 - an estimate is a hint; the simulation decides
+        return None, f"{SCREEN_FAILED} ({type(e).__name__}: {e})"
+
+
+SCREEN_FAILED = "the screen could not estimate it"
+
+
+def _rules_of(sp: Space, values: dict) -> tuple:
+    if SPACE_KEY in values and len(sp.alternatives()) > 1:
+        return sp.alternative(values[SPACE_KEY]).all_rules()
+    return sp.all_rules()
+
+
+def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | None, str]]:
+    return [(i, *_screen_one(v)) for i, v in items]
+
+
+def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
+    i, values = item
+    sp, ctx = _STATE["space"], _STATE["ctx"]
+    try:
+        plan = sp.build(ctx, values)
+    except InfeasiblePlan as e:
+        return i, _nan_row(str(e).splitlines()[0])
+    row, _ = evaluate(plan, _STATE["graph"], _STATE["cost"])
+    return i, {k: row[k] for k in ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")}
+
+
+class _Workers:
+    """``jobs`` processes that share this process's graph (forked), or trace it again (spawned)."""
+
+    def __init__(self, jobs: int, setup: Setup, space_spec: str | None) -> None:
+        self.pool = None
+        self.jobs = jobs
+        if jobs <= 1:
+            return
+        if "fork" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
+            self.pool = mp.get_context("fork").Pool(jobs, initializer=_init_worker)
+        elif space_spec is not None:
+            self.pool = mp.get_context("spawn").Pool(jobs, initializer=_init_spawned, initargs=(setup, space_spec))
+
+    def close(self, *, kill: bool = False) -> None:
+        if self.pool is not None:
+            if kill:
+                self.pool.terminate()
+            else:
+                self.pool.close()
+            self.pool.join()
+            self.pool = None
+
+
+def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str | Space = "megatron",
             fixed: dict | None = None, global_batch: int | None = None, jobs: int = 1,
             out: str | os.PathLike | None = None, progress: bool = False,
-            profile: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Evaluate every plan of ``space``; return the ranked DataFrame (fastest feasible first).
+            profile: str | os.PathLike | None = None, budget: float | None = None,
+            candidates: int | None = DEFAULT_CANDIDATES) -> pd.DataFrame:
+    """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
+    (simulated feasible plans first, fastest first).
 
-    Columns: the knobs, ``iter_time_s``, ``peak_mem_gib``, ``tflops_per_gpu``, ``mfu``,
-    ``feasible``, ``reason``, ``pareto``. ``df.attrs["best_plan"]`` is the best Plan (or None).
-    With ``out``, writes ``results.csv``, ``pareto.png`` and ``best_plan.json`` there.
-    ``profile`` (a file from ``planlab calibrate``) prices the cluster with its measurements.
+    Columns: the knobs (and ``space``, the part of a union a plan comes from), the screen's
+    ``screen_time_s``, ``screen_mem_gib`` and ``screen_rank``, the simulation's ``iter_time_s``,
+    ``peak_mem_gib``, ``tflops_per_gpu``, ``mfu``, ``feasible``, ``simulated``, ``reason`` (why a
+    plan is infeasible or was not simulated) and ``pareto``. ``candidates`` plans are simulated
+    besides those near the screen's Pareto front (None: every plan the memory bound leaves);
+    ``budget`` (seconds from the start) stops the simulations and returns the best found so far.
+    ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
+    ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
+    With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
+    ``timeline.png`` and ``memory.png`` there. ``profile`` (from ``planlab calibrate``) prices the
+    cluster with its measurements.
     """
+    t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile = None if profile is None else os.fspath(profile)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
+    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
+        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
     cost = CostModel.load(cluster, nodes, profile=profile)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     if not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"--global-batch must be a positive integer, got {batch!r}")
     sp = get_space(space) if isinstance(space, str) else space
+    if not isinstance(sp, Space):
+        raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
     setup = Setup(spec, cluster, nodes, batch, profile)
     ctx, cost, graph = make_context(setup)
-    assignments = list(sp.assignments(ctx, fixed))
-    if not assignments:
-        why = sp.explain(ctx, dict(fixed or {}))
-        raise ConfigError(why or f"no plan of space {sp.name!r} fits {cost.cluster.num_devices} devices, "
-                          f"{spec.config().layers} layers and global batch {batch} with {fixed or {}}")
-    rows = []
-    bar = _progress(len(assignments), progress)
-    if jobs > 1 and isinstance(space, str):
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(setup, space)) as pool:
-            for row in pool.map(_eval_assignment, assignments):
-                rows.append(row)
-                bar.update(1)
-    else:
-        for values in assignments:
-            rows.append(evaluate(sp.build(ctx, values), graph, cost)[0])
-            bar.update(1)
-    bar.close()
-    df = pd.DataFrame(rows)
-    for c in RESULT_COLUMNS:
-        if c not in df:
-            df[c] = math.nan
-    df["pareto"] = pareto_mask(df)
-    df["_index"] = range(len(df))
-    df = df.sort_values(["feasible", "iter_time_s"], ascending=[False, True], na_position="last")
-    df = df.reset_index(drop=True)
+    t_trace = time.perf_counter()
+    assignments = sp.enumerate(ctx, fixed)
+    t_enum = time.perf_counter()
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
+    workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
+    try:
+        est, why = _screen_all(assignments, workers, progress)
+        t_screen = time.perf_counter()
+        rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
+        deadline = None if budget is None else t0 + budget
+        done = _simulate_all(order, assignments, rows, workers, progress, deadline)
+        workers.close()
+    finally:
+        workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
+        _STATE.clear()
+    t_sim = time.perf_counter()
+    counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
+    df = _frame(sp, assignments, rows)
     best = None
     if len(df) and bool(df.loc[0, "feasible"]):
-        best = sp.build(ctx, assignments[int(df.loc[0, "_index"])])  # plans are rebuilt, not shipped
+        best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))  # plans are rebuilt, not shipped
+    parts = part_masks(sp, df)
+    part_best = {}
+    for name, mask in parts.items():
+        ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
+        if len(ok):
+            part_best[name] = int(ok["iter_time_s"].idxmin())
     df = df.drop(columns=["_index"])
-    df.attrs["best_plan"] = best
-    df.attrs["space"] = sp.name
-    df.attrs["device_memory_gib"] = cost.device_memory_bytes / 2**30
+    sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
+    df.attrs.update(best_plan=best, space=sp.name, device_memory_gib=cost.device_memory_bytes / 2**30,
+                    part_best=part_best, counts=counts,
+                    screen_rank_corr=float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman"))
+                    if len(sim) >= 3 else math.nan,
+                    phases=dict(trace_s=t_trace - t0, enumerate_s=t_enum - t_trace, screen_s=t_screen - t_enum,
+                                simulate_s=t_sim - t_screen, total_s=time.perf_counter() - t0))
     if out is not None:
-        write_outputs(df, Path(out))
+        write_outputs(df, Path(out), best=best, graph=graph, cost=cost)
     return df
 
 
-def pareto_mask(df: pd.DataFrame) -> list[bool]:
-    """True for feasible plans that no other feasible plan beats in both time and memory."""
-    pts = [(r.iter_time_s, r.peak_mem_gib) if r.feasible else None for r in df.itertuples()]
-    mask = []
-    for i, p in enumerate(pts):
-        if p is None:
-            mask.append(False)
+def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
+    n = len(assignments)
+    est: list[Estimate | None] = [None] * n
+    why = [""] * n
+    bar = _progress(n, progress, "screening")
+    if workers.pool is None:
+        for i, values in enumerate(assignments):
+            est[i], why[i] = _screen_one(values)
+            bar.update(1)
+    else:
+        for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.jobs)):
+            for i, e, w in chunk:
+                est[i], why[i] = e, w
+            bar.update(len(chunk))
+    bar.close()
+    return est, why
+
+
+def _chunks(assignments: list[dict], jobs: int) -> list[list[tuple[int, dict]]]:
+    """Plans in chunks for the workers, those that share a structure together (each worker's
+    screen caches what one structure costs): sorted by every knob but the last-varying ones."""
+    keys = list(assignments[0]) if assignments else []
+    idx = sorted(range(len(assignments)), key=lambda i: tuple(str(assignments[i].get(k)) for k in keys))
+    size = max(1, math.ceil(len(idx) / (8 * jobs)))
+    return [[(i, assignments[i]) for i in idx[k:k + size]] for k in range(0, len(idx), size)]
+
+
+def _plan_rows(sp: Space, assignments: list[dict], est: list, why: list, cost: CostModel,
+               k: int | None) -> tuple[list[dict], list[int], dict]:
+    """Rows with the screen's columns and the pruned plans' reasons; the candidates to simulate,
+    in order; the counts."""
+    cap = cost.device_memory_bytes
+    n = len(assignments)
+    rows = [_nan_row(why[i], screen_time_s=math.nan, screen_mem_gib=math.nan, screen_rank=math.nan,
+                     simulated=False) for i in range(n)]
+    ranked = sorted((i for i in range(n) if est[i] is not None), key=lambda i: est[i].time_s)
+    for r, i in enumerate(ranked):
+        rows[i].update(screen_time_s=est[i].time_s, screen_mem_gib=est[i].mem_bytes / 2**30, screen_rank=r + 1)
+    pruned = 0
+    for i in ranked:
+        e = est[i]
+        if e.bound_bytes > cap:
+            pruned += 1
+            if e.static_bytes > cap:
+                what, need = "weights, gradients and optimizer states alone need", e.static_bytes
+            else:
+                what, need = "weights, optimizer states and the activations saved in flight need at least", e.bound_bytes
+            rows[i]["reason"] = f"{what} {need / 2**30:.1f} GiB per device (device memory {cap / 2**30:.1f} GiB)"
+    live = [(est[i].time_s, est[i].mem_bytes) if est[i] is not None and est[i].bound_bytes <= cap else None
+            for i in range(n)]
+    unknown = [i for i in range(n) if est[i] is None and why[i].startswith(SCREEN_FAILED)]
+    chosen = choose_candidates(live, k=k, memory_bytes=cap, parts=_frame_parts(sp, assignments)) + unknown
+    for i in range(n):
+        if rows[i]["reason"] or live[i] is None:
             continue
-        dominated = any(q is not None and q[0] <= p[0] and q[1] <= p[1] and q != p for q in pts)
-        mask.append(not dominated)
-    return mask
+        rows[i]["reason"] = ("not simulated: the screen estimates " if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else
+                             f"not simulated: screen rank {rows[i]['screen_rank']} of {len(ranked)}, estimated ") + \
+            f"{est[i].time_s:.3g} s and {est[i].mem_bytes / 2**30:.1f} GiB per device" + \
+            (f" (device memory {cap / 2**30:.1f} GiB)" if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else "")
+    counts = dict(plans=n, screened=len(ranked), pruned=pruned, candidates=len(chosen))
+    return rows, chosen, counts
 
 
-def write_outputs(df: pd.DataFrame, out: Path) -> None:
-    """results.csv, pareto.png and best_plan.json, each written whole or not at all."""
-    from planlab.plotting import pareto_plot
+def _strip(sp: Space, values: dict) -> dict:
+    return values if len(sp.alternatives()) > 1 else {k: v for k, v in values.items() if k != SPACE_KEY}
+
+
+def _frame_parts(sp: Space, assignments: list[dict]) -> dict[str, list[bool]]:
+    return part_masks(sp, pd.DataFrame(assignments)) if assignments else {}
+
+
+def _simulate_all(order: list[int], assignments: list[dict], rows: list[dict], workers: _Workers,
+                  progress: bool, deadline: float | None) -> int:
+    """Simulate ``order`` (fastest estimate first) until ``deadline``; returns how many were."""
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
+
+    def store(i: int, result: dict) -> None:
+        rows[i].update(result, simulated=True)
+
+    done = 0
+    bar = _progress(len(order), progress, "simulating")
+    if workers.pool is None:
+        for i in order:
+            if late():
+                break
+            store(*_simulate_one((i, assignments[i])))
+            done += 1
+            bar.update(1)
+    else:
+        pending = []
+        queue = list(order)
+        slots = 2 * workers.jobs
+        while queue or pending:
+            while queue and len(pending) < slots and not late():
+                i = queue.pop(0)
+                pending.append(workers.pool.apply_async(_simulate_one, ((i, assignments[i]),)))
+            if not pending or late():
+                break
+            pending[0].wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter())))
+            for res in [p for p in pending if p.ready()]:
+                pending.remove(res)
+                store(*res.get())
+                done += 1
+                bar.update(1)
+        for res in pending:  # finished just as the budget ran out
+            if res.ready():
+                store(*res.get())
+                done += 1
+        if pending:
+            workers.close(kill=True)
+    bar.close()
+    for i in order:
+        if not rows[i]["simulated"]:
+            rows[i]["reason"] = (f"not simulated within the budget; screen estimate {rows[i]['screen_time_s']:.3g} s"
+                                 if not math.isnan(rows[i]["screen_time_s"]) else "not simulated within the budget")
+    return done
+
+
+def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame:
+    recs = []
+    for i, (a, row) in enumerate(zip(assignments, rows)):
+        rec = {SPACE_KEY: a.get(SPACE_KEY, sp.name)}
+        rec.update({k: v for k, v in a.items() if k != SPACE_KEY})
+        rec.update(row)
+        rec["_index"] = i
+        recs.append(rec)
+    df = pd.DataFrame(recs)
+    for c in RESULT_COLUMNS:
+        if c not in df:
+            df[c] = math.nan
+    knobs = [c for c in df.columns if c not in RESULT_COLUMNS and c != "_index"]
+    df = df[knobs + RESULT_COLUMNS + ["_index"]]
+    kinds = {k.name: k.kind_of() for k in sp.all_knobs()}
+    for k in knobs:  # a union's parts leave each other's knobs empty: keep the others' types
+        if df[k].isna().any() and kinds.get(k) in ("int", "bool"):
+            df[k] = df[k].astype("Int64" if kinds[k] == "int" else "boolean")
+    df["feasible"] = df["feasible"].astype(bool)
+    df["simulated"] = df["simulated"].astype(bool)
+    df["pareto"] = pareto_mask(df)
+    df = df.sort_values(["feasible", "simulated", "iter_time_s", "screen_time_s"],
+                        ascending=[False, False, True, True], na_position="last", kind="stable")
+    return df.reset_index(drop=True)
+
+
+def write_outputs(df: pd.DataFrame, out: Path, *, best: Plan | None = None, graph: Graph | None = None,
+                  cost: CostModel | None = None) -> None:
+    """results.csv, pareto.png and best_plan.json (and with ``graph`` and ``cost``, the best plan's
+    timeline.png and memory.png), each written whole or not at all."""
+    from planlab.plotting import memory_plot, pareto_plot, timeline_plot
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.csv.tmp"
     df.to_csv(tmp, index=False)
     os.replace(tmp, out / "results.csv")
     pareto_plot(df, out / "pareto.png")
-    best = df.attrs.get("best_plan")
+    best = best if best is not None else df.attrs.get("best_plan")
     if best is not None:
         save_plan(best, out / "best_plan.json")
-    elif (out / "best_plan.json").exists():
-        (out / "best_plan.json").unlink()
+        if graph is not None and cost is not None:
+            program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
+            res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True)
+            timeline_plot(res, out / "timeline.png", title=best.describe())
+            memory_plot(res, out / "memory.png", title=best.describe())
+    else:
+        for name in ("best_plan.json", "timeline.png", "memory.png"):
+            if (out / name).exists():
+                (out / name).unlink()
 
 
-def _progress(total: int, show: bool):
+def _progress(total: int, show: bool, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="plan", desc="exploring", disable=not show)
+    return tqdm(total=total, unit="plan", desc=desc, disable=not show, file=sys.stderr, leave=False)

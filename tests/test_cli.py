@@ -26,6 +26,11 @@ EXPLORE = ["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2",
     (EXPLORE + ["--space", "zero9"], "unknown space 'zero9'"),
     (EXPLORE + ["--set", "zz=1"], "space 'megatron' has no knob 'zz'"),
     (EXPLORE + ["--set", "tp=3"], "tp=3 is not valid here: tp=3 does not divide the 2 devices"),
+    (EXPLORE + ["--set", "zero=4"], "space 'megatron': zero=4 is not valid here: knob 'zero' takes 0, 1, 2 or 3"),
+    (EXPLORE + ["--set", "sequence_parallel=maybe"], "knob 'sequence_parallel' takes true or false, got 'maybe'"),
+    (EXPLORE + ["--set", "tp=2", "--set", "pp=2"], "space 'megatron' has no plan with tp=2, pp=2 fixed"),
+    (EXPLORE + ["--space", "dp||tp"], "an empty name around '|'"),
+    (EXPLORE + ["--budget", "-3"], "--budget must be a number of seconds >= 0, got -3.0"),
     (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "4", "--set", "pp=4"],
      "pp=4 does not divide the model's 2 layers"),
     (EXPLORE + ["--set", "dp=2", "--set", "microbatch=8"], "dp=2 x microbatch=8 does not divide the global batch 8"),
@@ -47,14 +52,18 @@ def explored(tmp_path_factory):
     return out
 
 
-def test_explore_writes_the_three_files(explored):
+def test_explore_writes_the_results_plots_and_best_plan(explored):
     import pandas as pd
 
     df = pd.read_csv(explored / "results.csv")
-    for col in ["dp", "tp", "pp", "microbatch", "iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible"]:
+    for col in ["space", "dp", "tp", "pp", "microbatch", "zero", "sequence_parallel", "recompute", "screen_time_s",
+                "screen_mem_gib", "iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "simulated",
+                "reason"]:
         assert col in df.columns
-    assert df["feasible"].all() and df["pareto"].any()
-    assert (explored / "pareto.png").stat().st_size > 1000
+    assert df[df["simulated"]]["feasible"].all() and df["pareto"].any()
+    assert df[~df["simulated"]]["reason"].str.startswith("not simulated").all()
+    for name in ("pareto.png", "timeline.png", "memory.png"):
+        assert (explored / name).stat().st_size > 1000
     plan = json.loads((explored / "best_plan.json").read_text())
     assert plan["format"] == "planlab-plan" and plan["num_devices"] == 2
 
@@ -79,11 +88,36 @@ def test_nproc_must_match_the_plan(capsys, explored):
     assert code == 2 and "--nproc 3 differs from the plan's device count 2" in err
 
 
-def test_simulate_json_and_trace(capsys, explored, tmp_path):
-    assert main(["simulate", str(explored / "best_plan.json"), "--json", "--trace", str(tmp_path / "t.json")]) == 0
+def test_simulate_json_trace_and_plots(capsys, explored, tmp_path):
+    assert main(["simulate", str(explored / "best_plan.json"), "--json", "--trace", str(tmp_path / "t.json"),
+                 "--plot", str(tmp_path / "plots")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and out["iter_time_s"] > 0
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    for name in ("timeline.png", "memory.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
+
+
+def test_explore_budget_union_and_candidates_from_the_command_line(capsys):
+    assert main(EXPLORE + ["--space", "dp|tp", "--budget", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "14 plans: 14 screened, 0 pruned by the memory bound, 0 of 14 candidates simulated" in out
+    assert "No plan was simulated" in out
+    assert main(EXPLORE + ["--candidates", "1", "--set", "recompute=none", "--set", "sequence_parallel=false"]) == 0
+    out = capsys.readouterr().out
+    assert "screened" in out and "candidates simulated" in out and "Every plan has" in out
+
+
+def test_spaces_lists_knobs_with_types_and_ranges(capsys):
+    assert main(["spaces"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron: The Megatron-LM and DeepSpeed grid" in out
+    assert "sequence_parallel  bool" in out and "divisors of the device count" in out
+    assert main(["spaces", "megatron", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "    tp                 int    1, 2  default 1" in out and "pp                 int    1, 2" in out
+    code, err = _err(capsys, ["spaces", "megatron", "--model", "gpt-tiny"])
+    assert code == 2 and "needs --cluster" in err
 
 
 def test_listings(capsys):
@@ -118,6 +152,7 @@ def test_gpt3_175b_exploration_completes(tmp_path):
     assert len(df) > 100 and df["feasible"].any()
     assert df["reason"].fillna("").str.contains("GiB per device").any()  # pruned before simulation
     assert (tmp_path / "pareto.png").exists() and (tmp_path / "best_plan.json").exists()
+    assert df["simulated"].sum() < len(df) and df["screen_time_s"].notna().all()
 
 
 def test_run_refuses_a_model_this_machine_cannot_build(capsys, tmp_path):

@@ -19,6 +19,7 @@ from planlab.plan.colocation import colocation
 
 PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
 READ_VERSIONS = (1, 2)
+ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages materialize supports; the search spaces' zero knob explores these
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,6 @@ class OpPlan:
         return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
 
 
-ZERO_STAGES = (0, 1, 2, 3)
 _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
 PHASES = ("F", "B", "I", "W", "U")
 
@@ -203,7 +203,7 @@ class PlanBuilder:
         (FSDP's full sharding) also of the weights, all-gathered per layer before its forward and
         again before its backward, and freed after each (:mod:`planlab.plan.zero`)."""
         if stage not in ZERO_STAGES or isinstance(stage, bool):
-            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1, 2 or 3")
+            raise InfeasiblePlan(f"zero stage {stage!r}: choose {choices(ZERO_STAGES)}")
         self._zero = stage
 
     def microbatch(self, m: int) -> None:

@@ -5,11 +5,12 @@ Each is written with the public Space API only; ``megatron`` is their product.
 
 from __future__ import annotations
 
-import importlib
 import re
 
-from planlab.errors import ConfigError, choices
 from planlab.graph.ir import Graph, Operator
+from planlab.plan.plan import ZERO_STAGES
+from planlab.search_spaces.registry import parse_space, register_space, space_names
+from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
 
@@ -45,18 +46,37 @@ ALL_DEVICES = Constraint(_uses_all, lambda a, c: "the degrees " + " x ".join(
     f"{k}={a[k]}" for k in ("dp", "tp", "pp") if k in a) + f" do not multiply to the {c.num_devices} devices")
 
 
+_BATCH_DIMS: dict[int, tuple[Graph, dict[str, str | None]]] = {}
+
+
+def batch_dims(g: Graph) -> dict[str, str | None]:
+    """Per operator (cached per graph), the splittable dimension that carries the batch, or None."""
+    hit = _BATCH_DIMS.get(id(g))
+    if hit is None or hit[0] is not g:
+        out = {}
+        for op in g.operators:
+            d = g.dim_with_label(op, g.batch_label)
+            out[op.name] = d if d is not None and op.signature.splittable(d) else None
+        _BATCH_DIMS.clear()
+        hit = _BATCH_DIMS[id(g)] = (g, out)
+    return hit[1]
+
+
 class DataParallel(Space):
     """Every operator split along the batch over ``dp`` devices; ``microbatch`` samples per
     device per micro-batch (gradient accumulation over the rest); ``zero`` shards optimizer
-    states (1), gradients (2) and weights (3, FSDP) over the replicas (explored at 0 unless set)."""
+    states (1), gradients (2) and weights (3, FSDP: gathered per layer) over the replicas (with dp > 1)."""
 
     name = "dp"
     order = 1
     knobs = (
-        Knob("dp", lambda c: _divisors(c.num_devices), "data-parallel degree"),
-        Knob("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica"),
-        Knob("zero", lambda c: (0, 1, 2, 3),
-             "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)", default=0),
+        Knob.int("dp", lambda c: _divisors(c.num_devices), "data-parallel degree", default=1,
+                 range="divisors of the device count"),
+        Knob.int("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica",
+                 range="powers of 2 up to the global batch"),
+        Knob.int("zero", lambda c: ZERO_STAGES,
+                 "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)",
+                 default=0, range=", ".join(map(str, ZERO_STAGES))),
     )
     constraints = (
         Constraint(lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
@@ -67,20 +87,17 @@ class DataParallel(Space):
                    or c.global_batch % (a["dp"] * a["microbatch"]) == 0,
                    lambda a, c: f"dp={a['dp']} x microbatch={a['microbatch']} does not divide "
                                 f"the global batch {c.global_batch}"),
+        Constraint.where(lambda k: k["zero"] == 0 or k["dp"] > 1,
+                         "zero={zero} shards over the data-parallel replicas: it needs dp > 1, not dp={dp}"),
         ALL_DEVICES,
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
-        g = draft.ctx.graph
         dp = values.get("dp") or draft.ctx.num_devices
         mbs = values.get("microbatch") or draft.ctx.global_batch // dp
         draft.microbatches = draft.ctx.global_batch // (dp * mbs)
-
-        def batch_dim(op: Operator):
-            d = g.dim_with_label(op, g.batch_label)
-            return d if d is not None and op.signature.splittable(d) else None
-
-        draft.add_axis("dp", dp, batch_dim)
+        dims = batch_dims(draft.ctx.graph)
+        draft.add_axis("dp", dp, dims)
         draft.zero = values.get("zero") or 0
 
 
@@ -172,13 +189,13 @@ def fused_qkv(g: Graph) -> str | None:
 
 class TensorParallel(Space):
     """Megatron-style tensor parallelism over ``tp`` devices inside a node, with sequence
-    parallelism when ``sequence_parallel`` is set (explored off unless set)."""
+    parallelism (``sequence_parallel``) when tp > 1."""
 
     name = "tp"
     order = 2
-    knobs = (Knob("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree"),
-             Knob("sequence_parallel", lambda c: (False, True), "split the sequence where tp replicates",
-                  default=False))
+    knobs = (Knob.int("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree", default=1,
+                      range="powers of 2 up to the devices of a node"),
+             Knob.bool("sequence_parallel", "split the sequence where tp replicates (with tp > 1)"))
     constraints = (
         Constraint(lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
@@ -188,32 +205,58 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
         Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
+        Constraint.where(lambda k: not k["sequence_parallel"] or k["tp"] > 1,
+                         "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp={tp}"),
         ALL_DEVICES,
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
         tp = values.get("tp") or 1
         g = draft.ctx.graph
-        dims = tensor_parallel_dims(g)
-        if values.get("sequence_parallel"):
-            # Megatron's sequence parallelism: inside the layers, the operators tensor parallelism
-            # replicates (norms, dropout, residual adds) split the sequence instead; materialize
-            # then turns each all-reduce into a reduce-scatter and an all-gather.
-            seq = g.labels.get((g.inputs[0], 1))
-            for op in g.operators:
-                if dims[op.name] is None and _BLOCK.search(op.module):
-                    d = g.dim_with_label(op, seq) if seq else None
-                    if d is not None and op.signature.splittable(d):
-                        dims = {**dims, op.name: d}
-        draft.add_axis("tp", tp, lambda op: dims[op.name])
+        dims = sequence_parallel_dims(g) if values.get("sequence_parallel") else tensor_parallel_dims(g)
+        draft.add_axis("tp", tp, dims)
+
+
+_SP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
+
+
+def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
+    """Megatron's sequence parallelism (cached per graph): inside the layers, the operators tensor
+    parallelism replicates (norms, dropout, residual adds) split the sequence instead; materialize
+    then turns each all-reduce into a reduce-scatter and an all-gather."""
+    hit = _SP_CACHE.get(id(g))
+    if hit is not None and hit[0] is g:
+        return hit[1]
+    dims = dict(tensor_parallel_dims(g))
+    seq = g.labels.get((g.inputs[0], 1))
+    for op in g.operators:
+        if dims[op.name] is None and _BLOCK.search(op.module):
+            d = g.dim_with_label(op, seq) if seq else None
+            if d is not None and op.signature.splittable(d):
+                dims[op.name] = d
+    _SP_CACHE.clear()
+    _SP_CACHE[id(g)] = (g, dims)
+    return dims
 
 
 _BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(\.|$)")
 
 
+_STAGES_CACHE: dict[tuple[int, int, int], tuple[Graph, dict[str, int]]] = {}
+
+
 def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     """Layers split evenly over ``pp`` stages; other operators follow their inputs
-    (or, with no computed inputs, their first consumer)."""
+    (or, with no computed inputs, their first consumer). Computed once per graph and degree."""
+    hit = _STAGES_CACHE.get((id(g), pp, layers))
+    if hit is None or hit[0] is not g:
+        if len(_STAGES_CACHE) > 64 or any(v[0] is not g for v in _STAGES_CACHE.values()):
+            _STAGES_CACHE.clear()
+        hit = _STAGES_CACHE[(id(g), pp, layers)] = (g, _pipeline_stages(g, pp, layers))
+    return dict(hit[1])
+
+
+def _pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     per = layers // pp
     stage: dict[str, int] = {}
     for op in g.operators:
@@ -230,19 +273,32 @@ def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     return stage
 
 
+def pipeline_schedules() -> tuple[str, ...]:
+    """Every schedule the pp space can run: those of schedules.SCHEDULES, and interleaved."""
+    return tuple(SCHEDULES) + ("interleaved",)
+
+
+# The schedules explored when --set schedule=... does not pick one: GPipe's bubble is 1F1B's and it
+# keeps every micro-batch's activations, so Megatron-LM's grid leaves it out.
+EXPLORED_SCHEDULES = ("1f1b", "interleaved")
+
+
 class PipelineParallel(Space):
-    """Layers in ``pp`` stages, run with 1F1B, GPipe, interleaved 1F1B over ``virtual_stages``
-    model chunks per device, or zero-bubble ZB-H1 (backward split into input and weight
-    gradients; explored at 1F1B unless ``--set`` picks another schedule)."""
+    """Layers in ``pp`` stages, run with 1F1B or interleaved 1F1B over ``virtual_stages`` model
+    chunks per device (explored); GPipe and zero-bubble ZB-H1 (backward split into input and
+    weight gradients) when ``--set schedule=`` (or ``restrict``) picks them."""
 
     name = "pp"
     order = 0
     knobs = (
-        Knob("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
-             "pipeline-parallel degree (device groups)"),
-        Knob("schedule", lambda c: ("1f1b", "gpipe", "interleaved", "zb-h1"), "pipeline schedule", default="1f1b"),
-        Knob("virtual_stages", lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
-             "model chunks per device (interleaved schedule)", default=1),
+        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
+                 "pipeline-parallel degree (device groups)", default=1,
+                 range="divisors of the device count that divide the layers"),
+        Knob.choice("schedule", lambda c: pipeline_schedules(), "pipeline schedule", default="1f1b",
+                    explore=EXPLORED_SCHEDULES),
+        Knob.int("virtual_stages", lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
+                 "model chunks per device (interleaved schedule)", default=1,
+                 range="1, 2, 3, 4, 6 or 8 that divide the layers"),
     )
     constraints = (
         Constraint(lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
@@ -257,10 +313,12 @@ class PipelineParallel(Space):
                    or (a["schedule"] == "interleaved") == (a["virtual_stages"] > 1),
                    lambda a, c: f"virtual_stages={a['virtual_stages']} goes with schedule=interleaved "
                                 f"(and only with it), not schedule={a['schedule']}"),
-        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a["microbatch"] is None
+        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a.get("microbatch") is None
                    or a.get("dp") is None
                    or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0,
                    lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp"),
+        Constraint.where(lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
+                         "schedule={schedule} orders pipeline stages: it needs pp > 1, not pp={pp}"),
         ALL_DEVICES,
     )
 
@@ -284,7 +342,7 @@ class Recompute(Space):
 
     name = "recompute"
     order = 3
-    knobs = (Knob("recompute", lambda c: ("none", "selective", "full"), "activation recomputation"),)
+    knobs = (Knob.choice("recompute", ("none", "selective", "full"), "activation recomputation", default="none"),)
     constraints = (
         Constraint(lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
                    lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'"),
@@ -292,52 +350,52 @@ class Recompute(Space):
 
     def apply(self, draft: Draft, values: dict) -> None:
         mode = values.get("recompute") or "none"
-        if mode == "none":
-            return
-        for op in draft.ctx.graph.operators:
-            m = _BLOCK.search(op.module)
-            if m and (mode == "full" or op.kind in ATTENTION_CORE):
-                draft.recompute[op.name] = int(m.group(2)) + 1
+        if mode != "none":
+            draft.recompute.update(recompute_groups(draft.ctx.graph, mode))
+
+
+_RECOMPUTE_CACHE: dict[tuple[int, str], tuple[Graph, dict[str, int]]] = {}
+
+
+def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
+    """Per recomputed operator (cached per graph and mode), its group: its layer's number + 1."""
+    hit = _RECOMPUTE_CACHE.get((id(g), mode))
+    if hit is not None and hit[0] is g:
+        return hit[1]
+    out = {}
+    for op in g.operators:
+        m = _BLOCK.search(op.module)
+        if m and (mode == "full" or op.kind in ATTENTION_CORE):
+            out[op.name] = int(m.group(2)) + 1
+    if any(v[0] is not g for v in _RECOMPUTE_CACHE.values()):
+        _RECOMPUTE_CACHE.clear()
+    _RECOMPUTE_CACHE[(id(g), mode)] = (g, out)
+    return out
 
 
 class Megatron(Product):
-    """The Megatron-LM grid: data x tensor x pipeline (1F1B) parallelism x recomputation."""
+    """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
+    (1F1B, interleaved) parallelism x recomputation."""
 
     def __init__(self) -> None:
         super().__init__((PipelineParallel(), DataParallel(), TensorParallel(), Recompute()), name="megatron")
 
 
+# The built-in spaces; another module registers its own with one line: register_space(name, factory).
 BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
                                    "recompute": Recompute, "megatron": Megatron}
-BUILTIN["coshard"] = importlib.import_module("planlab.search_spaces.coshard").Coshard  # nnScaler's coshard
+for _name, _factory in BUILTIN.items():
+    register_space(_name, _factory)
 
 
 def get_space(spec: str) -> Space:
-    """A built-in name, a product ``a*b``, or ``package.module:attribute`` for a user's space."""
-    spec = spec.strip()
-    if "*" in spec:
-        parts = [get_space(p) for p in spec.split("*")]
-        out = parts[0]
-        for p in parts[1:]:
-            out = out * p
-        out.name = spec
-        return out
-    if spec in BUILTIN:
-        sp = BUILTIN[spec]()
-        return sp
-    if ":" in spec:
-        mod, _, attr = spec.partition(":")
-        try:
-            obj = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"cannot load space {spec!r}: {e}") from None
-        obj = obj() if isinstance(obj, type) else obj
-        if not isinstance(obj, Space):
-            raise ConfigError(f"{spec!r} is a {type(obj).__name__}, not a planlab Space")
-        return obj
-    raise ConfigError(f"unknown space {spec!r}; choose {choices(list(BUILTIN))}, a product like 'dp*tp', "
-                      "or package.module:space")
+    """A registered name, a product ``a*b``, a union ``a|b``, or ``package.module:attribute`` for a
+    user's space (see :func:`planlab.search_spaces.registry.parse_space`)."""
+    return parse_space(spec)
 
 
 def list_spaces() -> list[Space]:
-    return [cls() for cls in BUILTIN.values()]
+    """Every registered space (built-in ones first)."""
+    from planlab.search_spaces.registry import make_space
+
+    return [make_space(name) for name in space_names()]

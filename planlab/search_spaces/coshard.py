@@ -9,8 +9,8 @@ computation (recomputation, smaller kernels) for much less activation memory, wh
 plan use less tensor parallelism or no recomputation elsewhere; nnScaler reports its largest
 wins on SwinV2 at large image sizes, whose attention over big windows holds most activations.
 
-Written with the public Space API only; compose it with the others by product
-(``megatron*coshard``, ``dp*tp*coshard``): coshard refines tensor parallelism's split.
+Written with the public Space API only and registered as ``coshard``; compose it with the others
+by product (``megatron*coshard``, ``dp*tp*coshard``): coshard refines tensor parallelism's split.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from planlab.search_spaces.builtin import _BLOCK, tensor_parallel_dims
+from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
 ATTENTION = re.compile(r"(^|\.)(attn|attention|self_attn)(\.|$)")
@@ -25,12 +26,13 @@ MLP = re.compile(r"(^|\.)(mlp|feed_forward|ff)(\.|$)")
 PARTS = ("attention", "mlp", "both")
 
 
-def _heads_ok(a: dict, c: Context) -> bool:
-    """Tensor parallelism times coshard divides the heads (a space without tp: tp = 1)."""
-    k, part = a.get("coshard"), a.get("coshard_blocks")
-    if k is None or part == "mlp" or "tp" in a and a["tp"] is None:
+def _heads_ok(k, c: Context) -> bool:
+    """Tensor parallelism times coshard divides the heads (a space without tp: tp = 1). Reads the
+    knobs through the space's view: one not assigned yet defers the check."""
+    if k["coshard"] == 1 or k["coshard_blocks"] == "mlp":
         return True
-    return c.heads % ((a.get("tp") or 1) * k) == 0
+    tp = k["tp"] if "tp" in list(k) else 1
+    return c.heads % (tp * k["coshard"]) == 0
 
 
 class Coshard(Space):
@@ -41,16 +43,18 @@ class Coshard(Space):
     name = "coshard"
     order = 4  # after tp (2), whose split it refines, and recompute (3), which it overrides for its operators
     knobs = (
-        Knob("coshard", lambda c: (1, 2, 4, 8), "pieces per device of each co-sharded operator"),
-        Knob("coshard_blocks", lambda c: PARTS, "the layers' operators co-sharded: attention, mlp or both"),
+        Knob.int("coshard", lambda c: (1, 2, 4, 8), "pieces per device of each co-sharded operator", default=1,
+                 range="1, 2, 4 or 8"),
+        Knob.choice("coshard_blocks", lambda c: PARTS, "the layers' operators co-sharded: attention, mlp or both",
+                    default="attention"),
     )
     constraints = (
         # one plan without coshard, not three that differ by a knob that does nothing
-        Constraint(lambda a, c: a["coshard"] != 1 or a["coshard_blocks"] in (None, "attention"),
-                   lambda a, c: f"coshard=1 co-shards nothing, so coshard_blocks={a['coshard_blocks']!r} has "
-                                "no effect; use coshard_blocks='attention' or coshard > 1"),
-        Constraint(_heads_ok, lambda a, c: f"tp={a.get('tp') or 1} x coshard={a['coshard']} does not divide the "
-                                           f"model's {c.heads} attention heads"),
+        Constraint.where(lambda k: k["coshard"] != 1 or k["coshard_blocks"] == "attention",
+                         lambda a, c: f"coshard=1 co-shards nothing, so coshard_blocks={a['coshard_blocks']!r} has "
+                                      "no effect; use coshard_blocks='attention' or coshard > 1"),
+        Constraint.where(_heads_ok, lambda a, c: f"tp={a.get('tp') or 1} x coshard={a['coshard']} does not divide "
+                                                 f"the model's {c.heads} attention heads"),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
@@ -73,3 +77,6 @@ class Coshard(Space):
             if part in (where, "both"):
                 draft.colocate[op.name] = (dims[op.name], k)
                 draft.recompute[op.name] = int(block.group(2)) + 1  # recomputed piece by piece
+
+
+register_space("coshard", Coshard)

@@ -2,25 +2,35 @@
 
 A :class:`Space` names knobs with their candidate values (which may depend on
 the model and cluster, through a :class:`Context`), constraints over an
-assignment of the knobs, and ``apply`` which records on a :class:`Draft` how
-operators are split, staged and ordered. ``Draft.to_plan`` then issues the
-primitives (op-trans, op-assign, op-order) through a PlanBuilder. Spaces
-compose with ``*`` (product: both apply to the same plan).
+assignment of the knobs, rules on the primitives (which dimensions an operator
+may be split along, which devices it may be placed on, which orders are
+allowed: :mod:`planlab.search_spaces.rules`), and ``apply`` which records on a
+:class:`Draft` how operators are split, staged and ordered. ``Draft.to_plan``
+then issues the primitives (op-trans, op-assign, op-order) through a
+PlanBuilder, checking the rules as it issues them.
+
+Spaces compose: ``a * b`` (product: both apply to the same plan), ``a | b``
+(union: the plans of either), ``a.restrict(tp=(1, 2))`` and
+``a.where(lambda k: k["tp"] * k["pp"] <= 8, "tp*pp <= 8")`` (restriction).
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
+import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from planlab.errors import ConfigError, InfeasiblePlan, choices
+from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 from planlab.plan.plan import Action, Plan, PlanBuilder
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
+
+if TYPE_CHECKING:
+    from planlab.search_spaces.rules import Rule
 
 
 @dataclass(frozen=True)
@@ -44,35 +54,266 @@ class Context:
         return self.model.config().heads
 
 
+KINDS = ("int", "choice", "bool")
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+@dataclass(frozen=True)
+class _Values:
+    """A knob's values that do not depend on the context."""
+
+    values: tuple
+
+    def __call__(self, ctx: Context | None) -> tuple:
+        return self.values
+
+    def __repr__(self) -> str:
+        return repr(self.values)
+
+
+def fmt_knobs(values: Mapping) -> str:
+    """``tp=2, pp=4`` (``(none)`` when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in values.items()) or "(none)"
+
+
 @dataclass(frozen=True)
 class Knob:
-    """A named choice with its candidate values in a context. A knob with a ``default`` is
-    explored at that value only, unless ``--set`` picks another of its values."""
+    """A named, typed choice with its valid values (its range) in a context.
+
+    ``kind`` is ``int``, ``choice`` or ``bool`` (``Knob.int``, ``Knob.choice``, ``Knob.bool``
+    build each); ``values`` is a tuple or a function of the :class:`Context`; ``default`` is the
+    value a plan has when the knob is not set (the knob is "off" there); ``explore`` lists the
+    values an exploration tries when the knob is not set (None: every valid value), while
+    ``--set`` may pick any valid value. ``pinned`` explores the default only. A plain
+    ``Knob(name, values, doc, default)`` with a default is pinned, as before typed knobs.
+    """
 
     name: str
     values: Callable[[Context], tuple[Any, ...]]
     doc: str = ""
     default: Any = None
+    kind: str = ""
+    pinned: bool | None = None
+    explore: tuple | None = None
+    range: str = ""  # the range in words, for listings (values that depend on the context)
+
+    def __post_init__(self) -> None:
+        if not callable(self.values):
+            object.__setattr__(self, "values", _Values(tuple(self.values)))
+        if self.kind and self.kind not in KINDS:
+            raise ConfigError(f"knob {self.name!r}: kind {self.kind!r}; choose {choices(KINDS)}")
+        if self.pinned is None:
+            object.__setattr__(self, "pinned", self.default is not None and self.explore is None)
+        if self.pinned and self.default is None:
+            raise ConfigError(f"knob {self.name!r} is pinned but has no default")
 
     def __str__(self) -> str:
         return self.name
 
+    def range_of(self, ctx: Context | None, space: str = "") -> tuple:
+        """The valid values in ``ctx``; a function that raises becomes a ConfigError."""
+        try:
+            return tuple(self.values(ctx))
+        except PlanlabError:
+            raise
+        except Exception as e:
+            where = f"space {space!r}: " if space else ""
+            raise ConfigError(f"{where}the values of knob {self.name!r} raised {type(e).__name__}: {e}") from e
+
+    def explored(self, ctx: Context, space: str = "") -> tuple:
+        """The values an exploration tries when the knob is not set."""
+        if self.pinned:
+            return (self.default,)
+        vals = self.range_of(ctx, space)
+        return vals if self.explore is None else tuple(v for v in vals if v in self.explore)
+
+    def describe_range(self, ctx: Context | None = None) -> str:
+        """The range in words: the values in ``ctx``, or ``range``, or the static values."""
+        if ctx is None and self.range:
+            return self.range
+        try:
+            return ", ".join(map(str, self.range_of(ctx)))
+        except (PlanlabError, AttributeError, TypeError):
+            return self.range or "(depends on the model and cluster)"
+
+    def kind_of(self, sample: Any = None) -> str:
+        if self.kind:
+            return self.kind
+        if isinstance(sample, bool):
+            return "bool"
+        return "int" if isinstance(sample, int) else "choice"
+
+    def coerce(self, value: Any, space: str = "", sample: Any = None) -> Any:
+        """``value`` as this knob's type (``"true"`` for a bool, ``"4"`` or 4.0 for an int);
+        ConfigError naming the space, the knob and the value if it is not of that type."""
+        kind = self.kind_of(sample)
+        where = f"space {space!r}: " if space else ""
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, (int, float)) and value in (0, 1):
+                return bool(value)
+            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ConfigError(f"{where}knob {self.name!r} takes true or false, got {value!r}")
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ConfigError(f"{where}knob {self.name!r} takes an integer, got {value!r}")
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                return int(value)
+            raise ConfigError(f"{where}knob {self.name!r} takes an integer, got {value!r}")
+        return value
+
+    def check(self, value: Any, ctx: Context, space: str = "", valid: tuple | None = None) -> Any:
+        """``value`` coerced to the knob's type; ConfigError naming the space, the knob, the
+        value and the valid range if it is outside the range."""
+        valid = self.range_of(ctx, space) if valid is None else valid
+        value = self.coerce(value, space, valid[0] if valid else None)
+        if value not in valid:
+            where = f"space {space!r}: " if space else ""
+            raise ConfigError(f"{where}knob {self.name!r} = {value!r} is outside its range: "
+                              f"choose {choices(valid)}")
+        return value
+
+    # -- typed constructors (defined last: their names shadow the builtins in the class body)
+    @classmethod
+    def choice(cls, name: str, values, doc: str = "", *, default: Any = None, explore: tuple | None = None,
+               pinned: bool = False, range: str = "") -> "Knob":
+        """A knob that takes one of ``values`` (a tuple, or a function of the Context)."""
+        return cls(name, values, doc, default, kind="choice", pinned=pinned, explore=explore, range=range)
+
+    @classmethod
+    def bool(cls, name: str, doc: str = "", *, default: Any = False, explore: tuple | None = None,
+             pinned: bool = False) -> "Knob":
+        """A knob that is on or off."""
+        return cls(name, (False, True), doc, default, kind="bool", pinned=pinned, explore=explore)
+
+    @classmethod
+    def int(cls, name: str, values, doc: str = "", *, default: Any = None, explore: tuple | None = None,
+            pinned: bool = False, range: str = "") -> "Knob":
+        """An integer knob whose valid values are ``values`` (a tuple, a range, or a function
+        of the Context)."""
+        return cls(name, values, doc, default, kind="int", pinned=pinned, explore=explore, range=range)
+
+
+class _Unset(Exception):
+    """A constraint read a knob that is not assigned yet."""
+
+
+class UnknownKnob(ConfigError):
+    """A constraint read a knob that its space does not have."""
+
+
+class KnobView(Mapping):
+    """The knobs a where-constraint reads: ``k["tp"]``. Reading a knob not assigned yet defers
+    the constraint; reading a knob the space does not have is a ConfigError."""
+
+    def __init__(self, values: Mapping, space: str = "") -> None:
+        self._values, self._space = values, space
+        self.read: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._values:
+            raise UnknownKnob(f"space {self._space!r}: a constraint reads knob {name!r}, which the space does not "
+                              f"have; its knobs are {choices(list(self._values))}")
+        v = self._values[name]
+        if v is None:
+            raise _Unset(name)
+        self.read[name] = v
+        return v
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
 
 @dataclass(frozen=True)
 class Constraint:
-    """A predicate on a knob assignment, and the message that explains a violation."""
+    """A predicate on a knob assignment, and the message that explains a violation.
+
+    ``check(assignment, ctx)`` sees the knobs not assigned yet as None (and must then say
+    True), unless ``strict``: then it reads knobs through a :class:`KnobView` and a knob not
+    assigned yet defers it. ``Constraint.where(lambda k: k["tp"] * k["pp"] <= 8, "tp*pp <= 8")``
+    builds a strict one.
+    """
 
     check: Callable[[dict, Context], bool]
     message: Callable[[dict, Context], str]
+    strict: bool = False
+
+    @classmethod
+    def where(cls, predicate: Callable, text: str | Callable[[dict, Context], str]) -> "Constraint":
+        """A constraint from ``predicate(knobs)`` or ``predicate(knobs, ctx)``; ``text`` says what
+        it requires (``{tp}`` and the like are filled in with the knobs' values)."""
+        try:
+            n = len(inspect.signature(predicate).parameters)
+        except (TypeError, ValueError):
+            n = 1
+        check = predicate if n >= 2 else (lambda a, c: predicate(a))
+        if callable(text):
+            return cls(check, text, strict=True)
+
+        def message(a: Mapping, c: Context) -> str:
+            if "{" in text:
+                try:
+                    return text.format_map({k: v for k, v in a.items() if v is not None})
+                except (KeyError, ValueError, IndexError):
+                    pass
+            view = KnobView(a)
+            try:
+                check(view, c)  # to learn which knobs it reads
+            except Exception:
+                pass
+            return f"constraint {text!r} does not hold for {fmt_knobs(view.read)}" if view.read else text
+
+        return cls(check, message, strict=True)
+
+    def holds(self, a: dict, ctx: Context, space: str = "") -> bool | None:
+        """True or False, or None when it cannot be decided before more knobs are assigned."""
+        if self.strict:
+            try:
+                return bool(self.check(KnobView(a, space), ctx))
+            except _Unset:
+                return None
+        try:
+            return bool(self.check(a, ctx))
+        except TypeError:  # it needs a knob that is not assigned yet (None)
+            if any(v is None for v in a.values()):
+                return None
+            raise
+
+
+_AXIS_DIMS: dict[int, tuple[Any, tuple]] = {}
+
+
+def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> tuple:
+    """Per operator, the dimension ``dim_of`` names; computed once per mapping object."""
+    if callable(dim_of) and not isinstance(dim_of, Mapping):
+        return tuple(dim_of(op) for op in ops)
+    hit = _AXIS_DIMS.get(id(dim_of))
+    if hit is None or hit[0] is not dim_of or len(hit[1]) != len(ops):
+        if len(_AXIS_DIMS) > 64:
+            _AXIS_DIMS.clear()
+        hit = _AXIS_DIMS[id(dim_of)] = (dim_of, tuple(dim_of.get(op.name) for op in ops))
+    return hit[1]
 
 
 @dataclass
 class Draft:
-    """A plan under construction: mesh axes, per-operator split dims and stages, the schedule."""
+    """A plan under construction: mesh axes, per-operator split dims and stages, the schedule.
+
+    ``dims[op]`` lists the dimension ``op`` splits along each mesh axis (None: replicated); it is
+    built from the axes on first use and may then be edited."""
 
     ctx: Context
     axes: list[tuple[str, int]] = field(default_factory=list)
-    dims: dict[str, list[str | None]] = field(default_factory=dict)
     stages: dict[str, int] = field(default_factory=dict)
     num_stages: int = 1
     chunks: int = 1  # stages per device group (virtual pipeline stages)
@@ -80,83 +321,247 @@ class Draft:
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
     zero: int = 0
+    axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
+    _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
     colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
 
-    def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None]) -> None:
-        """Add a mesh axis of ``size`` devices; ``dim_of(op)`` names the dimension each
-        operator splits along it (None: replicated)."""
+    def add_axis(self, name: str, size: int,
+                 dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
+        """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
+        dimension each operator splits along it (None: replicated)."""
+        ops = self.ctx.graph.operators
+        dims = _axis_dims(ops, dim_of) if size > 1 else (None,) * len(ops)
         self.axes.append((name, size))
-        for op in self.ctx.graph.operators:
-            self.dims.setdefault(op.name, []).append(dim_of(op) if size > 1 else None)
+        self.axis_dims.append(dims)
+        if self._dims is not None:
+            for op, d in zip(ops, dims):
+                self._dims.setdefault(op.name, [None] * (len(self.axes) - 1)).append(d)
 
-    def to_plan(self, *, space: str, knobs: dict) -> Plan:
-        """Issue op-trans, op-assign and op-order for this draft."""
-        g = self.ctx.graph
-        per_stage = math.prod(s for _, s in self.axes)
-        groups = self.num_stages // self.chunks  # device groups; stage s runs on group s % groups
-        if per_stage * groups != self.ctx.num_devices:
-            raise InfeasiblePlan(f"{space}: {per_stage} devices per stage x {groups} pipeline ranks "
-                                 f"!= {self.ctx.num_devices} devices")
-        b = PlanBuilder(g, model=self.ctx.model, global_batch=self.ctx.global_batch, cluster=self.ctx.cluster,
-                        nodes=self.ctx.nodes, num_devices=self.ctx.num_devices, space=space, knobs=knobs)
+    @property
+    def dims(self) -> dict[str, list[str | None]]:
+        if self._dims is None:
+            self._dims = {op.name: [ad[i] for ad in self.axis_dims]
+                          for i, op in enumerate(self.ctx.graph.operators)}
+        return self._dims
+
+    def op_dims(self) -> list[tuple]:
+        """Per axis, per operator in graph order, the dimension split (after any edit of ``dims``)."""
+        if self._dims is None:
+            return self.axis_dims
+        names = [op.name for op in self.ctx.graph.operators]
+        none = [None] * len(self.axes)
+        return [tuple((self._dims.get(n) or none)[a] for n in names) for a in range(len(self.axes))]
+
+    @property
+    def groups(self) -> int:
+        """Pipeline device groups: stage ``s`` runs on group ``s % groups``."""
+        return max(1, self.num_stages // self.chunks)
+
+    @property
+    def per_stage(self) -> int:
+        """Devices of one pipeline stage (the product of the mesh axes)."""
+        return math.prod(s for _, s in self.axes)
+
+    def group_devices(self) -> list[tuple[int, ...]]:
+        per = self.per_stage
+        return [tuple(range(r * per, (r + 1) * per)) for r in range(self.groups)]
+
+    def schedule_actions(self, rank: int) -> tuple[Action, ...]:
+        """The actions of device group ``rank``: its schedule, then the update."""
+        if self.chunks > 1:
+            actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
+        else:
+            if self.schedule not in SCHEDULES:
+                raise InfeasiblePlan(f"schedule {self.schedule!r} with {self.chunks} model chunk per device; "
+                                     f"choose {choices(list(SCHEDULES))} (or 'interleaved' with virtual stages)")
+            actions = SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
+        return tuple(actions) + (Action(rank, "U", 0),)
+
+    def to_plan(self, *, space: str, knobs: dict, rules: Iterable["Rule"] = ()) -> Plan:
+        """Issue op-trans, op-assign and op-order for this draft, checking ``rules`` as each
+        primitive is issued (InfeasiblePlan names the operator and the rule it breaks)."""
+        ctx = self.ctx
+        if self.per_stage * self.groups != ctx.num_devices:
+            raise InfeasiblePlan(f"{space}: {self.per_stage} devices per stage x {self.groups} pipeline ranks "
+                                 f"!= {ctx.num_devices} devices")
+        b = PlanBuilder(ctx.graph, model=ctx.model, global_batch=ctx.global_batch, cluster=ctx.cluster,
+                        nodes=ctx.nodes, num_devices=ctx.num_devices, space=space, knobs=knobs)
         b.microbatch(self.microbatches)
         b.zero(self.zero)
-        group_devices = [tuple(range(r * per_stage, (r + 1) * per_stage)) for r in range(groups)]
-        for op in g.operators:
-            dims = self.dims.get(op.name, [None] * len(self.axes))
-            for dim, (_, size) in zip(dims, self.axes):
-                b.op_trans(op.name, dim, size)
+        self.issue(b, rules, space)
+        return b.build()
+
+    def check_rules(self, rules: Iterable["Rule"], space: str) -> None:
+        """Check ``rules`` against this draft without building a plan (InfeasiblePlan if broken)."""
+        rules = tuple(rules)
+        if rules:
+            self.issue(None, rules, space)
+
+    def issue(self, b: PlanBuilder | None, rules: Iterable["Rule"], space: str) -> None:
+        """The primitives of this draft, each checked against ``rules`` then given to ``b``
+        (None: check only)."""
+        from planlab.search_spaces.rules import Checker
+
+        chk = Checker(tuple(rules), self.ctx, space)
+        groups, devices = self.groups, self.group_devices()
+        per_axis = self.op_dims()
+        for i, op in enumerate(self.ctx.graph.operators):
+            for dim, (_, size) in zip([ad[i] for ad in per_axis], self.axes):
+                if chk.splits and dim is not None and size > 1:
+                    chk.split(op, dim)
+                if b is not None:
+                    b.op_trans(op.name, dim, size)
             s = self.stages.get(op.name, 0)
-            devices = group_devices[s % groups]
+            where = devices[s % groups]
             if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
                 dim, k = self.colocate[op.name]
-                b.op_trans(op.name, dim, k)
-                devices = tuple(d for d in devices for _ in range(k))
-            b.op_assign(op.name, devices, stage=s)
-            if self.recompute.get(op.name):
-                b.recompute(op.name, self.recompute[op.name])
-        if self.num_stages > 1:
-            for r in range(groups):
-                if self.chunks > 1:
-                    actions = interleaved_1f1b(r, groups, self.microbatches, self.chunks)
-                else:
-                    actions = SCHEDULES[self.schedule](r, groups, self.microbatches)
-                actions = tuple(actions) + (Action(r, "U", 0),)
-                for d in group_devices[r]:
-                    b.op_order(d, actions)
-        return b.build()
+                if chk.splits:
+                    chk.split(op, dim)
+                if b is not None:
+                    b.op_trans(op.name, dim, k)
+                where = tuple(d for d in where for _ in range(k))
+            if chk.places:
+                chk.place(op, where)
+            if b is not None:
+                b.op_assign(op.name, where, stage=s)
+                if self.recompute.get(op.name):
+                    b.recompute(op.name, self.recompute[op.name])
+        if self.num_stages > 1 and chk.orders:
+            chk.order(self.schedule if self.chunks == 1 else "interleaved")
+        if self.num_stages > 1 or self.microbatches > 1:  # one stage: F0 B0 F1 B1 ... (gradient accumulation)
+            if b is not None:
+                for r in range(groups):
+                    actions = self.schedule_actions(r)
+                    for d in devices[r]:
+                        b.op_order(d, actions)
+
+
+def _dedupe(items: Iterable) -> tuple:
+    return tuple(dict.fromkeys(items))
+
+
+def _wrap(space: str, values: Mapping, what: str, e: Exception) -> ConfigError:
+    return ConfigError(f"space {space!r} raised {type(e).__name__}: {e} while {what} the plan of "
+                       f"{fmt_knobs(values)}")
+
+
+def apply_part(part: "Space", draft: Draft, values: dict) -> None:
+    """``part.apply``; an exception that is not a planlab error becomes a ConfigError naming
+    the space and the knob assignment."""
+    try:
+        part.apply(draft, values)
+    except PlanlabError:
+        raise
+    except Exception as e:
+        raise _wrap(part.name, values, "applying", e) from e
 
 
 class Space(abc.ABC):
-    """A search space: knobs, constraints, and ``apply`` (one assignment -> draft edits)."""
+    """A search space: knobs, constraints, rules on the primitives, and ``apply`` (one
+    assignment -> draft edits). Subclass it and set ``name``, ``knobs``, ``constraints``
+    (and ``rules``), or compose existing spaces with ``*``, ``|``, ``restrict`` and ``where``."""
 
     name = "space"
     knobs: tuple[Knob, ...] = ()
     constraints: tuple[Constraint, ...] = ()
+    rules: tuple["Rule", ...] = ()
     order = 0  # product applies parts by ascending order (stages before mesh axes)
 
     @abc.abstractmethod
     def apply(self, draft: Draft, values: dict) -> None:
         """Record this space's choices for ``values`` on ``draft``."""
 
+    # -- structure ----------------------------------------------------------------
     def parts(self) -> tuple["Space", ...]:
+        """The spaces a product is made of (a space that is not a product: itself)."""
         return (self,)
 
-    def __mul__(self, other: "Space") -> "Space":
-        return Product(self.parts() + other.parts())
+    def alternatives(self) -> tuple["Space", ...]:
+        """The spaces a union is made of (a space that is not a union: itself)."""
+        return (self,)
 
     def all_knobs(self) -> tuple[Knob, ...]:
+        if self.parts() == (self,):
+            return tuple(self.knobs)
         seen: dict[str, Knob] = {}
         for p in self.parts():
-            for k in p.knobs:
+            for k in p.all_knobs():
                 seen.setdefault(k.name, k)
         return tuple(seen.values())
 
     def all_constraints(self) -> tuple[Constraint, ...]:
-        return tuple(c for p in self.parts() for c in p.constraints)
+        if self.parts() == (self,):
+            return _dedupe(self.constraints)
+        return _dedupe(c for p in self.parts() for c in p.all_constraints())
 
+    def all_rules(self) -> tuple["Rule", ...]:
+        if self.parts() == (self,):
+            return _dedupe(self.rules)
+        return _dedupe(r for p in self.parts() for r in p.all_rules())
+
+    def knob(self, name: str) -> Knob:
+        for k in self.all_knobs():
+            if k.name == name:
+                return k
+        raise ConfigError(f"space {self.name!r} has no knob {name!r}; its knobs are "
+                          f"{choices([k.name for k in self.all_knobs()])}")
+
+    # -- composition --------------------------------------------------------------
+    def __mul__(self, other: "Space") -> "Space":
+        from planlab.search_spaces.compose import product
+
+        return product(self, other)
+
+    def __or__(self, other: "Space") -> "Space":
+        from planlab.search_spaces.compose import Union
+
+        return Union((self, other))
+
+    def restrict(self, **values: Iterable) -> "Space":
+        """This space with fewer values for some knobs: ``restrict(tp=(1, 2), recompute="full")``."""
+        from planlab.search_spaces.compose import Restricted
+
+        return Restricted(self, values=values)
+
+    def where(self, predicate: Callable, text: str) -> "Space":
+        """This space with an extra constraint on the knobs: ``where(lambda k: k["tp"] * k["pp"] <= 8,
+        "tp*pp <= 8")`` (``predicate(knobs)`` or ``predicate(knobs, ctx)``)."""
+        from planlab.search_spaces.compose import Restricted
+
+        return Restricted(self, constraints=(Constraint.where(predicate, text),))
+
+    def allow_split(self, pattern: str, dims: Iterable[str]) -> "Space":
+        """Operators whose name or module matches ``pattern`` (a regular expression) may be split
+        along ``dims`` only (their signature's dimension names; ``()``: kept whole)."""
+        from planlab.search_spaces.compose import Restricted
+        from planlab.search_spaces.rules import SplitRule
+
+        return Restricted(self, rules=(SplitRule(pattern, dims),))
+
+    def allow_devices(self, pattern: str, devices: Iterable[int] | Callable[[Context], Iterable[int]]) -> "Space":
+        """Operators matching ``pattern`` may be placed on ``devices`` only (or a function of the Context)."""
+        from planlab.search_spaces.compose import Restricted
+        from planlab.search_spaces.rules import PlaceRule
+
+        return Restricted(self, rules=(PlaceRule(pattern, devices),))
+
+    def allow_orders(self, *schedules: str) -> "Space":
+        """Pipeline orders (schedules) allowed: ``allow_orders("1f1b", "interleaved")``."""
+        from planlab.search_spaces.compose import Restricted
+        from planlab.search_spaces.rules import OrderRule
+
+        return Restricted(self, rules=(OrderRule(tuple(schedules)),))
+
+    def named(self, name: str) -> "Space":
+        """This space under another name."""
+        from planlab.search_spaces.compose import Restricted
+
+        return Restricted(self, name=name)
+
+    # -- enumeration ----------------------------------------------------------------
     def assignments(self, ctx: Context, fixed: dict | None = None) -> Iterator[dict]:
-        """Every knob assignment that satisfies the constraints (``fixed`` knobs pinned)."""
+        """Every knob assignment that satisfies the constraints (``fixed`` knobs pinned to
+        their given values, pinned knobs to their defaults)."""
         fixed = dict(fixed or {})
         knobs = self.all_knobs()
         names = [k.name for k in knobs]
@@ -165,59 +570,143 @@ class Space(abc.ABC):
             raise ConfigError(f"space {self.name!r} has no knob {unknown[0]!r}; its knobs are {choices(names)}")
         ranges = []
         for k in knobs:
-            vals = tuple(k.values(ctx))
             if k.name in fixed:
-                v = fixed[k.name]
-                if v not in vals:
-                    raise ConfigError(f"{k.name}={v} is not valid here: {self._why(k, v, ctx, fixed)}")
-                vals = (v,)
-            elif k.default is not None:
-                vals = (k.default,)
-            ranges.append(vals)
-        for combo in itertools.product(*ranges):
-            a = dict(zip(names, combo))
-            if all(c.check(a, ctx) for c in self.all_constraints()):
-                yield a
+                valid = k.range_of(ctx, self.name)
+                v = k.coerce(fixed[k.name], self.name, valid[0] if valid else None)
+                if v not in valid:
+                    why = self.explain(ctx, {**fixed, k.name: v})
+                    raise ConfigError(f"space {self.name!r}: {k.name}={v} is not valid here: "
+                                      + (f"{why} (knob {k.name!r} takes {choices(valid)})" if why
+                                         else f"knob {k.name!r} takes {choices(valid)}"))
+                fixed[k.name] = v
+                ranges.append((v,))
+            else:
+                ranges.append(k.explored(ctx, self.name))
+        yield from _search(names, ranges, self.all_constraints(), ctx, self.name)
 
-    def _why(self, knob: Knob, value, ctx: Context, fixed: dict) -> str:
-        msg = self.explain(ctx, {**fixed, knob.name: value})
-        return msg or f"choose {choices(knob.values(ctx))}"
+    def enumerate(self, ctx: Context, fixed: dict | None = None) -> list[dict]:
+        """The assignments as a list; ConfigError naming the space and the knobs fixed when the
+        constraints leave none."""
+        out = list(self.assignments(ctx, fixed))
+        if not out:
+            raise self.empty_error(ctx, dict(fixed or {}))
+        return out
+
+    def empty_error(self, ctx: Context, fixed: dict) -> ConfigError:
+        why = self.explain(ctx, fixed)
+        if not why:
+            why = (f"its constraints leave no assignment on {ctx.num_devices} devices with global batch "
+                   f"{ctx.global_batch} and {ctx.layers} layers")
+        with_ = f"with {fmt_knobs(fixed)} fixed" if fixed else "with no knob fixed"
+        return ConfigError(f"space {self.name!r} has no plan {with_}: {why}")
 
     def explain(self, ctx: Context, fixed: dict) -> str:
         """The first constraint that the ``fixed`` knobs alone violate ('' if none does)."""
         probe = {k.name: fixed.get(k.name) for k in self.all_knobs()}
         for c in self.all_constraints():
-            try:
-                if not c.check(probe, ctx):
-                    return c.message(probe, ctx)
-            except TypeError:  # the constraint needs a knob that is not fixed
-                continue
+            if _holds(c, probe, ctx, self.name) is False:
+                return c.message(probe, ctx)
         return ""
 
-    def build(self, ctx: Context, values: dict) -> Plan:
-        """The plan of one assignment; ConfigError if it breaks one of the space's constraints."""
-        probe = {k.name: values.get(k.name, k.default) for k in self.all_knobs()}
-        for c in self.all_constraints():
-            try:
-                ok = c.check(probe, ctx)
-            except TypeError:  # the constraint needs a knob that is not set
-                continue
-            if not ok:
-                raise ConfigError(f"space {self.name!r}: {c.message(probe, ctx)}")
+    # -- building -----------------------------------------------------------------
+    def check_values(self, ctx: Context, values: Mapping) -> dict:
+        """``values`` with each knob coerced to its type; ConfigError for an unknown knob or a
+        value outside its range (naming the space, the knob, the value and the range)."""
+        out = {}
+        by_name = {k.name: k for k in self.all_knobs()}
+        for name, v in values.items():
+            k = by_name.get(name)
+            if k is None:
+                raise ConfigError(f"space {self.name!r} has no knob {name!r}; its knobs are {choices(list(by_name))}")
+            out[name] = k.check(v, ctx, self.name)
+        return out
+
+    def with_defaults(self, values: Mapping) -> dict:
+        """``values`` with every unset knob that has a default at its default."""
+        out = dict(values)
+        for k in self.all_knobs():
+            if k.name not in out and k.default is not None:
+                out[k.name] = k.default
+        return out
+
+    def draft(self, ctx: Context, values: dict) -> Draft:
+        """The draft of one (valid) assignment, without building the plan."""
         draft = Draft(ctx)
-        for p in sorted(self.parts(), key=lambda s: s.order):
-            p.apply(draft, values)
-        return draft.to_plan(space=self.name, knobs=values)
+        apply_part(self, draft, values)
+        return draft
+
+    def build(self, ctx: Context, values: dict) -> Plan:
+        """The plan of one assignment; ConfigError if a knob is unknown or out of its range or the
+        assignment breaks one of the space's constraints; InfeasiblePlan if a primitive breaks
+        one of its rules or cannot be applied."""
+        given = self.check_values(ctx, values)
+        full = self.with_defaults(given)
+        probe = {k.name: full.get(k.name) for k in self.all_knobs()}
+        for c in self.all_constraints():
+            if _holds(c, probe, ctx, self.name) is False:
+                raise ConfigError(f"space {self.name!r}: {c.message(probe, ctx)}")
+        draft = self.draft(ctx, full)
+        try:
+            return draft.to_plan(space=self.name, knobs=given, rules=self.all_rules())
+        except PlanlabError:
+            raise
+        except Exception as e:
+            raise _wrap(self.name, given, "building", e) from e
 
     def describe(self) -> str:
         return f"{self.name}: knobs {', '.join(k.name for k in self.all_knobs())}"
+
+    def __repr__(self) -> str:
+        return f"<space {self.name}: {', '.join(k.name for k in self.all_knobs())}>"
+
+
+def _holds(c: Constraint, a: dict, ctx: Context, space: str) -> bool | None:
+    try:
+        return c.holds(a, ctx, space)
+    except PlanlabError:
+        raise
+    except Exception as e:
+        shown = {k: v for k, v in a.items() if v is not None}
+        raise ConfigError(f"space {space!r}: a constraint raised {type(e).__name__}: {e} on "
+                          f"{fmt_knobs(shown)}") from e
+
+
+def _search(names: list[str], ranges: list[tuple], constraints: tuple[Constraint, ...], ctx: Context,
+            space: str) -> Iterator[dict]:
+    """Depth-first over the knobs in order; after each knob is assigned, every constraint that
+    can already be decided prunes the assignments that break it."""
+    a: dict[str, Any] = dict.fromkeys(names)
+    n = len(names)
+
+    def rec(i: int) -> Iterator[dict]:
+        name = names[i]
+        for v in ranges[i]:
+            a[name] = v
+            if any(_holds(c, a, ctx, space) is False for c in constraints):
+                continue
+            if i + 1 == n:
+                yield dict(a)
+            else:
+                yield from rec(i + 1)
+        a[name] = None
+
+    if n == 0:
+        if all(_holds(c, a, ctx, space) is not False for c in constraints):
+            yield {}
+        return
+    if any(not r for r in ranges):
+        return
+    yield from rec(0)
 
 
 class Product(Space):
     """Spaces applied together to one plan; knobs are the union of theirs."""
 
     def __init__(self, spaces: tuple[Space, ...], name: str | None = None) -> None:
-        self._parts = spaces
+        flat: list[Space] = []
+        for s in spaces:
+            flat.extend(s.parts())
+        self._parts = tuple(flat)
         self.name = name or "*".join(s.name for s in spaces)
 
     def parts(self) -> tuple[Space, ...]:
@@ -225,4 +714,4 @@ class Product(Space):
 
     def apply(self, draft: Draft, values: dict) -> None:
         for p in sorted(self._parts, key=lambda s: s.order):
-            p.apply(draft, values)
+            apply_part(p, draft, values)

@@ -1,0 +1,397 @@
+"""The fast screen: an analytic estimate of a plan's iteration time and peak memory, from its
+Draft and the cost model, without materializing.
+
+Per device group of the pipeline (one representative device per group) and per micro-batch:
+
+- compute: each operator's forward and backward on its piece (``flops / (micro-batches x
+  pieces)``) priced by ``CostModel.compute_time_s``, recomputed forwards again in the backward;
+- tensor-parallel (and any mesh-axis) communication: between each producer and consumer in one
+  stage, the layout conversion materialize would insert (partial -> replicated: all-reduce,
+  partial -> sharded: reduce-scatter, sharded -> replicated: all-gather, one shard to another:
+  all-to-all), once per tensor and layout, and in the backward the conversion of the gradient
+  contributions back to the producer's layout; priced by ``CostModel.collective_time_s``;
+- pipeline communication: tensors crossing stages, priced by ``CostModel.p2p_time_s``.
+
+The pipeline runs ``M`` micro-batches; with ``t_r`` the time of group ``r`` per micro-batch and
+``v`` model chunks per device, ``pipeline = M max t_r + (sum t_r - max t_r) / v`` (the bubble of
+1F1B; interleaving divides it by ``v``). Data-parallel gradient reduction follows: all-reduces in
+buckets of 40M elements overlapped with the last micro-batch's backward (exposed: what the
+backward does not hide, at least the last bucket), or with ZeRO a reduce-scatter and an
+all-gather; then the optimizer step (12 flop per parameter, Adam).
+
+Memory per device: weights, gradients and optimizer states (ZeRO shards the latter over the
+reduction group), plus the activations one micro-batch saves for the backward times the
+micro-batches the schedule keeps in flight (``bound_bytes``, a lower bound), plus the largest
+operator's working set (``mem_bytes``, the estimate).
+
+Everything that depends on the plan's structure (its mesh axes, their dimensions, its stages and
+recomputation; ``screen_structure``) is computed once per structure and shared by every plan that differs only in the
+number of micro-batches, the ZeRO stage or the schedule: a few microseconds per plan after that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from planlab.costmodel import CostModel
+from planlab.graph.ir import Graph
+from planlab.plan.materialize import BUCKET_ELEMENTS
+from planlab.plan.program import Precision
+from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces.screen_structure import (_aggregate, _Ids, _Profile, _split, _Split, _Structure, _Tables,
+                                                    colocated)
+from planlab.search_spaces.space import Draft
+
+@dataclass(frozen=True)
+class Estimate:
+    """The screen's estimate of one plan (seconds and bytes per device)."""
+
+    time_s: float
+    mem_bytes: float
+    bound_bytes: float
+    static_bytes: float
+    compute_s: float
+    comm_s: float  # collectives on the critical path, per iteration, the slowest group
+    p2p_s: float
+    bubble_s: float
+    grad_sync_s: float  # exposed gradient reduction (or ZeRO's reduce-scatter + all-gather) and optimizer
+
+    def __str__(self) -> str:
+        return (f"~{self.time_s * 1e3:.1f} ms, ~{self.mem_bytes / 2**30:.2f} GiB (compute {self.compute_s * 1e3:.1f} "
+                f"ms, comm {self.comm_s * 1e3:.1f} ms, bubble {self.bubble_s * 1e3:.1f} ms)")
+
+
+@dataclass(frozen=True)
+class _Priced:
+    fwd_s: float
+    bwd_s: float
+    comm_s: float  # collectives on the critical path, and ZeRO-3's gathers the computation does not hide
+    sync_s: float  # exposed gradient reduction or ZeRO collectives, and the optimizer step
+    static_bytes: float
+    wgt_s: float = 0.0  # the weight-gradient part of bwd_s (zero-bubble's W)
+    gathered_bytes: float = 0.0  # ZeRO-3: a prefetched unit's weights and a unit's full gradient, besides static
+
+
+class Screen:
+    """Estimates plans of one graph and cluster; ``estimate(draft)`` costs microseconds once
+    the draft's structure has been seen."""
+
+    def __init__(self, graph: Graph, cost: CostModel, precision: Precision) -> None:
+        self.graph, self.cost, self.prec = graph, cost, precision
+        self.t = _Tables(graph, precision)
+        self._splits: dict[Any, _Split] = {}
+        self._structures: dict[Any, _Structure] = {}
+        self._priced: dict[tuple, _Priced] = {}
+        self._micro: dict[tuple, tuple] = {}
+        self._grad: dict[tuple, tuple] = {}
+        self._zero3: dict[tuple, tuple] = {}
+        self._profile_ids: dict[_Profile, int] = {}
+        self._ids: dict[int, tuple[Any, int]] = {}
+        self._numbers: dict[tuple, int] = {}
+        self._values = _Ids()  # the keys of splits and profiles
+        self._compute: dict[tuple, float] = {}
+        self._coll: dict[tuple, float] = {}
+        self._p2p: dict[tuple, float] = {}
+        self.dtype = precision.compute_dtype
+
+    def _key(self, t: tuple | None) -> int | None:
+        """A small number for a long tuple (equal tuples, equal numbers): hashed by value once per
+        tuple object, since the spaces hand the same objects to many plans."""
+        if t is None:
+            return None
+        hit = self._ids.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if len(self._ids) > 4096:
+            self._ids.clear()
+        n = self._numbers.setdefault(t, len(self._numbers))
+        self._ids[id(t)] = (t, n)
+        return n
+
+    def structure(self, d: Draft) -> _Structure:
+        names = self.t.names
+        sizes = tuple(s for _, s in d.axes)
+        axis_dims = d.op_dims()
+        skey = (sizes, tuple(self._key(ad) for ad in axis_dims))
+        split = self._splits.get(skey)
+        if split is None:
+            split = self._splits[skey] = _split(self.t, sizes, axis_dims, self._values)
+        if not d.stages:
+            stages = None
+        elif len(d.stages) == len(names) and list(d.stages) == names:
+            stages = tuple(d.stages.values())  # every operator, in graph order: the values will do
+        else:
+            stages = tuple(d.stages.get(n, 0) for n in names)
+        rc = tuple(d.recompute.items()) if d.recompute else None
+        co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
+        key = (skey, self._numbers.setdefault(stages, len(self._numbers)),
+               self._numbers.setdefault(rc, len(self._numbers)), d.groups, self._numbers.setdefault(co, len(self._numbers)))
+        got = self._structures.get(key)
+        if got is None:
+            n = self.t.n
+            rcs = np.array([d.recompute.get(x, 0) for x in names] if rc else [0] * n, dtype=np.int64)
+            pieces = None
+            if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
+                pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
+                split = colocated(split, pieces, self._values)
+            got = self._structures[key] = _aggregate(self.t, split, np.array(stages or [0] * n, dtype=np.int64),
+                                                     rcs, d.groups, self._values, pieces)
+            got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
+        return got
+
+    # -- prices ------------------------------------------------------------------------
+    def _compute_s(self, work: int, pieces: int, m: int, phase: str) -> float:
+        key = (work, pieces, m, phase)
+        got = self._compute.get(key)
+        if got is None:
+            flops, nbytes, ratio, share = self.t.works[work]
+            if phase == "B":
+                flops *= ratio
+            elif phase == "W":  # the weight-gradient part of the backward (zero-bubble's split)
+                flops, nbytes = flops * ratio * share, nbytes * share
+            elif phase == "I":  # the rest, the input gradients
+                flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
+            got = self._compute[key] = self.cost.compute_time_s(
+                flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype) \
+                if (flops or nbytes) else 0.0
+        return got
+
+    @staticmethod
+    def _group(axes: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The devices of the first group along ``axes`` of the first stage's mesh (row-major)."""
+        strides = [math.prod(sizes[a + 1:]) for a in range(len(sizes))]
+        members = [0]
+        for a in axes:
+            members = [m + k * strides[a] for m in members for k in range(sizes[a])]
+        return tuple(sorted(members))
+
+    def _coll_s(self, kind: str, nbytes: float, axes: tuple[int, ...], sizes: tuple[int, ...]) -> float:
+        key = (kind, nbytes, axes, sizes)
+        got = self._coll.get(key)
+        if got is None:
+            got = self._coll[key] = self.cost.collective_time_s(kind, nbytes, self._group(axes, sizes))
+        return got
+
+    def _p2p_s(self, nbytes: float, src: int, dst: int, per: int) -> float:
+        key = (nbytes, src, dst, per)
+        got = self._p2p.get(key)
+        if got is None:
+            got = self._p2p[key] = self.cost.p2p_time_s(nbytes, src * per, dst * per)
+        return got
+
+    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool) -> _Priced:
+        key = (pid, sizes, m, zero, zb)
+        got = self._priced.get(key)
+        if got is None:
+            f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
+            if zb:
+                b += split
+            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
+            if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
+                zc, first = self._units_s(p, pid, sizes)  # unit ahead: computation hides all but the first gathers
+                cm += max(first, zc - (f + b))
+            # buckets overlap the last micro-batch's backward; the last one does not
+            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
+        return got
+
+    def _micro_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, ...]:
+        """Forward, backward, collectives, the backward's weight-gradient part, and what splitting
+        the backward into two tasks per operator adds (smaller kernels), one micro-batch of ``m``."""
+        key = (pid, sizes, m)
+        got = self._micro.get(key)
+        if got is None:
+            f = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.fwd)
+            b = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.bwd)
+            cm = sum(c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
+                     for (kind, axis, numel, batch, eb), c in p.comm)
+            wg = split = 0.0
+            for (w, pieces, _), c in p.wgt:
+                one = self._compute_s(w, pieces, m, "W")
+                wg += c * one
+                split += c * (self._compute_s(w, pieces, m, "I") + one - self._compute_s(w, pieces, m, "B"))
+            got = self._micro[key] = (f, b, cm, wg, split)
+        return got
+
+    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...]) -> tuple[float, float]:
+        """ZeRO-3 per micro-batch: (every unit's two weight all-gathers and gradient reduce-scatter,
+        the first unit's gathers in the forward and the backward), seconds."""
+        key = (pid, sizes)
+        got = self._zero3.get(key)
+        if got is None:
+            prec = self.prec
+            total = first = 0.0
+            for axes, (n_units, _) in p.units:
+                if math.prod(sizes[a] for a in axes) == 1:
+                    continue
+                elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
+                ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
+                total += n_units * (2 * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
+                first = max(first, 2 * ag)
+            got = self._zero3[key] = (total, first)
+        return got
+
+    def _grads(self, p: _Profile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
+        """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
+        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
+        key = (pid, sizes, zero)
+        got = self._grad.get(key)
+        if got is not None:
+            return got
+        prec = self.prec
+        sync = opt = static = ar = last = gathered = 0.0
+        units = dict(p.units)
+        for axes, elems in p.params:
+            n_red = math.prod(sizes[a] for a in axes)
+            static += elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes)
+            if n_red > 1 and zero >= 3:
+                # weights, gradients and states sharded; the unit computed is gathered (static: a lower
+                # bound), the next one prefetched and a unit's full gradient alive (gathered)
+                big = units[axes][1]
+                static -= elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes) * (n_red - 1) / n_red
+                static += big * prec.param_bytes
+                gathered = max(gathered, big * (prec.param_bytes + prec.grad_bytes))
+                sync = max(sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes))  # the last unit's
+                opt += elems / n_red
+                continue
+            if n_red > 1 and zero:
+                sync += self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes)
+                sync += self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
+                static -= elems * prec.optimizer_bytes * (n_red - 1) / n_red
+                if zero >= 2:
+                    static -= elems * prec.grad_bytes * (n_red - 1) / n_red
+                opt += elems / n_red
+                continue
+            opt += elems
+            if n_red > 1:
+                nb = max(1, math.ceil(elems / BUCKET_ELEMENTS))
+                one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes)
+                ar += nb * one
+                last = max(last, one)
+        opt_s = self.cost.compute_time_s(
+            flops=12.0 * opt, dtype=self.dtype,
+            bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)) if opt else 0.0
+        got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
+        return got
+
+    # -- the estimate --------------------------------------------------------------------
+    def estimate(self, d: Draft) -> Estimate:
+        """The estimated iteration time and memory of the plan ``d`` describes."""
+        s = self.structure(d)
+        sizes = tuple(x for _, x in d.axes)
+        per = math.prod(sizes)
+        m, G, v = d.microbatches, d.groups, max(1, d.chunks)
+        schedule = d.schedule if v == 1 else "interleaved"
+        zb = schedule == "zb-h1"
+        deferred = min(1.0, (m - 1) / max(1, G - 1))
+        times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
+        for r in range(G):
+            p = s.profiles[r]
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb)
+            prices.append(c)
+            pp = sum(n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
+                     for (numel, batch, eb, src), n in s.p2p[r])
+            times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
+            # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
+            # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
+            # one, each W only overlaps the I upstream: F + I), and its backward drains as its I passes
+            back.append(c.bwd_s - c.wgt_s if zb else c.bwd_s)
+            fill.append(max(0.0, times[-1] - (1 + deferred) * c.wgt_s) if zb else times[-1])
+            syncs.append(c.sync_s)
+            per_chunk = np.zeros(v)  # bytes one micro-batch keeps on each of the group's model chunks
+            for stage, (b, o) in p.saved:
+                per_chunk[min(v - 1, stage // G)] += b / m + o
+            if v == 1 and schedule in ("1f1b", "gpipe"):
+                act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
+            elif zb:  # the activations until I; from I to W, what W reads: the output gradients and
+                # about as much of the inputs (a product's dW = dY^T X)
+                act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
+            else:
+                act = float((flight_counts(schedule, r, G, m, v) @ per_chunk).max())
+            # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
+            bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
+            mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
+        t_max = max(times)
+        slow = max(range(G), key=lambda r: times[r])
+        pipe = m * t_max + (sum(fill) - fill[slow]) / v
+        # group r's last backward ends about r backward steps before the first group's (1F1B drains to it)
+        total, before = 0.0, 0.0
+        for r in range(G):
+            total = max(total, pipe - before / v + syncs[r])
+            before += back[r]
+        worst = max(range(G), key=lambda r: mems[r])
+        c = prices[slow]
+        return Estimate(time_s=total, mem_bytes=mems[worst], bound_bytes=max(bounds),
+                        static_bytes=prices[worst].static_bytes,
+                        compute_s=m * (c.fwd_s + c.bwd_s), comm_s=m * c.comm_s,
+                        p2p_s=m * (times[slow] - c.fwd_s - c.bwd_s - c.comm_s),
+                        bubble_s=pipe - m * t_max, grad_sync_s=max(syncs))
+
+
+def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
+    """Micro-batch units (one chunk's activations each) device group ``r`` keeps at its peak."""
+    if schedule == "interleaved":
+        return min(m * chunks, 2 * (groups - r - 1) + (chunks - 1) * groups + 1)
+    if schedule == "1f1b":
+        return min(m, groups - r)
+    if schedule == "gpipe":
+        return m
+    return min(m, groups - r) * chunks  # another schedule: as 1F1B
+
+
+_FLIGHT: dict[tuple, np.ndarray] = {}
+
+
+def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
+    """ZB-H1 on group ``r``: the distinct (micro-batches past F before their I, micro-batches past
+    I before their W) after each action of its schedule."""
+    key = ("zb", r, groups, m)
+    got = _FLIGHT.get(key)
+    if got is None:
+        kept = pending = 0
+        rows = [(0, 0)]
+        for a in SCHEDULES["zb-h1"](r, groups, m):
+            if a.phase == "F":
+                kept += 1
+            elif a.phase == "I":
+                kept, pending = kept - 1, pending + 1
+            elif a.phase == "W":
+                pending -= 1
+            elif a.phase == "B":
+                kept -= 1
+            rows.append((kept, pending))
+        got = _FLIGHT[key] = np.unique(np.array(rows, dtype=np.int32), axis=0)
+    return got
+
+
+def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np.ndarray:
+    """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
+    row after each forward of its schedule; forwards add one, full or weight backwards take one
+    away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
+    is ``max(rows @ w)``. Cached per schedule and shape."""
+    key = (schedule, r, groups, m, chunks)
+    got = _FLIGHT.get(key)
+    if got is None:
+        if chunks > 1:
+            actions = interleaved_1f1b(r, groups, m, chunks)
+        elif schedule in SCHEDULES:
+            actions = SCHEDULES[schedule](r, groups, m)
+        else:
+            actions = one_f_one_b(r, groups, m)
+        steps = np.zeros((len(actions), chunks), dtype=np.int32)
+        fwd = np.zeros(len(actions), dtype=bool)
+        for k, a in enumerate(actions):
+            c = a.stage // groups
+            if a.phase == "F":
+                steps[k, c] = 1
+                fwd[k] = True
+            elif a.phase in ("B", "W"):
+                steps[k, c] = -1
+        rows = np.cumsum(steps, axis=0)[fwd] if len(actions) else np.zeros((1, chunks), dtype=np.int32)
+        got = np.unique(rows, axis=0)
+        if len(_FLIGHT) > 4096:
+            _FLIGHT.clear()
+        _FLIGHT[key] = got
+    return got

@@ -1,0 +1,425 @@
+"""What the screen prices, before pricing: per device group of a plan's pipeline, the work,
+communication, parameters and saved activations of one micro-batch (``_Profile``).
+
+Three levels, each cached by the screen (``planlab.search_spaces.screen``):
+
+- ``_Tables``: what the screen needs of the graph, once (operators and edges in flat arrays, and
+  *classes*: operators or edges alike but for their names, as the layers of a model repeat);
+- ``_split``: what the mesh axes and the dimensions they split make of each operator and edge
+  (pieces, local parameter and saved sizes, layout conversions); computed once per operator or
+  edge class and split, so a 96-layer model costs about what one layer costs;
+- ``_aggregate``: per device group, given the stages and the recomputation, the counts and sums
+  of the above (numpy over all operators and edges at once).
+
+Every value is a plain key (work class, pieces, collective kind, axis, elements, ...) given a small
+number by ``_Ids``, so that counting and summing run on integer arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from planlab.graph.ir import DTYPE_BYTES, Graph
+from planlab.plan.backward_split import weight_share
+from planlab.plan.program import Precision
+from planlab.plan.zero import unit_key
+
+_R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
+_P = -2
+
+
+class _Ids:
+    """Small numbers for hashable values (equal values, equal numbers), and back."""
+
+    def __init__(self) -> None:
+        self.index: dict[Any, int] = {}
+        self.values: list[Any] = []
+
+    def of(self, value: Any) -> int:
+        got = self.index.get(value)
+        if got is None:
+            got = self.index[value] = len(self.values)
+            self.values.append(value)
+        return got
+
+
+@dataclass
+class _Edge:
+    producer: int
+    consumer: int
+    tensor: str
+    numel: int
+    batch: bool
+    ebytes: int
+    have: dict[str, int]  # producer's dims -> the tensor axis they shard, or _P for its reductions
+    need: dict[str, int]  # consumer's dims -> the tensor axis they shard
+
+
+def _placement(dim: str | None, where: dict[str, int]) -> int:
+    if dim is None:
+        return _R
+    return where.get(dim, _R)
+
+
+def _kind(have: int, need: int) -> str:
+    """The collective that turns placement ``have`` into ``need`` along one mesh axis ('' if none)."""
+    if have == need or have == _R:
+        return ""  # the same, or a local slice of a replicated tensor
+    if have == _P:
+        return "all_reduce" if need == _R else "reduce_scatter"
+    return "all_gather" if need == _R else "all_to_all"
+
+
+def _conversions(have: tuple, need: tuple, live: list[int], sizes, numel: int) -> tuple:
+    out = []
+    for j, (h, w) in enumerate(zip(have, need)):
+        kind = _kind(h, w)
+        if kind:
+            cut = math.prod(sizes[live[k]] for k in range(len(live)) if k != j and (have[k] >= 0 or need[k] >= 0))
+            out.append((kind, live[j], numel / cut))
+    return tuple(out)
+
+
+class _Tables:
+    """What the screen needs of a graph, once."""
+
+    def __init__(self, g: Graph, prec: Precision) -> None:
+        ops = g.operators
+        self.n = len(ops)
+        self.names = [op.name for op in ops]
+        index = {op.name: i for i, op in enumerate(ops)}
+
+        def grads(op, role: str) -> int:  # the gradients its backward writes for inputs of ``role``
+            return sum(1 for t in op.inputs if g.tensors[t].is_float and g.tensors[t].role == role)
+
+        # the share of its backward that computes weight gradients (zero-bubble's W)
+        share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
+        works: dict[tuple, int] = {}
+        self.work_class = [works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works))
+                           for op, w in zip(ops, share)]
+        self.works = list(works)  # class -> (flops, bytes, backward flops ratio, weight-gradient share)
+        batch = g.batch_label
+
+        def is_batch(t: str) -> bool:
+            return any(g.labels.get((t, a)) == batch for a in range(len(g.tensors[t].shape)))
+
+        def ebytes(t: str) -> int:
+            spec = g.tensors[t]
+            return prec.activation_bytes if spec.is_float else DTYPE_BYTES.get(spec.dtype, 4)
+
+        def axis_map(op, t: str) -> dict[str, int]:
+            return {ax[0]: i for i, ax in enumerate(op.axes_of(t)) if ax}
+
+        self.params: list[list[tuple[int, frozenset[str]]]] = []
+        self.param_units: list[tuple[int, ...]] = []  # per operator, per parameter: its ZeRO-3 unit (a layer)
+        units: dict[str, int] = {}
+        self.saves: list[list[tuple[int, frozenset[str], bool, int]]] = []  # (elements, dims, batch, bytes)
+        self.save_names: list[tuple[str, ...]] = []
+        self.out: list[tuple[int, frozenset[str], bool, int]] = []
+        self.edges: list[_Edge] = []
+        has_backward = []
+        for i, op in enumerate(ops):
+            ps, ss, names, us = [], [], [], []
+            for t in op.inputs:
+                if g.tensors[t].role == "param":
+                    ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
+                    us.append(units.setdefault(unit_key(t), len(units)))
+            for t in op.saves:
+                spec = g.tensors[t]
+                if spec.role != "param":
+                    ss.append((spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t)))
+                    names.append(t)
+            self.params.append(ps)
+            self.param_units.append(tuple(us))
+            self.saves.append(ss)
+            self.save_names.append(tuple(names))
+            o = op.outputs[0]
+            self.out.append((g.tensors[o].numel, frozenset(axis_map(op, o)), is_batch(o), ebytes(o)))
+            has_backward.append(any(g.tensors[t].is_float and g.tensors[t].role in ("activation", "param")
+                                    for t in op.inputs))
+            for t in dict.fromkeys(op.inputs):
+                prod = g.producer.get(t)
+                if prod is None or g.tensors[t].role == "param":
+                    continue
+                have = axis_map(prod, t)
+                have.update({d: _P for d in prod.signature.reduce if d not in have})
+                self.edges.append(_Edge(index[prod.name], i, t, g.tensors[t].numel, is_batch(t), ebytes(t),
+                                        have, axis_map(op, t)))
+        self.has_backward = np.array(has_backward, dtype=bool)
+        classes: dict[tuple, int] = {}
+        self.op_class = [classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
+                         for i in range(self.n)]
+        classes = {}
+        self.edge_class = [classes.setdefault((e.numel, e.batch, e.ebytes, tuple(sorted(e.have.items())),
+                                               tuple(sorted(e.need.items()))), len(classes)) for e in self.edges]
+        tensors: dict[str, int] = {}
+        self.e_tensor = np.array([tensors.setdefault(e.tensor, len(tensors)) for e in self.edges], dtype=np.int64)
+        self.e_producer = np.array([e.producer for e in self.edges], dtype=np.int64)
+        self.e_consumer = np.array([e.consumer for e in self.edges], dtype=np.int64)
+        self.e_batch = np.array([e.batch for e in self.edges], dtype=bool)
+        self.e_ebytes = np.array([e.ebytes for e in self.edges], dtype=np.float64)
+
+
+@dataclass
+class _Split:
+    """Per operator and edge, what the mesh axes and their dimensions make of it (stages aside);
+    keys are numbers of the screen's ``_Ids``."""
+
+    fkey: np.ndarray  # per operator: its forward's price key, (work class, pieces, "F")
+    bkey: np.ndarray  # per operator: its backward's, (work class, pieces, "B")
+    wkey: np.ndarray  # per operator: its backward's weight-gradient part, (work class, pieces, "W"); -1: none
+    work: np.ndarray  # per operator: its local output's batch bytes (a working set)
+    s_op: np.ndarray  # per saved tensor of an operator: the operator
+    s_key: np.ndarray  # ... (tensor, cut): the buffer (several operators may save one)
+    s_bytes: np.ndarray  # ... (batch bytes, other bytes), shape (saves, 2)
+    p_op: np.ndarray  # per parameter of an operator: the operator
+    p_red: np.ndarray  # ... its gradient's reduction axes (a tuple)
+    p_elems: np.ndarray  # ... local elements
+    p_unit: np.ndarray  # ... its ZeRO-3 unit
+    recv: np.ndarray  # per edge: elements each device of the consumer's stage needs (across stages)
+    keep: np.ndarray  # per edge: elements of the buffer the consumer reads (a local slice reads the whole)
+    cf_edge: np.ndarray  # per conversion of an activation: its edge
+    cf_key: np.ndarray  # ... (kind, axis, local elements, batch, element bytes)
+    cb_edge: np.ndarray  # per conversion of a gradient contribution: its edge
+    cb_key: np.ndarray
+
+
+def _ints(xs) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> _Split:
+    live = [a for a, s in enumerate(sizes) if s > 1]
+    cols = [dims[a] for a in live]
+    n = t.n
+    fkey, bkey, wkey, work = [0] * n, [0] * n, [0] * n, [0.0] * n
+    s_op, s_key, s_bytes, p_op, p_red, p_elems, p_unit = [], [], [], [], [], [], []
+    memo: dict[tuple, tuple] = {}
+    for i in range(n):
+        od = tuple(c[i] for c in cols)
+        key = (t.op_class[i], od, t.work_class[i])
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = _op_split(t, i, live, sizes, od, ids)
+        fkey[i], bkey[i], wkey[i], work[i], params, saves = got
+        for (red, elems), unit in zip(params, t.param_units[i]):
+            p_op.append(i)
+            p_red.append(red)
+            p_elems.append(elems)
+            p_unit.append(unit)
+        for name, (cut, sb, so) in zip(t.save_names[i], saves):
+            s_op.append(i)
+            s_key.append(ids.of((name, cut)))
+            s_bytes.append((sb, so))
+    recv, keep, cf_edge, cf_key, cb_edge, cb_key = [], [], [], [], [], []
+    fdone: set = set()
+    bdone: set = set()
+    memo = {}
+    for j, e in enumerate(t.edges):
+        pd = tuple(c[e.producer] for c in cols)
+        cd = tuple(c[e.consumer] for c in cols)
+        key = (t.edge_class[j], pd, cd)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = _edge_split(e, live, sizes, pd, cd, ids)
+        need, r, k, cf, contrib, cb = got
+        recv.append(r)
+        keep.append(k)
+        if cf and (e.tensor, need) not in fdone:  # one conversion per tensor and layout, shared by its consumers
+            fdone.add((e.tensor, need))
+            cf_edge.extend([j] * len(cf))
+            cf_key.extend(cf)
+        if cb and (e.tensor, contrib) not in bdone:  # contributions in one layout are summed before converting
+            bdone.add((e.tensor, contrib))
+            cb_edge.extend([j] * len(cb))
+            cb_key.extend(cb)
+    return _Split(_ints(fkey), _ints(bkey), _ints(wkey), np.array(work), _ints(s_op), _ints(s_key),
+                  np.array(s_bytes, dtype=np.float64).reshape(-1, 2), _ints(p_op), _ints(p_red),
+                  np.array(p_elems, dtype=np.float64), _ints(p_unit), np.array(recv, dtype=np.float64),
+                  np.array(keep, dtype=np.float64), _ints(cf_edge), _ints(cf_key), _ints(cb_edge), _ints(cb_key))
+
+
+def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) -> tuple:
+    """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
+    elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
+    (per live axis)."""
+    split = [(a, d) for a, d in zip(live, od) if d is not None]
+    pieces = math.prod(sizes[a] for a, _ in split)
+    params = []
+    for numel, pdims in t.params[i]:
+        cut = math.prod(sizes[a] for a, dm in split if dm in pdims)
+        params.append((ids.of(tuple(a for a, dm in split if dm not in pdims)), numel / cut))
+    saves = []
+    for numel, sdims, batch, eb in t.saves[i]:
+        cut = math.prod(sizes[a] for a, dm in split if dm in sdims)
+        saves.append((cut, numel / cut * eb if batch else 0.0, 0.0 if batch else numel / cut * eb))
+    numel, odset, batch, eb = t.out[i]
+    work = numel / math.prod(sizes[a] for a, dm in split if dm in odset) * eb if batch else 0.0
+    w = t.work_class[i]
+    wkey = ids.of((w, pieces, "W")) if t.works[w][3] > 0 else -1
+    return ids.of((w, pieces, "F")), ids.of((w, pieces, "B")), wkey, work, tuple(params), tuple(saves)
+
+
+def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: _Ids) -> tuple:
+    """(the consumer's layout, elements received, elements kept, activation conversions, the
+    gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers."""
+    need = tuple(_placement(d, e.need) for d in cd)
+    have = tuple(_placement(d, e.have) for d in pd)
+    recv = e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0)
+    keep = e.numel / math.prod(sizes[a] for a, x, h in zip(live, need, have) if x >= 0 and h >= 0)
+    cf = tuple(ids.of((kind, axis, numel, e.batch, e.ebytes))
+               for kind, axis, numel in _conversions(have, need, live, sizes, e.numel))
+    # the gradient contribution: partial where the consumer splits a dimension the tensor lacks
+    contrib = tuple(_P if (d is not None and x == _R) else x for d, x in zip(cd, need))
+    target = tuple(_R if h == _P else h for h in have)
+    cb = tuple(ids.of((kind, axis, numel, e.batch, e.ebytes))
+               for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel))
+    return need, recv, keep, cf, contrib, cb
+
+
+@dataclass(frozen=True)
+class _Profile:
+    """What one device group computes and communicates per micro-batch, before pricing."""
+
+    fwd: tuple  # ((work class, pieces, priced as phase), tasks), ...
+    bwd: tuple  # the backward's, with recomputed forwards
+    wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W"), tasks)
+    comm: tuple  # ((kind, axis, elements, batch, element bytes), collectives), ...
+    params: tuple  # ((reduction axes, elements), ...)
+    units: tuple  # ((reduction axes, (ZeRO-3 units, the largest's elements)), ...)
+    saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
+    work: float  # the largest operator's working set, batch bytes
+    dy: float = 0.0  # output-gradient and saved-input batch bytes of the operators with weights (what
+    # zero-bubble's W reads: a product's dW = dY^T X)
+
+
+@dataclass
+class _Structure:
+    profiles: list[_Profile]  # per device group of the pipeline
+    ids: list[int]  # per group: its profile's number (equal profiles, equal numbers)
+    p2p: list[tuple]  # per group: ((elements, batch, element bytes, peer group), transfers), ...
+
+
+def _first(keys: np.ndarray) -> np.ndarray:
+    """Positions of the first occurrence of each value of ``keys``, in order."""
+    _, first = np.unique(keys, return_index=True)
+    first.sort()
+    return first
+
+
+def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: _Ids, weights: np.ndarray | None = None) -> list:
+    """Per group, ``((value of key, count or sum of weights), ...)`` sorted by value."""
+    out: list[list] = [[] for _ in range(G)]
+    if len(keys):
+        k = len(ids.values) + 1
+        u, inv = np.unique(groups * k + keys, return_inverse=True)
+        tot = np.bincount(inv.ravel(), weights=weights)
+        for code, x in zip(u.tolist(), tot.tolist()):
+            out[code // k].append((ids.values[code % k], x if weights is not None else int(x)))
+    return [tuple(sorted(o)) for o in out]
+
+
+def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndarray, G: int, ids: _Ids) -> list:
+    """Per group, ``((reduction axes, (units, the largest unit's elements)), ...)``."""
+    out: list[dict] = [{} for _ in range(G)]
+    if len(red):
+        nu, nr = int(unit.max()) + 1, len(ids.values) + 1
+        u, inv = np.unique((groups * nr + red) * nu + unit, return_inverse=True)
+        tot = np.bincount(inv.ravel(), weights=elems)
+        for code, x in zip(u.tolist(), tot.tolist()):
+            r, rd = divmod(code // nu, nr)
+            n, big = out[r].get(rd, (0, 0.0))
+            out[r][rd] = (n + 1, max(big, x))
+    return [tuple(sorted((ids.values[rd], v) for rd, v in o.items())) for o in out]
+
+
+def colocated(sp: _Split, pieces: np.ndarray, ids: _Ids) -> _Split:
+    """``sp`` with each operator's work in ``pieces[i]`` times smaller tasks (co-located pieces,
+    run one after another: ``_aggregate`` counts them ``pieces[i]`` times)."""
+    keys = {}
+    for name in ("fkey", "bkey", "wkey"):
+        old = getattr(sp, name)
+        new = old.copy()
+        for i in np.nonzero(pieces > 1)[0].tolist():
+            if old[i] >= 0:
+                w, n, ph = ids.values[old[i]]
+                new[i] = ids.of((w, n * int(pieces[i]), ph))
+        keys[name] = new
+    return dataclasses.replace(sp, **keys)
+
+
+def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids,
+               pieces: np.ndarray | None = None) -> _Structure:
+    """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
+    ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
+    grp = stage % G
+    rc = rcs != 0
+    hb = t.has_backward
+    task = np.arange(t.n) if pieces is None else np.repeat(np.arange(t.n), pieces)  # operator of each task
+    tg, trc, thb = grp[task], rc[task], hb[task]
+    fwd = _per_group(tg, sp.fkey[task], G, ids)
+    # the backward, and a recomputed operator's forward again before it
+    bwd = _per_group(np.concatenate([tg[thb], tg[trc]]), np.concatenate([sp.bkey[task][thb], sp.fkey[task][trc]]),
+                     G, ids)
+    w = thb & (sp.wkey[task] >= 0)
+    wgt = _per_group(tg[w], sp.wkey[task][w], G, ids)
+    params = _per_group(grp[sp.p_op], sp.p_red, G, ids, sp.p_elems)
+    units = _units(grp[sp.p_op], sp.p_red, sp.p_unit, sp.p_elems, G, ids)
+    work = np.zeros(G)
+    np.maximum.at(work, grp, sp.work)
+    wop = hb & (sp.wkey >= 0)  # operators with a weight-gradient part
+    dy = np.bincount(grp[wop], weights=sp.work[wop], minlength=G)
+    # saved activations: each buffer once per group (several operators may save one), not when recomputed
+    keep = ~rc[sp.s_op]
+    s_op, s_bytes = sp.s_op[keep], sp.s_bytes[keep]
+    first = _first(grp[s_op] * (len(ids.values) + 1) + sp.s_key[keep])
+    add_stage, add_bytes = [stage[s_op[first]]], [s_bytes[first]]
+    xw = wop[s_op[first]]  # inputs saved by operators with weights
+    if xw.any():
+        dy += np.bincount(grp[s_op[first][xw]], weights=s_bytes[first][xw, 0], minlength=G)
+    # edges: across stages, a transfer (once per tensor and receiving stage); within one, conversions
+    sp_, sc = stage[t.e_producer], stage[t.e_consumer]
+    cross = sp_ != sc
+    xe = np.nonzero(cross)[0]
+    xe = xe[_first(t.e_tensor[xe] * (int(stage.max()) + 1) + sc[xe])] if len(xe) else xe
+    p2p: list[dict] = [{} for _ in range(G)]
+    for j in xe.tolist():
+        a, b = int(sp_[j]) % G, int(sc[j]) % G
+        e = t.edges[j]
+        for r, peer in ((b, a), (a, b)):  # the activation, then its gradient
+            key = (float(sp.recv[j]), e.batch, e.ebytes, peer)
+            p2p[r][key] = p2p[r].get(key, 0) + 1
+    same = ~cross
+    cf = same[sp.cf_edge]
+    cb = same[sp.cb_edge]
+    comm = _per_group(np.concatenate([sc[sp.cf_edge[cf]], sp_[sp.cb_edge[cb]]]) % G,
+                      np.concatenate([sp.cf_key[cf], sp.cb_key[cb]]), G, ids)
+    # a recomputed consumer runs again from a received tensor, or from an input read from outside its
+    # recomputed group (each once per group): it keeps them
+    rx = xe[rc[t.e_consumer[xe]]]
+    inside = np.nonzero(same & rc[t.e_consumer] & (rcs[t.e_producer] != rcs[t.e_consumer]))[0]
+    if len(inside):
+        inside = inside[_first((sc[inside] % G) * (len(t.edges) + 1) + t.e_tensor[inside])]
+    held = np.sort(np.concatenate([rx, inside]))
+    if len(held):
+        elems = np.where(cross[held], sp.recv[held], sp.keep[held]) * t.e_ebytes[held]
+        b = t.e_batch[held]
+        add_stage.append(sc[held])
+        add_bytes.append(np.stack([np.where(b, elems, 0.0), np.where(b, 0.0, elems)], axis=1))
+    st = np.concatenate(add_stage)
+    by = np.concatenate(add_bytes)
+    n_st = int(stage.max()) + 1
+    touched = np.bincount(st, minlength=n_st)
+    sb = np.bincount(st, weights=by[:, 0], minlength=n_st)
+    so = np.bincount(st, weights=by[:, 1], minlength=n_st)
+    saved: list[list] = [[] for _ in range(G)]
+    for s in np.nonzero(touched)[0].tolist():
+        saved[s % G].append((s, (float(sb[s]), float(so[s]))))
+    profiles = [_Profile(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]),
+                         float(dy[r])) for r in range(G)]
+    return _Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])
