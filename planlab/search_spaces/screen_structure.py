@@ -370,8 +370,8 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     wgt = _per_group(tg[w], sp.wkey[task][w], G, ids)
     params = _per_group(grp[sp.p_op], sp.p_red, G, ids, sp.p_elems)
     units = _units(grp[sp.p_op], sp.p_red, sp.p_unit, sp.p_elems, G, ids)
-    work = np.zeros(G)
-    np.maximum.at(work, grp, sp.work)
+    work = np.zeros(G)  # the largest working set of one task (a co-located piece's is 1/pieces of its operator's)
+    np.maximum.at(work, grp, sp.work if pieces is None else sp.work / pieces)
     wop = hb & (sp.wkey >= 0)  # operators with a weight-gradient part
     dy = np.bincount(grp[wop], weights=sp.work[wop], minlength=G)
     # saved activations: each buffer once per group (several operators may save one), not when recomputed
