@@ -64,7 +64,9 @@ class Task:
     and ``"redo"`` on its second run in the backward block. ``region`` is the slice of the
     written buffer (receive, local copy) or of the read buffer (send) moved;
     ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
-    the memory effects, filled in by liveness analysis.
+    the memory effects, filled in by liveness analysis. ``op_kind`` (the operator's kind, as
+    ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
+    micro-batch) let the cost model price a compute task kernel by kernel.
     """
 
     name: str
@@ -93,6 +95,8 @@ class Task:
     saved: tuple[str, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
+    op_kind: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     def __str__(self) -> str:
         if self.kind in (TaskKind.SEND, TaskKind.RECV):
