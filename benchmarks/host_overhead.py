@@ -17,7 +17,8 @@ The layer's host time, spread over the calls planlab's kernel model counts for o
 its GPT (forward: the first forward and the recompute; backward: the rest), gives
 ``host_call_us`` and ``host_backward_call_us`` of a spec's ``software``
 (``benchmarks/specs/vtrain-a100-megatron.json`` cites this script's output). Repetitions take
-the lower quartile, since other processes only ever add time. The launch of a CUDA kernel
+the lower quartile of the process's CPU time (``time.process_time``, one torch thread), which
+other processes sharing the machine change little. The launch of a CUDA kernel
 (``host_launch_us``) cannot be measured here (no GPU) and comes from published figures.
 
     .venv/bin/python benchmarks/host_overhead.py [--reps 30]
@@ -55,12 +56,12 @@ def per_call_us(make, reps: int) -> tuple[float, float]:
         chain().sum().backward()
     fwd, both = [], []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         y = chain()
-        fwd.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        fwd.append(time.process_time() - t)
+        t = time.process_time()
         y.sum().backward()
-        both.append(time.perf_counter() - t)
+        both.append(time.process_time() - t)
     return lower_quartile(fwd) / CHAIN * 1e6, lower_quartile(both) / CHAIN * 1e6
 
 
@@ -224,9 +225,9 @@ def layer_us(reps: int, layers: int = 8) -> tuple[float, float, float]:
             step()
         ts = []
         for _ in range(reps):
-            t = time.perf_counter()
+            t = time.process_time()
             step()
-            ts.append(time.perf_counter() - t)
+            ts.append(time.process_time() - t)
         out.append(lower_quartile(ts) / layers * 1e6)
     return out[0], out[1], out[2]
 

@@ -89,8 +89,8 @@ def main() -> None:
         frames.append(df)
         print(f"({kind}: {len(df)} runs simulated in {time.perf_counter() - t:.0f} s)")
         report(df, kind)
-    if args.csv:
-        pd.concat(frames).to_csv(args.csv, index=False)
+        if args.csv:  # after each set, so a long run keeps what it has
+            pd.concat(frames).to_csv(args.csv, index=False)
 
 
 if __name__ == "__main__":

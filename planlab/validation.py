@@ -243,10 +243,42 @@ def _template(hidden, heads, layers, seq, tp, dp, pp, micro_batch, batch, cluste
     spec = model_spec(run)
     graph = _graph(spec, batch)
     plan = megatron_plan(run, graph, spec, cluster, cost.cluster.nodes, cost.cluster.node.devices_per_node)
-    plan = replace(plan, schedule=tuple(schedules(run, run.microbatches)[d // (dp * tp)]
-                                        for d in range(plan.num_devices)))
-    return materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16,
-                       overlap_grad_reduce=False)
+    sched = schedules(run, run.microbatches)
+    plan = replace(plan, schedule=tuple(sched[d // (dp * tp)] for d in range(plan.num_devices)))
+    program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16,
+                          overlap_grad_reduce=False)
+    return partition_pipeline_messages(program, tp)
+
+
+def partition_pipeline_messages(program, tp: int):
+    """DeepSpeed's pipeline engine with tensor parallelism (``pipe_partitioned`` and
+    ``grad_partitioned``, on by default) sends each activation and gradient between stages in
+    ``tp`` parts, one per tensor-parallel rank, and the receiving tensor-parallel group
+    all-gathers them (Megatron-LM's scatter-gather does the same). planlab's conversions send the
+    whole tensor from each replica: here every message between stages carries a ``tp``-th and
+    each receive is followed by an all-gather of the whole over the receiver's tensor-parallel group."""
+    from planlab.plan.program import Task, TaskKind
+
+    if tp == 1:
+        return program
+    devices = []
+    for dp in program.devices:
+        group = tuple(range(dp.device - dp.device % tp, dp.device - dp.device % tp + tp))
+        blocks = {}
+        for key, block in dp.blocks.items():
+            tasks = []
+            for t in block.tasks:
+                if t.kind in (TaskKind.SEND, TaskKind.RECV) and t.nbytes >= tp:
+                    tasks.append(replace(t, nbytes=t.nbytes // tp))
+                    if t.kind is TaskKind.RECV:
+                        buf = t.writes[0] if t.writes else ""
+                        tasks.append(Task(f"{t.name}:gather", TaskKind.COLLECTIVE, (buf,), (buf,),
+                                          collective="all_gather", group=group, nbytes=t.nbytes))
+                    continue
+                tasks.append(t)
+            blocks[key] = replace(block, tasks=tuple(tasks))
+        devices.append(replace(dp, blocks=blocks))
+    return replace(program, devices=tuple(devices))
 
 
 def predict(run: MeasuredRun, cluster: str, *, batch: int | None = None) -> dict:

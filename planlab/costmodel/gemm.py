@@ -45,12 +45,15 @@ class GemmSpec:
 
 
 def tile_efficiency(spec: GemmSpec, tm: int, tn: int, peak_flops_per_s: float, elem_bytes: int) -> float:
-    """The fraction of the peak one ``tm x tn`` tile reaches: the GEMM efficiency, lowered when
-    the tile's arithmetic intensity needs more L2 bandwidth per SM than there is."""
-    intensity = tm * tn / ((tm + tn) * elem_bytes)  # flop per byte loaded
-    per_sm_peak = peak_flops_per_s / spec.sm_count
-    per_sm_l2 = spec.l2_bytes_per_s / spec.sm_count
-    return spec.efficiency * min(1.0, per_sm_l2 * intensity / per_sm_peak)
+    """The fraction of the peak one ``tm x tn`` tile reaches: the GEMM efficiency (that of the
+    best GEMMs, which use the tile of highest arithmetic intensity), lowered in proportion where
+    a smaller tile's arithmetic intensity needs more L2 bandwidth per SM than the best one's."""
+    def fed(a: int, b: int) -> float:  # fraction of the peak the L2 can feed a tile of a x b
+        intensity = a * b / ((a + b) * elem_bytes)  # flop per byte loaded
+        return min(1.0, spec.l2_bytes_per_s * intensity / peak_flops_per_s)
+
+    best = max(fed(a, b) for a, b in spec.tiles)
+    return spec.efficiency * fed(tm, tn) / best
 
 
 def gemm_time_s(spec: GemmSpec, *, batch: int, m: int, n: int, k: int, elem_bytes: int,

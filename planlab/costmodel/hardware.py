@@ -383,8 +383,8 @@ def _software(f: _Fields, device: DeviceSpec) -> SoftwareSpec:
 
 
 def _inter_scale(f: _Fields) -> tuple[tuple[int, float], ...]:
-    """``{"2": 0.92, "16": 0.76}``: the fraction of the two-node bandwidth... as published ratios
-    of a large all-reduce's bus bandwidth to the peak, by the number of nodes."""
+    """``{"2": 0.92, "16": 0.76}``: measured ratios of a large all-reduce's bus bandwidth to the
+    peak, by the number of nodes it spans (see ``comm.scale_efficiency``)."""
     e = f.sub("inter_scale_efficiency")
     out = []
     for key in e.obj:
