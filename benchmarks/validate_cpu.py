@@ -11,7 +11,13 @@ quartile of the steps after the first; the median is printed beside it, with the
 On a machine shared with other work, every step of more than a few milliseconds is preempted
 several times (each preemption a scheduler slice of about 8 ms here), so the benchmark also
 prints an "unshared" estimate built from the lower quartile of each task's measured duration
-(see ``measure_s``), and the errors against both.
+(see ``unshared_s``), and the errors against both. The machine's speed also drifts from minute to
+minute with the other sessions' work: the plans are measured in rounds (each round runs every
+plan once), and before each run a fixed probe of small kernels (:func:`speed_probe_s`) is timed
+against the same probe right after calibrating; the prediction times that ratio (the profile
+describes the machine as it was when calibrated) is printed as a third comparison. Everything
+per plan (predicted, measured, the errors, the drift, the load) and the summaries (mean absolute
+error, worst, within 15%, Kendall tau, ranking) come out of one run.
 
     .venv/bin/python benchmarks/validate_cpu.py [--profile PROFILE.json] [--steps 4] [--launches 4] [--csv out.csv]
 """
@@ -19,12 +25,11 @@ prints an "unshared" estimate built from the lower quartile of each task's measu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import tempfile
 import time
-from typing import Iterator
+from planlab.costmodel.calibrate import typical_s
 
 PLANS = [  # (name, model, ranks, knobs) at global batch 8
     ("tiny 1 process", "gpt-tiny", 1, dict(dp=1, tp=1, pp=1, microbatch=8)),
@@ -38,25 +43,6 @@ PLANS = [  # (name, model, ranks, knobs) at global batch 8
 ]
 BATCH = 8
 TARGET = 0.15  # the issue's bar: each plan within 15%
-
-
-@contextlib.contextmanager
-def priced_by_tasks() -> Iterator[None]:
-    """Let the simulator price each task with ``CostModel.task_time_s`` (its kind, tensors and
-    work), as the hook requested in ``planlab/simulator/units.py`` will; a no-op once it does."""
-    from planlab.simulator import units
-
-    original = units.task_time_s
-
-    def task_time_s(task, cost, dtype):
-        priced = getattr(cost, "task_time_s", None)
-        return priced(task, dtype) if priced is not None else original(task, cost, dtype)
-
-    units.task_time_s = task_time_s
-    try:
-        yield
-    finally:
-        units.task_time_s = original
 
 
 def build(model: str, ranks: int, knobs: dict):
@@ -74,35 +60,53 @@ def predict_s(plan, graph, cost) -> float:
     from planlab.plan.materialize import materialize
     from planlab.simulator.engine import simulate
 
-    with priced_by_tasks():
-        return simulate(materialize(plan, graph), cost).iter_time_s
+    return simulate(materialize(plan, graph), cost).iter_time_s
 
 
-def measure_s(plan, ranks: int, steps: int, launches: int) -> tuple[float, float, float]:
-    """``(lower quartile, median, unshared estimate)`` of the iteration time over ``launches`` runs
-    of ``steps`` iterations (the first of each a warm-up). The unshared estimate adds up, on each
-    device, the lower quartile of each task's measured duration over the runs (the executor records
-    every task of a run's last step) and takes the slowest device: the iteration without the
-    preemptions by other processes that a shared machine adds (each one a scheduler time slice)."""
-    from collections import Counter, defaultdict
+def measure_once(plan, ranks: int, steps: int, durations: dict) -> list[float]:
+    """One launch of ``steps`` iterations: the iteration times after the first (a warm-up); each
+    task's measured duration in the last step is added to ``durations`` (see :func:`unshared_s`)."""
+    from collections import Counter
 
-    from planlab.costmodel.calibrate import typical_s
     from planlab.executor import launch_local
 
-    walls: list[float] = []
-    durations: dict[tuple, list[float]] = defaultdict(list)
-    for _ in range(launches):
-        res = launch_local(plan, ranks, steps=steps, check=False, record=True)
-        walls += res.iter_times_s[1:]
-        seen: Counter = Counter()
-        for t in res.timeline:
-            key = (t["device"], t["action"], t["task"])
-            seen[key] += 1
-            durations[key + (seen[key],)].append(t["end_s"] - t["start_s"])
+    res = launch_local(plan, ranks, steps=steps, check=False, record=True)
+    seen: Counter = Counter()
+    for t in res.timeline:
+        key = (t["device"], t["action"], t["task"])
+        seen[key] += 1
+        durations.setdefault(key + (seen[key],), []).append(t["end_s"] - t["start_s"])
+    return list(res.iter_times_s[1:])
+
+
+def unshared_s(durations: dict) -> float:
+    """The iteration without the preemptions by other processes that a shared machine adds (each
+    a scheduler time slice): on each device, the lower quartile of each task's duration over the
+    launches, added up; the slowest device."""
+    from collections import defaultdict
+
+    from planlab.costmodel.calibrate import typical_s
+
     per_device: dict[int, float] = defaultdict(float)
     for key, ds in durations.items():
         per_device[key[0]] += typical_s(ds)
-    return typical_s(walls), statistics.median(walls), max(per_device.values())
+    return max(per_device.values())
+
+
+def speed_probe_s() -> float:
+    """Seconds for a fixed mix of small kernels, forward and backward, and an Adam step (the
+    calibration's concurrency probes), one thread: how fast this machine computes right now."""
+    import torch
+
+    from planlab.costmodel.calibrate import _probes, time_s
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        probes = _probes()
+        return sum(time_s(p, min_time_s=0.02, min_reps=5) for p in probes)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -115,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="a profile from planlab calibrate (default: calibrate now)")
     ap.add_argument("--steps", type=int, default=4, help="iterations per run (the first is a warm-up)")
-    ap.add_argument("--launches", type=int, default=4, help="runs per plan")
+    ap.add_argument("--launches", type=int, default=4, help="runs per plan, in rounds over the plans")
     ap.add_argument("--only", default=None, help="run only plans whose name contains this")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
@@ -129,32 +133,50 @@ def main() -> None:
         t = time.perf_counter()
         calibrate(out=path, nproc=2, log=print)
         print(f"calibrated in {time.perf_counter() - t:.0f} s: {path}")
-    rows = []
-    for name, model, ranks, knobs in PLANS:
-        if args.only and args.only not in name:
-            continue
+    plans = [(n, m, r, k) for n, m, r, k in PLANS if not args.only or args.only in n]
+    built = {}
+    for name, model, ranks, knobs in plans:
         plan, graph = build(model, ranks, knobs)
-        cost = CostModel.load("cpu", ranks, profile=path)
-        pred = predict_s(plan, graph, cost)
-        base = CostModel.load("cpu", ranks)
-        uncal = predict_s(plan, graph, base)
-        load = os.getloadavg()[0]
-        meas, med, unshared = measure_s(plan, ranks, args.steps, args.launches)
+        built[name] = (plan, ranks, predict_s(plan, graph, CostModel.load("cpu", ranks, profile=path)),
+                       predict_s(plan, graph, CostModel.load("cpu", ranks)))
+    base_probe = speed_probe_s()  # the machine's speed just after calibrating
+    print(f"speed probe after calibrating: {base_probe * 1e3:.2f} ms")
+    walls: dict[str, list[float]] = {n: [] for n, *_ in plans}
+    durations: dict[str, dict] = {n: {} for n, *_ in plans}
+    drift: dict[str, list[float]] = {n: [] for n, *_ in plans}
+    loads: dict[str, list[float]] = {n: [] for n, *_ in plans}
+    for round_ in range(args.launches):  # plans interleaved, so a slow minute touches every plan alike
+        for name, *_ in plans:
+            plan, ranks, _, _ = built[name]
+            drift[name].append(speed_probe_s() / base_probe)
+            loads[name].append(os.getloadavg()[0])
+            walls[name] += measure_once(plan, ranks, args.steps, durations[name])
+        print(f"round {round_ + 1}/{args.launches} done; load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    for name, model, ranks, knobs in plans:
+        _, _, pred, uncal = built[name]
+        meas, med, unshared = typical_s(walls[name]), statistics.median(walls[name]), unshared_s(durations[name])
+        factor = statistics.median(drift[name])
         rows.append(dict(plan=name, ranks=ranks, measured_ms=meas * 1e3, median_ms=med * 1e3,
                          unshared_ms=unshared * 1e3, predicted_ms=pred * 1e3, error=pred / meas - 1,
-                         error_unshared=pred / unshared - 1, uncalibrated_ms=uncal * 1e3, load=load))
+                         error_unshared=pred / unshared - 1, drift=factor, drift_predicted_ms=pred * factor * 1e3,
+                         error_drift=pred * factor / meas - 1, uncalibrated_ms=uncal * 1e3,
+                         load=statistics.mean(loads[name])))
         r = rows[-1]
         print(f"{name:18s} measured {r['measured_ms']:7.2f} ms (median {r['median_ms']:7.2f}, unshared "
               f"{r['unshared_ms']:7.2f})  predicted {r['predicted_ms']:7.2f} ms  error {r['error'] * 100:+6.1f}% "
-              f"(unshared {r['error_unshared'] * 100:+6.1f}%)  spec alone {r['uncalibrated_ms']:6.2f} ms  "
-              f"load {load:.1f}", flush=True)
-    for label, key, mkey in (("wall clock", "error", "measured_ms"), ("unshared estimate", "error_unshared",
-                                                                          "unshared_ms")):
+              f"(unshared {r['error_unshared'] * 100:+6.1f}%; machine {r['drift']:.2f}x slower than at calibration: "
+              f"{r['error_drift'] * 100:+6.1f}%)  spec alone {r['uncalibrated_ms']:6.2f} ms  load {r['load']:.1f}",
+              flush=True)
+    for label, key, mkey, pkey in (("wall clock", "error", "measured_ms", "predicted_ms"),
+                                   ("unshared estimate", "error_unshared", "unshared_ms", "predicted_ms"),
+                                   ("wall clock, prediction x machine drift", "error_drift", "measured_ms",
+                                    "drift_predicted_ms")):
         errs = [abs(r[key]) for r in rows]
         meas = [r[mkey] for r in rows]
-        pred = [r["predicted_ms"] for r in rows]
+        pred = [r[pkey] for r in rows]
         order_m = [r["plan"] for r in sorted(rows, key=lambda r: r[mkey])]
-        order_p = [r["plan"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
+        order_p = [r["plan"] for r in sorted(rows, key=lambda r: r[pkey])]
         print(f"{label}: {len(rows)} plans, mean absolute error {statistics.mean(errs) * 100:.1f}%, worst "
               f"{max(errs) * 100:.1f}%, within {TARGET:.0%}: {sum(e <= TARGET for e in errs)}/{len(rows)}; "
               f"Kendall tau {kendall_tau(pred, meas):.3f}; ranking preserved: {order_m == order_p}")

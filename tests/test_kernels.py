@@ -238,3 +238,83 @@ def test_gemm_tiles_from_the_spec(tmp_path) -> None:
     path.write_text(json.dumps(spec))
     assert load_cluster(path).device.gemm.tiles == ((128, 128),)
     assert math.isclose(load_cluster(SPEC_PATH).device.gemm.efficiency, 267.9 / 312, rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------- the measured system's plans (planlab.validation)
+
+
+@pytest.mark.parametrize("tp, vocab", [(1, 50304), (2, 50432), (4, 50688), (8, 51200), (16, 51200)])
+def test_megatron_pads_the_vocabulary(tp: int, vocab: int) -> None:
+    from planlab.validation import padded_vocab
+
+    assert padded_vocab(tp) == vocab
+
+
+def test_megatron_plan_splits_the_vocabulary_and_spans_nodes() -> None:
+    """tp=16 over two 8-GPU nodes: built directly (the tp space keeps tp inside a node); the
+    embedding, output layer and loss split the vocabulary; messages between stages carry a
+    tp-th and the receivers all-gather."""
+    from planlab.plan.program import TaskKind
+    from planlab.validation import MeasuredRun, program_of
+
+    run = MeasuredRun(gpus=32, global_batch=4, micro_batch=1, hidden=64, heads=16, layers=2, seq=32, tp=16,
+                      dp=1, pp=2, measured_s=1.0)
+    program, cost = program_of(run, str(SPEC_PATH))
+    assert cost.cluster.nodes == 4 and program.num_devices == 32 and program.microbatches == 4
+    tasks = [t for dp in program.devices for b in dp.blocks.values() for t in b.tasks]
+    kinds = {t.op_kind: t.shapes for t in tasks if t.kind is TaskKind.FORWARD}
+    vocab = 51200 // 16
+    assert kinds["vocab_embedding"][1] == (vocab, 64)  # the table's shard
+    assert kinds["linear"] and kinds["vocab_cross_entropy"][0] == (32, vocab)  # logits of one shard
+    sends = [t for t in tasks if t.kind is TaskKind.SEND]
+    gathers = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_gather"]
+    assert sends and gathers
+    assert all(t.nbytes == 1 * 32 * 64 * 2 // 16 for t in sends)  # a 16th of one micro-batch's fp16 activation
+    assert {len(t.group) for t in gathers} == {16}
+    tp_groups = {t.group for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce"
+                 and len(t.group) == 16}
+    assert tp_groups and all({cost.cluster.node_of(d) for d in g} == {g[0] // 8, g[0] // 8 + 1} for g in tp_groups)
+
+
+def test_shared_programs_give_the_same_prediction() -> None:
+    """A run materialized at one micro-batch per replica, its schedules made for its micro-batches,
+    is priced exactly as the run materialized whole."""
+    from planlab.validation import MeasuredRun, predict
+
+    run = MeasuredRun(gpus=4, global_batch=16, micro_batch=2, hidden=64, heads=4, layers=4, seq=32, tp=2, dp=1,
+                      pp=2, measured_s=0.01)
+    whole = predict(run, str(SPEC_PATH))
+    shared = predict(run, str(SPEC_PATH), batch=run.dp * run.micro_batch)
+    assert shared["predicted_s"] == pytest.approx(whole["predicted_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("# GPUs,global batch\n2,16\n", ["'micro batch'", "is missing"]),
+        (None, ["line 2", "'micro batch'", "'x'", "an integer"]),
+        ("HEADER\n2,16,8,1024,16,24,1024,1,2,2,372.16\n", ["line 2", "tp x dp x pp = 4 for 2 GPUs"]),
+    ],
+)
+def test_malformed_ground_truth(tmp_path, text, fragments) -> None:
+    from planlab.validation import _COLUMNS, load_runs
+
+    header = ",".join(_COLUMNS)
+    if text is None:
+        text = f"{header}\n2,16,x,1024,16,24,1024,1,1,2,372.16\n"
+    text = text.replace("HEADER", header)
+    path = tmp_path / "runs.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_runs(path)
+    for fragment in [str(path), *fragments]:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("nodes, factor", [(1, 1.0), (2, 1.0), (16, 0.76 / 0.92),
+                                           (4, (0.92 - 0.16 / 3) / 0.92), (128, 0.31 / 0.92), (512, 0.31 / 0.92)])
+def test_inter_node_collectives_slow_with_scale(nodes: int, factor: float) -> None:
+    from planlab.costmodel.comm import scale_efficiency
+
+    assert scale_efficiency(load_cluster(SPEC_PATH).node, nodes) == pytest.approx(factor)
+    assert scale_efficiency(load_cluster("dgx-a100-80g").node, nodes) == 1.0  # not in that spec
