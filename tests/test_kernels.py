@@ -318,3 +318,14 @@ def test_inter_node_collectives_slow_with_scale(nodes: int, factor: float) -> No
 
     assert scale_efficiency(load_cluster(SPEC_PATH).node, nodes) == pytest.approx(factor)
     assert scale_efficiency(load_cluster("dgx-a100-80g").node, nodes) == 1.0  # not in that spec
+
+
+def test_the_vtrain_spec_names_a_source_for_every_number() -> None:
+    """Every number of the validation's spec says where it comes from (datasheets, published
+    microbenchmarks, general figures; none from vTrain's rows)."""
+    spec = json.loads(open(SPEC_PATH).read())
+    for obj, sources in ((spec["device"], spec["device"]["source"]), (spec, spec["source"]),
+                         (spec["software"], spec["software"]["source"])):
+        numbers = {k for k, v in obj.items() if not isinstance(v, str) and k not in ("source", "device", "software")}
+        assert numbers <= set(sources), numbers - set(sources)
+        assert all(sources[k] and "PROVISIONAL" not in sources[k] for k in numbers)
