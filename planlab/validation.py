@@ -155,13 +155,53 @@ def model_spec(run: MeasuredRun) -> ModelSpec:
     return ModelSpec("planlab.validation:megatron_gpt", tuple(sorted(args.items())))
 
 
-@lru_cache(maxsize=8)
-def _graph(spec: ModelSpec, batch: int):
+TRACE_BATCH = 2  # traced at two samples: at one, size-1 axes lose their batch label
+
+
+@lru_cache(maxsize=4)
+def _traced(spec: ModelSpec):
     from planlab.graph.trace import trace
     from planlab.models.registry import build_model
 
-    model, inputs = build_model(spec, batch=batch)
+    model, inputs = build_model(spec, batch=TRACE_BATCH)
     return trace(model, inputs)
+
+
+@lru_cache(maxsize=8)
+def _graph(spec: ModelSpec, batch: int):
+    return rebatch(_traced(spec), batch)
+
+
+def rebatch(graph, batch: int):
+    """``graph`` at ``batch`` samples: every axis labelled as the batch, and every operator
+    dimension so labelled, scales by ``batch`` over the traced batch, as do the flop of
+    operators on batched tensors (linear in the batch, as every operator of the GPT family is)
+    and the bytes they move. What a trace at that batch gives, without tracing again (a trace
+    per batch took most of the benchmark's time)."""
+    from planlab.graph.ir import Graph
+
+    label = graph.batch_label
+    base = graph.tensors[graph.inputs[0]].shape[0]
+    if batch == base:
+        return graph
+
+    def scaled(n: int) -> int:
+        if n % base:
+            raise ConfigError(f"rebatch: a batch axis of size {n} is not a multiple of the traced batch {base}")
+        return n // base * batch
+
+    tensors = {name: replace(spec, shape=tuple(scaled(n) if graph.labels.get((name, a)) == label else n
+                                              for a, n in enumerate(spec.shape)))
+               for name, spec in graph.tensors.items()}
+    ops = []
+    for op in graph.operators:
+        names = op.inputs + op.outputs
+        batched = any(graph.labels.get((t, a)) == label for t in names for a in range(len(graph.tensors[t].shape)))
+        dims = {d: scaled(n) if graph.dim_label(op, d) == label else n for d, n in op.dim_sizes.items()}
+        nbytes = float(sum(tensors[t].nbytes for t in names)) if op.bytes_moved else 0.0
+        ops.append(replace(op, dim_sizes=dims, flops=op.flops * batch / base if batched else op.flops,
+                           bytes_moved=nbytes))
+    return Graph(tensors, ops, graph.inputs, graph.loss, dict(graph.labels), graph.unknown)
 
 
 def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes: int, per_node: int):
@@ -312,26 +352,25 @@ def _cost(cluster: str, nodes: int):
 
 
 def _predict_group(args) -> list[dict]:
-    runs, cluster, batch = args
-    return [predict(r, cluster, batch=batch) for r in runs]
+    runs, cluster = args
+    return [predict(r, cluster, batch=batch) for r, batch in runs]
 
 
 def validate(runs: list[MeasuredRun], cluster: str, *, jobs: int = 1) -> pd.DataFrame:
     """Predicted against measured iteration time for each run (``error`` is signed, relative).
 
-    Runs that differ only in their global batch share one traced graph and one materialized
-    program (for one micro-batch per replica); each group of runs sharing a graph goes to one
-    worker of ``jobs`` processes."""
+    Each model shape is traced once (:func:`rebatch` makes it at each batch); runs that differ
+    only in their global batch share one materialized program (for one micro-batch per replica);
+    each model's runs go to one worker of ``jobs`` processes."""
     shape = lambda r: (r.hidden, r.heads, r.layers, r.seq, r.tp, r.dp, r.pp, r.micro_batch)  # noqa: E731
     shared: dict[tuple, int] = {}
     for r in runs:
         shared[shape(r)] = shared.get(shape(r), 0) + 1
     groups: dict[tuple, list[MeasuredRun]] = {}
-    for r in runs:
-        batch = r.dp * r.micro_batch if shared[shape(r)] > 1 else r.global_batch
-        groups.setdefault((r.hidden, r.heads, r.layers, r.seq, padded_vocab(r.tp), batch), []).append(r)
-    work = [(sorted(g, key=shape), cluster, key[-1]) for key, g in
-            sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][2])]  # big groups first
+    for r in runs:  # one traced model per group (rebatched for each run), programs shared within
+        groups.setdefault((r.hidden, r.heads, r.layers, r.seq, padded_vocab(r.tp)), []).append(r)
+    work = [([(r, r.dp * r.micro_batch if shared[shape(r)] > 1 else r.global_batch) for r in sorted(g, key=shape)],
+             cluster) for _, g in sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][2] * kv[0][0] ** 2)]
     if jobs > 1 and len(work) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             parts = list(pool.map(_predict_group, work))

@@ -329,3 +329,16 @@ def test_the_vtrain_spec_names_a_source_for_every_number() -> None:
         numbers = {k for k, v in obj.items() if not isinstance(v, str) and k not in ("source", "device", "software")}
         assert numbers <= set(sources), numbers - set(sources)
         assert all(sources[k] and "PROVISIONAL" not in sources[k] for k in numbers)
+
+
+@pytest.mark.parametrize("batch", [4, 6])
+def test_rebatch_is_the_trace_at_that_batch(batch: int) -> None:
+    from planlab.graph.trace import trace
+    from planlab.models.registry import build_model
+    from planlab.validation import MeasuredRun, _traced, model_spec, rebatch
+
+    spec = model_spec(MeasuredRun(8, 32, 2, 64, 4, 2, 32, 2, 4, 1, 1.0))
+    made, traced = rebatch(_traced(spec), batch), trace(*build_model(spec, batch=batch))
+    assert made.tensors == traced.tensors and made.labels == traced.labels
+    assert [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in made.operators] == \
+        [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in traced.operators]
