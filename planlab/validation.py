@@ -176,8 +176,8 @@ def rebatch(graph, batch: int):
     """``graph`` at ``batch`` samples: every axis labelled as the batch, and every operator
     dimension so labelled, scales by ``batch`` over the traced batch, as do the flop of
     operators on batched tensors (linear in the batch, as every operator of the GPT family is)
-    and the bytes they move. What a trace at that batch gives, without tracing again (a trace
-    per batch took most of the benchmark's time)."""
+    and the bytes they move: what a trace at that batch gives (checked by the tests), without
+    tracing the model again for every batch of the ground truth."""
     from planlab.graph.ir import Graph
 
     label = graph.batch_label
@@ -259,10 +259,7 @@ def program_of(run: MeasuredRun, cluster: str, *, batch: int | None = None):
     is traced and materialized for one micro-batch per replica and the schedules are then made
     for the run's micro-batches: every micro-batch runs the same blocks, so runs that differ only
     in their global batch share one materialization (see :func:`validate`)."""
-    from planlab.plan.materialize import materialize
-
     cost = _cost(cluster, _nodes(run, cluster))
-    spec = model_spec(run)
     batch = run.global_batch if batch is None else batch
     program = _template(run.hidden, run.heads, run.layers, run.seq, run.tp, run.dp, run.pp, run.micro_batch,
                         batch, cluster)

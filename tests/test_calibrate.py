@@ -16,8 +16,7 @@ from planlab.costmodel.fit import (AlphaBeta, Roofline, fit_alpha_beta, fit_line
                                    roofline_time_s)
 from planlab.costmodel.hardware import Efficiency
 from planlab.costmodel.calibrate import fit_collectives, fit_optimizer, typical_s
-from planlab.costmodel.profile import (CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile,
-                                       profile_from_json)
+from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile
 from planlab.errors import ConfigError
 from planlab.plan.program import Task, TaskKind
 
