@@ -3,10 +3,11 @@ PyTorch training step (forward, backward, Adam) of the same model, on this CPU, 
 
 Both run in this process (the Interpreter in a one-rank gloo group), alternating step by
 step so that a load from elsewhere on the machine hits both alike; the script prints both
-median step times and planlab / plain (target: at most 1.10). ``--profile`` prints the
-Interpreter's hottest functions (cProfile) instead.
+median step times and planlab / plain per repetition, and the median ratio over the
+repetitions (target: at most 1.10). ``--profile`` prints the Interpreter's hottest functions
+(cProfile) instead.
 
-Run: .venv/bin/python benchmarks/executor_overhead.py [--model gpt-small] [--batch 8] [--steps 30]
+Run: .venv/bin/python benchmarks/executor_overhead.py [--model gpt-small] [--batch 8] [--steps 30] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=5, help="repetitions; the median ratio is printed last")
     ap.add_argument("--profile", action="store_true", help="cProfile the Interpreter's steps")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc's malloc as it is (the executor's workers keep freed memory)")
@@ -95,26 +97,34 @@ def main() -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return
-        t_plan, t_plain, c_plan, c_plain = [], [], [], []
-        for _ in range(a.steps):  # alternate, so load from elsewhere hits both alike
-            t0, c0 = time.perf_counter(), time.process_time()
-            interp.run_iteration()
-            t1, c1 = time.perf_counter(), time.process_time()
-            plain()
-            t2, c2 = time.perf_counter(), time.process_time()
-            t_plan.append(t1 - t0)
-            t_plain.append(t2 - t1)
-            c_plan.append(c1 - c0)
-            c_plain.append(c2 - c1)
-        mp, mq = statistics.median(t_plan), statistics.median(t_plain)
-        cp, cq = statistics.median(c_plan), statistics.median(c_plain)
         print(f"{spec.name}{dict(args) if args else ''}, batch {a.batch}, 1 thread, {tasks} tasks per step, "
-              f"{a.warmup} warm-up + {a.steps} timed steps each, freed memory kept in the process: {kept}")
-        print(f"                       {'wall':>9s}    {'CPU':>9s}   (median per step)")
-        print(f"  plain PyTorch step   {mq * 1e3:9.3f} ms {cq * 1e3:9.3f} ms")
-        print(f"  planlab Interpreter  {mp * 1e3:9.3f} ms {cp * 1e3:9.3f} ms")
-        print(f"  ratio planlab/plain  {mp / mq:9.3f}    {cp / cq:9.3f}      (target <= 1.10); per-task overhead "
-              f"{(mp - mq) / tasks * 1e6:.1f} us wall, {(cp - cq) / tasks * 1e6:.1f} us CPU")
+              f"{a.warmup} warm-up + {a.steps} timed steps each per repetition, freed memory kept in the process: "
+              f"{kept}")
+        print(f"  {'rep':>3s}  {'plain wall':>10s} {'planlab wall':>12s} {'ratio':>6s}   {'plain CPU':>9s} "
+              f"{'planlab CPU':>11s} {'ratio':>6s}   (median per step, ms)")
+        walls, cpus, per_task = [], [], []
+        for rep in range(a.repeats):
+            t_plan, t_plain, c_plan, c_plain = [], [], [], []
+            for _ in range(a.steps):  # alternate, so load from elsewhere hits both alike
+                t0, c0 = time.perf_counter(), time.process_time()
+                interp.run_iteration()
+                t1, c1 = time.perf_counter(), time.process_time()
+                plain()
+                t2, c2 = time.perf_counter(), time.process_time()
+                t_plan.append(t1 - t0)
+                t_plain.append(t2 - t1)
+                c_plan.append(c1 - c0)
+                c_plain.append(c2 - c1)
+            mp, mq = statistics.median(t_plan), statistics.median(t_plain)
+            cp, cq = statistics.median(c_plan), statistics.median(c_plain)
+            walls.append(mp / mq)
+            cpus.append(cp / cq)
+            per_task.append((cp - cq) / tasks)
+            print(f"  {rep:3d}  {mq * 1e3:10.3f} {mp * 1e3:12.3f} {mp / mq:6.3f}   {cq * 1e3:9.3f} {cp * 1e3:11.3f} "
+                  f"{cp / cq:6.3f}")
+        print(f"  median over {a.repeats} repetitions: planlab/plain {statistics.median(walls):.3f} wall, "
+              f"{statistics.median(cpus):.3f} CPU (target <= 1.10); per-task overhead "
+              f"{statistics.median(per_task) * 1e6:.1f} us CPU")
     finally:
         dist.destroy_process_group()
 

@@ -114,47 +114,66 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
+def _run_config(args):
     from planlab.errors import ConfigError
-    from planlab.executor import launch_local
-    from planlab.executor.timeline import compare, format_report, measured_events, predict, write_trace
-    from planlab.plan import load_plan
+    from planlab.executor.run import RunConfig
 
-    plan = load_plan(args.plan)
-    if args.nproc != plan.num_devices:
-        raise ConfigError(f"--nproc {args.nproc} differs from the plan's device count {plan.num_devices}")
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    warmup = args.warmup if args.warmup is not None else min(1, args.steps - 1)
+    if not 0 <= warmup < args.steps:
+        raise ConfigError(f"--warmup must be at least 0 and less than --steps {args.steps}, got {warmup}")
     if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    # every device simulated, with a timeline to compare against
-    pred = predict(plan, profile=args.profile)
-    sim = pred.sim
-    check = not args.no_check and not args.load  # the check starts from the seed, not a checkpoint
-    res = launch_local(plan, args.nproc, steps=args.steps, lr=args.lr, check=check, record=True,
-                       timeout_s=args.timeout, save_dir=args.save, load_dir=args.load)
-    print(f"{plan.describe()} on {res.world_size} {res.backend} processes, {args.steps} steps"
-          + (f", from the checkpoint {args.load}" if args.load else ""))
-    for i, loss in enumerate(res.losses):
-        ref = f" (single process {res.ref_losses[i]:.6f})" if res.ref_losses else ""
-        print(f"  step {i}: loss {loss:.6f}{ref}")
-    print(f"measured iteration {res.measured_iter_s * 1e3:.2f} ms, simulated {sim.iter_time_s * 1e3:.2f} ms "
-          f"(measured / simulated = {res.measured_iter_s / sim.iter_time_s:.2f})")
-    measured = measured_events(res.timeline)
-    print(format_report(compare(pred.program, sim.events, measured)))
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+        raise ConfigError(f"--clip-grad-norm must be a positive number, got {args.clip_grad_norm:g}")
+    return RunConfig(steps=args.steps, warmup=warmup, lr=args.lr, check=not args.no_check and not args.load,
+                     seed=args.seed, record=True, timeout_s=args.timeout, save_dir=args.save, load_dir=args.load,
+                     data=args.data, clip_grad_norm=args.clip_grad_norm, log=True)
+
+
+def cmd_run(args) -> int:
+    from planlab.errors import ConfigError
+    from planlab.executor.launch_env import detect
+    from planlab.plan import load_plan
+
+    env = None if args.nproc is not None else detect()
+    try:  # started by torchrun or srun: this process is one rank
+        plan = load_plan(args.plan)
+        cfg = _run_config(args)
+        if env is not None:
+            from planlab.executor.as_rank import run_as_rank
+
+            return run_as_rank(plan, cfg, env, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL,
+                               allow_device_mismatch=args.allow_device_mismatch, profile=args.profile,
+                               trace=args.trace, predicted_trace=args.predicted_trace)
+    except PlanlabError:
+        if env is not None and env.local_rank != 0:
+            return 2  # a refusal is printed once per node, by its first rank
+        raise
+    if args.nproc is None:
+        raise ConfigError("give --nproc N to run the plan on N local processes, or start `planlab run` under "
+                          "torchrun or srun (then every process is one rank)")
+    if args.nproc != plan.num_devices:
+        raise ConfigError(f"--nproc {args.nproc} differs from the plan's device count {plan.num_devices}")
+    cfg.validate()
+    from planlab.executor import launch_local
+    from planlab.executor.report import run_report
+    from planlab.executor.timeline import measured_events, predict, write_trace
+
+    pred = predict(plan, profile=args.profile)  # every device simulated, with a timeline to compare against
+    res = launch_local(plan, args.nproc, steps=cfg.steps, warmup=cfg.warmup, lr=cfg.lr, check=cfg.check,
+                       seed=cfg.seed, record=True, timeout_s=cfg.timeout_s, save_dir=cfg.save_dir,
+                       load_dir=cfg.load_dir, data=cfg.data, clip_grad_norm=cfg.clip_grad_norm,
+                       allow_device_mismatch=args.allow_device_mismatch, log=True)
+    text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
+    print(text)
     if args.trace:
-        write_trace(args.trace, measured)
+        write_trace(args.trace, measured_events(res.timeline))
         print(f"wrote the measured trace of the last step to {args.trace}")
     if args.predicted_trace:
-        sim.write_trace(args.predicted_trace)
+        pred.sim.write_trace(args.predicted_trace)
         print(f"wrote the simulated trace (every device) to {args.predicted_trace}")
-    if args.save:
-        print(f"wrote a sharded checkpoint to {args.save}")
-    if not check:
-        return 0
-    ok = res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
-    print(f"numeric check against one process: loss error {res.max_loss_error:.2e} (tolerance {LOSS_TOL:g}), "
-          f"gradient error {res.max_grad_error:.2e} (tolerance {GRAD_TOL:g}): {'PASSED' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
@@ -247,11 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
     e.set_defaults(fn=cmd_explore)
 
-    r = sub.add_parser("run", help="run a plan on local processes and check it against one process")
+    r = sub.add_parser("run", help="run a plan (local processes, or one rank under torchrun or srun) and check it "
+                                   "against one process")
     r.add_argument("plan")
-    r.add_argument("--nproc", type=int, required=True)
+    r.add_argument("--nproc", type=int, default=None,
+                   help="start this many local processes; without it, under torchrun or srun, this process is one rank")
     r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="first steps left out of the timing (default 1, 0 with one step)")
     r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--seed", type=int, default=0, help="the seed the weights are drawn from")
+    r.add_argument("--data", default=None, metavar="FILE.pt|package.module:function",
+                   help="batches to train on (default: the model's synthetic example inputs); see README")
+    r.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the global gradient norm (across every rank's shards) to MAX")
+    r.add_argument("--allow-device-mismatch", action="store_true",
+                   help="run a GPU cluster's plan on CPU processes (numerics only; times do not compare)")
     r.add_argument("--no-check", action="store_true")
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="write the measured Chrome/Perfetto trace of the last step (every rank)")

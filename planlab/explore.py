@@ -48,10 +48,13 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
 
 def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
-    gradients and optimizer states, plus the activations saved for backward by one micro-batch
-    times the most micro-batches the device's schedule keeps in flight."""
+    gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
+    gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
+    plus the activations saved for backward by one micro-batch times the most micro-batches the
+    device's schedule keeps in flight (until their backward, or its input-gradient part ``I``)."""
     prec = precision_for(plan.cluster)
-    per_param = prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes
+    per_param = (prec.param_bytes, prec.grad_bytes, prec.optimizer_bytes)
+    sharded = (plan.zero >= 3, plan.zero >= 2, plan.zero >= 1)  # which of them ZeRO shards
     by_devices: dict[tuple[int, ...], list[int]] = {}  # device set -> [static, saved] bytes on each
     m = plan.microbatches
     for p in plan.ops:
@@ -64,7 +67,9 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
             axes = op.axes_of(t)
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and any(ax and ax[0] == d for ax in axes))
             if spec.role == "param":
-                acc[0] += spec.numel // cut * per_param
+                reduced = math.prod(n for d, n in zip(p.dims, p.sizes)  # devices summing its gradient
+                                    if d is not None and not any(ax and ax[0] == d for ax in axes))
+                acc[0] += sum(spec.numel // cut // (reduced if z else 1) * b for b, z in zip(per_param, sharded))
             else:
                 batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
                 acc[1] += spec.numel // cut // (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
@@ -82,7 +87,7 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
         else:
             flight = cur = 0
             for a in sched:
-                cur += 1 if a.phase == "F" else -1 if a.phase == "B" else 0
+                cur += 1 if a.phase == "F" else -1 if a.phase in ("B", "I") else 0
                 flight = max(flight, cur)
         total = (static[dev], saved[dev] * flight)
         if sum(total) > sum(worst):

@@ -57,6 +57,23 @@ def _leftovers(token: str) -> list[int]:
     return found
 
 
+def _children() -> list[int]:
+    """Live child processes of this one, other than multiprocessing's resource tracker."""
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == tracker:
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.append(int(d.name))
+    return found
+
+
 def _fail(monkeypatch, plan, fault: str, **kw) -> tuple[ExecutionError, float]:
     # multiprocessing's resource tracker is one helper of this (launching) process for all its
     # launches, not a rank: start it before marking the environment of this launch's processes
@@ -69,7 +86,7 @@ def _fail(monkeypatch, plan, fault: str, **kw) -> tuple[ExecutionError, float]:
         launch_local(plan, 2, steps=2, lr=1e-2, check=False, run_id=token, **kw)
     elapsed = time.monotonic() - t0
     assert elapsed < BOUND_S
-    assert _leftovers(token) == []
+    assert _leftovers(token) == [] and _children() == []  # no rank, launcher helper or child left
     return info.value, elapsed
 
 

@@ -135,6 +135,73 @@ def test_kernels_by_kind(kind, phase, shapes, names, nbytes, calls) -> None:
     assert op_kernels("mystery", phase, shapes, 2, "megatron") is None
 
 
+@pytest.mark.parametrize("kind, shapes, inputs, weights", [
+    ("linear", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)), ["gemm-dgrad"],
+     ["gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"]),
+    ("layer_norm", ((32, 16), (16,), (16,), (32, 16)), ["layer-norm-dx"],
+     ["layer-norm-dweight", "grad-accumulate", "grad-accumulate"]),
+    ("embedding", ((4, 8), (100, 16), (4, 8, 16)), [],
+     ["embedding-bwd-zero", "embedding-bwd-sort", "embedding-bwd-segments", "embedding-bwd-add", "grad-accumulate"]),
+    ("dropout", ((32, 16), (32, 16)), ["dropout-bwd"], []),
+])
+def test_backward_parts_partition_the_kernels(kind, shapes, inputs, weights) -> None:
+    """Zero-bubble's I and W tasks run the input- and weight-gradient kernels of the backward."""
+    whole = op_kernels(kind, "B", shapes, 2, "megatron")
+    i, w = whole.part(inputs=True, weights=False), whole.part(inputs=False, weights=True)
+    assert [k.name for k in i.kernels] == inputs and [k.name for k in w.kernels] == weights
+    assert whole.part(inputs=True, weights=True) is whole
+    assert (i.calls > 0) == bool(inputs) and (w.calls > 0) == bool(weights)
+
+
+def test_split_backward_tasks_are_priced_by_their_part() -> None:
+    """A linear's backward split into I (writes the input's gradient) and W (the weight's and
+    bias's): the device times add up to the whole backward's, kernel by kernel."""
+    from planlab.plan.backward_split import split_task
+
+    cost = CostModel.load(SPEC_PATH)
+    x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
+    whole = Task("fc", TaskKind.BACKWARD, ("g:y",), ("gc:x<fc.0", "wg:w", "wg:b"), flops=3e9, op_kind="linear",
+                 shapes=(x, w, b, y))
+    i, wt = split_task(whole, "linear")
+    dev = cost.cluster.device
+    dgrad = cost.kernel_time_s(op_kernels("linear", "B", (x, w, b, y), 2, "megatron").kernels[0], "fp16")
+    assert cost.device_and_host_s(i, "fp16")[0] == pytest.approx(dgrad)
+    assert cost.device_and_host_s(i, "fp16")[0] + cost.device_and_host_s(wt, "fp16")[0] == \
+        pytest.approx(cost.device_and_host_s(whole, "fp16")[0], rel=1e-12)
+    assert dgrad > dev.launch_overhead_s
+
+
+def test_zero_bubble_and_coshard_tasks_carry_their_kernels() -> None:
+    """The tasks the later passes of materialize make keep the operator's kind and their own
+    shapes: ZB-H1's I and W tasks together cost what 1F1B's backward does under the kernel model,
+    and a co-located chunk's shapes are its share of the piece's."""
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced("gpt-tiny", 8)
+    cost = CostModel.load(SPEC_PATH)
+    knobs = dict(dp=1, tp=1, pp=2, microbatch=2)
+    programs = {s: materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1),
+                                                           dict(knobs, schedule=s)), g) for s in ("1f1b", "zb-h1")}
+
+    def backward_s(prog, blocks):
+        return sum(cost.device_and_host_s(t, "fp16")[0] for d in prog.devices for (_, ph), blk in d.blocks.items()
+                   if ph in blocks for t in blk.tasks if t.kind is TaskKind.BACKWARD)
+
+    base, zb = backward_s(programs["1f1b"], "B"), backward_s(programs["zb-h1"], "IW")
+    assert zb == pytest.approx(base, rel=1e-9) and base > 0
+    plan = get_space("megatron*coshard").build(Context(g, spec, 8, "cpu", 2, 2, 1),
+                                               dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="mlp"))
+    tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order()]
+    fc = [t for t in tasks if t.kind is TaskKind.FORWARD and t.chunk >= 0 and t.op_kind == "linear"]
+    assert fc
+    for t in fc:  # (x, w, b, y) or (x, w, y): the chunk's GEMM holds its share of the piece's flop
+        x, w, y = t.shapes[0], t.shapes[1], t.shapes[-1]
+        assert 2 * math.prod(y) * x[-1] == pytest.approx(t.flops, rel=1e-9)  # shapes and flop per micro-batch
+        assert w[0] == y[-1]
+
+
 @pytest.mark.parametrize(
     "device, host, elapsed",
     [

@@ -54,11 +54,13 @@ INDEX_BYTES = 8  # int64 token ids
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel: a batched GEMM ``(batch, m, n, k)`` or a memory-bound pass moving ``bytes``."""
+    """One kernel: a batched GEMM ``(batch, m, n, k)`` or a memory-bound pass moving ``bytes``;
+    ``weight`` marks a backward kernel that computes or accumulates a weight's gradient."""
 
     name: str
     bytes: float = 0.0
     gemm: tuple[int, int, int, int] | None = None
+    weight: bool = False
 
     def __str__(self) -> str:
         if self.gemm:
@@ -74,6 +76,17 @@ class OpKernels:
     kernels: tuple[Kernel, ...]
     calls: int
 
+    def part(self, *, inputs: bool, weights: bool) -> OpKernels:
+        """The kernels of a backward's input-gradient part (``inputs``), its weight-gradient part
+        (``weights``; zero-bubble's ``I`` and ``W`` tasks) or both; the calls shared in proportion
+        to the kernels, at least one for a part that has any."""
+        kept = tuple(k for k in self.kernels if (weights if k.weight else inputs))
+        if len(kept) == len(self.kernels):
+            return self
+        if not kept:
+            return OpKernels((), 0)
+        return OpKernels(kept, max(1, round(self.calls * len(kept) / len(self.kernels))))
+
     def __str__(self) -> str:
         return f"{self.calls} calls: " + ", ".join(str(k) for k in self.kernels)
 
@@ -82,17 +95,17 @@ def _n(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-def _pass(name: str, nbytes: float) -> Kernel:
-    return Kernel(name, bytes=float(nbytes))
+def _pass(name: str, nbytes: float, weight: bool = False) -> Kernel:
+    return Kernel(name, bytes=float(nbytes), weight=weight)
 
 
-def _gemm(name: str, batch: int, m: int, n: int, k: int) -> Kernel:
-    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)))
+def _gemm(name: str, batch: int, m: int, n: int, k: int, weight: bool = False) -> Kernel:
+    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight)
 
 
 def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
     """Adding this micro-batch's weight gradients into the accumulated ones (read both, write one)."""
-    return [_pass("grad-accumulate", 3 * _n(p) * eb) for p in params]
+    return [_pass("grad-accumulate", 3 * _n(p) * eb, True) for p in params]
 
 
 def op_kernels(kind: str, phase: str, shapes: tuple[tuple[int, ...], ...], eb: int,
@@ -115,9 +128,9 @@ def _linear(phase, shapes, eb, impl):
     n = w[0]
     if phase == "F":
         return OpKernels((_gemm("gemm", 1, m, n, k),), 1)
-    ks = [_gemm("gemm-dgrad", 1, m, k, n), _gemm("gemm-wgrad", 1, n, k, m)]
+    ks = [_gemm("gemm-dgrad", 1, m, k, n), _gemm("gemm-wgrad", 1, n, k, m, True)]
     if has_bias:
-        ks.append(_pass("bias-grad", m * n * eb + n * eb))
+        ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
@@ -187,7 +200,7 @@ def _layer_norm(phase, shapes, eb, impl):
         return OpKernels((_pass("layer-norm", 2 * n * eb + rows * 8),), 1)
     ks = [_pass("layer-norm-dx", 3 * n * eb + rows * 8)]
     if params:
-        ks.append(_pass("layer-norm-dweight", 2 * n * eb))
+        ks.append(_pass("layer-norm-dweight", 2 * n * eb, True))
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
@@ -237,9 +250,8 @@ def _embedding(phase, shapes, eb, impl, vocab_parallel=False):
                 [_pass("rows-mask", 2 * t * h * eb)]
             calls = 7
         return OpKernels(tuple(ks), calls)
-    ks = [_pass("embedding-bwd-zero", v * h * eb),
-          _pass("embedding-bwd-sort", 4 * t * INDEX_BYTES), _pass("embedding-bwd-segments", 4 * t * INDEX_BYTES),
-          _pass("embedding-bwd-add", 3 * t * h * eb)]
+    ks = [_pass("embedding-bwd-zero", v * h * eb, True), _pass("embedding-bwd-sort", 4 * t * INDEX_BYTES, True),
+          _pass("embedding-bwd-segments", 4 * t * INDEX_BYTES, True), _pass("embedding-bwd-add", 3 * t * h * eb, True)]
     return OpKernels(tuple(ks + _accumulate([table], eb)), 2)
 
 

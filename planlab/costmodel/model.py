@@ -146,6 +146,8 @@ class CostModel:
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
         found = op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation) \
             if task.op_kind and task.shapes and kind in ("F", "B") else None
+        if found is not None and kind == "B":  # zero-bubble's I or W task: its part of the kernels
+            found = found.part(**gradient_parts(task))
         if found is None:  # a kind the kernel model does not know: one kernel by the roofline
             if task.flops == 0 and task.bytes_moved == 0:
                 return 0.0, call_s
@@ -212,6 +214,17 @@ class CostModel:
 
     def __str__(self) -> str:
         return f"CostModel({self.cluster}" + (f", {self.profile}" if self.profile is not None else "") + ")"
+
+
+def gradient_parts(task: Task) -> dict[str, bool]:
+    """Which gradients a backward task computes, from the buffers it writes: ``inputs`` (of
+    activations) and ``weights`` (``wg:``/``zd:`` buffers). Zero-bubble's split writes ``""``
+    in place of the other part's buffers (:func:`planlab.plan.backward_split.split_task`)."""
+    from planlab.plan.backward_split import WEIGHT_GRADIENTS
+
+    weights = any(w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
+    inputs = any(not w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
+    return {"inputs": inputs or not weights, "weights": weights}
 
 
 def host_bound_elapsed_s(device_s: list[float], host_s: list[float]) -> list[float]:

@@ -3,34 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from planlab.models.registry import ModelSpec, build_model
+from planlab.models.init import build_full
+from planlab.models.registry import ModelSpec
 
 
 @dataclass(frozen=True)
 class Reference:
-    """Losses of ``steps`` single-process Adam steps and the first step's gradients."""
+    """Losses of ``steps`` single-process Adam steps, the first step's gradients (before
+    clipping) and, with clipping, each step's global gradient norm."""
 
     losses: tuple[float, ...]
     grads: dict[str, torch.Tensor]
+    grad_norms: tuple[float, ...] = ()
 
 
-def reference_run(spec: ModelSpec, *, global_batch: int, steps: int, lr: float, seed: int = 0) -> Reference:
-    """Train the whole model in one process on the whole batch."""
-    model, inputs = build_model(spec, batch=global_batch, device="cpu", seed=seed)
+def reference_run(spec: ModelSpec, *, global_batch: int, steps: int, lr: float, seed: int = 0,
+                  batches: Sequence[tuple[torch.Tensor, ...]] | None = None,
+                  clip_grad_norm: float | None = None) -> Reference:
+    """Train the whole model in one process on the whole batch: the model's example inputs
+    every step, or ``batches[step % len(batches)]``; with ``clip_grad_norm``, clip as
+    ``torch.nn.utils.clip_grad_norm_`` does. The weights are drawn as every rank draws its
+    pieces (:func:`planlab.models.init.build_full`)."""
+    model, inputs = build_full(spec, batch=global_batch, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(*inputs)
+        loss = model(*(batches[step % len(batches)] if batches else inputs))
         loss.backward()
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if clip_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
         opt.step()
         losses.append(float(loss.detach()))
-    return Reference(tuple(losses), grads)
+    return Reference(tuple(losses), grads, tuple(norms))
 
 
 def max_grad_error(captured: dict[str, torch.Tensor], boxes: dict[str, tuple], ref: Reference) -> float:

@@ -265,19 +265,27 @@ def diagnose(run_dir: str | os.PathLike, exitcodes: Mapping[int, int], world: in
                            where="", error="", cause="exited")
     root = min(found.values(), key=lambda r: (_PRIORITY.get(r["cause"], 3), r["time"], r["rank"]))
     rank = root["rank"]
-    if root["cause"] == "killed":
-        msg = f"rank {rank} was {root['error']} at {root['where']}"
-    elif root["cause"] == "timeout":
-        msg = f"rank {rank} timed out at {root['where']}"
-        msg += f" waiting on {root['waited_on']}" if root["waited_on"] else ""
-        msg += f": {root['error']}"
-        others = [f"rank {r} at {w}" for r, w in where.items() if r != rank and r not in found]
+    meanwhile = {r: w for r, w in where.items() if r != rank and r not in found}
+    return RankFailure(failure_message(root, meanwhile), rank=rank, where=root["where"], error=root["error"],
+                       cause=root["cause"])
+
+
+def failure_message(report: Mapping, meanwhile: Mapping[int, str] | None = None) -> str:
+    """One line for a rank's failure ``report`` (rank, cause, where, error, waited_on); for a
+    timeout, ``meanwhile`` names where other ranks were."""
+    rank = report["rank"]
+    if report["cause"] == "killed":
+        msg = f"rank {rank} was {report['error']} at {report['where']}"
+    elif report["cause"] == "timeout":
+        msg = f"rank {rank} timed out at {report['where']}"
+        msg += f" waiting on {report['waited_on']}" if report["waited_on"] else ""
+        msg += f": {report['error']}"
+        others = [f"rank {r} at {w}" for r, w in (meanwhile or {}).items()]
         msg += f" (meanwhile {'; '.join(others)})" if others else ""
     else:
-        msg = f"rank {rank} failed at {root['where']}: {root['error']}"
-        msg += f" (waiting on {root['waited_on']})" if root["cause"] == "peer" and root["waited_on"] else ""
-    return RankFailure(" ".join(msg.split()), rank=rank, where=root["where"], error=root["error"],
-                       cause=root["cause"])
+        msg = f"rank {rank} failed at {report['where']}: {report['error']}"
+        msg += f" (waiting on {report['waited_on']})" if report["cause"] == "peer" and report["waited_on"] else ""
+    return " ".join(msg.split())
 
 
 def _read_where(run_dir: str | os.PathLike, rank: int) -> str:

@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
+from planlab.executor import zero3
+from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
@@ -83,15 +85,15 @@ except AttributeError:  # pragma: no cover - other torch versions
     _run_backward = None
 
 
-def _grad(ys: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor]) -> tuple:
-    """``torch.autograd.grad(ys, xs, gs, allow_unused=True)``; gradients of mismatched shape
-    are refused here, as ``torch.autograd.grad`` would."""
+def _grad(ys: list[torch.Tensor], xs: list[torch.Tensor], gs: list[torch.Tensor], keep: bool = False) -> tuple:
+    """``torch.autograd.grad(ys, xs, gs, retain_graph=keep, allow_unused=True)``; gradients of
+    mismatched shape are refused here, as ``torch.autograd.grad`` would."""
     for y, g in zip(ys, gs):
         if y.shape != g.shape:
             raise ExecutionError(f"gradient of shape {tuple(g.shape)} for an output of shape {tuple(y.shape)}")
     if _run_backward is None:
-        return torch.autograd.grad(ys, xs, gs, allow_unused=True)
-    return _run_backward(tuple(ys), tuple(gs), False, False, tuple(xs), True, False)
+        return torch.autograd.grad(ys, xs, gs, retain_graph=keep, allow_unused=True)
+    return _run_backward(tuple(ys), tuple(gs), keep, False, tuple(xs), True, False)
 
 
 @dataclass
@@ -121,24 +123,39 @@ class Interpreter:
     record: bool = False
     progress: Progress | None = None  # where this rank is, for failure reports and the watchdog
     fault: Fault | None = None        # a test-only injected fault (PLANLAB_FAULT)
+    shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
+    clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
         self.static: dict[str, torch.Tensor] = {}
-        named = dict(self.module.named_parameters())
+        named = dict(self.module.named_parameters()) if self.shards is None else {}
         self.leaves: list[tuple[str, torch.Tensor]] = []
         for p, box in self.dp.params:
-            w = named[p].detach()[_slices(box)].clone().to(self.torch_device).requires_grad_(True)
+            piece = self.shards[p] if self.shards is not None else named[p].detach()[_slices(box)].clone()
+            w = piece.to(self.torch_device).requires_grad_(True)
             self.static[f"w:{p}"] = w
             self.leaves.append((p, w))  # its gradient "wg:{p}" is made at its first contribution
-        for t, x in zip(self.graph.inputs, self.inputs):
-            self.static[f"src:{t}"] = x.to(self.torch_device)
+        self.set_inputs(self.inputs)
         for name, b in self.module.named_buffers():
             self.static[f"src:{name}"] = b.to(self.torch_device)
         self.zero = self._zero_buckets()
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
+        # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py)
+        self.unit_of = {pre + p: z.key for z in self.zero.values() if z.stage3 for p in z.params
+                        for pre in zero3.GATHERED}
+        self.gathered: dict[tuple[str, int], torch.Tensor] = {}
+        if self.unit_of:
+            full = {b[3:] for b in self.unit_of}
+            self.leaves = [(p, w) for p, w in self.leaves if p not in full]
+            for p in full:
+                del self.static[f"w:{p}"]
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
+        self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
+        self._norm_weights = norm_weights(self.program, self.device, self.zero) \
+            if self.clip_grad_norm is not None else {}
+        self._updating = False  # within this step's update (its first optimizer task has run)
         self.captured_grads: dict[str, torch.Tensor] = {}
         self.timeline: list[TaskTiming] = []
         self.steps_run = 0
@@ -162,8 +179,15 @@ class Interpreter:
                     chunk = -(-flat.numel() // n)
                     flat = torch.nn.functional.pad(flat, (0, chunk * n - flat.numel()))
                     shard = flat[me * chunk:(me + 1) * chunk].clone().requires_grad_(True)
-                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr))
+                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr),
+                                                   t.writes[0], group, t.reads[0].startswith("zd:"),
+                                                   tuple(tuple(self.static[f"w:{p}"].shape) for p in params))
         return out
+
+    def set_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Train on ``inputs`` (the whole global batch, as the model's example inputs) from now on."""
+        for t, x in zip(self.graph.inputs, inputs):
+            self.static[f"src:{t}"] = x.to(self.torch_device)
 
     # -- buffers --------------------------------------------------------------
     def _get(self, name: str, mb: int) -> torch.Tensor:
@@ -201,11 +225,12 @@ class Interpreter:
         self.capture = capture_grads
         self.timeline = []
         self.step, self.steps_run = self.steps_run, self.steps_run + 1
+        self._updating = False
         step, progress, record, bufs = self.step, self.progress, self.record, self.bufs
-        clock = time.perf_counter
+        stamp, marks = self._stamp, []  # recorded: (action, task, start, end) stamps
         loss = 0.0
         last_mb = self.program.microbatches - 1
-        t0 = clock()
+        t0 = stamp() if record else None
         for action in self.dp.schedule:
             mb = action.microbatch
             self.action = action
@@ -217,18 +242,19 @@ class Interpreter:
                 if progress is not None:
                     progress.task(label)
                 if record:
-                    s = clock()
+                    s = stamp()
                 try:
                     fn(task, mb)
                 except Exception as e:
                     raise TaskError(self.device, str(action), task, e) from e
                 if record:
-                    self.timeline.append(TaskTiming(self.device, str(action), task.name, task.kind.value,
-                                                    s - t0, clock() - t0))
+                    marks.append((action, task, s, stamp()))
                 if is_loss:
                     loss += float(bufs[(self._loss_buffer, mb)])
                 for b in frees:
                     bufs.pop((b, mb), None)
+                    if b in self.unit_of:  # a ZeRO-3 layer's gathered weights: give the memory back
+                        zero3.release(self, b, mb)
         if progress is not None and self.pending:
             progress.phase(f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} "
                            "to complete")
@@ -239,7 +265,26 @@ class Interpreter:
                 raise TaskError(self.device, "end of step", task, e) from e
         self.pending = []
         self._finish_overlapped()
+        if record:
+            self.timeline = self._timings(t0, marks)
         return loss
+
+    def _stamp(self):
+        """Now: a CUDA event recorded on the current stream on a GPU, the monotonic clock on a CPU."""
+        if self.torch_device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _timings(self, t0, marks: list) -> list[TaskTiming]:
+        """The recorded stamps as seconds since ``t0`` (on a GPU after one synchronisation)."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+            since = lambda e: t0.elapsed_time(e) / 1e3  # noqa: E731 - milliseconds between events
+        else:
+            since = lambda t: t - t0  # noqa: E731
+        return [TaskTiming(self.device, str(a), t.name, t.kind.value, since(s), since(e)) for a, t, s, e in marks]
 
     def _finish_overlapped(self) -> None:
         """Wait for the overlapped gradient reductions and take their results."""
@@ -248,6 +293,9 @@ class Interpreter:
                 work.wait()
             except Exception as e:
                 raise TaskError(self.device, "gradient reduction", task, e) from e
+            if task.collective == "reduce_scatter":
+                zero3.take(self, task, flat)
+                continue
             off = 0
             for b in task.reads:
                 cur = self._get(b, 0)
@@ -265,10 +313,15 @@ class Interpreter:
             loss_op = self.graph.producer[self.graph.loss].name
             holds_loss = any(d == self.device and p for d, _, p in self.program.loss_holders)
             steps = []
+            # zero-bubble: an I task whose operator has a W task too keeps the autograd graph for it
+            w_block = self.dp.blocks.get((action.stage, "W")) if action.phase == "I" else None
+            later = {t.op for t in w_block.tasks if t.kind is TaskKind.BACKWARD} if w_block else set()
             for task in self.dp.blocks[key].tasks:
                 if task.kind not in dispatch:  # pragma: no cover - TaskKind is closed
                     raise ExecutionError(f"unknown task kind {task.kind}")
                 fn = dispatch[task.kind]
+                if task.kind is TaskKind.BACKWARD and task.op in later:
+                    fn = self._backward_input
                 if self.fault is not None and self.fault.task == task.name:
                     fn = self._with_fault(fn)
                 steps.append((task, fn, Progress.encode(str(task)), task.free,
@@ -316,17 +369,19 @@ class Interpreter:
         r = self._read_cache.get(id(task))
         if r is None:
             r = self._read_cache[id(task)] = (self.graph.op(task.op) if task.op else None, tuple(
-                (b, is_static(b), not b.startswith("w:")) for b in task.reads))
+                (b, is_static(b), task.chunk >= 0 or not b.startswith("w:")) for b in task.reads))
         return r
 
     def _forward(self, task: Task, mb: int) -> None:
         op, reads = self._reads(task)
         static, bufs = self.static, self.bufs
         ins = []
-        for b, st, detach in reads:
+        for k, (b, st, detach) in enumerate(reads):
             v = static.get(b) if st else bufs.get((b, mb))
             if v is None:
                 v = self._get(b, mb)
+            if task.slices and task.slices[k] is not None:  # a co-located chunk's slice
+                v = v[_slices(task.slices[k])]
             if detach and v.is_floating_point():  # a leaf of this piece's own autograd graph
                 v = v.detach().requires_grad_(True)
             ins.append(v)
@@ -334,8 +389,11 @@ class Interpreter:
             with torch.no_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            for b, o in zip(task.writes, outs):
-                self.bufs[(b, mb)] = o
+            for k, (b, o) in enumerate(zip(task.writes, outs)):
+                if task.places and task.places[k] is not None:
+                    self._add_into(b, mb, o, task.places[k])
+                else:
+                    self.bufs[(b, mb)] = o
             return
         if torch.is_grad_enabled():
             out = run_piece(op, task, ins, self.graph, self.program.microbatches)
@@ -343,22 +401,34 @@ class Interpreter:
             with torch.enable_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        self.ctx[(task.op, mb)] = (ins, outs)
-        for b, o in zip(task.writes, outs):
-            self.bufs[(b, mb)] = o.detach()
+        if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
+            outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])
+        self.ctx[(task.op, task.chunk, mb)] = (ins, outs)
+        for k, (b, o) in enumerate(zip(task.writes, outs)):
+            if task.places and task.places[k] is not None:
+                self._add_into(b, mb, o.detach(), task.places[k])
+            else:
+                self.bufs[(b, mb)] = o.detach()
 
-    def _backward(self, task: Task, mb: int) -> None:
+    def _backward_input(self, task: Task, mb: int) -> None:
+        """Zero-bubble's ``I``: the inputs' gradients, keeping the graph for the ``W`` task."""
+        self._backward(task, mb, keep=True)
+
+    def _backward(self, task: Task, mb: int, keep: bool = False) -> None:
         op = self._reads(task)[0]
-        ins, outs = self.ctx.pop((task.op, mb))
+        key = (task.op, task.chunk, mb)
+        ins, outs = self.ctx[key] if keep else self.ctx.pop(key)
         ys, gs = [], []
         bufs, loss = self.bufs, self.graph.loss
-        for b, o, t in zip(task.reads, outs, op.outputs):
+        for j, (b, o, t) in enumerate(zip(task.reads, outs, op.outputs)):
             if not o.requires_grad:
                 continue
             if b:
                 g = bufs.get((b, mb))
                 if g is None:
                     g = self._get(b, mb)
+                if task.slices and task.slices[j] is not None:  # a co-located chunk's slice
+                    g = g[_slices(task.slices[j])]
             elif t == loss:
                 g = torch.ones_like(o)
             else:
@@ -370,15 +440,28 @@ class Interpreter:
         if not ys or not wanted:
             grads = [None] * len(wanted)
         else:
-            grads = _grad(ys, [x for _, x in wanted], gs)
+            grads = _grad(ys, [x for _, x in wanted], gs, keep)
         static = self.static
         for (k, x), g in zip(wanted, grads):
             g = torch.zeros_like(x) if g is None else g
             w = task.writes[k]
-            if w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
+            if task.places and task.places[k] is not None:  # a co-located chunk adds its share
+                self._add_into(w, mb, g, task.places[k])
+            elif w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
                 static[w] = static[w] + g if w in static else g
             else:
                 self.bufs[(w, mb)] = g
+
+    def _add_into(self, name: str, mb: int, value: torch.Tensor, place: tuple) -> None:
+        """Add ``value`` into ``region`` of buffer ``name`` (made of zeros of ``shape`` by the first
+        chunk that writes it): the co-located chunks of one piece fill or sum it in turn. In place:
+        nothing reads the buffer before its last chunk has written it."""
+        region, shape = place
+        store, key = (self.static, name) if is_static(name) else (self.bufs, (name, mb))
+        cur = store.get(key)
+        if cur is None:
+            cur = store[key] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        cur[_slices(region)] += value
 
     def _local(self, task: Task, mb: int) -> None:
         src = self._get(task.reads[0], mb)
@@ -405,10 +488,16 @@ class Interpreter:
                 off += cur.numel()
             return
         if task.writes and task.writes[0].startswith("zg:"):
-            self._zero_reduce_scatter(task, pg)
+            if self.zero[task.writes[0]].stage3:
+                zero3.reduce_scatter(self, task, mb, pg)
+            else:
+                self._zero_reduce_scatter(task, pg)
             return
         if task.reads and task.reads[0].startswith("zp:"):
-            self._zero_all_gather(task, pg)
+            if task.writes[0] in self.unit_of:
+                zero3.gather(self, task, mb, pg)
+            else:
+                self._zero_all_gather(task, pg)
             return
         x = self._get(task.reads[0], mb).contiguous()
         n, me = len(group), group.index(self.device)
@@ -469,13 +558,46 @@ class Interpreter:
 
     def _optimizer(self, task: Task, mb: int) -> None:
         self._finish_overlapped()
+        if not self._updating:  # every gradient is reduced: capture, clip
+            self._updating = True
+            self._before_update()
         if task.reads and task.reads[0].startswith("zg:"):
             z = self.zero[task.reads[0]]
-            z.shard.grad = self.static[task.reads[0]].detach()
+            if z.stage3:  # the shard gradient was summed over the micro-batches; the next step's starts at zero
+                grad = self.static.pop(task.reads[0], None)
+                grad = torch.zeros_like(z.shard) if grad is None else grad
+            else:
+                grad = self.static[task.reads[0]]
+            z.shard.grad = grad.detach()
             z.optimizer.step()
             z.optimizer.zero_grad(set_to_none=True)
             return
         self._optimizer_step()
+
+    def _before_update(self) -> None:
+        """Before the step's first optimizer task: capture the gradients of pieces updated whole
+        (for the numeric check; ZeRO shards are captured at their reduction) and clip every
+        gradient to the global norm (one all-reduce of a float64 over every rank)."""
+        zeroed = {p for bucket in self.zero.values() for p in bucket.params}
+        if self.capture:
+            for p, _ in self.leaves:
+                if p not in zeroed:
+                    self.captured_grads[p] = self._get(f"wg:{p}", 0).detach().clone()
+            for z in self.zero.values():  # ZeRO-3 units: gathered from every replica's shard
+                if z.stage3:
+                    grad = self.static.get(z.key)
+                    grad = torch.zeros_like(z.shard) if grad is None else grad
+                    self.captured_grads.update(zero3.full_gradients(z, grad, self.groups[z.group]))
+        if self.clip_grad_norm is None:
+            return
+        grads = {b: self.static[b] for b in self._norm_weights if b in self.static}
+        total = local_square_sum(grads, self._norm_weights).to(self.torch_device)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        self.grad_norm = float(total) ** 0.5
+        coef = clip_coefficient(self.grad_norm, self.clip_grad_norm)
+        for b, g in grads.items():
+            self.static[b] = g * coef  # out of place: a gradient may be a view of a reduced buffer
 
     def _optimizer_step(self) -> None:
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
@@ -483,8 +605,6 @@ class Interpreter:
             if p in zeroed:
                 continue
             g = self._get(f"wg:{p}", 0)
-            if self.capture:
-                self.captured_grads[p] = g.detach().clone()
             w.grad = g.detach()  # Adam only reads it
         if self.optimizer is not None:
             self.optimizer.step()
@@ -497,7 +617,8 @@ class Interpreter:
 @dataclass
 class _ZeroBucket:
     """One ZeRO bucket on this device: its weights (in flattening order), the group size, this
-    device's position, the shard length, the fp32 shard and its optimizer."""
+    device's position, the shard length, the fp32 shard and its optimizer; its shard gradient
+    buffer, its group, whether it is a ZeRO-3 unit (weights sharded too) and the weights' shapes."""
 
     params: tuple[str, ...]
     n: int
@@ -505,3 +626,7 @@ class _ZeroBucket:
     chunk: int
     shard: torch.Tensor
     optimizer: torch.optim.Optimizer
+    key: str = ""
+    group: tuple[int, ...] = ()
+    stage3: bool = False
+    shapes: tuple[tuple[int, ...], ...] = ()

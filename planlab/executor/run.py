@@ -1,11 +1,19 @@
 """Running a plan: the per-rank worker and the local launcher (torchrun's elastic launch).
 
+Each rank builds only its own pieces of the model (:mod:`planlab.executor.shards`), runs
+``steps`` iterations of its Program (the first ``warmup`` left out of the timing), on the
+model's synthetic example inputs or on the user's batches (:mod:`planlab.executor.data`),
+optionally clipping the global gradient norm across shards (:mod:`planlab.executor.clip`),
+and measures its peak memory (:mod:`planlab.executor.memory`). With the numeric check,
+rank 0 then runs the single-process reference and compares losses and first-step gradients.
+
 Failures (see :mod:`planlab.executor.failures`): a rank that raises writes a report
 into the run's directory and exits at once; the launcher stops the other ranks and
 :func:`launch_local` raises one :class:`~planlab.errors.ExecutionError` naming the
 failing rank, its step, action and task, and the error. Collectives and receives
 time out after ``timeout_s`` (the process groups' timeout), and a watchdog ends a
-rank that makes no progress for longer than that.
+rank that makes no progress for longer than that. Started by torchrun or srun instead
+(:mod:`planlab.executor.as_rank`), a failing rank prints that line itself and exits.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import re
 import shutil
@@ -20,7 +29,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Iterator
 
@@ -31,12 +40,64 @@ from torch.distributed.elastic.multiprocessing.errors import record as record_er
 from planlab.errors import ConfigError
 from planlab.executor.check import max_grad_error, reference_run
 from planlab.executor.checkpoint import load_shards, read_manifest, save_shards, write_manifest
+from planlab.executor.data import load_batches
 from planlab.executor.failures import (FAULT_ENV, Fault, Progress, TaskError, Watchdog, classify, diagnose,
-                                       fault_from_env, progress_path, write_report)
+                                       failure_message, fault_from_env, progress_path, write_report)
 from planlab.executor.interpreter import Interpreter
-from planlab.models.registry import build_model
+from planlab.executor.launch_env import check_launch
+from planlab.executor.memory import PeakMemory
+from planlab.executor.shards import build_shards, check_memory
+from planlab.models.init import build_skeleton
 from planlab.plan.materialize import materialize, trace_plan_model
 from planlab.plan.plan_file import plan_from_json, plan_to_json
+
+CHECK_WAIT_S = 3600.0  # ranks wait this long (at least) for rank 0's single-process reference
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run a plan: ``steps`` iterations, the first ``warmup`` not timed; Adam's ``lr``;
+    the numeric ``check`` against one process; weights drawn from ``seed``; the last step's
+    task timeline ``record``-ed; collectives time out after ``timeout_s``; checkpoints to
+    ``save_dir`` / from ``load_dir``; ``data`` (a ``torch.save`` file or
+    ``package.module:function``, see :mod:`planlab.executor.data`; None: synthetic); the
+    global gradient norm clipped to ``clip_grad_norm``; ``device`` the ranks run on (``cpu``
+    or ``cuda``, as :func:`~planlab.executor.launch_env.check_launch` chose); ``log``: rank 0
+    prints every step's loss."""
+
+    steps: int = 1
+    warmup: int = 0
+    lr: float = 1e-3
+    check: bool = True
+    seed: int = 0
+    record: bool = False
+    timeout_s: float = 300.0
+    save_dir: str | None = None
+    load_dir: str | None = None
+    data: str | None = None
+    clip_grad_norm: float | None = None
+    device: str = "cpu"
+    log: bool = False
+
+    def __str__(self) -> str:
+        extra = [f"{self.warmup} warm-up" if self.warmup else "", f"clip {self.clip_grad_norm:g}"
+                 if self.clip_grad_norm is not None else "", f"data {self.data}" if self.data else ""]
+        return f"{self.steps} steps" + "".join(f", {e}" for e in extra if e)
+
+    def validate(self) -> None:
+        """ConfigError naming the first value out of range."""
+        if self.steps < 1:
+            raise ConfigError(f"steps must be at least 1, got {self.steps}")
+        if not 0 <= self.warmup < self.steps:
+            raise ConfigError(f"warm-up steps must be at least 0 and fewer than the {self.steps} steps, got "
+                              f"{self.warmup}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
+            raise ConfigError(f"the gradient norm to clip to must be a positive number, got {self.clip_grad_norm}")
+        if self.load_dir is not None and self.check:
+            raise ConfigError("the numeric check runs one process from the seed; pass check=False to start "
+                              f"from the checkpoint {self.load_dir}")
 
 
 @dataclass
@@ -44,7 +105,9 @@ class RunResult:
     """What one run measured. ``losses`` are per step; ``iter_times_s`` per step
     as seen by rank 0 (the slowest rank's time, after a barrier); ``timeline`` (with
     ``record``) every rank's task timings of the last step, as dicts of
-    :class:`~planlab.executor.interpreter.TaskTiming`."""
+    :class:`~planlab.executor.interpreter.TaskTiming`; ``peak_mem_bytes`` and
+    ``base_mem_bytes`` per rank (``mem_kind``: RSS or CUDA allocated; the base is what the
+    process held before building its model); ``grad_norms`` per step with clipping."""
 
     losses: list[float]
     iter_times_s: list[float]
@@ -54,11 +117,17 @@ class RunResult:
     world_size: int = 1
     backend: str = "gloo"
     timeline: list = field(default_factory=list)
+    warmup: int = 0
+    peak_mem_bytes: list[int] = field(default_factory=list)
+    base_mem_bytes: list[int] = field(default_factory=list)
+    mem_kind: str = "RSS"
+    grad_norms: list[float] = field(default_factory=list)
+    ref_grad_norms: list[float] = field(default_factory=list)
 
     @property
     def measured_iter_s(self) -> float:
-        """Mean iteration time, the first (warm-up) step excluded when there are more."""
-        t = self.iter_times_s[1:] if len(self.iter_times_s) > 1 else self.iter_times_s
+        """Mean iteration time of the steps after the warm-up."""
+        t = self.iter_times_s[self.warmup:] or self.iter_times_s
         return sum(t) / len(t)
 
     def passed(self, *, loss_tol: float, grad_tol: float) -> bool:
@@ -88,20 +157,22 @@ def watchdog_limit_s(timeout_s: float) -> float:
 
 
 @record_errors
-def worker(plan_json: str, steps: int, lr: float, check: bool, seed: int, record: bool = False,
-           timeout_s: float = 300.0, run_dir: str | None = None, save_dir: str | None = None,
-           load_dir: str | None = None) -> dict:
-    """Entry point of one rank: join the process group, run ``steps`` iterations, check numerics.
+def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_on_failure: bool = False,
+           setup: tuple | None = None) -> dict:
+    """Entry point of one rank: join the process group, build this rank's pieces, run
+    ``cfg.steps`` iterations, check numerics; returns :class:`RunResult` as a dict (rank 0's
+    holds every rank's timeline and memory, and the check).
 
-    ``load_dir``/``save_dir`` name checkpoint folders to start from / to write after the last
-    step (see :mod:`planlab.executor.checkpoint`). With ``run_dir`` (set by :func:`launch_local`),
-    a failure is written there as a report and the process exits at once with status 1;
-    without it the exception propagates.
+    With ``run_dir`` (set by :func:`launch_local`), a failure is written there as a report and
+    the process exits at once with status 1; with ``exit_on_failure`` (a rank started by
+    torchrun or srun) the rank prints the failure on one line and exits; otherwise the
+    exception propagates. ``setup`` is ``(graph, program)`` when the caller made them.
     """
     rank = int(os.environ.get("RANK", "0"))
     progress = Progress(progress_path(run_dir, rank) if run_dir else None)
     progress.phase("start-up", armed=False)
     waiting: list[str] = [""]  # the group or peer the current phase waits on, for the report
+    timeout_s = cfg.timeout_s
 
     def phase(text: str, on: str = "", armed: bool = True) -> None:
         progress.phase(text, armed=armed)
@@ -112,84 +183,102 @@ def worker(plan_json: str, steps: int, lr: float, check: bool, seed: int, record
         if run_dir:
             write_report(run_dir, rank, cause="timeout", where=where, error=error, waited_on=waiting[0])
         else:
-            print(f"planlab: rank {rank} timed out at {where}: {error}", file=sys.stderr, flush=True)
+            report = dict(rank=rank, cause="timeout", where=where, error=error, waited_on=waiting[0])
+            print(f"planlab: error: {failure_message(report)}", file=sys.stderr, flush=True)
         os._exit(3)
 
     watchdog = Watchdog(progress, watchdog_limit_s(timeout_s), on_hang)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
     try:
         if backend == "gloo":
             torch.set_num_threads(1)  # one process stands for one device: one core each, as the cpu spec assumes
             keep_freed_memory()
         fault = fault_from_env(rank)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         watchdog.start()
         rank, world = dist.get_rank(), dist.get_world_size()
         everyone = f"group {list(range(world))}"
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if backend == "nccl" \
-            else torch.device("cpu")
         plan = plan_from_json(plan_json)
         if world != plan.num_devices:
             raise ConfigError(f"the plan is for {plan.num_devices} devices; this launch has {world} processes")
-        phase("setup: trace, materialize, build", armed=False)
-        graph = trace_plan_model(plan)
-        program = materialize(plan, graph)
+        phase("setup: trace, materialize", armed=False)
+        graph, program = setup if setup is not None else (trace_plan_model(plan), None)
+        program = program if program is not None else materialize(plan, graph)
         phase("setup: creating process groups", everyone)
         groups = {g: dist.new_group(list(g), timeout=timedelta(seconds=timeout_s)) for g in program.groups}
-        phase("setup: building the model shards", armed=False)
-        module, inputs = build_model(plan.model, batch=plan.global_batch, device="cpu", seed=seed)
-        interp = Interpreter(program, graph, rank, module, inputs, groups, lr=lr, torch_device=device,
-                             progress=progress, fault=fault)
-        del module
-        if load_dir:
+        # control traffic (barriers, losses, timelines) on the CPU: the default group, or gloo beside NCCL
+        ctl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S))) \
+            if cfg.check else None
+        phase("setup: building this rank's pieces", armed=False)
+        memory = PeakMemory(device)
+        memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
+        skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
+        batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps) \
+            if cfg.data else None
+        shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
+        interp = Interpreter(program, graph, rank, skeleton, inputs, groups, lr=cfg.lr, torch_device=device,
+                             progress=progress, fault=fault, shards=shards, clip_grad_norm=cfg.clip_grad_norm)
+        del shards
+        if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
-            load_shards(interp, load_dir, plan.model.to_json())
-        losses, times = [], []
-        grad_err = 0.0
-        ref = reference_run(plan.model, global_batch=plan.global_batch, steps=steps, lr=lr, seed=seed) \
-            if check else None
-        for step in range(steps):
-            interp.record = record and step == steps - 1  # the last step's timeline only
+            load_shards(interp, cfg.load_dir, plan.model.to_json())
+        losses, times, norms = [], [], []
+        for step in range(cfg.steps):
+            interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
+            if batches:
+                interp.set_inputs(batches[step % len(batches)])
             phase(f"step {step}, barrier before the step", everyone)
-            dist.barrier()
+            dist.barrier(group=ctl)
             t0 = time.perf_counter()
-            local = interp.run_iteration(capture_grads=check and step == 0)
+            local = interp.run_iteration(capture_grads=cfg.check and step == 0)
+            if backend == "nccl":
+                torch.cuda.synchronize(device)
             phase(f"step {step}, barrier after the step", everyone)
-            dist.barrier()
+            dist.barrier(group=ctl)
             times.append(time.perf_counter() - t0)
             phase(f"step {step}, loss all-reduce", everyone)
             total = torch.tensor([local], dtype=torch.float64)
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=ctl)
             losses.append(float(total))
-            if check and step == 0:
-                boxes = dict(program.devices[rank].params)
-                grad_err = max_grad_error(interp.captured_grads, boxes, ref)
-        phase("end: gradient check and timelines", everyone)
-        err = torch.tensor([grad_err], dtype=torch.float64)
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        timeline: list[dict] = []
-        if record:  # every rank's timings of the last step, gathered on rank 0
-            parts: list | None = [None] * world if rank == 0 else None
-            dist.gather_object([asdict(t) for t in interp.timeline], parts, dst=0)
-            timeline = [t for p in parts for t in p] if parts else []
-        if save_dir:
+            norms.append(interp.grad_norm)
+            if cfg.log and rank == 0:
+                print(f"step {step}: loss {losses[-1]:.6f}" + (f", gradient norm {norms[-1]:.4g}" if
+                      cfg.clip_grad_norm is not None else "") + f", {times[-1] * 1e3:.1f} ms"
+                      + (" (warm-up)" if step < cfg.warmup else ""), flush=True)
+        peak = memory.peak()
+        phase("end: timelines and memory", everyone)
+        parts: list | None = [None] * world if rank == 0 else None
+        mine = ([asdict(t) for t in interp.timeline] if cfg.record else [], peak, memory.base)
+        dist.gather_object(mine, parts, dst=0, group=ctl)
+        res = RunResult(losses, times, world_size=world, backend=backend, warmup=cfg.warmup,
+                        mem_kind=memory.kind, grad_norms=norms if cfg.clip_grad_norm is not None else [])
+        if parts:
+            res.timeline = [t for p in parts for t in p[0]]
+            res.peak_mem_bytes, res.base_mem_bytes = [p[1] for p in parts], [p[2] for p in parts]
+        if cfg.check:
+            phase("end: numeric check (rank 0 runs one process)", armed=False)
+            _check(res, interp, program, plan, cfg, batches, slow)
+        if cfg.save_dir:
             phase("end: saving the checkpoint", everyone)
-            save_shards(interp, save_dir, rank)
-            dist.barrier()
+            save_shards(interp, cfg.save_dir, rank)
+            dist.barrier(group=ctl)
             if rank == 0:
-                done = read_manifest(load_dir)["steps"] if load_dir else 0
-                write_manifest(save_dir, model_json=plan.model.to_json(), world_size=world, steps=done + steps)
-            dist.barrier()
-        res = RunResult(losses, times, list(ref.losses) if ref else [], float(err),
-                        max(abs(a - b) for a, b in zip(losses, ref.losses)) if ref else float("nan"),
-                        world, backend, timeline)
+                done = read_manifest(cfg.load_dir)["steps"] if cfg.load_dir else 0
+                write_manifest(cfg.save_dir, model_json=plan.model.to_json(), world_size=world,
+                               steps=done + cfg.steps)
+            dist.barrier(group=ctl)
         phase("end", armed=False)
         watchdog.stop()
         dist.destroy_process_group()
         return asdict(res)
     except BaseException as e:
-        if run_dir is None:
+        if run_dir is None and not exit_on_failure:
             watchdog.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -198,7 +287,27 @@ def worker(plan_json: str, steps: int, lr: float, check: bool, seed: int, record
         raise  # not reached
 
 
-def _report_and_exit(run_dir: str, rank: int, progress: Progress, waiting: str, e: BaseException) -> None:
+def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, batches, group) -> None:
+    """Rank 0 runs the single-process reference and compares; the other ranks send it their
+    first-step gradients one at a time (so rank 0 holds one rank's at once)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads = {p: g.cpu() for p, g in interp.captured_grads.items()}  # the reference runs on the CPU
+    if rank != 0:
+        dist.send_object_list([grads], dst=0, group=group)
+        return
+    ref = reference_run(plan.model, global_batch=plan.global_batch, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
+                        batches=batches, clip_grad_norm=cfg.clip_grad_norm)
+    err = max_grad_error(grads, dict(program.devices[0].params), ref)
+    for r in range(1, world):
+        got: list = [None]
+        dist.recv_object_list(got, src=r, group=group)
+        err = max(err, max_grad_error(got[0], dict(program.devices[r].params), ref))
+    res.ref_losses, res.ref_grad_norms = list(ref.losses), list(ref.grad_norms)
+    res.max_grad_error = err
+    res.max_loss_error = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
+
+
+def _report_and_exit(run_dir: str | None, rank: int, progress: Progress, waiting: str, e: BaseException) -> None:
     """Write rank ``rank``'s failure report and end the process without tearing anything down
     (a teardown could wait on the peers that are failing too)."""
     cause = e.cause if isinstance(e, TaskError) else e
@@ -207,7 +316,18 @@ def _report_and_exit(run_dir: str, rank: int, progress: Progress, waiting: str, 
     error = f"{type(cause).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
     kind = classify(cause)
     try:
-        write_report(run_dir, rank, cause=kind, where=progress.where(), error=error, waited_on=waited_on)
+        if run_dir is None:  # started by torchrun or srun: say it here, once per failing rank
+            if isinstance(cause, ConfigError):
+                print(f"planlab: error: {cause}", file=sys.stderr)
+            elif kind == "peer":  # not the cause: one line that does not repeat the error
+                on = f", waiting on {waited_on}" if waited_on else ""
+                print(f"planlab: rank {rank} stopped at {progress.where()}{on}: a peer failed or went away ({error})",
+                      file=sys.stderr)
+            else:
+                report = dict(rank=rank, cause=kind, where=progress.where(), error=error, waited_on=waited_on)
+                print(f"planlab: error: {failure_message(report)}", file=sys.stderr)
+        else:
+            write_report(run_dir, rank, cause=kind, where=progress.where(), error=error, waited_on=waited_on)
         if kind == "peer":  # linger, so that the launcher sees the peer that failed first exit first
             time.sleep(PEER_LINGER_S)
     finally:
@@ -240,68 +360,64 @@ def _quiet_launcher() -> Iterator[None]:
             lg.setLevel(lv)
 
 
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _check_host_memory(plan, nproc: int, check: bool) -> None:
-    """Refuse a launch whose processes cannot all build the model here: every rank builds the
-    whole model in fp32 today (4 bytes a parameter) and, for the check, a single-process
-    reference with gradients and Adam states (16 more)."""
-    graph = trace_plan_model(plan)
-    per_rank = graph.num_params * (4 + (16 if check else 0))
-    need, have = per_rank * nproc, _available_bytes()
-    if have is not None and need > have:
-        raise ConfigError(f"running {plan.model} on {nproc} local processes needs about {need / 2**30:.1f} GiB "
-                          f"({graph.num_params / 1e9:.2f}B parameters built by every rank); this machine has "
-                          f"{have / 2**30:.1f} GiB available. Run a smaller model or fewer processes.")
-
-
 def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: bool = True, seed: int = 0,
                  record: bool = False, timeout_s: float = 300.0, run_id: str | None = None,
-                 save_dir: str | os.PathLike | None = None, load_dir: str | os.PathLike | None = None) -> RunResult:
+                 save_dir: str | os.PathLike | None = None, load_dir: str | os.PathLike | None = None,
+                 warmup: int = 0, data: str | os.PathLike | None = None, clip_grad_norm: float | None = None,
+                 allow_device_mismatch: bool = False, log: bool = False) -> RunResult:
     """Run ``plan`` on ``nproc`` local processes with torchrun's launcher; rank 0's result.
 
     The launch is refused (ConfigError) before any process starts when ``nproc`` is not the
-    plan's device count. A failed rank ends the run within about a second (a hang: within
-    ``timeout_s``) with :class:`~planlab.executor.failures.RankFailure` (an ExecutionError)
-    naming the failing rank, its task and the error. ``load_dir`` starts from a checkpoint
-    (any plan of the same model; ``check`` must then be False, as the check starts from the
-    seed), ``save_dir`` writes one after the last step.
+    plan's device count, when the plan is for GPUs and this machine has too few (unless
+    ``allow_device_mismatch``: then CPU processes check its numerics), or when the ranks'
+    pieces (and the numeric check's reference) do not fit this machine's memory. A failed rank
+    ends the run within about a second (a hang: within ``timeout_s``) with
+    :class:`~planlab.executor.failures.RankFailure` (an ExecutionError) naming the failing
+    rank, its task and the error. ``load_dir`` starts from a checkpoint (any plan of the same
+    model; ``check`` must then be False, as the check starts from the seed), ``save_dir``
+    writes one after the last step. See :class:`RunConfig` for the rest.
     """
     if nproc != plan.num_devices:
         raise ConfigError(f"--nproc {nproc} differs from the plan's {plan.num_devices} devices")
-    if not timeout_s > 0:
-        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+    cfg = RunConfig(steps=steps, warmup=warmup, lr=lr, check=check, seed=seed, record=record, timeout_s=timeout_s,
+                    save_dir=_str(save_dir), load_dir=_str(load_dir), data=_str(data), clip_grad_norm=clip_grad_norm,
+                    log=log)
+    cfg.validate()
+    cfg = replace(cfg, device=check_launch(plan, nproc, cuda_devices=nproc,
+                                           allow_device_mismatch=allow_device_mismatch))
     if load_dir is not None:
-        if check:
-            raise ConfigError("the numeric check runs one process from the seed; pass check=False to start "
-                              f"from the checkpoint {load_dir}")
         read_manifest(load_dir, plan.model.to_json())  # a wrong folder or model fails here
     if os.environ.get(FAULT_ENV, "").strip():
         Fault.parse(os.environ[FAULT_ENV])  # a malformed fault fails here, not in every rank
-    _check_host_memory(plan, nproc, check)
+    prepare(plan, cfg, range(nproc))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_id = run_id or f"planlab-{os.getpid()}-{time.time_ns()}"
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-                       rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
-                       run_id=run_id)
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
+                          run_id=run_id)
     run_dir = tempfile.mkdtemp(prefix=f"{run_id}-")
     try:
         with _quiet_launcher():
-            out = elastic_launch(cfg, worker)(plan_to_json(plan), steps, lr, check, seed, record, timeout_s,
-                                              run_dir, _str(save_dir), _str(load_dir))
+            out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
     except ChildFailedError as e:
         raise diagnose(run_dir, {r: f.exitcode for r, f in e.failures.items()}, nproc) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunResult(**out[0])
+
+
+def prepare(plan, cfg: RunConfig, ranks, *, reference_here: bool = True) -> tuple:
+    """Checks made before any model is built, for the ``ranks`` on this machine: the user's data
+    matches the model's inputs, and the ranks' pieces (and, with the check and
+    ``reference_here``, rank 0's single-process reference) fit its memory. Returns
+    ``(graph, program)``."""
+    graph = trace_plan_model(plan)
+    program = materialize(plan, graph)
+    if cfg.data:
+        _, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
+        load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps)
+    check_memory(plan, program, ranks, device=cfg.device, num_params=graph.num_params,
+                 reference=cfg.check and reference_here)
+    return graph, program

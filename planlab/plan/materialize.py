@@ -5,7 +5,11 @@ Passes, in this order:
 2. forward: per operator, the conversions of its inputs, then one compute task per piece;
 3. backward: per operator in reverse, the conversions that sum its outputs' gradient
    contributions into the layout its output had, then one backward task per piece;
-4. weight gradients: bucketed all-reduces of partial weight gradients, then the optimizer step;
+4. weight gradients: bucketed all-reduces of partial weight gradients (ZeRO: reduce-scatters, and for
+   stage 3 per-layer weight all-gathers, :mod:`planlab.plan.zero`), then the optimizer step;
+4b. co-located pieces: a device's k pieces of an operator run as k chunks (:mod:`planlab.plan.coshard`);
+4c. where the schedule asks for it, each backward block split into input- and weight-gradient
+   blocks ``I`` and ``W`` (zero-bubble, :mod:`planlab.plan.backward_split`), chunk by chunk;
 5. order and memory: block tasks sorted, liveness gives each task's allocations and frees.
 """
 
@@ -21,10 +25,13 @@ from typing import Callable
 from planlab.errors import InfeasiblePlan, choices
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.plan.backward_split import split_backward, split_stages
+from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+from planlab.plan.zero import shard_fully, units_of
 
 def precision_for(cluster: str) -> Precision:
     """fp32 on the CPU cluster, bf16 mixed precision on GPUs."""
@@ -68,6 +75,7 @@ class _Layouts:
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
+        self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
@@ -79,11 +87,14 @@ class _Layouts:
             if bad:
                 raise InfeasiblePlan(f"operator {op.name!r} is placed on device {bad[0]}; the plan has "
                                      f"devices 0..{plan.num_devices - 1}")
-            if len(set(p.devices)) != len(p.devices):
-                raise InfeasiblePlan(f"operator {op.name!r} places two pieces on one device: {list(p.devices)}")
-            mesh = Mesh(tuple(sizes), tuple(p.devices))
+            co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
+            mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
+            if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+                self.chunks[op.name] = co
+                mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
+            mesh = Mesh(tuple(msizes), tuple(mdevices))
             self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
-            self.dims[op.name] = tuple(dims)
+            self.dims[op.name] = tuple(mdims)
             for d in set(x for x in dims if x is not None):
                 if not op.signature.splittable(d):
                     raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
@@ -392,7 +403,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
-    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute}
+    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks}  # coshard: per piece
     if groups_of:
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
@@ -411,7 +422,8 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             nb = box_numel(target.box(flat, L.shapes[p])) * precision.grad_bytes
             buckets[dev][group].append((topo[op.name], f"wg:{p}", nb))
     devices = sorted(set(entries) | set(params_on))
-    zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # bytes of grads, optimizer states saved
+    zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # bytes of grads, optimizer states, weights
+    together: dict[int, list] = defaultdict(list)  # ZeRO-3: buffers freed at once (a unit's gathered weights)
     for dev in devices:
         w_block = (min((s for s, _ in entries[dev]), default=0), "U")
         sharded: set[str] = set()
@@ -425,6 +437,16 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
                                                 collective="all_reduce", group=group,
                                                 nbytes=sum(n for _, _, n in items)))
+                continue
+            if plan.zero == 3:  # planlab/plan/zero.py
+                units = units_of(items, group, graph, stage, precision.grad_bytes)
+                numel, freed = shard_fully(entries[dev], units, graph=graph, precision=precision,
+                                           emit=functools.partial(emit, dev), update_block=w_block,
+                                           sizes=buf_bytes[dev])
+                together[dev] += freed
+                for k, b in enumerate((precision.grad_bytes, precision.optimizer_bytes, precision.param_bytes)):
+                    zero_saved[dev][k] += numel * b
+                sharded.update(b[3:] for _, b, _ in items)
                 continue
             bufs = tuple(b for _, b, _ in items)
             grad_bytes = sum(n for _, _, n in items)
@@ -455,6 +477,18 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                                             bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
                                                                    + 2 * precision.optimizer_bytes)))
 
+    # -- pass 4b: co-located pieces run one after another (coshard) ---------------
+    if L.chunks:
+        from planlab.plan.coshard import run_in_chunks
+
+        run_in_chunks(entries, graph, L, plan, buf_bytes)
+
+    # -- pass 4c: zero-bubble's split backward, where the schedule has I and W actions --------
+    for dev in devices:
+        given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) else ()
+        if any(a.phase in ("I", "W") for a in given):  # planlab/plan/backward_split.py
+            split_backward(entries[dev], split_stages(given), graph)
+
     # -- pass 5: order, schedule, memory ----------------------------------------
     programs = []
     groups: set[tuple[int, ...]] = set()
@@ -465,11 +499,11 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             blocks[key] = Block(key[0], key[1], tuple(t for _, t in items))
             groups.update(tuple(sorted(t.group)) for t in blocks[key].tasks if t.kind is TaskKind.COLLECTIVE)
         schedule = _schedule(plan, dev, blocks)
-        blocks = _liveness(blocks, buf_bytes[dev])
+        blocks = _liveness(blocks, buf_bytes[dev], together.get(dev, ()))
         nparams = sum(box_numel(b) for _, b in params_on.get(dev, []))
         programs.append(DeviceProgram(
             device=dev, blocks=blocks, schedule=schedule, params=tuple(params_on.get(dev, [])),
-            param_bytes=nparams * precision.param_bytes,
+            param_bytes=nparams * precision.param_bytes - zero_saved[dev][2],
             grad_bytes=nparams * precision.grad_bytes - zero_saved[dev][0],
             optimizer_bytes=nparams * precision.optimizer_bytes - zero_saved[dev][1]))
     loss_op = graph.producer[graph.loss]
@@ -558,15 +592,16 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
     if given is None:
         return tuple([Action(s, "F", k) for k in range(m) for s in fs] +
                      [Action(s, "B", k) for k in range(m) for s in bs] + [Action(s, "U", 0) for s in ws])
+    split = tuple(sorted(s for s, ph in blocks if ph == "I"))
     _check_schedule(dev, tuple((a.stage, a.phase, a.microbatch) for a in given), tuple(fs), tuple(bs),
-                    tuple(ws), m)
+                    tuple(ws), m, split)
     return tuple(given)
 
 
 @functools.lru_cache(maxsize=256)
-def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: int) -> None:
+def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: int, split: tuple = ()) -> None:
     need = {(s, "F", k) for s in fs for k in range(m)} | {(s, "B", k) for s in bs for k in range(m)} | \
-        {(s, "U", 0) for s in ws}
+        {(s, ph, k) for s in split for ph in "IW" for k in range(m)} | {(s, "U", 0) for s in ws}
     seen = set()
     for a in given:
         if a not in need:
@@ -574,17 +609,22 @@ def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: 
                                  f"device; expected actions like {', '.join(str(Action(*x)) for x in sorted(need)[:6])}")
         if a in seen:
             raise InfeasiblePlan(f"device {dev}'s schedule runs action {Action(*a)} twice")
+        if a[1] == "W" and (a[0], "I", a[2]) not in seen:  # W uses the graph its I kept
+            raise InfeasiblePlan(f"device {dev}'s schedule runs {Action(*a)} before {Action(a[0], 'I', a[2])}")
         seen.add(a)
     if len(seen) != len(need):
         miss = sorted(need - seen)
         raise InfeasiblePlan(f"device {dev}'s schedule misses actions {', '.join(str(Action(*x)) for x in miss[:6])}")
 
 
-def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
+def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) -> dict:
     """Fill ``alloc``/``free``: a buffer is allocated by its first writer and freed
     after its last reader, in the canonical block order (forward stages ascending,
-    backward stages descending), which every valid schedule preserves per micro-batch."""
-    order = sorted(blocks, key=lambda k: (0, k[0]) if k[1] == "F" else (1, -k[0]) if k[1] == "B" else (2, 0))
+    backward stages descending, a stage's ``I`` before its ``W``), which every valid schedule
+    preserves per micro-batch. Each group of buffers in ``together`` is freed at once, after
+    the last reader of any of them (ZeRO-3 frees a layer's gathered weights together)."""
+    order = sorted(blocks, key=lambda k: (0, k[0], 0) if k[1] == "F" else (1, -k[0], k[1] == "W")
+                   if k[1] in "BIW" else (2, 0, 0))
     first: dict[str, tuple] = {}
     last: dict[str, tuple] = {}
     for bk in order:
@@ -596,6 +636,13 @@ def _liveness(blocks: dict, sizes: dict[str, int]) -> dict:
             for b in t.reads + t.saved:
                 if b and not is_static(b):
                     last[b] = (bk, ti)
+    if together:
+        rank = {bk: i for i, bk in enumerate(order)}
+        for bufs in together:
+            at = max((last[b] for b in bufs if b in last), key=lambda p: (rank[p[0]], p[1]), default=None)
+            for b in bufs:
+                if b in last:
+                    last[b] = at
     allocs: dict[tuple, list] = defaultdict(list)
     frees: dict[tuple, list] = defaultdict(list)
     for b, pos in first.items():

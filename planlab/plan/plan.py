@@ -15,6 +15,7 @@ from typing import Any
 from planlab.errors import InfeasiblePlan, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
+from planlab.plan.colocation import colocation
 
 PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
 READ_VERSIONS = (1, 2)
@@ -43,6 +44,7 @@ class OpPlan:
         return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
 
 
+ZERO_STAGES = (0, 1, 2, 3)
 _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
 PHASES = ("F", "B", "I", "W", "U")
 
@@ -88,7 +90,7 @@ class Plan:
     space: str = ""
     knobs: tuple[tuple[str, Any], ...] = ()
     version: int = PLAN_VERSION
-    zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients
+    zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
 
     def op_plan(self, name: str) -> OpPlan:
         for p in self.ops:
@@ -153,7 +155,10 @@ class PlanBuilder:
         self._sizes[op].append(n)
 
     def op_assign(self, op: str, devices: list[int] | tuple[int, ...], *, stage: int = 0) -> None:
-        """Place the pieces of ``op`` (row-major over its splits) on ``devices``."""
+        """Place the pieces of ``op`` (row-major over its splits) on ``devices``. A device listed
+        ``k`` times holds ``k`` neighbouring pieces of one split, which it runs one after another
+        (nnScaler's coshard, :mod:`planlab.plan.colocation`), e.g. ``[0, 0, 1, 1]`` after
+        ``op_trans(op, dim, 4)``."""
         self.graph.op(op)
         devices = devices if type(devices) is tuple else tuple(map(int, devices))
         want = math.prod(self._sizes[op])
@@ -163,10 +168,10 @@ class PlanBuilder:
             if min(devices) < 0 or max(devices) >= self.num_devices:
                 bad = next(d for d in devices if not 0 <= d < self.num_devices)
                 raise InfeasiblePlan(f"operator {op!r} assigned to device {bad}; devices are 0..{self.num_devices - 1}")
-            if len(set(devices)) != len(devices):
-                raise InfeasiblePlan(f"operator {op!r}: two pieces on one device {list(devices)} "
-                                     "(co-located pieces are not supported yet)")
-            self._checked.add(devices)
+            if len(set(devices)) == len(devices):
+                self._checked.add(devices)
+            else:  # co-located pieces (coshard): k neighbours of one split per device, checked per operator
+                colocation(op, tuple(self._dims[op]), tuple(self._sizes[op]), devices)
         self._devices[op] = devices
         self._stage[op] = int(stage)
 
@@ -194,9 +199,11 @@ class PlanBuilder:
     def zero(self, stage: int) -> None:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
-        shard, all-gather the weights); stage 2 also keeps only a shard of the gradients."""
-        if stage not in (0, 1, 2):
-            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1 or 2 (stage 3 is not supported yet)")
+        shard, all-gather the weights); stage 2 also keeps only a shard of the gradients; stage 3
+        (FSDP's full sharding) also of the weights, all-gathered per layer before its forward and
+        again before its backward, and freed after each (:mod:`planlab.plan.zero`)."""
+        if stage not in ZERO_STAGES or isinstance(stage, bool):
+            raise InfeasiblePlan(f"zero stage {stage!r}: choose 0, 1, 2 or 3")
         self._zero = stage
 
     def microbatch(self, m: int) -> None:

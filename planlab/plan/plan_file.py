@@ -8,7 +8,7 @@ from pathlib import Path
 
 from planlab.errors import PlanFileError
 from planlab.models.registry import ModelSpec
-from planlab.plan.plan import PLAN_VERSION, READ_VERSIONS, Action, OpPlan, Plan
+from planlab.plan.plan import PLAN_VERSION, READ_VERSIONS, ZERO_STAGES, Action, OpPlan, Plan
 
 FORMAT = "planlab-plan"
 
@@ -128,6 +128,6 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 def _zero(d: dict, where: str) -> int:
     z = d.get("zero", 0)
-    if z not in (0, 1, 2) or isinstance(z, bool):
-        raise PlanFileError(f"{where}: field 'zero' must be 0, 1 or 2, got {z!r}")
+    if z not in ZERO_STAGES or isinstance(z, bool):
+        raise PlanFileError(f"{where}: field 'zero' must be 0, 1, 2 or 3, got {z!r}")
     return z

@@ -64,8 +64,11 @@ class Task:
     and ``"redo"`` on its second run in the backward block. ``region`` is the slice of the
     written buffer (receive, local copy) or of the read buffer (send) moved;
     ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
-    the memory effects, filled in by liveness analysis. ``op_kind`` (the operator's kind, as
-    ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
+    the memory effects, filled in by liveness analysis. A piece of a device's co-located pieces
+    (:mod:`planlab.plan.coshard`) has its ``chunk`` index; ``slices`` gives, per read, the region
+    of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
+    where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
+    as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
     micro-batch) let the cost model price a compute task kernel by kernel.
     """
 
@@ -93,6 +96,9 @@ class Task:
     final: bool = False
     overlap: bool = False
     saved: tuple[str, ...] = ()
+    chunk: int = -1
+    slices: tuple[Box | None, ...] = ()
+    places: tuple[tuple[Box, tuple[int, ...]] | None, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
     op_kind: str = ""

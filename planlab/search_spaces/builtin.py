@@ -48,15 +48,15 @@ ALL_DEVICES = Constraint(_uses_all, lambda a, c: "the degrees " + " x ".join(
 class DataParallel(Space):
     """Every operator split along the batch over ``dp`` devices; ``microbatch`` samples per
     device per micro-batch (gradient accumulation over the rest); ``zero`` shards optimizer
-    states (1) and gradients (2) over the replicas (explored at 0 unless set)."""
+    states (1), gradients (2) and weights (3, FSDP) over the replicas (explored at 0 unless set)."""
 
     name = "dp"
     order = 1
     knobs = (
         Knob("dp", lambda c: _divisors(c.num_devices), "data-parallel degree"),
         Knob("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica"),
-        Knob("zero", lambda c: (0, 1, 2), "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients",
-             default=0),
+        Knob("zero", lambda c: (0, 1, 2, 3),
+             "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)", default=0),
     )
     constraints = (
         Constraint(lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
@@ -231,15 +231,16 @@ def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
 
 
 class PipelineParallel(Space):
-    """Layers in ``pp`` stages, run with 1F1B, GPipe, or interleaved 1F1B over ``virtual_stages``
-    model chunks per device (explored at 1F1B unless ``--set`` picks another schedule)."""
+    """Layers in ``pp`` stages, run with 1F1B, GPipe, interleaved 1F1B over ``virtual_stages``
+    model chunks per device, or zero-bubble ZB-H1 (backward split into input and weight
+    gradients; explored at 1F1B unless ``--set`` picks another schedule)."""
 
     name = "pp"
     order = 0
     knobs = (
         Knob("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
              "pipeline-parallel degree (device groups)"),
-        Knob("schedule", lambda c: ("1f1b", "gpipe", "interleaved"), "pipeline schedule", default="1f1b"),
+        Knob("schedule", lambda c: ("1f1b", "gpipe", "interleaved", "zb-h1"), "pipeline schedule", default="1f1b"),
         Knob("virtual_stages", lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
              "model chunks per device (interleaved schedule)", default=1),
     )
@@ -308,6 +309,7 @@ class Megatron(Product):
 
 BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
                                    "recompute": Recompute, "megatron": Megatron}
+BUILTIN["coshard"] = importlib.import_module("planlab.search_spaces.coshard").Coshard  # nnScaler's coshard
 
 
 def get_space(spec: str) -> Space:

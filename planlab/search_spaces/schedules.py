@@ -46,7 +46,34 @@ def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int) -> l
     return out
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def zb_h1(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Figure 3):
+    the backward is split into ``I`` (input gradients, on the critical path) and ``W`` (weight
+    gradients, deferrable). 1F1B's order with 1F1B's memory: ``stages - stage - 1`` warm-up
+    forwards, then ``stage`` rounds of a forward and an ``I`` without ``W`` (stage ``s`` starts its
+    ``W`` passes ``s`` micro-batches late), then ``F I W`` in turn, then ``I W``; the ``W`` passes
+    still owed fill the cool-down bubble. Every stage holds at most ``stages`` micro-batches whose
+    ``W`` has not run; with equal F, I and W times the bubble is a third of 1F1B's."""
+    m = microbatches
+    warmup = min(stages - stage - 1, m)
+    out = [Action(stage, "F", k) for k in range(warmup)]
+    f, i, w = warmup, 0, 0
+    for _ in range(stage):  # W starts late on later stages
+        if f == m:
+            break
+        out += [Action(stage, "F", f), Action(stage, "I", i)]
+        f, i = f + 1, i + 1
+    while f < m:
+        out += [Action(stage, "F", f), Action(stage, "I", i), Action(stage, "W", w)]
+        f, i, w = f + 1, i + 1, w + 1
+    while i < m:
+        out += [Action(stage, "I", i), Action(stage, "W", w)]
+        i, w = i + 1, w + 1
+    out += [Action(stage, "W", k) for k in range(w, m)]
+    return out
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1}
 
 
 def format_schedule(actions: list[Action]) -> str:

@@ -80,6 +80,7 @@ class Draft:
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
     zero: int = 0
+    colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` names the dimension each
@@ -106,7 +107,12 @@ class Draft:
             for dim, (_, size) in zip(dims, self.axes):
                 b.op_trans(op.name, dim, size)
             s = self.stages.get(op.name, 0)
-            b.op_assign(op.name, group_devices[s % groups], stage=s)
+            devices = group_devices[s % groups]
+            if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
+                dim, k = self.colocate[op.name]
+                b.op_trans(op.name, dim, k)
+                devices = tuple(d for d in devices for _ in range(k))
+            b.op_assign(op.name, devices, stage=s)
             if self.recompute.get(op.name):
                 b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1:

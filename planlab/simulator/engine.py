@@ -3,8 +3,9 @@
 Segments occupy the device; sends are flows on the network (links shared fairly
 between concurrent transfers) while the device goes on; receives wait for the
 matching message; collectives that span classes start when every class has
-reached them; overlapped collectives (gradient buckets) run on the device's
-communication stream, and the optimizer waits for them.
+reached them; overlapped collectives (gradient buckets, ZeRO-3's gathers and reduce-scatters)
+run on the device's communication stream; a task that reads their output waits for them (an
+:class:`~planlab.simulator.units.Await`), and so does the optimizer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.network import Network
 from planlab.simulator.result import DeviceStats, Event, SimResult
-from planlab.simulator.units import AsyncCollective, Collective, Recv, Segment, Send, lower_block
+from planlab.simulator.units import (AsyncCollective, Await, Collective, Recv, Segment, Send, lower_block,
+                                     overlap_writers)
 
 
 def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False,
@@ -105,7 +107,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             bar[1].succeed()
         return bar[1]
 
-    def overlapped(rep: int, unit: AsyncCollective, ready: simpy.Event, action: str, seq: int):
+    def overlapped(rep: int, unit: AsyncCollective, ready: simpy.Event, action: str, seq: int, done):
         issued_at = env.now
         yield ready
         start = max(env.now, coll_free[rep])
@@ -114,6 +116,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
         stats[rep]["comm_s"] += unit.duration_s
         if timeline:
             events.append((seq, Event(rep, "comm", action, unit.task, issued_at, env.now)))  # in flight
+        done(unit.free_bytes)
 
     def device(rep: int):
         dp = program.device(rep)
@@ -121,6 +124,7 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
         for b in dp.blocks.values():
             for t in b.tasks:
                 sizes.update(t.alloc)
+        writers = overlap_writers(dp.blocks.values())
         units: dict[tuple, tuple] = {}
         st = stats[rep] = dict(compute_s=0.0, comm_s=0.0, wait_s=0.0, exposed_s=0.0, bubble_s=0.0,
                                peak=dp.static_bytes, peak_at=0.0, peak_task="(weights)")
@@ -128,12 +132,21 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
         mem = dp.static_bytes
         seen_coll: dict[tuple, int] = defaultdict(int)
         in_flight: list[simpy.Process] = []
+        by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
         if timeline:
             memory.append((rep, 0.0, mem))
 
         def bump(extra: int, name: str) -> None:
             if mem + extra > st["peak"]:
                 st["peak"], st["peak_at"], st["peak_task"] = mem + extra, env.now, name
+
+        def release(nbytes: int) -> None:
+            """An overlapped collective completed: its input is freed."""
+            nonlocal mem
+            if nbytes:
+                mem -= nbytes
+                if timeline:
+                    memory.append((rep, env.now, mem))
 
         def drain():
             """Wait for the overlapped collectives still running."""
@@ -148,7 +161,8 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             block_units = units.get(key)
             if block_units is None:
                 block_units = units[key] = lower_block(dp.blocks[key[:2]], device=rep, cls=cls, cost=cost,
-                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices)
+                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices,
+                                                       writers=writers)
             if action.phase == "U" and in_flight:
                 yield from drain()
             for u in block_units:
@@ -193,9 +207,20 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
                     key_cls = tuple(sorted({cls[d] for d in u.group}))
                     n = seen_coll[key_cls]
                     seen_coll[key_cls] += 1
-                    in_flight.append(env.process(overlapped(rep, u, barrier(key_cls, n), a, next(issued))))
+                    if u.alloc_bytes:
+                        bump(u.alloc_bytes, u.task)
+                        mem += u.alloc_bytes
+                        if timeline:
+                            memory.append((rep, env.now, mem))
+                    proc = env.process(overlapped(rep, u, barrier(key_cls, n), a, next(issued), release))
+                    in_flight.append(proc)
+                    by_name[u.task] = proc
                     if overlap_slowdown != 1.0:
                         yield env.timeout(0)  # let it claim the stream, so what follows knows it is shared
+                elif isinstance(u, Await):  # no event: the collectives' own events show the wait
+                    start = env.now
+                    yield env.all_of([by_name[name] for name in u.tasks if name in by_name])
+                    st["exposed_s"] += env.now - start
                 elif isinstance(u, Collective):
                     key_cls = tuple(sorted({cls[d] for d in u.group}))
                     n = seen_coll[key_cls]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.model import host_bound_elapsed_s
-from planlab.plan.program import Block, Task, TaskKind
+from planlab.plan.program import Block, Task, TaskKind, is_static
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,26 @@ class Collective:
 @dataclass(frozen=True)
 class AsyncCollective:
     """A collective on the communication stream while the device goes on (a bucket of weight
-    gradients reduced during the backward); the optimizer waits for it."""
+    gradients reduced during the backward, a ZeRO-3 layer's weights gathered ahead); the
+    optimizer waits for it. Its output (``alloc_bytes``) is allocated when it is issued, its
+    input (``free_bytes``) freed when it completes."""
 
     task: str
     group: tuple[int, ...]
     duration_s: float
+    alloc_bytes: int = 0
+    free_bytes: int = 0
 
 
-Unit = Segment | Send | Recv | Collective | AsyncCollective
+@dataclass(frozen=True)
+class Await:
+    """Wait for the latest run of overlapped collectives whose outputs the next task reads
+    (a ZeRO-3 layer's forward waits for its gathered weights)."""
+
+    tasks: tuple[str, ...]
+
+
+Unit = Segment | Send | Recv | Collective | AsyncCollective | Await
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
@@ -92,19 +104,30 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 _task_time_s = task_time_s
 
 
+def overlap_writers(blocks) -> dict[str, str]:
+    """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
+    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not is_static(b)}
+
+
 def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
-                sizes: dict[str, int], final: bool = True, prices: dict | None = None) -> tuple[Unit, ...]:
+                sizes: dict[str, int], final: bool = True, prices: dict | None = None,
+                writers: dict[str, str] | None = None) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
-    task times across the blocks of one simulation."""
+    task times across the blocks of one simulation. A task reading a buffer of ``writers``
+    (:func:`overlap_writers` of the device's blocks; default: this block's) waits for the
+    collective's latest run first."""
     units: list[Unit] = []
     cur: list = []  # (task, (device s, host s), is_comm)
+    writers = overlap_writers([block]) if writers is None else writers
+    awaited: set[str] = set()  # buffers already waited for in this block
     prices = prices if prices is not None else {}
     hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
 
     def times(t: Task) -> tuple[float, float]:
         key = (t.kind, t.flops, t.bytes_moved, t.collective, t.nbytes, t.group, len(t.writes),
-               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0, t.op_kind, t.shapes, t.accumulate)
+               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0, t.op_kind, t.shapes, t.accumulate,
+               tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else ())  # I/W parts
         got = prices.get(key)
         if got is None:
             got = prices[key] = cost.device_and_host_s(t, dtype) if hosted else (_task_time_s(t, cost, dtype), 0.0)
@@ -134,9 +157,17 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     for t in block.tasks:
         if t.final and not final:
             continue
+        if writers:
+            waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
+            if waits:
+                flush()
+                units.append(Await(tuple(sorted({writers[b] for b in waits}))))
+                awaited.update(waits)
         if t.overlap:
             flush()
-            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype)))
+            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
+                                         sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
+            awaited.difference_update(t.writes)
         elif t.kind is TaskKind.SEND:
             flush()
             units.append(Send(t.name, t.peer, _tag(t), cost.p2p_time_s(t.nbytes, device, t.peer),

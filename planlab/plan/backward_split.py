@@ -1,0 +1,78 @@
+"""Zero-bubble's split backward (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
+stage's backward block becomes an input-gradient block ``I`` and a weight-gradient block ``W``,
+the phases of torch.distributed.pipelining's ``_ComputationType``.
+
+``I`` holds everything the backward does for the inputs' gradients: the receives of the output
+gradients, each operator's backward for its inputs, the sums and the sends upstream, and the
+recomputation of recomputed layers. ``W`` holds each operator's backward for its weights and
+the reductions of the weight gradients (gradient buckets, ZeRO-3's reduce-scatters), which so
+fire after the last micro-batch's ``W`` that completes them. An operator with both kinds of
+gradient has a task in each: the executor's ``I`` task keeps the piece's autograd graph, which
+its ``W`` task uses and frees, so the forward's saved activations and the output gradients
+live until ``W``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from planlab.graph.ir import Graph
+from planlab.plan.plan import Action
+from planlab.plan.program import Task, TaskKind
+
+WEIGHT_GRADIENTS = ("wg:", "zd:")  # buffers of weights' gradients (zd: ZeRO-3's full gradients)
+# operators whose weight gradient is one product as large as the forward (dW = dY^T X)
+PRODUCT_KINDS = ("linear", "matmul", "einsum", "conv")
+
+
+def split_stages(schedule: Iterable[Action]) -> set[int]:
+    """The stages whose backward ``schedule`` runs as ``I`` and ``W`` actions."""
+    return {a.stage for a in schedule if a.phase in ("I", "W")}
+
+
+def weight_share(kind: str, weights: int, inputs: int) -> float:
+    """The part of a backward's work that computes weight gradients: one half for products
+    (the input gradient is a product of the same size), else the weights' share of the gradients made."""
+    if not weights:
+        return 0.0
+    if not inputs:
+        return 1.0
+    return 0.5 if kind in PRODUCT_KINDS else weights / (weights + inputs)
+
+
+def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
+    """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute)."""
+    is_w = [bool(w) and w.startswith(WEIGHT_GRADIENTS) for w in task.writes]
+    is_i = [bool(w) and not x for w, x in zip(task.writes, is_w)]
+    share = weight_share(kind, sum(is_w), sum(is_i))
+    if share == 0.0:
+        return task, None
+    if share == 1.0:
+        return None, task
+    inp = dataclasses.replace(task, writes=tuple(w if i else "" for w, i in zip(task.writes, is_i)),
+                              flops=task.flops * (1 - share), bytes_moved=task.bytes_moved * (1 - share))
+    wgt = dataclasses.replace(task, writes=tuple(w if x else "" for w, x in zip(task.writes, is_w)),
+                              flops=task.flops * share, bytes_moved=task.bytes_moved * share)
+    return inp, wgt
+
+
+def split_backward(blocks: dict[tuple[int, str], list], stages: set[int], graph: Graph) -> None:
+    """Replace the ``(stage, "B")`` block entries ``[(key, task)]`` of ``stages`` by ``I`` and ``W``
+    blocks (in place); keys are kept, so each part keeps its place in the backward order."""
+    for st in sorted(stages):
+        items = blocks.pop((st, "B"), None)
+        if items is None:
+            continue
+        inp, wgt = blocks[(st, "I")], blocks[(st, "W")]
+        for key, t in items:
+            if t.kind is TaskKind.BACKWARD:
+                i, w = split_task(t, graph.op(t.op).kind)
+                if i is not None:
+                    inp.append((key, i))
+                if w is not None:
+                    wgt.append((key, w))
+            elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.startswith(WEIGHT_GRADIENTS) for r in t.reads):
+                wgt.append((key, t))
+            else:
+                inp.append((key, t))

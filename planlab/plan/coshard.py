@@ -1,0 +1,413 @@
+"""Coshard: a device's co-located pieces of an operator run one after another, each recomputed.
+
+Pass 4b of ``materialize``. An operator whose plan puts ``k`` neighbouring pieces on each device
+(:mod:`planlab.plan.colocation`) is first built like the ``n``-way split its shares make: one
+forward and one backward task per device, the same layouts and collectives. This pass then runs
+each device's share as ``k`` chunks, in this order:
+
+1. groups: co-located operators that hand a tensor to one another in the same layout, split
+   along the same axis, run their chunks together (chunk 0 of every member, then chunk 1, ...),
+   so the tensors between them exist one chunk at a time (buffers ``name@c``);
+2. forward: a group's forward tasks become ``k`` rounds of chunk tasks; a chunk reads its slice
+   of the tensors that come from outside the group (``Task.slices``) and adds its slice (or, when
+   the chunks split a reduction, its partial sum) into the tensors that leave it (``Task.places``);
+3. backward: per chunk, the forward of its recomputed members runs again (``re:`` tasks writing
+   ``r:name@c``) right before the chunk's backward tasks, whose gradient contributions add into
+   slices of the gradients outside the group and of the weight gradients; local sums of
+   gradients passed between members run per chunk too;
+4. order: the tasks between a group's first and last member that need its results move after
+   it, the others before it; a task the group both feeds and needs is refused (InfeasiblePlan).
+
+A co-located operator in a recompute group is recomputed piece by piece here (and left out of
+the layer's recomputation); one without keeps every chunk's activations for its backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from planlab.errors import InfeasiblePlan
+from planlab.graph.ir import Graph, Operator
+from planlab.plan.colocation import CoLocation
+from planlab.plan.layout import Box, Layout, Partial, Replicate, box_shape
+from planlab.plan.plan import Plan
+from planlab.plan.program import Task, TaskKind, is_static
+from planlab.plan.redistribute import same_layout
+
+
+def _axis(axes, dim: str) -> int | None:
+    """The tensor axis whose (outer) dimension is ``dim``, or None."""
+    return next((a for a, ax in enumerate(axes) if ax and ax[0] == dim), None)
+
+
+def _chunk(shape: tuple[int, ...], axis: int | None, c: int, k: int) -> Box:
+    """Chunk ``c`` of ``k`` along ``axis`` of a local buffer (all of it when ``axis`` is None)."""
+    box = [(0, s) for s in shape]
+    if axis is not None:
+        step = shape[axis] // k
+        box[axis] = (c * step, (c + 1) * step)
+    return tuple(box)
+
+
+def _all_reduced(contrib: Layout, need: Layout) -> bool:
+    """True when gradient contributions in ``contrib`` become ``need`` as they are or by all-reduces."""
+    if contrib.mesh != need.mesh:
+        return False
+    return all(c == n or isinstance(c, Partial) and isinstance(n, Replicate) or size == 1
+               for c, n, size in zip(contrib.placements, need.placements, need.mesh.shape))
+
+
+def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
+    """Co-located operators whose chunks run together, each group in topological order: those
+    joined by tensors that pass, to co-located readers only, in one layout chunked along the
+    same axis, and whose gradients pass back in that layout too or as partial sums that one
+    all-reduce completes (a tensor without the batch axis read by data-parallel pieces: that
+    all-reduce then runs per chunk)."""
+    chunks: dict[str, CoLocation] = L.chunks
+    parent = {name: name for name in chunks}
+
+    def root(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    def hands_on(prod: Operator, j: int, op: Operator, i: int) -> bool:
+        cp, co = chunks[prod.name], chunks.get(op.name)
+        if co is None or cp.k != co.k or stage[prod.name] != stage[op.name]:
+            return False
+        a = _axis(prod.signature.outputs[j], cp.dim)
+        return a is not None and a == _axis(op.signature.inputs[i], co.dim) and \
+            same_layout(L.has(prod, j), L.needs(op, i)) and _all_reduced(L.contributes(op, i), L.needs(op, i))
+
+    for prod in graph.operators:
+        if prod.name not in chunks:
+            continue
+        for j, t in enumerate(prod.outputs):
+            uses = [(c, i) for c in dict.fromkeys(graph.consumers.get(t, [])) for i, x in enumerate(c.inputs) if x == t]
+            # a tensor some other operator also reads is made whole first: its producer's chunks run apart
+            if uses and all(hands_on(prod, j, c, i) for c, i in uses):
+                for c, _ in uses:
+                    parent[root(c.name)] = root(prod.name)
+    out: dict[str, list[str]] = defaultdict(list)
+    for op in graph.operators:
+        if op.name in chunks:
+            out[root(op.name)].append(op.name)
+    return list(out.values())
+
+
+def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dict[str, int]]) -> None:
+    """Rewrite every device's blocks (``entries[device][(stage, phase)]``: ``(key, task)`` lists)
+    so that co-located operators run as chunks; register the new buffers' sizes."""
+    stage = {p.op: p.stage for p in plan.ops}
+    recomputed = frozenset(p.op for p in plan.ops if p.recompute and p.op in L.chunks)
+    by_stage: dict[int, list[list[str]]] = defaultdict(list)
+    for members in groups(graph, L, stage):
+        by_stage[stage[members[0]]].append(members)
+    shapes: dict[tuple[str, int], tuple] = {}
+    for dev, blocks in entries.items():
+        for st, found in by_stage.items():
+            fkey, bkey = (st, "F"), (st, "B")
+            if fkey not in blocks:
+                continue
+            fw = [t for _, t in sorted(blocks[fkey], key=lambda x: x[0])]
+            bw = [t for _, t in sorted(blocks[bkey], key=lambda x: x[0])] if bkey in blocks else []
+            run = _Stage(graph, L, recomputed, buf_bytes[dev], shapes)
+            fw, bw = run.rewrite(fw, bw, found)
+            blocks[fkey] = [((j,), t) for j, t in enumerate(fw)]
+            if bkey in blocks:
+                blocks[bkey] = [((j,), t) for j, t in enumerate(bw)]
+
+
+class _Stage:
+    """The forward and backward block of one stage on one device, rewritten group by group."""
+
+    def __init__(self, graph: Graph, L, recomputed: frozenset[str], sizes: dict[str, int],
+                 shapes: dict[tuple[str, int], tuple]) -> None:
+        self.graph, self.L, self.recomputed, self.sizes, self.shapes = graph, L, recomputed, sizes, shapes
+
+    def rewrite(self, fw: list[Task], bw: list[Task], found: list[list[str]]) -> tuple[list[Task], list[Task]]:
+        writers: dict[str, set] = defaultdict(set)
+        readers: dict[str, set] = defaultdict(set)
+        for phase, tasks in (("F", fw), ("B", bw)):
+            for i, t in enumerate(tasks):
+                for b in t.writes:
+                    if b:
+                        writers[b].add((phase, i))
+                for b in t.reads + t.saved:
+                    if b:
+                        readers[b].add((phase, i))
+        fpos: dict[str, list[int]] = defaultdict(list)
+        bpos: dict[str, list[int]] = defaultdict(list)
+        for pos, kind, tasks in ((fpos, TaskKind.FORWARD, fw), (bpos, TaskKind.BACKWARD, bw)):
+            for i, t in enumerate(tasks):
+                if t.kind is kind and t.op in self.L.chunks:
+                    pos[t.op].append(i)
+        # what the layer's recomputation (planlab.plan.materialize._recompute) makes again: a
+        # recomputed chunk reads that instead of keeping the forward's buffer until the backward
+        relay = {f"a:{w[2:]}": w for t in bw if t.name.startswith("re:") for w in t.writes if w.startswith("r:")}
+        fjobs, bjobs = [], []
+        for members in found:
+            fi = sorted(i for m in members for i in fpos.get(m, ()))
+            if not fi:
+                continue  # the group is not on this device
+            bi = sorted(i for m in members for i in bpos.get(m, ()))
+            group = {("F", i) for i in fi} | {("B", i) for i in bi}
+            internal = self._internal(fw, bw, group, bi, writers, readers)
+            bi = sorted(i for p, i in group if p == "B")
+            k = self.L.chunks[members[0]].k
+            # inputs the group alone loads are loaded again for its recomputation, not kept
+            reload = [fw[i] for i in range(fi[0], fi[-1]) if fw[i].kind is TaskKind.LOCAL and
+                      fw[i].name.startswith("load:") and all(readers[w] <= group for w in fw[i].writes)]
+            again = {w: f"r:{w[2:]}" for t in reload for w in t.writes}
+            made = _Chunks(self, k, internal, [fw[i] for i in fi], {**relay, **again})
+            fjobs.append((fi, [made.forward(fw[i], c) for c in range(k) for i in fi], members))
+            if bi:
+                seq = []
+                if any(fw[i].op in self.recomputed for i in fi):
+                    for t in reload:
+                        self.sizes.update({again[w]: self.sizes[w] for w in t.writes if w in self.sizes})
+                        seq.append(_replace(t, name=f"re:{t.name}", writes=tuple(again[w] for w in t.writes)))
+                for c in range(k):
+                    seq += [made.redo(fw[i], c) for i in fi if fw[i].op in self.recomputed]
+                    seq += [made.backward(bw[i], c) for i in bi]
+                bjobs.append((bi, seq, members))
+        return _splice_all(fw, fjobs), _splice_all(bw, bjobs)
+
+    def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[str]:
+        """Buffers only the group writes and reads; the group grows by the local sums, copies and
+        all-reduces of gradients that pass between its members in the backward (a greatest
+        fixpoint): they run per chunk too."""
+        lo, hi = (min(bi), max(bi)) if bi else (0, -1)
+        cand = {("B", i) for i in range(lo, hi + 1) if _per_chunk(bw[i])}
+
+        def inside(b: str, g: set) -> bool:
+            return bool(b) and not is_static(b) and writers[b] <= g and readers[b] <= g
+
+        while True:
+            g = group | cand
+            drop = {p for p in cand if not all(inside(b, g) for b in bw[p[1]].reads + bw[p[1]].writes if b)}
+            if not drop:
+                break
+            cand -= drop
+        group |= cand
+        tasks = {"F": fw, "B": bw}
+        written = {b for p, i in group for b in tasks[p][i].writes if b}
+        return frozenset(b for b in written if inside(b, group))
+
+    def _local(self, op: Operator, flat: int, phase: str, dim: str) -> tuple:
+        """``(local shape, axis of dim)`` per read and write of ``op``'s piece at ``flat`` in
+        ``phase``, and their total size."""
+        key = (op.name, flat, phase)
+        got = self.shapes.get(key)
+        if got is None:
+            L = self.L
+            ins = [(box_shape(L.needs(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
+                   for i, t in enumerate(op.inputs)]
+            outs = [(box_shape(L.has(op, j).box(flat, L.shapes[t])), _axis(op.signature.outputs[j], dim))
+                    for j, t in enumerate(op.outputs)]
+            if phase == "B":
+                ins, outs = outs, [(box_shape(L.contributes(op, i).box(flat, L.shapes[t])),
+                                    _axis(op.signature.inputs[i], dim)) for i, t in enumerate(op.inputs)]
+            got = self.shapes[key] = (ins, outs, sum(math.prod(s) for s, _ in ins + outs))
+        return got
+
+    def geometry(self, op: Operator, flat: int, phase: str, c: int) -> tuple:
+        """Chunk ``c`` of ``op``'s piece at ``flat``, for its forward (``phase`` F: reads are the inputs,
+        writes the outputs) or backward (B: reads are the outputs' gradients, writes the inputs'):
+        per read and write ``(slice or None, chunk box, local shape, chunk shape)``, the share of the
+        piece's memory traffic the chunk moves (a tensor without the split dimension is read whole
+        by every chunk), the chunk's first output shape, and whether it may add terms added once."""
+        key = (op.name, flat, phase, c)
+        got = self.shapes.get(key)
+        if got is None:
+            co = self.L.chunks[op.name]
+            reads, writes, total = self._local(op, flat, phase, co.dim)
+
+            def parts(pairs) -> tuple:
+                out = []
+                for shape, axis in pairs:
+                    box = _chunk(shape, axis, c, co.k)
+                    out.append((box if axis is not None else None, box, shape, box_shape(box)))
+                return tuple(out)
+
+            rgeo, wgeo = parts(reads), parts(writes)
+            moved = sum(math.prod(g[3]) for g in rgeo + wgeo)
+            first = (wgeo if phase == "F" else rgeo)[0][3]
+            got = self.shapes[key] = (rgeo, wgeo, moved / max(1, total), first,
+                                      c == 0 or co.dim not in op.signature.reduce)
+        return got
+
+
+def _per_chunk(t: Task) -> bool:
+    """A task that may run chunk by chunk on chunks of its buffers: an elementwise local sum or
+    copy, or an all-reduce issued in the backward's order (not a bucket of weight gradients)."""
+    if t.kind is TaskKind.LOCAL:
+        return t.region is None and t.src_region is None and not t.name.startswith("load:")
+    return t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce" and not t.final and not t.overlap
+
+
+def _r(b: str, c: int) -> str:
+    """The recomputed chunk ``c`` of buffer ``b``."""
+    return f"r:{b.split(':', 1)[1]}@{c}"
+
+
+class _Chunks:
+    """Builds the chunk tasks of one group on one device."""
+
+    def __init__(self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task],
+                 relay: dict[str, str]) -> None:
+        self.s, self.k, self.internal, self.relay = stage, k, internal, relay
+        self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
+        self.chunk_shape: dict[str, tuple[int, ...]] = {}
+
+    def _name(self, b: str, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
+        """``b@c``, with its size registered."""
+        new = f"{b}@{c}"
+        sizes = self.s.sizes
+        if new not in sizes and b in sizes:
+            sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
+        self.chunk_shape[new] = chunk
+        return new
+
+    def _fields(self, t: Task, c: int, op: Operator, phase: str, reads, writes, rd, wr) -> dict:
+        """Reads, writes, slices and places of chunk ``c`` of ``t`` (``phase`` F: of a forward task,
+        B: of a backward task): ``rd``/``wr`` map a buffer to its chunk's own buffer, or to None when
+        the chunk uses its slice of the whole buffer."""
+        rgeo, wgeo, frac, _, lead = self.s.geometry(op, t.coord, phase, c)
+        out_r, slices, out_w, places = [], [], [], []
+        for b, (sl, _, full, chunk) in zip(reads, rgeo):
+            new = rd(b, c, full, chunk) if b else ""
+            out_r.append(new or b)
+            slices.append(None if new or not b else sl)
+        for b, (_, box, full, chunk) in zip(writes, wgeo):
+            new = wr(b, c, full, chunk) if b else ""
+            out_w.append(new or b)
+            places.append(None if new or not b else (box, full))
+        fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
+        return dict(reads=tuple(out_r), writes=tuple(out_w), slices=tuple(slices), places=tuple(places),
+                    chunk=c, flops=t.flops / self.k, bytes_moved=t.bytes_moved * frac, lead=t.lead and lead,
+                    shapes=tuple(g[3] for g in fgeo[0] + fgeo[1]) if fgeo else t.shapes)
+
+    def _op(self, t: Task) -> Operator:
+        return self.s.graph.op(t.op)
+
+    def _inner(self, b, c, local, chunk):
+        return self._name(b, c, local, chunk) if b in self.internal else None
+
+    def forward(self, t: Task, c: int) -> Task:
+        """Chunk ``c`` of forward task ``t``: without the graph when its operator is recomputed."""
+        op = self._op(t)
+        f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner)
+        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        if op.name in self.s.recomputed:
+            return _replace(t, name=f"{t.name}@{c}", shape=shape, recompute="drop", saved=(), **f)
+        saved = tuple(f"{b}@{c}" if b in self.internal else b for b in t.saved)
+        return _replace(t, name=f"{t.name}@{c}", shape=shape, saved=saved, **f)
+
+    def redo(self, t: Task, c: int) -> Task:
+        """Chunk ``c`` of forward task ``t`` run again before the chunk's backward, into ``r:`` buffers."""
+        op = self._op(t)
+
+        def rd(b, c, local, chunk):
+            if b in self.remade:
+                return _r(b, c)
+            return self._inner(b, c, local, chunk)
+
+        def wr(b, c, local, chunk):
+            new = _r(b, c)
+            sizes = self.s.sizes
+            if new not in sizes and b in sizes:
+                sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
+            return new
+
+        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
+        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        return _replace(t, name=f"re:{t.name}@{c}", shape=shape, recompute="redo",
+                        saved=tuple(self._saved(b, c, True) for b in t.saved), **f)
+
+    def _saved(self, b: str, c: int, remade: bool) -> str:
+        if remade and b in self.remade:
+            return _r(b, c)
+        if b in self.internal:
+            return f"{b}@{c}"
+        return self.relay.get(b, b) if remade else b
+
+    def backward(self, t: Task, c: int) -> Task:
+        """Chunk ``c`` of a member's backward task, or of a local sum or copy between members."""
+        if t.kind is not TaskKind.BACKWARD:  # a local sum, copy or all-reduce of a gradient inside the group
+            reads = tuple(f"{b}@{c}" if b in self.internal else b for b in t.reads)
+            writes = []
+            for b in t.writes:
+                new = f"{b}@{c}"
+                if new not in self.s.sizes and b in self.s.sizes:
+                    self.s.sizes[new] = self.s.sizes[b] // self.k
+                writes.append(new)
+            shape = self.chunk_shape.get(reads[0], t.shape) if reads else t.shape
+            for w in writes:
+                self.chunk_shape[w] = shape
+            return _replace(t, name=f"{t.name}@{c}", reads=reads, writes=tuple(writes), shape=shape, chunk=c,
+                            flops=t.flops / self.k, bytes_moved=t.bytes_moved / self.k, nbytes=t.nbytes // self.k)
+        op = self._op(t)
+        f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
+        remade = op.name in self.s.recomputed
+        return _replace(t, name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
+
+
+def _replace(t: Task, **changes) -> Task:
+    """A copy of ``t`` with ``changes`` (cheaper than dataclasses.replace, which re-runs __init__)."""
+    new = object.__new__(Task)
+    new.__dict__.update(t.__dict__, **changes)
+    return new
+
+
+def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[str]]]) -> list[Task]:
+    """``tasks`` with each job's members (at positions ``idx``) replaced by its ``seq``, the last
+    job first: a splice moves nothing before its first member, so earlier jobs keep their
+    positions unless their members interleave (then they are found again by identity)."""
+    ids = [{id(tasks[i]) for i in idx} for idx, _, _ in jobs]
+    bound = len(tasks)
+    for n in sorted(range(len(jobs)), key=lambda n: -jobs[n][0][0]):
+        idx, seq, ops = jobs[n]
+        if idx[-1] >= bound:  # members inside a later job's span: find them where it put them
+            idx = [i for i in idx if i < bound]
+            want = len(ids[n]) - len(idx)
+            for i in range(bound, len(tasks)):
+                if want == 0:
+                    break
+                if id(tasks[i]) in ids[n]:
+                    idx.append(i)
+                    want -= 1
+        tasks = _splice(tasks, idx, seq, ops)
+        bound = idx[0]
+    return tasks
+
+
+def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) -> list[Task]:
+    """``tasks`` with the members at ``idx`` replaced by ``seq``, placed where the last member was:
+    the tasks between the first and last member that read what the group (or a task moved after
+    it) writes move after ``seq``, the others before it."""
+    first, last = idx[0], idx[-1]
+    inside = set(idx)
+    out = {w for i in idx for w in tasks[i].writes if w}
+    before, after = [], []
+    for i in range(first + 1, last):
+        if i in inside:
+            continue
+        t = tasks[i]
+        if any(b in out for b in t.reads + t.saved if b):
+            after.append(t)
+            out.update(w for w in t.writes if w)
+        else:
+            before.append(t)
+    made = {w: t for t in after for w in t.writes if w}
+    for i in idx:
+        need = next((b for b in tasks[i].reads if b in made), None)
+        if need is not None:
+            raise InfeasiblePlan(
+                f"co-located operators {ops[0]!r} .. {ops[-1]!r} run their chunks together, but "
+                f"{tasks[i].op or tasks[i].name!r} reads {need!r}, which task {made[need].name!r} makes from the "
+                "group's own results (a tensor passed between them in another layout); co-locate them "
+                "with the same split or not at all")
+    return tasks[:first] + before + seq + after + tasks[last + 1:]

@@ -1,0 +1,199 @@
+"""ZeRO-3 (FSDP full sharding): the collectives each layer issues, the static memory a device
+keeps, the simulator's overlap of prefetched gathers (exact times), and numerics on 2 gloo ranks."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from planlab.cli import GRAD_TOL, LOSS_TOL
+from planlab.costmodel import CostModel
+from planlab.errors import InfeasiblePlan, PlanFileError
+from planlab.executor import launch_local
+from planlab.explore import memory_lower_bound_bytes
+from planlab.plan import FP32, Block, DeviceProgram, Program, Task, TaskKind, materialize, plan_from_json, plan_to_json
+from planlab.plan.plan_file import plan_to_dict
+from planlab.plan.zero import unit_key
+from planlab.search_spaces import Context, get_space
+from planlab.simulator import find_deadlock, simulate
+
+from conftest import traced
+from test_simulator import IdealCost
+
+UNITS = ["wte", "blocks.0", "blocks.1", "ln_f", "lm_head"]  # gpt-tiny's layers, in forward order
+
+
+def _program(n, knobs, zero, model="gpt-tiny"):
+    spec, g = traced(model, 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), dict(knobs, zero=zero))
+    return plan, g, materialize(plan, g)
+
+
+@pytest.mark.parametrize("param, unit", [
+    ("blocks.3.attn.q.weight", "blocks.3"), ("wte.weight", "wte"), ("model.layers.12.mlp.up_proj.weight",
+                                                                      "model.layers.12"),
+    ("model.norm.weight", "model"), ("scale", "scale"),
+])
+def test_unit_of_a_parameter(param, unit):
+    assert unit_key(param) == unit
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_each_layer_gathers_twice_and_reduce_scatters_once_per_microbatch(micro):
+    plan, g, prog = _program(2, dict(dp=2, tp=1, pp=1, microbatch=4 // micro), 3)
+    assert prog.microbatches == micro
+    find_deadlock(prog)
+    dev = prog.devices[0]
+    count = Counter((t.collective, t.name.split("#")[1]) for _, t in dev.tasks_in_order() if "#" in t.name
+                    and t.kind is TaskKind.COLLECTIVE)
+    assert count == Counter({(c, u): n * micro for u in UNITS for c, n in (("all_gather", 2), ("reduce_scatter", 1))})
+    # the update steps each unit's shard; no weight all-gather follows it
+    update = dev.blocks[(0, "U")].tasks
+    assert [t.name.split("#")[1] for t in update if t.kind is TaskKind.OPTIMIZER and "#" in t.name] == UNITS
+    assert not any(t.kind is TaskKind.COLLECTIVE for t in update)
+    # forward prefetch: each layer's gather is issued before the previous layer's first forward task
+    fwd = list(dev.blocks[(0, "F")].tasks)
+    at = {t.name.split("#")[1]: i for i, t in enumerate(fwd) if t.name.startswith("zero3-gather-f")}
+    first = {u: min(i for i, t in enumerate(fwd) if any(r.startswith(f"zf:{u}.") for r in t.reads)) for u in UNITS}
+    assert [at[u] < first[u] for u in UNITS] == [True] * 5
+    assert [at[UNITS[k + 1]] < first[UNITS[k]] for k in range(4)] == [True] * 4
+    # reshard after forward: a layer's gathered weights are freed together, after its last forward task
+    for u in UNITS:
+        frees = [i for i, t in enumerate(fwd) if any(b.startswith(f"zf:{u}.") for b in t.free)]
+        assert frees == [max(i for i, t in enumerate(fwd) if any(r.startswith(f"zf:{u}.") for r in t.reads))]
+
+
+@pytest.mark.parametrize("n, knobs", [
+    (2, dict(dp=2, tp=1, pp=1, microbatch=2)),
+    (4, dict(dp=2, tp=2, pp=1, microbatch=2)),
+    (4, dict(dp=2, tp=1, pp=2, microbatch=1)),
+])
+def test_static_bytes_are_a_data_parallel_share(n, knobs):
+    """Weights, gradients and Adam states of each weight: a 1/k share of ZeRO-0's, where k devices
+    sum its gradient (the dp replicas; with tp, the row-parallel biases' partial sums are summed over
+    tp too). gpt-tiny's position embedding is not data-parallel (its input has no batch) and stays whole."""
+    per_param = FP32.param_bytes + FP32.grad_bytes + FP32.optimizer_bytes
+    _, _, base = _program(n, knobs, 0)
+    plan, g, z3 = _program(n, knobs, 3)
+    for b, z in zip(base.devices, z3.devices):
+        tasks = [t for blk in z.blocks.values() for t in blk.tasks]
+        share = {r[3:]: len(t.group) for t in tasks if t.collective == "reduce_scatter" for r in t.reads}
+        whole = sum(per_param * _numel(box) for p, box in z.params if p not in share)
+        assert {f"w:{p}" for p, _ in z.params if p not in share} == {r for t in tasks for r in t.reads
+                                                                     if r.startswith("w:")}
+        assert b.static_bytes == whole + sum(per_param * _numel(box) for p, box in z.params if p in share)
+        if set(share.values()) == {knobs["dp"]}:
+            assert z.static_bytes == (b.static_bytes - whole) // knobs["dp"] + whole
+        kept = whole + sum(per_param * _numel(box) / share[p] for p, box in z.params if p in share)
+        assert kept <= z.static_bytes < kept + per_param * len(UNITS) * n  # shards pad to equal length
+        assert (z.param_bytes, z.grad_bytes) == (z.optimizer_bytes // 2,) * 2
+    # the explorer's lower bound knows it, for every stage
+    for zero in range(4):
+        plan, g, prog = _program(n, knobs, zero)
+        assert memory_lower_bound_bytes(plan, g)[0] == max(d.static_bytes for d in prog.devices)
+
+
+def _numel(box):
+    out = 1
+    for lo, hi in box:
+        out *= hi - lo
+    return out
+
+
+def test_simulated_peak_holds_the_gathered_layers():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    knobs = dict(dp=2, tp=1, pp=1, microbatch=2)
+    res = {z: (simulate(_program(2, knobs, z)[2], cost), _program(2, knobs, z)[2]) for z in (2, 3)}
+    transient = {z: r.peak_mem_bytes - p.devices[0].static_bytes for z, (r, p) in res.items()}
+    gathered = sum(n for blk in res[3][1].devices[0].blocks.values() for t in blk.tasks
+                   if t.name.startswith("zero3-gather-f") for _, n in t.alloc)
+    assert transient[3] > transient[2]
+    assert transient[3] - transient[2] < gathered  # two layers at most are gathered at once, not all
+    assert res[3][0].iter_time_s > res[2][0].iter_time_s  # gathers cost more than they overlap here
+
+
+def _gather_program(prefetch: bool) -> Program:
+    """Two devices of one data-parallel group, two layers: gathers of 1 s each on the
+    communication stream, a forward of 1 s per layer, one backward of 1 s whose gradient is
+    reduce-scattered (1 s) on the side, then a 1 s optimizer step."""
+    def gather(u):
+        return Task(f"zero3-gather-f[0, 1]#{u}", TaskKind.COLLECTIVE, (f"zp:{u}",), (f"zf:{u}",),
+                    collective="all_gather", group=(0, 1), nbytes=int(1e9), overlap=True, alloc=((f"zf:{u}", 100),))
+    f0 = Task("f0", TaskKind.FORWARD, ("zf:a",), ("y",), flops=1e9, free=("zf:a",))
+    f1 = Task("f1", TaskKind.FORWARD, ("y", "zf:b"), ("z",), flops=1e9, free=("zf:b", "y", "z"))
+    fwd = (gather("a"), gather("b"), f0, f1) if prefetch else (gather("a"), f0, gather("b"), f1)
+    bwd = (Task("b0", TaskKind.BACKWARD, (), ("zd:a",), flops=1e9, alloc=(("zd:a", 50),)),
+           Task("zero3-reduce-scatter[0, 1]#a", TaskKind.COLLECTIVE, ("zd:a",), ("zg:a",), collective="reduce_scatter",
+                group=(0, 1), nbytes=int(1e9), overlap=True, accumulate=True, free=("zd:a",)))
+    upd = (Task("optimizer-shard[0, 1]#a", TaskKind.OPTIMIZER, ("zg:a",), ("zp:a",), flops=1e9),)
+    blocks = {(0, "F"): Block(0, "F", fwd), (0, "B"): Block(0, "B", bwd), (0, "U"): Block(0, "U", upd)}
+    from planlab.plan import Action
+    sched = (Action(0, "F", 0), Action(0, "B", 0), Action(0, "U", 0))
+    return Program(tuple(DeviceProgram(d, blocks, sched) for d in (0, 1)), 1, FP32)
+
+
+@pytest.mark.parametrize("prefetch, update_at, peak, log", [
+    (True, 5.0, 200, [("comm", "zero3-gather-f[0, 1]#a", 0, 1), ("comm", "zero3-gather-f[0, 1]#b", 0, 2),
+                      ("compute", "f0", 1, 2), ("compute", "f1", 2, 3), ("compute", "b0", 3, 4),
+                      ("comm", "zero3-reduce-scatter[0, 1]#a", 4, 5), ("compute", "optimizer-shard[0, 1]#a", 5, 6)]),
+    (False, 6.0, 100, [("comm", "zero3-gather-f[0, 1]#a", 0, 1), ("compute", "f0", 1, 2),
+                       ("comm", "zero3-gather-f[0, 1]#b", 2, 3), ("compute", "f1", 3, 4), ("compute", "b0", 4, 5),
+                       ("comm", "zero3-reduce-scatter[0, 1]#a", 5, 6),
+                       ("compute", "optimizer-shard[0, 1]#a", 6, 7)]),
+])
+def test_prefetched_gathers_overlap_compute_exactly(prefetch, update_at, peak, log):
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    prog = _gather_program(prefetch)
+    find_deadlock(prog)
+    res = simulate(prog, cost, timeline=True)
+    assert [(e.stream, e.name, e.start_s, e.end_s) for e in res.events if e.device == 0] == log
+    assert res.iter_time_s == update_at + 1.0  # the optimizer waits for the reduce-scatter
+    # both gathered layers are held at once with prefetch; the gradient lives until its reduce-scatter ends
+    assert res.devices[0].peak_mem_bytes == peak
+    mem = [(t, b) for d, t, b in res.memory if d == 0]
+    assert (update_at, 0) in mem and (update_at - 1, 50) in mem
+    assert res.devices[0].exposed_comm_s == (1.0 if prefetch else 2.0) + 1.0
+
+
+def test_zero_stage_3_in_plan_files_and_errors(tiny):
+    plan, _, _ = _program(2, dict(dp=2, tp=1, pp=1, microbatch=2), 3)
+    assert plan.zero == 3 and plan_from_json(plan_to_json(plan)) == plan
+    d = plan_to_dict(plan)
+    d["zero"] = 4
+    with pytest.raises(PlanFileError, match="'zero' must be 0, 1, 2 or 3, got 4"):
+        plan_from_json(json.dumps(d))
+    spec, g = tiny
+    from planlab.plan import PlanBuilder
+    with pytest.raises(InfeasiblePlan, match="zero stage 5: choose 0, 1, 2 or 3"):
+        PlanBuilder(g, model=spec, global_batch=8, cluster="cpu", nodes=2, num_devices=2).zero(5)
+    assert 3 in dict((k.name, k) for k in get_space("dp").knobs)["zero"].values(
+        Context(g, spec, 8, "cpu", 2, 2, 1))
+
+
+def test_zero3_matches_one_process_and_runs_each_layers_collectives():
+    """dp=2, 2 micro-batches (gradients summed into the shards over both), recorded: every rank
+    ran each layer's two gathers and its reduce-scatter per micro-batch, and no other ZeRO collective."""
+    plan, _, _ = _program(2, dict(dp=2, tp=1, pp=1, microbatch=2), 3)
+    res = launch_local(plan, 2, steps=2, lr=1e-2, record=True)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL
+    assert res.losses[1] < res.losses[0]
+    for rank in (0, 1):
+        ran = Counter(t["task"].split("[")[0] for t in res.timeline if t["device"] == rank and t["kind"] == "C"
+                      and t["task"].startswith(("zero3", "param", "grad")))
+        assert ran == {"zero3-gather-f": 10, "zero3-gather-b": 10, "zero3-reduce-scatter": 10}
+
+
+def test_a_weight_gradient_block_waits_for_a_gather_issued_in_the_input_gradient_block():
+    """With ZB-H1, the embedding's backward has no input-gradient part: its layer's backward gather
+    is issued in the I block and read (as the weight its W keeps) in the W block, which waits for it."""
+    from planlab.simulator.units import Await, lower_block, overlap_writers
+
+    _, _, prog = _program(4, dict(dp=2, tp=1, pp=2, microbatch=1, schedule="zb-h1"), 3)
+    dev = prog.devices[0]
+    assert any(t.name.endswith("gather-b[0, 1]#wte") for t in dev.blocks[(0, "I")].tasks)
+    lowered = lower_block(dev.blocks[(0, "W")], device=0, cls=[0, 1, 2, 3], cost=CostModel.load("cpu", 4),
+                          dtype="fp32", sizes={}, writers=overlap_writers(dev.blocks.values()))
+    waits = [u.tasks for u in lowered if isinstance(u, Await)]
+    assert ("zero3-gather-b[0, 1]#wte",) in waits  # the others are long complete: no wait in the simulation
+    assert {w for ws in waits for w in ws} == {t.name for t in dev.blocks[(0, "I")].tasks if "gather-b" in t.name}
