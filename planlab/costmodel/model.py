@@ -64,12 +64,13 @@ class CostModel:
                 return (t + self.profile.compute_overhead_s) * self._slowdown
         return compute.compute_time_s(self.cluster.device, flops=flops, bytes_moved=bytes_moved, dtype=dtype)
 
-    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None) -> float | None:
+    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None,
+                  kind: str = "") -> float | None:
         if flops < 0 or bytes_moved < 0:
             raise ConfigError(f"work must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}")
         if flops == 0 and bytes_moved == 0:
             return 0.0
-        return self.profile.kernel_time_s(flops, bytes_moved, compute.canonical_dtype(dtype), phase)
+        return self.profile.kernel_time_s(flops, bytes_moved, compute.canonical_dtype(dtype), phase, kind)
 
     def task_time_s(self, task: Task, dtype: str) -> float:
         """Seconds for one task of a Program on its stream, from everything the task says (its
@@ -106,7 +107,8 @@ class CostModel:
         elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
             return prof.view_s(kind) * slow  # a view: the executor's whole cost of a task with no kernel
         else:
-            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None)
+            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None,
+                               task.op_kind)
         if t is None:  # the profile has no kernel model for this dtype: the spec's roofline
             t = compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved,
                                        dtype=dtype) if (task.flops or task.bytes_moved) else 0.0
@@ -144,6 +146,8 @@ class CostModel:
             params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
             return self._pass_s(params * sw.optimizer_bytes_per_param), sw.host_call_s + sw.host_launch_s
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
+        if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
+            return 0.0, call_s
         found = op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation) \
             if task.op_kind and task.shapes and kind in ("F", "B") else None
         if found is not None and kind == "B":  # zero-bubble's I or W task: its part of the kernels
