@@ -8,7 +8,7 @@ error, the mean absolute error and whether the ranking of the plans is preserved
 
 The profile describes the machine as calibrated: kernels by the lower quartile of repeated
 timings (their unpreempted time), the ranks' sharing of the machine by the calibration's
-throughput probe. Measured iteration times are summarised the same way (the lower quartile of
+concurrency probe. Measured iteration times are summarised the same way (the lower quartile of
 the steps after the first). On a machine shared with other sessions that is not enough: Linux
 shares the cores between sessions, so a plan's processes may get half a core each for whole
 seconds. The benchmark therefore prints three comparisons:
@@ -26,7 +26,9 @@ wait at collectives are favoured by the scheduler over ones that compute all the
 probe's share does not carry over to a plan's ranks).
 
 The plans are measured in rounds (each round runs every plan once), so that a slow minute touches
-every plan alike. Everything per plan and the summaries (mean absolute error, worst, within 15%,
+every plan alike, and without ``--profile`` each round starts with a calibration: the machine's
+speed drifts with the other sessions' work, so the prediction of a plan is the median of its
+predictions under the rounds' profiles, calibrated in the same minutes as the measurements. Everything per plan and the summaries (mean absolute error, worst, within 15%,
 Kendall tau, ranking) come out of one run, with the load average.
 
     .venv/bin/python benchmarks/validate_cpu.py [--profile PROFILE.json] [--steps 4] [--launches 4] [--csv out.csv]
@@ -215,7 +217,8 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=None, help="a profile from planlab calibrate (default: calibrate now)")
+    ap.add_argument("--profile", default=None,
+                    help="a profile from planlab calibrate (default: calibrate before every round)")
     ap.add_argument("--steps", type=int, default=4, help="iterations per run (the first is a warm-up)")
     ap.add_argument("--launches", type=int, default=4, help="runs per plan, in rounds over the plans")
     ap.add_argument("--only", default=None, help="run only plans whose name contains this")
@@ -225,22 +228,30 @@ def main() -> None:
     from planlab.costmodel import CostModel
     from planlab.costmodel.calibrate import calibrate
 
-    path = args.profile
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(prefix="planlab-cpu-"), "profile.json")
-        t = time.perf_counter()
-        calibrate(out=path, nproc=2, log=print)
-        print(f"calibrated in {time.perf_counter() - t:.0f} s: {path}")
     plans = [(n, m, r, k) for n, m, r, k in PLANS if not args.only or args.only in n]
     from planlab.plan.materialize import materialize
 
     built = {}
     for name, model, ranks, knobs in plans:
         plan, graph = build(model, ranks, knobs)
-        program = materialize(plan, graph)
-        cost = CostModel.load("cpu", ranks, profile=path)
-        built[name] = (plan, ranks, program, cost, predict_s(program, cost),
-                       predict_s(program, CostModel.load("cpu", ranks)))
+        built[name] = (plan, ranks, materialize(plan, graph))
+    predictions: dict[str, list[float]] = {n: [] for n, *_ in plans}
+    costs: dict[str, object] = {}
+
+    def predict_all(path: str) -> None:
+        for name, (_, ranks, program) in built.items():
+            costs[name] = CostModel.load("cpu", ranks, profile=path)
+            predictions[name].append(predict_s(program, costs[name]))
+
+    def calibrate_now() -> None:
+        path = os.path.join(tempfile.mkdtemp(prefix="planlab-cpu-"), "profile.json")
+        t = time.perf_counter()
+        calibrate(out=path, nproc=2, log=print if not predictions[plans[0][0]] else lambda s: None)
+        print(f"calibrated in {time.perf_counter() - t:.0f} s: {path}", flush=True)
+        predict_all(path)
+
+    if args.profile:
+        predict_all(args.profile)
     avail = Availability(2)
 
     def availability() -> str:
@@ -253,6 +264,8 @@ def main() -> None:
     loads: dict[str, list[float]] = {n: [] for n, *_ in plans}
     try:
         for round_ in range(args.launches):  # plans interleaved, so a slow minute touches every plan alike
+            if not args.profile:  # calibrations interleaved with the measurements, so both see the same minutes
+                calibrate_now()
             for name, *_ in plans:
                 plan, ranks = built[name][:2]
                 loads[name].append(os.getloadavg()[0])
@@ -262,9 +275,10 @@ def main() -> None:
         avail.close()
     rows = []
     for name, model, ranks, knobs in plans:
-        _, _, program, cost, pred, uncal = built[name]
+        _, _, program = built[name]
+        pred, uncal = statistics.median(predictions[name]), predict_s(program, CostModel.load("cpu", ranks))
         meas, med = typical_s(walls[name]), statistics.median(walls[name])
-        replayed = predict_s(program, ReplayCost(cost, program, durations[name]))
+        replayed = predict_s(program, ReplayCost(costs[name], program, durations[name]))
         rows.append(dict(plan=name, ranks=ranks, measured_ms=meas * 1e3, median_ms=med * 1e3,
                          replayed_ms=replayed * 1e3, predicted_ms=pred * 1e3, error=pred / meas - 1,
                          error_replayed=pred / replayed - 1, uncalibrated_ms=uncal * 1e3,
