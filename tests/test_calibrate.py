@@ -401,3 +401,39 @@ def test_cli_uses_the_profile(quick_profile, tmp_path, capsys) -> None:
     bad.write_text("{}")
     assert main(["simulate", str(path), "--profile", str(bad)]) == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_replaying_measured_tasks() -> None:
+    """benchmarks/validate_cpu.py's replay: compute tasks at their measured lower quartile, a
+    collective at its shortest member's duration per launch (the last to arrive waits least),
+    the optimizer at the profile's price; simulated, the iteration is their sum on one device."""
+    import sys
+    from pathlib import Path
+
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+    from planlab.simulator.engine import simulate
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from validate_cpu import ReplayCost
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8))
+    program = materialize(plan, g)
+    cost = CostModel(load_cluster("cpu", 2), toy_profile())
+    durations, compute, collectives = {}, 0.0, 0
+    for dev in program.devices:
+        for action, t in dev.tasks_in_order():
+            key = (dev.device, str(action), t.name, 1)
+            if t.kind in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.LOCAL):
+                durations[key] = [3e-4, 1e-4, 2e-4, 9e-3]  # lower quartile 1.75e-4
+                compute += 1.75e-4 if dev.device == 0 else 0.0
+            elif t.kind is TaskKind.COLLECTIVE and not t.overlap:
+                durations[key] = [2e-3, 4e-3] if dev.device == 0 else [1e-3, 5e-3]  # per launch min: 1e-3, 4e-3
+                collectives += dev.device == 0
+    replay = ReplayCost(cost, program, durations)
+    opt = next(t for _, t in program.devices[0].tasks_in_order() if t.kind is TaskKind.OPTIMIZER)
+    expected = compute + collectives * typical_s([1e-3, 4e-3]) + cost.task_time_s(opt, "fp32")
+    assert collectives > 0
+    assert simulate(program, replay).iter_time_s == pytest.approx(expected, rel=1e-9)
