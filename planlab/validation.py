@@ -1,25 +1,93 @@
 """Validation against measured training iterations (vTrain's published ground truth).
 
-Each measured run becomes a plan of the Megatron space (its tensor, data and pipeline degrees,
-micro-batch size and full recomputation, as in vTrain's runs), simulated on a cluster spec
-describing the measured machines; the report compares predicted and measured iteration time.
+Each measured run becomes a plan of the measured system, simulated on a cluster spec describing
+the measured machines; the report compares predicted and measured iteration time.
+
+The measured system is Megatron-DeepSpeed's GPT (reference README): tensor parallelism as
+Megatron-LM's (column- and row-parallel linear layers, and a vocabulary-parallel embedding,
+output layer and cross entropy), full activation recompute per layer, 1F1B, mixed precision
+with fp16 gradients reduced once after the backward (no bucketing), vocabulary padded as
+Megatron pads it. :func:`megatron_gpt` builds that model; :func:`megatron_plan` builds the plan
+directly (tensor parallelism over 16 GPUs spans two nodes, which the ``tp`` space refuses).
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import pandas as pd
+import torch
+import torch.nn.functional as F
 
-from planlab.errors import ConfigError
+from planlab.errors import ConfigError, PlanlabError
+from planlab.graph.registry import register_op
+from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.registry import ModelSpec
+from planlab.plan.program import Precision
 
-VOCAB = 51200  # Megatron-LM's padded GPT-2 vocabulary (vTrain's configs use the GPT-2 tokenizer)
+GPT2_VOCAB = 50257  # the GPT-2 tokenizer's vocabulary (vTrain's configs)
+VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default, times the tensor-parallel degree
+DROPOUT = 0.1  # Megatron-LM's default hidden and attention dropout
+
+# Megatron-DeepSpeed in fp16 (DeepSpeed's FP16 optimizer): fp16 weights and gradients (reduced in
+# fp16 over data parallelism), fp32 master weights and Adam's two moments (12 bytes per parameter).
+DEEPSPEED_FP16 = Precision("fp16-deepspeed", activation_bytes=2, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
+                           compute_dtype="fp16")
+
+
+def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
+    """Megatron-LM pads the vocabulary to a multiple of 128 x the tensor-parallel degree."""
+    multiple = VOCAB_DIVISOR * tp
+    return math.ceil(vocab / multiple) * multiple
+
+
+# Megatron-LM's vocabulary-parallel embedding and cross entropy, as operators whose vocabulary
+# dimension a plan may split: each shard looks up (or scores) its part of the vocabulary and an
+# all-reduce adds the parts (rows outside a shard are zero), as VocabParallelEmbedding and
+# vocab_parallel_cross_entropy do. Whole, they are F.embedding and F.cross_entropy. Split, only
+# the simulator prices them (the executor would need the shard's vocabulary offset): the
+# functions refuse a shard of the vocabulary rather than compute something else.
+@register_op("a b, v+ h -> a b h", flops=lambda idx, table: 0.0)
+def vocab_embedding(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The embedding of ``idx`` (B, T) in ``table`` (V, H): Megatron's vocabulary-parallel embedding."""
+    if idx.device.type != "meta" and idx.numel() and int(idx.max()) >= table.shape[0]:
+        raise PlanlabError(f"vocab_embedding: a token id is beyond this table's {table.shape[0]} rows; a shard "
+                           "of the vocabulary is for simulation only")
+    return F.embedding(idx, table)
+
+
+@register_op("n+ v+, n+ -> 1", flops=lambda logits, target: 4.0 * math.prod(logits))
+def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of ``logits`` (N, V) against ``target`` (N,), as a one-element tensor:
+    Megatron's vocabulary-parallel loss."""
+    if target.device.type != "meta" and target.numel() and int(target.max()) >= logits.shape[-1]:
+        raise PlanlabError(f"vocab_cross_entropy: a target is beyond these {logits.shape[-1]} logits; a shard "
+                           "of the vocabulary is for simulation only")
+    return F.cross_entropy(logits, target).reshape(1)
+
+
+class MegatronGPT(GPT):
+    """planlab's GPT with Megatron-LM's vocabulary-parallel embedding and loss."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # idx, targets: (B, T) token ids
+        x = self.drop(vocab_embedding(idx, self.wte.weight) + self.wpe(self.pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
+
+
+def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1):
+    """The model of a measured run (``--model planlab.validation:megatron_gpt``): (module, inputs)."""
+    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=DROPOUT)
+    return MegatronGPT(cfg), GPT.example_inputs(cfg, batch)
 
 
 @dataclass(frozen=True)
@@ -38,68 +106,274 @@ class MeasuredRun:
     pp: int
     measured_s: float
 
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+
+_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers", "sequence length",
+            "tensor parallelism", "data parallelism", "pipeline parallelism", "iteration time (ms)")
+
 
 def load_runs(path: str | os.PathLike) -> list[MeasuredRun]:
-    """Read ``vtrain_ground_truth_single.csv`` or ``..._multi.csv``."""
+    """Read ``vtrain_ground_truth_single.csv`` or ``..._multi.csv``; ConfigError naming the file, the
+    row and the column when a value is missing or not a number, or the degrees do not multiply."""
     path = Path(path)
     try:
-        rows = list(csv.DictReader(path.open()))
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            missing = [c for c in _COLUMNS if c not in (reader.fieldnames or ())]
+            if missing:
+                raise ConfigError(f"{str(path)!r}: column {missing[0]!r} is missing; expected the columns "
+                                  f"{', '.join(_COLUMNS)}")
+            rows = list(reader)
     except OSError as e:
         raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}") from None
     out = []
-    for r in rows:
-        out.append(MeasuredRun(int(r["# GPUs"]), int(r["global batch"]), int(r["micro batch"]), int(r["hidden size"]),
-                               int(r["attention heads"]), int(r["# layers"]), int(r["sequence length"]),
-                               int(r["tensor parallelism"]), int(r["data parallelism"]),
-                               int(r["pipeline parallelism"]), float(r["iteration time (ms)"]) / 1e3))
+    for i, r in enumerate(rows, start=2):
+        vals = []
+        for c in _COLUMNS:
+            try:
+                v = float(r[c]) if c == _COLUMNS[-1] else int(r[c])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{str(path)!r} line {i}: column {c!r} is {r.get(c)!r}; expected "
+                                  f"{'a number of milliseconds' if c == _COLUMNS[-1] else 'an integer'}") from None
+            if v <= 0:
+                raise ConfigError(f"{str(path)!r} line {i}: column {c!r} is {v!r}; expected a positive value")
+            vals.append(v)
+        run = MeasuredRun(*vals[:-1], vals[-1] / 1e3)
+        if run.tp * run.dp * run.pp != run.gpus or run.global_batch % (run.dp * run.micro_batch):
+            raise ConfigError(f"{str(path)!r} line {i}: tp x dp x pp = {run.tp * run.dp * run.pp} for {run.gpus} GPUs, "
+                              f"or dp x micro batch does not divide the global batch {run.global_batch}")
+        out.append(run)
     return out
 
 
+def model_spec(run: MeasuredRun) -> ModelSpec:
+    """The model of ``run``: Megatron's GPT of the run's shape, vocabulary padded for its tp."""
+    args = dict(layers=run.layers, hidden=run.hidden, heads=run.heads, seq=run.seq, vocab=padded_vocab(run.tp))
+    return ModelSpec("planlab.validation:megatron_gpt", tuple(sorted(args.items())))
+
+
+TRACE_BATCH = 2  # traced at two samples: at one, size-1 axes lose their batch label
+
+
 @lru_cache(maxsize=4)
-def _graph(hidden: int, heads: int, layers: int, seq: int, batch: int):
+def _traced(spec: ModelSpec):
     from planlab.graph.trace import trace
     from planlab.models.registry import build_model
 
-    spec = ModelSpec("gpt", tuple(sorted(dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
-                                                vocab=VOCAB).items())))
-    model, inputs = build_model(spec, batch=batch)
-    return spec, trace(model, inputs)
+    model, inputs = build_model(spec, batch=TRACE_BATCH)
+    return trace(model, inputs)
 
 
-def predict(run: MeasuredRun, cluster: str) -> dict:
-    """Simulate one measured run; returns a row with the prediction and the error."""
-    from planlab.costmodel import CostModel
+@lru_cache(maxsize=8)
+def _graph(spec: ModelSpec, batch: int):
+    return rebatch(_traced(spec), batch)
+
+
+def rebatch(graph, batch: int):
+    """``graph`` at ``batch`` samples: every axis labelled as the batch, and every operator
+    dimension so labelled, scales by ``batch`` over the traced batch, as do the flop of
+    operators on batched tensors (linear in the batch, as every operator of the GPT family is)
+    and the bytes they move: what a trace at that batch gives (checked by the tests), without
+    tracing the model again for every batch of the ground truth."""
+    from planlab.graph.ir import Graph
+
+    label = graph.batch_label
+    base = graph.tensors[graph.inputs[0]].shape[0]
+    if batch == base:
+        return graph
+
+    def scaled(n: int) -> int:
+        if n % base:
+            raise ConfigError(f"rebatch: a batch axis of size {n} is not a multiple of the traced batch {base}")
+        return n // base * batch
+
+    tensors = {name: replace(spec, shape=tuple(scaled(n) if graph.labels.get((name, a)) == label else n
+                                              for a, n in enumerate(spec.shape)))
+               for name, spec in graph.tensors.items()}
+    ops = []
+    for op in graph.operators:
+        names = op.inputs + op.outputs
+        batched = any(graph.labels.get((t, a)) == label for t in names for a in range(len(graph.tensors[t].shape)))
+        dims = {d: scaled(n) if graph.dim_label(op, d) == label else n for d, n in op.dim_sizes.items()}
+        nbytes = float(sum(tensors[t].nbytes for t in names)) if op.bytes_moved else 0.0
+        ops.append(replace(op, dim_sizes=dims, flops=op.flops * batch / base if batched else op.flops,
+                           bytes_moved=nbytes))
+    return Graph(tensors, ops, graph.inputs, graph.loss, dict(graph.labels), graph.unknown)
+
+
+def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes: int, per_node: int):
+    """The plan of ``run``: the megatron space's pipeline, data and tensor parallelism and full
+    recompute, built directly (so tensor parallelism may span nodes), with the vocabulary-parallel
+    embedding, output layer and loss split over the tensor-parallel group as Megatron-LM splits them."""
+    from planlab.search_spaces.builtin import (DataParallel, PipelineParallel, Recompute,
+                                               tensor_parallel_dims)
+    from planlab.search_spaces.space import Context, Draft
+
+    ctx = Context(graph, spec, run.global_batch, cluster, nodes, run.gpus, per_node)
+    knobs = dict(pp=run.pp, dp=run.dp, tp=run.tp, microbatch=run.micro_batch, recompute="full",
+                 schedule="1f1b", virtual_stages=1, zero=0, sequence_parallel=False)
+    if run.layers % run.pp or run.heads % run.tp:
+        raise ConfigError(f"pp={run.pp} must divide the {run.layers} layers and tp={run.tp} the {run.heads} heads")
+    dims = dict(tensor_parallel_dims(graph))
+    vocab_labels = set()
+    for op in graph.operators:
+        if op.kind == "vocab_embedding" or op.kind == "vocab_cross_entropy":
+            dims[op.name] = "v"
+        elif op.module == "lm_head":
+            dims[op.name] = "n"
+            vocab_labels.add(graph.dim_label(op, "n"))
+    for op in graph.operators:  # the logits' reshape between the output layer and the loss
+        if dims.get(op.name) is None and op.kind != "vocab_cross_entropy":
+            for d in op.splittable_dims():
+                if graph.dim_label(op, d) in vocab_labels:
+                    dims[op.name] = d
+    draft = Draft(ctx)
+    PipelineParallel().apply(draft, knobs)
+    DataParallel().apply(draft, knobs)
+    draft.add_axis("tp", run.tp, lambda op: dims[op.name])
+    Recompute().apply(draft, knobs)
+    return draft.to_plan(space="megatron", knobs=knobs)
+
+
+def schedules(run: MeasuredRun, microbatches: int) -> dict[int, tuple]:
+    """Per pipeline rank, the actions of ``run`` over ``microbatches``: Megatron's 1F1B, or with
+    one stage each micro-batch's forward then its backward (gradient accumulation), then the update."""
+    from planlab.plan.plan import Action
+    from planlab.search_spaces.schedules import one_f_one_b
+
+    out = {}
+    for r in range(run.pp):
+        if run.pp > 1:
+            acts = one_f_one_b(r, run.pp, microbatches)
+        else:
+            acts = [Action(0, ph, k) for k in range(microbatches) for ph in ("F", "B")]
+        out[r] = tuple(acts) + (Action(r, "U", 0),)
+    return out
+
+
+def program_of(run: MeasuredRun, cluster: str, *, batch: int | None = None):
+    """The reduced Program of ``run`` on ``cluster``. With ``batch = dp x micro-batch`` the model
+    is traced and materialized for one micro-batch per replica and the schedules are then made
+    for the run's micro-batches: every micro-batch runs the same blocks, so runs that differ only
+    in their global batch share one materialization (see :func:`validate`)."""
+    cost = _cost(cluster, _nodes(run, cluster))
+    batch = run.global_batch if batch is None else batch
+    program = _template(run.hidden, run.heads, run.layers, run.seq, run.tp, run.dp, run.pp, run.micro_batch,
+                        batch, cluster)
+    if batch == run.global_batch:
+        return program, cost
+    sched = schedules(run, run.microbatches)
+    per_rank = run.dp * run.tp
+    devices = tuple(replace(d, schedule=sched[d.device // per_rank]) for d in program.devices)
+    return replace(program, devices=devices, microbatches=run.microbatches), cost
+
+
+@lru_cache(maxsize=4)
+def _template(hidden, heads, layers, seq, tp, dp, pp, micro_batch, batch, cluster):
     from planlab.plan.materialize import materialize
-    from planlab.search_spaces.builtin import get_space
-    from planlab.search_spaces.space import Context
+
+    run = MeasuredRun(tp * dp * pp, batch, micro_batch, hidden, heads, layers, seq, tp, dp, pp, 0.0)
+    cost = _cost(cluster, _nodes(run, cluster))
+    spec = model_spec(run)
+    graph = _graph(spec, batch)
+    plan = megatron_plan(run, graph, spec, cluster, cost.cluster.nodes, cost.cluster.node.devices_per_node)
+    sched = schedules(run, run.microbatches)
+    plan = replace(plan, schedule=tuple(sched[d // (dp * tp)] for d in range(plan.num_devices)))
+    program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16,
+                          overlap_grad_reduce=False)
+    return partition_pipeline_messages(program, tp)
+
+
+def partition_pipeline_messages(program, tp: int):
+    """DeepSpeed's pipeline engine with tensor parallelism (``pipe_partitioned`` and
+    ``grad_partitioned``, on by default) sends each activation and gradient between stages in
+    ``tp`` parts, one per tensor-parallel rank, and the receiving tensor-parallel group
+    all-gathers them (Megatron-LM's scatter-gather does the same). planlab's conversions send the
+    whole tensor from each replica: here every message between stages carries a ``tp``-th and
+    each receive is followed by an all-gather of the whole over the receiver's tensor-parallel group."""
+    from planlab.plan.program import Task, TaskKind
+
+    if tp == 1:
+        return program
+    devices = []
+    for dp in program.devices:
+        group = tuple(range(dp.device - dp.device % tp, dp.device - dp.device % tp + tp))
+        blocks = {}
+        for key, block in dp.blocks.items():
+            tasks = []
+            for t in block.tasks:
+                if t.kind in (TaskKind.SEND, TaskKind.RECV) and t.nbytes >= tp:
+                    tasks.append(replace(t, nbytes=t.nbytes // tp))
+                    if t.kind is TaskKind.RECV:
+                        buf = t.writes[0] if t.writes else ""
+                        tasks.append(Task(f"{t.name}:gather", TaskKind.COLLECTIVE, (buf,), (buf,),
+                                          collective="all_gather", group=group, nbytes=t.nbytes))
+                    continue
+                tasks.append(t)
+            blocks[key] = replace(block, tasks=tuple(tasks))
+        devices.append(replace(dp, blocks=blocks))
+    return replace(program, devices=tuple(devices))
+
+
+def predict(run: MeasuredRun, cluster: str, *, batch: int | None = None) -> dict:
+    """Simulate one measured run; returns a row with the prediction and the error. ``batch``:
+    see :func:`program_of`."""
     from planlab.simulator.engine import simulate
 
-    cost = CostModel.load(cluster, max(1, run.gpus // 8))
-    spec, graph = _graph(run.hidden, run.heads, run.layers, run.seq, run.global_batch)
-    ctx = Context(graph, spec, run.global_batch, cluster, cost.cluster.nodes, run.gpus,
-                  cost.cluster.node.devices_per_node)
-    plan = get_space("megatron").build(ctx, dict(tp=run.tp, dp=run.dp, pp=run.pp, microbatch=run.micro_batch,
-                                                 recompute="full"))
-    res = simulate(materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of), cost)
+    program, cost = program_of(run, cluster, batch=batch)
+    res = simulate(program, cost)
     row = asdict(run)
     row.update(predicted_s=res.iter_time_s, error=(res.iter_time_s - run.measured_s) / run.measured_s)
     return row
 
 
-def _predict_star(args):
-    return predict(*args)
+def _nodes(run: MeasuredRun, cluster: str) -> int:
+    return max(1, math.ceil(run.gpus / _per_node(cluster)))
+
+
+@lru_cache(maxsize=8)
+def _per_node(cluster: str) -> int:
+    from planlab.costmodel import load_cluster
+
+    return load_cluster(cluster).node.devices_per_node
+
+
+@lru_cache(maxsize=16)
+def _cost(cluster: str, nodes: int):
+    from planlab.costmodel import CostModel
+
+    return CostModel.load(cluster, nodes)
+
+
+def _predict_group(args) -> list[dict]:
+    runs, cluster = args
+    return [predict(r, cluster, batch=batch) for r, batch in runs]
 
 
 def validate(runs: list[MeasuredRun], cluster: str, *, jobs: int = 1) -> pd.DataFrame:
-    """Predicted against measured iteration time for each run (``error`` is signed, relative)."""
-    order = sorted(range(len(runs)), key=lambda i: (runs[i].hidden, runs[i].layers, runs[i].global_batch))
-    args = [(runs[i], cluster) for i in order]  # grouped so each worker reuses its traced graphs
-    if jobs > 1:
+    """Predicted against measured iteration time for each run (``error`` is signed, relative).
+
+    Each model shape is traced once (:func:`rebatch` makes it at each batch); runs that differ
+    only in their global batch share one materialized program (for one micro-batch per replica);
+    each model's runs go to one worker of ``jobs`` processes."""
+    shape = lambda r: (r.hidden, r.heads, r.layers, r.seq, r.tp, r.dp, r.pp, r.micro_batch)  # noqa: E731
+    shared: dict[tuple, int] = {}
+    for r in runs:
+        shared[shape(r)] = shared.get(shape(r), 0) + 1
+    groups: dict[tuple, list[MeasuredRun]] = {}
+    for r in runs:  # one traced model per group (rebatched for each run), programs shared within
+        groups.setdefault((r.hidden, r.heads, r.layers, r.seq, padded_vocab(r.tp)), []).append(r)
+    work = [([(r, r.dp * r.micro_batch if shared[shape(r)] > 1 else r.global_batch) for r in sorted(g, key=shape)],
+             cluster) for _, g in sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][2] * kv[0][0] ** 2)]
+    if jobs > 1 and len(work) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            rows = list(pool.map(_predict_star, args, chunksize=max(1, len(args) // (4 * jobs))))
+            parts = list(pool.map(_predict_group, work))
     else:
-        rows = [predict(*a) for a in args]
-    return pd.DataFrame(rows)
+        parts = [_predict_group(w) for w in work]
+    return pd.DataFrame([row for part in parts for row in part])
 
 
 def mape(df: pd.DataFrame) -> float:

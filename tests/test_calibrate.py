@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.fit import (AlphaBeta, Roofline, fit_alpha_beta, fit_linear, fit_roofline, robust_overhead,
                                    roofline_time_s)
 from planlab.costmodel.hardware import Efficiency
 from planlab.costmodel.calibrate import fit_collectives, fit_optimizer, typical_s
-from planlab.costmodel.profile import (CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile,
-                                       profile_from_json)
+from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile
 from planlab.errors import ConfigError
 from planlab.plan.program import Task, TaskKind
 
@@ -232,6 +232,44 @@ def test_profiled_table_takes_precedence_over_the_roofline(flops, bytes_moved, p
     assert toy_profile().kernel_time_s(flops, bytes_moved, "fp32", phase) == pytest.approx(expected_s)
 
 
+def test_the_table_prices_an_operator_by_its_own_kind() -> None:
+    """A layer norm and a GELU of the same flop and bytes take different times: a task priced by
+    its operator's kind takes its own kind's entry; a kind the table lacks, the nearest of any."""
+    ln = KernelTime("F", "layer_norm", "fp32", (512, 64), 1e5, 3e5, 50e-6)
+    gelu = KernelTime("F", "activation", "fp32", (512, 64), 1e5, 3e5, 120e-6)
+    prof = dataclasses.replace(toy_profile(), kernels=(ln, gelu))
+    assert prof.kernel_time_s(1e5, 3e5, "fp32", "F", "layer_norm") == pytest.approx(50e-6)
+    assert prof.kernel_time_s(1e5, 3e5, "fp32", "F", "activation") == pytest.approx(120e-6)
+    assert prof.kernel_time_s(1e5, 3e5, "fp32", "F", "softmax") in (50e-6, 120e-6)  # not measured: any kind
+    cost = CostModel(load_cluster("cpu", 1), prof)
+    task = _task(TaskKind.FORWARD, flops=1e5, bytes_moved=3e5, op_kind="layer_norm")
+    assert cost.task_time_s(task, "fp32") == pytest.approx(50e-6 + 20e-6)
+
+
+def test_a_time_above_a_larger_kernels_is_capped() -> None:
+    """An entry measured slower than an entry of its kind that does more work (a busy machine
+    preempted all its samples) is priced at the larger kernel's time; other kinds are untouched."""
+    small = KernelTime("F", "layer_norm", "fp32", (128, 32), 2e4, 3e4, 130e-6)
+    big = KernelTime("F", "layer_norm", "fp32", (128, 64), 4e4, 6e4, 50e-6)
+    other = KernelTime("F", "add", "fp32", (128, 64), 4e4, 6e4, 10e-6)
+    prof = dataclasses.replace(toy_profile(), kernels=(small, big, other))
+    assert [k.time_s for k in prof.envelope] == [50e-6, 50e-6, 10e-6]
+    assert prof.kernel_time_s(2e4, 3e4, "fp32", "F", "layer_norm") == pytest.approx(50e-6)
+
+
+@pytest.mark.parametrize("p, work", [(0.0, False), (0.1, True)])
+def test_a_dropout_of_p_zero_does_no_work(p: float, work: bool) -> None:
+    """F.dropout with p = 0 returns its input (no kernel): traced without flop or bytes, it is
+    priced as the view it is."""
+    from planlab.graph.trace import trace
+    from planlab.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(layers=1, hidden=32, heads=2, seq=8, vocab=64, dropout=p))
+    graph = trace(model, (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))))
+    drops = [op for op in graph.operators if op.kind == "dropout"]
+    assert drops and all((op.flops > 0 and op.bytes_moved > 0) == work for op in drops)
+
+
 def _task(kind: TaskKind, **kw) -> Task:
     return Task("t", kind, **kw)
 
@@ -363,3 +401,39 @@ def test_cli_uses_the_profile(quick_profile, tmp_path, capsys) -> None:
     bad.write_text("{}")
     assert main(["simulate", str(path), "--profile", str(bad)]) == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_replaying_measured_tasks() -> None:
+    """benchmarks/validate_cpu.py's replay: compute tasks at their measured lower quartile, a
+    collective at its shortest member's duration per launch (the last to arrive waits least),
+    the optimizer at the profile's price; simulated, the iteration is their sum on one device."""
+    import sys
+    from pathlib import Path
+
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+    from planlab.simulator.engine import simulate
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from validate_cpu import ReplayCost
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8))
+    program = materialize(plan, g)
+    cost = CostModel(load_cluster("cpu", 2), toy_profile())
+    durations, compute, collectives = {}, 0.0, 0
+    for dev in program.devices:
+        for action, t in dev.tasks_in_order():
+            key = (dev.device, str(action), t.name, 1)
+            if t.kind in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.LOCAL):
+                durations[key] = [3e-4, 1e-4, 2e-4, 9e-3]  # lower quartile 1.75e-4
+                compute += 1.75e-4 if dev.device == 0 else 0.0
+            elif t.kind is TaskKind.COLLECTIVE and not t.overlap:
+                durations[key] = [2e-3, 4e-3] if dev.device == 0 else [1e-3, 5e-3]  # per launch min: 1e-3, 4e-3
+                collectives += dev.device == 0
+    replay = ReplayCost(cost, program, durations)
+    opt = next(t for _, t in program.devices[0].tasks_in_order() if t.kind is TaskKind.OPTIMIZER)
+    expected = compute + collectives * typical_s([1e-3, 4e-3]) + cost.task_time_s(opt, "fp32")
+    assert collectives > 0
+    assert simulate(program, replay).iter_time_s == pytest.approx(expected, rel=1e-9)

@@ -23,7 +23,9 @@ What is measured, in this order (each step's fit feeds the next):
    kind and group size.
 
 Repeated measurements are summarised by their lower quartile (:func:`typical_s`): on a machine
-shared with other work, some repetitions are slowed by preemption, and it ignores them.
+shared with other work, some repetitions are slowed by preemption, and it ignores them. The
+processes allocate as the executor's ranks do (``keep_freed_memory``: freed buffers stay in the
+process, so recycled buffers cost no page faults).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from planlab.costmodel.fit import fit_alpha_beta, fit_linear, fit_roofline, robust_overhead
 from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile
 from planlab.errors import ConfigError, ExecutionError
+from planlab.executor.run import keep_freed_memory
 
 MiB = 2**20
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -460,6 +463,7 @@ def collective_worker(quick: bool) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as the executor's gloo ranks
+    keep_freed_memory()
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, list[list[float]]] = {}
@@ -581,6 +585,7 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
         raise ConfigError(f"calibrate: unknown dtype {bad[0]!r}; choose {', '.join(map(repr, _DTYPES))}")
     device = load_cluster(cluster).device.name
     t0 = time.perf_counter()
+    keep_freed_memory()  # malloc as the executor's ranks run it (no page faults for recycled buffers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

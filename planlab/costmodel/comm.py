@@ -35,7 +35,8 @@ divided by the oversubscription. all_to_all spanning nodes is bounded by the
 slower of the traffic to node peers (intra link) and to other nodes (the rank's
 own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
 messages reach lower bandwidth; its parameters live in the spec files, fitted
-against nccl-tests all-reduce bus bandwidths. Without an explicit algorithm the
+against nccl-tests all-reduce bus bandwidths (of two nodes; over more nodes the spec's
+``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). Without an explicit algorithm the
 fastest applicable one is priced, as NCCL's tuner picks per size.
 """
 
@@ -125,12 +126,33 @@ def _intra_bw(node: NodeSpec, nbytes: float) -> float:
     return node.intra_bytes_per_s * node.intra_efficiency.at(nbytes)
 
 
-def _inter_bw(cluster: ClusterSpec, nbytes: float, switches: int = 1) -> float:
+def _inter_bw(cluster: ClusterSpec, nbytes: float, switches: int = 1, nodes: int = 2) -> float:
     """Achieved inter-node bandwidth of one device's NIC share for a message of nbytes, bytes/s;
-    shared uplinks divide it when the nodes sit under several leaf switches."""
+    shared uplinks divide it when the nodes sit under several leaf switches, and a collective
+    over more than two nodes reaches less (:func:`scale_efficiency`)."""
     node = cluster.node
     over = cluster.network.oversubscription if switches > 1 else 1.0
-    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes) / over
+    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes) / over * scale_efficiency(node, nodes)
+
+
+def scale_efficiency(node: NodeSpec, nodes: int) -> float:
+    """The fraction of the two-node inter-node bandwidth a collective over ``nodes`` nodes
+    reaches: the spec's ``inter_scale_efficiency`` (measured ratios of a large all-reduce's
+    bandwidth to the peak by node count), interpolated in log2 of the node count, relative to
+    two nodes (where ``inter_efficiency`` was fitted); 1 without it or for two nodes or fewer."""
+    pts = node.inter_scale
+    if nodes <= 2 or not pts:
+        return 1.0
+
+    def at(n: int) -> float:
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, e0), (n1, e1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return e0 + (e1 - e0) * (math.log2(n) - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
+        return pts[-1][1]
+
+    return min(1.0, at(nodes) / at(2))
 
 
 def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
@@ -139,7 +161,7 @@ def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
     bw = _intra_bw(node, nbytes)  # bytes/s
     if p.nodes > 1:
-        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches))  # g_min rings in parallel, one NIC each
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes))  # g_min rings in parallel, one NIC each
     return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
 
 
@@ -153,7 +175,7 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
         depth_s += (p.g_max - 1) * node.intra_latency_s
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
-        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches))
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes))
     return 2.0 * depth_s + 2.0 * nbytes / bw
 
 
@@ -166,10 +188,10 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
     if kind is Collective.ALL_REDUCE:
         inner = _ring(cluster, Collective.REDUCE_SCATTER, nbytes, local) + _ring(
             cluster, Collective.ALL_GATHER, nbytes, local) if g > 1 else 0.0
-        outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches)
+        outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k)
     else:  # all_gather or reduce_scatter: one intra-node and one inter-node phase
         inner = _ring(cluster, kind, nbytes, local) if g > 1 else 0.0
-        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches)
+        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k)
     return inner + outer
 
 
@@ -177,7 +199,7 @@ def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     node = cluster.node
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
     t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes)  # to ranks on the same node
-    t_remote = (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches) if p.nodes > 1 else 0.0
+    t_remote = (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches, p.nodes) if p.nodes > 1 else 0.0
     return (p.n - 1) * alpha + max(t_peers, t_remote)
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from planlab.costmodel.gemm import GemmSpec
+from planlab.costmodel.software import SoftwareSpec, software_from
 from planlab.errors import ConfigError, choices
 
 SPEC_DIR = Path(__file__).parent / "specs"
@@ -49,10 +51,11 @@ _RANGE = {
 }
 
 _DEVICE_FIELDS = {"name", "description", "source", "memory_GB", "hbm_GBps", "launch_overhead_us", "host_overhead_us",
-                  "compute_efficiency", "memory_efficiency", *(f"peak_{dt}_tflops" for dt in DTYPES)}
+                  "compute_efficiency", "memory_efficiency", *(f"peak_{dt}_tflops" for dt in DTYPES),
+                  "sm_count", "gemm_efficiency", "l2_GBps", "gemm_tiles"}
 _NODE_FIELDS = {"name", "description", "source", "device", "devices_per_node", "intra_link", "intra_GBps",
                 "intra_latency_us", "intra_efficiency", "inter_link", "inter_Gbps", "inter_adapters",
-                "inter_latency_us", "inter_efficiency", "network"}
+                "inter_latency_us", "inter_efficiency", "network", "software", "inter_scale_efficiency"}
 _NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
 
@@ -88,6 +91,7 @@ class DeviceSpec:
     compute_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in flop
     memory_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
     host_overhead_s: float = 0.0  # the host's time to issue one operator: a floor on its time
+    gemm: GemmSpec | None = None  # SMs, GEMM efficiency and tiles: GEMMs by tile and wave quantization
 
     def __str__(self) -> str:
         best = max(self.peak_flops_per_s.items(), key=lambda kv: kv[1] if kv[0] != "fp8" else 0.0)
@@ -109,6 +113,8 @@ class NodeSpec:
     inter_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
     intra_link: str = ""
     inter_link: str = ""
+    software: SoftwareSpec | None = None  # the training software: kernels per operator, host costs
+    inter_scale: tuple[tuple[int, float], ...] = ()  # (nodes, efficiency of large inter-node collectives)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -310,7 +316,25 @@ def _device_from(f: _Fields, name: str) -> DeviceSpec:
         compute_efficiency=_efficiency(f, "compute_efficiency", "half_gflop", _GFLOP),
         memory_efficiency=_efficiency(f, "memory_efficiency", "half_MiB", _MiB),
         host_overhead_s=f.unit("host_overhead_us", "us", strict=False) * _US if "host_overhead_us" in f.obj else 0.0,
+        gemm=_gemm_from(f) if "sm_count" in f.obj else None,
     )
+
+
+def _gemm_from(f: _Fields) -> GemmSpec:
+    """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
+    optional ``gemm_tiles``); all but the tiles are required once ``sm_count`` is given."""
+    sms = f.integer("sm_count")
+    eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
+    l2 = f.unit("l2_GBps", "GBps") * _GB
+    if "gemm_tiles" not in f.obj:
+        return GemmSpec(sms, eff, l2)
+    tiles = f.get("gemm_tiles")
+    form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
+    if not isinstance(tiles, list) or not tiles or not all(
+            isinstance(t, list) and len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                       for x in t) for t in tiles):
+        raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
+    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles))
 
 
 def _builtin_device(f: _Fields, key: str) -> DeviceSpec:
@@ -346,7 +370,32 @@ def _node_from(f: _Fields) -> NodeSpec:
         inter_efficiency=_efficiency(f, "inter_efficiency", "half_MiB", _MiB),
         intra_link=f.text("intra_link") if "intra_link" in f.obj else "",
         inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
+        software=_software(f, device) if "software" in f.obj else None,
+        inter_scale=_inter_scale(f) if "inter_scale_efficiency" in f.obj else (),
     )
+
+
+def _software(f: _Fields, device: DeviceSpec) -> SoftwareSpec:
+    if device.gemm is None:
+        raise f.error("software", f"needs its device {device.name!r} to give sm_count, gemm_efficiency and "
+                                  "l2_GBps (the kernel-level model prices GEMMs by tile and wave quantization)")
+    return software_from(f.sub("software"))
+
+
+def _inter_scale(f: _Fields) -> tuple[tuple[int, float], ...]:
+    """``{"2": 0.92, "16": 0.76}``: measured ratios of a large all-reduce's bus bandwidth to the
+    peak, by the number of nodes it spans (see ``comm.scale_efficiency``)."""
+    e = f.sub("inter_scale_efficiency")
+    out = []
+    for key in e.obj:
+        if str(key).startswith("_"):
+            continue
+        if not str(key).isdigit() or int(key) < 1:
+            raise e.error(key, "must be a node count (a positive integer as a string, e.g. \"16\")")
+        out.append((int(key), e.number(key, high=1.0, unit="fraction of peak bandwidth")))
+    if not out:
+        raise f.error("inter_scale_efficiency", "must map node counts to fractions, e.g. {\"2\": 0.92, \"16\": 0.76}")
+    return tuple(sorted(out))
 
 
 def _network_from(f: _Fields) -> Network:

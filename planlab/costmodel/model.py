@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planlab.costmodel import comm, compute
+from planlab.costmodel.gemm import gemm_time_s
 from planlab.costmodel.hardware import ClusterSpec, load_cluster
+from planlab.costmodel.kernels import Kernel, op_kernels
 from planlab.costmodel.profile import Profile, load_profile
 from planlab.errors import ConfigError
 
@@ -19,6 +21,7 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
 # size to another (comm._RING, by kind name; all_to_all moves (n-1)/n of the buffer in n-1 steps).
 _SCALE = {c.value: f for c, f in comm._RING.items()}
 _SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
+_ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # bytes per activation element by compute dtype
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,13 @@ class CostModel:
                 return (t + self.profile.compute_overhead_s) * self._slowdown
         return compute.compute_time_s(self.cluster.device, flops=flops, bytes_moved=bytes_moved, dtype=dtype)
 
-    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None) -> float | None:
+    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None,
+                  kind: str = "") -> float | None:
         if flops < 0 or bytes_moved < 0:
             raise ConfigError(f"work must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}")
         if flops == 0 and bytes_moved == 0:
             return 0.0
-        return self.profile.kernel_time_s(flops, bytes_moved, compute.canonical_dtype(dtype), phase)
+        return self.profile.kernel_time_s(flops, bytes_moved, compute.canonical_dtype(dtype), phase, kind)
 
     def task_time_s(self, task: Task, dtype: str) -> float:
         """Seconds for one task of a Program on its stream, from everything the task says (its
@@ -85,6 +89,8 @@ class CostModel:
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group))
         if kind in ("S", "R"):
             return 0.0
+        if self.profile is None and self.cluster.node.software is not None:
+            return max(self.device_and_host_s(task, dtype))
         nbytes = float(sum(s for _, s in task.alloc)) if kind == "L" else 0.0
         if self.profile is None:
             if kind == "L":
@@ -101,11 +107,82 @@ class CostModel:
         elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
             return prof.view_s(kind) * slow  # a view: the executor's whole cost of a task with no kernel
         else:
-            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None)
+            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None,
+                               task.op_kind)
         if t is None:  # the profile has no kernel model for this dtype: the spec's roofline
             t = compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved,
                                        dtype=dtype) if (task.flops or task.bytes_moved) else 0.0
         return (t + prof.overhead_s(kind)) * slow
+
+    @property
+    def host_bound(self) -> bool:
+        """True when the cluster's ``software`` prices the host's issue time separately from the
+        device's (``device_and_host_s``); the simulator then lets the host bound the device."""
+        return self.cluster.node.software is not None and self.profile is None
+
+    def device_and_host_s(self, task: Task, dtype: str) -> tuple[float, float]:
+        """The device's time for ``task`` and the host's time to issue it, in seconds, by the
+        kernel-level model of the cluster's ``software`` (see :mod:`planlab.costmodel.kernels`).
+        The device cannot start a task's kernels before the host has issued them: consecutive
+        tasks combine with :func:`host_bound_elapsed_s`. Without a ``software`` spec (or with a
+        profile, which measured whole tasks) the host costs nothing here."""
+        sw = self.cluster.node.software
+        kind = task.kind.value
+        if sw is None or self.profile is not None:
+            return self.task_time_s(task, dtype), 0.0
+        dev = self.cluster.device
+        if kind == "C":
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), sw.host_collective_s
+        if kind in ("S", "R"):
+            return 0.0, sw.host_collective_s
+        eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
+        if kind == "L":
+            nbytes = float(sum(s for _, s in task.alloc))
+            if not nbytes:
+                return 0.0, sw.host_call_s
+            traffic = (3.0 if task.accumulate else 2.0) * nbytes
+            return self._pass_s(traffic), sw.host_call_s + sw.host_launch_s
+        if kind == "O":
+            params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
+            return self._pass_s(params * sw.optimizer_bytes_per_param), sw.host_call_s + sw.host_launch_s
+        call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
+        if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
+            return 0.0, call_s
+        found = op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation) \
+            if task.op_kind and task.shapes and kind in ("F", "B") else None
+        if found is not None and kind == "B":  # zero-bubble's I or W task: its part of the kernels
+            found = found.part(**gradient_parts(task))
+        if found is None:  # a kind the kernel model does not know: one kernel by the roofline
+            if task.flops == 0 and task.bytes_moved == 0:
+                return 0.0, call_s
+            return (compute.compute_time_s(dev, flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype),
+                    call_s + sw.host_launch_s)
+        device_s = sum(self.kernel_time_s(k, dtype) for k in found.kernels)
+        return device_s, found.calls * call_s + len(found.kernels) * sw.host_launch_s
+
+    def kernel_time_s(self, kernel: Kernel, dtype: str) -> float:
+        """Seconds one kernel takes on the device, its launch latency included: a GEMM by tile
+        and wave quantization (:func:`planlab.costmodel.gemm.gemm_time_s`), a pass by its bytes
+        at the achieved memory bandwidth."""
+        dev = self.cluster.device
+        if kernel.gemm is None:
+            return self._pass_s(kernel.bytes)
+        b, m, n, k = kernel.gemm
+        eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
+        if dev.gemm is None:
+            return compute.compute_time_s(dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n),
+                                          dtype=dtype)
+        hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+        return gemm_time_s(dev.gemm, batch=b, m=m, n=n, k=k, elem_bytes=eb,
+                           peak_flops_per_s=compute.peak_flops_per_s(dev, dtype),
+                           hbm_bytes_per_s=hbm) + dev.launch_overhead_s
+
+    def _pass_s(self, nbytes: float) -> float:
+        """A memory-bound kernel moving ``nbytes``: its traffic at the achieved bandwidth for its size."""
+        dev = self.cluster.device
+        if nbytes <= 0:
+            return dev.launch_overhead_s
+        return nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s
 
     @property
     def _slowdown(self) -> float:
@@ -141,3 +218,30 @@ class CostModel:
 
     def __str__(self) -> str:
         return f"CostModel({self.cluster}" + (f", {self.profile}" if self.profile is not None else "") + ")"
+
+
+def gradient_parts(task: Task) -> dict[str, bool]:
+    """Which gradients a backward task computes, from the buffers it writes: ``inputs`` (of
+    activations) and ``weights`` (``wg:``/``zd:`` buffers). Zero-bubble's split writes ``""``
+    in place of the other part's buffers (:func:`planlab.plan.backward_split.split_task`)."""
+    from planlab.plan.backward_split import WEIGHT_GRADIENTS
+
+    weights = any(w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
+    inputs = any(not w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
+    return {"inputs": inputs or not weights, "weights": weights}
+
+
+def host_bound_elapsed_s(device_s: list[float], host_s: list[float]) -> list[float]:
+    """Elapsed seconds of each task of a sequence that one host issues to one device stream in
+    order: task ``i`` starts when the device has finished task ``i-1`` and the host has issued
+    task ``i`` (the host runs ahead of the device, never behind it). Returns how far each task
+    moves the device's clock; their sum is the sequence's time, at least the device's total
+    and at least the host's. Host and device start together (a synchronising step before)."""
+    out = []
+    host_at = device_at = 0.0
+    for d, h in zip(device_s, host_s):
+        host_at += h
+        end = max(device_at, host_at) + d
+        out.append(end - device_at)
+        device_at = end
+    return out

@@ -17,10 +17,11 @@ A profile is versioned JSON with units in the field names (``time_us``, ``alpha_
 ```
 
 ``kernels`` is the profiled table: a kernel priced by the cost model whose flop and byte
-counts lie near measured entries (within a factor of :data:`NEAR` in both) takes their
-measured times, carried to its shape by the fitted model (nearest-shape interpolation, see
-``Profile.kernel_time_s``); elsewhere the fitted ``kernel_model`` (a roofline with efficiency
-curves) prices it.
+counts lie near measured entries of its operator's kind (within a factor of :data:`NEAR` in
+both) takes their measured times, carried to its shape by the fitted model (nearest-shape
+interpolation, see ``Profile.kernel_time_s``); elsewhere the fitted ``kernel_model`` (a roofline
+with efficiency curves) prices it. An entry slower than an entry of its kind doing at least as
+much work is read at that entry's time (``Profile.envelope``).
 ``task_overhead_us`` is the executor's own cost per task kind on top of the kernels (whose
 measured times include the framework's dispatch and, backward, the autograd engine's call);
 ``view_task_us`` is the whole time of a forward or backward task with no kernel (a view);
@@ -138,17 +139,19 @@ class Profile:
         d = dict(self.task_overhead_s)
         return (d.get("F", 0.0) + d.get("B", 0.0)) / 2
 
-    def kernel_time_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None) -> float | None:
+    def kernel_time_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None,
+                      kind: str = "") -> float | None:
         """Seconds for one kernel from the profile, or None when it has nothing for ``dtype``.
 
-        Measured kernels (same dtype and, if given, phase) within a factor :data:`NEAR` in both
-        flop and bytes take precedence: an exact shape gets its measured time; otherwise the
+        Measured kernels (same dtype, if given the same phase, and of the operator ``kind`` when
+        the table measured that kind: a layer norm is not priced by a GELU of the same size)
+        within a factor :data:`NEAR` in both flop and bytes take precedence: an exact shape gets its measured time; otherwise the
         fitted model's time is corrected by the measured/modelled ratios of those neighbours,
         averaged in log space with weights falling with the square of their distance (nearest-
         shape interpolation). With no neighbour, the fitted model alone.
         """
         model = self.roofline(dtype)
-        near = self.neighbours(flops, bytes_moved, dtype, phase)
+        near = self.neighbours(flops, bytes_moved, dtype, phase, kind=kind if kind in self.kinds else "")
         if near and near[0][0] == 0.0:
             return near[0][1].time_s
         if near:
@@ -162,15 +165,40 @@ class Profile:
             return model.time_s(flops, bytes_moved) * math.exp(num / den)
         return model.time_s(flops, bytes_moved) if model is not None else None
 
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The operator kinds the kernel table measured."""
+        got = self.__dict__.get("_kinds")
+        if got is None:
+            got = frozenset(k.kind for k in self.kernels)
+            object.__setattr__(self, "_kinds", got)
+        return got
+
+    @property
+    def envelope(self) -> tuple[KernelTime, ...]:
+        """The kernel table with each time capped by the times of the entries of its kind, phase
+        and dtype that do at least as much work (flop and bytes both): a kernel that does less
+        of the same work is not slower, so a larger time is a measurement a busy machine
+        disturbed (the lower quartile of a case all of whose samples were preempted)."""
+        got = self.__dict__.get("_envelope")
+        if got is None:
+            got = tuple(dataclasses.replace(k, time_s=min(
+                [k.time_s] + [j.time_s for j in self.kernels if (j.kind, j.phase, j.dtype) == (k.kind, k.phase, k.dtype)
+                              and j.flops >= k.flops and j.bytes_moved >= k.bytes_moved]))
+                for k in self.kernels)
+            object.__setattr__(self, "_envelope", got)
+        return got
+
     def neighbours(self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None,
-                   count: int = 4) -> list[tuple[float, KernelTime]]:
-        """Up to ``count`` table entries nearest in (log flop, log bytes) within a factor NEAR in
-        both, as ``(distance, entry)``, nearest first."""
+                   count: int = 4, kind: str = "") -> list[tuple[float, KernelTime]]:
+        """Up to ``count`` entries of the table's :attr:`envelope` (of operator ``kind``, if given)
+        nearest in (log flop, log bytes) within a factor NEAR in both, as ``(distance, entry)``,
+        nearest first."""
         lim = math.log(NEAR) + 1e-9
         lf, lb = math.log(max(flops, 1.0)), math.log(max(bytes_moved, 1.0))
         found = []
-        for k in self.kernels:
-            if k.dtype != dtype or (phase is not None and k.phase != phase):
+        for k in self.envelope:
+            if k.dtype != dtype or (phase is not None and k.phase != phase) or (kind and k.kind != kind):
                 continue
             df, db = abs(math.log(max(k.flops, 1.0)) - lf), abs(math.log(max(k.bytes_moved, 1.0)) - lb)
             if df <= lim and db <= lim:

@@ -331,9 +331,10 @@ _reg(targets_fn=(F.gelu, torch.tanh, F.relu, F.silu, torch.sigmoid), methods=("t
      modules=(nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh), kind="activation", signature=_elementwise,
      flops=lambda c: 8.0 * c.out_numel, saves=_unary_saves, bwd_flops_ratio=1.0,
      functional=lambda m: (m.forward, (), {}))
+_dropout_p = lambda c: c.module.p if c.module is not None else c.kwargs.get("p", 0.5)  # noqa: E731
 _reg(targets_fn=(F.dropout,), modules=(nn.Dropout,), kind="dropout", signature=_elementwise,
-     flops=lambda c: float(c.out_numel),
-     saves=lambda c: ("out0",) if (c.module.p if c.module is not None else c.kwargs.get("p", 0.5)) > 0 else (),
+     flops=lambda c: float(c.out_numel) if _dropout_p(c) > 0 else 0.0,  # p = 0 returns its input: no kernel
+     saves=lambda c: ("out0",) if _dropout_p(c) > 0 else (),
      bwd_flops_ratio=1.0, functional=lambda m: (m.forward, (), {}))
 _reg(targets_fn=(_op.add, torch.add, _op.sub, torch.sub), methods=("add", "sub"),
      kind="add", signature=_elementwise, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.5)

@@ -234,11 +234,12 @@ class _GraphBuilder:
         for s in opdef.saves(ctx):
             idx = int(s[3:]) if s.startswith("out") else int(s[2:])
             saves.append(out_names[idx] if s.startswith("out") else inputs[idx])
+        flops = float(opdef.flops(ctx))
         nbytes = sum(self.tensors[t].nbytes for t in inputs + out_names) if opdef.kind not in (
-            "reshape", "permute", "transpose") else 0
+            "reshape", "permute", "transpose") and not (opdef.kind == "dropout" and flops == 0) else 0  # p = 0
         self.ops.append(Operator(
             name=node.name, kind=opdef.kind, inputs=tuple(inputs), outputs=tuple(out_names), signature=sig,
-            dim_sizes=sizes, flops=float(opdef.flops(ctx)), bytes_moved=float(nbytes),
+            dim_sizes=sizes, flops=flops, bytes_moved=float(nbytes),
             module=_module_path(node), call=call, saves=tuple(dict.fromkeys(saves)),
             bwd_flops_ratio=opdef.bwd_flops_ratio,
             add_once=tuple(k for k in opdef.add_once if k < len(inputs))))

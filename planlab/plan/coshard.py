@@ -284,8 +284,10 @@ class _Chunks:
             new = wr(b, c, full, chunk) if b else ""
             out_w.append(new or b)
             places.append(None if new or not b else (box, full))
+        fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
         return dict(reads=tuple(out_r), writes=tuple(out_w), slices=tuple(slices), places=tuple(places),
-                    chunk=c, flops=t.flops / self.k, bytes_moved=t.bytes_moved * frac, lead=t.lead and lead)
+                    chunk=c, flops=t.flops / self.k, bytes_moved=t.bytes_moved * frac, lead=t.lead and lead,
+                    shapes=tuple(g[3] for g in fgeo[0] + fgeo[1]) if fgeo else t.shapes)
 
     def _op(self, t: Task) -> Operator:
         return self.s.graph.op(t.op)

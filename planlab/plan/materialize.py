@@ -157,12 +157,20 @@ class _Layouts:
         return got
 
 
+def _piece_shapes(L: _Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
+    """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
+    its outputs (every piece has the same, since splits divide evenly)."""
+    ins = tuple(box_shape(L.needs(op, k).box(0, L.shapes[t])) for k, t in enumerate(op.inputs))
+    return ins + tuple(box_shape(L.has(op, j).box(0, L.shapes[t])) for j, t in enumerate(op.outputs))
+
+
 def _full(layout: Layout) -> Layout:
     return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
 
 
 def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision | None = None,
-                symmetric: bool = False, node_of: Callable[[int], int] | None = None) -> Program:
+                symmetric: bool = False, node_of: Callable[[int], int] | None = None,
+                overlap_grad_reduce: bool = True) -> Program:
     """Turn ``plan`` into a Program (see the module docstring for the passes).
 
     With ``symmetric``, devices are first grouped into classes from the plan alone
@@ -171,15 +179,18 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
     the simulator runs at cluster scale. ``node_of`` maps a device to its node
     (default: the plan's cluster). Raises InfeasiblePlan naming the operator or
     value when the plan cannot be realised (an operator left unplaced, a split
-    that does not divide, a bad schedule).
+    that does not divide, a bad schedule). ``overlap_grad_reduce=False`` reduces the
+    weight gradients without buckets: one all-reduce per group after the backward, in the
+    update block (DeepSpeed without gradient bucketing), instead of buckets overlapped with it.
     """
     graph = graph if graph is not None else trace_plan_model(plan)
     with paused_gc():
-        return _materialize(plan, graph, precision or precision_for(plan.cluster), symmetric, node_of)
+        return _materialize(plan, graph, precision or precision_for(plan.cluster), symmetric, node_of,
+                            overlap_grad_reduce)
 
 
 def _materialize(plan: Plan, graph: Graph, precision: Precision, symmetric: bool,
-                 node_of: Callable[[int], int] | None) -> Program:
+                 node_of: Callable[[int], int] | None, overlap: bool = True) -> Program:
     L = _Layouts(plan, graph)
     if symmetric and plan.num_devices > 1:
         from planlab.plan.symmetry import plan_classes, reduce_program
@@ -195,11 +206,11 @@ def _materialize(plan: Plan, graph: Graph, precision: Precision, symmetric: bool
             for d, c in enumerate(classes):
                 if d != c:
                     witnesses[c] = d  # the last member of each class
-            program = _build(plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()))
+            program = _build(plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()), overlap)
             reduced = reduce_program(program, classes, witnesses, node_of)
             if reduced is not None:
                 return reduced
-    return _build(plan, graph, L, precision, None)
+    return _build(plan, graph, L, precision, None, overlap)
 
 
 def _positions(mesh: Mesh, keep: frozenset[int] | None):
@@ -214,7 +225,8 @@ def _positions(mesh: Mesh, keep: frozenset[int] | None):
     return got
 
 
-def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None) -> Program:
+def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None,
+           overlap: bool = True) -> Program:
     """The passes, for every device or only for those in ``keep``."""
     topo = {op.name: i for i, op in enumerate(graph.operators)}
     m = plan.microbatches
@@ -248,6 +260,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     # -- pass 2: forward --------------------------------------------------------
     converted: dict[tuple[str, Layout], str] = {}
     saved_of: dict[str, tuple[str, ...]] = {}
+    shapes_of: dict[str, tuple[tuple[int, ...], ...]] = {}  # per operator, its pieces' local shapes
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor converted so far
     in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
@@ -304,12 +317,13 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             for s in op.saves if not (s in op.inputs and graph.tensors[s].role == "param")))
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         saved_of[op.name] = saved
+        shapes_of[op.name] = _piece_shapes(L, op)
         for flat, dev in _positions(mesh, keep):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
             lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
             task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
                         flops=op.flops / pieces / m, bytes_moved=op.bytes_moved / pieces / m,
-                        shape=out_shape, saved=saved, lead=lead)
+                        shape=out_shape, saved=saved, lead=lead, op_kind=op.kind, shapes=shapes_of[op.name])
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
@@ -377,7 +391,8 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         for flat, dev in _positions(mesh, keep):
             task = Task(op.name, TaskKind.BACKWARD, tuple(gbufs), writes, op=op.name, coord=flat,
                         flops=op.flops * op.bwd_flops_ratio / pieces / m,
-                        bytes_moved=op.bytes_moved / pieces / m, saved=fwd_saved)
+                        bytes_moved=op.bytes_moved / pieces / m, saved=fwd_saved, op_kind=op.kind,
+                        shapes=shapes_of.get(op.name, ()))
             emit(dev, blk, (-i, 1), task)
             for k, (t, w) in enumerate(zip(op.inputs, writes)):
                 if w.startswith("gc:"):
@@ -414,8 +429,14 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         sharded: set[str] = set()
         for gid, group in enumerate(sorted(buckets[dev])):
             items = buckets[dev][group]
-            if plan.zero == 0:
+            if plan.zero == 0 and overlap:
                 _overlapped_buckets(emit, dev, group, items, stage, graph, precision)
+                continue
+            if plan.zero == 0:  # one all-reduce of every gradient, after the backward
+                bufs = tuple(b for _, b, _ in sorted(items))
+                emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
+                                                collective="all_reduce", group=group,
+                                                nbytes=sum(n for _, _, n in items)))
                 continue
             if plan.zero == 3:  # planlab/plan/zero.py
                 units = units_of(items, group, graph, stage, precision.grad_bytes)

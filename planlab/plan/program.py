@@ -67,7 +67,9 @@ class Task:
     the memory effects, filled in by liveness analysis. A piece of a device's co-located pieces
     (:mod:`planlab.plan.coshard`) has its ``chunk`` index; ``slices`` gives, per read, the region
     of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
-    where it adds its result (None: it writes the whole buffer).
+    where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
+    as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
+    micro-batch) let the cost model price a compute task kernel by kernel.
     """
 
     name: str
@@ -99,6 +101,8 @@ class Task:
     places: tuple[tuple[Box, tuple[int, ...]] | None, ...] = ()
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
+    op_kind: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     def __str__(self) -> str:
         if self.kind in (TaskKind.SEND, TaskKind.RECV):

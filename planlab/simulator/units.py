@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.plan.program import Block, Task, TaskKind, is_static
 
 
@@ -117,22 +118,31 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     (:func:`overlap_writers` of the device's blocks; default: this block's) waits for the
     collective's latest run first."""
     units: list[Unit] = []
-    cur: list = []  # (task, duration, is_comm)
+    cur: list = []  # (task, (device s, host s), is_comm)
     writers = overlap_writers([block]) if writers is None else writers
     awaited: set[str] = set()  # buffers already waited for in this block
     prices = prices if prices is not None else {}
+    hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
 
-    def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
+    def times(t: Task) -> tuple[float, float]:
         key = (t.kind, t.flops, t.bytes_moved, t.collective, t.nbytes, t.group, len(t.writes),
-               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0)
+               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0, t.op_kind, t.shapes, t.accumulate,
+               tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else ())  # I/W parts
         got = prices.get(key)
         if got is None:
-            got = prices[key] = _task_time_s(t, cost, dtype)
+            got = prices[key] = cost.device_and_host_s(t, dtype) if hosted else (_task_time_s(t, cost, dtype), 0.0)
         return got
+
+    def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
+        return times(t)[0]
 
     def flush():
         if not cur:
             return
+        durations = [d for _, (d, _), _ in cur]
+        if hosted:  # the device waits for the host where the host is slower
+            durations = host_bound_elapsed_s(durations, [h for _, (_, h), _ in cur])
+        comm = sum(min(e, d) for (_, (d, _), c), e in zip(cur, durations) if c)  # the wait counts as compute
         mem = peak = 0
         at = cur[0][0].name
         for t, _, _ in cur:
@@ -140,9 +150,8 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
             if mem > peak:
                 peak, at = mem, t.name
             mem -= sum(sizes.get(b, 0) for b in t.free)
-        units.append(Segment(tuple(t.name for t, _, _ in cur),
-                             sum(d for _, d, c in cur if not c), sum(d for _, d, c in cur if c),
-                             peak, mem, tuple(d for _, d, _ in cur), at, tuple(c for _, _, c in cur)))
+        units.append(Segment(tuple(t.name for t, _, _ in cur), sum(durations) - comm, comm,
+                             peak, mem, tuple(durations), at, tuple(c for _, _, c in cur)))
         cur.clear()
 
     for t in block.tasks:
@@ -171,7 +180,7 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
             units.append(Collective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
                                     sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
         else:
-            cur.append((t, task_time_s(t, cost, dtype), t.kind is TaskKind.COLLECTIVE))
+            cur.append((t, times(t), t.kind is TaskKind.COLLECTIVE))
     flush()
     return tuple(units)
 

@@ -1,0 +1,87 @@
+"""GEMM time by tile and wave quantization, as NVIDIA's "Matrix Multiplication Background"
+user's guide describes it.
+
+A GEMM ``C[m, n] = A[m, k] @ B[k, n]`` (``batch`` of them) is cut into output tiles of
+``tm x tn``; each tile is one thread block that steps through ``k``. The tiles run in *waves*
+over the GPU's streaming multiprocessors (SMs): 108 on an A100, so 109 tiles take two waves,
+the second one nearly empty (*wave quantization*); a dimension that is not a multiple of the
+tile computes the padding anyway (*tile quantization*). A larger tile reuses more of what it
+loads (its arithmetic intensity is ``tm*tn / ((tm+tn) * element bytes)`` flop per byte) but
+makes fewer tiles, so the library picks per shape; so does this model, the fastest of the
+tile shapes the device lists. When the tiles do not fill the SMs and ``k`` is long, the
+library splits ``k`` (split-K) and adds the partial results, which costs an extra pass over
+the output in fp32.
+
+``time = max(waves * tile_s, bytes / achieved_hbm) ``, where ``tile_s`` is the tile's
+flop at the SM's share of the peak times the GEMM efficiency (the fraction of the peak the
+best GEMMs reach; the tile's own arithmetic intensity, against the L2 bandwidth per SM,
+may lower it), and ``bytes`` reads A and B and writes C once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planlab.errors import ConfigError
+
+SPLIT_K = (1, 2, 3, 4, 6, 8, 12, 16)  # split-K factors the model tries (cuBLAS uses such small factors)
+MIN_SPLIT_K = 128  # each split keeps at least this much of k
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """What the tile model needs of a GPU: its SMs, the best GEMMs' fraction of the peak, the
+    L2 bandwidth that feeds the tiles and the tile shapes its GEMM library uses."""
+
+    sm_count: int
+    efficiency: float  # fraction of the dense peak the best-shaped large GEMMs reach
+    l2_bytes_per_s: float
+    tiles: tuple[tuple[int, int], ...] = field(default=((256, 128), (128, 256), (128, 128), (256, 64),
+                                                        (64, 256), (128, 64), (64, 128), (64, 64)))
+
+    def __str__(self) -> str:
+        return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"
+
+
+def tile_efficiency(spec: GemmSpec, tm: int, tn: int, peak_flops_per_s: float, elem_bytes: int) -> float:
+    """The fraction of the peak one ``tm x tn`` tile reaches: the GEMM efficiency (that of the
+    best GEMMs, which use the tile of highest arithmetic intensity), lowered in proportion where
+    a smaller tile's arithmetic intensity needs more L2 bandwidth per SM than the best one's."""
+    def fed(a: int, b: int) -> float:  # fraction of the peak the L2 can feed a tile of a x b
+        intensity = a * b / ((a + b) * elem_bytes)  # flop per byte loaded
+        return min(1.0, spec.l2_bytes_per_s * intensity / peak_flops_per_s)
+
+    best = max(fed(a, b) for a, b in spec.tiles)
+    return spec.efficiency * fed(tm, tn) / best
+
+
+def gemm_time_s(spec: GemmSpec, *, batch: int, m: int, n: int, k: int, elem_bytes: int,
+                peak_flops_per_s: float, hbm_bytes_per_s: float) -> float:
+    """Seconds for ``batch`` GEMMs of ``m x k`` by ``k x n`` (no launch cost): the fastest tile
+    shape and split-K factor by tile and wave quantization, and at least the time to move
+    A, B and C once through memory at ``hbm_bytes_per_s`` (already the achieved bandwidth)."""
+    for name, v in (("batch", batch), ("m", m), ("n", n), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"GEMM dimension {name} must be an integer >= 1, got {v!r}")
+    per_sm_peak = peak_flops_per_s / spec.sm_count
+    best = math.inf
+    for tm, tn in spec.tiles:
+        eff = tile_efficiency(spec, tm, tn, peak_flops_per_s, elem_bytes)
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        for split in SPLIT_K:
+            if split > 1 and (tiles * split > spec.sm_count or k // split < MIN_SPLIT_K):
+                continue  # split-K only fills SMs that would otherwise stay idle
+            kk = math.ceil(k / split)
+            waves = math.ceil(tiles * split / spec.sm_count)
+            t = waves * 2.0 * tm * tn * kk / (per_sm_peak * eff)
+            if split > 1:  # partial sums in fp32 written and read back once more
+                t += 2.0 * split * batch * m * n * 4 / hbm_bytes_per_s
+            best = min(best, t)
+    t_mem = batch * (m * k + k * n + m * n) * elem_bytes / hbm_bytes_per_s
+    return max(best, t_mem)
+
+
+def gemm_flops(batch: int, m: int, n: int, k: int) -> float:
+    """Multiply-adds of the GEMM, as flop (2 per multiply-add)."""
+    return 2.0 * batch * m * n * k

@@ -1,0 +1,307 @@
+"""The kernels one operator launches, by its kind, phase and local shapes, in a software
+implementation (:class:`~planlab.costmodel.software.SoftwareSpec`).
+
+Each operator of the graph becomes a short list of :class:`Kernel` s: GEMMs (priced by
+:mod:`planlab.costmodel.gemm`) and memory-bound passes whose time is their traffic at the
+achieved HBM bandwidth. ``calls`` counts the framework calls the host makes for it (each
+costs the host's dispatch time; each kernel also its launch). The lists follow the code of
+the implementations (shapes in comments: ``B`` batch, ``H`` heads, ``T`` sequence, ``D``
+head dimension, ``N`` elements, ``eb`` bytes per activation element):
+
+* ``linear`` (``x[..., K] @ W[N, K]^T + b``): forward one GEMM ``M x N x K`` with the bias
+  in its epilogue; backward the input-gradient GEMM ``M x K x N``, the weight-gradient GEMM
+  ``N x K x M``, the bias gradient (a reduction reading ``dy``) and, per parameter, the
+  addition of this micro-batch's gradient into the accumulated one (PyTorch's autograd
+  accumulates ``.grad`` by a separate kernel; Megatron-DeepSpeed keeps it).
+* ``attention`` with ``megatron``: Megatron-LM's unfused core attention. Forward: the score
+  GEMM ``baddbmm`` (``B*H`` GEMMs ``T x T x D``) writes the ``T x T`` scores, the fused
+  scale-mask-softmax kernel reads and writes them (where Megatron's conditions for that kernel
+  fail, :func:`fused_softmax_available`, PyTorch's five fp32 passes instead), attention dropout reads them and writes
+  them and a one-byte mask, the context ``bmm`` (``T x D x T``) reads them, and the context is
+  permuted into a contiguous ``[T, B, H*D]``. Backward: the permute's copy, the two GEMMs of
+  the ``bmm``, dropout's and softmax's backward passes over the scores, the two GEMMs of the
+  ``baddbmm``. With ``torch``: one fused attention kernel each way (flash attention), priced
+  as a GEMM of the same flop.
+* ``layer_norm``: one pass forward (apex's fused kernel: read ``x``, write ``y``); backward
+  the input gradient (read ``dy``, ``x``, write ``dx``) and the weight gradients (read
+  ``dy``, ``x``), then accumulation of both weight gradients.
+* ``activation``, ``dropout``, ``softmax``, ``add``, ``mul``, ``copy``: element-wise
+  passes (dropout writes and reads a one-byte mask); an ``add`` has no backward kernel unless
+  it broadcast one input (then a reduction).
+* ``embedding`` (and the vocabulary-parallel ``vocab_embedding``, which first masks the ids
+  outside its shard and zeroes their rows): forward a gather; backward PyTorch's dense
+  embedding backward (zero the table's gradient, sort the ids, add the rows) and the
+  accumulation.
+* ``cross_entropy`` (and ``vocab_cross_entropy``) with ``megatron``: Megatron's
+  vocabulary-parallel cross entropy on fp32 logits: the conversion to fp32, max, subtract,
+  exp, sum, divide (forward), multiply by the incoming gradient and the conversion back
+  (backward), each a pass over the logits. With ``torch``: log-softmax and the loss's gather,
+  backward their gradients.
+* views (``reshape``, ``transpose``, ``permute``, ...): no kernel, one call each way.
+* ``matmul``: a batched GEMM; backward two.
+
+``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+VIEW_KINDS = frozenset({"reshape", "transpose", "permute", "expand", "getitem", "view"})
+INDEX_BYTES = 8  # int64 token ids
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: a batched GEMM ``(batch, m, n, k)`` or a memory-bound pass moving ``bytes``;
+    ``weight`` marks a backward kernel that computes or accumulates a weight's gradient."""
+
+    name: str
+    bytes: float = 0.0
+    gemm: tuple[int, int, int, int] | None = None
+    weight: bool = False
+
+    def __str__(self) -> str:
+        if self.gemm:
+            b, m, n, k = self.gemm
+            return f"{self.name}[{b}x{m}x{n}x{k}]"
+        return f"{self.name}[{self.bytes / 2**20:.3g} MiB]"
+
+
+@dataclass(frozen=True)
+class OpKernels:
+    """The kernels of one operator piece in one phase, and the framework calls that issue them."""
+
+    kernels: tuple[Kernel, ...]
+    calls: int
+
+    def part(self, *, inputs: bool, weights: bool) -> OpKernels:
+        """The kernels of a backward's input-gradient part (``inputs``), its weight-gradient part
+        (``weights``; zero-bubble's ``I`` and ``W`` tasks) or both; the calls shared in proportion
+        to the kernels, at least one for a part that has any."""
+        kept = tuple(k for k in self.kernels if (weights if k.weight else inputs))
+        if len(kept) == len(self.kernels):
+            return self
+        if not kept:
+            return OpKernels((), 0)
+        return OpKernels(kept, max(1, round(self.calls * len(kept) / len(self.kernels))))
+
+    def __str__(self) -> str:
+        return f"{self.calls} calls: " + ", ".join(str(k) for k in self.kernels)
+
+
+def _n(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _pass(name: str, nbytes: float, weight: bool = False) -> Kernel:
+    return Kernel(name, bytes=float(nbytes), weight=weight)
+
+
+def _gemm(name: str, batch: int, m: int, n: int, k: int, weight: bool = False) -> Kernel:
+    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight)
+
+
+def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
+    """Adding this micro-batch's weight gradients into the accumulated ones (read both, write one)."""
+    return [_pass("grad-accumulate", 3 * _n(p) * eb, True) for p in params]
+
+
+def op_kernels(kind: str, phase: str, shapes: tuple[tuple[int, ...], ...], eb: int,
+               implementation: str = "torch") -> OpKernels | None:
+    """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
+    given the local shapes of its inputs then outputs and ``eb`` bytes per activation element;
+    None when the kind is not modelled (or its shapes are not what the kind takes)."""
+    try:
+        return _KINDS[kind](phase, shapes, eb, implementation) if kind in _KINDS else \
+            OpKernels((), 1) if kind in VIEW_KINDS else None
+    except (IndexError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _linear(phase, shapes, eb, impl):
+    x, w = shapes[0], shapes[1]
+    has_bias = len(shapes) == 4
+    k = x[-1]
+    m = _n(x) // k
+    n = w[0]
+    if phase == "F":
+        return OpKernels((_gemm("gemm", 1, m, n, k),), 1)
+    ks = [_gemm("gemm-dgrad", 1, m, k, n), _gemm("gemm-wgrad", 1, n, k, m, True)]
+    if has_bias:
+        ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
+    params = [w] + ([shapes[2]] if has_bias else [])
+    return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
+
+
+def _attention(phase, shapes, eb, impl):
+    q, kk, v, o = shapes[0], shapes[1], shapes[2], shapes[-1]
+    t, d = q[-2], q[-1]
+    s = kk[-2]
+    e = v[-1]
+    bh = _n(q[:-2])
+    scores = bh * t * s  # elements of the T x S score matrix, over batch and heads
+    if impl != "megatron":  # one fused (flash) kernel each way, priced as a GEMM of the same flop
+        if phase == "F":
+            return OpKernels((_gemm("flash-attention", bh, t, s, d + e),), 1)
+        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e))),), 1)
+    ctx = _n(o) * eb
+    softmax = _megatron_softmax(phase, bh, t, s, scores, eb)
+    if phase == "F":
+        return OpKernels((
+            _gemm("baddbmm-scores", bh, t, s, d),
+            *softmax,
+            _pass("attention-dropout", scores * (2 * eb + 1)),
+            _gemm("bmm-context", bh, t, e, s),
+            _pass("permute-contiguous", 2 * ctx),
+        ), 11 + len(softmax))  # the kernels' calls and the views between them (view, transpose, empty, permute)
+    return OpKernels((
+        _pass("permute-contiguous", 2 * ctx),
+        _gemm("bmm-grad-probs", bh, t, s, e),
+        _gemm("bmm-grad-value", bh, s, e, t),
+        _pass("attention-dropout-bwd", scores * (2 * eb + 1)),
+        *softmax,
+        _gemm("baddbmm-grad-query", bh, t, d, s),
+        _gemm("baddbmm-grad-key", bh, s, d, t),
+    ), 9 + len(softmax))
+
+
+def fused_softmax_available(attn_batches: int, sq: int, sk: int) -> bool:
+    """Megatron-LM's FusedScaleMaskSoftmax.is_kernel_available for a causal mask in fp16/bf16: the
+    fused kernel needs ``16 < sk <= 4096``, ``sq`` and ``sk`` multiples of 4 and the batch x heads
+    a multiple of the kernel's batches per block (4 for ``sk > 128``, 8 below)."""
+    per_block = 4 if sk > 128 else 8  # 128 threads: 4 warps, one row each, or two rows per warp up to 128
+    return 16 < sk <= 4096 and sq % 4 == 0 and sk % 4 == 0 and attn_batches % per_block == 0
+
+
+def _megatron_softmax(phase: str, bh: int, t: int, s: int, scores: int, eb: int) -> list[Kernel]:
+    """The scale-mask-softmax of Megatron's attention: one fused kernel each way, or, where the
+    fused kernel is not available, PyTorch's path in fp32 (convert, scale, mask, softmax, convert
+    back; backward the same passes in reverse)."""
+    if fused_softmax_available(bh, t, s):
+        return [_pass("scale-mask-softmax" + ("" if phase == "F" else "-bwd"), (2 if phase == "F" else 3) * scores * eb)]
+    f32 = 4
+    if phase == "F":
+        return [_pass("scores-to-fp32", scores * (eb + f32)), _pass("scale", 2 * scores * f32),
+                _pass("mask-fill", scores * (2 * f32 + 1)), _pass("softmax-fp32", 2 * scores * f32),
+                _pass("probs-to-half", scores * (f32 + eb))]
+    return [_pass("grad-to-fp32", scores * (eb + f32)), _pass("softmax-fp32-bwd", 3 * scores * f32),
+            _pass("mask-fill-bwd", scores * (2 * f32 + 1)), _pass("scale-bwd", 2 * scores * f32),
+            _pass("grad-to-half", scores * (f32 + eb))]
+
+
+def _layer_norm(phase, shapes, eb, impl):
+    x = shapes[0]
+    n = _n(x)
+    params = [p for p in shapes[1:-1]]
+    rows = n // max(1, _n(params[0]) if params else x[-1])
+    if phase == "F":
+        return OpKernels((_pass("layer-norm", 2 * n * eb + rows * 8),), 1)
+    ks = [_pass("layer-norm-dx", 3 * n * eb + rows * 8)]
+    if params:
+        ks.append(_pass("layer-norm-dweight", 2 * n * eb, True))
+    return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
+
+
+def _elementwise(reads_f: float, reads_b: float):
+    def f(phase, shapes, eb, impl):
+        n = _n(shapes[-1])
+        return OpKernels((_pass("elementwise", (reads_f if phase == "F" else reads_b) * n * eb),), 1)
+    return f
+
+
+def _dropout(phase, shapes, eb, impl):
+    n = _n(shapes[-1])
+    return OpKernels((_pass("dropout" if phase == "F" else "dropout-bwd", n * (2 * eb + 1)),), 1)
+
+
+def _add(phase, shapes, eb, impl):
+    out = _n(shapes[-1])
+    ins = [_n(s) for s in shapes[:-1]]
+    if phase == "F":
+        return OpKernels((_pass("add", (sum(ins) + out) * eb),), 1)
+    reduce = [_pass("add-bwd-reduce", (out + i) * eb) for i in ins if i != out]  # broadcast: sum its gradient
+    return OpKernels(tuple(reduce), 1)
+
+
+def _mul(phase, shapes, eb, impl):
+    out = _n(shapes[-1])
+    ins = [_n(s) for s in shapes[:-1]]
+    if phase == "F":
+        return OpKernels((_pass("mul", (sum(ins) + out) * eb),), 1)
+    return OpKernels(tuple(_pass("mul-bwd", (2 * out + i) * eb) for i in ins), 1)
+
+
+def _copy(phase, shapes, eb, impl):
+    n = _n(shapes[-1])
+    return OpKernels((_pass("copy", 2 * n * eb),), 1) if phase == "F" else OpKernels((), 1)
+
+
+def _embedding(phase, shapes, eb, impl, vocab_parallel=False):
+    idx, table = shapes[0], shapes[1]
+    t = _n(idx)
+    v, h = table[0], _n(table[1:])
+    if phase == "F":
+        ks = [_pass("embedding-gather", t * INDEX_BYTES + 2 * t * h * eb)]
+        calls = 1
+        if vocab_parallel:  # Megatron's VocabParallelEmbedding: mask ids outside the shard, zero their rows
+            ks = [_pass("ids-mask", 4 * t * INDEX_BYTES) for _ in range(4)] + ks + \
+                [_pass("rows-mask", 2 * t * h * eb)]
+            calls = 7
+        return OpKernels(tuple(ks), calls)
+    ks = [_pass("embedding-bwd-zero", v * h * eb, True), _pass("embedding-bwd-sort", 4 * t * INDEX_BYTES, True),
+          _pass("embedding-bwd-segments", 4 * t * INDEX_BYTES, True), _pass("embedding-bwd-add", 3 * t * h * eb, True)]
+    return OpKernels(tuple(ks + _accumulate([table], eb)), 2)
+
+
+def _cross_entropy(phase, shapes, eb, impl):
+    logits = shapes[0]
+    n = _n(logits)
+    rows = n // logits[-1]
+    if impl == "megatron":  # vocabulary-parallel cross entropy on fp32 logits (Megatron-LM)
+        f32 = 4
+        if phase == "F":
+            ks = [_pass("to-fp32", n * (eb + f32))] if eb != f32 else []
+            ks += [_pass("max", n * f32), _pass("subtract-max", 2 * n * f32), _pass("exp", 2 * n * f32),
+                   _pass("sum-exp", n * f32), _pass("softmax-divide", 2 * n * f32)]
+            ks += [_pass("target-logit", 8 * rows * f32) for _ in range(6)]  # masks, gather, log, loss
+            return OpKernels(tuple(ks), 14)
+        ks = [_pass("target-one-hot", 4 * rows * f32), _pass("grad-multiply", 2 * n * f32)]
+        ks += [_pass("to-half", n * (f32 + eb))] if eb != f32 else []
+        return OpKernels(tuple(ks), 4)
+    if phase == "F":
+        return OpKernels((_pass("log-softmax", 2 * n * eb), _pass("nll-loss", 4 * rows * eb)), 2)
+    return OpKernels((_pass("nll-loss-bwd", n * eb), _pass("log-softmax-bwd", 3 * n * eb)), 2)
+
+
+def _matmul(phase, shapes, eb, impl):
+    a, b = shapes[0], shapes[1]
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError("not a matrix product")
+    m, k = a[-2], a[-1]
+    n = b[-1]
+    batch = _n(shapes[-1][:-2])
+    if phase == "F":
+        return OpKernels((_gemm("bmm", batch, m, n, k),), 1)
+    return OpKernels((_gemm("bmm-grad-a", batch, m, k, n), _gemm("bmm-grad-b", batch, k, n, m)), 1)
+
+
+_KINDS = {
+    "linear": _linear,
+    "attention": _attention,
+    "layer_norm": _layer_norm,
+    "layer_norm_fn": _layer_norm,
+    "rms_norm": _layer_norm,
+    "activation": _elementwise(2, 3),
+    "softmax": _elementwise(2, 3),
+    "dropout": _dropout,
+    "add": _add,
+    "mul": _mul,
+    "copy": _copy,
+    "embedding": _embedding,
+    "vocab_embedding": lambda p, s, e, i: _embedding(p, s, e, i, vocab_parallel=True),
+    "cross_entropy": _cross_entropy,
+    "vocab_cross_entropy": _cross_entropy,
+    "matmul": _matmul,
+}

@@ -1,0 +1,411 @@
+"""Kernel-level cost model: GEMMs by tile and wave quantization, Megatron's kernels per operator,
+the host's issue time, the software spec and its errors. Expected values are computed by hand
+from the formulas in the modules' docstrings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from planlab.costmodel import CostModel, load_cluster
+from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
+from planlab.costmodel.kernels import fused_softmax_available, op_kernels
+from planlab.costmodel.model import host_bound_elapsed_s
+from planlab.errors import ConfigError
+from planlab.plan.program import Task, TaskKind
+
+PEAK = 312e12  # A100 dense fp16 flop/s
+SMS = 108
+ONE_TILE = GemmSpec(SMS, 0.8, 1e30, ((128, 128),))  # one tile shape, unlimited L2: tile efficiency 0.8
+PER_SM = PEAK / SMS
+
+
+def tile_s(k: int, tm: int = 128, tn: int = 128, eff: float = 0.8) -> float:
+    """One tile's mainloop: its flop at one SM's share of the peak times the efficiency."""
+    return 2.0 * tm * tn * k / (PER_SM * eff)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, waves",
+    [
+        (128 * 12, 128 * 9, 4096, 1),  # 108 tiles: one full wave
+        (128 * 109, 128, 4096, 2),  # 109 tiles: a second wave for one tile (wave quantization)
+        (128 * 12, 128 * 9 - 1, 4096, 1),  # the last column of tiles padded (tile quantization): still 108 tiles
+        (128 * 12 + 1, 128 * 9, 4096, 2),  # one row too many: 117 tiles, two waves
+        (128 * 216, 128, 4096, 2),  # 216 tiles: exactly two waves
+    ],
+)
+def test_gemm_wave_and_tile_quantization(m: int, n: int, k: int, waves: int) -> None:
+    t = gemm_time_s(ONE_TILE, batch=1, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=1e30)
+    assert t == pytest.approx(waves * tile_s(k))
+
+
+def test_gemm_split_k_fills_idle_sms() -> None:
+    # 4 tiles of k = 8192 leave 104 SMs idle: split-K by 16 makes 64 tiles of k = 512 in one wave,
+    # plus writing and reading 16 fp32 partial outputs once.
+    m = n = 256
+    t = gemm_time_s(ONE_TILE, batch=1, m=m, n=n, k=8192, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=2e12)
+    expected = tile_s(512) + 2.0 * 16 * m * n * 4 / 2e12
+    assert t == pytest.approx(expected)
+    assert t < tile_s(8192)  # faster than one wave of the whole k
+
+
+def test_gemm_memory_floor() -> None:
+    # an outer product writes a large output: 8192 x 8 by 8 x 8192 in fp16 at 1 TB/s
+    m, n, k = 8192, 8192, 8
+    t = gemm_time_s(ONE_TILE, batch=1, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=1e12)
+    assert t == pytest.approx((m * k + k * n + m * n) * 2 / 1e12)
+
+
+FED_256x128 = 7219e9 * (256 * 128 / (384 * 2)) / PEAK  # the L2 feeds the best tile 0.987 of the peak
+
+
+@pytest.mark.parametrize(
+    "tm, tn, l2_GBps, expected",
+    [
+        (256, 128, 7219, 0.86),  # the best tile (intensity 42.7 flop/byte) reaches the GEMM efficiency
+        (128, 256, 7219, 0.86),
+        (128, 128, 7219, 0.86 * (7219e9 * 32 / PEAK) / FED_256x128),  # 32 flop/byte: 0.74 of the peak fed
+        (64, 64, 7219, 0.86 * (7219e9 * 16 / PEAK) / FED_256x128),
+        (64, 64, 1, 0.86 * 16 / (256 * 128 / 384 / 2)),  # starved L2: in proportion to the intensities
+    ],
+)
+def test_tile_efficiency_by_arithmetic_intensity(tm: int, tn: int, l2_GBps: float, expected: float) -> None:
+    spec = GemmSpec(SMS, 0.86, l2_GBps * 1e9)
+    assert tile_efficiency(spec, tm, tn, PEAK, 2) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "bh, sq, sk, available",
+    [(4, 1024, 1024, True), (2, 1024, 1024, False), (8, 2048, 2048, True), (16, 2048, 8192, False),
+     (4, 128, 128, False), (8, 128, 128, True), (4, 1023, 1024, False)],
+)
+def test_megatron_fused_softmax_conditions(bh: int, sq: int, sk: int, available: bool) -> None:
+    assert fused_softmax_available(bh, sq, sk) is available
+
+
+def test_unfused_attention_moves_the_scores_through_memory() -> None:
+    # B=2, H=4 (8 attention batches: the fused softmax is available), T=1024, D=64, fp16
+    q = (2, 4, 1024, 64)
+    found = op_kernels("attention", "F", (q, q, q, q), 2, "megatron")
+    scores = 2 * 4 * 1024 * 1024
+    by_name = {k.name: k for k in found.kernels}
+    assert by_name["baddbmm-scores"].gemm == (8, 1024, 1024, 64)
+    assert by_name["bmm-context"].gemm == (8, 1024, 64, 1024)
+    assert by_name["scale-mask-softmax"].bytes == 2 * scores * 2  # read and write fp16 scores
+    assert by_name["attention-dropout"].bytes == scores * (2 * 2 + 1)  # read, write, one-byte mask
+    assert by_name["permute-contiguous"].bytes == 2 * 2 * 4 * 1024 * 64 * 2
+    back = op_kernels("attention", "B", (q, q, q, q), 2, "megatron")
+    assert sorted(k.gemm for k in back.kernels if k.gemm) == sorted(
+        [(8, 1024, 1024, 64), (8, 1024, 64, 1024), (8, 1024, 64, 1024), (8, 1024, 64, 1024)])
+    assert {k.name: k.bytes for k in back.kernels}["scale-mask-softmax-bwd"] == 3 * scores * 2
+    # one attention batch fewer than the kernel needs: PyTorch's fp32 path, five passes each way
+    q1 = (1, 2, 1024, 64)
+    slow = op_kernels("attention", "F", (q1, q1, q1, q1), 2, "megatron")
+    s1 = 2 * 1024 * 1024
+    assert [k.bytes for k in slow.kernels if not k.gemm][:5] == [s1 * 6, s1 * 8, s1 * 9, s1 * 8, s1 * 6]
+    flash = op_kernels("attention", "F", (q, q, q, q), 2, "torch")
+    assert [k.gemm for k in flash.kernels] == [(8, 1024, 1024, 128)]
+
+
+@pytest.mark.parametrize(
+    "kind, phase, shapes, names, nbytes, calls",
+    [
+        ("linear", "F", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)), ["gemm"], [0.0], 1),
+        ("linear", "B", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)),
+         ["gemm-dgrad", "gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"],
+         [0.0, 0.0, (32 * 32 + 32) * 2, 3 * 512 * 2, 3 * 32 * 2], 3),
+        ("layer_norm", "F", ((32, 16), (16,), (16,), (32, 16)), ["layer-norm"], [2 * 512 * 2 + 32 * 8], 1),
+        ("dropout", "B", ((32, 16), (32, 16)), ["dropout-bwd"], [512 * 5], 1),
+        ("add", "F", ((32, 16), (16,), (32, 16)), ["add"], [(512 + 16 + 512) * 2], 1),
+        ("add", "B", ((32, 16), (32, 16), (32, 16)), [], [], 1),  # the gradient passes through
+        ("reshape", "F", ((32, 16), (512,)), [], [], 1),
+        ("vocab_cross_entropy", "B", ((8, 100), (8,), (1,)), ["target-one-hot", "grad-multiply", "to-half"],
+         [4 * 8 * 4, 2 * 800 * 4, 800 * 6], 4),
+    ],
+)
+def test_kernels_by_kind(kind, phase, shapes, names, nbytes, calls) -> None:
+    found = op_kernels(kind, phase, shapes, 2, "megatron")
+    assert [k.name for k in found.kernels] == names
+    assert [k.bytes for k in found.kernels] == nbytes
+    assert found.calls == calls
+    assert op_kernels(kind, phase, (), 2, "megatron") is None or kind == "reshape"  # shapes missing
+    assert op_kernels("mystery", phase, shapes, 2, "megatron") is None
+
+
+@pytest.mark.parametrize("kind, shapes, inputs, weights", [
+    ("linear", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)), ["gemm-dgrad"],
+     ["gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"]),
+    ("layer_norm", ((32, 16), (16,), (16,), (32, 16)), ["layer-norm-dx"],
+     ["layer-norm-dweight", "grad-accumulate", "grad-accumulate"]),
+    ("embedding", ((4, 8), (100, 16), (4, 8, 16)), [],
+     ["embedding-bwd-zero", "embedding-bwd-sort", "embedding-bwd-segments", "embedding-bwd-add", "grad-accumulate"]),
+    ("dropout", ((32, 16), (32, 16)), ["dropout-bwd"], []),
+])
+def test_backward_parts_partition_the_kernels(kind, shapes, inputs, weights) -> None:
+    """Zero-bubble's I and W tasks run the input- and weight-gradient kernels of the backward."""
+    whole = op_kernels(kind, "B", shapes, 2, "megatron")
+    i, w = whole.part(inputs=True, weights=False), whole.part(inputs=False, weights=True)
+    assert [k.name for k in i.kernels] == inputs and [k.name for k in w.kernels] == weights
+    assert whole.part(inputs=True, weights=True) is whole
+    assert (i.calls > 0) == bool(inputs) and (w.calls > 0) == bool(weights)
+
+
+def test_split_backward_tasks_are_priced_by_their_part() -> None:
+    """A linear's backward split into I (writes the input's gradient) and W (the weight's and
+    bias's): the device times add up to the whole backward's, kernel by kernel."""
+    from planlab.plan.backward_split import split_task
+
+    cost = CostModel.load(SPEC_PATH)
+    x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
+    whole = Task("fc", TaskKind.BACKWARD, ("g:y",), ("gc:x<fc.0", "wg:w", "wg:b"), flops=3e9, op_kind="linear",
+                 shapes=(x, w, b, y))
+    i, wt = split_task(whole, "linear")
+    dev = cost.cluster.device
+    dgrad = cost.kernel_time_s(op_kernels("linear", "B", (x, w, b, y), 2, "megatron").kernels[0], "fp16")
+    assert cost.device_and_host_s(i, "fp16")[0] == pytest.approx(dgrad)
+    assert cost.device_and_host_s(i, "fp16")[0] + cost.device_and_host_s(wt, "fp16")[0] == \
+        pytest.approx(cost.device_and_host_s(whole, "fp16")[0], rel=1e-12)
+    assert dgrad > dev.launch_overhead_s
+
+
+def test_zero_bubble_and_coshard_tasks_carry_their_kernels() -> None:
+    """The tasks the later passes of materialize make keep the operator's kind and their own
+    shapes: ZB-H1's I and W tasks together cost what 1F1B's backward does under the kernel model,
+    and a co-located chunk's shapes are its share of the piece's."""
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced("gpt-tiny", 8)
+    cost = CostModel.load(SPEC_PATH)
+    knobs = dict(dp=1, tp=1, pp=2, microbatch=2)
+    programs = {s: materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1),
+                                                           dict(knobs, schedule=s)), g) for s in ("1f1b", "zb-h1")}
+
+    def backward_s(prog, blocks):
+        return sum(cost.device_and_host_s(t, "fp16")[0] for d in prog.devices for (_, ph), blk in d.blocks.items()
+                   if ph in blocks for t in blk.tasks if t.kind is TaskKind.BACKWARD)
+
+    base, zb = backward_s(programs["1f1b"], "B"), backward_s(programs["zb-h1"], "IW")
+    assert zb == pytest.approx(base, rel=1e-9) and base > 0
+    plan = get_space("megatron*coshard").build(Context(g, spec, 8, "cpu", 2, 2, 1),
+                                               dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="mlp"))
+    tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order()]
+    fc = [t for t in tasks if t.kind is TaskKind.FORWARD and t.chunk >= 0 and t.op_kind == "linear"]
+    assert fc
+    for t in fc:  # (x, w, b, y) or (x, w, y): the chunk's GEMM holds its share of the piece's flop
+        x, w, y = t.shapes[0], t.shapes[1], t.shapes[-1]
+        assert 2 * math.prod(y) * x[-1] == pytest.approx(t.flops, rel=1e-9)  # shapes and flop per micro-batch
+        assert w[0] == y[-1]
+
+
+@pytest.mark.parametrize(
+    "device, host, elapsed",
+    [
+        ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]),  # the host is never in the way
+        ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [3.0, 2.0, 2.0]),  # host-bound: the device waits for each task
+        ([5.0, 0.5, 0.5], [1.0, 1.0, 1.0], [6.0, 0.5, 0.5]),  # the host ran ahead during the long kernel
+        ([0.5, 0.5, 5.0], [1.0, 1.0, 1.0], [1.5, 1.0, 5.5]),  # issued at 1, 2, 3: ends at 1.5, 2.5, 8
+        ([], [], []),
+    ],
+)
+def test_host_bound_elapsed_by_hand(device, host, elapsed) -> None:
+    assert host_bound_elapsed_s(device, host) == pytest.approx(elapsed)
+    if device:
+        assert sum(host_bound_elapsed_s(device, host)) >= max(sum(device), sum(host)) - 1e-12
+
+
+def software_spec(**software) -> dict:
+    spec = json.loads(open(SPEC_PATH).read())
+    spec["software"] = {**spec["software"], **software}
+    for key, value in software.items():
+        if value is None:
+            del spec["software"][key]
+    return spec
+
+
+SPEC_PATH = __import__("pathlib").Path(__file__).parents[1] / "benchmarks" / "specs" / "vtrain-a100-megatron.json"
+
+
+def test_kernel_model_prices_tasks(tmp_path) -> None:
+    cost = CostModel.load(SPEC_PATH)
+    sw, dev = cost.cluster.node.software, cost.cluster.device
+    assert cost.host_bound and sw.implementation == "megatron"
+    x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
+    fwd = Task("fc", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, b, y))
+    d, h = cost.device_and_host_s(fwd, "fp16")
+    gemm = gemm_time_s(dev.gemm, batch=1, m=2048, n=4096, k=1024, elem_bytes=2, peak_flops_per_s=312e12,
+                       hbm_bytes_per_s=dev.hbm_bytes_per_s * dev.memory_efficiency.max)
+    assert d == pytest.approx(gemm + dev.launch_overhead_s)
+    assert h == pytest.approx(sw.host_call_s + sw.host_launch_s)
+    assert cost.task_time_s(fwd, "fp16") == pytest.approx(max(d, h))
+    opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6)  # a million parameters
+    nbytes = 1e6 * sw.optimizer_bytes_per_param
+    assert cost.device_and_host_s(opt, "fp16")[0] == pytest.approx(
+        nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s)
+    coll = Task("ar", TaskKind.COLLECTIVE, collective="all_reduce", group=(0, 1), nbytes=2**20)
+    assert cost.device_and_host_s(coll, "fp16") == (cost.collective_time_s("all_reduce", 2**20, (0, 1)),
+                                                   sw.host_collective_s)
+    # without a software spec the device prices alone and the host is free
+    plain = CostModel.load("dgx-a100-80g")
+    assert not plain.host_bound and plain.device_and_host_s(fwd, "bf16")[1] == 0.0
+
+
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        (dict(implementation="jax"), ["'software.implementation'", "'jax'", "'megatron'", "'torch'"]),
+        (dict(host_call_us=-3), ["'software.host_call_us'", "microseconds"]),
+        (dict(host_call_ms=3), ["'software.host_call_ms'", "not a known field"]),
+        (dict(optimizer_bytes_per_param="52"), ["'software.optimizer_bytes_per_param'", "must be a number"]),
+        (dict(implementation=None), ["'software.implementation'", "missing"]),
+    ],
+)
+def test_malformed_software_spec(tmp_path, change, fragments) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(software_spec(**change)))
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    for fragment in [str(path), *fragments]:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "device_change, fragments",
+    [
+        (dict(sm_count=0), ["'device.sm_count'", "integer >= 1"]),
+        (dict(gemm_efficiency=1.5), ["'device.gemm_efficiency'", "(0, 1]", "fraction of the dense peak"]),
+        (dict(l2_GBps=None), ["'device.l2_GBps'", "missing"]),
+        (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
+        (dict(sm_count=None), ["'software'", "sm_count"]),
+    ],
+)
+def test_malformed_gemm_fields(tmp_path, device_change, fragments) -> None:
+    spec = json.loads(open(SPEC_PATH).read())
+    for key, value in device_change.items():
+        if value is None:
+            spec["device"].pop(key)
+        else:
+            spec["device"][key] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError) as info:
+        load_cluster(path)
+    for fragment in [str(path), *fragments]:
+        assert fragment in str(info.value)
+
+
+def test_gemm_tiles_from_the_spec(tmp_path) -> None:
+    spec = json.loads(open(SPEC_PATH).read())
+    spec["device"]["gemm_tiles"] = [[128, 128]]
+    path = tmp_path / "one-tile.json"
+    path.write_text(json.dumps(spec))
+    assert load_cluster(path).device.gemm.tiles == ((128, 128),)
+    assert math.isclose(load_cluster(SPEC_PATH).device.gemm.efficiency, 267.9 / 312, rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------- the measured system's plans (planlab.validation)
+
+
+@pytest.mark.parametrize("tp, vocab", [(1, 50304), (2, 50432), (4, 50688), (8, 51200), (16, 51200)])
+def test_megatron_pads_the_vocabulary(tp: int, vocab: int) -> None:
+    from planlab.validation import padded_vocab
+
+    assert padded_vocab(tp) == vocab
+
+
+def test_megatron_plan_splits_the_vocabulary_and_spans_nodes() -> None:
+    """tp=16 over two 8-GPU nodes: built directly (the tp space keeps tp inside a node); the
+    embedding, output layer and loss split the vocabulary; messages between stages carry a
+    tp-th and the receivers all-gather."""
+    from planlab.plan.program import TaskKind
+    from planlab.validation import MeasuredRun, program_of
+
+    run = MeasuredRun(gpus=32, global_batch=4, micro_batch=1, hidden=64, heads=16, layers=2, seq=32, tp=16,
+                      dp=1, pp=2, measured_s=1.0)
+    program, cost = program_of(run, str(SPEC_PATH))
+    assert cost.cluster.nodes == 4 and program.num_devices == 32 and program.microbatches == 4
+    tasks = [t for dp in program.devices for b in dp.blocks.values() for t in b.tasks]
+    kinds = {t.op_kind: t.shapes for t in tasks if t.kind is TaskKind.FORWARD}
+    vocab = 51200 // 16
+    assert kinds["vocab_embedding"][1] == (vocab, 64)  # the table's shard
+    assert kinds["linear"] and kinds["vocab_cross_entropy"][0] == (32, vocab)  # logits of one shard
+    sends = [t for t in tasks if t.kind is TaskKind.SEND]
+    gathers = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_gather"]
+    assert sends and gathers
+    assert all(t.nbytes == 1 * 32 * 64 * 2 // 16 for t in sends)  # a 16th of one micro-batch's fp16 activation
+    assert {len(t.group) for t in gathers} == {16}
+    tp_groups = {t.group for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce"
+                 and len(t.group) == 16}
+    assert tp_groups and all({cost.cluster.node_of(d) for d in g} == {g[0] // 8, g[0] // 8 + 1} for g in tp_groups)
+
+
+def test_shared_programs_give_the_same_prediction() -> None:
+    """A run materialized at one micro-batch per replica, its schedules made for its micro-batches,
+    is priced exactly as the run materialized whole."""
+    from planlab.validation import MeasuredRun, predict
+
+    run = MeasuredRun(gpus=4, global_batch=16, micro_batch=2, hidden=64, heads=4, layers=4, seq=32, tp=2, dp=1,
+                      pp=2, measured_s=0.01)
+    whole = predict(run, str(SPEC_PATH))
+    shared = predict(run, str(SPEC_PATH), batch=run.dp * run.micro_batch)
+    assert shared["predicted_s"] == pytest.approx(whole["predicted_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("# GPUs,global batch\n2,16\n", ["'micro batch'", "is missing"]),
+        (None, ["line 2", "'micro batch'", "'x'", "an integer"]),
+        ("HEADER\n2,16,8,1024,16,24,1024,1,2,2,372.16\n", ["line 2", "tp x dp x pp = 4 for 2 GPUs"]),
+    ],
+)
+def test_malformed_ground_truth(tmp_path, text, fragments) -> None:
+    from planlab.validation import _COLUMNS, load_runs
+
+    header = ",".join(_COLUMNS)
+    if text is None:
+        text = f"{header}\n2,16,x,1024,16,24,1024,1,1,2,372.16\n"
+    text = text.replace("HEADER", header)
+    path = tmp_path / "runs.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_runs(path)
+    for fragment in [str(path), *fragments]:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("nodes, factor", [(1, 1.0), (2, 1.0), (16, 0.76 / 0.92),
+                                           (4, (0.92 - 0.16 / 3) / 0.92), (128, 0.31 / 0.92), (512, 0.31 / 0.92)])
+def test_inter_node_collectives_slow_with_scale(nodes: int, factor: float) -> None:
+    from planlab.costmodel.comm import scale_efficiency
+
+    assert scale_efficiency(load_cluster(SPEC_PATH).node, nodes) == pytest.approx(factor)
+    assert scale_efficiency(load_cluster("dgx-a100-80g").node, nodes) == 1.0  # not in that spec
+
+
+def test_the_vtrain_spec_names_a_source_for_every_number() -> None:
+    """Every number of the validation's spec says where it comes from (datasheets, published
+    microbenchmarks, general figures; none from vTrain's rows)."""
+    spec = json.loads(open(SPEC_PATH).read())
+    for obj, sources in ((spec["device"], spec["device"]["source"]), (spec, spec["source"]),
+                         (spec["software"], spec["software"]["source"])):
+        numbers = {k for k, v in obj.items() if not isinstance(v, str) and k not in ("source", "device", "software")}
+        assert numbers <= set(sources), numbers - set(sources)
+        assert all(sources[k] and "PROVISIONAL" not in sources[k] for k in numbers)
+
+
+@pytest.mark.parametrize("batch", [4, 6])
+def test_rebatch_is_the_trace_at_that_batch(batch: int) -> None:
+    from planlab.graph.trace import trace
+    from planlab.models.registry import build_model
+    from planlab.validation import MeasuredRun, _traced, model_spec, rebatch
+
+    spec = model_spec(MeasuredRun(8, 32, 2, 64, 4, 2, 32, 2, 4, 1, 1.0))
+    made, traced = rebatch(_traced(spec), batch), trace(*build_model(spec, batch=batch))
+    assert made.tensors == traced.tensors and made.labels == traced.labels
+    assert [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in made.operators] == \
+        [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in traced.operators]
