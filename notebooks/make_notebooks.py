@@ -2,8 +2,8 @@
 
 A source is a Python file in the "percent" format (as jupytext reads it): a line ``# %%``
 starts a code cell, ``# %% [markdown]`` a markdown cell whose lines are comments (``# text``);
-in code cells, IPython magics are written as comments (``# %%bash``, ``# %time``) so that the
-source stays valid Python. Lines before the first marker are the source file's own header and
+in code cells, IPython magics are written as comments (``# %time x = f()``), and a cell that
+starts with a cell magic (``# %%bash``) is commented whole, so that the source stays valid Python. Lines before the first marker are the source file's own header and
 are left out. The
 notebooks are written without outputs or execution counts, with stable cell ids, so that
 regenerating an unchanged source rewrites the same bytes.
@@ -64,7 +64,10 @@ def build(source: Path) -> nbformat.NotebookNode:
             text = "\n".join(x[2:] if x.startswith("# ") else x.lstrip("#") for x in lines)
             nb.cells.append(nbformat.v4.new_markdown_cell(text, id=cell_id))
         else:
-            lines = [MAGIC.sub(r"\1", x) for x in lines]
+            if lines and lines[0].startswith("# %%"):  # a cell magic: the whole cell is commented
+                lines = [x[2:] if x.startswith("# ") else x.lstrip("#") for x in lines]
+            else:
+                lines = [MAGIC.sub(r"\1", x) for x in lines]
             nb.cells.append(nbformat.v4.new_code_cell("\n".join(lines), id=cell_id))
     nbformat.validate(nb)
     return nb

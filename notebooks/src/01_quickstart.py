@@ -210,7 +210,7 @@ print(tiny.attrs["best_plan"].describe())
 
 # %%
 # %%bash
-planlab run tiny.json --nproc 2 --steps 3
+# planlab run tiny.json --nproc 2 --steps 3
 
 # %% [markdown]
 # The report compares the measured iteration with the simulated one, per rank and per task kind,

@@ -25,8 +25,8 @@ import sys
 # The shell cells below call `planlab`: find the one installed beside this kernel's Python.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 
+import matplotlib.patches
 import matplotlib.pyplot as plt
-import pandas as pd
 from IPython.display import Image
 
 import planlab
@@ -40,7 +40,7 @@ import planlab
 
 # %%
 # %%bash
-planlab calibrate --quick --out cpu.json
+# planlab calibrate --quick --out cpu.json
 
 # %%
 from planlab.costmodel import load_profile
@@ -60,7 +60,7 @@ for fit in profile.collectives:
 
 # %%
 # %%bash
-planlab explore --model gpt-small --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --profile cpu.json --out pp2
+# planlab explore --model gpt-small --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --profile cpu.json --out pp2
 
 # %%
 plan = planlab.load_plan("pp2/best_plan.json")
@@ -96,7 +96,7 @@ pred.sim.device_table()
 
 # %%
 # %%bash
-planlab run pp2/best_plan.json --nproc 2 --steps 4 --profile cpu.json --trace measured.json --predicted-trace predicted.json
+# planlab run pp2/best_plan.json --nproc 2 --steps 4 --profile cpu.json --trace measured.json --predicted-trace predicted.json
 
 # %% [markdown]
 # ## 5. Compare task by task
@@ -159,6 +159,8 @@ for dev in sorted({e.device for e in measured}):
     labels += [f"device {dev} measured", f"device {dev} predicted"]
 ax.set_yticks([i + 0.4 for i in range(len(labels))], labels)
 ax.set_xlabel("time in the iteration (ms)")
+ax.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()], title="kind",
+          loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
 fig.savefig("timelines.png", dpi=100, bbox_inches="tight"), plt.close(fig)
 Image("timelines.png")
 
@@ -174,6 +176,6 @@ Image("timelines.png")
 # * Without `--profile`, the `cpu` spec's datasheet-like numbers price the plan; compare the two:
 #   `planlab simulate pp2/best_plan.json` against `planlab simulate pp2/best_plan.json --profile cpu.json`.
 #
-# On GPUs the same commands apply: calibrate one node (`planlab calibrate --cluster dgx-a100-80g`
-# measures the device of that cluster), then `planlab run` under `torchrun` on every node
-# (`docs/cluster.md`).
+# On a GPU cluster, `planlab run` works the same under `torchrun` or `srun` on every node, with
+# NCCL (`docs/cluster.md`). `planlab calibrate` measures CPUs and gloo only for now: GPU clusters
+# are priced from their spec files.

@@ -136,7 +136,7 @@ strag.index.name = "device 0 slower by"
 
 # %%
 # %%bash
-planlab simulate best_fast.json --straggler 0=1.5
+# planlab simulate best_fast.json --straggler 0=1.5
 
 # %% [markdown]
 # ## 3. A bigger batch
