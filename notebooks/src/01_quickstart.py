@@ -88,7 +88,7 @@ print(gpt.op("blocks_0_attn_q"))
 
 # %%
 df = planlab.explore("gpt3-1.3b", cluster="dgx-a100-40g", nodes=1, space="megatron", global_batch=32)
-print(f"{len(df)} plans, {int(df['feasible'].sum())} fit in memory")
+print(f"{len(df)} plans, {int(df['iter_time_s'].notna().sum())} simulated, {int(df['feasible'].sum())} fit in memory")
 df.head(10)
 
 # %% [markdown]

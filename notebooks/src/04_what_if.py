@@ -25,10 +25,12 @@ import pandas as pd
 from IPython.display import Image
 
 import planlab
+from planlab.search_spaces import get_space
 
 MODEL, NODES, BATCH = "gpt3-1.3b", 2, 64
 FIXED = {"recompute": "selective"}
-KNOBS = ["dp", "tp", "pp", "microbatch"]  # the columns that tell the plans of this grid apart
+SHOW = ["dp", "tp", "pp", "microbatch"]  # the knobs shown below
+KNOBS = [k.name for k in get_space("megatron").all_knobs()]  # every knob: together they name a plan
 
 # %% [markdown]
 # ## The baseline
@@ -40,7 +42,7 @@ KNOBS = ["dp", "tp", "pp", "microbatch"]  # the columns that tell the plans of t
 
 # %%
 base = planlab.explore(MODEL, cluster="dgx-a100-40g", nodes=NODES, global_batch=BATCH, fixed=FIXED)
-base[KNOBS + ["iter_time_s", "peak_mem_gib", "mfu", "feasible"]].head(6)
+base[SHOW + ["iter_time_s", "peak_mem_gib", "mfu", "feasible"]].head(6)
 
 # %% [markdown]
 # ## 1. Slower links: a cluster spec file of our own
@@ -66,13 +68,16 @@ slow = planlab.explore(MODEL, cluster="slow-links.json", nodes=NODES, global_bat
 fits = lambda df: df[df["feasible"] == True]  # noqa: E712  (plans that fit in device memory)
 both = fits(base).merge(fits(slow), on=KNOBS, suffixes=("_fast", "_slow"))
 both = both[KNOBS + ["iter_time_s_fast", "iter_time_s_slow"]].dropna().sort_values("iter_time_s_fast")
+vary = [k for k in KNOBS if both[k].nunique() > 1]  # the knobs that tell these plans apart
+both = both[vary + ["iter_time_s_fast", "iter_time_s_slow"]]
 both["slowdown"] = both["iter_time_s_slow"] / both["iter_time_s_fast"]
-both.head(8)
+both.index = range(1, len(both) + 1)  # plan numbers, for the plot below
+both.head(10)
 
 # %%
 def best(df):
     r = fits(df).iloc[0]  # explore ranks the fastest feasible plan first
-    return ", ".join(f"{k}={r[k]}" for k in KNOBS) + f": {r['iter_time_s']:.3f} s"
+    return ", ".join(f"{k}={r[k]}" for k in SHOW) + f": {r['iter_time_s']:.3f} s"
 
 
 print("best with 200 Gb/s:", best(base))
@@ -82,11 +87,11 @@ print("best with  25 Gb/s:", best(slow))
 # Data parallelism over both nodes all-reduces every gradient across the slow links once per
 # iteration; a pipeline with one stage per node sends only activations (a few MiB per
 # micro-batch) between the nodes and keeps the gradient all-reduce inside each node's NVLink.
-# Which plan wins depends on the links, and the plot shows each plan on both clusters.
+# Which plan wins depends on the links; the plot shows the plans of the table on both clusters.
 
 # %%
 plotted = both.head(10)
-labels = [f"dp{r.dp} tp{r.tp} pp{r.pp} mb{r.microbatch}" for r in plotted.itertuples()]
+labels = [f"plan {i}" for i in plotted.index]  # the rows of the table above
 fig, ax = plt.subplots(figsize=(9, 3.5))
 x = range(len(plotted))
 ax.bar([i - 0.2 for i in x], plotted["iter_time_s_fast"], width=0.4, label="8x 200 Gb/s per node")
@@ -152,7 +157,7 @@ for batch in (32, 64, 128, 256):
     df = planlab.explore(MODEL, cluster="dgx-a100-40g", nodes=NODES, global_batch=batch, fixed={**FIXED, "tp": 1})
     ok = fits(df)
     r = ok.iloc[0]
-    rows.append(dict(global_batch=batch, plans=len(df), feasible=len(ok), **{k: r[k] for k in KNOBS},
+    rows.append(dict(global_batch=batch, plans=len(df), feasible=len(ok), **{k: r[k] for k in SHOW},
                      iter_time_s=r["iter_time_s"], samples_per_s=batch / r["iter_time_s"],
                      peak_mem_gib=r["peak_mem_gib"]))
 batches = pd.DataFrame(rows).set_index("global_batch")
@@ -174,7 +179,7 @@ Image("batch.png")
 # simulated peak above device memory. Here are those of the largest batch:
 
 # %%
-df[df["feasible"] == False][KNOBS + ["peak_mem_gib", "reason"]].head(5)  # noqa: E712
+df[df["feasible"] == False][SHOW + ["peak_mem_gib", "reason"]].head(5)  # noqa: E712
 
 # %% [markdown]
 # ## Going further
