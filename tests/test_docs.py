@@ -72,8 +72,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
         "the whole grid takes minutes; the same model, cluster, batch and outputs with the knobs pinned"),
     ".venv/bin/python -m pytest -q": Elsewhere("the test suite itself"),
     # README.md: the loop
-    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --space megatron --global-batch 8 --out out/tiny":
-        ByTest("tests/test_cli.py::test_console_script_explore_then_run"),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --space megatron --global-batch 8 --out out/tiny": Run(),
     "planlab run out/tiny/best_plan.json --nproc 2 --steps 3": ByTest("tests/test_cli.py::test_console_script_explore_then_run"),
     "planlab run out/tiny/best_plan.json --nproc 2 --trace measured.json --predicted-trace predicted.json":
         ByTest("tests/test_executor_trace.py::test_cli_run_writes_both_traces_with_the_same_tasks"),
@@ -83,7 +82,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
         TWO_NODES,
     "srun --ntasks-per-node 8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 --data batches.pt":
         TWO_NODES,
-    "planlab simulate out/tiny/best_plan.json --trace trace.json": ByTest("tests/test_cli.py::test_simulate_json_and_trace"),
+    "planlab simulate out/tiny/best_plan.json --trace trace.json": Run(),
     "planlab models": Run(),
     "planlab clusters": Run(),
     "planlab spaces": Run(),
