@@ -1,6 +1,9 @@
 import functools
+import os
 
 import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")  # plots in tests (and the kernels of the notebook tests) draw off-screen
 
 from planlab.graph import trace
 from planlab.models import ModelSpec, build_model

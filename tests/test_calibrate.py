@@ -161,6 +161,17 @@ def test_profile_round_trips(tmp_path) -> None:
     assert dict(back.meta)["host"] == "test"
 
 
+def test_a_flat_collective_curve_saves_a_profile_that_loads(tmp_path) -> None:
+    """Noise can hide the bytes' cost of a collective (times flat or falling with size, as on a busy
+    machine during `calibrate --quick`): the fit keeps a finite bandwidth that the file accepts."""
+    for pts in ([(4096, 5e-4), (2**20, 5e-4), (2**24, 5e-4)], [(4096, 9e-4), (2**20, 6e-4), (2**24, 5e-4)]):
+        fit = fit_alpha_beta(pts)
+        assert fit.bytes_per_s == 1e13 and fit.alpha_s > 0
+        prof = dataclasses.replace(toy_profile(), collectives=(CollectiveFit("broadcast", 2, fit, tuple(pts)),))
+        back = load_profile(prof.save(tmp_path / "flat.json"))
+        assert back.collectives[0].fit.bytes_per_s == pytest.approx(1e13)
+
+
 def _broken(**changes) -> dict:
     obj = toy_profile().to_json()
     for key, value in changes.items():

@@ -88,3 +88,21 @@ def test_cli_run_writes_both_traces_with_the_same_tasks(tmp_path, capsys):
     meta = [e for e in json.loads(measured.read_text())["traceEvents"] if e["ph"] == "M"]
     assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name"} == \
         {(d, s) for d in (0, 1) for s in ("compute", "comm", "wait")}
+
+
+def test_read_trace_returns_the_events_written(tmp_path):
+    """A simulated trace read back (as the calibration notebook compares `planlab run`'s two files):
+    the same events, streams and times; a file that is not a trace is a ConfigError naming it."""
+    from planlab.errors import ConfigError
+    from planlab.executor.timeline import read_trace
+
+    sim = predict(_plan("pp")).sim
+    sim.write_trace(tmp_path / "p.json")
+    back = read_trace(tmp_path / "p.json")
+    assert [(e.device, e.stream, e.action, e.name) for e in back] == \
+        [(e.device, e.stream, e.action, e.name) for e in sim.events]
+    assert {e.stream for e in back} == {"compute", "comm", "wait"}
+    assert max(abs(a.start_s - b.start_s) + abs(a.end_s - b.end_s) for a, b in zip(back, sim.events)) < 1e-12
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="bad.json' is not a trace written by planlab"):
+        read_trace(tmp_path / "bad.json")

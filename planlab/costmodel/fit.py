@@ -80,6 +80,9 @@ def _check_points(points: Sequence[Sequence[float]], width: int, what: str, mini
     return arr
 
 
+MAX_BYTES_PER_S = 1e13  # 10 TB/s: above any link, below the 1e5 GB/s a profile file accepts
+
+
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> AlphaBeta:
     """Fit ``time = alpha + nbytes / bandwidth`` to ``(nbytes, seconds)`` points by least squares
     on relative error, with alpha >= 0 and bandwidth > 0. Needs two distinct sizes."""
@@ -88,8 +91,8 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> AlphaBeta:
     if len(set(x)) < 2:
         raise ConfigError("fit_alpha_beta needs measurements at two different sizes at least")
     alpha, beta = fit_linear(np.stack([np.ones_like(x), x], axis=1), t)
-    beta = max(beta, 1e-18)  # s per byte: a flat curve still has a (huge) bandwidth
-    return AlphaBeta(alpha, 1.0 / beta)
+    # A flat curve (noise hides the bytes' cost) gets the highest bandwidth a profile holds.
+    return AlphaBeta(alpha, min(1.0 / beta, MAX_BYTES_PER_S) if beta > 0 else MAX_BYTES_PER_S)
 
 
 def fit_linear(features: np.ndarray | Sequence[Sequence[float]], times: Sequence[float]) -> tuple[float, ...]:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from planlab.plan.program import Program
-from planlab.simulator.result import Event, SimResult, write_chrome_trace
+from planlab.simulator.result import TRACE_THREADS, Event, SimResult, write_chrome_trace
 
 #: The trace stream each task kind is drawn on, as in the simulator.
 STREAMS: dict[str, str] = {"F": "compute", "B": "compute", "L": "compute", "O": "compute",
@@ -64,6 +65,22 @@ def write_trace(path: str | os.PathLike, events: Sequence[Event]) -> None:
     """A Chrome/Perfetto trace of ``events`` in the simulator's format (a process per device,
     a thread per stream)."""
     write_chrome_trace(path, [(e.device, e.stream, e.action, e.name, e.start_s, e.end_s) for e in events])
+
+
+def read_trace(path: str | os.PathLike) -> list[Event]:
+    """The task events of a Chrome/Perfetto trace written by :func:`write_trace`,
+    ``planlab run --trace`` or ``--predicted-trace`` (or ``SimResult.write_trace``), in file order."""
+    import json
+
+    from planlab.errors import ConfigError
+
+    try:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{os.fspath(path)!r} is not a trace written by planlab ({e})") from None
+    names = {v: k for k, v in TRACE_THREADS.items()}
+    return [Event(int(e["pid"]), names.get(e["tid"], "other"), e["cat"], e["name"], e["ts"] / 1e6,
+                  (e["ts"] + e["dur"]) / 1e6) for e in events if e.get("ph") == "X"]
 
 
 def task_lists(events: Iterable[Event]) -> dict[tuple[int, str], list[str]]:

@@ -119,9 +119,12 @@ class SimResult:
                            counters=self.memory)
 
 
+TRACE_THREADS = {"compute": 0, "comm": 1, "wait": 2}  # stream -> thread id in a Chrome trace (3: any other)
+
+
 def write_chrome_trace(path: str | os.PathLike, events, counters=()) -> None:
     """Write ``(device, stream, action, name, start_s, end_s)`` events as Chrome trace JSON."""
-    tids = {"compute": 0, "comm": 1, "wait": 2}
+    tids = TRACE_THREADS
     out = []
     for dev in sorted({e[0] for e in events}):
         out.append({"ph": "M", "name": "process_name", "pid": dev, "args": {"name": f"device {dev}"}})
