@@ -5,8 +5,9 @@
 #
 # planlab answers "how should I split this model over these GPUs?" offline. It traces the model
 # with `torch.fx` on *meta* tensors (shapes only, no memory), builds every plan of a search space
-# (data, tensor and pipeline parallelism, recomputation, ...), simulates one training iteration of
-# each against a model of the cluster, and ranks them by time and memory. The plan you pick runs
+# (data, tensor and pipeline parallelism, recomputation, ...), estimates each in a fraction of a
+# millisecond, simulates one training iteration of the most promising ones against a model of the
+# cluster, and ranks them by time and memory. The plan you pick runs
 # on `torch.distributed` with `planlab run`.
 #
 # In this notebook (about a minute on a laptop CPU):
@@ -79,16 +80,20 @@ print(gpt.op("blocks_0_attn_q"))
 # %% [markdown]
 # ## 2. Explore the Megatron grid
 #
-# The `megatron` space is the grid of Megatron-LM: data parallelism (`dp`) x tensor parallelism
-# (`tp`, inside a node) x pipeline parallelism (`pp`, 1F1B) x micro-batch size x activation
-# recomputation (none, selective, full). `explore` builds every plan of the grid for the model,
-# cluster and global batch, bounds its memory, simulates the rest, and ranks them. The cluster is
+# The `megatron` space is the grid of Megatron-LM and DeepSpeed: data parallelism (`dp`, with
+# ZeRO stage `zero`) x tensor parallelism (`tp`, inside a node, with `sequence_parallel`) x
+# pipeline parallelism (`pp`; 1F1B, or interleaved 1F1B over `virtual_stages`) x micro-batch size
+# x activation recomputation (none, selective, full). `explore` builds every plan of the grid for
+# the model, cluster and global batch and **screens** it: an analytic estimate of its time and
+# memory from the plan's structure. Plans whose memory cannot fit are dropped; the most promising
+# (the fastest by the screen, those along its Pareto front, the best of each part of the space)
+# are materialized and **simulated** event by event, and the results ranked. The cluster is
 # one node of the built-in `dgx-a100-40g` (8 A100 40 GB GPUs, NVLink; `planlab clusters` lists
 # the others).
 
 # %%
 df = planlab.explore("gpt3-1.3b", cluster="dgx-a100-40g", nodes=1, space="megatron", global_batch=32)
-print(f"{len(df)} plans, {int(df['iter_time_s'].notna().sum())} simulated, {int(df['feasible'].sum())} fit in memory")
+print(f"{len(df)} plans, {int(df['simulated'].sum())} simulated, {int(df['feasible'].sum())} simulated and fit in memory")
 df.head(10)
 
 # %% [markdown]
@@ -99,19 +104,23 @@ df.head(10)
 #
 # | column | meaning |
 # |---|---|
+# | `screen_time_s`, `screen_mem_gib`, `screen_rank` | the screen's estimate of every plan, and its rank by time |
+# | `simulated` | the plan was simulated (the others keep their screen estimate) |
 # | `iter_time_s` | one simulated training iteration (forward, backward, optimizer step), seconds |
 # | `peak_mem_gib` | peak memory of the fullest device, GiB |
 # | `tflops_per_gpu`, `mfu` | model FLOP/s per GPU and its fraction of the GPU's peak |
-# | `feasible` | the peak fits in device memory |
-# | `reason` | why a plan does not fit (or failed to build) |
+# | `feasible` | simulated, and the peak fits in device memory |
+# | `reason` | why a plan does not fit, failed to build, or was not simulated |
 # | `pareto` | no other feasible plan is both faster and smaller |
 #
 # It is an ordinary pandas DataFrame: filter, group and plot it as you like.
 
 # %%
-KNOBS = ["dp", "tp", "pp", "microbatch", "recompute"]
-print(df[df["feasible"] == False][KNOBS + ["peak_mem_gib", "reason"]].head(3).to_string())  # noqa: E712
-df.groupby("recompute")["iter_time_s"].min()
+KNOBS = ["dp", "tp", "pp", "microbatch", "zero", "recompute"]
+simulated = df[df["simulated"]]
+print(simulated[~simulated["feasible"].astype(bool)][KNOBS + ["peak_mem_gib", "reason"]].head(3).to_string())
+print(df[~df["simulated"]][KNOBS + ["screen_time_s", "reason"]].head(3).to_string())
+simulated.groupby("recompute")["iter_time_s"].min()
 
 # %% [markdown]
 # The Pareto front: each plan on it is the fastest that fits in its memory. Plans that leave more
