@@ -274,3 +274,30 @@ def test_coshard_plans_match_one_process(model, model_args, knobs):
         assert ran == want  # collectives, sends and receives included
         assert sum("@" in t["task"] for t in res.timeline if t["device"] == dev) == \
             sum(t.chunk >= 0 for _, t in prog.devices[dev].tasks_in_order()) > 0
+
+
+def test_selective_recompute_is_not_a_second_row_of_a_coshard_attention_plan():
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    sp = get_space("megatron*coshard")
+    rows = sp.enumerate(ctx, {"dp": 1, "tp": 2, "pp": 1, "microbatch": 8})
+    recomputes = {(r["coshard"], r["coshard_blocks"]): set() for r in rows}
+    for r in rows:
+        recomputes[(r["coshard"], r["coshard_blocks"])].add(r["recompute"])
+    assert recomputes[(1, "attention")] == {"none", "selective", "full"}
+    assert recomputes[(2, "attention")] == recomputes[(2, "both")] == {"none", "full"}
+    assert recomputes[(2, "mlp")] == {"none", "selective", "full"}
+    with pytest.raises(ConfigError, match="recompute='selective' adds nothing"):
+        sp.build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention",
+                           recompute="selective"))
+
+
+def test_sequence_parallelism_is_refused_where_it_splits_nothing():
+    spec, g = traced("swin-tiny", 8, (("num_heads", "4,8,16"),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    with pytest.raises(ConfigError, match="sequence_parallel=True would split nothing"):
+        get_space("megatron").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True))
+    assert {r["sequence_parallel"] for r in get_space("megatron").enumerate(ctx, {"tp": 2})} == {False}
+    spec, g = traced("gpt-tiny", 8)
+    gctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    assert {r["sequence_parallel"] for r in get_space("megatron").enumerate(gctx, {"tp": 2})} == {False, True}

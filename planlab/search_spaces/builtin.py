@@ -207,6 +207,9 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
         Constraint.where(lambda k: not k["sequence_parallel"] or k["tp"] > 1,
                          "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp={tp}"),
+        Constraint.where(lambda k, c: not k["sequence_parallel"] or sequence_parallel_splits(c.graph),
+                         lambda a, c: "sequence_parallel=True would split nothing in this model: no operator that "
+                                      "tensor parallelism replicates carries the sequence of its first input"),
         ALL_DEVICES,
     )
 
@@ -240,6 +243,12 @@ def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
 
 
 _BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(\.|$)")
+
+
+def sequence_parallel_splits(g: Graph) -> bool:
+    """Whether sequence parallelism splits anything in ``g`` that tensor parallelism replicates
+    (a model without a sequence in its first input, such as Swin's images, gets the same plan)."""
+    return sequence_parallel_dims(g) != tensor_parallel_dims(g)
 
 
 _STAGES_CACHE: dict[tuple[int, int, int], tuple[Graph, dict[str, int]]] = {}

@@ -35,6 +35,13 @@ def _heads_ok(k, c: Context) -> bool:
     return c.heads % (tp * k["coshard"]) == 0
 
 
+def _recompute_differs(k) -> bool:
+    """recompute=selective is not the same plan as recompute=none (a space without recompute: true)."""
+    if k["coshard"] == 1 or k["coshard_blocks"] == "mlp" or "recompute" not in list(k):
+        return True
+    return k["recompute"] != "selective"
+
+
 class Coshard(Space):
     """The tensor-parallel dimension of a layer's attention and/or MLP operators split
     ``coshard`` times more, the pieces of a device run one after another, each recomputed
@@ -55,6 +62,12 @@ class Coshard(Space):
                                       "no effect; use coshard_blocks='attention' or coshard > 1"),
         Constraint.where(_heads_ok, lambda a, c: f"tp={a.get('tp') or 1} x coshard={a['coshard']} does not divide "
                                                  f"the model's {c.heads} attention heads"),
+        # co-sharded attention is recomputed piece by piece already: selective recompute (the attention
+        # core) would add nothing, and give a second row of the same plan
+        Constraint.where(_recompute_differs,
+                         lambda a, c: f"coshard={a['coshard']} of the {a['coshard_blocks']} recomputes the attention "
+                                      "piece by piece already, so recompute='selective' adds nothing; use 'none' "
+                                      "or 'full'"),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
