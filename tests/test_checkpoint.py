@@ -313,3 +313,19 @@ def test_zero_checkpoints_continue_under_tp_or_pp_and_back(tmp_path, zero, plain
     last = launch_local(z_plan, 2, steps=2, lr=LR, check=False, load_dir=tmp_path / "b")
     assert first.losses + mid.losses + last.losses == pytest.approx(ref.losses, abs=1e-5)
     assert read_manifest(tmp_path / "b")["steps"] == 3
+
+
+def test_a_resumed_run_goes_on_with_the_next_batch_of_its_data(tmp_path):
+    """Two steps saved, then one step resumed: the resumed step trains on the third batch, as the
+    uninterrupted run's third step does (not on the first batch again)."""
+    plan = _plan("tp")[0]
+    _, example = build_model(plan.model, batch=8)
+    gen = torch.Generator().manual_seed(7)
+    batches = [tuple(torch.randint(0, 128, x.shape, generator=gen) for x in example) for _ in range(3)]
+    torch.save(batches, tmp_path / "data.pt")
+    ref = reference_run(plan.model, global_batch=8, steps=3, lr=LR, batches=batches)
+    launch_local(plan, 2, steps=2, lr=LR, check=False, data=tmp_path / "data.pt", save_dir=tmp_path / "ck")
+    resumed = launch_local(plan, 2, steps=1, lr=LR, check=False, data=tmp_path / "data.pt", load_dir=tmp_path / "ck")
+    assert resumed.losses == pytest.approx(ref.losses[2:], abs=1e-5)
+    assert ref.losses[2] != pytest.approx(reference_run(plan.model, global_batch=8, steps=3, lr=LR,
+                                                        batches=[batches[0], batches[1], batches[0]]).losses[2])

@@ -8,7 +8,8 @@
 * ``package.module:function``: called as ``function(global_batch=B, steps=N)``, it returns
   an iterable of such batches (the first N are used).
 
-Step ``s`` trains on batch ``s % len(batches)``. Every rank loads the same batches (each
+Step ``s`` trains on batch ``s % len(batches)``, counting the steps of the checkpoint a run
+starts from (a resumed run goes on with the next batch). Every rank loads the same batches (each
 takes its part of the batch as the plan's load tasks say), and so does the single-process
 reference of the numeric check.
 """

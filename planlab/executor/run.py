@@ -220,8 +220,6 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         memory = PeakMemory(device)
         memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
         skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
-        batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps) \
-            if cfg.data else None
         shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
         interp = Interpreter(program, graph, rank, skeleton, inputs, groups, lr=cfg.lr, torch_device=device,
                              progress=progress, fault=fault, shards=shards, clip_grad_norm=cfg.clip_grad_norm)
@@ -230,11 +228,14 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
             loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
+        # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
+        batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch,
+                               steps=loaded_steps + cfg.steps) if cfg.data else None
         losses, times, norms = [], [], []
         for step in range(cfg.steps):
             interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
             if batches:
-                interp.set_inputs(batches[step % len(batches)])
+                interp.set_inputs(batches[(loaded_steps + step) % len(batches)])
             phase(f"step {step}, barrier before the step", everyone)
             dist.barrier(group=ctl)
             t0 = time.perf_counter()
