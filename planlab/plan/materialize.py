@@ -31,6 +31,7 @@ from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_num
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
 
 def precision_for(cluster: str) -> Precision:
@@ -265,7 +266,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
     nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
-    fwd_only = _forward_only_ops(graph, nograd) if nograd else frozenset()
+    fwd_only = forward_only_ops(graph, nograd) if nograd else frozenset()
     held: dict[int, set] = defaultdict(set)  # recycling: a parameter each pass uses is held once
     for i, op in enumerate(graph.operators):
         mesh, blk = L.mesh[op.name], (stage[op.name], "F")
@@ -273,7 +274,8 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         for ti, t in enumerate(op.inputs):
             spec, need = graph.tensors[t], L.needs(op, ti)
             if spec.role == "param" and nograd:  # planlab/search_spaces/recycling.py
-                _use_shared_param(op, ti, t, need, mesh, keep, L, owner, fwd_only, params_on, held)
+                use_shared_param(op, ti, t, [(dev, need.box(flat, L.shapes[t])) for flat, dev in _positions(mesh, keep)],
+                                 owner, fwd_only, params_on, held)
                 bufs.append(f"w:{t}")
                 continue
             if spec.role == "param":
@@ -336,7 +338,9 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
 
     if nograd:
-        _check_shared_params(owner, params_on, L, keep)
+        check_shared_params(params_on, {p: [(dev, L.needs(op, k).box(flat, L.shapes[p]))
+                                            for flat, dev in _positions(L.mesh[op.name], keep)]
+                                        for p, (op, k) in owner.items()})
 
     # -- pass 3: backward -------------------------------------------------------
     dead: set[str] = set()  # operators without a backward: nothing they produce reaches the loss
@@ -526,51 +530,6 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         holders.append((dev, f"a:{graph.loss}", int(primary)))
     return Program(devices=tuple(programs), microbatches=m, precision=precision,
                    groups=tuple(sorted(g for g in groups if len(g) > 1)), loss_holders=tuple(holders))
-
-
-def _forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
-    """Operators whose outputs reach the loss only through a detach (the no-grad recycling passes):
-    they get no backward, so a parameter they use gets its gradient from its other users."""
-    live: set[str] = set()
-    for op in reversed(graph.operators):
-        if op.outputs[0] == graph.loss or any(
-                t not in nograd and graph.tensors[t].is_float and c.name in live
-                for t in op.outputs for c in graph.consumers.get(t, [])):
-            live.add(op.name)
-    return frozenset(op.name for op in graph.operators if op.name not in live)
-
-
-def _use_shared_param(op: Operator, ti: int, t: str, need: Layout, mesh: Mesh, keep, L: _Layouts, owner: dict,
-                      fwd_only: frozenset[str], params_on: dict, held: dict) -> None:
-    """A parameter read by several operators, at most one with a backward (AlphaFold2's recycling
-    runs the same trunk once per pass, all but the last without gradients): that one owns its
-    gradient; each device holds each piece once. The pieces of the forward-only uses must be pieces
-    the owner holds on the same devices (checked in :func:`_check_shared_params`)."""
-    if op.name not in fwd_only:
-        if t in owner and owner[t][0] is not op:
-            raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
-                                 f"{op.name!r}; tied weights are not supported yet")
-        owner[t] = (op, ti)
-    for flat, dev in _positions(mesh, keep):
-        box = need.box(flat, L.shapes[t])
-        if (t, box) not in held[dev]:
-            held[dev].add((t, box))
-            params_on[dev].append((t, box))
-
-
-def _check_shared_params(owner: dict, params_on: dict, L: _Layouts, keep) -> None:
-    """Every parameter piece a device holds for a forward-only (recycling) use is one the owner of
-    its gradient holds there too: otherwise that copy would never be updated."""
-    owned = defaultdict(set)
-    for p, (op, k) in owner.items():
-        for flat, dev in _positions(L.mesh[op.name], keep):
-            owned[dev].add((p, L.needs(op, k).box(flat, L.shapes[p])))
-    for dev, items in params_on.items():
-        for p, box in items:
-            if (p, box) not in owned[dev]:
-                raise InfeasiblePlan(f"parameter {p!r} is read on device {dev} by a recycling pass without "
-                                     "gradients, but the pass with gradients does not hold that piece there: "
-                                     "place and split each pass's operators as the last pass's")
 
 
 # Megatron-LM's default gradient bucket (--ddp-bucket-size: 40M elements).
