@@ -1,6 +1,6 @@
 """The ``3f1b`` space (planlab/search_spaces/recycling.py) and its schedule: golden text, no deadlock
 over a table of pipeline sizes, micro-batches and recycling passes (with the plain recycling
-schedule of ``pp`` next to it), fewer bubbles than the plain schedule in simulation, and the
+schedule of ``pp`` next to it), 1F1B's memory where the plain schedule needs GPipe's, and the
 constraints' messages."""
 
 import pytest
@@ -52,21 +52,25 @@ def test_no_deadlock(pp, mbs, passes):
         assert find_deadlock(prog, raise_error=False) is None, (space, pp, mbs, passes)
 
 
-def test_3f1b_fills_the_bubbles_of_the_plain_schedule():
+def test_3f1b_keeps_1f1b_memory_where_the_plain_schedule_cannot():
+    """On two device groups the plain schedule must run the last pass's forwards first on group 0
+    (GPipe's memory); 3f1b keeps 1F1B's, in about the same time. (Its time does not beat the plain
+    schedule's: that one has no flush between the passes either, see docs/spaces.md.)"""
     import planlab
 
-    spec, g = traced("evoformer-tiny", 8, (("blocks", 4), ("recycles", 3)))
-    times = {}
+    spec, _ = traced("evoformer-tiny", 8, (("blocks", 4), ("recycles", 3)))
+    got = {}
     for space in ("3f1b", "megatron"):
-        df = planlab.explore(spec, cluster="cpu", nodes=4, space=space, global_batch=8,
-                             fixed=dict(pp=4, dp=1, tp=1, microbatch=1, recompute="none"))
-        times[space] = float(df["iter_time_s"].min())
-    assert times["3f1b"] < 0.95 * times["megatron"], times
+        df = planlab.explore(spec, cluster="cpu", nodes=2, space=space, global_batch=8,
+                             fixed=dict(pp=2, dp=1, tp=1, microbatch=1, recompute="none"))
+        got[space] = (float(df["iter_time_s"].min()), float(df["peak_mem_gib"].min()))
+    assert got["3f1b"][1] < 0.5 * got["megatron"][1], got
+    assert got["3f1b"][0] < 1.05 * got["megatron"][0], got
 
 
 @pytest.mark.parametrize("model,knobs,message", [
     ("evoformer-tiny", dict(pp=2, dp=1, tp=1, microbatch=1), "runs its trunk once: give it recycles > 1"),
-    ("recycled", dict(pp=1, dp=2, tp=1, microbatch=1), "pp=1: 3f1b needs pp > 1"),
+    ("recycled", dict(pp=1, dp=2, tp=1, microbatch=1), "knob 'pp' = 1 is outside its range: choose 2"),
     ("recycled", dict(pp=2, dp=1, tp=1, microbatch=4), "3f1b runs micro-batches in groups of pp=2: the 1 micro"),
 ])
 def test_constraint_messages(model, knobs, message):
