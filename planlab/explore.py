@@ -32,6 +32,7 @@ from planlab.models.registry import ModelSpec, build_model
 from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.shared_params import forward_only_of
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
@@ -79,13 +80,18 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
+    fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
         for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
-            if spec.role != "param" and (t not in op.saves or p.recompute):
+            if spec.role != "param" and (t not in op.saves or p.recompute or p.op in fwd_only):
                 continue  # a recomputed operator keeps nothing for its backward
+            if fwd_only and spec.role == "param":
+                if (t, "param") in acc[2]:
+                    continue  # held once, however many passes read it
+                acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             if spec.role == "param":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from planlab.errors import InfeasiblePlan
-from planlab.graph.ir import Graph, Operator
+from planlab.graph.ir import DETACH, Graph, Operator, no_grad_tensors
 
 
 def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
@@ -23,6 +23,22 @@ def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
                 for t in op.outputs for c in graph.consumers.get(t, [])):
             live.add(op.name)
     return frozenset(op.name for op in graph.operators if op.name not in live)
+
+
+_FWD_ONLY: dict[int, tuple[Graph, frozenset[str]]] = {}
+
+
+def forward_only_of(graph: Graph) -> frozenset[str]:
+    """:func:`forward_only_ops` of a graph's detached tensors, cached per graph (empty without a
+    detach): what the memory bound and the screen leave without backward and saved activations."""
+    hit = _FWD_ONLY.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        got = frozenset()
+        if any(op.kind == DETACH for op in graph.operators):
+            got = forward_only_ops(graph, no_grad_tensors(graph))
+        _FWD_ONLY.clear()
+        hit = _FWD_ONLY[id(graph)] = (graph, got)
+    return hit[1]
 
 
 def use_shared_param(op: Operator, ti: int, t: str, pieces: list[tuple[int, tuple]], owner: dict,
