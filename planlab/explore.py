@@ -147,6 +147,15 @@ def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
                 feasible=feasible, reason=reason, **extra)
 
 
+def training_flops(graph: Graph) -> float:
+    """The model FLOPs of one training iteration: the forward and a backward of twice its FLOPs,
+    but no backward for the recycling passes behind a detach (AlphaFold2's no-grad passes)."""
+    fwd_only = forward_only_of(graph)
+    if not fwd_only:
+        return 3.0 * graph.flops
+    return graph.flops + 2.0 * sum(op.flops for op in graph.operators if op.name not in fwd_only)
+
+
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
@@ -160,7 +169,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         return row, None
     try:
         program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
-        res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline)
+        res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
         return row, None
@@ -494,7 +503,7 @@ def write_outputs(df: pd.DataFrame, out: Path, *, best: Plan | None = None, grap
         save_plan(best, out / "best_plan.json")
         if graph is not None and cost is not None:
             program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
-            res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True)
+            res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
             timeline_plot(res, out / "timeline.png", title=best.describe())
             memory_plot(res, out / "memory.png", title=best.describe())
     else:

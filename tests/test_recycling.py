@@ -128,3 +128,14 @@ def test_recycling_plans_match_one_process(space, knobs, nproc):
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
+
+
+def test_training_flops_count_no_backward_for_the_no_grad_passes():
+    from planlab.explore import training_flops
+
+    _, one = traced("evoformer-tiny", 4)
+    _, three = traced("evoformer-tiny", 4, R3)
+    assert training_flops(one) == 3.0 * one.flops
+    # three forwards and one backward (twice a forward's FLOPs): 5 passes' worth, not 9 (a little less:
+    # the masks, computed from the inputs alone, get no backward in the recycling graph)
+    assert 4.9 * one.flops < training_flops(three) < 5.0 * one.flops
