@@ -9,7 +9,8 @@ GPT with a very large vocabulary (the interlaced pipeline) and on AlphaFold2 wit
   ZeRO data parallelism (``dp*recompute`` with ZeRO 1 to 3) and the Alpa-style automatic search
   (``alpa``: per-operator splits by an integer program inside a dynamic program over stages);
 - the composed spaces built from the primitives for that workload (``megatron*coshard`` for
-  Swin, ``interlaced`` for the large-vocabulary GPT, ``3f1b`` and ``3f1b*coshard`` for the Evoformer).
+  Swin, ``interlaced`` for the large-vocabulary GPT, ``3f1b``, ``3f1b*coshard`` and
+  ``dp*recompute*coshard`` for the Evoformer).
 
 The Evoformer workload is AlphaFold2's trunk (48 blocks) at N_seq = 128 MSA sequences and N_res = 256
 residues, the first training shape of nnScaler's AlphaFold2 example (msrasys/nnscaler,
@@ -75,7 +76,8 @@ WORKLOADS = (
     Workload("evoformer", "AlphaFold2 Evoformer, 3 recycling passes", "alphafold2", (("recycles", 3),),
              "dgx-a100-80g", 1, 16,
              _hand_made() + (Run("3f1b", "3f1b", {}, True),
-                             Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True))),
+                             Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True),
+                             Run("dp*coshard", "dp*recompute*coshard", {"coshard_blocks": "attention"}, True))),
 )
 
 

@@ -120,6 +120,7 @@ def test_interleaved_refused_for_a_recycling_model():
     ("3f1b", dict(dp=1, tp=1, pp=2, microbatch=1), 2),
     ("3f1b", dict(dp=2, tp=1, pp=2, microbatch=1), 4),
     ("3f1b*coshard", dict(dp=1, tp=1, pp=2, microbatch=1, coshard=2), 2),  # attention heads in 2 pieces each
+    ("dp*recompute*coshard", dict(dp=2, microbatch=1, coshard=2, recompute="none"), 2),
 ])
 def test_recycling_plans_match_one_process(space, knobs, nproc):
     spec, g = traced("evoformer-tiny", 4, R3)
