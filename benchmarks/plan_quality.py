@@ -9,9 +9,16 @@ GPT with a very large vocabulary (the interlaced pipeline) and on AlphaFold2 wit
   ZeRO data parallelism (``dp*recompute`` with ZeRO 1 to 3) and the Alpa-style automatic search
   (``alpa``: per-operator splits by an integer program inside a dynamic program over stages);
 - the composed spaces built from the primitives for that workload (``megatron*coshard`` for
-  Swin, ``interlaced`` for the large-vocabulary GPT, ``3f1b`` for the Evoformer),
+  Swin, ``interlaced`` for the large-vocabulary GPT, ``3f1b``, ``3f1b*coshard`` and
+  ``dp*recompute*coshard`` for the Evoformer).
 
-and prints the best simulated plan of each (iteration time, peak memory, knobs), then the
+The Evoformer workload is AlphaFold2's trunk (48 blocks) at N_seq = 128 MSA sequences and N_res = 256
+residues, the first training shape of nnScaler's AlphaFold2 example (msrasys/nnscaler,
+examples/alphafold2/README.md, "Evoformer Stack, s, r = 128, 256"; the ``alphafold2`` preset), with
+R = 3 recycling passes (``recycles=3``: two without gradients, then one with, the "3F1B" of nnScaler's
+paper); ``alphafold2-finetune`` (N_seq 512, N_res 384) is that README's largest training shape.
+
+The script prints the best simulated plan of each (iteration time, peak memory, knobs), then the
 speedup of the best composed plan over the best hand-made one. Every figure is the simulator's
 prediction with the cluster's specification (no GPU is used); a space that is not installed, or
 whose every plan is out of memory, is reported as such.
@@ -68,7 +75,9 @@ WORKLOADS = (
              _hand_made() + (Run("interlaced", "interlaced", {}, True),)),
     Workload("evoformer", "AlphaFold2 Evoformer, 3 recycling passes", "alphafold2", (("recycles", 3),),
              "dgx-a100-80g", 1, 16,
-             _hand_made() + (Run("3f1b", "3f1b", {}, True),)),
+             _hand_made() + (Run("3f1b", "3f1b", {}, True),
+                             Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True),
+                             Run("dp*coshard", "dp*recompute*coshard", {"coshard_blocks": "attention"}, True))),
 )
 
 

@@ -77,6 +77,7 @@ def cmd_explore(args) -> int:
 
 def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
+    from planlab.explore import training_flops
     from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 
@@ -85,7 +86,7 @@ def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = No
     # one representative per device class, unless a straggler needs every device's tasks
     program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
     try:
-        return simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline, stragglers=stragglers)
+        return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:
         full = materialize(plan, graph) if program.reduced else program
         if full.num_tasks() < 200_000:

@@ -32,6 +32,7 @@ from planlab.models.registry import ModelSpec, build_model
 from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.shared_params import forward_only_of
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
@@ -79,13 +80,18 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
+    fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
         for t in dict.fromkeys(op.inputs + op.saves):
             spec = graph.tensors[t]
-            if spec.role != "param" and (t not in op.saves or p.recompute):
+            if spec.role != "param" and (t not in op.saves or p.recompute or p.op in fwd_only):
                 continue  # a recomputed operator keeps nothing for its backward
+            if fwd_only and spec.role == "param":
+                if (t, "param") in acc[2]:
+                    continue  # held once, however many passes read it
+                acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             if spec.role == "param":
@@ -141,6 +147,15 @@ def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
                 feasible=feasible, reason=reason, **extra)
 
 
+def training_flops(graph: Graph) -> float:
+    """The model FLOPs of one training iteration: the forward and a backward of twice its FLOPs,
+    but no backward for the recycling passes behind a detach (AlphaFold2's no-grad passes)."""
+    fwd_only = forward_only_of(graph)
+    if not fwd_only:
+        return 3.0 * graph.flops
+    return graph.flops + 2.0 * sum(op.flops for op in graph.operators if op.name not in fwd_only)
+
+
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
@@ -154,7 +169,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         return row, None
     try:
         program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
-        res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=timeline)
+        res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
         return row, None
@@ -488,7 +503,7 @@ def write_outputs(df: pd.DataFrame, out: Path, *, best: Plan | None = None, grap
         save_plan(best, out / "best_plan.json")
         if graph is not None and cost is not None:
             program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
-            res = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True)
+            res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
             timeline_plot(res, out / "timeline.png", title=best.describe())
             memory_plot(res, out / "memory.png", title=best.describe())
     else:

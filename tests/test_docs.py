@@ -140,6 +140,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model gpt-tiny --cluster cpu --nodes 4 --global-batch 8 --space 'dp*tp' --set tp=2": Run(),
     "PYTHONPATH=. planlab explore --model gpt-small --cluster cpu --nodes 4 --global-batch 8 --space myspaces:space "
     "--top 5": Run(),
+    "planlab explore --model evoformer-tiny --model-arg recycles=3 --cluster cpu --nodes 2 --global-batch 4 "
+    "--space 3f1b": Run(),
     # docs/validation.md
     ".venv/bin/python -m pytest -q tests/test_executor.py tests/test_executor_torchrun.py tests/test_shards.py":
         Elsewhere("tests of this suite"),

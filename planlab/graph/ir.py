@@ -14,6 +14,26 @@ DTYPE_BYTES = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 
+# The operator kind of ``Tensor.detach`` / ``torch.detach``: its output carries no gradient to its input.
+DETACH = "detach"
+
+
+def no_grad_tensors(graph: "Graph") -> frozenset[str]:
+    """Activations that carry no gradient because every float activation they are computed from goes
+    through a ``detach`` (AlphaFold2's recycled representations) or from no parameter at all (torch's
+    ``requires_grad=False``, the masks): the outputs of detach operators, and of operators without
+    parameters whose activation inputs (if any) are all such tensors. Empty for a graph without a
+    detach, whose programs keep the gradients of parameter-free activations as they always did."""
+    if not any(op.kind == DETACH for op in graph.operators):
+        return frozenset()
+    out: set[str] = set()
+    for op in graph.operators:
+        acts = [t for t in op.inputs if graph.tensors[t].role == "activation"]
+        params = [t for t in op.inputs if graph.tensors[t].role == "param"]
+        if op.kind == DETACH or (not params and all(t in out for t in acts)):
+            out.update(op.outputs)
+    return frozenset(out)
+
 
 @dataclass(frozen=True)
 class TensorSpec:

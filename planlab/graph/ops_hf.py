@@ -27,7 +27,7 @@ import operator as _op
 import torch
 import torch.nn.functional as F
 
-from planlab.graph.ir import TensorArg
+from planlab.graph.ir import DETACH, TensorArg
 from planlab.graph.registry import (_BY_FUNCTION, _BY_METHOD, _BY_MODULE, OpContext, OpDef, _elementwise,
                                     _getitem, _letters, _opaque, _reg)
 from planlab.graph.signature import Signature
@@ -236,9 +236,13 @@ _reg_missing(targets_fn=(torch.minimum, torch.maximum, torch.min, torch.max, tor
              saves=lambda c: tuple(f"in{i}" for i in range(len(c.in_shapes))), bwd_flops_ratio=1.0)
 _reg_missing(targets_fn=(torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like), kind="fill_like",
              signature=_elementwise, bwd_flops_ratio=0.0)
-_reg_missing(methods=("bool", "long", "int", "half", "double", "bfloat16", "detach", "type", "view_as",
+_reg_missing(methods=("bool", "long", "int", "half", "double", "bfloat16", "type", "view_as",
                       "reshape_as", "expand_as", "to"),
-             targets_fn=(torch.detach,), kind="copy", signature=_elementwise, bwd_flops_ratio=0.5)
+             kind="copy", signature=_elementwise, bwd_flops_ratio=0.5)
+# ``detach`` passes no gradient: materialize gives its input no gradient contribution (what AlphaFold2's
+# recycling relies on, planlab/models/evoformer.py), so the operators feeding only a detach get no backward.
+_reg_missing(methods=("detach",), targets_fn=(torch.detach,), kind=DETACH, signature=_elementwise,
+             bwd_flops_ratio=0.0)
 _reg_missing(targets_fn=tuple(getattr(torch, n) for n in ("arange", "zeros", "ones", "full", "empty", "eye", "tensor",
                                                          "linspace", "tril_indices", "triu_indices")),
              kind="factory", signature=_factory, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0)

@@ -9,10 +9,18 @@ self-attention around the starting and ending node, pair transition), and a dist
 whose cross-entropy, averaged over the unmasked residue pairs of each example and then over the
 batch, is the training loss.
 
-One forward is one recycling iteration: the previous iteration's first MSA row and pair
-representation are inputs, layer-normed and added to the embeddings (Algorithm 32).
-AlphaFold2 runs N-1 iterations without gradients and the last with them; a schedule
-that overlaps those iterations (nnScaler's 3F1B) plans several forwards of this one module.
+Recycling (Algorithm 2, lines 3-8, and Algorithm 32): with ``recycles = R`` (default 1) one forward
+runs the trunk R times with the same weights, as AlphaFold2's training does (R = 4 there, a
+random number of iterations; nnScaler's "3F1B" experiments use R = 3). Pass r embeds the inputs,
+adds the layer-normed first MSA row and pair representation of pass r - 1 (pass 0: the
+``prev_msa_first_row`` / ``prev_pair`` inputs), runs the blocks, and hands its outputs on through
+``detach``: passes 0..R-2 get no gradient, only the last pass's distogram is the loss. This is the
+real recycling loop (R-1 forwards under ``torch.no_grad``, then one with gradients) written so
+that torch.fx traces it: ``.detach()`` is a traced operator, ``torch.no_grad`` is not. Each pass
+embeds the inputs again, as AlphaFold2 and OpenFold do (there the MSA is resampled per pass), so
+each pass is a self-contained stretch of the graph that a pipeline can stage. The repeated calls
+keep their module paths (``blocks.3`` in every pass); :func:`planlab.search_spaces.recycling.passes_of`
+tells the passes apart by the detaches between them.
 
 Left out, as they are not part of the Evoformer stack: templates, the extra-MSA stack, the
 structure module (so Algorithm 32's embedding of the previous iteration's predicted
@@ -74,6 +82,7 @@ class EvoformerConfig:
     target_feat: int = 22
     relpos_bins: int = 65
     dist_bins: int = 64
+    recycles: int = 1
 
     @property
     def layers(self) -> int:
@@ -117,8 +126,9 @@ class EvoformerConfig:
         return embed + recycle + self.blocks * self.block_params() + head
 
     def __str__(self) -> str:
+        r = f", recycles={self.recycles}" if self.recycles != 1 else ""
         return (f"evoformer(blocks={self.blocks}, c_m={self.c_m}, c_z={self.c_z}, heads_msa={self.heads_msa}, "
-                f"heads_pair={self.heads_pair}, n_seq={self.n_seq}, n_res={self.n_res})")
+                f"heads_pair={self.heads_pair}, n_seq={self.n_seq}, n_res={self.n_res}{r})")
 
 
 class _Masks(NamedTuple):
@@ -348,7 +358,8 @@ class RecyclingEmbedder(nn.Module):
 
 
 class Evoformer(nn.Module):
-    """One recycling iteration of AlphaFold2's trunk whose forward returns the distogram loss."""
+    """AlphaFold2's trunk run ``cfg.recycles`` times (recycling, the first passes without
+    gradients) whose forward returns the last pass's distogram loss."""
 
     def __init__(self, cfg: EvoformerConfig) -> None:
         super().__init__()
@@ -370,10 +381,14 @@ class Evoformer(nn.Module):
             pair_start_bias=mask_bias(pair_mask),
             pair_end_bias=mask_bias(pair_mask.transpose(1, 2)),
             pair=pair_mask.unsqueeze(-1))
-        m, z = self.input_embedder(msa_feat, target_feat, relpos_feat)
-        m, z = self.recycling_embedder(m, z, prev_msa_first_row, prev_pair)
-        for block in self.blocks:
-            m, z = block(m, z, masks)
+        prev_m1, prev_z = prev_msa_first_row, prev_pair
+        for r in range(self.cfg.recycles):  # a config constant, unrolled by the tracer
+            if r:  # the previous pass gets no gradient (Algorithm 2: its outputs are stop-gradient)
+                prev_m1, prev_z = m[:, 0].detach(), z.detach()  # (B, R, c_m), (B, R, R, c_z)
+            m, z = self.input_embedder(msa_feat, target_feat, relpos_feat)
+            m, z = self.recycling_embedder(m, z, prev_m1, prev_z)
+            for block in self.blocks:
+                m, z = block(m, z, masks)
         logits = self.distogram(z)  # (B, R, R, bins)
         logits = logits + logits.transpose(1, 2)  # symmetric in i, j
         # the distogram loss (supplement 1.9.8): cross-entropy averaged over the unmasked residue

@@ -24,13 +24,14 @@ from typing import Callable
 
 from planlab.errors import InfeasiblePlan, choices
 from planlab.gcpause import paused_gc
-from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.graph.ir import DETACH, DTYPE_BYTES, Graph, Operator, no_grad_tensors
 from planlab.plan.backward_split import split_backward, split_stages
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
 
 def precision_for(cluster: str) -> Precision:
@@ -264,11 +265,19 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor converted so far
     in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
+    nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
+    fwd_only = forward_only_ops(graph, nograd) if nograd else frozenset()
+    held: dict[int, set] = defaultdict(set)  # recycling: a parameter each pass uses is held once
     for i, op in enumerate(graph.operators):
         mesh, blk = L.mesh[op.name], (stage[op.name], "F")
         bufs = []
         for ti, t in enumerate(op.inputs):
             spec, need = graph.tensors[t], L.needs(op, ti)
+            if spec.role == "param" and nograd:  # planlab/search_spaces/recycling.py
+                use_shared_param(op, ti, t, [(dev, need.box(flat, L.shapes[t])) for flat, dev in _positions(mesh, keep)],
+                                 owner, fwd_only, params_on, held)
+                bufs.append(f"w:{t}")
+                continue
             if spec.role == "param":
                 if t in owner and owner[t][0] is not op:
                     raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
@@ -328,6 +337,11 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
 
+    if nograd:
+        check_shared_params(params_on, {p: [(dev, L.needs(op, k).box(flat, L.shapes[p]))
+                                            for flat, dev in _positions(L.mesh[op.name], keep)]
+                                        for p, (op, k) in owner.items()})
+
     # -- pass 3: backward -------------------------------------------------------
     dead: set[str] = set()  # operators without a backward: nothing they produce reaches the loss
     for i in range(len(graph.operators) - 1, -1, -1):
@@ -341,7 +355,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             if t == graph.loss:
                 gbufs.append("")  # seeded with ones by the executor
                 continue
-            if not spec.is_float or not uses:
+            if not spec.is_float or not uses or t in nograd:
                 gbufs.append("")
                 continue
             target = _full(L.has(op, j))
@@ -377,7 +391,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 place(conv, t, (stage[src], "B"), (-i, 0), blk, (-i, 0))
             gbufs.append(f"g:{t}")
         needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
-                      for t in op.inputs]
+                      and t not in nograd and op.kind != DETACH for t in op.inputs]
         if op.outputs[0] != graph.loss and all(g == "" for g in gbufs):
             dead.add(op.name)
             continue
@@ -403,7 +417,8 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
-    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks}  # coshard: per piece
+    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks  # coshard: per piece
+                 and not (nograd and p.op in dead)}  # a recycling pass without backward keeps nothing to recompute
     if groups_of:
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 

@@ -328,17 +328,34 @@ class PipelineParallel(Space):
                    lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp"),
         Constraint.where(lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
                          "schedule={schedule} orders pipeline stages: it needs pp > 1, not pp={pp}"),
+        Constraint(lambda a, c: _recycles(c) == 1 or a["pp"] in (None, 1)
+                   or (a["schedule"] != "interleaved" and a["virtual_stages"] in (None, 1)),
+                   lambda a, c: f"the model {c.model} recycles its trunk {_recycles(c)} times: each pass is a model "
+                                f"chunk already, so schedule={a['schedule']} with virtual_stages="
+                                f"{a['virtual_stages']} is not available; use 1f1b, gpipe or zb-h1 (or the 3f1b space)"),
         ALL_DEVICES,
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
         pp = values.get("pp") or 1
+        if pp > 1 and _recycles(draft.ctx) > 1:  # a chunk per recycling pass, planlab/search_spaces/recycling.py
+            from planlab.search_spaces.recycling import stage_recycling
+
+            stage_recycling(draft, pp, values.get("schedule") or "1f1b")
+            return
         v = values.get("virtual_stages") or 1
         draft.num_stages = pp * v
         draft.chunks = v
         draft.schedule = values.get("schedule") or "1f1b"
         if pp * v > 1:
             draft.stages = pipeline_stages(draft.ctx.graph, pp * v, draft.ctx.layers)
+
+
+def _recycles(c: Context) -> int:
+    """The model's recycling passes (AlphaFold2, planlab/search_spaces/recycling.py)."""
+    from planlab.search_spaces.recycling import num_passes
+
+    return num_passes(c.graph)
 
 
 ATTENTION_CORE = ("attention", "softmax")

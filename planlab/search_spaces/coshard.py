@@ -21,8 +21,10 @@ from planlab.search_spaces.builtin import _BLOCK, tensor_parallel_dims
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
-ATTENTION = re.compile(r"(^|\.)(attn|attention|self_attn)(\.|$)")
-MLP = re.compile(r"(^|\.)(mlp|feed_forward|ff)(\.|$)")
+# The attentions and MLPs of GPT/LLaMA/T5/Swin, and the Evoformer's (AlphaFold2: MSA row and column
+# attention, triangle attention around the starting and ending node; the MSA and pair transitions).
+ATTENTION = re.compile(r"(^|\.)(attn|attention|self_attn|msa_att_row|msa_att_col|tri_att_start|tri_att_end)(\.|$)")
+MLP = re.compile(r"(^|\.)(mlp|feed_forward|ff|msa_transition|pair_transition)(\.|$)")
 PARTS = ("attention", "mlp", "both")
 
 

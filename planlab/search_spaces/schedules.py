@@ -83,3 +83,35 @@ def format_schedule(actions: list[Action]) -> str:
 
 def parse_schedule(text: str) -> list[Action]:
     return [Action.parse(a) for a in text.split()]
+
+
+# -- recycling (AlphaFold2): R passes of the trunk per micro-batch, the first R-1 without backward ------
+# Pass r of device group ``rank`` is stage ``r * ranks + rank`` (the layout of interleaved virtual
+# stages, one chunk per pass); only the last pass's stages have backward actions.
+
+def recycled(rank: int, ranks: int, microbatches: int, passes: int, last=one_f_one_b) -> list[Action]:
+    """The plain recycling schedule: every micro-batch's no-grad passes 0..R-2 run as whole forward
+    sweeps, pass by pass (what a training loop that calls the pipeline R-1 times under
+    ``torch.no_grad`` and then once for training does), then the last pass with ``last``'s schedule.
+    With two device groups, group 1 sends group 0 both the recycled outputs (received in group 0's
+    last-pass forwards) and the input gradients (received in its backwards) on one ordered channel,
+    so group 0 runs the last pass's forwards first (GPipe's order) to receive them in the order sent."""
+    shift = (passes - 1) * ranks
+    out = [Action(r * ranks + rank, "F", k) for r in range(passes - 1) for k in range(microbatches)]
+    order = gpipe if ranks == 2 and rank == 0 and passes > 1 else last
+    return out + [Action(a.stage + shift, a.phase, a.microbatch) for a in order(rank, ranks, microbatches)]
+
+
+def three_f_one_b(rank: int, ranks: int, microbatches: int, passes: int) -> list[Action]:
+    """nnScaler's 3F1B (Lin et al., OSDI 2024) for ``passes`` recycling passes: the passes are the
+    model chunks of Megatron-LM's interleaved 1F1B (micro-batches go through them in groups of
+    ``ranks``), and the backward units of the no-grad passes are dropped. In the steady state each
+    device runs R forwards per backward (3F1B for R = 3), and the forwards of later micro-batches'
+    early passes fill the bubbles a pipeline of the last pass alone would have. Dropping every
+    action of a kind that no kept action depends on keeps interleaved 1F1B's order of messages
+    between each pair of devices, so the schedule cannot deadlock. Needs ``microbatches``
+    divisible by ``ranks``; with one pass it is 1F1B."""
+    if passes == 1:
+        return one_f_one_b(rank, ranks, microbatches)
+    last = (passes - 1) * ranks
+    return [a for a in interleaved_1f1b(rank, ranks, microbatches, passes) if a.phase == "F" or a.stage >= last]

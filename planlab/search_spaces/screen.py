@@ -284,6 +284,8 @@ class Screen:
         per = math.prod(sizes)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
         schedule = d.schedule if v == 1 else "interleaved"
+        if d.recycles > 1:  # a chunk per recycling pass: walk the schedule the plan runs (recycling.py)
+            schedule = f"recycled:{d.schedule}"
         zb = schedule == "zb-h1"
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
@@ -374,7 +376,11 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     key = (schedule, r, groups, m, chunks)
     got = _FLIGHT.get(key)
     if got is None:
-        if chunks > 1:
+        if schedule.startswith("recycled:"):
+            from planlab.search_spaces.recycling import recycling_actions
+
+            actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
+        elif chunks > 1:
             actions = interleaved_1f1b(r, groups, m, chunks)
         elif schedule in SCHEDULES:
             actions = SCHEDULES[schedule](r, groups, m)

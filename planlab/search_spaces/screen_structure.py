@@ -27,6 +27,7 @@ import numpy as np
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.backward_split import weight_share
 from planlab.plan.program import Precision
+from planlab.plan.shared_params import forward_only_of
 from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -123,13 +124,15 @@ class _Tables:
         self.out: list[tuple[int, frozenset[str], bool, int]] = []
         self.edges: list[_Edge] = []
         has_backward = []
+        fwd_only = forward_only_of(g)  # recycling passes behind a detach: no backward, nothing saved
+        self.fwd_only = np.array([op.name in fwd_only for op in ops], dtype=bool)
         for i, op in enumerate(ops):
             ps, ss, names, us = [], [], [], []
             for t in op.inputs:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
                     us.append(units.setdefault(unit_key(t), len(units)))
-            for t in op.saves:
+            for t in (() if op.name in fwd_only else op.saves):
                 spec = g.tensors[t]
                 if spec.role != "param":
                     ss.append((spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t)))
@@ -140,8 +143,8 @@ class _Tables:
             self.save_names.append(tuple(names))
             o = op.outputs[0]
             self.out.append((g.tensors[o].numel, frozenset(axis_map(op, o)), is_batch(o), ebytes(o)))
-            has_backward.append(any(g.tensors[t].is_float and g.tensors[t].role in ("activation", "param")
-                                    for t in op.inputs))
+            has_backward.append(op.name not in fwd_only and any(
+                g.tensors[t].is_float and g.tensors[t].role in ("activation", "param") for t in op.inputs))
             for t in dict.fromkeys(op.inputs):
                 prod = g.producer.get(t)
                 if prod is None or g.tensors[t].role == "param":
@@ -358,7 +361,7 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
     ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
     grp = stage % G
-    rc = rcs != 0
+    rc = (rcs != 0) & ~t.fwd_only  # a pass without backward has nothing to recompute
     hb = t.has_backward
     task = np.arange(t.n) if pieces is None else np.repeat(np.arange(t.n), pieces)  # operator of each task
     tg, trc, thb = grp[task], rc[task], hb[task]

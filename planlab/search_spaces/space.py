@@ -324,6 +324,7 @@ class Draft:
     axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
     colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
+    recycles: int = 1  # recycling passes, one model chunk each (planlab/search_spaces/recycling.py)
 
     def add_axis(self, name: str, size: int,
                  dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
@@ -368,7 +369,11 @@ class Draft:
 
     def schedule_actions(self, rank: int) -> tuple[Action, ...]:
         """The actions of device group ``rank``: its schedule, then the update."""
-        if self.chunks > 1:
+        if self.recycles > 1:  # a chunk per recycling pass: 3f1b, or a plain schedule of the last pass
+            from planlab.search_spaces.recycling import recycling_actions
+
+            actions = recycling_actions(self.schedule, rank, self.groups, self.microbatches, self.recycles)
+        elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
         else:
             if self.schedule not in SCHEDULES:
@@ -427,7 +432,7 @@ class Draft:
                 if self.recompute.get(op.name):
                     b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1 and chk.orders:
-            chk.order(self.schedule if self.chunks == 1 else "interleaved")
+            chk.order(self.schedule if self.chunks == 1 or self.recycles > 1 else "interleaved")
         if self.num_stages > 1 or self.microbatches > 1:  # one stage: F0 B0 F1 B1 ... (gradient accumulation)
             if b is not None:
                 for r in range(groups):

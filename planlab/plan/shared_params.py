@@ -1,0 +1,72 @@
+"""Parameters read by several operators of which at most one has a backward: AlphaFold2's
+recycling (:mod:`planlab.models.evoformer`) runs the same trunk once per pass, all passes but the
+last behind a ``detach`` and without gradients. The operator with a backward owns the parameter's
+gradient; each device holds each piece of the parameter once, whatever the passes reading it.
+Two users with a backward (tied weights) stay refused.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from planlab.errors import InfeasiblePlan
+from planlab.graph.ir import DETACH, Graph, Operator, no_grad_tensors
+
+
+def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
+    """Operators whose outputs reach the loss only through tensors in ``nograd`` (behind a detach:
+    the no-grad recycling passes): they get no backward."""
+    live: set[str] = set()
+    for op in reversed(graph.operators):
+        if op.outputs[0] == graph.loss or any(
+                t not in nograd and graph.tensors[t].is_float and c.name in live
+                for t in op.outputs for c in graph.consumers.get(t, [])):
+            live.add(op.name)
+    return frozenset(op.name for op in graph.operators if op.name not in live)
+
+
+_FWD_ONLY: dict[int, tuple[Graph, frozenset[str]]] = {}
+
+
+def forward_only_of(graph: Graph) -> frozenset[str]:
+    """:func:`forward_only_ops` of a graph's detached tensors, cached per graph (empty without a
+    detach): what the memory bound and the screen leave without backward and saved activations."""
+    hit = _FWD_ONLY.get(id(graph))
+    if hit is None or hit[0] is not graph:
+        got = frozenset()
+        if any(op.kind == DETACH for op in graph.operators):
+            got = forward_only_ops(graph, no_grad_tensors(graph))
+        _FWD_ONLY.clear()
+        hit = _FWD_ONLY[id(graph)] = (graph, got)
+    return hit[1]
+
+
+def use_shared_param(op: Operator, ti: int, t: str, pieces: list[tuple[int, tuple]], owner: dict,
+                     fwd_only: frozenset[str], params_on: dict, held: dict) -> None:
+    """Record that ``op`` reads parameter ``t`` (its input ``ti``) as ``pieces`` (device, box):
+    an operator with a backward becomes the owner of its gradient; each device holds a piece once."""
+    if op.name not in fwd_only:
+        if t in owner and owner[t][0] is not op:
+            raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
+                                 f"{op.name!r}; tied weights are not supported yet")
+        owner[t] = (op, ti)
+    for dev, box in pieces:
+        if (t, box) not in held[dev]:
+            held[dev].add((t, box))
+            params_on[dev].append((t, box))
+
+
+def check_shared_params(params_on: dict, owned_pieces: dict[str, list[tuple[int, tuple]]]) -> None:
+    """Every parameter piece a device holds (``params_on``) is one the owner of its gradient holds
+    there too (``owned_pieces``: per parameter, (device, box)); otherwise a forward-only pass
+    would read a copy that the optimizer never updates."""
+    owned = defaultdict(set)
+    for p, pieces in owned_pieces.items():
+        for dev, box in pieces:
+            owned[dev].add((p, box))
+    for dev, items in params_on.items():
+        for p, box in items:
+            if (p, box) not in owned[dev]:
+                raise InfeasiblePlan(f"parameter {p!r} is read on device {dev} by a recycling pass without "
+                                     "gradients, but the pass with gradients does not hold that piece there: "
+                                     "place and split each pass's operators as the last pass's")
