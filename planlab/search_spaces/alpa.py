@@ -228,11 +228,12 @@ def _edges(g: Graph) -> list[tuple[str, str, str]]:
 @dataclass(frozen=True)
 class AlpaPlan:
     """The solved plan: stage of every layer (``bounds``), the point each stage uses, the
-    pipeline's estimated latency per iteration."""
+    pipeline's estimated latency per iteration, and whether it fits the device memory."""
 
     bounds: tuple[int, ...]
     points: tuple[Point, ...]
     latency_s: float
+    fits: bool = True  # False: no slicing fits the device memory; the least memory is kept
 
 
 _SOLVED: dict[tuple, tuple[Graph, object]] = {}
@@ -261,7 +262,9 @@ def frontier(ctx: Context, dp: int, tp: int, microbatches: int, inflight: int) -
 
 
 def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
-    """Alpa's two passes for ``pp`` stages of ``dp x tp`` meshes; InfeasiblePlan when nothing fits."""
+    """Alpa's two passes for ``pp`` stages of ``dp x tp`` meshes. When no slicing fits the device
+    memory, the slicing with the least memory per stage (``fits`` False); InfeasiblePlan when
+    no strategy exists at all."""
     dp = ctx.num_devices // (pp * tp)
     L = layers_of(ctx.graph)
     n_layers = max(1, len(L.blocks))
@@ -272,9 +275,10 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
                              "micro-batches")
     chosen: dict[tuple[int, int], int] = {}
 
-    def stage_time_s(a: int, b: int, s: int) -> float:
+    def stage_time_s(a: int, b: int, s: int, bound: float) -> float:
+        """Per micro-batch: the fastest point that fits ``bound`` (inf: the smallest point)."""
         k, inflight = b - a, min(pp - s, microbatches)
-        best, arg = math.inf, -1
+        best, arg = (math.inf, math.inf), -1
         for i, pt in enumerate(pts):
             mem = k * pt.layer.memory(inflight) if L.blocks else 0.0
             t = k * pt.layer.time_s if L.blocks else 0.0
@@ -284,18 +288,23 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
             if s == pp - 1:
                 mem += pt.post.memory(inflight)
                 t += pt.post.time_s
-            if mem <= cap and t < best:
-                best, arg = t, i
+            key = (t, mem) if math.isfinite(bound) else (mem, t)
+            if mem <= bound and key < best:
+                best, arg = key, i
         chosen[(k, s)] = arg
-        return best / microbatches
+        return (best[0] if math.isfinite(bound) else best[1]) / microbatches
 
     try:
-        sl = slice_stages(stage_time_s, n_layers, pp, microbatches)
-    except InfeasiblePlan as e:
-        raise InfeasiblePlan(f"alpa: pp={pp}, tp={tp}, {microbatches} micro-batches: {e} "
-                             f"(device memory {cap / 2**30:.1f} GiB)") from None
+        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, cap), n_layers, pp, microbatches)
+        fits = True
+    except InfeasiblePlan:
+        # nothing fits the device: the plan with the least memory per stage, which the explorer's
+        # memory bound then rejects with the simulated peak (as an out-of-memory Megatron plan)
+        chosen.clear()
+        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, math.inf), n_layers, pp, microbatches)
+        fits = False
     points = tuple(pts[chosen[(sl.bounds[s + 1] - sl.bounds[s], s)]] for s in range(pp))
-    return AlpaPlan(sl.bounds, points, sl.latency_s)
+    return AlpaPlan(sl.bounds, points, sl.latency_s, fits)
 
 
 def _valid_tp(c: Context) -> tuple[int, ...]:
