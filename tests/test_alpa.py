@@ -190,11 +190,25 @@ def test_impossible_knobs_are_config_errors_naming_space_knob_and_value():
         sp.build(ctx, dict(dp=2))
 
 
-def test_layers_that_differ_are_refused():
+def test_layers_out_of_order_are_refused():
     spec, g = traced("gpt-tiny", 8, ARGS)
     ops = list(g.operators)
     i = next(k for k, op in enumerate(ops) if op.module.startswith("blocks.1"))
-    del ops[i]  # layer 1 loses an operator
+    ops.insert(i + 1, ops.pop(i - 1))  # the last operator of layer 0 runs inside layer 1
     bad = type(g)(g.tensors, ops, g.inputs, g.loss, g.labels)
-    with pytest.raises(ConfigError, match="layer 1 differs from layer 0"):
+    with pytest.raises(ConfigError, match="space 'alpa': operator .* of layer 0 comes after"):
         alpa.layers_of(bad)
+
+
+def test_swin_layers_of_several_kinds_and_the_merges_between_them():
+    """swin-tiny: 6 layers in 3 stages of different widths, window-shifted every other layer, with a
+    patch merging between stages: each kind of layer has its own solution, the merges theirs,
+    and the plan simulates."""
+    spec, g = traced("swin-tiny", 4)
+    L = alpa.layers_of(g)
+    assert len(L.blocks) == 6 and L.kind[0] != L.kind[2] != L.kind[4] and len(set(L.kind)) >= 3
+    assert [bool(x) for x in L.glue] == [False, False, True, False, True, False]
+    ctx = Context(g, spec, 4, "cpu", 2, 2, 1)
+    plan = get_space("alpa").build(ctx, dict(pp=2, tp=1, microbatch=1))
+    res = simulate(materialize(plan, g), CostModel.load("cpu", 2))
+    assert res.iter_time_s > 0

@@ -25,6 +25,7 @@ stages and the 1F1B schedule. Solutions are cached per graph, cluster, mesh and 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -46,43 +47,63 @@ TIGHTEN = 0.75  # each further solution must use at most this fraction of the pr
 
 @dataclass(frozen=True)
 class Layers:
-    """The graph's operators before the layers, per layer, and after them."""
+    """The graph's operators in order: those before the layers (``pre``), per layer its operators
+    (``blocks``) and the operators between it and the previous layer (``glue``, e.g. Swin's patch
+    merging), those after the layers (``post``); ``kind[i]``: the first layer alike to layer ``i``
+    (same operators and shapes), whose solution layer ``i`` takes."""
 
     pre: tuple[str, ...]
     blocks: tuple[tuple[str, ...], ...]
+    glue: tuple[tuple[str, ...], ...]
     post: tuple[str, ...]
+    kind: tuple[int, ...]
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(self.kind))
 
 
 _LAYERS: dict[int, tuple[Graph, Layers]] = {}
 
 
+def _likeness(g: Graph, names: list[str]) -> tuple:
+    return tuple((g.op(n).kind, str(g.op(n).signature), tuple(sorted(g.op(n).dim_sizes.items()))) for n in names)
+
+
 def layers_of(g: Graph) -> Layers:
-    """The transformer layers (operators of module ``blocks.<i>``) and the operators around
-    them; ConfigError when the layers are not alike (the representative layer would not fit)."""
+    """The layers (operators of module ``blocks.<i>``), the operators around and between them, and
+    which layers are alike (cached per graph); ConfigError when a layer's operators are not
+    contiguous (a layer run twice, or interleaved with another)."""
     hit = _LAYERS.get(id(g))
     if hit is not None and hit[0] is g:
         return hit[1]
-    pre, post, blocks = [], [], {}
+    pre: list[str] = []
+    blocks: list[list[str]] = []
+    glue: list[tuple[str, ...]] = []
+    pending: list[str] = []
+    index: list[int] = []
     for op in g.operators:
         m = _BLOCK.search(op.module)
-        if m:
-            if post:
-                raise ConfigError(f"space 'alpa': operator {post[0]!r} sits between transformer layers; alpa "
-                                  "solves one representative layer and needs the layers back to back")
-            blocks.setdefault(int(m.group(2)), []).append(op.name)
-        elif blocks:
-            post.append(op.name)
-        else:
-            pre.append(op.name)
-    order = [blocks[i] for i in sorted(blocks)]
-    if order:
-        kinds0 = [g.op(n).kind for n in order[0]]
-        for i, b in enumerate(order[1:], 1):
-            if [g.op(n).kind for n in b] != kinds0 or \
-                    [g.op(n).dim_sizes for n in b] != [g.op(n).dim_sizes for n in order[0]]:
-                raise ConfigError(f"space 'alpa': layer {i} differs from layer 0 (operators or shapes); alpa "
-                                  "solves one representative layer and needs identical layers")
-    out = Layers(tuple(pre), tuple(tuple(b) for b in order), tuple(post))
+        if not m:
+            (pending if blocks else pre).append(op.name)
+            continue
+        i = int(m.group(2))
+        if not blocks or i != index[-1]:
+            if i in index:
+                raise ConfigError(f"space 'alpa': operator {op.name!r} of layer {i} comes after other operators "
+                                  f"(layer {index[-1]} or operators outside the layers); alpa needs each layer's "
+                                  "operators back to back")
+            blocks.append([])
+            index.append(i)
+            glue.append(tuple(pending) if len(blocks) > 1 else ())
+            pending = []
+        elif pending:
+            raise ConfigError(f"space 'alpa': operator {pending[0]!r} sits inside layer {i}; alpa needs each "
+                              "layer's operators back to back")
+        blocks[-1].append(op.name)
+    first: dict[tuple, int] = {}
+    kind = tuple(first.setdefault(_likeness(g, b), k) for k, b in enumerate(blocks))
+    out = Layers(tuple(pre), tuple(tuple(b) for b in blocks), tuple(glue), tuple(pending), kind)
     _LAYERS.clear()
     _LAYERS[id(g)] = (g, out)
     return out
@@ -102,13 +123,20 @@ class Part:
         return self.static_bytes + self.act_bytes * inflight
 
 
-@dataclass(frozen=True)
-class Point:
-    """A layer solution and the pre/post solutions that go with it."""
+EMPTY = Part({}, 0.0, 0.0, 0.0)
 
-    layer: Part
-    pre: Part
-    post: Part
+
+@dataclass(frozen=True)
+class Solved:
+    """Per kind of layer (by its first layer), its solutions from the fastest to the smallest;
+    per solution index ``p`` of the layer that follows them, the solutions of the operators
+    before the layers (``pre[p]``), between layer ``i - 1`` and ``i`` (``glue[i][p]``) and after
+    the layers (``post[p]``, by the last layer's solution)."""
+
+    layers: dict[int, tuple[Part, ...]]
+    pre: tuple[Part, ...]
+    glue: tuple[tuple[Part, ...], ...]
+    post: tuple[Part, ...]
 
 
 class _Problem:
@@ -124,14 +152,16 @@ class _Problem:
             got = self._node[name] = self.t.node_costs(self.g.op(name))
         return got
 
-    def solve(self, names: tuple[str, ...], edges: list[tuple[str, str, str]], *, fixed_in: dict, fixed_out: dict,
+    def solve(self, names: tuple[str, ...], edges: list[tuple[str, str, str]], *, fixed: dict | None = None,
               inflight: int, bound: float = math.inf, objective: str = "time",
               alias: dict | None = None) -> Part | None:
         """Strategies for ``names``: ``edges`` (producer, consumer, tensor) inside them, and edges
-        to operators whose strategy is fixed (``fixed_in``: consumer outside -> strategy index;
-        ``fixed_out``: producer outside -> index); ``alias`` maps a consumer to the operator
-        whose strategy it takes (the next layer's operators to the representative's)."""
-        alias = alias or {}
+        to operators whose strategy is ``fixed`` (operator -> strategy index); ``alias`` maps a
+        consumer to the operator whose strategy it takes (the next layer's operators to the
+        representative's)."""
+        alias, fixed = alias or {}, fixed or {}
+        if not names:
+            return EMPTY
         index = {n: i for i, n in enumerate(names)}
         times, mems, statics, acts = [], [], [], []
         for n in names:
@@ -141,14 +171,16 @@ class _Problem:
             mems.append(st + act * inflight)
         es = []
         for p, c, tensor in edges:
+            if not ((p in index or p in fixed) and (alias.get(c, c) in index or c in fixed)):
+                continue
             m = self.t.edge_costs(self.g.op(p), self.g.op(c), tensor)
             c = alias.get(c, c)
             if p in index and c in index:
                 es.append(Edge(index[p], index[c], m))
-            elif p in index and c in fixed_in:
-                times[index[p]] += m[:, fixed_in[c]]
-            elif c in index and p in fixed_out:
-                times[index[c]] += m[fixed_out[p], :]
+            elif p in index:
+                times[index[p]] += m[:, fixed[c]]
+            elif c in index:
+                times[index[c]] += m[fixed[p], :]
         cost = mems if objective == "memory" else times
         sol: Solution | None = solve_strategies(cost, es, node_memory=mems, memory_bound=bound)
         if sol is None:
@@ -159,56 +191,80 @@ class _Problem:
         return Part(strategies, time, float(sum(statics[i][s] for i, s in enumerate(sol.choice))),
                     float(sum(acts[i][s] for i, s in enumerate(sol.choice))))
 
-    def frontier(self, inflight: int) -> list[Point]:
-        """Layer solutions from the fastest down to the smallest, each with its pre/post parts."""
+    def layer_frontier(self, k: int, inflight: int) -> tuple[Part, ...]:
+        """Layer ``k``'s solutions from the fastest down to the smallest (it stands for every
+        layer alike: with its edges into the next layer when that one is alike too)."""
         g, L = self.g, self.L
         edges = _edges(g)
-        if not L.blocks:
-            part = self.solve(L.pre, edges, fixed_in={}, fixed_out={}, inflight=inflight)
-            empty = Part({}, 0.0, 0.0, 0.0)
-            return [Point(empty, part, empty)] if part else []
-        b0 = L.blocks[0]
-        pos0 = {n: j for j, n in enumerate(b0)}
+        b0 = L.blocks[k]
         inside = set(b0)
         layer_edges = [(p, c, t) for p, c, t in edges if p in inside and c in inside]
-        if len(L.blocks) > 1:  # layer i feeds layer i + 1: an edge between the representative's operators
-            alias = {n: b0[j] for j, n in enumerate(L.blocks[1])}
+        alias = {}
+        if k + 1 < len(L.blocks) and L.kind[k + 1] == L.kind[k] and not L.glue[k + 1]:
+            alias = {n: b0[j] for j, n in enumerate(L.blocks[k + 1])}
             layer_edges += [(p, c, t) for p, c, t in edges if p in inside and c in alias]
-        else:
-            alias = {}
-        layers: list[Part] = []
-        fast = self.solve(b0, layer_edges, fixed_in={}, fixed_out={}, inflight=inflight, alias=alias)
+        fast = self.solve(b0, layer_edges, inflight=inflight, alias=alias)
         if fast is None:
-            return []
-        layers.append(fast)
-        small = self.solve(b0, layer_edges, fixed_in={}, fixed_out={}, inflight=inflight, objective="memory",
-                           alias=alias)
+            return ()
+        layers = [fast]
+        small = self.solve(b0, layer_edges, inflight=inflight, objective="memory", alias=alias)
         floor = small.memory(inflight) if small else 0.0
         while len(layers) < FRONTIER_POINTS - 1:
             bound = layers[-1].memory(inflight) * TIGHTEN
             if bound < floor:
                 break
-            nxt = self.solve(b0, layer_edges, fixed_in={}, fixed_out={}, inflight=inflight, bound=bound,
-                             alias=alias)
+            nxt = self.solve(b0, layer_edges, inflight=inflight, bound=bound, alias=alias)
             if nxt is None:
                 break
             layers.append(nxt)
         if small is not None and small.memory(inflight) < layers[-1].memory(inflight):
             layers.append(small)
-        pre_set, post_set = set(L.pre), set(L.post)
-        pre_edges = [(p, c, t) for p, c, t in edges if p in pre_set]
-        last = {n: j for j, n in enumerate(L.blocks[-1])}
-        post_edges = [(p, c, t) for p, c, t in edges if c in post_set]
-        points = []
-        for lay in layers:
-            idx = [self.t.strategies(g.op(n)).index(lay.strategies[n]) for n in b0]
-            into = {n: idx[j] for b in L.blocks for j, n in enumerate(b)}  # every layer takes the solution
-            outof = {n: idx[last[n]] for n in L.blocks[-1]}
-            pre = self.solve(L.pre, pre_edges, fixed_in=into, fixed_out={}, inflight=inflight)
-            post = self.solve(L.post, post_edges, fixed_in={}, fixed_out=outof, inflight=inflight)
-            if pre is not None and post is not None:
-                points.append(Point(lay, pre, post))
-        return points
+        return tuple(layers)
+
+    def _index(self, layer: int, part: Part) -> dict:
+        g, L = self.g, self.L
+        rep = L.blocks[L.kind[layer]]
+        return {n: self.t.strategies(g.op(n)).index(part.strategies[r]) for n, r in zip(L.blocks[layer], rep)}
+
+    def solve_all(self, inflight: int) -> Solved | None:
+        g, L = self.g, self.L
+        edges = _edges(g)
+        if not L.blocks:
+            part = self.solve(L.pre, edges, inflight=inflight)
+            return Solved({}, (part,), (), (EMPTY,)) if part else None
+        layers = {}
+        for k in L.kinds:
+            layers[k] = self.layer_frontier(k, inflight)
+            if not layers[k]:
+                return None
+        last = len(L.blocks) - 1
+
+        def around(names: tuple[str, ...], before: int | None, after: int | None) -> tuple[Part, ...] | None:
+            """Solutions of ``names`` per solution index of layer ``after`` (or ``before``), the
+            other neighbour at its fastest solution."""
+            if not names:
+                return (EMPTY,)
+            own = set(names)
+            es = [(p, c, t) for p, c, t in edges if p in own or c in own]
+            varying = after if after is not None else before
+            out = []
+            for part in layers[L.kind[varying]]:
+                fixed = dict(self._index(varying, part))
+                other = before if after is not None else None
+                if other is not None:
+                    fixed.update(self._index(other, layers[L.kind[other]][0]))
+                got = self.solve(names, es, fixed=fixed, inflight=inflight)
+                if got is None:
+                    return None
+                out.append(got)
+            return tuple(out)
+
+        pre = around(L.pre, None, 0)
+        post = around(L.post, last, None)
+        glue = [(EMPTY,)] + [around(L.glue[i], i - 1, i) for i in range(1, len(L.blocks))]
+        if pre is None or post is None or any(x is None for x in glue):
+            return None
+        return Solved(layers, pre, tuple(glue), post)
 
 
 _EDGES: dict[int, tuple[Graph, list]] = {}
@@ -227,11 +283,13 @@ def _edges(g: Graph) -> list[tuple[str, str, str]]:
 
 @dataclass(frozen=True)
 class AlpaPlan:
-    """The solved plan: stage of every layer (``bounds``), the point each stage uses, the
-    pipeline's estimated latency per iteration, and whether it fits the device memory."""
+    """The solved plan: stage of every layer (``bounds``), the solution index of every layer
+    (``choice``), the pipeline's estimated latency per iteration, and whether it fits the device
+    memory."""
 
     bounds: tuple[int, ...]
-    points: tuple[Point, ...]
+    choice: tuple[int, ...]
+    solved: Solved
     latency_s: float
     fits: bool = True  # False: no slicing fits the device memory; the least memory is kept
 
@@ -247,8 +305,8 @@ def _cost_of(ctx: Context) -> CostModel:
     return hit[1]
 
 
-def frontier(ctx: Context, dp: int, tp: int, microbatches: int, inflight: int) -> list[Point]:
-    """The layer's solutions on a ``dp x tp`` mesh (cached per graph, cluster, mesh, micro-batches)."""
+def solutions(ctx: Context, dp: int, tp: int, microbatches: int, inflight: int) -> Solved | None:
+    """The solutions on a ``dp x tp`` mesh (cached per graph, cluster, mesh, micro-batches)."""
     key = (id(ctx.graph), ctx.cluster, ctx.nodes, dp, tp, microbatches, inflight)
     hit = _SOLVED.get(key)
     if hit is not None and hit[0] is ctx.graph:
@@ -256,9 +314,12 @@ def frontier(ctx: Context, dp: int, tp: int, microbatches: int, inflight: int) -
     if len(_SOLVED) > 256:
         _SOLVED.clear()
     tables = CostTables(ctx.graph, _cost_of(ctx), precision_for(ctx.cluster), Mesh2D((dp, tp)), microbatches)
-    pts = _Problem(ctx.graph, tables, layers_of(ctx.graph)).frontier(inflight)
-    _SOLVED[key] = (ctx.graph, pts)
-    return pts
+    got = _Problem(ctx.graph, tables, layers_of(ctx.graph)).solve_all(inflight)
+    _SOLVED[key] = (ctx.graph, got)
+    return got
+
+
+MAX_COMBINATIONS = 256  # per stage, solution indices tried per kind of layer (more: each kind's alone)
 
 
 def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
@@ -267,44 +328,71 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
     no strategy exists at all."""
     dp = ctx.num_devices // (pp * tp)
     L = layers_of(ctx.graph)
-    n_layers = max(1, len(L.blocks))
+    n = max(1, len(L.blocks))
     cap = _cost_of(ctx).device_memory_bytes
-    pts = frontier(ctx, dp, tp, microbatches, min(pp, microbatches))
-    if not pts:
+    sol = solutions(ctx, dp, tp, microbatches, min(pp, microbatches))
+    if sol is None:
         raise InfeasiblePlan(f"alpa: no strategy of the operators fits a {dp} x {tp} mesh with {microbatches} "
                              "micro-batches")
-    chosen: dict[tuple[int, int], int] = {}
+    kinds = L.kinds if L.blocks else (0,)
+    npts = {c: len(sol.layers[c]) if L.blocks else 1 for c in kinds}
+    layer_kind = L.kind if L.blocks else (0,)
+    # prefix sums per kind and solution: time, static and activation bytes of layers [0, i) of that kind
+    pref = {}
+    for c in kinds:
+        for p in range(npts[c]):
+            arr = np.zeros((3, n + 1))
+            for i in range(n):
+                arr[:, i + 1] = arr[:, i]
+                if layer_kind[i] == c and L.blocks:
+                    for part in (sol.layers[c][p], sol.glue[i][min(p, len(sol.glue[i]) - 1)]):
+                        arr[:, i + 1] += (part.time_s, part.static_bytes, part.act_bytes)
+            pref[c, p] = arr
+    chosen: dict[tuple[int, int, int], tuple] = {}
 
     def stage_time_s(a: int, b: int, s: int, bound: float) -> float:
-        """Per micro-batch: the fastest point that fits ``bound`` (inf: the smallest point)."""
-        k, inflight = b - a, min(pp - s, microbatches)
-        best, arg = (math.inf, math.inf), -1
-        for i, pt in enumerate(pts):
-            mem = k * pt.layer.memory(inflight) if L.blocks else 0.0
-            t = k * pt.layer.time_s if L.blocks else 0.0
+        """Per micro-batch: the fastest solutions that fit ``bound`` (inf: the smallest)."""
+        inflight = min(pp - s, microbatches)
+        present = tuple(dict.fromkeys(layer_kind[a:b]))
+        combos = itertools.product(*(range(npts[c]) for c in present))
+        if math.prod(npts[c] for c in present) > MAX_COMBINATIONS:
+            combos = [tuple(p for _ in present) for p in range(max(npts.values()))]
+        best, arg = (math.inf, math.inf), None
+        for combo in combos:
+            pick = dict(zip(present, combo))
+            t = mem = 0.0
+            for c, p in pick.items():
+                p = min(p, npts[c] - 1)
+                d = pref[c, p][:, b] - pref[c, p][:, a]
+                t += d[0]
+                mem += d[1] + d[2] * inflight
             if s == 0:
-                mem += pt.pre.memory(inflight)
-                t += pt.pre.time_s
+                part = sol.pre[min(pick[layer_kind[0]], len(sol.pre) - 1)]
+                t, mem = t + part.time_s, mem + part.memory(inflight)
             if s == pp - 1:
-                mem += pt.post.memory(inflight)
-                t += pt.post.time_s
+                part = sol.post[min(pick[layer_kind[-1]], len(sol.post) - 1)]
+                t, mem = t + part.time_s, mem + part.memory(inflight)
             key = (t, mem) if math.isfinite(bound) else (mem, t)
             if mem <= bound and key < best:
-                best, arg = key, i
-        chosen[(k, s)] = arg
+                best, arg = key, pick
+        chosen[(a, b, s)] = arg
         return (best[0] if math.isfinite(bound) else best[1]) / microbatches
 
     try:
-        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, cap), n_layers, pp, microbatches)
+        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, cap), n, pp, microbatches)
         fits = True
     except InfeasiblePlan:
         # nothing fits the device: the plan with the least memory per stage, which the explorer's
         # memory bound then rejects with the simulated peak (as an out-of-memory Megatron plan)
         chosen.clear()
-        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, math.inf), n_layers, pp, microbatches)
+        sl = slice_stages(lambda a, b, s: stage_time_s(a, b, s, math.inf), n, pp, microbatches)
         fits = False
-    points = tuple(pts[chosen[(sl.bounds[s + 1] - sl.bounds[s], s)]] for s in range(pp))
-    return AlpaPlan(sl.bounds, points, sl.latency_s, fits)
+    choice = []
+    for s in range(pp):
+        a, b = sl.bounds[s], sl.bounds[s + 1]
+        pick = chosen[(a, b, s)]
+        choice += [min(pick[layer_kind[i]], npts[layer_kind[i]] - 1) for i in range(a, b)]
+    return AlpaPlan(sl.bounds, tuple(choice), sol, sl.latency_s, fits)
 
 
 def _valid_tp(c: Context) -> tuple[int, ...]:
@@ -348,16 +436,24 @@ class Alpa(Space):
         L = layers_of(ctx.graph)
         dims: dict[str, tuple] = {}
         stages: dict[str, int] = {}
-        for s, pt in enumerate(sol.points):
-            for i in range(sol.bounds[s], sol.bounds[s + 1]):
-                if i < len(L.blocks):
-                    for j, n in enumerate(L.blocks[i]):
-                        dims[n] = pt.layer.strategies[L.blocks[0][j]]
-                        stages[n] = s
+        for s in range(pp):
+            for i in range(sol.bounds[s], min(sol.bounds[s + 1], len(L.blocks))):
+                p = sol.choice[i]
+                rep = L.blocks[L.kind[i]]
+                part = sol.solved.layers[L.kind[i]][p]
+                for n, r in zip(L.blocks[i], rep):
+                    dims[n], stages[n] = part.strategies[r], s
+                glue = sol.solved.glue[i][min(p, len(sol.solved.glue[i]) - 1)]
+                for n in L.glue[i]:
+                    dims[n], stages[n] = glue.strategies[n], s
+        first = sol.choice[0] if L.blocks else 0
+        pre = sol.solved.pre[min(first, len(sol.solved.pre) - 1)]
         for n in L.pre:
-            dims[n], stages[n] = sol.points[0].pre.strategies[n], 0
+            dims[n], stages[n] = pre.strategies[n], 0
+        last = sol.choice[-1] if L.blocks else 0
+        post = sol.solved.post[min(last, len(sol.solved.post) - 1)]
         for n in L.post:
-            dims[n], stages[n] = sol.points[-1].post.strategies[n], pp - 1
+            dims[n], stages[n] = post.strategies[n], pp - 1
         draft.add_axis("dp", dp, {n: d[0] for n, d in dims.items()})
         draft.add_axis("tp", tp, {n: d[1] for n, d in dims.items()})
         draft.microbatches = m

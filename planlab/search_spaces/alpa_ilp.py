@@ -146,9 +146,9 @@ def slice_stages(stage_time_s: Callable[[int, int, int], float], layers: int, st
     if not 1 <= stages <= layers:
         raise InfeasiblePlan(f"{stages} pipeline stages cannot hold {layers} layers (each stage needs one)")
     t = np.full((stages, layers + 1, layers + 1), np.inf)
-    for s in range(stages):
-        for a in range(s, layers - (stages - s) + 1):
-            for b in range(a + 1, layers - (stages - s - 1) + 1):
+    for s in range(stages):  # the first stage starts at layer 0, the last ends at the last layer
+        for a in (range(s, layers - (stages - s) + 1) if s else (0,)):
+            for b in (range(a + 1, layers - (stages - s - 1) + 1) if s < stages - 1 else (layers,)):
                 t[s, a, b] = stage_time_s(a, b, s)
     bounds_all = np.unique(t[np.isfinite(t)])
     best: tuple[float, tuple[int, ...]] | None = None
