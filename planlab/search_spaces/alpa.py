@@ -9,11 +9,12 @@ data-parallel replica. Everything else is solved when the plan is built:
   of its splittable dimensions per mesh axis, :mod:`planlab.search_spaces.alpa_costs`),
   minimising compute, resharding on every producer -> consumer edge and gradient all-reduces
   under the device's memory. As Alpa clusters operators, the program covers one representative
-  transformer layer (``blocks.0``, with its edges into ``blocks.1``) and its solution is used by
-  every layer; the operators before and after the layers get their own small programs, with the
-  first and last layer's strategies fixed. Several solutions are kept along the layer's
-  time/memory trade-off (the program re-solved under tighter memory bounds), so that a stage
-  holding more layers or more micro-batches in flight can pick one that fits.
+  per kind of layer (``blocks.<i>`` with the same operators and shapes, with its edges into the
+  next layer when alike) and every layer of that kind uses its solution; the operators before,
+  between and after the layers get their own small programs, their neighbouring layers'
+  strategies fixed. Several solutions are kept along each layer's time/memory trade-off (the
+  program re-solved under tighter memory bounds), so that a stage holding more layers or more
+  micro-batches in flight can pick one that fits.
 - inter-operator pass: a dynamic program (:func:`planlab.search_spaces.alpa_ilp.slice_stages`)
   cuts the layers into ``pp`` contiguous, possibly uneven, stages minimising the pipeline's
   ``sum t_s + (M - 1) max t_s``, each stage's time that of its best solution that fits memory
