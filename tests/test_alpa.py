@@ -161,7 +161,7 @@ def _check_run(plan, n):
 
 
 @pytest.mark.parametrize("n, knobs", [
-    (2, dict(pp=1, tp=2, microbatch=8)),  # tensor-split layers (sequence and heads), one micro-batch
+    (2, dict(pp=1, tp=1, microbatch=4)),  # a one-axis mesh of 2: batch, sequence or heads per operator
     (2, dict(pp=2, tp=1, microbatch=2)),  # two uneven-capable stages, 1F1B over 4 micro-batches
 ])
 def test_alpa_plans_match_one_process(n, knobs):
@@ -172,7 +172,7 @@ def test_alpa_plans_match_one_process(n, knobs):
 @pytest.mark.slow
 def test_alpa_plan_on_a_2x2_mesh_and_two_stages_matches_one_process():
     ctx = _ctx(4)
-    for knobs in (dict(pp=1, tp=2, microbatch=4), dict(pp=2, tp=2, microbatch=4)):
+    for knobs in (dict(pp=1, tp=2, microbatch=2), dict(pp=2, tp=1, microbatch=2)):
         _check_run(get_space("alpa").build(ctx, knobs), 4)
 
 
@@ -186,6 +186,8 @@ def test_impossible_knobs_are_config_errors_naming_space_knob_and_value():
         sp.build(ctx, dict(pp=2, tp=4, microbatch=1))
     with pytest.raises(ConfigError, match=r"dp=4 x microbatch=4 does not divide the global batch 8"):
         sp.build(ctx, dict(pp=1, tp=1, microbatch=4))
+    with pytest.raises(ConfigError, match=r"tp=2 leaves dp=1: a one-axis mesh of the stage's 2 devices is tp=1"):
+        sp.build(ctx, dict(pp=2, tp=2, microbatch=1))
     with pytest.raises(ConfigError, match=r"space 'alpa' has no knob 'dp'"):
         sp.build(ctx, dict(dp=2))
 
