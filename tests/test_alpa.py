@@ -214,3 +214,33 @@ def test_swin_layers_of_several_kinds_and_the_merges_between_them():
     plan = get_space("alpa").build(ctx, dict(pp=2, tp=1, microbatch=1))
     res = simulate(materialize(plan, g), CostModel.load("cpu", 2))
     assert res.iter_time_s > 0
+
+
+def test_layer_solutions_trade_time_for_memory():
+    """The representative layer's solutions: the fastest first, each further one smaller and no faster."""
+    ctx = _ctx(4)
+    sol = alpa.solutions(ctx, 2, 2, 2, 1)
+    parts = sol.layers[0]
+    assert len(parts) >= 2
+    mems = [p.memory(1) for p in parts]
+    times = [p.time_s for p in parts]
+    assert mems == sorted(mems, reverse=True) and len(set(mems)) == len(mems)
+    assert times[0] == min(times)
+
+
+def test_a_device_too_small_for_any_slicing_gives_the_least_memory_plan(monkeypatch):
+    """With a device of 1 MB nothing fits: the plan holds each stage's smallest solutions (the explorer's
+    memory bound then rejects it) rather than failing the exploration."""
+    import dataclasses
+
+    ctx = _ctx(2)
+    cost = CostModel.load("cpu", 2)
+    node = cost.cluster.node
+    small = dataclasses.replace(node, device=dataclasses.replace(node.device, memory_bytes=1e6))
+    tiny = CostModel(dataclasses.replace(cost.cluster, node=small))
+    monkeypatch.setitem(alpa._SOLVED, ("cost", "cpu", 2), (None, tiny))
+    got = alpa.solve(ctx, 2, 1, 2)
+    assert not got.fits
+    smallest = min(range(len(got.solved.layers[0])), key=lambda p: got.solved.layers[0][p].memory(1))
+    assert set(got.choice) == {smallest}
+    assert get_space("alpa").build(ctx, dict(pp=2, tp=1, microbatch=1)).num_devices == 2
