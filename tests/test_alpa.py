@@ -244,3 +244,18 @@ def test_a_device_too_small_for_any_slicing_gives_the_least_memory_plan(monkeypa
     smallest = min(range(len(got.solved.layers[0])), key=lambda p: got.solved.layers[0][p].memory(1))
     assert set(got.choice) == {smallest}
     assert get_space("alpa").build(ctx, dict(pp=2, tp=1, microbatch=1)).num_devices == 2
+
+
+@pytest.mark.slow
+def test_alpa_plan_of_a_swin_matches_one_process():
+    """A Swin of three kinds of layers with patch merging between them, on a one-axis mesh of 2:
+    the program splits about a third of the operators; one step's loss and gradients match one
+    process (one step: Adam's first update magnifies the rounding of near-zero gradients)."""
+    spec, g = traced("swin-tiny", 8, (("embed", 64), ("image", 64)))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    sp = get_space("alpa")
+    knobs = dict(pp=1, tp=1, microbatch=2)
+    draft = sp.draft(ctx, sp.with_defaults(knobs))
+    assert sum(any(d is not None for d in ds) for ds in draft.dims.values()) > len(g.operators) // 4
+    res = launch_local(sp.build(ctx, knobs), 2, steps=1)
+    assert res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
