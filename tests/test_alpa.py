@@ -186,8 +186,10 @@ def test_impossible_knobs_are_config_errors_naming_space_knob_and_value():
         sp.build(ctx, dict(pp=2, tp=4, microbatch=1))
     with pytest.raises(ConfigError, match=r"dp=4 x microbatch=4 does not divide the global batch 8"):
         sp.build(ctx, dict(pp=1, tp=1, microbatch=4))
-    with pytest.raises(ConfigError, match=r"tp=2 leaves dp=1: a one-axis mesh of the stage's 2 devices is tp=1"):
-        sp.build(ctx, dict(pp=2, tp=2, microbatch=1))
+    with pytest.raises(ConfigError, match=r"tp=2 leaves dp=1, a one-axis mesh: with microbatch=4 it is the plan "
+                                          r"of tp=1, microbatch=2"):
+        sp.build(ctx, dict(pp=2, tp=2, microbatch=4))
+    assert sp.build(ctx, dict(pp=2, tp=2, microbatch=1)).num_devices == 4  # 8 micro-batches: no tp=1 twin
     with pytest.raises(ConfigError, match=r"space 'alpa' has no knob 'dp'"):
         sp.build(ctx, dict(dp=2))
 

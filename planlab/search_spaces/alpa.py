@@ -423,11 +423,10 @@ class Alpa(Space):
                          lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices // a['pp']} devices of a "
                                       f"stage (pp={a['pp']} stages of {c.num_devices} devices)"),
         # a one-axis mesh already tries every dimension on its axis: tp = the stage's devices (dp = 1)
-        # would repeat the plans of tp = 1 (dp = the stage's devices)
-        Constraint.where(lambda k, c: k["tp"] == 1 or _dp(k, c) > 1,
-                         lambda a, c: f"tp={a['tp']} leaves dp=1: a one-axis mesh of the stage's "
-                                      f"{c.num_devices // a['pp']} devices is tp=1 (its axis tries every "
-                                      "dimension of each operator)"),
+        # with a micro-batch that tp divides repeats tp = 1 (dp = the stage's devices) with microbatch / tp
+        Constraint.where(lambda k, c: k["tp"] == 1 or _dp(k, c) > 1 or k["microbatch"] % k["tp"] != 0,
+                         lambda a, c: f"tp={a['tp']} leaves dp=1, a one-axis mesh: with microbatch={a['microbatch']} "
+                                      f"it is the plan of tp=1, microbatch={a['microbatch'] // a['tp']}"),
         Constraint.where(lambda k, c: c.global_batch % (_dp(k, c) * k["microbatch"]) == 0,
                          lambda a, c: f"dp={c.num_devices // (a['pp'] * a['tp'])} x microbatch={a['microbatch']} "
                                       f"does not divide the global batch {c.global_batch}"),
