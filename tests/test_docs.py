@@ -138,6 +138,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "PYTHONPATH=. planlab run my_tp.json --nproc 2 --steps 2": Run(),
     # docs/spaces.md
     "planlab explore --model gpt-tiny --cluster cpu --nodes 4 --global-batch 8 --space 'dp*tp' --set tp=2": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --space alpa": Run(),
     "PYTHONPATH=. planlab explore --model gpt-small --cluster cpu --nodes 4 --global-batch 8 --space myspaces:space "
     "--top 5": Run(),
     "planlab explore --model evoformer-tiny --model-arg recycles=3 --cluster cpu --nodes 2 --global-batch 4 "
