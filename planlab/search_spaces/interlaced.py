@@ -1,0 +1,152 @@
+"""The ``interlaced`` space: nnScaler's interlaced pipeline (Lin et al., OSDI 2024, section 5.3).
+
+With a large vocabulary the token embedding and the output layer (the LM head and the loss) hold
+a large share of a GPT's weights and work, so a plain pipeline overloads its first and last
+stages. The interlaced pipeline runs the transformer layers as a 1F1B pipeline of ``pp`` stages
+(each with the usual data and tensor parallelism inside), and the vocabulary operators on stages
+of their own that every device runs, split over all of them:
+
+- stage ``0``, the embedding: the token lookup split along the vocabulary over every device
+  (Megatron's vocabulary-parallel embedding: each device looks up the ids in its rows, the
+  others give zeros; the pieces are summed on their way to the first layer stage);
+- stages ``1 .. pp``, the layers, as :class:`planlab.search_spaces.builtin.PipelineParallel`
+  places them (plus whatever before the first layer or after the last is not a vocabulary operator);
+- stage ``pp + 1``, the output: the LM head split along the vocabulary (its weight in one
+  shard per device) and the cross entropy split along the tokens over every device (each
+  device scores its tokens against the whole vocabulary: an all-to-all of the logits).
+
+The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) interlaces the shared
+stages' forward and backward of each micro-batch into the layers' 1F1B where it needs them.
+The plan is written with the public Space API: a Product of :class:`Interlaced` (knob ``pp``)
+with the data-parallel, tensor-parallel and recompute spaces; the Draft's ``spread`` places an
+operator on every device.
+"""
+
+from __future__ import annotations
+
+from planlab.graph.ir import Graph, Operator
+from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
+                                           _divisors, batch_dims, pipeline_stages)
+from planlab.search_spaces.registry import register_space
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
+
+_VOCAB_OPS: dict[tuple[int, int], tuple[Graph, "VocabOps | None"]] = {}
+
+
+class VocabOps:
+    """The vocabulary operators of a graph and the dimension each splits over every device:
+    ``embed`` (token embeddings: ``v``), ``head`` (the output layer: ``n``; what follows it up to
+    the loss: the vocabulary dimension, the loss its tokens ``n``; what only feeds them from the
+    model's inputs, such as the targets' reshape: replicated)."""
+
+    def __init__(self, embed: dict[str, str | None], head: dict[str, str | None]) -> None:
+        self.embed, self.head = embed, head
+
+    def spread(self) -> dict[str, str | None]:
+        return {**self.embed, **self.head}
+
+
+def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
+    """The graph's vocabulary operators (cached per graph and vocabulary size), or None when it
+    has no token embedding of ``vocab`` rows or no output layer of ``vocab`` features."""
+    if not vocab:
+        return None
+    hit = _VOCAB_OPS.get((id(g), vocab))
+    if hit is None or hit[0] is not g:
+        if len(_VOCAB_OPS) > 16:
+            _VOCAB_OPS.clear()
+        hit = _VOCAB_OPS[(id(g), vocab)] = (g, _find(g, vocab))
+    return hit[1]
+
+
+def _find(g: Graph, vocab: int) -> VocabOps | None:
+    embed = {op.name: "v" for op in g.operators if op.kind == "embedding" and op.dim_sizes.get("v") == vocab
+             and op.signature.splittable("v")}
+    heads = [op for op in g.operators if op.kind == "linear" and op.dim_sizes.get("n") == vocab
+             and not _BLOCK.search(op.module)]
+    if not embed or len(heads) != 1:
+        return None
+    lm = heads[0]
+    batch = batch_dims(g)
+    head: dict[str, str | None] = {lm.name: batch[lm.name]}
+    order = {op.name: i for i, op in enumerate(g.operators)}
+    for op in g.operators[order[lm.name] + 1:]:  # what follows the output layer
+        if any(t in g.producer and g.producer[t].name in head for t in op.inputs):
+            head[op.name] = batch[op.name]
+    for op in reversed(g.operators):  # what only feeds those from the model's inputs
+        if op.name in head:
+            continue
+        cons = [c.name for t in op.outputs for c in g.consumers.get(t, [])]
+        if cons and all(c in head for c in cons) and not any(t in g.producer for t in op.inputs):
+            head[op.name] = batch[op.name]
+    if g.producer[g.loss].name not in head:
+        return None
+    return VocabOps(embed, head)
+
+
+def _vocab(c: Context) -> int | None:
+    return getattr(c.model.config(), "vocab", None)
+
+
+def _tokens_per_microbatch(a: dict, c: Context) -> int | None:
+    dp, mbs = a.get("dp"), a.get("microbatch")
+    if dp is None or mbs is None:
+        return None
+    return dp * mbs * c.graph.tensors[c.graph.inputs[0]].shape[1] if len(
+        c.graph.tensors[c.graph.inputs[0]].shape) > 1 else dp * mbs
+
+
+class Interlaced(Space):
+    """The layers in ``pp`` pipeline stages, the token embedding and the output layer split
+    along the vocabulary over every device on stages of their own, run with the interlaced 1F1B."""
+
+    name = "interlaced-pipeline"
+    order = 0
+    knobs = (
+        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
+                 "pipeline-parallel degree of the layers (device groups)",
+                 range="divisors of the device count above 1 that divide the layers"),
+    )
+    constraints = (
+        Constraint(lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
+                   lambda a, c: f"the model {c.model} has no token embedding and output layer of "
+                                f"{_vocab(c)} vocabulary entries for the interlaced pipeline to split"),
+        Constraint(lambda a, c: not _vocab(c) or _vocab(c) % c.num_devices == 0,
+                   lambda a, c: f"the vocabulary of {_vocab(c)} entries does not split over the "
+                                f"{c.num_devices} devices (it must divide by the device count)"),
+        Constraint(lambda a, c: a["pp"] is None or a["pp"] > 1,
+                   lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1"),
+        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
+        Constraint(lambda a, c: _tokens_per_microbatch(a, c) is None
+                   or _tokens_per_microbatch(a, c) % c.num_devices == 0,
+                   lambda a, c: f"the {_tokens_per_microbatch(a, c)} tokens of a micro-batch (dp={a.get('dp')} x "
+                                f"microbatch={a.get('microbatch')} sequences) do not split over the "
+                                f"{c.num_devices} devices for the loss"),
+        ALL_DEVICES,
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        pp = values["pp"]
+        g = draft.ctx.graph
+        ops = vocab_ops(g, _vocab(draft.ctx))
+        draft.num_stages, draft.chunks, draft.schedule, draft.stage_base = pp, 1, "interlaced", 1
+        stages = {name: s + 1 for name, s in pipeline_stages(g, pp, draft.ctx.layers).items()}
+        for name in ops.embed:
+            stages[name] = 0
+        for name in ops.head:
+            stages[name] = pp + 1
+        draft.stages = stages
+        draft.spread = ops.spread()
+
+
+class InterlacedSpace(Product):
+    """nnScaler's interlaced pipeline: :class:`Interlaced` x data (ZeRO) x tensor parallelism x
+    recomputation (knobs ``pp``, ``dp``, ``microbatch``, ``zero``, ``tp``, ``sequence_parallel``,
+    ``recompute``)."""
+
+    def __init__(self) -> None:
+        super().__init__((Interlaced(), DataParallel(), TensorParallel(), Recompute()), name="interlaced")
+
+
+register_space("interlaced", InterlacedSpace)
