@@ -69,12 +69,14 @@ def test_constraints_name_the_knob():
 
 def test_explore_small_gpt():
     import planlab
+    from planlab.models import ModelSpec
 
-    df = planlab.explore("gpt", model_args=dict(ARGS), cluster="cpu", nodes=4, space="interlaced",
-                         global_batch=8) if "model_args" in planlab.explore.__code__.co_varnames else None
-    if df is None:
-        pytest.skip("explore takes no model arguments")
-    assert len(df) > 0 and df["iter_time_s"].notna().any()
+    df = planlab.explore(ModelSpec("gpt", ARGS), cluster="cpu", nodes=4, space="interlaced", global_batch=8)
+    sim = df[df["simulated"]]
+    assert len(sim) > 0 and sim["feasible"].any()
+    assert set(df["pp"]) == {2} and (df["dp"] * df["tp"] * df["pp"] == 4).all()
+    best = df.attrs["best_plan"]
+    assert best.space == "interlaced" and best.op_plan("wte").devices == (0, 1, 2, 3)
 
 
 @pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4), dict(pp=2, dp=2, tp=1, microbatch=2)])

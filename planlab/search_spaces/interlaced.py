@@ -24,7 +24,7 @@ operator on every device.
 
 from __future__ import annotations
 
-from planlab.graph.ir import Graph, Operator
+from planlab.graph.ir import Graph
 from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
                                            _divisors, batch_dims, pipeline_stages)
 from planlab.search_spaces.registry import register_space
@@ -68,32 +68,40 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
         return None
     lm = heads[0]
     batch = batch_dims(g)
-    head: dict[str, str | None] = {lm.name: batch[lm.name]}
     order = {op.name: i for i, op in enumerate(g.operators)}
+    first_layer = min((order[op.name] for op in g.operators if _BLOCK.search(op.module)), default=len(g.operators))
+    for op in g.operators[:first_layer]:  # what follows the embedding up to the first layer, split along the batch
+        if op.name not in embed and any(t in g.producer and g.producer[t].name in embed for t in op.inputs):
+            embed[op.name] = batch[op.name]
+    _feeders(g, embed, batch)
+    head: dict[str, str | None] = {lm.name: batch[lm.name]}
     for op in g.operators[order[lm.name] + 1:]:  # what follows the output layer
         if any(t in g.producer and g.producer[t].name in head for t in op.inputs):
             head[op.name] = batch[op.name]
-    for op in reversed(g.operators):  # what only feeds those from the model's inputs
-        if op.name in head:
-            continue
-        cons = [c.name for t in op.outputs for c in g.consumers.get(t, [])]
-        if cons and all(c in head for c in cons) and not any(t in g.producer for t in op.inputs):
-            head[op.name] = batch[op.name]
+    _feeders(g, head, batch)
     if g.producer[g.loss].name not in head:
         return None
     return VocabOps(embed, head)
+
+
+def _feeders(g: Graph, ops: dict[str, str | None], batch: dict[str, str | None]) -> None:
+    """Add to ``ops`` what only feeds them from the model's inputs (the targets' reshape, the
+    position embedding), split along the batch where it has one."""
+    for op in reversed(g.operators):
+        if op.name in ops:
+            continue
+        cons = [c.name for t in op.outputs for c in g.consumers.get(t, [])]
+        if cons and all(c in ops for c in cons) and not any(t in g.producer for t in op.inputs):
+            ops[op.name] = batch[op.name]
 
 
 def _vocab(c: Context) -> int | None:
     return getattr(c.model.config(), "vocab", None)
 
 
-def _tokens_per_microbatch(a: dict, c: Context) -> int | None:
+def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
     dp, mbs = a.get("dp"), a.get("microbatch")
-    if dp is None or mbs is None:
-        return None
-    return dp * mbs * c.graph.tensors[c.graph.inputs[0]].shape[1] if len(
-        c.graph.tensors[c.graph.inputs[0]].shape) > 1 else dp * mbs
+    return None if dp is None or mbs is None else dp * mbs
 
 
 class Interlaced(Space):
@@ -118,11 +126,11 @@ class Interlaced(Space):
                    lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1"),
         Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
                    lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
-        Constraint(lambda a, c: _tokens_per_microbatch(a, c) is None
-                   or _tokens_per_microbatch(a, c) % c.num_devices == 0,
-                   lambda a, c: f"the {_tokens_per_microbatch(a, c)} tokens of a micro-batch (dp={a.get('dp')} x "
-                                f"microbatch={a.get('microbatch')} sequences) do not split over the "
-                                f"{c.num_devices} devices for the loss"),
+        Constraint(lambda a, c: _sequences_per_microbatch(a, c) is None
+                   or _sequences_per_microbatch(a, c) % c.num_devices == 0,
+                   lambda a, c: f"the {_sequences_per_microbatch(a, c)} sequences of a micro-batch (dp={a.get('dp')} x "
+                                f"microbatch={a.get('microbatch')}) do not split over the {c.num_devices} devices "
+                                f"for the output layer and the loss"),
         ALL_DEVICES,
     )
 
