@@ -57,6 +57,20 @@ def test_plan_structure_and_dry_run():
     assert ("all_reduce", (0, 1)) in colls and ("all_reduce", (2, 3)) in colls  # tensor parallelism
 
 
+def test_embed_layout_vocab_batch():
+    ctx = _ctx()
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch"))
+    ops = {p.op: p for p in plan.ops}
+    assert str(ops["wte"]) == "wte: v/4 on [0, 1, 2, 3] stage 0"
+    assert str(ops["add"]) == "add: a0/4 on [0, 1, 2, 3] stage 0"  # the lookup's pieces meet in a reduce-scatter
+    assert str(ops["wpe"]) == "wpe: R/4 on [0, 1, 2, 3] stage 0"
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
+    colls = {(t.collective, tuple(t.group)) for d in program.devices for b in d.blocks.values() for t in b.tasks
+             if t.collective}
+    assert ("reduce_scatter", (0, 1, 2, 3)) in colls
+
+
 def test_constraints_name_the_knob():
     ctx = _ctx()
     sp = get_space("interlaced")
@@ -79,7 +93,8 @@ def test_explore_small_gpt():
     assert best.space == "interlaced" and best.op_plan("wte").devices == (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4), dict(pp=2, dp=2, tp=1, microbatch=2)])
+@pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4),
+                                   dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch")])
 def test_matches_one_process(knobs):
     ctx = _ctx()
     plan = get_space("interlaced").build(ctx, knobs)

@@ -1,4 +1,4 @@
-"""The ``interlaced`` space: nnScaler's interlaced pipeline (Lin et al., OSDI 2024, section 5.3).
+"""The ``interlaced`` space: nnScaler's interlaced pipeline (Lin et al., OSDI 2024).
 
 With a large vocabulary the token embedding and the output layer (the LM head and the loss) hold
 a large share of a GPT's weights and work, so a plain pipeline overloads its first and last
@@ -8,18 +8,24 @@ of their own that every device runs, split over all of them:
 
 - stage ``0``, the embedding: the token lookup split along the vocabulary over every device
   (Megatron's vocabulary-parallel embedding: each device looks up the ids in its rows, the
-  others give zeros; the pieces are summed on their way to the first layer stage);
+  others give zeros; the pieces are summed on their way to the first layer stage, or with
+  ``embed_layout=vocab+batch`` by a reduce-scatter into what follows the lookup up to the first
+  layer, split along the batch over every device);
 - stages ``1 .. pp``, the layers, as :class:`planlab.search_spaces.builtin.PipelineParallel`
   places them (plus whatever before the first layer or after the last is not a vocabulary operator);
-- stage ``pp + 1``, the output: the LM head split along the vocabulary (its weight in one
-  shard per device) and the cross entropy split along the tokens over every device (each
-  device scores its tokens against the whole vocabulary: an all-to-all of the logits).
+- stage ``pp + 1``, the output: the LM head and the loss split along the batch over every
+  device (each scores its share of the sequences against the whole vocabulary; the head's
+  weight gradients are all-reduced over every device, and sharded with ``zero``). A
+  vocabulary-split loss needs a softmax across the pieces, which planlab's operators do not
+  express; a vocabulary-split head feeding a batch-split loss needs logits exchanged between
+  every pair of devices, which, with point-to-point messages received in the order they are
+  sent, holds every layer message back until each micro-batch's exchange: no pipelining is left.
 
 The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) interlaces the shared
 stages' forward and backward of each micro-batch into the layers' 1F1B where it needs them.
-The plan is written with the public Space API: a Product of :class:`Interlaced` (knob ``pp``)
-with the data-parallel, tensor-parallel and recompute spaces; the Draft's ``spread`` places an
-operator on every device.
+The plan is written with the public Space API: a Product of :class:`Interlaced` (knobs ``pp``,
+``embed_layout``) with the data-parallel, tensor-parallel and recompute spaces; the Draft's
+``spread`` places an operator on every device.
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ _VOCAB_OPS: dict[tuple[int, int], tuple[Graph, "VocabOps | None"]] = {}
 
 class VocabOps:
     """The vocabulary operators of a graph and the dimension each splits over every device:
-    ``embed`` (token embeddings: ``v``), ``head`` (the output layer: ``n``; what follows it up to
-    the loss: the vocabulary dimension, the loss its tokens ``n``; what only feeds them from the
-    model's inputs, such as the targets' reshape: replicated)."""
+    ``lookup`` (the token embeddings: ``v``), ``embed`` (those and what follows them up to the
+    first layer, along the batch), ``head`` (the output layer, what follows it up to the loss and
+    what only feeds those from the model's inputs, such as the targets' reshape: along the batch)."""
 
-    def __init__(self, embed: dict[str, str | None], head: dict[str, str | None]) -> None:
-        self.embed, self.head = embed, head
+    def __init__(self, lookup: dict[str, str | None], embed: dict[str, str | None],
+                 head: dict[str, str | None]) -> None:
+        self.lookup, self.embed, self.head = lookup, embed, head
 
-    def spread(self) -> dict[str, str | None]:
-        return {**self.embed, **self.head}
+    def spread(self, embed_layout: str) -> dict[str, str | None]:
+        """The operators on every device and their split, for ``embed_layout`` (EMBED_LAYOUTS)."""
+        return {**(self.lookup if embed_layout == "vocab" else self.embed), **self.head}
 
 
 def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
@@ -68,6 +76,7 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
         return None
     lm = heads[0]
     batch = batch_dims(g)
+    lookup = dict(embed)
     order = {op.name: i for i, op in enumerate(g.operators)}
     first_layer = min((order[op.name] for op in g.operators if _BLOCK.search(op.module)), default=len(g.operators))
     for op in g.operators[:first_layer]:  # what follows the embedding up to the first layer, split along the batch
@@ -81,7 +90,7 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
     _feeders(g, head, batch)
     if g.producer[g.loss].name not in head:
         return None
-    return VocabOps(embed, head)
+    return VocabOps(lookup, embed, head)
 
 
 def _feeders(g: Graph, ops: dict[str, str | None], batch: dict[str, str | None]) -> None:
@@ -104,6 +113,15 @@ def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
     return None if dp is None or mbs is None else dp * mbs
 
 
+# How the embedding stage is laid out: ``vocab``, the token lookup alone on every device, its
+# vocabulary pieces summed by point-to-point messages to the first layer stage's devices (every
+# device sends its piece, and nothing blocks the embedding's forward); ``vocab+batch``, also what
+# follows the lookup up to the first layer (the position embedding, the add, the dropout), split
+# along the batch over every device, the pieces meeting in a reduce-scatter over every device
+# (less traffic, but a collective that every device joins at each micro-batch's embedding).
+EMBED_LAYOUTS = ("vocab", "vocab+batch")
+
+
 class Interlaced(Space):
     """The layers in ``pp`` pipeline stages, the token embedding and the output layer split
     along the vocabulary over every device on stages of their own, run with the interlaced 1F1B."""
@@ -114,6 +132,9 @@ class Interlaced(Space):
         Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
                  "pipeline-parallel degree of the layers (device groups)",
                  range="divisors of the device count above 1 that divide the layers"),
+        Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup alone (vocab) or with what "
+                    "follows it up to the first layer, split along the batch (vocab+batch)", default="vocab",
+                    explore=EMBED_LAYOUTS),
     )
     constraints = (
         Constraint(lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
@@ -140,12 +161,11 @@ class Interlaced(Space):
         ops = vocab_ops(g, _vocab(draft.ctx))
         draft.num_stages, draft.chunks, draft.schedule, draft.stage_base = pp, 1, "interlaced", 1
         stages = {name: s + 1 for name, s in pipeline_stages(g, pp, draft.ctx.layers).items()}
-        for name in ops.embed:
-            stages[name] = 0
-        for name in ops.head:
-            stages[name] = pp + 1
+        spread = ops.spread(values.get("embed_layout") or "vocab")
+        for name in spread:
+            stages[name] = pp + 1 if name in ops.head else 0
         draft.stages = stages
-        draft.spread = ops.spread()
+        draft.spread = spread
 
 
 class InterlacedSpace(Product):
