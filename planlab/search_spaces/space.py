@@ -419,31 +419,17 @@ class Draft:
         chk = Checker(tuple(rules), self.ctx, space)
         groups, devices = self.groups, self.group_devices()
         per_axis = self.op_dims()
-        ctx_devices = self.ctx.num_devices
-        every = tuple(range(ctx_devices))
+        spread = self.spread
         for i, op in enumerate(self.ctx.graph.operators):
-            if op.name in self.spread:
-                dims_here = ()
-            else:
-                dims_here = [ad[i] for ad in per_axis]
-            for dim, (_, size) in zip(dims_here, self.axes):
+            s = self.stages.get(op.name, 0)
+            if op.name in spread:  # one piece per device, on every device
+                self._issue_spread(b, chk, op, s)
+                continue
+            for dim, (_, size) in zip([ad[i] for ad in per_axis], self.axes):
                 if chk.splits and dim is not None and size > 1:
                     chk.split(op, dim)
                 if b is not None:
                     b.op_trans(op.name, dim, size)
-            s = self.stages.get(op.name, 0)
-            if op.name in self.spread:  # one piece per device, on every device
-                dim, n = self.spread[op.name], ctx_devices
-                if chk.splits and dim is not None and n > 1:
-                    chk.split(op, dim)
-                if b is not None:
-                    b.op_trans(op.name, dim, n)
-                where = every
-                if chk.places:
-                    chk.place(op, where)
-                if b is not None:
-                    b.op_assign(op.name, where, stage=s)
-                continue
             where = devices[(s - self.stage_base) % groups]
             if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
                 dim, k = self.colocate[op.name]
@@ -467,6 +453,19 @@ class Draft:
                     for d in devices[r]:
                         b.op_order(d, actions)
 
+
+    def _issue_spread(self, b: PlanBuilder | None, chk, op, stage: int) -> None:
+        """A ``spread`` operator: split along its dimension into one piece per device, placed on
+        every device, on ``stage``."""
+        dim, n = self.spread[op.name], self.ctx.num_devices
+        if chk.splits and dim is not None and n > 1:
+            chk.split(op, dim)
+        where = tuple(range(n))
+        if chk.places:
+            chk.place(op, where)
+        if b is not None:
+            b.op_trans(op.name, dim, n)
+            b.op_assign(op.name, where, stage=stage)
 
 def _dedupe(items: Iterable) -> tuple:
     return tuple(dict.fromkeys(items))
