@@ -143,6 +143,9 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "--top 5": Run(),
     "planlab explore --model evoformer-tiny --model-arg recycles=3 --cluster cpu --nodes 2 --global-batch 4 "
     "--space 3f1b": Run(),
+    "planlab explore --model gpt --model-arg layers=2 --model-arg hidden=32 --model-arg heads=4 --model-arg seq=16 "
+    "--model-arg vocab=512 --cluster cpu --nodes 4 --global-batch 8 --space interlaced":
+        ByTest("tests/test_interlaced.py::test_explore_small_gpt"),
     # docs/validation.md
     ".venv/bin/python -m pytest -q tests/test_executor.py tests/test_executor_torchrun.py tests/test_shards.py":
         Elsewhere("tests of this suite"),

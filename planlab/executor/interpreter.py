@@ -47,8 +47,13 @@ def _binder(call) -> tuple | bool:
     return tuple(slot(a) for a in call.args), tuple((k,) + slot(v) for k, v in call.kwargs.items())
 
 
-def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Graph, microbatches: int):
-    """Run one piece of ``op`` on local tensors; returns the output tensor(s)."""
+def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Graph, microbatches: int,
+              vocab_offset: int = 0):
+    """Run one piece of ``op`` on local tensors; returns the output tensor(s). A piece of an
+    embedding whose table holds rows ``vocab_offset ..`` of the vocabulary only (split along ``v``)
+    looks up the ids in its rows and gives zeros for the others (the pieces add up)."""
+    if op.kind == "embedding" and tensors[1].shape[0] != op.dim_sizes["v"]:
+        return vocab_piece_embedding(tensors[0], tensors[1], vocab_offset)
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
     if op.kind == "expand":  # the call's sizes are the whole tensor's; expand to the piece's
@@ -77,6 +82,15 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
     if isinstance(target, str):
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
+
+
+def vocab_piece_embedding(idx: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
+    """Megatron's VocabParallelEmbedding: the embedding of ``idx`` in ``rows`` (rows ``offset ..
+    offset + len(rows)`` of the table), zero where an id is outside them."""
+    local = idx - offset
+    outside = (local < 0) | (local >= rows.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), rows)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 try:  # the engine call behind torch.autograd.grad, without its per-call argument checks
@@ -385,9 +399,10 @@ class Interpreter:
             if detach and v.is_floating_point():  # a leaf of this piece's own autograd graph
                 v = v.detach().requires_grad_(True)
             ins.append(v)
+        off = self._vocab_offset(task) if op.kind == "embedding" else 0
         if task.recompute == "drop":  # its backward runs after a second forward ("redo"): keep no graph
             with torch.no_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             for k, (b, o) in enumerate(zip(task.writes, outs)):
                 if task.places and task.places[k] is not None:
@@ -396,10 +411,10 @@ class Interpreter:
                     self.bufs[(b, mb)] = o
             return
         if torch.is_grad_enabled():
-            out = run_piece(op, task, ins, self.graph, self.program.microbatches)
+            out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
         else:
             with torch.enable_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
             outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])
@@ -409,6 +424,19 @@ class Interpreter:
                 self._add_into(b, mb, o.detach(), task.places[k])
             else:
                 self.bufs[(b, mb)] = o.detach()
+
+    def _vocab_offset(self, task: Task) -> int:
+        """The first vocabulary row of the embedding table piece ``task`` reads (its weight's box
+        on this device, plus a co-located chunk's slice)."""
+        boxes = self.__dict__.get("_boxes")
+        if boxes is None:
+            boxes = self._boxes = {p: box for p, box in self.dp.params}
+        table = task.reads[1].split(":", 1)[1] if len(task.reads) > 1 else ""
+        box = boxes.get(table)
+        off = box[0][0] if box else 0
+        if task.slices and len(task.slices) > 1 and task.slices[1] is not None:
+            off += task.slices[1][0][0]
+        return off
 
     def _backward_input(self, task: Task, mb: int) -> None:
         """Zero-bubble's ``I``: the inputs' gradients, keeping the graph for the ``W`` task."""

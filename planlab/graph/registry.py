@@ -162,7 +162,9 @@ def _linear(c: OpContext) -> Signature:
 
 def _embedding(c: OpContext) -> Signature:
     i = _letters(len(c.in_shapes[0]))
-    return Signature.of([[(n,) for n in i], [("v",), ("h",)]], [[*[(n,) for n in i], ("h",)]], (), {"v"})
+    # the vocabulary splits as Megatron's VocabParallelEmbedding does: each piece looks up the ids in
+    # its rows (zeros elsewhere) and the pieces add up (planlab.executor.interpreter.run_piece)
+    return Signature.of([[(n,) for n in i], [("v",), ("h",)]], [[*[(n,) for n in i], ("h",)]], {"v"})
 
 
 def _layer_norm(c: OpContext) -> Signature:

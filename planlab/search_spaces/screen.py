@@ -45,6 +45,18 @@ from planlab.search_spaces.screen_structure import (_aggregate, _Ids, _Profile, 
                                                     colocated)
 from planlab.search_spaces.space import Draft
 
+def pipeline_view(d: Draft) -> Draft:
+    """A draft with operators on every device (``Draft.spread``, the interlaced pipeline) as the
+    screen sees it: each on the nearest pipeline group (the embedding on the first, the output
+    layer on the last), split as the mesh axes split it, under 1F1B. A rough estimate (it puts the
+    shared stages' work and weights on one group), enough to rank such plans for simulation."""
+    import dataclasses
+
+    last = d.groups - 1
+    stages = {op: min(max(s - d.stage_base, 0), last) for op, s in d.stages.items()}
+    return dataclasses.replace(d, stages=stages, spread={}, stage_base=0, schedule="1f1b")
+
+
 @dataclass(frozen=True)
 class Estimate:
     """The screen's estimate of one plan (seconds and bytes per device)."""
@@ -279,6 +291,8 @@ class Screen:
     # -- the estimate --------------------------------------------------------------------
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""
+        if d.spread:
+            d = pipeline_view(d)
         s = self.structure(d)
         sizes = tuple(x for _, x in d.axes)
         per = math.prod(sizes)

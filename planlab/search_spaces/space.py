@@ -325,6 +325,10 @@ class Draft:
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
     colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
     recycles: int = 1  # recycling passes, one model chunk each (planlab/search_spaces/recycling.py)
+    # op -> dim: operators on every device, split along dim (None: replicated) into one piece per
+    # device, on stages of their own (``stages``) that every device runs (the interlaced pipeline)
+    spread: dict[str, str | None] = field(default_factory=dict)
+    stage_base: int = 0  # the stage of pipeline rank 0: stage s runs on group (s - stage_base) % groups
 
     def add_axis(self, name: str, size: int,
                  dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
@@ -368,7 +372,17 @@ class Draft:
         return [tuple(range(r * per, (r + 1) * per)) for r in range(self.groups)]
 
     def schedule_actions(self, rank: int) -> tuple[Action, ...]:
-        """The actions of device group ``rank``: its schedule, then the update."""
+        """The actions of device group ``rank``: its schedule, then the update (with ``spread``
+        operators, in the first stage the group runs)."""
+        if self.spread:
+            from planlab.search_spaces.schedules import SPREAD_SCHEDULES
+
+            if self.schedule not in SPREAD_SCHEDULES:
+                raise InfeasiblePlan(f"schedule {self.schedule!r} with operators on every device; choose "
+                                     f"{choices(list(SPREAD_SCHEDULES))}")
+            actions = SPREAD_SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
+            first = min([rank + self.stage_base] + [self.stages.get(op, 0) for op in self.spread])
+            return tuple(actions) + (Action(first, "U", 0),)
         if self.recycles > 1:  # a chunk per recycling pass: 3f1b, or a plain schedule of the last pass
             from planlab.search_spaces.recycling import recycling_actions
 
@@ -410,14 +424,18 @@ class Draft:
         chk = Checker(tuple(rules), self.ctx, space)
         groups, devices = self.groups, self.group_devices()
         per_axis = self.op_dims()
+        spread = self.spread
         for i, op in enumerate(self.ctx.graph.operators):
+            s = self.stages.get(op.name, 0)
+            if op.name in spread:  # one piece per device, on every device
+                self._issue_spread(b, chk, op, s)
+                continue
             for dim, (_, size) in zip([ad[i] for ad in per_axis], self.axes):
                 if chk.splits and dim is not None and size > 1:
                     chk.split(op, dim)
                 if b is not None:
                     b.op_trans(op.name, dim, size)
-            s = self.stages.get(op.name, 0)
-            where = devices[s % groups]
+            where = devices[(s - self.stage_base) % groups]
             if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
                 dim, k = self.colocate[op.name]
                 if chk.splits:
@@ -440,6 +458,19 @@ class Draft:
                     for d in devices[r]:
                         b.op_order(d, actions)
 
+
+    def _issue_spread(self, b: PlanBuilder | None, chk, op, stage: int) -> None:
+        """A ``spread`` operator: split along its dimension into one piece per device, placed on
+        every device, on ``stage``."""
+        dim, n = self.spread[op.name], self.ctx.num_devices
+        if chk.splits and dim is not None and n > 1:
+            chk.split(op, dim)
+        where = tuple(range(n))
+        if chk.places:
+            chk.place(op, where)
+        if b is not None:
+            b.op_trans(op.name, dim, n)
+            b.op_assign(op.name, where, stage=stage)
 
 def _dedupe(items: Iterable) -> tuple:
     return tuple(dict.fromkeys(items))

@@ -53,6 +53,7 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
         if problem:
             break
         # collectives whose members are all waiting on the same one proceed together
+        mismatch = None
         for d, (a, t) in list(waiting_coll.items()):
             if d not in waiting_coll:
                 continue
@@ -61,17 +62,21 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
                 mism = [m for m, o in zip(t.group, others)
                         if (o[1].collective, tuple(o[1].group), o[0].microbatch, o[1].name) !=
                         (t.collective, tuple(t.group), a.microbatch, t.name)]
-                if mism:
+                if mism:  # a problem unless another collective lets the members go on (checked below)
                     m = mism[0]
-                    problem = (d, pos[d], f"device {d} is at {t} (action {a}) while device {m} of the same group "
-                                          f"is at {waiting_coll[m][1]} (action {waiting_coll[m][0]}): "
-                                          "the group's members issue collectives in different orders")
-                    break
+                    mismatch = mismatch or (d, pos[d], f"device {d} is at {t} (action {a}) while device {m} of the "
+                                                       f"same group is at {waiting_coll[m][1]} (action "
+                                                       f"{waiting_coll[m][0]}): the group's members issue "
+                                                       "collectives in different orders")
+                    continue
                 for m in t.group:
                     pos[m] += 1
                     waiting_coll.pop(m, None)
                 progress = True
         if problem or all(pos[d] == len(s) for d, s in seqs.items()):
+            break
+        if not progress and mismatch:
+            problem = mismatch
             break
         if not progress:
             lines = []

@@ -1,0 +1,180 @@
+"""The ``interlaced`` space: nnScaler's interlaced pipeline (Lin et al., OSDI 2024).
+
+With a large vocabulary the token embedding and the output layer (the LM head and the loss) hold
+a large share of a GPT's weights and work, so a plain pipeline overloads its first and last
+stages. The interlaced pipeline runs the transformer layers as a 1F1B pipeline of ``pp`` stages
+(each with the usual data and tensor parallelism inside), and the vocabulary operators on stages
+of their own that every device runs, split over all of them:
+
+- stage ``0``, the embedding: the token lookup split along the vocabulary over every device
+  (Megatron's vocabulary-parallel embedding: each device looks up the ids in its rows, the
+  others give zeros; the pieces are summed on their way to the first layer stage, or with
+  ``embed_layout=vocab+batch`` by a reduce-scatter into what follows the lookup up to the first
+  layer, split along the batch over every device);
+- stages ``1 .. pp``, the layers, as :class:`planlab.search_spaces.builtin.PipelineParallel`
+  places them (plus whatever before the first layer or after the last is not a vocabulary operator);
+- stage ``pp + 1``, the output: the LM head and the loss split along the batch over every
+  device (each scores its share of the sequences against the whole vocabulary; the head's
+  weight gradients are all-reduced over every device, and sharded with ``zero``). A
+  vocabulary-split loss needs a softmax across the pieces, which planlab's operators do not
+  express; a vocabulary-split head feeding a batch-split loss needs logits exchanged between
+  every pair of devices, which, with point-to-point messages received in the order they are
+  sent, holds every layer message back until each micro-batch's exchange: no pipelining is left.
+
+The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) interlaces the shared
+stages' forward and backward of each micro-batch into the layers' 1F1B where it needs them.
+The plan is written with the public Space API: a Product of :class:`Interlaced` (knobs ``pp``,
+``embed_layout``) with the data-parallel, tensor-parallel and recompute spaces; the Draft's
+``spread`` places an operator on every device.
+"""
+
+from __future__ import annotations
+
+from planlab.graph.ir import Graph
+from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
+                                           _divisors, batch_dims, pipeline_stages)
+from planlab.search_spaces.registry import register_space
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
+
+_VOCAB_OPS: dict[tuple[int, int], tuple[Graph, "VocabOps | None"]] = {}
+
+
+class VocabOps:
+    """The vocabulary operators of a graph and the dimension each splits over every device:
+    ``lookup`` (the token embeddings: ``v``), ``embed`` (those and what follows them up to the
+    first layer, along the batch), ``head`` (the output layer, what follows it up to the loss and
+    what only feeds those from the model's inputs, such as the targets' reshape: along the batch)."""
+
+    def __init__(self, lookup: dict[str, str | None], embed: dict[str, str | None],
+                 head: dict[str, str | None]) -> None:
+        self.lookup, self.embed, self.head = lookup, embed, head
+
+    def spread(self, embed_layout: str) -> dict[str, str | None]:
+        """The operators on every device and their split, for ``embed_layout`` (EMBED_LAYOUTS)."""
+        return {**(self.lookup if embed_layout == "vocab" else self.embed), **self.head}
+
+
+def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
+    """The graph's vocabulary operators (cached per graph and vocabulary size), or None when it
+    has no token embedding of ``vocab`` rows or no output layer of ``vocab`` features."""
+    if not vocab:
+        return None
+    hit = _VOCAB_OPS.get((id(g), vocab))
+    if hit is None or hit[0] is not g:
+        if len(_VOCAB_OPS) > 16:
+            _VOCAB_OPS.clear()
+        hit = _VOCAB_OPS[(id(g), vocab)] = (g, _find(g, vocab))
+    return hit[1]
+
+
+def _find(g: Graph, vocab: int) -> VocabOps | None:
+    embed = {op.name: "v" for op in g.operators if op.kind == "embedding" and op.dim_sizes.get("v") == vocab
+             and op.signature.splittable("v")}
+    heads = [op for op in g.operators if op.kind == "linear" and op.dim_sizes.get("n") == vocab
+             and not _BLOCK.search(op.module)]
+    if not embed or len(heads) != 1:
+        return None
+    lm = heads[0]
+    batch = batch_dims(g)
+    lookup = dict(embed)
+    order = {op.name: i for i, op in enumerate(g.operators)}
+    first_layer = min((order[op.name] for op in g.operators if _BLOCK.search(op.module)), default=len(g.operators))
+    for op in g.operators[:first_layer]:  # what follows the embedding up to the first layer, split along the batch
+        if op.name not in embed and any(t in g.producer and g.producer[t].name in embed for t in op.inputs):
+            embed[op.name] = batch[op.name]
+    _feeders(g, embed, batch)
+    head: dict[str, str | None] = {lm.name: batch[lm.name]}
+    for op in g.operators[order[lm.name] + 1:]:  # what follows the output layer
+        if any(t in g.producer and g.producer[t].name in head for t in op.inputs):
+            head[op.name] = batch[op.name]
+    _feeders(g, head, batch)
+    if g.producer[g.loss].name not in head:
+        return None
+    return VocabOps(lookup, embed, head)
+
+
+def _feeders(g: Graph, ops: dict[str, str | None], batch: dict[str, str | None]) -> None:
+    """Add to ``ops`` what only feeds them from the model's inputs (the targets' reshape, the
+    position embedding), split along the batch where it has one."""
+    for op in reversed(g.operators):
+        if op.name in ops:
+            continue
+        cons = [c.name for t in op.outputs for c in g.consumers.get(t, [])]
+        if cons and all(c in ops for c in cons) and not any(t in g.producer for t in op.inputs):
+            ops[op.name] = batch[op.name]
+
+
+def _vocab(c: Context) -> int | None:
+    return getattr(c.model.config(), "vocab", None)
+
+
+def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
+    dp, mbs = a.get("dp"), a.get("microbatch")
+    return None if dp is None or mbs is None else dp * mbs
+
+
+# How the embedding stage is laid out: ``vocab``, the token lookup alone on every device, its
+# vocabulary pieces summed by point-to-point messages to the first layer stage's devices (every
+# device sends its piece, and nothing blocks the embedding's forward); ``vocab+batch``, also what
+# follows the lookup up to the first layer (the position embedding, the add, the dropout), split
+# along the batch over every device, the pieces meeting in a reduce-scatter over every device
+# (less traffic, but a collective that every device joins at each micro-batch's embedding).
+EMBED_LAYOUTS = ("vocab", "vocab+batch")
+
+
+class Interlaced(Space):
+    """The layers in ``pp`` pipeline stages, the token embedding and the output layer split
+    along the vocabulary over every device on stages of their own, run with the interlaced 1F1B."""
+
+    name = "interlaced-pipeline"
+    order = 0
+    knobs = (
+        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
+                 "pipeline-parallel degree of the layers (device groups)",
+                 range="divisors of the device count above 1 that divide the layers"),
+        Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup alone (vocab) or with what "
+                    "follows it up to the first layer, split along the batch (vocab+batch)", default="vocab",
+                    explore=EMBED_LAYOUTS),
+    )
+    constraints = (
+        Constraint(lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
+                   lambda a, c: f"the model {c.model} has no token embedding and output layer of "
+                                f"{_vocab(c)} vocabulary entries for the interlaced pipeline to split"),
+        Constraint(lambda a, c: not _vocab(c) or _vocab(c) % c.num_devices == 0,
+                   lambda a, c: f"the vocabulary of {_vocab(c)} entries does not split over the "
+                                f"{c.num_devices} devices (it must divide by the device count)"),
+        Constraint(lambda a, c: a["pp"] is None or a["pp"] > 1,
+                   lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1"),
+        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
+        Constraint(lambda a, c: _sequences_per_microbatch(a, c) is None
+                   or _sequences_per_microbatch(a, c) % c.num_devices == 0,
+                   lambda a, c: f"the {_sequences_per_microbatch(a, c)} sequences of a micro-batch (dp={a.get('dp')} x "
+                                f"microbatch={a.get('microbatch')}) do not split over the {c.num_devices} devices "
+                                f"for the output layer and the loss"),
+        ALL_DEVICES,
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        pp = values["pp"]
+        g = draft.ctx.graph
+        ops = vocab_ops(g, _vocab(draft.ctx))
+        draft.num_stages, draft.chunks, draft.schedule, draft.stage_base = pp, 1, "interlaced", 1
+        stages = {name: s + 1 for name, s in pipeline_stages(g, pp, draft.ctx.layers).items()}
+        spread = ops.spread(values.get("embed_layout") or "vocab")
+        for name in spread:
+            stages[name] = pp + 1 if name in ops.head else 0
+        draft.stages = stages
+        draft.spread = spread
+
+
+class InterlacedSpace(Product):
+    """nnScaler's interlaced pipeline: :class:`Interlaced` x data (ZeRO) x tensor parallelism x
+    recomputation (knobs ``pp``, ``dp``, ``microbatch``, ``zero``, ``tp``, ``sequence_parallel``,
+    ``recompute``)."""
+
+    def __init__(self) -> None:
+        super().__init__((Interlaced(), DataParallel(), TensorParallel(), Recompute()), name="interlaced")
+
+
+register_space("interlaced", InterlacedSpace)

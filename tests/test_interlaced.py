@@ -1,0 +1,104 @@
+"""The ``interlaced`` space (nnScaler's interlaced pipeline): the plan's structure (the vocabulary
+operators on every device, their stages), the schedule against golden text, a dry run without
+deadlock, exploration on a small GPT, and 4 gloo ranks against one process."""
+
+import pytest
+
+from planlab.cli import GRAD_TOL, LOSS_TOL
+from planlab.errors import ConfigError
+from planlab.executor import launch_local
+from planlab.plan import materialize
+from planlab.search_spaces import Context, get_space
+from planlab.search_spaces.schedules import format_schedule, interlaced_1f1b
+from planlab.simulator import find_deadlock
+
+from conftest import traced
+
+ARGS = (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 512))
+
+
+def _ctx(devices=4, batch=8):
+    spec, g = traced("gpt", batch, ARGS)
+    return Context(g, spec, batch, "cpu", devices, devices, 1)
+
+
+def test_schedule_golden():
+    got = [format_schedule(interlaced_1f1b(r, 2, 4)) for r in range(2)]
+    assert got == [
+        "0F0 1F0 0F1 1F1 3F0 3B0 0F2 1F2 3F1 3B1 1B0 0F3 0B0 3F2 3B2 1F3 1B1 0B1 1B2 0B2 3F3 3B3 1B3 0B3",
+        "0F0 0F1 2F0 3F0 3B0 0F2 2F1 2B0 3F1 3B1 2F2 0F3 2B1 0B0 3F2 3B2 2B2 2F3 0B1 0B2 3F3 3B3 2B3 0B3",
+    ]
+    for ranks, m in ((2, 1), (3, 5), (4, 8), (8, 16)):  # every action once, shared ones in one order
+        lists = [interlaced_1f1b(r, ranks, m) for r in range(ranks)]
+        shared = [[a for a in lst if a.stage in (0, ranks + 1)] for lst in lists]
+        assert all(s == shared[0] for s in shared) and len(shared[0]) == 4 * m
+        for r, lst in enumerate(lists):
+            assert sorted((a.phase, a.microbatch) for a in lst if a.stage == r + 1) == \
+                sorted((p, k) for p in "FB" for k in range(m))
+
+
+def test_plan_structure_and_dry_run():
+    ctx = _ctx()
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=1, tp=2, microbatch=4))
+    ops = {p.op: p for p in plan.ops}
+    assert str(ops["wte"]) == "wte: v/4 on [0, 1, 2, 3] stage 0"  # the vocabulary over every device
+    assert ops["lm_head"].devices == (0, 1, 2, 3) and ops["lm_head"].stage == 3
+    assert ops["cross_entropy"].devices == (0, 1, 2, 3) and ops["cross_entropy"].stage == 3
+    assert ops["blocks_0_attn_q"].devices == (0, 1) and ops["blocks_0_attn_q"].stage == 1
+    assert ops["ln_f"].devices == (2, 3) and ops["ln_f"].stage == 2
+    assert [format_schedule(s) for s in plan.schedule] == [
+        "0F0 1F0 0F1 1F1 3F0 3B0 3F1 3B1 1B0 0B0 1B1 0B1 0U0"] * 2 + [
+        "0F0 0F1 2F0 3F0 3B0 2F1 2B0 3F1 3B1 2B1 0B0 0B1 0U0"] * 2
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
+    colls = {(t.collective, tuple(t.group)) for d in program.devices for b in d.blocks.values() for t in b.tasks
+             if t.collective}
+    assert ("all_reduce", (0, 1, 2, 3)) in colls  # the output layer's weight gradients over every device
+    assert ("all_reduce", (0, 1)) in colls and ("all_reduce", (2, 3)) in colls  # tensor parallelism
+
+
+def test_embed_layout_vocab_batch():
+    ctx = _ctx()
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch"))
+    ops = {p.op: p for p in plan.ops}
+    assert str(ops["wte"]) == "wte: v/4 on [0, 1, 2, 3] stage 0"
+    assert str(ops["add"]) == "add: a0/4 on [0, 1, 2, 3] stage 0"  # the lookup's pieces meet in a reduce-scatter
+    assert str(ops["wpe"]) == "wpe: R/4 on [0, 1, 2, 3] stage 0"
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
+    colls = {(t.collective, tuple(t.group)) for d in program.devices for b in d.blocks.values() for t in b.tasks
+             if t.collective}
+    assert ("reduce_scatter", (0, 1, 2, 3)) in colls
+
+
+def test_constraints_name_the_knob():
+    ctx = _ctx()
+    sp = get_space("interlaced")
+    with pytest.raises(ConfigError, match="pp"):
+        sp.build(ctx, dict(pp=1, dp=4, tp=1, microbatch=2))
+    spec, g = traced("gpt", 8, (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 510)))
+    with pytest.raises(ConfigError, match="vocabulary of 510"):
+        sp.build(Context(g, spec, 8, "cpu", 4, 4, 1), dict(pp=2, dp=2, tp=1, microbatch=2))
+
+
+def test_explore_small_gpt():
+    import planlab
+    from planlab.models import ModelSpec
+
+    df = planlab.explore(ModelSpec("gpt", ARGS), cluster="cpu", nodes=4, space="interlaced", global_batch=8)
+    sim = df[df["simulated"]]
+    assert len(sim) > 0 and sim["feasible"].any()
+    assert set(df["pp"]) == {2} and (df["dp"] * df["tp"] * df["pp"] == 4).all()
+    best = df.attrs["best_plan"]
+    assert best.space == "interlaced" and best.op_plan("wte").devices == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4),
+                                   dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch")])
+def test_matches_one_process(knobs):
+    ctx = _ctx()
+    plan = get_space("interlaced").build(ctx, knobs)
+    res = launch_local(plan, 4, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL
+    assert res.losses[1] < res.losses[0]
