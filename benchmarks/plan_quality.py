@@ -95,7 +95,7 @@ def _knobs(row, names) -> str:
 
 
 KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "sequence_parallel", "recompute",
-         "coshard", "head_dp", "recycling", "stages", "mesh")
+         "coshard", "coshard_blocks", "embed_layout")
 
 
 def run_workload(w: Workload, *, jobs: int, candidates: int | None) -> dict:
