@@ -244,7 +244,8 @@ def _check_pieces(g) -> int:
                 if out_axis is not None:
                     pshape[out_axis] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
-                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead), piece, g, 1)
+                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead), piece, g, 1,
+                                vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0)
                 parts.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
             for k, w in enumerate(whole):
                 axis = _axis(op.signature.outputs[k], dim)

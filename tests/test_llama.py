@@ -152,7 +152,8 @@ def _check_pieces(g):
                     shape[out_axis] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
                 task = Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead)
-                parts.append(run_piece(op, task, ins, g, 1))
+                parts.append(run_piece(op, task, ins, g, 1,  # an embedding piece's rows start at its offset
+                                            vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0))
             joined = parts[0] + parts[1] if dim in op.signature.reduce else torch.cat(parts, out_axis)
             assert torch.allclose(joined, whole, atol=1e-5), (str(op), dim)
             checked += 1

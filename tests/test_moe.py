@@ -228,7 +228,8 @@ def _check_pieces(g, values) -> int:
                 if (a := _axis(op.signature.outputs[0], dim)) is not None:
                     shape[a] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
-                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead), ins, g, 1)
+                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead), ins, g, 1,
+                                vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0)
                 parts.append(out if isinstance(out, tuple) else (out,))
             for j, w in enumerate(whole):
                 a = _axis(op.signature.outputs[j], dim)
