@@ -17,7 +17,7 @@ def _op(g, name):
 
 
 @pytest.mark.parametrize("op, kind, sig", [
-    ("wte", "embedding", "a0 a1, v^ h -> a0 a1 h"),
+    ("wte", "embedding", "a0 a1, v+ h -> a0 a1 h"),
     ("blocks_0_ln1", "layer_norm", "a0 a1 h0^, h0^, h0^ -> a0 a1 h0^"),
     ("blocks_0_attn_q", "linear", "a0 a1 k+, n k+, n -> a0 a1 n"),
     ("unflatten", "reshape", "g0_0 g1_0 (g2_0 g2_1) -> g0_0 g1_0 g2_0 g2_1"),
