@@ -77,7 +77,7 @@ def cmd_explore(args) -> int:
 
 def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
-    from planlab.explore import training_flops
+    from planlab.plan.shared_params import training_flops
     from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 

@@ -32,7 +32,7 @@ from planlab.models.registry import ModelSpec, build_model
 from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
-from planlab.plan.shared_params import forward_only_of
+from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
@@ -145,15 +145,6 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
 def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
     return dict(iter_time_s=math.nan, peak_mem_gib=math.nan, tflops_per_gpu=math.nan, mfu=math.nan,
                 feasible=feasible, reason=reason, **extra)
-
-
-def training_flops(graph: Graph) -> float:
-    """The model FLOPs of one training iteration: the forward and a backward of twice its FLOPs,
-    but no backward for the recycling passes behind a detach (AlphaFold2's no-grad passes)."""
-    fwd_only = forward_only_of(graph)
-    if not fwd_only:
-        return 3.0 * graph.flops
-    return graph.flops + 2.0 * sum(op.flops for op in graph.operators if op.name not in fwd_only)
 
 
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):

@@ -132,7 +132,7 @@ def test_recycling_plans_match_one_process(space, knobs, nproc):
 
 
 def test_training_flops_count_no_backward_for_the_no_grad_passes():
-    from planlab.explore import training_flops
+    from planlab.plan.shared_params import training_flops
 
     _, one = traced("evoformer-tiny", 4)
     _, three = traced("evoformer-tiny", 4, R3)

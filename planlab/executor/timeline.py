@@ -44,6 +44,7 @@ def predict(plan, *, profile: str | None = None) -> Prediction:
     priced by the plan's cluster spec or by a calibration ``profile`` (checked before any work)."""
     from planlab.costmodel import CostModel
     from planlab.plan import materialize, trace_plan_model
+    from planlab.plan.shared_params import training_flops
     from planlab.simulator import find_deadlock, simulate
 
     cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
@@ -51,7 +52,7 @@ def predict(plan, *, profile: str | None = None) -> Prediction:
     program = materialize(plan, graph)
     if program.num_tasks() < 200_000:
         find_deadlock(program)
-    sim = simulate(program, cost, model_flops=3.0 * graph.flops, timeline=True, symmetry=False)
+    sim = simulate(program, cost, model_flops=training_flops(graph), timeline=True, symmetry=False)
     return Prediction(program, sim)
 
 

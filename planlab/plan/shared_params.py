@@ -41,6 +41,15 @@ def forward_only_of(graph: Graph) -> frozenset[str]:
     return hit[1]
 
 
+def training_flops(graph: Graph) -> float:
+    """The model FLOPs of one training iteration: the forward and a backward of twice its FLOPs,
+    but no backward for the recycling passes behind a detach (AlphaFold2's no-grad passes)."""
+    fwd_only = forward_only_of(graph)
+    if not fwd_only:
+        return 3.0 * graph.flops
+    return graph.flops + 2.0 * sum(op.flops for op in graph.operators if op.name not in fwd_only)
+
+
 def use_shared_param(op: Operator, ti: int, t: str, pieces: list[tuple[int, tuple]], owner: dict,
                      fwd_only: frozenset[str], params_on: dict, held: dict) -> None:
     """Record that ``op`` reads parameter ``t`` (its input ``ti``) as ``pieces`` (device, box):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from planlab.graph.ir import Graph, Operator
+from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.schedules import SCHEDULES
@@ -265,15 +265,18 @@ def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     return dict(hit[1])
 
 
-def _pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
+def _pipeline_stages(g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None) -> dict[str, int]:
+    """Layer ``i`` in stage ``i // (layers / pp)``, plus ``passes[op] * pp`` for a recycling model
+    (whose ``detach`` outputs then count as no input: planlab/search_spaces/recycling.py)."""
     per = layers // pp
     stage: dict[str, int] = {}
     for op in g.operators:
         m = _BLOCK.search(op.module)
         if m:
-            stage[op.name] = int(m.group(2)) // per
+            stage[op.name] = (passes[op.name] * pp if passes else 0) + int(m.group(2)) // per
         else:
-            prods = [stage[g.producer[t].name] for t in op.inputs if t in g.producer]
+            prods = [stage[g.producer[t].name] for t in op.inputs
+                     if t in g.producer and not (passes and g.producer[t].kind == DETACH)]
             stage[op.name] = max(prods) if prods else -1
     for op in reversed(g.operators):
         if stage[op.name] == -1:

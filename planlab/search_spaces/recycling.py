@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from planlab.graph.ir import DETACH, Graph
 from planlab.plan.plan import Action
-from planlab.search_spaces.builtin import _BLOCK, DataParallel, Recompute, TensorParallel, _divisors
+from planlab.search_spaces.builtin import DataParallel, Recompute, TensorParallel, _divisors, _pipeline_stages
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.schedules import SCHEDULES, recycled, three_f_one_b
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
@@ -63,22 +63,7 @@ def recycling_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     """Stage ``pass * pp + layer // (layers / pp)`` for the layers; other operators follow their
     computed inputs, except that a ``detach`` output counts as none (the next pass's recycling
     embedder runs where that pass starts), else their first consumer."""
-    per = layers // pp
-    passes = passes_of(g)
-    stage: dict[str, int] = {}
-    for op in g.operators:
-        m = _BLOCK.search(op.module)
-        if m:
-            stage[op.name] = passes[op.name] * pp + int(m.group(2)) // per
-        else:
-            prods = [stage[g.producer[t].name] for t in op.inputs
-                     if t in g.producer and g.producer[t].kind != DETACH]
-            stage[op.name] = max(prods) if prods else -1
-    for op in reversed(g.operators):
-        if stage[op.name] == -1:
-            cons = [stage[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
-            stage[op.name] = min(cons) if cons else 0
-    return stage
+    return _pipeline_stages(g, pp, layers, passes_of(g))
 
 
 def recycling_actions(schedule: str, rank: int, ranks: int, microbatches: int, passes: int) -> list[Action]:

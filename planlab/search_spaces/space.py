@@ -458,7 +458,6 @@ class Draft:
                     for d in devices[r]:
                         b.op_order(d, actions)
 
-
     def _issue_spread(self, b: PlanBuilder | None, chk, op, stage: int) -> None:
         """A ``spread`` operator: split along its dimension into one piece per device, placed on
         every device, on ``stage``."""
@@ -471,6 +470,7 @@ class Draft:
         if b is not None:
             b.op_trans(op.name, dim, n)
             b.op_assign(op.name, where, stage=stage)
+
 
 def _dedupe(items: Iterable) -> tuple:
     return tuple(dict.fromkeys(items))
