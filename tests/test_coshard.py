@@ -239,7 +239,7 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
     sp = get_space("dp*tp*coshard")
     assert [k.name for k in sp.all_knobs()] == ["dp", "microbatch", "zero", "tp", "sequence_parallel", "coshard",
-                                               "coshard_blocks"]
+                                               "coshard_blocks", "coshard_outputs"]
     # tp=2 and 4 heads: coshard 1; 2 on the attention, the MLP or both; 4 or 8 on the MLP only
     assert [(a["coshard"], a["coshard_blocks"]) for a in sp.assignments(ctx, {"dp": 1, "microbatch": 8,
                                                                              "sequence_parallel": False})] == [
@@ -259,6 +259,11 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
     ("swin-tiny", (("num_heads", "4,8,16"),),
      dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention")),
     ("gpt-tiny", (), dict(dp=1, tp=1, pp=2, microbatch=2, coshard=4, coshard_blocks="both")),
+    # the co-sharded results made again in the layer's recomputation (a checkpoint nested in the layer's)
+    ("swin-tiny", (("num_heads", "4,8,16"),), dict(dp=1, tp=2, pp=1, microbatch=4, coshard=2, coshard_blocks="both",
+                                                   recompute="full", coshard_outputs="recompute")),
+    ("gpt-tiny", (), dict(dp=2, tp=1, pp=1, microbatch=2, coshard=2, coshard_blocks="attention", recompute="full",
+                          coshard_outputs="recompute")),
 ])
 def test_coshard_plans_match_one_process(model, model_args, knobs):
     spec, g = traced(model, 8, model_args)
@@ -301,3 +306,59 @@ def test_sequence_parallelism_is_refused_where_it_splits_nothing():
     spec, g = traced("gpt-tiny", 8)
     gctx = Context(g, spec, 8, "cpu", 2, 2, 1)
     assert {r["sequence_parallel"] for r in get_space("megatron").enumerate(gctx, {"tp": 2})} == {False, True}
+
+
+# ---- coshard_outputs: the co-sharded results kept, or made again in the layer's recomputation ----
+
+def test_remade_outputs_are_not_kept_from_the_forward_and_cost_one_more_forward():
+    spec, g = traced("swin-tiny", 8, (("num_heads", "4,8,16"),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    base = dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention", recompute="full")
+    progs = {o: materialize(get_space("megatron*coshard").build(ctx, dict(base, coshard_outputs=o)), g)
+             for o in ("keep", "recompute")}
+    attention = {op.name for op in g.operators if ".attn" in op.module}
+    for dev in (0, 1):
+        tasks = {o: [(a, t) for a, t in progs[o].devices[dev].tasks_in_order()] for o in progs}
+        kinds = {o: Counter((a.phase, t.kind, t.recompute) for a, t in tasks[o] if t.chunk >= 0 and
+                            t.kind is TaskKind.FORWARD) for o in progs}
+        # one more chunked forward of every attention operator, in the backward, keeping no graph
+        assert kinds["recompute"][("B", TaskKind.FORWARD, "drop")] == 2 * len(attention)
+        assert ("B", TaskKind.FORWARD, "drop") not in kinds["keep"]
+        assert kinds["recompute"] - Counter({("B", TaskKind.FORWARD, "drop"): 2 * len(attention)}) == kinds["keep"]
+        # what the attention hands to the rest of its layer is no longer read in the backward block
+        leaving = {w for a, t in tasks["keep"] if a.phase == "F" and t.op in attention and t.chunk >= 0
+                   for w in t.writes if w.startswith("a:") and "@" not in w}
+        read_late = {o: {b for a, t in tasks[o] if a.phase == "B" for b in t.reads + t.saved if b in leaving}
+                     for o in progs}
+        assert read_late["keep"] and not read_late["recompute"]
+        # so the forward holds less: each layer keeps its input only
+        held = {o: _held_bytes_at_first_backward(progs[o], dev) for o in progs}
+        assert held["recompute"] < held["keep"]
+        sizes = {b: n for _, t in tasks["keep"] for b, n in t.alloc}
+        assert held["keep"] - held["recompute"] == sum(sizes[b] for b in read_late["keep"])
+
+
+def _held_bytes_at_first_backward(prog, dev: int) -> int:
+    """Bytes of activations alive on ``dev`` when its first backward task starts."""
+    live: dict[str, int] = {}
+    for a, t in prog.devices[dev].tasks_in_order():
+        if a.phase != "F":
+            break
+        live.update(dict(t.alloc))
+        for b in t.free:
+            live.pop(b, None)
+    return sum(live.values())
+
+
+def test_coshard_outputs_recompute_needs_coshard_and_full_recompute():
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    sp = get_space("megatron*coshard")
+    rows = sp.enumerate(ctx, {"dp": 1, "tp": 2, "pp": 1, "microbatch": 8, "coshard_blocks": "attention"})
+    outputs: dict = {}
+    for r in rows:
+        outputs.setdefault((r["coshard"], r["recompute"]), set()).add(r["coshard_outputs"])
+    assert outputs[(2, "full")] == {"keep", "recompute"}
+    assert outputs[(2, "none")] == outputs[(1, "full")] == outputs[(1, "none")] == {"keep"}
+    with pytest.raises(ConfigError, match="coshard_outputs='recompute'.*recompute='full'.*coshard=2, recompute='none'"):
+        sp.build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, recompute="none", coshard_outputs="recompute"))

@@ -19,7 +19,10 @@ each device's share as ``k`` chunks, in this order:
    it, the others before it; a task the group both feeds and needs is refused (InfeasiblePlan).
 
 A co-located operator in a recompute group is recomputed piece by piece here (and left out of
-the layer's recomputation); one without keeps every chunk's activations for its backward.
+the layer's recomputation); one without keeps every chunk's activations for its backward. When its
+group is also its layer's (a checkpoint nested in the layer's), the results the group hands to the
+rest of the layer are not kept from the forward either: the layer's recomputation makes them again,
+chunk by chunk without a graph, so that a checkpointed layer keeps only its input.
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dic
     so that co-located operators run as chunks; register the new buffers' sizes."""
     stage = {p.op: p.stage for p in plan.ops}
     recomputed = frozenset(p.op for p in plan.ops if p.recompute and p.op in L.chunks)
+    # co-located operators in the recompute group of other operators (their layer's): remade there too
+    shared = {p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks}
+    nested = frozenset(p.op for p in plan.ops if p.op in recomputed and p.recompute in shared)
     by_stage: dict[int, list[list[str]]] = defaultdict(list)
     for members in groups(graph, L, stage):
         by_stage[stage[members[0]]].append(members)
@@ -112,7 +118,7 @@ def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dic
                 continue
             fw = [t for _, t in sorted(blocks[fkey], key=lambda x: x[0])]
             bw = [t for _, t in sorted(blocks[bkey], key=lambda x: x[0])] if bkey in blocks else []
-            run = _Stage(graph, L, recomputed, buf_bytes[dev], shapes)
+            run = _Stage(graph, L, recomputed, buf_bytes[dev], shapes, nested)
             fw, bw = run.rewrite(fw, bw, found)
             blocks[fkey] = [((j,), t) for j, t in enumerate(fw)]
             if bkey in blocks:
@@ -123,8 +129,9 @@ class _Stage:
     """The forward and backward block of one stage on one device, rewritten group by group."""
 
     def __init__(self, graph: Graph, L, recomputed: frozenset[str], sizes: dict[str, int],
-                 shapes: dict[tuple[str, int], tuple]) -> None:
+                 shapes: dict[tuple[str, int], tuple], nested: frozenset[str] = frozenset()) -> None:
         self.graph, self.L, self.recomputed, self.sizes, self.shapes = graph, L, recomputed, sizes, shapes
+        self.nested = nested
 
     def rewrite(self, fw: list[Task], bw: list[Task], found: list[list[str]]) -> tuple[list[Task], list[Task]]:
         writers: dict[str, set] = defaultdict(set)
@@ -147,6 +154,8 @@ class _Stage:
         # recomputed chunk reads that instead of keeping the forward's buffer until the backward
         relay = {f"a:{w[2:]}": w for t in bw if t.name.startswith("re:") for w in t.writes if w.startswith("r:")}
         fjobs, bjobs = [], []
+        outer: dict[int, list[Task]] = defaultdict(list)  # bw position -> the layer recomputation's chunks
+        remakes: list[tuple[frozenset[int], dict[str, str]]] = []
         for members in found:
             fi = sorted(i for m in members for i in fpos.get(m, ()))
             if not fi:
@@ -172,7 +181,35 @@ class _Stage:
                     seq += [made.redo(fw[i], c) for i in fi if fw[i].op in self.recomputed]
                     seq += [made.backward(bw[i], c) for i in bi]
                 bjobs.append((bi, seq, members))
-        return _splice_all(fw, fjobs), _splice_all(bw, bjobs)
+                if relay and any(fw[i].op in self.nested for i in fi):
+                    self._remake(made, [fw[i] for i in fi], bw, internal, outer, remakes, reload, again)
+        for p, seq in outer.items():
+            bjobs.append(([p], seq + [bw[p]], [bw[p].op or bw[p].name]))
+        bw = _splice_all(bw, bjobs)
+        return _splice_all(fw, fjobs), _renamed(bw, remakes) if remakes else bw
+
+    def _remake(self, made: "_Chunks", ftasks: list[Task], bw: list[Task], internal: frozenset[str],
+                outer: dict[int, list[Task]], remakes: list, reload: list[Task], again: dict[str, str]) -> None:
+        """Inside a recomputed layer, the group's results that the layer's recomputation reads are
+        made again there, chunk by chunk without keeping a graph (the group's backward remakes each
+        chunk once more right before it), instead of being kept from the forward until the
+        backward: nnScaler's co-shard inside a checkpointed layer, one chunk's activations alive at
+        a time in both recomputations. Queues the chunks before the layer's first reader in ``outer``
+        and the renaming of the results (``a:x`` -> ``r:x``) for the tasks after them in ``remakes``;
+        the inputs only the group loads (``reload``) are loaded again first, into ``again``'s buffers."""
+        leaving = {w for t in ftasks for w in t.writes if w and w not in internal and not is_static(w)}
+        at = next((p for p, t in enumerate(bw) if t.name.startswith("re:") and
+                   any(b in leaving for b in t.reads + t.saved if b)), None)
+        if at is None:
+            return
+        remade = {w: f"r:{w.split(':', 1)[1]}" for w in leaving}
+        for w, r in remade.items():
+            if w in self.sizes:
+                self.sizes[r] = self.sizes[w]
+        seq = [_replace(t, name=f"re:{t.name}:outer", writes=tuple(again[w] for w in t.writes)) for t in reload]
+        seq += [made.outer(t, c, remade) for c in range(made.k) for t in ftasks]
+        outer[at].extend(seq)
+        remakes.append((frozenset(id(t) for t in seq), remade))
 
     def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[str]:
         """Buffers only the group writes and reads; the group grows by the local sums, copies and
@@ -327,6 +364,27 @@ class _Chunks:
         return _replace(t, name=f"re:{t.name}@{c}", shape=shape, recompute="redo",
                         saved=tuple(self._saved(b, c, True) for b in t.saved), **f)
 
+    def outer(self, t: Task, c: int, remade: dict[str, str]) -> Task:
+        """Chunk ``c`` of forward task ``t`` run again in the layer's recomputation, keeping no graph:
+        it reads what that recomputation made (``relay``), writes the group's results into their
+        ``remade`` buffers and what stays inside the group into chunk buffers of its own (``o:``)."""
+        op = self._op(t)
+
+        def inner(b, c, local, chunk):
+            if b not in self.internal:
+                return None
+            new = f"o:{b.split(':', 1)[1]}@{c}"
+            sizes = self.s.sizes
+            if new not in sizes and b in sizes:
+                sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
+            return new
+
+        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        writes = tuple(remade.get(b, b) for b in t.writes)
+        f = self._fields(t, c, op, "F", reads, writes, inner, inner)
+        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        return _replace(t, name=f"re:{t.name}@{c}:outer", shape=shape, recompute="drop", saved=(), **f)
+
     def _saved(self, b: str, c: int, remade: bool) -> str:
         if remade and b in self.remade:
             return _r(b, c)
@@ -353,6 +411,25 @@ class _Chunks:
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
         return _replace(t, name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
+
+
+def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[str, str]]]) -> list[Task]:
+    """``bw`` with the reads and saved buffers of the tasks after each group's remade chunks
+    (``remakes``: their ids and the renaming of the group's results) renamed to the remade ones."""
+    left = [set(ids) for ids, _ in remakes]
+    active: dict[str, str] = {}
+    out = []
+    for t in bw:
+        hit = next((n for n, ids in enumerate(left) if id(t) in ids), None)
+        if hit is not None:
+            left[hit].discard(id(t))
+            if not left[hit]:
+                active.update(remakes[hit][1])
+        elif active and any(b in active for b in t.reads + t.saved):
+            t = _replace(t, reads=tuple(active.get(b, b) for b in t.reads),
+                         saved=tuple(active.get(b, b) for b in t.saved))
+        out.append(t)
+    return out
 
 
 def _replace(t: Task, **changes) -> Task:

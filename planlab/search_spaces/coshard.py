@@ -26,6 +26,15 @@ from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 ATTENTION = re.compile(r"(^|\.)(attn|attention|self_attn|msa_att_row|msa_att_col|tri_att_start|tri_att_end)(\.|$)")
 MLP = re.compile(r"(^|\.)(mlp|feed_forward|ff|msa_transition|pair_transition)(\.|$)")
 PARTS = ("attention", "mlp", "both")
+OUTPUTS = ("keep", "recompute")
+
+
+def _outputs_differ(k) -> bool:
+    """coshard_outputs='recompute' only where a layer's recomputation could make them again:
+    with coshard > 1 and recompute=full (a space without recompute: never)."""
+    if k["coshard_outputs"] != "recompute":
+        return True
+    return k["coshard"] != 1 and "recompute" in list(k) and k["recompute"] == "full"
 
 
 def _heads_ok(k, c: Context) -> bool:
@@ -56,6 +65,9 @@ class Coshard(Space):
                  range="1, 2, 4 or 8"),
         Knob.choice("coshard_blocks", lambda c: PARTS, "the layers' operators co-sharded: attention, mlp or both",
                     default="attention"),
+        Knob.choice("coshard_outputs", lambda c: OUTPUTS, "with recompute=full, the co-sharded operators' results "
+                    "kept from the forward for the layer's recomputation (keep) or made again in it, chunk by "
+                    "chunk (recompute: less memory, one more forward of those operators)", default="keep"),
     )
     constraints = (
         # one plan without coshard, not three that differ by a knob that does nothing
@@ -70,6 +82,10 @@ class Coshard(Space):
                          lambda a, c: f"coshard={a['coshard']} of the {a['coshard_blocks']} recomputes the attention "
                                       "piece by piece already, so recompute='selective' adds nothing; use 'none' "
                                       "or 'full'"),
+        Constraint.where(_outputs_differ,
+                         lambda a, c: f"coshard_outputs='recompute' makes the co-sharded results again in the "
+                                      f"layer's recomputation, which needs coshard > 1 and recompute='full' (got "
+                                      f"coshard={a['coshard']}, recompute={a.get('recompute')!r}); use 'keep'"),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
@@ -78,6 +94,8 @@ class Coshard(Space):
             return
         part = values.get("coshard_blocks") or "attention"
         g = draft.ctx.graph
+        # a recompute group of the layer's own (nested in its full recomputation) or of the pieces' own
+        own = 0 if values.get("coshard_outputs") == "recompute" else len(g.operators)
         dims = tensor_parallel_dims(g)
         for op in g.operators:
             block = _BLOCK.search(op.module)
@@ -91,7 +109,7 @@ class Coshard(Space):
                 continue
             if part in (where, "both"):
                 draft.colocate[op.name] = (dims[op.name], k)
-                draft.recompute[op.name] = int(block.group(2)) + 1  # recomputed piece by piece
+                draft.recompute[op.name] = own + int(block.group(2)) + 1  # recomputed piece by piece
 
 
 register_space("coshard", Coshard)
