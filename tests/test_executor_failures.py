@@ -3,6 +3,7 @@ every rank within a bound, ``launch_local`` raises one ExecutionError naming ran
 rank that timed out, with the group or peer it waited on), and no process is left behind."""
 
 import os
+import tempfile
 import time
 import uuid
 from multiprocessing import resource_tracker
@@ -81,13 +82,27 @@ def _fail(monkeypatch, plan, fault: str, **kw) -> tuple[ExecutionError, float]:
     token = f"planlab-test-{uuid.uuid4().hex}"
     monkeypatch.setenv(MARK, token)
     monkeypatch.setenv(FAULT_ENV, fault)
+    before = _launcher_folders()
     t0 = time.monotonic()
     with pytest.raises(ExecutionError) as info:
         launch_local(plan, 2, steps=2, lr=1e-2, check=False, run_id=token, **kw)
     elapsed = time.monotonic() - t0
     assert elapsed < BOUND_S
     assert _leftovers(token) == [] and _children() == []  # no rank, launcher helper or child left
+    assert _launcher_folders() - before == set()  # nor a folder of the launcher's
     return info.value, elapsed
+
+
+def _launcher_folders() -> set[str]:
+    """The temporary folders of a launch: torch elastic's logs and planlab's run folder."""
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "planlab-"))}
+
+
+def test_a_run_leaves_no_folder_behind():
+    before = _launcher_folders()
+    launch_local(_plan(TP), 2, steps=1, check=False)
+    assert _launcher_folders() - before == set()
 
 
 @pytest.mark.parametrize("knobs, fault, expect", [

@@ -36,7 +36,9 @@ import copy
 import dataclasses
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -564,11 +566,12 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from planlab.executor.run import _free_port, _quiet_launcher
+    from planlab.executor.run import _free_port, _quiet_launcher, launcher_logs
 
+    run_dir = tempfile.mkdtemp(prefix="planlab-calibrate-")
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
-                       run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}")
+                       run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}", logs_specs=launcher_logs(run_dir))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -577,6 +580,8 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     except ChildFailedError as e:
         ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
         raise ExecutionError(f"calibrate: the distributed benchmark on {nproc} gloo processes failed: {ranks}") from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return out[0]
 
 

@@ -393,10 +393,10 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_id = run_id or f"planlab-{os.getpid()}-{time.time_ns()}"
+    run_dir = tempfile.mkdtemp(prefix=f"{run_id}-")
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
-                          run_id=run_id)
-    run_dir = tempfile.mkdtemp(prefix=f"{run_id}-")
+                          run_id=run_id, logs_specs=launcher_logs(run_dir))
     try:
         with _quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
@@ -407,6 +407,15 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunResult(**out[0])
+
+
+def launcher_logs(run_dir: str):
+    """torch elastic's per-launch log folder, inside ``run_dir`` (which the caller removes):
+    left to itself the launcher makes a ``/tmp/torchelastic_*`` folder per launch and never
+    removes it."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    return DefaultLogsSpecs(log_dir=os.path.join(run_dir, "launcher"))
 
 
 def prepare(plan, cfg: RunConfig, ranks, *, reference_here: bool = True) -> tuple:
