@@ -17,6 +17,9 @@ residues, the first training shape of nnScaler's AlphaFold2 example (msrasys/nns
 examples/alphafold2/README.md, "Evoformer Stack, s, r = 128, 256"; the ``alphafold2`` preset), with
 R = 3 recycling passes (``recycles=3``: two without gradients, then one with, the "3F1B" of nnScaler's
 paper); ``alphafold2-finetune`` (N_seq 512, N_res 384) is that README's largest training shape.
+``evoformer-long`` takes it to N_res = 1024 residues, where one sample's block no longer fits a
+GPU with data parallelism and full recomputation (92 GiB): the memory regime co-sharding is for
+(``coshard_outputs=recompute`` remakes the co-sharded attentions inside each recomputed block).
 
 The script prints the best simulated plan of each (iteration time, peak memory, knobs), then the
 speedup of the best composed plan over the best hand-made one. Every figure is the simulator's
@@ -78,6 +81,10 @@ WORKLOADS = (
              _hand_made() + (Run("3f1b", "3f1b", {}, True),
                              Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True),
                              Run("dp*coshard", "dp*recompute*coshard", {"coshard_blocks": "attention"}, True))),
+    Workload("evoformer-long", "AlphaFold2 Evoformer at N_seq 512, N_res 1024, 3 recycling passes", "alphafold2-finetune",
+             (("recycles", 3), ("n_res", 1024)), "dgx-a100-80g", 1, 16,
+             _hand_made() + (Run("3f1b*coshard", "3f1b*coshard", {}, True),
+                             Run("dp*coshard", "dp*recompute*coshard", {}, True))),
 )
 
 
@@ -95,7 +102,7 @@ def _knobs(row, names) -> str:
 
 
 KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "sequence_parallel", "recompute",
-         "coshard", "coshard_blocks", "embed_layout")
+         "coshard", "coshard_blocks", "coshard_outputs", "embed_layout")
 
 
 def run_workload(w: Workload, *, jobs: int, candidates: int | None) -> dict:
