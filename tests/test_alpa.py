@@ -261,3 +261,9 @@ def test_alpa_plan_of_a_swin_matches_one_process():
     assert sum(any(d is not None for d in ds) for ds in draft.dims.values()) > len(g.operators) // 4
     res = launch_local(sp.build(ctx, knobs), 2, steps=1)
     assert res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
+
+
+def test_a_recycling_model_is_refused_saying_why():
+    spec, g = traced("evoformer-tiny", 4, (("recycles", 2),))
+    with pytest.raises(ConfigError, match="runs its layers more than once .*recycling Evoformer"):
+        alpa.layers_of(g)

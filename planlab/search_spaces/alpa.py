@@ -93,7 +93,8 @@ def layers_of(g: Graph) -> Layers:
             if i in index:
                 raise ConfigError(f"space 'alpa': operator {op.name!r} of layer {i} comes after other operators "
                                   f"(layer {index[-1]} or operators outside the layers); alpa needs each layer's "
-                                  "operators back to back")
+                                  "operators back to back, so it cannot plan a model that runs its layers more "
+                                  "than once (such as a recycling Evoformer, recycles > 1)")
             blocks.append([])
             index.append(i)
             glue.append(tuple(pending) if len(blocks) > 1 else ())
