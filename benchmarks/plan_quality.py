@@ -102,7 +102,7 @@ def _knobs(row, names) -> str:
 
 
 KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "sequence_parallel", "recompute",
-         "coshard", "coshard_blocks", "coshard_outputs", "embed_layout")
+         "coshard", "coshard_blocks", "coshard_outputs", "coshard_remade_percent", "embed_layout")
 
 
 def run_workload(w: Workload, *, jobs: int, candidates: int | None) -> dict:

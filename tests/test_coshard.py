@@ -239,7 +239,7 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
     sp = get_space("dp*tp*coshard")
     assert [k.name for k in sp.all_knobs()] == ["dp", "microbatch", "zero", "tp", "sequence_parallel", "coshard",
-                                               "coshard_blocks", "coshard_outputs"]
+                                               "coshard_blocks", "coshard_outputs", "coshard_remade_percent"]
     # tp=2 and 4 heads: coshard 1; 2 on the attention, the MLP or both; 4 or 8 on the MLP only
     assert [(a["coshard"], a["coshard_blocks"]) for a in sp.assignments(ctx, {"dp": 1, "microbatch": 8,
                                                                              "sequence_parallel": False})] == [
@@ -264,6 +264,10 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
                                                    recompute="full", coshard_outputs="recompute")),
     ("gpt-tiny", (), dict(dp=2, tp=1, pp=1, microbatch=2, coshard=2, coshard_blocks="attention", recompute="full",
                           coshard_outputs="recompute")),
+    # some layers remake them, the others keep them
+    ("swin-tiny", (("num_heads", "4,8,16"),), dict(dp=2, tp=1, pp=1, microbatch=2, coshard=2,
+                                                   coshard_blocks="attention", recompute="full",
+                                                   coshard_outputs="recompute", coshard_remade_percent=25)),
 ])
 def test_coshard_plans_match_one_process(model, model_args, knobs):
     spec, g = traced(model, 8, model_args)
@@ -362,3 +366,27 @@ def test_coshard_outputs_recompute_needs_coshard_and_full_recompute():
     assert outputs[(2, "none")] == outputs[(1, "full")] == outputs[(1, "none")] == {"keep"}
     with pytest.raises(ConfigError, match="coshard_outputs='recompute'.*recompute='full'.*coshard=2, recompute='none'"):
         sp.build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, recompute="none", coshard_outputs="recompute"))
+
+
+def test_a_share_of_the_layers_remakes_its_results_spread_over_the_layers():
+    from planlab.search_spaces.coshard import remade
+
+    assert [i for i in range(12) if remade(i, 25)] == [0, 4, 8]
+    assert [i for i in range(12) if remade(i, 75)] == [0, 1, 2, 4, 5, 6, 8, 9, 10]
+    assert all(remade(i, 100) for i in range(12))
+    spec, g = traced("swin-tiny", 8, (("num_heads", "4,8,16"),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    base = dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention", recompute="full",
+                coshard_outputs="recompute")
+    layer_of = {op.name: int(op.module.split(".")[1]) for op in g.operators if op.module.startswith("blocks.")}
+    outer = {}
+    for pct in (25, 50, 100):
+        prog = materialize(get_space("megatron*coshard").build(ctx, dict(base, coshard_remade_percent=pct)), g)
+        outer[pct] = {layer_of[t.op] for _, t in prog.devices[0].tasks_in_order() if t.name.endswith(":outer") and t.op}
+    blocks = sorted(set(layer_of.values()))
+    assert outer[100] == set(blocks)
+    assert outer[50] == {i for i in blocks if i % 4 < 2}
+    assert outer[25] == {i for i in blocks if i % 4 == 0}
+    sp = get_space("megatron*coshard")
+    with pytest.raises(ConfigError, match="coshard_remade_percent=50 .* needs coshard_outputs='recompute' .*'keep'"):
+        sp.build(ctx, dict(base, coshard_outputs="keep", coshard_remade_percent=50))

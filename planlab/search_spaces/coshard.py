@@ -27,6 +27,7 @@ ATTENTION = re.compile(r"(^|\.)(attn|attention|self_attn|msa_att_row|msa_att_col
 MLP = re.compile(r"(^|\.)(mlp|feed_forward|ff|msa_transition|pair_transition)(\.|$)")
 PARTS = ("attention", "mlp", "both")
 OUTPUTS = ("keep", "recompute")
+REMADE_PERCENTS = (25, 50, 75, 100)
 
 
 def _outputs_differ(k) -> bool:
@@ -35,6 +36,18 @@ def _outputs_differ(k) -> bool:
     if k["coshard_outputs"] != "recompute":
         return True
     return k["coshard"] != 1 and "recompute" in list(k) and k["recompute"] == "full"
+
+
+def _share_differs(k) -> bool:
+    """coshard_remade_percent below 100 only where the results are remade at all."""
+    return k["coshard_remade_percent"] == 100 or k["coshard_outputs"] == "recompute"
+
+
+def remade(layer: int, percent: int) -> bool:
+    """Whether ``layer`` remakes its co-sharded results, with ``percent`` of the layers doing so:
+    layers i with i mod 4 < percent / 25, spread evenly over the layers (and so over a pipeline's
+    stages)."""
+    return layer % 4 < percent // 25
 
 
 def _heads_ok(k, c: Context) -> bool:
@@ -68,6 +81,9 @@ class Coshard(Space):
         Knob.choice("coshard_outputs", lambda c: OUTPUTS, "with recompute=full, the co-sharded operators' results "
                     "kept from the forward for the layer's recomputation (keep) or made again in it, chunk by "
                     "chunk (recompute: less memory, one more forward of those operators)", default="keep"),
+        Knob.int("coshard_remade_percent", lambda c: REMADE_PERCENTS, "with coshard_outputs=recompute, the share "
+                 "of the layers that remake their co-sharded results (the others keep them): as many as memory "
+                 "needs", default=100, range="25, 50, 75 or 100"),
     )
     constraints = (
         # one plan without coshard, not three that differ by a knob that does nothing
@@ -86,6 +102,10 @@ class Coshard(Space):
                          lambda a, c: f"coshard_outputs='recompute' makes the co-sharded results again in the "
                                       f"layer's recomputation, which needs coshard > 1 and recompute='full' (got "
                                       f"coshard={a['coshard']}, recompute={a.get('recompute')!r}); use 'keep'"),
+        Constraint.where(_share_differs,
+                         lambda a, c: f"coshard_remade_percent={a['coshard_remade_percent']} says how many layers "
+                                      "remake their co-sharded results, which needs coshard_outputs='recompute' "
+                                      f"(got {a['coshard_outputs']!r}); use 100"),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
@@ -95,7 +115,8 @@ class Coshard(Space):
         part = values.get("coshard_blocks") or "attention"
         g = draft.ctx.graph
         # a recompute group of the layer's own (nested in its full recomputation) or of the pieces' own
-        own = 0 if values.get("coshard_outputs") == "recompute" else len(g.operators)
+        nested = values.get("coshard_outputs") == "recompute"
+        percent = values.get("coshard_remade_percent") or 100
         dims = tensor_parallel_dims(g)
         for op in g.operators:
             block = _BLOCK.search(op.module)
@@ -109,7 +130,9 @@ class Coshard(Space):
                 continue
             if part in (where, "both"):
                 draft.colocate[op.name] = (dims[op.name], k)
-                draft.recompute[op.name] = own + int(block.group(2)) + 1  # recomputed piece by piece
+                layer = int(block.group(2))
+                own = 0 if nested and remade(layer, percent) else len(g.operators)
+                draft.recompute[op.name] = own + layer + 1  # recomputed piece by piece
 
 
 register_space("coshard", Coshard)

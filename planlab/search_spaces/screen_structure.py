@@ -405,7 +405,10 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     # a recomputed consumer runs again from a received tensor, or from an input read from outside its
     # recomputed group (each once per group): it keeps them
     rx = xe[rc[t.e_consumer[xe]]]
-    inside = np.nonzero(same & rc[t.e_consumer] & (rcs[t.e_producer] != rcs[t.e_consumer]))[0]
+    outside = same & rc[t.e_consumer] & (rcs[t.e_producer] != rcs[t.e_consumer])
+    if pieces is not None:  # co-located pieces recomputed on their own read what their layer's recomputation remade
+        outside &= ~((pieces[t.e_consumer] > 1) & rc[t.e_producer])
+    inside = np.nonzero(outside)[0]
     if len(inside):
         inside = inside[_first((sc[inside] % G) * (len(t.edges) + 1) + t.e_tensor[inside])]
     held = np.sort(np.concatenate([rx, inside]))
