@@ -153,6 +153,12 @@ class _Stage:
         # what the layer's recomputation (planlab.plan.materialize._recompute) makes again: a
         # recomputed chunk reads that instead of keeping the forward's buffer until the backward
         relay = {f"a:{w[2:]}": w for t in bw if t.name.startswith("re:") for w in t.writes if w.startswith("r:")}
+        first_re: dict[str, int] = {}  # buffer -> position of the layer recomputation's first task reading it
+        for p, t in enumerate(bw):
+            if t.name.startswith("re:"):
+                for b in t.reads + t.saved:
+                    if b:
+                        first_re.setdefault(b, p)
         fjobs, bjobs = [], []
         outer: dict[int, list[Task]] = defaultdict(list)  # bw position -> the layer recomputation's chunks
         remakes: list[tuple[frozenset[int], dict[str, str]]] = []
@@ -182,13 +188,13 @@ class _Stage:
                     seq += [made.backward(bw[i], c) for i in bi]
                 bjobs.append((bi, seq, members))
                 if relay and any(fw[i].op in self.nested for i in fi):
-                    self._remake(made, [fw[i] for i in fi], bw, internal, outer, remakes, reload, again)
+                    self._remake(made, [fw[i] for i in fi], first_re, internal, outer, remakes, reload, again)
         for p, seq in outer.items():
             bjobs.append(([p], seq + [bw[p]], [bw[p].op or bw[p].name]))
         bw = _splice_all(bw, bjobs)
         return _splice_all(fw, fjobs), _renamed(bw, remakes) if remakes else bw
 
-    def _remake(self, made: "_Chunks", ftasks: list[Task], bw: list[Task], internal: frozenset[str],
+    def _remake(self, made: "_Chunks", ftasks: list[Task], first_re: dict[str, int], internal: frozenset[str],
                 outer: dict[int, list[Task]], remakes: list, reload: list[Task], again: dict[str, str]) -> None:
         """Inside a recomputed layer, the group's results that the layer's recomputation reads are
         made again there, chunk by chunk without keeping a graph (the group's backward remakes each
@@ -198,8 +204,7 @@ class _Stage:
         and the renaming of the results (``a:x`` -> ``r:x``) for the tasks after them in ``remakes``;
         the inputs only the group loads (``reload``) are loaded again first, into ``again``'s buffers."""
         leaving = {w for t in ftasks for w in t.writes if w and w not in internal and not is_static(w)}
-        at = next((p for p, t in enumerate(bw) if t.name.startswith("re:") and
-                   any(b in leaving for b in t.reads + t.saved if b)), None)
+        at = min((first_re[w] for w in leaving if w in first_re), default=None)
         if at is None:
             return
         remade = {w: f"r:{w.split(':', 1)[1]}" for w in leaving}
@@ -298,12 +303,16 @@ class _Chunks:
         self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
         self.chunk_shape: dict[str, tuple[int, ...]] = {}
 
-    def _name(self, b: str, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
-        """``b@c``, with its size registered."""
-        new = f"{b}@{c}"
+    def _sized(self, new: str, b: str, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
+        """``new``, a chunk of ``b`` (local shape ``local``) of shape ``chunk``, with its size registered."""
         sizes = self.s.sizes
         if new not in sizes and b in sizes:
             sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
+        return new
+
+    def _name(self, b: str, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
+        """``b@c``, with its size registered."""
+        new = self._sized(f"{b}@{c}", b, local, chunk)
         self.chunk_shape[new] = chunk
         return new
 
@@ -352,11 +361,7 @@ class _Chunks:
             return self._inner(b, c, local, chunk)
 
         def wr(b, c, local, chunk):
-            new = _r(b, c)
-            sizes = self.s.sizes
-            if new not in sizes and b in sizes:
-                sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
-            return new
+            return self._sized(_r(b, c), b, local, chunk)
 
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
@@ -371,13 +376,7 @@ class _Chunks:
         op = self._op(t)
 
         def inner(b, c, local, chunk):
-            if b not in self.internal:
-                return None
-            new = f"o:{b.split(':', 1)[1]}@{c}"
-            sizes = self.s.sizes
-            if new not in sizes and b in sizes:
-                sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
-            return new
+            return self._sized(f"o:{b.split(':', 1)[1]}@{c}", b, local, chunk) if b in self.internal else None
 
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         writes = tuple(remade.get(b, b) for b in t.writes)
@@ -416,13 +415,14 @@ class _Chunks:
 def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[str, str]]]) -> list[Task]:
     """``bw`` with the reads and saved buffers of the tasks after each group's remade chunks
     (``remakes``: their ids and the renaming of the group's results) renamed to the remade ones."""
-    left = [set(ids) for ids, _ in remakes]
+    group_of = {i: n for n, (ids, _) in enumerate(remakes) for i in ids}
+    left = [len(ids) for ids, _ in remakes]
     active: dict[str, str] = {}
     out = []
     for t in bw:
-        hit = next((n for n, ids in enumerate(left) if id(t) in ids), None)
+        hit = group_of.get(id(t))
         if hit is not None:
-            left[hit].discard(id(t))
+            left[hit] -= 1
             if not left[hit]:
                 active.update(remakes[hit][1])
         elif active and any(b in active for b in t.reads + t.saved):
