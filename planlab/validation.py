@@ -50,15 +50,15 @@ def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
 # Megatron-LM's vocabulary-parallel embedding and cross entropy, as operators whose vocabulary
 # dimension a plan may split: each shard looks up (or scores) its part of the vocabulary and an
 # all-reduce adds the parts (rows outside a shard are zero), as VocabParallelEmbedding and
-# vocab_parallel_cross_entropy do. Whole, they are F.embedding and F.cross_entropy. Split, only
-# the simulator prices them (the executor would need the shard's vocabulary offset): the
-# functions refuse a shard of the vocabulary rather than compute something else.
+# vocab_parallel_cross_entropy do. Whole, they are F.embedding and F.cross_entropy. Split, the
+# executor runs a shard with its vocabulary offset (planlab.executor.interpreter.run_piece; the
+# loss's shards agree on each token's log-sum-exp through their group,
+# planlab.executor.vocab_parallel); these functions, called whole, refuse an id beyond the table.
 @register_op("a b, v+ h -> a b h", flops=lambda idx, table: 0.0)
 def vocab_embedding(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The embedding of ``idx`` (B, T) in ``table`` (V, H): Megatron's vocabulary-parallel embedding."""
     if idx.device.type != "meta" and idx.numel() and int(idx.max()) >= table.shape[0]:
-        raise PlanlabError(f"vocab_embedding: a token id is beyond this table's {table.shape[0]} rows; a shard "
-                           "of the vocabulary is for simulation only")
+        raise PlanlabError(f"vocab_embedding: a token id is beyond this table's {table.shape[0]} rows")
     return F.embedding(idx, table)
 
 
@@ -67,8 +67,7 @@ def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     """Mean cross entropy of ``logits`` (N, V) against ``target`` (N,), as a one-element tensor:
     Megatron's vocabulary-parallel loss."""
     if target.device.type != "meta" and target.numel() and int(target.max()) >= logits.shape[-1]:
-        raise PlanlabError(f"vocab_cross_entropy: a target is beyond these {logits.shape[-1]} logits; a shard "
-                           "of the vocabulary is for simulation only")
+        raise PlanlabError(f"vocab_cross_entropy: a target is beyond these {logits.shape[-1]} logits")
     return F.cross_entropy(logits, target).reshape(1)
 
 
@@ -84,10 +83,12 @@ class MegatronGPT(GPT):
         return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
 
 
-def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1):
+def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1,
+                 dropout: float = DROPOUT):
     """The model of a measured run (``--model planlab.validation:megatron_gpt``): (module, inputs)."""
-    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=DROPOUT)
-    return MegatronGPT(cfg), GPT.example_inputs(cfg, batch)
+    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout)
+    here = torch.empty(0).device  # meta when planlab traces, the CPU when the executor runs the model
+    return MegatronGPT(cfg), GPT.example_inputs(cfg, batch, here, seed=None if here.type == "meta" else 1)
 
 
 @dataclass(frozen=True)

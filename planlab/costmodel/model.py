@@ -3,6 +3,8 @@ optional calibration profile that replaces the specs' numbers where it has measu
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -87,6 +89,22 @@ class CostModel:
         kind = task.kind.value
         if kind == "C":
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+        if kind == "F" and task.group:  # a piece that agrees with its group inside its forward
+            return self._own_time_s(task, dtype) + self.agreement_time_s(task)
+        return self._own_time_s(task, dtype)
+
+    def agreement_time_s(self, task: Task) -> float:
+        """The collectives inside the forward of a piece whose task names a group
+        (``planlab.plan.materialize.IN_OP_GROUPS``): for a vocabulary-parallel loss over N tokens,
+        an all-reduce of N fp32 maxima, then one of 2N fp32 sums (Megatron-LM's
+        vocab_parallel_cross_entropy)."""
+        tokens = math.prod(task.shapes[0][:-1]) if task.shapes and task.shapes[0] else 1
+        group = tuple(task.group)
+        return (self.collective_time_s("all_reduce", 4 * tokens, group)
+                + self.collective_time_s("all_reduce", 8 * tokens, group))
+
+    def _own_time_s(self, task: Task, dtype: str) -> float:
+        kind = task.kind.value
         if kind in ("S", "R"):
             return 0.0
         if self.profile is None and self.cluster.node.software is not None:

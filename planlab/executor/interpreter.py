@@ -21,6 +21,7 @@ from planlab.errors import ExecutionError
 from planlab.executor import zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
+from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
 from planlab.plan.program import DeviceProgram, Program, Task, TaskKind, is_static
@@ -48,12 +49,19 @@ def _binder(call) -> tuple | bool:
 
 
 def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Graph, microbatches: int,
-              vocab_offset: int = 0):
+              vocab_offset: int = 0, group=None):
     """Run one piece of ``op`` on local tensors; returns the output tensor(s). A piece of an
     embedding whose table holds rows ``vocab_offset ..`` of the vocabulary only (split along ``v``)
-    looks up the ids in its rows and gives zeros for the others (the pieces add up)."""
-    if op.kind == "embedding" and tensors[1].shape[0] != op.dim_sizes["v"]:
+    looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
+    vocabulary-parallel loss (``vocab_cross_entropy``) scores its logits, vocabulary entries
+    ``vocab_offset ..``, with the other slices' pieces on the process group ``group``
+    (:mod:`planlab.executor.vocab_parallel`)."""
+    if op.kind in VOCAB_EMBEDDINGS and tensors[1].shape[0] != op.dim_sizes["v"]:
         return vocab_piece_embedding(tensors[0], tensors[1], vocab_offset)
+    if op.kind == "vocab_cross_entropy":
+        loss = vocab_parallel_cross_entropy(tensors[0], tensors[1], offset=vocab_offset,
+                                            count=op.dim_sizes["n"], group=group)
+        return loss.reshape(task.shape)
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
     if op.kind == "expand":  # the call's sizes are the whole tensor's; expand to the piece's
@@ -82,6 +90,9 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
     if isinstance(target, str):
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
+
+
+VOCAB_EMBEDDINGS = ("embedding", "vocab_embedding")  # operator kinds whose table a plan may split by rows
 
 
 def vocab_piece_embedding(idx: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
@@ -399,10 +410,15 @@ class Interpreter:
             if detach and v.is_floating_point():  # a leaf of this piece's own autograd graph
                 v = v.detach().requires_grad_(True)
             ins.append(v)
-        off = self._vocab_offset(task) if op.kind == "embedding" else 0
+        off, group = 0, None
+        if op.kind in VOCAB_EMBEDDINGS:
+            off = self._vocab_offset(task)
+        elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
+            off = task.group.index(self.device) * ins[0].shape[-1]
+            group = self.groups[tuple(sorted(task.group))]
         if task.recompute == "drop":  # its backward runs after a second forward ("redo"): keep no graph
             with torch.no_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             for k, (b, o) in enumerate(zip(task.writes, outs)):
                 if task.places and task.places[k] is not None:
@@ -411,10 +427,10 @@ class Interpreter:
                     self.bufs[(b, mb)] = o
             return
         if torch.is_grad_enabled():
-            out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
+            out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
         else:
             with torch.enable_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
             outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])

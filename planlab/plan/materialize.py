@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections import defaultdict
 from itertools import count
@@ -214,6 +215,27 @@ def _materialize(plan: Plan, graph: Graph, precision: Precision, symmetric: bool
     return _build(plan, graph, L, precision, None, overlap)
 
 
+# Operators whose pieces, split along the named dimension, agree with each other inside their
+# forward (Megatron's vocabulary-parallel loss: all-reduces of each token's largest logit and sum of
+# exponentials, planlab.executor.vocab_parallel): each piece's forward task carries the group of the
+# devices holding the other slices (``Task.group``, in the order of the slices).
+IN_OP_GROUPS = {"vocab_cross_entropy": "v"}
+
+
+def _line(mesh: Mesh, flat: int, axes: list[int]) -> tuple[int, ...]:
+    """The devices of ``mesh`` whose coordinates differ from ``flat``'s along ``axes`` only, in
+    row-major order of those axes; () without such axes (or when they are of size one)."""
+    if not axes or math.prod(mesh.shape[a] for a in axes) == 1:
+        return ()
+    base = list(mesh.coord(flat))
+    out = []
+    for idx in itertools.product(*(range(mesh.shape[a]) for a in axes)):
+        for a, j in zip(axes, idx):
+            base[a] = j
+        out.append(mesh.devices[mesh.flat(tuple(base))])
+    return tuple(out)
+
+
 def _positions(mesh: Mesh, keep: frozenset[int] | None):
     """``(flat, device)`` of a mesh's devices, or of those in ``keep``."""
     if keep is None:
@@ -327,12 +349,14 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         saved_of[op.name] = saved
         shapes_of[op.name] = _piece_shapes(L, op)
+        agree = [a for a, d in enumerate(L.dims[op.name]) if d is not None and d == IN_OP_GROUPS.get(op.kind)]
         for flat, dev in _positions(mesh, keep):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
             lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
             task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
                         flops=op.flops / pieces / m, bytes_moved=op.bytes_moved / pieces / m,
-                        shape=out_shape, saved=saved, lead=lead, op_kind=op.kind, shapes=shapes_of[op.name])
+                        shape=out_shape, saved=saved, lead=lead, op_kind=op.kind, shapes=shapes_of[op.name],
+                        group=_line(mesh, flat, agree))
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
@@ -512,7 +536,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         for key, items in entries.get(dev, {}).items():
             items.sort(key=lambda x: x[0])
             blocks[key] = Block(key[0], key[1], tuple(t for _, t in items))
-            groups.update(tuple(sorted(t.group)) for t in blocks[key].tasks if t.kind is TaskKind.COLLECTIVE)
+            groups.update(tuple(sorted(t.group)) for t in blocks[key].tasks if t.group)
         schedule = _schedule(plan, dev, blocks)
         blocks = _liveness(blocks, buf_bytes[dev], together.get(dev, ()))
         nparams = sum(box_numel(b) for _, b in params_on.get(dev, []))

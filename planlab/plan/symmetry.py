@@ -117,6 +117,6 @@ def reduce_program(program: Program, classes: tuple[int, ...], witnesses: dict[i
         return None
     keep = tuple(by_dev[r] for r in reps)
     groups = {tuple(sorted(t.group)) for dp in keep for b in dp.blocks.values() for t in b.tasks
-              if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1}
+              if len(t.group) > 1}
     return Program(devices=keep, microbatches=program.microbatches, precision=program.precision,
                    groups=tuple(sorted(groups)), loss_holders=program.loss_holders, classes=classes)
