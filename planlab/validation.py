@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from planlab.errors import ConfigError, PlanlabError
-from planlab.graph.registry import register_op
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.registry import ModelSpec
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding  # noqa: F401  (re-exported)
 from planlab.plan.program import Precision
 
 GPT2_VOCAB = 50257  # the GPT-2 tokenizer's vocabulary (vTrain's configs)
@@ -45,30 +45,6 @@ def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
     """Megatron-LM pads the vocabulary to a multiple of 128 x the tensor-parallel degree."""
     multiple = VOCAB_DIVISOR * tp
     return math.ceil(vocab / multiple) * multiple
-
-
-# Megatron-LM's vocabulary-parallel embedding and cross entropy, as operators whose vocabulary
-# dimension a plan may split: each shard looks up (or scores) its part of the vocabulary and an
-# all-reduce adds the parts (rows outside a shard are zero), as VocabParallelEmbedding and
-# vocab_parallel_cross_entropy do. Whole, they are F.embedding and F.cross_entropy. Split, the
-# executor runs a shard with its vocabulary offset (planlab.executor.interpreter.run_piece; the
-# loss's shards agree on each token's log-sum-exp through their group,
-# planlab.executor.vocab_parallel); these functions, called whole, refuse an id beyond the table.
-@register_op("a b, v+ h -> a b h", flops=lambda idx, table: 0.0)
-def vocab_embedding(idx: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The embedding of ``idx`` (B, T) in ``table`` (V, H): Megatron's vocabulary-parallel embedding."""
-    if idx.device.type != "meta" and idx.numel() and int(idx.max()) >= table.shape[0]:
-        raise PlanlabError(f"vocab_embedding: a token id is beyond this table's {table.shape[0]} rows")
-    return F.embedding(idx, table)
-
-
-@register_op("n+ v+, n+ -> 1", flops=lambda logits, target: 4.0 * math.prod(logits))
-def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of ``logits`` (N, V) against ``target`` (N,), as a one-element tensor:
-    Megatron's vocabulary-parallel loss."""
-    if target.device.type != "meta" and target.numel() and int(target.max()) >= logits.shape[-1]:
-        raise PlanlabError(f"vocab_cross_entropy: a target is beyond these {logits.shape[-1]} logits")
-    return F.cross_entropy(logits, target).reshape(1)
 
 
 class MegatronGPT(GPT):

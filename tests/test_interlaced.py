@@ -102,3 +102,65 @@ def test_matches_one_process(knobs):
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
+
+
+# With Megatron's vocabulary-parallel loss (gpt vocab_parallel=1) the output layer, the logits and the
+# loss split along the vocabulary over every device, so a micro-batch need not hold a sequence per device.
+VP_ARGS = ARGS + (("vocab_parallel", 1),)
+
+
+def _vp_ctx(devices=4, batch=8):
+    spec, g = traced("gpt", batch, VP_ARGS)
+    return Context(g, spec, batch, "cpu", devices, devices, 1)
+
+
+def test_vocabulary_parallel_head_structure():
+    ctx = _vp_ctx()
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=1))  # 2 sequences, 4 devices
+    ops = {p.op: p for p in plan.ops}
+    assert str(ops["lm_head"]) == "lm_head: n/4 on [0, 1, 2, 3] stage 3"
+    assert str(ops["vocab_cross_entropy"]) == "vocab_cross_entropy: v/4 on [0, 1, 2, 3] stage 3"
+    assert str(ops["vocab_embedding"]) == "vocab_embedding: v/4 on [0, 1, 2, 3] stage 0"
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
+    loss = [t for d in program.devices for b in d.blocks.values() for t in b.tasks
+            if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"]
+    assert loss and all(t.group == (0, 1, 2, 3) for t in loss)  # the pieces agree over every device
+
+
+def test_vocabulary_parallel_head_frees_the_micro_batch_but_not_the_batch_split_embedding():
+    ctx, sp = _vp_ctx(), get_space("interlaced")
+    sp.build(ctx, dict(pp=2, dp=2, tp=1, microbatch=1))  # 2 sequences per micro-batch on 4 devices
+    with pytest.raises(ConfigError, match="embed_layout=vocab\\+batch"):
+        sp.build(ctx, dict(pp=2, dp=2, tp=1, microbatch=1, embed_layout="vocab+batch"))
+    with pytest.raises(ConfigError, match="do not split over the 4 devices"):  # a batch-split head still needs them
+        sp.build(_ctx(), dict(pp=2, dp=2, tp=1, microbatch=1))
+
+
+@pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=2), dict(pp=2, dp=2, tp=1, microbatch=1)])
+def test_vocabulary_parallel_head_matches_one_process(knobs):
+    ctx = _vp_ctx()
+    plan = get_space("interlaced").build(ctx, knobs)
+    res = launch_local(plan, 4, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL
+    assert res.losses[1] < res.losses[0]
+
+
+def test_batch_vocab_head_layout():
+    """head_layout=batch+vocab: each data-parallel replica's sequences on its own pp x tp devices,
+    split along the vocabulary over them; the loss's pieces agree within those devices."""
+    ctx = _vp_ctx()
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=1, head_layout="batch+vocab"))
+    ops = {p.op: p for p in plan.ops}
+    assert str(ops["lm_head"]) == "lm_head: a0/2 x n/2 on [0, 2, 1, 3] stage 3"
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
+    groups = {t.group for d in program.devices for b in d.blocks.values() for t in b.tasks
+              if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"}
+    assert groups == {(0, 2), (1, 3)}  # replica 0 on devices 0 and 2 (stages 1 and 2), replica 1 on 1 and 3
+    with pytest.raises(ConfigError, match="head_layout=batch\\+vocab"):
+        get_space("interlaced").build(_ctx(), dict(pp=2, dp=4, tp=1, microbatch=1, head_layout="batch+vocab"))
+    res = launch_local(plan, 4, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL

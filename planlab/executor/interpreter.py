@@ -22,6 +22,7 @@ from planlab.executor import zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
+from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.plan.layout import Box
 from planlab.plan.program import DeviceProgram, Program, Task, TaskKind, is_static
@@ -90,9 +91,6 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
     if isinstance(target, str):
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
-
-
-VOCAB_EMBEDDINGS = ("embedding", "vocab_embedding")  # operator kinds whose table a plan may split by rows
 
 
 def vocab_piece_embedding(idx: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:

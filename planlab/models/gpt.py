@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
+
 from planlab.models.tokens import token_batch
 
 
@@ -27,6 +29,7 @@ class GPTConfig:
     vocab: int
     ffn_mult: int = 4
     dropout: float = 0.0
+    vocab_parallel: int = 0  # 1: Megatron-LM's vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
 
     @property
     def head_dim(self) -> int:
@@ -104,10 +107,14 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # idx, targets: (B, T) token ids
-        x = self.drop(self.wte(idx) + self.wpe(self.pos))  # (B, T, C)
+        vp = self.cfg.vocab_parallel
+        tokens = vocab_embedding(idx, self.wte.weight) if vp else self.wte(idx)
+        x = self.drop(tokens + self.wpe(self.pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if vp:
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod

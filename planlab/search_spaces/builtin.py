@@ -124,9 +124,15 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
         return hit[1]
     labels: set[str] = set()
     out: dict[str, str | None] = {}
+    vocab = vocab_parallel_size(g)
     for op in g.operators:
         dim = None
-        if op.kind == "linear" and COLWISE.search(op.module):
+        if vocab and op.kind in VOCAB_PARALLEL_OPS:
+            dim = "v"
+        elif vocab and is_output_layer(op, vocab):  # column-parallel over the vocabulary, as Megatron-LM's
+            dim = "n"
+            labels.add(g.dim_label(op, "n"))
+        elif op.kind == "linear" and COLWISE.search(op.module):
             dim = "n"
             labels.add(g.dim_label(op, "n"))
         elif op.kind == "linear" and ROWWISE.search(op.module):
@@ -143,6 +149,30 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
     _TP_CACHE.clear()  # one graph at a time is plenty
     _TP_CACHE[id(g)] = (g, out)
     return out
+
+
+# Megatron-LM's vocabulary-parallel operators (planlab.models.vocab_parallel), split along ``v``;
+# with them, the output layer is column-parallel over the vocabulary and its logits stay split up
+# to the loss, which agrees across its pieces (planlab.executor.vocab_parallel).
+VOCAB_PARALLEL_OPS = ("vocab_embedding", "vocab_cross_entropy")
+
+
+_VP_CACHE: dict[int, tuple[Graph, int | None]] = {}
+
+
+def vocab_parallel_size(g: Graph) -> int | None:
+    """The vocabulary of ``g``'s vocabulary-parallel loss, or None if it has none (cached per graph)."""
+    hit = _VP_CACHE.get(id(g))
+    if hit is None or hit[0] is not g:
+        loss = [op for op in g.operators if op.kind == "vocab_cross_entropy"]
+        _VP_CACHE.clear()
+        hit = _VP_CACHE[id(g)] = (g, loss[0].dim_sizes["v"] if loss else None)
+    return hit[1]
+
+
+def is_output_layer(op: Operator, vocab: int) -> bool:
+    """Whether ``op`` is the output layer: a linear with ``vocab`` features outside the layers."""
+    return op.kind == "linear" and op.dim_sizes.get("n") == vocab and not _BLOCK.search(op.module)
 
 
 # Mixture-of-experts layers (planlab.models.moe) hold their experts as stacked weights
@@ -203,6 +233,10 @@ class TensorParallel(Space):
                    lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads"),
         Constraint(lambda a, c: a["tp"] is None or _kv_heads(c) is None or _kv_heads(c) % a["tp"] == 0,
                    lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
+        Constraint(lambda a, c: a["tp"] is None or not vocab_parallel_size(c.graph)
+                   or vocab_parallel_size(c.graph) % a["tp"] == 0,
+                   lambda a, c: f"tp={a['tp']} does not divide the {vocab_parallel_size(c.graph)} entries of the "
+                                "model's vocabulary-parallel output layer and loss"),
         Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
                    lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
         Constraint.where(lambda k: not k["sequence_parallel"] or k["tp"] > 1,

@@ -31,8 +31,9 @@ The plan is written with the public Space API: a Product of :class:`Interlaced` 
 from __future__ import annotations
 
 from planlab.graph.ir import Graph
+from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
-                                           _divisors, batch_dims, pipeline_stages)
+                                           _divisors, batch_dims, pipeline_stages, vocab_parallel_size)
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -46,8 +47,8 @@ class VocabOps:
     what only feeds those from the model's inputs, such as the targets' reshape: along the batch)."""
 
     def __init__(self, lookup: dict[str, str | None], embed: dict[str, str | None],
-                 head: dict[str, str | None]) -> None:
-        self.lookup, self.embed, self.head = lookup, embed, head
+                 head: dict[str, str | None], along_vocab: bool = False) -> None:
+        self.lookup, self.embed, self.head, self.along_vocab = lookup, embed, head, along_vocab
 
     def spread(self, embed_layout: str) -> dict[str, str | None]:
         """The operators on every device and their split, for ``embed_layout`` (EMBED_LAYOUTS)."""
@@ -68,7 +69,7 @@ def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
 
 
 def _find(g: Graph, vocab: int) -> VocabOps | None:
-    embed = {op.name: "v" for op in g.operators if op.kind == "embedding" and op.dim_sizes.get("v") == vocab
+    embed = {op.name: "v" for op in g.operators if op.kind in VOCAB_EMBEDDINGS and op.dim_sizes.get("v") == vocab
              and op.signature.splittable("v")}
     heads = [op for op in g.operators if op.kind == "linear" and op.dim_sizes.get("n") == vocab
              and not _BLOCK.search(op.module)]
@@ -83,14 +84,25 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
         if op.name not in embed and any(t in g.producer and g.producer[t].name in embed for t in op.inputs):
             embed[op.name] = batch[op.name]
     _feeders(g, embed, batch)
-    head: dict[str, str | None] = {lm.name: batch[lm.name]}
+    # With a vocabulary-parallel loss the output layer, the logits and the loss split along the
+    # vocabulary (what only feeds them, the targets, is whole on every device); else along the batch.
+    along_vocab = vocab_parallel_size(g) == vocab
+    label = g.dim_label(lm, "n")
+
+    def split(op) -> str | None:
+        if not along_vocab:
+            return batch[op.name]
+        d = g.dim_with_label(op, label)
+        return d if d is not None and op.signature.splittable(d) else None
+
+    head: dict[str, str | None] = {lm.name: "n" if along_vocab else batch[lm.name]}
     for op in g.operators[order[lm.name] + 1:]:  # what follows the output layer
         if any(t in g.producer and g.producer[t].name in head for t in op.inputs):
-            head[op.name] = batch[op.name]
-    _feeders(g, head, batch)
+            head[op.name] = split(op)
+    _feeders(g, head, {name: (None if along_vocab else d) for name, d in batch.items()})
     if g.producer[g.loss].name not in head:
         return None
-    return VocabOps(lookup, embed, head)
+    return VocabOps(lookup, embed, head, along_vocab)
 
 
 def _feeders(g: Graph, ops: dict[str, str | None], batch: dict[str, str | None]) -> None:
@@ -108,6 +120,12 @@ def _vocab(c: Context) -> int | None:
     return getattr(c.model.config(), "vocab", None)
 
 
+def _head_along_vocab(c: Context) -> bool:
+    """Whether the output layer and the loss split along the vocabulary (a vocabulary-parallel loss)."""
+    ops = vocab_ops(c.graph, _vocab(c))
+    return ops is not None and ops.along_vocab
+
+
 def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
     dp, mbs = a.get("dp"), a.get("microbatch")
     return None if dp is None or mbs is None else dp * mbs
@@ -120,6 +138,11 @@ def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
 # along the batch over every device, the pieces meeting in a reduce-scatter over every device
 # (less traffic, but a collective that every device joins at each micro-batch's embedding).
 EMBED_LAYOUTS = ("vocab", "vocab+batch")
+# How the output stage is laid out with a vocabulary-parallel loss: ``vocab``, the output layer and
+# the loss split along the vocabulary over every device (each receives the whole micro-batch's last
+# hidden states); ``batch+vocab``, each data-parallel replica's sequences scored by its own pp x tp
+# devices, split along the vocabulary over them (a dp-th of the hidden states to each device).
+HEAD_LAYOUTS = ("vocab", "batch+vocab")
 
 
 class Interlaced(Space):
@@ -135,6 +158,9 @@ class Interlaced(Space):
         Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup alone (vocab) or with what "
                     "follows it up to the first layer, split along the batch (vocab+batch)", default="vocab",
                     explore=EMBED_LAYOUTS),
+        Knob.choice("head_layout", HEAD_LAYOUTS, "with a vocabulary-parallel loss, the output stage: the vocabulary "
+                    "over every device (vocab) or each data-parallel replica's sequences over its own pp x tp "
+                    "devices (batch+vocab)", default="vocab", explore=HEAD_LAYOUTS),
     )
     constraints = (
         Constraint(lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
@@ -147,11 +173,19 @@ class Interlaced(Space):
                    lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1"),
         Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
                    lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
-        Constraint(lambda a, c: _sequences_per_microbatch(a, c) is None
+        Constraint(lambda a, c: _sequences_per_microbatch(a, c) is None or _head_along_vocab(c)
                    or _sequences_per_microbatch(a, c) % c.num_devices == 0,
                    lambda a, c: f"the {_sequences_per_microbatch(a, c)} sequences of a micro-batch (dp={a.get('dp')} x "
                                 f"microbatch={a.get('microbatch')}) do not split over the {c.num_devices} devices "
                                 f"for the output layer and the loss"),
+        Constraint(lambda a, c: a.get("head_layout") != "batch+vocab" or _head_along_vocab(c),
+                   lambda a, c: "head_layout=batch+vocab splits the output layer along the vocabulary, which needs a "
+                                "vocabulary-parallel loss (gpt with vocab_parallel=1)"),
+        Constraint(lambda a, c: a.get("embed_layout") != "vocab+batch" or _sequences_per_microbatch(a, c) is None
+                   or _sequences_per_microbatch(a, c) % c.num_devices == 0,
+                   lambda a, c: f"embed_layout=vocab+batch splits the embedding's {_sequences_per_microbatch(a, c)} "
+                                f"sequences per micro-batch (dp={a.get('dp')} x microbatch={a.get('microbatch')}) "
+                                f"over the {c.num_devices} devices: they must divide by it"),
         ALL_DEVICES,
     )
 
@@ -161,9 +195,19 @@ class Interlaced(Space):
         ops = vocab_ops(g, _vocab(draft.ctx))
         draft.num_stages, draft.chunks, draft.schedule, draft.stage_base = pp, 1, "interlaced", 1
         stages = {name: s + 1 for name, s in pipeline_stages(g, pp, draft.ctx.layers).items()}
-        spread = ops.spread(values.get("embed_layout") or "vocab")
+        spread: dict = ops.spread(values.get("embed_layout") or "vocab")
         for name in spread:
             stages[name] = pp + 1 if name in ops.head else 0
+        if values.get("head_layout") == "batch+vocab":
+            # replica i's sequences on the pp x tp devices of data-parallel replica i (row-major devices
+            # of a stage: dp, then tp), split along the vocabulary over them
+            dp, tp, n = values.get("dp") or 1, values.get("tp") or 1, draft.ctx.num_devices
+            per = n // dp
+            batch = batch_dims(g)
+            order = tuple(r * dp * tp + i * tp + t for i in range(dp) for r in range(pp) for t in range(tp))
+            for name, dim in ops.head.items():
+                spread[name] = ((batch[name], dp), (dim, per))
+            draft.spread_devices = {**draft.spread_devices, **{name: order for name in ops.head}}
         draft.stages = stages
         draft.spread = spread
 

@@ -327,7 +327,10 @@ class Draft:
     recycles: int = 1  # recycling passes, one model chunk each (planlab/search_spaces/recycling.py)
     # op -> dim: operators on every device, split along dim (None: replicated) into one piece per
     # device, on stages of their own (``stages``) that every device runs (the interlaced pipeline)
-    spread: dict[str, str | None] = field(default_factory=dict)
+    # (or a tuple of (dim, pieces) splits, row-major, whose pieces multiply to the device count);
+    # ``spread_devices`` places an operator's pieces on other devices than 0, 1, 2, .. in order
+    spread: dict[str, str | None | tuple[tuple[str | None, int], ...]] = field(default_factory=dict)
+    spread_devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stage_base: int = 0  # the stage of pipeline rank 0: stage s runs on group (s - stage_base) % groups
 
     def add_axis(self, name: str, size: int,
@@ -461,14 +464,17 @@ class Draft:
     def _issue_spread(self, b: PlanBuilder | None, chk, op, stage: int) -> None:
         """A ``spread`` operator: split along its dimension into one piece per device, placed on
         every device, on ``stage``."""
-        dim, n = self.spread[op.name], self.ctx.num_devices
-        if chk.splits and dim is not None and n > 1:
-            chk.split(op, dim)
-        where = tuple(range(n))
+        spec, n = self.spread[op.name], self.ctx.num_devices
+        splits = spec if isinstance(spec, tuple) else ((spec, n),)
+        for dim, k in splits:
+            if chk.splits and dim is not None and k > 1:
+                chk.split(op, dim)
+        where = self.spread_devices.get(op.name, tuple(range(n)))
         if chk.places:
             chk.place(op, where)
         if b is not None:
-            b.op_trans(op.name, dim, n)
+            for dim, k in splits:
+                b.op_trans(op.name, dim, k)
             b.op_assign(op.name, where, stage=stage)
 
 
