@@ -23,12 +23,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
-from planlab.errors import ConfigError, PlanlabError
+from planlab.errors import ConfigError
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.registry import ModelSpec
-from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding  # noqa: F401  (re-exported)
 from planlab.plan.program import Precision
 
 GPT2_VOCAB = 50257  # the GPT-2 tokenizer's vocabulary (vTrain's configs)
@@ -47,24 +45,12 @@ def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
     return math.ceil(vocab / multiple) * multiple
 
 
-class MegatronGPT(GPT):
-    """planlab's GPT with Megatron-LM's vocabulary-parallel embedding and loss."""
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # idx, targets: (B, T) token ids
-        x = self.drop(vocab_embedding(idx, self.wte.weight) + self.wpe(self.pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
-
-
 def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1,
                  dropout: float = DROPOUT):
     """The model of a measured run (``--model planlab.validation:megatron_gpt``): (module, inputs)."""
-    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout)
+    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout, vocab_parallel=1)
     here = torch.empty(0).device  # meta when planlab traces, the CPU when the executor runs the model
-    return MegatronGPT(cfg), GPT.example_inputs(cfg, batch, here, seed=None if here.type == "meta" else 1)
+    return GPT(cfg), GPT.example_inputs(cfg, batch, here, seed=None if here.type == "meta" else 1)
 
 
 @dataclass(frozen=True)
@@ -194,23 +180,10 @@ def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes:
                  schedule="1f1b", virtual_stages=1, zero=0, sequence_parallel=False)
     if run.layers % run.pp or run.heads % run.tp:
         raise ConfigError(f"pp={run.pp} must divide the {run.layers} layers and tp={run.tp} the {run.heads} heads")
-    dims = dict(tensor_parallel_dims(graph))
-    vocab_labels = set()
-    for op in graph.operators:
-        if op.kind == "vocab_embedding" or op.kind == "vocab_cross_entropy":
-            dims[op.name] = "v"
-        elif op.module == "lm_head":
-            dims[op.name] = "n"
-            vocab_labels.add(graph.dim_label(op, "n"))
-    for op in graph.operators:  # the logits' reshape between the output layer and the loss
-        if dims.get(op.name) is None and op.kind != "vocab_cross_entropy":
-            for d in op.splittable_dims():
-                if graph.dim_label(op, d) in vocab_labels:
-                    dims[op.name] = d
     draft = Draft(ctx)
     PipelineParallel().apply(draft, knobs)
     DataParallel().apply(draft, knobs)
-    draft.add_axis("tp", run.tp, lambda op: dims[op.name])
+    draft.add_axis("tp", run.tp, tensor_parallel_dims(graph))  # the vocabulary operators split along it too
     Recompute().apply(draft, knobs)
     return draft.to_plan(space="megatron", knobs=knobs)
 

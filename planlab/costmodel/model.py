@@ -4,7 +4,6 @@ optional calibration profile that replaces the specs' numbers where it has measu
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -22,8 +22,8 @@ from planlab.executor import zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
-from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.graph.ir import Graph, Operator, TensorArg
+from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.plan.layout import Box
 from planlab.plan.program import DeviceProgram, Program, Task, TaskKind, is_static
 

@@ -1,6 +1,6 @@
 """Megatron-LM's vocabulary-parallel cross entropy, for a piece of a loss split along the vocabulary.
 
-A loss operator whose vocabulary dimension a plan splits (``planlab.validation``'s
+A loss operator whose vocabulary dimension a plan splits (``planlab.models.vocab_parallel``'s
 ``vocab_cross_entropy``: signature ``n+ v+, n+ -> 1``) runs on each device over its slice of the
 logits. The pieces agree on each token's log-sum-exp through two all-reduces over the devices that
 hold the slices (the largest logit, then the sums of exponentials and the target's logit), as

@@ -13,9 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
-
 from planlab.models.tokens import token_batch
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections import defaultdict
-from itertools import count
+from itertools import count, product
 from typing import Callable
 
 from planlab.errors import InfeasiblePlan, choices
@@ -229,7 +228,7 @@ def _line(mesh: Mesh, flat: int, axes: list[int]) -> tuple[int, ...]:
         return ()
     base = list(mesh.coord(flat))
     out = []
-    for idx in itertools.product(*(range(mesh.shape[a]) for a in axes)):
+    for idx in product(*(range(mesh.shape[a]) for a in axes)):
         for a, j in zip(axes, idx):
             base[a] = j
         out.append(mesh.devices[mesh.flat(tuple(base))])

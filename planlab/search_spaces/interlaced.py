@@ -33,7 +33,8 @@ from __future__ import annotations
 from planlab.graph.ir import Graph
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
-                                           _divisors, batch_dims, pipeline_stages, vocab_parallel_size)
+                                           _divisors, batch_dims, is_output_layer, pipeline_stages,
+                                           vocab_parallel_size)
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -71,8 +72,7 @@ def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
 def _find(g: Graph, vocab: int) -> VocabOps | None:
     embed = {op.name: "v" for op in g.operators if op.kind in VOCAB_EMBEDDINGS and op.dim_sizes.get("v") == vocab
              and op.signature.splittable("v")}
-    heads = [op for op in g.operators if op.kind == "linear" and op.dim_sizes.get("n") == vocab
-             and not _BLOCK.search(op.module)]
+    heads = [op for op in g.operators if is_output_layer(op, vocab)]
     if not embed or len(heads) != 1:
         return None
     lm = heads[0]
