@@ -33,16 +33,61 @@ def _ctx(devices=4, batch=8):
 def test_schedule_golden():
     got = [format_schedule(interlaced_1f1b(r, 2, 4)) for r in range(2)]
     assert got == [
-        "0F0 1F0 0F1 1F1 3F0 3B0 0F2 1F2 3F1 3B1 1B0 0F3 0B0 3F2 3B2 1F3 1B1 0B1 1B2 0B2 3F3 3B3 1B3 0B3",
-        "0F0 0F1 2F0 3F0 3B0 0F2 2F1 2B0 3F1 3B1 2F2 0F3 2B1 0B0 3F2 3B2 2B2 2F3 0B1 0B2 3F3 3B3 2B3 0B3",
+        "0F0 1F0 0F1 1F1 3F0 3B0 0F2 1F2 3F1 3B1 0F3 1B0 1F3 3F2 3B2 0B0 1B1 3F3 3B3 0B1 1B2 0B2 1B3 0B3",
+        "0F0 0F1 2F0 3F0 3B0 0F2 2F1 2B0 3F1 3B1 0F3 2F2 2B1 3F2 3B2 0B0 2F3 2B2 3F3 3B3 0B1 2B3 0B2 0B3",
     ]
-    for ranks, m in ((2, 1), (3, 5), (4, 8), (8, 16)):  # every action once, shared ones in one order
+    for ranks, m in ((2, 1), (3, 5), (4, 8), (8, 16), (4, 3)):  # every action once, shared ones in one order
         lists = [interlaced_1f1b(r, ranks, m) for r in range(ranks)]
         shared = [[a for a in lst if a.stage in (0, ranks + 1)] for lst in lists]
         assert all(s == shared[0] for s in shared) and len(shared[0]) == 4 * m
         for r, lst in enumerate(lists):
             assert sorted((a.phase, a.microbatch) for a in lst if a.stage == r + 1) == \
                 sorted((p, k) for p in "FB" for k in range(m))
+        assert _channels_in_order(lists, ranks)
+
+
+def _channels_in_order(lists, ranks) -> bool:
+    """Every pair of ranks receives its messages in the order they were sent: layer activations and
+    gradients between neighbours, the last rank's outputs to every device's output stage and its
+    gradients back, every device's embedding pieces to rank 0 and rank 0's gradients back."""
+    last, sent, got = ranks - 1, {}, {}
+    for rank, lst in enumerate(lists):
+        for a in lst:
+            k, r = a.microbatch, a.stage - 1
+            if a.stage == 0:
+                takes, sends = ([], [(rank, 0, "E", k)]) if a.phase == "F" else ([(0, rank, "e", k)], [])
+            elif a.stage == ranks + 1:
+                takes, sends = ([(last, rank, "H", k)], []) if a.phase == "F" else ([], [(rank, last, "h", k)])
+            elif a.phase == "F":
+                takes = [(x, 0, "E", k) for x in range(ranks)] if r == 0 else [(r - 1, r, "F", k)]
+                sends = [(last, x, "H", k) for x in range(ranks)] if r == last else [(r, r + 1, "F", k)]
+            else:
+                takes = [(x, last, "h", k) for x in range(ranks)] if r == last else [(r + 1, r, "B", k)]
+                sends = [(0, x, "e", k) for x in range(ranks)] if r == 0 else [(r, r - 1, "B", k)]
+            for src, dst, *msg in sends:
+                sent.setdefault((src, dst), []).append(msg)
+            for src, dst, *msg in takes:
+                got.setdefault((src, dst), []).append(msg)
+    return sent == got
+
+
+def test_interlaced_cycles_balance_the_ranks():
+    """Between two meetings of every device at the output stage, each rank runs one forward and one
+    backward of its layers (the steady state); rank r holds 2 (ranks - r) - 1 micro-batches in flight
+    (the last rank, which runs its forward first, 2)."""
+    ranks, m = 4, 12
+    for r in range(ranks):
+        lst = interlaced_1f1b(r, ranks, m)
+        heads = [i for i, a in enumerate(lst) if a.stage == ranks + 1 and a.phase == "F"]
+        between = [[a.phase for a in lst[i:j] if 1 <= a.stage <= ranks] for i, j in zip(heads, heads[1:])]
+        steady = between[ranks:m - ranks]
+        assert steady and all(sorted(p) == ["B", "F"] for p in steady)
+        held = peak = 0
+        for a in lst:
+            if 1 <= a.stage <= ranks:
+                held += 1 if a.phase == "F" else -1
+                peak = max(peak, held)
+        assert peak == max(2, 2 * (ranks - r) - 1)
 
 
 def test_plan_structure_and_dry_run():
@@ -98,7 +143,7 @@ def test_explore_small_gpt():
     assert len(sim) > 0 and sim["feasible"].any()
     assert set(df["pp"]) == {2} and (df["dp"] * df["tp"] * df["pp"] == 4).all()
     best = df.attrs["best_plan"]
-    assert best.space == "interlaced" and best.op_plan("wte").devices == (0, 1, 2, 3)
+    assert best.space == "interlaced" and sorted(best.op_plan("wte").devices) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4),
@@ -163,4 +208,20 @@ def test_batch_vocab_head_layout():
     assert groups == {(0, 2), (1, 3)}  # replica 0 on devices 0 and 2 (stages 1 and 2), replica 1 on 1 and 3
     with pytest.raises(ConfigError, match="head_layout=batch\\+vocab"):
         get_space("interlaced").build(_ctx(), dict(pp=2, dp=4, tp=1, microbatch=1, head_layout="batch+vocab"))
+    _matches_one_process(plan)
+
+
+@pytest.mark.parametrize("args", [ARGS, VP_ARGS], ids=["cross_entropy", "vocab_parallel"])
+def test_batch_vocab_embed_layout(args):
+    """embed_layout=batch+vocab: each data-parallel replica's sequences looked up by its own pp x tp
+    devices, split along the vocabulary over them; the pieces are summed on the replica's first stage."""
+    spec, g = traced("gpt", 8, args)
+    ctx = Context(g, spec, 8, "cpu", 4, 4, 1)
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="batch+vocab",
+                                                   head_layout="batch+vocab" if args is VP_ARGS else "vocab"))
+    ops = {p.op: p for p in plan.ops}
+    lookup, batch = ("vocab_embedding", "a") if args is VP_ARGS else ("wte", "a0")
+    assert str(ops[lookup]) == f"{lookup}: {batch}/2 x v/2 on [0, 2, 1, 3] stage 0"
+    program = materialize(plan, ctx.graph)
+    assert find_deadlock(program, raise_error=False) is None
     _matches_one_process(plan)

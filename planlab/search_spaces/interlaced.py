@@ -8,21 +8,24 @@ of their own that every device runs, split over all of them:
 
 - stage ``0``, the embedding: the token lookup split along the vocabulary over every device
   (Megatron's vocabulary-parallel embedding: each device looks up the ids in its rows, the
-  others give zeros; the pieces are summed on their way to the first layer stage, or with
-  ``embed_layout=vocab+batch`` by a reduce-scatter into what follows the lookup up to the first
-  layer, split along the batch over every device);
+  others give zeros; the pieces are summed on their way to the first layer stage), or
+  (``embed_layout=vocab+batch``) summed by a reduce-scatter into what follows the lookup up to
+  the first layer, split along the batch over every device, or (``embed_layout=batch+vocab``)
+  each data-parallel replica's sequences looked up by that replica's pp x tp devices (a dp-th
+  of the traffic of ``vocab``);
 - stages ``1 .. pp``, the layers, as :class:`planlab.search_spaces.builtin.PipelineParallel`
   places them (plus whatever before the first layer or after the last is not a vocabulary operator);
-- stage ``pp + 1``, the output: the LM head and the loss split along the batch over every
-  device (each scores its share of the sequences against the whole vocabulary; the head's
-  weight gradients are all-reduced over every device, and sharded with ``zero``). A
-  vocabulary-split loss needs a softmax across the pieces, which planlab's operators do not
-  express; a vocabulary-split head feeding a batch-split loss needs logits exchanged between
-  every pair of devices, which, with point-to-point messages received in the order they are
-  sent, holds every layer message back until each micro-batch's exchange: no pipelining is left.
+- stage ``pp + 1``, the output: the LM head and the loss. With a vocabulary-parallel loss
+  (``gpt`` with ``vocab_parallel=1``) they split along the vocabulary, over every device or
+  (``head_layout=batch+vocab``) over each replica's pp x tp devices for its sequences; with a
+  plain cross entropy they split along the batch over every device (each scores its share of
+  the sequences against the whole vocabulary; a vocabulary-split head feeding a batch-split loss
+  would need logits exchanged between every pair of devices). The head's weight gradients are
+  all-reduced over the devices holding a piece, and sharded with ``zero``.
 
-The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) interlaces the shared
-stages' forward and backward of each micro-batch into the layers' 1F1B where it needs them.
+The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) runs in cycles: each
+rank one backward and one forward of its layers, then every device the shared stages of one
+micro-batch, so that no rank waits for a slower one where every device meets.
 The plan is written with the public Space API: a Product of :class:`Interlaced` (knobs ``pp``,
 ``embed_layout``) with the data-parallel, tensor-parallel and recompute spaces; the Draft's
 ``spread`` places an operator on every device.
@@ -53,7 +56,7 @@ class VocabOps:
 
     def spread(self, embed_layout: str) -> dict[str, str | None]:
         """The operators on every device and their split, for ``embed_layout`` (EMBED_LAYOUTS)."""
-        return {**(self.lookup if embed_layout == "vocab" else self.embed), **self.head}
+        return {**(self.embed if embed_layout == "vocab+batch" else self.lookup), **self.head}
 
 
 def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
@@ -136,13 +139,19 @@ def _sequences_per_microbatch(a: dict, c: Context) -> int | None:
 # device sends its piece, and nothing blocks the embedding's forward); ``vocab+batch``, also what
 # follows the lookup up to the first layer (the position embedding, the add, the dropout), split
 # along the batch over every device, the pieces meeting in a reduce-scatter over every device
-# (less traffic, but a collective that every device joins at each micro-batch's embedding).
-EMBED_LAYOUTS = ("vocab", "vocab+batch")
+# (less traffic, but a collective that every device joins at each micro-batch's embedding);
+# ``batch+vocab``, each data-parallel replica's sequences looked up by its own pp x tp devices,
+# split along the vocabulary over them (a dp-th of the hidden states from each device).
+EMBED_LAYOUTS = ("batch+vocab", "vocab", "vocab+batch")
 # How the output stage is laid out with a vocabulary-parallel loss: ``vocab``, the output layer and
 # the loss split along the vocabulary over every device (each receives the whole micro-batch's last
 # hidden states); ``batch+vocab``, each data-parallel replica's sequences scored by its own pp x tp
 # devices, split along the vocabulary over them (a dp-th of the hidden states to each device).
-HEAD_LAYOUTS = ("vocab", "batch+vocab")
+HEAD_LAYOUTS = ("batch+vocab", "vocab")
+# batch+vocab comes first in both: the screen prices the shared stages on the nearest pipeline group
+# whatever their layout, so plans that differ only in layout tie and are simulated in this order; the
+# replica-local layouts move a dp-th of the others' hidden states, and their plans simulate fastest
+# (their devices fall into few classes), which counts under a time budget.
 
 
 class Interlaced(Space):
@@ -155,8 +164,9 @@ class Interlaced(Space):
         Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
                  "pipeline-parallel degree of the layers (device groups)",
                  range="divisors of the device count above 1 that divide the layers"),
-        Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup alone (vocab) or with what "
-                    "follows it up to the first layer, split along the batch (vocab+batch)", default="vocab",
+        Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup over every device (vocab), with "
+                    "what follows it up to the first layer split along the batch (vocab+batch), or each data-parallel "
+                    "replica's sequences over its own pp x tp devices (batch+vocab)", default="vocab",
                     explore=EMBED_LAYOUTS),
         Knob.choice("head_layout", HEAD_LAYOUTS, "with a vocabulary-parallel loss, the output stage: the vocabulary "
                     "over every device (vocab) or each data-parallel replica's sequences over its own pp x tp "
@@ -195,19 +205,23 @@ class Interlaced(Space):
         ops = vocab_ops(g, _vocab(draft.ctx))
         draft.num_stages, draft.chunks, draft.schedule, draft.stage_base = pp, 1, "interlaced", 1
         stages = {name: s + 1 for name, s in pipeline_stages(g, pp, draft.ctx.layers).items()}
-        spread: dict = ops.spread(values.get("embed_layout") or "vocab")
+        embed_layout = values.get("embed_layout") or "vocab"
+        spread: dict = ops.spread(embed_layout)
         for name in spread:
             stages[name] = pp + 1 if name in ops.head else 0
-        if values.get("head_layout") == "batch+vocab":
+        replica_ops = dict(ops.head) if values.get("head_layout") == "batch+vocab" else {}
+        if embed_layout == "batch+vocab":
+            replica_ops.update(ops.lookup)
+        if replica_ops:
             # replica i's sequences on the pp x tp devices of data-parallel replica i (row-major devices
-            # of a stage: dp, then tp), split along the vocabulary over them
+            # of a stage: dp, then tp), split along the vocabulary over them (the lookup: along "v")
             dp, tp, n = values.get("dp") or 1, values.get("tp") or 1, draft.ctx.num_devices
             per = n // dp
             batch = batch_dims(g)
             order = tuple(r * dp * tp + i * tp + t for i in range(dp) for r in range(pp) for t in range(tp))
-            for name, dim in ops.head.items():
+            for name, dim in replica_ops.items():
                 spread[name] = ((batch[name], dp), (dim, per))
-            draft.spread_devices = {**draft.spread_devices, **{name: order for name in ops.head}}
+            draft.spread_devices = {**draft.spread_devices, **{name: order for name in replica_ops}}
         draft.stages = stages
         draft.spread = spread
 

@@ -77,111 +77,38 @@ SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "zb-h1": zb_h1}
 
 
 def interlaced_1f1b(rank: int, ranks: int, microbatches: int) -> list[Action]:
-    """nnScaler's interlaced pipeline (Lin et al., OSDI 2024): 1F1B over the layer stages
-    ``1 .. ranks`` (rank ``r`` runs stage ``r + 1``), with two stages that every device runs
-    interlaced into it: stage ``0`` (the embedding) and stage ``ranks + 1`` (the output layer
-    and the loss). Every device runs the shared stages' actions in the same order, each where
-    the layers' pipeline needs it: the embedding's forward of micro-batch ``k`` just before rank
-    0's forward of ``k``, the output layer's forward and backward of ``k`` once the last rank's
-    forward of ``k`` is done, the embedding's backward of ``k`` after rank 0's backward of ``k``.
+    """nnScaler's interlaced pipeline (Lin et al., OSDI 2024): a pipeline of the layer stages
+    ``1 .. ranks`` (rank ``r`` runs stage ``r + 1``) with two stages that every device runs
+    interlaced into it: stage ``0`` (the embedding) and stage ``ranks + 1`` (the output layer and
+    the loss), whose pieces on every device meet in collectives once per micro-batch.
 
-    The lists come from one global order in rounds (the shared actions that are due, else one
-    layer action of every rank that can run), each device's list a subsequence of it, so no
-    device waits on a message or collective that another still has ahead of it; and every pair
-    of ranks receives its messages in the order they were sent (NCCL matches point-to-point
-    messages in order; a rank takes one more warm-up forward than in 1F1B when that lets a
-    message through)."""
-    return list(_interlaced(ranks, microbatches)[rank])
-
-
-def _interlaced(ranks: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    embed, head, last = 0, ranks + 1, ranks - 1
-    chan: dict[tuple[int, int], list] = {(a, b): [] for a in range(ranks) for b in range(ranks)}
-    out: list[list[Action]] = [[] for _ in range(ranks)]
-    nf, nb = [0] * ranks, [0] * ranks  # each rank's forwards and backwards done
-    nxt = {"embed F": 0, "head F": 0, "head B": 0, "embed B": 0}
-    every = range(ranks)
-
-    def can_take(pairs: list[tuple[int, int, tuple]]) -> bool:
-        """Each message (sender, receiver, id) is next on its channel, in the order given."""
-        pos: dict[tuple[int, int], int] = {}
-        for a, b, msg in pairs:
-            i = pos.get((a, b), 0)
-            q = chan[(a, b)]
-            if i >= len(q) or q[i] != msg:
-                return False
-            pos[(a, b)] = i + 1
-        return True
-
-    def take(pairs):
-        for a, b, _ in pairs:
-            chan[(a, b)].pop(0)
-
-    def send(pairs):
-        for a, b, msg in pairs:
-            chan[(a, b)].append(msg)
-
-    def layer(r: int):
-        """Rank r's next layer action as (action, messages taken, messages sent), or None."""
-        warm = min(ranks - r + 1, m)  # up to one more forward than 1F1B's warm-up, when it lets messages through
-        f, b = nf[r], nb[r]
-        options = []
-        if b < m and b < f and (f - b >= min(ranks - r - 1, m) or f == m):
-            k = b
-            takes = [(a, r, ("HB", k)) for a in every] if r == last else [(r + 1, r, ("LB", k))]
-            sends = [(0, x, ("EB", k)) for x in every] if r == 0 else [(r, r - 1, ("LB", k))]
-            options.append((Action(r + 1, "B", k), takes, sends))
-        if f < m and f - b < warm:
-            k = f
-            takes = [(a, 0, ("EF", k)) for a in every] if r == 0 else [(r - 1, r, ("LF", k))]
-            sends = [(last, x, ("HF", k)) for x in every] if r == last else [(r, r + 1, ("LF", k))]
-            options.append((Action(r + 1, "F", k), takes, sends))
-        for opt in options:
-            if can_take(opt[1]):
-                return opt
-        return None
-
-    def shared():
-        k = nxt["head B"]
-        if k < nxt["head F"]:
-            return Action(head, "B", k), [], [(x, last, ("HB", k)) for x in every]
-        k = nxt["embed B"]
-        pairs = [(0, x, ("EB", k)) for x in every]
-        if k < m and can_take(pairs):
-            return Action(embed, "B", k), pairs, []
-        k = nxt["head F"]
-        pairs = [(last, x, ("HF", k)) for x in every]
-        if k < m and can_take(pairs):
-            return Action(head, "F", k), pairs, []
-        k = nxt["embed F"]
-        if k < m and k == nf[0] and nf[0] - nb[0] < min(ranks + 1, m):  # rank 0 may run its forward next
-            return Action(embed, "F", k), [], [(x, 0, ("EF", k)) for x in every]
-        return None
-
-    while nxt["embed B"] < m:
-        got = shared()
-        if got is not None:  # a shared action: one slot of every device's list
-            a, takes, sends = got
-            take(takes)
-            send(sends)
-            for lst in out:
-                lst.append(a)
-            nxt[("embed " if a.stage == embed else "head ") + a.phase] += 1
-            continue
-        # a round: every rank's next layer action whose messages are there, as the round began
-        moves = [(r, got) for r in reversed(range(ranks)) for got in [layer(r)] if got is not None]
-        if not moves:  # pragma: no cover - checked for every shape the spaces use by the tests
-            raise RuntimeError(f"interlaced 1F1B stalls with {ranks} ranks and {m} micro-batches: {nf} {nb} {nxt} {chan} {out}")
-        for r, (a, takes, _) in moves:  # receivers first: they drain the channels
-            take(takes)
-        for r, (a, _, sends) in moves:
-            send(sends)
-            out[r].append(a)
-            if a.phase == "F":
-                nf[r] += 1
-            else:
-                nb[r] += 1
-    return tuple(tuple(lst) for lst in out)
+    The schedule runs in cycles, each ended by the shared stages: in cycle ``j`` rank ``r`` runs
+    the backward of micro-batch ``j - ranks + r`` and the forward of ``j + ranks - 1 - r`` (the
+    last rank the forward first), then every device runs the output stage's forward and backward
+    of micro-batch ``j``, the embedding's backward of ``j - ranks`` and its forward of
+    ``j + ranks``. Each rank thus does one forward and one backward of the layers between two
+    meetings of every device, as 1F1B's steady state does, so no rank waits at the output stage
+    for a slower one; a message sent in one cycle is received in the next, so rank ``r`` holds
+    ``2 (ranks - r) - 1`` micro-batches in flight, the last rank 2 (1F1B: ``ranks - r``): the
+    price of meeting once per micro-batch. The last rank runs its forward first so that its
+    outputs reach the devices of the rank before it ahead of its input gradients. Every device's
+    list is a subsequence of one order in which each message is sent before it is received, and
+    every pair of ranks receives its messages in the order they were sent (NCCL matches
+    point-to-point messages in order), so the schedule cannot deadlock."""
+    m = microbatches
+    embed, head = 0, ranks + 1
+    out = [Action(embed, "F", 0)] if m else []
+    for j in range(1 - ranks, m + ranks):
+        layers = [Action(rank + 1, "B", k) for k in [j - ranks + rank] if 0 <= k < m] + \
+                 [Action(rank + 1, "F", k) for k in [j + ranks - 1 - rank] if 0 <= k < m]
+        out += layers[::-1] if rank == ranks - 1 else layers
+        if 0 <= j < m:
+            out += [Action(head, "F", j), Action(head, "B", j)]
+        if 0 <= j - ranks < m:
+            out.append(Action(embed, "B", j - ranks))
+        if 0 < j + ranks < m:
+            out.append(Action(embed, "F", j + ranks))
+    return out
 
 
 # Schedules for plans with operators on every device (Draft.spread): per rank, ranks, micro-batches.
