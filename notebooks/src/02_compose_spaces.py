@@ -209,7 +209,8 @@ print(f"interlaced against megatron's best pipeline: {grid_pp2['iter_time_s'] / 
 # Among pipelined plans the interlaced pipeline wins clearly: its stages are balanced. But this
 # model still fits as ZeRO data parallelism, which has no pipeline bubble at all, so the grid's
 # best plan stays ahead. The interlaced pipeline pays off for models that need a pipeline;
-# `docs/validation.md` reports the same comparison on an 8.5B GPT over 16 GPUs.
+# `docs/validation.md` reports the same comparison on a 43B GPT over 32 GPUs, where the grid's
+# best plan is itself a pipeline and the interlaced pipeline wins.
 #
 # ## 6. Run a coshard plan here
 #
