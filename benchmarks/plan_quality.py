@@ -113,6 +113,7 @@ KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "
 def run_workload(w: Workload, *, jobs: int, candidates: int | None, budget_s: float | None = None) -> dict:
     import planlab
     from planlab.errors import PlanlabError
+    from planlab.explore import BUDGET_REASON
     from planlab.models import ModelSpec
 
     spec = ModelSpec(w.model, w.model_args)
@@ -129,7 +130,7 @@ def run_workload(w: Workload, *, jobs: int, candidates: int | None, budget_s: fl
         row = _best(df)
         took = time.perf_counter() - t0
         n_sim = f"{int(df['simulated'].sum()) if 'simulated' in df else len(df)} simulated"
-        cut = int(df["reason"].astype(str).str.startswith("not simulated within the budget").sum()) if "reason" in df else 0
+        cut = int(df["reason"].astype(str).str.startswith(BUDGET_REASON).sum()) if "reason" in df else 0
         if cut:  # the budget stopped the simulations: the best of those simulated (the screen's fastest first)
             n_sim += f", {cut} candidates left by the {budget_s:.0f} s budget"
         if row is None:

@@ -45,6 +45,8 @@ from planlab.simulator.engine import simulate
 SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
 RESULT_COLUMNS = SCREEN_COLUMNS + ["iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible",
                                    "simulated", "reason"]
+# the reason of a candidate the budget left unsimulated (its row's reason starts with it)
+BUDGET_REASON = "not simulated within the budget"
 DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
 
 
@@ -447,8 +449,8 @@ def _simulate_all(order: list[int], assignments: list[dict], rows: list[dict], w
     bar.close()
     for i in order:
         if not rows[i]["simulated"]:
-            rows[i]["reason"] = (f"not simulated within the budget; screen estimate {rows[i]['screen_time_s']:.3g} s"
-                                 if not math.isnan(rows[i]["screen_time_s"]) else "not simulated within the budget")
+            rows[i]["reason"] = (f"{BUDGET_REASON}; screen estimate {rows[i]['screen_time_s']:.3g} s"
+                                 if not math.isnan(rows[i]["screen_time_s"]) else BUDGET_REASON)
     return done
 
 

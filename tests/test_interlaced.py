@@ -215,8 +215,7 @@ def test_batch_vocab_head_layout():
 def test_batch_vocab_embed_layout(args):
     """embed_layout=batch+vocab: each data-parallel replica's sequences looked up by its own pp x tp
     devices, split along the vocabulary over them; the pieces are summed on the replica's first stage."""
-    spec, g = traced("gpt", 8, args)
-    ctx = Context(g, spec, 8, "cpu", 4, 4, 1)
+    ctx = _vp_ctx() if args is VP_ARGS else _ctx()
     plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="batch+vocab",
                                                    head_layout="batch+vocab" if args is VP_ARGS else "vocab"))
     ops = {p.op: p for p in plan.ops}

@@ -27,8 +27,8 @@ The schedule (:func:`planlab.search_spaces.schedules.interlaced_1f1b`) runs in c
 rank one backward and one forward of its layers, then every device the shared stages of one
 micro-batch, so that no rank waits for a slower one where every device meets.
 The plan is written with the public Space API: a Product of :class:`Interlaced` (knobs ``pp``,
-``embed_layout``) with the data-parallel, tensor-parallel and recompute spaces; the Draft's
-``spread`` places an operator on every device.
+``embed_layout``, ``head_layout``) with the data-parallel, tensor-parallel and recompute spaces;
+the Draft's ``spread`` places an operator on every device.
 """
 
 from __future__ import annotations
