@@ -21,8 +21,15 @@ import time
 
 import torch
 
-from planlab.executor.checkpoint import (check_checkpoint, commit, load_shards, param_specs, staging_dir, write_manifest,
-                                         write_rank_file)
+from planlab.executor.checkpoint import (
+    check_checkpoint,
+    commit,
+    load_shards,
+    param_specs,
+    staging_dir,
+    write_manifest,
+    write_rank_file,
+)
 from planlab.executor.interpreter import Interpreter
 from planlab.graph import trace
 from planlab.models import ModelSpec, build_model
@@ -30,8 +37,12 @@ from planlab.plan import materialize
 from planlab.search_spaces import Context, get_space
 
 MIB = 2**20
-PLANS = {"zero1": dict(dp=2, tp=1, pp=1, zero=1), "zero3": dict(dp=2, tp=1, pp=1, zero=3),
-         "tp2": dict(dp=1, tp=2, pp=1), "pp2": dict(dp=1, tp=1, pp=2)}
+PLANS = {
+    "zero1": dict(dp=2, tp=1, pp=1, zero=1),
+    "zero3": dict(dp=2, tp=1, pp=1, zero=3),
+    "tp2": dict(dp=1, tp=2, pp=1),
+    "pp2": dict(dp=1, tp=1, pp=2),
+}
 
 
 def main() -> None:
@@ -43,16 +54,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    spec = ModelSpec("gpt", (("heads", a.heads), ("hidden", a.hidden), ("layers", a.layers), ("seq", a.seq),
-                             ("vocab", a.vocab)))
+    spec = ModelSpec(
+        "gpt", (("heads", a.heads), ("hidden", a.hidden), ("layers", a.layers), ("seq", a.seq), ("vocab", a.vocab))
+    )
     module, inputs = build_model(spec, batch=4, device="cpu")
     graph = trace(*build_model(spec, batch=4))
     n_params = graph.num_params
     print(f"{spec}: {n_params / 1e6:.1f}M parameters; weights and Adam's moments {12 * n_params / MIB:.0f} MiB")
     programs = {}
     for name, knobs in PLANS.items():
-        plan = get_space("megatron").build(Context(graph, spec, 4, "cpu", 2, 2, 1),
-                                           dict(knobs, microbatch=4 // knobs["dp"] // knobs["pp"]))
+        plan = get_space("megatron").build(
+            Context(graph, spec, 4, "cpu", 2, 2, 1), dict(knobs, microbatch=4 // knobs["dp"] // knobs["pp"])
+        )
         programs[name] = (plan, materialize(plan, graph))
     root = tempfile.mkdtemp(prefix="planlab-ckpt-bench-")
     print(f"\n{'saved under':12s} {'rank':>4s} {'entries':>8s} {'file':>10s} {'write':>9s}")
@@ -72,8 +85,10 @@ def main() -> None:
         write_manifest(stage, files, model_json=plan.model.to_json(), steps=1, params=param_specs(graph))
         commit(stage, f"{root}/{name}")
         total = sum(os.path.getsize(f"{root}/{name}/{f}") for f in files)
-        print(f"{name:12s} {'all':>4s} {'':8s} {total / MIB:6.0f} MiB  ({total / (12 * n_params):.3f} x 12 bytes "
-              "per parameter)")
+        print(
+            f"{name:12s} {'all':>4s} {'':8s} {total / MIB:6.0f} MiB  ({total / (12 * n_params):.3f} x 12 bytes "
+            "per parameter)"
+        )
     print(f"\n{'saved under':12s} {'loaded under':12s} {'rank':>4s} {'filled':>10s} {'read':>9s}")
     for saver in programs:
         t0 = time.perf_counter()
@@ -98,11 +113,17 @@ def _made_up_adam(it: Interpreter) -> None:
     zeroed = {p for z in it.zero.values() for p in z.params}
     for p, w in it.leaves:
         if p not in zeroed:
-            it.optimizer.state[w] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(w),
-                                     "exp_avg_sq": torch.rand_like(w)}
+            it.optimizer.state[w] = {
+                "step": torch.tensor(1.0),
+                "exp_avg": torch.randn_like(w),
+                "exp_avg_sq": torch.rand_like(w),
+            }
     for z in it.zero.values():
-        z.optimizer.state[z.shard] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(z.shard),
-                                      "exp_avg_sq": torch.rand_like(z.shard)}
+        z.optimizer.state[z.shard] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.randn_like(z.shard),
+            "exp_avg_sq": torch.rand_like(z.shard),
+        }
 
 
 def _filled(it: Interpreter) -> int:

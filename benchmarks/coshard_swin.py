@@ -49,35 +49,46 @@ def main() -> None:
     from planlab.simulator import simulate
 
     spec = ModelSpec("swin-g", (("image", a.image), ("window", a.window)))
-    print(f"SwinV2-G {a.image}x{a.image}, window {a.window}, global batch {a.global_batch}, "
-          f"{a.nodes} x {a.cluster}")
+    print(f"SwinV2-G {a.image}x{a.image}, window {a.window}, global batch {a.global_batch}, {a.nodes} x {a.cluster}")
     rows = {}
-    for label, space, fixed in (("megatron", "megatron", {}),
-                                ("megatron*coshard", "megatron*coshard", {"coshard_blocks": "attention"})):
+    for label, space, fixed in (
+        ("megatron", "megatron", {}),
+        ("megatron*coshard", "megatron*coshard", {"coshard_blocks": "attention"}),
+    ):
         t0 = time.perf_counter()
-        df = planlab.explore(spec, cluster=a.cluster, nodes=a.nodes, space=space, fixed=fixed,
-                             global_batch=a.global_batch, jobs=a.jobs)
+        df = planlab.explore(
+            spec, cluster=a.cluster, nodes=a.nodes, space=space, fixed=fixed, global_batch=a.global_batch, jobs=a.jobs
+        )
         best = _best(df)
         rows[label] = best
-        knobs = "" if best is None else " ".join(f"{k}={best[k]}" for k in ("dp", "tp", "pp", "microbatch",
-                                                                           "recompute", "coshard") if k in best)
-        print(f"  {label:<18} {len(df)} plans, {int(df['feasible'].sum())} feasible "
-              f"({time.perf_counter() - t0:.0f} s); best: {knobs}")
+        knobs = (
+            ""
+            if best is None
+            else " ".join(
+                f"{k}={best[k]}" for k in ("dp", "tp", "pp", "microbatch", "recompute", "coshard") if k in best
+            )
+        )
+        print(
+            f"  {label:<18} {len(df)} plans, {int(df['feasible'].sum())} feasible "
+            f"({time.perf_counter() - t0:.0f} s); best: {knobs}"
+        )
 
     ctx, cost, graph = make_context(Setup(spec, a.cluster, a.nodes, a.global_batch))
     best_zero = None
     for zero in (1, 2):
         for values in get_space("dp").assignments(ctx, {"zero": zero}):
-            prog = materialize(get_space("dp").build(ctx, values), graph, symmetric=True,
-                               node_of=cost.cluster.node_of)
+            prog = materialize(get_space("dp").build(ctx, values), graph, symmetric=True, node_of=cost.cluster.node_of)
             res = simulate(prog, cost, model_flops=3.0 * graph.flops)
-            row = dict(values, iter_time_s=res.iter_time_s, peak_mem_gib=res.peak_mem_bytes / 2**30,
-                       feasible=res.feasible)
+            row = dict(
+                values, iter_time_s=res.iter_time_s, peak_mem_gib=res.peak_mem_bytes / 2**30, feasible=res.feasible
+            )
             if res.feasible and (best_zero is None or row["iter_time_s"] < best_zero["iter_time_s"]):
                 best_zero = row
             elif best_zero is None and not res.feasible:
-                print(f"  dp zero={zero} dp={values['dp']} microbatch={values['microbatch']}: out of memory, "
-                      f"peak {res.peak_mem_bytes / 2**30:.1f} GiB")
+                print(
+                    f"  dp zero={zero} dp={values['dp']} microbatch={values['microbatch']}: out of memory, "
+                    f"peak {res.peak_mem_bytes / 2**30:.1f} GiB"
+                )
     rows["dp + ZeRO"] = best_zero
 
     ref = rows["megatron"]
@@ -87,8 +98,10 @@ def main() -> None:
         if row is None:
             print(f"  {label:<18} {'no plan fits':>11}")
             continue
-        print(f"  {label:<18} {row['iter_time_s']:>11.3f} {row['peak_mem_gib']:>9.1f} "
-              f"{ref_s / row['iter_time_s']:>11.2f}x")
+        print(
+            f"  {label:<18} {row['iter_time_s']:>11.3f} {row['peak_mem_gib']:>9.1f} "
+            f"{ref_s / row['iter_time_s']:>11.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,12 @@ from planlab.plan import materialize
 from planlab.search_spaces import Context, get_space
 
 MIB = 2**20
-PLANS = [(2, dict(dp=1, tp=2, pp=1)), (2, dict(dp=1, tp=1, pp=2)), (4, dict(dp=1, tp=2, pp=2)),
-         (4, dict(dp=1, tp=1, pp=4))]
+PLANS = [
+    (2, dict(dp=1, tp=2, pp=1)),
+    (2, dict(dp=1, tp=1, pp=2)),
+    (4, dict(dp=1, tp=2, pp=2)),
+    (4, dict(dp=1, tp=1, pp=4)),
+]
 
 
 def main() -> None:
@@ -36,25 +40,34 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=4)
     a = ap.parse_args()
-    spec = ModelSpec("gpt", (("heads", a.heads), ("hidden", a.hidden), ("layers", a.layers), ("seq", a.seq),
-                             ("vocab", a.vocab)))
+    spec = ModelSpec(
+        "gpt", (("heads", a.heads), ("hidden", a.hidden), ("layers", a.layers), ("seq", a.seq), ("vocab", a.vocab))
+    )
     meta, inputs = build_model(spec, batch=a.batch)
     graph = trace(meta, inputs)
     whole = 4 * graph.num_params
-    print(f"{spec}: {graph.num_params / 1e6:.1f}M parameters, whole model {whole / MIB:.0f} MiB of fp32 weights "
-          f"({4 * whole / MIB:.0f} MiB with gradients and Adam states); batch {a.batch}")
-    print(f"{'plan':22s} {'rank':>4s} {'weights held':>13s} {'pieces x16':>11s} {'peak RSS':>10s} "
-          f"{'above start-up':>15s} {'above / whole weights':>22s}")
+    print(
+        f"{spec}: {graph.num_params / 1e6:.1f}M parameters, whole model {whole / MIB:.0f} MiB of fp32 weights "
+        f"({4 * whole / MIB:.0f} MiB with gradients and Adam states); batch {a.batch}"
+    )
+    print(
+        f"{'plan':22s} {'rank':>4s} {'weights held':>13s} {'pieces x16':>11s} {'peak RSS':>10s} "
+        f"{'above start-up':>15s} {'above / whole weights':>22s}"
+    )
     for n, knobs in PLANS:
-        plan = get_space("megatron").build(Context(graph, spec, a.batch, "cpu", n, n, 1),
-                                           dict(knobs, microbatch=a.batch // max(1, knobs["dp"]) // knobs["pp"]))
+        plan = get_space("megatron").build(
+            Context(graph, spec, a.batch, "cpu", n, n, 1),
+            dict(knobs, microbatch=a.batch // max(1, knobs["dp"]) // knobs["pp"]),
+        )
         program = materialize(plan, graph)
         res = launch_local(plan, n, steps=2, check=False)
         name = " ".join(f"{k}={v}" for k, v in knobs.items() if v > 1)
         for r in range(n):
             above = res.peak_mem_bytes[r] - res.base_mem_bytes[r]
-            print(f"{name:22s} {r:4d} {4 * held_elements(program, r) / MIB:9.0f} MiB {rank_bytes(program, r) / MIB:7.0f} "
-                  f"MiB {res.peak_mem_bytes[r] / MIB:6.0f} MiB {above / MIB:11.0f} MiB {above / whole:22.2f}")
+            print(
+                f"{name:22s} {r:4d} {4 * held_elements(program, r) / MIB:9.0f} MiB {rank_bytes(program, r) / MIB:7.0f} "
+                f"MiB {res.peak_mem_bytes[r] / MIB:6.0f} MiB {above / MIB:11.0f} MiB {above / whole:22.2f}"
+            )
 
 
 if __name__ == "__main__":

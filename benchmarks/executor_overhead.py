@@ -41,8 +41,9 @@ def make_interpreter(spec: ModelSpec, batch: int, lr: float) -> Interpreter:
 
     meta, meta_inputs = build_model(spec, batch=batch)
     graph = trace(meta, meta_inputs)
-    plan = get_space("megatron").build(Context(graph, spec, batch, "cpu", 1, 1, 1),
-                                       dict(dp=1, tp=1, pp=1, microbatch=batch))
+    plan = get_space("megatron").build(
+        Context(graph, spec, batch, "cpu", 1, 1, 1), dict(dp=1, tp=1, pp=1, microbatch=batch)
+    )
     graph = trace_plan_model(plan)
     program = materialize(plan, graph)
     module, inputs = build_model(spec, batch=batch, device="cpu", seed=0)
@@ -73,8 +74,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5, help="repetitions; the median ratio is printed last")
     ap.add_argument("--profile", action="store_true", help="cProfile the Interpreter's steps")
-    ap.add_argument("--malloc-default", action="store_true",
-                    help="leave glibc's malloc as it is (the executor's workers keep freed memory)")
+    ap.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="leave glibc's malloc as it is (the executor's workers keep freed memory)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     kept = False if a.malloc_default else keep_freed_memory()  # as each worker does; for both runs alike
@@ -97,11 +101,15 @@ def main() -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return
-        print(f"{spec.name}{dict(args) if args else ''}, batch {a.batch}, 1 thread, {tasks} tasks per step, "
-              f"{a.warmup} warm-up + {a.steps} timed steps each per repetition, freed memory kept in the process: "
-              f"{kept}")
-        print(f"  {'rep':>3s}  {'plain wall':>10s} {'planlab wall':>12s} {'ratio':>6s}   {'plain CPU':>9s} "
-              f"{'planlab CPU':>11s} {'ratio':>6s}   (median per step, ms)")
+        print(
+            f"{spec.name}{dict(args) if args else ''}, batch {a.batch}, 1 thread, {tasks} tasks per step, "
+            f"{a.warmup} warm-up + {a.steps} timed steps each per repetition, freed memory kept in the process: "
+            f"{kept}"
+        )
+        print(
+            f"  {'rep':>3s}  {'plain wall':>10s} {'planlab wall':>12s} {'ratio':>6s}   {'plain CPU':>9s} "
+            f"{'planlab CPU':>11s} {'ratio':>6s}   (median per step, ms)"
+        )
         walls, cpus, per_task = [], [], []
         for rep in range(a.repeats):
             t_plan, t_plain, c_plan, c_plain = [], [], [], []
@@ -120,11 +128,15 @@ def main() -> None:
             walls.append(mp / mq)
             cpus.append(cp / cq)
             per_task.append((cp - cq) / tasks)
-            print(f"  {rep:3d}  {mq * 1e3:10.3f} {mp * 1e3:12.3f} {mp / mq:6.3f}   {cq * 1e3:9.3f} {cp * 1e3:11.3f} "
-                  f"{cp / cq:6.3f}")
-        print(f"  median over {a.repeats} repetitions: planlab/plain {statistics.median(walls):.3f} wall, "
-              f"{statistics.median(cpus):.3f} CPU (target <= 1.10); per-task overhead "
-              f"{statistics.median(per_task) * 1e6:.1f} us CPU")
+            print(
+                f"  {rep:3d}  {mq * 1e3:10.3f} {mp * 1e3:12.3f} {mp / mq:6.3f}   {cq * 1e3:9.3f} {cp * 1e3:11.3f} "
+                f"{cp / cq:6.3f}"
+            )
+        print(
+            f"  median over {a.repeats} repetitions: planlab/plain {statistics.median(walls):.3f} wall, "
+            f"{statistics.median(cpus):.3f} CPU (target <= 1.10); per-task overhead "
+            f"{statistics.median(per_task) * 1e6:.1f} us CPU"
+        )
     finally:
         dist.destroy_process_group()
 

@@ -40,28 +40,45 @@ def main() -> None:
 
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    df = planlab.explore("gpt3-175b", cluster="dgx-a100-80g", nodes=args.nodes, space="megatron", global_batch=1536,
-                         jobs=args.jobs, progress=sys.stderr.isatty(),
-                         candidates=args.candidates or DEFAULT_CANDIDATES)
+    df = planlab.explore(
+        "gpt3-175b",
+        cluster="dgx-a100-80g",
+        nodes=args.nodes,
+        space="megatron",
+        global_batch=1536,
+        jobs=args.jobs,
+        progress=sys.stderr.isatty(),
+        candidates=args.candidates or DEFAULT_CANDIDATES,
+    )
     wall = time.perf_counter() - t0
     cpu_self = time.process_time() - cpu0
     cpu_children = resource.getrusage(resource.RUSAGE_CHILDREN)
     c, ph = df.attrs["counts"], df.attrs["phases"]
-    print(f"GPT-3 175B on {args.nodes * 8} A100 (dgx-a100-80g x {args.nodes}), global batch 1536, space megatron, "
-          f"--jobs {args.jobs}")
-    print(f"  {c['plans']} plans: {c['screened']} screened, {c['pruned']} pruned by the memory bound, "
-          f"{c['candidates']} candidates, {c['simulated']} simulated, {c['feasible']} feasible")
-    print(f"  phases (wall): trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.2f} s, "
-          f"screen {ph['screen_s']:.1f} s ({ph['screen_s'] / max(1, c['screened']) * 1e3:.2f} ms per plan), "
-          f"simulate {ph['simulate_s']:.1f} s ({ph['simulate_s'] / max(1, c['simulated']):.2f} s per plan with "
-          f"{args.jobs} jobs)")
-    print(f"  total {wall:.1f} s wall (target {TARGET_S:.0f} s, ratio {wall / TARGET_S:.2f}); CPU: this process "
-          f"{cpu_self:.1f} s, workers {cpu_children.ru_utime + cpu_children.ru_stime:.1f} s")
+    print(
+        f"GPT-3 175B on {args.nodes * 8} A100 (dgx-a100-80g x {args.nodes}), global batch 1536, space megatron, "
+        f"--jobs {args.jobs}"
+    )
+    print(
+        f"  {c['plans']} plans: {c['screened']} screened, {c['pruned']} pruned by the memory bound, "
+        f"{c['candidates']} candidates, {c['simulated']} simulated, {c['feasible']} feasible"
+    )
+    print(
+        f"  phases (wall): trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.2f} s, "
+        f"screen {ph['screen_s']:.1f} s ({ph['screen_s'] / max(1, c['screened']) * 1e3:.2f} ms per plan), "
+        f"simulate {ph['simulate_s']:.1f} s ({ph['simulate_s'] / max(1, c['simulated']):.2f} s per plan with "
+        f"{args.jobs} jobs)"
+    )
+    print(
+        f"  total {wall:.1f} s wall (target {TARGET_S:.0f} s, ratio {wall / TARGET_S:.2f}); CPU: this process "
+        f"{cpu_self:.1f} s, workers {cpu_children.ru_utime + cpu_children.ru_stime:.1f} s"
+    )
     best = df.attrs["best_plan"]
     if best is not None:
         r = df.iloc[0]
-        print(f"  best: {best.describe()}: {r['iter_time_s']:.2f} s per iteration, {r['peak_mem_gib']:.1f} GiB, "
-              f"{r['tflops_per_gpu']:.0f} TFLOP/s per GPU (MFU {r['mfu']:.1%}); screen {r['screen_time_s']:.2f} s")
+        print(
+            f"  best: {best.describe()}: {r['iter_time_s']:.2f} s per iteration, {r['peak_mem_gib']:.1f} GiB, "
+            f"{r['tflops_per_gpu']:.0f} TFLOP/s per GPU (MFU {r['mfu']:.1%}); screen {r['screen_time_s']:.2f} s"
+        )
     else:
         print("  no simulated plan fits in memory")
     if args.out:
@@ -79,10 +96,12 @@ def _agreement(df, args) -> None:
 
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
     if len(sim) >= 3:
-        print(f"  screen vs simulation over the {len(sim)} simulated candidates: Spearman "
-              f"{spearmanr(sim['screen_time_s'], sim['iter_time_s'])[0]:.3f}, Kendall "
-              f"{kendalltau(sim['screen_time_s'], sim['iter_time_s'])[0]:.3f}; time ratio screen / simulated "
-              f"median {(sim['screen_time_s'] / sim['iter_time_s']).median():.2f}")
+        print(
+            f"  screen vs simulation over the {len(sim)} simulated candidates: Spearman "
+            f"{spearmanr(sim['screen_time_s'], sim['iter_time_s'])[0]:.3f}, Kendall "
+            f"{kendalltau(sim['screen_time_s'], sim['iter_time_s'])[0]:.3f}; time ratio screen / simulated "
+            f"median {(sim['screen_time_s'] / sim['iter_time_s']).median():.2f}"
+        )
     if args.check <= 0:
         return
     from planlab.explore import Setup, evaluate, make_context
@@ -90,8 +109,11 @@ def _agreement(df, args) -> None:
     from planlab.search_spaces import get_space
 
     knobs = [k.name for k in get_space("megatron").all_knobs()]
-    rest = df[~df["simulated"] & df["screen_time_s"].notna()
-              & ~df["reason"].fillna("").str.contains("GiB per device \\(device", regex=True)]
+    rest = df[
+        ~df["simulated"]
+        & df["screen_time_s"].notna()
+        & ~df["reason"].fillna("").str.contains("GiB per device \\(device", regex=True)
+    ]
     rows = random.Random(0).sample(list(rest.index), min(args.check, len(rest)))
     if len(rows) < 3:
         return
@@ -103,15 +125,18 @@ def _agreement(df, args) -> None:
         values = {k: _py(df.loc[i, k]) for k in knobs}
         row, res = evaluate(sp.build(ctx, values), graph, cost)
         if res is not None:
-            pairs.append((df.loc[i, "screen_time_s"], res.iter_time_s, df.loc[i, "screen_mem_gib"],
-                          res.peak_mem_bytes / 2**30))
+            pairs.append(
+                (df.loc[i, "screen_time_s"], res.iter_time_s, df.loc[i, "screen_mem_gib"], res.peak_mem_bytes / 2**30)
+            )
     if len(pairs) >= 3:
         st, si, sm, mm = zip(*pairs)
         ratios = sorted(a / b for a, b in zip(st, si))
-        print(f"  screen vs simulation over {len(pairs)} random other plans (simulated apart in "
-              f"{time.perf_counter() - t0:.0f} s): time Spearman {spearmanr(st, si)[0]:.3f}, Kendall "
-              f"{kendalltau(st, si)[0]:.3f}, ratio screen / simulated {ratios[0]:.2f} to {ratios[-1]:.2f} "
-              f"(median {ratios[len(ratios) // 2]:.2f}); memory Spearman {spearmanr(sm, mm)[0]:.3f}")
+        print(
+            f"  screen vs simulation over {len(pairs)} random other plans (simulated apart in "
+            f"{time.perf_counter() - t0:.0f} s): time Spearman {spearmanr(st, si)[0]:.3f}, Kendall "
+            f"{kendalltau(st, si)[0]:.3f}, ratio screen / simulated {ratios[0]:.2f} to {ratios[-1]:.2f} "
+            f"(median {ratios[len(ratios) // 2]:.2f}); memory Spearman {spearmanr(sm, mm)[0]:.3f}"
+        )
 
 
 def _py(v):

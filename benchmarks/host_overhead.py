@@ -183,9 +183,10 @@ class Layer(nn.Module):
         y = FusedLayerNorm.apply(x, self.ln1_w, self.ln1_b)
         q, k, v = torch.split(self.qkv(y).view(s, b, self.heads, 3 * hd), hd, dim=-1)
         q, k, v = (t.reshape(s, b * self.heads, hd) for t in (q, k, v))
-        scores = torch.baddbmm(torch.empty(b * self.heads, s, s), q.transpose(0, 1),
-                               k.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=1.0)
-        probs = MaskedSoftmax.apply(scores.view(b, self.heads, s, s), mask, hd ** -0.5)
+        scores = torch.baddbmm(
+            torch.empty(b * self.heads, s, s), q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=1.0
+        )
+        probs = MaskedSoftmax.apply(scores.view(b, self.heads, s, s), mask, hd**-0.5)
         with RngFork():
             probs = F.dropout(probs, 0.1, True)
         ctx = torch.bmm(probs.view(b * self.heads, s, s), v.transpose(0, 1))
@@ -270,19 +271,26 @@ def main() -> None:
         fwd[name], bwd[name] = f, both - f
         print(f"{name:10s} forward {f:5.1f} us per call   backward {both - f:5.1f} us per node")
     kernels = [k for k in fwd if k not in ("view", "transpose")]
-    print(f"median over operators with a kernel: forward {statistics.median(fwd[k] for k in kernels):.1f} us, "
-          f"backward {statistics.median(bwd[k] for k in kernels):.1f} us; views: forward "
-          f"{statistics.median((fwd['view'], fwd['transpose'])):.1f} us, backward "
-          f"{statistics.median((bwd['view'], bwd['transpose'])):.1f} us")
+    print(
+        f"median over operators with a kernel: forward {statistics.median(fwd[k] for k in kernels):.1f} us, "
+        f"backward {statistics.median(bwd[k] for k in kernels):.1f} us; views: forward "
+        f"{statistics.median((fwd['view'], fwd['transpose'])):.1f} us, backward "
+        f"{statistics.median((bwd['view'], bwd['transpose'])):.1f} us"
+    )
     fwd_nograd, plain, ckpt = layer_us(args.reps)
     calls_f, calls_b, kernels = planlab_layer_calls()
     per_f = fwd_nograd / calls_f
     per_b = (ckpt - 2 * fwd_nograd) / calls_b
-    print(f"Megatron-style layer (toy size), host us per layer: forward without autograd {fwd_nograd:.0f}, forward "
-          f"and backward {plain:.0f}, forward + recompute + backward (reentrant checkpointing) {ckpt:.0f}")
-    print(f"planlab's GPT layer in the kernel model: {calls_f} calls forward, {calls_b} backward, {kernels} kernels "
-          f"(forward, recompute, backward); the measured layer spread over them: host_call_us = {per_f:.1f}, "
-          f"host_backward_call_us = {per_b:.1f}")
+    print(
+        f"Megatron-style layer (toy size), host us per layer: forward without autograd {fwd_nograd:.0f}, forward "
+        f"and backward {plain:.0f}, forward + recompute + backward (reentrant checkpointing) {ckpt:.0f}"
+    )
+    print(
+        f"planlab's GPT layer in the kernel model: {calls_f} calls forward, {calls_b} backward, {kernels} kernels "
+        f"(forward, recompute, backward); the measured layer spread over them: host_call_us = {per_f:.1f}, "
+        f"host_backward_call_us = {per_b:.1f}"
+    )
+
 
 if __name__ == "__main__":
     main()

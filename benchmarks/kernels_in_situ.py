@@ -43,8 +43,9 @@ def main() -> None:
     keep_freed_memory()
     spec = ModelSpec(args.model)
     graph = trace(*build_model(spec, batch=BATCH))
-    plan = get_space("megatron").build(Context(graph, spec, BATCH, "cpu", 1, 1, 1),
-                                       dict(dp=1, tp=1, pp=1, microbatch=BATCH))
+    plan = get_space("megatron").build(
+        Context(graph, spec, BATCH, "cpu", 1, 1, 1), dict(dp=1, tp=1, pp=1, microbatch=BATCH)
+    )
     program = materialize(plan, graph)
     module, inputs = build_model(spec, batch=BATCH, device="cpu", seed=0)
     interp = Interpreter(program, graph, 0, module, inputs, {}, lr=1e-3)
@@ -55,12 +56,13 @@ def main() -> None:
     wanted: dict[tuple, str] = {}
     for t in tasks:
         s = t.shapes
-        key = {"linear": lambda: ("linear", (s[0][0] * s[0][1], s[0][-1], s[1][0])) if len(s[0]) == 3 else None,
-               "attention": lambda: ("attention", tuple(s[0])),
-               "layer_norm": lambda: ("layer_norm", (s[0][0] * s[0][1], s[0][-1])),
-               "activation": lambda: ("activation", (s[0][0] * s[0][1], s[0][-1])),
-               "add": lambda: ("add", (s[-1][0] * s[-1][1], s[-1][-1])) if len(s[0]) == len(s[1]) else None,
-               }.get(t.op_kind, lambda: None)()
+        key = {
+            "linear": lambda: ("linear", (s[0][0] * s[0][1], s[0][-1], s[1][0])) if len(s[0]) == 3 else None,
+            "attention": lambda: ("attention", tuple(s[0])),
+            "layer_norm": lambda: ("layer_norm", (s[0][0] * s[0][1], s[0][-1])),
+            "activation": lambda: ("activation", (s[0][0] * s[0][1], s[0][-1])),
+            "add": lambda: ("add", (s[-1][0] * s[-1][1], s[-1][-1])) if len(s[0]) == len(s[1]) else None,
+        }.get(t.op_kind, lambda: None)()
         if key is not None:
             wanted.setdefault(key, t.op)
     cases = _cases(False)
@@ -69,7 +71,10 @@ def main() -> None:
         raise SystemExit(f"none of {args.model}'s kernel shapes is among the calibration's cases")
     groups = []
     for ch in chunks:
-        group = [(k, shape, _Case(k, make, ins, torch.float32)) for k, shape, make, ins in cases[ch * CHUNK:(ch + 1) * CHUNK]]
+        group = [
+            (k, shape, _Case(k, make, ins, torch.float32))
+            for k, shape, make, ins in cases[ch * CHUNK : (ch + 1) * CHUNK]
+        ]
         for _, _, c in group:  # warm up every set once, as the calibration does
             for _ in range(len(c.sets)):
                 c.sample()
@@ -89,7 +94,9 @@ def main() -> None:
 
     overheads, _ = measure_task_overheads(Profile("cpu", (), ()), quick=True)
     fwd_overhead = overheads.get("F", 0.0)
-    print(f"{args.model}, {args.iterations} iterations; the executor's cost per forward task {fwd_overhead * 1e6:.1f} us")
+    print(
+        f"{args.model}, {args.iterations} iterations; the executor's cost per forward task {fwd_overhead * 1e6:.1f} us"
+    )
     for group in groups:
         for kind, shape, c in group:
             op = wanted.get((kind, shape))
@@ -98,8 +105,10 @@ def main() -> None:
             ef = typical_s(samples[("F", op)]) - fwd_overhead
             eb = typical_s(samples[("B", op)])
             cf, cb = typical_s(c.fwd), typical_s(c.bwd)
-            print(f"  {kind}{list(shape)} ({op}): forward calibration {cf * 1e6:7.1f} us, executor {ef * 1e6:7.1f} us, "
-                  f"ratio {cf / ef:.2f} | backward {cb * 1e6:7.1f} us, {eb * 1e6:7.1f} us, ratio {cb / eb:.2f}")
+            print(
+                f"  {kind}{list(shape)} ({op}): forward calibration {cf * 1e6:7.1f} us, executor {ef * 1e6:7.1f} us, "
+                f"ratio {cf / ef:.2f} | backward {cb * 1e6:7.1f} us, {eb * 1e6:7.1f} us, ratio {cb / eb:.2f}"
+            )
     opt = [typical_s(v) for (k, _), v in samples.items() if k == "O"]
     if opt:
         line = f"  optimizer step in the iteration: {opt[0] * 1e3:.2f} ms"

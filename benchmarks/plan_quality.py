@@ -67,29 +67,60 @@ class Workload:
 
 
 def _hand_made(zero_fixed: dict | None = None) -> tuple[Run, ...]:
-    return (Run("megatron", "megatron"),
-            Run("zero (deepspeed)", "dp*recompute", dict(zero_fixed or {})),
-            Run("alpa", "alpa"))
+    return (
+        Run("megatron", "megatron"),
+        Run("zero (deepspeed)", "dp*recompute", dict(zero_fixed or {})),
+        Run("alpa", "alpa"),
+    )
 
 
 WORKLOADS = (
-    Workload("swin", "SwinV2-G, 1536x1536 images, 48x48 windows", "swin-g", (("image", 1536), ("window", 48)),
-             "dgx-a100-40g", 4, 32,
-             _hand_made() + (Run("megatron*coshard", "megatron*coshard", {"coshard_blocks": "attention"}, True),)),
-    Workload("gpt", "GPT with a 256k vocabulary (48 x 8192, 43B parameters), Megatron-LM's vocabulary-parallel "
-             "embedding and loss", "gpt",
-             (("layers", 48), ("hidden", 8192), ("heads", 64), ("seq", 2048), ("vocab", 256000), ("vocab_parallel", 1)),
-             "dgx-a100-80g", 4, 256,
-             _hand_made() + (Run("interlaced", "interlaced", {}, True),)),
-    Workload("evoformer", "AlphaFold2 Evoformer, 3 recycling passes", "alphafold2", (("recycles", 3),),
-             "dgx-a100-80g", 1, 16,
-             _hand_made() + (Run("3f1b", "3f1b", {}, True),
-                             Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True),
-                             Run("dp*coshard", "dp*recompute*coshard", {"coshard_blocks": "attention"}, True))),
-    Workload("evoformer-long", "AlphaFold2 Evoformer at N_seq 512, N_res 1024, 3 recycling passes", "alphafold2-finetune",
-             (("recycles", 3), ("n_res", 1024)), "dgx-a100-80g", 1, 16,
-             _hand_made() + (Run("3f1b*coshard", "3f1b*coshard", {}, True),
-                             Run("dp*coshard", "dp*recompute*coshard", {}, True))),
+    Workload(
+        "swin",
+        "SwinV2-G, 1536x1536 images, 48x48 windows",
+        "swin-g",
+        (("image", 1536), ("window", 48)),
+        "dgx-a100-40g",
+        4,
+        32,
+        _hand_made() + (Run("megatron*coshard", "megatron*coshard", {"coshard_blocks": "attention"}, True),),
+    ),
+    Workload(
+        "gpt",
+        "GPT with a 256k vocabulary (48 x 8192, 43B parameters), Megatron-LM's vocabulary-parallel embedding and loss",
+        "gpt",
+        (("layers", 48), ("hidden", 8192), ("heads", 64), ("seq", 2048), ("vocab", 256000), ("vocab_parallel", 1)),
+        "dgx-a100-80g",
+        4,
+        256,
+        _hand_made() + (Run("interlaced", "interlaced", {}, True),),
+    ),
+    Workload(
+        "evoformer",
+        "AlphaFold2 Evoformer, 3 recycling passes",
+        "alphafold2",
+        (("recycles", 3),),
+        "dgx-a100-80g",
+        1,
+        16,
+        _hand_made()
+        + (
+            Run("3f1b", "3f1b", {}, True),
+            Run("3f1b*coshard", "3f1b*coshard", {"coshard_blocks": "attention"}, True),
+            Run("dp*coshard", "dp*recompute*coshard", {"coshard_blocks": "attention"}, True),
+        ),
+    ),
+    Workload(
+        "evoformer-long",
+        "AlphaFold2 Evoformer at N_seq 512, N_res 1024, 3 recycling passes",
+        "alphafold2-finetune",
+        (("recycles", 3), ("n_res", 1024)),
+        "dgx-a100-80g",
+        1,
+        16,
+        _hand_made()
+        + (Run("3f1b*coshard", "3f1b*coshard", {}, True), Run("dp*coshard", "dp*recompute*coshard", {}, True)),
+    ),
 )
 
 
@@ -106,8 +137,23 @@ def _knobs(row, names) -> str:
     return " ".join(out)
 
 
-KNOBS = ("dp", "tp", "pp", "microbatch", "schedule", "virtual_stages", "zero", "sequence_parallel", "recompute",
-         "coshard", "coshard_blocks", "coshard_outputs", "coshard_remade_percent", "embed_layout", "head_layout")
+KNOBS = (
+    "dp",
+    "tp",
+    "pp",
+    "microbatch",
+    "schedule",
+    "virtual_stages",
+    "zero",
+    "sequence_parallel",
+    "recompute",
+    "coshard",
+    "coshard_blocks",
+    "coshard_outputs",
+    "coshard_remade_percent",
+    "embed_layout",
+    "head_layout",
+)
 
 
 def run_workload(w: Workload, *, jobs: int, candidates: int | None, budget_s: float | None = None) -> dict:
@@ -122,8 +168,17 @@ def run_workload(w: Workload, *, jobs: int, candidates: int | None, budget_s: fl
     for r in w.runs:
         t0 = time.perf_counter()
         try:
-            df = planlab.explore(spec, cluster=w.cluster, nodes=w.nodes, space=r.space, fixed=r.fixed,
-                                 global_batch=w.global_batch, jobs=jobs, candidates=candidates, budget=budget_s)
+            df = planlab.explore(
+                spec,
+                cluster=w.cluster,
+                nodes=w.nodes,
+                space=r.space,
+                fixed=r.fixed,
+                global_batch=w.global_batch,
+                jobs=jobs,
+                candidates=candidates,
+                budget=budget_s,
+            )
         except PlanlabError as e:
             print(f"  {r.label:<18} not explored: {e}", flush=True)
             continue
@@ -137,8 +192,11 @@ def run_workload(w: Workload, *, jobs: int, candidates: int | None, budget_s: fl
             print(f"  {r.label:<18} {len(df)} plans ({n_sim}, {took:.0f} s): none fits", flush=True)
             continue
         best[r.label] = (row, r.composed)
-        print(f"  {r.label:<18} {len(df)} plans ({n_sim}, {took:.0f} s): {row['iter_time_s']:.3f} s, "
-              f"{row['peak_mem_gib']:.1f} GiB  {_knobs(row, KNOBS)}", flush=True)
+        print(
+            f"  {r.label:<18} {len(df)} plans ({n_sim}, {took:.0f} s): {row['iter_time_s']:.3f} s, "
+            f"{row['peak_mem_gib']:.1f} GiB  {_knobs(row, KNOBS)}",
+            flush=True,
+        )
     hand = [(row["iter_time_s"], k) for k, (row, c) in best.items() if not c]
     comp = [(row["iter_time_s"], k) for k, (row, c) in best.items() if c]
     result = {"workload": w.key, "hand": min(hand) if hand else None, "composed": min(comp) if comp else None}
@@ -153,9 +211,13 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated workloads: " + ",".join(w.key for w in WORKLOADS))
     ap.add_argument("--candidates", type=int, default=32, help="plans simulated per space beyond the screen's front")
-    ap.add_argument("--budget", type=float, default=900.0,
-                    help="seconds per space (planlab.explore's budget): the simulations stop there and the best so "
-                         "far counts, the line saying how many candidates were left (0: no budget)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=900.0,
+        help="seconds per space (planlab.explore's budget): the simulations stop there and the best so "
+        "far counts, the line saying how many candidates were left (0: no budget)",
+    )
     a = ap.parse_args()
     keys = [k for k in a.only.split(",") if k] or [w.key for w in WORKLOADS]
     unknown = set(keys) - {w.key for w in WORKLOADS}
@@ -163,8 +225,11 @@ def main() -> int:
         print(f"unknown workload(s) {sorted(unknown)}; expected some of {[w.key for w in WORKLOADS]}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = [run_workload(w, jobs=a.jobs, candidates=a.candidates, budget_s=a.budget or None)
-               for w in WORKLOADS if w.key in keys]
+    results = [
+        run_workload(w, jobs=a.jobs, candidates=a.candidates, budget_s=a.budget or None)
+        for w in WORKLOADS
+        if w.key in keys
+    ]
     print(f"\n{'workload':<10} {'best hand-made':>24} {'best composed':>24} {'speedup':>8}")
     for r in results:
         h, c = r["hand"], r["composed"]

@@ -18,8 +18,11 @@ def main() -> None:
     ctx, cost, graph = make_context(Setup(ModelSpec("gpt3-175b"), "dgx-a100-80g", 16, 1536))
     print(f"trace GPT-3 175B at batch 1536: {time.perf_counter() - t:.2f} s, {len(graph.operators)} operators")
     space = get_space("megatron")
-    for knobs in (dict(pp=16, dp=1, tp=8, microbatch=1), dict(pp=8, dp=2, tp=8, microbatch=1),
-                  dict(pp=16, dp=2, tp=4, microbatch=2)):
+    for knobs in (
+        dict(pp=16, dp=1, tp=8, microbatch=1),
+        dict(pp=8, dp=2, tp=8, microbatch=1),
+        dict(pp=16, dp=2, tp=4, microbatch=2),
+    ):
         t0 = time.perf_counter()
         plan = space.build(ctx, knobs)
         t1 = time.perf_counter()
@@ -28,9 +31,11 @@ def main() -> None:
         res = simulate(program, cost, model_flops=3 * graph.flops)
         t3 = time.perf_counter()
         classes = len(set(device_classes(program, cost.cluster)))
-        print(f"{knobs}: build {t1 - t0:.2f} s, materialize {t2 - t1:.2f} s, simulate {t3 - t2:.2f} s "
-              f"({classes} device classes of {program.num_devices}, {plan.microbatches} micro-batches) -> "
-              f"{res.summary()}")
+        print(
+            f"{knobs}: build {t1 - t0:.2f} s, materialize {t2 - t1:.2f} s, simulate {t3 - t2:.2f} s "
+            f"({classes} device classes of {program.num_devices}, {plan.microbatches} micro-batches) -> "
+            f"{res.summary()}"
+        )
 
 
 if __name__ == "__main__":

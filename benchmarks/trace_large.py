@@ -35,8 +35,7 @@ print(json.dumps(dict(import_s=t1 - t0, build_s=t2 - t1, trace_s=t3 - t2, ops=le
 
 def measure(model: str, batch: int) -> dict:
     """Build and trace ``model`` in a fresh interpreter; its timings and peak RSS (ru_maxrss, KiB on Linux)."""
-    out = subprocess.run([sys.executable, "-c", _CHILD, model, str(batch)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", _CHILD, model, str(batch)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -48,11 +47,13 @@ def main() -> None:
     for m in args.models:
         r = measure(m, args.batch)
         rss_gib = r["peak_rss_kib"] / 2**20
-        print(f"{m:12s} trace {r['trace_s']:6.2f} s (build {r['build_s']:.2f} s, import {r['import_s']:.2f} s), "
-              f"peak RSS {rss_gib:.2f} GiB, {r['ops']} operators, {r['params'] / 1e9:.2f}B parameters"
-              f"{', kept whole: ' + ', '.join(r['unknown']) if r['unknown'] else ''}  "
-              f"[targets: < 30 s: {'met' if r['build_s'] + r['trace_s'] < 30 else 'MISSED'}, "
-              f"< 2 GiB: {'met' if rss_gib < 2 else 'MISSED'}]")
+        print(
+            f"{m:12s} trace {r['trace_s']:6.2f} s (build {r['build_s']:.2f} s, import {r['import_s']:.2f} s), "
+            f"peak RSS {rss_gib:.2f} GiB, {r['ops']} operators, {r['params'] / 1e9:.2f}B parameters"
+            f"{', kept whole: ' + ', '.join(r['unknown']) if r['unknown'] else ''}  "
+            f"[targets: < 30 s: {'met' if r['build_s'] + r['trace_s'] < 30 else 'MISSED'}, "
+            f"< 2 GiB: {'met' if rss_gib < 2 else 'MISSED'}]"
+        )
 
 
 if __name__ == "__main__":

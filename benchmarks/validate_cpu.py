@@ -139,8 +139,12 @@ class ReplayCost:
         overlapped = {t.name for d in program.devices for _, t in d.tasks_in_order() if t.overlap}
         for (_, action, name, kind, occurrence), ds in durations.items():
             # an operator's forward and backward tasks share its name: the kind tells them apart
-            if name in overlapped or kind not in (TaskKind.COLLECTIVE.value, TaskKind.FORWARD.value,
-                                                  TaskKind.BACKWARD.value, TaskKind.LOCAL.value):
+            if name in overlapped or kind not in (
+                TaskKind.COLLECTIVE.value,
+                TaskKind.FORWARD.value,
+                TaskKind.BACKWARD.value,
+                TaskKind.LOCAL.value,
+            ):
                 continue
             if kind == TaskKind.COLLECTIVE.value:
                 members[(action, name, kind, occurrence)].append(ds)
@@ -225,7 +229,7 @@ class Availability:
             conn.recv()
 
     def factor(self, ranks: int) -> float:
-        helpers = self.helpers[:ranks - 1]
+        helpers = self.helpers[: ranks - 1]
         for _, conn in helpers:
             conn.send("go")
         walls = [probe_batch(self.probes, self.reps)] + [conn.recv() for _, conn in helpers]
@@ -245,12 +249,17 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", default=None,
-                    help="a profile from planlab calibrate (default: calibrate before every round)")
+    ap.add_argument(
+        "--profile", default=None, help="a profile from planlab calibrate (default: calibrate before every round)"
+    )
     ap.add_argument("--steps", type=int, default=4, help="iterations per run (the first is a warm-up)")
     ap.add_argument("--launches", type=int, default=4, help="runs per plan, in rounds over the plans")
-    ap.add_argument("--set", default="compute", choices=sorted(PLAN_SETS),
-                    help="the plans: compute (the bar's, default) or overhead (gpt-tiny and gpt-small)")
+    ap.add_argument(
+        "--set",
+        default="compute",
+        choices=sorted(PLAN_SETS),
+        help="the plans: compute (the bar's, default) or overhead (gpt-tiny and gpt-small)",
+    )
     ap.add_argument("--only", default=None, help="run only plans whose name contains this")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
@@ -287,8 +296,11 @@ def main() -> None:
     def availability() -> str:
         return f"one process {avail.factor(1):.2f}x, two {avail.factor(2):.2f}x; load {os.getloadavg()[0]:.1f}"
 
-    print(f"availability probe ({avail.reps} passes over the probes, {avail.unpreempted_s * 1e3:.1f} ms "
-          f"unpreempted): {availability()}", flush=True)
+    print(
+        f"availability probe ({avail.reps} passes over the probes, {avail.unpreempted_s * 1e3:.1f} ms "
+        f"unpreempted): {availability()}",
+        flush=True,
+    )
     walls: dict[str, list[float]] = {n: [] for n, *_ in plans}
     durations: dict[str, dict] = {n: {} for n, *_ in plans}
     loads: dict[str, list[float]] = {n: [] for n, *_ in plans}
@@ -309,26 +321,41 @@ def main() -> None:
         pred, uncal = statistics.median(predictions[name]), predict_s(program, CostModel.load("cpu", ranks))
         meas, med = typical_s(walls[name]), statistics.median(walls[name])
         replayed = predict_s(program, ReplayCost(costs[name], program, durations[name]))
-        rows.append(dict(plan=name, ranks=ranks, measured_ms=meas * 1e3, median_ms=med * 1e3,
-                         replayed_ms=replayed * 1e3, predicted_ms=pred * 1e3, error=pred / meas - 1,
-                         error_replayed=pred / replayed - 1, uncalibrated_ms=uncal * 1e3,
-                         load=statistics.mean(loads[name])))
+        rows.append(
+            dict(
+                plan=name,
+                ranks=ranks,
+                measured_ms=meas * 1e3,
+                median_ms=med * 1e3,
+                replayed_ms=replayed * 1e3,
+                predicted_ms=pred * 1e3,
+                error=pred / meas - 1,
+                error_replayed=pred / replayed - 1,
+                uncalibrated_ms=uncal * 1e3,
+                load=statistics.mean(loads[name]),
+            )
+        )
         r = rows[-1]
-        print(f"{name:18s} predicted {r['predicted_ms']:7.2f} ms, measured {r['measured_ms']:7.2f} ms (median "
-              f"{r['median_ms']:7.2f}): {r['error'] * 100:+6.1f}% | replayed {r['replayed_ms']:7.2f} ms: "
-              f"{r['error_replayed'] * 100:+6.1f}% | spec alone {r['uncalibrated_ms']:6.2f} ms | load {r['load']:.1f}",
-              flush=True)
-    for label, key, mkey in (("wall clock", "error", "measured_ms"),
-                             ("measured tasks replayed (the cost model's error on the tasks)", "error_replayed",
-                              "replayed_ms")):
+        print(
+            f"{name:18s} predicted {r['predicted_ms']:7.2f} ms, measured {r['measured_ms']:7.2f} ms (median "
+            f"{r['median_ms']:7.2f}): {r['error'] * 100:+6.1f}% | replayed {r['replayed_ms']:7.2f} ms: "
+            f"{r['error_replayed'] * 100:+6.1f}% | spec alone {r['uncalibrated_ms']:6.2f} ms | load {r['load']:.1f}",
+            flush=True,
+        )
+    for label, key, mkey in (
+        ("wall clock", "error", "measured_ms"),
+        ("measured tasks replayed (the cost model's error on the tasks)", "error_replayed", "replayed_ms"),
+    ):
         errs = [abs(r[key]) for r in rows]
         meas = [r[mkey] for r in rows]
         pred = [r["predicted_ms"] for r in rows]
         order_m = [r["plan"] for r in sorted(rows, key=lambda r: r[mkey])]
         order_p = [r["plan"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
-        print(f"{label}: {len(rows)} plans, mean absolute error {statistics.mean(errs) * 100:.1f}%, worst "
-              f"{max(errs) * 100:.1f}%, within {TARGET:.0%}: {sum(e <= TARGET for e in errs)}/{len(rows)}; "
-              f"Kendall tau {kendall_tau(pred, meas):.3f}; ranking preserved: {order_m == order_p}")
+        print(
+            f"{label}: {len(rows)} plans, mean absolute error {statistics.mean(errs) * 100:.1f}%, worst "
+            f"{max(errs) * 100:.1f}%, within {TARGET:.0%}: {sum(e <= TARGET for e in errs)}/{len(rows)}; "
+            f"Kendall tau {kendall_tau(pred, meas):.3f}; ranking preserved: {order_m == order_p}"
+        )
         if order_m != order_p:
             print("  measured order:  " + " < ".join(order_m))
             print("  predicted order: " + " < ".join(order_p))

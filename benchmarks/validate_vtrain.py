@@ -53,9 +53,11 @@ def print_sources(spec: Path) -> None:
 
 
 def report(df: pd.DataFrame, kind: str) -> None:
-    print(f"{kind}-node: {len(df)} runs; planlab MAPE {mape(df):.2f}% (vTrain's own: {VTRAIN_MAPE[kind]}%); "
-          f"mean signed error {df['error'].mean() * 100:+.1f}%; within 10%: {(df['error'].abs() <= 0.1).mean() * 100:.0f}%;"
-          f" Kendall tau within model sizes {rank_correlation(df):.3f}")
+    print(
+        f"{kind}-node: {len(df)} runs; planlab MAPE {mape(df):.2f}% (vTrain's own: {VTRAIN_MAPE[kind]}%); "
+        f"mean signed error {df['error'].mean() * 100:+.1f}%; within 10%: {(df['error'].abs() <= 0.1).mean() * 100:.0f}%;"
+        f" Kendall tau within model sizes {rank_correlation(df):.3f}"
+    )
     df = df.assign(nodes=(df["gpus"] + 7) // 8)
     for g in GROUPS:
         parts = []
@@ -63,8 +65,23 @@ def report(df: pd.DataFrame, kind: str) -> None:
             parts.append(f"{v}: {s['error'].abs().mean() * 100:.1f}% ({s['error'].mean() * 100:+.1f}, n={len(s)})")
         print(f"  by {g}: " + "; ".join(parts))
     worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(8)
-    print(worst[["gpus", "hidden", "layers", "global_batch", "micro_batch", "tp", "dp", "pp", "measured_s",
-                 "predicted_s", "error"]].to_string(index=False))
+    print(
+        worst[
+            [
+                "gpus",
+                "hidden",
+                "layers",
+                "global_batch",
+                "micro_batch",
+                "tp",
+                "dp",
+                "pp",
+                "measured_s",
+                "predicted_s",
+                "error",
+            ]
+        ].to_string(index=False)
+    )
 
 
 def main() -> None:

@@ -40,9 +40,11 @@ def main() -> None:
             dev = res.devices[0]
             static = max(d.static_bytes for d in prog.devices)
             what = " ".join(f"{k}={v}" for k, v in knobs.items())
-            print(f"  {what:48s} iteration {res.iter_time_s:7.3f} s  static {static / GIB:5.1f} GiB  "
-                  f"peak {res.peak_mem_bytes / GIB:6.1f} GiB  exposed comm {dev.exposed_comm_s:6.3f} s  "
-                  f"bubble {dev.bubble_s:6.3f} s  ({time.perf_counter() - t0:.1f} s)")
+            print(
+                f"  {what:48s} iteration {res.iter_time_s:7.3f} s  static {static / GIB:5.1f} GiB  "
+                f"peak {res.peak_mem_bytes / GIB:6.1f} GiB  exposed comm {dev.exposed_comm_s:6.3f} s  "
+                f"bubble {dev.bubble_s:6.3f} s  ({time.perf_counter() - t0:.1f} s)"
+            )
 
 
 if __name__ == "__main__":

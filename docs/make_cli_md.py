@@ -82,8 +82,12 @@ def table(name: str, parser: argparse.ArgumentParser) -> str:
 def render(text: str) -> str:
     """``text`` (cli.md) with every generated table rewritten; SystemExit names a missing section."""
     subs = subcommands()
-    stale = [k for k in NOTES if k[0] not in subs or not any(
-        k[1] in (a.option_strings or [a.dest]) and not a.help for a in options(subs[k[0]]))]
+    stale = [
+        k
+        for k in NOTES
+        if k[0] not in subs
+        or not any(k[1] in (a.option_strings or [a.dest]) and not a.help for a in options(subs[k[0]]))
+    ]
     if stale:
         raise SystemExit(f"{__file__}: NOTES for {stale}: no such option, or the parser has its help now")
     for name, parser in subs.items():

@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(text)
             print(f"wrote {out.relative_to(HERE.parent)}")
     if stale:
-        print(f"out of date with notebooks/src: {', '.join(stale)}; run python notebooks/make_notebooks.py",
-              file=sys.stderr)
+        print(
+            f"out of date with notebooks/src: {', '.join(stale)}; run python notebooks/make_notebooks.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -5,8 +5,15 @@ The flow: ``trace`` a model into a Graph, build Plans from a search space,
 ``explore`` many, and run the best with the executor.
 """
 
-from planlab.errors import (CheckpointError, ConfigError, DeadlockError, GraphError, InfeasiblePlan, PlanFileError,
-                            PlanlabError)
+from planlab.errors import (
+    CheckpointError,
+    ConfigError,
+    DeadlockError,
+    GraphError,
+    InfeasiblePlan,
+    PlanFileError,
+    PlanlabError,
+)
 from planlab.graph import Graph, Signature, register_op, trace
 
 # Bound eagerly: the submodule planlab.explore would otherwise shadow the function once imported.
@@ -32,6 +39,24 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'planlab' has no attribute {name!r}")
 
 
-__all__ = ["CheckpointError", "ConfigError", "CostModel", "DeadlockError", "Graph", "GraphError", "InfeasiblePlan",
-           "Plan", "PlanBuilder", "PlanFileError", "PlanlabError", "Signature", "explore", "load_plan", "materialize",
-           "register_op", "save_plan", "simulate", "trace"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "CostModel",
+    "DeadlockError",
+    "Graph",
+    "GraphError",
+    "InfeasiblePlan",
+    "Plan",
+    "PlanBuilder",
+    "PlanFileError",
+    "PlanlabError",
+    "Signature",
+    "explore",
+    "load_plan",
+    "materialize",
+    "register_op",
+    "save_plan",
+    "simulate",
+    "trace",
+]

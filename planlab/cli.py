@@ -11,8 +11,8 @@ from pathlib import Path
 from planlab.errors import DeadlockError, PlanlabError
 
 DEFAULT_CANDIDATES = 16  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
-LOSS_TOL = 1e-4   # absolute, on losses of order 1 (fp32)
-GRAD_TOL = 1e-4   # absolute, largest element of any gradient shard
+LOSS_TOL = 1e-4  # absolute, on losses of order 1 (fp32)
+GRAD_TOL = 1e-4  # absolute, largest element of any gradient shard
 
 
 def _kv(text: str) -> tuple[str, int | float | str]:
@@ -36,16 +36,31 @@ def _model(args):
 def cmd_explore(args) -> int:
     from planlab.explore import RESULT_COLUMNS, SCREEN_COLUMNS, explore
 
-    df = explore(_model(args), cluster=args.cluster, nodes=args.nodes, space=args.space,
-                 fixed=dict(args.set or []), global_batch=args.global_batch, jobs=args.jobs, out=args.out,
-                 progress=sys.stderr.isatty(), profile=args.profile, budget=args.budget,
-                 candidates=None if args.all else args.candidates)
+    df = explore(
+        _model(args),
+        cluster=args.cluster,
+        nodes=args.nodes,
+        space=args.space,
+        fixed=dict(args.set or []),
+        global_batch=args.global_batch,
+        jobs=args.jobs,
+        out=args.out,
+        progress=sys.stderr.isatty(),
+        profile=args.profile,
+        budget=args.budget,
+        candidates=None if args.all else args.candidates,
+    )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
     cols = [c for c in df.columns if c not in fixed and c not in ("reason", "simulated", "screen_rank")] + ["reason"]
     show = df[cols].head(args.top).copy()
-    for c, f in (("screen_time_s", "{:.4g}"), ("screen_mem_gib", "{:.2f}"), ("iter_time_s", "{:.4g}"),
-                 ("peak_mem_gib", "{:.2f}"), ("tflops_per_gpu", "{:.3g}")):
+    for c, f in (
+        ("screen_time_s", "{:.4g}"),
+        ("screen_mem_gib", "{:.2f}"),
+        ("iter_time_s", "{:.4g}"),
+        ("peak_mem_gib", "{:.2f}"),
+        ("tflops_per_gpu", "{:.3g}"),
+    ):
         show[c] = show[c].map(lambda v, f=f: f.format(v) if v == v else "-")
     show["mfu"] = show["mfu"].map(lambda v: f"{v:.1%}" if v == v else "-")
     show["reason"] = show["reason"].fillna("").map(lambda s: (s[:60] + "...") if len(s) > 63 else s)
@@ -56,21 +71,26 @@ def cmd_explore(args) -> int:
         print(show.to_string(index=False))
     c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
-    print(f"\n{c['plans']} plans: {c['screened']} screened, {c['pruned']} pruned by the memory bound, "
-          f"{c['simulated']} of {c['candidates']} candidates simulated, {c['feasible']} feasible."
-          + (f" Every plan has {same}." if same else ""))
+    print(
+        f"\n{c['plans']} plans: {c['screened']} screened, {c['pruned']} pruned by the memory bound, "
+        f"{c['simulated']} of {c['candidates']} candidates simulated, {c['feasible']} feasible."
+        + (f" Every plan has {same}." if same else "")
+    )
     rho = df.attrs.get("screen_rank_corr")
-    print(f"time: trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.1f} s, screen {ph['screen_s']:.1f} s, "
-          f"simulate {ph['simulate_s']:.1f} s, total {ph['total_s']:.1f} s"
-          + (f"; screen vs simulation rank correlation {rho:.2f}" if rho == rho else ""))
+    print(
+        f"time: trace {ph['trace_s']:.1f} s, enumerate {ph['enumerate_s']:.1f} s, screen {ph['screen_s']:.1f} s, "
+        f"simulate {ph['simulate_s']:.1f} s, total {ph['total_s']:.1f} s"
+        + (f"; screen vs simulation rank correlation {rho:.2f}" if rho == rho else "")
+    )
     if c["simulated"] == 0:
         print("No plan was simulated (see --budget); the screen's estimates are in the ~ columns.")
     elif df.attrs.get("best_plan") is None:
         print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
-        files = ["results.csv", "pareto.png"] + (["best_plan.json", "timeline.png", "memory.png"]
-                                                 if df.attrs.get("best_plan") is not None else [])
+        files = ["results.csv", "pareto.png"] + (
+            ["best_plan.json", "timeline.png", "memory.png"] if df.attrs.get("best_plan") is not None else []
+        )
         print("wrote " + ", ".join(str(out / f) for f in files))
     return 0
 
@@ -116,9 +136,19 @@ def cmd_simulate(args) -> int:
         timeline_plot(res, out / "timeline.png", title=plan.describe())
         memory_plot(res, out / "memory.png", title=plan.describe())
     if args.json:
-        print(json.dumps({"iter_time_s": res.iter_time_s, "peak_mem_gib": res.peak_mem_bytes / 2**30,
-                          "tflops_per_gpu": res.tflops_per_gpu, "mfu": res.mfu, "hfu": res.hfu,
-                          "feasible": res.feasible, "reason": res.reason}))
+        print(
+            json.dumps(
+                {
+                    "iter_time_s": res.iter_time_s,
+                    "peak_mem_gib": res.peak_mem_bytes / 2**30,
+                    "tflops_per_gpu": res.tflops_per_gpu,
+                    "mfu": res.mfu,
+                    "hfu": res.hfu,
+                    "feasible": res.feasible,
+                    "reason": res.reason,
+                }
+            )
+        )
     else:
         print(f"{plan.describe()}: {res.summary()}")
         print(res.device_table().to_string(index=False))
@@ -138,9 +168,20 @@ def _run_config(args):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
         raise ConfigError(f"--clip-grad-norm must be a positive number, got {args.clip_grad_norm:g}")
-    return RunConfig(steps=args.steps, warmup=warmup, lr=args.lr, check=not args.no_check and not args.load,
-                     seed=args.seed, record=True, timeout_s=args.timeout, save_dir=args.save, load_dir=args.load,
-                     data=args.data, clip_grad_norm=args.clip_grad_norm, log=True)
+    return RunConfig(
+        steps=args.steps,
+        warmup=warmup,
+        lr=args.lr,
+        check=not args.no_check and not args.load,
+        seed=args.seed,
+        record=True,
+        timeout_s=args.timeout,
+        save_dir=args.save,
+        load_dir=args.load,
+        data=args.data,
+        clip_grad_norm=args.clip_grad_norm,
+        log=True,
+    )
 
 
 def cmd_run(args) -> int:
@@ -155,16 +196,26 @@ def cmd_run(args) -> int:
         if env is not None:
             from planlab.executor.as_rank import run_as_rank
 
-            return run_as_rank(plan, cfg, env, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL,
-                               allow_device_mismatch=args.allow_device_mismatch, profile=args.profile,
-                               trace=args.trace, predicted_trace=args.predicted_trace)
+            return run_as_rank(
+                plan,
+                cfg,
+                env,
+                loss_tol=LOSS_TOL,
+                grad_tol=GRAD_TOL,
+                allow_device_mismatch=args.allow_device_mismatch,
+                profile=args.profile,
+                trace=args.trace,
+                predicted_trace=args.predicted_trace,
+            )
     except PlanlabError:
         if env is not None and env.local_rank != 0:
             return 2  # a refusal is printed once per node, by its first rank
         raise
     if args.nproc is None:
-        raise ConfigError("give --nproc N to run the plan on N local processes, or start `planlab run` under "
-                          "torchrun or srun (then every process is one rank)")
+        raise ConfigError(
+            "give --nproc N to run the plan on N local processes, or start `planlab run` under "
+            "torchrun or srun (then every process is one rank)"
+        )
     if args.nproc != plan.num_devices:
         raise ConfigError(f"--nproc {args.nproc} differs from the plan's device count {plan.num_devices}")
     cfg.validate()
@@ -173,10 +224,23 @@ def cmd_run(args) -> int:
     from planlab.executor.timeline import measured_events, predict, write_trace
 
     pred = predict(plan, profile=args.profile)  # every device simulated, with a timeline to compare against
-    res = launch_local(plan, args.nproc, steps=cfg.steps, warmup=cfg.warmup, lr=cfg.lr, check=cfg.check,
-                       seed=cfg.seed, record=True, timeout_s=cfg.timeout_s, save_dir=cfg.save_dir,
-                       load_dir=cfg.load_dir, data=cfg.data, clip_grad_norm=cfg.clip_grad_norm,
-                       allow_device_mismatch=args.allow_device_mismatch, log=True)
+    res = launch_local(
+        plan,
+        args.nproc,
+        steps=cfg.steps,
+        warmup=cfg.warmup,
+        lr=cfg.lr,
+        check=cfg.check,
+        seed=cfg.seed,
+        record=True,
+        timeout_s=cfg.timeout_s,
+        save_dir=cfg.save_dir,
+        load_dir=cfg.load_dir,
+        data=cfg.data,
+        clip_grad_norm=cfg.clip_grad_norm,
+        allow_device_mismatch=args.allow_device_mismatch,
+        log=True,
+    )
     text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
     print(text)
     if args.trace:
@@ -195,8 +259,10 @@ def _preset_sizes(fam, cfg) -> str:
 
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     names = [n for n in fam.required if n in fields] + [
-        n for n, f in fields.items() if n not in fam.required and f.default is not dataclasses.MISSING
-        and getattr(cfg, n) != f.default]
+        n
+        for n, f in fields.items()
+        if n not in fam.required and f.default is not dataclasses.MISSING and getattr(cfg, n) != f.default
+    ]
 
     def fmt(v) -> str:
         return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else str(v)
@@ -207,8 +273,9 @@ def _preset_sizes(fam, cfg) -> str:
 def cmd_calibrate(args) -> int:
     from planlab.costmodel.calibrate import calibrate
 
-    prof = calibrate(out=args.out, nproc=args.nproc, quick=args.quick, cluster=args.cluster,
-                     log=lambda line: print(line, flush=True))
+    prof = calibrate(
+        out=args.out, nproc=args.nproc, quick=args.quick, cluster=args.cluster, log=lambda line: print(line, flush=True)
+    )
     print(f"wrote {args.out}: {prof}; use it with --profile {args.out} on explore, simulate and run")
     return 0
 
@@ -221,10 +288,13 @@ def cmd_models(args) -> int:
         for name, cfg in fam.presets.items():
             print(f"{name:{width}s} {cfg.num_params() / 1e6:12,.1f}M params  {_preset_sizes(fam, cfg)}")
     for fam in FAMILIES.values():
-        print(f"family: {fam.name} (use --model {fam.name} --model-arg "
-              + " ".join(f"{k}=.." for k in fam.required) + ")")
-    print("your own: --model package.module:function (returns the module and example inputs; "
-          "--model-arg KEY=VALUE become keyword arguments)")
+        print(
+            f"family: {fam.name} (use --model {fam.name} --model-arg " + " ".join(f"{k}=.." for k in fam.required) + ")"
+        )
+    print(
+        "your own: --model package.module:function (returns the module and example inputs; "
+        "--model-arg KEY=VALUE become keyword arguments)"
+    )
     return 0
 
 
@@ -291,48 +361,100 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.add_argument("--cluster", required=True, help="a built-in cluster (planlab clusters) or a spec file")
     e.add_argument("--nodes", type=int, default=1)
-    e.add_argument("--space", default="megatron",
-                   help="a registered space (planlab spaces), a product a*b, a union a|b, or package.module:space")
+    e.add_argument(
+        "--space",
+        default="megatron",
+        help="a registered space (planlab spaces), a product a*b, a union a|b, or package.module:space",
+    )
     e.add_argument("--set", action="append", type=_kv, metavar="KNOB=VALUE", help="fix a knob")
     e.add_argument("--global-batch", type=int, default=None)
     e.add_argument("--out", default=None, help="folder for results.csv, pareto.png and best_plan.json")
     e.add_argument("--jobs", type=int, default=1, help="plans evaluated in parallel")
     e.add_argument("--top", type=int, default=10, help="rows printed")
     e.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
-    e.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="stop simulating after SECONDS from the start and return the best found so far")
-    e.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES, metavar="K",
-                   help=f"simulate the K fastest plans by the screen and up to K along its Pareto front "
-                        f"(default {DEFAULT_CANDIDATES})")
+    e.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop simulating after SECONDS from the start and return the best found so far",
+    )
+    e.add_argument(
+        "--candidates",
+        type=int,
+        default=DEFAULT_CANDIDATES,
+        metavar="K",
+        help=f"simulate the K fastest plans by the screen and up to K along its Pareto front "
+        f"(default {DEFAULT_CANDIDATES})",
+    )
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
     e.set_defaults(fn=cmd_explore)
 
-    r = sub.add_parser("run", help="run a plan (local processes, or one rank under torchrun or srun) and check it "
-                                   "against one process")
+    r = sub.add_parser(
+        "run", help="run a plan (local processes, or one rank under torchrun or srun) and check it against one process"
+    )
     r.add_argument("plan")
-    r.add_argument("--nproc", type=int, default=None,
-                   help="start this many local processes; without it, under torchrun or srun, this process is one rank")
+    r.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="start this many local processes; without it, under torchrun or srun, this process is one rank",
+    )
     r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--warmup", type=int, default=None, metavar="N",
-                   help="first steps left out of the timing (default 1, 0 with one step)")
+    r.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="first steps left out of the timing (default 1, 0 with one step)",
+    )
     r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--seed", type=int, default=0, help="the seed the weights are drawn from")
-    r.add_argument("--data", default=None, metavar="FILE.pt|package.module:function",
-                   help="batches to train on (default: the model's synthetic example inputs); see README")
-    r.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
-                   help="clip the global gradient norm (across every rank's shards) to MAX")
-    r.add_argument("--allow-device-mismatch", action="store_true",
-                   help="run a GPU cluster's plan on CPU processes (numerics only; times do not compare)")
+    r.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE.pt|package.module:function",
+        help="batches to train on (default: the model's synthetic example inputs); see README",
+    )
+    r.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="MAX",
+        help="clip the global gradient norm (across every rank's shards) to MAX",
+    )
+    r.add_argument(
+        "--allow-device-mismatch",
+        action="store_true",
+        help="run a GPU cluster's plan on CPU processes (numerics only; times do not compare)",
+    )
     r.add_argument("--no-check", action="store_true")
-    r.add_argument("--trace", default=None, metavar="FILE",
-                   help="write the measured Chrome/Perfetto trace of the last step (every rank)")
-    r.add_argument("--predicted-trace", default=None, metavar="FILE",
-                   help="write the simulated trace of every device, to open beside --trace")
-    r.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="a collective or receive waiting longer fails the run (default 300)")
+    r.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write the measured Chrome/Perfetto trace of the last step (every rank)",
+    )
+    r.add_argument(
+        "--predicted-trace",
+        default=None,
+        metavar="FILE",
+        help="write the simulated trace of every device, to open beside --trace",
+    )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a collective or receive waiting longer fails the run (default 300)",
+    )
     r.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
-    r.add_argument("--load", default=None, metavar="DIR",
-                   help="start from a checkpoint of the same model, written under any plan (no numeric check)")
+    r.add_argument(
+        "--load",
+        default=None,
+        metavar="DIR",
+        help="start from a checkpoint of the same model, written under any plan (no numeric check)",
+    )
     r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
     r.set_defaults(fn=cmd_run)
 
@@ -341,8 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace")
     s.add_argument("--json", action="store_true")
     s.add_argument("--plot", default=None, metavar="DIR", help="write timeline.png and memory.png there")
-    s.add_argument("--straggler", action="append", type=_kv, metavar="DEVICE=FACTOR",
-                   help="slow one device's computation by FACTOR (what-if)")
+    s.add_argument(
+        "--straggler",
+        action="append",
+        type=_kv,
+        metavar="DEVICE=FACTOR",
+        help="slow one device's computation by FACTOR (what-if)",
+    )
     s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
     s.set_defaults(fn=cmd_simulate)
 

@@ -43,8 +43,15 @@ from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
 
 SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
-RESULT_COLUMNS = SCREEN_COLUMNS + ["iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible",
-                                   "simulated", "reason"]
+RESULT_COLUMNS = SCREEN_COLUMNS + [
+    "iter_time_s",
+    "peak_mem_gib",
+    "tflops_per_gpu",
+    "mfu",
+    "feasible",
+    "simulated",
+    "reason",
+]
 # the reason of a candidate the budget left unsimulated (its row's reason starts with it)
 BUDGET_REASON = "not simulated within the budget"
 DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
@@ -66,8 +73,15 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     if graph is None:
         model, inputs = build_model(setup.model, batch=setup.global_batch)
         graph = trace(model, inputs)
-    ctx = Context(graph, setup.model, setup.global_batch, setup.cluster, setup.nodes,
-                  cost.cluster.num_devices, cost.cluster.node.devices_per_node)
+    ctx = Context(
+        graph,
+        setup.model,
+        setup.global_batch,
+        setup.cluster,
+        setup.nodes,
+        cost.cluster.num_devices,
+        cost.cluster.node.devices_per_node,
+    )
     return ctx, cost, graph
 
 
@@ -107,8 +121,9 @@ def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
             elif (t, cut) not in acc[2]:
                 acc[2].add((t, cut))
                 batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + \
-                    spec.numel / cut / (m if batch else 1) * (prec.activation_bytes if spec.is_float else 8)
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + spec.numel / cut / (m if batch else 1) * (
+                    prec.activation_bytes if spec.is_float else 8
+                )
     static = [0.0] * plan.num_devices
     saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
     for devs, (st, sv, _) in by_devices.items():
@@ -145,8 +160,15 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
 
 
 def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
-    return dict(iter_time_s=math.nan, peak_mem_gib=math.nan, tflops_per_gpu=math.nan, mfu=math.nan,
-                feasible=feasible, reason=reason, **extra)
+    return dict(
+        iter_time_s=math.nan,
+        peak_mem_gib=math.nan,
+        tflops_per_gpu=math.nan,
+        mfu=math.nan,
+        feasible=feasible,
+        reason=reason,
+        **extra,
+    )
 
 
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
@@ -155,10 +177,18 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     mem_cap = cost.device_memory_bytes
     static, acts = memory_lower_bound_bytes(plan, graph)
     if static + acts > mem_cap:
-        what = "weights, gradients and optimizer states alone need" if static > mem_cap else \
-            "weights, optimizer states and the activations saved in flight need at least"
-        row.update(_nan_row(f"{what} {(static if static > mem_cap else static + acts) / 2**30:.1f} GiB per device "
-                            f"(device memory {mem_cap / 2**30:.1f} GiB)"), peak_mem_gib=(static + acts) / 2**30)
+        what = (
+            "weights, gradients and optimizer states alone need"
+            if static > mem_cap
+            else "weights, optimizer states and the activations saved in flight need at least"
+        )
+        row.update(
+            _nan_row(
+                f"{what} {(static if static > mem_cap else static + acts) / 2**30:.1f} GiB per device "
+                f"(device memory {mem_cap / 2**30:.1f} GiB)"
+            ),
+            peak_mem_gib=(static + acts) / 2**30,
+        )
         return row, None
     try:
         program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
@@ -166,8 +196,14 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
         return row, None
-    row.update(iter_time_s=res.iter_time_s, peak_mem_gib=res.peak_mem_bytes / 2**30,
-               tflops_per_gpu=res.tflops_per_gpu, mfu=res.mfu, feasible=res.feasible, reason=res.reason)
+    row.update(
+        iter_time_s=res.iter_time_s,
+        peak_mem_gib=res.peak_mem_bytes / 2**30,
+        tflops_per_gpu=res.tflops_per_gpu,
+        mfu=res.mfu,
+        feasible=res.feasible,
+        reason=res.reason,
+    )
     return row, res
 
 
@@ -256,11 +292,21 @@ class _Workers:
             self.pool = None
 
 
-def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str | Space = "megatron",
-            fixed: dict | None = None, global_batch: int | None = None, jobs: int = 1,
-            out: str | os.PathLike | None = None, progress: bool = False,
-            profile: str | os.PathLike | None = None, budget: float | None = None,
-            candidates: int | None = DEFAULT_CANDIDATES) -> pd.DataFrame:
+def explore(
+    model: str | ModelSpec,
+    *,
+    cluster: str,
+    nodes: int = 1,
+    space: str | Space = "megatron",
+    fixed: dict | None = None,
+    global_batch: int | None = None,
+    jobs: int = 1,
+    out: str | os.PathLike | None = None,
+    progress: bool = False,
+    profile: str | os.PathLike | None = None,
+    budget: float | None = None,
+    candidates: int | None = DEFAULT_CANDIDATES,
+) -> pd.DataFrame:
     """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
     (simulated feasible plans first, fastest first).
 
@@ -324,12 +370,23 @@ def explore(model: str | ModelSpec, *, cluster: str, nodes: int = 1, space: str 
             part_best[name] = int(ok["iter_time_s"].idxmin())
     df = df.drop(columns=["_index"])
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
-    df.attrs.update(best_plan=best, space=sp.name, device_memory_gib=cost.device_memory_bytes / 2**30,
-                    part_best=part_best, counts=counts,
-                    screen_rank_corr=float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman"))
-                    if len(sim) >= 3 else math.nan,
-                    phases=dict(trace_s=t_trace - t0, enumerate_s=t_enum - t_trace, screen_s=t_screen - t_enum,
-                                simulate_s=t_sim - t_screen, total_s=time.perf_counter() - t0))
+    df.attrs.update(
+        best_plan=best,
+        space=sp.name,
+        device_memory_gib=cost.device_memory_bytes / 2**30,
+        part_best=part_best,
+        counts=counts,
+        screen_rank_corr=float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman"))
+        if len(sim) >= 3
+        else math.nan,
+        phases=dict(
+            trace_s=t_trace - t0,
+            enumerate_s=t_enum - t_trace,
+            screen_s=t_screen - t_enum,
+            simulate_s=t_sim - t_screen,
+            total_s=time.perf_counter() - t0,
+        ),
+    )
     if out is not None:
         write_outputs(df, Path(out), best=best, graph=graph, cost=cost)
     return df
@@ -359,17 +416,20 @@ def _chunks(assignments: list[dict], jobs: int) -> list[list[tuple[int, dict]]]:
     keys = list(assignments[0]) if assignments else []
     idx = sorted(range(len(assignments)), key=lambda i: tuple(str(assignments[i].get(k)) for k in keys))
     size = max(1, math.ceil(len(idx) / (8 * jobs)))
-    return [[(i, assignments[i]) for i in idx[k:k + size]] for k in range(0, len(idx), size)]
+    return [[(i, assignments[i]) for i in idx[k : k + size]] for k in range(0, len(idx), size)]
 
 
-def _plan_rows(sp: Space, assignments: list[dict], est: list, why: list, cost: CostModel,
-               k: int | None) -> tuple[list[dict], list[int], dict]:
+def _plan_rows(
+    sp: Space, assignments: list[dict], est: list, why: list, cost: CostModel, k: int | None
+) -> tuple[list[dict], list[int], dict]:
     """Rows with the screen's columns and the pruned plans' reasons; the candidates to simulate,
     in order; the counts."""
     cap = cost.device_memory_bytes
     n = len(assignments)
-    rows = [_nan_row(why[i], screen_time_s=math.nan, screen_mem_gib=math.nan, screen_rank=math.nan,
-                     simulated=False) for i in range(n)]
+    rows = [
+        _nan_row(why[i], screen_time_s=math.nan, screen_mem_gib=math.nan, screen_rank=math.nan, simulated=False)
+        for i in range(n)
+    ]
     ranked = sorted((i for i in range(n) if est[i] is not None), key=lambda i: est[i].time_s)
     for r, i in enumerate(ranked):
         rows[i].update(screen_time_s=est[i].time_s, screen_mem_gib=est[i].mem_bytes / 2**30, screen_rank=r + 1)
@@ -381,19 +441,29 @@ def _plan_rows(sp: Space, assignments: list[dict], est: list, why: list, cost: C
             if e.static_bytes > cap:
                 what, need = "weights, gradients and optimizer states alone need", e.static_bytes
             else:
-                what, need = "weights, optimizer states and the activations saved in flight need at least", e.bound_bytes
+                what, need = (
+                    "weights, optimizer states and the activations saved in flight need at least",
+                    e.bound_bytes,
+                )
             rows[i]["reason"] = f"{what} {need / 2**30:.1f} GiB per device (device memory {cap / 2**30:.1f} GiB)"
-    live = [(est[i].time_s, est[i].mem_bytes) if est[i] is not None and est[i].bound_bytes <= cap else None
-            for i in range(n)]
+    live = [
+        (est[i].time_s, est[i].mem_bytes) if est[i] is not None and est[i].bound_bytes <= cap else None
+        for i in range(n)
+    ]
     unknown = [i for i in range(n) if est[i] is None and why[i].startswith(SCREEN_FAILED)]
     chosen = choose_candidates(live, k=k, memory_bytes=cap, parts=_frame_parts(sp, assignments)) + unknown
     for i in range(n):
         if rows[i]["reason"] or live[i] is None:
             continue
-        rows[i]["reason"] = ("not simulated: the screen estimates " if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else
-                             f"not simulated: screen rank {rows[i]['screen_rank']} of {len(ranked)}, estimated ") + \
-            f"{est[i].time_s:.3g} s and {est[i].mem_bytes / 2**30:.1f} GiB per device" + \
-            (f" (device memory {cap / 2**30:.1f} GiB)" if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else "")
+        rows[i]["reason"] = (
+            (
+                "not simulated: the screen estimates "
+                if est[i].mem_bytes > cap * (1 + MEMORY_SLACK)
+                else f"not simulated: screen rank {rows[i]['screen_rank']} of {len(ranked)}, estimated "
+            )
+            + f"{est[i].time_s:.3g} s and {est[i].mem_bytes / 2**30:.1f} GiB per device"
+            + (f" (device memory {cap / 2**30:.1f} GiB)" if est[i].mem_bytes > cap * (1 + MEMORY_SLACK) else "")
+        )
     counts = dict(plans=n, screened=len(ranked), pruned=pruned, candidates=len(chosen))
     return rows, chosen, counts
 
@@ -406,9 +476,16 @@ def _frame_parts(sp: Space, assignments: list[dict]) -> dict[str, list[bool]]:
     return part_masks(sp, pd.DataFrame(assignments)) if assignments else {}
 
 
-def _simulate_all(order: list[int], assignments: list[dict], rows: list[dict], workers: _Workers,
-                  progress: bool, deadline: float | None) -> int:
+def _simulate_all(
+    order: list[int],
+    assignments: list[dict],
+    rows: list[dict],
+    workers: _Workers,
+    progress: bool,
+    deadline: float | None,
+) -> int:
     """Simulate ``order`` (fastest estimate first) until ``deadline``; returns how many were."""
+
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
@@ -449,8 +526,11 @@ def _simulate_all(order: list[int], assignments: list[dict], rows: list[dict], w
     bar.close()
     for i in order:
         if not rows[i]["simulated"]:
-            rows[i]["reason"] = (f"{BUDGET_REASON}; screen estimate {rows[i]['screen_time_s']:.3g} s"
-                                 if not math.isnan(rows[i]["screen_time_s"]) else BUDGET_REASON)
+            rows[i]["reason"] = (
+                f"{BUDGET_REASON}; screen estimate {rows[i]['screen_time_s']:.3g} s"
+                if not math.isnan(rows[i]["screen_time_s"])
+                else BUDGET_REASON
+            )
     return done
 
 
@@ -475,13 +555,18 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
     df["feasible"] = df["feasible"].astype(bool)
     df["simulated"] = df["simulated"].astype(bool)
     df["pareto"] = pareto_mask(df)
-    df = df.sort_values(["feasible", "simulated", "iter_time_s", "screen_time_s"],
-                        ascending=[False, False, True, True], na_position="last", kind="stable")
+    df = df.sort_values(
+        ["feasible", "simulated", "iter_time_s", "screen_time_s"],
+        ascending=[False, False, True, True],
+        na_position="last",
+        kind="stable",
+    )
     return df.reset_index(drop=True)
 
 
-def write_outputs(df: pd.DataFrame, out: Path, *, best: Plan | None = None, graph: Graph | None = None,
-                  cost: CostModel | None = None) -> None:
+def write_outputs(
+    df: pd.DataFrame, out: Path, *, best: Plan | None = None, graph: Graph | None = None, cost: CostModel | None = None
+) -> None:
     """results.csv, pareto.png and best_plan.json (and with ``graph`` and ``cost``, the best plan's
     timeline.png and memory.png), each written whole or not at all."""
     from planlab.plotting import memory_plot, pareto_plot, timeline_plot

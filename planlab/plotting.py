@@ -49,27 +49,65 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
     if "screen_time_s" in df:
         est = df[~sim & df["screen_time_s"].notna()]
         if len(est):
-            ax.scatter(est["screen_mem_gib"] * scale, est["screen_time_s"], s=6, color="0.75", alpha=0.6,
-                       label=f"screen estimate, not simulated ({len(est)})", zorder=1)
-    ax.scatter(ok["peak_mem_gib"] * scale, ok["iter_time_s"], s=18, label=f"feasible ({len(ok)})", color="tab:blue",
-               zorder=3)
+            ax.scatter(
+                est["screen_mem_gib"] * scale,
+                est["screen_time_s"],
+                s=6,
+                color="0.75",
+                alpha=0.6,
+                label=f"screen estimate, not simulated ({len(est)})",
+                zorder=1,
+            )
+    ax.scatter(
+        ok["peak_mem_gib"] * scale, ok["iter_time_s"], s=18, label=f"feasible ({len(ok)})", color="tab:blue", zorder=3
+    )
     if len(bad):
-        ax.scatter(bad["peak_mem_gib"] * scale, bad["iter_time_s"], s=18, marker="x", color="tab:gray",
-                   label=f"out of memory ({len(bad)})", zorder=2)
+        ax.scatter(
+            bad["peak_mem_gib"] * scale,
+            bad["iter_time_s"],
+            s=18,
+            marker="x",
+            color="tab:gray",
+            label=f"out of memory ({len(bad)})",
+            zorder=2,
+        )
     front = ok[ok["pareto"] == True].sort_values("peak_mem_gib")  # noqa: E712
     if len(front):
-        ax.step(front["peak_mem_gib"] * scale, front["iter_time_s"], where="post", color="tab:red",
-                label="Pareto front", zorder=4)
-        ax.scatter(front["peak_mem_gib"] * scale, front["iter_time_s"], s=46, facecolors="none",
-                   edgecolors="tab:red", zorder=4)
+        ax.step(
+            front["peak_mem_gib"] * scale,
+            front["iter_time_s"],
+            where="post",
+            color="tab:red",
+            label="Pareto front",
+            zorder=4,
+        )
+        ax.scatter(
+            front["peak_mem_gib"] * scale, front["iter_time_s"], s=46, facecolors="none", edgecolors="tab:red", zorder=4
+        )
     for k, (name, i) in enumerate(sorted((df.attrs.get("part_best") or {}).items())):
-        ax.scatter([df.loc[i, "peak_mem_gib"] * scale], [df.loc[i, "iter_time_s"]], s=70,
-                   marker=PART_MARKERS[k % len(PART_MARKERS)], facecolors="none", edgecolors="k", linewidths=1.2,
-                   label=f"best of {name}: {_knobs_text(df, i)}", zorder=5)
+        ax.scatter(
+            [df.loc[i, "peak_mem_gib"] * scale],
+            [df.loc[i, "iter_time_s"]],
+            s=70,
+            marker=PART_MARKERS[k % len(PART_MARKERS)],
+            facecolors="none",
+            edgecolors="k",
+            linewidths=1.2,
+            label=f"best of {name}: {_knobs_text(df, i)}",
+            zorder=5,
+        )
     if len(ok):
         i = ok["iter_time_s"].idxmin()
-        ax.scatter([df.loc[i, "peak_mem_gib"] * scale], [df.loc[i, "iter_time_s"]], s=160, marker="*",
-                   color="gold", edgecolors="k", label=f"chosen: {_knobs_text(df, i)}", zorder=6)
+        ax.scatter(
+            [df.loc[i, "peak_mem_gib"] * scale],
+            [df.loc[i, "iter_time_s"]],
+            s=160,
+            marker="*",
+            color="gold",
+            edgecolors="k",
+            label=f"chosen: {_knobs_text(df, i)}",
+            zorder=6,
+        )
     cap = df.attrs.get("device_memory_gib")
     if cap and cap <= 3 * max(top, 1e-9):
         ax.axvline(cap * scale, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
@@ -101,7 +139,7 @@ def timeline_plot(result, path: str | os.PathLike, *, title: str = "", max_lanes
     members = _members(result)
     devices = sorted({e.device for e in result.events}) or sorted(members)
     if len(devices) > max_lanes:  # first and last classes: where a pipeline starts and drains
-        devices = devices[:max_lanes // 2] + devices[-(max_lanes - max_lanes // 2):]
+        devices = devices[: max_lanes // 2] + devices[-(max_lanes - max_lanes // 2) :]
     lanes = {d: i for i, d in enumerate(devices)}
     fig, ax = plt.subplots(figsize=(11, max(2.2, 0.9 + 0.55 * len(lanes))))
     bars: dict[tuple[float, str], list] = defaultdict(list)
@@ -118,12 +156,19 @@ def timeline_plot(result, path: str | os.PathLike, *, title: str = "", max_lanes
         bars[(y, color)].append((e.start_s, e.end_s - e.start_s))
     for (y, color), spans in bars.items():
         ax.broken_barh(spans, (y, 0.38), color=color, linewidth=0)
-    ax.set_yticks([i + 0.4 for i in lanes.values()],
-                  [f"device {d} (x{members.get(d, 1)})" for d in lanes])
+    ax.set_yticks([i + 0.4 for i in lanes.values()], [f"device {d} (x{members.get(d, 1)})" for d in lanes])
     ax.invert_yaxis()
-    handles = [matplotlib.patches.Patch(color=c, label=lab) for lab, c in
-               (("forward", "tab:blue"), ("backward", "tab:green"), ("recompute", "tab:red"),
-                ("update", "tab:purple"), ("communication", "tab:orange"), ("wait", "0.7"))]
+    handles = [
+        matplotlib.patches.Patch(color=c, label=lab)
+        for lab, c in (
+            ("forward", "tab:blue"),
+            ("backward", "tab:green"),
+            ("recompute", "tab:red"),
+            ("update", "tab:purple"),
+            ("communication", "tab:orange"),
+            ("wait", "0.7"),
+        )
+    ]
     ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_xlabel("time (s)")
     ax.set_title(_title(title, f"iteration {result.iter_time_s * 1e3:.1f} ms"), fontsize=9)

@@ -35,8 +35,9 @@ DROPOUT = 0.1  # Megatron-LM's default hidden and attention dropout
 
 # Megatron-DeepSpeed in fp16 (DeepSpeed's FP16 optimizer): fp16 weights and gradients (reduced in
 # fp16 over data parallelism), fp32 master weights and Adam's two moments (12 bytes per parameter).
-DEEPSPEED_FP16 = Precision("fp16-deepspeed", activation_bytes=2, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
-                           compute_dtype="fp16")
+DEEPSPEED_FP16 = Precision(
+    "fp16-deepspeed", activation_bytes=2, param_bytes=2, grad_bytes=2, optimizer_bytes=12, compute_dtype="fp16"
+)
 
 
 def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
@@ -45,8 +46,7 @@ def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
     return math.ceil(vocab / multiple) * multiple
 
 
-def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1,
-                 dropout: float = DROPOUT):
+def megatron_gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1, dropout: float = DROPOUT):
     """The model of a measured run (``--model planlab.validation:megatron_gpt``): (module, inputs)."""
     cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout, vocab_parallel=1)
     here = torch.empty(0).device  # meta when planlab traces, the CPU when the executor runs the model
@@ -74,8 +74,19 @@ class MeasuredRun:
         return self.global_batch // (self.dp * self.micro_batch)
 
 
-_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers", "sequence length",
-            "tensor parallelism", "data parallelism", "pipeline parallelism", "iteration time (ms)")
+_COLUMNS = (
+    "# GPUs",
+    "global batch",
+    "micro batch",
+    "hidden size",
+    "attention heads",
+    "# layers",
+    "sequence length",
+    "tensor parallelism",
+    "data parallelism",
+    "pipeline parallelism",
+    "iteration time (ms)",
+)
 
 
 def load_runs(path: str | os.PathLike) -> list[MeasuredRun]:
@@ -87,8 +98,9 @@ def load_runs(path: str | os.PathLike) -> list[MeasuredRun]:
             reader = csv.DictReader(fh)
             missing = [c for c in _COLUMNS if c not in (reader.fieldnames or ())]
             if missing:
-                raise ConfigError(f"{str(path)!r}: column {missing[0]!r} is missing; expected the columns "
-                                  f"{', '.join(_COLUMNS)}")
+                raise ConfigError(
+                    f"{str(path)!r}: column {missing[0]!r} is missing; expected the columns {', '.join(_COLUMNS)}"
+                )
             rows = list(reader)
     except OSError as e:
         raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}") from None
@@ -99,15 +111,19 @@ def load_runs(path: str | os.PathLike) -> list[MeasuredRun]:
             try:
                 v = float(r[c]) if c == _COLUMNS[-1] else int(r[c])
             except (TypeError, ValueError):
-                raise ConfigError(f"{str(path)!r} line {i}: column {c!r} is {r.get(c)!r}; expected "
-                                  f"{'a number of milliseconds' if c == _COLUMNS[-1] else 'an integer'}") from None
+                raise ConfigError(
+                    f"{str(path)!r} line {i}: column {c!r} is {r.get(c)!r}; expected "
+                    f"{'a number of milliseconds' if c == _COLUMNS[-1] else 'an integer'}"
+                ) from None
             if v <= 0:
                 raise ConfigError(f"{str(path)!r} line {i}: column {c!r} is {v!r}; expected a positive value")
             vals.append(v)
         run = MeasuredRun(*vals[:-1], vals[-1] / 1e3)
         if run.tp * run.dp * run.pp != run.gpus or run.global_batch % (run.dp * run.micro_batch):
-            raise ConfigError(f"{str(path)!r} line {i}: tp x dp x pp = {run.tp * run.dp * run.pp} for {run.gpus} GPUs, "
-                              f"or dp x micro batch does not divide the global batch {run.global_batch}")
+            raise ConfigError(
+                f"{str(path)!r} line {i}: tp x dp x pp = {run.tp * run.dp * run.pp} for {run.gpus} GPUs, "
+                f"or dp x micro batch does not divide the global batch {run.global_batch}"
+            )
         out.append(run)
     return out
 
@@ -153,17 +169,22 @@ def rebatch(graph, batch: int):
             raise ConfigError(f"rebatch: a batch axis of size {n} is not a multiple of the traced batch {base}")
         return n // base * batch
 
-    tensors = {name: replace(spec, shape=tuple(scaled(n) if graph.labels.get((name, a)) == label else n
-                                              for a, n in enumerate(spec.shape)))
-               for name, spec in graph.tensors.items()}
+    tensors = {
+        name: replace(
+            spec,
+            shape=tuple(scaled(n) if graph.labels.get((name, a)) == label else n for a, n in enumerate(spec.shape)),
+        )
+        for name, spec in graph.tensors.items()
+    }
     ops = []
     for op in graph.operators:
         names = op.inputs + op.outputs
         batched = any(graph.labels.get((t, a)) == label for t in names for a in range(len(graph.tensors[t].shape)))
         dims = {d: scaled(n) if graph.dim_label(op, d) == label else n for d, n in op.dim_sizes.items()}
         nbytes = float(sum(tensors[t].nbytes for t in names)) if op.bytes_moved else 0.0
-        ops.append(replace(op, dim_sizes=dims, flops=op.flops * batch / base if batched else op.flops,
-                           bytes_moved=nbytes))
+        ops.append(
+            replace(op, dim_sizes=dims, flops=op.flops * batch / base if batched else op.flops, bytes_moved=nbytes)
+        )
     return Graph(tensors, ops, graph.inputs, graph.loss, dict(graph.labels), graph.unknown)
 
 
@@ -171,13 +192,21 @@ def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes:
     """The plan of ``run``: the megatron space's pipeline, data and tensor parallelism and full
     recompute, built directly (so tensor parallelism may span nodes), with the vocabulary-parallel
     embedding, output layer and loss split over the tensor-parallel group as Megatron-LM splits them."""
-    from planlab.search_spaces.builtin import (DataParallel, PipelineParallel, Recompute,
-                                               tensor_parallel_dims)
+    from planlab.search_spaces.builtin import DataParallel, PipelineParallel, Recompute, tensor_parallel_dims
     from planlab.search_spaces.space import Context, Draft
 
     ctx = Context(graph, spec, run.global_batch, cluster, nodes, run.gpus, per_node)
-    knobs = dict(pp=run.pp, dp=run.dp, tp=run.tp, microbatch=run.micro_batch, recompute="full",
-                 schedule="1f1b", virtual_stages=1, zero=0, sequence_parallel=False)
+    knobs = dict(
+        pp=run.pp,
+        dp=run.dp,
+        tp=run.tp,
+        microbatch=run.micro_batch,
+        recompute="full",
+        schedule="1f1b",
+        virtual_stages=1,
+        zero=0,
+        sequence_parallel=False,
+    )
     if run.layers % run.pp or run.heads % run.tp:
         raise ConfigError(f"pp={run.pp} must divide the {run.layers} layers and tp={run.tp} the {run.heads} heads")
     draft = Draft(ctx)
@@ -211,8 +240,9 @@ def program_of(run: MeasuredRun, cluster: str, *, batch: int | None = None):
     in their global batch share one materialization (see :func:`validate`)."""
     cost = _cost(cluster, _nodes(run, cluster))
     batch = run.global_batch if batch is None else batch
-    program = _template(run.hidden, run.heads, run.layers, run.seq, run.tp, run.dp, run.pp, run.micro_batch,
-                        batch, cluster)
+    program = _template(
+        run.hidden, run.heads, run.layers, run.seq, run.tp, run.dp, run.pp, run.micro_batch, batch, cluster
+    )
     if batch == run.global_batch:
         return program, cost
     sched = schedules(run, run.microbatches)
@@ -232,8 +262,9 @@ def _template(hidden, heads, layers, seq, tp, dp, pp, micro_batch, batch, cluste
     plan = megatron_plan(run, graph, spec, cluster, cost.cluster.nodes, cost.cluster.node.devices_per_node)
     sched = schedules(run, run.microbatches)
     plan = replace(plan, schedule=tuple(sched[d // (dp * tp)] for d in range(plan.num_devices)))
-    program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16,
-                          overlap_grad_reduce=False)
+    program = materialize(
+        plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16, overlap_grad_reduce=False
+    )
     return partition_pipeline_messages(program, tp)
 
 
@@ -259,8 +290,17 @@ def partition_pipeline_messages(program, tp: int):
                     tasks.append(replace(t, nbytes=t.nbytes // tp))
                     if t.kind is TaskKind.RECV:
                         buf = t.writes[0] if t.writes else ""
-                        tasks.append(Task(f"{t.name}:gather", TaskKind.COLLECTIVE, (buf,), (buf,),
-                                          collective="all_gather", group=group, nbytes=t.nbytes))
+                        tasks.append(
+                            Task(
+                                f"{t.name}:gather",
+                                TaskKind.COLLECTIVE,
+                                (buf,),
+                                (buf,),
+                                collective="all_gather",
+                                group=group,
+                                nbytes=t.nbytes,
+                            )
+                        )
                     continue
                 tasks.append(t)
             blocks[key] = replace(block, tasks=tuple(tasks))
@@ -316,8 +356,10 @@ def validate(runs: list[MeasuredRun], cluster: str, *, jobs: int = 1) -> pd.Data
     groups: dict[tuple, list[MeasuredRun]] = {}
     for r in runs:  # one traced model per group (rebatched for each run), programs shared within
         groups.setdefault((r.hidden, r.heads, r.layers, r.seq, padded_vocab(r.tp)), []).append(r)
-    work = [([(r, r.dp * r.micro_batch if shared[shape(r)] > 1 else r.global_batch) for r in sorted(g, key=shape)],
-             cluster) for _, g in sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][2] * kv[0][0] ** 2)]
+    work = [
+        ([(r, r.dp * r.micro_batch if shared[shape(r)] > 1 else r.global_batch) for r in sorted(g, key=shape)], cluster)
+        for _, g in sorted(groups.items(), key=lambda kv: -len(kv[1]) * kv[0][2] * kv[0][0] ** 2)
+    ]
     if jobs > 1 and len(work) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             parts = list(pool.map(_predict_group, work))

@@ -58,7 +58,7 @@ def blocks(path: Path) -> list[Block]:
             j += 1
         words = tuple(info[1:])
         opts = dict(w.split("=", 1) for w in words if "=" in w)
-        out.append(Block(path, i + 1, info[0] if info else "", words, "\n".join(lines[i + 1:j]) + "\n", opts))
+        out.append(Block(path, i + 1, info[0] if info else "", words, "\n".join(lines[i + 1 : j]) + "\n", opts))
         i = j + 1
     return out
 
@@ -107,5 +107,4 @@ def commands(block: Block) -> list[str]:
 
 
 def all_commands() -> list[tuple[Block, str]]:
-    return [(b, c) for p in documents() for b in blocks(p) if b.lang in SHELL and b.file is None
-            for c in commands(b)]
+    return [(b, c) for p in documents() for b in blocks(p) if b.lang in SHELL and b.file is None for c in commands(b)]

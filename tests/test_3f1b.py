@@ -61,18 +61,27 @@ def test_3f1b_keeps_1f1b_memory_where_the_plain_schedule_cannot():
     spec, _ = traced("evoformer-tiny", 8, (("blocks", 4), ("recycles", 3)))
     got = {}
     for space in ("3f1b", "megatron"):
-        df = planlab.explore(spec, cluster="cpu", nodes=2, space=space, global_batch=8,
-                             fixed=dict(pp=2, dp=1, tp=1, microbatch=1, recompute="none"))
+        df = planlab.explore(
+            spec,
+            cluster="cpu",
+            nodes=2,
+            space=space,
+            global_batch=8,
+            fixed=dict(pp=2, dp=1, tp=1, microbatch=1, recompute="none"),
+        )
         got[space] = (float(df["iter_time_s"].min()), float(df["peak_mem_gib"].min()))
     assert got["3f1b"][1] < 0.5 * got["megatron"][1], got
     assert got["3f1b"][0] < 1.05 * got["megatron"][0], got
 
 
-@pytest.mark.parametrize("model,knobs,message", [
-    ("evoformer-tiny", dict(pp=2, dp=1, tp=1, microbatch=1), "runs its trunk once: give it recycles > 1"),
-    ("recycled", dict(pp=1, dp=2, tp=1, microbatch=1), "knob 'pp' = 1 is outside its range: choose 2"),
-    ("recycled", dict(pp=2, dp=1, tp=1, microbatch=4), "3f1b runs micro-batches in groups of pp=2: the 1 micro"),
-])
+@pytest.mark.parametrize(
+    "model,knobs,message",
+    [
+        ("evoformer-tiny", dict(pp=2, dp=1, tp=1, microbatch=1), "runs its trunk once: give it recycles > 1"),
+        ("recycled", dict(pp=1, dp=2, tp=1, microbatch=1), "knob 'pp' = 1 is outside its range: choose 2"),
+        ("recycled", dict(pp=2, dp=1, tp=1, microbatch=4), "3f1b runs micro-batches in groups of pp=2: the 1 micro"),
+    ],
+)
 def test_constraint_messages(model, knobs, message):
     args = (("recycles", 2),) if model == "recycled" else ()
     spec, g = traced("evoformer-tiny", 4, args)

@@ -78,8 +78,7 @@ def test_dp_slices_even_layers_evenly_and_avoids_infeasible_stages():
     sl = slice_stages(lambda a, b, s: (b - a) + (2.0 if s == 0 else 0.0), 6, 2, 8)
     assert sl.bounds == (0, 2, 6) and sl.latency_s == pytest.approx(4 + 4 + 7 * 4)
     # stage 0 cannot hold more than one layer (memory)
-    assert slice_stages(lambda a, b, s: math.inf if s == 0 and b - a > 1 else float(b - a), 4, 2, 1).bounds \
-        == (0, 1, 4)
+    assert slice_stages(lambda a, b, s: math.inf if s == 0 and b - a > 1 else float(b - a), 4, 2, 1).bounds == (0, 1, 4)
     with pytest.raises(InfeasiblePlan, match="no slicing"):
         slice_stages(lambda a, b, s: math.inf, 4, 2, 1)
     with pytest.raises(InfeasiblePlan, match="3 pipeline stages cannot hold 2 layers"):
@@ -100,7 +99,8 @@ def test_dp_matches_brute_force_on_a_random_cost_table(seed):
     got = slice_stages(t, layers, stages, m)
     assert got.latency_s == pytest.approx(want[0])
     assert _brute_slicing(lambda a, b, s: t(a, b, s), layers, stages, m)[0] == pytest.approx(
-        sum(got.times_s) + (m - 1) * max(got.times_s))
+        sum(got.times_s) + (m - 1) * max(got.times_s)
+    )
 
 
 # -- cost tables -----------------------------------------------------------------------------------
@@ -160,10 +160,13 @@ def _check_run(plan, n):
     assert res.losses[1] < res.losses[0]
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(pp=1, tp=1, microbatch=4)),  # a one-axis mesh of 2: batch, sequence or heads per operator
-    (2, dict(pp=2, tp=1, microbatch=2)),  # two uneven-capable stages, 1F1B over 4 micro-batches
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(pp=1, tp=1, microbatch=4)),  # a one-axis mesh of 2: batch, sequence or heads per operator
+        (2, dict(pp=2, tp=1, microbatch=2)),  # two uneven-capable stages, 1F1B over 4 micro-batches
+    ],
+)
 def test_alpa_plans_match_one_process(n, knobs):
     ctx = _ctx(n)
     _check_run(get_space("alpa").build(ctx, knobs), n)
@@ -186,8 +189,11 @@ def test_impossible_knobs_are_config_errors_naming_space_knob_and_value():
         sp.build(ctx, dict(pp=2, tp=4, microbatch=1))
     with pytest.raises(ConfigError, match=r"dp=4 x microbatch=4 does not divide the global batch 8"):
         sp.build(ctx, dict(pp=1, tp=1, microbatch=4))
-    with pytest.raises(ConfigError, match=r"tp=2 leaves dp=1, a one-axis mesh: with microbatch=4 it is the plan "
-                                          r"of tp=1, microbatch=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tp=2 leaves dp=1, a one-axis mesh: with microbatch=4 it is the plan "
+        r"of tp=1, microbatch=2",
+    ):
         sp.build(ctx, dict(pp=2, tp=2, microbatch=4))
     assert sp.build(ctx, dict(pp=2, tp=2, microbatch=1)).num_devices == 4  # 8 micro-batches: no tp=1 twin
     with pytest.raises(ConfigError, match=r"space 'alpa' has no knob 'dp'"):

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from planlab.costmodel import CostModel, load_cluster
-from planlab.costmodel.fit import (AlphaBeta, Roofline, fit_alpha_beta, fit_linear, fit_roofline, robust_overhead,
-                                   roofline_time_s)
+from planlab.costmodel.fit import (
+    AlphaBeta,
+    Roofline,
+    fit_alpha_beta,
+    fit_linear,
+    fit_roofline,
+    robust_overhead,
+    roofline_time_s,
+)
 from planlab.costmodel.hardware import Efficiency
 from planlab.costmodel.calibrate import expected_s, fit_collectives, fit_optimizer, typical_s
 from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile
@@ -56,8 +63,15 @@ def _kernel_shapes() -> list[tuple[float, float]]:
 def test_fit_roofline_recovers_parameters(noise: float) -> None:
     rng = np.random.default_rng(0)
     t = TRUE
-    data = [(f, b, roofline_time_s(f, b, t["peak"], t["ec"], t["bw"], t["em"], t["launch"])
-             * (1 + noise * rng.standard_normal())) for f, b in _kernel_shapes()]
+    data = [
+        (
+            f,
+            b,
+            roofline_time_s(f, b, t["peak"], t["ec"], t["bw"], t["em"], t["launch"])
+            * (1 + noise * rng.standard_normal()),
+        )
+        for f, b in _kernel_shapes()
+    ]
     fit = fit_roofline(data, launch_s=t["launch"])
     if noise == 0:  # exact data: every parameter back
         assert fit.peak_flops_per_s == pytest.approx(t["peak"], rel=0.01)
@@ -78,13 +92,16 @@ def test_fit_roofline_recovers_parameters(noise: float) -> None:
 def test_fit_optimizer_recovers_parameters(fixed_s: float, per_tensor_s: float, per_param_s: float) -> None:
     grid = [(1, 1000), (1, 10**6), (8, 1000), (32, 32000), (64, 4000), (8, 800_000)]
     fit = fit_optimizer([(k, n, fixed_s + per_tensor_s * k + per_param_s * n) for k, n in grid])
-    assert (fit.fixed_s, fit.per_tensor_s, fit.per_param_s) == pytest.approx((fixed_s, per_tensor_s, per_param_s),
-                                                                              rel=1e-6, abs=1e-12)
+    assert (fit.fixed_s, fit.per_tensor_s, fit.per_param_s) == pytest.approx(
+        (fixed_s, per_tensor_s, per_param_s), rel=1e-6, abs=1e-12
+    )
 
 
 def test_fit_collectives_from_points() -> None:
-    measured = {"all_reduce/2": [[n, 90e-6 + n / 1.5e9] for n in (4096, 65536, MiB, 4 * MiB)],
-                "p2p/2": [[n, 40e-6 + n / 3e9] for n in (4096, MiB)]}
+    measured = {
+        "all_reduce/2": [[n, 90e-6 + n / 1.5e9] for n in (4096, 65536, MiB, 4 * MiB)],
+        "p2p/2": [[n, 40e-6 + n / 3e9] for n in (4096, MiB)],
+    }
     fits = {(c.kind, c.ranks): c for c in fit_collectives(measured)}
     assert fits[("all_reduce", 2)].fit.alpha_s == pytest.approx(90e-6)
     assert fits[("all_reduce", 2)].fit.bytes_per_s == pytest.approx(1.5e9)
@@ -129,11 +146,14 @@ LINEAR_F = KernelTime("F", "linear", "fp32", (512, 64, 256), 2.0 * 512 * 64 * 25
 
 def toy_profile() -> Profile:
     return Profile(
-        device="cpu", rooflines=(("fp32", ROOF),),
+        device="cpu",
+        rooflines=(("fp32", ROOF),),
         task_overhead_s=(("B", 60e-6), ("F", 20e-6), ("L", 10e-6)),
         optimizer=OptimizerFit(100e-6, 50e-6, 4e-9),
-        collectives=(CollectiveFit("all_reduce", 2, AlphaBeta(90e-6, 1.5e9), ((4096.0, 93e-6),)),
-                     CollectiveFit("p2p", 2, AlphaBeta(40e-6, 3e9))),
+        collectives=(
+            CollectiveFit("all_reduce", 2, AlphaBeta(90e-6, 1.5e9), ((4096.0, 93e-6),)),
+            CollectiveFit("p2p", 2, AlphaBeta(40e-6, 3e9)),
+        ),
         kernels=(LINEAR_F, KernelTime("B", "linear", "fp32", (512, 64, 256), 2 * LINEAR_F.flops, 700_000.0, 900e-6)),
         meta=(("host", "test"), ("quick", True)),
         view_task_s=(("B", 25e-6), ("F", 12e-6)),
@@ -147,8 +167,9 @@ def _close(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
     if hasattr(a, "__dataclass_fields__"):
-        return type(a) is type(b) and all(_close(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__
-                                          if f not in ("meta", "path"))
+        return type(a) is type(b) and all(
+            _close(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__ if f not in ("meta", "path")
+        )
     return a == b
 
 
@@ -190,20 +211,32 @@ def _broken(**changes) -> dict:
         (_broken(version=7), ["'version'", "version 1"]),
         (_broken(device=None), ["'device'", "missing"]),
         (_broken(kernel_model={"fp64": {}}), ["'kernel_model.fp64'", "dtype", "'bf16'"]),
-        (_broken(kernel_model={"fp32": dict(toy_profile().to_json()["kernel_model"]["fp32"], peak_gflops=-1)}),
-         ["'kernel_model.fp32.peak_gflops'", "GFLOP/s", "-1"]),
+        (
+            _broken(kernel_model={"fp32": dict(toy_profile().to_json()["kernel_model"]["fp32"], peak_gflops=-1)}),
+            ["'kernel_model.fp32.peak_gflops'", "GFLOP/s", "-1"],
+        ),
         (_broken(task_overhead_us={"F": 20, "X": 3}), ["'task_overhead_us.X'", "not a known field"]),
         (_broken(task_overhead_us={"F": 5e7}), ["'task_overhead_us.F'", "microseconds", "[0, 1e+06]"]),
-        (_broken(collectives=[{"kind": "allreduce", "ranks": 2, "alpha_us": 1, "GBps": 1}]),
-         ["'collectives[0].kind'", "'all_reduce'"]),
-        (_broken(collectives=[{"kind": "all_reduce", "ranks": 0, "alpha_us": 1, "GBps": 1}]),
-         ["'collectives[0].ranks'", "integer >= 1"]),
-        (_broken(collectives=[{"kind": "all_reduce", "ranks": 2, "alpha_us": 1, "GBps": 1, "points": [[1]]}]),
-         ["'collectives[0].points'", "[bytes, microseconds] pairs"]),
-        (_broken(kernels=[dict(toy_profile().to_json()["kernels"][0], shape=[4, -1])]),
-         ["'kernels[0].shape'", "positive integers"]),
-        (_broken(kernels=[dict(toy_profile().to_json()["kernels"][0], time_us=0)]),
-         ["'kernels[0].time_us'", "microseconds"]),
+        (
+            _broken(collectives=[{"kind": "allreduce", "ranks": 2, "alpha_us": 1, "GBps": 1}]),
+            ["'collectives[0].kind'", "'all_reduce'"],
+        ),
+        (
+            _broken(collectives=[{"kind": "all_reduce", "ranks": 0, "alpha_us": 1, "GBps": 1}]),
+            ["'collectives[0].ranks'", "integer >= 1"],
+        ),
+        (
+            _broken(collectives=[{"kind": "all_reduce", "ranks": 2, "alpha_us": 1, "GBps": 1, "points": [[1]]}]),
+            ["'collectives[0].points'", "[bytes, microseconds] pairs"],
+        ),
+        (
+            _broken(kernels=[dict(toy_profile().to_json()["kernels"][0], shape=[4, -1])]),
+            ["'kernels[0].shape'", "positive integers"],
+        ),
+        (
+            _broken(kernels=[dict(toy_profile().to_json()["kernels"][0], time_us=0)]),
+            ["'kernels[0].time_us'", "microseconds"],
+        ),
         (_broken(kernels={"a": 1}), ["'kernels'", "JSON list"]),
         (_broken(view_task_us={"F": 1, "C": 2}), ["'view_task_us.C'", "not a known field"]),
         (_broken(concurrent_slowdown={"1": 1.5}), ["'concurrent_slowdown.1'", "ranks >= 2"]),
@@ -232,8 +265,12 @@ def test_profile_for_another_device_is_refused() -> None:
         # the backward entry for the backward phase
         (2 * LINEAR_F.flops, LINEAR_F.bytes_moved, "B", 900e-6),
         # a near shape (1.5x the flop): the measured time scaled by the fitted model's ratio
-        (1.5 * LINEAR_F.flops, LINEAR_F.bytes_moved, "F",
-         400e-6 * ROOF.time_s(1.5 * LINEAR_F.flops, 700_000.0) / ROOF.time_s(LINEAR_F.flops, 700_000.0)),
+        (
+            1.5 * LINEAR_F.flops,
+            LINEAR_F.bytes_moved,
+            "F",
+            400e-6 * ROOF.time_s(1.5 * LINEAR_F.flops, 700_000.0) / ROOF.time_s(LINEAR_F.flops, 700_000.0),
+        ),
         # far from every measured shape: the fitted roofline
         (1e10, 1e8, "F", ROOF.time_s(1e10, 1e8)),
         (1e3, 1e4, None, ROOF.time_s(1e3, 1e4)),
@@ -295,8 +332,10 @@ def _task(kind: TaskKind, **kw) -> Task:
         (_task(TaskKind.FORWARD), 12e-6),
         (_task(TaskKind.BACKWARD), 25e-6),
         # the optimizer over 3 tensors of 1,000 parameters in all (12 flop per parameter)
-        (_task(TaskKind.OPTIMIZER, writes=("w:a", "w:b", "w:c"), flops=12_000.0, bytes_moved=1.0),
-         100e-6 + 3 * 50e-6 + 1000 * 4e-9),
+        (
+            _task(TaskKind.OPTIMIZER, writes=("w:a", "w:b", "w:c"), flops=12_000.0, bytes_moved=1.0),
+            100e-6 + 3 * 50e-6 + 1000 * 4e-9,
+        ),
         # a local copy of 4 KiB: 8 KiB of traffic on the roofline + 10 us
         (_task(TaskKind.LOCAL, alloc=(("x", 4096),)), ROOF.time_s(0.0, 8192.0) + 10e-6),
         # an all-reduce of 1 MiB over 2 ranks: the fit

@@ -18,9 +18,20 @@ import torch
 from planlab.cli import main
 from planlab.errors import CheckpointError
 from planlab.executor import launch_local, reference_run
-from planlab.executor.checkpoint import (MANIFEST, SAVE_TASK, assemble, check_checkpoint, commit, flat_range_boxes,
-                                         load_shards, param_specs, read_manifest, staging_dir, write_manifest,
-                                         write_rank_file)
+from planlab.executor.checkpoint import (
+    MANIFEST,
+    SAVE_TASK,
+    assemble,
+    check_checkpoint,
+    commit,
+    flat_range_boxes,
+    load_shards,
+    param_specs,
+    read_manifest,
+    staging_dir,
+    write_manifest,
+    write_rank_file,
+)
 from planlab.executor.failures import FAULT_ENV, RankFailure
 from planlab.executor.interpreter import Interpreter
 from planlab.models import build_model
@@ -55,31 +66,44 @@ def _plan(name):
 
 # -- boxes of a flat range ------------------------------------------------------
 
-@pytest.mark.parametrize("shape, lo, hi, boxes", [
-    ((4, 6), 0, 24, [((0, 4), (0, 6))]),
-    ((4, 6), 2, 5, [((0, 1), (2, 5))]),
-    ((4, 6), 3, 20, [((0, 1), (3, 6)), ((1, 3), (0, 6)), ((3, 4), (0, 2))]),
-    ((4, 6), 6, 18, [((1, 3), (0, 6))]),
-    ((2, 3, 4), 5, 19, [((0, 1), (1, 2), (1, 4)), ((0, 1), (2, 3), (0, 4)), ((1, 2), (0, 1), (0, 4)),
-                        ((1, 2), (1, 2), (0, 3))]),
-    ((7,), 2, 5, [((2, 5),)]),
-    ((), 0, 1, [()]),
-    ((4, 6), 5, 5, []),
-])
+
+@pytest.mark.parametrize(
+    "shape, lo, hi, boxes",
+    [
+        ((4, 6), 0, 24, [((0, 4), (0, 6))]),
+        ((4, 6), 2, 5, [((0, 1), (2, 5))]),
+        ((4, 6), 3, 20, [((0, 1), (3, 6)), ((1, 3), (0, 6)), ((3, 4), (0, 2))]),
+        ((4, 6), 6, 18, [((1, 3), (0, 6))]),
+        (
+            (2, 3, 4),
+            5,
+            19,
+            [((0, 1), (1, 2), (1, 4)), ((0, 1), (2, 3), (0, 4)), ((1, 2), (0, 1), (0, 4)), ((1, 2), (1, 2), (0, 3))],
+        ),
+        ((7,), 2, 5, [((2, 5),)]),
+        ((), 0, 1, [()]),
+        ((4, 6), 5, 5, []),
+    ],
+)
 def test_a_flat_range_is_cut_into_boxes_in_order(shape, lo, hi, boxes):
     assert flat_range_boxes(shape, lo, hi) == boxes
     full = torch.arange(math.prod(shape)).reshape(shape)
-    got = torch.cat([full[tuple(slice(a, b) for a, b in box)].reshape(-1) for box in boxes]) if boxes else \
-        torch.empty(0, dtype=full.dtype)
+    got = (
+        torch.cat([full[tuple(slice(a, b) for a, b in box)].reshape(-1) for box in boxes])
+        if boxes
+        else torch.empty(0, dtype=full.dtype)
+    )
     assert torch.equal(got, full.reshape(-1)[lo:hi])  # contiguous and in flattening order
     assert len(boxes) <= max(1, 2 * len(shape) - 1)
 
 
 def test_assemble_reshards_boxes():
     full = torch.arange(24.0).reshape(4, 6)
-    pieces = [{"box": [[0, 4], [0, 3]], "value": full[:, :3]},   # column halves, as TP saves them
-              {"box": [[0, 4], [3, 6]], "value": full[:, 3:]},
-              {"box": [[0, 4], [0, 6]], "value": full}]           # a replica overlaps both
+    pieces = [
+        {"box": [[0, 4], [0, 3]], "value": full[:, :3]},  # column halves, as TP saves them
+        {"box": [[0, 4], [3, 6]], "value": full[:, 3:]},
+        {"box": [[0, 4], [0, 6]], "value": full},
+    ]  # a replica overlaps both
     assert torch.equal(assemble(pieces, ((1, 3), (2, 5)), "w"), full[1:3, 2:5])
     assert torch.equal(assemble(pieces[:2], ((0, 4), (0, 6)), "w"), full)
     with pytest.raises(CheckpointError, match=r"parameter 'w', region \[\(0, 4\), \(0, 6\)\]: 12 of 24 elements"):
@@ -88,6 +112,7 @@ def test_assemble_reshards_boxes():
 
 
 # -- every plan writes and loads, in process -----------------------------------
+
 
 def _truth():
     """The logical weights (the seed's) and made-up Adam moments of every parameter."""
@@ -103,7 +128,7 @@ def _flat(z, boxes, full):
     """A ZeRO bucket's shard of the flattened pieces of ``full`` (padding zero)."""
     flat = torch.cat([full[p][tuple(slice(a, b) for a, b in boxes[p])].reshape(-1) for p in z.params])
     flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
-    return flat[z.me * z.chunk:(z.me + 1) * z.chunk]
+    return flat[z.me * z.chunk : (z.me + 1) * z.chunk]
 
 
 def _interpreters(name, module, inputs, *, blank: bool):
@@ -142,8 +167,9 @@ def _saved(name, root):
         f, index = write_rank_file(it, stage, it.device)
         files[f] = index
     plan, g, _ = _plan(name)
-    write_manifest(stage, files, model_json=plan.model.to_json(), steps=3, params=param_specs(g),
-                   saved_by=plan.describe())
+    write_manifest(
+        stage, files, model_json=plan.model.to_json(), steps=3, params=param_specs(g), saved_by=plan.describe()
+    )
     commit(stage, folder)
     return folder
 
@@ -173,8 +199,12 @@ def test_each_element_is_written_once_by_a_rank_that_holds_it(root, name):
         assert written == g.num_params
 
 
-PAIRS = [(a, b) for a in PLANS for b in PLANS if a != b and (a in ("zero1", "zero3", "tp", "dp2tp2-zero3")
-                                                             or b in ("zero2", "zero3", "coshard"))]
+PAIRS = [
+    (a, b)
+    for a in PLANS
+    for b in PLANS
+    if a != b and (a in ("zero1", "zero3", "tp", "dp2tp2-zero3") or b in ("zero2", "zero3", "coshard"))
+]
 
 
 @pytest.mark.parametrize("saver, loader", PAIRS)
@@ -205,6 +235,7 @@ def test_any_plan_loads_any_plans_checkpoint(root, saver, loader):
 
 # -- refused checkpoints --------------------------------------------------------
 
+
 def _edit_manifest(folder, fn):
     path = folder / MANIFEST
     meta = json.loads(path.read_text())
@@ -232,26 +263,44 @@ def _bad_box(m, k):
 BAD = [
     (lambda f, k: (f / MANIFEST).unlink(), "holds no complete checkpoint (checkpoint.json is missing)"),
     (lambda f, k: (f / MANIFEST).write_text("{"), "checkpoint.json cannot be read as JSON"),
-    (lambda f, k: _edit_manifest(f, lambda m: m.update(version=1)),
-     "is 'planlab-checkpoint' version 1; this planlab reads 'planlab-checkpoint' version 2"),
-    (lambda f, k: _edit_manifest(f, lambda m: m.update(model={"name": "gpt-small", "args": {}})),
-     "is of model {{'name': 'gpt-small', 'args': {{}}}}; the plan is of model"),
-    (lambda f, k: _edit_manifest(f, lambda m: m["params"]["wte.weight"].update(shape=[100, 64])),
-     "parameter 'wte.weight' is float32 [100, 64]; the model's is float32 [128, 64]"),
-    (lambda f, k: _edit_manifest(f, lambda m: m["params"].pop("lm_head.bias")),
-     "the model's parameter 'lm_head.bias' is not in the checkpoint"),
-    (lambda f, k: _edit_manifest(f, lambda m: _bad_box(m, k)),
-     "of rank1.pt is not a parameter of the model and a box within its shape"),
-    (lambda f, k: _edit_manifest(f, lambda m: m["files"]["rank1.pt"].pop(k)),
-     "no saved entry holds region {region} of parameter '{p}' (a partial checkpoint)"),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: m.update(version=1)),
+        "is 'planlab-checkpoint' version 1; this planlab reads 'planlab-checkpoint' version 2",
+    ),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: m.update(model={"name": "gpt-small", "args": {}})),
+        "is of model {{'name': 'gpt-small', 'args': {{}}}}; the plan is of model",
+    ),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: m["params"]["wte.weight"].update(shape=[100, 64])),
+        "parameter 'wte.weight' is float32 [100, 64]; the model's is float32 [128, 64]",
+    ),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: m["params"].pop("lm_head.bias")),
+        "the model's parameter 'lm_head.bias' is not in the checkpoint",
+    ),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: _bad_box(m, k)),
+        "of rank1.pt is not a parameter of the model and a box within its shape",
+    ),
+    (
+        lambda f, k: _edit_manifest(f, lambda m: m["files"]["rank1.pt"].pop(k)),
+        "no saved entry holds region {region} of parameter '{p}' (a partial checkpoint)",
+    ),
     (lambda f, k: (f / "rank1.pt").unlink(), "/rank1.pt is missing"),
     (lambda f, k: _truncate(f / "rank1.pt"), "/rank1.pt cannot be read: "),
-    (lambda f, k: _edit_entries(f, lambda es: es[k].update(exp_avg=torch.zeros(3))),
-     "/rank1.pt, parameter '{p}' box {box}: exp_avg is float32 [3]; expected float32 {shape}"),
-    (lambda f, k: _edit_entries(f, lambda es: es[k].pop("step")),
-     "/rank1.pt, parameter '{p}' box {box}: Adam's step is missing"),
-    (lambda f, k: _edit_entries(f, lambda es: es.insert(k, es.pop(k + 1))),
-     "/rank1.pt, parameter '{p}' box {box}: the file's entry is"),
+    (
+        lambda f, k: _edit_entries(f, lambda es: es[k].update(exp_avg=torch.zeros(3))),
+        "/rank1.pt, parameter '{p}' box {box}: exp_avg is float32 [3]; expected float32 {shape}",
+    ),
+    (
+        lambda f, k: _edit_entries(f, lambda es: es[k].pop("step")),
+        "/rank1.pt, parameter '{p}' box {box}: Adam's step is missing",
+    ),
+    (
+        lambda f, k: _edit_entries(f, lambda es: es.insert(k, es.pop(k + 1))),
+        "/rank1.pt, parameter '{p}' box {box}: the file's entry is",
+    ),
 ]
 
 
@@ -260,8 +309,11 @@ def test_a_damaged_partial_or_foreign_checkpoint_is_refused_naming_file_and_tens
     folder = tmp_path / "ckpt"
     shutil.copytree(_saved("tp", root), folder)
     meta = json.loads((folder / MANIFEST).read_text())
-    k, (p, box) = next((k, e) for k, e in enumerate(meta["files"]["rank1.pt"])
-                       if e[1] != [[0, s] for s in meta["params"][e[0]]["shape"]])  # a tensor-parallel half
+    k, (p, box) = next(
+        (k, e)
+        for k, e in enumerate(meta["files"]["rank1.pt"])
+        if e[1] != [[0, s] for s in meta["params"][e[0]]["shape"]]
+    )  # a tensor-parallel half
     damage(folder, k)
     plan, g, _ = _plan("tp")
     with pytest.raises(CheckpointError) as e:
@@ -300,6 +352,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(root, tmp_path, monkeypatc
 
 # -- training continues across plans (2 gloo ranks) ------------------------------
 
+
 @pytest.mark.parametrize("zero, plain", [("zero1", "tp"), ("zero2", "pp"), ("zero3", "tp")])
 def test_zero_checkpoints_continue_under_tp_or_pp_and_back(tmp_path, zero, plain):
     """ZeRO (1 step, checked against one process) -> TP or PP (2 steps) -> the ZeRO plan again
@@ -327,5 +380,8 @@ def test_a_resumed_run_goes_on_with_the_next_batch_of_its_data(tmp_path):
     launch_local(plan, 2, steps=2, lr=LR, check=False, data=tmp_path / "data.pt", save_dir=tmp_path / "ck")
     resumed = launch_local(plan, 2, steps=1, lr=LR, check=False, data=tmp_path / "data.pt", load_dir=tmp_path / "ck")
     assert resumed.losses == pytest.approx(ref.losses[2:], abs=1e-5)
-    assert ref.losses[2] != pytest.approx(reference_run(plan.model, global_batch=8, steps=3, lr=LR,
-                                                        batches=[batches[0], batches[1], batches[0]]).losses[2])
+    assert ref.losses[2] != pytest.approx(
+        reference_run(plan.model, global_batch=8, steps=3, lr=LR, batches=[batches[0], batches[1], batches[0]]).losses[
+            2
+        ]
+    )

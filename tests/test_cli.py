@@ -20,24 +20,35 @@ def _err(capsys, argv):
 EXPLORE = ["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2", "--global-batch", "8"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["explore", "--model", "gpt-huge", "--cluster", "cpu"], "unknown model 'gpt-huge'; choose 'gpt-tiny'"),
-    (["explore", "--model", "gpt-tiny", "--cluster", "tpu-pod"], "unknown cluster 'tpu-pod'"),
-    (EXPLORE + ["--space", "zero9"], "unknown space 'zero9'"),
-    (EXPLORE + ["--set", "zz=1"], "space 'megatron' has no knob 'zz'"),
-    (EXPLORE + ["--set", "tp=3"], "tp=3 is not valid here: tp=3 does not divide the 2 devices"),
-    (EXPLORE + ["--set", "zero=4"], "space 'megatron': zero=4 is not valid here: knob 'zero' takes 0, 1, 2 or 3"),
-    (EXPLORE + ["--set", "sequence_parallel=maybe"], "knob 'sequence_parallel' takes true or false, got 'maybe'"),
-    (EXPLORE + ["--set", "tp=2", "--set", "pp=2"], "space 'megatron' has no plan with tp=2, pp=2 fixed"),
-    (EXPLORE + ["--space", "dp||tp"], "an empty name around '|'"),
-    (EXPLORE + ["--budget", "-3"], "--budget must be a number of seconds >= 0, got -3.0"),
-    (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "4", "--set", "pp=4"],
-     "pp=4 does not divide the model's 2 layers"),
-    (EXPLORE + ["--set", "dp=2", "--set", "microbatch=8"], "dp=2 x microbatch=8 does not divide the global batch 8"),
-    (["explore", "--model", "gpt", "--model-arg", "layers=2", "--cluster", "cpu"], "needs --model-arg for hidden"),
-    (["explore", "--model", "gpt-tiny", "--model-arg", "colour=3", "--cluster", "cpu"], "unknown model argument 'colour'"),
-    (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "0"], "nodes"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explore", "--model", "gpt-huge", "--cluster", "cpu"], "unknown model 'gpt-huge'; choose 'gpt-tiny'"),
+        (["explore", "--model", "gpt-tiny", "--cluster", "tpu-pod"], "unknown cluster 'tpu-pod'"),
+        (EXPLORE + ["--space", "zero9"], "unknown space 'zero9'"),
+        (EXPLORE + ["--set", "zz=1"], "space 'megatron' has no knob 'zz'"),
+        (EXPLORE + ["--set", "tp=3"], "tp=3 is not valid here: tp=3 does not divide the 2 devices"),
+        (EXPLORE + ["--set", "zero=4"], "space 'megatron': zero=4 is not valid here: knob 'zero' takes 0, 1, 2 or 3"),
+        (EXPLORE + ["--set", "sequence_parallel=maybe"], "knob 'sequence_parallel' takes true or false, got 'maybe'"),
+        (EXPLORE + ["--set", "tp=2", "--set", "pp=2"], "space 'megatron' has no plan with tp=2, pp=2 fixed"),
+        (EXPLORE + ["--space", "dp||tp"], "an empty name around '|'"),
+        (EXPLORE + ["--budget", "-3"], "--budget must be a number of seconds >= 0, got -3.0"),
+        (
+            ["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "4", "--set", "pp=4"],
+            "pp=4 does not divide the model's 2 layers",
+        ),
+        (
+            EXPLORE + ["--set", "dp=2", "--set", "microbatch=8"],
+            "dp=2 x microbatch=8 does not divide the global batch 8",
+        ),
+        (["explore", "--model", "gpt", "--model-arg", "layers=2", "--cluster", "cpu"], "needs --model-arg for hidden"),
+        (
+            ["explore", "--model", "gpt-tiny", "--model-arg", "colour=3", "--cluster", "cpu"],
+            "unknown model argument 'colour'",
+        ),
+        (["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "0"], "nodes"),
+    ],
+)
 def test_bad_input_gets_one_clear_line(capsys, argv, message):
     code, err = _err(capsys, argv)
     assert code == 2
@@ -56,9 +67,25 @@ def test_explore_writes_the_results_plots_and_best_plan(explored):
     import pandas as pd
 
     df = pd.read_csv(explored / "results.csv")
-    for col in ["space", "dp", "tp", "pp", "microbatch", "zero", "sequence_parallel", "recompute", "screen_time_s",
-                "screen_mem_gib", "iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "simulated",
-                "reason"]:
+    for col in [
+        "space",
+        "dp",
+        "tp",
+        "pp",
+        "microbatch",
+        "zero",
+        "sequence_parallel",
+        "recompute",
+        "screen_time_s",
+        "screen_mem_gib",
+        "iter_time_s",
+        "peak_mem_gib",
+        "tflops_per_gpu",
+        "mfu",
+        "feasible",
+        "simulated",
+        "reason",
+    ]:
         assert col in df.columns
     assert df[df["simulated"]]["feasible"].all() and df["pareto"].any()
     assert df[~df["simulated"]]["reason"].str.startswith("not simulated").all()
@@ -68,11 +95,14 @@ def test_explore_writes_the_results_plots_and_best_plan(explored):
     assert plan["format"] == "planlab-plan" and plan["num_devices"] == 2
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=3), "plan format version 3; this planlab reads versions 1, 2"),
-    (lambda d: d.pop("model"), "field 'model' is missing"),
-    (lambda d: d["ops"].pop(), "does not place operator"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(version=3), "plan format version 3; this planlab reads versions 1, 2"),
+        (lambda d: d.pop("model"), "field 'model' is missing"),
+        (lambda d: d["ops"].pop(), "does not place operator"),
+    ],
+)
 def test_bad_plan_files(capsys, explored, tmp_path, edit, message):
     d = json.loads((explored / "best_plan.json").read_text())
     edit(d)
@@ -89,8 +119,20 @@ def test_nproc_must_match_the_plan(capsys, explored):
 
 
 def test_simulate_json_trace_and_plots(capsys, explored, tmp_path):
-    assert main(["simulate", str(explored / "best_plan.json"), "--json", "--trace", str(tmp_path / "t.json"),
-                 "--plot", str(tmp_path / "plots")]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(explored / "best_plan.json"),
+                "--json",
+                "--trace",
+                str(tmp_path / "t.json"),
+                "--plot",
+                str(tmp_path / "plots"),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and out["iter_time_s"] > 0
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -133,8 +175,12 @@ def test_console_script_explore_then_run(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     r = subprocess.run([str(BIN)] + EXPLORE + ["--out", str(tmp_path)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([str(BIN), "run", str(tmp_path / "best_plan.json"), "--nproc", "2", "--steps", "2"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [str(BIN), "run", str(tmp_path / "best_plan.json"), "--nproc", "2", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert "PASSED" in r.stdout and "measured iteration" in r.stdout
     r = subprocess.run([str(BIN), "explore", "--model", "nope", "--cluster", "cpu"], capture_output=True, text=True)
@@ -146,8 +192,28 @@ def test_gpt3_175b_exploration_completes(tmp_path):
     """GPT-3 175B on 16 DGX A100 nodes: every plan of the Megatron grid, on this machine."""
     import pandas as pd
 
-    assert main(["explore", "--model", "gpt3-175b", "--cluster", "dgx-a100-80g", "--nodes", "16",
-                 "--space", "megatron", "--global-batch", "1536", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "explore",
+                "--model",
+                "gpt3-175b",
+                "--cluster",
+                "dgx-a100-80g",
+                "--nodes",
+                "16",
+                "--space",
+                "megatron",
+                "--global-batch",
+                "1536",
+                "--jobs",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     df = pd.read_csv(tmp_path / "results.csv")
     assert len(df) > 100 and df["feasible"].any()
     assert df["reason"].fillna("").str.contains("GiB per device").any()  # pruned before simulation

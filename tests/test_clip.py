@@ -23,20 +23,23 @@ def _rank_grads(interp: Interpreter, grads: dict[str, torch.Tensor]) -> dict[str
     for name, z in interp.zero.items():
         flat = torch.cat([grads[p][tuple(slice(a, b) for a, b in boxes[p])].reshape(-1) for p in z.params])
         flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
-        out[name] = flat[z.me * z.chunk:(z.me + 1) * z.chunk]
+        out[name] = flat[z.me * z.chunk : (z.me + 1) * z.chunk]
         for p in z.params:
             out.pop(f"wg:{p}")
     return out
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(dp=2, tp=1, pp=1, microbatch=2)),                           # replicas
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8)),                           # split and replicated (norms) pieces
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True)),
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2)),                           # stages
-    (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),                   # ZeRO shards of replicated buckets
-    (4, dict(dp=2, tp=1, pp=2, microbatch=2, zero=1)),
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(dp=2, tp=1, pp=1, microbatch=2)),  # replicas
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8)),  # split and replicated (norms) pieces
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True)),
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2)),  # stages
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # ZeRO shards of replicated buckets
+        (4, dict(dp=2, tp=1, pp=2, microbatch=2, zero=1)),
+    ],
+)
 def test_ranks_sum_to_the_whole_norm(n, knobs):
     spec, g = traced("gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
@@ -46,8 +49,9 @@ def test_ranks_sum_to_the_whole_norm(n, knobs):
     grads = {p: torch.randn(w.shape, generator=gen) for p, w in skeleton.named_parameters()}
     total = torch.zeros((), dtype=torch.float64)
     for r in range(n):
-        interp = Interpreter(program, g, r, skeleton, inputs, {}, shards=build_shards(program, r, skeleton, seed=0),
-                             clip_grad_norm=1.0)
+        interp = Interpreter(
+            program, g, r, skeleton, inputs, {}, shards=build_shards(program, r, skeleton, seed=0), clip_grad_norm=1.0
+        )
         mine = _rank_grads(interp, grads)
         assert set(mine) == set(interp._norm_weights)
         total += local_square_sum(mine, interp._norm_weights)
@@ -55,11 +59,14 @@ def test_ranks_sum_to_the_whole_norm(n, knobs):
     assert float(total.sqrt()) == pytest.approx(float(whole), rel=1e-6)
 
 
-@pytest.mark.parametrize("box, others, expect", [
-    (((0, 4), (0, 6)), [((0, 4), (0, 6))] * 3, 3.0),                      # identical replicas
-    (((0, 2), (0, 6)), [((0, 2), (0, 6)), ((2, 4), (0, 6))], 1.0),        # disjoint pieces
-    (((0, 4), (0, 2)), [((0, 4), (0, 2)), ((2, 4), (0, 6))], [[1, 1], [1, 1], [2, 2], [2, 2]]),  # partial overlap
-])
+@pytest.mark.parametrize(
+    "box, others, expect",
+    [
+        (((0, 4), (0, 6)), [((0, 4), (0, 6))] * 3, 3.0),  # identical replicas
+        (((0, 2), (0, 6)), [((0, 2), (0, 6)), ((2, 4), (0, 6))], 1.0),  # disjoint pieces
+        (((0, 4), (0, 2)), [((0, 4), (0, 2)), ((2, 4), (0, 6))], [[1, 1], [1, 1], [2, 2], [2, 2]]),  # partial overlap
+    ],
+)
 def test_copies(box, others, expect):
     got = copies(box, others)
     if isinstance(expect, float):

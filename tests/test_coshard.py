@@ -69,16 +69,24 @@ def mlp_plan(devices: int, k: int, *, recompute: bool = True, placement=None):
 
 # ---- the plan's placement -----------------------------------------------------------------
 
-@pytest.mark.parametrize("splits, devices, message", [
-    ([("n", 4)], [0, 1, 0, 1], "device 0 holds pieces [0, 2] of the 4 along mesh axis 0; co-located pieces must "
-                               "be 2 consecutive ones, e.g. devices [0, 0, 1, 1]"),
-    ([("n", 4)], [0, 0, 0, 1], "devices hold 1 or 3 pieces; co-located pieces must be as many on every device"),
-    ([(None, 2), ("n", 2)], [0, 0, 0, 0], "a device's pieces differ along mesh axes [0, 1]"),
-    ([(None, 4)], [0, 0, 1, 1], "2 replicas on one device; co-located pieces must split a dimension"),
-    ([("n", 2), ("n", 2)], [0, 1, 0, 1], "mesh axis 1 splits dimension 'n' again inside the co-located pieces"),
-    ([("n", 2), ("n", 2)], [0, 0, 1, 1], ""),  # the same as op_trans(fc1, n, 4) on [0, 0, 1, 1]
-    ([(None, 2), ("n", 2)], [0, 0, 1, 1], ""),  # two replicas, each as two pieces on its device
-])
+
+@pytest.mark.parametrize(
+    "splits, devices, message",
+    [
+        (
+            [("n", 4)],
+            [0, 1, 0, 1],
+            "device 0 holds pieces [0, 2] of the 4 along mesh axis 0; co-located pieces must "
+            "be 2 consecutive ones, e.g. devices [0, 0, 1, 1]",
+        ),
+        ([("n", 4)], [0, 0, 0, 1], "devices hold 1 or 3 pieces; co-located pieces must be as many on every device"),
+        ([(None, 2), ("n", 2)], [0, 0, 0, 0], "a device's pieces differ along mesh axes [0, 1]"),
+        ([(None, 4)], [0, 0, 1, 1], "2 replicas on one device; co-located pieces must split a dimension"),
+        ([("n", 2), ("n", 2)], [0, 1, 0, 1], "mesh axis 1 splits dimension 'n' again inside the co-located pieces"),
+        ([("n", 2), ("n", 2)], [0, 0, 1, 1], ""),  # the same as op_trans(fc1, n, 4) on [0, 0, 1, 1]
+        ([(None, 2), ("n", 2)], [0, 0, 1, 1], ""),  # two replicas, each as two pieces on its device
+    ],
+)
 def test_malformed_co_locations_are_refused_naming_operator_and_devices(splits, devices, message):
     spec, g = _mlp_graph()
     b = PlanBuilder(g, model=spec, global_batch=8, cluster="cpu", nodes=2, num_devices=2)
@@ -146,15 +154,22 @@ def test_chunks_run_in_turn_each_recomputed_before_its_backward():
     assert tasks["fc2@1"].places == ((((0, 8), (0, 4)), (8, 4)),)  # a partial sum of the whole output
     first = {t.name: t for _, t in prog.devices[0].tasks_in_order() if t.kind is not TaskKind.BACKWARD}
     # fc2's bias is added once: by device 0's first chunk
-    assert [first["fc2@0"].lead, first["fc2@1"].lead, tasks["fc2@0"].lead, tasks["fc2@1"].lead] == \
-        [True, False, False, False]
+    assert [first["fc2@0"].lead, first["fc2@1"].lead, tasks["fc2@0"].lead, tasks["fc2@1"].lead] == [
+        True,
+        False,
+        False,
+        False,
+    ]
     assert tasks["fc1@0"].recompute == "drop" and tasks["re:fc1@0"].recompute == "redo"
 
 
-@pytest.mark.parametrize("model_args, knobs", [
-    ((("num_heads", "4,8,16"),), dict(dp=1, tp=2, k=2)),
-    ((("num_heads", "4,8,16"),), dict(dp=2, tp=1, k=4)),
-])
+@pytest.mark.parametrize(
+    "model_args, knobs",
+    [
+        ((("num_heads", "4,8,16"),), dict(dp=1, tp=2, k=2)),
+        ((("num_heads", "4,8,16"),), dict(dp=2, tp=1, k=4)),
+    ],
+)
 def test_swin_chunk_and_recompute_tasks_per_device_and_unchanged_collectives(model_args, knobs):
     spec, g = traced("swin-tiny", 8, model_args)
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
@@ -168,8 +183,11 @@ def test_swin_chunk_and_recompute_tasks_per_device_and_unchanged_collectives(mod
         tasks = [t for _, t in progs[k].devices[dev].tasks_in_order()]
         kinds = Counter((t.kind, t.recompute) for t in tasks if t.chunk >= 0 and t.kind is not TaskKind.COLLECTIVE)
         backward = sum(t.kind is TaskKind.BACKWARD and t.op in {op.name for op in attention} for t in plain)
-        assert kinds == {(TaskKind.FORWARD, "drop"): k * len(attention), (TaskKind.FORWARD, "redo"): k * len(attention),
-                         (TaskKind.BACKWARD, ""): k * backward}
+        assert kinds == {
+            (TaskKind.FORWARD, "drop"): k * len(attention),
+            (TaskKind.FORWARD, "redo"): k * len(attention),
+            (TaskKind.BACKWARD, ""): k * backward,
+        }
         assert {t.chunk for t in tasks if t.chunk >= 0} == set(range(k))
         # the tensor-parallel plan's collectives, in its order; under data parallelism the gradient
         # of each position-bias gather (no batch axis: partial sums over the replicas) is
@@ -179,12 +197,14 @@ def test_swin_chunk_and_recompute_tasks_per_device_and_unchanged_collectives(mod
         for key, block in progs[1].devices[dev].blocks.items():
             mine = [t for t in progs[k].devices[dev].blocks[key].tasks if t.kind is TaskKind.COLLECTIVE]
             theirs = [t for t in block.tasks if t.kind is TaskKind.COLLECTIVE]
-            assert list(dict.fromkeys((t.collective, t.group, t.name.split("@")[0]) for t in mine)) == \
-                [(t.collective, t.group, t.name) for t in theirs]
+            assert list(dict.fromkeys((t.collective, t.group, t.name.split("@")[0]) for t in mine)) == [
+                (t.collective, t.group, t.name) for t in theirs
+            ]
             assert sum(t.nbytes for t in mine) == sum(t.nbytes for t in theirs)
 
 
 # ---- memory -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_peak_activation_memory_falls_with_k_as_counted_by_hand(k):
@@ -216,12 +236,24 @@ def test_chunks_without_recompute_keep_every_chunks_activations():
 
 # ---- the space --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fixed, message", [
-    (dict(tp=2, coshard=4, coshard_blocks="attention"),
-     "tp=2 x coshard=4 does not divide the model's 2 attention heads"),
-    (dict(tp=2, coshard=2, coshard_blocks="both"), "tp=2 x coshard=2 does not divide the model's 2 attention heads"),
-    (dict(tp=1, coshard=1, coshard_blocks="mlp"), "coshard=1 co-shards nothing, so coshard_blocks='mlp' has no effect"),
-])
+
+@pytest.mark.parametrize(
+    "fixed, message",
+    [
+        (
+            dict(tp=2, coshard=4, coshard_blocks="attention"),
+            "tp=2 x coshard=4 does not divide the model's 2 attention heads",
+        ),
+        (
+            dict(tp=2, coshard=2, coshard_blocks="both"),
+            "tp=2 x coshard=2 does not divide the model's 2 attention heads",
+        ),
+        (
+            dict(tp=1, coshard=1, coshard_blocks="mlp"),
+            "coshard=1 co-shards nothing, so coshard_blocks='mlp' has no effect",
+        ),
+    ],
+)
 def test_space_refuses_what_does_not_divide(fixed, message):
     spec, g = traced("swin-tiny", 8)  # heads 2, 4, 8
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
@@ -230,20 +262,31 @@ def test_space_refuses_what_does_not_divide(fixed, message):
     with pytest.raises(ConfigError, match="coshard=3 is not valid here: knob 'coshard' takes 1, 2, 4 or 8"):
         list(get_space("dp*coshard").assignments(ctx, dict(coshard=3, coshard_blocks="mlp")))
     # the MLP's hidden units split further than the heads
-    assert get_space("megatron*coshard").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=8,
-                                                         coshard_blocks="mlp"))
+    assert get_space("megatron*coshard").build(
+        ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=8, coshard_blocks="mlp")
+    )
 
 
 def test_space_co_shards_the_chosen_blocks_and_composes():
     spec, g = traced("gpt-tiny", 8)
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
     sp = get_space("dp*tp*coshard")
-    assert [k.name for k in sp.all_knobs()] == ["dp", "microbatch", "zero", "tp", "sequence_parallel", "coshard",
-                                               "coshard_blocks", "coshard_outputs", "coshard_remade_percent"]
+    assert [k.name for k in sp.all_knobs()] == [
+        "dp",
+        "microbatch",
+        "zero",
+        "tp",
+        "sequence_parallel",
+        "coshard",
+        "coshard_blocks",
+        "coshard_outputs",
+        "coshard_remade_percent",
+    ]
     # tp=2 and 4 heads: coshard 1; 2 on the attention, the MLP or both; 4 or 8 on the MLP only
-    assert [(a["coshard"], a["coshard_blocks"]) for a in sp.assignments(ctx, {"dp": 1, "microbatch": 8,
-                                                                             "sequence_parallel": False})] == [
-        (1, "attention"), (2, "attention"), (2, "mlp"), (2, "both"), (4, "mlp"), (8, "mlp")]
+    assert [
+        (a["coshard"], a["coshard_blocks"])
+        for a in sp.assignments(ctx, {"dp": 1, "microbatch": 8, "sequence_parallel": False})
+    ] == [(1, "attention"), (2, "attention"), (2, "mlp"), (2, "both"), (4, "mlp"), (8, "mlp")]
     for part, where in (("attention", ".attn"), ("mlp", ".mlp"), ("both", "")):
         plan = sp.build(ctx, dict(dp=1, tp=2, microbatch=8, coshard=2, coshard_blocks=part))
         co = {p.op for p in plan.ops if len(set(p.devices)) < len(p.devices)}
@@ -253,22 +296,68 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
 
 # ---- numerics on 2 gloo ranks -----------------------------------------------------------
 
-@pytest.mark.parametrize("model, model_args, knobs", [
-    ("swin-tiny", (("num_heads", "4,8,16"),),
-     dict(dp=1, tp=2, pp=1, microbatch=4, coshard=2, coshard_blocks="both", recompute="full")),
-    ("swin-tiny", (("num_heads", "4,8,16"),),
-     dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention")),
-    ("gpt-tiny", (), dict(dp=1, tp=1, pp=2, microbatch=2, coshard=4, coshard_blocks="both")),
-    # the co-sharded results made again in the layer's recomputation (a checkpoint nested in the layer's)
-    ("swin-tiny", (("num_heads", "4,8,16"),), dict(dp=1, tp=2, pp=1, microbatch=4, coshard=2, coshard_blocks="both",
-                                                   recompute="full", coshard_outputs="recompute")),
-    ("gpt-tiny", (), dict(dp=2, tp=1, pp=1, microbatch=2, coshard=2, coshard_blocks="attention", recompute="full",
-                          coshard_outputs="recompute")),
-    # some layers remake them, the others keep them
-    ("swin-tiny", (("num_heads", "4,8,16"),), dict(dp=2, tp=1, pp=1, microbatch=2, coshard=2,
-                                                   coshard_blocks="attention", recompute="full",
-                                                   coshard_outputs="recompute", coshard_remade_percent=25)),
-])
+
+@pytest.mark.parametrize(
+    "model, model_args, knobs",
+    [
+        (
+            "swin-tiny",
+            (("num_heads", "4,8,16"),),
+            dict(dp=1, tp=2, pp=1, microbatch=4, coshard=2, coshard_blocks="both", recompute="full"),
+        ),
+        (
+            "swin-tiny",
+            (("num_heads", "4,8,16"),),
+            dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention"),
+        ),
+        ("gpt-tiny", (), dict(dp=1, tp=1, pp=2, microbatch=2, coshard=4, coshard_blocks="both")),
+        # the co-sharded results made again in the layer's recomputation (a checkpoint nested in the layer's)
+        (
+            "swin-tiny",
+            (("num_heads", "4,8,16"),),
+            dict(
+                dp=1,
+                tp=2,
+                pp=1,
+                microbatch=4,
+                coshard=2,
+                coshard_blocks="both",
+                recompute="full",
+                coshard_outputs="recompute",
+            ),
+        ),
+        (
+            "gpt-tiny",
+            (),
+            dict(
+                dp=2,
+                tp=1,
+                pp=1,
+                microbatch=2,
+                coshard=2,
+                coshard_blocks="attention",
+                recompute="full",
+                coshard_outputs="recompute",
+            ),
+        ),
+        # some layers remake them, the others keep them
+        (
+            "swin-tiny",
+            (("num_heads", "4,8,16"),),
+            dict(
+                dp=2,
+                tp=1,
+                pp=1,
+                microbatch=2,
+                coshard=2,
+                coshard_blocks="attention",
+                recompute="full",
+                coshard_outputs="recompute",
+                coshard_remade_percent=25,
+            ),
+        ),
+    ],
+)
 def test_coshard_plans_match_one_process(model, model_args, knobs):
     spec, g = traced(model, 8, model_args)
     plan = get_space("megatron*coshard").build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs)
@@ -281,8 +370,11 @@ def test_coshard_plans_match_one_process(model, model_args, knobs):
         ran = Counter(t["kind"] for t in res.timeline if t["device"] == dev)
         want = Counter(t.kind.value for _, t in prog.devices[dev].tasks_in_order())
         assert ran == want  # collectives, sends and receives included
-        assert sum("@" in t["task"] for t in res.timeline if t["device"] == dev) == \
-            sum(t.chunk >= 0 for _, t in prog.devices[dev].tasks_in_order()) > 0
+        assert (
+            sum("@" in t["task"] for t in res.timeline if t["device"] == dev)
+            == sum(t.chunk >= 0 for _, t in prog.devices[dev].tasks_in_order())
+            > 0
+        )
 
 
 def test_selective_recompute_is_not_a_second_row_of_a_coshard_attention_plan():
@@ -297,8 +389,9 @@ def test_selective_recompute_is_not_a_second_row_of_a_coshard_attention_plan():
     assert recomputes[(2, "attention")] == recomputes[(2, "both")] == {"none", "full"}
     assert recomputes[(2, "mlp")] == {"none", "selective", "full"}
     with pytest.raises(ConfigError, match="recompute='selective' adds nothing"):
-        sp.build(ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention",
-                           recompute="selective"))
+        sp.build(
+            ctx, dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention", recompute="selective")
+        )
 
 
 def test_sequence_parallelism_is_refused_where_it_splits_nothing():
@@ -314,26 +407,39 @@ def test_sequence_parallelism_is_refused_where_it_splits_nothing():
 
 # ---- coshard_outputs: the co-sharded results kept, or made again in the layer's recomputation ----
 
+
 def test_remade_outputs_are_not_kept_from_the_forward_and_cost_one_more_forward():
     spec, g = traced("swin-tiny", 8, (("num_heads", "4,8,16"),))
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
     base = dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention", recompute="full")
-    progs = {o: materialize(get_space("megatron*coshard").build(ctx, dict(base, coshard_outputs=o)), g)
-             for o in ("keep", "recompute")}
+    progs = {
+        o: materialize(get_space("megatron*coshard").build(ctx, dict(base, coshard_outputs=o)), g)
+        for o in ("keep", "recompute")
+    }
     attention = {op.name for op in g.operators if ".attn" in op.module}
     for dev in (0, 1):
         tasks = {o: [(a, t) for a, t in progs[o].devices[dev].tasks_in_order()] for o in progs}
-        kinds = {o: Counter((a.phase, t.kind, t.recompute) for a, t in tasks[o] if t.chunk >= 0 and
-                            t.kind is TaskKind.FORWARD) for o in progs}
+        kinds = {
+            o: Counter(
+                (a.phase, t.kind, t.recompute) for a, t in tasks[o] if t.chunk >= 0 and t.kind is TaskKind.FORWARD
+            )
+            for o in progs
+        }
         # one more chunked forward of every attention operator, in the backward, keeping no graph
         assert kinds["recompute"][("B", TaskKind.FORWARD, "drop")] == 2 * len(attention)
         assert ("B", TaskKind.FORWARD, "drop") not in kinds["keep"]
         assert kinds["recompute"] - Counter({("B", TaskKind.FORWARD, "drop"): 2 * len(attention)}) == kinds["keep"]
         # what the attention hands to the rest of its layer is no longer read in the backward block
-        leaving = {w for a, t in tasks["keep"] if a.phase == "F" and t.op in attention and t.chunk >= 0
-                   for w in t.writes if w.startswith("a:") and "@" not in w}
-        read_late = {o: {b for a, t in tasks[o] if a.phase == "B" for b in t.reads + t.saved if b in leaving}
-                     for o in progs}
+        leaving = {
+            w
+            for a, t in tasks["keep"]
+            if a.phase == "F" and t.op in attention and t.chunk >= 0
+            for w in t.writes
+            if w.startswith("a:") and "@" not in w
+        }
+        read_late = {
+            o: {b for a, t in tasks[o] if a.phase == "B" for b in t.reads + t.saved if b in leaving} for o in progs
+        }
         assert read_late["keep"] and not read_late["recompute"]
         # so the forward holds less: each layer keeps its input only
         held = {o: _held_bytes_at_first_backward(progs[o], dev) for o in progs}
@@ -376,8 +482,16 @@ def test_a_share_of_the_layers_remakes_its_results_spread_over_the_layers():
     assert all(remade(i, 100) for i in range(12))
     spec, g = traced("swin-tiny", 8, (("num_heads", "4,8,16"),))
     ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
-    base = dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="attention", recompute="full",
-                coshard_outputs="recompute")
+    base = dict(
+        dp=1,
+        tp=2,
+        pp=1,
+        microbatch=8,
+        coshard=2,
+        coshard_blocks="attention",
+        recompute="full",
+        coshard_outputs="recompute",
+    )
     layer_of = {op.name: int(op.module.split(".")[1]) for op in g.operators if op.module.startswith("blocks.")}
     outer = {}
     for pct in (25, 50, 100):

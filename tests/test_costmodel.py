@@ -61,19 +61,32 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
 
 
 def test_list_clusters_and_devices() -> None:
-    assert list_clusters() == ["cpu", "dgx-1-v100", "dgx-2-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100",
-                               "hgx-h200", "mi300x-8"]
-    assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g",
-                              "v100-32g"]
+    assert list_clusters() == [
+        "cpu",
+        "dgx-1-v100",
+        "dgx-2-v100",
+        "dgx-a100-40g",
+        "dgx-a100-80g",
+        "dgx-h100",
+        "hgx-h200",
+        "mi300x-8",
+    ]
+    assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g", "v100-32g"]
     assert load_device("v100-16g").memory_bytes == 16e9
 
 
 @pytest.mark.parametrize(
     "device, dtype, tflops",
     [  # vendor datasheets, dense; the reference README's device table where it has them
-        ("v100-32g", "fp16", 125), ("v100-32g", "fp32", 15.7), ("h200-141g", "bf16", 989),
-        ("h200-141g", "fp8", 1979), ("h100-80g", "fp8", 1979), ("mi300x", "bf16", 1307.4), ("mi300x", "fp32", 163.4),
-        ("mi300x", "fp8", 2614.9), ("a100-80g", "tf32", 156),
+        ("v100-32g", "fp16", 125),
+        ("v100-32g", "fp32", 15.7),
+        ("h200-141g", "bf16", 989),
+        ("h200-141g", "fp8", 1979),
+        ("h100-80g", "fp8", 1979),
+        ("mi300x", "bf16", 1307.4),
+        ("mi300x", "fp32", 163.4),
+        ("mi300x", "fp8", 2614.9),
+        ("a100-80g", "tf32", 156),
     ],
 )
 def test_device_peaks(device: str, dtype: str, tflops: float) -> None:
@@ -124,9 +137,7 @@ def test_unit_conversion(name: str, attr: str, expected: float) -> None:
     assert obj == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize(
-    "nodes, rank, node", [(1, 0, 0), (1, 7, 0), (2, 7, 0), (2, 8, 1), (2, 15, 1), (16, 127, 15)]
-)
+@pytest.mark.parametrize("nodes, rank, node", [(1, 0, 0), (1, 7, 0), (2, 7, 0), (2, 8, 1), (2, 15, 1), (16, 127, 15)])
 def test_node_of_fills_node_by_node(nodes: int, rank: int, node: int) -> None:
     assert load_cluster("dgx-a100-80g", nodes).node_of(rank) == node
 
@@ -179,9 +190,7 @@ def bus_bandwidth(cluster: ClusterSpec, nbytes: float, group: tuple[int, ...]) -
         ("dgx-h100", 1, 8, 1 * GiB, 476.0),
     ],
 )
-def test_all_reduce_bus_bandwidth_anchors(
-    cluster: str, nodes: int, ranks: int, nbytes: int, busbw_GBps: float
-) -> None:
+def test_all_reduce_bus_bandwidth_anchors(cluster: str, nodes: int, ranks: int, nbytes: int, busbw_GBps: float) -> None:
     c = load_cluster(cluster, nodes)
     assert bus_bandwidth(c, nbytes, tuple(range(ranks))) == pytest.approx(busbw_GBps, rel=ANCHOR_TOLERANCE)
 
@@ -273,13 +282,22 @@ def test_monotone_property(kind: str, small: float, factor: float, group: set[in
 # every size), so every expected time below is worked out by hand in its comment.
 
 TOY_DEVICE = DeviceSpec(
-    name="toy", memory_bytes=80e9, hbm_bytes_per_s=1e12, peak_flops_per_s={"bf16": 100e12, "fp32": 10e12},
-    launch_overhead_s=5e-6, compute_efficiency=Efficiency(0.5, 0.0), memory_efficiency=Efficiency(0.8, 0.0),
+    name="toy",
+    memory_bytes=80e9,
+    hbm_bytes_per_s=1e12,
+    peak_flops_per_s={"bf16": 100e12, "fp32": 10e12},
+    launch_overhead_s=5e-6,
+    compute_efficiency=Efficiency(0.5, 0.0),
+    memory_efficiency=Efficiency(0.8, 0.0),
 )
 TOY_NODE = NodeSpec(
-    name="toy-node", device=TOY_DEVICE, devices_per_node=4,
-    intra_bytes_per_s=100e9, intra_latency_s=2e-6,  # 100 GB/s, 2 us per step
-    inter_bytes_per_s=10e9, inter_latency_s=5e-6,  # 10 GB/s NIC share per device, 5 us per step
+    name="toy-node",
+    device=TOY_DEVICE,
+    devices_per_node=4,
+    intra_bytes_per_s=100e9,
+    intra_latency_s=2e-6,  # 100 GB/s, 2 us per step
+    inter_bytes_per_s=10e9,
+    inter_latency_s=5e-6,  # 10 GB/s NIC share per device, 5 us per step
 )
 GB = 1e9
 
@@ -369,10 +387,12 @@ def test_roofline_by_hand(flops: float, bytes_moved: float, dtype: str, seconds:
 
 
 GPT_TINY_PARAMS = (  # hidden 64, 2 layers, vocabulary 128, sequence 32, MLP 4 x hidden; every layer has a bias
-    128 * 64 + 32 * 64  # token and position embeddings
+    128 * 64
+    + 32 * 64  # token and position embeddings
     + 2 * (4 * (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64) + 2 * 2 * 64)  # attention, MLP, 2 LayerNorms
     + 2 * 64  # final LayerNorm
-    + 64 * 128 + 128  # lm_head
+    + 64 * 128
+    + 128  # lm_head
 )  # = 118,656
 
 
@@ -396,8 +416,9 @@ def test_adam_state_size_by_hand(cluster: str, devices: int, knobs: dict, per_pa
     spec, graph = traced("gpt-tiny", 8)
     assert graph.num_params == GPT_TINY_PARAMS
     per_node = 1 if cluster == "cpu" else 8
-    plan = get_space("megatron").build(Context(graph, spec, 8, cluster, max(1, devices // per_node), devices,
-                                               per_node), knobs)
+    plan = get_space("megatron").build(
+        Context(graph, spec, 8, cluster, max(1, devices // per_node), devices, per_node), knobs
+    )
     for dev in materialize(plan, graph).devices:
         assert (dev.param_bytes, dev.grad_bytes, dev.optimizer_bytes) == tuple(b * GPT_TINY_PARAMS for b in per_param)
 
@@ -410,8 +431,9 @@ def test_zero1_shards_adam_states() -> None:
     from planlab.search_spaces import Context, get_space
 
     spec, graph = traced("gpt-tiny", 8)
-    plan = get_space("megatron").build(Context(graph, spec, 8, "dgx-a100-80g", 1, 2, 8),
-                                       dict(dp=2, tp=1, pp=1, microbatch=4, zero=1))
+    plan = get_space("megatron").build(
+        Context(graph, spec, 8, "dgx-a100-80g", 1, 2, 8), dict(dp=2, tp=1, pp=1, microbatch=4, zero=1)
+    )
     for dev in materialize(plan, graph).devices:
         assert 12 * GPT_TINY_PARAMS / 2 <= dev.optimizer_bytes <= 1.05 * 12 * GPT_TINY_PARAMS / 2
         assert dev.grad_bytes == 4 * GPT_TINY_PARAMS  # ZeRO-1 keeps whole gradients
@@ -518,11 +540,21 @@ def test_user_spec_file_with_inline_device(tmp_path) -> None:
         (user_spec(intra_GBps=3e5), ["'intra_GBps'", "(0, 100000]", "1e9 bytes per second", "300000"]),
         (user_spec(inter_latency_us=-2), ["'inter_latency_us'", "[0, 1e+06]", "microseconds"]),
         (user_spec(intra_GiBps=300), ["'intra_GiBps'", "not a known field", "'intra_GBps'"]),
-        (user_spec(device={**json.loads((SPEC_DIR / "devices.json").read_text())["a100-80g"], "name": "x",
-                           "memory_GB": 80000}), ["'device.memory_GB'", "(0, 10000]", "gigabytes", "80000"]),
+        (
+            user_spec(
+                device={
+                    **json.loads((SPEC_DIR / "devices.json").read_text())["a100-80g"],
+                    "name": "x",
+                    "memory_GB": 80000,
+                }
+            ),
+            ["'device.memory_GB'", "(0, 10000]", "gigabytes", "80000"],
+        ),
         (user_spec(network={"topology": "torus"}), ["'network.topology'", "'torus'", "'fat_tree'"]),
-        (user_spec(network={"topology": "fat_tree", "oversubscription": 0.5}),
-         ["'network.oversubscription'", "[1, 64]", "non-blocking"]),
+        (
+            user_spec(network={"topology": "fat_tree", "oversubscription": 0.5}),
+            ["'network.oversubscription'", "[1, 64]", "non-blocking"],
+        ),
         (user_spec(network=[1]), ["'network'", "JSON object"]),
         (user_spec(devices_per_node=8.5), ["'devices_per_node'", "integer"]),
         (user_spec(device="b200"), ["'device'", "'b200'", "'a100-80g'", "'h100-80g'"]),
@@ -574,8 +606,10 @@ def test_kendall_tau_and_validation_rows(tmp_path):
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     p = tmp_path / "runs.csv"
-    p.write_text("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
-                 "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
-                 "2,16,8,1024,16,24,1024,1,1,2,372.16\n")
+    p.write_text(
+        "# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+        "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
+        "2,16,8,1024,16,24,1024,1,1,2,372.16\n"
+    )
     (run,) = load_runs(p)
     assert (run.gpus, run.pp) == (2, 2) and run.measured_s == pytest.approx(0.37216)

@@ -58,8 +58,10 @@ class Elsewhere:
 DOC_RUN = "tests/test_docs.py::test_document_runs[{}]"
 NOTEBOOK = "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[{}]"
 SETUP = Elsewhere("creates the environment the test suite runs in (and needs the network)")
-TWO_NODES = Elsewhere("needs two or more nodes; tests/test_executor_torchrun.py runs torchrun --standalone and "
-                      "srun-like tasks on this machine")
+TWO_NODES = Elsewhere(
+    "needs two or more nodes; tests/test_executor_torchrun.py runs torchrun --standalone and "
+    "srun-like tasks on this machine"
+)
 
 COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     # README.md: setting up
@@ -69,52 +71,63 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "--global-batch 256 --jobs 2 --out out": Run(
         "planlab explore --model gpt3-6.7b --cluster dgx-a100-80g --nodes 2 --space megatron --global-batch 256 "
         "--set pp=2 --set tp=8 --set microbatch=16 --set recompute=selective --out out",
-        "the whole grid takes minutes; the same model, cluster, batch and outputs with the knobs pinned"),
+        "the whole grid takes minutes; the same model, cluster, batch and outputs with the knobs pinned",
+    ),
+    ".venv/bin/ruff check .": Elsewhere("the lint step of the test command (CI runs it)"),
+    ".venv/bin/ruff format --check .": Elsewhere("the format step of the test command (CI runs it)"),
     ".venv/bin/python -m pytest -q": Elsewhere("the test suite itself"),
     # README.md: the loop
     "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --space megatron --global-batch 8 --out out/tiny": Run(),
-    "planlab run out/tiny/best_plan.json --nproc 2 --steps 3": ByTest("tests/test_cli.py::test_console_script_explore_then_run"),
-    "planlab run out/tiny/best_plan.json --nproc 2 --trace measured.json --predicted-trace predicted.json":
-        ByTest("tests/test_executor_trace.py::test_cli_run_writes_both_traces_with_the_same_tasks"),
+    "planlab run out/tiny/best_plan.json --nproc 2 --steps 3": ByTest(
+        "tests/test_cli.py::test_console_script_explore_then_run"
+    ),
+    "planlab run out/tiny/best_plan.json --nproc 2 --trace measured.json --predicted-trace predicted.json": ByTest(
+        "tests/test_executor_trace.py::test_cli_run_writes_both_traces_with_the_same_tasks"
+    ),
     "planlab run tp.json --nproc 2 --save ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
     "planlab run pp.json --nproc 2 --load ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
-    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json":
-        TWO_NODES,
-    "srun --ntasks-per-node 8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 --data batches.pt":
-        TWO_NODES,
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json": TWO_NODES,
+    "srun --ntasks-per-node 8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 --data batches.pt": TWO_NODES,
     "planlab simulate out/tiny/best_plan.json --trace trace.json": Run(),
     "planlab models": Run(),
     "planlab clusters": Run(),
     "planlab spaces": Run(),
     "planlab graph --model gpt3-175b": Run(),
     "planlab explore --model llama-tiny --cluster cpu --nodes 2 --global-batch 8 --set schedule=gpipe": Run(),
-    "planlab explore --model mypkg.models:build --cluster cpu --nodes 2":
-        ByTest("tests/test_user_model.py::test_traces_and_explores_on_the_cpu_cluster",
-               "mypkg is the reader's; docs/operators.md runs the same form with its own module"),
+    "planlab explore --model mypkg.models:build --cluster cpu --nodes 2": ByTest(
+        "tests/test_user_model.py::test_traces_and_explores_on_the_cpu_cluster",
+        "mypkg is the reader's; docs/operators.md runs the same form with its own module",
+    ),
     # README.md: Hugging Face models
     "planlab graph --model planlab.models.hf:llama --model-arg size=full": Run(),
     "planlab explore --model planlab.models.hf:t5 --cluster cpu --nodes 2 --global-batch 8 --out out/t5": Run(),
     # README.md, docs/cli.md, docs/cluster.md: calibration
-    "planlab calibrate --out cpu.json": ByTest("tests/test_calibrate.py::test_quick_calibration_end_to_end",
-                                               "the same measurements with fewer sizes (--quick)"),
+    "planlab calibrate --out cpu.json": ByTest(
+        "tests/test_calibrate.py::test_quick_calibration_end_to_end", "the same measurements with fewer sizes (--quick)"
+    ),
     "planlab calibrate --quick --out cpu.json": ByTest("tests/test_calibrate.py::test_quick_calibration_end_to_end"),
     "planlab simulate plan.json --profile cpu.json": ByTest("tests/test_calibrate.py::test_cli_uses_the_profile"),
-    "planlab explore --model gpt-small --cluster cpu --nodes 2 --profile cpu.json":
-        ByTest(NOTEBOOK.format("03_calibrate_run_compare"), "explores gpt-small with its fresh profile"),
-    "planlab run plan.json --nproc 2 --profile cpu.json":
-        ByTest(NOTEBOOK.format("03_calibrate_run_compare"), "runs a plan with its fresh profile"),
+    "planlab explore --model gpt-small --cluster cpu --nodes 2 --profile cpu.json": ByTest(
+        NOTEBOOK.format("03_calibrate_run_compare"), "explores gpt-small with its fresh profile"
+    ),
+    "planlab run plan.json --nproc 2 --profile cpu.json": ByTest(
+        NOTEBOOK.format("03_calibrate_run_compare"), "runs a plan with its fresh profile"
+    ),
     # docs/cli.md
     "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --out tiny": Run(),
     "planlab explore --model gpt --model-arg layers=4 --model-arg hidden=256 --model-arg heads=8 --model-arg seq=128 "
     "--model-arg vocab=1024 --cluster dgx-a100-80g --space 'dp*tp' --top 5": Run(),
     "planlab explore --model llama-tiny --cluster cpu --nodes 4 --global-batch 8 --set pp=2 --set schedule=gpipe "
     "--set recompute=none": Run(),
-    "planlab run tiny/best_plan.json --nproc 2 --steps 3": ByTest("tests/test_cli.py::test_console_script_explore_then_run"),
+    "planlab run tiny/best_plan.json --nproc 2 --steps 3": ByTest(
+        "tests/test_cli.py::test_console_script_explore_then_run"
+    ),
     "planlab run tiny/best_plan.json --nproc 2 --steps 5 --warmup 2 --clip-grad-norm 1.0 --trace measured.json "
     "--predicted-trace predicted.json": Run(),
-    "torchrun --standalone --nproc-per-node 2 -m planlab.cli run tiny/best_plan.json --steps 2":
-        ByTest("tests/test_executor_torchrun.py::test_torchrun_runs_each_process_as_a_rank",
-               "python -m torch.distributed.run --standalone is torchrun"),
+    "torchrun --standalone --nproc-per-node 2 -m planlab.cli run tiny/best_plan.json --steps 2": ByTest(
+        "tests/test_executor_torchrun.py::test_torchrun_runs_each_process_as_a_rank",
+        "python -m torch.distributed.run --standalone is torchrun",
+    ),
     "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set tp=2 --out tp": Run(),
     "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --out pp": Run(),
     "planlab run tp/best_plan.json --nproc 2 --steps 2 --save ckpt": Run(),
@@ -144,13 +157,16 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model evoformer-tiny --model-arg recycles=3 --cluster cpu --nodes 2 --global-batch 4 "
     "--space 3f1b": Run(),
     "planlab explore --model gpt --model-arg layers=2 --model-arg hidden=32 --model-arg heads=4 --model-arg seq=16 "
-    "--model-arg vocab=512 --cluster cpu --nodes 4 --global-batch 8 --space interlaced":
-        ByTest("tests/test_interlaced.py::test_explore_small_gpt"),
+    "--model-arg vocab=512 --cluster cpu --nodes 4 --global-batch 8 --space interlaced": ByTest(
+        "tests/test_interlaced.py::test_explore_small_gpt"
+    ),
     # docs/validation.md
-    ".venv/bin/python -m pytest -q tests/test_executor.py tests/test_executor_torchrun.py tests/test_shards.py":
-        Elsewhere("tests of this suite"),
-    "planlab explore --model gpt3-175b --cluster dgx-a100-80g --nodes 16 --space megatron --global-batch 1536 --jobs 2":
-        ByTest("tests/test_cli.py::test_gpt3_175b_exploration_completes"),
+    ".venv/bin/python -m pytest -q tests/test_executor.py tests/test_executor_torchrun.py tests/test_shards.py": Elsewhere(
+        "tests of this suite"
+    ),
+    "planlab explore --model gpt3-175b --cluster dgx-a100-80g --nodes 16 --space megatron --global-batch 1536 --jobs 2": ByTest(
+        "tests/test_cli.py::test_gpt3_175b_exploration_completes"
+    ),
     ".venv/bin/python benchmarks/sim_scale.py": Benchmark(),
     ".venv/bin/python benchmarks/simulate_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/trace_large.py": Benchmark(),
@@ -187,9 +203,11 @@ def test_every_fence_names_its_language():
 
 def test_every_documented_command_is_accounted_for():
     missing = {c: w for c, w in _documented().items() if c not in COMMANDS}
-    assert not missing, "commands in the docs without an entry in tests/test_docs.py COMMANDS (run it there, name " \
-                        "the test that runs it, or say why it cannot run on one CPU machine):\n" + \
-                        "\n".join(f"  {c!r}  ({', '.join(w)})" for c, w in missing.items())
+    assert not missing, (
+        "commands in the docs without an entry in tests/test_docs.py COMMANDS (run it there, name "
+        "the test that runs it, or say why it cannot run on one CPU machine):\n"
+        + "\n".join(f"  {c!r}  ({', '.join(w)})" for c, w in missing.items())
+    )
 
 
 def test_every_entry_is_documented():
@@ -250,9 +268,12 @@ def test_suite_commands_name_existing_tests():
 
 
 def _runnable(path: Path) -> bool:
-    return any((b.lang == "python" and b.runs) or b.file
-               or (b.lang in SHELL and any(isinstance(COMMANDS.get(c), Run) for c in commands(b)))
-               for b in blocks(path))
+    return any(
+        (b.lang == "python" and b.runs)
+        or b.file
+        or (b.lang in SHELL and any(isinstance(COMMANDS.get(c), Run) for c in commands(b)))
+        for b in blocks(path)
+    )
 
 
 def _env_prefix(argv: list[str], cwd: Path) -> tuple[dict[str, str], list[str]]:
@@ -344,8 +365,9 @@ def test_plan_format_page_matches_the_code():
     from planlab.search_spaces import Context, get_space
 
     spec, g = traced("gpt-tiny", 8)
-    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1),
-                                       dict(dp=2, tp=1, pp=1, microbatch=4, recompute="full", zero=1))
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, recompute="full", zero=1)
+    )
     d = plan_to_dict(plan)
     assert set(d) <= documented, f"plan file fields not in docs/plan-format.md: {set(d) - documented}"
     op_fields = {k for o in d["ops"] for k in o}

@@ -112,6 +112,7 @@ def test_every_operator_splits_along_the_batch():
 
 # ---- einsum signatures ------------------------------------------------------------
 
+
 def _einsum_sig(eq: str, *shapes, slots=None) -> tuple[str, float]:
     """Signature and FLOPs the registry reads from one einsum call on tensors of ``shapes``."""
     slots = slots or tuple(range(len(shapes)))
@@ -123,30 +124,37 @@ def _einsum_sig(eq: str, *shapes, slots=None) -> tuple[str, float]:
     return str(d.signature(ctx)), d.flops(ctx)
 
 
-@pytest.mark.parametrize("eq, shapes, sig, flops", [
-    # kept letters are plain dimensions, summed ones reductions; FLOPs 2 x every letter's size
-    ("mk,kn->mn", [(2, 3), (3, 4)], "m k+, k+ n -> m n", 2 * 2 * 3 * 4),
-    ("baqhc,bakhc->bahqk", [(1, 2, 3, 4, 5), (1, 2, 6, 4, 5)], "b a q h c+, b a k h c+ -> b a h q k",
-     2 * 1 * 2 * 3 * 4 * 5 * 6),
-    ("bsic,bsjd->bijcd", [(1, 3, 4, 2), (1, 3, 5, 6)], "b s+ i c, b s+ j d -> b i j c d", 2 * 3 * 4 * 2 * 5 * 6),
-    ("b i k, b j k -> b i j", [(2, 3, 4), (2, 5, 4)], "b i k+, b j k+ -> b i j", 2 * 2 * 3 * 4 * 5),
-    # broadcasting: a size-1 letter is a literal 1 axis
-    ("bik,bjk->bij", [(2, 3, 4), (1, 5, 4)], "b i k+, 1 j k+ -> b i j", 2 * 2 * 3 * 4 * 5),
-    # an ellipsis names its axes e0, e1, ... aligned right, like broadcasting
-    ("...ij,jk->...ik", [(5, 2, 3, 4), (4, 6)], "e0 e1 i j+, j+ k -> e0 e1 i k", 2 * 5 * 2 * 3 * 4 * 6),
-    ("...ij,...jk", [(5, 1, 3, 4), (2, 4, 6)], "e0 1 i j+, e1 j+ k -> e0 e1 i k", 2 * 5 * 2 * 3 * 4 * 6),
-    # implicit output: letters seen once, in ASCII order (upper case first)
-    ("ba,bc", [(2, 3), (2, 4)], "b+ a, b+ c -> a c", 2 * 2 * 3 * 4),
-    ("Ab,ab", [(2, 3), (5, 3)], "A b+, a b+ -> A a", 2 * 2 * 3 * 5),
-    # one operand: a permutation (no FLOPs) or a sum
-    ("ij->ji", [(5, 3)], "i j -> j i", 0),
-    ("bij->b", [(2, 3, 4)], "b i+ j+ -> b", 2 * 3 * 4),
-    ("b->", [(7,)], "b+ -> ", 7),
-    # three operands contract left to right: (ab, bc) then (ac, cd)
-    ("ab,bc,cd->ad", [(2, 3), (3, 4), (4, 5)], "a b+, b+ c+, c+ d -> a d", 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5),
-    # a diagonal puts one dimension on two axes: kept whole
-    ("bii->bi", [(2, 3, 3)], "b i^ i^ -> b i^", 0),
-])
+@pytest.mark.parametrize(
+    "eq, shapes, sig, flops",
+    [
+        # kept letters are plain dimensions, summed ones reductions; FLOPs 2 x every letter's size
+        ("mk,kn->mn", [(2, 3), (3, 4)], "m k+, k+ n -> m n", 2 * 2 * 3 * 4),
+        (
+            "baqhc,bakhc->bahqk",
+            [(1, 2, 3, 4, 5), (1, 2, 6, 4, 5)],
+            "b a q h c+, b a k h c+ -> b a h q k",
+            2 * 1 * 2 * 3 * 4 * 5 * 6,
+        ),
+        ("bsic,bsjd->bijcd", [(1, 3, 4, 2), (1, 3, 5, 6)], "b s+ i c, b s+ j d -> b i j c d", 2 * 3 * 4 * 2 * 5 * 6),
+        ("b i k, b j k -> b i j", [(2, 3, 4), (2, 5, 4)], "b i k+, b j k+ -> b i j", 2 * 2 * 3 * 4 * 5),
+        # broadcasting: a size-1 letter is a literal 1 axis
+        ("bik,bjk->bij", [(2, 3, 4), (1, 5, 4)], "b i k+, 1 j k+ -> b i j", 2 * 2 * 3 * 4 * 5),
+        # an ellipsis names its axes e0, e1, ... aligned right, like broadcasting
+        ("...ij,jk->...ik", [(5, 2, 3, 4), (4, 6)], "e0 e1 i j+, j+ k -> e0 e1 i k", 2 * 5 * 2 * 3 * 4 * 6),
+        ("...ij,...jk", [(5, 1, 3, 4), (2, 4, 6)], "e0 1 i j+, e1 j+ k -> e0 e1 i k", 2 * 5 * 2 * 3 * 4 * 6),
+        # implicit output: letters seen once, in ASCII order (upper case first)
+        ("ba,bc", [(2, 3), (2, 4)], "b+ a, b+ c -> a c", 2 * 2 * 3 * 4),
+        ("Ab,ab", [(2, 3), (5, 3)], "A b+, a b+ -> A a", 2 * 2 * 3 * 5),
+        # one operand: a permutation (no FLOPs) or a sum
+        ("ij->ji", [(5, 3)], "i j -> j i", 0),
+        ("bij->b", [(2, 3, 4)], "b i+ j+ -> b", 2 * 3 * 4),
+        ("b->", [(7,)], "b+ -> ", 7),
+        # three operands contract left to right: (ab, bc) then (ac, cd)
+        ("ab,bc,cd->ad", [(2, 3), (3, 4), (4, 5)], "a b+, b+ c+, c+ d -> a d", 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5),
+        # a diagonal puts one dimension on two axes: kept whole
+        ("bii->bi", [(2, 3, 3)], "b i^ i^ -> b i^", 0),
+    ],
+)
 def test_einsum_signatures(eq, shapes, sig, flops):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -187,8 +195,12 @@ class _Einsums(nn.Module):
         bcast = torch.einsum("bqc,bkc->bqk", first, y)  # (B, 1, T)
         diag = torch.einsum("bii->bi", a)  # (B, T)
         implicit = torch.einsum("btc,bsc", h, y)  # (S, T): b and c summed
-        return (torch.einsum("bt,bt->", ell, diag) + torch.einsum("bqk->", bcast)
-                + torch.einsum("st->", implicit) + torch.einsum("bt->", torch.sigmoid(ell)))
+        return (
+            torch.einsum("bt,bt->", ell, diag)
+            + torch.einsum("bqk->", bcast)
+            + torch.einsum("st->", implicit)
+            + torch.einsum("bt->", torch.sigmoid(ell))
+        )
 
 
 def test_einsum_pieces_match_the_whole():
@@ -206,8 +218,7 @@ def test_evoformer_operator_pieces_match_the_whole():
 
 # ---- registry and the tp constraint ---------------------------------------------------
 
-FAMILY_ARGS = (("blocks", 1), ("c_m", 8), ("c_z", 4), ("heads_msa", 2), ("heads_pair", 1), ("n_res", 5),
-               ("n_seq", 3))
+FAMILY_ARGS = (("blocks", 1), ("c_m", 8), ("c_z", 4), ("heads_msa", 2), ("heads_pair", 1), ("n_res", 5), ("n_seq", 3))
 
 
 def test_family_with_overrides_builds_and_runs():
@@ -215,31 +226,45 @@ def test_family_with_overrides_builds_and_runs():
     cfg = spec.config()
     assert (cfg.layers, cfg.heads, cfg.c_att_msa) == (1, 1, 32)
     model, inputs = build_model(spec, batch=3, device="cpu")
-    assert [tuple(t.shape) for t in inputs] == [(3, 3, 5, 49), (3, 5, 22), (3, 5, 5, 65), (3, 3, 5), (3, 5, 5),
-                                                (3, 5, 8), (3, 5, 5, 4), (3, 5, 5)]
+    assert [tuple(t.shape) for t in inputs] == [
+        (3, 3, 5, 49),
+        (3, 5, 22),
+        (3, 5, 5, 65),
+        (3, 3, 5),
+        (3, 5, 5),
+        (3, 5, 8),
+        (3, 5, 5, 4),
+        (3, 5, 5),
+    ]
     loss = model(*inputs)
     assert loss.shape == () and torch.isfinite(loss)
     assert ModelSpec("alphafold2", (("n_res", 64),)).config().n_res == 64
 
 
-@pytest.mark.parametrize("name, args, message", [
-    ("evoformer", (("blocks", 2),), "model family 'evoformer' needs --model-arg for c_m, c_z, heads_msa"),
-    ("alphafold2", (("hidden", 2),), "unknown model argument 'hidden' for 'alphafold2'; choose 'blocks'"),
-    ("evoformer-tiny", (("heads_msa", 0),), "heads_msa=0 must be a positive integer"),
-    ("evoformer-tiny", (("n_res", 2.5),), "n_res=2.5 must be a positive integer"),
-    ("evoformer-tiny", (("relpos_bins", 64),), "relpos_bins=64 must be odd"),
-])
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("evoformer", (("blocks", 2),), "model family 'evoformer' needs --model-arg for c_m, c_z, heads_msa"),
+        ("alphafold2", (("hidden", 2),), "unknown model argument 'hidden' for 'alphafold2'; choose 'blocks'"),
+        ("evoformer-tiny", (("heads_msa", 0),), "heads_msa=0 must be a positive integer"),
+        ("evoformer-tiny", (("n_res", 2.5),), "n_res=2.5 must be a positive integer"),
+        ("evoformer-tiny", (("relpos_bins", 64),), "relpos_bins=64 must be odd"),
+    ],
+)
 def test_bad_model_arguments(name, args, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         ModelSpec(name, args).config()
 
 
-@pytest.mark.parametrize("heads_msa, heads_pair, message", [
-    (2, 2, ""),
-    (4, 2, ""),
-    (2, 1, "tp=2 does not divide the model's 1 attention heads"),
-    (3, 2, "tp=2 does not divide the model's 1 attention heads"),
-])
+@pytest.mark.parametrize(
+    "heads_msa, heads_pair, message",
+    [
+        (2, 2, ""),
+        (4, 2, ""),
+        (2, 1, "tp=2 does not divide the model's 1 attention heads"),
+        (3, 2, "tp=2 does not divide the model's 1 attention heads"),
+    ],
+)
 def test_tp_must_divide_both_head_counts(heads_msa, heads_pair, message):
     spec, g = traced("evoformer-tiny", 4, (("heads_msa", heads_msa), ("heads_pair", heads_pair)))
     ctx = Context(g, spec, 4, "cpu", 2, 2, 1)
@@ -270,10 +295,14 @@ def test_tensor_parallel_splits_attention_heads_and_transitions():
 
 # ---- plans on 2 gloo ranks match one process --------------------------------------
 
-@pytest.mark.parametrize("knobs", [
-    dict(dp=2, tp=1, pp=1, microbatch=1),   # data parallel, 2 micro-batches per replica
-    dict(dp=1, tp=2, pp=1, microbatch=4),   # tensor parallel: attention heads and transitions split
-])
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dp=2, tp=1, pp=1, microbatch=1),  # data parallel, 2 micro-batches per replica
+        dict(dp=1, tp=2, pp=1, microbatch=4),  # tensor parallel: attention heads and transitions split
+    ],
+)
 def test_evoformer_tiny_plans_match_one_process(knobs):
     spec, g = traced("evoformer-tiny", 4)
     plan = get_space("megatron").build(Context(g, spec, 4, "cpu", 2, 2, 1), knobs)

@@ -22,16 +22,19 @@ def _check(plan, n, steps=2):
     return res
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(dp=2, tp=1, pp=1, microbatch=2)),   # data parallel, 2 micro-batches
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8)),   # Megatron tensor parallel
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True)),  # ... with sequence parallelism
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2)),   # 1F1B pipeline, 4 micro-batches
-    (4, dict(dp=1, tp=2, pp=2, microbatch=4)),   # TP x PP
-    (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
-    (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # ZeRO-2: sharded Adam steps, weights all-gathered
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(dp=2, tp=1, pp=1, microbatch=2)),  # data parallel, 2 micro-batches
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8)),  # Megatron tensor parallel
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=True)),  # ... with sequence parallelism
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2)),  # 1F1B pipeline, 4 micro-batches
+        (4, dict(dp=1, tp=2, pp=2, microbatch=4)),  # TP x PP
+        (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # ZeRO-2: sharded Adam steps, weights all-gathered
+    ],
+)
 def test_megatron_plans_match_one_process(n, knobs):
     spec, g = traced("gpt-small" if knobs.get("virtual_stages", 1) > 1 else "gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
@@ -60,8 +63,13 @@ def random_plans(draw):
 
 
 # no shrinking: each example launches two processes, and a failing plan is printed whole anyway
-@settings(max_examples=6, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.reuse, Phase.generate),
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(random_plans())
 def test_random_plans_match_one_process(plan):
     res = launch_local(plan, 2, steps=1, lr=1e-2)

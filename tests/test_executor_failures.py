@@ -13,8 +13,19 @@ import pytest
 
 from planlab.errors import ConfigError, ExecutionError
 from planlab.executor import launch_local
-from planlab.executor.failures import (FAULT_ENV, Fault, InjectedFault, Progress, Watchdog, classify, describe,
-                                       diagnose, fault_from_env, progress_path, write_report)
+from planlab.executor.failures import (
+    FAULT_ENV,
+    Fault,
+    InjectedFault,
+    Progress,
+    Watchdog,
+    classify,
+    describe,
+    diagnose,
+    fault_from_env,
+    progress_path,
+    write_report,
+)
 from planlab.search_spaces import Context, get_space
 
 from conftest import traced
@@ -69,7 +80,7 @@ def _children() -> list[int]:
             stat = (d / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         if int(fields[1]) == os.getpid() and fields[0] != "Z":
             found.append(int(d.name))
     return found
@@ -105,14 +116,23 @@ def test_a_run_leaves_no_folder_behind():
     assert _launcher_folders() - before == set()
 
 
-@pytest.mark.parametrize("knobs, fault, expect", [
-    # an exception in a backward task of the second step of the TP plan
-    (TP, "rank=1,task=blocks_0_mlp_fc,kind=raise,step=1,action=0B0",
-     "rank 1 failed at step 1, action 0B0, task B:blocks_0_mlp_fc: InjectedFault: fault injected by PLANLAB_FAULT"),
-    # SIGKILL in the forward of the third micro-batch of the 1F1B pipeline
-    (PP, "rank=1,task=blocks_1_attn_q,kind=kill,action=1F2",
-     "rank 1 was killed by signal SIGKILL at step 0, action 1F2, task F:blocks_1_attn_q"),
-])
+@pytest.mark.parametrize(
+    "knobs, fault, expect",
+    [
+        # an exception in a backward task of the second step of the TP plan
+        (
+            TP,
+            "rank=1,task=blocks_0_mlp_fc,kind=raise,step=1,action=0B0",
+            "rank 1 failed at step 1, action 0B0, task B:blocks_0_mlp_fc: InjectedFault: fault injected by PLANLAB_FAULT",
+        ),
+        # SIGKILL in the forward of the third micro-batch of the 1F1B pipeline
+        (
+            PP,
+            "rank=1,task=blocks_1_attn_q,kind=kill,action=1F2",
+            "rank 1 was killed by signal SIGKILL at step 0, action 1F2, task F:blocks_1_attn_q",
+        ),
+    ],
+)
 def test_a_failing_rank_ends_the_run(monkeypatch, knobs, fault, expect):
     err, _ = _fail(monkeypatch, _plan(knobs), fault)
     assert str(err) == expect
@@ -123,8 +143,10 @@ def test_a_hang_is_reported_with_the_group_it_waited_on(monkeypatch):
     """Rank 1 stops in a forward task; rank 0 times out in the next all-reduce of the TP group."""
     err, elapsed = _fail(monkeypatch, _plan(TP), "rank=1,task=blocks_0_attn_q,kind=hang", timeout_s=3)
     msg = str(err)
-    assert msg.startswith("rank 0 timed out at step 0, action 0F0, task C:all_reduce(blocks_0_attn_proj:all_reduce0)"
-                          "@[0, 1] waiting on group [0, 1]: "), msg
+    assert msg.startswith(
+        "rank 0 timed out at step 0, action 0F0, task C:all_reduce(blocks_0_attn_proj:all_reduce0)"
+        "@[0, 1] waiting on group [0, 1]: "
+    ), msg
     assert "meanwhile rank 1 at step 0, action 0F0, task F:blocks_0_attn_q" in msg
     assert elapsed >= 3
 
@@ -145,10 +167,16 @@ def test_a_plan_that_does_not_fit_the_launch_is_refused_before_any_process(monke
         launch_local(_plan(TP), 2)
 
 
-@pytest.mark.parametrize("text, fault", [
-    ("rank=1,task=wte,kind=raise", Fault(1, "wte", "raise")),
-    (" rank=0 , task=blocks_0_attn_q , kind=kill , step=2, action=0B1 ", Fault(0, "blocks_0_attn_q", "kill", 2, "0B1")),
-])
+@pytest.mark.parametrize(
+    "text, fault",
+    [
+        ("rank=1,task=wte,kind=raise", Fault(1, "wte", "raise")),
+        (
+            " rank=0 , task=blocks_0_attn_q , kind=kill , step=2, action=0B1 ",
+            Fault(0, "blocks_0_attn_q", "kill", 2, "0B1"),
+        ),
+    ],
+)
 def test_fault_parse(text, fault):
     assert Fault.parse(text) == fault
     assert fault_from_env(fault.rank, {FAULT_ENV: text}) == fault
@@ -156,11 +184,14 @@ def test_fault_parse(text, fault):
     assert fault_from_env(0, {}) is None
 
 
-@pytest.mark.parametrize("text, message", [
-    ("rank=1,task=wte", "lacks 'kind'"),
-    ("rank=one,task=wte,kind=raise", "rank and step must be integers"),
-    ("rank=1,task=wte,kind=raise,colour=red", "'colour=red' is not one of"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("rank=1,task=wte", "lacks 'kind'"),
+        ("rank=one,task=wte,kind=raise", "rank and step must be integers"),
+        ("rank=1,task=wte,kind=raise,colour=red", "'colour=red' is not one of"),
+    ],
+)
 def test_bad_faults(text, message):
     with pytest.raises(ConfigError, match=message):
         Fault.parse(text)
@@ -206,16 +237,32 @@ def test_watchdog_fires_once_on_an_armed_record_that_does_not_move():
 def test_diagnose_prefers_the_root_cause(tmp_path):
     for r in range(3):
         Progress(progress_path(tmp_path, r)).phase(f"step 0, action 0F{r}", task="F:x")
-    write_report(tmp_path, 0, cause="peer", where="step 0, action 0F0, task C:all_reduce(y)@[0, 1]",
-                 error="RuntimeError: Connection closed by peer", waited_on="group [0, 1]")
+    write_report(
+        tmp_path,
+        0,
+        cause="peer",
+        where="step 0, action 0F0, task C:all_reduce(y)@[0, 1]",
+        error="RuntimeError: Connection closed by peer",
+        waited_on="group [0, 1]",
+    )
     assert str(diagnose(tmp_path, {1: -9}, 3)) == "rank 1 was killed by signal SIGKILL at step 0, action 0F1, task F:x"
-    assert str(diagnose(tmp_path, {}, 3)) == ("rank 0 failed at step 0, action 0F0, task C:all_reduce(y)@[0, 1]: "
-                                              "RuntimeError: Connection closed by peer (waiting on group [0, 1])")
-    write_report(tmp_path, 2, cause="timeout", where="step 0, action 0F2, task R:y<-1", error="RuntimeError: Timed out",
-                 waited_on="peer 1")
+    assert str(diagnose(tmp_path, {}, 3)) == (
+        "rank 0 failed at step 0, action 0F0, task C:all_reduce(y)@[0, 1]: "
+        "RuntimeError: Connection closed by peer (waiting on group [0, 1])"
+    )
+    write_report(
+        tmp_path,
+        2,
+        cause="timeout",
+        where="step 0, action 0F2, task R:y<-1",
+        error="RuntimeError: Timed out",
+        waited_on="peer 1",
+    )
     err = diagnose(tmp_path, {0: 1}, 3)
-    assert err.rank == 2 and str(err) == ("rank 2 timed out at step 0, action 0F2, task R:y<-1 waiting on peer 1: "
-                                          "RuntimeError: Timed out (meanwhile rank 1 at step 0, action 0F1, task F:x)")
+    assert err.rank == 2 and str(err) == (
+        "rank 2 timed out at step 0, action 0F2, task R:y<-1 waiting on peer 1: "
+        "RuntimeError: Timed out (meanwhile rank 1 at step 0, action 0F1, task F:x)"
+    )
 
 
 def test_cli_prints_the_failure_on_one_line(monkeypatch, tmp_path, capsys):
@@ -230,5 +277,7 @@ def test_cli_prints_the_failure_on_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(FAULT_ENV, "rank=1,task=blocks_1_ln2,kind=raise,action=0B1")
     assert main(["run", str(plan_file), "--nproc", "2", "--steps", "1", "--timeout", "30"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("planlab: error: rank 1 failed at step 0, action 0B1, task B:blocks_1_ln2: "
-                   "InjectedFault: fault injected by PLANLAB_FAULT")
+    assert err == (
+        "planlab: error: rank 1 failed at step 0, action 0B1, task B:blocks_1_ln2: "
+        "InjectedFault: fault injected by PLANLAB_FAULT"
+    )

@@ -57,8 +57,18 @@ def _env(**extra):
 
 
 def _torchrun(n, *args, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           "-m", "planlab.cli", "run", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "-m",
+        "planlab.cli",
+        "run",
+        *map(str, args),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env or _env())
 
 
@@ -71,14 +81,17 @@ def _check_report(out: str, n: int, steps: int, launcher: str):
     assert "predicted against measured" in out and "largest misses" in out
 
 
-@pytest.mark.parametrize("n, knobs, extra", [
-    # 1F1B pipeline on 2 ranks, on the user's batches, clipped: the norm across stages
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2), ("--clip-grad-norm", "0.5", "--data", "DATA")),
-    # data x tensor parallel on 4 ranks, clipped: replicas and split pieces counted once
-    (4, dict(dp=2, tp=2, pp=1, microbatch=2), ("--clip-grad-norm", "0.5")),
-    # tensor x pipeline parallel on 4 ranks
-    (4, dict(dp=1, tp=2, pp=2, microbatch=4), ()),
-])
+@pytest.mark.parametrize(
+    "n, knobs, extra",
+    [
+        # 1F1B pipeline on 2 ranks, on the user's batches, clipped: the norm across stages
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2), ("--clip-grad-norm", "0.5", "--data", "DATA")),
+        # data x tensor parallel on 4 ranks, clipped: replicas and split pieces counted once
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2), ("--clip-grad-norm", "0.5")),
+        # tensor x pipeline parallel on 4 ranks
+        (4, dict(dp=1, tp=2, pp=2, microbatch=4), ()),
+    ],
+)
 def test_torchrun_runs_each_process_as_a_rank(tmp_path, n, knobs, extra):
     plan = _plan(n, knobs)
     save_plan(plan, tmp_path / "plan.json")
@@ -91,8 +104,19 @@ def test_torchrun_runs_each_process_as_a_rank(tmp_path, n, knobs, extra):
         torch.save(batches, tmp_path / "data.pt")
         extra = tuple(str(tmp_path / "data.pt") if a == "DATA" else a for a in extra)
     measured, predicted = tmp_path / "measured.json", tmp_path / "predicted.json"
-    r = _torchrun(n, tmp_path / "plan.json", "--steps", 3, "--warmup", 1, "--trace", measured,
-                  "--predicted-trace", predicted, *extra)
+    r = _torchrun(
+        n,
+        tmp_path / "plan.json",
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--trace",
+        measured,
+        "--predicted-trace",
+        predicted,
+        *extra,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     _check_report(r.stdout, n, 3, "torchrun")
     if "--clip-grad-norm" in extra:  # every step's global norm, against one process's clip_grad_norm_
@@ -126,11 +150,24 @@ def test_slurm_tasks_run_as_ranks(tmp_path):
     save_plan(_plan(2, dict(dp=2, tp=1, pp=1, microbatch=2)), tmp_path / "dp.json")
     port = _free_port_between(20000, 40000)
     job = 7 * 20000 + port - 20000  # the port planlab derives: 20000 + job % 20000
-    common = dict(SLURM_NTASKS="2", SLURM_NODEID="0", SLURM_STEP_ID="0", SLURM_JOB_ID=str(job),
-                  SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost,node[2-3]")
-    procs = [subprocess.Popen([sys.executable, "-m", "planlab.cli", "run", str(tmp_path / "dp.json"), "--steps", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(**common, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in range(2)]
+    common = dict(
+        SLURM_NTASKS="2",
+        SLURM_NODEID="0",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_ID=str(job),
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_JOB_NODELIST="localhost,node[2-3]",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "planlab.cli", "run", str(tmp_path / "dp.json"), "--steps", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(**common, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     _check_report(outs[0][0], 2, 2, "slurm")
@@ -143,7 +180,9 @@ def test_a_failing_rank_under_torchrun_is_reported_once(tmp_path):
     env = _env(PLANLAB_TEST_RUN=token, PLANLAB_FAULT="rank=1,task=blocks_0_mlp_fc,kind=raise,step=1,action=0B0")
     r = _torchrun(2, tmp_path / "tp.json", "--steps", 2, "--no-check", "--timeout", 30, env=env)
     assert r.returncode != 0
-    cause = ("planlab: error: rank 1 failed at step 1, action 0B0, task B:blocks_0_mlp_fc: InjectedFault: fault "
-             "injected by PLANLAB_FAULT")
+    cause = (
+        "planlab: error: rank 1 failed at step 1, action 0B0, task B:blocks_0_mlp_fc: InjectedFault: fault "
+        "injected by PLANLAB_FAULT"
+    )
     assert r.stderr.count("InjectedFault") == 1 and cause in r.stderr.splitlines(), r.stderr
     assert _leftovers(token) == []

@@ -9,17 +9,16 @@ import pytest
 
 from planlab.cli import main
 from planlab.executor import launch_local
-from planlab.executor.timeline import (compare, format_report, largest_misses, measured_events, predict,
-                                       task_lists)
+from planlab.executor.timeline import compare, format_report, largest_misses, measured_events, predict, task_lists
 from planlab.plan import save_plan
 from planlab.search_spaces import Context, get_space
 
 from conftest import traced
 
 PLANS = {
-    "dp": dict(dp=2, tp=1, pp=1, microbatch=2),   # 2 micro-batches, gradient all-reduce
-    "tp": dict(dp=1, tp=2, pp=1, microbatch=8),   # Megatron column/row parallel
-    "pp": dict(dp=1, tp=1, pp=2, microbatch=2),   # 1F1B, 4 micro-batches, sends and receives
+    "dp": dict(dp=2, tp=1, pp=1, microbatch=2),  # 2 micro-batches, gradient all-reduce
+    "tp": dict(dp=1, tp=2, pp=1, microbatch=8),  # Megatron column/row parallel
+    "pp": dict(dp=1, tp=1, pp=2, microbatch=2),  # 1F1B, 4 micro-batches, sends and receives
 }
 
 
@@ -58,8 +57,9 @@ def test_measured_tasks_equal_simulated_tasks(name):
     sim = pred.sim.events
     assert {k: sorted(v) for k, v in task_lists(measured).items()} == {k: sorted(v) for k, v in task_lists(sim).items()}
     for stream in ("compute", "comm"):
-        assert task_lists([e for e in measured if e.stream == stream]) == \
-            task_lists([e for e in sim if e.stream == stream])
+        assert task_lists([e for e in measured if e.stream == stream]) == task_lists(
+            [e for e in sim if e.stream == stream]
+        )
     streams = {e.stream for e in measured}
     assert streams == ({"compute", "comm"} if name == "tp" else {"compute", "comm", "wait"})
     assert all(0 <= e.start_s <= e.end_s for e in measured)
@@ -85,16 +85,32 @@ def test_cli_run_writes_both_traces_with_the_same_tasks(tmp_path, capsys):
     plan_file = tmp_path / "dp.json"
     save_plan(_plan("dp"), plan_file)
     measured, predicted = tmp_path / "measured.json", tmp_path / "predicted.json"
-    assert main(["run", str(plan_file), "--nproc", "2", "--steps", "2", "--trace", str(measured),
-                 "--predicted-trace", str(predicted)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(plan_file),
+                "--nproc",
+                "2",
+                "--steps",
+                "2",
+                "--trace",
+                str(measured),
+                "--predicted-trace",
+                str(predicted),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "PASSED" in out and "predicted against measured" in out and "largest misses" in out
     m, p = _trace_task_lists(measured), _trace_task_lists(predicted)
     assert m == p and {d for d, _ in m} == {0, 1}
     assert sum(map(len, m.values())) == sum(map(len, _program_task_lists(predict(_plan("dp")).program).values()))
     meta = [e for e in json.loads(measured.read_text())["traceEvents"] if e["ph"] == "M"]
-    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name"} == \
-        {(d, s) for d in (0, 1) for s in ("compute", "comm", "wait")}
+    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name"} == {
+        (d, s) for d in (0, 1) for s in ("compute", "comm", "wait")
+    }
 
 
 def test_read_trace_returns_the_events_written(tmp_path):
@@ -106,8 +122,9 @@ def test_read_trace_returns_the_events_written(tmp_path):
     sim = predict(_plan("pp")).sim
     sim.write_trace(tmp_path / "p.json")
     back = read_trace(tmp_path / "p.json")
-    assert [(e.device, e.stream, e.action, e.name) for e in back] == \
-        [(e.device, e.stream, e.action, e.name) for e in sim.events]
+    assert [(e.device, e.stream, e.action, e.name) for e in back] == [
+        (e.device, e.stream, e.action, e.name) for e in sim.events
+    ]
     assert {e.stream for e in back} == {"compute", "comm", "wait"}
     assert max(abs(a.start_s - b.start_s) + abs(a.end_s - b.end_s) for a, b in zip(back, sim.events)) < 1e-12
     (tmp_path / "bad.json").write_text("[1, 2]")

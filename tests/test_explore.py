@@ -37,8 +37,9 @@ def small_grid():
     for a in plans:
         e = scr.estimate(sp.draft(ctx, a))
         plan = sp.build(ctx, a)
-        res = simulate(materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost,
-                       model_flops=3 * g.flops)
+        res = simulate(
+            materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost, model_flops=3 * g.flops
+        )
         out.append((a, e, res, memory_lower_bound_bytes(plan, g)))
     return out
 
@@ -51,16 +52,20 @@ def test_the_screen_ranks_plans_as_the_simulator_does(small_grid):
     st = [e.time_s for _, e, _, _ in small_grid]
     si = [r.iter_time_s for _, _, r, _ in small_grid]
     assert spearmanr(st, si)[0] >= 0.95
-    assert spearmanr([e.mem_bytes for _, e, _, _ in small_grid],
-                     [r.peak_mem_bytes for _, _, r, _ in small_grid])[0] >= 0.9
+    assert (
+        spearmanr([e.mem_bytes for _, e, _, _ in small_grid], [r.peak_mem_bytes for _, _, r, _ in small_grid])[0] >= 0.9
+    )
     assert all(0.7 <= a / b <= 1.4 for a, b in zip(st, si))
 
 
-@pytest.mark.parametrize("space, fixed, step", [
-    ("megatron", {"zero": 3}, 6),  # FSDP: weights gathered per layer, gradients reduce-scattered per micro-batch
-    ("megatron", {"schedule": "zb-h1"}, 12),  # zero-bubble: backward split into I and W, W deferred
-    ("megatron*coshard", {"coshard": 2}, 20),  # co-located pieces: the base split, recomputed, in k tasks
-])
+@pytest.mark.parametrize(
+    "space, fixed, step",
+    [
+        ("megatron", {"zero": 3}, 6),  # FSDP: weights gathered per layer, gradients reduce-scattered per micro-batch
+        ("megatron", {"schedule": "zb-h1"}, 12),  # zero-bubble: backward split into I and W, W deferred
+        ("megatron*coshard", {"coshard": 2}, 20),  # co-located pieces: the base split, recomputed, in k tasks
+    ],
+)
 def test_the_screen_follows_zero3_zero_bubble_and_coshard(space, fixed, step):
     """The screen against the simulator on plans of main's newer features (measured on every plan
     of each grid: time Spearman 0.996 to 0.999, ratios 0.85 to 1.22; memory Spearman 0.97 to 0.985),
@@ -73,8 +78,9 @@ def test_the_screen_follows_zero3_zero_bubble_and_coshard(space, fixed, step):
     rows = []
     for a in sp.enumerate(ctx, fixed)[::step]:
         plan = sp.build(ctx, a)
-        res = simulate(materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost,
-                       model_flops=3 * g.flops)
+        res = simulate(
+            materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost, model_flops=3 * g.flops
+        )
         rows.append((a, scr.estimate(sp.draft(ctx, a)), res, sum(memory_lower_bound_bytes(plan, g))))
     assert len(rows) >= 15
     st, si = [e.time_s for _, e, _, _ in rows], [r.iter_time_s for _, _, r, _ in rows]
@@ -99,9 +105,25 @@ def tiny_full():
 
 def test_results_carry_screen_and_simulated_columns(tiny_full):
     df = tiny_full
-    for c in ["space", "dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "recompute", "screen_time_s",
-              "screen_mem_gib", "screen_rank", "iter_time_s", "peak_mem_gib", "feasible", "simulated", "reason",
-              "pareto"]:
+    for c in [
+        "space",
+        "dp",
+        "tp",
+        "pp",
+        "zero",
+        "sequence_parallel",
+        "schedule",
+        "recompute",
+        "screen_time_s",
+        "screen_mem_gib",
+        "screen_rank",
+        "iter_time_s",
+        "peak_mem_gib",
+        "feasible",
+        "simulated",
+        "reason",
+        "pareto",
+    ]:
         assert c in df.columns, c
     assert df["simulated"].all() and df["feasible"].iloc[0] and df["pareto"].any()
     assert list(df["iter_time_s"][df["feasible"]]) == sorted(df["iter_time_s"][df["feasible"]])
@@ -165,12 +187,15 @@ def test_explore_stops_on_a_user_space_that_raises():
         planlab.explore("gpt-tiny", **TINY, space="test_spaces:Broken")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(budget=-1), "--budget must be a number of seconds >= 0, got -1"),
-    (dict(candidates=0), "--candidates must be a positive integer, got 0"),
-    (dict(jobs=0), "--jobs must be a positive integer, got 0"),
-    (dict(space="megatron", fixed={"tp": 2, "pp": 2}), "space 'megatron' has no plan with tp=2, pp=2 fixed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=-1), "--budget must be a number of seconds >= 0, got -1"),
+        (dict(candidates=0), "--candidates must be a positive integer, got 0"),
+        (dict(jobs=0), "--jobs must be a positive integer, got 0"),
+        (dict(space="megatron", fixed={"tp": 2, "pp": 2}), "space 'megatron' has no plan with tp=2, pp=2 fixed"),
+    ],
+)
 def test_bad_options(kwargs, message):
     with pytest.raises(ConfigError) as info:
         planlab.explore("gpt-tiny", **TINY, **kwargs)
@@ -188,13 +213,16 @@ def test_out_writes_the_plots_of_the_best_plan(tmp_path):
 
 
 # -- choosing candidates and the front ---------------------------------------------------------------
-@pytest.mark.parametrize("points, tol, expected", [
-    ([(1.0, 5.0), (2.0, 3.0), (3.0, 4.0), (4.0, 1.0)], 0.0, [True, True, False, True]),
-    ([(1.0, 5.0), (1.0, 5.0), (1.0, 6.0)], 0.0, [True, True, False]),
-    ([(1.0, 5.0), (1.0, 4.0)], 0.0, [False, True]),  # as fast with less memory
-    ([(1.0, 5.0), (1.04, 6.0), None], 0.05, [True, True, False]),
-    ([(1.0, 5.0), (1.10, 6.0)], 0.05, [True, False]),
-])
+@pytest.mark.parametrize(
+    "points, tol, expected",
+    [
+        ([(1.0, 5.0), (2.0, 3.0), (3.0, 4.0), (4.0, 1.0)], 0.0, [True, True, False, True]),
+        ([(1.0, 5.0), (1.0, 5.0), (1.0, 6.0)], 0.0, [True, True, False]),
+        ([(1.0, 5.0), (1.0, 4.0)], 0.0, [False, True]),  # as fast with less memory
+        ([(1.0, 5.0), (1.04, 6.0), None], 0.05, [True, True, False]),
+        ([(1.0, 5.0), (1.10, 6.0)], 0.05, [True, False]),
+    ],
+)
 def test_front(points, tol, expected):
     assert front(points, tol) == expected
 
@@ -241,11 +269,14 @@ print(round(time.perf_counter() - t))
     assert int(out.stdout) < 60
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(dp=1, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
-    dict(dp=1, tp=4, pp=2, microbatch=2, schedule="1f1b", virtual_stages=1),
-    dict(dp=2, tp=2, pp=2, microbatch=1, schedule="interleaved", virtual_stages=2, recompute="full"),
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dp=1, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
+        dict(dp=1, tp=4, pp=2, microbatch=2, schedule="1f1b", virtual_stages=1),
+        dict(dp=2, tp=2, pp=2, microbatch=1, schedule="interleaved", virtual_stages=2, recompute="full"),
+    ],
+)
 def test_the_screen_counts_each_pipeline_transfer_once(knobs):
     """Per device group, one transfer per tensor and receiving stage (the activation on the
     receiving group, its gradient on the sending one), counted from the graph apart; a split whose
@@ -258,9 +289,12 @@ def test_the_screen_counts_each_pipeline_transfer_once(knobs):
     d = get_space("megatron").draft(ctx, values)
     s = Screen(g, CostModel.load("cpu", n), precision_for("cpu")).structure(d)
     expected = [0] * d.groups
-    for t, sc in {(t, d.stages[op.name]) for op in g.operators for t in op.inputs
-                  if t in g.producer and g.tensors[t].role != "param"
-                  and d.stages[g.producer[t].name] != d.stages[op.name]}:
+    for t, sc in {
+        (t, d.stages[op.name])
+        for op in g.operators
+        for t in op.inputs
+        if t in g.producer and g.tensors[t].role != "param" and d.stages[g.producer[t].name] != d.stages[op.name]
+    }:
         expected[sc % d.groups] += 1
         expected[d.stages[g.producer[t].name] % d.groups] += 1
     assert [sum(n for _, n in p) for p in s.p2p] == expected

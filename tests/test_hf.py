@@ -37,14 +37,18 @@ def _spec(family: str, **args) -> ModelSpec:
 
 # ---- the six families trace at a tiny size --------------------------------------------------
 
-@pytest.mark.parametrize("family, kinds", [
-    ("llama", {"attention", "linear", "embedding", "rsqrt", "cross_entropy"}),
-    ("gpt2", {"attention", "linear", "layer_norm", "split", "pointwise"}),
-    ("t5", {"matmul", "softmax", "setitem", "constant", "embedding"}),
-    ("mixtral", {"attention", "topk", "getitem", "matmul", "softmax"}),
-    ("swin", {"conv", "roll", "pad", "attention", "avg_pool"}),
-    ("vit", {"conv", "attention", "cat", "layer_norm"}),
-])
+
+@pytest.mark.parametrize(
+    "family, kinds",
+    [
+        ("llama", {"attention", "linear", "embedding", "rsqrt", "cross_entropy"}),
+        ("gpt2", {"attention", "linear", "layer_norm", "split", "pointwise"}),
+        ("t5", {"matmul", "softmax", "setitem", "constant", "embedding"}),
+        ("mixtral", {"attention", "topk", "getitem", "matmul", "softmax"}),
+        ("swin", {"conv", "roll", "pad", "attention", "avg_pool"}),
+        ("vit", {"conv", "attention", "cat", "layer_norm"}),
+    ],
+)
 def test_tiny_families_trace_with_every_operator_known(family, kinds):
     spec, g = traced(HF + family, 4)
     model, _ = build_model(spec, batch=1)
@@ -58,20 +62,29 @@ def test_tiny_families_trace_with_every_operator_known(family, kinds):
 # Full sizes on meta (no memory for weights). Llama-2 7B: the released checkpoint's 6,738,415,616
 # parameters (untied, as released). GPT-2 124M: 124,439,808 parameters with the output layer tied
 # to the token embedding (Radford et al. 2019), plus 50,257 x 768 for the untied output layer.
-@pytest.mark.parametrize("family, params, ops", [
-    ("llama", 6_738_415_616, 32 * 2),
-    ("gpt2", 124_439_808 + 50_257 * 768, 12 * 2),
-])
+@pytest.mark.parametrize(
+    "family, params, ops",
+    [
+        ("llama", 6_738_415_616, 32 * 2),
+        ("gpt2", 124_439_808 + 50_257 * 768, 12 * 2),
+    ],
+)
 def test_full_sizes_trace_on_meta(family, params, ops):
     spec, g = traced(HF + family, 8, (("size", "full"),))
     assert g.num_params == params
     assert not g.unknown
-    assert sum(op.kind in ("attention", "linear") and "proj" in op.module and "o_proj" not in op.module
-               for op in g.operators) >= ops
+    assert (
+        sum(
+            op.kind in ("attention", "linear") and "proj" in op.module and "o_proj" not in op.module
+            for op in g.operators
+        )
+        >= ops
+    )
     assert sum(op.kind == "attention" for op in g.operators) == ops // 2
 
 
 # ---- what the tracer rewrites ------------------------------------------------------------------
+
 
 def _flat(x):
     if isinstance(x, (tuple, list)):
@@ -124,8 +137,15 @@ def test_t5_decoder_inputs_are_written_functionally():
 
 def test_key_value_cache_is_off_while_tracing_and_restored():
     tf = pytest.importorskip("transformers")
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     assert cfg.use_cache
 
     class Loss(nn.Module):
@@ -146,6 +166,7 @@ def test_key_value_cache_is_off_while_tracing_and_restored():
 
 # ---- signatures of the HF operators --------------------------------------------------------------
 
+
 def _sig(target, kind: str, tensors: list, args: tuple, kwargs: dict, module=None) -> str:
     """Signature of one call (TensorArg slots in ``args``/``kwargs`` stand for ``tensors``)."""
     _, _, _, T = _hf_functions()
@@ -160,8 +181,11 @@ def _sig(target, kind: str, tensors: list, args: tuple, kwargs: dict, module=Non
         out = target(*real_args, **real_kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     ctx = OpContext(tuple(tuple(t.shape) for t in tensors), tuple(tuple(o.shape) for o in outs), args, kwargs, module)
-    d = lookup("call_module" if module is not None else "call_method" if isinstance(target, str) else "call_function",
-               target, module)
+    d = lookup(
+        "call_module" if module is not None else "call_method" if isinstance(target, str) else "call_function",
+        target,
+        module,
+    )
     assert d is not None and d.kind == kind, d
     return str(d.signature(ctx))
 
@@ -169,6 +193,7 @@ def _sig(target, kind: str, tensors: list, args: tuple, kwargs: dict, module=Non
 def _hf_functions():
     from planlab.graph.ops_hf import Constant, constant, functional_setitem, register_transformers_modules
     from planlab.graph.ir import TensorArg
+
     register_transformers_modules()
     return Constant, constant, functional_setitem, TensorArg
 
@@ -176,27 +201,69 @@ def _hf_functions():
 def _signature_cases():
     Constant, constant, setitem, T = _hf_functions()
     from transformers.pytorch_utils import Conv1D
+
     q, kv = torch.zeros(2, 4, 5, 8), torch.zeros(2, 2, 5, 8)
     mask = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
     x, ids = torch.zeros(2, 6), torch.zeros(2, 6, dtype=torch.long)
     w = torch.zeros(4, 3, 8)
     return [
-        (F.scaled_dot_product_attention, "attention", [q, kv, kv], (T(0), T(1), T(2)),
-         {"enable_gqa": True, "is_causal": True}, None,
-         "a0 (a1 rep^) s^ d^, a0 a1 t^ d^, a0 a1 t^ e^ -> a0 (a1 rep^) s^ e^"),
-        (F.scaled_dot_product_attention, "attention", [q, q, q, mask], (T(0), T(1), T(2)),
-         {"attn_mask": T(3)}, None, "a0 a1 s^ d^, a0 a1 t^ d^, a0 a1 t^ e^, a0 1 s^ t^ -> a0 a1 s^ e^"),
+        (
+            F.scaled_dot_product_attention,
+            "attention",
+            [q, kv, kv],
+            (T(0), T(1), T(2)),
+            {"enable_gqa": True, "is_causal": True},
+            None,
+            "a0 (a1 rep^) s^ d^, a0 a1 t^ d^, a0 a1 t^ e^ -> a0 (a1 rep^) s^ e^",
+        ),
+        (
+            F.scaled_dot_product_attention,
+            "attention",
+            [q, q, q, mask],
+            (T(0), T(1), T(2)),
+            {"attn_mask": T(3)},
+            None,
+            "a0 a1 s^ d^, a0 a1 t^ d^, a0 a1 t^ e^, a0 1 s^ t^ -> a0 a1 s^ e^",
+        ),
         (None, "linear", [torch.zeros(2, 5, 8)], (T(0),), {}, Conv1D(12, 8), "a0 a1 k+, k+ n, n -> a0 a1 n"),
-        (setitem, "setitem", [ids, ids[:, :-1]], (T(0), (Ellipsis, slice(1, None)), T(1)), {}, None,
-         "a0 x1^, a0 y1^ -> a0 x1^"),
+        (
+            setitem,
+            "setitem",
+            [ids, ids[:, :-1]],
+            (T(0), (Ellipsis, slice(1, None)), T(1)),
+            {},
+            None,
+            "a0 x1^, a0 y1^ -> a0 x1^",
+        ),
         (setitem, "setitem", [ids], (T(0), (Ellipsis, 0), 7), {}, None, "a0 x1^ -> a0 x1^"),
-        (operator.getitem, "getitem", [w, torch.zeros(10, dtype=torch.long)], (T(0), T(1)), {}, None,
-         "v^ a1 a2, i0 -> i0 a1 a2"),
-        ("split", "split", [torch.zeros(2, 5, 12)], (T(0), 4, 2), {}, None,
-         "a0 a1 cin^ -> a0 a1 c0^, a0 a1 c1^, a0 a1 c2^"),
+        (
+            operator.getitem,
+            "getitem",
+            [w, torch.zeros(10, dtype=torch.long)],
+            (T(0), T(1)),
+            {},
+            None,
+            "v^ a1 a2, i0 -> i0 a1 a2",
+        ),
+        (
+            "split",
+            "split",
+            [torch.zeros(2, 5, 12)],
+            (T(0), 4, 2),
+            {},
+            None,
+            "a0 a1 cin^ -> a0 a1 c0^, a0 a1 c1^, a0 a1 c2^",
+        ),
         (F.pad, "pad", [ids], (T(0), (0, 1)), {"value": -100}, None, "a0 p1^ -> a0 q1^"),
-        (torch.where, "elementwise", [mask, torch.zeros(2, 4, 5, 5), torch.zeros(1)], (T(0), T(1), T(2)), {}, None,
-         "a0 1 a2 a3, a0 a1 a2 a3, 1 -> a0 a1 a2 a3"),
+        (
+            torch.where,
+            "elementwise",
+            [mask, torch.zeros(2, 4, 5, 5), torch.zeros(1)],
+            (T(0), T(1), T(2)),
+            {},
+            None,
+            "a0 1 a2 a3, a0 a1 a2 a3, 1 -> a0 a1 a2 a3",
+        ),
         ("rsqrt", "pointwise", [x], (T(0),), {}, None, "a0 a1 -> a0 a1"),
         (constant, "constant", [], (Constant(torch.arange(6)[None]),), {}, None, " -> f0^ f1^"),
         ("new_zeros", "factory", [ids], (T(0), (2, 6)), {}, None, "x0^ x1^ -> f0^ f1^"),
@@ -211,6 +278,7 @@ def test_hf_operator_signatures(case):
 
 
 # ---- every operator piece computes its slice of the whole ----------------------------------------
+
 
 def _full_inputs(g, op):
     """Whole inputs of one operator: positive floats (norms take square roots), small integers."""
@@ -237,20 +305,31 @@ def _check_pieces(g) -> int:
                 continue
             parts = []
             for p in range(2):
-                piece = [x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
-                         for x, axes in zip(ins, op.signature.inputs)]
+                piece = [
+                    x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
+                    for x, axes in zip(ins, op.signature.inputs)
+                ]
                 out_axis = _axis(op.signature.outputs[0], dim)
                 pshape = list(shape)
                 if out_axis is not None:
                     pshape[out_axis] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
-                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead), piece, g, 1,
-                                vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0)
+                out = run_piece(
+                    op,
+                    Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead),
+                    piece,
+                    g,
+                    1,
+                    vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0,
+                )
                 parts.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
             for k, w in enumerate(whole):
                 axis = _axis(op.signature.outputs[k], dim)
-                joined = parts[0][k] + parts[1][k] if dim in op.signature.reduce else torch.cat(
-                    [parts[0][k], parts[1][k]], axis)
+                joined = (
+                    parts[0][k] + parts[1][k]
+                    if dim in op.signature.reduce
+                    else torch.cat([parts[0][k], parts[1][k]], axis)
+                )
                 assert torch.allclose(joined.float(), w.float(), atol=1e-5, equal_nan=True), (str(op), dim)
             checked += 1
     return checked
@@ -260,19 +339,23 @@ def _axis(axes, dim):
     return next((a for a, ax in enumerate(axes) if ax and ax[0] == dim), None)
 
 
-@pytest.mark.parametrize("family, args", [
-    ("llama", (("layers", 1),)),
-    ("gpt2", (("layers", 1),)),
-    ("t5", (("layers", 1),)),
-    ("mixtral", (("layers", 1),)),
-    ("swin", ()),
-])
+@pytest.mark.parametrize(
+    "family, args",
+    [
+        ("llama", (("layers", 1),)),
+        ("gpt2", (("layers", 1),)),
+        ("t5", (("layers", 1),)),
+        ("mixtral", (("layers", 1),)),
+        ("swin", ()),
+    ],
+)
 def test_operator_pieces_match_the_whole(family, args):
     _, g = traced(HF + family, 4, args)
     assert _check_pieces(g) > 20
 
 
 # ---- errors ------------------------------------------------------------------------------------------
+
 
 def test_value_dependent_control_flow_names_the_line_and_a_way_out():
     spec = _spec("mixtral", experts_impl="eager", layers=1)
@@ -297,18 +380,24 @@ def test_tied_weights_are_refused_by_name():
             return self.lm(input_ids=ids, labels=labels).loss
 
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(GraphError, match=r"parameters 'lm\.transformer\.wte\.weight' and 'lm\.lm_head\.weight' "
-                                         r"are one tied tensor.*tie_word_embeddings=False"):
+    with pytest.raises(
+        GraphError,
+        match=r"parameters 'lm\.transformer\.wte\.weight' and 'lm\.lm_head\.weight' "
+        r"are one tied tensor.*tie_word_embeddings=False",
+    ):
         trace(Loss(), (ids, ids))
 
 
-@pytest.mark.parametrize("family, args, message", [
-    ("llama", {"size": "huge"}, "size='huge': choose 'tiny' or 'full'"),
-    ("llama", {"kv_heads": 3}, "kv_heads=3 does not divide heads=4"),
-    ("gpt2", {"colour": 1}, "raised TypeError: gpt2() got an unexpected keyword argument 'colour'"),
-    ("mixtral", {"top_k": 5}, "top_k=5 must be between 1 and experts=4"),
-    ("vit", {"patch": 5}, "patch=5 does not divide image=16"),
-])
+@pytest.mark.parametrize(
+    "family, args, message",
+    [
+        ("llama", {"size": "huge"}, "size='huge': choose 'tiny' or 'full'"),
+        ("llama", {"kv_heads": 3}, "kv_heads=3 does not divide heads=4"),
+        ("gpt2", {"colour": 1}, "raised TypeError: gpt2() got an unexpected keyword argument 'colour'"),
+        ("mixtral", {"top_k": 5}, "top_k=5 must be between 1 and experts=4"),
+        ("vit", {"patch": 5}, "patch=5 does not divide image=16"),
+    ],
+)
 def test_bad_model_arguments(family, args, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_model(_spec(family, **args), batch=2, device="cpu")
@@ -336,14 +425,23 @@ def test_tp_splits_gpt2_mlp_and_keeps_its_fused_qkv_attention_whole():
 DP = dict(dp=2, tp=1, pp=1, microbatch=2)
 TP = dict(dp=1, tp=2, pp=1, microbatch=4)
 # A column-parallel projection whose output dimension tp splits, per family (fx names are snake case).
-COLUMN = {"llama": "self_attn_k_proj", "gpt2": "mlp_c_fc", "mixtral": "self_attn_q_proj", "t5": "enc_dec_attention_v",
-          "vit": "attention_q_proj", "swin": "attention_v_proj"}
+COLUMN = {
+    "llama": "self_attn_k_proj",
+    "gpt2": "mlp_c_fc",
+    "mixtral": "self_attn_q_proj",
+    "t5": "enc_dec_attention_v",
+    "vit": "attention_q_proj",
+    "swin": "attention_v_proj",
+}
 
 
-@pytest.mark.parametrize("family, knobs", [
-    *[(f, DP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
-    *[(f, TP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
-])
+@pytest.mark.parametrize(
+    "family, knobs",
+    [
+        *[(f, DP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
+        *[(f, TP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
+    ],
+)
 def test_tiny_plans_match_one_process(family, knobs):
     spec, g = traced(HF + family, 4)
     plan = get_space("megatron").build(Context(g, spec, 4, "cpu", 2, 2, 1), knobs)

@@ -41,8 +41,9 @@ def test_schedule_golden():
         shared = [[a for a in lst if a.stage in (0, ranks + 1)] for lst in lists]
         assert all(s == shared[0] for s in shared) and len(shared[0]) == 4 * m
         for r, lst in enumerate(lists):
-            assert sorted((a.phase, a.microbatch) for a in lst if a.stage == r + 1) == \
-                sorted((p, k) for p in "FB" for k in range(m))
+            assert sorted((a.phase, a.microbatch) for a in lst if a.stage == r + 1) == sorted(
+                (p, k) for p in "FB" for k in range(m)
+            )
         assert _channels_in_order(lists, ranks)
 
 
@@ -80,7 +81,7 @@ def test_interlaced_cycles_balance_the_ranks():
         lst = interlaced_1f1b(r, ranks, m)
         heads = [i for i, a in enumerate(lst) if a.stage == ranks + 1 and a.phase == "F"]
         between = [[a.phase for a in lst[i:j] if 1 <= a.stage <= ranks] for i, j in zip(heads, heads[1:])]
-        steady = between[ranks:m - ranks]
+        steady = between[ranks : m - ranks]
         assert steady and all(sorted(p) == ["B", "F"] for p in steady)
         held = peak = 0
         for a in lst:
@@ -100,12 +101,17 @@ def test_plan_structure_and_dry_run():
     assert ops["blocks_0_attn_q"].devices == (0, 1) and ops["blocks_0_attn_q"].stage == 1
     assert ops["ln_f"].devices == (2, 3) and ops["ln_f"].stage == 2
     assert [format_schedule(s) for s in plan.schedule] == [
-        "0F0 1F0 0F1 1F1 3F0 3B0 3F1 3B1 1B0 0B0 1B1 0B1 0U0"] * 2 + [
-        "0F0 0F1 2F0 3F0 3B0 2F1 2B0 3F1 3B1 2B1 0B0 0B1 0U0"] * 2
+        "0F0 1F0 0F1 1F1 3F0 3B0 3F1 3B1 1B0 0B0 1B1 0B1 0U0"
+    ] * 2 + ["0F0 0F1 2F0 3F0 3B0 2F1 2B0 3F1 3B1 2B1 0B0 0B1 0U0"] * 2
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
-    colls = {(t.collective, tuple(t.group)) for d in program.devices for b in d.blocks.values() for t in b.tasks
-             if t.collective}
+    colls = {
+        (t.collective, tuple(t.group))
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.collective
+    }
     assert ("all_reduce", (0, 1, 2, 3)) in colls  # the output layer's weight gradients over every device
     assert ("all_reduce", (0, 1)) in colls and ("all_reduce", (2, 3)) in colls  # tensor parallelism
 
@@ -119,8 +125,13 @@ def test_embed_layout_vocab_batch():
     assert str(ops["wpe"]) == "wpe: R/4 on [0, 1, 2, 3] stage 0"
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
-    colls = {(t.collective, tuple(t.group)) for d in program.devices for b in d.blocks.values() for t in b.tasks
-             if t.collective}
+    colls = {
+        (t.collective, tuple(t.group))
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.collective
+    }
     assert ("reduce_scatter", (0, 1, 2, 3)) in colls
 
 
@@ -146,8 +157,9 @@ def test_explore_small_gpt():
     assert best.space == "interlaced" and sorted(best.op_plan("wte").devices) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("knobs", [dict(pp=2, dp=1, tp=2, microbatch=4),
-                                   dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch")])
+@pytest.mark.parametrize(
+    "knobs", [dict(pp=2, dp=1, tp=2, microbatch=4), dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="vocab+batch")]
+)
 def test_matches_one_process(knobs):
     ctx = _ctx()
     plan = get_space("interlaced").build(ctx, knobs)
@@ -173,8 +185,13 @@ def test_vocabulary_parallel_head_structure():
     assert str(ops["vocab_embedding"]) == "vocab_embedding: v/4 on [0, 1, 2, 3] stage 0"
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
-    loss = [t for d in program.devices for b in d.blocks.values() for t in b.tasks
-            if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"]
+    loss = [
+        t
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"
+    ]
     assert loss and all(t.group == (0, 1, 2, 3) for t in loss)  # the pieces agree over every device
 
 
@@ -203,8 +220,13 @@ def test_batch_vocab_head_layout():
     assert str(ops["lm_head"]) == "lm_head: a0/2 x n/2 on [0, 2, 1, 3] stage 3"
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
-    groups = {t.group for d in program.devices for b in d.blocks.values() for t in b.tasks
-              if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"}
+    groups = {
+        t.group
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.op_kind == "vocab_cross_entropy" and t.kind.value == "F"
+    }
     assert groups == {(0, 2), (1, 3)}  # replica 0 on devices 0 and 2 (stages 1 and 2), replica 1 on 1 and 3
     with pytest.raises(ConfigError, match="head_layout=batch\\+vocab"):
         get_space("interlaced").build(_ctx(), dict(pp=2, dp=4, tp=1, microbatch=1, head_layout="batch+vocab"))
@@ -216,8 +238,17 @@ def test_batch_vocab_embed_layout(args):
     """embed_layout=batch+vocab: each data-parallel replica's sequences looked up by its own pp x tp
     devices, split along the vocabulary over them; the pieces are summed on the replica's first stage."""
     ctx = _vp_ctx() if args is VP_ARGS else _ctx()
-    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=2, tp=1, microbatch=2, embed_layout="batch+vocab",
-                                                   head_layout="batch+vocab" if args is VP_ARGS else "vocab"))
+    plan = get_space("interlaced").build(
+        ctx,
+        dict(
+            pp=2,
+            dp=2,
+            tp=1,
+            microbatch=2,
+            embed_layout="batch+vocab",
+            head_layout="batch+vocab" if args is VP_ARGS else "vocab",
+        ),
+    )
     ops = {p.op: p for p in plan.ops}
     lookup, batch = ("vocab_embedding", "a") if args is VP_ARGS else ("wte", "a0")
     assert str(ops[lookup]) == f"{lookup}: {batch}/2 x v/2 on [0, 2, 1, 3] stage 0"

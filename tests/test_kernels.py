@@ -79,8 +79,15 @@ def test_tile_efficiency_by_arithmetic_intensity(tm: int, tn: int, l2_GBps: floa
 
 @pytest.mark.parametrize(
     "bh, sq, sk, available",
-    [(4, 1024, 1024, True), (2, 1024, 1024, False), (8, 2048, 2048, True), (16, 2048, 8192, False),
-     (4, 128, 128, False), (8, 128, 128, True), (4, 1023, 1024, False)],
+    [
+        (4, 1024, 1024, True),
+        (2, 1024, 1024, False),
+        (8, 2048, 2048, True),
+        (16, 2048, 8192, False),
+        (4, 128, 128, False),
+        (8, 128, 128, True),
+        (4, 1023, 1024, False),
+    ],
 )
 def test_megatron_fused_softmax_conditions(bh: int, sq: int, sk: int, available: bool) -> None:
     assert fused_softmax_available(bh, sq, sk) is available
@@ -99,7 +106,8 @@ def test_unfused_attention_moves_the_scores_through_memory() -> None:
     assert by_name["permute-contiguous"].bytes == 2 * 2 * 4 * 1024 * 64 * 2
     back = op_kernels("attention", "B", (q, q, q, q), 2, "megatron")
     assert sorted(k.gemm for k in back.kernels if k.gemm) == sorted(
-        [(8, 1024, 1024, 64), (8, 1024, 64, 1024), (8, 1024, 64, 1024), (8, 1024, 64, 1024)])
+        [(8, 1024, 1024, 64), (8, 1024, 64, 1024), (8, 1024, 64, 1024), (8, 1024, 64, 1024)]
+    )
     assert {k.name: k.bytes for k in back.kernels}["scale-mask-softmax-bwd"] == 3 * scores * 2
     # one attention batch fewer than the kernel needs: PyTorch's fp32 path, five passes each way
     q1 = (1, 2, 1024, 64)
@@ -114,16 +122,27 @@ def test_unfused_attention_moves_the_scores_through_memory() -> None:
     "kind, phase, shapes, names, nbytes, calls",
     [
         ("linear", "F", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)), ["gemm"], [0.0], 1),
-        ("linear", "B", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)),
-         ["gemm-dgrad", "gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"],
-         [0.0, 0.0, (32 * 32 + 32) * 2, 3 * 512 * 2, 3 * 32 * 2], 3),
+        (
+            "linear",
+            "B",
+            ((4, 8, 16), (32, 16), (32,), (4, 8, 32)),
+            ["gemm-dgrad", "gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"],
+            [0.0, 0.0, (32 * 32 + 32) * 2, 3 * 512 * 2, 3 * 32 * 2],
+            3,
+        ),
         ("layer_norm", "F", ((32, 16), (16,), (16,), (32, 16)), ["layer-norm"], [2 * 512 * 2 + 32 * 8], 1),
         ("dropout", "B", ((32, 16), (32, 16)), ["dropout-bwd"], [512 * 5], 1),
         ("add", "F", ((32, 16), (16,), (32, 16)), ["add"], [(512 + 16 + 512) * 2], 1),
         ("add", "B", ((32, 16), (32, 16), (32, 16)), [], [], 1),  # the gradient passes through
         ("reshape", "F", ((32, 16), (512,)), [], [], 1),
-        ("vocab_cross_entropy", "B", ((8, 100), (8,), (1,)), ["target-one-hot", "grad-multiply", "to-half"],
-         [4 * 8 * 4, 2 * 800 * 4, 800 * 6], 4),
+        (
+            "vocab_cross_entropy",
+            "B",
+            ((8, 100), (8,), (1,)),
+            ["target-one-hot", "grad-multiply", "to-half"],
+            [4 * 8 * 4, 2 * 800 * 4, 800 * 6],
+            4,
+        ),
     ],
 )
 def test_kernels_by_kind(kind, phase, shapes, names, nbytes, calls) -> None:
@@ -135,15 +154,36 @@ def test_kernels_by_kind(kind, phase, shapes, names, nbytes, calls) -> None:
     assert op_kernels("mystery", phase, shapes, 2, "megatron") is None
 
 
-@pytest.mark.parametrize("kind, shapes, inputs, weights", [
-    ("linear", ((4, 8, 16), (32, 16), (32,), (4, 8, 32)), ["gemm-dgrad"],
-     ["gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"]),
-    ("layer_norm", ((32, 16), (16,), (16,), (32, 16)), ["layer-norm-dx"],
-     ["layer-norm-dweight", "grad-accumulate", "grad-accumulate"]),
-    ("embedding", ((4, 8), (100, 16), (4, 8, 16)), [],
-     ["embedding-bwd-zero", "embedding-bwd-sort", "embedding-bwd-segments", "embedding-bwd-add", "grad-accumulate"]),
-    ("dropout", ((32, 16), (32, 16)), ["dropout-bwd"], []),
-])
+@pytest.mark.parametrize(
+    "kind, shapes, inputs, weights",
+    [
+        (
+            "linear",
+            ((4, 8, 16), (32, 16), (32,), (4, 8, 32)),
+            ["gemm-dgrad"],
+            ["gemm-wgrad", "bias-grad", "grad-accumulate", "grad-accumulate"],
+        ),
+        (
+            "layer_norm",
+            ((32, 16), (16,), (16,), (32, 16)),
+            ["layer-norm-dx"],
+            ["layer-norm-dweight", "grad-accumulate", "grad-accumulate"],
+        ),
+        (
+            "embedding",
+            ((4, 8), (100, 16), (4, 8, 16)),
+            [],
+            [
+                "embedding-bwd-zero",
+                "embedding-bwd-sort",
+                "embedding-bwd-segments",
+                "embedding-bwd-add",
+                "grad-accumulate",
+            ],
+        ),
+        ("dropout", ((32, 16), (32, 16)), ["dropout-bwd"], []),
+    ],
+)
 def test_backward_parts_partition_the_kernels(kind, shapes, inputs, weights) -> None:
     """Zero-bubble's I and W tasks run the input- and weight-gradient kernels of the backward."""
     whole = op_kernels(kind, "B", shapes, 2, "megatron")
@@ -160,14 +200,22 @@ def test_split_backward_tasks_are_priced_by_their_part() -> None:
 
     cost = CostModel.load(SPEC_PATH)
     x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
-    whole = Task("fc", TaskKind.BACKWARD, ("g:y",), ("gc:x<fc.0", "wg:w", "wg:b"), flops=3e9, op_kind="linear",
-                 shapes=(x, w, b, y))
+    whole = Task(
+        "fc",
+        TaskKind.BACKWARD,
+        ("g:y",),
+        ("gc:x<fc.0", "wg:w", "wg:b"),
+        flops=3e9,
+        op_kind="linear",
+        shapes=(x, w, b, y),
+    )
     i, wt = split_task(whole, "linear")
     dev = cost.cluster.device
     dgrad = cost.kernel_time_s(op_kernels("linear", "B", (x, w, b, y), 2, "megatron").kernels[0], "fp16")
     assert cost.device_and_host_s(i, "fp16")[0] == pytest.approx(dgrad)
-    assert cost.device_and_host_s(i, "fp16")[0] + cost.device_and_host_s(wt, "fp16")[0] == \
-        pytest.approx(cost.device_and_host_s(whole, "fp16")[0], rel=1e-12)
+    assert cost.device_and_host_s(i, "fp16")[0] + cost.device_and_host_s(wt, "fp16")[0] == pytest.approx(
+        cost.device_and_host_s(whole, "fp16")[0], rel=1e-12
+    )
     assert dgrad > dev.launch_overhead_s
 
 
@@ -182,17 +230,26 @@ def test_zero_bubble_and_coshard_tasks_carry_their_kernels() -> None:
     spec, g = traced("gpt-tiny", 8)
     cost = CostModel.load(SPEC_PATH)
     knobs = dict(dp=1, tp=1, pp=2, microbatch=2)
-    programs = {s: materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1),
-                                                           dict(knobs, schedule=s)), g) for s in ("1f1b", "zb-h1")}
+    programs = {
+        s: materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(knobs, schedule=s)), g)
+        for s in ("1f1b", "zb-h1")
+    }
 
     def backward_s(prog, blocks):
-        return sum(cost.device_and_host_s(t, "fp16")[0] for d in prog.devices for (_, ph), blk in d.blocks.items()
-                   if ph in blocks for t in blk.tasks if t.kind is TaskKind.BACKWARD)
+        return sum(
+            cost.device_and_host_s(t, "fp16")[0]
+            for d in prog.devices
+            for (_, ph), blk in d.blocks.items()
+            if ph in blocks
+            for t in blk.tasks
+            if t.kind is TaskKind.BACKWARD
+        )
 
     base, zb = backward_s(programs["1f1b"], "B"), backward_s(programs["zb-h1"], "IW")
     assert zb == pytest.approx(base, rel=1e-9) and base > 0
-    plan = get_space("megatron*coshard").build(Context(g, spec, 8, "cpu", 2, 2, 1),
-                                               dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="mlp"))
+    plan = get_space("megatron*coshard").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8, coshard=2, coshard_blocks="mlp")
+    )
     tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order()]
     fc = [t for t in tasks if t.kind is TaskKind.FORWARD and t.chunk >= 0 and t.op_kind == "linear"]
     assert fc
@@ -237,18 +294,29 @@ def test_kernel_model_prices_tasks(tmp_path) -> None:
     x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
     fwd = Task("fc", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, b, y))
     d, h = cost.device_and_host_s(fwd, "fp16")
-    gemm = gemm_time_s(dev.gemm, batch=1, m=2048, n=4096, k=1024, elem_bytes=2, peak_flops_per_s=312e12,
-                       hbm_bytes_per_s=dev.hbm_bytes_per_s * dev.memory_efficiency.max)
+    gemm = gemm_time_s(
+        dev.gemm,
+        batch=1,
+        m=2048,
+        n=4096,
+        k=1024,
+        elem_bytes=2,
+        peak_flops_per_s=312e12,
+        hbm_bytes_per_s=dev.hbm_bytes_per_s * dev.memory_efficiency.max,
+    )
     assert d == pytest.approx(gemm + dev.launch_overhead_s)
     assert h == pytest.approx(sw.host_call_s + sw.host_launch_s)
     assert cost.task_time_s(fwd, "fp16") == pytest.approx(max(d, h))
     opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6)  # a million parameters
     nbytes = 1e6 * sw.optimizer_bytes_per_param
     assert cost.device_and_host_s(opt, "fp16")[0] == pytest.approx(
-        nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s)
+        nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s
+    )
     coll = Task("ar", TaskKind.COLLECTIVE, collective="all_reduce", group=(0, 1), nbytes=2**20)
-    assert cost.device_and_host_s(coll, "fp16") == (cost.collective_time_s("all_reduce", 2**20, (0, 1)),
-                                                   sw.host_collective_s)
+    assert cost.device_and_host_s(coll, "fp16") == (
+        cost.collective_time_s("all_reduce", 2**20, (0, 1)),
+        sw.host_collective_s,
+    )
     # without a software spec the device prices alone and the host is free
     plain = CostModel.load("dgx-a100-80g")
     assert not plain.host_bound and plain.device_and_host_s(fwd, "bf16")[1] == 0.0
@@ -324,8 +392,9 @@ def test_megatron_plan_splits_the_vocabulary_and_spans_nodes() -> None:
     from planlab.plan.program import TaskKind
     from planlab.validation import MeasuredRun, program_of
 
-    run = MeasuredRun(gpus=32, global_batch=4, micro_batch=1, hidden=64, heads=16, layers=2, seq=32, tp=16,
-                      dp=1, pp=2, measured_s=1.0)
+    run = MeasuredRun(
+        gpus=32, global_batch=4, micro_batch=1, hidden=64, heads=16, layers=2, seq=32, tp=16, dp=1, pp=2, measured_s=1.0
+    )
     program, cost = program_of(run, str(SPEC_PATH))
     assert cost.cluster.nodes == 4 and program.num_devices == 32 and program.microbatches == 4
     tasks = [t for dp in program.devices for b in dp.blocks.values() for t in b.tasks]
@@ -338,8 +407,9 @@ def test_megatron_plan_splits_the_vocabulary_and_spans_nodes() -> None:
     assert sends and gathers
     assert all(t.nbytes == 1 * 32 * 64 * 2 // 16 for t in sends)  # a 16th of one micro-batch's fp16 activation
     assert {len(t.group) for t in gathers} == {16}
-    tp_groups = {t.group for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce"
-                 and len(t.group) == 16}
+    tp_groups = {
+        t.group for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce" and len(t.group) == 16
+    }
     assert tp_groups and all({cost.cluster.node_of(d) for d in g} == {g[0] // 8, g[0] // 8 + 1} for g in tp_groups)
 
 
@@ -348,8 +418,9 @@ def test_shared_programs_give_the_same_prediction() -> None:
     is priced exactly as the run materialized whole."""
     from planlab.validation import MeasuredRun, predict
 
-    run = MeasuredRun(gpus=4, global_batch=16, micro_batch=2, hidden=64, heads=4, layers=4, seq=32, tp=2, dp=1,
-                      pp=2, measured_s=0.01)
+    run = MeasuredRun(
+        gpus=4, global_batch=16, micro_batch=2, hidden=64, heads=4, layers=4, seq=32, tp=2, dp=1, pp=2, measured_s=0.01
+    )
     whole = predict(run, str(SPEC_PATH))
     shared = predict(run, str(SPEC_PATH), batch=run.dp * run.micro_batch)
     assert shared["predicted_s"] == pytest.approx(whole["predicted_s"], rel=1e-12)
@@ -378,8 +449,10 @@ def test_malformed_ground_truth(tmp_path, text, fragments) -> None:
         assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize("nodes, factor", [(1, 1.0), (2, 1.0), (16, 0.76 / 0.92),
-                                           (4, (0.92 - 0.16 / 3) / 0.92), (128, 0.31 / 0.92), (512, 0.31 / 0.92)])
+@pytest.mark.parametrize(
+    "nodes, factor",
+    [(1, 1.0), (2, 1.0), (16, 0.76 / 0.92), (4, (0.92 - 0.16 / 3) / 0.92), (128, 0.31 / 0.92), (512, 0.31 / 0.92)],
+)
 def test_inter_node_collectives_slow_with_scale(nodes: int, factor: float) -> None:
     from planlab.costmodel.comm import scale_efficiency
 
@@ -391,8 +464,11 @@ def test_the_vtrain_spec_names_a_source_for_every_number() -> None:
     """Every number of the validation's spec says where it comes from (datasheets, published
     microbenchmarks, general figures; none from vTrain's rows)."""
     spec = json.loads(open(SPEC_PATH).read())
-    for obj, sources in ((spec["device"], spec["device"]["source"]), (spec, spec["source"]),
-                         (spec["software"], spec["software"]["source"])):
+    for obj, sources in (
+        (spec["device"], spec["device"]["source"]),
+        (spec, spec["source"]),
+        (spec["software"], spec["software"]["source"]),
+    ):
         numbers = {k for k, v in obj.items() if not isinstance(v, str) and k not in ("source", "device", "software")}
         assert numbers <= set(sources), numbers - set(sources)
         assert all(sources[k] and "PROVISIONAL" not in sources[k] for k in numbers)
@@ -407,5 +483,6 @@ def test_rebatch_is_the_trace_at_that_batch(batch: int) -> None:
     spec = model_spec(MeasuredRun(8, 32, 2, 64, 4, 2, 32, 2, 4, 1, 1.0))
     made, traced = rebatch(_traced(spec), batch), trace(*build_model(spec, batch=batch))
     assert made.tensors == traced.tensors and made.labels == traced.labels
-    assert [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in made.operators] == \
-        [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in traced.operators]
+    assert [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in made.operators] == [
+        (o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in traced.operators
+    ]

@@ -55,6 +55,7 @@ def test_llama3_405b_traces_on_meta():
 
 # ---- signatures ---------------------------------------------------------------
 
+
 def _sig(target, kind: str, args: tuple, kwargs: dict | None = None, module=None) -> str:
     """Signature of one call, read by the registry from the shapes the call produces."""
     kwargs = kwargs or {}
@@ -69,8 +70,11 @@ def _sig(target, kind: str, args: tuple, kwargs: dict | None = None, module=None
     slot = lambda a: "T" if isinstance(a, torch.Tensor) else a  # noqa: E731
     tmpl = tuple(type(a)(slot(x) for x in a) if isinstance(a, (list, tuple)) else slot(a) for a in args)
     ctx = OpContext(tuple(tuple(t.shape) for t in tensors), (tuple(out.shape),), tmpl, kwargs, module)
-    d = lookup("call_module" if module is not None else "call_method" if isinstance(target, str)
-               else "call_function", target, module)
+    d = lookup(
+        "call_module" if module is not None else "call_method" if isinstance(target, str) else "call_function",
+        target,
+        module,
+    )
     assert d is not None and d.kind == kind
     return str(d.signature(ctx))
 
@@ -79,20 +83,23 @@ x4 = torch.zeros(2, 3, 4, 6, device="meta")
 x3 = torch.zeros(2, 3, 8, device="meta")
 
 
-@pytest.mark.parametrize("target, kind, args, kwargs, sig", [
-    (operator.getitem, "getitem", (x4, (Ellipsis, slice(None, 3))), {}, "a0 a1 a2 x3^ -> a0 a1 a2 y3^"),
-    (operator.getitem, "getitem", (x4, (slice(None), 1)), {}, "a0 x1^ a2 a3 -> a0 a2 a3"),
-    (operator.getitem, "getitem", (x4, (None, Ellipsis)), {}, "a0 a1 a2 a3 -> 1 a0 a1 a2 a3"),
-    (operator.getitem, "getitem", (x4, slice(1, 2)), {}, "x0^ a1 a2 a3 -> y0^ a1 a2 a3"),
-    (operator.neg, "neg", (x4,), {}, "a0 a1 a2 a3 -> a0 a1 a2 a3"),
-    (torch.cat, "cat", ((x4, x4[..., :2]),), {"dim": -1}, "a0 a1 a2 c0^, a0 a1 a2 c1^ -> a0 a1 a2 cout^"),
-    (torch.cat, "cat", ((x4, x4),), {"dim": 1}, "a0 c0^ a2 a3 -> a0 cout^ a2 a3"),
-    ("repeat_interleave", "repeat_interleave", (x4, 2), {"dim": 1}, "a0 a1 a2 a3 -> a0 (a1 rep^) a2 a3"),
-    (torch.repeat_interleave, "repeat_interleave", (x4, 2, 0), {}, "a0 a1 a2 a3 -> (a0 rep^) a1 a2 a3"),
-    ("unsqueeze", "reshape", (x3, 2), {}, "g0_0 g1_0 g2_0 -> g0_0 g1_0 1 g2_0"),
-    ("expand", "expand", (x3[:, :, None, :], 2, 3, 5, 8), {}, "a0 a1 1 a3 -> a0 a1 e2^ a3"),
-    (F.rms_norm, "rms_norm_fn", (x3, (8,), torch.zeros(8, device="meta")), {}, "a0 a1 h0^, h0^ -> a0 a1 h0^"),
-])
+@pytest.mark.parametrize(
+    "target, kind, args, kwargs, sig",
+    [
+        (operator.getitem, "getitem", (x4, (Ellipsis, slice(None, 3))), {}, "a0 a1 a2 x3^ -> a0 a1 a2 y3^"),
+        (operator.getitem, "getitem", (x4, (slice(None), 1)), {}, "a0 x1^ a2 a3 -> a0 a2 a3"),
+        (operator.getitem, "getitem", (x4, (None, Ellipsis)), {}, "a0 a1 a2 a3 -> 1 a0 a1 a2 a3"),
+        (operator.getitem, "getitem", (x4, slice(1, 2)), {}, "x0^ a1 a2 a3 -> y0^ a1 a2 a3"),
+        (operator.neg, "neg", (x4,), {}, "a0 a1 a2 a3 -> a0 a1 a2 a3"),
+        (torch.cat, "cat", ((x4, x4[..., :2]),), {"dim": -1}, "a0 a1 a2 c0^, a0 a1 a2 c1^ -> a0 a1 a2 cout^"),
+        (torch.cat, "cat", ((x4, x4),), {"dim": 1}, "a0 c0^ a2 a3 -> a0 cout^ a2 a3"),
+        ("repeat_interleave", "repeat_interleave", (x4, 2), {"dim": 1}, "a0 a1 a2 a3 -> a0 (a1 rep^) a2 a3"),
+        (torch.repeat_interleave, "repeat_interleave", (x4, 2, 0), {}, "a0 a1 a2 a3 -> (a0 rep^) a1 a2 a3"),
+        ("unsqueeze", "reshape", (x3, 2), {}, "g0_0 g1_0 g2_0 -> g0_0 g1_0 1 g2_0"),
+        ("expand", "expand", (x3[:, :, None, :], 2, 3, 5, 8), {}, "a0 a1 1 a3 -> a0 a1 e2^ a3"),
+        (F.rms_norm, "rms_norm_fn", (x3, (8,), torch.zeros(8, device="meta")), {}, "a0 a1 h0^, h0^ -> a0 a1 h0^"),
+    ],
+)
 def test_signatures(target, kind, args, kwargs, sig):
     assert _sig(target, kind, args, kwargs) == sig
 
@@ -103,6 +110,7 @@ def test_rms_norm_module_signature():
 
 
 # ---- every operator piece computes its slice of the whole -------------------------
+
 
 class _Ops(nn.Module):
     """The shape operators LLaMA does not use, in a model that ends in a loss."""
@@ -144,16 +152,26 @@ def _check_pieces(g):
                 continue
             parts = []
             for p in range(2):
-                ins = [x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
-                       for x, axes in zip(full_in, op.signature.inputs)]
+                ins = [
+                    x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
+                    for x, axes in zip(full_in, op.signature.inputs)
+                ]
                 out_axis = _axis(op.signature.outputs[0], dim)
                 shape = list(whole.shape)
                 if out_axis is not None:
                     shape[out_axis] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
                 task = Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead)
-                parts.append(run_piece(op, task, ins, g, 1,  # an embedding piece's rows start at its offset
-                                            vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0))
+                parts.append(
+                    run_piece(
+                        op,
+                        task,
+                        ins,
+                        g,
+                        1,  # an embedding piece's rows start at its offset
+                        vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0,
+                    )
+                )
             joined = parts[0] + parts[1] if dim in op.signature.reduce else torch.cat(parts, out_axis)
             assert torch.allclose(joined, whole, atol=1e-5), (str(op), dim)
             checked += 1
@@ -176,8 +194,15 @@ def test_shape_operator_pieces_match_the_whole():
 
 # ---- registry ------------------------------------------------------------------
 
-FAMILY_ARGS = (("ffn_hidden", 96), ("heads", 4), ("hidden", 32), ("kv_heads", 2), ("layers", 2),
-               ("seq", 16), ("vocab", 64))
+FAMILY_ARGS = (
+    ("ffn_hidden", 96),
+    ("heads", 4),
+    ("hidden", 32),
+    ("kv_heads", 2),
+    ("layers", 2),
+    ("seq", 16),
+    ("vocab", 64),
+)
 
 
 def test_family_with_overrides_builds_and_traces():
@@ -189,13 +214,16 @@ def test_family_with_overrides_builds_and_traces():
     assert ModelSpec("llama3-8b", (("layers", 2),)).config().layers == 2
 
 
-@pytest.mark.parametrize("name, args, message", [
-    ("llama-huge", (), "unknown model 'llama-huge'; choose 'gpt-tiny'"),
-    ("llama", (("layers", 2),), "model family 'llama' needs --model-arg for hidden, heads, kv_heads, ffn_hidden"),
-    ("llama-tiny", (("ffn_mult", 2),), "unknown model argument 'ffn_mult' for 'llama-tiny'; choose 'layers'"),
-    ("llama-tiny", (("kv_heads", 3),), "kv_heads=3 does not divide heads=4"),
-    ("llama-tiny", (("heads", 3),), "hidden=64 is not divisible by heads=3"),
-])
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("llama-huge", (), "unknown model 'llama-huge'; choose 'gpt-tiny'"),
+        ("llama", (("layers", 2),), "model family 'llama' needs --model-arg for hidden, heads, kv_heads, ffn_hidden"),
+        ("llama-tiny", (("ffn_mult", 2),), "unknown model argument 'ffn_mult' for 'llama-tiny'; choose 'layers'"),
+        ("llama-tiny", (("kv_heads", 3),), "kv_heads=3 does not divide heads=4"),
+        ("llama-tiny", (("heads", 3),), "hidden=64 is not divisible by heads=3"),
+    ],
+)
 def test_bad_model_names_and_arguments(name, args, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         ModelSpec(name, args).config()
@@ -218,10 +246,14 @@ def test_models_command_lists_both_families(capsys):
 
 # ---- plans on 2 gloo ranks match one process --------------------------------------
 
-@pytest.mark.parametrize("knobs", [
-    dict(dp=2, tp=1, pp=1, microbatch=2),   # data parallel, 2 micro-batches
-    dict(dp=1, tp=2, pp=1, microbatch=8),   # Megatron tensor parallel: q/k/v, w1/w3 columns; wo, w2 rows
-])
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches
+        dict(dp=1, tp=2, pp=1, microbatch=8),  # Megatron tensor parallel: q/k/v, w1/w3 columns; wo, w2 rows
+    ],
+)
 def test_llama_tiny_plans_match_one_process(knobs):
     spec, g = traced("llama-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs)

@@ -13,17 +13,20 @@ M2 = Mesh((2,), (0, 1))
 M22 = Mesh((2, 2), (0, 1, 2, 3))
 
 
-@pytest.mark.parametrize("src, dst, kinds", [
-    (Layout(M2, (Partial(),)), Layout(M2, (Replicate(),)), ["all_reduce"]),
-    (Layout(M2, (Partial(),)), Layout(M2, (Shard(0),)), ["reduce_scatter"]),
-    (Layout(M2, (Shard(1),)), Layout(M2, (Replicate(),)), ["all_gather"]),
-    (Layout(M2, (Replicate(),)), Layout(M2, (Shard(0),)), ["chunk"]),
-    (Layout(M2, (Shard(0),)), Layout(M2, (Shard(1),)), ["p2p"]),
-    (Layout(M22, (Shard(0), Partial())), Layout(M22, (Shard(0), Replicate())), ["all_reduce"]),
-    (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate())), ["all_reduce", "all_gather"]),
-    (Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), ["p2p"]),
-    (Layout(M2, (Shard(0),)), Layout(M2, (Shard(0),)), []),
-])
+@pytest.mark.parametrize(
+    "src, dst, kinds",
+    [
+        (Layout(M2, (Partial(),)), Layout(M2, (Replicate(),)), ["all_reduce"]),
+        (Layout(M2, (Partial(),)), Layout(M2, (Shard(0),)), ["reduce_scatter"]),
+        (Layout(M2, (Shard(1),)), Layout(M2, (Replicate(),)), ["all_gather"]),
+        (Layout(M2, (Replicate(),)), Layout(M2, (Shard(0),)), ["chunk"]),
+        (Layout(M2, (Shard(0),)), Layout(M2, (Shard(1),)), ["p2p"]),
+        (Layout(M22, (Shard(0), Partial())), Layout(M22, (Shard(0), Replicate())), ["all_reduce"]),
+        (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate())), ["all_reduce", "all_gather"]),
+        (Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), ["p2p"]),
+        (Layout(M2, (Shard(0),)), Layout(M2, (Shard(0),)), []),
+    ],
+)
 def test_conversion_kinds(src, dst, kinds):
     conv = plan_conversion(src, dst, (4, 6), 4, src_buf="x", dst_buf="y")
     assert conv.kinds == kinds
@@ -31,8 +34,9 @@ def test_conversion_kinds(src, dst, kinds):
 
 def test_point_to_point_moves_each_slice_once():
     # stage boundary: (S0 over devices 0,1) -> (S0 over devices 2,3): 0 sends to 2, 1 sends to 3
-    conv = plan_conversion(Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), (4, 6), 4,
-                           src_buf="x", dst_buf="y")
+    conv = plan_conversion(
+        Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), (4, 6), 4, src_buf="x", dst_buf="y"
+    )
     sends = {(d, t.peer, t.nbytes) for d, ts in conv.src.items() for t in ts}
     assert sends == {(0, 2, 48), (1, 3, 48)}
     recvs = {(d, t.peer, t.region) for d, ts in conv.dst.items() for t in ts}
@@ -40,8 +44,9 @@ def test_point_to_point_moves_each_slice_once():
 
 
 def test_partial_sums_gathered_point_to_point_accumulate():
-    conv = plan_conversion(Layout(M2, (Partial(),)), Layout(Mesh((1,), (2,)), (Replicate(),)), (4,), 4,
-                           src_buf="x", dst_buf="y")
+    conv = plan_conversion(
+        Layout(M2, (Partial(),)), Layout(Mesh((1,), (2,)), (Replicate(),)), (4,), 4, src_buf="x", dst_buf="y"
+    )
     recvs = conv.dst[2]
     assert len(recvs) == 2 and all(t.accumulate for t in recvs)
 
@@ -50,19 +55,26 @@ def _ctx(g, spec, n):
     return Context(g, spec, 8, "cpu", n, n, 1)
 
 
-@pytest.mark.parametrize("n, knobs, collectives", [
-    (2, dict(dp=2, tp=1, pp=1, microbatch=4), {"grad-reduce[0, 1]"}),
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8), {"all_reduce"}),
-    (2, dict(dp=1, tp=1, pp=2, microbatch=4), set()),
-])
+@pytest.mark.parametrize(
+    "n, knobs, collectives",
+    [
+        (2, dict(dp=2, tp=1, pp=1, microbatch=4), {"grad-reduce[0, 1]"}),
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8), {"all_reduce"}),
+        (2, dict(dp=1, tp=1, pp=2, microbatch=4), set()),
+    ],
+)
 def test_megatron_programs_have_the_expected_collectives(tiny, n, knobs, collectives):
     spec, g = tiny
     sp = get_space("megatron")
     plan = sp.build(_ctx(g, spec, n), knobs)
     prog = materialize(plan, g)
     find_deadlock(prog)
-    seen = {t.name.split("#")[0] if t.name.startswith("grad") else t.collective
-            for dp in prog.devices for _, t in dp.tasks_in_order() if t.kind is TaskKind.COLLECTIVE}
+    seen = {
+        t.name.split("#")[0] if t.name.startswith("grad") else t.collective
+        for dp in prog.devices
+        for _, t in dp.tasks_in_order()
+        if t.kind is TaskKind.COLLECTIVE
+    }
     assert collectives <= seen
     if knobs["pp"] == 2:
         kinds = {t.kind for _, t in prog.devices[0].tasks_in_order()}
@@ -78,8 +90,9 @@ def test_memory_liveness_frees_everything_but_weights(tiny):
         alloc = {b for blk in dp.blocks.values() for t in blk.tasks for b, _ in t.alloc}
         freed = {b for blk in dp.blocks.values() for t in blk.tasks for b in t.free}
         assert alloc == freed
-        assert dp.param_bytes == sum(4 * (b[0][1] - b[0][0]) * (b[1][1] - b[1][0] if len(b) > 1 else 1)
-                                     for _, b in dp.params)
+        assert dp.param_bytes == sum(
+            4 * (b[0][1] - b[0][0]) * (b[1][1] - b[1][0] if len(b) > 1 else 1) for _, b in dp.params
+        )
 
 
 def test_bad_schedule_is_refused(tiny):
@@ -87,6 +100,7 @@ def test_bad_schedule_is_refused(tiny):
     plan = dp_plan(g, spec, micro=2)
     import dataclasses
     from planlab.plan import Action
+
     bad = dataclasses.replace(plan, schedule=((Action(0, "F", 0),), (Action(0, "F", 0),)))
     with pytest.raises(InfeasiblePlan, match="misses actions"):
         materialize(bad, g)
@@ -98,6 +112,7 @@ def test_dry_run_finds_collectives_issued_in_different_orders(tiny):
     prog = materialize(sp.build(_ctx(g, spec, 2), dict(dp=1, tp=2, pp=1, microbatch=8)), g)
     # device 1 runs its two collectives in swapped order
     import dataclasses
+
     dp1 = prog.devices[1]
     blk = dp1.blocks[(0, "F")]
     idx = [i for i, t in enumerate(blk.tasks) if t.kind is TaskKind.COLLECTIVE][:2]
@@ -159,8 +174,7 @@ def test_sequence_parallel_turns_all_reduces_into_reduce_scatter_and_all_gather(
         knobs = dict(dp=1, tp=2, pp=1, microbatch=8, sequence_parallel=sp)
         prog = materialize(get_space("megatron").build(ctx, knobs), g)
         find_deadlock(prog)
-        counts[sp] = Counter(t.collective for _, t in prog.devices[0].tasks_in_order()
-                             if t.kind is TaskKind.COLLECTIVE)
+        counts[sp] = Counter(t.collective for _, t in prog.devices[0].tasks_in_order() if t.kind is TaskKind.COLLECTIVE)
     # 2 layers x (attention, MLP) x (forward, backward) all-reduces (q, k, v gradients summed locally
     # first, as Megatron's f operator does), plus the row-parallel biases' weight-gradient bucket
     assert counts[False] == Counter(all_reduce=9)

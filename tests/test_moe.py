@@ -80,11 +80,14 @@ def test_every_operator_splits_but_the_scalar_loss_sums():
 def test_the_balancing_loss_is_added_only_when_weighed(coef, loss_kind):
     _, g = traced("moe-tiny", 4, (("aux_loss_coef", coef),))
     assert g.producer[g.loss].kind == loss_kind
-    assert (sum(op.kind == "one_hot" for op in g.operators), sum(op.kind == "sum" for op in g.operators)) == \
-        (2, 13 if coef else 6)  # per layer 3 (weights, queue positions, over k), the loss 3 more, then its total
+    assert (sum(op.kind == "one_hot" for op in g.operators), sum(op.kind == "sum" for op in g.operators)) == (
+        2,
+        13 if coef else 6,
+    )  # per layer 3 (weights, queue positions, over k), the loss 3 more, then its total
 
 
 # ---- routing against a plain reference -------------------------------------------------
+
 
 def _reference(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token: top-k experts, renormalised weights; a sequence's assignments queue for
@@ -112,8 +115,18 @@ def _reference(moe: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("capacity_factor, dropped", [(2.0, False), (0.5, True)])
 def test_routing_matches_the_reference(capacity_factor, dropped):
-    cfg = MoEConfig(layers=1, hidden=16, heads=2, kv_heads=2, ffn_hidden=24, experts=4, top_k=2, seq=12, vocab=32,
-                    capacity_factor=capacity_factor)
+    cfg = MoEConfig(
+        layers=1,
+        hidden=16,
+        heads=2,
+        kv_heads=2,
+        ffn_hidden=24,
+        experts=4,
+        top_k=2,
+        seq=12,
+        vocab=32,
+        capacity_factor=capacity_factor,
+    )
     torch.manual_seed(0)
     moe = SparseMoE(cfg)
     x = torch.randn(3, cfg.seq, cfg.hidden)
@@ -126,6 +139,7 @@ def test_routing_matches_the_reference(capacity_factor, dropped):
 
 
 # ---- signatures ------------------------------------------------------------------------
+
 
 def _sig(target, kind: str, args: tuple, kwargs: dict | None = None) -> str:
     """Signature of one call, read by the registry from the shapes the call produces."""
@@ -145,29 +159,35 @@ i3 = torch.zeros(2, 5, 4, dtype=torch.long, device="meta")
 i2 = torch.zeros(2, 3, dtype=torch.long, device="meta")
 
 
-@pytest.mark.parametrize("target, kind, args, kwargs, sig", [
-    (torch.topk, "topk", (x3, 2), {"dim": 1}, "a0 t^ a2 -> a0 k^ a2, a0 k^ a2"),
-    ("topk", "topk", (x3, 3), {}, "a0 a1 t^ -> a0 a1 k^, a0 a1 k^"),
-    (F.one_hot, "one_hot", (i2, 7), {}, "a0 a1 -> a0 a1 c^"),
-    (torch.cumsum, "cumsum", (i3, 1), {}, "a0 a1^ a2 -> a0 a1^ a2"),
-    (torch.gather, "gather", (x3, 1, i3[:, :3]), {}, "a0 t^ a2, a0 s a2 -> a0 s a2"),
-    (torch.gather, "gather", (x3, 2, i3[:, :, :1]), {}, "a0 a1 t^, a0 a1 s -> a0 a1 s"),
-    (torch.gather, "gather", (x3, 1, i3[:1]), {}, "x0^ t^ a2, i0^ s a2 -> i0^ s a2"),  # a shorter index: whole
-    (torch.scatter_add, "scatter", (x3, 1, i3[:, :2], x3[:, :2]), {}, "a0 t^ a2, a0 s^ a2, a0 s^ a2 -> a0 t^ a2"),
-    ("scatter", "scatter", (x3, 2, i3, 0.5), {}, "a0 a1 t^, a0 a1 s^ -> a0 a1 t^"),
-    ("index_select", "index_select", (x3, 1, i3[0, :, 0]), {}, "a0 t^ a2, s -> a0 s a2"),
-    (torch.index_add, "index_add", (x3, 1, i3[0, :2, 0], x3[:, :2]), {}, "a0 t^ a2, s^, a0 s^ a2 -> a0 t^ a2"),
-])
+@pytest.mark.parametrize(
+    "target, kind, args, kwargs, sig",
+    [
+        (torch.topk, "topk", (x3, 2), {"dim": 1}, "a0 t^ a2 -> a0 k^ a2, a0 k^ a2"),
+        ("topk", "topk", (x3, 3), {}, "a0 a1 t^ -> a0 a1 k^, a0 a1 k^"),
+        (F.one_hot, "one_hot", (i2, 7), {}, "a0 a1 -> a0 a1 c^"),
+        (torch.cumsum, "cumsum", (i3, 1), {}, "a0 a1^ a2 -> a0 a1^ a2"),
+        (torch.gather, "gather", (x3, 1, i3[:, :3]), {}, "a0 t^ a2, a0 s a2 -> a0 s a2"),
+        (torch.gather, "gather", (x3, 2, i3[:, :, :1]), {}, "a0 a1 t^, a0 a1 s -> a0 a1 s"),
+        (torch.gather, "gather", (x3, 1, i3[:1]), {}, "x0^ t^ a2, i0^ s a2 -> i0^ s a2"),  # a shorter index: whole
+        (torch.scatter_add, "scatter", (x3, 1, i3[:, :2], x3[:, :2]), {}, "a0 t^ a2, a0 s^ a2, a0 s^ a2 -> a0 t^ a2"),
+        ("scatter", "scatter", (x3, 2, i3, 0.5), {}, "a0 a1 t^, a0 a1 s^ -> a0 a1 t^"),
+        ("index_select", "index_select", (x3, 1, i3[0, :, 0]), {}, "a0 t^ a2, s -> a0 s a2"),
+        (torch.index_add, "index_add", (x3, 1, i3[0, :2, 0], x3[:, :2]), {}, "a0 t^ a2, s^, a0 s^ a2 -> a0 t^ a2"),
+    ],
+)
 def test_signatures(target, kind, args, kwargs, sig):
     assert _sig(target, kind, args, kwargs) == sig
 
 
-@pytest.mark.parametrize("args, kwargs, sig", [
-    ((1,), {}, "a0 a1+ a2 -> a0 a2"),
-    (((0, 2),), {"keepdim": True}, "a0+ a1 a2+ -> 1 a1 1"),
-    ((), {}, "a0+ a1+ a2+ -> "),
-    ((-1, True), {}, "a0 a1 a2+ -> a0 a1 1"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, sig",
+    [
+        ((1,), {}, "a0 a1+ a2 -> a0 a2"),
+        (((0, 2),), {"keepdim": True}, "a0+ a1 a2+ -> 1 a1 1"),
+        ((), {}, "a0+ a1+ a2+ -> "),
+        ((-1, True), {}, "a0 a1 a2+ -> a0 a1 1"),
+    ],
+)
 def test_sum_signature(args, kwargs, sig):
     """ops_routing's own ``sum`` (used where no other operator module defines one first)."""
     out = x3.sum(*args, **kwargs)
@@ -176,6 +196,7 @@ def test_sum_signature(args, kwargs, sig):
 
 
 # ---- every operator piece computes its slice of the whole -------------------------------
+
 
 class _Routing(nn.Module):
     """The index operators the MoE layer does not use, with indices made from data."""
@@ -200,8 +221,13 @@ def _run_graph(g, model: nn.Module, inputs) -> dict[str, torch.Tensor]:
     values.update(dict(model.named_parameters()))
     values.update(dict(model.named_buffers()))
     for op in g.operators:
-        out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=g.tensors[op.outputs[0]].shape),
-                        [values[t] for t in op.inputs], g, 1)
+        out = run_piece(
+            op,
+            Task(op.name, TaskKind.FORWARD, shape=g.tensors[op.outputs[0]].shape),
+            [values[t] for t in op.inputs],
+            g,
+            1,
+        )
         values.update(zip(op.outputs, out if isinstance(out, tuple) else (out,)))
     return values
 
@@ -222,14 +248,22 @@ def _check_pieces(g, values) -> int:
                 continue
             parts = []
             for p in range(2):
-                ins = [x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
-                       for x, axes in zip(full_in, op.signature.inputs)]
+                ins = [
+                    x.chunk(2, a)[p] if (a := _axis(axes, dim)) is not None else x
+                    for x, axes in zip(full_in, op.signature.inputs)
+                ]
                 shape = list(whole[0].shape)
                 if (a := _axis(op.signature.outputs[0], dim)) is not None:
                     shape[a] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
-                out = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead), ins, g, 1,
-                                vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0)
+                out = run_piece(
+                    op,
+                    Task(op.name, TaskKind.FORWARD, shape=tuple(shape), lead=lead),
+                    ins,
+                    g,
+                    1,
+                    vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0,
+                )
                 parts.append(out if isinstance(out, tuple) else (out,))
             for j, w in enumerate(whole):
                 a = _axis(op.signature.outputs[j], dim)
@@ -263,8 +297,17 @@ def test_routing_operator_pieces_match_the_whole():
 
 # ---- registry and spaces -------------------------------------------------------------
 
-FAMILY_ARGS = (("experts", 4), ("ffn_hidden", 48), ("heads", 4), ("hidden", 32), ("kv_heads", 2), ("layers", 2),
-               ("seq", 16), ("top_k", 2), ("vocab", 64))
+FAMILY_ARGS = (
+    ("experts", 4),
+    ("ffn_hidden", 48),
+    ("heads", 4),
+    ("hidden", 32),
+    ("kv_heads", 2),
+    ("layers", 2),
+    ("seq", 16),
+    ("top_k", 2),
+    ("vocab", 64),
+)
 
 
 def test_family_with_overrides_builds_and_runs():
@@ -278,15 +321,22 @@ def test_family_with_overrides_builds_and_runs():
     assert model.blocks[0].feed_forward.gate.weight.grad.abs().sum() > 0  # through the weights and the aux loss
 
 
-@pytest.mark.parametrize("name, args, message", [
-    ("moe", (("layers", 2),), "model family 'moe' needs --model-arg for hidden, heads, kv_heads, ffn_hidden, experts"),
-    ("moe-tiny", (("top_k", 5),), "top_k=5 must be between 1 and experts=4"),
-    ("moe-tiny", (("experts", 0),), "experts=0 must be at least 1"),
-    ("moe-tiny", (("capacity_factor", 0.0),), "capacity_factor=0.0 must be positive"),
-    ("moe-tiny", (("aux_loss_coef", -1.0),), "aux_loss_coef=-1.0 must be at least 0"),
-    ("moe-tiny", (("kv_heads", 3),), "kv_heads=3 does not divide heads=4"),
-    ("moe-tiny", (("num_experts", 8),), "unknown model argument 'num_experts' for 'moe-tiny'"),
-])
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        (
+            "moe",
+            (("layers", 2),),
+            "model family 'moe' needs --model-arg for hidden, heads, kv_heads, ffn_hidden, experts",
+        ),
+        ("moe-tiny", (("top_k", 5),), "top_k=5 must be between 1 and experts=4"),
+        ("moe-tiny", (("experts", 0),), "experts=0 must be at least 1"),
+        ("moe-tiny", (("capacity_factor", 0.0),), "capacity_factor=0.0 must be positive"),
+        ("moe-tiny", (("aux_loss_coef", -1.0),), "aux_loss_coef=-1.0 must be at least 0"),
+        ("moe-tiny", (("kv_heads", 3),), "kv_heads=3 does not divide heads=4"),
+        ("moe-tiny", (("num_experts", 8),), "unknown model argument 'num_experts' for 'moe-tiny'"),
+    ],
+)
 def test_bad_model_arguments(name, args, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         ModelSpec(name, args).config()
@@ -295,8 +345,11 @@ def test_bad_model_arguments(name, args, message):
 def test_tp_splits_experts_like_megatron_and_checks_kv_heads():
     spec, g = traced("moe-tiny", 8)
     dims = tensor_parallel_dims(g)
-    experts = [(op.inputs[1].rsplit(".", 1)[1], dims[op.name]) for op in g.operators
-               if op.kind == "matmul" and op.module == "blocks.0.feed_forward.experts"]
+    experts = [
+        (op.inputs[1].rsplit(".", 1)[1], dims[op.name])
+        for op in g.operators
+        if op.kind == "matmul" and op.module == "blocks.0.feed_forward.experts"
+    ]
     assert experts == [("w1", "n"), ("w3", "n"), ("w2", "k")]  # column, column, row
     assert dims["blocks_0_feed_forward_gate"] is None  # the router stays whole
     spec1, g1 = traced("moe-tiny", 8, (("kv_heads", 1),))
@@ -311,6 +364,7 @@ def test_models_command_lists_the_mixtral_presets(capsys):
 
 
 # ---- plans on 2 gloo ranks match one process -------------------------------------------
+
 
 def _expert_parallel(spec, g):
     """Experts split over 2 devices (every operator carrying an expert axis splits it), the
@@ -327,11 +381,15 @@ def _expert_parallel(spec, g):
     return b.build()
 
 
-@pytest.mark.parametrize("plan_of", [
-    dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches
-    dict(dp=1, tp=2, pp=1, microbatch=8),  # Megatron tensor parallel: attention heads, expert ffn columns/rows
-    "ep",                                  # expert parallel
-], ids=["dp", "tp", "ep"])
+@pytest.mark.parametrize(
+    "plan_of",
+    [
+        dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches
+        dict(dp=1, tp=2, pp=1, microbatch=8),  # Megatron tensor parallel: attention heads, expert ffn columns/rows
+        "ep",  # expert parallel
+    ],
+    ids=["dp", "tp", "ep"],
+)
 def test_moe_tiny_plans_match_one_process(plan_of):
     spec, g = traced("moe-tiny", 8)
     if plan_of == "ep":

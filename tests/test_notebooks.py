@@ -30,8 +30,9 @@ def test_every_source_has_its_notebook_and_they_agree():
     sources = sorted(maker.SOURCES.glob("*.py"))
     assert sources and [maker.target(s) for s in sources] == NOTEBOOKS
     for src in sources:
-        assert maker.render(src) == maker.target(src).read_text(), \
+        assert maker.render(src) == maker.target(src).read_text(), (
             f"{maker.target(src).name} differs from {src.name}: run python notebooks/make_notebooks.py"
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -45,16 +46,18 @@ def test_committed_notebooks_have_no_outputs(path):
         assert not cell.get("attachments"), f"{path.name}: cell {cell.id} has attachments"
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p
-                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in NOTEBOOKS], ids=lambda p: p.stem
+)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     # the kernel is this environment's Python (jupyter_client starts sys.executable for "python3")
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors

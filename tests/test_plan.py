@@ -21,18 +21,21 @@ def dp_plan(g, spec, n=2, micro=1):
     return b.build()
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda b: b.op_trans("blocks_0_attn_q", "zz", 2), "has no dimension 'zz'"),
-    (lambda b: b.op_trans("blocks_0_ln1", "h0", 2), "cannot be split"),
-    (lambda b: b.op_trans("blocks_0_attn_q", "n", 3), "does not split into 3 pieces"),
-    (lambda b: b.op_trans("blocks_0_attn_q", "n", 0), "positive integer"),
-    (lambda b: b.op_trans("nope", "n", 2), "no operator named 'nope'"),
-    (lambda b: b.op_assign("blocks_0_attn_q", [0, 1]), "has 1 pieces; op_assign got 2"),
-    (lambda b: b.op_assign("blocks_0_attn_q", [5]), "devices are 0..1"),
-    (lambda b: b.microbatch(3), "do not divide the global batch 8"),
-    (lambda b: b.op_order(7, ["0F0"]), "out of range"),
-    (lambda b: b.build(), "have no op_assign"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda b: b.op_trans("blocks_0_attn_q", "zz", 2), "has no dimension 'zz'"),
+        (lambda b: b.op_trans("blocks_0_ln1", "h0", 2), "cannot be split"),
+        (lambda b: b.op_trans("blocks_0_attn_q", "n", 3), "does not split into 3 pieces"),
+        (lambda b: b.op_trans("blocks_0_attn_q", "n", 0), "positive integer"),
+        (lambda b: b.op_trans("nope", "n", 2), "no operator named 'nope'"),
+        (lambda b: b.op_assign("blocks_0_attn_q", [0, 1]), "has 1 pieces; op_assign got 2"),
+        (lambda b: b.op_assign("blocks_0_attn_q", [5]), "devices are 0..1"),
+        (lambda b: b.microbatch(3), "do not divide the global batch 8"),
+        (lambda b: b.op_order(7, ["0F0"]), "out of range"),
+        (lambda b: b.build(), "have no op_assign"),
+    ],
+)
 def test_builder_errors(tiny, call, message):
     spec, g = tiny
     with pytest.raises(PlanlabError, match=message):
@@ -48,15 +51,18 @@ def test_plan_file_round_trip(tiny, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=99), "version 99; this planlab reads versions 1, 2"),
-    (lambda d: d.update(format="other"), "not a planlab plan"),
-    (lambda d: d.pop("ops"), "field 'ops' is missing"),
-    (lambda d: d.update(global_batch="8"), "'global_batch' must be int"),
-    (lambda d: d["ops"][0].update(sizes=[0]), "sizes must be positive integers"),
-    (lambda d: d["ops"][0].update(devices=["a", "b"]), "devices must be integers"),
-    (lambda d: d.update(schedule=[["0X0"]]), "is not an action"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(version=99), "version 99; this planlab reads versions 1, 2"),
+        (lambda d: d.update(format="other"), "not a planlab plan"),
+        (lambda d: d.pop("ops"), "field 'ops' is missing"),
+        (lambda d: d.update(global_batch="8"), "'global_batch' must be int"),
+        (lambda d: d["ops"][0].update(sizes=[0]), "sizes must be positive integers"),
+        (lambda d: d["ops"][0].update(devices=["a", "b"]), "devices must be integers"),
+        (lambda d: d.update(schedule=[["0X0"]]), "is not an action"),
+    ],
+)
 def test_malformed_plan_files(tiny, edit, message):
     spec, g = tiny
     d = plan_to_dict(dp_plan(g, spec))

@@ -59,8 +59,11 @@ def test_passes_and_stages_of_the_traced_loop():
     assert num_passes(g) == 3 and num_passes(traced("evoformer-tiny", 4)[1]) == 1
     p = passes_of(g)
     q = [op for op in g.operators if op.module == "blocks.1.tri_att_end.mha.linear_o"]
-    assert [o.name for o in q] == ["blocks_1_tri_att_end_mha_linear_o", "blocks_1_tri_att_end_mha_linear_o_1",
-                                   "blocks_1_tri_att_end_mha_linear_o_2"]  # one module path, three calls
+    assert [o.name for o in q] == [
+        "blocks_1_tri_att_end_mha_linear_o",
+        "blocks_1_tri_att_end_mha_linear_o_1",
+        "blocks_1_tri_att_end_mha_linear_o_2",
+    ]  # one module path, three calls
     assert [p[o.name] for o in q] == [0, 1, 2]
     assert {p[op.name] for op in g.operators if op.module.startswith("input_embedder")} == {0, 1, 2}
     assert [p[op.name] for op in g.operators if op.kind == "detach"] == [0, 0, 1, 1]
@@ -110,18 +113,23 @@ def test_pipelined_recycling_schedules(space):
 def test_interleaved_refused_for_a_recycling_model():
     spec, g = traced("evoformer-tiny", 4, (("blocks", 4),) + R3)
     with pytest.raises(ConfigError, match="recycles its trunk 3 times"):
-        get_space("megatron").build(Context(g, spec, 4, "cpu", 2, 2, 1),
-                                    dict(dp=1, tp=1, pp=2, microbatch=1, schedule="interleaved", virtual_stages=2))
+        get_space("megatron").build(
+            Context(g, spec, 4, "cpu", 2, 2, 1),
+            dict(dp=1, tp=1, pp=2, microbatch=1, schedule="interleaved", virtual_stages=2),
+        )
 
 
-@pytest.mark.parametrize("space,knobs,nproc", [
-    ("megatron", dict(dp=2, tp=1, pp=1, microbatch=1), 2),   # data parallel, each rank 3 passes per micro-batch
-    ("megatron", dict(dp=1, tp=1, pp=2, microbatch=1), 2),   # plain pipeline: no-grad sweeps, then the last pass
-    ("3f1b", dict(dp=1, tp=1, pp=2, microbatch=1), 2),
-    ("3f1b", dict(dp=2, tp=1, pp=2, microbatch=1), 4),
-    ("3f1b*coshard", dict(dp=1, tp=1, pp=2, microbatch=1, coshard=2), 2),  # attention heads in 2 pieces each
-    ("dp*recompute*coshard", dict(dp=2, microbatch=1, coshard=2, recompute="none"), 2),
-])
+@pytest.mark.parametrize(
+    "space,knobs,nproc",
+    [
+        ("megatron", dict(dp=2, tp=1, pp=1, microbatch=1), 2),  # data parallel, each rank 3 passes per micro-batch
+        ("megatron", dict(dp=1, tp=1, pp=2, microbatch=1), 2),  # plain pipeline: no-grad sweeps, then the last pass
+        ("3f1b", dict(dp=1, tp=1, pp=2, microbatch=1), 2),
+        ("3f1b", dict(dp=2, tp=1, pp=2, microbatch=1), 4),
+        ("3f1b*coshard", dict(dp=1, tp=1, pp=2, microbatch=1, coshard=2), 2),  # attention heads in 2 pieces each
+        ("dp*recompute*coshard", dict(dp=2, microbatch=1, coshard=2, recompute="none"), 2),
+    ],
+)
 def test_recycling_plans_match_one_process(space, knobs, nproc):
     spec, g = traced("evoformer-tiny", 4, R3)
     plan = get_space(space).build(Context(g, spec, 4, "cpu", nproc, nproc, 1), knobs)

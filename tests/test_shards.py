@@ -13,8 +13,15 @@ from planlab.errors import ConfigError
 from planlab.executor.shards import build_shards, check_memory, held_elements, rank_bytes
 from planlab.models import ModelSpec
 from planlab.models import init as minit
-from planlab.models.init import (InitRule, build_full, build_skeleton, init_region, init_rules, params_on_meta,
-                                 rows_per_chunk)
+from planlab.models.init import (
+    InitRule,
+    build_full,
+    build_skeleton,
+    init_region,
+    init_rules,
+    params_on_meta,
+    rows_per_chunk,
+)
 from planlab.plan import materialize
 from planlab.search_spaces import Context, get_space
 
@@ -24,19 +31,20 @@ N01 = InitRule("normal", 0.0, 1.0)
 
 
 REGIONS = [
-    ((10, 7), ((0, 10), (0, 7))),          # whole
-    ((10, 7), ((3, 9), (0, 7))),           # rows across chunk boundaries
-    ((10, 7), ((0, 10), (2, 5))),          # columns: every chunk drawn, then sliced
-    ((10, 7), ((4, 5), (6, 7))),           # one element
+    ((10, 7), ((0, 10), (0, 7))),  # whole
+    ((10, 7), ((3, 9), (0, 7))),  # rows across chunk boundaries
+    ((10, 7), ((0, 10), (2, 5))),  # columns: every chunk drawn, then sliced
+    ((10, 7), ((4, 5), (6, 7))),  # one element
     ((5, 3, 4), ((1, 4), (0, 3), (1, 3))),  # 3-D
-    ((37,), ((5, 33),)),                   # 1-D: chunks of CHUNK_ELEMENTS
-    ((), ()),                              # a scalar parameter
+    ((37,), ((5, 33),)),  # 1-D: chunks of CHUNK_ELEMENTS
+    ((), ()),  # a scalar parameter
 ]
 RULES = [N01, InitRule("uniform", -0.3, 0.3), InitRule("constant", 1.0), InitRule("normal", 0.0, 1.0, zero_row=4)]
 
 
-@pytest.mark.parametrize("shape, box, rule", [(s, b, r) for s, b in REGIONS for r in RULES
-                                              if s or r.zero_row is None])  # a scalar has no rows
+@pytest.mark.parametrize(
+    "shape, box, rule", [(s, b, r) for s, b in REGIONS for r in RULES if s or r.zero_row is None]
+)  # a scalar has no rows
 def test_a_region_is_the_slice_of_the_whole(monkeypatch, shape, box, rule):
     monkeypatch.setattr(minit, "CHUNK_ELEMENTS", 16)  # many chunks on small shapes
     whole = init_region(rule, "blocks.0.w", shape, None, seed=3)
@@ -62,13 +70,13 @@ def test_draws_depend_on_seed_and_name_only():
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()
-        self.table = nn.Parameter(torch.empty(9, 2))       # never drawn: the fallback
+        self.table = nn.Parameter(torch.empty(9, 2))  # never drawn: the fallback
         self.gate_bias = nn.Parameter(torch.empty(2))
         self.trunc = nn.Parameter(torch.empty(4, 4))
-        nn.init.trunc_normal_(self.trunc, std=0.02)         # recorded as the normal it truncates
+        nn.init.trunc_normal_(self.trunc, std=0.02)  # recorded as the normal it truncates
         self.twice = nn.Parameter(torch.empty(3))
         nn.init.normal_(self.twice)
-        self.twice.data.uniform_(-2.0, 3.0)                 # the last draw wins, through .data too
+        self.twice.data.uniform_(-2.0, 3.0)  # the last draw wins, through .data too
         self.copy = nn.Parameter(self.trunc.detach().clone())  # a copy is drawn as its source
 
 
@@ -93,21 +101,24 @@ class _Net(nn.Module):
         self.declared = _Declared()
 
 
-@pytest.mark.parametrize("name, rule", [
-    ("fc.weight", InitRule("uniform", -0.25, 0.25)),   # kaiming_uniform_(a=sqrt(5)): 1/sqrt(fan_in = 16)
-    ("fc.bias", InitRule("uniform", -0.25, 0.25)),
-    ("emb.weight", InitRule("normal", 0.0, 1.0, zero_row=2)),
-    ("ln.weight", InitRule("constant", 1.0)),
-    ("ln.bias", InitRule("constant", 0.0)),
-    ("rms.weight", InitRule("constant", 1.0)),
-    ("conv.weight", InitRule("uniform", -1 / math.sqrt(27), 1 / math.sqrt(27))),  # fan_in 3 * 3 * 3
-    ("custom.table", InitRule("normal", 0.0, minit.FALLBACK_STD)),
-    ("custom.gate_bias", InitRule("constant", 0.0)),
-    ("custom.trunc", InitRule("normal", 0.0, 0.02)),
-    ("custom.twice", InitRule("uniform", -2.0, 3.0)),
-    ("custom.copy", InitRule("normal", 0.0, 0.02)),
-    ("declared.w", InitRule("uniform", -1.0, 1.0)),
-])
+@pytest.mark.parametrize(
+    "name, rule",
+    [
+        ("fc.weight", InitRule("uniform", -0.25, 0.25)),  # kaiming_uniform_(a=sqrt(5)): 1/sqrt(fan_in = 16)
+        ("fc.bias", InitRule("uniform", -0.25, 0.25)),
+        ("emb.weight", InitRule("normal", 0.0, 1.0, zero_row=2)),
+        ("ln.weight", InitRule("constant", 1.0)),
+        ("ln.bias", InitRule("constant", 0.0)),
+        ("rms.weight", InitRule("constant", 1.0)),
+        ("conv.weight", InitRule("uniform", -1 / math.sqrt(27), 1 / math.sqrt(27))),  # fan_in 3 * 3 * 3
+        ("custom.table", InitRule("normal", 0.0, minit.FALLBACK_STD)),
+        ("custom.gate_bias", InitRule("constant", 0.0)),
+        ("custom.trunc", InitRule("normal", 0.0, 0.02)),
+        ("custom.twice", InitRule("uniform", -2.0, 3.0)),
+        ("custom.copy", InitRule("normal", 0.0, 0.02)),
+        ("declared.w", InitRule("uniform", -1.0, 1.0)),
+    ],
+)
 def test_rules_are_the_models_own_draws(name, rule):
     with params_on_meta() as recorder:
         net = _Net()
@@ -142,11 +153,14 @@ def test_the_skeleton_holds_no_parameter_memory_but_real_buffers_and_inputs():
     assert torch.equal(full.blocks[1].ln1.weight, torch.ones(256))
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(dp=1, tp=2, pp=1, microbatch=8)),              # column and row splits
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2)),              # layers by stage
-    (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),      # replicas
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(dp=1, tp=2, pp=1, microbatch=8)),  # column and row splits
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2)),  # layers by stage
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # replicas
+    ],
+)
 def test_every_rank_builds_the_slices_of_the_reference(n, knobs):
     spec, g = traced("gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
@@ -175,8 +189,11 @@ def test_memory_refusal_counts_each_ranks_pieces():
     old = 2 * 4 * g.num_params + shards  # every rank building the whole model, as before
     assert check_memory(plan, program, [0, 1], num_params=g.num_params, reference=False, available=shards) == shards
     assert shards < old
-    with pytest.raises(ConfigError, match=r"needs about .* GiB of host memory: .* for the pieces of 2 ranks .*; "
-                                          r".* GiB is available"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs about .* GiB of host memory: .* for the pieces of 2 ranks .*; "
+        r".* GiB is available",
+    ):
         check_memory(plan, program, [0, 1], num_params=g.num_params, reference=False, available=shards - 1)
     with pytest.raises(ConfigError, match="for the numeric check's single-process reference"):
         check_memory(plan, program, [0, 1], num_params=g.num_params, reference=True, available=shards)

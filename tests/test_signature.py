@@ -4,14 +4,17 @@ from planlab.errors import GraphError
 from planlab.graph import Signature
 
 
-@pytest.mark.parametrize("text, dims, reduce, frozen", [
-    ("m k+, k+ n -> m n", ["m", "k", "n"], {"k"}, set()),
-    ("b s h^, h^ -> b s h^", ["b", "s", "h"], set(), {"h"}),
-    ("b s (n d) -> b s n d", ["b", "s", "n", "d"], set(), set()),
-    ("n+ c^, n+ -> ", ["n", "c"], {"n"}, {"c"}),
-    ("a 1 c, a b c -> a b c", ["a", "c", "b"], set(), set()),
-    ("x y -> x", ["x", "y"], set(), {"y"}),  # a dimension dropped without '+' stays whole
-])
+@pytest.mark.parametrize(
+    "text, dims, reduce, frozen",
+    [
+        ("m k+, k+ n -> m n", ["m", "k", "n"], {"k"}, set()),
+        ("b s h^, h^ -> b s h^", ["b", "s", "h"], set(), {"h"}),
+        ("b s (n d) -> b s n d", ["b", "s", "n", "d"], set(), set()),
+        ("n+ c^, n+ -> ", ["n", "c"], {"n"}, {"c"}),
+        ("a 1 c, a b c -> a b c", ["a", "c", "b"], set(), set()),
+        ("x y -> x", ["x", "y"], set(), {"y"}),  # a dimension dropped without '+' stays whole
+    ],
+)
 def test_parse(text, dims, reduce, frozen):
     sig = Signature.parse(text)
     assert sig.dims() == dims
@@ -20,11 +23,14 @@ def test_parse(text, dims, reduce, frozen):
     assert Signature.parse(str(sig)) == sig
 
 
-@pytest.mark.parametrize("text, splittable, whole", [
-    ("b s (n d) -> b s n d", ["b", "s", "n"], ["d"]),
-    ("m k+, k+ n -> m n", ["m", "k", "n"], []),
-    ("b h^ -> b h^", ["b"], ["h"]),
-])
+@pytest.mark.parametrize(
+    "text, splittable, whole",
+    [
+        ("b s (n d) -> b s n d", ["b", "s", "n"], ["d"]),
+        ("m k+, k+ n -> m n", ["m", "k", "n"], []),
+        ("b h^ -> b h^", ["b"], ["h"]),
+    ],
+)
 def test_splittable(text, splittable, whole):
     sig = Signature.parse(text)
     assert [d for d in sig.dims() if sig.splittable(d)] == splittable

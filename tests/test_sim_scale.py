@@ -1,8 +1,6 @@
 """The simulator at scale: the Program reduced to device classes, links shared by concurrent
 transfers, and gradient reductions overlapped with the backward."""
 
-import dataclasses
-
 import pytest
 
 from planlab.costmodel import CostModel
@@ -17,20 +15,40 @@ from test_simulator import IdealCost
 
 
 def _stats(res):
-    return [(d.device, d.members, d.finish_s, d.compute_s, d.comm_s, d.wait_s, d.peak_mem_bytes, d.peak_at_s,
-             d.exposed_comm_s, d.bubble_s) for d in res.devices]
+    return [
+        (
+            d.device,
+            d.members,
+            d.finish_s,
+            d.compute_s,
+            d.comm_s,
+            d.wait_s,
+            d.peak_mem_bytes,
+            d.peak_at_s,
+            d.exposed_comm_s,
+            d.bubble_s,
+        )
+        for d in res.devices
+    ]
 
 
-@pytest.mark.parametrize("model, cluster, nodes, knobs", [
-    ("gpt-tiny", "cpu", 4, dict(dp=4, tp=1, pp=1, microbatch=2)),
-    ("gpt-tiny", "cpu", 4, dict(dp=2, tp=1, pp=2, microbatch=2, schedule="1f1b")),
-    ("gpt-tiny", "cpu", 4, dict(dp=1, tp=2, pp=2, microbatch=1, recompute="full")),
-    ("gpt-small", "dgx-a100-80g", 2, dict(dp=2, tp=4, pp=2, microbatch=1, sequence_parallel=True)),
-    ("gpt-small", "dgx-a100-80g", 2, dict(dp=4, tp=2, pp=2, microbatch=2, zero=1)),
-    ("gpt-small", "dgx-a100-80g", 2, dict(dp=4, tp=2, pp=2, microbatch=2, schedule="interleaved",
-                                          virtual_stages=2)),
-    ("llama-tiny", "dgx-a100-80g", 1, dict(dp=4, tp=2, pp=1, microbatch=1)),
-])
+@pytest.mark.parametrize(
+    "model, cluster, nodes, knobs",
+    [
+        ("gpt-tiny", "cpu", 4, dict(dp=4, tp=1, pp=1, microbatch=2)),
+        ("gpt-tiny", "cpu", 4, dict(dp=2, tp=1, pp=2, microbatch=2, schedule="1f1b")),
+        ("gpt-tiny", "cpu", 4, dict(dp=1, tp=2, pp=2, microbatch=1, recompute="full")),
+        ("gpt-small", "dgx-a100-80g", 2, dict(dp=2, tp=4, pp=2, microbatch=1, sequence_parallel=True)),
+        ("gpt-small", "dgx-a100-80g", 2, dict(dp=4, tp=2, pp=2, microbatch=2, zero=1)),
+        (
+            "gpt-small",
+            "dgx-a100-80g",
+            2,
+            dict(dp=4, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
+        ),
+        ("llama-tiny", "dgx-a100-80g", 1, dict(dp=4, tp=2, pp=1, microbatch=1)),
+    ],
+)
 def test_the_reduced_program_simulates_exactly_like_every_device(model, cluster, nodes, knobs):
     spec, g = traced(model, 16)
     cost = CostModel.load(cluster, nodes)
@@ -64,6 +82,7 @@ def test_plan_classes_of_a_data_parallel_plan_on_two_nodes():
     ctx = Context(g, spec, 16, "dgx-a100-80g", 2, 16, 1)
     plan = get_space("megatron").build(ctx, dict(dp=2, tp=8, pp=1, microbatch=1))
     from planlab.plan.materialize import _Layouts
+
     classes = plan_classes(plan, _Layouts(plan, g).mesh.values(), cost.cluster.node_of)
     assert sorted(set(classes)) == [0]  # tensor-parallel inside each node, replicas across nodes
 
@@ -75,18 +94,20 @@ def _sender_program(sends: list[tuple[int, int]], nbytes: int = 10**9) -> Progra
         tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, axis=tag, nbytes=nbytes))
     for tag, (src, dst) in enumerate(sends):
         tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, axis=tag, nbytes=nbytes))
-    devs = tuple(DeviceProgram(d, {(0, "F"): Block(0, "F", tuple(tasks[d]))}, (Action(0, "F", 0),))
-                 for d in range(4))
+    devs = tuple(DeviceProgram(d, {(0, "F"): Block(0, "F", tuple(tasks[d]))}, (Action(0, "F", 0),)) for d in range(4))
     return Program(devs, 1, FP32)
 
 
-@pytest.mark.parametrize("sends, seconds", [
-    ([(0, 1)], 1.0),                      # alone on its links: the cost model's time
-    ([(0, 1), (0, 2)], 2.0),              # two transfers out of one device: half the bandwidth each
-    ([(1, 0), (2, 0)], 2.0),              # two into one device
-    ([(0, 1), (2, 3)], 1.0),              # different links: no sharing
-    ([(0, 1), (0, 2), (3, 2)], 2.0),      # max-min: 0->1 and 0->2 share 0's port, 3->2 shares 2's
-])
+@pytest.mark.parametrize(
+    "sends, seconds",
+    [
+        ([(0, 1)], 1.0),  # alone on its links: the cost model's time
+        ([(0, 1), (0, 2)], 2.0),  # two transfers out of one device: half the bandwidth each
+        ([(1, 0), (2, 0)], 2.0),  # two into one device
+        ([(0, 1), (2, 3)], 1.0),  # different links: no sharing
+        ([(0, 1), (0, 2), (3, 2)], 2.0),  # max-min: 0->1 and 0->2 share 0's port, 3->2 shares 2's
+    ],
+)
 def test_concurrent_transfers_share_their_links(sends, seconds):
     cost = IdealCost(CostModel.load("cpu", 4))
     res = simulate(_sender_program(sends), cost, symmetry=False, timeline=True)
@@ -110,25 +131,38 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
     """Two data-parallel devices: backward = two 1 s tasks with a gradient all-reduce between them."""
     devs = []
     for d in range(2):
-        b = (Task("b1", TaskKind.BACKWARD, (), (), flops=1e9),
-             Task("grad-reduce", TaskKind.COLLECTIVE, ("wg:w",), ("wg:w",), collective="all_reduce", group=(0, 1),
-                  nbytes=int(reduce_s * 1e9), final=True, overlap=overlap),
-             Task("b2", TaskKind.BACKWARD, (), (), flops=1e9))
+        b = (
+            Task("b1", TaskKind.BACKWARD, (), (), flops=1e9),
+            Task(
+                "grad-reduce",
+                TaskKind.COLLECTIVE,
+                ("wg:w",),
+                ("wg:w",),
+                collective="all_reduce",
+                group=(0, 1),
+                nbytes=int(reduce_s * 1e9),
+                final=True,
+                overlap=overlap,
+            ),
+            Task("b2", TaskKind.BACKWARD, (), (), flops=1e9),
+        )
         w = (Task("optimizer", TaskKind.OPTIMIZER, ("wg:w",), ("w:w",)),)
         sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "U", 0),)
         devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "U"): Block(0, "U", w)}, sched))
     return Program(tuple(devs), microbatches, FP32)
 
 
-@pytest.mark.parametrize("reduce_s, overlap, microbatches, seconds, exposed", [
-    (0.5, True, 1, 2.0, 0.0),    # hidden behind b2: costs nothing extra
-    (0.5, False, 1, 2.5, 0.5),   # in the way of the backward
-    (1.5, True, 1, 2.5, 0.5),    # longer than what is left to hide it: the optimizer waits 0.5 s
-    (0.5, True, 3, 6.0, 0.0),    # issued with the last micro-batch only
-    (0.5, False, 3, 6.5, 0.5),
-])
-def test_an_overlapped_gradient_reduction_hides_behind_the_backward(reduce_s, overlap, microbatches, seconds,
-                                                                    exposed):
+@pytest.mark.parametrize(
+    "reduce_s, overlap, microbatches, seconds, exposed",
+    [
+        (0.5, True, 1, 2.0, 0.0),  # hidden behind b2: costs nothing extra
+        (0.5, False, 1, 2.5, 0.5),  # in the way of the backward
+        (1.5, True, 1, 2.5, 0.5),  # longer than what is left to hide it: the optimizer waits 0.5 s
+        (0.5, True, 3, 6.0, 0.0),  # issued with the last micro-batch only
+        (0.5, False, 3, 6.5, 0.5),
+    ],
+)
+def test_an_overlapped_gradient_reduction_hides_behind_the_backward(reduce_s, overlap, microbatches, seconds, exposed):
     cost = IdealCost(CostModel.load("cpu", 2))
     res = simulate(_dp_program(reduce_s, overlap, microbatches), cost, symmetry=False)
     assert res.iter_time_s == pytest.approx(seconds)

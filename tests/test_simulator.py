@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from planlab.costmodel import CostModel
-from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
 from planlab.simulator import device_classes, find_deadlock, simulate
 
@@ -41,14 +41,23 @@ def _pipeline_program(p: int, m: int, schedule, f_flops=1e9, b_flops=2e9, nbytes
     for s in range(p):
         fwd, bwd = [], []
         if s > 0:
-            fwd.append(Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0, nbytes=nbytes,
-                            alloc=(("x", 100),)))
+            fwd.append(
+                Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0, nbytes=nbytes, alloc=(("x", 100),))
+            )
         fwd.append(Task(f"f{s}", TaskKind.FORWARD, ("x",) if s else (), ("y",), flops=f_flops, alloc=(("y", 100),)))
         if s < p - 1:
             fwd.append(Task("send_y", TaskKind.SEND, ("y",), (), peer=s + 1, axis=0, nbytes=nbytes))
             bwd.append(Task("recv_dy", TaskKind.RECV, (), ("dy",), peer=s + 1, axis=1, nbytes=nbytes))
-        bwd.append(Task(f"b{s}", TaskKind.BACKWARD, ("dy",) if s < p - 1 else (), ("dx",), flops=b_flops,
-                        free=("y",) + (("x",) if s else ())))
+        bwd.append(
+            Task(
+                f"b{s}",
+                TaskKind.BACKWARD,
+                ("dy",) if s < p - 1 else (),
+                ("dx",),
+                flops=b_flops,
+                free=("y",) + (("x",) if s else ()),
+            )
+        )
         if s > 0:
             bwd.append(Task("send_dx", TaskKind.SEND, ("dx",), (), peer=s - 1, axis=1, nbytes=nbytes))
         blocks = {(s, "F"): Block(s, "F", tuple(fwd)), (s, "B"): Block(s, "B", tuple(bwd))}
@@ -181,10 +190,13 @@ def test_interleaved_1f1b_matches_its_formula(p, v, m):
     assert res.iter_time_s == pytest.approx((m + (p - 1) / v) * (f + b), rel=1e-12)
 
 
-@pytest.mark.parametrize("rank, expected", [
-    (0, "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
-    (1, "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"),
-])
+@pytest.mark.parametrize(
+    "rank, expected",
+    [
+        (0, "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
+        (1, "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"),
+    ],
+)
 def test_interleaved_schedule_text(rank, expected):
     from planlab.search_spaces.schedules import format_schedule, parse_schedule
 

@@ -8,7 +8,7 @@ from conftest import traced
 
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.plan.plan import ZERO_STAGES
-from planlab.search_spaces import (SPACES, Constraint, Context, Knob, Space, get_space, register_space, space_names)
+from planlab.search_spaces import SPACES, Constraint, Context, Knob, Space, get_space, register_space, space_names
 from planlab.search_spaces.builtin import DataParallel
 from planlab.search_spaces.space import _holds
 
@@ -26,39 +26,56 @@ SP = Knob.bool("sequence_parallel")
 SCHED = Knob.choice("schedule", ("1f1b", "gpipe"))
 
 
-@pytest.mark.parametrize("knob, value, expected", [
-    (TP, 2, 2), (TP, "4", 4), (TP, 4.0, 4),
-    (SP, True, True), (SP, "true", True), (SP, "off", False), (SP, 1, True), (SP, "NO", False),
-    (SCHED, "gpipe", "gpipe"),
-])
+@pytest.mark.parametrize(
+    "knob, value, expected",
+    [
+        (TP, 2, 2),
+        (TP, "4", 4),
+        (TP, 4.0, 4),
+        (SP, True, True),
+        (SP, "true", True),
+        (SP, "off", False),
+        (SP, 1, True),
+        (SP, "NO", False),
+        (SCHED, "gpipe", "gpipe"),
+    ],
+)
 def test_knob_values_are_coerced_to_their_type(knob, value, expected):
     got = knob.check(value, ctx_of(), "s")
     assert got == expected and type(got) is type(expected)
 
 
-@pytest.mark.parametrize("knob, value, message", [
-    (TP, 3, "space 's': knob 'tp' = 3 is outside its range: choose 1, 2 or 4"),
-    (TP, True, "space 's': knob 'tp' takes an integer, got True"),
-    (TP, "two", "knob 'tp' takes an integer, got 'two'"),
-    (TP, 2.5, "knob 'tp' takes an integer, got 2.5"),
-    (SP, "maybe", "space 's': knob 'sequence_parallel' takes true or false, got 'maybe'"),
-    (SP, 2, "knob 'sequence_parallel' takes true or false, got 2"),
-    (SCHED, "zb-h1", "knob 'schedule' = 'zb-h1' is outside its range: choose '1f1b' or 'gpipe'"),
-])
+@pytest.mark.parametrize(
+    "knob, value, message",
+    [
+        (TP, 3, "space 's': knob 'tp' = 3 is outside its range: choose 1, 2 or 4"),
+        (TP, True, "space 's': knob 'tp' takes an integer, got True"),
+        (TP, "two", "knob 'tp' takes an integer, got 'two'"),
+        (TP, 2.5, "knob 'tp' takes an integer, got 2.5"),
+        (SP, "maybe", "space 's': knob 'sequence_parallel' takes true or false, got 'maybe'"),
+        (SP, 2, "knob 'sequence_parallel' takes true or false, got 2"),
+        (SCHED, "zb-h1", "knob 'schedule' = 'zb-h1' is outside its range: choose '1f1b' or 'gpipe'"),
+    ],
+)
 def test_a_value_outside_the_range_names_space_knob_value_and_range(knob, value, message):
     with pytest.raises(ConfigError) as info:
         knob.check(value, ctx_of(), "s")
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("knob, explored", [
-    (Knob("zero", lambda c: (0, 1, 2), "old-style: a default pins it", default=0), (0,)),
-    (Knob.int("zero", (0, 1, 2), default=0), (0, 1, 2)),
-    (Knob.int("zero", (0, 1, 2), default=0, pinned=True), (0,)),
-    (Knob.choice("schedule", ("1f1b", "gpipe", "interleaved"), default="1f1b", explore=("1f1b", "interleaved")),
-     ("1f1b", "interleaved")),
-    (Knob.bool("sp"), (False, True)),
-])
+@pytest.mark.parametrize(
+    "knob, explored",
+    [
+        (Knob("zero", lambda c: (0, 1, 2), "old-style: a default pins it", default=0), (0,)),
+        (Knob.int("zero", (0, 1, 2), default=0), (0, 1, 2)),
+        (Knob.int("zero", (0, 1, 2), default=0, pinned=True), (0,)),
+        (
+            Knob.choice("schedule", ("1f1b", "gpipe", "interleaved"), default="1f1b", explore=("1f1b", "interleaved")),
+            ("1f1b", "interleaved"),
+        ),
+        (Knob.bool("sp"), (False, True)),
+    ],
+)
 def test_explored_values(knob, explored):
     assert knob.explored(ctx_of()) == explored
 
@@ -72,17 +89,24 @@ def test_knob_kinds_and_ranges_in_words():
         Knob("x", (1,), kind="float")
 
 
-@pytest.mark.parametrize("knobs, message", [
-    (dict(dp=2, tp=3, pp=1, microbatch=4), "space 'megatron': knob 'tp' = 3 is outside its range: choose 1 or 2"),
-    (dict(dp=2, tp=1, pp=1, microbatch=4, recompute="most"), "knob 'recompute' = 'most' is outside its range"),
-    (dict(dp=2, tp=1, pp=1, microbatch=4, zero=7), "knob 'zero' = 7 is outside its range: choose 0, 1, 2 or 3"),
-    (dict(dp=2, tp=1, pp=1, microbatch=4, colour=1), "space 'megatron' has no knob 'colour'"),
-    (dict(dp=1, tp=1, pp=1, microbatch=4), "the degrees dp=1 x tp=1 x pp=1 do not multiply to the 2 devices"),
-    (dict(dp=1, tp=2, pp=1, microbatch=4, sequence_parallel=True, zero=1),
-     "zero=1 shards over the data-parallel replicas: it needs dp > 1, not dp=1"),
-    (dict(dp=2, tp=1, pp=1, microbatch=4, sequence_parallel=True),
-     "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp=1"),
-])
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(dp=2, tp=3, pp=1, microbatch=4), "space 'megatron': knob 'tp' = 3 is outside its range: choose 1 or 2"),
+        (dict(dp=2, tp=1, pp=1, microbatch=4, recompute="most"), "knob 'recompute' = 'most' is outside its range"),
+        (dict(dp=2, tp=1, pp=1, microbatch=4, zero=7), "knob 'zero' = 7 is outside its range: choose 0, 1, 2 or 3"),
+        (dict(dp=2, tp=1, pp=1, microbatch=4, colour=1), "space 'megatron' has no knob 'colour'"),
+        (dict(dp=1, tp=1, pp=1, microbatch=4), "the degrees dp=1 x tp=1 x pp=1 do not multiply to the 2 devices"),
+        (
+            dict(dp=1, tp=2, pp=1, microbatch=4, sequence_parallel=True, zero=1),
+            "zero=1 shards over the data-parallel replicas: it needs dp > 1, not dp=1",
+        ),
+        (
+            dict(dp=2, tp=1, pp=1, microbatch=4, sequence_parallel=True),
+            "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp=1",
+        ),
+    ],
+)
 def test_build_refuses_bad_assignments(knobs, message):
     with pytest.raises(ConfigError) as info:
         get_space("megatron").build(ctx_of(), knobs)
@@ -160,15 +184,27 @@ def test_restrict_narrows_knobs_and_checks_the_values_against_the_range():
         sp.build(ctx, dict(dp=1, tp=4, pp=1, microbatch=8))
 
 
-@pytest.mark.parametrize("make, fixed, message", [
-    (lambda: get_space("megatron").where(lambda k: False, "never"), {},
-     "space 'megatron' has no plan with no knob fixed: never"),
-    (lambda: get_space("megatron"), {"tp": 2, "pp": 2},
-     "space 'megatron' has no plan with tp=2, pp=2 fixed: its constraints leave no assignment on 2 devices"),
-    (lambda: get_space("megatron").restrict(dp=(1,), pp=(1,)), {"tp": 1},
-     "space 'megatron' has no plan with tp=1 fixed"),
-    (lambda: get_space("dp|tp"), {"tp": 1}, "space 'dp|tp' has no plan with tp=1 fixed: dp has no knob 'tp'"),
-])
+@pytest.mark.parametrize(
+    "make, fixed, message",
+    [
+        (
+            lambda: get_space("megatron").where(lambda k: False, "never"),
+            {},
+            "space 'megatron' has no plan with no knob fixed: never",
+        ),
+        (
+            lambda: get_space("megatron"),
+            {"tp": 2, "pp": 2},
+            "space 'megatron' has no plan with tp=2, pp=2 fixed: its constraints leave no assignment on 2 devices",
+        ),
+        (
+            lambda: get_space("megatron").restrict(dp=(1,), pp=(1,)),
+            {"tp": 1},
+            "space 'megatron' has no plan with tp=1 fixed",
+        ),
+        (lambda: get_space("dp|tp"), {"tp": 1}, "space 'dp|tp' has no plan with tp=1 fixed: dp has no knob 'tp'"),
+    ],
+)
 def test_a_constraint_that_leaves_the_space_empty_names_the_space_and_the_fixed_knobs(make, fixed, message):
     with pytest.raises(ConfigError) as info:
         make().enumerate(ctx_of(), fixed)
@@ -204,16 +240,31 @@ def test_product_distributes_over_union_and_restrict_reaches_every_part():
 
 
 # -- rules on the primitives ------------------------------------------------------------------------
-@pytest.mark.parametrize("edit, knobs, message", [
-    (lambda s: s.allow_split(r"mlp\.fc$", ()), dict(dp=1, tp=2, pp=1, microbatch=8),
-     r"op_trans('blocks_0_mlp_fc', 'n') breaks the rule split 'mlp\\.fc$' along nothing: allowed no split"),
-    (lambda s: s.allow_split(r"mlp\.fc$", ("k",)), dict(dp=2, tp=1, pp=1, microbatch=4),
-     "op_trans('blocks_0_mlp_fc', 'a0') breaks the rule split 'mlp\\\\.fc$' along k: allowed 'k'"),
-    (lambda s: s.allow_devices("lm_head", [0]), dict(dp=1, tp=1, pp=2, microbatch=4),
-     "op_assign('lm_head') on device 1 breaks the rule place 'lm_head' on devices 0"),
-    (lambda s: s.allow_orders("gpipe"), dict(dp=1, tp=1, pp=2, microbatch=4),
-     "op_order with schedule '1f1b' breaks the rule orders gpipe: allowed 'gpipe'"),
-])
+@pytest.mark.parametrize(
+    "edit, knobs, message",
+    [
+        (
+            lambda s: s.allow_split(r"mlp\.fc$", ()),
+            dict(dp=1, tp=2, pp=1, microbatch=8),
+            r"op_trans('blocks_0_mlp_fc', 'n') breaks the rule split 'mlp\\.fc$' along nothing: allowed no split",
+        ),
+        (
+            lambda s: s.allow_split(r"mlp\.fc$", ("k",)),
+            dict(dp=2, tp=1, pp=1, microbatch=4),
+            "op_trans('blocks_0_mlp_fc', 'a0') breaks the rule split 'mlp\\\\.fc$' along k: allowed 'k'",
+        ),
+        (
+            lambda s: s.allow_devices("lm_head", [0]),
+            dict(dp=1, tp=1, pp=2, microbatch=4),
+            "op_assign('lm_head') on device 1 breaks the rule place 'lm_head' on devices 0",
+        ),
+        (
+            lambda s: s.allow_orders("gpipe"),
+            dict(dp=1, tp=1, pp=2, microbatch=4),
+            "op_order with schedule '1f1b' breaks the rule orders gpipe: allowed 'gpipe'",
+        ),
+    ],
+)
 def test_rules_on_the_primitives_are_checked_as_they_are_issued(edit, knobs, message):
     sp = edit(get_space("megatron"))
     with pytest.raises(InfeasiblePlan) as info:
@@ -221,12 +272,15 @@ def test_rules_on_the_primitives_are_checked_as_they_are_issued(edit, knobs, mes
     assert str(info.value).startswith("space 'megatron': ") and message in str(info.value)
 
 
-@pytest.mark.parametrize("edit, knobs", [
-    (lambda s: s.allow_split(r"mlp\.fc$", ("n", "a0")), dict(dp=1, tp=2, pp=1, microbatch=8)),
-    (lambda s: s.allow_devices("lm_head", [1]), dict(dp=1, tp=1, pp=2, microbatch=4)),
-    (lambda s: s.allow_devices("lm_head", lambda c: range(c.num_devices)), dict(dp=2, tp=1, pp=1, microbatch=4)),
-    (lambda s: s.allow_orders("1f1b", "interleaved"), dict(dp=1, tp=1, pp=2, microbatch=4)),
-])
+@pytest.mark.parametrize(
+    "edit, knobs",
+    [
+        (lambda s: s.allow_split(r"mlp\.fc$", ("n", "a0")), dict(dp=1, tp=2, pp=1, microbatch=8)),
+        (lambda s: s.allow_devices("lm_head", [1]), dict(dp=1, tp=1, pp=2, microbatch=4)),
+        (lambda s: s.allow_devices("lm_head", lambda c: range(c.num_devices)), dict(dp=2, tp=1, pp=1, microbatch=4)),
+        (lambda s: s.allow_orders("1f1b", "interleaved"), dict(dp=1, tp=1, pp=2, microbatch=4)),
+    ],
+)
 def test_plans_that_keep_the_rules_build(edit, knobs):
     sp = edit(get_space("megatron"))
     plan = sp.build(ctx_of(), knobs)
@@ -235,15 +289,23 @@ def test_plans_that_keep_the_rules_build(edit, knobs):
     draft.check_rules(sp.all_rules(), sp.name)  # the screen's check agrees
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: get_space("megatron").allow_split("no_such_op", ("n",)).build(ctx_of(), dict(dp=2, tp=1, pp=1,
-                                                                                             microbatch=4)),
-     "rule split 'no_such_op' along n matches no operator of the model"),
-    (lambda: get_space("megatron").allow_split("(", ("n",)), "operator pattern '(' is not a regular expression"),
-    (lambda: get_space("megatron").allow_split("fc", "n"), "dims must be a tuple of dimension names"),
-    (lambda: get_space("megatron").allow_devices("fc", ["a"]), "devices must be integers"),
-    (lambda: get_space("megatron").allow_orders(), "an order rule needs schedule names"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: (
+                get_space("megatron")
+                .allow_split("no_such_op", ("n",))
+                .build(ctx_of(), dict(dp=2, tp=1, pp=1, microbatch=4))
+            ),
+            "rule split 'no_such_op' along n matches no operator of the model",
+        ),
+        (lambda: get_space("megatron").allow_split("(", ("n",)), "operator pattern '(' is not a regular expression"),
+        (lambda: get_space("megatron").allow_split("fc", "n"), "dims must be a tuple of dimension names"),
+        (lambda: get_space("megatron").allow_devices("fc", ["a"]), "devices must be integers"),
+        (lambda: get_space("megatron").allow_orders(), "an order rule needs schedule names"),
+    ],
+)
 def test_bad_rules_get_a_config_error(make, message):
     with pytest.raises(ConfigError) as info:
         make()
@@ -281,15 +343,18 @@ def test_a_user_space_that_raises_gets_a_config_error_naming_the_space_and_the_k
         get_space(f"{HERE}:BadValues").enumerate(ctx)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("zero9", "unknown space 'zero9'; choose 'dp', 'tp', 'pp', 'recompute', 'megatron'"),
-    ("dp**tp", "space 'dp**tp': an empty name around '*'"),
-    ("dp|", "an empty name around '|'"),
-    ("no_such_pkg.mod:space", "cannot load space 'no_such_pkg.mod:space': ModuleNotFoundError"),
-    (f"{HERE}:missing", "AttributeError"),
-    (f"{HERE}:not_a_space", f"space '{HERE}:not_a_space' is a int, not a planlab Space"),
-    (f"{HERE}:ctx_of", "is a Context, not a planlab Space"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("zero9", "unknown space 'zero9'; choose 'dp', 'tp', 'pp', 'recompute', 'megatron'"),
+        ("dp**tp", "space 'dp**tp': an empty name around '*'"),
+        ("dp|", "an empty name around '|'"),
+        ("no_such_pkg.mod:space", "cannot load space 'no_such_pkg.mod:space': ModuleNotFoundError"),
+        (f"{HERE}:missing", "AttributeError"),
+        (f"{HERE}:not_a_space", f"space '{HERE}:not_a_space' is a int, not a planlab Space"),
+        (f"{HERE}:ctx_of", "is a Context, not a planlab Space"),
+    ],
+)
 def test_bad_space_specs(spec, message):
     with pytest.raises(ConfigError) as info:
         get_space(spec)

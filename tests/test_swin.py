@@ -89,6 +89,7 @@ def test_nothing_is_kept_whole_but_position_bias_gathers():
 
 # ---- the model computes Swin -------------------------------------------------------
 
+
 def test_window_partition_and_reverse_are_inverse_and_masks_separate_regions():
     x = torch.randn(2, 8, 8, 3)
     w = window_partition(x, 4, 8, 3)  # (2 * 4, 16, 3)
@@ -109,17 +110,32 @@ def test_patch_merging_is_the_reference_concatenation_of_strided_slices():
     assert torch.allclose(m(x), m.reduction(m.norm(ref)))
 
 
-_HF_BLOCK = {"layernorm_before": "norm1", "layernorm_after": "norm2", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
-             "attention.q_proj": "attn.q", "attention.k_proj": "attn.k", "attention.v_proj": "attn.v",
-             "attention.o_proj": "attn.proj",
-             "attention.relative_position_bias.relative_position_bias_table": "attn.relative_position_bias_table",
-             # transformers 4.x names
-             "attention.self.query": "attn.q", "attention.self.key": "attn.k", "attention.self.value": "attn.v",
-             "attention.output.dense": "attn.proj", "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
-             "attention.self.relative_position_bias_table": "attn.relative_position_bias_table"}
-_HF_OTHER = [(r"^swin\.embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
-             (r"^swin\.embeddings\.norm\.", "patch_embed.norm."), (r"^swin\.layernorm\.", "norm."),
-             (r"^classifier\.", "head."), (r"^swin\.encoder\.layers\.(\d+)\.downsample\.", r"merges.\1.")]
+_HF_BLOCK = {
+    "layernorm_before": "norm1",
+    "layernorm_after": "norm2",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+    "attention.q_proj": "attn.q",
+    "attention.k_proj": "attn.k",
+    "attention.v_proj": "attn.v",
+    "attention.o_proj": "attn.proj",
+    "attention.relative_position_bias.relative_position_bias_table": "attn.relative_position_bias_table",
+    # transformers 4.x names
+    "attention.self.query": "attn.q",
+    "attention.self.key": "attn.k",
+    "attention.self.value": "attn.v",
+    "attention.output.dense": "attn.proj",
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+    "attention.self.relative_position_bias_table": "attn.relative_position_bias_table",
+}
+_HF_OTHER = [
+    (r"^swin\.embeddings\.patch_embeddings\.projection\.", "patch_embed.proj."),
+    (r"^swin\.embeddings\.norm\.", "patch_embed.norm."),
+    (r"^swin\.layernorm\.", "norm."),
+    (r"^classifier\.", "head."),
+    (r"^swin\.encoder\.layers\.(\d+)\.downsample\.", r"merges.\1."),
+]
 
 
 def test_matches_hugging_face_swin():
@@ -129,15 +145,28 @@ def test_matches_hugging_face_swin():
     cfg = SWIN_PRESETS["swin-tiny"]
     torch.manual_seed(0)
     ours = Swin(cfg).eval()
-    hf = transformers.SwinForImageClassification(transformers.SwinConfig(
-        image_size=cfg.image, patch_size=cfg.patch, num_channels=cfg.channels, embed_dim=cfg.embed,
-        depths=list(cfg.depths), num_heads=list(cfg.num_heads), window_size=cfg.window, mlp_ratio=cfg.mlp_ratio,
-        drop_path_rate=0.0, num_labels=cfg.classes)).eval()
+    hf = transformers.SwinForImageClassification(
+        transformers.SwinConfig(
+            image_size=cfg.image,
+            patch_size=cfg.patch,
+            num_channels=cfg.channels,
+            embed_dim=cfg.embed,
+            depths=list(cfg.depths),
+            num_heads=list(cfg.num_heads),
+            window_size=cfg.window,
+            mlp_ratio=cfg.mlp_ratio,
+            drop_path_rate=0.0,
+            num_labels=cfg.classes,
+        )
+    ).eval()
     first = [sum(cfg.depths[:s]) for s in range(cfg.stages)]
 
     def our_name(k: str) -> str:
-        m = re.match(r"^swin\.encoder\.layers\.(\d+)\.blocks\.(\d+)\.(.*)\."
-                     r"(weight|bias|relative_position_bias_table)$", k)
+        m = re.match(
+            r"^swin\.encoder\.layers\.(\d+)\.blocks\.(\d+)\.(.*)\."
+            r"(weight|bias|relative_position_bias_table)$",
+            k,
+        )
         if m:
             inner = m[3] if m[4] in ("weight", "bias") else f"{m[3]}.{m[4]}"
             tail = f".{m[4]}" if m[4] in ("weight", "bias") else ""
@@ -159,6 +188,7 @@ def test_matches_hugging_face_swin():
 
 # ---- signatures ----------------------------------------------------------------------
 
+
 def _sig(target, kind: str, args: tuple, kwargs: dict | None = None, module=None) -> str:
     """Signature of one call, read by the registry from the shapes the call produces."""
     kwargs = kwargs or {}
@@ -169,10 +199,18 @@ def _sig(target, kind: str, args: tuple, kwargs: dict | None = None, module=None
     else:
         out = getattr(args[0], target)(*args[1:], **kwargs) if isinstance(target, str) else target(*args, **kwargs)
     slot = lambda a: "T" if isinstance(a, torch.Tensor) else a  # noqa: E731
-    ctx = OpContext(tuple(tuple(t.shape) for t in tensors), (tuple(out.shape),), tuple(slot(a) for a in args),
-                    {k: slot(v) for k, v in kwargs.items()}, module)
-    d = lookup("call_module" if module is not None else "call_method" if isinstance(target, str)
-               else "call_function", target, module)
+    ctx = OpContext(
+        tuple(tuple(t.shape) for t in tensors),
+        (tuple(out.shape),),
+        tuple(slot(a) for a in args),
+        {k: slot(v) for k, v in kwargs.items()},
+        module,
+    )
+    d = lookup(
+        "call_module" if module is not None else "call_method" if isinstance(target, str) else "call_function",
+        target,
+        module,
+    )
     assert d is not None and d.kind == kind
     return str(d.signature(ctx))
 
@@ -183,45 +221,85 @@ x3 = torch.zeros(2, 5, 6, device="meta")
 w33 = torch.zeros(6, 3, 3, 3, device="meta")
 
 
-@pytest.mark.parametrize("target, kind, args, kwargs, sig", [
-    (F.conv2d, "conv", (img, torch.zeros(6, 3, 4, 4, device="meta")), {"stride": 4},
-     "a0 ci+ (s0 k0^) (s1 k1^), o ci+ k0^ k1^ -> a0 o s0 s1"),  # patches: rows and columns split
-    (F.conv2d, "conv", (img, w33, torch.zeros(6, device="meta")), {"padding": 1},
-     "a0 ci+ x0^ x1^, o ci+ k0^ k1^, o -> a0 o y0^ y1^"),  # overlapping windows: spatial axes whole
-    (F.conv2d, "conv", (img, torch.zeros(6, 1, 3, 3, device="meta")), {"groups": 3},
-     "a0 cx^ x0^ x1^, o^ cw^ k0^ k1^ -> a0 o^ y0^ y1^"),  # grouped: channels whole
-    (F.conv1d, "conv", (x3, torch.zeros(4, 5, 2, device="meta")), {"stride": 2},
-     "a0 ci+ (s0 k0^), o ci+ k0^ -> a0 o s0"),
-    (torch.roll, "roll", (x4,), {"shifts": (-1, -1), "dims": (1, 2)}, "a0 a1^ a2^ a3 -> a0 a1^ a2^ a3"),
-    ("roll", "roll", (x4, 2), {}, "i0_0^ i0_1^ i0_2^ i0_3^ -> o0_0^ o0_1^ o0_2^ o0_3^"),  # flattened roll
-    ("sum", "sum", (x3, -1), {}, "a0 a1 r2+ -> a0 a1"),
-    (torch.sum, "sum", (x4, (1, 2)), {"keepdim": True}, "a0 r1+ r2+ a3 -> a0 1 1 a3"),
-    ("mean", "mean", (x3,), {"dim": 1}, "a0 r1^ a2 -> a0 a2"),
-    ("mean", "mean", (x3,), {}, "r0^ r1^ r2^ -> "),
-    (F.adaptive_avg_pool1d, "avg_pool", (x3, 1), {}, "a0 a1 p0^ -> a0 a1 q0^"),
-    (F.adaptive_avg_pool2d, "avg_pool", (img, (2, 2)), {}, "a0 a1 p0^ p1^ -> a0 a1 q0^ q1^"),
-    ("masked_fill", "masked_fill", (x4, torch.zeros(4, 1, 6, dtype=torch.bool, device="meta"), -1.0), {},
-     "a0 a1 a2 a3, a1 1 a3 -> a0 a1 a2 a3"),
-])
+@pytest.mark.parametrize(
+    "target, kind, args, kwargs, sig",
+    [
+        (
+            F.conv2d,
+            "conv",
+            (img, torch.zeros(6, 3, 4, 4, device="meta")),
+            {"stride": 4},
+            "a0 ci+ (s0 k0^) (s1 k1^), o ci+ k0^ k1^ -> a0 o s0 s1",
+        ),  # patches: rows and columns split
+        (
+            F.conv2d,
+            "conv",
+            (img, w33, torch.zeros(6, device="meta")),
+            {"padding": 1},
+            "a0 ci+ x0^ x1^, o ci+ k0^ k1^, o -> a0 o y0^ y1^",
+        ),  # overlapping windows: spatial axes whole
+        (
+            F.conv2d,
+            "conv",
+            (img, torch.zeros(6, 1, 3, 3, device="meta")),
+            {"groups": 3},
+            "a0 cx^ x0^ x1^, o^ cw^ k0^ k1^ -> a0 o^ y0^ y1^",
+        ),  # grouped: channels whole
+        (
+            F.conv1d,
+            "conv",
+            (x3, torch.zeros(4, 5, 2, device="meta")),
+            {"stride": 2},
+            "a0 ci+ (s0 k0^), o ci+ k0^ -> a0 o s0",
+        ),
+        (torch.roll, "roll", (x4,), {"shifts": (-1, -1), "dims": (1, 2)}, "a0 a1^ a2^ a3 -> a0 a1^ a2^ a3"),
+        ("roll", "roll", (x4, 2), {}, "i0_0^ i0_1^ i0_2^ i0_3^ -> o0_0^ o0_1^ o0_2^ o0_3^"),  # flattened roll
+        ("sum", "sum", (x3, -1), {}, "a0 a1 r2+ -> a0 a1"),
+        (torch.sum, "sum", (x4, (1, 2)), {"keepdim": True}, "a0 r1+ r2+ a3 -> a0 1 1 a3"),
+        ("mean", "mean", (x3,), {"dim": 1}, "a0 r1^ a2 -> a0 a2"),
+        ("mean", "mean", (x3,), {}, "r0^ r1^ r2^ -> "),
+        (F.adaptive_avg_pool1d, "avg_pool", (x3, 1), {}, "a0 a1 p0^ -> a0 a1 q0^"),
+        (F.adaptive_avg_pool2d, "avg_pool", (img, (2, 2)), {}, "a0 a1 p0^ p1^ -> a0 a1 q0^ q1^"),
+        (
+            "masked_fill",
+            "masked_fill",
+            (x4, torch.zeros(4, 1, 6, dtype=torch.bool, device="meta"), -1.0),
+            {},
+            "a0 a1 a2 a3, a1 1 a3 -> a0 a1 a2 a3",
+        ),
+    ],
+)
 def test_signatures(target, kind, args, kwargs, sig):
     assert _sig(target, kind, args, kwargs) == sig
 
 
-@pytest.mark.parametrize("module, x, kind, sig", [
-    (nn.Conv2d(3, 6, 4, stride=4, device="meta"), img, "conv",
-     "a0 ci+ (s0 k0^) (s1 k1^), o ci+ k0^ k1^, o -> a0 o s0 s1"),
-    (nn.Conv2d(3, 6, 2, stride=2, bias=False, padding_mode="reflect", padding=1, device="meta"), img, "conv",
-     "a0 ci+ x0^ x1^, o ci+ k0^ k1^ -> a0 o y0^ y1^"),
-    (nn.AdaptiveAvgPool1d(1), x3, "avg_pool", "a0 a1 p0^ -> a0 a1 q0^"),
-    (nn.Softmax(dim=1), x3, "softmax", "a0 a1^ a2 -> a0 a1^ a2"),
-    (nn.Flatten(1), x3, "reshape", "g0_0 g1_0 g1_1 -> g0_0 (g1_0 g1_1)"),
-    (nn.Identity(), x3, "copy", "a0 a1 a2 -> a0 a1 a2"),
-])
+@pytest.mark.parametrize(
+    "module, x, kind, sig",
+    [
+        (
+            nn.Conv2d(3, 6, 4, stride=4, device="meta"),
+            img,
+            "conv",
+            "a0 ci+ (s0 k0^) (s1 k1^), o ci+ k0^ k1^, o -> a0 o s0 s1",
+        ),
+        (
+            nn.Conv2d(3, 6, 2, stride=2, bias=False, padding_mode="reflect", padding=1, device="meta"),
+            img,
+            "conv",
+            "a0 ci+ x0^ x1^, o ci+ k0^ k1^ -> a0 o y0^ y1^",
+        ),
+        (nn.AdaptiveAvgPool1d(1), x3, "avg_pool", "a0 a1 p0^ -> a0 a1 q0^"),
+        (nn.Softmax(dim=1), x3, "softmax", "a0 a1^ a2 -> a0 a1^ a2"),
+        (nn.Flatten(1), x3, "reshape", "g0_0 g1_0 g1_1 -> g0_0 (g1_0 g1_1)"),
+        (nn.Identity(), x3, "copy", "a0 a1 a2 -> a0 a1 a2"),
+    ],
+)
 def test_module_signatures(module, x, kind, sig):
     assert _sig(None, kind, (x,), module=module) == sig
 
 
 # ---- every operator piece computes its slice of the whole -------------------------------
+
 
 class _VisionOps(nn.Module):
     """The vision operators Swin does not use, in a model that ends in a loss."""
@@ -254,7 +332,8 @@ def test_vision_operator_pieces_match_the_whole(monkeypatch):
     g = trace(_VisionOps(), (torch.zeros(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)))
     assert not g.unknown
     assert {"conv", "roll", "masked_fill", "sum", "mean", "avg_pool", "softmax", "reshape"} <= {
-        op.kind for op in g.operators}
+        op.kind for op in g.operators
+    }
     assert _check_pieces(g) > 15
 
 
@@ -266,6 +345,7 @@ def test_swin_operator_pieces_match_the_whole():
 
 # ---- registry --------------------------------------------------------------------------
 
+
 def test_family_with_overrides_builds_and_runs():
     spec = ModelSpec("swin", (("depths", "1,1"), ("embed", 8), ("image", 16), ("num_heads", "2,4"), ("window", 2)))
     cfg = spec.config()
@@ -275,16 +355,19 @@ def test_family_with_overrides_builds_and_runs():
     assert ModelSpec("swin-t", (("depths", "2,2,2,2"),)).config().layers == 8
 
 
-@pytest.mark.parametrize("name, args, message", [
-    ("swin", (("embed", 96),), "model family 'swin' needs --model-arg for depths, num_heads"),
-    ("swin-t", (("depths", "2,two"),), "depths='2,two' is not a list of integers like 2,2,6,2"),
-    ("swin-t", (("num_heads", "3,6,12"),), "num_heads=3,6,12 must give positive heads for each of the 4 stages"),
-    ("swin-t", (("window", 5),), "stage 0's 56x56 token map is not divisible into windows of window=5"),
-    ("swin-t", (("embed", 100),), "stage 0's 100 channels (embed=100 x 1) are not divisible by its num_heads=3"),
-    ("swin-t", (("image", 226),), "image=226 is not divisible by patch=4"),
-    ("swin-t", (("image", 200),), "the 50x50 patch grid (image=200, patch=4) does not halve 3 times"),
-    ("swin-t", (("window", 0),), "window=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("swin", (("embed", 96),), "model family 'swin' needs --model-arg for depths, num_heads"),
+        ("swin-t", (("depths", "2,two"),), "depths='2,two' is not a list of integers like 2,2,6,2"),
+        ("swin-t", (("num_heads", "3,6,12"),), "num_heads=3,6,12 must give positive heads for each of the 4 stages"),
+        ("swin-t", (("window", 5),), "stage 0's 56x56 token map is not divisible into windows of window=5"),
+        ("swin-t", (("embed", 100),), "stage 0's 100 channels (embed=100 x 1) are not divisible by its num_heads=3"),
+        ("swin-t", (("image", 226),), "image=226 is not divisible by patch=4"),
+        ("swin-t", (("image", 200),), "the 50x50 patch grid (image=200, patch=4) does not halve 3 times"),
+        ("swin-t", (("window", 0),), "window=0 must be a positive integer"),
+    ],
+)
 def test_bad_model_arguments(name, args, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         ModelSpec(name, args).config()
@@ -297,12 +380,15 @@ def test_models_command_lists_swin(capsys):
     assert "swin-tiny" in out and "family: swin (use --model swin --model-arg embed=.. depths=.. num_heads=..)" in out
 
 
-@pytest.mark.parametrize("preset, tp, message", [
-    ("swin-t", 2, "tp=2 does not divide the model's 3 attention heads"),  # heads 3, 6, 12, 24: their gcd
-    ("swin-b", 4, ""),  # heads 4, 8, 16, 32
-    ("swin-b", 8, "tp=8 does not divide the model's 4 attention heads"),
-    ("swin-tiny", 2, ""),  # heads 2, 4, 8
-])
+@pytest.mark.parametrize(
+    "preset, tp, message",
+    [
+        ("swin-t", 2, "tp=2 does not divide the model's 3 attention heads"),  # heads 3, 6, 12, 24: their gcd
+        ("swin-b", 4, ""),  # heads 4, 8, 16, 32
+        ("swin-b", 8, "tp=8 does not divide the model's 4 attention heads"),
+        ("swin-tiny", 2, ""),  # heads 2, 4, 8
+    ],
+)
 def test_tp_must_divide_every_stage_heads(preset, tp, message):
     spec, g = traced(preset, 8)
     ctx = Context(g, spec, 8, "cpu", tp, tp, 1)
@@ -311,11 +397,15 @@ def test_tp_must_divide_every_stage_heads(preset, tp, message):
 
 # ---- plans on 2 gloo ranks match one process ---------------------------------------------
 
-@pytest.mark.parametrize("knobs", [
-    dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches: windows split by image
-    dict(dp=1, tp=2, pp=1, microbatch=8),  # tensor parallel: q/k/v, fc1 columns; proj, fc2 rows; heads between
-    dict(dp=1, tp=1, pp=2, microbatch=4),  # 2 pipeline stages of 3 blocks, patch merging with its stage
-])
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches: windows split by image
+        dict(dp=1, tp=2, pp=1, microbatch=8),  # tensor parallel: q/k/v, fc1 columns; proj, fc2 rows; heads between
+        dict(dp=1, tp=1, pp=2, microbatch=4),  # 2 pipeline stages of 3 blocks, patch merging with its stage
+    ],
+)
 def test_swin_tiny_plans_match_one_process(knobs):
     spec, g = traced("swin-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs)

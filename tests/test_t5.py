@@ -77,14 +77,33 @@ def test_t5_v1_1_xxl_traces_on_meta():
 
 # ---- the relative position buckets ------------------------------------------------
 
-@pytest.mark.parametrize("bidirectional, rel, bucket", [
-    # bidirectional, 32 buckets up to 128: 16 per direction, 8 exact distances, later keys from 16
-    (True, 0, 0), (True, -1, 1), (True, -7, 7), (True, -8, 8), (True, -16, 10), (True, -127, 15),
-    (True, -128, 15), (True, -1000, 15), (True, 1, 17), (True, 8, 24), (True, 200, 31),
-    # causal: 32 buckets for past keys (16 exact), future keys in bucket 0
-    (False, 0, 0), (False, 5, 0), (False, -1, 1), (False, -15, 15), (False, -16, 16), (False, -32, 21),
-    (False, -127, 31), (False, -1000, 31),
-])
+
+@pytest.mark.parametrize(
+    "bidirectional, rel, bucket",
+    [
+        # bidirectional, 32 buckets up to 128: 16 per direction, 8 exact distances, later keys from 16
+        (True, 0, 0),
+        (True, -1, 1),
+        (True, -7, 7),
+        (True, -8, 8),
+        (True, -16, 10),
+        (True, -127, 15),
+        (True, -128, 15),
+        (True, -1000, 15),
+        (True, 1, 17),
+        (True, 8, 24),
+        (True, 200, 31),
+        # causal: 32 buckets for past keys (16 exact), future keys in bucket 0
+        (False, 0, 0),
+        (False, 5, 0),
+        (False, -1, 1),
+        (False, -15, 15),
+        (False, -16, 16),
+        (False, -32, 21),
+        (False, -127, 31),
+        (False, -1000, 31),
+    ],
+)
 def test_relative_position_buckets(bidirectional, rel, bucket):
     # relative distance = key - query; a query at position 1000 sees keys from 0 to 1200
     grid = relative_position_buckets(1001, 1201, bidirectional=bidirectional, num_buckets=32, max_distance=128)
@@ -99,27 +118,45 @@ def test_matches_hugging_face_t5():
     cfg = spec.config()
     model, (enc, dec, labels) = build_model(spec, batch=3, device="cpu", seed=0)
     hc = transformers.T5Config(
-        d_model=cfg.hidden, d_ff=cfg.ffn_hidden, num_heads=cfg.heads, d_kv=cfg.head_dim,
-        num_layers=cfg.encoder_layers, num_decoder_layers=cfg.decoder_layers, vocab_size=cfg.vocab,
-        relative_attention_num_buckets=cfg.rel_buckets, relative_attention_max_distance=cfg.rel_max_distance,
-        dropout_rate=0.0, layer_norm_epsilon=cfg.norm_eps, feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False)  # as google/t5-v1_1-*'s config.json: no output scaling by hidden**-0.5
+        d_model=cfg.hidden,
+        d_ff=cfg.ffn_hidden,
+        num_heads=cfg.heads,
+        d_kv=cfg.head_dim,
+        num_layers=cfg.encoder_layers,
+        num_decoder_layers=cfg.decoder_layers,
+        vocab_size=cfg.vocab,
+        relative_attention_num_buckets=cfg.rel_buckets,
+        relative_attention_max_distance=cfg.rel_max_distance,
+        dropout_rate=0.0,
+        layer_norm_epsilon=cfg.norm_eps,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    )  # as google/t5-v1_1-*'s config.json: no output scaling by hidden**-0.5
     hc.tie_word_embeddings = False  # transformers 5 sets it back to True; False keeps lm_head untied
     hf = transformers.T5ForConditionalGeneration(hc)
 
     def hf_names(name: str) -> list[str]:
         if not name.startswith("blocks."):
-            return {"shared.weight": ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"],
-                    "encoder_norm.weight": ["encoder.final_layer_norm.weight"],
-                    "decoder_norm.weight": ["decoder.final_layer_norm.weight"],
-                    "lm_head.weight": ["lm_head.weight"]}[name]
+            return {
+                "shared.weight": ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"],
+                "encoder_norm.weight": ["encoder.final_layer_norm.weight"],
+                "decoder_norm.weight": ["decoder.final_layer_norm.weight"],
+                "lm_head.weight": ["lm_head.weight"],
+            }[name]
         _, i, rest = name.split(".", 2)
         enc_side = int(i) < cfg.encoder_layers
         stack, j = ("encoder", int(i)) if enc_side else ("decoder", int(i) - cfg.encoder_layers)
         sub = {"self_attn_norm": "layer.0.layer_norm", "self_attn": "layer.0.SelfAttention"}
-        sub |= {"ff_norm": "layer.1.layer_norm", "ff": "layer.1.DenseReluDense"} if enc_side else {
-            "cross_attn_norm": "layer.1.layer_norm", "cross_attn": "layer.1.EncDecAttention",
-            "ff_norm": "layer.2.layer_norm", "ff": "layer.2.DenseReluDense"}
+        sub |= (
+            {"ff_norm": "layer.1.layer_norm", "ff": "layer.1.DenseReluDense"}
+            if enc_side
+            else {
+                "cross_attn_norm": "layer.1.layer_norm",
+                "cross_attn": "layer.1.EncDecAttention",
+                "ff_norm": "layer.2.layer_norm",
+                "ff": "layer.2.DenseReluDense",
+            }
+        )
         head, tail = rest.split(".", 1)
         return [f"{stack}.block.{j}.{sub[head]}.{tail.replace('position_bias.', '')}"]
 
@@ -140,6 +177,7 @@ def test_matches_hugging_face_t5():
 
 # ---- attention with an additive bias: signature and pieces ------------------------
 
+
 def _sig(q, k, v, bias) -> str:
     out = attention_with_bias(q, k, v, bias)
     d = lookup("call_function", attention_with_bias)
@@ -152,16 +190,27 @@ def _m(*shape):
     return torch.zeros(*shape, device="meta")
 
 
-@pytest.mark.parametrize("shapes, sig", [
-    (((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6), (1, 3, 5, 7)),
-     "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, 1 a1 s t^ -> a0 a1 s e^"),        # T5's (1, nh, S, T) bias
-    (((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4), (5, 5)),
-     "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, s t^ -> a0 a1 s e^"),             # one bias for all heads
-    (((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4), (2, 1, 5, 5)),
-     "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, a0 1 s t^ -> a0 a1 s e^"),        # a per-sample mask
-    (((2, 5, 4), (2, 7, 4), (2, 7, 4), (2, 5, 7)),
-     "a0 s d^, a0 t^ d^, a0 t^ e^, a0 s t^ -> a0 s e^"),                      # 3-D, full bias
-])
+@pytest.mark.parametrize(
+    "shapes, sig",
+    [
+        (
+            ((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6), (1, 3, 5, 7)),
+            "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, 1 a1 s t^ -> a0 a1 s e^",
+        ),  # T5's (1, nh, S, T) bias
+        (
+            ((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4), (5, 5)),
+            "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, s t^ -> a0 a1 s e^",
+        ),  # one bias for all heads
+        (
+            ((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4), (2, 1, 5, 5)),
+            "a0 a1 s d^, a0 a1 t^ d^, a0 a1 t^ e^, a0 1 s t^ -> a0 a1 s e^",
+        ),  # a per-sample mask
+        (
+            ((2, 5, 4), (2, 7, 4), (2, 7, 4), (2, 5, 7)),
+            "a0 s d^, a0 t^ d^, a0 t^ e^, a0 s t^ -> a0 s e^",
+        ),  # 3-D, full bias
+    ],
+)
 def test_biased_attention_signatures(shapes, sig):
     assert _sig(*(_m(*s) for s in shapes)) == sig
 
@@ -184,8 +233,10 @@ class _Biased(nn.Module):
 
 @pytest.mark.parametrize("bias_shape", [(1, 2, 4, 6), (4, 6), (2, 1, 4, 6), (2, 2, 4, 6)])
 def test_biased_attention_pieces_match_the_whole(bias_shape):
-    g = trace(_Biased(), (torch.zeros(2, 4, 8), torch.zeros(2, 6, 8), torch.zeros(bias_shape),
-                          torch.zeros(2, 4, dtype=torch.long)))
+    g = trace(
+        _Biased(),
+        (torch.zeros(2, 4, 8), torch.zeros(2, 6, 8), torch.zeros(bias_shape), torch.zeros(2, 4, dtype=torch.long)),
+    )
     assert not g.unknown
     att = next(op for op in g.operators if op.call.target is attention_with_bias)
     assert att.splittable_dims() == ["a0", "a1", "s"]  # batch, heads and queries; never keys or head sizes
@@ -203,8 +254,17 @@ def test_t5_operator_pieces_match_the_whole():
 
 # ---- registry and spaces -----------------------------------------------------------
 
-FAMILY_ARGS = (("decoder_layers", 1), ("decoder_seq", 6), ("encoder_layers", 2), ("ffn_hidden", 48), ("head_dim", 8),
-               ("heads", 2), ("hidden", 32), ("seq", 10), ("vocab", 64))
+FAMILY_ARGS = (
+    ("decoder_layers", 1),
+    ("decoder_seq", 6),
+    ("encoder_layers", 2),
+    ("ffn_hidden", 48),
+    ("head_dim", 8),
+    ("heads", 2),
+    ("hidden", 32),
+    ("seq", 10),
+    ("vocab", 64),
+)
 
 
 def test_family_with_overrides_builds_and_runs():
@@ -219,19 +279,21 @@ def test_family_with_overrides_builds_and_runs():
     assert ModelSpec("t5-v1_1-xxl", (("decoder_seq", 512),)).config().decoder_seq == 512
 
 
-@pytest.mark.parametrize("name, args, message", [
-    ("t5-huge", (), "unknown model 't5-huge'; choose 'gpt-tiny'"),
-    ("t5", (("hidden", 32),), "model family 't5' needs --model-arg for encoder_layers, decoder_layers, heads"),
-    ("t5-tiny", (("layers", 2),), "unknown model argument 'layers' for 't5-tiny'; choose 'encoder_layers'"),
-    ("t5-tiny", (("heads", 0),), "heads=0 must be a positive integer"),
-    ("t5-tiny", (("decoder_seq", 1),), "decoder_seq=1 must be at least 2"),
-    ("t5-tiny", (("rel_buckets", 7),), "rel_buckets=7 must be an even number of at least 4"),
-    ("t5-tiny", (("rel_max_distance", 16),), "rel_max_distance=16 must exceed rel_buckets/2=16"),
-    ("t5-tiny", (("dropout", 1.0),), "dropout=1.0 must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("t5-huge", (), "unknown model 't5-huge'; choose 'gpt-tiny'"),
+        ("t5", (("hidden", 32),), "model family 't5' needs --model-arg for encoder_layers, decoder_layers, heads"),
+        ("t5-tiny", (("layers", 2),), "unknown model argument 'layers' for 't5-tiny'; choose 'encoder_layers'"),
+        ("t5-tiny", (("heads", 0),), "heads=0 must be a positive integer"),
+        ("t5-tiny", (("decoder_seq", 1),), "decoder_seq=1 must be at least 2"),
+        ("t5-tiny", (("rel_buckets", 7),), "rel_buckets=7 must be an even number of at least 4"),
+        ("t5-tiny", (("rel_max_distance", 16),), "rel_max_distance=16 must exceed rel_buckets/2=16"),
+        ("t5-tiny", (("dropout", 1.0),), "dropout=1.0 must be in [0, 1)"),
+    ],
+)
 def test_bad_model_names_and_arguments(name, args, message):
-    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[")):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         ModelSpec(name, args).config()
 
 
@@ -250,22 +312,28 @@ def test_tensor_parallel_splits_heads_and_ffn():
     assert by_module["shared"] is None and by_module["lm_head"] is None
 
 
-@pytest.mark.parametrize("preset, tp, message", [
-    ("t5-tiny", 8, "tp=8 does not divide the model's 4 attention heads"),
-    ("t5-v1_1-small", 4, "tp=4 does not divide the model's 6 attention heads"),
-    ("t5-v1_1-small", 2, ""),
-])
+@pytest.mark.parametrize(
+    "preset, tp, message",
+    [
+        ("t5-tiny", 8, "tp=8 does not divide the model's 4 attention heads"),
+        ("t5-v1_1-small", 4, "tp=4 does not divide the model's 6 attention heads"),
+        ("t5-v1_1-small", 2, ""),
+    ],
+)
 def test_tp_must_divide_the_heads(preset, tp, message):
     spec, g = traced(preset, 8)
     ctx = Context(g, spec, 8, "cpu", tp, tp, 1)  # tp single-device nodes
     assert get_space("tp").explain(ctx, {"tp": tp}) == message
 
 
-@pytest.mark.parametrize("encoder_layers, decoder_layers, pp, stages", [
-    (2, 2, 2, (0, 0, 1, 1)),   # encoder on the first stage, decoder on the second
-    (3, 1, 2, (0, 0, 1, 1)),   # the cut falls inside the encoder
-    (2, 2, 4, (0, 1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "encoder_layers, decoder_layers, pp, stages",
+    [
+        (2, 2, 2, (0, 0, 1, 1)),  # encoder on the first stage, decoder on the second
+        (3, 1, 2, (0, 0, 1, 1)),  # the cut falls inside the encoder
+        (2, 2, 4, (0, 1, 2, 3)),
+    ],
+)
 def test_pipeline_stages_follow_the_layer_order(encoder_layers, decoder_layers, pp, stages):
     spec, g = traced("t5-tiny", 8, (("decoder_layers", decoder_layers), ("encoder_layers", encoder_layers)))
     st = pipeline_stages(g, pp, spec.config().layers)
@@ -288,19 +356,26 @@ def test_models_command_lists_t5(capsys):
 
 # ---- plans on 2 gloo ranks match one process --------------------------------------
 
-@pytest.mark.parametrize("knobs", [
-    dict(dp=2, tp=1, pp=1, microbatch=2),   # data parallel, 2 micro-batches
-    dict(dp=1, tp=2, pp=1, microbatch=8),   # tensor parallel: heads (and position tables), FFN columns
-    # interleaved pipeline, stages enc0, enc1, dec0, dec1 on devices 0, 1, 0, 1: the encoder's
-    # output goes from stage 1 to both decoder stages, each stack's position bias to its later layer
-    dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
-])
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dp=2, tp=1, pp=1, microbatch=2),  # data parallel, 2 micro-batches
+        dict(dp=1, tp=2, pp=1, microbatch=8),  # tensor parallel: heads (and position tables), FFN columns
+        # interleaved pipeline, stages enc0, enc1, dec0, dec1 on devices 0, 1, 0, 1: the encoder's
+        # output goes from stage 1 to both decoder stages, each stack's position bias to its later layer
+        dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2),
+    ],
+)
 def test_t5_tiny_plans_match_one_process(knobs):
     spec, g = traced("t5-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs)
     dims = {p.op: p.dims for p in plan.ops}
     if knobs["tp"] == 2:
-        assert "n" in dims["blocks_2_cross_attn_k"] and "h" in dims["blocks_0_self_attn_position_bias_relative_attention_bias"]
+        assert (
+            "n" in dims["blocks_2_cross_attn_k"]
+            and "h" in dims["blocks_0_self_attn_position_bias_relative_attention_bias"]
+        )
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL

@@ -1,5 +1,3 @@
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn
@@ -7,7 +5,7 @@ import torch.nn as nn
 import planlab
 from planlab.errors import GraphError
 from planlab.graph import register_op, trace
-from planlab.models import GPT_PRESETS, ModelSpec, build_model
+from planlab.models import GPT_PRESETS, build_model
 
 from conftest import traced
 
@@ -16,18 +14,21 @@ def _op(g, name):
     return g.op(name)
 
 
-@pytest.mark.parametrize("op, kind, sig", [
-    ("wte", "embedding", "a0 a1, v+ h -> a0 a1 h"),
-    ("blocks_0_ln1", "layer_norm", "a0 a1 h0^, h0^, h0^ -> a0 a1 h0^"),
-    ("blocks_0_attn_q", "linear", "a0 a1 k+, n k+, n -> a0 a1 n"),
-    ("unflatten", "reshape", "g0_0 g1_0 (g2_0 g2_1) -> g0_0 g1_0 g2_0 g2_1"),
-    ("transpose", "transpose", "a0 a1 a2 a3 -> a0 a2 a1 a3"),
-    ("scaled_dot_product_attention", "attention", "a0 a1 s^ d^, a0 a1 t^ d^, a0 a1 t^ e^ -> a0 a1 s^ e^"),
-    ("blocks_0_mlp_act", "activation", "a0 a1 a2 -> a0 a1 a2"),
-    ("blocks_0_attn_drop", "dropout", "a0 a1 a2 -> a0 a1 a2"),
-    ("add", "add", "a0 a1 a2, a1 a2 -> a0 a1 a2"),
-    ("cross_entropy", "cross_entropy", "n+ c^, n+ -> "),
-])
+@pytest.mark.parametrize(
+    "op, kind, sig",
+    [
+        ("wte", "embedding", "a0 a1, v+ h -> a0 a1 h"),
+        ("blocks_0_ln1", "layer_norm", "a0 a1 h0^, h0^, h0^ -> a0 a1 h0^"),
+        ("blocks_0_attn_q", "linear", "a0 a1 k+, n k+, n -> a0 a1 n"),
+        ("unflatten", "reshape", "g0_0 g1_0 (g2_0 g2_1) -> g0_0 g1_0 g2_0 g2_1"),
+        ("transpose", "transpose", "a0 a1 a2 a3 -> a0 a2 a1 a3"),
+        ("scaled_dot_product_attention", "attention", "a0 a1 s^ d^, a0 a1 t^ d^, a0 a1 t^ e^ -> a0 a1 s^ e^"),
+        ("blocks_0_mlp_act", "activation", "a0 a1 a2 -> a0 a1 a2"),
+        ("blocks_0_attn_drop", "dropout", "a0 a1 a2 -> a0 a1 a2"),
+        ("add", "add", "a0 a1 a2, a1 a2 -> a0 a1 a2"),
+        ("cross_entropy", "cross_entropy", "n+ c^, n+ -> "),
+    ],
+)
 def test_gpt_operator_signatures(tiny, op, kind, sig):
     _, g = tiny
     o = g.op(op)
@@ -48,9 +49,15 @@ def test_graph_facts(tiny):
     assert g.tensors["blocks.0.attn.q.weight"].role == "param"
 
 
-@pytest.mark.parametrize("preset, published", [
-    ("gpt3-125m", 125e6), ("gpt3-1.3b", 1.3e9), ("gpt3-13b", 13e9), ("gpt3-175b", 175e9),
-])
+@pytest.mark.parametrize(
+    "preset, published",
+    [
+        ("gpt3-125m", 125e6),
+        ("gpt3-1.3b", 1.3e9),
+        ("gpt3-13b", 13e9),
+        ("gpt3-175b", 175e9),
+    ],
+)
 def test_preset_sizes(preset, published):
     # GPT-3 paper sizes (Brown et al. 2020, table 2.1) count a tied output layer; planlab's is untied
     # names are rounded to two significant figures, hence 2%
@@ -102,9 +109,12 @@ def test_register_op_makes_a_leaf_with_its_signature():
     assert planlab.register_op is register_op
 
 
-@pytest.mark.parametrize("forward, message", [
-    (lambda self, x: self.lin(x), "scalar training loss"),
-])
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        (lambda self, x: self.lin(x), "scalar training loss"),
+    ],
+)
 def test_trace_errors(forward, message):
     class M(nn.Module):
         def __init__(self):

@@ -105,15 +105,18 @@ def test_traces_and_explores_on_the_cpu_cluster(tmp_path):
     assert res.max_grad_error <= GRAD_TOL
 
 
-@pytest.mark.parametrize("fn, message", [
-    ("raises", "model function '{m}:raises' raised RuntimeError: no data here"),
-    ("only_module", "model function '{m}:only_module' must return (module, example_inputs)"),
-    ("inputs_not_tensors", "model function '{m}:inputs_not_tensors' must return (module, example_inputs)"),
-    ("not_a_module", "its first value is a function"),
-    ("batches_differ", "example inputs must share a non-zero first (batch) dimension"),
-    ("NOT_CALLABLE", "model '{m}:NOT_CALLABLE' is a int; expected a function"),
-    ("missing", "cannot load model '{m}:missing': AttributeError"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("raises", "model function '{m}:raises' raised RuntimeError: no data here"),
+        ("only_module", "model function '{m}:only_module' must return (module, example_inputs)"),
+        ("inputs_not_tensors", "model function '{m}:inputs_not_tensors' must return (module, example_inputs)"),
+        ("not_a_module", "its first value is a function"),
+        ("batches_differ", "example inputs must share a non-zero first (batch) dimension"),
+        ("NOT_CALLABLE", "model '{m}:NOT_CALLABLE' is a int; expected a function"),
+        ("missing", "cannot load model '{m}:missing': AttributeError"),
+    ],
+)
 def test_bad_model_functions_get_a_config_error(fn, message):
     spec = ModelSpec(f"{HERE}:{fn}")
     for call in (spec.config, lambda: build_model(spec, batch=2, device="cpu")):
@@ -132,8 +135,7 @@ def test_unknown_module_and_bad_keyword():
 def test_command_prints_one_line(capsys):
     code = main(["explore", "--model", f"{HERE}:raises", "--cluster", "cpu"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err == (f"planlab: error: model function '{HERE}:raises' raised RuntimeError: "
-                                 "no data here")
+    assert code == 2 and err == (f"planlab: error: model function '{HERE}:raises' raised RuntimeError: no data here")
 
 
 class _Branchy(nn.Module):  # control flow on a value, which torch.fx cannot follow

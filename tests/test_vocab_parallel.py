@@ -24,10 +24,23 @@ def _plan(tp: int, dp: int = 1, micro_batch: int = 4, global_batch: int = 4):
     from planlab.graph.trace import trace
     from planlab.models.registry import ModelSpec, build_model
 
-    run = MeasuredRun(gpus=tp * dp, global_batch=global_batch, micro_batch=micro_batch, hidden=32, heads=4,
-                      layers=2, seq=16, tp=tp, dp=dp, pp=1, measured_s=0.0)
-    spec = ModelSpec("planlab.validation:megatron_gpt", (("dropout", 0.0), ("heads", 4), ("hidden", 32),
-                                                         ("layers", 2), ("seq", 16), ("vocab", 256)))
+    run = MeasuredRun(
+        gpus=tp * dp,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        hidden=32,
+        heads=4,
+        layers=2,
+        seq=16,
+        tp=tp,
+        dp=dp,
+        pp=1,
+        measured_s=0.0,
+    )
+    spec = ModelSpec(
+        "planlab.validation:megatron_gpt",
+        (("dropout", 0.0), ("heads", 4), ("hidden", 32), ("layers", 2), ("seq", 16), ("vocab", 256)),
+    )
     graph = trace(*build_model(spec, batch=global_batch))
     return megatron_plan(run, graph, spec, "cpu", tp * dp, 1), graph
 
@@ -46,8 +59,13 @@ def test_the_loss_pieces_carry_their_group_and_pay_for_it():
 
     plan, graph = _plan(tp=2)
     program = materialize(plan, graph)
-    pieces = [t for dp in program.devices for b in dp.blocks.values() for t in b.tasks
-              if t.kind is TaskKind.FORWARD and t.op_kind == "vocab_cross_entropy"]
+    pieces = [
+        t
+        for dp in program.devices
+        for b in dp.blocks.values()
+        for t in b.tasks
+        if t.kind is TaskKind.FORWARD and t.op_kind == "vocab_cross_entropy"
+    ]
     assert pieces and all(t.group == (0, 1) for t in pieces)
     assert (0, 1) in program.groups
     assert all(t.shapes[0] == (4 * 16, 128) for t in pieces)  # this piece's half of the vocabulary
@@ -55,12 +73,20 @@ def test_the_loss_pieces_carry_their_group_and_pay_for_it():
     t = pieces[0]
     alone = cost.task_time_s(type(t)(**{**t.__dict__, "group": ()}), "float32")
     assert cost.task_time_s(t, "float32") == pytest.approx(
-        alone + cost.collective_time_s("all_reduce", 4 * 64, (0, 1)) + cost.collective_time_s("all_reduce", 8 * 64, (0, 1)))
+        alone
+        + cost.collective_time_s("all_reduce", 4 * 64, (0, 1))
+        + cost.collective_time_s("all_reduce", 8 * 64, (0, 1))
+    )
     # a loss kept whole has no group
     whole, g1 = _plan(tp=1)
     one = materialize(whole, g1)
-    assert all(not t.group for dp in one.devices for b in dp.blocks.values() for t in b.tasks
-               if t.op_kind == "vocab_cross_entropy")
+    assert all(
+        not t.group
+        for dp in one.devices
+        for b in dp.blocks.values()
+        for t in b.tasks
+        if t.op_kind == "vocab_cross_entropy"
+    )
 
 
 def test_the_shares_add_up_to_the_loss_and_its_gradient():
@@ -87,8 +113,9 @@ def test_megatron_tensor_parallelism_splits_the_vocabulary_of_a_vocabulary_paral
     from planlab.models.registry import ModelSpec, build_model
     from planlab.search_spaces import Context, get_space
 
-    spec = ModelSpec("gpt", (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 256),
-                             ("vocab_parallel", 1)))
+    spec = ModelSpec(
+        "gpt", (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 256), ("vocab_parallel", 1))
+    )
     graph = trace(*build_model(spec, batch=8))
     plan = get_space("megatron").build(Context(graph, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=4))
     ops = {p.op: p for p in plan.ops}

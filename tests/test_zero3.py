@@ -29,11 +29,16 @@ def _program(n, knobs, zero, model="gpt-tiny"):
     return plan, g, materialize(plan, g)
 
 
-@pytest.mark.parametrize("param, unit", [
-    ("blocks.3.attn.q.weight", "blocks.3"), ("wte.weight", "wte"), ("model.layers.12.mlp.up_proj.weight",
-                                                                      "model.layers.12"),
-    ("model.norm.weight", "model"), ("scale", "scale"),
-])
+@pytest.mark.parametrize(
+    "param, unit",
+    [
+        ("blocks.3.attn.q.weight", "blocks.3"),
+        ("wte.weight", "wte"),
+        ("model.layers.12.mlp.up_proj.weight", "model.layers.12"),
+        ("model.norm.weight", "model"),
+        ("scale", "scale"),
+    ],
+)
 def test_unit_of_a_parameter(param, unit):
     assert unit_key(param) == unit
 
@@ -44,8 +49,11 @@ def test_each_layer_gathers_twice_and_reduce_scatters_once_per_microbatch(micro)
     assert prog.microbatches == micro
     find_deadlock(prog)
     dev = prog.devices[0]
-    count = Counter((t.collective, t.name.split("#")[1]) for _, t in dev.tasks_in_order() if "#" in t.name
-                    and t.kind is TaskKind.COLLECTIVE)
+    count = Counter(
+        (t.collective, t.name.split("#")[1])
+        for _, t in dev.tasks_in_order()
+        if "#" in t.name and t.kind is TaskKind.COLLECTIVE
+    )
     assert count == Counter({(c, u): n * micro for u in UNITS for c, n in (("all_gather", 2), ("reduce_scatter", 1))})
     # the update steps each unit's shard; no weight all-gather follows it
     update = dev.blocks[(0, "U")].tasks
@@ -63,11 +71,14 @@ def test_each_layer_gathers_twice_and_reduce_scatters_once_per_microbatch(micro)
         assert frees == [max(i for i, t in enumerate(fwd) if any(r.startswith(f"zf:{u}.") for r in t.reads))]
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(dp=2, tp=1, pp=1, microbatch=2)),
-    (4, dict(dp=2, tp=2, pp=1, microbatch=2)),
-    (4, dict(dp=2, tp=1, pp=2, microbatch=1)),
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(dp=2, tp=1, pp=1, microbatch=2)),
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2)),
+        (4, dict(dp=2, tp=1, pp=2, microbatch=1)),
+    ],
+)
 def test_static_bytes_are_a_data_parallel_share(n, knobs):
     """Weights, gradients and Adam states of each weight: a 1/k share of ZeRO-0's, where k devices
     sum its gradient (the dp replicas; with tp, the row-parallel biases' partial sums are summed over
@@ -79,8 +90,9 @@ def test_static_bytes_are_a_data_parallel_share(n, knobs):
         tasks = [t for blk in z.blocks.values() for t in blk.tasks]
         share = {r[3:]: len(t.group) for t in tasks if t.collective == "reduce_scatter" for r in t.reads}
         whole = sum(per_param * _numel(box) for p, box in z.params if p not in share)
-        assert {f"w:{p}" for p, _ in z.params if p not in share} == {r for t in tasks for r in t.reads
-                                                                     if r.startswith("w:")}
+        assert {f"w:{p}" for p, _ in z.params if p not in share} == {
+            r for t in tasks for r in t.reads if r.startswith("w:")
+        }
         assert b.static_bytes == whole + sum(per_param * _numel(box) for p, box in z.params if p in share)
         if set(share.values()) == {knobs["dp"]}:
             assert z.static_bytes == (b.static_bytes - whole) // knobs["dp"] + whole
@@ -105,8 +117,13 @@ def test_simulated_peak_holds_the_gathered_layers():
     knobs = dict(dp=2, tp=1, pp=1, microbatch=2)
     res = {z: (simulate(_program(2, knobs, z)[2], cost), _program(2, knobs, z)[2]) for z in (2, 3)}
     transient = {z: r.peak_mem_bytes - p.devices[0].static_bytes for z, (r, p) in res.items()}
-    gathered = sum(n for blk in res[3][1].devices[0].blocks.values() for t in blk.tasks
-                   if t.name.startswith("zero3-gather-f") for _, n in t.alloc)
+    gathered = sum(
+        n
+        for blk in res[3][1].devices[0].blocks.values()
+        for t in blk.tasks
+        if t.name.startswith("zero3-gather-f")
+        for _, n in t.alloc
+    )
     assert transient[3] > transient[2]
     assert transient[3] - transient[2] < gathered  # two layers at most are gathered at once, not all
     assert res[3][0].iter_time_s > res[2][0].iter_time_s  # gathers cost more than they overlap here
@@ -116,31 +133,79 @@ def _gather_program(prefetch: bool) -> Program:
     """Two devices of one data-parallel group, two layers: gathers of 1 s each on the
     communication stream, a forward of 1 s per layer, one backward of 1 s whose gradient is
     reduce-scattered (1 s) on the side, then a 1 s optimizer step."""
+
     def gather(u):
-        return Task(f"zero3-gather-f[0, 1]#{u}", TaskKind.COLLECTIVE, (f"zp:{u}",), (f"zf:{u}",),
-                    collective="all_gather", group=(0, 1), nbytes=int(1e9), overlap=True, alloc=((f"zf:{u}", 100),))
+        return Task(
+            f"zero3-gather-f[0, 1]#{u}",
+            TaskKind.COLLECTIVE,
+            (f"zp:{u}",),
+            (f"zf:{u}",),
+            collective="all_gather",
+            group=(0, 1),
+            nbytes=int(1e9),
+            overlap=True,
+            alloc=((f"zf:{u}", 100),),
+        )
+
     f0 = Task("f0", TaskKind.FORWARD, ("zf:a",), ("y",), flops=1e9, free=("zf:a",))
     f1 = Task("f1", TaskKind.FORWARD, ("y", "zf:b"), ("z",), flops=1e9, free=("zf:b", "y", "z"))
     fwd = (gather("a"), gather("b"), f0, f1) if prefetch else (gather("a"), f0, gather("b"), f1)
-    bwd = (Task("b0", TaskKind.BACKWARD, (), ("zd:a",), flops=1e9, alloc=(("zd:a", 50),)),
-           Task("zero3-reduce-scatter[0, 1]#a", TaskKind.COLLECTIVE, ("zd:a",), ("zg:a",), collective="reduce_scatter",
-                group=(0, 1), nbytes=int(1e9), overlap=True, accumulate=True, free=("zd:a",)))
+    bwd = (
+        Task("b0", TaskKind.BACKWARD, (), ("zd:a",), flops=1e9, alloc=(("zd:a", 50),)),
+        Task(
+            "zero3-reduce-scatter[0, 1]#a",
+            TaskKind.COLLECTIVE,
+            ("zd:a",),
+            ("zg:a",),
+            collective="reduce_scatter",
+            group=(0, 1),
+            nbytes=int(1e9),
+            overlap=True,
+            accumulate=True,
+            free=("zd:a",),
+        ),
+    )
     upd = (Task("optimizer-shard[0, 1]#a", TaskKind.OPTIMIZER, ("zg:a",), ("zp:a",), flops=1e9),)
     blocks = {(0, "F"): Block(0, "F", fwd), (0, "B"): Block(0, "B", bwd), (0, "U"): Block(0, "U", upd)}
     from planlab.plan import Action
+
     sched = (Action(0, "F", 0), Action(0, "B", 0), Action(0, "U", 0))
     return Program(tuple(DeviceProgram(d, blocks, sched) for d in (0, 1)), 1, FP32)
 
 
-@pytest.mark.parametrize("prefetch, update_at, peak, log", [
-    (True, 5.0, 200, [("comm", "zero3-gather-f[0, 1]#a", 0, 1), ("comm", "zero3-gather-f[0, 1]#b", 0, 2),
-                      ("compute", "f0", 1, 2), ("compute", "f1", 2, 3), ("compute", "b0", 3, 4),
-                      ("comm", "zero3-reduce-scatter[0, 1]#a", 4, 5), ("compute", "optimizer-shard[0, 1]#a", 5, 6)]),
-    (False, 6.0, 100, [("comm", "zero3-gather-f[0, 1]#a", 0, 1), ("compute", "f0", 1, 2),
-                       ("comm", "zero3-gather-f[0, 1]#b", 2, 3), ("compute", "f1", 3, 4), ("compute", "b0", 4, 5),
-                       ("comm", "zero3-reduce-scatter[0, 1]#a", 5, 6),
-                       ("compute", "optimizer-shard[0, 1]#a", 6, 7)]),
-])
+@pytest.mark.parametrize(
+    "prefetch, update_at, peak, log",
+    [
+        (
+            True,
+            5.0,
+            200,
+            [
+                ("comm", "zero3-gather-f[0, 1]#a", 0, 1),
+                ("comm", "zero3-gather-f[0, 1]#b", 0, 2),
+                ("compute", "f0", 1, 2),
+                ("compute", "f1", 2, 3),
+                ("compute", "b0", 3, 4),
+                ("comm", "zero3-reduce-scatter[0, 1]#a", 4, 5),
+                ("compute", "optimizer-shard[0, 1]#a", 5, 6),
+            ],
+        ),
+        (
+            False,
+            6.0,
+            100,
+            [
+                ("comm", "zero3-gather-f[0, 1]#a", 0, 1),
+                ("compute", "f0", 1, 2),
+                ("comm", "zero3-gather-f[0, 1]#b", 2, 3),
+                ("compute", "f1", 3, 4),
+                ("compute", "b0", 4, 5),
+                ("comm", "zero3-reduce-scatter[0, 1]#a", 5, 6),
+                ("compute", "optimizer-shard[0, 1]#a", 6, 7),
+            ],
+        ),
+    ],
+)
 def test_prefetched_gathers_overlap_compute_exactly(prefetch, update_at, peak, log):
     cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
     prog = _gather_program(prefetch)
@@ -164,10 +229,10 @@ def test_zero_stage_3_in_plan_files_and_errors(tiny):
         plan_from_json(json.dumps(d))
     spec, g = tiny
     from planlab.plan import PlanBuilder
+
     with pytest.raises(InfeasiblePlan, match="zero stage 5: choose 0, 1, 2 or 3"):
         PlanBuilder(g, model=spec, global_batch=8, cluster="cpu", nodes=2, num_devices=2).zero(5)
-    assert 3 in dict((k.name, k) for k in get_space("dp").knobs)["zero"].values(
-        Context(g, spec, 8, "cpu", 2, 2, 1))
+    assert 3 in dict((k.name, k) for k in get_space("dp").knobs)["zero"].values(Context(g, spec, 8, "cpu", 2, 2, 1))
 
 
 def test_zero3_matches_one_process_and_runs_each_layers_collectives():
@@ -179,8 +244,11 @@ def test_zero3_matches_one_process_and_runs_each_layers_collectives():
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
     for rank in (0, 1):
-        ran = Counter(t["task"].split("[")[0] for t in res.timeline if t["device"] == rank and t["kind"] == "C"
-                      and t["task"].startswith(("zero3", "param", "grad")))
+        ran = Counter(
+            t["task"].split("[")[0]
+            for t in res.timeline
+            if t["device"] == rank and t["kind"] == "C" and t["task"].startswith(("zero3", "param", "grad"))
+        )
         assert ran == {"zero3-gather-f": 10, "zero3-gather-b": 10, "zero3-reduce-scatter": 10}
 
 
@@ -192,8 +260,15 @@ def test_a_weight_gradient_block_waits_for_a_gather_issued_in_the_input_gradient
     _, _, prog = _program(4, dict(dp=2, tp=1, pp=2, microbatch=1, schedule="zb-h1"), 3)
     dev = prog.devices[0]
     assert any(t.name.endswith("gather-b[0, 1]#wte") for t in dev.blocks[(0, "I")].tasks)
-    lowered = lower_block(dev.blocks[(0, "W")], device=0, cls=[0, 1, 2, 3], cost=CostModel.load("cpu", 4),
-                          dtype="fp32", sizes={}, writers=overlap_writers(dev.blocks.values()))
+    lowered = lower_block(
+        dev.blocks[(0, "W")],
+        device=0,
+        cls=[0, 1, 2, 3],
+        cost=CostModel.load("cpu", 4),
+        dtype="fp32",
+        sizes={},
+        writers=overlap_writers(dev.blocks.values()),
+    )
     waits = [u.tasks for u in lowered if isinstance(u, Await)]
     assert ("zero3-gather-b[0, 1]#wte",) in waits  # the others are long complete: no wait in the simulation
     assert {w for ws in waits for w in ws} == {t.name for t in dev.blocks[(0, "I")].tasks if "gather-b" in t.name}

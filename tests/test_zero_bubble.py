@@ -82,10 +82,19 @@ def _pipeline(p, m, schedule, f, i, w, split=True):
     return Program(tuple(devs), m, FP32)
 
 
-@pytest.mark.parametrize("p, m, f, i, w", [
-    (4, 8, 1, 1, 1), (2, 4, 1, 1, 1), (4, 4, 1, 1, 1), (3, 7, 1, 1, 1), (8, 16, 1, 1, 1),
-    (4, 8, 1, 1.5, 0.5), (4, 8, 2, 1, 1), (4, 8, 1, 2, 1),
-])
+@pytest.mark.parametrize(
+    "p, m, f, i, w",
+    [
+        (4, 8, 1, 1, 1),
+        (2, 4, 1, 1, 1),
+        (4, 4, 1, 1, 1),
+        (3, 7, 1, 1, 1),
+        (8, 16, 1, 1, 1),
+        (4, 8, 1, 1.5, 0.5),
+        (4, 8, 2, 1, 1),
+        (4, 8, 1, 2, 1),
+    ],
+)
 def test_zb_h1_bubble_is_a_third_of_1f1b(p, m, f, i, w):
     """ZB-H1's iteration is m (F + I + W) + (p - 1)(F + I - W), against 1F1B's (m + p - 1)(F + B)
     with B = I + W: with F = I = W the bubble (p - 1)(F + B - 2W) is exactly a third of 1F1B's."""
@@ -124,8 +133,9 @@ def test_backward_splits_into_input_and_weight_blocks():
         assert wgt[-1] is buckets[0]
         # I: everything else, with the sends of activation gradients upstream
         assert {t.kind for t in inp} >= {TaskKind.BACKWARD} | ({TaskKind.SEND} if s == 1 else {TaskKind.RECV})
-        assert [t.name for t in bwd if t.kind is not TaskKind.BACKWARD and not t.overlap] == \
-            [t.name for t in inp if t.kind is not TaskKind.BACKWARD]
+        assert [t.name for t in bwd if t.kind is not TaskKind.BACKWARD and not t.overlap] == [
+            t.name for t in inp if t.kind is not TaskKind.BACKWARD
+        ]
         # the work is split, not added: a linear's weight gradient is half of its backward
         total = sum(t.flops for t in bwd)
         assert sum(t.flops for t in inp) + sum(t.flops for t in wgt) == pytest.approx(total, rel=1e-12)
@@ -138,8 +148,10 @@ def test_backward_splits_into_input_and_weight_blocks():
 
 def test_zb_h1_beats_1f1b_on_a_real_program_with_idealised_costs():
     cost = IdealCost(CostModel.load("cpu", 2))
-    t = {sched: simulate(materialize(*_plan(2, dict(dp=1, tp=1, pp=2, microbatch=1, schedule=sched))), cost)
-         for sched in ("1f1b", "zb-h1")}
+    t = {
+        sched: simulate(materialize(*_plan(2, dict(dp=1, tp=1, pp=2, microbatch=1, schedule=sched))), cost)
+        for sched in ("1f1b", "zb-h1")
+    }
     assert t["zb-h1"].iter_time_s < t["1f1b"].iter_time_s
     assert t["zb-h1"].hardware_flops == pytest.approx(t["1f1b"].hardware_flops, rel=1e-12)
 
@@ -166,10 +178,13 @@ def test_memory_bound_counts_micro_batches_in_flight_until_their_i():
     assert "zb-h1" in dict((k.name, k) for k in get_space("pp").knobs)["schedule"].values(None)
 
 
-@pytest.mark.parametrize("n, knobs", [
-    (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="zb-h1", recompute="full")),  # 4 micro-batches
-    (4, dict(dp=2, tp=1, pp=2, microbatch=1, schedule="zb-h1", zero=3)),  # with ZeRO-3's gathered layers
-])
+@pytest.mark.parametrize(
+    "n, knobs",
+    [
+        (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="zb-h1", recompute="full")),  # 4 micro-batches
+        (4, dict(dp=2, tp=1, pp=2, microbatch=1, schedule="zb-h1", zero=3)),  # with ZeRO-3's gathered layers
+    ],
+)
 def test_zb_h1_matches_one_process(n, knobs):
     plan, _ = _plan(n, knobs)
     res = launch_local(plan, n, steps=2, lr=1e-2, record=True)

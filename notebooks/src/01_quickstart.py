@@ -40,6 +40,7 @@ import planlab
 # planlab takes a `torch.nn.Module` whose `forward` returns the **scalar training loss**, and
 # example inputs whose first dimension is the batch. Here is a small classifier of our own:
 
+
 # %%
 class Classifier(nn.Module):
     def __init__(self, features=32, hidden=64, classes=10):
@@ -93,7 +94,9 @@ print(gpt.op("blocks_0_attn_q"))
 
 # %%
 df = planlab.explore("gpt3-1.3b", cluster="dgx-a100-40g", nodes=1, space="megatron", global_batch=32)
-print(f"{len(df)} plans, {int(df['simulated'].sum())} simulated, {int(df['feasible'].sum())} simulated and fit in memory")
+print(
+    f"{len(df)} plans, {int(df['simulated'].sum())} simulated, {int(df['feasible'].sum())} simulated and fit in memory"
+)
 df.head(10)
 
 # %% [markdown]

@@ -57,10 +57,13 @@ print(get_space("megatron").knob("zero").doc)
 # batch or the sequence only, never its vocabulary.
 
 # %%
-small_mp = (get_space("megatron").restrict(zero=0)
-            .where(lambda k: k["tp"] * k["pp"] <= 2, "tp={tp} x pp={pp} is more than 2-way model parallelism")
-            .allow_split("lm_head", ("a0", "a1"))
-            .named("small-mp"))
+small_mp = (
+    get_space("megatron")
+    .restrict(zero=0)
+    .where(lambda k: k["tp"] * k["pp"] <= 2, "tp={tp} x pp={pp} is more than 2-way model parallelism")
+    .allow_split("lm_head", ("a0", "a1"))
+    .named("small-mp")
+)
 df = planlab.explore("gpt-tiny", cluster="cpu", nodes=4, global_batch=8, space=small_mp)
 print(len(df), "plans; largest tp x pp:", int((df["tp"] * df["pp"]).max()))
 df[["dp", "tp", "pp", "microbatch", "recompute", "iter_time_s", "peak_mem_gib"]].head()
@@ -70,12 +73,21 @@ df[["dp", "tp", "pp", "microbatch", "recompute", "iter_time_s", "peak_mem_gib"]]
 # anything is simulated:
 
 # %%
-for bad in (lambda: planlab.explore("gpt-tiny", cluster="cpu", nodes=4, global_batch=8, space=small_mp,
-                                    fixed={"tp": 2, "pp": 2}),
-            lambda: planlab.explore("gpt-tiny", cluster="cpu", nodes=4, global_batch=8,
-                                    space=get_space("megatron").restrict(tp=3)),
-            lambda: planlab.explore("gpt-tiny", cluster="cpu", nodes=4, global_batch=8,
-                                    space=get_space("dp").where(lambda k: k["dp"] > 64, "dp={dp} must exceed 64"))):
+for bad in (
+    lambda: planlab.explore(
+        "gpt-tiny", cluster="cpu", nodes=4, global_batch=8, space=small_mp, fixed={"tp": 2, "pp": 2}
+    ),
+    lambda: planlab.explore(
+        "gpt-tiny", cluster="cpu", nodes=4, global_batch=8, space=get_space("megatron").restrict(tp=3)
+    ),
+    lambda: planlab.explore(
+        "gpt-tiny",
+        cluster="cpu",
+        nodes=4,
+        global_batch=8,
+        space=get_space("dp").where(lambda k: k["dp"] > 64, "dp={dp} must exceed 64"),
+    ),
+):
     try:
         bad()
     except ConfigError as e:
@@ -202,8 +214,10 @@ inter = best(planlab.explore(gpt, space="interlaced", **setup))
 print("megatron:          ", grid[COLS].to_dict())
 print("megatron, pp=2:    ", grid_pp2[COLS + ["schedule", "virtual_stages"]].to_dict())
 print("interlaced:        ", inter[COLS + ["embed_layout"]].to_dict())
-print(f"interlaced against megatron's best pipeline: {grid_pp2['iter_time_s'] / inter['iter_time_s']:.2f}x; "
-      f"against megatron's best plan: {grid['iter_time_s'] / inter['iter_time_s']:.2f}x")
+print(
+    f"interlaced against megatron's best pipeline: {grid_pp2['iter_time_s'] / inter['iter_time_s']:.2f}x; "
+    f"against megatron's best plan: {grid['iter_time_s'] / inter['iter_time_s']:.2f}x"
+)
 
 # %% [markdown]
 # Among pipelined plans the interlaced pipeline wins clearly: its stages are balanced. But this
@@ -224,7 +238,8 @@ from planlab.explore import Setup, make_context
 tiny = ModelSpec("swin-tiny", (("num_heads", "4,8,16"),))
 ctx, _, _ = make_context(Setup(model=tiny, cluster="cpu", nodes=2, global_batch=8))
 tiny_plan = get_space("megatron*coshard").build(
-    ctx, dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention"))
+    ctx, dict(dp=2, tp=1, pp=1, microbatch=2, coshard=4, coshard_blocks="attention")
+)
 res = launch_local(tiny_plan, 2, steps=2, lr=1e-2)
 print("losses", [round(x, 5) for x in res.losses])
 print(f"largest loss error {res.max_loss_error:.1e}, gradient error {res.max_grad_error:.1e}")

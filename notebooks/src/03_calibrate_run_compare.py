@@ -114,7 +114,9 @@ predicted = read_trace("predicted.json")
 measured = read_trace("measured.json")
 report = compare(pred.program, predicted, measured)
 tasks = report.attrs["tasks"]
-print(f"{len(tasks)} tasks, {tasks['measured_s'].notna().sum()} measured, {tasks['predicted_s'].notna().sum()} predicted")
+print(
+    f"{len(tasks)} tasks, {tasks['measured_s'].notna().sum()} measured, {tasks['predicted_s'].notna().sum()} predicted"
+)
 report.style.format({"predicted_s": "{:.4f}", "measured_s": "{:.4f}", "ratio": "{:.2f}"})
 
 # %%
@@ -126,8 +128,15 @@ largest_misses(tasks, 8)
 # preempted for a scheduler slice (several milliseconds) stretches whichever task it was running.
 
 # %%
-colors = {"F": "tab:blue", "B": "tab:green", "C": "tab:orange", "S": "tab:red", "R": "tab:gray",
-          "L": "tab:purple", "O": "tab:brown"}
+colors = {
+    "F": "tab:blue",
+    "B": "tab:green",
+    "C": "tab:orange",
+    "S": "tab:red",
+    "R": "tab:gray",
+    "L": "tab:purple",
+    "O": "tab:brown",
+}
 fig, ax = plt.subplots(figsize=(6, 5))
 for kind, group in tasks.dropna().groupby("kind"):
     ax.scatter(group["predicted_s"] * 1e3, group["measured_s"] * 1e3, s=12, label=kind, color=colors.get(kind))
@@ -143,11 +152,15 @@ Image("tasks.png")
 # device) against the predicted one. Forwards and backwards are blue and green, communication
 # orange, receives (waiting for the other stage) gray.
 
+
 # %%
 def lanes(ax, events, y, kind_of):
     for e in events:
-        ax.broken_barh([(e.start_s * 1e3, max(e.end_s - e.start_s, 1e-6) * 1e3)], (y, 0.8),
-                       color=colors.get(kind_of.get((e.device, e.action, e.name), "?"), "k"))
+        ax.broken_barh(
+            [(e.start_s * 1e3, max(e.end_s - e.start_s, 1e-6) * 1e3)],
+            (y, 0.8),
+            color=colors.get(kind_of.get((e.device, e.action, e.name), "?"), "k"),
+        )
 
 
 kind_of = {(r.device, r.action, r.name): r.kind for r in tasks.itertuples()}
@@ -159,8 +172,13 @@ for dev in sorted({e.device for e in measured}):
     labels += [f"device {dev} measured", f"device {dev} predicted"]
 ax.set_yticks([i + 0.4 for i in range(len(labels))], labels)
 ax.set_xlabel("time in the iteration (ms)")
-ax.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()], title="kind",
-          loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+ax.legend(
+    handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()],
+    title="kind",
+    loc="center left",
+    bbox_to_anchor=(1.01, 0.5),
+    fontsize=8,
+)
 fig.savefig("timelines.png", dpi=100, bbox_inches="tight"), plt.close(fig)
 Image("timelines.png")
 

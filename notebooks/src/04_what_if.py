@@ -74,6 +74,7 @@ both["slowdown"] = both["iter_time_s_slow"] / both["iter_time_s_fast"]
 both.index = range(1, len(both) + 1)  # plan numbers, for the plot below
 both.head(10)
 
+
 # %%
 def best(df):
     r = fits(df).iloc[0]  # explore ranks the fastest feasible plan first
@@ -157,9 +158,17 @@ for batch in (32, 64, 128, 256):
     df = planlab.explore(MODEL, cluster="dgx-a100-40g", nodes=NODES, global_batch=batch, fixed={**FIXED, "tp": 1})
     ok = fits(df)
     r = ok.iloc[0]
-    rows.append(dict(global_batch=batch, plans=len(df), feasible=len(ok), **{k: r[k] for k in SHOW},
-                     iter_time_s=r["iter_time_s"], samples_per_s=batch / r["iter_time_s"],
-                     peak_mem_gib=r["peak_mem_gib"]))
+    rows.append(
+        dict(
+            global_batch=batch,
+            plans=len(df),
+            feasible=len(ok),
+            **{k: r[k] for k in SHOW},
+            iter_time_s=r["iter_time_s"],
+            samples_per_s=batch / r["iter_time_s"],
+            peak_mem_gib=r["peak_mem_gib"],
+        )
+    )
 batches = pd.DataFrame(rows).set_index("global_batch")
 batches.style.format({"iter_time_s": "{:.3f}", "samples_per_s": "{:.1f}", "peak_mem_gib": "{:.1f}"})
 
@@ -167,8 +176,14 @@ batches.style.format({"iter_time_s": "{:.3f}", "samples_per_s": "{:.1f}", "peak_
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.bar([str(b) for b in batches.index], batches["samples_per_s"])
 for i, r in enumerate(batches.itertuples()):
-    ax.annotate(f"dp{r.dp} pp{r.pp} mb{r.microbatch}, {r.peak_mem_gib:.0f} GiB", (i, r.samples_per_s),
-                textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax.annotate(
+        f"dp{r.dp} pp{r.pp} mb{r.microbatch}, {r.peak_mem_gib:.0f} GiB",
+        (i, r.samples_per_s),
+        textcoords="offset points",
+        xytext=(0, 4),
+        ha="center",
+        fontsize=8,
+    )
 ax.set_xlabel("global batch"), ax.set_ylabel("samples per second (best plan)")
 fig.savefig("batch.png", dpi=100, bbox_inches="tight"), plt.close(fig)
 Image("batch.png")

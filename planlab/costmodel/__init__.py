@@ -7,8 +7,17 @@ from __future__ import annotations
 from planlab.costmodel.comm import Algorithm, Collective, algorithms, collective_time_s, p2p_time_s
 from planlab.costmodel.compute import canonical_dtype, compute_time_s
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s
-from planlab.costmodel.hardware import (ClusterSpec, DeviceSpec, Efficiency, Network, NodeSpec, list_clusters,
-                                        list_devices, load_cluster, load_device)
+from planlab.costmodel.hardware import (
+    ClusterSpec,
+    DeviceSpec,
+    Efficiency,
+    Network,
+    NodeSpec,
+    list_clusters,
+    list_devices,
+    load_cluster,
+    load_device,
+)
 from planlab.costmodel.kernels import Kernel, OpKernels, op_kernels
 from planlab.costmodel.model import CostModel, host_bound_elapsed_s
 from planlab.costmodel.profile import Profile, load_profile

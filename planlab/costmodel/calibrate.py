@@ -90,7 +90,7 @@ def expected_s(times: list[float]) -> float:
     if not times:
         raise ConfigError("no measurements to summarise")
     xs = sorted(times)
-    keep = xs[:max(1, len(xs) - int(TRIM * len(xs)))]
+    keep = xs[: max(1, len(xs) - int(TRIM * len(xs)))]
     return statistics.fmean(keep)
 
 
@@ -138,32 +138,100 @@ def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]
     runs: 64 to 4,096 tokens per micro-batch, widths 32 to 512."""
     cases = []
     lin_m = (128, 512) if quick else (64, 128, 256, 512, 1024, 2048, 4096)
-    lin_kn = ((64, 64), (64, 256), (256, 64), (128, 512)) if quick else \
-        ((32, 64), (64, 32), (64, 64), (64, 128), (128, 64), (64, 256), (256, 64), (128, 128), (128, 256),
-         (256, 128), (128, 512), (512, 128), (256, 256), (64, 512), (256, 512))
+    lin_kn = (
+        ((64, 64), (64, 256), (256, 64), (128, 512))
+        if quick
+        else (
+            (32, 64),
+            (64, 32),
+            (64, 64),
+            (64, 128),
+            (128, 64),
+            (64, 256),
+            (256, 64),
+            (128, 128),
+            (128, 256),
+            (256, 128),
+            (128, 512),
+            (512, 128),
+            (256, 256),
+            (64, 512),
+            (256, 512),
+        )
+    )
     for m in lin_m:
         for k, n in lin_kn:
-            cases.append(("linear", (m, k, n), lambda k=k, n=n: nn.Linear(k, n),
-                          lambda dt, m=m, k=k: (torch.randn(m, k, dtype=dt),)))
-    attn = ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32)) if quick else \
-        ((4, 2, 16, 16), (8, 2, 32, 16), (8, 4, 32, 16), (4, 2, 64, 32), (8, 2, 64, 32), (8, 4, 64, 32),
-         (8, 8, 64, 16), (4, 4, 128, 32), (8, 4, 128, 32), (2, 8, 256, 64))
+            cases.append(
+                (
+                    "linear",
+                    (m, k, n),
+                    lambda k=k, n=n: nn.Linear(k, n),
+                    lambda dt, m=m, k=k: (torch.randn(m, k, dtype=dt),),
+                )
+            )
+    attn = (
+        ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32))
+        if quick
+        else (
+            (4, 2, 16, 16),
+            (8, 2, 32, 16),
+            (8, 4, 32, 16),
+            (4, 2, 64, 32),
+            (8, 2, 64, 32),
+            (8, 4, 64, 32),
+            (8, 8, 64, 16),
+            (4, 4, 128, 32),
+            (8, 4, 128, 32),
+            (2, 8, 256, 64),
+        )
+    )
     for b, h, s, d in attn:
-        cases.append(("attention", (b, h, s, d), lambda: None,
-                      lambda dt, b=b, h=h, s=s, d=d: tuple(torch.randn(b, h, s, d, dtype=dt) for _ in range(3))))
+        cases.append(
+            (
+                "attention",
+                (b, h, s, d),
+                lambda: None,
+                lambda dt, b=b, h=h, s=s, d=d: tuple(torch.randn(b, h, s, d, dtype=dt) for _ in range(3)),
+            )
+        )
     rows = ((256, 64), (2048, 256)) if quick else tuple((m, h) for m in (128, 512, 2048) for h in (32, 64, 128, 256))
     for m, h in rows:
-        cases.append(("layer_norm", (m, h), lambda h=h: nn.LayerNorm(h), lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt),)))
-        cases.append(("activation", (m, 4 * h), lambda: nn.GELU(), lambda dt, m=m, h=h: (torch.randn(m, 4 * h, dtype=dt),)))
-        cases.append(("add", (m, h), lambda: None, lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt),
-                                                                         torch.randn(m, h, dtype=dt))))
-    emb = ((256, 128, 64), (2048, 512, 128)) if quick else \
-        tuple((m, v, h) for m in (128, 512, 2048) for v, h in ((128, 64), (512, 128), (1024, 256)))
+        cases.append(
+            ("layer_norm", (m, h), lambda h=h: nn.LayerNorm(h), lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt),))
+        )
+        cases.append(
+            ("activation", (m, 4 * h), lambda: nn.GELU(), lambda dt, m=m, h=h: (torch.randn(m, 4 * h, dtype=dt),))
+        )
+        cases.append(
+            (
+                "add",
+                (m, h),
+                lambda: None,
+                lambda dt, m=m, h=h: (torch.randn(m, h, dtype=dt), torch.randn(m, h, dtype=dt)),
+            )
+        )
+    emb = (
+        ((256, 128, 64), (2048, 512, 128))
+        if quick
+        else tuple((m, v, h) for m in (128, 512, 2048) for v, h in ((128, 64), (512, 128), (1024, 256)))
+    )
     for m, v, h in emb:
-        cases.append(("embedding", (m, v, h), lambda v=v, h=h: nn.Embedding(v, h),
-                      lambda dt, m=m, v=v: (torch.randint(0, v, (m,)),)))
-        cases.append(("cross_entropy", (m, v), lambda: None,
-                      lambda dt, m=m, v=v: (torch.randn(m, v, dtype=dt), torch.randint(0, v, (m,)))))
+        cases.append(
+            (
+                "embedding",
+                (m, v, h),
+                lambda v=v, h=h: nn.Embedding(v, h),
+                lambda dt, m=m, v=v: (torch.randint(0, v, (m,)),),
+            )
+        )
+        cases.append(
+            (
+                "cross_entropy",
+                (m, v),
+                lambda: None,
+                lambda dt, m=m, v=v: (torch.randn(m, v, dtype=dt), torch.randint(0, v, (m,))),
+            )
+        )
     return cases
 
 
@@ -226,7 +294,8 @@ class _Case:
         xs = inputs_of(dt)
         self.flops, self.nbytes, self.ratio = _traced_cost(kind, proto, xs)
         per_set = sum(x.numel() * x.element_size() for x in xs) + sum(
-            p.numel() * p.element_size() for p in (proto.parameters() if proto is not None else ()))
+            p.numel() * p.element_size() for p in (proto.parameters() if proto is not None else ())
+        )
         copies = max(1, min(8, CYCLE_BYTES // max(per_set, 1)))
         self.sets = []
         for i in range(copies):
@@ -254,8 +323,9 @@ class _Case:
         self.next += 1
 
 
-def measure_kernels(dtypes: tuple[str, ...] = ("fp32",), *, quick: bool = False,
-                    log: Callable[[str], None] = lambda s: None) -> list[KernelTime]:
+def measure_kernels(
+    dtypes: tuple[str, ...] = ("fp32",), *, quick: bool = False, log: Callable[[str], None] = lambda s: None
+) -> list[KernelTime]:
     """Forward and backward time of every kernel case in every dtype (one thread).
 
     Cases are measured round-robin in chunks, a sample of each per round, so that a passing
@@ -267,8 +337,10 @@ def measure_kernels(dtypes: tuple[str, ...] = ("fp32",), *, quick: bool = False,
         dt = _DTYPES[dtname]
         cases = _cases(quick)
         for at in range(0, len(cases), CHUNK):
-            chunk = [(kind, shape, _Case(kind, make, inputs_of, dt)) for kind, shape, make, inputs_of
-                     in cases[at:at + CHUNK]]
+            chunk = [
+                (kind, shape, _Case(kind, make, inputs_of, dt))
+                for kind, shape, make, inputs_of in cases[at : at + CHUNK]
+            ]
             for c in chunk:  # warm up every set once
                 for _ in range(len(c[2].sets)):
                     c[2].sample()
@@ -297,9 +369,21 @@ def measure_optimizer(*, quick: bool = False) -> list[tuple[int, int, float]]:
     """``(tensors, parameters, seconds)`` of one Adam step as the executor takes it (gradients set
     on each weight, ``step()``, ``zero_grad(set_to_none=True)``), cycling through copies of the
     weights and states as the kernels do (``CYCLE_BYTES``)."""
-    grid = ((1, 1000), (1, 200_000), (8, 1000), (32, 1000), (8, 50_000)) if quick else \
-        ((1, 1000), (1, 100_000), (1, 1_000_000), (8, 1000), (8, 100_000), (32, 1000), (32, 10_000), (64, 4000),
-         (64, 1_000_000))
+    grid = (
+        ((1, 1000), (1, 200_000), (8, 1000), (32, 1000), (8, 50_000))
+        if quick
+        else (
+            (1, 1000),
+            (1, 100_000),
+            (1, 1_000_000),
+            (8, 1000),
+            (8, 100_000),
+            (32, 1000),
+            (32, 10_000),
+            (64, 4000),
+            (64, 1_000_000),
+        )
+    )
     out = []
     for k, n in grid:
         steps = []
@@ -342,13 +426,15 @@ def measure_bare_view_s() -> tuple[float, float]:
     y = x.reshape(4, 16, 2, 16)
     gy = torch.ones_like(y)
     fwd = time_s(lambda: x.reshape(4, 16, 2, 16), min_time_s=0.01, min_reps=50, max_reps=2000)
-    bwd = time_s(lambda: torch.autograd.grad(y, [x], gy, retain_graph=True), min_time_s=0.01, min_reps=50,
-                 max_reps=2000)
+    bwd = time_s(
+        lambda: torch.autograd.grad(y, [x], gy, retain_graph=True), min_time_s=0.01, min_reps=50, max_reps=2000
+    )
     return fwd, bwd
 
 
-def measure_task_overheads(profile: Profile, *, quick: bool = False,
-                           cluster: str = "cpu") -> tuple[dict[str, float], dict[str, float]]:
+def measure_task_overheads(
+    profile: Profile, *, quick: bool = False, cluster: str = "cpu"
+) -> tuple[dict[str, float], dict[str, float]]:
     """The executor's cost per task kind, beyond the kernels: planlab's interpreter runs one
     device's program of a small GPT (``OVERHEAD_MODEL``). Forward and backward: the median over
     its view tasks (reshapes and transposes, no kernel) of their typical time less the same view
@@ -367,8 +453,9 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False,
     spec = ModelSpec("gpt", OVERHEAD_MODEL)
     batch = 4
     graph = trace(*build_model(spec, batch=batch))
-    plan = get_space("megatron").build(Context(graph, spec, batch, cluster, 1, 1, 1),
-                                       dict(dp=1, tp=1, pp=1, microbatch=2))
+    plan = get_space("megatron").build(
+        Context(graph, spec, batch, cluster, 1, 1, 1), dict(dp=1, tp=1, pp=1, microbatch=2)
+    )
     program = materialize(plan, graph)
     module, inputs = build_model(spec, batch=batch, device="cpu", seed=0)
     interp = Interpreter(program, graph, 0, module, inputs, {}, lr=1e-3)
@@ -379,8 +466,9 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False,
         for t in interp.timeline:
             samples.setdefault((t.action, t.task, t.kind), []).append(t.end_s - t.start_s)
     tasks = {(str(a), t.name): t for a, t in program.devices[0].tasks_in_order()}
-    costs = CostModel.load(cluster, 1, profile=Profile(profile.device, profile.rooflines, (), None, (),
-                                                       profile.kernels))
+    costs = CostModel.load(
+        cluster, 1, profile=Profile(profile.device, profile.rooflines, (), None, (), profile.kernels)
+    )
     dtype = program.precision.compute_dtype
     bare = dict(zip("FB", measure_bare_view_s()))
     residuals: dict[str, list[float]] = {}
@@ -396,8 +484,7 @@ def measure_task_overheads(profile: Profile, *, quick: bool = False,
             tensors = max(1, len(task.writes))
             model = profile.optimizer.time_s(tensors, task.flops / 12.0)
             residuals.setdefault("O", []).append((typical_s(ts) - model) / tensors)
-    return ({k: robust_overhead(v) for k, v in residuals.items()},
-            {k: robust_overhead(v) for k, v in views.items()})
+    return ({k: robust_overhead(v) for k, v in residuals.items()}, {k: robust_overhead(v) for k, v in views.items()})
 
 
 # ---------------------------------------------------------------------------------- collectives
@@ -424,14 +511,17 @@ def _probes() -> list[Callable[[], object]]:
         x = torch.randn(m, k, requires_grad=True)
         y = lin(x)
         gy = torch.ones_like(y)
-        probes += [lambda lin=lin, x=x: lin(x),
-                   lambda y=y, x=x, lin=lin, gy=gy: torch.autograd.grad(y, [x, *lin.parameters()], gy,
-                                                                        retain_graph=True)]
+        probes += [
+            lambda lin=lin, x=x: lin(x),
+            lambda y=y, x=x, lin=lin, gy=gy: torch.autograd.grad(y, [x, *lin.parameters()], gy, retain_graph=True),
+        ]
     q = torch.randn(8, 4, 64, 32, requires_grad=True)
     a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     ga = torch.ones_like(a)
-    probes += [lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
-               lambda: torch.autograd.grad(a, [q], ga, retain_graph=True)]
+    probes += [
+        lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+        lambda: torch.autograd.grad(a, [q], ga, retain_graph=True),
+    ]
     ln, z = nn.LayerNorm(128), torch.randn(512, 128)
     probes += [lambda: ln(z), lambda: F.gelu(z), lambda: z + z]
     ws = [torch.zeros(4000, requires_grad=True) for _ in range(16)]
@@ -539,9 +629,13 @@ def collective_worker(quick: bool) -> dict:
                 out = torch.empty_like(x[: numel // n * n])
                 dist.all_to_all_single(out, x[: numel // n * n], group=pg)
 
-            for kind, fn in (("all_reduce", all_reduce), ("all_gather", all_gather),
-                             ("reduce_scatter", reduce_scatter), ("broadcast", broadcast),
-                             ("all_to_all", all_to_all)):
+            for kind, fn in (
+                ("all_reduce", all_reduce),
+                ("all_gather", all_gather),
+                ("reduce_scatter", reduce_scatter),
+                ("broadcast", broadcast),
+                ("all_to_all", all_to_all),
+            ):
                 bench(f"{kind}/{n}", fn, nbytes, member)
     for nbytes in _sizes(quick):  # one transfer between ranks 0 and 1: half a round trip
         x = torch.randn(nbytes // 4)
@@ -569,9 +663,17 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     from planlab.executor.run import _free_port, _quiet_launcher, launcher_logs
 
     run_dir = tempfile.mkdtemp(prefix="planlab-calibrate-")
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-                       rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
-                       run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}", logs_specs=launcher_logs(run_dir))
+    cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}",
+        logs_specs=launcher_logs(run_dir),
+    )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -579,7 +681,9 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
             out = elastic_launch(cfg, collective_worker)(quick)
     except ChildFailedError as e:
         ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        raise ExecutionError(f"calibrate: the distributed benchmark on {nproc} gloo processes failed: {ranks}") from None
+        raise ExecutionError(
+            f"calibrate: the distributed benchmark on {nproc} gloo processes failed: {ranks}"
+        ) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out[0]
@@ -598,9 +702,15 @@ def fit_collectives(measured: dict) -> tuple[CollectiveFit, ...]:
 # ---------------------------------------------------------------------------------- the command
 
 
-def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bool = False,
-              cluster: str = "cpu", dtypes: tuple[str, ...] = ("fp32",),
-              log: Callable[[str], None] = lambda s: None) -> Profile:
+def calibrate(
+    *,
+    out: str | os.PathLike | None = None,
+    nproc: int = 2,
+    quick: bool = False,
+    cluster: str = "cpu",
+    dtypes: tuple[str, ...] = ("fp32",),
+    log: Callable[[str], None] = lambda s: None,
+) -> Profile:
     """Measure this machine and return (and with ``out``, write) its profile.
 
     ``nproc`` processes (>= 2) run the collective benchmark. ``cluster`` names the cluster
@@ -630,16 +740,22 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
             log(f"  {dt}: {rooflines[-1][1]}")
         log("measuring the optimizer step")
         optimizer = fit_optimizer(measure_optimizer(quick=quick))
-        log(f"  Adam: {optimizer.fixed_s * 1e6:.0f} us + {optimizer.per_tensor_s * 1e6:.1f} us per tensor + "
-            f"{optimizer.per_param_s * 1e9:.2f} ns per parameter")
+        log(
+            f"  Adam: {optimizer.fixed_s * 1e6:.0f} us + {optimizer.per_tensor_s * 1e6:.1f} us per tensor + "
+            f"{optimizer.per_param_s * 1e9:.2f} ns per parameter"
+        )
         base = Profile(device, tuple(rooflines), (), optimizer, (), tuple(kernels))
         log("measuring the executor's cost per task")
         overheads, views = measure_task_overheads(base, quick=quick, cluster=cluster)
         per_weight = overheads.pop("O", 0.0)  # the executor's work per weight joins the optimizer's per-tensor cost
         optimizer = OptimizerFit(optimizer.fixed_s, optimizer.per_tensor_s + per_weight, optimizer.per_param_s)
-        log("  " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items()))
-            + "; a view task " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(views.items()))
-            + f"; the optimizer {per_weight * 1e6:.1f} us more per weight")
+        log(
+            "  "
+            + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(overheads.items()))
+            + "; a view task "
+            + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(views.items()))
+            + f"; the optimizer {per_weight * 1e6:.1f} us more per weight"
+        )
     finally:
         torch.set_num_threads(threads)
     log(f"measuring collectives on {nproc} gloo processes")
@@ -649,13 +765,26 @@ def calibrate(*, out: str | os.PathLike | None = None, nproc: int = 2, quick: bo
     for c in collectives:
         log(f"  {c}")
     log("  computing beside other ranks: " + ", ".join(f"{n} ranks x{f:.2f}" for n, f in slowdown))
-    meta = (("created", datetime.now(timezone.utc).isoformat(timespec="seconds")), ("host", platform.node()),
-            ("torch", torch.__version__), ("threads", 1), ("quick", quick),
-            ("seconds", round(time.perf_counter() - t0, 1)))
-    prof = Profile(device, tuple(rooflines), tuple(sorted(overheads.items())), optimizer, collectives,
-                   tuple(kernels), meta, view_task_s=tuple(sorted(views.items())), slowdown=slowdown)
+    meta = (
+        ("created", datetime.now(timezone.utc).isoformat(timespec="seconds")),
+        ("host", platform.node()),
+        ("torch", torch.__version__),
+        ("threads", 1),
+        ("quick", quick),
+        ("seconds", round(time.perf_counter() - t0, 1)),
+    )
+    prof = Profile(
+        device,
+        tuple(rooflines),
+        tuple(sorted(overheads.items())),
+        optimizer,
+        collectives,
+        tuple(kernels),
+        meta,
+        view_task_s=tuple(sorted(views.items())),
+        slowdown=slowdown,
+    )
     if out is not None:
         prof = dataclasses.replace(prof, path=str(Path(out)))
         prof.save(out)
     return prof
-

@@ -112,8 +112,13 @@ def placement(cluster: ClusterSpec, group: tuple[int, ...]) -> Placement:
     if len(set(group)) != len(group):
         raise ConfigError(f"group {group!r} repeats a rank")
     per_node = Counter(cluster.node_of(r) for r in group)
-    return Placement(len(group), len(per_node), min(per_node.values()), max(per_node.values()),
-                     cluster.network.switches_spanned(set(per_node)))
+    return Placement(
+        len(group),
+        len(per_node),
+        min(per_node.values()),
+        max(per_node.values()),
+        cluster.network.switches_spanned(set(per_node)),
+    )
 
 
 def _check_nbytes(nbytes: float) -> None:
@@ -186,8 +191,12 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
     shard = nbytes / p.g_min  # bytes each NIC carries across nodes
     local = Placement(g, 1, g, g)
     if kind is Collective.ALL_REDUCE:
-        inner = _ring(cluster, Collective.REDUCE_SCATTER, nbytes, local) + _ring(
-            cluster, Collective.ALL_GATHER, nbytes, local) if g > 1 else 0.0
+        inner = (
+            _ring(cluster, Collective.REDUCE_SCATTER, nbytes, local)
+            + _ring(cluster, Collective.ALL_GATHER, nbytes, local)
+            if g > 1
+            else 0.0
+        )
         outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k)
     else:  # all_gather or reduce_scatter: one intra-node and one inter-node phase
         inner = _ring(cluster, kind, nbytes, local) if g > 1 else 0.0
@@ -215,8 +224,9 @@ def _kind(kind: str) -> Collective:
         raise ConfigError(f"unknown collective {kind!r}; choose {choices([k.value for k in Collective])}") from None
 
 
-def collective_time_s(cluster: ClusterSpec, kind: str, nbytes: float, group: tuple[int, ...],
-                      algorithm: str | None = None) -> float:
+def collective_time_s(
+    cluster: ClusterSpec, kind: str, nbytes: float, group: tuple[int, ...], algorithm: str | None = None
+) -> float:
     """Seconds for the collective ``kind`` on ``nbytes`` (the full buffer) among the ranks ``group``.
 
     kind: "all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "broadcast".

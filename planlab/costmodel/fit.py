@@ -54,17 +54,27 @@ class Roofline:
 
     def time_s(self, flops: float, nbytes: float) -> float:
         """Seconds for one kernel of ``flops`` and ``nbytes`` of memory traffic."""
-        return roofline_time_s(flops, nbytes, self.peak_flops_per_s, self.compute_efficiency, self.bytes_per_s,
-                               self.memory_efficiency, self.launch_s)
+        return roofline_time_s(
+            flops,
+            nbytes,
+            self.peak_flops_per_s,
+            self.compute_efficiency,
+            self.bytes_per_s,
+            self.memory_efficiency,
+            self.launch_s,
+        )
 
     def __str__(self) -> str:
-        return (f"{self.peak_flops_per_s / 1e9:.3g} GFLOP/s (half at {self.compute_efficiency.half / 1e6:.3g} Mflop), "
-                f"{self.bytes_per_s / 1e9:.3g} GB/s (half at {self.memory_efficiency.half / 2**20:.3g} MiB), "
-                f"{self.launch_s * 1e6:.1f} us per kernel")
+        return (
+            f"{self.peak_flops_per_s / 1e9:.3g} GFLOP/s (half at {self.compute_efficiency.half / 1e6:.3g} Mflop), "
+            f"{self.bytes_per_s / 1e9:.3g} GB/s (half at {self.memory_efficiency.half / 2**20:.3g} MiB), "
+            f"{self.launch_s * 1e6:.1f} us per kernel"
+        )
 
 
-def roofline_time_s(flops: float, nbytes: float, peak: float, eff_c: Efficiency, bw: float, eff_m: Efficiency,
-                    launch_s: float) -> float:
+def roofline_time_s(
+    flops: float, nbytes: float, peak: float, eff_c: Efficiency, bw: float, eff_m: Efficiency, launch_s: float
+) -> float:
     """``max(flops / (peak * eff_c(flops)), nbytes / (bw * eff_m(nbytes))) + launch_s`` (0 work: launch only)."""
     t_math = flops / (peak * eff_c.at(flops)) if flops > 0 else 0.0  # s
     t_mem = nbytes / (bw * eff_m.at(nbytes)) if nbytes > 0 else 0.0  # s
@@ -102,8 +112,10 @@ def fit_linear(features: np.ndarray | Sequence[Sequence[float]], times: Sequence
     a = np.asarray(features, dtype=float)
     t = np.asarray(times, dtype=float)
     if a.ndim != 2 or a.shape[0] != t.shape[0] or a.shape[0] < a.shape[1]:
-        raise ConfigError(f"fit_linear needs at least as many measurements ({a.shape[0]}) as features "
-                          f"({a.shape[1] if a.ndim == 2 else '?'})")
+        raise ConfigError(
+            f"fit_linear needs at least as many measurements ({a.shape[0]}) as features "
+            f"({a.shape[1] if a.ndim == 2 else '?'})"
+        )
     coef, _ = nnls(a / t[:, None], np.ones_like(t))
     return tuple(float(c) for c in coef)
 
@@ -125,14 +137,27 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]], *, launch_s: flo
     peak0 = float(np.max(f[big_f] / t[big_f])) if big_f.any() else 1e9
     bw0 = float(np.max(b[b > 0] / t[b > 0])) if (b > 0).any() else 1e9
     launch0 = float(np.min(t)) * 0.5 if launch_s is None else launch_s
-    x0 = np.array([math.log(peak0 * 1.5), math.log(max(np.median(f[big_f]) if big_f.any() else 1e6, 1.0) * 0.1), 0.0,
-                   math.log(bw0 * 1.5), math.log(max(float(np.median(b)), 1.0) * 0.1), 0.0,
-                   math.log(max(launch0, 1e-9))])
+    x0 = np.array(
+        [
+            math.log(peak0 * 1.5),
+            math.log(max(np.median(f[big_f]) if big_f.any() else 1e6, 1.0) * 0.1),
+            0.0,
+            math.log(bw0 * 1.5),
+            math.log(max(float(np.median(b)), 1.0) * 0.1),
+            0.0,
+            math.log(max(launch0, 1e-9)),
+        ]
+    )
 
     def unpack(x: np.ndarray) -> tuple:
         launch = math.exp(x[6]) if launch_s is None else launch_s
-        return (math.exp(x[0]), Efficiency(1.0, math.exp(x[1]), math.exp(x[2])), math.exp(x[3]),
-                Efficiency(1.0, math.exp(x[4]), math.exp(x[5])), launch)
+        return (
+            math.exp(x[0]),
+            Efficiency(1.0, math.exp(x[1]), math.exp(x[2])),
+            math.exp(x[3]),
+            Efficiency(1.0, math.exp(x[4]), math.exp(x[5])),
+            launch,
+        )
 
     def residual(x: np.ndarray) -> np.ndarray:
         peak, ec, bw, em, launch = unpack(x)
@@ -144,10 +169,28 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]], *, launch_s: flo
     # Bounds: a rate is at least the best one seen (time >= work / rate) and at most 30 times it;
     # a curve's half-size lies within the measured sizes (a hundredth of the smallest to the largest).
     fpos, bpos = f[f > 0] if big_f.any() else np.array([1.0]), b[b > 0] if (b > 0).any() else np.array([1.0])
-    lo = np.array([math.log(peak0), math.log(fpos.min() / 100), math.log(0.3), math.log(bw0),
-                   math.log(bpos.min() / 100), math.log(0.3), math.log(1e-9)])
-    hi = np.array([math.log(peak0 * 30), math.log(fpos.max()), math.log(3.0), math.log(bw0 * 30),
-                   math.log(bpos.max()), math.log(3.0), math.log(1.0)])
+    lo = np.array(
+        [
+            math.log(peak0),
+            math.log(fpos.min() / 100),
+            math.log(0.3),
+            math.log(bw0),
+            math.log(bpos.min() / 100),
+            math.log(0.3),
+            math.log(1e-9),
+        ]
+    )
+    hi = np.array(
+        [
+            math.log(peak0 * 30),
+            math.log(fpos.max()),
+            math.log(3.0),
+            math.log(bw0 * 30),
+            math.log(bpos.max()),
+            math.log(3.0),
+            math.log(1.0),
+        ]
+    )
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
     best = None
     for start_exp in (0.0, math.log(2.0)):  # a second start when the first leaves errors: the valley is shallow

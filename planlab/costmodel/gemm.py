@@ -37,8 +37,9 @@ class GemmSpec:
     sm_count: int
     efficiency: float  # fraction of the dense peak the best-shaped large GEMMs reach
     l2_bytes_per_s: float
-    tiles: tuple[tuple[int, int], ...] = field(default=((256, 128), (128, 256), (128, 128), (256, 64),
-                                                        (64, 256), (128, 64), (64, 128), (64, 64)))
+    tiles: tuple[tuple[int, int], ...] = field(
+        default=((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
+    )
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"
@@ -48,6 +49,7 @@ def tile_efficiency(spec: GemmSpec, tm: int, tn: int, peak_flops_per_s: float, e
     """The fraction of the peak one ``tm x tn`` tile reaches: the GEMM efficiency (that of the
     best GEMMs, which use the tile of highest arithmetic intensity), lowered in proportion where
     a smaller tile's arithmetic intensity needs more L2 bandwidth per SM than the best one's."""
+
     def fed(a: int, b: int) -> float:  # fraction of the peak the L2 can feed a tile of a x b
         intensity = a * b / ((a + b) * elem_bytes)  # flop per byte loaded
         return min(1.0, spec.l2_bytes_per_s * intensity / peak_flops_per_s)
@@ -56,8 +58,17 @@ def tile_efficiency(spec: GemmSpec, tm: int, tn: int, peak_flops_per_s: float, e
     return spec.efficiency * fed(tm, tn) / best
 
 
-def gemm_time_s(spec: GemmSpec, *, batch: int, m: int, n: int, k: int, elem_bytes: int,
-                peak_flops_per_s: float, hbm_bytes_per_s: float) -> float:
+def gemm_time_s(
+    spec: GemmSpec,
+    *,
+    batch: int,
+    m: int,
+    n: int,
+    k: int,
+    elem_bytes: int,
+    peak_flops_per_s: float,
+    hbm_bytes_per_s: float,
+) -> float:
     """Seconds for ``batch`` GEMMs of ``m x k`` by ``k x n`` (no launch cost): the fastest tile
     shape and split-K factor by tile and wave quantization, and at least the time to move
     A, B and C once through memory at ``hbm_bytes_per_s`` (already the achieved bandwidth)."""

@@ -50,12 +50,41 @@ _RANGE = {
     "us": (0.0, 1e6, "microseconds"),
 }
 
-_DEVICE_FIELDS = {"name", "description", "source", "memory_GB", "hbm_GBps", "launch_overhead_us", "host_overhead_us",
-                  "compute_efficiency", "memory_efficiency", *(f"peak_{dt}_tflops" for dt in DTYPES),
-                  "sm_count", "gemm_efficiency", "l2_GBps", "gemm_tiles"}
-_NODE_FIELDS = {"name", "description", "source", "device", "devices_per_node", "intra_link", "intra_GBps",
-                "intra_latency_us", "intra_efficiency", "inter_link", "inter_Gbps", "inter_adapters",
-                "inter_latency_us", "inter_efficiency", "network", "software", "inter_scale_efficiency"}
+_DEVICE_FIELDS = {
+    "name",
+    "description",
+    "source",
+    "memory_GB",
+    "hbm_GBps",
+    "launch_overhead_us",
+    "host_overhead_us",
+    "compute_efficiency",
+    "memory_efficiency",
+    *(f"peak_{dt}_tflops" for dt in DTYPES),
+    "sm_count",
+    "gemm_efficiency",
+    "l2_GBps",
+    "gemm_tiles",
+}
+_NODE_FIELDS = {
+    "name",
+    "description",
+    "source",
+    "device",
+    "devices_per_node",
+    "intra_link",
+    "intra_GBps",
+    "intra_latency_us",
+    "intra_efficiency",
+    "inter_link",
+    "inter_Gbps",
+    "inter_adapters",
+    "inter_latency_us",
+    "inter_efficiency",
+    "network",
+    "software",
+    "inter_scale_efficiency",
+}
 _NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
 
@@ -170,8 +199,11 @@ class ClusterSpec:
     def describe(self) -> str:
         """One line: devices, links and network."""
         n = self.node
-        intra = f"{n.intra_link or 'intra-node link'} {n.intra_bytes_per_s / _GB:g} GB/s" \
-            if n.devices_per_node > 1 else "one device per node"
+        intra = (
+            f"{n.intra_link or 'intra-node link'} {n.intra_bytes_per_s / _GB:g} GB/s"
+            if n.devices_per_node > 1
+            else "one device per node"
+        )
         inter = f"{n.inter_link or 'inter-node link'} {n.inter_bytes_per_s / _GB:g} GB/s per device"
         return f"{n.devices_per_node}x {self.device}; {intra}; {inter}; {self.network}"
 
@@ -212,9 +244,7 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int = 1) -> Cluste
     elif text and (text.endswith(".json") or os.sep in text or "/" in text or Path(text).is_file()):
         path = Path(text)
     else:
-        raise ConfigError(
-            f"unknown cluster {name_or_path!r}; choose {choices(names)} or a path to a JSON spec file"
-        )
+        raise ConfigError(f"unknown cluster {name_or_path!r}; choose {choices(names)} or a path to a JSON spec file")
     f = _Fields(_read_json(path), str(path))
     network = _network_from(f.sub("network")) if "network" in f.obj else Network()
     return ClusterSpec(node=_node_from(f), nodes=nodes, network=network)
@@ -258,16 +288,20 @@ class _Fields:
         if extra:
             raise self.error(extra[0], f"is not a known field; expected one of {choices(sorted(allowed))}")
 
-    def number(self, key: str, *, low: float = 0.0, strict: bool = True, high: float | None = None,
-               unit: str = "") -> float:
+    def number(
+        self, key: str, *, low: float = 0.0, strict: bool = True, high: float | None = None, unit: str = ""
+    ) -> float:
         """A number in (low, high] (strict) or [low, high]; ``unit`` names the expected form."""
         val = self.get(key)
         form = f" ({unit})" if unit else ""
         if isinstance(val, bool) or not isinstance(val, (int, float)):
             raise self.error(key, f"must be a number{form}, got {val!r}")
         if val < low or (strict and val == low) or (high is not None and val > high):
-            rng = f"{'>' if strict else '>='} {low:g}" if high is None else \
-                f"in {'(' if strict else '['}{low:g}, {high:g}]"
+            rng = (
+                f"{'>' if strict else '>='} {low:g}"
+                if high is None
+                else f"in {'(' if strict else '['}{low:g}, {high:g}]"
+            )
             raise self.error(key, f"must be {rng}{form}, got {val!r}")
         return float(val)
 
@@ -296,9 +330,11 @@ class _Fields:
 def _efficiency(f: _Fields, key: str, half_unit: str, unit: float) -> Efficiency:
     e = f.sub(key)
     e.only({"max", half_unit, "exponent"})
-    return Efficiency(max=e.number("max", high=1.0, unit="fraction of peak"),
-                      half=e.number(half_unit, strict=False, unit=f"size reaching half of max, in {half_unit[5:]}") * unit,
-                      exponent=e.number("exponent", high=10.0))
+    return Efficiency(
+        max=e.number("max", high=1.0, unit="fraction of peak"),
+        half=e.number(half_unit, strict=False, unit=f"size reaching half of max, in {half_unit[5:]}") * unit,
+        exponent=e.number("exponent", high=10.0),
+    )
 
 
 def _device_from(f: _Fields, name: str) -> DeviceSpec:
@@ -330,9 +366,16 @@ def _gemm_from(f: _Fields) -> GemmSpec:
         return GemmSpec(sms, eff, l2)
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
-    if not isinstance(tiles, list) or not tiles or not all(
-            isinstance(t, list) and len(t) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
-                                                       for x in t) for t in tiles):
+    if (
+        not isinstance(tiles, list)
+        or not tiles
+        or not all(
+            isinstance(t, list)
+            and len(t) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in t)
+            for t in tiles
+        )
+    ):
         raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
     return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles))
 
@@ -377,8 +420,11 @@ def _node_from(f: _Fields) -> NodeSpec:
 
 def _software(f: _Fields, device: DeviceSpec) -> SoftwareSpec:
     if device.gemm is None:
-        raise f.error("software", f"needs its device {device.name!r} to give sm_count, gemm_efficiency and "
-                                  "l2_GBps (the kernel-level model prices GEMMs by tile and wave quantization)")
+        raise f.error(
+            "software",
+            f"needs its device {device.name!r} to give sm_count, gemm_efficiency and "
+            "l2_GBps (the kernel-level model prices GEMMs by tile and wave quantization)",
+        )
     return software_from(f.sub("software"))
 
 
@@ -391,10 +437,10 @@ def _inter_scale(f: _Fields) -> tuple[tuple[int, float], ...]:
         if str(key).startswith("_"):
             continue
         if not str(key).isdigit() or int(key) < 1:
-            raise e.error(key, "must be a node count (a positive integer as a string, e.g. \"16\")")
+            raise e.error(key, 'must be a node count (a positive integer as a string, e.g. "16")')
         out.append((int(key), e.number(key, high=1.0, unit="fraction of peak bandwidth")))
     if not out:
-        raise f.error("inter_scale_efficiency", "must map node counts to fractions, e.g. {\"2\": 0.92, \"16\": 0.76}")
+        raise f.error("inter_scale_efficiency", 'must map node counts to fractions, e.g. {"2": 0.92, "16": 0.76}')
     return tuple(sorted(out))
 
 
@@ -404,7 +450,15 @@ def _network_from(f: _Fields) -> Network:
     if topology not in TOPOLOGIES:
         raise f.error("topology", f"is {topology!r}; choose {choices(TOPOLOGIES)}")
     per_switch = f.integer("nodes_per_switch") if "nodes_per_switch" in f.obj else Network.nodes_per_switch
-    over = f.number("oversubscription", low=1.0, strict=False, high=64.0,
-                    unit="ratio of downlink to uplink bandwidth, 1 = non-blocking") \
-        if "oversubscription" in f.obj else 1.0
+    over = (
+        f.number(
+            "oversubscription",
+            low=1.0,
+            strict=False,
+            high=64.0,
+            unit="ratio of downlink to uplink bandwidth, 1 = non-blocking",
+        )
+        if "oversubscription" in f.obj
+        else 1.0
+    )
     return Network(topology, per_switch, over)

@@ -108,14 +108,20 @@ def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
     return [_pass("grad-accumulate", 3 * _n(p) * eb, True) for p in params]
 
 
-def op_kernels(kind: str, phase: str, shapes: tuple[tuple[int, ...], ...], eb: int,
-               implementation: str = "torch") -> OpKernels | None:
+def op_kernels(
+    kind: str, phase: str, shapes: tuple[tuple[int, ...], ...], eb: int, implementation: str = "torch"
+) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element;
     None when the kind is not modelled (or its shapes are not what the kind takes)."""
     try:
-        return _KINDS[kind](phase, shapes, eb, implementation) if kind in _KINDS else \
-            OpKernels((), 1) if kind in VIEW_KINDS else None
+        return (
+            _KINDS[kind](phase, shapes, eb, implementation)
+            if kind in _KINDS
+            else OpKernels((), 1)
+            if kind in VIEW_KINDS
+            else None
+        )
     except (IndexError, ValueError, ZeroDivisionError):
         return None
 
@@ -149,22 +155,28 @@ def _attention(phase, shapes, eb, impl):
     ctx = _n(o) * eb
     softmax = _megatron_softmax(phase, bh, t, s, scores, eb)
     if phase == "F":
-        return OpKernels((
-            _gemm("baddbmm-scores", bh, t, s, d),
-            *softmax,
-            _pass("attention-dropout", scores * (2 * eb + 1)),
-            _gemm("bmm-context", bh, t, e, s),
+        return OpKernels(
+            (
+                _gemm("baddbmm-scores", bh, t, s, d),
+                *softmax,
+                _pass("attention-dropout", scores * (2 * eb + 1)),
+                _gemm("bmm-context", bh, t, e, s),
+                _pass("permute-contiguous", 2 * ctx),
+            ),
+            11 + len(softmax),
+        )  # the kernels' calls and the views between them (view, transpose, empty, permute)
+    return OpKernels(
+        (
             _pass("permute-contiguous", 2 * ctx),
-        ), 11 + len(softmax))  # the kernels' calls and the views between them (view, transpose, empty, permute)
-    return OpKernels((
-        _pass("permute-contiguous", 2 * ctx),
-        _gemm("bmm-grad-probs", bh, t, s, e),
-        _gemm("bmm-grad-value", bh, s, e, t),
-        _pass("attention-dropout-bwd", scores * (2 * eb + 1)),
-        *softmax,
-        _gemm("baddbmm-grad-query", bh, t, d, s),
-        _gemm("baddbmm-grad-key", bh, s, d, t),
-    ), 9 + len(softmax))
+            _gemm("bmm-grad-probs", bh, t, s, e),
+            _gemm("bmm-grad-value", bh, s, e, t),
+            _pass("attention-dropout-bwd", scores * (2 * eb + 1)),
+            *softmax,
+            _gemm("baddbmm-grad-query", bh, t, d, s),
+            _gemm("baddbmm-grad-key", bh, s, d, t),
+        ),
+        9 + len(softmax),
+    )
 
 
 def fused_softmax_available(attn_batches: int, sq: int, sk: int) -> bool:
@@ -180,15 +192,25 @@ def _megatron_softmax(phase: str, bh: int, t: int, s: int, scores: int, eb: int)
     fused kernel is not available, PyTorch's path in fp32 (convert, scale, mask, softmax, convert
     back; backward the same passes in reverse)."""
     if fused_softmax_available(bh, t, s):
-        return [_pass("scale-mask-softmax" + ("" if phase == "F" else "-bwd"), (2 if phase == "F" else 3) * scores * eb)]
+        return [
+            _pass("scale-mask-softmax" + ("" if phase == "F" else "-bwd"), (2 if phase == "F" else 3) * scores * eb)
+        ]
     f32 = 4
     if phase == "F":
-        return [_pass("scores-to-fp32", scores * (eb + f32)), _pass("scale", 2 * scores * f32),
-                _pass("mask-fill", scores * (2 * f32 + 1)), _pass("softmax-fp32", 2 * scores * f32),
-                _pass("probs-to-half", scores * (f32 + eb))]
-    return [_pass("grad-to-fp32", scores * (eb + f32)), _pass("softmax-fp32-bwd", 3 * scores * f32),
-            _pass("mask-fill-bwd", scores * (2 * f32 + 1)), _pass("scale-bwd", 2 * scores * f32),
-            _pass("grad-to-half", scores * (f32 + eb))]
+        return [
+            _pass("scores-to-fp32", scores * (eb + f32)),
+            _pass("scale", 2 * scores * f32),
+            _pass("mask-fill", scores * (2 * f32 + 1)),
+            _pass("softmax-fp32", 2 * scores * f32),
+            _pass("probs-to-half", scores * (f32 + eb)),
+        ]
+    return [
+        _pass("grad-to-fp32", scores * (eb + f32)),
+        _pass("softmax-fp32-bwd", 3 * scores * f32),
+        _pass("mask-fill-bwd", scores * (2 * f32 + 1)),
+        _pass("scale-bwd", 2 * scores * f32),
+        _pass("grad-to-half", scores * (f32 + eb)),
+    ]
 
 
 def _layer_norm(phase, shapes, eb, impl):
@@ -208,6 +230,7 @@ def _elementwise(reads_f: float, reads_b: float):
     def f(phase, shapes, eb, impl):
         n = _n(shapes[-1])
         return OpKernels((_pass("elementwise", (reads_f if phase == "F" else reads_b) * n * eb),), 1)
+
     return f
 
 
@@ -246,12 +269,15 @@ def _embedding(phase, shapes, eb, impl, vocab_parallel=False):
         ks = [_pass("embedding-gather", t * INDEX_BYTES + 2 * t * h * eb)]
         calls = 1
         if vocab_parallel:  # Megatron's VocabParallelEmbedding: mask ids outside the shard, zero their rows
-            ks = [_pass("ids-mask", 4 * t * INDEX_BYTES) for _ in range(4)] + ks + \
-                [_pass("rows-mask", 2 * t * h * eb)]
+            ks = [_pass("ids-mask", 4 * t * INDEX_BYTES) for _ in range(4)] + ks + [_pass("rows-mask", 2 * t * h * eb)]
             calls = 7
         return OpKernels(tuple(ks), calls)
-    ks = [_pass("embedding-bwd-zero", v * h * eb, True), _pass("embedding-bwd-sort", 4 * t * INDEX_BYTES, True),
-          _pass("embedding-bwd-segments", 4 * t * INDEX_BYTES, True), _pass("embedding-bwd-add", 3 * t * h * eb, True)]
+    ks = [
+        _pass("embedding-bwd-zero", v * h * eb, True),
+        _pass("embedding-bwd-sort", 4 * t * INDEX_BYTES, True),
+        _pass("embedding-bwd-segments", 4 * t * INDEX_BYTES, True),
+        _pass("embedding-bwd-add", 3 * t * h * eb, True),
+    ]
     return OpKernels(tuple(ks + _accumulate([table], eb)), 2)
 
 
@@ -263,8 +289,13 @@ def _cross_entropy(phase, shapes, eb, impl):
         f32 = 4
         if phase == "F":
             ks = [_pass("to-fp32", n * (eb + f32))] if eb != f32 else []
-            ks += [_pass("max", n * f32), _pass("subtract-max", 2 * n * f32), _pass("exp", 2 * n * f32),
-                   _pass("sum-exp", n * f32), _pass("softmax-divide", 2 * n * f32)]
+            ks += [
+                _pass("max", n * f32),
+                _pass("subtract-max", 2 * n * f32),
+                _pass("exp", 2 * n * f32),
+                _pass("sum-exp", n * f32),
+                _pass("softmax-divide", 2 * n * f32),
+            ]
             ks += [_pass("target-logit", 8 * rows * f32) for _ in range(6)]  # masks, gather, log, loss
             return OpKernels(tuple(ks), 14)
         ks = [_pass("target-one-hot", 4 * rows * f32), _pass("grad-multiply", 2 * n * f32)]

@@ -39,13 +39,19 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.profile is not None and self.profile.device != self.cluster.device.name:
             where = f" ({self.profile.path})" if self.profile.path else ""
-            raise ConfigError(f"the profile{where} calibrates device {self.profile.device!r}; cluster "
-                              f"{self.cluster.node.name!r} has {self.cluster.device.name!r}. Calibrate on that "
-                              f"cluster or choose the cluster the profile was made on")
+            raise ConfigError(
+                f"the profile{where} calibrates device {self.profile.device!r}; cluster "
+                f"{self.cluster.node.name!r} has {self.cluster.device.name!r}. Calibrate on that "
+                f"cluster or choose the cluster the profile was made on"
+            )
 
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike[str], nodes: int = 1,
-             profile: str | os.PathLike[str] | Profile | None = None) -> CostModel:
+    def load(
+        cls,
+        name_or_path: str | os.PathLike[str],
+        nodes: int = 1,
+        profile: str | os.PathLike[str] | Profile | None = None,
+    ) -> CostModel:
         """The cost model of a built-in cluster name or a spec file path (see ``load_cluster``),
         with a profile (a path or a Profile) if given."""
         prof = load_profile(profile) if isinstance(profile, (str, os.PathLike)) else profile
@@ -65,8 +71,9 @@ class CostModel:
                 return (t + self.profile.compute_overhead_s) * self._slowdown
         return compute.compute_time_s(self.cluster.device, flops=flops, bytes_moved=bytes_moved, dtype=dtype)
 
-    def _kernel_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None,
-                  kind: str = "") -> float | None:
+    def _kernel_s(
+        self, flops: float, bytes_moved: float, dtype: str, phase: str | None, kind: str = ""
+    ) -> float | None:
         if flops < 0 or bytes_moved < 0:
             raise ConfigError(f"work must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}")
         if flops == 0 and bytes_moved == 0:
@@ -99,8 +106,9 @@ class CostModel:
         vocab_parallel_cross_entropy)."""
         tokens = math.prod(task.shapes[0][:-1]) if task.shapes and task.shapes[0] else 1
         group = tuple(task.group)
-        return (self.collective_time_s("all_reduce", 4 * tokens, group)
-                + self.collective_time_s("all_reduce", 8 * tokens, group))
+        return self.collective_time_s("all_reduce", 4 * tokens, group) + self.collective_time_s(
+            "all_reduce", 8 * tokens, group
+        )
 
     def _own_time_s(self, task: Task, dtype: str) -> float:
         kind = task.kind.value
@@ -124,11 +132,13 @@ class CostModel:
         elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
             return prof.view_s(kind) * slow  # a view: the executor's whole cost of a task with no kernel
         else:
-            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None,
-                               task.op_kind)
+            t = self._kernel_s(task.flops, task.bytes_moved, dtype, kind if kind in ("F", "B") else None, task.op_kind)
         if t is None:  # the profile has no kernel model for this dtype: the spec's roofline
-            t = compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved,
-                                       dtype=dtype) if (task.flops or task.bytes_moved) else 0.0
+            t = (
+                compute.compute_time_s(self.cluster.device, flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype)
+                if (task.flops or task.bytes_moved)
+                else 0.0
+            )
         return (t + prof.overhead_s(kind)) * slow
 
     @property
@@ -165,15 +175,20 @@ class CostModel:
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
-        found = op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation) \
-            if task.op_kind and task.shapes and kind in ("F", "B") else None
+        found = (
+            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation)
+            if task.op_kind and task.shapes and kind in ("F", "B")
+            else None
+        )
         if found is not None and kind == "B":  # zero-bubble's I or W task: its part of the kernels
             found = found.part(**gradient_parts(task))
         if found is None:  # a kind the kernel model does not know: one kernel by the roofline
             if task.flops == 0 and task.bytes_moved == 0:
                 return 0.0, call_s
-            return (compute.compute_time_s(dev, flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype),
-                    call_s + sw.host_launch_s)
+            return (
+                compute.compute_time_s(dev, flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype),
+                call_s + sw.host_launch_s,
+            )
         device_s = sum(self.kernel_time_s(k, dtype) for k in found.kernels)
         return device_s, found.calls * call_s + len(found.kernels) * sw.host_launch_s
 
@@ -187,12 +202,23 @@ class CostModel:
         b, m, n, k = kernel.gemm
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if dev.gemm is None:
-            return compute.compute_time_s(dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n),
-                                          dtype=dtype)
+            return compute.compute_time_s(
+                dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n), dtype=dtype
+            )
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
-        return gemm_time_s(dev.gemm, batch=b, m=m, n=n, k=k, elem_bytes=eb,
-                           peak_flops_per_s=compute.peak_flops_per_s(dev, dtype),
-                           hbm_bytes_per_s=hbm) + dev.launch_overhead_s
+        return (
+            gemm_time_s(
+                dev.gemm,
+                batch=b,
+                m=m,
+                n=n,
+                k=k,
+                elem_bytes=eb,
+                peak_flops_per_s=compute.peak_flops_per_s(dev, dtype),
+                hbm_bytes_per_s=hbm,
+            )
+            + dev.launch_overhead_s
+        )
 
     def _pass_s(self, nbytes: float) -> float:
         """A memory-bound kernel moving ``nbytes``: its traffic at the achieved bandwidth for its size."""

@@ -129,8 +129,9 @@ class Profile:
         if ranks <= 1 or not self.slowdown:
             return 1.0
         fits = dict(self.slowdown)
-        return fits.get(ranks, fits[max(n for n in fits if n <= ranks)] if any(n <= ranks for n in fits)
-                        else fits[min(fits)])
+        return fits.get(
+            ranks, fits[max(n for n in fits if n <= ranks)] if any(n <= ranks for n in fits) else fits[min(fits)]
+        )
 
     @property
     def compute_overhead_s(self) -> float:
@@ -139,8 +140,9 @@ class Profile:
         d = dict(self.task_overhead_s)
         return (d.get("F", 0.0) + d.get("B", 0.0)) / 2
 
-    def kernel_time_s(self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None,
-                      kind: str = "") -> float | None:
+    def kernel_time_s(
+        self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None, kind: str = ""
+    ) -> float | None:
         """Seconds for one kernel from the profile, or None when it has nothing for ``dtype``.
 
         Measured kernels (same dtype, if given the same phase, and of the operator ``kind`` when
@@ -182,15 +184,28 @@ class Profile:
         disturbed (the lower quartile of a case all of whose samples were preempted)."""
         got = self.__dict__.get("_envelope")
         if got is None:
-            got = tuple(dataclasses.replace(k, time_s=min(
-                [k.time_s] + [j.time_s for j in self.kernels if (j.kind, j.phase, j.dtype) == (k.kind, k.phase, k.dtype)
-                              and j.flops >= k.flops and j.bytes_moved >= k.bytes_moved]))
-                for k in self.kernels)
+            got = tuple(
+                dataclasses.replace(
+                    k,
+                    time_s=min(
+                        [k.time_s]
+                        + [
+                            j.time_s
+                            for j in self.kernels
+                            if (j.kind, j.phase, j.dtype) == (k.kind, k.phase, k.dtype)
+                            and j.flops >= k.flops
+                            and j.bytes_moved >= k.bytes_moved
+                        ]
+                    ),
+                )
+                for k in self.kernels
+            )
             object.__setattr__(self, "_envelope", got)
         return got
 
-    def neighbours(self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None,
-                   count: int = 4, kind: str = "") -> list[tuple[float, KernelTime]]:
+    def neighbours(
+        self, flops: float, bytes_moved: float, dtype: str, phase: str | None = None, count: int = 4, kind: str = ""
+    ) -> list[tuple[float, KernelTime]]:
         """Up to ``count`` entries of the table's :attr:`envelope` (of operator ``kind``, if given)
         nearest in (log flop, log bytes) within a factor NEAR in both, as ``(distance, entry)``,
         nearest first."""
@@ -225,11 +240,18 @@ class Profile:
         """The profile as a JSON object (see the module docstring)."""
         out: dict[str, Any] = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device}
         out.update(dict(self.meta))
-        out["kernel_model"] = {dt: {
-            "peak_gflops": r.peak_flops_per_s / 1e9, "half_mflop": r.compute_efficiency.half / 1e6,
-            "compute_exponent": r.compute_efficiency.exponent, "GBps": r.bytes_per_s / 1e9,
-            "half_MiB": r.memory_efficiency.half / 2**20, "memory_exponent": r.memory_efficiency.exponent,
-            "launch_us": r.launch_s * 1e6} for dt, r in self.rooflines}
+        out["kernel_model"] = {
+            dt: {
+                "peak_gflops": r.peak_flops_per_s / 1e9,
+                "half_mflop": r.compute_efficiency.half / 1e6,
+                "compute_exponent": r.compute_efficiency.exponent,
+                "GBps": r.bytes_per_s / 1e9,
+                "half_MiB": r.memory_efficiency.half / 2**20,
+                "memory_exponent": r.memory_efficiency.exponent,
+                "launch_us": r.launch_s * 1e6,
+            }
+            for dt, r in self.rooflines
+        }
         out["task_overhead_us"] = {k: v * 1e6 for k, v in self.task_overhead_s}
         if self.view_task_s:
             out["view_task_us"] = {k: v * 1e6 for k, v in self.view_task_s}
@@ -237,13 +259,33 @@ class Profile:
             out["concurrent_slowdown"] = {str(n): f for n, f in self.slowdown}
         if self.optimizer is not None:
             o = self.optimizer
-            out["optimizer"] = {"fixed_us": o.fixed_s * 1e6, "per_tensor_us": o.per_tensor_s * 1e6,
-                                "per_param_ns": o.per_param_s * 1e9}
-        out["collectives"] = [{"kind": c.kind, "ranks": c.ranks, "alpha_us": c.fit.alpha_s * 1e6,
-                               "GBps": c.fit.bytes_per_s / 1e9,
-                               "points": [[int(n), t * 1e6] for n, t in c.points]} for c in self.collectives]
-        out["kernels"] = [{"phase": k.phase, "kind": k.kind, "dtype": k.dtype, "shape": list(k.shape),
-                           "flop": k.flops, "bytes": k.bytes_moved, "time_us": k.time_s * 1e6} for k in self.kernels]
+            out["optimizer"] = {
+                "fixed_us": o.fixed_s * 1e6,
+                "per_tensor_us": o.per_tensor_s * 1e6,
+                "per_param_ns": o.per_param_s * 1e9,
+            }
+        out["collectives"] = [
+            {
+                "kind": c.kind,
+                "ranks": c.ranks,
+                "alpha_us": c.fit.alpha_s * 1e6,
+                "GBps": c.fit.bytes_per_s / 1e9,
+                "points": [[int(n), t * 1e6] for n, t in c.points],
+            }
+            for c in self.collectives
+        ]
+        out["kernels"] = [
+            {
+                "phase": k.phase,
+                "kind": k.kind,
+                "dtype": k.dtype,
+                "shape": list(k.shape),
+                "flop": k.flops,
+                "bytes": k.bytes_moved,
+                "time_us": k.time_s * 1e6,
+            }
+            for k in self.kernels
+        ]
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -284,14 +326,26 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
             raise models.error(dt, f"is not a dtype; choose {choices(DTYPES)}")
         m = models.sub(dt)
         m.only({"peak_gflops", "half_mflop", "compute_exponent", "GBps", "half_MiB", "memory_exponent", "launch_us"})
-        rooflines.append((dt, Roofline(
-            m.number("peak_gflops", high=1e8, unit="GFLOP/s") * 1e9,
-            Efficiency(1.0, m.number("half_mflop", strict=False, high=1e9, unit="Mflop") * 1e6,
-                       m.number("compute_exponent", high=10.0)),
-            m.number("GBps", high=1e5, unit="GB/s") * 1e9,
-            Efficiency(1.0, m.number("half_MiB", strict=False, high=1e6, unit="MiB") * 2**20,
-                       m.number("memory_exponent", high=10.0)),
-            m.number("launch_us", strict=False, high=1e6, unit="microseconds") * 1e-6)))
+        rooflines.append(
+            (
+                dt,
+                Roofline(
+                    m.number("peak_gflops", high=1e8, unit="GFLOP/s") * 1e9,
+                    Efficiency(
+                        1.0,
+                        m.number("half_mflop", strict=False, high=1e9, unit="Mflop") * 1e6,
+                        m.number("compute_exponent", high=10.0),
+                    ),
+                    m.number("GBps", high=1e5, unit="GB/s") * 1e9,
+                    Efficiency(
+                        1.0,
+                        m.number("half_MiB", strict=False, high=1e6, unit="MiB") * 2**20,
+                        m.number("memory_exponent", high=10.0),
+                    ),
+                    m.number("launch_us", strict=False, high=1e6, unit="microseconds") * 1e-6,
+                ),
+            )
+        )
     ov = f.sub("task_overhead_us")
     ov.only(set(TASK_KINDS))
     overheads = tuple((k, ov.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(ov.obj))
@@ -304,9 +358,11 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
     if "optimizer" in f.obj:
         o = f.sub("optimizer")
         o.only({"fixed_us", "per_tensor_us", "per_param_ns"})
-        optimizer = OptimizerFit(o.number("fixed_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
-                                 o.number("per_tensor_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
-                                 o.number("per_param_ns", strict=False, high=1e6, unit="nanoseconds") * 1e-9)
+        optimizer = OptimizerFit(
+            o.number("fixed_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
+            o.number("per_tensor_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
+            o.number("per_param_ns", strict=False, high=1e6, unit="nanoseconds") * 1e-9,
+        )
     colls = []
     for i, c in enumerate(_list(f, "collectives")):
         cf = _Fields(c, where, f"collectives[{i}].", _WHAT)
@@ -315,9 +371,17 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
         if kind not in COLLECTIVE_KINDS:
             raise cf.error("kind", f"is {kind!r}; choose {choices(COLLECTIVE_KINDS)}")
         pts = tuple((float(n), float(t) * 1e-6) for n, t in _pairs(cf, "points")) if "points" in cf.obj else ()
-        colls.append(CollectiveFit(kind, cf.integer("ranks"), AlphaBeta(
-            cf.number("alpha_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
-            cf.number("GBps", high=1e5, unit="GB/s") * 1e9), pts))
+        colls.append(
+            CollectiveFit(
+                kind,
+                cf.integer("ranks"),
+                AlphaBeta(
+                    cf.number("alpha_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
+                    cf.number("GBps", high=1e5, unit="GB/s") * 1e9,
+                ),
+                pts,
+            )
+        )
     kernels = []
     for i, k in enumerate(_list(f, "kernels")):
         kf = _Fields(k, where, f"kernels[{i}].", _WHAT)
@@ -331,20 +395,36 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
         shape = kf.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 1 for s in shape):
             raise kf.error("shape", f"must be a list of positive integers, got {shape!r}")
-        kernels.append(KernelTime(phase, kf.text("kind"), dtype, tuple(shape),
-                                  kf.number("flop", strict=False, unit="floating-point operations"),
-                                  kf.number("bytes", strict=False, unit="bytes of memory traffic"),
-                                  kf.number("time_us", high=1e8, unit="microseconds") * 1e-6))
+        kernels.append(
+            KernelTime(
+                phase,
+                kf.text("kind"),
+                dtype,
+                tuple(shape),
+                kf.number("flop", strict=False, unit="floating-point operations"),
+                kf.number("bytes", strict=False, unit="bytes of memory traffic"),
+                kf.number("time_us", high=1e8, unit="microseconds") * 1e-6,
+            )
+        )
     meta = tuple((k, f.obj[k]) for k in ("created", "host", "torch", "threads", "quick", "seconds") if k in f.obj)
     slowdown: list[tuple[int, float]] = []
     if "concurrent_slowdown" in f.obj:
         sd = f.sub("concurrent_slowdown")
         for key in sd.obj:
             if not str(key).isdigit() or int(key) < 2:
-                raise sd.error(key, "must be a number of ranks >= 2 (a JSON key like \"2\")")
+                raise sd.error(key, 'must be a number of ranks >= 2 (a JSON key like "2")')
             slowdown.append((int(key), sd.number(key, low=0.1, high=100.0, unit="factor on compute times")))
-    return Profile(device, tuple(rooflines), overheads, optimizer, tuple(colls), tuple(kernels), meta,
-                   view_task_s=views, slowdown=tuple(sorted(slowdown)))
+    return Profile(
+        device,
+        tuple(rooflines),
+        overheads,
+        optimizer,
+        tuple(colls),
+        tuple(kernels),
+        meta,
+        view_task_s=views,
+        slowdown=tuple(sorted(slowdown)),
+    )
 
 
 def _list(f: _Fields, key: str) -> list:
@@ -357,7 +437,10 @@ def _list(f: _Fields, key: str) -> list:
 def _pairs(f: _Fields, key: str) -> list:
     val = _list(f, key)
     for v in val:
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                            and x >= 0 for x in v)):
+        if not (
+            isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in v)
+        ):
             raise f.error(key, f"must be a list of [bytes, microseconds] pairs, got {v!r}")
     return val

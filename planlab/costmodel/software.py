@@ -33,8 +33,16 @@ from planlab.errors import choices
 
 IMPLEMENTATIONS = ("megatron", "torch")
 _US = 1e-6
-FIELDS = {"implementation", "host_call_us", "host_backward_call_us", "host_launch_us", "host_collective_us",
-          "optimizer_bytes_per_param", "source", "description"}
+FIELDS = {
+    "implementation",
+    "host_call_us",
+    "host_backward_call_us",
+    "host_launch_us",
+    "host_collective_us",
+    "optimizer_bytes_per_param",
+    "source",
+    "description",
+}
 
 
 @dataclass(frozen=True)
@@ -49,8 +57,10 @@ class SoftwareSpec:
     optimizer_bytes_per_param: float = 16.0
 
     def __str__(self) -> str:
-        return (f"{self.implementation} (host {self.host_call_s * 1e6:g}/{self.host_backward_call_s * 1e6:g} us per "
-                f"call, {self.host_launch_s * 1e6:g} us per launch)")
+        return (
+            f"{self.implementation} (host {self.host_call_s * 1e6:g}/{self.host_backward_call_s * 1e6:g} us per "
+            f"call, {self.host_launch_s * 1e6:g} us per launch)"
+        )
 
 
 def software_from(f) -> SoftwareSpec:
@@ -69,7 +79,9 @@ def software_from(f) -> SoftwareSpec:
         host_backward_call_s=us("host_backward_call_us"),
         host_launch_s=us("host_launch_us"),
         host_collective_s=us("host_collective_us"),
-        optimizer_bytes_per_param=f.number("optimizer_bytes_per_param", high=1000.0,
-                                           unit="bytes moved per parameter per step")
-        if "optimizer_bytes_per_param" in f.obj else 16.0,
+        optimizer_bytes_per_param=f.number(
+            "optimizer_bytes_per_param", high=1000.0, unit="bytes moved per parameter per step"
+        )
+        if "optimizer_bytes_per_param" in f.obj
+        else 16.0,
     )

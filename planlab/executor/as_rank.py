@@ -24,17 +24,31 @@ from planlab.executor.run import RunConfig, RunResult, prepare, worker
 from planlab.plan.plan_file import plan_to_json
 
 
-def run_as_rank(plan, cfg: RunConfig, env: RankEnv, *, loss_tol: float, grad_tol: float,
-                allow_device_mismatch: bool = False, profile: str | None = None, trace: str | None = None,
-                predicted_trace: str | None = None) -> int:
+def run_as_rank(
+    plan,
+    cfg: RunConfig,
+    env: RankEnv,
+    *,
+    loss_tol: float,
+    grad_tol: float,
+    allow_device_mismatch: bool = False,
+    profile: str | None = None,
+    trace: str | None = None,
+    predicted_trace: str | None = None,
+) -> int:
     """Run this process as rank ``env.rank`` of ``plan``; rank 0 prints the report and writes
     the traces. Returns the exit status: 1 when rank 0's numeric check failed, else 0."""
     from planlab.costmodel import CostModel
     from planlab.executor.timeline import measured_events, predict, write_trace
 
     cfg.validate()
-    device = check_launch(plan, env.world_size, cuda_devices=env.local_world_size,
-                          allow_device_mismatch=allow_device_mismatch, what=f"processes ({env.source})")
+    device = check_launch(
+        plan,
+        env.world_size,
+        cuda_devices=env.local_world_size,
+        allow_device_mismatch=allow_device_mismatch,
+        what=f"processes ({env.source})",
+    )
     cfg = replace(cfg, device=device)
     if cfg.load_dir is not None:
         read_manifest(cfg.load_dir, plan.model.to_json())

@@ -21,9 +21,16 @@ class Reference:
     grad_norms: tuple[float, ...] = ()
 
 
-def reference_run(spec: ModelSpec, *, global_batch: int, steps: int, lr: float, seed: int = 0,
-                  batches: Sequence[tuple[torch.Tensor, ...]] | None = None,
-                  clip_grad_norm: float | None = None) -> Reference:
+def reference_run(
+    spec: ModelSpec,
+    *,
+    global_batch: int,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    batches: Sequence[tuple[torch.Tensor, ...]] | None = None,
+    clip_grad_norm: float | None = None,
+) -> Reference:
     """Train the whole model in one process on the whole batch: the model's example inputs
     every step, or ``batches[step % len(batches)]``; with ``clip_grad_norm``, clip as
     ``torch.nn.utils.clip_grad_norm_`` does. The weights are drawn as every rank draws its

@@ -56,6 +56,7 @@ SAVE_TASK = "save-checkpoint"  # PLANLAB_FAULT's task name for a fault while a r
 
 # -- boxes ---------------------------------------------------------------------
 
+
 def _overlap(a: Box, b: Box) -> Box | None:
     box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return box if all(lo < hi for lo, hi in box) else None
@@ -111,8 +112,10 @@ def assemble(pieces: list[dict], box: Box, name: str, key: str = "value") -> tor
         out[_local(ov, box)] = pc[key][_local(ov, src_box)]
         covered[_local(ov, box)] = True
     if not bool(covered.all()):
-        raise CheckpointError(f"checkpoint: {key} of parameter {name!r}, region {list(box)}: "
-                              f"{int((~covered).sum())} of {covered.numel()} elements are in no saved piece")
+        raise CheckpointError(
+            f"checkpoint: {key} of parameter {name!r}, region {list(box)}: "
+            f"{int((~covered).sum())} of {covered.numel()} elements are in no saved piece"
+        )
     return out
 
 
@@ -137,9 +140,16 @@ def zero_spans(bucket, boxes: dict[str, Box]) -> list[tuple[str, Box, int, int]]
 
 def zeroed_params(dp: DeviceProgram) -> set[str]:
     """Parameters a device keeps in ZeRO buckets (their gradients are reduce-scattered)."""
-    return {b[3:] for block in dp.blocks.values() for t in block.tasks
-            if t.kind is TaskKind.COLLECTIVE and t.collective == "reduce_scatter" and t.writes
-            and t.writes[0].startswith("zg:") for b in t.reads}
+    return {
+        b[3:]
+        for block in dp.blocks.values()
+        for t in block.tasks
+        if t.kind is TaskKind.COLLECTIVE
+        and t.collective == "reduce_scatter"
+        and t.writes
+        and t.writes[0].startswith("zg:")
+        for b in t.reads
+    }
 
 
 def whole_writers(program: Program) -> dict[tuple[str, Box], int]:
@@ -162,6 +172,7 @@ def whole_writers(program: Program) -> dict[tuple[str, Box], int]:
 
 
 # -- writing -------------------------------------------------------------------
+
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU as a tensor of its own storage: ``torch.save`` writes a view's whole
@@ -196,8 +207,9 @@ def shard_entries(interp) -> list[dict[str, Any]]:
         state = z.optimizer.state.get(z.shard, {})
         for p, box, lo, hi in zero_spans(z, boxes):
             part = {k: v.detach()[lo:hi].reshape(_shape(box)) for k, v in state.items() if k in _STATE}
-            out.append(_entry(p, box, z.shard.detach()[lo:hi].reshape(_shape(box)),
-                              dict(part, step=state.get("step", 0.0))))
+            out.append(
+                _entry(p, box, z.shard.detach()[lo:hi].reshape(_shape(box)), dict(part, step=state.get("step", 0.0)))
+            )
     return out
 
 
@@ -219,8 +231,10 @@ def check_save_dir(folder: str | os.PathLike) -> None:
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"cannot save a checkpoint to {folder}: it is a file")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
-        raise CheckpointError(f"cannot save a checkpoint to {folder}: the folder holds files and no {MANIFEST} "
-                              "(only a checkpoint is replaced)")
+        raise CheckpointError(
+            f"cannot save a checkpoint to {folder}: the folder holds files and no {MANIFEST} "
+            "(only a checkpoint is replaced)"
+        )
 
 
 def write_rank_file(interp, stage: str | os.PathLike, rank: int) -> tuple[str, list]:
@@ -232,21 +246,48 @@ def write_rank_file(interp, stage: str | os.PathLike, rank: int) -> tuple[str, l
     return name, [[e["param"], e["box"]] for e in entries]
 
 
-def write_manifest(stage: str | os.PathLike, files: dict[str, list], *, model_json: dict, steps: int,
-                   params: dict[str, dict], saved_by: str = "") -> None:
+def write_manifest(
+    stage: str | os.PathLike,
+    files: dict[str, list],
+    *,
+    model_json: dict,
+    steps: int,
+    params: dict[str, dict],
+    saved_by: str = "",
+) -> None:
     """Write ``checkpoint.json`` into ``stage`` once every rank's file is there (``files``: name to index)."""
     stage = Path(stage)
     missing = [f for f in files if not (stage / f).exists()]
     if missing:
-        raise CheckpointError(f"{', '.join(missing)} not found in {stage} (do all ranks share one file system?); "
-                              "no checkpoint written")
-    manifest = {"format": FORMAT, "version": VERSION, "model": model_json, "steps": steps, "world_size": len(files),
-                "saved_by": saved_by, "optimizer": "adam", "params": params, "files": files}
+        raise CheckpointError(
+            f"{', '.join(missing)} not found in {stage} (do all ranks share one file system?); no checkpoint written"
+        )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_json,
+        "steps": steps,
+        "world_size": len(files),
+        "saved_by": saved_by,
+        "optimizer": "adam",
+        "params": params,
+        "files": files,
+    }
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def save_checkpoint(interp, folder: str | os.PathLike, *, rank: int, world_size: int, group=None,
-                    model_json: dict, steps: int, params: dict[str, dict], saved_by: str = "") -> None:
+def save_checkpoint(
+    interp,
+    folder: str | os.PathLike,
+    *,
+    rank: int,
+    world_size: int,
+    group=None,
+    model_json: dict,
+    steps: int,
+    params: dict[str, dict],
+    saved_by: str = "",
+) -> None:
     """Write a checkpoint of every rank's pieces to ``folder`` (collective over ``group``: every
     rank calls it). ``params`` maps each parameter of the model to its shape and dtype (see
     :func:`param_specs`); ``steps`` is the number of training steps run."""
@@ -284,6 +325,7 @@ def commit(stage: str | os.PathLike, folder: str | os.PathLike) -> None:
 
 # -- reading -------------------------------------------------------------------
 
+
 def read_manifest(folder: str | os.PathLike, model_json: dict | None = None) -> dict:
     """The manifest of the checkpoint in ``folder``; CheckpointError if it is missing, of another
     format or version, or (with ``model_json``) of another model."""
@@ -296,8 +338,9 @@ def read_manifest(folder: str | os.PathLike, model_json: dict | None = None) -> 
         raise CheckpointError(f"{path} cannot be read as JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         got = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (type(meta).__name__, None)
-        raise CheckpointError(f"{path} is {got[0]!r} version {got[1]!r}; this planlab reads {FORMAT!r} "
-                              f"version {VERSION}")
+        raise CheckpointError(
+            f"{path} is {got[0]!r} version {got[1]!r}; this planlab reads {FORMAT!r} version {VERSION}"
+        )
     for key, kind in (("model", dict), ("params", dict), ("files", dict), ("steps", int)):
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"{path}: {key!r} is missing or not a {kind.__name__}")
@@ -319,8 +362,10 @@ def check_checkpoint(folder: str | os.PathLike, params: dict[str, dict], model_j
         if got is None:
             raise CheckpointError(f"{path}: the model's parameter {p!r} is not in the checkpoint")
         if list(got.get("shape", [])) != list(spec["shape"]) or got.get("dtype") != spec["dtype"]:
-            raise CheckpointError(f"{path}: parameter {p!r} is {got.get('dtype')} {got.get('shape')}; the model's is "
-                                  f"{spec['dtype']} {list(spec['shape'])}")
+            raise CheckpointError(
+                f"{path}: parameter {p!r} is {got.get('dtype')} {got.get('shape')}; the model's is "
+                f"{spec['dtype']} {list(spec['shape'])}"
+            )
     extra = sorted(set(saved) - set(params))
     if extra:
         raise CheckpointError(f"{path}: parameter {extra[0]!r} is not in the model")
@@ -339,12 +384,18 @@ def check_checkpoint(folder: str | os.PathLike, params: dict[str, dict], model_j
 def _index_item(path: Path, f: str, item, params: dict[str, dict]) -> tuple[str, Box]:
     ok = isinstance(item, list) and len(item) == 2 and item[0] in params and isinstance(item[1], list)
     shape = tuple(params[item[0]]["shape"]) if ok else ()
-    ok = ok and len(item[1]) == len(shape) and all(
-        isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] < b[1] <= s
-        for b, s in zip(item[1], shape))
+    ok = (
+        ok
+        and len(item[1]) == len(shape)
+        and all(
+            isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] < b[1] <= s
+            for b, s in zip(item[1], shape)
+        )
+    )
     if not ok:
-        raise CheckpointError(f"{path}: entry {item!r} of {f} is not a parameter of the model and a box within its "
-                              f"shape")
+        raise CheckpointError(
+            f"{path}: entry {item!r} of {f} is not a parameter of the model and a box within its shape"
+        )
     return item[0], tuple(tuple(b) for b in item[1])
 
 
@@ -358,8 +409,7 @@ def _check_cover(path: Path, p: str, shape: tuple[int, ...], boxes: list[Box]) -
     if not bool(covered.all()):
         cell = tuple(int(i) for i in (~covered).nonzero()[0]) if covered.dim() else ()
         region = [(c[i], c[i + 1]) for c, i in zip(cuts, cell)]
-        raise CheckpointError(f"{path}: no saved entry holds region {region} of parameter {p!r} (a partial "
-                              "checkpoint)")
+        raise CheckpointError(f"{path}: no saved entry holds region {region} of parameter {p!r} (a partial checkpoint)")
 
 
 def _open(path: Path) -> dict:
@@ -368,10 +418,15 @@ def _open(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as e:  # a truncated or foreign file: torch raises many kinds
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:160]}") from None
-    if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or data.get("version") != VERSION \
-            or not isinstance(data.get("entries"), list):
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        ) from None
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FILE_FORMAT
+        or data.get("version") != VERSION
+        or not isinstance(data.get("entries"), list)
+    ):
         raise CheckpointError(f"checkpoint file {path} is not a {FILE_FORMAT!r} version {VERSION} file")
     return data
 
@@ -379,8 +434,9 @@ def _open(path: Path) -> dict:
 def _check_file(folder: Path, f: str, index: list, params: dict[str, dict]) -> None:
     data = _open(folder / f)
     if len(data["entries"]) != len(index):
-        raise CheckpointError(f"checkpoint file {folder / f} has {len(data['entries'])} entries; {MANIFEST} lists "
-                              f"{len(index)}")
+        raise CheckpointError(
+            f"checkpoint file {folder / f} has {len(data['entries'])} entries; {MANIFEST} lists {len(index)}"
+        )
     for e, item in zip(data["entries"], index):
         _check_entry(folder / f, e, item, params[item[0]]["dtype"])
 
@@ -437,8 +493,10 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.folder}: no entry holds region {list(box)} of parameter {p!r}")
         steps = sorted({float(e["step"]) for e in pieces})
         if len(steps) > 1:
-            raise CheckpointError(f"checkpoint {self.folder}: the entries of parameter {p!r} region {list(box)} "
-                                  f"have different Adam steps {steps}")
+            raise CheckpointError(
+                f"checkpoint {self.folder}: the entries of parameter {p!r} region {list(box)} "
+                f"have different Adam steps {steps}"
+            )
         out["step"] = torch.tensor(steps[0], dtype=torch.float32)
         return out
 
@@ -447,8 +505,10 @@ def _adam_state(got: dict[str, torch.Tensor], device: torch.device, steps: set[f
     """Adam's state for one tensor from its moments in ``got`` and the ``steps`` of its entries."""
     if len(steps) > 1:
         raise CheckpointError(f"checkpoint: {what} gets different Adam steps {sorted(steps)}")
-    return {"step": torch.tensor(steps.pop() if steps else 0.0, dtype=torch.float32),
-            **{k: got[k].to(device) for k in _STATE}}
+    return {
+        "step": torch.tensor(steps.pop() if steps else 0.0, dtype=torch.float32),
+        **{k: got[k].to(device) for k in _STATE},
+    }
 
 
 def load_shards(interp, folder: str | os.PathLike, model_json: dict | None = None) -> int:

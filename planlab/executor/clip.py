@@ -64,10 +64,16 @@ def norm_weights(program: Program, device: int, zero_buckets: dict) -> dict[str,
         if all(isinstance(c, float) for c in per) and len({c for c in per}) == 1:
             out[name] = z.n / per[0]  # padding elements have zero gradients: their weight is moot
             continue
-        flat = torch.cat([(z.n / c).reshape(-1) if isinstance(c, torch.Tensor) else
-                          torch.full((_numel(boxes[p]),), z.n / c, dtype=torch.float64) for p, c in zip(z.params, per)])
+        flat = torch.cat(
+            [
+                (z.n / c).reshape(-1)
+                if isinstance(c, torch.Tensor)
+                else torch.full((_numel(boxes[p]),), z.n / c, dtype=torch.float64)
+                for p, c in zip(z.params, per)
+            ]
+        )
         flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
-        out[name] = flat[z.me * z.chunk:(z.me + 1) * z.chunk].clone()
+        out[name] = flat[z.me * z.chunk : (z.me + 1) * z.chunk].clone()
     return out
 
 

@@ -29,8 +29,10 @@ Batch = tuple[torch.Tensor, ...]
 
 
 def _describe(batch: Sequence[Any]) -> str:
-    return ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor)
-                     else type(x).__name__ for x in batch)
+    return ", ".join(
+        f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in batch
+    )
 
 
 def _from_function(source: str, global_batch: int, steps: int) -> list:
@@ -52,8 +54,9 @@ def _from_file(source: str) -> list:
     except Exception as e:
         raise ConfigError(f"--data {source}: cannot read it with torch.load: {type(e).__name__}: {e}") from None
     if not isinstance(out, (list, tuple)):
-        raise ConfigError(f"--data {source} holds a {type(out).__name__}; expected a list of batches "
-                          "(each a tuple of tensors)")
+        raise ConfigError(
+            f"--data {source} holds a {type(out).__name__}; expected a list of batches (each a tuple of tensors)"
+        )
     return list(out)
 
 
@@ -70,9 +73,12 @@ def load_batches(source: str, *, example: Batch, global_batch: int, steps: int) 
     for i, b in enumerate(raw):
         b = (b,) if isinstance(b, torch.Tensor) else tuple(b) if isinstance(b, (list, tuple)) else (b,)
         ok = len(b) == len(example) and all(
-            isinstance(x, torch.Tensor) and x.shape == e.shape and x.dtype == e.dtype for x, e in zip(b, example))
+            isinstance(x, torch.Tensor) and x.shape == e.shape and x.dtype == e.dtype for x, e in zip(b, example)
+        )
         if not ok:
-            raise ConfigError(f"--data {source}: batch {i} is ({_describe(b)}); the model takes ({want}) at "
-                              f"global batch {global_batch}")
+            raise ConfigError(
+                f"--data {source}: batch {i} is ({_describe(b)}); the model takes ({want}) at "
+                f"global batch {global_batch}"
+            )
         batches.append(tuple(x.contiguous() for x in b))
     return batches

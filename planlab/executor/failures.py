@@ -179,6 +179,7 @@ class Watchdog(threading.Thread):
 
 # -- reports -------------------------------------------------------------------
 
+
 class TaskError(ExecutionError):
     """A task of ``device`` raised ``cause``; ``waited_on`` names the group or peer of a
     collective, send or receive."""
@@ -199,7 +200,6 @@ def waited_on(task: Task) -> str:
     return ""
 
 
-
 def classify(exc: BaseException) -> str:
     """``timeout`` (a wait ran out), ``peer`` (a peer went away) or ``error`` (anything else)."""
     if isinstance(exc, InjectedFault):
@@ -207,8 +207,18 @@ def classify(exc: BaseException) -> str:
     text = str(exc).lower()
     if "timed out" in text or "timeout" in text:
         return "timeout"
-    if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "connection refused",
-                               "closed by peer", "socket closed", "end of file")):
+    if any(
+        w in text
+        for w in (
+            "connection closed",
+            "connection reset",
+            "broken pipe",
+            "connection refused",
+            "closed by peer",
+            "socket closed",
+            "end of file",
+        )
+    ):
         return "peer"
     import torch.distributed as dist
 
@@ -219,13 +229,19 @@ def progress_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.progress"
 
 
-def write_report(run_dir: str | os.PathLike, rank: int, *, cause: str, where: str, error: str,
-                 waited_on: str = "") -> None:
+def write_report(
+    run_dir: str | os.PathLike, rank: int, *, cause: str, where: str, error: str, waited_on: str = ""
+) -> None:
     """Write rank ``rank``'s failure report (atomically) into ``run_dir``."""
     path = Path(run_dir) / f"rank{rank}.failure.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(rank=rank, pid=os.getpid(), cause=cause, where=where, error=error,
-                                   waited_on=waited_on, time=time.time())))
+    tmp.write_text(
+        json.dumps(
+            dict(
+                rank=rank, pid=os.getpid(), cause=cause, where=where, error=error, waited_on=waited_on, time=time.time()
+            )
+        )
+    )
     os.replace(tmp, path)
 
 
@@ -256,19 +272,37 @@ def diagnose(run_dir: str | os.PathLike, exitcodes: Mapping[int, int], world: in
             continue
         if code is not None and code < 0:
             sig = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            found[r] = dict(rank=r, cause="killed", where=where.get(r, "start-up"), error=f"killed by signal {sig}",
-                            waited_on="", time=0.0)
+            found[r] = dict(
+                rank=r,
+                cause="killed",
+                where=where.get(r, "start-up"),
+                error=f"killed by signal {sig}",
+                waited_on="",
+                time=0.0,
+            )
         else:
-            found[r] = dict(rank=r, cause="exited", where=where.get(r, "start-up"),
-                            error=f"exited with status {code} without a report", waited_on="", time=0.0)
+            found[r] = dict(
+                rank=r,
+                cause="exited",
+                where=where.get(r, "start-up"),
+                error=f"exited with status {code} without a report",
+                waited_on="",
+                time=0.0,
+            )
     if not found:
-        return RankFailure(f"the run failed (exit codes {dict(exitcodes)}) and no rank left a report", rank=-1,
-                           where="", error="", cause="exited")
+        return RankFailure(
+            f"the run failed (exit codes {dict(exitcodes)}) and no rank left a report",
+            rank=-1,
+            where="",
+            error="",
+            cause="exited",
+        )
     root = min(found.values(), key=lambda r: (_PRIORITY.get(r["cause"], 3), r["time"], r["rank"]))
     rank = root["rank"]
     meanwhile = {r: w for r, w in where.items() if r != rank and r not in found}
-    return RankFailure(failure_message(root, meanwhile), rank=rank, where=root["where"], error=root["error"],
-                       cause=root["cause"])
+    return RankFailure(
+        failure_message(root, meanwhile), rank=rank, where=root["where"], error=root["error"], cause=root["cause"]
+    )
 
 
 def failure_message(report: Mapping, meanwhile: Mapping[int, str] | None = None) -> str:

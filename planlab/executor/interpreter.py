@@ -49,8 +49,15 @@ def _binder(call) -> tuple | bool:
     return tuple(slot(a) for a in call.args), tuple((k,) + slot(v) for k, v in call.kwargs.items())
 
 
-def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Graph, microbatches: int,
-              vocab_offset: int = 0, group=None):
+def run_piece(
+    op: Operator,
+    task: Task,
+    tensors: list[torch.Tensor],
+    graph: Graph,
+    microbatches: int,
+    vocab_offset: int = 0,
+    group=None,
+):
     """Run one piece of ``op`` on local tensors; returns the output tensor(s). A piece of an
     embedding whose table holds rows ``vocab_offset ..`` of the vocabulary only (split along ``v``)
     looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
@@ -60,8 +67,9 @@ def run_piece(op: Operator, task: Task, tensors: list[torch.Tensor], graph: Grap
     if op.kind in VOCAB_EMBEDDINGS and tensors[1].shape[0] != op.dim_sizes["v"]:
         return vocab_piece_embedding(tensors[0], tensors[1], vocab_offset)
     if op.kind == "vocab_cross_entropy":
-        loss = vocab_parallel_cross_entropy(tensors[0], tensors[1], offset=vocab_offset,
-                                            count=op.dim_sizes["n"], group=group)
+        loss = vocab_parallel_cross_entropy(
+            tensors[0], tensors[1], offset=vocab_offset, count=op.dim_sizes["n"], group=group
+        )
         return loss.reshape(task.shape)
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
@@ -145,7 +153,7 @@ class Interpreter:
     torch_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     record: bool = False
     progress: Progress | None = None  # where this rank is, for failure reports and the watchdog
-    fault: Fault | None = None        # a test-only injected fault (PLANLAB_FAULT)
+    fault: Fault | None = None  # a test-only injected fault (PLANLAB_FAULT)
     shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
     clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
 
@@ -165,8 +173,9 @@ class Interpreter:
         self.zero = self._zero_buckets()
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
         # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py)
-        self.unit_of = {pre + p: z.key for z in self.zero.values() if z.stage3 for p in z.params
-                        for pre in zero3.GATHERED}
+        self.unit_of = {
+            pre + p: z.key for z in self.zero.values() if z.stage3 for p in z.params for pre in zero3.GATHERED
+        }
         self.gathered: dict[tuple[str, int], torch.Tensor] = {}
         if self.unit_of:
             full = {b[3:] for b in self.unit_of}
@@ -176,8 +185,9 @@ class Interpreter:
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
-        self._norm_weights = norm_weights(self.program, self.device, self.zero) \
-            if self.clip_grad_norm is not None else {}
+        self._norm_weights = (
+            norm_weights(self.program, self.device, self.zero) if self.clip_grad_norm is not None else {}
+        )
         self._updating = False  # within this step's update (its first optimizer task has run)
         self.captured_grads: dict[str, torch.Tensor] = {}
         self.timeline: list[TaskTiming] = []
@@ -201,10 +211,19 @@ class Interpreter:
                     n, me = len(group), group.index(self.device)
                     chunk = -(-flat.numel() // n)
                     flat = torch.nn.functional.pad(flat, (0, chunk * n - flat.numel()))
-                    shard = flat[me * chunk:(me + 1) * chunk].clone().requires_grad_(True)
-                    out[t.writes[0]] = _ZeroBucket(params, n, me, chunk, shard, torch.optim.Adam([shard], lr=self.lr),
-                                                   t.writes[0], group, t.reads[0].startswith("zd:"),
-                                                   tuple(tuple(self.static[f"w:{p}"].shape) for p in params))
+                    shard = flat[me * chunk : (me + 1) * chunk].clone().requires_grad_(True)
+                    out[t.writes[0]] = _ZeroBucket(
+                        params,
+                        n,
+                        me,
+                        chunk,
+                        shard,
+                        torch.optim.Adam([shard], lr=self.lr),
+                        t.writes[0],
+                        group,
+                        t.reads[0].startswith("zd:"),
+                        tuple(tuple(self.static[f"w:{p}"].shape) for p in params),
+                    )
         return out
 
     def set_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -220,11 +239,11 @@ class Interpreter:
             if name.startswith("wg:") and f"w:{name[3:]}" in self.static:  # no contribution yet: zero
                 z = self.static[name] = torch.zeros_like(self.static[f"w:{name[3:]}"], requires_grad=False)
                 return z
-            raise ExecutionError(f"device {self.device}: buffer {name!r} (micro-batch {mb}) was read before "
-                                 "any task wrote it") from None
+            raise ExecutionError(
+                f"device {self.device}: buffer {name!r} (micro-batch {mb}) was read before any task wrote it"
+            ) from None
 
-    def _put(self, name: str, mb: int, value: torch.Tensor, task: Task | None = None,
-             accumulate: bool = False) -> None:
+    def _put(self, name: str, mb: int, value: torch.Tensor, task: Task | None = None, accumulate: bool = False) -> None:
         store, key = (self.static, name) if is_static(name) else (self.bufs, (name, mb))
         region = task.region if task is not None and task.kind in (TaskKind.RECV, TaskKind.LOCAL) else None
         if region is None:
@@ -279,8 +298,9 @@ class Interpreter:
                     if b in self.unit_of:  # a ZeRO-3 layer's gathered weights: give the memory back
                         zero3.release(self, b, mb)
         if progress is not None and self.pending:
-            progress.phase(f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} "
-                           "to complete")
+            progress.phase(
+                f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} to complete"
+            )
         for work, task, _ in self.pending:
             try:
                 work.wait()
@@ -322,7 +342,7 @@ class Interpreter:
             off = 0
             for b in task.reads:
                 cur = self._get(b, 0)
-                self.static[b] = flat[off:off + cur.numel()].view_as(cur)  # views of a fresh buffer
+                self.static[b] = flat[off : off + cur.numel()].view_as(cur)  # views of a fresh buffer
                 off += cur.numel()
         self.overlapped = []
 
@@ -347,8 +367,15 @@ class Interpreter:
                     fn = self._backward_input
                 if self.fault is not None and self.fault.task == task.name:
                     fn = self._with_fault(fn)
-                steps.append((task, fn, Progress.encode(str(task)), task.free,
-                              holds_loss and task.kind is TaskKind.FORWARD and task.op == loss_op))
+                steps.append(
+                    (
+                        task,
+                        fn,
+                        Progress.encode(str(task)),
+                        task.free,
+                        holds_loss and task.kind is TaskKind.FORWARD and task.op == loss_op,
+                    )
+                )
             steps = self._compiled[key] = tuple(steps)
         return steps
 
@@ -365,9 +392,15 @@ class Interpreter:
 
     def _dispatch(self) -> dict:
         """The method that runs each kind of task, as ``fn(task, microbatch)``."""
-        return {TaskKind.FORWARD: self._forward, TaskKind.BACKWARD: self._backward, TaskKind.LOCAL: self._local,
-                TaskKind.COLLECTIVE: self._collective, TaskKind.SEND: self._send, TaskKind.RECV: self._recv,
-                TaskKind.OPTIMIZER: self._optimizer}
+        return {
+            TaskKind.FORWARD: self._forward,
+            TaskKind.BACKWARD: self._backward,
+            TaskKind.LOCAL: self._local,
+            TaskKind.COLLECTIVE: self._collective,
+            TaskKind.SEND: self._send,
+            TaskKind.RECV: self._recv,
+            TaskKind.OPTIMIZER: self._optimizer,
+        }
 
     def _run(self, task: Task, mb: int) -> None:
         """Run one task (``run_iteration`` uses the same dispatch, made once per block)."""
@@ -391,8 +424,10 @@ class Interpreter:
         made once per task."""
         r = self._read_cache.get(id(task))
         if r is None:
-            r = self._read_cache[id(task)] = (self.graph.op(task.op) if task.op else None, tuple(
-                (b, is_static(b), task.chunk >= 0 or not b.startswith("w:")) for b in task.reads))
+            r = self._read_cache[id(task)] = (
+                self.graph.op(task.op) if task.op else None,
+                tuple((b, is_static(b), task.chunk >= 0 or not b.startswith("w:")) for b in task.reads),
+            )
         return r
 
     def _forward(self, task: Task, mb: int) -> None:
@@ -526,7 +561,7 @@ class Interpreter:
             off = 0
             for b in task.reads:
                 cur = self._get(b, mb)
-                self.static[b] = flat[off:off + cur.numel()].view_as(cur)  # views of a fresh buffer
+                self.static[b] = flat[off : off + cur.numel()].view_as(cur)  # views of a fresh buffer
                 off += cur.numel()
             return
         if task.writes and task.writes[0].startswith("zg:"):
@@ -578,9 +613,9 @@ class Interpreter:
                 off = 0
                 for p in z.params:
                     w = self.static[f"w:{p}"]
-                    self.captured_grads[p] = flat[off:off + w.numel()].view_as(w).clone()
+                    self.captured_grads[p] = flat[off : off + w.numel()].view_as(w).clone()
                     off += w.numel()
-            out = flat[z.me * z.chunk:(z.me + 1) * z.chunk]
+            out = flat[z.me * z.chunk : (z.me + 1) * z.chunk]
         self.static[task.writes[0]] = out
         for p in z.params:  # the next step's gradients start from zero
             self.static.pop(f"wg:{p}", None)
@@ -595,7 +630,7 @@ class Interpreter:
         with torch.no_grad():
             for p in z.params:
                 w = self.static[f"w:{p}"]
-                w.copy_(flat[off:off + w.numel()].view_as(w))
+                w.copy_(flat[off : off + w.numel()].view_as(w))
                 off += w.numel()
 
     def _optimizer(self, task: Task, mb: int) -> None:

@@ -35,8 +35,10 @@ class RankEnv:
     master_port: int
 
     def __str__(self) -> str:
-        return (f"rank {self.rank} of {self.world_size} ({self.source}, node {self.node_rank}, local rank "
-                f"{self.local_rank} of {self.local_world_size}, rendezvous {self.master_addr}:{self.master_port})")
+        return (
+            f"rank {self.rank} of {self.world_size} ({self.source}, node {self.node_rank}, local rank "
+            f"{self.local_rank} of {self.local_world_size}, rendezvous {self.master_addr}:{self.master_port})"
+        )
 
     def local_ranks(self) -> range:
         """The ranks on this node, numbered node by node as torchrun and srun's block distribution do."""
@@ -46,9 +48,15 @@ class RankEnv:
     def export(self, environ: dict | None = None) -> None:
         """Set the variables ``init_process_group("env://")`` reads (and LOCAL_RANK)."""
         env = os.environ if environ is None else environ
-        env.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                   LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node_rank),
-                   MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        env.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            GROUP_RANK=str(self.node_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -97,23 +105,33 @@ def detect(environ: Mapping[str, str] | None = None) -> RankEnv | None:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
-        return RankEnv("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK", 0),
-                       _int(env, "LOCAL_WORLD_SIZE", world), _int(env, "GROUP_RANK", 0),
-                       env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500))
+        return RankEnv(
+            "torchrun",
+            _int(env, "RANK"),
+            world,
+            _int(env, "LOCAL_RANK", 0),
+            _int(env, "LOCAL_WORLD_SIZE", world),
+            _int(env, "GROUP_RANK", 0),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            _int(env, "MASTER_PORT", 29500),
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         world, node = _int(env, "SLURM_NTASKS"), _int(env, "SLURM_NODEID", 0)
-        local_world = _tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), node) or \
-            _int(env, "SLURM_NTASKS_PER_NODE", max(1, world // max(1, _int(env, "SLURM_NNODES", 1))))
+        local_world = _tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), node) or _int(
+            env, "SLURM_NTASKS_PER_NODE", max(1, world // max(1, _int(env, "SLURM_NNODES", 1)))
+        )
         addr = env.get("MASTER_ADDR")
         if not addr:
             nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
             if not nodelist:
-                raise ConfigError("under srun, set MASTER_ADDR or SLURM_JOB_NODELIST (the first host holds the "
-                                  "rendezvous)")
+                raise ConfigError(
+                    "under srun, set MASTER_ADDR or SLURM_JOB_NODELIST (the first host holds the rendezvous)"
+                )
             addr = first_host(nodelist)
         port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else 20000 + _int(env, "SLURM_JOB_ID", 0) % 20000
-        return RankEnv("slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0), local_world, node,
-                       addr, port)
+        return RankEnv(
+            "slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID", 0), local_world, node, addr, port
+        )
     return None
 
 
@@ -129,8 +147,9 @@ def plan_device(plan) -> str:
     return load_cluster(plan.cluster).node.device.name
 
 
-def check_launch(plan, world_size: int, *, cuda_devices: int, allow_device_mismatch: bool = False,
-                 what: str = "processes") -> str:
+def check_launch(
+    plan, world_size: int, *, cuda_devices: int, allow_device_mismatch: bool = False, what: str = "processes"
+) -> str:
     """Refuse (ConfigError) a launch of ``world_size`` processes that does not fit ``plan``; return
     the torch device type the ranks use (``cuda`` or ``cpu``).
 
@@ -140,9 +159,11 @@ def check_launch(plan, world_size: int, *, cuda_devices: int, allow_device_misma
     times do not compare). A plan for the ``cpu`` cluster runs on CPU processes, GPUs or not.
     """
     if world_size != plan.num_devices:
-        raise ConfigError(f"the plan is for {plan.num_devices} devices; this launch has {world_size} {what}. "
-                          f"Launch {plan.num_devices} (e.g. torchrun --nproc-per-node ... with "
-                          f"nnodes x nproc-per-node = {plan.num_devices}, or --nproc {plan.num_devices})")
+        raise ConfigError(
+            f"the plan is for {plan.num_devices} devices; this launch has {world_size} {what}. "
+            f"Launch {plan.num_devices} (e.g. torchrun --nproc-per-node ... with "
+            f"nnodes x nproc-per-node = {plan.num_devices}, or --nproc {plan.num_devices})"
+        )
     device = plan_device(plan)
     if device_kind(device) == "cpu":
         return "cpu"
@@ -153,6 +174,8 @@ def check_launch(plan, world_size: int, *, cuda_devices: int, allow_device_misma
         return "cuda"
     if allow_device_mismatch:
         return "cpu"
-    raise ConfigError(f"the plan is for {device} GPUs ({plan.cluster}); this machine has {have} CUDA devices for "
-                      f"{cuda_devices} processes per node. Run it on GPUs, or pass --allow-device-mismatch to check "
-                      "its numerics on CPU processes (gloo; measured times then do not compare)")
+    raise ConfigError(
+        f"the plan is for {device} GPUs ({plan.cluster}); this machine has {have} CUDA devices for "
+        f"{cuda_devices} processes per node. Run it on GPUs, or pass --allow-device-mismatch to check "
+        "its numerics on CPU processes (gloo; measured times then do not compare)"
+    )

@@ -39,11 +39,29 @@ from torch.distributed.elastic.multiprocessing.errors import record as record_er
 
 from planlab.errors import ConfigError
 from planlab.executor.check import max_grad_error, reference_run
-from planlab.executor.checkpoint import (check_checkpoint, check_save_dir, load_shards, param_specs, read_manifest,
-                                         save_checkpoint, staging_dir)
+from planlab.executor.checkpoint import (
+    check_checkpoint,
+    check_save_dir,
+    load_shards,
+    param_specs,
+    read_manifest,
+    save_checkpoint,
+    staging_dir,
+)
 from planlab.executor.data import load_batches
-from planlab.executor.failures import (FAULT_ENV, Fault, Progress, TaskError, Watchdog, classify, diagnose,
-                                       failure_message, fault_from_env, progress_path, write_report)
+from planlab.executor.failures import (
+    FAULT_ENV,
+    Fault,
+    Progress,
+    TaskError,
+    Watchdog,
+    classify,
+    diagnose,
+    failure_message,
+    fault_from_env,
+    progress_path,
+    write_report,
+)
 from planlab.executor.interpreter import Interpreter
 from planlab.executor.launch_env import check_launch
 from planlab.executor.memory import PeakMemory
@@ -81,8 +99,11 @@ class RunConfig:
     log: bool = False
 
     def __str__(self) -> str:
-        extra = [f"{self.warmup} warm-up" if self.warmup else "", f"clip {self.clip_grad_norm:g}"
-                 if self.clip_grad_norm is not None else "", f"data {self.data}" if self.data else ""]
+        extra = [
+            f"{self.warmup} warm-up" if self.warmup else "",
+            f"clip {self.clip_grad_norm:g}" if self.clip_grad_norm is not None else "",
+            f"data {self.data}" if self.data else "",
+        ]
         return f"{self.steps} steps" + "".join(f", {e}" for e in extra if e)
 
     def validate(self) -> None:
@@ -90,15 +111,18 @@ class RunConfig:
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1, got {self.steps}")
         if not 0 <= self.warmup < self.steps:
-            raise ConfigError(f"warm-up steps must be at least 0 and fewer than the {self.steps} steps, got "
-                              f"{self.warmup}")
+            raise ConfigError(
+                f"warm-up steps must be at least 0 and fewer than the {self.steps} steps, got {self.warmup}"
+            )
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
         if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
             raise ConfigError(f"the gradient norm to clip to must be a positive number, got {self.clip_grad_norm}")
         if self.load_dir is not None and self.check:
-            raise ConfigError("the numeric check runs one process from the seed; pass check=False to start "
-                              f"from the checkpoint {self.load_dir}")
+            raise ConfigError(
+                "the numeric check runs one process from the seed; pass check=False to start "
+                f"from the checkpoint {self.load_dir}"
+            )
 
 
 @dataclass
@@ -128,7 +152,7 @@ class RunResult:
     @property
     def measured_iter_s(self) -> float:
         """Mean iteration time of the steps after the warm-up."""
-        t = self.iter_times_s[self.warmup:] or self.iter_times_s
+        t = self.iter_times_s[self.warmup :] or self.iter_times_s
         return sum(t) / len(t)
 
     def passed(self, *, loss_tol: float, grad_tol: float) -> bool:
@@ -158,8 +182,14 @@ def watchdog_limit_s(timeout_s: float) -> float:
 
 
 @record_errors
-def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_on_failure: bool = False,
-           setup: tuple | None = None) -> dict:
+def worker(
+    plan_json: str,
+    cfg: RunConfig,
+    run_dir: str | None = None,
+    *,
+    exit_on_failure: bool = False,
+    setup: tuple | None = None,
+) -> dict:
     """Entry point of one rank: join the process group, build this rank's pieces, run
     ``cfg.steps`` iterations, check numerics; returns :class:`RunResult` as a dict (rank 0's
     holds every rank's timeline and memory, and the check).
@@ -214,23 +244,41 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
         groups = {g: dist.new_group(list(g), timeout=timedelta(seconds=timeout_s)) for g in program.groups}
         # control traffic (barriers, losses, timelines) on the CPU: the default group, or gloo beside NCCL
         ctl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S))) \
-            if cfg.check else None
+        slow = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S)))
+            if cfg.check
+            else None
+        )
         phase("setup: building this rank's pieces", armed=False)
         memory = PeakMemory(device)
         memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
         skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
         shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
-        interp = Interpreter(program, graph, rank, skeleton, inputs, groups, lr=cfg.lr, torch_device=device,
-                             progress=progress, fault=fault, shards=shards, clip_grad_norm=cfg.clip_grad_norm)
+        interp = Interpreter(
+            program,
+            graph,
+            rank,
+            skeleton,
+            inputs,
+            groups,
+            lr=cfg.lr,
+            torch_device=device,
+            progress=progress,
+            fault=fault,
+            shards=shards,
+            clip_grad_norm=cfg.clip_grad_norm,
+        )
         del shards
         loaded_steps = 0
         if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
             loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
         # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
-        batches = load_batches(cfg.data, example=inputs, global_batch=plan.global_batch,
-                               steps=loaded_steps + cfg.steps) if cfg.data else None
+        batches = (
+            load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=loaded_steps + cfg.steps)
+            if cfg.data
+            else None
+        )
         losses, times, norms = [], [], []
         for step in range(cfg.steps):
             interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
@@ -251,16 +299,27 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
             losses.append(float(total))
             norms.append(interp.grad_norm)
             if cfg.log and rank == 0:
-                print(f"step {step}: loss {losses[-1]:.6f}" + (f", gradient norm {norms[-1]:.4g}" if
-                      cfg.clip_grad_norm is not None else "") + f", {times[-1] * 1e3:.1f} ms"
-                      + (" (warm-up)" if step < cfg.warmup else ""), flush=True)
+                print(
+                    f"step {step}: loss {losses[-1]:.6f}"
+                    + (f", gradient norm {norms[-1]:.4g}" if cfg.clip_grad_norm is not None else "")
+                    + f", {times[-1] * 1e3:.1f} ms"
+                    + (" (warm-up)" if step < cfg.warmup else ""),
+                    flush=True,
+                )
         peak = memory.peak()
         phase("end: timelines and memory", everyone)
         parts: list | None = [None] * world if rank == 0 else None
         mine = ([asdict(t) for t in interp.timeline] if cfg.record else [], peak, memory.base)
         dist.gather_object(mine, parts, dst=0, group=ctl)
-        res = RunResult(losses, times, world_size=world, backend=backend, warmup=cfg.warmup,
-                        mem_kind=memory.kind, grad_norms=norms if cfg.clip_grad_norm is not None else [])
+        res = RunResult(
+            losses,
+            times,
+            world_size=world,
+            backend=backend,
+            warmup=cfg.warmup,
+            mem_kind=memory.kind,
+            grad_norms=norms if cfg.clip_grad_norm is not None else [],
+        )
         if parts:
             res.timeline = [t for p in parts for t in p[0]]
             res.peak_mem_bytes, res.base_mem_bytes = [p[1] for p in parts], [p[2] for p in parts]
@@ -269,9 +328,17 @@ def worker(plan_json: str, cfg: RunConfig, run_dir: str | None = None, *, exit_o
             _check(res, interp, program, plan, cfg, batches, slow)
         if cfg.save_dir:
             phase("end: saving the checkpoint", everyone)
-            save_checkpoint(interp, cfg.save_dir, rank=rank, world_size=world, group=ctl,
-                            model_json=plan.model.to_json(), steps=loaded_steps + cfg.steps,
-                            params=param_specs(graph), saved_by=plan.describe())
+            save_checkpoint(
+                interp,
+                cfg.save_dir,
+                rank=rank,
+                world_size=world,
+                group=ctl,
+                model_json=plan.model.to_json(),
+                steps=loaded_steps + cfg.steps,
+                params=param_specs(graph),
+                saved_by=plan.describe(),
+            )
         phase("end", armed=False)
         watchdog.stop()
         dist.destroy_process_group()
@@ -294,8 +361,15 @@ def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, b
     if rank != 0:
         dist.send_object_list([grads], dst=0, group=group)
         return
-    ref = reference_run(plan.model, global_batch=plan.global_batch, steps=cfg.steps, lr=cfg.lr, seed=cfg.seed,
-                        batches=batches, clip_grad_norm=cfg.clip_grad_norm)
+    ref = reference_run(
+        plan.model,
+        global_batch=plan.global_batch,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        batches=batches,
+        clip_grad_norm=cfg.clip_grad_norm,
+    )
     err = max_grad_error(grads, dict(program.devices[0].params), ref)
     for r in range(1, world):
         got: list = [None]
@@ -320,8 +394,10 @@ def _report_and_exit(run_dir: str | None, rank: int, progress: Progress, waiting
                 print(f"planlab: error: {cause}", file=sys.stderr)
             elif kind == "peer":  # not the cause: one line that does not repeat the error
                 on = f", waiting on {waited_on}" if waited_on else ""
-                print(f"planlab: rank {rank} stopped at {progress.where()}{on}: a peer failed or went away ({error})",
-                      file=sys.stderr)
+                print(
+                    f"planlab: rank {rank} stopped at {progress.where()}{on}: a peer failed or went away ({error})",
+                    file=sys.stderr,
+                )
             else:
                 report = dict(rank=rank, cause=kind, where=progress.where(), error=error, waited_on=waited_on)
                 print(f"planlab: error: {failure_message(report)}", file=sys.stderr)
@@ -359,11 +435,25 @@ def _quiet_launcher() -> Iterator[None]:
             lg.setLevel(lv)
 
 
-def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: bool = True, seed: int = 0,
-                 record: bool = False, timeout_s: float = 300.0, run_id: str | None = None,
-                 save_dir: str | os.PathLike | None = None, load_dir: str | os.PathLike | None = None,
-                 warmup: int = 0, data: str | os.PathLike | None = None, clip_grad_norm: float | None = None,
-                 allow_device_mismatch: bool = False, log: bool = False) -> RunResult:
+def launch_local(
+    plan,
+    nproc: int,
+    *,
+    steps: int = 1,
+    lr: float = 1e-3,
+    check: bool = True,
+    seed: int = 0,
+    record: bool = False,
+    timeout_s: float = 300.0,
+    run_id: str | None = None,
+    save_dir: str | os.PathLike | None = None,
+    load_dir: str | os.PathLike | None = None,
+    warmup: int = 0,
+    data: str | os.PathLike | None = None,
+    clip_grad_norm: float | None = None,
+    allow_device_mismatch: bool = False,
+    log: bool = False,
+) -> RunResult:
     """Run ``plan`` on ``nproc`` local processes with torchrun's launcher; rank 0's result.
 
     The launch is refused (ConfigError) before any process starts when ``nproc`` is not the
@@ -378,12 +468,24 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
     """
     if nproc != plan.num_devices:
         raise ConfigError(f"--nproc {nproc} differs from the plan's {plan.num_devices} devices")
-    cfg = RunConfig(steps=steps, warmup=warmup, lr=lr, check=check, seed=seed, record=record, timeout_s=timeout_s,
-                    save_dir=_str(save_dir), load_dir=_str(load_dir), data=_str(data), clip_grad_norm=clip_grad_norm,
-                    log=log)
+    cfg = RunConfig(
+        steps=steps,
+        warmup=warmup,
+        lr=lr,
+        check=check,
+        seed=seed,
+        record=record,
+        timeout_s=timeout_s,
+        save_dir=_str(save_dir),
+        load_dir=_str(load_dir),
+        data=_str(data),
+        clip_grad_norm=clip_grad_norm,
+        log=log,
+    )
     cfg.validate()
-    cfg = replace(cfg, device=check_launch(plan, nproc, cuda_devices=nproc,
-                                           allow_device_mismatch=allow_device_mismatch))
+    cfg = replace(
+        cfg, device=check_launch(plan, nproc, cuda_devices=nproc, allow_device_mismatch=allow_device_mismatch)
+    )
     if load_dir is not None:
         read_manifest(load_dir, plan.model.to_json())  # a wrong folder or model fails here
     if os.environ.get(FAULT_ENV, "").strip():
@@ -394,9 +496,17 @@ def launch_local(plan, nproc: int, *, steps: int = 1, lr: float = 1e-3, check: b
 
     run_id = run_id or f"planlab-{os.getpid()}-{time.time_ns()}"
     run_dir = tempfile.mkdtemp(prefix=f"{run_id}-")
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.05,
-                          run_id=run_id, logs_specs=launcher_logs(run_dir))
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        run_id=run_id,
+        logs_specs=launcher_logs(run_dir),
+    )
     try:
         with _quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
@@ -429,8 +539,9 @@ def prepare(plan, cfg: RunConfig, ranks, *, reference_here: bool = True) -> tupl
     if cfg.data:
         _, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
         load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=cfg.steps)
-    check_memory(plan, program, ranks, device=cfg.device, num_params=graph.num_params,
-                 reference=cfg.check and reference_here)
+    check_memory(
+        plan, program, ranks, device=cfg.device, num_params=graph.num_params, reference=cfg.check and reference_here
+    )
     if cfg.load_dir:  # a partial, damaged or foreign checkpoint fails here, naming the file and tensor
         check_checkpoint(cfg.load_dir, param_specs(graph), plan.model.to_json())
     if cfg.save_dir:

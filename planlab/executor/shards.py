@@ -44,8 +44,9 @@ def rank_bytes(program: Program, rank: int) -> int:
     return TRAIN_BYTES_PER_ELEMENT * held_elements(program, rank)
 
 
-def build_shards(program: Program, rank: int, skeleton: nn.Module, *, seed: int, empty: bool = False
-                 ) -> dict[str, torch.Tensor]:
+def build_shards(
+    program: Program, rank: int, skeleton: nn.Module, *, seed: int, empty: bool = False
+) -> dict[str, torch.Tensor]:
     """The pieces ``rank`` holds, drawn from ``seed`` (``empty``: uninitialised, for a
     checkpoint to fill) by parameter name; ``skeleton`` gives shapes and dtypes (its
     parameters may be meta)."""
@@ -74,8 +75,16 @@ def available_bytes() -> int | None:
     return None
 
 
-def check_memory(plan, program: Program, ranks: Iterable[int], *, device: str = "cpu", num_params: int,
-                 reference: bool, available: int | None = None) -> int:
+def check_memory(
+    plan,
+    program: Program,
+    ranks: Iterable[int],
+    *,
+    device: str = "cpu",
+    num_params: int,
+    reference: bool,
+    available: int | None = None,
+) -> int:
     """Refuse (ConfigError) running ``ranks`` on this machine when they do not fit; returns the
     host bytes needed. On ``cpu`` the ranks' pieces and, with ``reference``, the numeric check's
     single-process reference of ``num_params`` parameters share the host's ``available`` bytes
@@ -85,18 +94,27 @@ def check_memory(plan, program: Program, ranks: Iterable[int], *, device: str = 
         for r, local in zip(ranks, range(len(ranks))):
             total = torch.cuda.get_device_properties(local).total_memory
             if rank_bytes(program, r) > total:
-                raise ConfigError(f"rank {r}'s pieces of {plan.model} need {rank_bytes(program, r) / 2**30:.2f} GiB "
-                                  f"(weights, gradients, Adam states); GPU {local} has {total / 2**30:.2f} GiB")
+                raise ConfigError(
+                    f"rank {r}'s pieces of {plan.model} need {rank_bytes(program, r) / 2**30:.2f} GiB "
+                    f"(weights, gradients, Adam states); GPU {local} has {total / 2**30:.2f} GiB"
+                )
     shards = sum(rank_bytes(program, r) for r in ranks) if device == "cpu" else 0
     ref_bytes = REFERENCE_BYTES_PER_PARAM * num_params if reference else 0
     need = shards + ref_bytes
     have = available_bytes() if available is None else available
     if have is not None and need > have:
-        parts = ([f"{shards / 2**30:.2f} GiB for the pieces of {len(ranks)} ranks (weights, gradients, Adam "
-                  "states)"] if shards else []) + \
-                ([f"{ref_bytes / 2**30:.2f} GiB for the numeric check's single-process reference (--no-check "
-                  "skips it)"] if ref_bytes else [])
-        raise ConfigError(f"running {plan.model} here needs about {need / 2**30:.2f} GiB of host memory: "
-                          f"{' and '.join(parts)}; {have / 2**30:.2f} GiB is available. Use more machines, a plan "
-                          "that splits the model further, or a smaller model")
+        parts = (
+            [f"{shards / 2**30:.2f} GiB for the pieces of {len(ranks)} ranks (weights, gradients, Adam states)"]
+            if shards
+            else []
+        ) + (
+            [f"{ref_bytes / 2**30:.2f} GiB for the numeric check's single-process reference (--no-check skips it)"]
+            if ref_bytes
+            else []
+        )
+        raise ConfigError(
+            f"running {plan.model} here needs about {need / 2**30:.2f} GiB of host memory: "
+            f"{' and '.join(parts)}; {have / 2**30:.2f} GiB is available. Use more machines, a plan "
+            "that splits the model further, or a smaller model"
+        )
     return need

@@ -26,8 +26,15 @@ from planlab.plan.program import Program
 from planlab.simulator.result import TRACE_THREADS, Event, SimResult, write_chrome_trace
 
 #: The trace stream each task kind is drawn on, as in the simulator.
-STREAMS: dict[str, str] = {"F": "compute", "B": "compute", "L": "compute", "O": "compute",
-                           "C": "comm", "S": "comm", "R": "wait"}
+STREAMS: dict[str, str] = {
+    "F": "compute",
+    "B": "compute",
+    "L": "compute",
+    "O": "compute",
+    "C": "comm",
+    "S": "comm",
+    "R": "wait",
+}
 KINDS: tuple[str, ...] = ("F", "B", "C", "S", "R", "L", "O")
 
 
@@ -58,8 +65,10 @@ def predict(plan, *, profile: str | None = None) -> Prediction:
 
 def measured_events(timings: Iterable[dict]) -> list[Event]:
     """Events from the executor's task timings (dicts with device, action, task, kind, start_s, end_s)."""
-    return [Event(int(t["device"]), STREAMS[t["kind"]], t["action"], t["task"], float(t["start_s"]),
-                  float(t["end_s"])) for t in timings]
+    return [
+        Event(int(t["device"]), STREAMS[t["kind"]], t["action"], t["task"], float(t["start_s"]), float(t["end_s"]))
+        for t in timings
+    ]
 
 
 def write_trace(path: str | os.PathLike, events: Sequence[Event]) -> None:
@@ -80,8 +89,13 @@ def read_trace(path: str | os.PathLike) -> list[Event]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{os.fspath(path)!r} is not a trace written by planlab ({e})") from None
     names = {v: k for k, v in TRACE_THREADS.items()}
-    return [Event(int(e["pid"]), names.get(e["tid"], "other"), e["cat"], e["name"], e["ts"] / 1e6,
-                  (e["ts"] + e["dur"]) / 1e6) for e in events if e.get("ph") == "X"]
+    return [
+        Event(
+            int(e["pid"]), names.get(e["tid"], "other"), e["cat"], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        )
+        for e in events
+        if e.get("ph") == "X"
+    ]
 
 
 def task_lists(events: Iterable[Event]) -> dict[tuple[int, str], list[str]]:
@@ -124,10 +138,21 @@ def task_table(program: Program, predicted: Sequence[Event], measured: Sequence[
         pe, me = p.get(key), m.get(key)
         ps = pe.end_s - pe.start_s if pe else float("nan")
         ms = me.end_s - me.start_s if me else float("nan")
-        rows.append(dict(device=dev, action=action, name=name, occurrence=occ, kind=kinds.get((dev, action, name), "?"),
-                         predicted_s=ps, measured_s=ms, miss_s=ms - ps))
-    return pd.DataFrame(rows, columns=["device", "action", "name", "occurrence", "kind", "predicted_s",
-                                       "measured_s", "miss_s"])
+        rows.append(
+            dict(
+                device=dev,
+                action=action,
+                name=name,
+                occurrence=occ,
+                kind=kinds.get((dev, action, name), "?"),
+                predicted_s=ps,
+                measured_s=ms,
+                miss_s=ms - ps,
+            )
+        )
+    return pd.DataFrame(
+        rows, columns=["device", "action", "name", "occurrence", "kind", "predicted_s", "measured_s", "miss_s"]
+    )
 
 
 def kind_table(tasks) -> "pd.DataFrame":  # noqa: F821
@@ -135,8 +160,9 @@ def kind_table(tasks) -> "pd.DataFrame":  # noqa: F821
     over all devices, and measured / predicted."""
     import pandas as pd
 
-    g = tasks.groupby("kind").agg(tasks=("name", "size"), predicted_s=("predicted_s", "sum"),
-                                  measured_s=("measured_s", "sum"))
+    g = tasks.groupby("kind").agg(
+        tasks=("name", "size"), predicted_s=("predicted_s", "sum"), measured_s=("measured_s", "sum")
+    )
     g = g.reindex([k for k in KINDS if k in g.index] + [k for k in g.index if k not in KINDS]).fillna(0)
     g["tasks"] = g["tasks"].astype(int)
     g["ratio"] = g["measured_s"] / g["predicted_s"].where(g["predicted_s"] > 0)
@@ -161,17 +187,22 @@ def largest_misses(tasks, n: int = 5):
 
 def format_report(report, n: int = 5) -> str:
     """Text of :func:`compare`'s result: the per-kind table in milliseconds and the ``n`` largest misses."""
-    lines = ["predicted against measured, all devices (ms):",
-             f"  {'kind':4s} {'tasks':>6s} {'predicted':>11s} {'measured':>11s} {'ratio':>7s}"]
+    lines = [
+        "predicted against measured, all devices (ms):",
+        f"  {'kind':4s} {'tasks':>6s} {'predicted':>11s} {'measured':>11s} {'ratio':>7s}",
+    ]
     for kind, r in report.iterrows():
         ratio = f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"] else "-"
-        lines.append(f"  {kind:4s} {int(r['tasks']):6d} {r['predicted_s'] * 1e3:11.3f} {r['measured_s'] * 1e3:11.3f} "
-                     f"{ratio:>7s}")
+        lines.append(
+            f"  {kind:4s} {int(r['tasks']):6d} {r['predicted_s'] * 1e3:11.3f} {r['measured_s'] * 1e3:11.3f} {ratio:>7s}"
+        )
     tasks = report.attrs.get("tasks")
     if tasks is not None and len(tasks):
         lines.append("largest misses (ms):")
         for _, r in largest_misses(tasks, n).iterrows():
-            lines.append(f"  device {r['device']} {r['action']:>5s} {r['kind']}:{r['name']:32s} predicted "
-                         f"{r['predicted_s'] * 1e3:8.3f}, measured {r['measured_s'] * 1e3:8.3f} "
-                         f"({r['miss_s'] * 1e3:+.3f})")
+            lines.append(
+                f"  device {r['device']} {r['action']:>5s} {r['kind']}:{r['name']:32s} predicted "
+                f"{r['predicted_s'] * 1e3:8.3f}, measured {r['measured_s'] * 1e3:8.3f} "
+                f"({r['miss_s'] * 1e3:+.3f})"
+            )
     return "\n".join(lines)

@@ -47,8 +47,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (g * (grad / ctx.count)).to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, offset: int, count: int,
-                                 group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, offset: int, count: int, group
+) -> torch.Tensor:
     """This piece's share of the mean cross entropy of ``logits`` (N, V/P: vocabulary entries
     ``offset ..``) against ``target`` (N,), over ``count`` tokens in all, the other slices held by
     the devices of ``group`` (None: this piece holds the whole vocabulary): a zero-dimensional

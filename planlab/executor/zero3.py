@@ -44,7 +44,7 @@ def gather(interp, task: Task, mb: int, pg) -> None:
     off = 0
     for p, shape, buf in zip(z.params, z.shapes, task.writes):
         n = _numel(shape)
-        interp.bufs[(buf, mb)] = flat[off:off + n].view(shape)
+        interp.bufs[(buf, mb)] = flat[off : off + n].view(shape)
         off += n
 
 
@@ -84,7 +84,7 @@ def reduce_scatter(interp, task: Task, mb: int, pg) -> None:
 def take(interp, task: Task, reduced: torch.Tensor) -> None:
     """Add this device's chunk of a completed gradient reduction to the unit's shard gradient."""
     z = interp.zero[task.writes[0]]
-    chunk = reduced if reduced.numel() == z.chunk else reduced[z.me * z.chunk:(z.me + 1) * z.chunk]
+    chunk = reduced if reduced.numel() == z.chunk else reduced[z.me * z.chunk : (z.me + 1) * z.chunk]
     cur = interp.static.get(task.writes[0])
     interp.static[task.writes[0]] = chunk.clone() if cur is None else cur + chunk
 
@@ -93,8 +93,9 @@ def own_outputs(outs: tuple, ins: list) -> tuple:
     """Outputs that are views of a gathered weight (a slice of a parameter, say) copied out of it,
     so that freeing the weight leaves them whole."""
     ptrs = {x.untyped_storage().data_ptr() for x in ins if isinstance(x, torch.Tensor)}
-    return tuple(o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o
-                 for o in outs)
+    return tuple(
+        o.clone() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in ptrs else o for o in outs
+    )
 
 
 def full_gradients(z, shard_grad: torch.Tensor, pg) -> dict[str, torch.Tensor]:
@@ -105,7 +106,7 @@ def full_gradients(z, shard_grad: torch.Tensor, pg) -> dict[str, torch.Tensor]:
     out, off = {}, 0
     for p, shape in zip(z.params, z.shapes):
         n = _numel(shape)
-        out[p] = flat[off:off + n].view(shape).clone()
+        out[p] = flat[off : off + n].view(shape).clone()
         off += n
     return out
 

@@ -5,5 +5,4 @@ from planlab.graph.registry import OpDef, register_op
 from planlab.graph.signature import Signature
 from planlab.graph.trace import trace
 
-__all__ = ["CallSpec", "Graph", "Operator", "OpDef", "Signature", "TensorArg", "TensorSpec",
-           "register_op", "trace"]
+__all__ = ["CallSpec", "Graph", "Operator", "OpDef", "Signature", "TensorArg", "TensorSpec", "register_op", "trace"]

@@ -54,12 +54,19 @@ from planlab.graph import registry
 from planlab.graph.ops_hf import Constant, constant, functional_setitem, register_transformers_modules
 
 # Factories that make a tensor from sizes or data alone (deterministic ones only).
-FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "tensor", "linspace", "tril_indices",
-             "triu_indices")
+FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "tensor", "linspace", "tril_indices", "triu_indices")
 # In-place methods without a functional twin of the same name but one.
 _INPLACE_TWINS: dict[str, Callable] = {"zero_": torch.zeros_like, "fill_": torch.full_like}
-_RANDOM_INPLACE = ("uniform_", "normal_", "bernoulli_", "exponential_", "random_", "geometric_", "cauchy_",
-                   "log_normal_")
+_RANDOM_INPLACE = (
+    "uniform_",
+    "normal_",
+    "bernoulli_",
+    "exponential_",
+    "random_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+)
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # planlab/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _CE_PARAMS = tuple(inspect.signature(F.cross_entropy).parameters)
@@ -86,8 +93,10 @@ def check_untied(module: nn.Module) -> None:
             name = f"{prefix}.{pname}" if prefix else pname
             first = seen.setdefault(id(p), name)
             if first != name:
-                raise GraphError(f"parameters {first!r} and {name!r} are one tied tensor, which planlab cannot "
-                                 "plan yet; build the model with tie_word_embeddings=False (or untie them)")
+                raise GraphError(
+                    f"parameters {first!r} and {name!r} are one tied tensor, which planlab cannot "
+                    "plan yet; build the model with tie_word_embeddings=False (or untie them)"
+                )
 
 
 def source_line() -> str:
@@ -103,8 +112,10 @@ def source_line() -> str:
 def _hint() -> str:
     for fr in reversed(traceback.extract_stack()):
         if "experts" in (fr.line or "").lower() or fr.name.endswith("experts_forward") or "Experts" in fr.name:
-            return ("; mixture-of-experts layers route tokens by value: build the model with "
-                    "experts_implementation='batched_mm' (model.set_experts_implementation('batched_mm'))")
+            return (
+                "; mixture-of-experts layers route tokens by value: build the model with "
+                "experts_implementation='batched_mm' (model.set_experts_implementation('batched_mm'))"
+            )
     return ""
 
 
@@ -121,8 +132,9 @@ class MetaProxy(fx.Proxy):
     def _tensor(self, what: str) -> torch.Tensor:
         m = self.meta
         if not isinstance(m, torch.Tensor):
-            raise GraphError(f"{what} of {self.node.name!r}, which is a {type(m).__name__}, not a tensor, "
-                             f"at {source_line()}")
+            raise GraphError(
+                f"{what} of {self.node.name!r}, which is a {type(m).__name__}, not a tensor, at {source_line()}"
+            )
         return m
 
     @property
@@ -164,7 +176,8 @@ class MetaProxy(fx.Proxy):
         if isinstance(m, torch.Tensor):
             raise GraphError(
                 f"the model branches on the value of tensor {self.node.name!r} (shape {list(m.shape)}) at "
-                f"{source_line()}; planlab traces on meta tensors, which have shapes but no values" + _hint())
+                f"{source_line()}; planlab traces on meta tensors, which have shapes but no values" + _hint()
+            )
         return how(m)
 
     def __bool__(self) -> bool:
@@ -257,8 +270,11 @@ class HFTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         if self._in_meta:  # a leaf's forward running on meta tensors: no nodes
             return forward(*args, **kwargs)
-        if isinstance(m, nn.modules.loss._Loss) or not any(True for _ in m.parameters()) and \
-                m not in self.submodule_paths:
+        if (
+            isinstance(m, nn.modules.loss._Loss)
+            or not any(True for _ in m.parameters())
+            and m not in self.submodule_paths
+        ):
             return forward(*args, **kwargs)  # made in forward (loss_fct = CrossEntropyLoss()): traced through
         return super().call_module(m, forward, args, kwargs)
 
@@ -287,10 +303,14 @@ class HFTracer(fx.Tracer):
                 if traced:
                     return self.create_proxy("call_function", fn, args, kwargs)
                 return fn(*args, **{**kwargs, "device": _CONSTANTS})  # a constant, computed now
+
             return factory
 
-        caches = [(m.config, m.config.use_cache) for m in root.modules()
-                  if getattr(getattr(m, "config", None), "use_cache", None) is True]
+        caches = [
+            (m.config, m.config.use_cache)
+            for m in root.modules()
+            if getattr(getattr(m, "config", None), "use_cache", None) is True
+        ]
         try:
             for name, fn in originals.items():
                 setattr(torch, name, recorded(fn))
@@ -312,8 +332,13 @@ class HFTracer(fx.Tracer):
         args, kwargs = map_aggregate((args, kwargs), self._constant_operand)
         if kind == "call_function" and target is operator.setitem:
             return self._rebind(args[0], "call_function", functional_setitem, args, kwargs)
-        if kind == "call_method" and isinstance(target, str) and target.endswith("_") \
-                and not target.startswith("_") and target != "requires_grad_":
+        if (
+            kind == "call_method"
+            and isinstance(target, str)
+            and target.endswith("_")
+            and not target.startswith("_")
+            and target != "requires_grad_"
+        ):
             return self._inplace(target, args, kwargs)
         if kwargs.get("inplace") is True:
             kwargs["inplace"] = False
@@ -321,8 +346,12 @@ class HFTracer(fx.Tracer):
             rewritten = self._cross_entropy(args, kwargs)
             if rewritten is not None:
                 return rewritten
-        if kind == "call_function" and target is operator.getitem and isinstance(args[0], MetaProxy) \
-                and isinstance(args[0].meta, torch.Tensor):
+        if (
+            kind == "call_function"
+            and target is operator.getitem
+            and isinstance(args[0], MetaProxy)
+            and isinstance(args[0].meta, torch.Tensor)
+        ):
             args = (args[0], _full_slices(args[1], args[0].meta.shape))
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         proxy.meta = self._meta(kind, target, args, kwargs)
@@ -357,8 +386,10 @@ class HFTracer(fx.Tracer):
 
     def _inplace(self, method: str, args: tuple, kwargs: dict) -> MetaProxy:
         if method in _RANDOM_INPLACE:
-            raise GraphError(f"the model fills a tensor with random values in place ({method}) at {source_line()}; "
-                             "planlab cannot check such a model against one process (set the noise to 0)")
+            raise GraphError(
+                f"the model fills a tensor with random values in place ({method}) at {source_line()}; "
+                "planlab cannot check such a model against one process (set the noise to 0)"
+            )
         if method in _INPLACE_TWINS:
             return self._rebind(args[0], "call_function", _INPLACE_TWINS[method], args, kwargs)
         twin = method[:-1]
@@ -370,13 +401,19 @@ class HFTracer(fx.Tracer):
         """A mean over integer targets as ``sum / count(target != ignore_index)`` (see rewrite 4)."""
         bound = dict(zip(_CE_PARAMS, args), **kwargs)
         target = bound.get("target")
-        if bound.get("reduction", "mean") != "mean" or bound.get("weight") is not None \
-                or bound.get("size_average") is not None or bound.get("reduce") is not None \
-                or not isinstance(target, MetaProxy) or target.meta.is_floating_point():
+        if (
+            bound.get("reduction", "mean") != "mean"
+            or bound.get("weight") is not None
+            or bound.get("size_average") is not None
+            or bound.get("reduce") is not None
+            or not isinstance(target, MetaProxy)
+            or target.meta.is_floating_point()
+        ):
             return None
         rest = {k: v for k, v in bound.items() if k not in ("input", "target", "reduction")}
-        total = self.create_proxy("call_function", F.cross_entropy, (bound["input"], target),
-                                  {**rest, "reduction": "sum"})
+        total = self.create_proxy(
+            "call_function", F.cross_entropy, (bound["input"], target), {**rest, "reduction": "sum"}
+        )
         kept = self.create_proxy("call_function", operator.ne, (target, bound.get("ignore_index", -100)), {})
         count = self.create_proxy("call_method", "sum", (kept,), {})
         return self.create_proxy("call_function", operator.truediv, (total, count), {})
@@ -414,8 +451,10 @@ class HFTracer(fx.Tracer):
         except GraphError:
             raise
         except Exception as e:
-            raise GraphError(f"{_describe(target)} at {source_line()} failed on meta tensors: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + _hint()) from e
+            raise GraphError(
+                f"{_describe(target)} at {source_line()} failed on meta tensors: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" + _hint()
+            ) from e
         finally:
             self._in_meta = False
 

@@ -10,8 +10,17 @@ from planlab.errors import GraphError
 from planlab.graph.signature import Axis, Signature
 
 DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 
 # The operator kind of ``Tensor.detach`` / ``torch.detach``: its output carries no gradient to its input.
@@ -186,8 +195,7 @@ class Graph:
         for op in self.operators:
             kinds[op.kind] = kinds.get(op.kind, 0) + 1
         lines = [
-            f"{len(self.operators)} operators, {self.num_params:,} parameters, "
-            f"{self.flops / 1e9:,.1f} GFLOP forward",
+            f"{len(self.operators)} operators, {self.num_params:,} parameters, {self.flops / 1e9:,.1f} GFLOP forward",
             "  " + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())),
         ]
         if self.unknown:

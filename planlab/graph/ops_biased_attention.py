@@ -31,8 +31,9 @@ from planlab.graph.registry import OpContext, _letters, _reg
 from planlab.graph.signature import Signature
 
 
-def attention_with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                        scale: float = 1.0, dropout_p: float = 0.0) -> torch.Tensor:
+def attention_with_bias(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float = 1.0, dropout_p: float = 0.0
+) -> torch.Tensor:
     """``softmax(scale * q k^T + bias) v`` with dropout ``dropout_p`` on the attention weights.
 
     ``q``: (*B, S, D), ``k``: (*B, T, D), ``v``: (*B, T, E); ``bias`` broadcasts against
@@ -65,8 +66,14 @@ def _flops(c: OpContext) -> float:
     return 2.0 * math.prod(q) * t + 2.0 * c.out_numel * t + 6.0 * scores
 
 
-_reg(targets_fn=(attention_with_bias,), kind="attention", signature=_biased_attention, flops=_flops,
-     saves=lambda c: ("in0", "in1", "in2", "in3", "out0"), bwd_flops_ratio=2.5)
+_reg(
+    targets_fn=(attention_with_bias,),
+    kind="attention",
+    signature=_biased_attention,
+    flops=_flops,
+    saves=lambda c: ("in0", "in1", "in2", "in3", "out0"),
+    bwd_flops_ratio=2.5,
+)
 # Kept whole while tracing, as functions given to register_op are.
 if attention_with_bias not in registry._USER_FUNCTIONS:
     registry._USER_FUNCTIONS.append(attention_with_bias)

@@ -72,7 +72,7 @@ def _parse(eq: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]:
         for ch in t:
             if ch == _ELLIPSIS:
                 n = (rank - (len(t) - 1)) if rank is not None else ell
-                out += enames[ell - n:]
+                out += enames[ell - n :]
             else:
                 out.append(ch)
         return out
@@ -138,7 +138,7 @@ def _einsum_flops(c: OpContext) -> float:
     for k in range(1, len(ops)):
         touched = cur | set(ops[k])
         flops += 2.0 * math.prod(size[n] for n in touched)
-        later = set(out).union(*[set(o) for o in ops[k + 1:]])
+        later = set(out).union(*[set(o) for o in ops[k + 1 :]])
         cur = touched & later
     return flops
 
@@ -156,5 +156,11 @@ _reg(targets_fn=(torch.einsum,), kind="einsum", signature=_einsum, flops=_einsum
 
 # ``torch.nn.functional.sigmoid`` is its own function (torch.sigmoid is registered with the
 # activations): the gate of AlphaFold's gated attention and triangle updates, elementwise.
-_reg(targets_fn=(F.sigmoid,), kind="activation", signature=_elementwise,
-     flops=lambda c: 8.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.0)
+_reg(
+    targets_fn=(F.sigmoid,),
+    kind="activation",
+    signature=_elementwise,
+    flops=lambda c: 8.0 * c.out_numel,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.0,
+)

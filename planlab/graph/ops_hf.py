@@ -28,16 +28,29 @@ import torch
 import torch.nn.functional as F
 
 from planlab.graph.ir import DETACH, TensorArg
-from planlab.graph.registry import (_BY_FUNCTION, _BY_METHOD, _BY_MODULE, OpContext, OpDef, _elementwise,
-                                    _getitem, _letters, _opaque, _reg)
+from planlab.graph.registry import (
+    _BY_FUNCTION,
+    _BY_METHOD,
+    _BY_MODULE,
+    OpContext,
+    OpDef,
+    _elementwise,
+    _getitem,
+    _letters,
+    _opaque,
+    _reg,
+)
 from planlab.graph.signature import Signature
 
 
 def _reg_missing(targets_fn=(), methods=(), modules=(), **kw) -> OpDef:
     """Like ``_reg``, for the targets, methods and modules that have no definition yet."""
-    return _reg(targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
-                methods=tuple(m for m in methods if m not in _BY_METHOD),
-                modules=tuple(m for m in modules if m not in _BY_MODULE), **kw)
+    return _reg(
+        targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
+        methods=tuple(m for m in methods if m not in _BY_METHOD),
+        modules=tuple(m for m in modules if m not in _BY_MODULE),
+        **kw,
+    )
 
 
 def _numel(s) -> int:
@@ -51,6 +64,7 @@ def _arg(c: OpContext, name: str, pos: int, default=None):
 
 
 # ---- in-place writes, made functional ------------------------------------------------------
+
 
 def functional_setitem(x: torch.Tensor, index, value) -> torch.Tensor:
     """``x[index] = value`` on a copy of ``x``: the result (``x`` is unchanged)."""
@@ -98,6 +112,7 @@ def _setitem(c: OpContext) -> Signature:
 
 # ---- signatures --------------------------------------------------------------------------
 
+
 def _conv1d_linear(c: OpContext) -> Signature:
     """HF's ``Conv1D``: ``x @ W + b`` with ``W: (in, out)``."""
     b = _letters(len(c.in_shapes[0]) - 1)
@@ -115,6 +130,7 @@ def _conv1d_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _sdpa_with_heads(previous):
     """The attention signature, extended to grouped-query heads and broadcasting masks."""
+
     def sig(c: OpContext) -> Signature:
         q, k, v = c.in_shapes[:3]
         gqa = bool(c.kwargs.get("enable_gqa", False)) and len(q) >= 3 and q[-3] != k[-3]
@@ -135,6 +151,7 @@ def _sdpa_with_heads(previous):
             off = len(full) - len(mask)
             ins.append([full[off + j] if n == sizes[off + j] and n != 1 else () for j, n in enumerate(mask)])
         return Signature.of(ins, [[*qb, ("s",), ("e",)]], (), frozen)
+
     return sig
 
 
@@ -142,15 +159,25 @@ def _getitem_gather(previous):
     """``x[idx]`` with one integer index tensor on the first axis: ``v^ a1.., i.. -> i.. a1..``
     (the rows the index picks; its own axes split, as an embedding's do). Basic indexing reads
     as before."""
+
     def sig(c: OpContext) -> Signature:
-        if len(c.in_shapes) == 2 and len(c.args) > 1 and isinstance(c.args[1], TensorArg) \
-                and c.out_shapes[0] == (*c.in_shapes[1], *c.in_shapes[0][1:]):
+        if (
+            len(c.in_shapes) == 2
+            and len(c.args) > 1
+            and isinstance(c.args[1], TensorArg)
+            and c.out_shapes[0] == (*c.in_shapes[1], *c.in_shapes[0][1:])
+        ):
             x, idx = c.in_shapes
             i = [f"i{j}" for j in range(len(idx))]
             rest = _letters(len(x) - 1, 1)
-            return Signature.of([[("v",), *[(n,) for n in rest]], [(n,) for n in i]],
-                                [[*[(n,) for n in i], *[(n,) for n in rest]]], (), {"v"})
+            return Signature.of(
+                [[("v",), *[(n,) for n in rest]], [(n,) for n in i]],
+                [[*[(n,) for n in i], *[(n,) for n in rest]]],
+                (),
+                {"v"},
+            )
         return previous(c)
+
     return sig
 
 
@@ -161,8 +188,9 @@ def _factory(c: OpContext) -> Signature:
 
 def _new_like(c: OpContext) -> Signature:
     """``x.new_zeros(size)`` and friends: a tensor of the given size, unrelated to ``x``'s axes."""
-    return Signature.of([[(f"x{a}",) for a in range(len(c.in_shapes[0]))]],
-                        [[(f"f{a}",) for a in range(len(c.out_shapes[0]))]])
+    return Signature.of(
+        [[(f"x{a}",) for a in range(len(c.in_shapes[0]))]], [[(f"f{a}",) for a in range(len(c.out_shapes[0]))]]
+    )
 
 
 def _pad(c: OpContext) -> Signature:
@@ -182,8 +210,10 @@ def _split(c: OpContext) -> Signature:
     r = len(c.in_shapes[0])
     d = _arg(c, "dim", 2, 0) % r if r else 0
     names = _letters(r)
+
     def axes(tag: str):
         return [(f"c{tag}",) if a == d else (n,) for a, n in enumerate(names)]
+
     return Signature.of([axes("in")], [axes(str(i)) for i in range(len(c.out_shapes))])
 
 
@@ -216,50 +246,171 @@ def _reduce_kept_whole(c: OpContext) -> Signature:
 # ---- registrations ---------------------------------------------------------------------------
 
 _reg(targets_fn=(constant,), kind="constant", signature=_factory, bwd_flops_ratio=0.0)
-_reg(targets_fn=(functional_setitem,), kind="setitem", signature=_setitem,
-     flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.5)
+_reg(
+    targets_fn=(functional_setitem,),
+    kind="setitem",
+    signature=_setitem,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.5,
+)
 
 _unary = dict(flops=lambda c: 4.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.0)
-_reg_missing(targets_fn=(torch.pow, _op.pow, torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.abs, torch.cos,
-                         torch.sin, torch.erf, torch.reciprocal, torch.clamp, torch.clip, torch.log1p, torch.square,
-                         F.gelu, F.silu, F.relu, F.softplus),
-             methods=("pow", "rsqrt", "sqrt", "exp", "log", "abs", "cos", "sin", "erf", "reciprocal", "clamp",
-                      "clip", "log1p", "square", "__pow__"),
-             kind="pointwise", signature=_elementwise, **_unary)
-_reg_missing(targets_fn=(torch.minimum, torch.maximum, torch.min, torch.max, torch.where, torch.masked_fill,
-                         _op.floordiv, torch.floor_divide, _op.mod, torch.remainder,
-                         _op.and_, _op.or_, _op.invert, torch.logical_and, torch.logical_or, torch.logical_not,
-                         _op.truediv, torch.div, torch.rsub, _op.abs),
-             methods=("minimum", "maximum", "masked_fill", "where", "floor_divide", "remainder", "logical_and",
-                      "logical_or", "logical_not", "__and__", "__or__", "__invert__", "div", "rsub"),
-             kind="elementwise", signature=_where, flops=lambda c: float(c.out_numel),
-             saves=lambda c: tuple(f"in{i}" for i in range(len(c.in_shapes))), bwd_flops_ratio=1.0)
-_reg_missing(targets_fn=(torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like), kind="fill_like",
-             signature=_elementwise, bwd_flops_ratio=0.0)
-_reg_missing(methods=("bool", "long", "int", "half", "double", "bfloat16", "type", "view_as",
-                      "reshape_as", "expand_as", "to"),
-             kind="copy", signature=_elementwise, bwd_flops_ratio=0.5)
+_reg_missing(
+    targets_fn=(
+        torch.pow,
+        _op.pow,
+        torch.rsqrt,
+        torch.sqrt,
+        torch.exp,
+        torch.log,
+        torch.abs,
+        torch.cos,
+        torch.sin,
+        torch.erf,
+        torch.reciprocal,
+        torch.clamp,
+        torch.clip,
+        torch.log1p,
+        torch.square,
+        F.gelu,
+        F.silu,
+        F.relu,
+        F.softplus,
+    ),
+    methods=(
+        "pow",
+        "rsqrt",
+        "sqrt",
+        "exp",
+        "log",
+        "abs",
+        "cos",
+        "sin",
+        "erf",
+        "reciprocal",
+        "clamp",
+        "clip",
+        "log1p",
+        "square",
+        "__pow__",
+    ),
+    kind="pointwise",
+    signature=_elementwise,
+    **_unary,
+)
+_reg_missing(
+    targets_fn=(
+        torch.minimum,
+        torch.maximum,
+        torch.min,
+        torch.max,
+        torch.where,
+        torch.masked_fill,
+        _op.floordiv,
+        torch.floor_divide,
+        _op.mod,
+        torch.remainder,
+        _op.and_,
+        _op.or_,
+        _op.invert,
+        torch.logical_and,
+        torch.logical_or,
+        torch.logical_not,
+        _op.truediv,
+        torch.div,
+        torch.rsub,
+        _op.abs,
+    ),
+    methods=(
+        "minimum",
+        "maximum",
+        "masked_fill",
+        "where",
+        "floor_divide",
+        "remainder",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "__and__",
+        "__or__",
+        "__invert__",
+        "div",
+        "rsub",
+    ),
+    kind="elementwise",
+    signature=_where,
+    flops=lambda c: float(c.out_numel),
+    saves=lambda c: tuple(f"in{i}" for i in range(len(c.in_shapes))),
+    bwd_flops_ratio=1.0,
+)
+_reg_missing(
+    targets_fn=(torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like),
+    kind="fill_like",
+    signature=_elementwise,
+    bwd_flops_ratio=0.0,
+)
+_reg_missing(
+    methods=("bool", "long", "int", "half", "double", "bfloat16", "type", "view_as", "reshape_as", "expand_as", "to"),
+    kind="copy",
+    signature=_elementwise,
+    bwd_flops_ratio=0.5,
+)
 # ``detach`` passes no gradient: materialize gives its input no gradient contribution (what AlphaFold2's
 # recycling relies on, planlab/models/evoformer.py), so the operators feeding only a detach get no backward.
-_reg_missing(methods=("detach",), targets_fn=(torch.detach,), kind=DETACH, signature=_elementwise,
-             bwd_flops_ratio=0.0)
-_reg_missing(targets_fn=tuple(getattr(torch, n) for n in ("arange", "zeros", "ones", "full", "empty", "eye", "tensor",
-                                                         "linspace", "tril_indices", "triu_indices")),
-             kind="factory", signature=_factory, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0)
-_reg_missing(methods=("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"), kind="factory",
-             signature=_new_like, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0)
+_reg_missing(methods=("detach",), targets_fn=(torch.detach,), kind=DETACH, signature=_elementwise, bwd_flops_ratio=0.0)
+_reg_missing(
+    targets_fn=tuple(
+        getattr(torch, n)
+        for n in (
+            "arange",
+            "zeros",
+            "ones",
+            "full",
+            "empty",
+            "eye",
+            "tensor",
+            "linspace",
+            "tril_indices",
+            "triu_indices",
+        )
+    ),
+    kind="factory",
+    signature=_factory,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.0,
+)
+_reg_missing(
+    methods=("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"),
+    kind="factory",
+    signature=_new_like,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.0,
+)
 _reg_missing(targets_fn=(F.pad,), kind="pad", signature=_pad, bwd_flops_ratio=0.0)
-_reg_missing(targets_fn=(torch.split, torch.chunk, torch.tensor_split), methods=("split", "chunk", "tensor_split"),
-             kind="split", signature=_split, bwd_flops_ratio=0.0)
-_reg_missing(targets_fn=(torch.mean, torch.amax, torch.amin), methods=("mean", "amax", "amin"), kind="mean",
-             signature=_reduce_kept_whole, flops=lambda c: float(_numel(c.in_shapes[0])), bwd_flops_ratio=0.5)
+_reg_missing(
+    targets_fn=(torch.split, torch.chunk, torch.tensor_split),
+    methods=("split", "chunk", "tensor_split"),
+    kind="split",
+    signature=_split,
+    bwd_flops_ratio=0.0,
+)
+_reg_missing(
+    targets_fn=(torch.mean, torch.amax, torch.amin),
+    methods=("mean", "amax", "amin"),
+    kind="mean",
+    signature=_reduce_kept_whole,
+    flops=lambda c: float(_numel(c.in_shapes[0])),
+    bwd_flops_ratio=0.5,
+)
 
 # Extensions of two built-in definitions: each reads the calls it did as before.
 _BY_FUNCTION[F.scaled_dot_product_attention] = dataclasses.replace(
     _BY_FUNCTION[F.scaled_dot_product_attention],
-    signature=_sdpa_with_heads(_BY_FUNCTION[F.scaled_dot_product_attention].signature))
+    signature=_sdpa_with_heads(_BY_FUNCTION[F.scaled_dot_product_attention].signature),
+)
 _BY_FUNCTION[_op.getitem] = dataclasses.replace(
-    _BY_FUNCTION[_op.getitem], signature=_getitem_gather(_BY_FUNCTION[_op.getitem].signature))
+    _BY_FUNCTION[_op.getitem], signature=_getitem_gather(_BY_FUNCTION[_op.getitem].signature)
+)
 
 
 def register_transformers_modules() -> None:
@@ -267,7 +418,13 @@ def register_transformers_modules() -> None:
     so importing planlab does not import transformers."""
     from transformers.pytorch_utils import Conv1D
 
-    _reg_missing(modules=(Conv1D,), kind="linear", signature=_conv1d_linear,
-                 flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
-                 saves=lambda c: ("in0",), functional=lambda m: (_conv1d_call, (), {}), params=("weight", "bias"),
-                 add_once=(2,))
+    _reg_missing(
+        modules=(Conv1D,),
+        kind="linear",
+        signature=_conv1d_linear,
+        flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
+        saves=lambda c: ("in0",),
+        functional=lambda m: (_conv1d_call, (), {}),
+        params=("weight", "bias"),
+        add_once=(2,),
+    )

@@ -29,15 +29,17 @@ import operator as _op
 import torch
 import torch.nn.functional as F
 
-from planlab.graph.registry import (_BY_FUNCTION, _BY_METHOD, OpContext, OpDef, _elementwise, _letters,
-                                    _opaque, _reg)
+from planlab.graph.registry import _BY_FUNCTION, _BY_METHOD, OpContext, OpDef, _elementwise, _letters, _opaque, _reg
 from planlab.graph.signature import Signature
 
 
 def _reg_missing(targets_fn=(), methods=(), **kw) -> OpDef:
     """Like ``_reg``, for the targets and methods that have no definition yet."""
-    return _reg(targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
-                methods=tuple(m for m in methods if m not in _BY_METHOD), **kw)
+    return _reg(
+        targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
+        methods=tuple(m for m in methods if m not in _BY_METHOD),
+        **kw,
+    )
 
 
 def _arg(c: OpContext, name: str, pos: int, default=None):
@@ -65,6 +67,7 @@ def _numel(s) -> int:
 
 
 # ---- top-k, one-hot, running counts -------------------------------------------------
+
 
 def _topk(c: OpContext) -> Signature:
     """``topk(x, k, dim)``: ``a0 a1 t^ -> a0 a1 k^, a0 a1 k^`` (values, indices); the searched
@@ -109,6 +112,7 @@ def _sum(c: OpContext) -> Signature:
 
 # ---- index operators ------------------------------------------------------------------
 
+
 def _gather(c: OpContext) -> Signature:
     """``gather(x, dim, index)``: ``a0 t^ a2, a0 s a2 -> a0 s a2``. The index rows ``s`` split
     (each piece gathers its rows from the whole axis ``t``), and so do the shared axes."""
@@ -134,8 +138,7 @@ def _scatter(c: OpContext) -> Signature:
     if d is None or n not in (2, 3):
         return _opaque(c)
     x, idx = c.in_shapes[0], c.in_shapes[1]
-    if len(idx) != len(x) or any(idx[a] != x[a] for a in range(len(x)) if a != d) or \
-            (n == 3 and c.in_shapes[2] != idx):
+    if len(idx) != len(x) or any(idx[a] != x[a] for a in range(len(x)) if a != d) or (n == 3 and c.in_shapes[2] != idx):
         return _opaque(c)
     names = _letters(len(x))
     xs = [("t",) if a == d else (names[a],) for a in range(len(x))]
@@ -171,29 +174,93 @@ def _index_add(c: OpContext) -> Signature:
 
 # ---- registrations --------------------------------------------------------------------
 
-_reg(targets_fn=(torch.topk,), methods=("topk",), kind="topk", signature=_topk,
-     flops=lambda c: float(_numel(c.in_shapes[0])) * max(1, math.ceil(math.log2(max(2, c.out_shapes[0][-1])))),
-     saves=lambda c: ("out1",), bwd_flops_ratio=0.5)
-_reg(targets_fn=(F.one_hot,), kind="one_hot", signature=_one_hot,
-     flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0)
-_reg(targets_fn=(torch.cumsum,), methods=("cumsum",), kind="cumsum", signature=_cumsum,
-     flops=lambda c: float(c.out_numel), bwd_flops_ratio=1.0)
-_reg(targets_fn=(torch.gather,), methods=("gather",), kind="gather", signature=_gather,
-     flops=lambda c: 0.0, saves=lambda c: ("in1",), bwd_flops_ratio=1.0)
-_reg(targets_fn=(torch.scatter_add, torch.scatter, torch.scatter_reduce),
-     methods=("scatter_add", "scatter", "scatter_reduce"), kind="scatter", signature=_scatter,
-     flops=lambda c: float(_numel(c.in_shapes[1])), saves=lambda c: ("in1",), bwd_flops_ratio=1.0)
-_reg(targets_fn=(torch.index_select,), methods=("index_select",), kind="index_select", signature=_index_select,
-     flops=lambda c: 0.0, saves=lambda c: ("in1",), bwd_flops_ratio=1.0)
-_reg(targets_fn=(torch.index_add,), methods=("index_add",), kind="index_add", signature=_index_add,
-     flops=lambda c: float(_numel(c.in_shapes[2])), saves=lambda c: ("in1",), bwd_flops_ratio=1.0)
+_reg(
+    targets_fn=(torch.topk,),
+    methods=("topk",),
+    kind="topk",
+    signature=_topk,
+    flops=lambda c: float(_numel(c.in_shapes[0])) * max(1, math.ceil(math.log2(max(2, c.out_shapes[0][-1])))),
+    saves=lambda c: ("out1",),
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    targets_fn=(F.one_hot,), kind="one_hot", signature=_one_hot, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0
+)
+_reg(
+    targets_fn=(torch.cumsum,),
+    methods=("cumsum",),
+    kind="cumsum",
+    signature=_cumsum,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(torch.gather,),
+    methods=("gather",),
+    kind="gather",
+    signature=_gather,
+    flops=lambda c: 0.0,
+    saves=lambda c: ("in1",),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(torch.scatter_add, torch.scatter, torch.scatter_reduce),
+    methods=("scatter_add", "scatter", "scatter_reduce"),
+    kind="scatter",
+    signature=_scatter,
+    flops=lambda c: float(_numel(c.in_shapes[1])),
+    saves=lambda c: ("in1",),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(torch.index_select,),
+    methods=("index_select",),
+    kind="index_select",
+    signature=_index_select,
+    flops=lambda c: 0.0,
+    saves=lambda c: ("in1",),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(torch.index_add,),
+    methods=("index_add",),
+    kind="index_add",
+    signature=_index_add,
+    flops=lambda c: float(_numel(c.in_shapes[2])),
+    saves=lambda c: ("in1",),
+    bwd_flops_ratio=1.0,
+)
 
 # generic operators, defined here unless another module has already defined them
-_reg_missing(targets_fn=(torch.sum,), methods=("sum",), kind="sum", signature=_sum,
-             flops=lambda c: float(_numel(c.in_shapes[0])), bwd_flops_ratio=0.5)
-_reg_missing(targets_fn=(_op.lt, _op.le, _op.gt, _op.ge, _op.eq, _op.ne, torch.lt, torch.le, torch.gt, torch.ge,
-                         torch.eq, torch.ne),
-             methods=("lt", "le", "gt", "ge", "eq", "ne"), kind="compare", signature=_elementwise,
-             flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0)
-_reg_missing(targets_fn=(torch.zeros_like, torch.ones_like), kind="fill_like", signature=_elementwise,
-             bwd_flops_ratio=0.0)
+_reg_missing(
+    targets_fn=(torch.sum,),
+    methods=("sum",),
+    kind="sum",
+    signature=_sum,
+    flops=lambda c: float(_numel(c.in_shapes[0])),
+    bwd_flops_ratio=0.5,
+)
+_reg_missing(
+    targets_fn=(
+        _op.lt,
+        _op.le,
+        _op.gt,
+        _op.ge,
+        _op.eq,
+        _op.ne,
+        torch.lt,
+        torch.le,
+        torch.gt,
+        torch.ge,
+        torch.eq,
+        torch.ne,
+    ),
+    methods=("lt", "le", "gt", "ge", "eq", "ne"),
+    kind="compare",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.0,
+)
+_reg_missing(
+    targets_fn=(torch.zeros_like, torch.ones_like), kind="fill_like", signature=_elementwise, bwd_flops_ratio=0.0
+)

@@ -77,8 +77,13 @@ def _conv(c: OpContext) -> Signature:
     xs, ws, os = [], [], []
     for i in range(k):
         kern, size, osize = w[2 + i], x[off + i], out[off + i]
-        patches = (not isinstance(padding, str) and stride[i] == kern and padding[i] == 0
-                   and dilation[i] == 1 and size == osize * kern)
+        patches = (
+            not isinstance(padding, str)
+            and stride[i] == kern
+            and padding[i] == 0
+            and dilation[i] == 1
+            and size == osize * kern
+        )
         if patches:
             xs.append((f"s{i}", f"k{i}"))
             os.append((f"s{i}",))
@@ -115,15 +120,25 @@ def _conv_functional(m: nn.Module):
 
         def call(x, w, b=None):
             return fn(x, w, b, stride, padding, dilation, groups)
+
     return call, (), {}
 
 
-_reg(modules=(nn.Conv1d, nn.Conv2d, nn.Conv3d), targets_fn=tuple(_CONV_FNS.values()), kind="conv",
-     signature=_conv, flops=_conv_flops, saves=lambda c: ("in0", "in1"), functional=_conv_functional,
-     params=("weight", "bias"), add_once=(2,))
+_reg(
+    modules=(nn.Conv1d, nn.Conv2d, nn.Conv3d),
+    targets_fn=tuple(_CONV_FNS.values()),
+    kind="conv",
+    signature=_conv,
+    flops=_conv_flops,
+    saves=lambda c: ("in0", "in1"),
+    functional=_conv_functional,
+    params=("weight", "bias"),
+    add_once=(2,),
+)
 
 
 # ---- cyclic shift --------------------------------------------------------------------
+
 
 def _roll(c: OpContext) -> Signature:
     """``torch.roll(x, shifts, dims)``: rolled axes kept whole, the others split. Without
@@ -142,6 +157,7 @@ _reg(targets_fn=(torch.roll,), methods=("roll",), kind="roll", signature=_roll, 
 
 
 # ---- reductions over dims ------------------------------------------------------------
+
 
 def _reduced(c: OpContext, r: int) -> tuple[set[int], bool]:
     """The axes a ``sum``/``mean`` call reduces (all when ``dim`` is absent or None) and its keepdim."""
@@ -167,16 +183,30 @@ def _reduction(summed: bool):
         outs = [(n,) if a not in red else () for a, n in enumerate(names) if keep or a not in red]
         reduce = {f"r{a}" for a in red} if summed else set()
         return Signature.of([ins], [outs], reduce)  # an averaged axis vanishes: kept whole
+
     return sig
 
 
-_reg(targets_fn=(torch.sum,), methods=("sum",), kind="sum", signature=_reduction(True),
-     flops=lambda c: float(math.prod(c.in_shapes[0])), bwd_flops_ratio=0.5)
-_reg(targets_fn=(torch.mean,), methods=("mean",), kind="mean", signature=_reduction(False),
-     flops=lambda c: float(math.prod(c.in_shapes[0])), bwd_flops_ratio=0.5)
+_reg(
+    targets_fn=(torch.sum,),
+    methods=("sum",),
+    kind="sum",
+    signature=_reduction(True),
+    flops=lambda c: float(math.prod(c.in_shapes[0])),
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    targets_fn=(torch.mean,),
+    methods=("mean",),
+    kind="mean",
+    signature=_reduction(False),
+    flops=lambda c: float(math.prod(c.in_shapes[0])),
+    bwd_flops_ratio=0.5,
+)
 
 
 # ---- adaptive average pooling --------------------------------------------------------
+
 
 def _adaptive_pool(k: int):
     def sig(c: OpContext) -> Signature:
@@ -184,32 +214,65 @@ def _adaptive_pool(k: int):
         if len(x) < k + 1:
             return _opaque(c)
         lead = [(n,) for n in _letters(len(x) - k)]
-        return Signature.of([[*lead, *[(f"p{i}",) for i in range(k)]]],
-                            [[*lead, *[(f"q{i}",) for i in range(k)]]])
+        return Signature.of([[*lead, *[(f"p{i}",) for i in range(k)]]], [[*lead, *[(f"q{i}",) for i in range(k)]]])
+
     return sig
 
 
-for _k, _mod, _fn in ((1, nn.AdaptiveAvgPool1d, F.adaptive_avg_pool1d),
-                      (2, nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d),
-                      (3, nn.AdaptiveAvgPool3d, F.adaptive_avg_pool3d)):
-    _reg(modules=(_mod,), targets_fn=(_fn,), kind="avg_pool", signature=_adaptive_pool(_k),
-         flops=lambda c: float(math.prod(c.in_shapes[0])), bwd_flops_ratio=0.5,
-         functional=lambda m: (m.forward, (), {}))
+for _k, _mod, _fn in (
+    (1, nn.AdaptiveAvgPool1d, F.adaptive_avg_pool1d),
+    (2, nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d),
+    (3, nn.AdaptiveAvgPool3d, F.adaptive_avg_pool3d),
+):
+    _reg(
+        modules=(_mod,),
+        targets_fn=(_fn,),
+        kind="avg_pool",
+        signature=_adaptive_pool(_k),
+        flops=lambda c: float(math.prod(c.in_shapes[0])),
+        bwd_flops_ratio=0.5,
+        functional=lambda m: (m.forward, (), {}),
+    )
 
 
 # ---- small elementwise and shape modules ------------------------------------------------
+
 
 def _softmax_module(c: OpContext) -> Signature:
     dim = c.module.dim
     return _opaque(c) if dim is None else _elementwise(c, (dim,))
 
 
-_reg(targets_fn=(torch.masked_fill,), methods=("masked_fill",), kind="masked_fill", signature=_elementwise,
-     flops=lambda c: float(c.out_numel), saves=lambda c: ("in1",) if len(c.in_shapes) > 1 else (),
-     bwd_flops_ratio=0.5)
-_reg(modules=(nn.Softmax,), kind="softmax", signature=_softmax_module, flops=lambda c: 5.0 * c.out_numel,
-     saves=lambda c: ("out0",), bwd_flops_ratio=1.0, functional=lambda m: (m.forward, (), {}))
-_reg(modules=(nn.Flatten, nn.Unflatten), kind="reshape", signature=_reshape, bwd_flops_ratio=0.0, view=True,
-     functional=lambda m: (m.forward, (), {}))
-_reg(modules=(nn.Identity,), kind="copy", signature=_elementwise, bwd_flops_ratio=0.0,
-     functional=lambda m: (m.forward, (), {}))
+_reg(
+    targets_fn=(torch.masked_fill,),
+    methods=("masked_fill",),
+    kind="masked_fill",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    saves=lambda c: ("in1",) if len(c.in_shapes) > 1 else (),
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    modules=(nn.Softmax,),
+    kind="softmax",
+    signature=_softmax_module,
+    flops=lambda c: 5.0 * c.out_numel,
+    saves=lambda c: ("out0",),
+    bwd_flops_ratio=1.0,
+    functional=lambda m: (m.forward, (), {}),
+)
+_reg(
+    modules=(nn.Flatten, nn.Unflatten),
+    kind="reshape",
+    signature=_reshape,
+    bwd_flops_ratio=0.0,
+    view=True,
+    functional=lambda m: (m.forward, (), {}),
+)
+_reg(
+    modules=(nn.Identity,),
+    kind="copy",
+    signature=_elementwise,
+    bwd_flops_ratio=0.0,
+    functional=lambda m: (m.forward, (), {}),
+)

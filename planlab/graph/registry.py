@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator as _op
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -86,8 +86,9 @@ def user_functions() -> tuple[Callable, ...]:
     return tuple(_USER_FUNCTIONS)
 
 
-def register_op(signature: str, *, flops: Callable[..., float] | None = None,
-                saves: tuple[str, ...] = ("in0",)) -> Callable[[Callable], Callable]:
+def register_op(
+    signature: str, *, flops: Callable[..., float] | None = None, saves: tuple[str, ...] = ("in0",)
+) -> Callable[[Callable], Callable]:
     """Register a user's function as one operator with a fixed signature.
 
     Used as a decorator::
@@ -106,13 +107,16 @@ def register_op(signature: str, *, flops: Callable[..., float] | None = None,
             if len(c.in_shapes) != len(sig.inputs):
                 raise GraphError(
                     f"{fn.__name__} was called with {len(c.in_shapes)} tensors; "
-                    f"its signature {signature!r} expects {len(sig.inputs)}")
+                    f"its signature {signature!r} expects {len(sig.inputs)}"
+                )
             return sig
 
         _BY_FUNCTION[fn] = OpDef(
-            kind=fn.__name__, signature=sig_fn,
+            kind=fn.__name__,
+            signature=sig_fn,
             flops=(lambda c: float(flops(*c.in_shapes))) if flops else (lambda c: float(c.out_numel)),
-            saves=lambda c: saves)
+            saves=lambda c: saves,
+        )
         if fn not in _USER_FUNCTIONS:
             _USER_FUNCTIONS.append(fn)
         return fn
@@ -132,6 +136,7 @@ def _reg(targets_fn=(), methods=(), modules=(), **kw) -> OpDef:
 
 
 # ---- signature builders -------------------------------------------------------
+
 
 def _elementwise(c: OpContext, frozen_axes: tuple[int, ...] = ()) -> Signature:
     """Broadcasting elementwise: inputs aligned right against the output."""
@@ -193,7 +198,7 @@ def _sdpa(c: OpContext) -> Signature:
     if len(c.in_shapes) > 3:  # attention mask, broadcast against (b.., s, t)
         m = c.in_shapes[3]
         full = [*b, ("s",), ("t",)]
-        ins.append(full[len(full) - len(m):])
+        ins.append(full[len(full) - len(m) :])
     return Signature.of(ins, [[*b, ("s",), ("e",)]], (), frozen)
 
 
@@ -215,11 +220,14 @@ def _matmul(c: OpContext) -> Signature:
     if len(a) < 2 or len(b) < 2:
         return _opaque(c)
     bn = _letters(len(out) - 2)
+
     def batch(shp):
         off = len(out) - 2 - (len(shp) - 2)
         return [(bn[j + off],) if shp[j] == out[j + off] else () for j in range(len(shp) - 2)]
-    return Signature.of([[*batch(a), ("m",), ("k",)], [*batch(b), ("k",), ("n",)]],
-                        [[*[(n,) for n in bn], ("m",), ("n",)]], {"k"})
+
+    return Signature.of(
+        [[*batch(a), ("m",), ("k",)], [*batch(b), ("k",), ("n",)]], [[*[(n,) for n in bn], ("m",), ("n",)]], {"k"}
+    )
 
 
 def _reshape(c: OpContext) -> Signature:
@@ -237,9 +245,11 @@ def _reshape(c: OpContext) -> Signature:
         j += j < len(dst)
         while p != q:
             if p < q and i < len(src):
-                p *= src[i]; i += 1
+                p *= src[i]
+                i += 1
             elif j < len(dst):
-                q *= dst[j]; j += 1
+                q *= dst[j]
+                j += 1
             else:
                 return _opaque(c)
         # absorb trailing size-1 axes into this group
@@ -260,11 +270,11 @@ def _reshape(c: OpContext) -> Signature:
             many = dj if len(dj) > 1 else si
             names = [f"g{g}_{k}" for k in range(len(many))] or []
             grp = tuple(names)
-            if len(dj) > 1:      # one input axis split into several output axes
+            if len(dj) > 1:  # one input axis split into several output axes
                 ins += [grp if src[k] != 1 else () for k in range(i0, i)]
                 it = iter(names)
                 outs += [(next(it),) if dst[k] != 1 else () for k in range(j0, j)]
-            else:                # several input axes merged into one output axis
+            else:  # several input axes merged into one output axis
                 it = iter(names)
                 ins += [(next(it),) if src[k] != 1 else () for k in range(i0, i)]
                 outs += [grp if dst[k] != 1 else () for k in range(j0, j)]
@@ -309,71 +319,159 @@ OPAQUE = OpDef(kind="opaque", signature=_opaque, flops=lambda c: float(c.out_num
 
 # ---- built-in operators -------------------------------------------------------
 
+
 def _numel(s) -> int:
     return math.prod(s)
 
 
-_reg(modules=(nn.Linear,), targets_fn=(F.linear,), kind="linear", signature=_linear,
-     flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
-     saves=lambda c: ("in0",), functional=lambda m: (F.linear, (), {}), params=("weight", "bias"),
-     add_once=(2,))
-_reg(modules=(nn.Embedding,), targets_fn=(F.embedding,), kind="embedding", signature=_embedding,
-     saves=lambda c: ("in0",), bwd_flops_ratio=1.0,
-     functional=lambda m: (F.embedding, (), {}), params=("weight",))
-_reg(modules=(nn.LayerNorm,), kind="layer_norm", signature=_layer_norm,
-     flops=lambda c: 5.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5,
-     functional=lambda m: (lambda x, *wb, _s=tuple(m.normalized_shape), _e=m.eps:
-                           F.layer_norm(x, _s, *wb, eps=_e), (), {}),
-     params=("weight", "bias"))
-_reg(targets_fn=(F.layer_norm,), kind="layer_norm_fn", signature=_layer_norm,
-     flops=lambda c: 5.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5)
+_reg(
+    modules=(nn.Linear,),
+    targets_fn=(F.linear,),
+    kind="linear",
+    signature=_linear,
+    flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
+    saves=lambda c: ("in0",),
+    functional=lambda m: (F.linear, (), {}),
+    params=("weight", "bias"),
+    add_once=(2,),
+)
+_reg(
+    modules=(nn.Embedding,),
+    targets_fn=(F.embedding,),
+    kind="embedding",
+    signature=_embedding,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.0,
+    functional=lambda m: (F.embedding, (), {}),
+    params=("weight",),
+)
+_reg(
+    modules=(nn.LayerNorm,),
+    kind="layer_norm",
+    signature=_layer_norm,
+    flops=lambda c: 5.0 * c.out_numel,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.5,
+    functional=lambda m: (
+        lambda x, *wb, _s=tuple(m.normalized_shape), _e=m.eps: F.layer_norm(x, _s, *wb, eps=_e),
+        (),
+        {},
+    ),
+    params=("weight", "bias"),
+)
+_reg(
+    targets_fn=(F.layer_norm,),
+    kind="layer_norm_fn",
+    signature=_layer_norm,
+    flops=lambda c: 5.0 * c.out_numel,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.5,
+)
 
 _unary_saves = lambda c: ("in0",)
-_reg(targets_fn=(F.gelu, torch.tanh, F.relu, F.silu, torch.sigmoid), methods=("tanh", "relu", "sigmoid"),
-     modules=(nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh), kind="activation", signature=_elementwise,
-     flops=lambda c: 8.0 * c.out_numel, saves=_unary_saves, bwd_flops_ratio=1.0,
-     functional=lambda m: (m.forward, (), {}))
+_reg(
+    targets_fn=(F.gelu, torch.tanh, F.relu, F.silu, torch.sigmoid),
+    methods=("tanh", "relu", "sigmoid"),
+    modules=(nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh),
+    kind="activation",
+    signature=_elementwise,
+    flops=lambda c: 8.0 * c.out_numel,
+    saves=_unary_saves,
+    bwd_flops_ratio=1.0,
+    functional=lambda m: (m.forward, (), {}),
+)
 _dropout_p = lambda c: c.module.p if c.module is not None else c.kwargs.get("p", 0.5)  # noqa: E731
-_reg(targets_fn=(F.dropout,), modules=(nn.Dropout,), kind="dropout", signature=_elementwise,
-     flops=lambda c: float(c.out_numel) if _dropout_p(c) > 0 else 0.0,  # p = 0 returns its input: no kernel
-     saves=lambda c: ("out0",) if _dropout_p(c) > 0 else (),
-     bwd_flops_ratio=1.0, functional=lambda m: (m.forward, (), {}))
-_reg(targets_fn=(_op.add, torch.add, _op.sub, torch.sub), methods=("add", "sub"),
-     kind="add", signature=_elementwise, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.5)
-_reg(targets_fn=(_op.mul, torch.mul, _op.truediv, torch.div), methods=("mul", "div"),
-     kind="mul", signature=_elementwise, flops=lambda c: float(c.out_numel),
-     saves=lambda c: tuple(f"in{i}" for i in range(len(c.in_shapes))), bwd_flops_ratio=1.0)
-_reg(methods=("contiguous", "float", "to", "type_as", "clone"), targets_fn=(torch.clone,),
-     kind="copy", signature=_elementwise, bwd_flops_ratio=0.5)
-_reg(targets_fn=(F.softmax, torch.softmax), methods=("softmax",), kind="softmax",
-     signature=lambda c: _elementwise(c, (_softmax_dim(c),)),
-     flops=lambda c: 5.0 * c.out_numel, saves=lambda c: ("out0",), bwd_flops_ratio=1.0)
-_reg(targets_fn=(F.scaled_dot_product_attention,), kind="attention", signature=_sdpa,
-     flops=lambda c: 2.0 * _numel(c.in_shapes[0]) * c.in_shapes[1][-2]
-     + 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[1][-2],
-     saves=lambda c: ("in0", "in1", "in2", "out0"), bwd_flops_ratio=2.5)
-_reg(targets_fn=(F.cross_entropy,), kind="cross_entropy", signature=_cross_entropy,
-     flops=lambda c: 4.0 * _numel(c.in_shapes[0]), saves=lambda c: ("in0", "in1"),
-     bwd_flops_ratio=1.0)
-_reg(targets_fn=(torch.matmul, _op.matmul, torch.bmm), methods=("matmul", "bmm"), kind="matmul",
-     signature=_matmul,
-     flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
-     saves=lambda c: ("in0", "in1"))
-_reg(targets_fn=(torch.reshape, torch.flatten, torch.unflatten),
-     methods=("view", "reshape", "flatten", "unflatten"), kind="reshape", signature=_reshape,
-     bwd_flops_ratio=0.0, view=True)
-_reg(targets_fn=(torch.permute,), methods=("permute",), kind="permute", signature=_permute,
-     bwd_flops_ratio=0.0)
-_reg(targets_fn=(torch.transpose,), methods=("transpose",), kind="transpose", signature=_transpose,
-     bwd_flops_ratio=0.0)
+_reg(
+    targets_fn=(F.dropout,),
+    modules=(nn.Dropout,),
+    kind="dropout",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel) if _dropout_p(c) > 0 else 0.0,  # p = 0 returns its input: no kernel
+    saves=lambda c: ("out0",) if _dropout_p(c) > 0 else (),
+    bwd_flops_ratio=1.0,
+    functional=lambda m: (m.forward, (), {}),
+)
+_reg(
+    targets_fn=(_op.add, torch.add, _op.sub, torch.sub),
+    methods=("add", "sub"),
+    kind="add",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    targets_fn=(_op.mul, torch.mul, _op.truediv, torch.div),
+    methods=("mul", "div"),
+    kind="mul",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    saves=lambda c: tuple(f"in{i}" for i in range(len(c.in_shapes))),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    methods=("contiguous", "float", "to", "type_as", "clone"),
+    targets_fn=(torch.clone,),
+    kind="copy",
+    signature=_elementwise,
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    targets_fn=(F.softmax, torch.softmax),
+    methods=("softmax",),
+    kind="softmax",
+    signature=lambda c: _elementwise(c, (_softmax_dim(c),)),
+    flops=lambda c: 5.0 * c.out_numel,
+    saves=lambda c: ("out0",),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(F.scaled_dot_product_attention,),
+    kind="attention",
+    signature=_sdpa,
+    flops=lambda c: (
+        2.0 * _numel(c.in_shapes[0]) * c.in_shapes[1][-2] + 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[1][-2]
+    ),
+    saves=lambda c: ("in0", "in1", "in2", "out0"),
+    bwd_flops_ratio=2.5,
+)
+_reg(
+    targets_fn=(F.cross_entropy,),
+    kind="cross_entropy",
+    signature=_cross_entropy,
+    flops=lambda c: 4.0 * _numel(c.in_shapes[0]),
+    saves=lambda c: ("in0", "in1"),
+    bwd_flops_ratio=1.0,
+)
+_reg(
+    targets_fn=(torch.matmul, _op.matmul, torch.bmm),
+    methods=("matmul", "bmm"),
+    kind="matmul",
+    signature=_matmul,
+    flops=lambda c: 2.0 * _numel(c.out_shapes[0]) * c.in_shapes[0][-1],
+    saves=lambda c: ("in0", "in1"),
+)
+_reg(
+    targets_fn=(torch.reshape, torch.flatten, torch.unflatten),
+    methods=("view", "reshape", "flatten", "unflatten"),
+    kind="reshape",
+    signature=_reshape,
+    bwd_flops_ratio=0.0,
+    view=True,
+)
+_reg(targets_fn=(torch.permute,), methods=("permute",), kind="permute", signature=_permute, bwd_flops_ratio=0.0)
+_reg(targets_fn=(torch.transpose,), methods=("transpose",), kind="transpose", signature=_transpose, bwd_flops_ratio=0.0)
 
 
 # ---- LLaMA operators: RMSNorm, slicing, negation, concatenation, GQA repeats ------
 
+
 def _rms_norm(c: OpContext) -> Signature:
     """Like layer norm: the normalized trailing axes stay whole, the leading ones split."""
-    ns = c.module.normalized_shape if c.module is not None else \
-        c.kwargs.get("normalized_shape", c.args[1] if len(c.args) > 1 else None)
+    ns = (
+        c.module.normalized_shape
+        if c.module is not None
+        else c.kwargs.get("normalized_shape", c.args[1] if len(c.args) > 1 else None)
+    )
     k = 1 if isinstance(ns, int) else len(ns) if isinstance(ns, (tuple, list)) else 1
     r = len(c.in_shapes[0])
     b = _letters(r - k)
@@ -388,8 +486,10 @@ def _getitem(c: OpContext) -> Signature:
     (kept whole); None adds a size-1 axis. Anything else (tensor indices) is kept whole."""
     idx = c.args[1] if len(c.args) > 1 else None
     idx = idx if isinstance(idx, tuple) else (idx,)
-    basic = all(i is None or i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))
-                for i in idx)
+    basic = all(
+        i is None or i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))
+        for i in idx
+    )
     if len(c.in_shapes) != 1 or not basic or sum(i is Ellipsis for i in idx) > 1:
         return _opaque(c)
     r = len(c.in_shapes[0])
@@ -426,8 +526,10 @@ def _cat(c: OpContext) -> Signature:
         return _opaque(c)
     d = dim % r
     names = _letters(r)
+
     def axes(tag: str):
         return [(f"c{tag}",) if a == d else (names[a],) for a in range(r)]
+
     return Signature.of([axes(str(t)) for t in range(len(c.in_shapes))], [axes("out")])
 
 
@@ -458,21 +560,49 @@ def _expand(c: OpContext) -> Signature:
     return Signature.of([ins], [outs])
 
 
-_reg(modules=(nn.RMSNorm,), kind="rms_norm", signature=_rms_norm,
-     flops=lambda c: 4.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5,
-     functional=lambda m: (lambda x, *w, _s=tuple(m.normalized_shape), _e=m.eps:
-                           F.rms_norm(x, _s, *w, eps=_e), (), {}),
-     params=("weight",))
-_reg(targets_fn=(F.rms_norm,), kind="rms_norm_fn", signature=_rms_norm,
-     flops=lambda c: 4.0 * c.out_numel, saves=lambda c: ("in0",), bwd_flops_ratio=1.5)
+_reg(
+    modules=(nn.RMSNorm,),
+    kind="rms_norm",
+    signature=_rms_norm,
+    flops=lambda c: 4.0 * c.out_numel,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.5,
+    functional=lambda m: (lambda x, *w, _s=tuple(m.normalized_shape), _e=m.eps: F.rms_norm(x, _s, *w, eps=_e), (), {}),
+    params=("weight",),
+)
+_reg(
+    targets_fn=(F.rms_norm,),
+    kind="rms_norm_fn",
+    signature=_rms_norm,
+    flops=lambda c: 4.0 * c.out_numel,
+    saves=lambda c: ("in0",),
+    bwd_flops_ratio=1.5,
+)
 _reg(targets_fn=(_op.getitem,), kind="getitem", signature=_getitem, bwd_flops_ratio=0.0)
-_reg(targets_fn=(_op.neg, torch.neg), methods=("neg",), kind="neg", signature=_elementwise,
-     flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.5)
+_reg(
+    targets_fn=(_op.neg, torch.neg),
+    methods=("neg",),
+    kind="neg",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.5,
+)
 _reg(targets_fn=(torch.cat, torch.concat, torch.concatenate), kind="cat", signature=_cat, bwd_flops_ratio=0.0)
-_reg(targets_fn=(torch.repeat_interleave,), methods=("repeat_interleave",), kind="repeat_interleave",
-     signature=_repeat_interleave, bwd_flops_ratio=0.5)
-_reg(targets_fn=(torch.unsqueeze, torch.squeeze), methods=("unsqueeze", "squeeze"), kind="reshape",
-     signature=_reshape, bwd_flops_ratio=0.0, view=True)
+_reg(
+    targets_fn=(torch.repeat_interleave,),
+    methods=("repeat_interleave",),
+    kind="repeat_interleave",
+    signature=_repeat_interleave,
+    bwd_flops_ratio=0.5,
+)
+_reg(
+    targets_fn=(torch.unsqueeze, torch.squeeze),
+    methods=("unsqueeze", "squeeze"),
+    kind="reshape",
+    signature=_reshape,
+    bwd_flops_ratio=0.0,
+    view=True,
+)
 # a piece runs as an expand to the piece's own output shape (the call's sizes are the whole tensor's)
 _reg(methods=("expand",), kind="expand", signature=_expand, bwd_flops_ratio=0.5)
 

@@ -47,9 +47,9 @@ class Signature:
             base = tok.rstrip("+^")
             if not _NAME.match(base):
                 raise GraphError(f"signature {text!r}: {tok!r} is not a dimension name")
-            if "+" in tok[len(base):]:
+            if "+" in tok[len(base) :]:
                 reduce.add(base)
-            if "^" in tok[len(base):]:
+            if "^" in tok[len(base) :]:
                 frozen.add(base)
             return base
 

@@ -33,7 +33,7 @@ class _ModuleCall:
 
     def __call__(self, *tensors):
         k = len(self.param_names)
-        acts, params = tensors[: len(tensors) - k], tensors[len(tensors) - k:]
+        acts, params = tensors[: len(tensors) - k], tensors[len(tensors) - k :]
         return torch.func.functional_call(self.module, dict(zip(self.param_names, params)), acts)
 
     def __repr__(self) -> str:
@@ -67,7 +67,8 @@ def trace(module: nn.Module, example_inputs: tuple, *, name: str | None = None) 
     tracer, scope = hf.tracer_for(module, inputs) or (_Tracer(), contextlib.nullcontext())
     _refuse_tied_weights(module)
     if any(p.device.type != "meta" for p in module.parameters()) or any(
-            b.device.type != "meta" for b in module.buffers()):
+        b.device.type != "meta" for b in module.buffers()
+    ):
         module = copy.deepcopy(module).to("meta")
     try:
         fx_graph = tracer.trace(module)
@@ -87,8 +88,10 @@ def _refuse_tied_weights(module: nn.Module) -> None:
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             seen = owners.setdefault(id(p), (id(mod), name))
             if seen[0] != id(mod):  # one module registered under two names is not a tie
-                raise GraphError(f"parameter {seen[1]!r} is tied to {name!r} (one tensor used by two modules); "
-                                 "tied weights are not supported yet: give each module its own parameter")
+                raise GraphError(
+                    f"parameter {seen[1]!r} is tied to {name!r} (one tensor used by two modules); "
+                    "tied weights are not supported yet: give each module its own parameter"
+                )
 
 
 def _user_line(exc: BaseException) -> str:
@@ -120,6 +123,7 @@ class _GraphBuilder:
 
     def _template(self, node: fx.Node, inputs: list[str]):
         """Replace tensor args by TensorArg slots, constant-fold the rest."""
+
         def sub(a):
             if isinstance(a, fx.Node):
                 ref = self.tensor_of.get(a)
@@ -131,6 +135,7 @@ class _GraphBuilder:
                     raise GraphError(f"operator {node.name!r} takes a tuple of tensors, which planlab cannot split")
                 return self.values[a]
             return a
+
         args = tuple(map_aggregate(node.args, sub))
         kwargs = dict(map_aggregate(dict(node.kwargs), sub))
         return args, kwargs
@@ -138,8 +143,10 @@ class _GraphBuilder:
     def build(self, inputs: tuple) -> Graph:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(inputs):
-            raise GraphError(f"the model's forward takes {len(placeholders)} inputs "
-                             f"({', '.join(p.name for p in placeholders)}); got {len(inputs)} example inputs")
+            raise GraphError(
+                f"the model's forward takes {len(placeholders)} inputs "
+                f"({', '.join(p.name for p in placeholders)}); got {len(inputs)} example inputs"
+            )
         interp = fx.Interpreter(self.gm)
         loss = None
         graph_inputs = []
@@ -154,8 +161,7 @@ class _GraphBuilder:
                 out = node.args[0]
                 ref = self.tensor_of.get(out) if isinstance(out, fx.Node) else None
                 if not isinstance(ref, str) or self.tensors[ref].shape != ():
-                    raise GraphError("the model's forward must return the scalar training loss; "
-                                     f"it returns {out!r}")
+                    raise GraphError(f"the model's forward must return the scalar training loss; it returns {out!r}")
                 loss = ref
                 continue
             args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
@@ -170,8 +176,11 @@ class _GraphBuilder:
                     role = "param" if isinstance(val, nn.Parameter) else "buffer"
                     self.tensor_of[node] = self._add_tensor(node.target, val, role)
                 continue
-            if node.op == "call_function" and node.target is operator.getitem \
-                    and isinstance(self.tensor_of.get(node.args[0]), tuple):
+            if (
+                node.op == "call_function"
+                and node.target is operator.getitem
+                and isinstance(self.tensor_of.get(node.args[0]), tuple)
+            ):
                 self.tensor_of[node] = self.tensor_of[node.args[0]][node.args[1]]
                 continue
             if isinstance(val, torch.Tensor):
@@ -215,34 +224,59 @@ class _GraphBuilder:
             self.tensor_of[node] = tuple(out_names)
         ctx = registry.OpContext(
             in_shapes=tuple(self.tensors[t].shape for t in inputs),
-            out_shapes=tuple(tuple(o.shape) for o in outs), args=args, kwargs=kwargs, module=module)
+            out_shapes=tuple(tuple(o.shape) for o in outs),
+            args=args,
+            kwargs=kwargs,
+            module=module,
+        )
         if opdef is None:
-            what = f"{type(module).__name__} module" if module is not None else \
-                getattr(node.target, "__name__", str(node.target))
+            what = (
+                f"{type(module).__name__} module"
+                if module is not None
+                else getattr(node.target, "__name__", str(node.target))
+            )
             if what not in self.unknown:
-                warnings.warn(f"planlab: no signature for {what} (operator {node.name!r}); it is kept whole",
-                              stacklevel=3)
+                warnings.warn(
+                    f"planlab: no signature for {what} (operator {node.name!r}); it is kept whole", stacklevel=3
+                )
             self.unknown.setdefault(what, None)
             opdef = registry.OPAQUE
         sig = opdef.signature(ctx)
         if len(sig.inputs) != len(inputs) or len(sig.outputs) != len(out_names):
-            raise GraphError(f"signature {sig} of {node.name!r} has {len(sig.inputs)} inputs and "
-                             f"{len(sig.outputs)} outputs; the call has {len(inputs)} and {len(out_names)}")
-        sizes = _dim_sizes(node.name, sig, [self.tensors[t].shape for t in inputs] +
-                           [self.tensors[t].shape for t in out_names])
+            raise GraphError(
+                f"signature {sig} of {node.name!r} has {len(sig.inputs)} inputs and "
+                f"{len(sig.outputs)} outputs; the call has {len(inputs)} and {len(out_names)}"
+            )
+        sizes = _dim_sizes(
+            node.name, sig, [self.tensors[t].shape for t in inputs] + [self.tensors[t].shape for t in out_names]
+        )
         saves = []
         for s in opdef.saves(ctx):
             idx = int(s[3:]) if s.startswith("out") else int(s[2:])
             saves.append(out_names[idx] if s.startswith("out") else inputs[idx])
         flops = float(opdef.flops(ctx))
-        nbytes = sum(self.tensors[t].nbytes for t in inputs + out_names) if opdef.kind not in (
-            "reshape", "permute", "transpose") and not (opdef.kind == "dropout" and flops == 0) else 0  # p = 0
-        self.ops.append(Operator(
-            name=node.name, kind=opdef.kind, inputs=tuple(inputs), outputs=tuple(out_names), signature=sig,
-            dim_sizes=sizes, flops=flops, bytes_moved=float(nbytes),
-            module=_module_path(node), call=call, saves=tuple(dict.fromkeys(saves)),
-            bwd_flops_ratio=opdef.bwd_flops_ratio,
-            add_once=tuple(k for k in opdef.add_once if k < len(inputs))))
+        nbytes = (
+            sum(self.tensors[t].nbytes for t in inputs + out_names)
+            if opdef.kind not in ("reshape", "permute", "transpose") and not (opdef.kind == "dropout" and flops == 0)
+            else 0
+        )  # p = 0
+        self.ops.append(
+            Operator(
+                name=node.name,
+                kind=opdef.kind,
+                inputs=tuple(inputs),
+                outputs=tuple(out_names),
+                signature=sig,
+                dim_sizes=sizes,
+                flops=flops,
+                bytes_moved=float(nbytes),
+                module=_module_path(node),
+                call=call,
+                saves=tuple(dict.fromkeys(saves)),
+                bwd_flops_ratio=opdef.bwd_flops_ratio,
+                add_once=tuple(k for k in opdef.add_once if k < len(inputs)),
+            )
+        )
 
 
 def _module_path(node: fx.Node) -> str:
@@ -260,12 +294,16 @@ def _dim_sizes(op_name: str, sig: Signature, shapes: list[tuple[int, ...]]) -> d
     groups = []
     for axes, shape in zip(sig.inputs + sig.outputs, shapes):
         if len(axes) != len(shape):
-            raise GraphError(f"signature {sig} of {op_name!r} gives {len(axes)} axes to a tensor of shape {list(shape)}")
+            raise GraphError(
+                f"signature {sig} of {op_name!r} gives {len(axes)} axes to a tensor of shape {list(shape)}"
+            )
         for ax, s in zip(axes, shape):
             if len(ax) == 1:
                 if sizes.setdefault(ax[0], s) != s:
-                    raise GraphError(f"operator {op_name!r}: dimension {ax[0]!r} is {sizes[ax[0]]} in one tensor "
-                                     f"and {s} in another (signature {sig})")
+                    raise GraphError(
+                        f"operator {op_name!r}: dimension {ax[0]!r} is {sizes[ax[0]]} in one tensor "
+                        f"and {s} in another (signature {sig})"
+                    )
             elif len(ax) > 1:
                 groups.append((ax, s))
     for ax, s in groups:

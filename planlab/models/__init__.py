@@ -2,12 +2,23 @@
 
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.llama import Llama, LlamaConfig
-from planlab.models.registry import (FAMILIES, GPT_PRESETS, LLAMA_PRESETS, Family, ModelSpec, build_model,
-                                     list_models)
+from planlab.models.registry import FAMILIES, GPT_PRESETS, LLAMA_PRESETS, Family, ModelSpec, build_model, list_models
 from planlab.models.user import UserModelConfig
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "GPT_PRESETS", "Family", "LLAMA_PRESETS", "Llama", "LlamaConfig",
-           "ModelSpec", "UserModelConfig", "build_model", "list_models"]
+__all__ = [
+    "FAMILIES",
+    "GPT",
+    "GPTConfig",
+    "GPT_PRESETS",
+    "Family",
+    "LLAMA_PRESETS",
+    "Llama",
+    "LlamaConfig",
+    "ModelSpec",
+    "UserModelConfig",
+    "build_model",
+    "list_models",
+]
 
 from planlab.models.registry import T5_PRESETS  # noqa: E402
 from planlab.models.t5 import T5, T5Config  # noqa: E402

@@ -107,7 +107,7 @@ class EvoformerConfig:
 
         row = 2 * cm + 2 * cz + lin(cz, self.heads_msa, False) + mha(cm, self.c_att_msa, self.heads_msa)
         col = 2 * cm + mha(cm, self.c_att_msa, self.heads_msa)
-        opm = 2 * cm + 2 * lin(cm, self.c_opm) + lin(self.c_opm ** 2, cz)
+        opm = 2 * cm + 2 * lin(cm, self.c_opm) + lin(self.c_opm**2, cz)
         tri_mul = 2 * cz + 4 * lin(cz, self.c_tri_mul) + lin(cz, cz) + 2 * self.c_tri_mul + lin(self.c_tri_mul, cz)
         tri_att = 2 * cz + lin(cz, self.heads_pair, False) + mha(cz, self.c_att_pair, self.heads_pair)
 
@@ -119,28 +119,34 @@ class EvoformerConfig:
     def num_params(self) -> int:
         """Parameter count of the module: embedders, blocks and the distogram head."""
         cm, cz = self.c_m, self.c_z
-        embed = 2 * (self.target_feat * cz + cz) + (self.target_feat * cm + cm) + (self.msa_feat * cm + cm) \
+        embed = (
+            2 * (self.target_feat * cz + cz)
+            + (self.target_feat * cm + cm)
+            + (self.msa_feat * cm + cm)
             + (self.relpos_bins * cz + cz)
+        )
         recycle = 2 * cm + 2 * cz
         head = cz * self.dist_bins + self.dist_bins
         return embed + recycle + self.blocks * self.block_params() + head
 
     def __str__(self) -> str:
         r = f", recycles={self.recycles}" if self.recycles != 1 else ""
-        return (f"evoformer(blocks={self.blocks}, c_m={self.c_m}, c_z={self.c_z}, heads_msa={self.heads_msa}, "
-                f"heads_pair={self.heads_pair}, n_seq={self.n_seq}, n_res={self.n_res}{r})")
+        return (
+            f"evoformer(blocks={self.blocks}, c_m={self.c_m}, c_z={self.c_z}, heads_msa={self.heads_msa}, "
+            f"heads_pair={self.heads_pair}, n_seq={self.n_seq}, n_res={self.n_res}{r})"
+        )
 
 
 class _Masks(NamedTuple):
     """Mask-derived tensors computed once per forward and shared by every block."""
 
-    msa_row_bias: torch.Tensor   # (B, S, 1, 1, R): row attention over residues
-    msa_col_bias: torch.Tensor   # (B, R, 1, 1, S): column attention over sequences
-    msa: torch.Tensor            # (B, S, R, 1)
-    opm_norm: torch.Tensor       # (B, R, R, 1): unmasked sequence pairs per residue pair
+    msa_row_bias: torch.Tensor  # (B, S, 1, 1, R): row attention over residues
+    msa_col_bias: torch.Tensor  # (B, R, 1, 1, S): column attention over sequences
+    msa: torch.Tensor  # (B, S, R, 1)
+    opm_norm: torch.Tensor  # (B, R, R, 1): unmasked sequence pairs per residue pair
     pair_start_bias: torch.Tensor  # (B, I, 1, 1, J): triangle attention around the starting node
-    pair_end_bias: torch.Tensor    # (B, J, 1, 1, I): ... around the ending node (transposed)
-    pair: torch.Tensor           # (B, R, R, 1)
+    pair_end_bias: torch.Tensor  # (B, J, 1, 1, I): ... around the ending node (transposed)
+    pair: torch.Tensor  # (B, R, R, 1)
 
 
 def mask_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -229,7 +235,7 @@ class OuterProductMean(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.c_m)
         self.linear_1 = nn.Linear(cfg.c_m, cfg.c_opm)
         self.linear_2 = nn.Linear(cfg.c_m, cfg.c_opm)
-        self.linear_out = nn.Linear(cfg.c_opm ** 2, cfg.c_z)
+        self.linear_out = nn.Linear(cfg.c_opm**2, cfg.c_z)
 
     def forward(self, m: torch.Tensor, masks: _Masks) -> torch.Tensor:
         x = self.layer_norm(m)  # (B, S, R, c_m)
@@ -326,8 +332,9 @@ class InputEmbedder(nn.Module):
         self.linear_msa_m = nn.Linear(cfg.msa_feat, cfg.c_m)
         self.linear_relpos = nn.Linear(cfg.relpos_bins, cfg.c_z)
 
-    def forward(self, msa_feat: torch.Tensor, target_feat: torch.Tensor,
-                relpos_feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, msa_feat: torch.Tensor, target_feat: torch.Tensor, relpos_feat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # msa_feat: (B, S, R, 49), target_feat: (B, R, 22), relpos_feat: (B, R, R, 65)
         z_i = self.linear_tf_z_i(target_feat).unsqueeze(2)  # (B, R, 1, c_z)
         z_j = self.linear_tf_z_j(target_feat).unsqueeze(1)  # (B, 1, R, c_z)
@@ -350,8 +357,9 @@ class RecyclingEmbedder(nn.Module):
         first[0] = 1.0
         self.register_buffer("first_row", first, persistent=False)  # (S, 1, 1)
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor, prev_m1: torch.Tensor,
-                prev_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, m: torch.Tensor, z: torch.Tensor, prev_m1: torch.Tensor, prev_z: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # m: (B, S, R, c_m), z: (B, R, R, c_z), prev_m1: (B, R, c_m), prev_z: (B, R, R, c_z)
         m = m + self.first_row * self.layer_norm_m(prev_m1).unsqueeze(1)  # (B, S, R, c_m)
         return m, z + self.layer_norm_z(prev_z)
@@ -369,9 +377,17 @@ class Evoformer(nn.Module):
         self.blocks = nn.ModuleList(EvoformerBlock(cfg) for _ in range(cfg.blocks))
         self.distogram = nn.Linear(cfg.c_z, cfg.dist_bins)
 
-    def forward(self, msa_feat: torch.Tensor, target_feat: torch.Tensor, relpos_feat: torch.Tensor,
-                msa_mask: torch.Tensor, pair_mask: torch.Tensor, prev_msa_first_row: torch.Tensor,
-                prev_pair: torch.Tensor, dist_bins: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        msa_feat: torch.Tensor,
+        target_feat: torch.Tensor,
+        relpos_feat: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        prev_msa_first_row: torch.Tensor,
+        prev_pair: torch.Tensor,
+        dist_bins: torch.Tensor,
+    ) -> torch.Tensor:
         # msa_mask: (B, S, R), pair_mask: (B, R, R), dist_bins: (B, R, R) bin indices
         masks = _Masks(
             msa_row_bias=mask_bias(msa_mask),
@@ -380,11 +396,12 @@ class Evoformer(nn.Module):
             opm_norm=torch.einsum("bis,bsj->bij", msa_mask.transpose(1, 2), msa_mask).unsqueeze(-1),
             pair_start_bias=mask_bias(pair_mask),
             pair_end_bias=mask_bias(pair_mask.transpose(1, 2)),
-            pair=pair_mask.unsqueeze(-1))
+            pair=pair_mask.unsqueeze(-1),
+        )
         prev_m1, prev_z = prev_msa_first_row, prev_pair
         for r in range(self.cfg.recycles):  # a config constant, unrolled by the tracer
             if r:  # the previous pass gets no gradient (Algorithm 2: its outputs are stop-gradient)
-                prev_m1, prev_z = m[:, 0].detach(), z.detach()  # (B, R, c_m), (B, R, R, c_z)
+                prev_m1, prev_z = m[:, 0].detach(), z.detach()  # noqa: F821 (m, z: the previous pass) (B, R, c_m), (B, R, R, c_z)
             m, z = self.input_embedder(msa_feat, target_feat, relpos_feat)
             m, z = self.recycling_embedder(m, z, prev_m1, prev_z)
             for block in self.blocks:
@@ -398,8 +415,9 @@ class Evoformer(nn.Module):
         return torch.einsum("b->", per_example / per_example.shape[0])
 
     @staticmethod
-    def example_inputs(cfg: EvoformerConfig, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, ...]:
+    def example_inputs(
+        cfg: EvoformerConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """Synthetic features of ``batch`` cropped proteins, in ``forward``'s order.
 
         One-hot MSA and target features (with random extra MSA columns: deletions and
@@ -408,11 +426,20 @@ class Evoformer(nn.Module):
         random recycled representations and symmetric distogram bins. On ``meta`` no data is made.
         """
         b, s, r = batch, cfg.n_seq, cfg.n_res
-        shapes = [(b, s, r, cfg.msa_feat), (b, r, cfg.target_feat), (b, r, r, cfg.relpos_bins), (b, s, r),
-                  (b, r, r), (b, r, cfg.c_m), (b, r, r, cfg.c_z)]
+        shapes = [
+            (b, s, r, cfg.msa_feat),
+            (b, r, cfg.target_feat),
+            (b, r, r, cfg.relpos_bins),
+            (b, s, r),
+            (b, r, r),
+            (b, r, cfg.c_m),
+            (b, r, r, cfg.c_z),
+        ]
         if str(device) == "meta":
-            return (*(torch.empty(sh, device="meta") for sh in shapes),
-                    torch.empty(b, r, r, dtype=torch.long, device="meta"))
+            return (
+                *(torch.empty(sh, device="meta") for sh in shapes),
+                torch.empty(b, r, r, dtype=torch.long, device="meta"),
+            )
         g = torch.Generator().manual_seed(0 if seed is None else seed)
         msa_feat = torch.rand(shapes[0], generator=g)
         classes = min(23, cfg.msa_feat)  # 20 amino acids, unknown, gap, mask
@@ -426,7 +453,7 @@ class Evoformer(nn.Module):
         seq_mask = torch.ones(b, s)
         for i in range(b):
             if i % 3 and r > i % 3:
-                res_mask[i, r - i % 3:] = 0.0
+                res_mask[i, r - i % 3 :] = 0.0
             if i % 2 and s > 1:
                 seq_mask[i, -1] = 0.0
         msa_mask = seq_mask[:, :, None] * res_mask[:, None, :]  # (B, S, R)

@@ -117,7 +117,8 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod
-    def example_inputs(cfg: GPTConfig, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        cfg: GPTConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
         return token_batch(cfg.vocab, cfg.seq, batch, device, seed)

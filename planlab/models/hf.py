@@ -32,8 +32,10 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ConfigError("the Hugging Face models need the transformers package: install planlab's hf extra "
-                          "(pip install 'planlab[hf]', or pip install 'torch==2.13.0' 'transformers>=5')") from None
+        raise ConfigError(
+            "the Hugging Face models need the transformers package: install planlab's hf extra "
+            "(pip install 'planlab[hf]', or pip install 'torch==2.13.0' 'transformers>=5')"
+        ) from None
     return transformers
 
 
@@ -84,78 +86,247 @@ def _causal_lm(cls_name: str, cfg_name: str, a: dict[str, Any], **extra) -> tupl
     _divides("heads", a["hidden"], "hidden", a["heads"])
     _divides("kv_heads", a["heads"], "heads", a["kv_heads"])
     cfg = getattr(tf, cfg_name)(
-        vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["ffn_hidden"],
-        num_hidden_layers=a["layers"], num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"],
-        max_position_embeddings=a["seq"], attention_dropout=a["dropout"], tie_word_embeddings=False,
-        use_cache=False, attn_implementation=a["attn"], **extra)
+        vocab_size=a["vocab"],
+        hidden_size=a["hidden"],
+        intermediate_size=a["ffn_hidden"],
+        num_hidden_layers=a["layers"],
+        num_attention_heads=a["heads"],
+        num_key_value_heads=a["kv_heads"],
+        max_position_embeddings=a["seq"],
+        attention_dropout=a["dropout"],
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation=a["attn"],
+        **extra,
+    )
     model = getattr(tf, cls_name)(cfg)
     ids = _tokens(a["vocab"], EXAMPLE_BATCH, a["seq"])
     return HFLoss(model, "input_ids", a["heads"], a["kv_heads"]), (ids, ids.clone())
 
 
-def llama(size: str = "tiny", *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-          kv_heads: int | None = None, ffn_hidden: int | None = None, seq: int | None = None,
-          vocab: int | None = None, dropout: float | None = None, attn: str | None = None):
+def llama(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    seq: int | None = None,
+    vocab: int | None = None,
+    dropout: float | None = None,
+    attn: str | None = None,
+):
     """``LlamaForCausalLM`` with its causal-LM loss; ``size=full`` is Llama-2 7B at 4,096 tokens."""
-    a = _pick(size, dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq=16, vocab=64, dropout=0.0,
-                         attn="sdpa"),
-              dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, seq=4096, vocab=32000,
-                   dropout=0.0, attn="sdpa"),
-              dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden, seq=seq,
-                   vocab=vocab, dropout=dropout, attn=attn))
+    a = _pick(
+        size,
+        dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq=16, vocab=64, dropout=0.0, attn="sdpa"),
+        dict(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=32,
+            ffn_hidden=11008,
+            seq=4096,
+            vocab=32000,
+            dropout=0.0,
+            attn="sdpa",
+        ),
+        dict(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            ffn_hidden=ffn_hidden,
+            seq=seq,
+            vocab=vocab,
+            dropout=dropout,
+            attn=attn,
+        ),
+    )
     return _causal_lm("LlamaForCausalLM", "LlamaConfig", a)
 
 
-def mixtral(size: str = "tiny", *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-            kv_heads: int | None = None, ffn_hidden: int | None = None, seq: int | None = None,
-            vocab: int | None = None, experts: int | None = None, top_k: int | None = None,
-            dropout: float | None = None, attn: str | None = None, experts_impl: str | None = None):
+def mixtral(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    seq: int | None = None,
+    vocab: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    dropout: float | None = None,
+    attn: str | None = None,
+    experts_impl: str | None = None,
+):
     """``MixtralForCausalLM`` (top-k routed SwiGLU experts); ``size=full`` is Mixtral 8x7B at 4,096 tokens."""
-    a = _pick(size, dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48, seq=16, vocab=64, experts=4,
-                         top_k=2, dropout=0.0, attn="sdpa", experts_impl="batched_mm"),
-              dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq=4096, vocab=32000,
-                   experts=8, top_k=2, dropout=0.0, attn="sdpa", experts_impl="batched_mm"),
-              dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden, seq=seq,
-                   vocab=vocab, experts=experts, top_k=top_k, dropout=dropout, attn=attn, experts_impl=experts_impl))
+    a = _pick(
+        size,
+        dict(
+            layers=2,
+            hidden=32,
+            heads=4,
+            kv_heads=2,
+            ffn_hidden=48,
+            seq=16,
+            vocab=64,
+            experts=4,
+            top_k=2,
+            dropout=0.0,
+            attn="sdpa",
+            experts_impl="batched_mm",
+        ),
+        dict(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            ffn_hidden=14336,
+            seq=4096,
+            vocab=32000,
+            experts=8,
+            top_k=2,
+            dropout=0.0,
+            attn="sdpa",
+            experts_impl="batched_mm",
+        ),
+        dict(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            ffn_hidden=ffn_hidden,
+            seq=seq,
+            vocab=vocab,
+            experts=experts,
+            top_k=top_k,
+            dropout=dropout,
+            attn=attn,
+            experts_impl=experts_impl,
+        ),
+    )
     if not 1 <= a["top_k"] <= a["experts"]:
         raise ConfigError(f"top_k={a['top_k']} must be between 1 and experts={a['experts']}")
-    return _causal_lm("MixtralForCausalLM", "MixtralConfig", a, num_local_experts=a["experts"],
-                      num_experts_per_tok=a["top_k"], experts_implementation=a["experts_impl"])
+    return _causal_lm(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        a,
+        num_local_experts=a["experts"],
+        num_experts_per_tok=a["top_k"],
+        experts_implementation=a["experts_impl"],
+    )
 
 
-def gpt2(size: str = "tiny", *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-         seq: int | None = None, vocab: int | None = None, dropout: float | None = None, attn: str | None = None):
+def gpt2(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    seq: int | None = None,
+    vocab: int | None = None,
+    dropout: float | None = None,
+    attn: str | None = None,
+):
     """``GPT2LMHeadModel`` (Conv1D layers, fused q/k/v); ``size=full`` is GPT-2 124M at 1,024 tokens."""
     tf = _transformers()
-    a = _pick(size, dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=0.0, attn="sdpa"),
-              dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, dropout=0.0, attn="sdpa"),
-              dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout, attn=attn))
+    a = _pick(
+        size,
+        dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=0.0, attn="sdpa"),
+        dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, dropout=0.0, attn="sdpa"),
+        dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout, attn=attn),
+    )
     _divides("heads", a["hidden"], "hidden", a["heads"])
-    cfg = tf.GPT2Config(vocab_size=a["vocab"], n_positions=a["seq"], n_embd=a["hidden"], n_layer=a["layers"],
-                        n_head=a["heads"], resid_pdrop=a["dropout"], embd_pdrop=a["dropout"],
-                        attn_pdrop=a["dropout"], tie_word_embeddings=False, use_cache=False,
-                        attn_implementation=a["attn"])
+    cfg = tf.GPT2Config(
+        vocab_size=a["vocab"],
+        n_positions=a["seq"],
+        n_embd=a["hidden"],
+        n_layer=a["layers"],
+        n_head=a["heads"],
+        resid_pdrop=a["dropout"],
+        embd_pdrop=a["dropout"],
+        attn_pdrop=a["dropout"],
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation=a["attn"],
+    )
     ids = _tokens(a["vocab"], EXAMPLE_BATCH, a["seq"])
     return HFLoss(tf.GPT2LMHeadModel(cfg), "input_ids", a["heads"]), (ids, ids.clone())
 
 
-def t5(size: str = "tiny", *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-       head_dim: int | None = None, ffn_hidden: int | None = None, seq: int | None = None,
-       target_seq: int | None = None, vocab: int | None = None, dropout: float | None = None,
-       attn: str | None = None):
+def t5(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    ffn_hidden: int | None = None,
+    seq: int | None = None,
+    target_seq: int | None = None,
+    vocab: int | None = None,
+    dropout: float | None = None,
+    attn: str | None = None,
+):
     """``T5ForConditionalGeneration`` (encoder-decoder, relative position bias); ``size=full`` is
     t5-small (60M) at 512 input and 128 target tokens."""
     tf = _transformers()
-    a = _pick(size, dict(layers=2, hidden=32, heads=4, head_dim=8, ffn_hidden=64, seq=16, target_seq=8, vocab=64,
-                         dropout=0.0, attn="eager"),
-              dict(layers=6, hidden=512, heads=8, head_dim=64, ffn_hidden=2048, seq=512, target_seq=128,
-                   vocab=32128, dropout=0.0, attn="eager"),
-              dict(layers=layers, hidden=hidden, heads=heads, head_dim=head_dim, ffn_hidden=ffn_hidden, seq=seq,
-                   target_seq=target_seq, vocab=vocab, dropout=dropout, attn=attn))
-    cfg = tf.T5Config(vocab_size=a["vocab"], d_model=a["hidden"], d_kv=a["head_dim"], d_ff=a["ffn_hidden"],
-                      num_layers=a["layers"], num_decoder_layers=a["layers"], num_heads=a["heads"],
-                      dropout_rate=a["dropout"], use_cache=False, decoder_start_token_id=0,
-                      attn_implementation=a["attn"])
+    a = _pick(
+        size,
+        dict(
+            layers=2,
+            hidden=32,
+            heads=4,
+            head_dim=8,
+            ffn_hidden=64,
+            seq=16,
+            target_seq=8,
+            vocab=64,
+            dropout=0.0,
+            attn="eager",
+        ),
+        dict(
+            layers=6,
+            hidden=512,
+            heads=8,
+            head_dim=64,
+            ffn_hidden=2048,
+            seq=512,
+            target_seq=128,
+            vocab=32128,
+            dropout=0.0,
+            attn="eager",
+        ),
+        dict(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            head_dim=head_dim,
+            ffn_hidden=ffn_hidden,
+            seq=seq,
+            target_seq=target_seq,
+            vocab=vocab,
+            dropout=dropout,
+            attn=attn,
+        ),
+    )
+    cfg = tf.T5Config(
+        vocab_size=a["vocab"],
+        d_model=a["hidden"],
+        d_kv=a["head_dim"],
+        d_ff=a["ffn_hidden"],
+        num_layers=a["layers"],
+        num_decoder_layers=a["layers"],
+        num_heads=a["heads"],
+        dropout_rate=a["dropout"],
+        use_cache=False,
+        decoder_start_token_id=0,
+        attn_implementation=a["attn"],
+    )
     model = tf.T5ForConditionalGeneration(cfg)
     untie_t5(model)
     ids = _tokens(a["vocab"], EXAMPLE_BATCH, a["seq"])
@@ -178,48 +349,114 @@ def _images(channels: int, image: int, classes: int) -> tuple[torch.Tensor, torc
     return pixels, torch.randint(0, classes, (EXAMPLE_BATCH,))  # (B,) class ids
 
 
-def vit(size: str = "tiny", *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-        ffn_hidden: int | None = None, image: int | None = None, patch: int | None = None,
-        classes: int | None = None, dropout: float | None = None, attn: str | None = None):
+def vit(
+    size: str = "tiny",
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    ffn_hidden: int | None = None,
+    image: int | None = None,
+    patch: int | None = None,
+    classes: int | None = None,
+    dropout: float | None = None,
+    attn: str | None = None,
+):
     """``ViTForImageClassification``; ``size=full`` is ViT-B/16 (86M) on 224x224 images, 1,000 classes."""
     tf = _transformers()
-    a = _pick(size, dict(layers=2, hidden=32, heads=4, ffn_hidden=64, image=16, patch=4, classes=10, dropout=0.0,
-                         attn="sdpa"),
-              dict(layers=12, hidden=768, heads=12, ffn_hidden=3072, image=224, patch=16, classes=1000, dropout=0.0,
-                   attn="sdpa"),
-              dict(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, image=image, patch=patch,
-                   classes=classes, dropout=dropout, attn=attn))
+    a = _pick(
+        size,
+        dict(layers=2, hidden=32, heads=4, ffn_hidden=64, image=16, patch=4, classes=10, dropout=0.0, attn="sdpa"),
+        dict(
+            layers=12,
+            hidden=768,
+            heads=12,
+            ffn_hidden=3072,
+            image=224,
+            patch=16,
+            classes=1000,
+            dropout=0.0,
+            attn="sdpa",
+        ),
+        dict(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            ffn_hidden=ffn_hidden,
+            image=image,
+            patch=patch,
+            classes=classes,
+            dropout=dropout,
+            attn=attn,
+        ),
+    )
     _divides("heads", a["hidden"], "hidden", a["heads"])
     _divides("patch", a["image"], "image", a["patch"])
-    cfg = tf.ViTConfig(hidden_size=a["hidden"], num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
-                       intermediate_size=a["ffn_hidden"], image_size=a["image"], patch_size=a["patch"],
-                       num_labels=a["classes"], hidden_dropout_prob=a["dropout"],
-                       attention_probs_dropout_prob=a["dropout"], attn_implementation=a["attn"])
+    cfg = tf.ViTConfig(
+        hidden_size=a["hidden"],
+        num_hidden_layers=a["layers"],
+        num_attention_heads=a["heads"],
+        intermediate_size=a["ffn_hidden"],
+        image_size=a["image"],
+        patch_size=a["patch"],
+        num_labels=a["classes"],
+        hidden_dropout_prob=a["dropout"],
+        attention_probs_dropout_prob=a["dropout"],
+        attn_implementation=a["attn"],
+    )
     return HFLoss(tf.ViTForImageClassification(cfg), "pixel_values", a["heads"]), _images(3, a["image"], a["classes"])
 
 
-def swin(size: str = "tiny", *, embed: int | None = None, depth: int | None = None, heads: int | None = None,
-         image: int | None = None, patch: int | None = None, window: int | None = None,
-         classes: int | None = None, dropout: float | None = None):
+def swin(
+    size: str = "tiny",
+    *,
+    embed: int | None = None,
+    depth: int | None = None,
+    heads: int | None = None,
+    image: int | None = None,
+    patch: int | None = None,
+    window: int | None = None,
+    classes: int | None = None,
+    dropout: float | None = None,
+):
     """``SwinForImageClassification`` (shifted windows, patch merging); ``size=full`` is Swin-T (28M)
     on 224x224 images. ``depth`` and ``heads`` set every stage (tiny: 2 stages of 2 blocks)."""
     tf = _transformers()
-    a = _pick(size, dict(embed=16, depth=2, heads=2, image=32, patch=4, window=4, classes=10, dropout=0.0),
-              dict(embed=96, depth=0, heads=0, image=224, patch=4, window=7, classes=1000, dropout=0.0),
-              dict(embed=embed, depth=depth, heads=heads, image=image, patch=patch, window=window, classes=classes,
-                   dropout=dropout))
+    a = _pick(
+        size,
+        dict(embed=16, depth=2, heads=2, image=32, patch=4, window=4, classes=10, dropout=0.0),
+        dict(embed=96, depth=0, heads=0, image=224, patch=4, window=7, classes=1000, dropout=0.0),
+        dict(
+            embed=embed,
+            depth=depth,
+            heads=heads,
+            image=image,
+            patch=patch,
+            window=window,
+            classes=classes,
+            dropout=dropout,
+        ),
+    )
     if size == "full" and not a["depth"] and not a["heads"]:
         depths, heads_per = [2, 2, 6, 2], [3, 6, 12, 24]  # Swin-T (Liu et al. 2021, table 1)
     else:
         stages = 2 if size == "tiny" else 4
-        depths, heads_per = [a["depth"] or 2] * stages, [(a["heads"] or 3) * 2 ** i for i in range(stages)]
+        depths, heads_per = [a["depth"] or 2] * stages, [(a["heads"] or 3) * 2**i for i in range(stages)]
     _divides("patch", a["image"], "image", a["patch"])
-    cfg = tf.SwinConfig(image_size=a["image"], patch_size=a["patch"], embed_dim=a["embed"], depths=depths,
-                        num_heads=heads_per, window_size=a["window"], num_labels=a["classes"],
-                        hidden_dropout_prob=a["dropout"], attention_probs_dropout_prob=a["dropout"],
-                        drop_path_rate=a["dropout"])
+    cfg = tf.SwinConfig(
+        image_size=a["image"],
+        patch_size=a["patch"],
+        embed_dim=a["embed"],
+        depths=depths,
+        num_heads=heads_per,
+        window_size=a["window"],
+        num_labels=a["classes"],
+        hidden_dropout_prob=a["dropout"],
+        attention_probs_dropout_prob=a["dropout"],
+        drop_path_rate=a["dropout"],
+    )
     for i, h in enumerate(heads_per):
-        _divides(f"heads of stage {i}", a["embed"] * 2 ** i, "its width", h)
+        _divides(f"heads of stage {i}", a["embed"] * 2**i, "its width", h)
     model = tf.SwinForImageClassification(cfg)
     return HFLoss(model, "pixel_values", math.gcd(*heads_per)), _images(3, a["image"], a["classes"])
 

@@ -41,7 +41,7 @@ import torch.nn as nn
 from planlab.plan.layout import Box
 
 CHUNK_ELEMENTS = 1 << 18  # elements per chunk of rows (1 MiB of fp32), at least one row
-FALLBACK_STD = 0.02       # GPT-2's and most transformer codebases' default
+FALLBACK_STD = 0.02  # GPT-2's and most transformer codebases' default
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,11 @@ class InitRule:
     zero_row: int | None = None
 
     def __str__(self) -> str:
-        text = {"normal": f"N({self.a:g}, {self.b:g})", "uniform": f"U({self.a:.4g}, {self.b:.4g})",
-                "constant": f"{self.a:g}"}.get(self.kind, self.kind)
+        text = {
+            "normal": f"N({self.a:g}, {self.b:g})",
+            "uniform": f"U({self.a:.4g}, {self.b:.4g})",
+            "constant": f"{self.a:g}",
+        }.get(self.kind, self.kind)
         return text + (f" (row {self.zero_row} zero)" if self.zero_row is not None else "")
 
 
@@ -113,14 +116,23 @@ class InitRecorder:
                 self.row_elements[key] = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
             return
         row, r = self.row_elements.get(key, 0), self.by_storage.get(key)
-        if r is not None and rule == ZEROS and row and t.numel() == row and t.is_contiguous() \
-                and t.storage_offset() % row == 0:  # a zeroed row: an embedding's padding row
+        if (
+            r is not None
+            and rule == ZEROS
+            and row
+            and t.numel() == row
+            and t.is_contiguous()
+            and t.storage_offset() % row == 0
+        ):  # a zeroed row: an embedding's padding row
             self.by_storage[key] = InitRule(r.kind, r.a, r.b, t.storage_offset() // row)
 
     def rules(self, root: nn.Module) -> dict[str, InitRule]:
         """The recorded rule of each parameter of ``root`` that a draw reached, by qualified name."""
-        return {n: self.by_storage[p.untyped_storage()._cdata] for n, p in root.named_parameters()
-                if p.is_meta and p.untyped_storage()._cdata in self.by_storage}
+        return {
+            n: self.by_storage[p.untyped_storage()._cdata]
+            for n, p in root.named_parameters()
+            if p.is_meta and p.untyped_storage()._cdata in self.by_storage
+        }
 
 
 _RECORDED: "weakref.WeakKeyDictionary[nn.Module, dict[str, InitRule]]" = weakref.WeakKeyDictionary()
@@ -163,8 +175,9 @@ def _draw(rule: InitRule, shape: tuple[int, ...], seed: int, dtype: torch.dtype)
     raise ValueError(f"unknown initialisation {rule.kind!r}; expected 'normal', 'uniform' or 'constant'")
 
 
-def init_region(rule: InitRule, name: str, shape: tuple[int, ...], box: Box | None, *, seed: int,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def init_region(
+    rule: InitRule, name: str, shape: tuple[int, ...], box: Box | None, *, seed: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The region ``box`` (``((start, stop), ...)`` per dimension; None: all) of parameter
     ``name`` of ``shape`` as :func:`init_rules`' ``rule`` draws it from ``seed``."""
     shape = tuple(int(s) for s in shape)
@@ -215,6 +228,7 @@ def params_on_meta() -> Iterator[InitRecorder]:
                 value = None
             rec.record(self, value)
             return self
+
         return draw
 
     def normal(mean=0.0, std=1.0, *, generator=None):
@@ -227,8 +241,11 @@ def params_on_meta() -> Iterator[InitRecorder]:
         out = saved["clone"](self, *args, **kwargs)
         if self.is_meta:
             rule = rec.by_storage.get(self.untyped_storage()._cdata)
-            if rule is not None and self.storage_offset() == 0 and \
-                    self.numel() * self.element_size() == self.untyped_storage().nbytes():
+            if (
+                rule is not None
+                and self.storage_offset() == 0
+                and self.numel() * self.element_size() == self.untyped_storage().nbytes()
+            ):
                 rec.record(out, rule)
         return out
 
@@ -285,8 +302,10 @@ def build_skeleton(spec, *, batch: int, seed: int = 0) -> tuple[nn.Module, tuple
     _RECORDED[module] = recorder.rules(module)
     stray = [n for n, b in module.named_buffers() if b.device.type == "meta"]
     if stray:
-        raise ConfigError(f"model {spec}: buffers {stray[:3]} were made on the meta device; build them on the "
-                          "CPU (planlab builds parameters on meta and draws each rank's pieces itself)")
+        raise ConfigError(
+            f"model {spec}: buffers {stray[:3]} were made on the meta device; build them on the "
+            "CPU (planlab builds parameters on meta and draws each rank's pieces itself)"
+        )
     return module, tuple(inputs)
 
 

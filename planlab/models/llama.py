@@ -53,8 +53,10 @@ class LlamaConfig:
         return 2 * self.vocab * h + self.layers * per_layer + h
 
     def __str__(self) -> str:
-        return (f"llama(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, "
-                f"kv_heads={self.kv_heads}, ffn_hidden={self.ffn_hidden}, seq={self.seq}, vocab={self.vocab})")
+        return (
+            f"llama(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, "
+            f"kv_heads={self.kv_heads}, ffn_hidden={self.ffn_hidden}, seq={self.seq}, vocab={self.vocab})"
+        )
 
 
 def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +89,7 @@ class Attention(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x: (B, n, T, hs) with cos, sin: (T, hs)."""
         x1 = x[..., : self.half]  # (B, n, T, hs/2)
-        x2 = x[..., self.half:]  # (B, n, T, hs/2)
+        x2 = x[..., self.half :]  # (B, n, T, hs/2)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin  # (B, n, T, hs)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,8 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod
-    def example_inputs(cfg: LlamaConfig, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        cfg: LlamaConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
         return token_batch(cfg.vocab, cfg.seq, batch, device, seed)

@@ -86,9 +86,11 @@ class MoEConfig:
         return self.num_params() - self.layers * (self.experts - self.top_k) * 3 * self.hidden * self.ffn_hidden
 
     def __str__(self) -> str:
-        return (f"moe(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, "
-                f"ffn_hidden={self.ffn_hidden}, experts={self.experts}, top_k={self.top_k}, seq={self.seq}, "
-                f"vocab={self.vocab})")
+        return (
+            f"moe(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, "
+            f"ffn_hidden={self.ffn_hidden}, experts={self.experts}, top_k={self.top_k}, seq={self.seq}, "
+            f"vocab={self.vocab})"
+        )
 
 
 class Experts(nn.Module):
@@ -101,7 +103,7 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, h, f))  # (E, H, F)
         self.w2 = nn.Parameter(torch.empty(e, f, h))  # (E, F, H)
         for w, fan_in in ((self.w1, h), (self.w3, h), (self.w2, f)):  # as nn.Linear draws its weights
-            nn.init.uniform_(w, -fan_in ** -0.5, fan_in ** -0.5)
+            nn.init.uniform_(w, -(fan_in**-0.5), fan_in**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (E, T, H) -> (E, T, F) -> (E, T, H), each expert on its own T tokens
@@ -163,8 +165,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.feed_forward = SparseMoE(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
         y, aux = self.feed_forward(self.ffn_norm(x))  # (B, T, C), (B,) or None
         return x + y, aux
@@ -201,7 +204,8 @@ class MoE(nn.Module):
         return loss + aux.sum() * (self.cfg.aux_loss_coef / idx.shape[0])
 
     @staticmethod
-    def example_inputs(cfg: MoEConfig, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        cfg: MoEConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
         return token_batch(cfg.vocab, cfg.seq, batch, device, seed)

@@ -48,18 +48,18 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 # vocabulary to 128K, the released config.json has 128,256 entries; pre-training sequence 8,192.
 LLAMA_PRESETS: dict[str, LlamaConfig] = {
     "llama-tiny": LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=160, seq=32, vocab=128),
-    "llama2-7b": LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, seq=4096,
-                             vocab=32000),
-    "llama2-13b": LlamaConfig(layers=40, hidden=5120, heads=40, kv_heads=40, ffn_hidden=13824, seq=4096,
-                              vocab=32000),
-    "llama2-70b": LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, seq=4096,
-                              vocab=32000),
-    "llama3-8b": LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq=8192,
-                             vocab=128256, rope_theta=500000.0),
-    "llama3-70b": LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, seq=8192,
-                              vocab=128256, rope_theta=500000.0),
-    "llama3-405b": LlamaConfig(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, seq=8192,
-                               vocab=128256, rope_theta=500000.0),
+    "llama2-7b": LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, seq=4096, vocab=32000),
+    "llama2-13b": LlamaConfig(layers=40, hidden=5120, heads=40, kv_heads=40, ffn_hidden=13824, seq=4096, vocab=32000),
+    "llama2-70b": LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, seq=4096, vocab=32000),
+    "llama3-8b": LlamaConfig(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq=8192, vocab=128256, rope_theta=500000.0
+    ),
+    "llama3-70b": LlamaConfig(
+        layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, seq=8192, vocab=128256, rope_theta=500000.0
+    ),
+    "llama3-405b": LlamaConfig(
+        layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, seq=8192, vocab=128256, rope_theta=500000.0
+    ),
 }
 
 # T5 v1.1 shapes from the released config.json of google/t5-v1_1-{small,base,large,xl,xxl} (d_model,
@@ -69,18 +69,72 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
 # length 3 leaves targets of 114 tokens, the decoder length here. For fine-tuning on long outputs
 # use --model-arg decoder_seq=512.
 T5_PRESETS: dict[str, T5Config] = {
-    "t5-tiny": T5Config(encoder_layers=2, decoder_layers=2, hidden=64, heads=4, head_dim=8, ffn_hidden=128,
-                        seq=32, decoder_seq=16, vocab=128),
-    "t5-v1_1-small": T5Config(encoder_layers=8, decoder_layers=8, hidden=512, heads=6, head_dim=64,
-                              ffn_hidden=1024, seq=512, decoder_seq=114, vocab=32128),
-    "t5-v1_1-base": T5Config(encoder_layers=12, decoder_layers=12, hidden=768, heads=12, head_dim=64,
-                             ffn_hidden=2048, seq=512, decoder_seq=114, vocab=32128),
-    "t5-v1_1-large": T5Config(encoder_layers=24, decoder_layers=24, hidden=1024, heads=16, head_dim=64,
-                              ffn_hidden=2816, seq=512, decoder_seq=114, vocab=32128),
-    "t5-v1_1-xl": T5Config(encoder_layers=24, decoder_layers=24, hidden=2048, heads=32, head_dim=64,
-                           ffn_hidden=5120, seq=512, decoder_seq=114, vocab=32128),
-    "t5-v1_1-xxl": T5Config(encoder_layers=24, decoder_layers=24, hidden=4096, heads=64, head_dim=64,
-                            ffn_hidden=10240, seq=512, decoder_seq=114, vocab=32128),
+    "t5-tiny": T5Config(
+        encoder_layers=2,
+        decoder_layers=2,
+        hidden=64,
+        heads=4,
+        head_dim=8,
+        ffn_hidden=128,
+        seq=32,
+        decoder_seq=16,
+        vocab=128,
+    ),
+    "t5-v1_1-small": T5Config(
+        encoder_layers=8,
+        decoder_layers=8,
+        hidden=512,
+        heads=6,
+        head_dim=64,
+        ffn_hidden=1024,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    ),
+    "t5-v1_1-base": T5Config(
+        encoder_layers=12,
+        decoder_layers=12,
+        hidden=768,
+        heads=12,
+        head_dim=64,
+        ffn_hidden=2048,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    ),
+    "t5-v1_1-large": T5Config(
+        encoder_layers=24,
+        decoder_layers=24,
+        hidden=1024,
+        heads=16,
+        head_dim=64,
+        ffn_hidden=2816,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    ),
+    "t5-v1_1-xl": T5Config(
+        encoder_layers=24,
+        decoder_layers=24,
+        hidden=2048,
+        heads=32,
+        head_dim=64,
+        ffn_hidden=5120,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    ),
+    "t5-v1_1-xxl": T5Config(
+        encoder_layers=24,
+        decoder_layers=24,
+        hidden=4096,
+        heads=64,
+        head_dim=64,
+        ffn_hidden=10240,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    ),
 }
 
 # AlphaFold2's Evoformer stack (Jumper et al. 2021, supplementary information, section 1.6 and
@@ -92,11 +146,23 @@ T5_PRESETS: dict[str, T5Config] = {
 # uses the same shapes). The larger AlphaFold2 settings of nnScaler's evaluation (OSDI'24, section 7)
 # are not included: their sizes were not found in a source we could cite.
 EVOFORMER_PRESETS: dict[str, EvoformerConfig] = {
-    "evoformer-tiny": EvoformerConfig(blocks=2, c_m=16, c_z=8, heads_msa=2, heads_pair=2, n_seq=8, n_res=8,
-                                      c_att_msa=8, c_att_pair=4, c_opm=4, c_tri_mul=8),
+    "evoformer-tiny": EvoformerConfig(
+        blocks=2,
+        c_m=16,
+        c_z=8,
+        heads_msa=2,
+        heads_pair=2,
+        n_seq=8,
+        n_res=8,
+        c_att_msa=8,
+        c_att_pair=4,
+        c_opm=4,
+        c_tri_mul=8,
+    ),
     "alphafold2": EvoformerConfig(blocks=48, c_m=256, c_z=128, heads_msa=8, heads_pair=4, n_seq=128, n_res=256),
-    "alphafold2-finetune": EvoformerConfig(blocks=48, c_m=256, c_z=128, heads_msa=8, heads_pair=4, n_seq=512,
-                                           n_res=384),
+    "alphafold2-finetune": EvoformerConfig(
+        blocks=48, c_m=256, c_z=128, heads_msa=8, heads_pair=4, n_seq=512, n_res=384
+    ),
 }
 
 
@@ -115,19 +181,31 @@ def _check_llama(cfg: LlamaConfig) -> None:
 
 
 def _check_t5(cfg: T5Config) -> None:
-    for name in ("encoder_layers", "decoder_layers", "hidden", "heads", "head_dim", "ffn_hidden", "seq",
-                 "decoder_seq", "vocab"):
+    for name in (
+        "encoder_layers",
+        "decoder_layers",
+        "hidden",
+        "heads",
+        "head_dim",
+        "ffn_hidden",
+        "seq",
+        "decoder_seq",
+        "vocab",
+    ):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{name}={v!r} must be a positive integer")
     if cfg.decoder_seq < 2:
-        raise ConfigError(f"decoder_seq={cfg.decoder_seq} must be at least 2 (the labels shifted right "
-                          "behind the start token)")
+        raise ConfigError(
+            f"decoder_seq={cfg.decoder_seq} must be at least 2 (the labels shifted right behind the start token)"
+        )
     if cfg.rel_buckets < 4 or cfg.rel_buckets % 2:
         raise ConfigError(f"rel_buckets={cfg.rel_buckets} must be an even number of at least 4")
     if cfg.rel_max_distance <= cfg.rel_buckets // 2:
-        raise ConfigError(f"rel_max_distance={cfg.rel_max_distance} must exceed rel_buckets/2="
-                          f"{cfg.rel_buckets // 2} (the exactly bucketed distances)")
+        raise ConfigError(
+            f"rel_max_distance={cfg.rel_max_distance} must exceed rel_buckets/2="
+            f"{cfg.rel_buckets // 2} (the exactly bucketed distances)"
+        )
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"dropout={cfg.dropout} must be in [0, 1)")
 
@@ -150,12 +228,33 @@ def _check_evoformer(cfg: EvoformerConfig) -> None:
 # router_aux_loss_coef 0.001). Sequence 4,096, the length Megatron-Core's Mixtral training examples
 # use; the released context lengths (32,768 and 65,536) are --model-arg seq=.. away.
 MOE_PRESETS: dict[str, MoEConfig] = {
-    "moe-tiny": MoEConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, experts=4, top_k=2, seq=32,
-                          vocab=128),
-    "mixtral-8x7b": MoEConfig(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, experts=8, top_k=2,
-                              seq=4096, vocab=32000, aux_loss_coef=0.02),
-    "mixtral-8x22b": MoEConfig(layers=56, hidden=6144, heads=48, kv_heads=8, ffn_hidden=16384, experts=8, top_k=2,
-                               seq=4096, vocab=32000, aux_loss_coef=0.001),
+    "moe-tiny": MoEConfig(
+        layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, experts=4, top_k=2, seq=32, vocab=128
+    ),
+    "mixtral-8x7b": MoEConfig(
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn_hidden=14336,
+        experts=8,
+        top_k=2,
+        seq=4096,
+        vocab=32000,
+        aux_loss_coef=0.02,
+    ),
+    "mixtral-8x22b": MoEConfig(
+        layers=56,
+        hidden=6144,
+        heads=48,
+        kv_heads=8,
+        ffn_hidden=16384,
+        experts=8,
+        top_k=2,
+        seq=4096,
+        vocab=32000,
+        aux_loss_coef=0.001,
+    ),
 }
 
 
@@ -166,8 +265,10 @@ def _check_moe(cfg: MoEConfig) -> None:
     if not 1 <= cfg.top_k <= cfg.experts:
         raise ConfigError(f"top_k={cfg.top_k} must be between 1 and experts={cfg.experts}")
     if not cfg.capacity_factor > 0:
-        raise ConfigError(f"capacity_factor={cfg.capacity_factor} must be positive (tokens an expert takes, "
-                          "relative to an even share)")
+        raise ConfigError(
+            f"capacity_factor={cfg.capacity_factor} must be positive (tokens an expert takes, "
+            "relative to an even share)"
+        )
     if cfg.aux_loss_coef < 0:
         raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
 
@@ -183,8 +284,7 @@ def _check_moe(cfg: MoEConfig) -> None:
 # table instead of V2's position MLP, pre-norm), within 0.1% of V2's parameters; SwinV2-G's 192x192
 # pre-training with window 12 is --model-arg image=192 --model-arg window=12 away.
 SWIN_PRESETS: dict[str, SwinConfig] = {
-    "swin-tiny": SwinConfig(embed=16, depths=(2, 2, 2), num_heads=(2, 4, 8), image=32, patch=4, window=2,
-                            classes=10),
+    "swin-tiny": SwinConfig(embed=16, depths=(2, 2, 2), num_heads=(2, 4, 8), image=32, patch=4, window=2, classes=10),
     "swin-t": SwinConfig(embed=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
     "swin-s": SwinConfig(embed=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
     "swin-b": SwinConfig(embed=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
@@ -214,16 +314,48 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", GPTConfig, GPT, GPT_PRESETS, ("layers", "hidden", "heads", "seq", "vocab"), _check_gpt),
-    "llama": Family("llama", LlamaConfig, Llama, LLAMA_PRESETS,
-                    ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq", "vocab"), _check_llama),
-    "t5": Family("t5", T5Config, T5, T5_PRESETS,
-                 ("encoder_layers", "decoder_layers", "hidden", "heads", "head_dim", "ffn_hidden", "seq",
-                  "decoder_seq", "vocab"), _check_t5),
-    "evoformer": Family("evoformer", EvoformerConfig, Evoformer, EVOFORMER_PRESETS,
-                        ("blocks", "c_m", "c_z", "heads_msa", "heads_pair", "n_seq", "n_res"), _check_evoformer),
-    "moe": Family("moe", MoEConfig, MoE, MOE_PRESETS,
-                  ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts", "top_k", "seq", "vocab"),
-                  _check_moe),
+    "llama": Family(
+        "llama",
+        LlamaConfig,
+        Llama,
+        LLAMA_PRESETS,
+        ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq", "vocab"),
+        _check_llama,
+    ),
+    "t5": Family(
+        "t5",
+        T5Config,
+        T5,
+        T5_PRESETS,
+        (
+            "encoder_layers",
+            "decoder_layers",
+            "hidden",
+            "heads",
+            "head_dim",
+            "ffn_hidden",
+            "seq",
+            "decoder_seq",
+            "vocab",
+        ),
+        _check_t5,
+    ),
+    "evoformer": Family(
+        "evoformer",
+        EvoformerConfig,
+        Evoformer,
+        EVOFORMER_PRESETS,
+        ("blocks", "c_m", "c_z", "heads_msa", "heads_pair", "n_seq", "n_res"),
+        _check_evoformer,
+    ),
+    "moe": Family(
+        "moe",
+        MoEConfig,
+        MoE,
+        MOE_PRESETS,
+        ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts", "top_k", "seq", "vocab"),
+        _check_moe,
+    ),
     "swin": Family("swin", SwinConfig, Swin, SWIN_PRESETS, ("embed", "depths", "num_heads"), check_swin),
 }
 PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
@@ -249,8 +381,10 @@ class ModelSpec:
             return FAMILIES[PRESET_FAMILY[self.name]]
         if self.name in FAMILIES:
             return FAMILIES[self.name]
-        raise ConfigError(f"unknown model {self.name!r}; choose {choices(list(PRESET_FAMILY) + list(FAMILIES))}, "
-                          "or package.module:function for your own model")
+        raise ConfigError(
+            f"unknown model {self.name!r}; choose {choices(list(PRESET_FAMILY) + list(FAMILIES))}, "
+            "or package.module:function for your own model"
+        )
 
     def config(self) -> ModelConfig:
         """The family config this spec names; ConfigError on an unknown name or key."""
@@ -284,8 +418,9 @@ class ModelSpec:
         return self.name + (f"({extra})" if extra else "")
 
 
-def build_model(spec: ModelSpec, *, batch: int, device: str | torch.device = "meta",
-                seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def build_model(
+    spec: ModelSpec, *, batch: int, device: str | torch.device = "meta", seed: int = 0
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build the module and example inputs of ``batch`` samples.
 
     On ``device="meta"`` no memory is used for weights; on a real device the

@@ -93,11 +93,11 @@ class SwinConfig:
 
     def dim(self, stage: int) -> int:
         """Channels of ``stage``'s blocks."""
-        return self.embed * 2 ** stage
+        return self.embed * 2**stage
 
     def resolution(self, stage: int) -> int:
         """Side of ``stage``'s token map."""
-        return self.image // self.patch // 2 ** stage
+        return self.image // self.patch // 2**stage
 
     def window_at(self, stage: int) -> int:
         """The window side in ``stage``: the configured one, or the whole map if that is smaller."""
@@ -106,7 +106,7 @@ class SwinConfig:
     def num_params(self) -> int:
         """Parameter count of the module: patch embedding, blocks, patch merging, norm and head."""
         c, r = self.embed, self.mlp_ratio
-        n = self.channels * self.patch ** 2 * c + c + 2 * c  # conv weight and bias, LayerNorm
+        n = self.channels * self.patch**2 * c + c + 2 * c  # conv weight and bias, LayerNorm
         for s, (depth, heads) in enumerate(zip(self.depths, self.num_heads)):
             d, w = self.dim(s), self.window_at(s)
             attn = 4 * (d * d + d) + (2 * w - 1) ** 2 * heads  # q, k, v, proj; relative position bias
@@ -117,9 +117,11 @@ class SwinConfig:
         return n + 2 * d + d * self.classes + self.classes
 
     def __str__(self) -> str:
-        return (f"swin(embed={self.embed}, depths={','.join(map(str, self.depths))}, "
-                f"num_heads={','.join(map(str, self.num_heads))}, image={self.image}, patch={self.patch}, "
-                f"window={self.window}, classes={self.classes})")
+        return (
+            f"swin(embed={self.embed}, depths={','.join(map(str, self.depths))}, "
+            f"num_heads={','.join(map(str, self.num_heads))}, image={self.image}, patch={self.patch}, "
+            f"window={self.window}, classes={self.classes})"
+        )
 
 
 def check_swin(cfg: SwinConfig) -> None:
@@ -131,24 +133,33 @@ def check_swin(cfg: SwinConfig) -> None:
     if not cfg.depths or any(d < 1 for d in cfg.depths):
         raise ConfigError(f"depths={','.join(map(str, cfg.depths))} must be one or more positive block counts")
     if len(cfg.num_heads) != cfg.stages or any(h < 1 for h in cfg.num_heads):
-        raise ConfigError(f"num_heads={','.join(map(str, cfg.num_heads))} must give positive heads for each of "
-                          f"the {cfg.stages} stages of depths={','.join(map(str, cfg.depths))}")
+        raise ConfigError(
+            f"num_heads={','.join(map(str, cfg.num_heads))} must give positive heads for each of "
+            f"the {cfg.stages} stages of depths={','.join(map(str, cfg.depths))}"
+        )
     if cfg.image % cfg.patch:
         raise ConfigError(f"image={cfg.image} is not divisible by patch={cfg.patch}")
     grid, merges = cfg.image // cfg.patch, 2 ** (cfg.stages - 1)
     if grid % merges:
-        raise ConfigError(f"the {grid}x{grid} patch grid (image={cfg.image}, patch={cfg.patch}) does not halve "
-                          f"{cfg.stages - 1} times for {cfg.stages} stages")
+        raise ConfigError(
+            f"the {grid}x{grid} patch grid (image={cfg.image}, patch={cfg.patch}) does not halve "
+            f"{cfg.stages - 1} times for {cfg.stages} stages"
+        )
     for s, heads in enumerate(cfg.num_heads):
         if cfg.dim(s) % heads:
-            raise ConfigError(f"stage {s}'s {cfg.dim(s)} channels (embed={cfg.embed} x {2 ** s}) are not "
-                              f"divisible by its num_heads={heads}")
+            raise ConfigError(
+                f"stage {s}'s {cfg.dim(s)} channels (embed={cfg.embed} x {2**s}) are not "
+                f"divisible by its num_heads={heads}"
+            )
         if cfg.resolution(s) % cfg.window_at(s):
-            raise ConfigError(f"stage {s}'s {cfg.resolution(s)}x{cfg.resolution(s)} token map is not divisible "
-                              f"into windows of window={cfg.window}")
+            raise ConfigError(
+                f"stage {s}'s {cfg.resolution(s)}x{cfg.resolution(s)} token map is not divisible "
+                f"into windows of window={cfg.window}"
+            )
 
 
 # ---- windows -------------------------------------------------------------------------
+
 
 def window_partition(x: torch.Tensor, window: int, res: int, dim: int) -> torch.Tensor:
     """(B, H, W, C) -> (B * nW, w * w, C), windows in row-major order, tokens row-major inside."""
@@ -192,6 +203,7 @@ def shift_mask(res: int, window: int, shift: int) -> torch.Tensor:
 
 # ---- modules -------------------------------------------------------------------------
 
+
 class PatchEmbed(nn.Module):
     """Non-overlapping patches to tokens: Conv2d(kernel = stride = patch), then LayerNorm."""
 
@@ -213,7 +225,7 @@ class WindowAttention(nn.Module):
         super().__init__()
         self.heads, self.head_dim, self.window, self.windows = heads, dim // heads, window, windows
         self.tokens = window * window
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
         self.relative_position_bias_table = nn.Parameter(torch.empty((2 * window - 1) ** 2, heads))
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
@@ -304,8 +316,9 @@ class Swin(nn.Module):
         check_swin(cfg)
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(SwinBlock(cfg, s, shifted=j % 2 == 1)
-                                    for s, depth in enumerate(cfg.depths) for j in range(depth))
+        self.blocks = nn.ModuleList(
+            SwinBlock(cfg, s, shifted=j % 2 == 1) for s, depth in enumerate(cfg.depths) for j in range(depth)
+        )
         self.merges = nn.ModuleList(PatchMerging(cfg.dim(s), cfg.resolution(s)) for s in range(cfg.stages - 1))
         ends = [sum(cfg.depths[: s + 1]) - 1 for s in range(cfg.stages - 1)]
         self._merge_after = {block: s for s, block in enumerate(ends)}  # last block of a stage -> merge
@@ -326,8 +339,9 @@ class Swin(nn.Module):
         return F.cross_entropy(self.head(x), labels)
 
     @staticmethod
-    def example_inputs(cfg: SwinConfig, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        cfg: SwinConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Images (batch, channels, image, image) from a standard normal and uniform labels (batch,)."""
         shape = (batch, cfg.channels, cfg.image, cfg.image)
         if str(device) == "meta":

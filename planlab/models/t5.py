@@ -74,20 +74,23 @@ class T5Config:
         position tables and final norms, and the untied output layer."""
         h, a, f = self.hidden, self.inner, self.ffn_hidden
         attn = 4 * h * a  # q, k, v, o
-        ffn = 3 * h * f   # wi_0, wi_1, wo
+        ffn = 3 * h * f  # wi_0, wi_1, wo
         encoder = self.encoder_layers * (attn + ffn + 2 * h)
         decoder = self.decoder_layers * (2 * attn + ffn + 3 * h)
         tables = 2 * self.rel_buckets * self.heads
         return 2 * self.vocab * h + encoder + decoder + tables + 2 * h
 
     def __str__(self) -> str:
-        return (f"t5(encoder_layers={self.encoder_layers}, decoder_layers={self.decoder_layers}, "
-                f"hidden={self.hidden}, heads={self.heads}, head_dim={self.head_dim}, "
-                f"ffn_hidden={self.ffn_hidden}, seq={self.seq}, decoder_seq={self.decoder_seq}, vocab={self.vocab})")
+        return (
+            f"t5(encoder_layers={self.encoder_layers}, decoder_layers={self.decoder_layers}, "
+            f"hidden={self.hidden}, heads={self.heads}, head_dim={self.head_dim}, "
+            f"ffn_hidden={self.ffn_hidden}, seq={self.seq}, decoder_seq={self.decoder_seq}, vocab={self.vocab})"
+        )
 
 
-def relative_position_buckets(query_len: int, key_len: int, *, bidirectional: bool, num_buckets: int,
-                              max_distance: int) -> torch.Tensor:
+def relative_position_buckets(
+    query_len: int, key_len: int, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
     """T5's bucket of each relative distance ``key - query``: a (query_len, key_len) long tensor.
 
     Half the buckets (of each direction, when bidirectional) hold exact distances 0, 1, ...;
@@ -106,8 +109,14 @@ def relative_position_buckets(query_len: int, key_len: int, *, bidirectional: bo
         rel = -rel.clamp(max=0)
     max_exact = num_buckets // 2
     is_small = rel < max_exact
-    large = max_exact + (torch.log(rel.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).long()
+    large = (
+        max_exact
+        + (
+            torch.log(rel.float().clamp(min=1) / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, rel, large)
 
@@ -119,8 +128,9 @@ class PositionBias(nn.Module):
     def __init__(self, cfg: T5Config, length: int, *, causal: bool) -> None:
         super().__init__()
         self.relative_attention_bias = nn.Embedding(cfg.rel_buckets, cfg.heads)
-        buckets = relative_position_buckets(length, length, bidirectional=not causal, num_buckets=cfg.rel_buckets,
-                                            max_distance=cfg.rel_max_distance)
+        buckets = relative_position_buckets(
+            length, length, bidirectional=not causal, num_buckets=cfg.rel_buckets, max_distance=cfg.rel_max_distance
+        )
         self.register_buffer("buckets", buckets, persistent=False)  # (S, S) long
         self.causal = causal
         if causal:  # 0 on and below the diagonal, the most negative float above (a key in the future)
@@ -151,8 +161,9 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # (B, T, nh*hs) -> (B, nh, T, hs)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                memory: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, memory: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # x: (B, S, C); memory (cross-attention): (B, T, C); bias: (1, nh, S, S)
         kv = x if memory is None else memory
         q, k, v = self._heads(self.q(x)), self._heads(self.k(kv)), self._heads(self.v(kv))  # (B, nh, ., hs)
@@ -212,8 +223,9 @@ class DecoderBlock(nn.Module):
         self.ff = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None,
-                memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor | None, memory: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         y, bias = self.self_attn(self.self_attn_norm(x), bias)
         x = x + self.drop(y)
         y, _ = self.cross_attn(self.cross_attn_norm(x), memory=memory)
@@ -231,7 +243,8 @@ class T5(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             [EncoderBlock(cfg, first=i == 0) for i in range(cfg.encoder_layers)]
-            + [DecoderBlock(cfg, first=i == 0) for i in range(cfg.decoder_layers)])
+            + [DecoderBlock(cfg, first=i == 0) for i in range(cfg.decoder_layers)]
+        )
         self.encoder_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.decoder_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
@@ -247,39 +260,39 @@ class T5(nn.Module):
         about ``log(vocab)``."""
         c = self.cfg
         self.shared.weight.normal_(0.0, 1.0)
-        self.lm_head.weight.normal_(0.0, c.hidden ** -0.5)
+        self.lm_head.weight.normal_(0.0, c.hidden**-0.5)
         for m in self.modules():
             if isinstance(m, Attention):
                 m.q.weight.normal_(0.0, (c.hidden * c.head_dim) ** -0.5)
-                m.k.weight.normal_(0.0, c.hidden ** -0.5)
-                m.v.weight.normal_(0.0, c.hidden ** -0.5)
-                m.o.weight.normal_(0.0, c.inner ** -0.5)
+                m.k.weight.normal_(0.0, c.hidden**-0.5)
+                m.v.weight.normal_(0.0, c.hidden**-0.5)
+                m.o.weight.normal_(0.0, c.inner**-0.5)
                 if m.position_bias is not None:
-                    m.position_bias.relative_attention_bias.weight.normal_(0.0, c.hidden ** -0.5)
+                    m.position_bias.relative_attention_bias.weight.normal_(0.0, c.hidden**-0.5)
             elif isinstance(m, FeedForward):
-                m.wi_0.weight.normal_(0.0, c.hidden ** -0.5)
-                m.wi_1.weight.normal_(0.0, c.hidden ** -0.5)
-                m.wo.weight.normal_(0.0, c.ffn_hidden ** -0.5)
+                m.wi_0.weight.normal_(0.0, c.hidden**-0.5)
+                m.wi_1.weight.normal_(0.0, c.hidden**-0.5)
+                m.wo.weight.normal_(0.0, c.ffn_hidden**-0.5)
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
-                labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # input_ids: (B, S); decoder_input_ids, labels: (B, T) token ids
         c = self.cfg
         tokens = self.drop(self.shared(torch.cat((input_ids, decoder_input_ids), dim=1)))  # (B, S+T, C)
-        x, y = tokens[:, :c.seq], tokens[:, c.seq:]  # (B, S, C), (B, T, C)
+        x, y = tokens[:, : c.seq], tokens[:, c.seq :]  # (B, S, C), (B, T, C)
         bias = None
-        for block in self.blocks[:c.encoder_layers]:
+        for block in self.blocks[: c.encoder_layers]:
             x, bias = block(x, bias)
         memory = self.drop(self.encoder_norm(x))  # (B, S, C)
         bias = None
-        for block in self.blocks[c.encoder_layers:]:
+        for block in self.blocks[c.encoder_layers :]:
             y, bias = block(y, bias, memory)
         logits = self.lm_head(self.drop(self.decoder_norm(y)))  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
     @staticmethod
-    def example_inputs(cfg: T5Config, batch: int, device: str | torch.device = "meta",
-                       seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        cfg: T5Config, batch: int, device: str | torch.device = "meta", seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Encoder token ids (batch, seq), decoder input ids and labels (batch, decoder_seq): the
         decoder reads the labels shifted right behind T5's start token 0 (teacher forcing)."""
         if str(device) == "meta":

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def token_batch(vocab: int, seq: int, batch: int, device: str | torch.device = "meta",
-                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    vocab: int, seq: int, batch: int, device: str | torch.device = "meta", seed: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets of shape (batch, seq); on ``meta`` no data is made."""
     if str(device) == "meta":
         z = torch.empty(batch, seq, dtype=torch.long, device="meta")

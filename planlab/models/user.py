@@ -53,8 +53,9 @@ def _load(name: str) -> Callable:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot load model {name!r}: {type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise ConfigError(f"model {name!r} is a {type(fn).__name__}; expected a function returning "
-                          "(module, example_inputs)")
+        raise ConfigError(
+            f"model {name!r} is a {type(fn).__name__}; expected a function returning (module, example_inputs)"
+        )
     return fn
 
 
@@ -67,24 +68,29 @@ def _describe(x: Any) -> str:
 
 
 def _check(name: str, out: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    expected = ("(module, example_inputs): an nn.Module whose forward returns the scalar loss and a tuple "
-                "of tensors whose first dimension is the batch")
+    expected = (
+        "(module, example_inputs): an nn.Module whose forward returns the scalar loss and a tuple "
+        "of tensors whose first dimension is the batch"
+    )
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ConfigError(f"model function {name!r} must return {expected}; it returned {_describe(out)}")
     module, inputs = out
     if not isinstance(module, nn.Module):
-        raise ConfigError(f"model function {name!r} must return {expected}; its first value is "
-                          f"{_describe(module)}")
+        raise ConfigError(f"model function {name!r} must return {expected}; its first value is {_describe(module)}")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    if not isinstance(inputs, (tuple, list)) or not inputs or not all(
-            isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
-        raise ConfigError(f"model function {name!r} must return {expected}; its example inputs are "
-                          f"{_describe(inputs)}")
+    if (
+        not isinstance(inputs, (tuple, list))
+        or not inputs
+        or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs)
+    ):
+        raise ConfigError(f"model function {name!r} must return {expected}; its example inputs are {_describe(inputs)}")
     batches = {int(x.shape[0]) for x in inputs}
     if len(batches) != 1 or 0 in batches:
-        raise ConfigError(f"model function {name!r}: example inputs must share a non-zero first (batch) "
-                          f"dimension; their shapes are {[list(x.shape) for x in inputs]}")
+        raise ConfigError(
+            f"model function {name!r}: example inputs must share a non-zero first (batch) "
+            f"dimension; their shapes are {[list(x.shape) for x in inputs]}"
+        )
     return module, tuple(inputs)
 
 
@@ -109,8 +115,9 @@ def _rebatch(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.narrow(0, 0, batch).contiguous()
 
 
-def build_user_model(name: str, args: tuple[tuple[str, Any], ...], *, batch: int,
-                     device: str | torch.device, seed: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def build_user_model(
+    name: str, args: tuple[tuple[str, Any], ...], *, batch: int, device: str | torch.device, seed: int
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Call the user's function (seeded) and rescale its example inputs to ``batch``.
 
     On ``device="meta"`` the function runs under ``torch.device("meta")`` so no memory is used
@@ -145,6 +152,10 @@ def user_model_config(name: str, args: tuple[tuple[str, Any], ...]) -> UserModel
     module, _ = build_user_model(name, args, batch=1, device="meta", seed=0)
     blocks = getattr(module, "blocks", None)
     layers = len(blocks) if isinstance(blocks, nn.ModuleList) and len(blocks) else 1
-    return UserModelConfig(name=name, layers=layers, heads=_find_int(module, _HEAD_ATTRS) or 1,
-                           kv_heads=_find_int(module, _KV_ATTRS),
-                           params=sum(p.numel() for p in module.parameters()))
+    return UserModelConfig(
+        name=name,
+        layers=layers,
+        heads=_find_int(module, _HEAD_ATTRS) or 1,
+        kv_heads=_find_int(module, _KV_ATTRS),
+        params=sum(p.numel() for p in module.parameters()),
+    )

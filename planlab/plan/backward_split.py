@@ -50,10 +50,18 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
         return task, None
     if share == 1.0:
         return None, task
-    inp = dataclasses.replace(task, writes=tuple(w if i else "" for w, i in zip(task.writes, is_i)),
-                              flops=task.flops * (1 - share), bytes_moved=task.bytes_moved * (1 - share))
-    wgt = dataclasses.replace(task, writes=tuple(w if x else "" for w, x in zip(task.writes, is_w)),
-                              flops=task.flops * share, bytes_moved=task.bytes_moved * share)
+    inp = dataclasses.replace(
+        task,
+        writes=tuple(w if i else "" for w, i in zip(task.writes, is_i)),
+        flops=task.flops * (1 - share),
+        bytes_moved=task.bytes_moved * (1 - share),
+    )
+    wgt = dataclasses.replace(
+        task,
+        writes=tuple(w if x else "" for w, x in zip(task.writes, is_w)),
+        flops=task.flops * share,
+        bytes_moved=task.bytes_moved * share,
+    )
     return inp, wgt
 
 

@@ -34,16 +34,18 @@ class CoLocation:
     def __str__(self) -> str:
         return f"{self.dim}/{self.k}@axis{self.axis}"
 
-    def reduce(self, dims: tuple[str | None, ...], sizes: tuple[int, ...],
-               devices: tuple[int, ...]) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
+    def reduce(
+        self, dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tuple[int, ...]
+    ) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
         """The ``n``-way split each device's share is: mesh axis ``axis`` shrunk ``k`` times
         (dropped when that leaves it one piece wide), one entry per device."""
         return _reduce(self, tuple(dims), tuple(sizes), tuple(devices))
 
 
 @functools.lru_cache(maxsize=1024)
-def _reduce(co: CoLocation, dims: tuple[str | None, ...], sizes: tuple[int, ...],
-            devices: tuple[int, ...]) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
+def _reduce(
+    co: CoLocation, dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tuple[int, ...]
+) -> tuple[tuple[str | None, ...], tuple[int, ...], tuple[int, ...]]:
     """:meth:`CoLocation.reduce`, once per placement (operators share a few)."""
     mesh = Mesh(sizes, devices)
     a, k = co.axis, co.k
@@ -61,8 +63,9 @@ def _reduce(co: CoLocation, dims: tuple[str | None, ...], sizes: tuple[int, ...]
     return tuple(out_dims), tuple(out_sizes), tuple(out_devices)
 
 
-def colocation(op: str, dims: tuple[str | None, ...], sizes: tuple[int, ...],
-               devices: tuple[int, ...]) -> CoLocation | None:
+def colocation(
+    op: str, dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tuple[int, ...]
+) -> CoLocation | None:
     """How ``op``'s pieces share devices: None when every piece has a device of its own.
 
     Raises InfeasiblePlan, naming the operator and its devices, unless every device holds the
@@ -86,8 +89,10 @@ def _analyse(dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tupl
         held.setdefault(d, []).append(mesh.coord(flat))
     counts = sorted({len(v) for v in held.values()})
     if len(counts) > 1:
-        return (f"devices hold {' or '.join(map(str, counts))} pieces; co-located pieces must be as many on "
-                "every device (k of k x n pieces each)")
+        return (
+            f"devices hold {' or '.join(map(str, counts))} pieces; co-located pieces must be as many on "
+            "every device (k of k x n pieces each)"
+        )
     k = counts[0]
     axes = sorted({a for cs in held.values() for c in cs for a in range(len(sizes)) if c[a] != cs[0][a]})
     if len(axes) != 1:
@@ -96,13 +101,17 @@ def _analyse(dims: tuple[str | None, ...], sizes: tuple[int, ...], devices: tupl
     for d, cs in held.items():
         idx = sorted(c[a] for c in cs)
         if idx != list(range(idx[0], idx[0] + k)) or idx[0] % k:
-            return (f"device {d} holds pieces {idx} of the {sizes[a]} along mesh axis {a}; co-located pieces "
-                    f"must be {k} consecutive ones, e.g. devices {[x for x in sorted(held) for _ in range(k)]}")
+            return (
+                f"device {d} holds pieces {idx} of the {sizes[a]} along mesh axis {a}; co-located pieces "
+                f"must be {k} consecutive ones, e.g. devices {[x for x in sorted(held) for _ in range(k)]}"
+            )
     dim = dims[a]
     if dim is None:
         return f"{k} replicas on one device; co-located pieces must split a dimension"
     inner = [b for b in range(a + 1, len(sizes)) if dims[b] == dim and sizes[b] > 1]
     if inner:
-        return (f"mesh axis {inner[0]} splits dimension {dim!r} again inside the co-located pieces of axis {a}, "
-                "so a device's pieces are not one contiguous share")
+        return (
+            f"mesh axis {inner[0]} splits dimension {dim!r} again inside the co-located pieces of axis {a}, "
+            "so a device's pieces are not one contiguous share"
+        )
     return CoLocation(a, dim, k)

@@ -57,8 +57,10 @@ def _all_reduced(contrib: Layout, need: Layout) -> bool:
     """True when gradient contributions in ``contrib`` become ``need`` as they are or by all-reduces."""
     if contrib.mesh != need.mesh:
         return False
-    return all(c == n or isinstance(c, Partial) and isinstance(n, Replicate) or size == 1
-               for c, n, size in zip(contrib.placements, need.placements, need.mesh.shape))
+    return all(
+        c == n or isinstance(c, Partial) and isinstance(n, Replicate) or size == 1
+        for c, n, size in zip(contrib.placements, need.placements, need.mesh.shape)
+    )
 
 
 def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
@@ -80,8 +82,12 @@ def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
         if co is None or cp.k != co.k or stage[prod.name] != stage[op.name]:
             return False
         a = _axis(prod.signature.outputs[j], cp.dim)
-        return a is not None and a == _axis(op.signature.inputs[i], co.dim) and \
-            same_layout(L.has(prod, j), L.needs(op, i)) and _all_reduced(L.contributes(op, i), L.needs(op, i))
+        return (
+            a is not None
+            and a == _axis(op.signature.inputs[i], co.dim)
+            and same_layout(L.has(prod, j), L.needs(op, i))
+            and _all_reduced(L.contributes(op, i), L.needs(op, i))
+        )
 
     for prod in graph.operators:
         if prod.name not in chunks:
@@ -128,8 +134,15 @@ def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dic
 class _Stage:
     """The forward and backward block of one stage on one device, rewritten group by group."""
 
-    def __init__(self, graph: Graph, L, recomputed: frozenset[str], sizes: dict[str, int],
-                 shapes: dict[tuple[str, int], tuple], nested: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        L,
+        recomputed: frozenset[str],
+        sizes: dict[str, int],
+        shapes: dict[tuple[str, int], tuple],
+        nested: frozenset[str] = frozenset(),
+    ) -> None:
         self.graph, self.L, self.recomputed, self.sizes, self.shapes = graph, L, recomputed, sizes, shapes
         self.nested = nested
 
@@ -172,8 +185,13 @@ class _Stage:
             bi = sorted(i for p, i in group if p == "B")
             k = self.L.chunks[members[0]].k
             # inputs the group alone loads are loaded again for its recomputation, not kept
-            reload = [fw[i] for i in range(fi[0], fi[-1]) if fw[i].kind is TaskKind.LOCAL and
-                      fw[i].name.startswith("load:") and all(readers[w] <= group for w in fw[i].writes)]
+            reload = [
+                fw[i]
+                for i in range(fi[0], fi[-1])
+                if fw[i].kind is TaskKind.LOCAL
+                and fw[i].name.startswith("load:")
+                and all(readers[w] <= group for w in fw[i].writes)
+            ]
             again = {w: f"r:{w[2:]}" for t in reload for w in t.writes}
             made = _Chunks(self, k, internal, [fw[i] for i in fi], {**relay, **again})
             fjobs.append((fi, [made.forward(fw[i], c) for c in range(k) for i in fi], members))
@@ -194,8 +212,17 @@ class _Stage:
         bw = _splice_all(bw, bjobs)
         return _splice_all(fw, fjobs), _renamed(bw, remakes) if remakes else bw
 
-    def _remake(self, made: "_Chunks", ftasks: list[Task], first_re: dict[str, int], internal: frozenset[str],
-                outer: dict[int, list[Task]], remakes: list, reload: list[Task], again: dict[str, str]) -> None:
+    def _remake(
+        self,
+        made: "_Chunks",
+        ftasks: list[Task],
+        first_re: dict[str, int],
+        internal: frozenset[str],
+        outer: dict[int, list[Task]],
+        remakes: list,
+        reload: list[Task],
+        again: dict[str, str],
+    ) -> None:
         """Inside a recomputed layer, the group's results that the layer's recomputation reads are
         made again there, chunk by chunk without keeping a graph (the group's backward remakes each
         chunk once more right before it), instead of being kept from the forward until the
@@ -244,13 +271,22 @@ class _Stage:
         got = self.shapes.get(key)
         if got is None:
             L = self.L
-            ins = [(box_shape(L.needs(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
-                   for i, t in enumerate(op.inputs)]
-            outs = [(box_shape(L.has(op, j).box(flat, L.shapes[t])), _axis(op.signature.outputs[j], dim))
-                    for j, t in enumerate(op.outputs)]
+            ins = [
+                (box_shape(L.needs(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
+                for i, t in enumerate(op.inputs)
+            ]
+            outs = [
+                (box_shape(L.has(op, j).box(flat, L.shapes[t])), _axis(op.signature.outputs[j], dim))
+                for j, t in enumerate(op.outputs)
+            ]
             if phase == "B":
-                ins, outs = outs, [(box_shape(L.contributes(op, i).box(flat, L.shapes[t])),
-                                    _axis(op.signature.inputs[i], dim)) for i, t in enumerate(op.inputs)]
+                ins, outs = (
+                    outs,
+                    [
+                        (box_shape(L.contributes(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
+                        for i, t in enumerate(op.inputs)
+                    ],
+                )
             got = self.shapes[key] = (ins, outs, sum(math.prod(s) for s, _ in ins + outs))
         return got
 
@@ -276,8 +312,13 @@ class _Stage:
             rgeo, wgeo = parts(reads), parts(writes)
             moved = sum(math.prod(g[3]) for g in rgeo + wgeo)
             first = (wgeo if phase == "F" else rgeo)[0][3]
-            got = self.shapes[key] = (rgeo, wgeo, moved / max(1, total), first,
-                                      c == 0 or co.dim not in op.signature.reduce)
+            got = self.shapes[key] = (
+                rgeo,
+                wgeo,
+                moved / max(1, total),
+                first,
+                c == 0 or co.dim not in op.signature.reduce,
+            )
         return got
 
 
@@ -297,8 +338,9 @@ def _r(b: str, c: int) -> str:
 class _Chunks:
     """Builds the chunk tasks of one group on one device."""
 
-    def __init__(self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task],
-                 relay: dict[str, str]) -> None:
+    def __init__(
+        self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task], relay: dict[str, str]
+    ) -> None:
         self.s, self.k, self.internal, self.relay = stage, k, internal, relay
         self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
         self.chunk_shape: dict[str, tuple[int, ...]] = {}
@@ -331,9 +373,17 @@ class _Chunks:
             out_w.append(new or b)
             places.append(None if new or not b else (box, full))
         fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
-        return dict(reads=tuple(out_r), writes=tuple(out_w), slices=tuple(slices), places=tuple(places),
-                    chunk=c, flops=t.flops / self.k, bytes_moved=t.bytes_moved * frac, lead=t.lead and lead,
-                    shapes=tuple(g[3] for g in fgeo[0] + fgeo[1]) if fgeo else t.shapes)
+        return dict(
+            reads=tuple(out_r),
+            writes=tuple(out_w),
+            slices=tuple(slices),
+            places=tuple(places),
+            chunk=c,
+            flops=t.flops / self.k,
+            bytes_moved=t.bytes_moved * frac,
+            lead=t.lead and lead,
+            shapes=tuple(g[3] for g in fgeo[0] + fgeo[1]) if fgeo else t.shapes,
+        )
 
     def _op(self, t: Task) -> Operator:
         return self.s.graph.op(t.op)
@@ -366,8 +416,14 @@ class _Chunks:
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
-        return _replace(t, name=f"re:{t.name}@{c}", shape=shape, recompute="redo",
-                        saved=tuple(self._saved(b, c, True) for b in t.saved), **f)
+        return _replace(
+            t,
+            name=f"re:{t.name}@{c}",
+            shape=shape,
+            recompute="redo",
+            saved=tuple(self._saved(b, c, True) for b in t.saved),
+            **f,
+        )
 
     def outer(self, t: Task, c: int, remade: dict[str, str]) -> Task:
         """Chunk ``c`` of forward task ``t`` run again in the layer's recomputation, keeping no graph:
@@ -404,8 +460,17 @@ class _Chunks:
             shape = self.chunk_shape.get(reads[0], t.shape) if reads else t.shape
             for w in writes:
                 self.chunk_shape[w] = shape
-            return _replace(t, name=f"{t.name}@{c}", reads=reads, writes=tuple(writes), shape=shape, chunk=c,
-                            flops=t.flops / self.k, bytes_moved=t.bytes_moved / self.k, nbytes=t.nbytes // self.k)
+            return _replace(
+                t,
+                name=f"{t.name}@{c}",
+                reads=reads,
+                writes=tuple(writes),
+                shape=shape,
+                chunk=c,
+                flops=t.flops / self.k,
+                bytes_moved=t.bytes_moved / self.k,
+                nbytes=t.nbytes // self.k,
+            )
         op = self._op(t)
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
@@ -426,8 +491,9 @@ def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[str, str]]
             if not left[hit]:
                 active.update(remakes[hit][1])
         elif active and any(b in active for b in t.reads + t.saved):
-            t = _replace(t, reads=tuple(active.get(b, b) for b in t.reads),
-                         saved=tuple(active.get(b, b) for b in t.saved))
+            t = _replace(
+                t, reads=tuple(active.get(b, b) for b in t.reads), saved=tuple(active.get(b, b) for b in t.saved)
+            )
         out.append(t)
     return out
 
@@ -486,5 +552,6 @@ def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) 
                 f"co-located operators {ops[0]!r} .. {ops[-1]!r} run their chunks together, but "
                 f"{tasks[i].op or tasks[i].name!r} reads {need!r}, which task {made[need].name!r} makes from the "
                 "group's own results (a tensor passed between them in another layout); co-locate them "
-                "with the same split or not at all")
-    return tasks[:first] + before + seq + after + tasks[last + 1:]
+                "with the same split or not at all"
+            )
+    return tasks[:first] + before + seq + after + tasks[last + 1 :]

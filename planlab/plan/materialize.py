@@ -22,7 +22,7 @@ from collections import defaultdict
 from itertools import count, product
 from typing import Callable
 
-from planlab.errors import InfeasiblePlan, choices
+from planlab.errors import InfeasiblePlan
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DETACH, DTYPE_BYTES, Graph, Operator, no_grad_tensors
 from planlab.plan.backward_split import split_backward, split_stages
@@ -33,6 +33,7 @@ from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precisi
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
 from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
+
 
 def precision_for(cluster: str) -> Precision:
     """fp32 on the CPU cluster, bf16 mixed precision on GPUs."""
@@ -68,8 +69,9 @@ class _Layouts:
             for a in range(len(shape)):
                 if graph.labels.get((t, a)) == graph.batch_label:
                     if shape[a] % m:
-                        raise InfeasiblePlan(f"batch axis {a} of {t!r} (size {shape[a]}) does not split "
-                                             f"into {m} micro-batches")
+                        raise InfeasiblePlan(
+                            f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
+                        )
                     shape[a] //= m
             self.shapes[t] = tuple(shape)
         self.mesh: dict[str, Mesh] = {}
@@ -82,12 +84,12 @@ class _Layouts:
             p = self.op_plan[op.name]
             sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
             if len(p.devices) != math.prod(sizes):
-                raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but "
-                                     f"{len(p.devices)} devices")
+                raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but {len(p.devices)} devices")
             bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
             if bad:
-                raise InfeasiblePlan(f"operator {op.name!r} is placed on device {bad[0]}; the plan has "
-                                     f"devices 0..{plan.num_devices - 1}")
+                raise InfeasiblePlan(
+                    f"operator {op.name!r} is placed on device {bad[0]}; the plan has devices 0..{plan.num_devices - 1}"
+                )
             co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
             mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
             if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
@@ -102,8 +104,10 @@ class _Layouts:
                 n = math.prod(s for x, s in zip(dims, sizes) if x == d)
                 size = self._dim_size(op, d)
                 if size % n:
-                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} has size {size} per "
-                                         f"micro-batch, which does not split into {n} pieces")
+                    raise InfeasiblePlan(
+                        f"dimension {d!r} of operator {op.name!r} has size {size} per "
+                        f"micro-batch, which does not split into {n} pieces"
+                    )
 
     def _dim_size(self, op: Operator, dim: str) -> int:
         for t in op.inputs + op.outputs:
@@ -116,8 +120,13 @@ class _Layouts:
 
     def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False) -> Layout:
         dims, mesh = self.dims[op.name], self.mesh[op.name]
-        key = (mesh, dims, tuple(tensor_axes), contrib,
-               frozenset(d for d in dims if d in partial_dims) if partial_dims else frozenset())
+        key = (
+            mesh,
+            dims,
+            tuple(tensor_axes),
+            contrib,
+            frozenset(d for d in dims if d in partial_dims) if partial_dims else frozenset(),
+        )
         got = self._placed.get(key)  # layers repeat: most operators share a few layouts
         if got is None:
             got = self._placed[key] = self._make_layout(dims, mesh, tensor_axes, partial_dims, contrib)
@@ -144,8 +153,7 @@ class _Layouts:
 
     def has(self, op: Operator, j: int) -> Layout:
         """Layout in which ``op`` produces its ``j``-th output."""
-        return self._cached(("out", op.name, j),
-                            lambda: self._place(op, op.signature.outputs[j], op.signature.reduce))
+        return self._cached(("out", op.name, j), lambda: self._place(op, op.signature.outputs[j], op.signature.reduce))
 
     def contributes(self, op: Operator, i: int) -> Layout:
         """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
@@ -169,9 +177,15 @@ def _full(layout: Layout) -> Layout:
     return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
 
 
-def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision | None = None,
-                symmetric: bool = False, node_of: Callable[[int], int] | None = None,
-                overlap_grad_reduce: bool = True) -> Program:
+def materialize(
+    plan: Plan,
+    graph: Graph | None = None,
+    *,
+    precision: Precision | None = None,
+    symmetric: bool = False,
+    node_of: Callable[[int], int] | None = None,
+    overlap_grad_reduce: bool = True,
+) -> Program:
     """Turn ``plan`` into a Program (see the module docstring for the passes).
 
     With ``symmetric``, devices are first grouped into classes from the plan alone
@@ -186,12 +200,19 @@ def materialize(plan: Plan, graph: Graph | None = None, *, precision: Precision 
     """
     graph = graph if graph is not None else trace_plan_model(plan)
     with paused_gc():
-        return _materialize(plan, graph, precision or precision_for(plan.cluster), symmetric, node_of,
-                            overlap_grad_reduce)
+        return _materialize(
+            plan, graph, precision or precision_for(plan.cluster), symmetric, node_of, overlap_grad_reduce
+        )
 
 
-def _materialize(plan: Plan, graph: Graph, precision: Precision, symmetric: bool,
-                 node_of: Callable[[int], int] | None, overlap: bool = True) -> Program:
+def _materialize(
+    plan: Plan,
+    graph: Graph,
+    precision: Precision,
+    symmetric: bool,
+    node_of: Callable[[int], int] | None,
+    overlap: bool = True,
+) -> Program:
     L = _Layouts(plan, graph)
     if symmetric and plan.num_devices > 1:
         from planlab.plan.symmetry import plan_classes, reduce_program
@@ -247,8 +268,9 @@ def _positions(mesh: Mesh, keep: frozenset[int] | None):
     return got
 
 
-def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None,
-           overlap: bool = True) -> Program:
+def _build(
+    plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None, overlap: bool = True
+) -> Program:
     """The passes, for every device or only for those in ``keep``."""
     topo = {op.name: i for i, op in enumerate(graph.operators)}
     m = plan.microbatches
@@ -295,14 +317,24 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         for ti, t in enumerate(op.inputs):
             spec, need = graph.tensors[t], L.needs(op, ti)
             if spec.role == "param" and nograd:  # planlab/search_spaces/recycling.py
-                use_shared_param(op, ti, t, [(dev, need.box(flat, L.shapes[t])) for flat, dev in _positions(mesh, keep)],
-                                 owner, fwd_only, params_on, held)
+                use_shared_param(
+                    op,
+                    ti,
+                    t,
+                    [(dev, need.box(flat, L.shapes[t])) for flat, dev in _positions(mesh, keep)],
+                    owner,
+                    fwd_only,
+                    params_on,
+                    held,
+                )
                 bufs.append(f"w:{t}")
                 continue
             if spec.role == "param":
                 if t in owner and owner[t][0] is not op:
-                    raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
-                                         f"{op.name!r}; tied weights are not supported yet")
+                    raise InfeasiblePlan(
+                        f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
+                        f"{op.name!r}; tied weights are not supported yet"
+                    )
                 owner[t] = (op, ti)
                 for flat, dev in _positions(mesh, keep):
                     params_on[dev].append((t, need.box(flat, L.shapes[t])))
@@ -313,13 +345,27 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 continue
             if spec.role in ("input", "buffer"):
                 buf = f"a:{t}#{versions[t]}"
-                batch_axis = next((a for a in range(len(spec.shape))
-                                   if graph.labels.get((t, a)) == graph.batch_label), -1)
+                batch_axis = next(
+                    (a for a in range(len(spec.shape)) if graph.labels.get((t, a)) == graph.batch_label), -1
+                )
                 for flat, dev in _positions(mesh, keep):
                     box = need.box(flat, L.shapes[t])
-                    emit(dev, blk, (i, 0), Task(f"load:{t}", TaskKind.LOCAL, (f"src:{t}",), (buf,),
-                                                src_region=box, shape=box_shape(box), axis=batch_axis,
-                                                dtype=spec.dtype), t)
+                    emit(
+                        dev,
+                        blk,
+                        (i, 0),
+                        Task(
+                            f"load:{t}",
+                            TaskKind.LOCAL,
+                            (f"src:{t}",),
+                            (buf,),
+                            src_region=box,
+                            shape=box_shape(box),
+                            axis=batch_axis,
+                            dtype=spec.dtype,
+                        ),
+                        t,
+                    )
                 converted[(t, need)] = buf
                 versions[t] += 1
                 bufs.append(buf)
@@ -330,9 +376,19 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 bufs.append(f"a:{t}")
                 continue
             buf = f"a:{t}#{versions[t] + 1}"
-            conv = plan_conversion(have, need, L.shapes[t], ebytes(t), src_buf=f"a:{t}", dst_buf=buf,
-                                   tags=tags, name=f"{t}:", dtype=graph.tensors[t].dtype, only=keep,
-                                   channel=next(channels))
+            conv = plan_conversion(
+                have,
+                need,
+                L.shapes[t],
+                ebytes(t),
+                src_buf=f"a:{t}",
+                dst_buf=buf,
+                tags=tags,
+                name=f"{t}:",
+                dtype=graph.tensors[t].dtype,
+                only=keep,
+                channel=next(channels),
+            )
             # sends sit where the consumer is in topological order, as the receives do, so
             # every channel carries its messages in the order they are received (NCCL matches in order)
             place(conv, t, (stage[prod.name], "F"), (i, 0), blk, (i, 0))
@@ -342,9 +398,13 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         in_bufs[op.name] = bufs
         outs = tuple(f"a:{o}" for o in op.outputs)
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
-        saved = tuple(dict.fromkeys(
-            outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
-            for s in op.saves if not (s in op.inputs and graph.tensors[s].role == "param")))
+        saved = tuple(
+            dict.fromkeys(
+                outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
+                for s in op.saves
+                if not (s in op.inputs and graph.tensors[s].role == "param")
+            )
+        )
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         saved_of[op.name] = saved
         shapes_of[op.name] = _piece_shapes(L, op)
@@ -352,18 +412,34 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         for flat, dev in _positions(mesh, keep):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
             lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
-            task = Task(op.name, TaskKind.FORWARD, tuple(bufs), outs, op=op.name, coord=flat,
-                        flops=op.flops / pieces / m, bytes_moved=op.bytes_moved / pieces / m,
-                        shape=out_shape, saved=saved, lead=lead, op_kind=op.kind, shapes=shapes_of[op.name],
-                        group=_line(mesh, flat, agree))
+            task = Task(
+                op.name,
+                TaskKind.FORWARD,
+                tuple(bufs),
+                outs,
+                op=op.name,
+                coord=flat,
+                flops=op.flops / pieces / m,
+                bytes_moved=op.bytes_moved / pieces / m,
+                shape=out_shape,
+                saved=saved,
+                lead=lead,
+                op_kind=op.kind,
+                shapes=shapes_of[op.name],
+                group=_line(mesh, flat, agree),
+            )
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
 
     if nograd:
-        check_shared_params(params_on, {p: [(dev, L.needs(op, k).box(flat, L.shapes[p]))
-                                            for flat, dev in _positions(L.mesh[op.name], keep)]
-                                        for p, (op, k) in owner.items()})
+        check_shared_params(
+            params_on,
+            {
+                p: [(dev, L.needs(op, k).box(flat, L.shapes[p])) for flat, dev in _positions(L.mesh[op.name], keep)]
+                for p, (op, k) in owner.items()
+            },
+        )
 
     # -- pass 3: backward -------------------------------------------------------
     dead: set[str] = set()  # operators without a backward: nothing they produce reaches the loss
@@ -373,8 +449,12 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         gbufs = []
         for j, t in enumerate(op.outputs):
             spec = graph.tensors[t]
-            uses = [(c, k) for c in graph.consumers.get(t, []) for k, x in enumerate(c.inputs)
-                    if x == t and c.name not in dead]  # a consumer whose outputs reach no loss gives no gradient
+            uses = [
+                (c, k)
+                for c in graph.consumers.get(t, [])
+                for k, x in enumerate(c.inputs)
+                if x == t and c.name not in dead
+            ]  # a consumer whose outputs reach no loss gives no gradient
             if t == graph.loss:
                 gbufs.append("")  # seeded with ones by the executor
                 continue
@@ -403,33 +483,75 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 summed = f"gs:{t}#{len(pending)}"
                 for flat, dev in _positions(lay.mesh, keep):
                     for buf, _ in items:
-                        emit(dev, blk, (-i, 0), Task(f"d{t}:sum", TaskKind.LOCAL, (buf,), (summed,),
-                                                     shape=box_shape(lay.box(flat, L.shapes[t])), accumulate=True,
-                                                     dtype=graph.tensors[t].dtype), t)
+                        emit(
+                            dev,
+                            blk,
+                            (-i, 0),
+                            Task(
+                                f"d{t}:sum",
+                                TaskKind.LOCAL,
+                                (buf,),
+                                (summed,),
+                                shape=box_shape(lay.box(flat, L.shapes[t])),
+                                accumulate=True,
+                                dtype=graph.tensors[t].dtype,
+                            ),
+                            t,
+                        )
                 pending.append((lay, summed, op.name))
             for lay, buf, src in pending:
-                conv = plan_conversion(lay, target, L.shapes[t], ebytes(t), src_buf=buf, dst_buf=f"g:{t}",
-                                       accumulate=True, tags=tags, name=f"d{t}:", dtype=graph.tensors[t].dtype,
-                                       only=keep, channel=next(channels))
+                conv = plan_conversion(
+                    lay,
+                    target,
+                    L.shapes[t],
+                    ebytes(t),
+                    src_buf=buf,
+                    dst_buf=f"g:{t}",
+                    accumulate=True,
+                    tags=tags,
+                    name=f"d{t}:",
+                    dtype=graph.tensors[t].dtype,
+                    only=keep,
+                    channel=next(channels),
+                )
                 place(conv, t, (stage[src], "B"), (-i, 0), blk, (-i, 0))
             gbufs.append(f"g:{t}")
-        needs_grad = [graph.tensors[t].is_float and graph.tensors[t].role in ("activation", "param")
-                      and t not in nograd and op.kind != DETACH for t in op.inputs]
+        needs_grad = [
+            graph.tensors[t].is_float
+            and graph.tensors[t].role in ("activation", "param")
+            and t not in nograd
+            and op.kind != DETACH
+            for t in op.inputs
+        ]
         if op.outputs[0] != graph.loss and all(g == "" for g in gbufs):
             dead.add(op.name)
             continue
         if not any(needs_grad):
             continue
-        writes = tuple(("wg:" if graph.tensors[t].role == "param" else f"gc:") + t +
-                       ("" if graph.tensors[t].role == "param" else f"<{op.name}.{k}") if ng else ""
-                       for k, (t, ng) in enumerate(zip(op.inputs, needs_grad)))
+        writes = tuple(
+            ("wg:" if graph.tensors[t].role == "param" else "gc:")
+            + t
+            + ("" if graph.tensors[t].role == "param" else f"<{op.name}.{k}")
+            if ng
+            else ""
+            for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
+        )
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
         fwd_saved = saved_of[op.name]
         for flat, dev in _positions(mesh, keep):
-            task = Task(op.name, TaskKind.BACKWARD, tuple(gbufs), writes, op=op.name, coord=flat,
-                        flops=op.flops * op.bwd_flops_ratio / pieces / m,
-                        bytes_moved=op.bytes_moved / pieces / m, saved=fwd_saved, op_kind=op.kind,
-                        shapes=shapes_of.get(op.name, ()))
+            task = Task(
+                op.name,
+                TaskKind.BACKWARD,
+                tuple(gbufs),
+                writes,
+                op=op.name,
+                coord=flat,
+                flops=op.flops * op.bwd_flops_ratio / pieces / m,
+                bytes_moved=op.bytes_moved / pieces / m,
+                saved=fwd_saved,
+                op_kind=op.kind,
+                shapes=shapes_of.get(op.name, ()),
+            )
             emit(dev, blk, (-i, 1), task)
             for k, (t, w) in enumerate(zip(op.inputs, writes)):
                 if w.startswith("gc:"):
@@ -440,8 +562,13 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
     # -- pass 3b: recomputation ------------------------------------------------
-    groups_of = {p.op: p.recompute for p in plan.ops if p.recompute and p.op not in L.chunks  # coshard: per piece
-                 and not (nograd and p.op in dead)}  # a recycling pass without backward keeps nothing to recompute
+    groups_of = {
+        p.op: p.recompute
+        for p in plan.ops
+        if p.recompute
+        and p.op not in L.chunks  # coshard: per piece
+        and not (nograd and p.op in dead)
+    }  # a recycling pass without backward keeps nothing to recompute
     if groups_of:
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
@@ -450,8 +577,11 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     buckets: dict[int, dict[tuple[int, ...], list[tuple[int, str, int]]]] = defaultdict(lambda: defaultdict(list))
     for p, (op, k) in owner.items():
         contrib, target = L.contributes(op, k), L.needs(op, k)
-        axes = [a for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
-                if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1]
+        axes = [
+            a
+            for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
+            if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1
+        ]
         mesh = contrib.mesh
         if not axes:
             continue
@@ -472,15 +602,32 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
                 continue
             if plan.zero == 0:  # one all-reduce of every gradient, after the backward
                 bufs = tuple(b for _, b, _ in sorted(items))
-                emit(dev, w_block, (0, 0), Task(f"grad-reduce{list(group)}", TaskKind.COLLECTIVE, bufs, bufs,
-                                                collective="all_reduce", group=group,
-                                                nbytes=sum(n for _, _, n in items)))
+                emit(
+                    dev,
+                    w_block,
+                    (0, 0),
+                    Task(
+                        f"grad-reduce{list(group)}",
+                        TaskKind.COLLECTIVE,
+                        bufs,
+                        bufs,
+                        collective="all_reduce",
+                        group=group,
+                        nbytes=sum(n for _, _, n in items),
+                    ),
+                )
                 continue
             if plan.zero == 3:  # planlab/plan/zero.py
                 units = units_of(items, group, graph, stage, precision.grad_bytes)
-                numel, freed = shard_fully(entries[dev], units, graph=graph, precision=precision,
-                                           emit=functools.partial(emit, dev), update_block=w_block,
-                                           sizes=buf_bytes[dev])
+                numel, freed = shard_fully(
+                    entries[dev],
+                    units,
+                    graph=graph,
+                    precision=precision,
+                    emit=functools.partial(emit, dev),
+                    update_block=w_block,
+                    sizes=buf_bytes[dev],
+                )
                 together[dev] += freed
                 for k, b in enumerate((precision.grad_bytes, precision.optimizer_bytes, precision.param_bytes)):
                     zero_saved[dev][k] += numel * b
@@ -493,15 +640,49 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
             numel = grad_bytes // precision.grad_bytes
             zg, zp = f"zg:{list(group)}", f"zp:{list(group)}"
             wbufs = tuple("w:" + b[3:] for b in bufs)
-            emit(dev, w_block, (0, 0), Task(f"grad-reduce-scatter{list(group)}", TaskKind.COLLECTIVE, bufs, (zg,),
-                                            collective="reduce_scatter", group=group, nbytes=grad_bytes))
-            emit(dev, w_block, (1, 0), Task(f"optimizer-shard{list(group)}", TaskKind.OPTIMIZER, (zg,), (zp,),
-                                            flops=12.0 * numel / n,
-                                            bytes_moved=numel / n * (2 * precision.param_bytes + precision.grad_bytes
-                                                                     + 2 * precision.optimizer_bytes)))
-            emit(dev, w_block, (2, 0), Task(f"param-all-gather{list(group)}", TaskKind.COLLECTIVE, (zp,), wbufs,
-                                            collective="all_gather", group=group,
-                                            nbytes=numel * precision.param_bytes))
+            emit(
+                dev,
+                w_block,
+                (0, 0),
+                Task(
+                    f"grad-reduce-scatter{list(group)}",
+                    TaskKind.COLLECTIVE,
+                    bufs,
+                    (zg,),
+                    collective="reduce_scatter",
+                    group=group,
+                    nbytes=grad_bytes,
+                ),
+            )
+            emit(
+                dev,
+                w_block,
+                (1, 0),
+                Task(
+                    f"optimizer-shard{list(group)}",
+                    TaskKind.OPTIMIZER,
+                    (zg,),
+                    (zp,),
+                    flops=12.0 * numel / n,
+                    bytes_moved=numel
+                    / n
+                    * (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes),
+                ),
+            )
+            emit(
+                dev,
+                w_block,
+                (2, 0),
+                Task(
+                    f"param-all-gather{list(group)}",
+                    TaskKind.COLLECTIVE,
+                    (zp,),
+                    wbufs,
+                    collective="all_gather",
+                    group=group,
+                    nbytes=numel * precision.param_bytes,
+                ),
+            )
             sharded.update(b[3:] for b in bufs)
             zero_saved[dev][1] += numel * precision.optimizer_bytes * (n - 1) // n
             if plan.zero >= 2:
@@ -511,9 +692,20 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         if nparams:
             w = tuple(f"w:{p}" for p, _ in rest)
             g = tuple(f"wg:{p}" for p, _ in rest)
-            emit(dev, w_block, (1, 1), Task("optimizer", TaskKind.OPTIMIZER, w + g, w, flops=12.0 * nparams,
-                                            bytes_moved=nparams * (2 * precision.param_bytes + precision.grad_bytes
-                                                                   + 2 * precision.optimizer_bytes)))
+            emit(
+                dev,
+                w_block,
+                (1, 1),
+                Task(
+                    "optimizer",
+                    TaskKind.OPTIMIZER,
+                    w + g,
+                    w,
+                    flops=12.0 * nparams,
+                    bytes_moved=nparams
+                    * (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes),
+                ),
+            )
 
     # -- pass 4b: co-located pieces run one after another (coshard) ---------------
     if L.chunks:
@@ -530,7 +722,7 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
     # -- pass 5: order, schedule, memory ----------------------------------------
     programs = []
     groups: set[tuple[int, ...]] = set()
-    for dev in (range(plan.num_devices) if keep is None else sorted(keep)):
+    for dev in range(plan.num_devices) if keep is None else sorted(keep):
         blocks = {}
         for key, items in entries.get(dev, {}).items():
             items.sort(key=lambda x: x[0])
@@ -539,11 +731,17 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         schedule = _schedule(plan, dev, blocks)
         blocks = _liveness(blocks, buf_bytes[dev], together.get(dev, ()))
         nparams = sum(box_numel(b) for _, b in params_on.get(dev, []))
-        programs.append(DeviceProgram(
-            device=dev, blocks=blocks, schedule=schedule, params=tuple(params_on.get(dev, [])),
-            param_bytes=nparams * precision.param_bytes - zero_saved[dev][2],
-            grad_bytes=nparams * precision.grad_bytes - zero_saved[dev][0],
-            optimizer_bytes=nparams * precision.optimizer_bytes - zero_saved[dev][1]))
+        programs.append(
+            DeviceProgram(
+                device=dev,
+                blocks=blocks,
+                schedule=schedule,
+                params=tuple(params_on.get(dev, [])),
+                param_bytes=nparams * precision.param_bytes - zero_saved[dev][2],
+                grad_bytes=nparams * precision.grad_bytes - zero_saved[dev][0],
+                optimizer_bytes=nparams * precision.optimizer_bytes - zero_saved[dev][1],
+            )
+        )
     loss_op = graph.producer[graph.loss]
     lay = L.has(loss_op, 0)
     holders = []
@@ -551,16 +749,28 @@ def _build(plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: fr
         c = lay.mesh.coord(flat)
         primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
         holders.append((dev, f"a:{graph.loss}", int(primary)))
-    return Program(devices=tuple(programs), microbatches=m, precision=precision,
-                   groups=tuple(sorted(g for g in groups if len(g) > 1)), loss_holders=tuple(holders))
+    return Program(
+        devices=tuple(programs),
+        microbatches=m,
+        precision=precision,
+        groups=tuple(sorted(g for g in groups if len(g) > 1)),
+        loss_holders=tuple(holders),
+    )
 
 
 # Megatron-LM's default gradient bucket (--ddp-bucket-size: 40M elements).
 BUCKET_ELEMENTS = 40_000_000
 
 
-def _overlapped_buckets(emit, dev: int, group: tuple[int, ...], items: list[tuple[int, str, int]],
-                        stage: dict[str, int], graph: Graph, precision: Precision) -> None:
+def _overlapped_buckets(
+    emit,
+    dev: int,
+    group: tuple[int, ...],
+    items: list[tuple[int, str, int]],
+    stage: dict[str, int],
+    graph: Graph,
+    precision: Precision,
+) -> None:
     """Data-parallel gradient reduction overlapped with the backward, as Megatron-LM and DDP do it:
     gradients in buckets of at most :data:`BUCKET_ELEMENTS`, filled in the order the backward
     completes them; each bucket's all-reduce is issued, with the last micro-batch, right after
@@ -579,10 +789,22 @@ def _overlapped_buckets(emit, dev: int, group: tuple[int, ...], items: list[tupl
             if full or k == len(ordered) - 1:
                 bufs = tuple(b for _, b, _ in bucket)
                 last = min(i for i, _, _ in bucket)  # the bucket is complete after this operator's backward
-                emit(dev, (st, "B"), (-last, 1), Task(
-                    f"grad-reduce{list(group)}#{bufs[0][3:]}", TaskKind.COLLECTIVE, bufs, bufs,
-                    collective="all_reduce", group=group, nbytes=sum(n for _, _, n in bucket),
-                    final=True, overlap=True))
+                emit(
+                    dev,
+                    (st, "B"),
+                    (-last, 1),
+                    Task(
+                        f"grad-reduce{list(group)}#{bufs[0][3:]}",
+                        TaskKind.COLLECTIVE,
+                        bufs,
+                        bufs,
+                        collective="all_reduce",
+                        group=group,
+                        nbytes=sum(n for _, _, n in bucket),
+                        final=True,
+                        overlap=True,
+                    ),
+                )
                 bucket = []
 
 
@@ -612,13 +834,25 @@ def _recompute(entries, graph: Graph, groups_of: dict[str, int], seq, buf_bytes)
                     key, t = items[i]
                     if t.kind is TaskKind.FORWARD:
                         items[i] = (key, dataclasses.replace(t, recompute="drop", saved=()))
-                    redo = dataclasses.replace(t, name=f"re:{t.name}", reads=ren(t.reads), writes=ren(t.writes),
-                                               saved=ren(t.saved), recompute="redo" if t.kind is TaskKind.FORWARD
-                                               else "")
+                    redo = dataclasses.replace(
+                        t,
+                        name=f"re:{t.name}",
+                        reads=ren(t.reads),
+                        writes=ren(t.writes),
+                        saved=ren(t.saved),
+                        recompute="redo" if t.kind is TaskKind.FORWARD else "",
+                    )
                     blocks[bkey].append(((-last_op, -1, key[0], next(seq)), redo))
                 members = {names[items[i][0][0]] for i in idxs}
-                blocks[bkey][:] = [(k, dataclasses.replace(t, saved=ren(t.saved)) if t.kind is TaskKind.BACKWARD
-                                    and t.op in members else t) for k, t in blocks[bkey]]
+                blocks[bkey][:] = [
+                    (
+                        k,
+                        dataclasses.replace(t, saved=ren(t.saved))
+                        if t.kind is TaskKind.BACKWARD and t.op in members
+                        else t,
+                    )
+                    for k, t in blocks[bkey]
+                ]
 
 
 def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
@@ -628,23 +862,33 @@ def _schedule(plan: Plan, dev: int, blocks: dict) -> tuple[Action, ...]:
     ws = sorted(s for s, ph in blocks if ph == "U")
     given = plan.schedule[dev] if plan.schedule and dev < len(plan.schedule) and plan.schedule[dev] else None
     if given is None:
-        return tuple([Action(s, "F", k) for k in range(m) for s in fs] +
-                     [Action(s, "B", k) for k in range(m) for s in bs] + [Action(s, "U", 0) for s in ws])
+        return tuple(
+            [Action(s, "F", k) for k in range(m) for s in fs]
+            + [Action(s, "B", k) for k in range(m) for s in bs]
+            + [Action(s, "U", 0) for s in ws]
+        )
     split = tuple(sorted(s for s, ph in blocks if ph == "I"))
-    _check_schedule(dev, tuple((a.stage, a.phase, a.microbatch) for a in given), tuple(fs), tuple(bs),
-                    tuple(ws), m, split)
+    _check_schedule(
+        dev, tuple((a.stage, a.phase, a.microbatch) for a in given), tuple(fs), tuple(bs), tuple(ws), m, split
+    )
     return tuple(given)
 
 
 @functools.lru_cache(maxsize=256)
 def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: int, split: tuple = ()) -> None:
-    need = {(s, "F", k) for s in fs for k in range(m)} | {(s, "B", k) for s in bs for k in range(m)} | \
-        {(s, ph, k) for s in split for ph in "IW" for k in range(m)} | {(s, "U", 0) for s in ws}
+    need = (
+        {(s, "F", k) for s in fs for k in range(m)}
+        | {(s, "B", k) for s in bs for k in range(m)}
+        | {(s, ph, k) for s in split for ph in "IW" for k in range(m)}
+        | {(s, "U", 0) for s in ws}
+    )
     seen = set()
     for a in given:
         if a not in need:
-            raise InfeasiblePlan(f"device {dev}'s schedule has action {Action(*a)}, which names no block of that "
-                                 f"device; expected actions like {', '.join(str(Action(*x)) for x in sorted(need)[:6])}")
+            raise InfeasiblePlan(
+                f"device {dev}'s schedule has action {Action(*a)}, which names no block of that "
+                f"device; expected actions like {', '.join(str(Action(*x)) for x in sorted(need)[:6])}"
+            )
         if a in seen:
             raise InfeasiblePlan(f"device {dev}'s schedule runs action {Action(*a)} twice")
         if a[1] == "W" and (a[0], "I", a[2]) not in seen:  # W uses the graph its I kept
@@ -661,8 +905,9 @@ def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) 
     backward stages descending, a stage's ``I`` before its ``W``), which every valid schedule
     preserves per micro-batch. Each group of buffers in ``together`` is freed at once, after
     the last reader of any of them (ZeRO-3 frees a layer's gathered weights together)."""
-    order = sorted(blocks, key=lambda k: (0, k[0], 0) if k[1] == "F" else (1, -k[0], k[1] == "W")
-                   if k[1] in "BIW" else (2, 0, 0))
+    order = sorted(
+        blocks, key=lambda k: (0, k[0], 0) if k[1] == "F" else (1, -k[0], k[1] == "W") if k[1] in "BIW" else (2, 0, 0)
+    )
     first: dict[str, tuple] = {}
     last: dict[str, tuple] = {}
     for bk in order:

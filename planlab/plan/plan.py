@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from planlab.errors import InfeasiblePlan, choices
@@ -115,8 +115,18 @@ class PlanBuilder:
         plan = b.build()
     """
 
-    def __init__(self, graph: Graph, *, model: ModelSpec, global_batch: int, cluster: str,
-                 nodes: int, num_devices: int, space: str = "", knobs: dict | None = None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        model: ModelSpec,
+        global_batch: int,
+        cluster: str,
+        nodes: int,
+        num_devices: int,
+        space: str = "",
+        knobs: dict | None = None,
+    ) -> None:
         self.graph = graph
         self.model, self.global_batch, self.cluster, self.nodes = model, global_batch, cluster, nodes
         self.num_devices, self.space = num_devices, space
@@ -141,16 +151,21 @@ class PlanBuilder:
             raise InfeasiblePlan(f"op_trans({op!r}): the number of pieces must be a positive integer, got {n!r}")
         if dim is not None:
             if dim not in o.signature.dims():
-                raise InfeasiblePlan(f"operator {op!r} has no dimension {dim!r}; its signature is "
-                                     f"{o.signature} (dimensions {choices(o.signature.dims())})")
+                raise InfeasiblePlan(
+                    f"operator {op!r} has no dimension {dim!r}; its signature is "
+                    f"{o.signature} (dimensions {choices(o.signature.dims())})"
+                )
             if not o.signature.splittable(dim):
-                raise InfeasiblePlan(f"dimension {dim!r} of operator {op!r} ({o.signature}) cannot be split; "
-                                     f"splittable: {choices(o.splittable_dims())}")
+                raise InfeasiblePlan(
+                    f"dimension {dim!r} of operator {op!r} ({o.signature}) cannot be split; "
+                    f"splittable: {choices(o.splittable_dims())}"
+                )
             done = math.prod(s for d, s in zip(self._dims[op], self._sizes[op]) if d == dim)
             size = o.dim_sizes[dim]
             if size % (done * n):
-                raise InfeasiblePlan(f"dimension {dim!r} of operator {op!r} has size {size}, "
-                                     f"which does not split into {done * n} pieces")
+                raise InfeasiblePlan(
+                    f"dimension {dim!r} of operator {op!r} has size {size}, which does not split into {done * n} pieces"
+                )
         self._dims[op].append(dim)
         self._sizes[op].append(n)
 
@@ -183,8 +198,7 @@ class PlanBuilder:
         seen = self.__dict__.setdefault("_orders_seen", {})  # replicas often share one tuple of actions
         hit = seen.get(id(actions)) if isinstance(actions, tuple) else None
         if hit is None or hit[0] is not actions:
-            hit = seen[id(actions)] = (actions, tuple(a if isinstance(a, Action) else Action.parse(a)
-                                                      for a in actions))
+            hit = seen[id(actions)] = (actions, tuple(a if isinstance(a, Action) else Action.parse(a) for a in actions))
         self._schedule[device] = hit[1]
 
     def recompute(self, op: str, group: int) -> None:
@@ -224,11 +238,28 @@ class PlanBuilder:
         missing = [op.name for op in self.graph.operators if op.name not in self._devices]
         if missing:
             raise InfeasiblePlan(f"{len(missing)} operators have no op_assign, e.g. {', '.join(missing[:5])}")
-        ops = tuple(OpPlan(op.name, tuple(self._dims[op.name]), tuple(self._sizes[op.name]),
-                           self._devices[op.name], self._stage[op.name], self._recompute.get(op.name, 0))
-                    for op in self.graph.operators)
-        schedule = tuple(self._schedule.get(d, ()) for d in range(self.num_devices)) \
-            if self._schedule else ()
-        return Plan(model=self.model, global_batch=self.global_batch, cluster=self.cluster, nodes=self.nodes,
-                    num_devices=self.num_devices, microbatches=self._microbatches, ops=ops,
-                    schedule=schedule, space=self.space, knobs=tuple(sorted(self.knobs.items())), zero=self._zero)
+        ops = tuple(
+            OpPlan(
+                op.name,
+                tuple(self._dims[op.name]),
+                tuple(self._sizes[op.name]),
+                self._devices[op.name],
+                self._stage[op.name],
+                self._recompute.get(op.name, 0),
+            )
+            for op in self.graph.operators
+        )
+        schedule = tuple(self._schedule.get(d, ()) for d in range(self.num_devices)) if self._schedule else ()
+        return Plan(
+            model=self.model,
+            global_batch=self.global_batch,
+            cluster=self.cluster,
+            nodes=self.nodes,
+            num_devices=self.num_devices,
+            microbatches=self._microbatches,
+            ops=ops,
+            schedule=schedule,
+            space=self.space,
+            knobs=tuple(sorted(self.knobs.items())),
+            zero=self._zero,
+        )

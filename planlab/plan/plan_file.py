@@ -8,7 +8,7 @@ from pathlib import Path
 
 from planlab.errors import PlanFileError
 from planlab.models.registry import ModelSpec
-from planlab.plan.plan import PLAN_VERSION, READ_VERSIONS, ZERO_STAGES, Action, OpPlan, Plan
+from planlab.plan.plan import READ_VERSIONS, ZERO_STAGES, Action, OpPlan, Plan
 
 FORMAT = "planlab-plan"
 
@@ -25,8 +25,17 @@ def plan_to_dict(plan: Plan) -> dict:
         "microbatches": plan.microbatches,
         "space": plan.space,
         "knobs": dict(plan.knobs),
-        "ops": [{"op": p.op, "dims": list(p.dims), "sizes": list(p.sizes), "devices": list(p.devices),
-                 "stage": p.stage, **({"recompute": p.recompute} if p.recompute else {})} for p in plan.ops],
+        "ops": [
+            {
+                "op": p.op,
+                "dims": list(p.dims),
+                "sizes": list(p.sizes),
+                "devices": list(p.devices),
+                "stage": p.stage,
+                **({"recompute": p.recompute} if p.recompute else {}),
+            }
+            for p in plan.ops
+        ],
         "schedule": [[str(a) for a in s] for s in plan.schedule],
         **({"zero": plan.zero} if plan.zero else {}),
     }
@@ -54,8 +63,9 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         raise PlanFileError(f"{where}: not a planlab plan (format {d.get('format')!r}, expected {FORMAT!r})")
     version = _need(d, "version", int, where)
     if version not in READ_VERSIONS:
-        raise PlanFileError(f"{where}: plan format version {version}; this planlab reads versions "
-                            f"{', '.join(map(str, READ_VERSIONS))}")
+        raise PlanFileError(
+            f"{where}: plan format version {version}; this planlab reads versions {', '.join(map(str, READ_VERSIONS))}"
+        )
     model = _need(d, "model", dict, where)
     _need(model, "name", str, f"{where}: model")
     ops = []
@@ -75,8 +85,11 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         rc = o.get("recompute", 0)
         if not isinstance(rc, int) or isinstance(rc, bool) or rc < 0:
             raise PlanFileError(f"{w}: recompute must be a non-negative integer group, got {rc!r}")
-        ops.append(OpPlan(_need(o, "op", str, w), tuple(dims), tuple(sizes), tuple(devices),
-                          int(_need(o, "stage", int, w)), rc))
+        ops.append(
+            OpPlan(
+                _need(o, "op", str, w), tuple(dims), tuple(sizes), tuple(devices), int(_need(o, "stage", int, w)), rc
+            )
+        )
     schedule = []
     for k, s in enumerate(d.get("schedule", [])):
         if not isinstance(s, list):
@@ -94,11 +107,19 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         spec = ModelSpec.from_json(model)
     except (TypeError, ValueError, AttributeError) as e:
         raise PlanFileError(f"{where}: model: {e}") from None
-    return Plan(model=spec, global_batch=_need(d, "global_batch", int, where),
-                cluster=_need(d, "cluster", str, where), nodes=_need(d, "nodes", int, where),
-                num_devices=_need(d, "num_devices", int, where), microbatches=_need(d, "microbatches", int, where),
-                ops=tuple(ops), schedule=tuple(schedule), space=str(d.get("space", "")),
-                knobs=tuple(sorted(knobs.items())), zero=_zero(d, where))
+    return Plan(
+        model=spec,
+        global_batch=_need(d, "global_batch", int, where),
+        cluster=_need(d, "cluster", str, where),
+        nodes=_need(d, "nodes", int, where),
+        num_devices=_need(d, "num_devices", int, where),
+        microbatches=_need(d, "microbatches", int, where),
+        ops=tuple(ops),
+        schedule=tuple(schedule),
+        space=str(d.get("space", "")),
+        knobs=tuple(sorted(knobs.items())),
+        zero=_zero(d, where),
+    )
 
 
 def plan_from_json(text: str, where: str = "plan") -> Plan:

@@ -171,10 +171,10 @@ class Precision:
 
 # Mixed precision with Adam: bf16 weights, fp32 main gradients, fp32 master weights + 2 moments
 # (Megatron-LM without the distributed optimizer: 18 bytes per parameter).
-MIXED_BF16 = Precision("bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
-                       compute_dtype="bf16")
-FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                 compute_dtype="fp32")
+MIXED_BF16 = Precision(
+    "bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12, compute_dtype="bf16"
+)
+FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8, compute_dtype="fp32")
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,21 @@ def same_layout(a: Layout, b: Layout) -> bool:
     return a.mesh == b.mesh and _normalize(a) == _normalize(b)
 
 
-def plan_conversion(src: Layout, dst: Layout, shape: tuple[int, ...], elem_bytes: int, *,
-                    src_buf: str, dst_buf: str, accumulate: bool = False, tags: count | None = None,
-                    name: str = "", dtype: str = "float32", only: frozenset[int] | None = None,
-                    channel: int = -1) -> Conversion:
+def plan_conversion(
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    elem_bytes: int,
+    *,
+    src_buf: str,
+    dst_buf: str,
+    accumulate: bool = False,
+    tags: count | None = None,
+    name: str = "",
+    dtype: str = "float32",
+    only: frozenset[int] | None = None,
+    channel: int = -1,
+) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
     ``dst`` must hold full values (no Partial). With ``accumulate`` the result
@@ -67,8 +78,9 @@ def plan_conversion(src: Layout, dst: Layout, shape: tuple[int, ...], elem_bytes
         if conv is not None:
             return conv
     if only is not None:
-        return _point_to_point_only(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype,
-                                    only, channel)
+        return _point_to_point_only(
+            src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, channel
+        )
     return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name, dtype)
 
 
@@ -87,8 +99,9 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
     want = _normalize(dst)
     # Reductions first (they shrink nothing but must precede slicing of the same data),
     # then gathers, then local slices.
-    order = sorted(range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else
-                                                 1 if isinstance(cur[i], Shard) else 2, i))
+    order = sorted(
+        range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else 1 if isinstance(cur[i], Shard) else 2, i)
+    )
     for ax in order:
         s, d = cur[ax], want[ax]
         if s == d:
@@ -111,8 +124,19 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         if not accumulate:
             return conv  # nothing to do: the caller aliases src_buf
         for flat, dev in _positions(mesh, only):
-            conv.add("dst", dev, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
-                                      shape=box_shape(dst.box(flat, shape)), accumulate=True, dtype=dtype))
+            conv.add(
+                "dst",
+                dev,
+                Task(
+                    f"{name}copy",
+                    TaskKind.LOCAL,
+                    (src_buf,),
+                    (dst_buf,),
+                    shape=box_shape(dst.box(flat, shape)),
+                    accumulate=True,
+                    dtype=dtype,
+                ),
+            )
         return conv
     for k, (ax, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
@@ -122,17 +146,46 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         for flat, dev in _positions(mesh, only):
             bin_, bout = before.box(flat, shape), after.box(flat, shape)
             if kind == "chunk":
-                conv.add("dst", dev, Task(f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,),
-                                          src_region=relative(bout, bin_), shape=box_shape(bout),
-                                          accumulate=accumulate and last, dtype=dtype))
+                conv.add(
+                    "dst",
+                    dev,
+                    Task(
+                        f"{name}chunk{k}",
+                        TaskKind.LOCAL,
+                        (rbuf,),
+                        (wbuf,),
+                        src_region=relative(bout, bin_),
+                        shape=box_shape(bout),
+                        accumulate=accumulate and last,
+                        dtype=dtype,
+                    ),
+                )
                 continue
-            tensor_axis = after.placements[ax].dim if kind == "reduce_scatter" else \
-                before.placements[ax].dim if kind == "all_gather" else -1
+            tensor_axis = (
+                after.placements[ax].dim
+                if kind == "reduce_scatter"
+                else before.placements[ax].dim
+                if kind == "all_gather"
+                else -1
+            )
             nbytes = max(box_numel(bin_), box_numel(bout)) * eb
-            conv.add("dst", dev, Task(f"{name}{kind}{k}", TaskKind.COLLECTIVE, (rbuf,), (wbuf,),
-                                      collective=kind, group=mesh.group_of(flat, (ax,)), axis=tensor_axis,
-                                      nbytes=nbytes, shape=box_shape(bout), accumulate=accumulate and last,
-                                      dtype=dtype))
+            conv.add(
+                "dst",
+                dev,
+                Task(
+                    f"{name}{kind}{k}",
+                    TaskKind.COLLECTIVE,
+                    (rbuf,),
+                    (wbuf,),
+                    collective=kind,
+                    group=mesh.group_of(flat, (ax,)),
+                    axis=tensor_axis,
+                    nbytes=nbytes,
+                    shape=box_shape(bout),
+                    accumulate=accumulate and last,
+                    dtype=dtype,
+                ),
+            )
     return conv
 
 
@@ -154,23 +207,60 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                 chosen = dd if dd in replicas else replicas[flat % len(replicas)]
                 region = intersect(sbox, dbox)
                 if chosen == dd:
-                    conv.add("dst", dd, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
-                                             src_region=relative(region, sbox), region=relative(region, dbox),
-                                             shape=box_shape(dbox), accumulate=acc, dtype=dtype))
+                    conv.add(
+                        "dst",
+                        dd,
+                        Task(
+                            f"{name}copy",
+                            TaskKind.LOCAL,
+                            (src_buf,),
+                            (dst_buf,),
+                            src_region=relative(region, sbox),
+                            region=relative(region, dbox),
+                            shape=box_shape(dbox),
+                            accumulate=acc,
+                            dtype=dtype,
+                        ),
+                    )
                     continue
                 tag = next(tags)
                 nbytes = box_numel(region) * eb
-                conv.add("src", chosen, Task(f"{name}send{tag}", TaskKind.SEND, (src_buf,), (),
-                                             peer=dd, nbytes=nbytes, region=relative(region, sbox),
-                                             axis=tag, dtype=dtype))
-                conv.add("dst", dd, Task(f"{name}recv{tag}", TaskKind.RECV, (), (dst_buf,), peer=chosen,
-                                         nbytes=nbytes, region=relative(region, dbox), shape=box_shape(dbox),
-                                         accumulate=acc, axis=tag, dtype=dtype))
+                conv.add(
+                    "src",
+                    chosen,
+                    Task(
+                        f"{name}send{tag}",
+                        TaskKind.SEND,
+                        (src_buf,),
+                        (),
+                        peer=dd,
+                        nbytes=nbytes,
+                        region=relative(region, sbox),
+                        axis=tag,
+                        dtype=dtype,
+                    ),
+                )
+                conv.add(
+                    "dst",
+                    dd,
+                    Task(
+                        f"{name}recv{tag}",
+                        TaskKind.RECV,
+                        (),
+                        (dst_buf,),
+                        peer=chosen,
+                        nbytes=nbytes,
+                        region=relative(region, dbox),
+                        shape=box_shape(dbox),
+                        accumulate=acc,
+                        axis=tag,
+                        dtype=dtype,
+                    ),
+                )
     return conv
 
 
-def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only,
-                         channel) -> Conversion:
+def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, channel) -> Conversion:
     """:func:`_point_to_point` for the devices in ``only``: the same messages, chosen the same way,
     found without visiting every pair of pieces. A message's tag is computed from the positions of
     its receiver and sender, so both ends agree without planning anyone else."""
@@ -217,18 +307,58 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
         for k, chosen, region, dbox, sbox in messages(flat, dd):
             if chosen == dd:
                 if dd in only:
-                    conv.add("dst", dd, Task(f"{name}copy", TaskKind.LOCAL, (src_buf,), (dst_buf,),
-                                             src_region=relative(region, sbox), region=relative(region, dbox),
-                                             shape=box_shape(dbox), accumulate=acc, dtype=dtype))
+                    conv.add(
+                        "dst",
+                        dd,
+                        Task(
+                            f"{name}copy",
+                            TaskKind.LOCAL,
+                            (src_buf,),
+                            (dst_buf,),
+                            src_region=relative(region, sbox),
+                            region=relative(region, dbox),
+                            shape=box_shape(dbox),
+                            accumulate=acc,
+                            dtype=dtype,
+                        ),
+                    )
                 continue
             tag = tag_of(flat, k, chosen)
             nbytes = box_numel(region) * eb
             if chosen in only:
-                conv.add("src", chosen, Task(f"{name}send{tag}", TaskKind.SEND, (src_buf,), (),
-                                             peer=dd, nbytes=nbytes, region=relative(region, sbox),
-                                             axis=tag, dtype=dtype, channel=channel))
+                conv.add(
+                    "src",
+                    chosen,
+                    Task(
+                        f"{name}send{tag}",
+                        TaskKind.SEND,
+                        (src_buf,),
+                        (),
+                        peer=dd,
+                        nbytes=nbytes,
+                        region=relative(region, sbox),
+                        axis=tag,
+                        dtype=dtype,
+                        channel=channel,
+                    ),
+                )
             if dd in only:
-                conv.add("dst", dd, Task(f"{name}recv{tag}", TaskKind.RECV, (), (dst_buf,), peer=chosen,
-                                         nbytes=nbytes, region=relative(region, dbox), shape=box_shape(dbox),
-                                         accumulate=acc, axis=tag, dtype=dtype, channel=channel))
+                conv.add(
+                    "dst",
+                    dd,
+                    Task(
+                        f"{name}recv{tag}",
+                        TaskKind.RECV,
+                        (),
+                        (dst_buf,),
+                        peer=chosen,
+                        nbytes=nbytes,
+                        region=relative(region, dbox),
+                        shape=box_shape(dbox),
+                        accumulate=acc,
+                        axis=tag,
+                        dtype=dtype,
+                        channel=channel,
+                    ),
+                )
     return conv

@@ -19,8 +19,10 @@ def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
     live: set[str] = set()
     for op in reversed(graph.operators):
         if op.outputs[0] == graph.loss or any(
-                t not in nograd and graph.tensors[t].is_float and c.name in live
-                for t in op.outputs for c in graph.consumers.get(t, [])):
+            t not in nograd and graph.tensors[t].is_float and c.name in live
+            for t in op.outputs
+            for c in graph.consumers.get(t, [])
+        ):
             live.add(op.name)
     return frozenset(op.name for op in graph.operators if op.name not in live)
 
@@ -50,14 +52,24 @@ def training_flops(graph: Graph) -> float:
     return graph.flops + 2.0 * sum(op.flops for op in graph.operators if op.name not in fwd_only)
 
 
-def use_shared_param(op: Operator, ti: int, t: str, pieces: list[tuple[int, tuple]], owner: dict,
-                     fwd_only: frozenset[str], params_on: dict, held: dict) -> None:
+def use_shared_param(
+    op: Operator,
+    ti: int,
+    t: str,
+    pieces: list[tuple[int, tuple]],
+    owner: dict,
+    fwd_only: frozenset[str],
+    params_on: dict,
+    held: dict,
+) -> None:
     """Record that ``op`` reads parameter ``t`` (its input ``ti``) as ``pieces`` (device, box):
     an operator with a backward becomes the owner of its gradient; each device holds a piece once."""
     if op.name not in fwd_only:
         if t in owner and owner[t][0] is not op:
-            raise InfeasiblePlan(f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
-                                 f"{op.name!r}; tied weights are not supported yet")
+            raise InfeasiblePlan(
+                f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
+                f"{op.name!r}; tied weights are not supported yet"
+            )
         owner[t] = (op, ti)
     for dev, box in pieces:
         if (t, box) not in held[dev]:
@@ -76,6 +88,8 @@ def check_shared_params(params_on: dict, owned_pieces: dict[str, list[tuple[int,
     for dev, items in params_on.items():
         for p, box in items:
             if (p, box) not in owned[dev]:
-                raise InfeasiblePlan(f"parameter {p!r} is read on device {dev} by a recycling pass without "
-                                     "gradients, but the pass with gradients does not hold that piece there: "
-                                     "place and split each pass's operators as the last pass's")
+                raise InfeasiblePlan(
+                    f"parameter {p!r} is read on device {dev} by a recycling pass without "
+                    "gradients, but the pass with gradients does not hold that piece there: "
+                    "place and split each pass's operators as the last pass's"
+                )

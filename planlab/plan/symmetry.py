@@ -87,22 +87,39 @@ def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int
             if t.group:
                 group = groups.get(t.group)
                 if group is None:
-                    group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)),
-                                               _spread(t.group, node_of))
-            out.append((key, t.kind.value, t.op, t.collective, group, peer, t.channel, t.nbytes, t.flops,
-                        t.bytes_moved, t.shape, t.recompute, tuple(n for _, n in t.alloc), len(t.free)))
+                    group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of))
+            out.append(
+                (
+                    key,
+                    t.kind.value,
+                    t.op,
+                    t.collective,
+                    group,
+                    peer,
+                    t.channel,
+                    t.nbytes,
+                    t.flops,
+                    t.bytes_moved,
+                    t.shape,
+                    t.recompute,
+                    tuple(n for _, n in t.alloc),
+                    len(t.free),
+                )
+            )
     return tuple(out)
 
 
-def reduce_program(program: Program, classes: tuple[int, ...], witnesses: dict[int, int],
-                   node_of: Callable[[int], int]) -> Program | None:
+def reduce_program(
+    program: Program, classes: tuple[int, ...], witnesses: dict[int, int], node_of: Callable[[int], int]
+) -> Program | None:
     """The Program of the representatives alone, or None when a witness (another member of
     a class) differs from its representative or the classes' messages do not pair up."""
     by_dev = {dp.device: dp for dp in program.devices}
     groups: dict = {}
     for rep, other in witnesses.items():
-        if by_dev[rep].schedule != by_dev[other].schedule or \
-                _outline(by_dev[rep], classes, node_of, groups) != _outline(by_dev[other], classes, node_of, groups):
+        if by_dev[rep].schedule != by_dev[other].schedule or _outline(
+            by_dev[rep], classes, node_of, groups
+        ) != _outline(by_dev[other], classes, node_of, groups):
             return None
     reps = sorted(set(classes))
     balance: Counter = Counter()  # per (sender class, receiver class, channel): sends - receives per micro-batch
@@ -116,7 +133,12 @@ def reduce_program(program: Program, classes: tuple[int, ...], witnesses: dict[i
     if any(balance.values()):
         return None
     keep = tuple(by_dev[r] for r in reps)
-    groups = {tuple(sorted(t.group)) for dp in keep for b in dp.blocks.values() for t in b.tasks
-              if len(t.group) > 1}
-    return Program(devices=keep, microbatches=program.microbatches, precision=program.precision,
-                   groups=tuple(sorted(groups)), loss_holders=program.loss_holders, classes=classes)
+    groups = {tuple(sorted(t.group)) for dp in keep for b in dp.blocks.values() for t in b.tasks if len(t.group) > 1}
+    return Program(
+        devices=keep,
+        microbatches=program.microbatches,
+        precision=program.precision,
+        groups=tuple(sorted(groups)),
+        loss_holders=program.loss_holders,
+        classes=classes,
+    )

@@ -36,7 +36,7 @@ def unit_key(param: str) -> str:
     parts = param.split(".")
     for k, part in enumerate(parts[:-1]):
         if part.isdigit():
-            return ".".join(parts[:k + 1])
+            return ".".join(parts[: k + 1])
     return parts[0] if len(parts) > 1 else param
 
 
@@ -63,8 +63,9 @@ class Unit:
         return f"{self.name}{list(self.group)}"
 
 
-def units_of(items: list[tuple[int, str, int]], group: tuple[int, ...], graph: Graph, stage: dict[str, int],
-             grad_bytes: int) -> list[Unit]:
+def units_of(
+    items: list[tuple[int, str, int]], group: tuple[int, ...], graph: Graph, stage: dict[str, int], grad_bytes: int
+) -> list[Unit]:
     """Cut one group's weight gradients ``(owner index, "wg:" name, bytes)`` into units, in forward order:
     runs of consecutive weights of one stage with one :func:`unit_key`."""
     names = [op.name for op in graph.operators]
@@ -84,8 +85,16 @@ def units_of(items: list[tuple[int, str, int]], group: tuple[int, ...], graph: G
     return out
 
 
-def shard_fully(blocks: dict[tuple[int, str], list], units: list[Unit], *, graph: Graph, precision: Precision,
-                emit: Callable, update_block: tuple[int, str], sizes: dict[str, int]) -> tuple[int, list]:
+def shard_fully(
+    blocks: dict[tuple[int, str], list],
+    units: list[Unit],
+    *,
+    graph: Graph,
+    precision: Precision,
+    emit: Callable,
+    update_block: tuple[int, str],
+    sizes: dict[str, int],
+) -> tuple[int, list]:
     """Apply ZeRO-3 to one device: rewrite its forward and backward tasks to read the gathered
     weights and write full gradients, and emit the gathers, reduce-scatters and shard optimizer
     steps of ``units`` (see the module docstring). ``blocks`` are the device's block entries
@@ -103,7 +112,7 @@ def shard_fully(blocks: dict[tuple[int, str], list], units: list[Unit], *, graph
             sizes[FORWARD_WEIGHTS + p] = sizes[BACKWARD_WEIGHTS + p] = n * precision.param_bytes
             sizes[FULL_GRADIENT + p] = n * precision.grad_bytes
     first: dict[tuple[str, str], tuple] = {}  # (unit, phase) -> key of its first task using its weights
-    last_grad: dict[str, tuple] = {}         # unit -> key of its last backward task
+    last_grad: dict[str, tuple] = {}  # unit -> key of its last backward task
     unit_of = {m: u.name for u in units for _, p, _ in u.weights for m in (f"w:{p}", f"wg:{p}")}
     for (st, ph), items in blocks.items():
         if ph not in ("F", "B"):
@@ -114,8 +123,15 @@ def shard_fully(blocks: dict[tuple[int, str], list], units: list[Unit], *, graph
             if not used:
                 continue
             saved = t.saved + tuple(owned[t.op]) if t.kind is TaskKind.BACKWARD and t.op in owned else t.saved
-            items[k] = (key, dataclasses.replace(t, reads=tuple(ren.get(r, r) for r in t.reads),
-                                                 writes=tuple(grad.get(w, w) for w in t.writes), saved=saved))
+            items[k] = (
+                key,
+                dataclasses.replace(
+                    t,
+                    reads=tuple(ren.get(r, r) for r in t.reads),
+                    writes=tuple(grad.get(w, w) for w in t.writes),
+                    saved=saved,
+                ),
+            )
             for b in used:
                 u = unit_of[b]
                 if (u, ph) not in first or key < first[(u, ph)]:
@@ -132,21 +148,51 @@ def shard_fully(blocks: dict[tuple[int, str], list], units: list[Unit], *, graph
                 # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
                 start = first[(present[max(k - 1, 0)].name, ph)]
                 bufs = tuple(prefix + p for _, p, _ in u.weights)
-                emit((st, ph), (start[0], -2, k), Task(
-                    f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}", TaskKind.COLLECTIVE, (f"zp:{u}",), bufs,
-                    collective="all_gather", group=u.group, nbytes=u.shard_numel * len(u.group) * pb, overlap=True))
+                emit(
+                    (st, ph),
+                    (start[0], -2, k),
+                    Task(
+                        f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",
+                        TaskKind.COLLECTIVE,
+                        (f"zp:{u}",),
+                        bufs,
+                        collective="all_gather",
+                        group=u.group,
+                        nbytes=u.shard_numel * len(u.group) * pb,
+                        overlap=True,
+                    ),
+                )
                 together.append(bufs)
     saved_numel = 0
     for u in units:
         if u.name in last_grad:  # right after the unit's last backward task
             end = last_grad[u.name]
-            emit((u.stage, "B"), end[:-1] + (end[-1] + 0.5,), Task(
-                f"zero3-reduce-scatter{list(u.group)}#{u.name}", TaskKind.COLLECTIVE,
-                tuple(FULL_GRADIENT + p for _, p, _ in u.weights), (f"zg:{u}",), collective="reduce_scatter",
-                group=u.group, nbytes=u.shard_numel * len(u.group) * gb, accumulate=True, overlap=True))
-        emit(update_block, (1, 0), Task(
-            f"optimizer-shard{list(u.group)}#{u.name}", TaskKind.OPTIMIZER, (f"zg:{u}",), (f"zp:{u}",),
-            flops=12.0 * u.shard_numel,
-            bytes_moved=u.shard_numel * (2 * pb + gb + 2 * precision.optimizer_bytes)))
+            emit(
+                (u.stage, "B"),
+                end[:-1] + (end[-1] + 0.5,),
+                Task(
+                    f"zero3-reduce-scatter{list(u.group)}#{u.name}",
+                    TaskKind.COLLECTIVE,
+                    tuple(FULL_GRADIENT + p for _, p, _ in u.weights),
+                    (f"zg:{u}",),
+                    collective="reduce_scatter",
+                    group=u.group,
+                    nbytes=u.shard_numel * len(u.group) * gb,
+                    accumulate=True,
+                    overlap=True,
+                ),
+            )
+        emit(
+            update_block,
+            (1, 0),
+            Task(
+                f"optimizer-shard{list(u.group)}#{u.name}",
+                TaskKind.OPTIMIZER,
+                (f"zg:{u}",),
+                (f"zp:{u}",),
+                flops=12.0 * u.shard_numel,
+                bytes_moved=u.shard_numel * (2 * pb + gb + 2 * precision.optimizer_bytes),
+            ),
+        )
         saved_numel += u.numel - u.shard_numel
     return saved_numel, together

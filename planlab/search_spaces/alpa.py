@@ -91,17 +91,21 @@ def layers_of(g: Graph) -> Layers:
         i = int(m.group(2))
         if not blocks or i != index[-1]:
             if i in index:
-                raise ConfigError(f"space 'alpa': operator {op.name!r} of layer {i} comes after other operators "
-                                  f"(layer {index[-1]} or operators outside the layers); alpa needs each layer's "
-                                  "operators back to back, so it cannot plan a model that runs its layers more "
-                                  "than once (such as a recycling Evoformer, recycles > 1)")
+                raise ConfigError(
+                    f"space 'alpa': operator {op.name!r} of layer {i} comes after other operators "
+                    f"(layer {index[-1]} or operators outside the layers); alpa needs each layer's "
+                    "operators back to back, so it cannot plan a model that runs its layers more "
+                    "than once (such as a recycling Evoformer, recycles > 1)"
+                )
             blocks.append([])
             index.append(i)
             glue.append(tuple(pending) if len(blocks) > 1 else ())
             pending = []
         elif pending:
-            raise ConfigError(f"space 'alpa': operator {pending[0]!r} sits inside layer {i}; alpa needs each "
-                              "layer's operators back to back")
+            raise ConfigError(
+                f"space 'alpa': operator {pending[0]!r} sits inside layer {i}; alpa needs each "
+                "layer's operators back to back"
+            )
         blocks[-1].append(op.name)
     first: dict[tuple, int] = {}
     kind = tuple(first.setdefault(_likeness(g, b), k) for k, b in enumerate(blocks))
@@ -154,9 +158,17 @@ class _Problem:
             got = self._node[name] = self.t.node_costs(self.g.op(name))
         return got
 
-    def solve(self, names: tuple[str, ...], edges: list[tuple[str, str, str]], *, fixed: dict | None = None,
-              inflight: int, bound: float = math.inf, objective: str = "time",
-              alias: dict | None = None) -> Part | None:
+    def solve(
+        self,
+        names: tuple[str, ...],
+        edges: list[tuple[str, str, str]],
+        *,
+        fixed: dict | None = None,
+        inflight: int,
+        bound: float = math.inf,
+        objective: str = "time",
+        alias: dict | None = None,
+    ) -> Part | None:
         """Strategies for ``names``: ``edges`` (producer, consumer, tensor) inside them, and edges
         to operators whose strategy is ``fixed`` (operator -> strategy index); ``alias`` maps a
         consumer to the operator whose strategy it takes (the next layer's operators to the
@@ -187,11 +199,17 @@ class _Problem:
         sol: Solution | None = solve_strategies(cost, es, node_memory=mems, memory_bound=bound)
         if sol is None:
             return None
-        time = float(sum(times[i][s] for i, s in enumerate(sol.choice)) +
-                     sum(e.cost[sol.choice[e.src], sol.choice[e.dst]] for e in es))
+        time = float(
+            sum(times[i][s] for i, s in enumerate(sol.choice))
+            + sum(e.cost[sol.choice[e.src], sol.choice[e.dst]] for e in es)
+        )
         strategies = {n: self.t.strategies(self.g.op(n))[s] for n, s in zip(names, sol.choice)}
-        return Part(strategies, time, float(sum(statics[i][s] for i, s in enumerate(sol.choice))),
-                    float(sum(acts[i][s] for i, s in enumerate(sol.choice))))
+        return Part(
+            strategies,
+            time,
+            float(sum(statics[i][s] for i, s in enumerate(sol.choice))),
+            float(sum(acts[i][s] for i, s in enumerate(sol.choice))),
+        )
 
     def layer_frontier(self, k: int, inflight: int) -> tuple[Part, ...]:
         """Layer ``k``'s solutions from the fastest down to the smallest (it stands for every
@@ -276,8 +294,9 @@ def _edges(g: Graph) -> list[tuple[str, str, str]]:
     """Every producer -> consumer edge of ``g`` with its tensor (cached per graph)."""
     hit = _EDGES.get(id(g))
     if hit is None or hit[0] is not g:
-        out = [(g.producer[t].name, op.name, t) for op in g.operators for t in dict.fromkeys(op.inputs)
-               if t in g.producer]
+        out = [
+            (g.producer[t].name, op.name, t) for op in g.operators for t in dict.fromkeys(op.inputs) if t in g.producer
+        ]
         _EDGES.clear()
         hit = _EDGES[id(g)] = (g, out)
     return hit[1]
@@ -334,8 +353,9 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
     cap = _cost_of(ctx).device_memory_bytes
     sol = solutions(ctx, dp, tp, microbatches, min(pp, microbatches))
     if sol is None:
-        raise InfeasiblePlan(f"alpa: no strategy of the operators fits a {dp} x {tp} mesh with {microbatches} "
-                             "micro-batches")
+        raise InfeasiblePlan(
+            f"alpa: no strategy of the operators fits a {dp} x {tp} mesh with {microbatches} micro-batches"
+        )
     kinds = L.kinds if L.blocks else (0,)
     npts = {c: len(sol.layers[c]) if L.blocks else 1 for c in kinds}
     layer_kind = L.kind if L.blocks else (0,)
@@ -411,26 +431,51 @@ class Alpa(Space):
 
     name = "alpa"
     knobs = (
-        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if d <= max(1, c.layers)),
-                 "pipeline stages (layers sliced unevenly by a dynamic program)", default=1,
-                 range="divisors of the device count up to the layers"),
-        Knob.int("tp", _valid_tp, "second axis of each stage's logical mesh (dp = devices / (pp x tp))",
-                 default=1, range="powers of 2 up to the devices of a node"),
-        Knob.int("microbatch", lambda c: _pow2_upto(c.global_batch), "micro-batch size per data-parallel replica",
-                 range="powers of 2 up to the global batch"),
+        Knob.int(
+            "pp",
+            lambda c: tuple(d for d in _divisors(c.num_devices) if d <= max(1, c.layers)),
+            "pipeline stages (layers sliced unevenly by a dynamic program)",
+            default=1,
+            range="divisors of the device count up to the layers",
+        ),
+        Knob.int(
+            "tp",
+            _valid_tp,
+            "second axis of each stage's logical mesh (dp = devices / (pp x tp))",
+            default=1,
+            range="powers of 2 up to the devices of a node",
+        ),
+        Knob.int(
+            "microbatch",
+            lambda c: _pow2_upto(c.global_batch),
+            "micro-batch size per data-parallel replica",
+            range="powers of 2 up to the global batch",
+        ),
     )
     constraints = (
-        Constraint.where(lambda k, c: (c.num_devices // k["pp"]) % k["tp"] == 0,
-                         lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices // a['pp']} devices of a "
-                                      f"stage (pp={a['pp']} stages of {c.num_devices} devices)"),
+        Constraint.where(
+            lambda k, c: (c.num_devices // k["pp"]) % k["tp"] == 0,
+            lambda a, c: (
+                f"tp={a['tp']} does not divide the {c.num_devices // a['pp']} devices of a "
+                f"stage (pp={a['pp']} stages of {c.num_devices} devices)"
+            ),
+        ),
         # a one-axis mesh already tries every dimension on its axis: tp = the stage's devices (dp = 1)
         # with a micro-batch that tp divides repeats tp = 1 (dp = the stage's devices) with microbatch / tp
-        Constraint.where(lambda k, c: k["tp"] == 1 or _dp(k, c) > 1 or k["microbatch"] % k["tp"] != 0,
-                         lambda a, c: f"tp={a['tp']} leaves dp=1, a one-axis mesh: with microbatch={a['microbatch']} "
-                                      f"it is the plan of tp=1, microbatch={a['microbatch'] // a['tp']}"),
-        Constraint.where(lambda k, c: c.global_batch % (_dp(k, c) * k["microbatch"]) == 0,
-                         lambda a, c: f"dp={c.num_devices // (a['pp'] * a['tp'])} x microbatch={a['microbatch']} "
-                                      f"does not divide the global batch {c.global_batch}"),
+        Constraint.where(
+            lambda k, c: k["tp"] == 1 or _dp(k, c) > 1 or k["microbatch"] % k["tp"] != 0,
+            lambda a, c: (
+                f"tp={a['tp']} leaves dp=1, a one-axis mesh: with microbatch={a['microbatch']} "
+                f"it is the plan of tp=1, microbatch={a['microbatch'] // a['tp']}"
+            ),
+        ),
+        Constraint.where(
+            lambda k, c: c.global_batch % (_dp(k, c) * k["microbatch"]) == 0,
+            lambda a, c: (
+                f"dp={c.num_devices // (a['pp'] * a['tp'])} x microbatch={a['microbatch']} "
+                f"does not divide the global batch {c.global_batch}"
+            ),
+        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:

@@ -37,7 +37,7 @@ class Mesh2D:
 
     def group(self, axis: int) -> tuple[int, ...]:
         """The devices of stage 0 that vary along ``axis`` (the others at 0)."""
-        stride = math.prod(self.sizes[axis + 1:])
+        stride = math.prod(self.sizes[axis + 1 :])
         return tuple(i * stride for i in range(self.sizes[axis]))
 
 
@@ -110,8 +110,7 @@ class CostTables:
 
     def grad_layout(self, op: Operator, tensor: str, s: Strategy) -> tuple:
         """The layout of the gradient ``op``'s backward produces for its input ``tensor``."""
-        return tuple(P if (p == R and d is not None) else p
-                     for p, d in zip(self.layout(op, tensor, s, False), s))
+        return tuple(P if (p == R and d is not None) else p for p, d in zip(self.layout(op, tensor, s, False), s))
 
     # -- prices --------------------------------------------------------------------
     def _collective_s(self, kind: str, nbytes: float, axis: int) -> float:
@@ -188,8 +187,9 @@ class CostTables:
                 static[k] += spec.numel / shard * per_param
                 for a, (p, d) in enumerate(zip(lay, s)):
                     if p == R and d is not None and self.mesh.sizes[a] > 1:  # partial gradient over axis a
-                        other = math.prod(n for b2, n in enumerate(self.mesh.sizes)
-                                          if b2 != a and isinstance(lay[b2], int))
+                        other = math.prod(
+                            n for b2, n in enumerate(self.mesh.sizes) if b2 != a and isinstance(lay[b2], int)
+                        )
                         t += self._collective_s("all_reduce", spec.numel * self.prec.grad_bytes / other, a)
             for tensor in op.saves:
                 if self.g.tensors[tensor].role == "param":

@@ -46,9 +46,14 @@ class Solution:
     memory: float
 
 
-def solve_strategies(node_cost: Sequence[np.ndarray], edges: Sequence[Edge], *,
-                     node_memory: Sequence[np.ndarray] | None = None, memory_bound: float = math.inf,
-                     time_limit_s: float = 10.0) -> Solution | None:
+def solve_strategies(
+    node_cost: Sequence[np.ndarray],
+    edges: Sequence[Edge],
+    *,
+    node_memory: Sequence[np.ndarray] | None = None,
+    memory_bound: float = math.inf,
+    time_limit_s: float = 10.0,
+) -> Solution | None:
     """The strategy per node minimising node and edge costs with ``sum memory <= memory_bound``;
     None when no choice fits the bound. ``node_cost[v][s]``: node ``v`` under strategy ``s``."""
     n_nodes = len(node_cost)
@@ -61,8 +66,9 @@ def solve_strategies(node_cost: Sequence[np.ndarray], edges: Sequence[Edge], *,
     for e in edges:
         m = np.asarray(e.cost, dtype=float)
         if m.shape != (len(costs[e.src]), len(costs[e.dst])):
-            raise ValueError(f"edge {e.src}->{e.dst}: cost shape {m.shape}, expected "
-                             f"{(len(costs[e.src]), len(costs[e.dst]))}")
+            raise ValueError(
+                f"edge {e.src}->{e.dst}: cost shape {m.shape}, expected {(len(costs[e.src]), len(costs[e.dst]))}"
+            )
         if e.src == e.dst:
             costs[e.src] += np.diag(m)
             continue
@@ -111,20 +117,26 @@ def solve_strategies(node_cost: Sequence[np.ndarray], edges: Sequence[Edge], *,
     a = coo_matrix((vals, (rows, cols)), shape=(r, ne)).tocsr()
     integrality = np.zeros(ne)
     integrality[:nx] = 1
-    res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integrality, bounds=Bounds(0, 1),
-               options={"time_limit": time_limit_s, "disp": False})
+    res = milp(
+        c,
+        constraints=LinearConstraint(a, lo, hi),
+        integrality=integrality,
+        bounds=Bounds(0, 1),
+        options={"time_limit": time_limit_s, "disp": False},
+    )
     if res.x is None:
         return None
     x = res.x[:nx]
-    choice = tuple(int(np.argmax(x[offs[v]:offs[v + 1]])) for v in range(n_nodes))
+    choice = tuple(int(np.argmax(x[offs[v] : offs[v + 1]])) for v in range(n_nodes))
     used = float(sum(node_memory[v][s] for v, s in enumerate(choice))) if node_memory is not None else 0.0
     return Solution(choice, float(res.fun), used)
 
 
 def evaluate(choice: Sequence[int], node_cost: Sequence[np.ndarray], edges: Sequence[Edge]) -> float:
     """The objective of one choice (to check a solution by hand)."""
-    return float(sum(node_cost[v][s] for v, s in enumerate(choice))
-                 + sum(e.cost[choice[e.src], choice[e.dst]] for e in edges))
+    return float(
+        sum(node_cost[v][s] for v, s in enumerate(choice)) + sum(e.cost[choice[e.src], choice[e.dst]] for e in edges)
+    )
 
 
 @dataclass(frozen=True)
@@ -137,8 +149,9 @@ class Slicing:
     latency_s: float
 
 
-def slice_stages(stage_time_s: Callable[[int, int, int], float], layers: int, stages: int,
-                 microbatches: int) -> Slicing:
+def slice_stages(
+    stage_time_s: Callable[[int, int, int], float], layers: int, stages: int, microbatches: int
+) -> Slicing:
     """Contiguous layer ranges, one per stage (each at least one layer), minimising
     ``sum_s t_s + (microbatches - 1) max_s t_s``; ``stage_time_s(first, stop, stage)`` is the
     time of layers ``[first, stop)`` as stage ``stage`` per micro-batch (``inf``: infeasible,
@@ -147,8 +160,8 @@ def slice_stages(stage_time_s: Callable[[int, int, int], float], layers: int, st
         raise InfeasiblePlan(f"{stages} pipeline stages cannot hold {layers} layers (each stage needs one)")
     t = np.full((stages, layers + 1, layers + 1), np.inf)
     for s in range(stages):  # the first stage starts at layer 0, the last ends at the last layer
-        for a in (range(s, layers - (stages - s) + 1) if s else (0,)):
-            for b in (range(a + 1, layers - (stages - s - 1) + 1) if s < stages - 1 else (layers,)):
+        for a in range(s, layers - (stages - s) + 1) if s else (0,):
+            for b in range(a + 1, layers - (stages - s - 1) + 1) if s < stages - 1 else (layers,):
                 t[s, a, b] = stage_time_s(a, b, s)
     bounds_all = np.unique(t[np.isfinite(t)])
     best: tuple[float, tuple[int, ...]] | None = None

@@ -42,8 +42,14 @@ def _uses_all(a: dict, c: Context) -> bool:
 
 
 # Every device runs a piece: the degrees of the spaces in a plan multiply to the device count.
-ALL_DEVICES = Constraint(_uses_all, lambda a, c: "the degrees " + " x ".join(
-    f"{k}={a[k]}" for k in ("dp", "tp", "pp") if k in a) + f" do not multiply to the {c.num_devices} devices")
+ALL_DEVICES = Constraint(
+    _uses_all,
+    lambda a, c: (
+        "the degrees "
+        + " x ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp") if k in a)
+        + f" do not multiply to the {c.num_devices} devices"
+    ),
+)
 
 
 _BATCH_DIMS: dict[int, tuple[Graph, dict[str, str | None]]] = {}
@@ -70,25 +76,48 @@ class DataParallel(Space):
     name = "dp"
     order = 1
     knobs = (
-        Knob.int("dp", lambda c: _divisors(c.num_devices), "data-parallel degree", default=1,
-                 range="divisors of the device count"),
-        Knob.int("microbatch", lambda c: tuple(v for v in _pow2_upto(c.global_batch)), "micro-batch size per replica",
-                 range="powers of 2 up to the global batch"),
-        Knob.int("zero", lambda c: ZERO_STAGES,
-                 "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)",
-                 default=0, range=", ".join(map(str, ZERO_STAGES))),
+        Knob.int(
+            "dp",
+            lambda c: _divisors(c.num_devices),
+            "data-parallel degree",
+            default=1,
+            range="divisors of the device count",
+        ),
+        Knob.int(
+            "microbatch",
+            lambda c: tuple(v for v in _pow2_upto(c.global_batch)),
+            "micro-batch size per replica",
+            range="powers of 2 up to the global batch",
+        ),
+        Knob.int(
+            "zero",
+            lambda c: ZERO_STAGES,
+            "ZeRO stage: 1 shards optimizer states over dp, 2 also gradients, 3 also weights (FSDP)",
+            default=0,
+            range=", ".join(map(str, ZERO_STAGES)),
+        ),
     )
     constraints = (
-        Constraint(lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
-                   lambda a, c: f"dp={a['dp']} does not divide the {c.num_devices} devices"),
-        Constraint(lambda a, c: a["dp"] is None or c.global_batch % a["dp"] == 0,
-                   lambda a, c: f"dp={a['dp']} does not divide the global batch {c.global_batch}"),
-        Constraint(lambda a, c: a["dp"] is None or a["microbatch"] is None
-                   or c.global_batch % (a["dp"] * a["microbatch"]) == 0,
-                   lambda a, c: f"dp={a['dp']} x microbatch={a['microbatch']} does not divide "
-                                f"the global batch {c.global_batch}"),
-        Constraint.where(lambda k: k["zero"] == 0 or k["dp"] > 1,
-                         "zero={zero} shards over the data-parallel replicas: it needs dp > 1, not dp={dp}"),
+        Constraint(
+            lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
+            lambda a, c: f"dp={a['dp']} does not divide the {c.num_devices} devices",
+        ),
+        Constraint(
+            lambda a, c: a["dp"] is None or c.global_batch % a["dp"] == 0,
+            lambda a, c: f"dp={a['dp']} does not divide the global batch {c.global_batch}",
+        ),
+        Constraint(
+            lambda a, c: (
+                a["dp"] is None or a["microbatch"] is None or c.global_batch % (a["dp"] * a["microbatch"]) == 0
+            ),
+            lambda a, c: (
+                f"dp={a['dp']} x microbatch={a['microbatch']} does not divide the global batch {c.global_batch}"
+            ),
+        ),
+        Constraint.where(
+            lambda k: k["zero"] == 0 or k["dp"] > 1,
+            "zero={zero} shards over the data-parallel replicas: it needs dp > 1, not dp={dp}",
+        ),
         ALL_DEVICES,
     )
 
@@ -108,8 +137,12 @@ class DataParallel(Space):
 # mlp.gate_proj/up_proj | self_attn.o_proj, mlp.down_proj; ViT/Swin attention.q_proj/k_proj/v_proj,
 # mlp.fc1 | attention.o_proj, mlp.fc2; T5 SelfAttention/EncDecAttention.q/k/v, DenseReluDense.wi(_0/_1)
 # | .o, DenseReluDense.wo.
-COLWISE = re.compile(r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1)|mlp\.c_fc)$")
-ROWWISE = re.compile(r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo|mlp\.c_proj)$")
+COLWISE = re.compile(
+    r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1)|mlp\.c_fc)$"
+)
+ROWWISE = re.compile(
+    r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo|mlp\.c_proj)$"
+)
 
 
 _TP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
@@ -212,8 +245,10 @@ def fused_qkv(g: Graph) -> str | None:
     hit = _FUSED_CACHE.get(id(g))
     if hit is None or hit[0] is not g:
         _FUSED_CACHE.clear()
-        hit = _FUSED_CACHE[id(g)] = (g, next((op.module for op in g.operators
-                                               if op.kind == "linear" and FUSED_QKV.search(op.module)), None))
+        hit = _FUSED_CACHE[id(g)] = (
+            g,
+            next((op.module for op in g.operators if op.kind == "linear" and FUSED_QKV.search(op.module)), None),
+        )
     return hit[1]
 
 
@@ -223,27 +258,53 @@ class TensorParallel(Space):
 
     name = "tp"
     order = 2
-    knobs = (Knob.int("tp", lambda c: _pow2_upto(_tp_limit(c)), "tensor-parallel degree", default=1,
-                      range="powers of 2 up to the devices of a node"),
-             Knob.bool("sequence_parallel", "split the sequence where tp replicates (with tp > 1)"))
+    knobs = (
+        Knob.int(
+            "tp",
+            lambda c: _pow2_upto(_tp_limit(c)),
+            "tensor-parallel degree",
+            default=1,
+            range="powers of 2 up to the devices of a node",
+        ),
+        Knob.bool("sequence_parallel", "split the sequence where tp replicates (with tp > 1)"),
+    )
     constraints = (
-        Constraint(lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
-                   lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices"),
-        Constraint(lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
-                   lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads"),
-        Constraint(lambda a, c: a["tp"] is None or _kv_heads(c) is None or _kv_heads(c) % a["tp"] == 0,
-                   lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads"),
-        Constraint(lambda a, c: a["tp"] is None or not vocab_parallel_size(c.graph)
-                   or vocab_parallel_size(c.graph) % a["tp"] == 0,
-                   lambda a, c: f"tp={a['tp']} does not divide the {vocab_parallel_size(c.graph)} entries of the "
-                                "model's vocabulary-parallel output layer and loss"),
-        Constraint(lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
-                   lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node"),
-        Constraint.where(lambda k: not k["sequence_parallel"] or k["tp"] > 1,
-                         "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp={tp}"),
-        Constraint.where(lambda k, c: not k["sequence_parallel"] or sequence_parallel_splits(c.graph),
-                         lambda a, c: "sequence_parallel=True would split nothing in this model: no operator that "
-                                      "tensor parallelism replicates carries the sequence of its first input"),
+        Constraint(
+            lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
+            lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices",
+        ),
+        Constraint(
+            lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
+            lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads",
+        ),
+        Constraint(
+            lambda a, c: a["tp"] is None or _kv_heads(c) is None or _kv_heads(c) % a["tp"] == 0,
+            lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads",
+        ),
+        Constraint(
+            lambda a, c: (
+                a["tp"] is None or not vocab_parallel_size(c.graph) or vocab_parallel_size(c.graph) % a["tp"] == 0
+            ),
+            lambda a, c: (
+                f"tp={a['tp']} does not divide the {vocab_parallel_size(c.graph)} entries of the "
+                "model's vocabulary-parallel output layer and loss"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
+            lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node",
+        ),
+        Constraint.where(
+            lambda k: not k["sequence_parallel"] or k["tp"] > 1,
+            "sequence_parallel splits what tensor parallelism replicates: it needs tp > 1, not tp={tp}",
+        ),
+        Constraint.where(
+            lambda k, c: not k["sequence_parallel"] or sequence_parallel_splits(c.graph),
+            lambda a, c: (
+                "sequence_parallel=True would split nothing in this model: no operator that "
+                "tensor parallelism replicates carries the sequence of its first input"
+            ),
+        ),
         ALL_DEVICES,
     )
 
@@ -309,8 +370,11 @@ def _pipeline_stages(g: Graph, pp: int, layers: int, passes: dict[str, int] | No
         if m:
             stage[op.name] = (passes[op.name] * pp if passes else 0) + int(m.group(2)) // per
         else:
-            prods = [stage[g.producer[t].name] for t in op.inputs
-                     if t in g.producer and not (passes and g.producer[t].kind == DETACH)]
+            prods = [
+                stage[g.producer[t].name]
+                for t in op.inputs
+                if t in g.producer and not (passes and g.producer[t].kind == DETACH)
+            ]
             stage[op.name] = max(prods) if prods else -1
     for op in reversed(g.operators):
         if stage[op.name] == -1:
@@ -337,39 +401,78 @@ class PipelineParallel(Space):
     name = "pp"
     order = 0
     knobs = (
-        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
-                 "pipeline-parallel degree (device groups)", default=1,
-                 range="divisors of the device count that divide the layers"),
-        Knob.choice("schedule", lambda c: pipeline_schedules(), "pipeline schedule", default="1f1b",
-                    explore=EXPLORED_SCHEDULES),
-        Knob.int("virtual_stages", lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
-                 "model chunks per device (interleaved schedule)", default=1,
-                 range="1, 2, 3, 4, 6 or 8 that divide the layers"),
+        Knob.int(
+            "pp",
+            lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
+            "pipeline-parallel degree (device groups)",
+            default=1,
+            range="divisors of the device count that divide the layers",
+        ),
+        Knob.choice(
+            "schedule", lambda c: pipeline_schedules(), "pipeline schedule", default="1f1b", explore=EXPLORED_SCHEDULES
+        ),
+        Knob.int(
+            "virtual_stages",
+            lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
+            "model chunks per device (interleaved schedule)",
+            default=1,
+            range="1, 2, 3, 4, 6 or 8 that divide the layers",
+        ),
     )
     constraints = (
-        Constraint(lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
-                   lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices"),
-        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
-        Constraint(lambda a, c: a["pp"] is None or a["virtual_stages"] is None
-                   or c.layers % (a["pp"] * a["virtual_stages"]) == 0,
-                   lambda a, c: f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the "
-                                f"model's {c.layers} layers"),
-        Constraint(lambda a, c: a["schedule"] is None or a["virtual_stages"] is None
-                   or (a["schedule"] == "interleaved") == (a["virtual_stages"] > 1),
-                   lambda a, c: f"virtual_stages={a['virtual_stages']} goes with schedule=interleaved "
-                                f"(and only with it), not schedule={a['schedule']}"),
-        Constraint(lambda a, c: a["schedule"] != "interleaved" or a["pp"] is None or a.get("microbatch") is None
-                   or a.get("dp") is None
-                   or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0,
-                   lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp"),
-        Constraint.where(lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
-                         "schedule={schedule} orders pipeline stages: it needs pp > 1, not pp={pp}"),
-        Constraint(lambda a, c: _recycles(c) == 1 or a["pp"] in (None, 1)
-                   or (a["schedule"] != "interleaved" and a["virtual_stages"] in (None, 1)),
-                   lambda a, c: f"the model {c.model} recycles its trunk {_recycles(c)} times: each pass is a model "
-                                f"chunk already, so schedule={a['schedule']} with virtual_stages="
-                                f"{a['virtual_stages']} is not available; use 1f1b, gpipe or zb-h1 (or the 3f1b space)"),
+        Constraint(
+            lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
+            lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices",
+        ),
+        Constraint(
+            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
+        ),
+        Constraint(
+            lambda a, c: (
+                a["pp"] is None or a["virtual_stages"] is None or c.layers % (a["pp"] * a["virtual_stages"]) == 0
+            ),
+            lambda a, c: (
+                f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the model's {c.layers} layers"
+            ),
+        ),
+        Constraint(
+            lambda a, c: (
+                a["schedule"] is None
+                or a["virtual_stages"] is None
+                or (a["schedule"] == "interleaved") == (a["virtual_stages"] > 1)
+            ),
+            lambda a, c: (
+                f"virtual_stages={a['virtual_stages']} goes with schedule=interleaved "
+                f"(and only with it), not schedule={a['schedule']}"
+            ),
+        ),
+        Constraint(
+            lambda a, c: (
+                a["schedule"] != "interleaved"
+                or a["pp"] is None
+                or a.get("microbatch") is None
+                or a.get("dp") is None
+                or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0
+            ),
+            lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp",
+        ),
+        Constraint.where(
+            lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
+            "schedule={schedule} orders pipeline stages: it needs pp > 1, not pp={pp}",
+        ),
+        Constraint(
+            lambda a, c: (
+                _recycles(c) == 1
+                or a["pp"] in (None, 1)
+                or (a["schedule"] != "interleaved" and a["virtual_stages"] in (None, 1))
+            ),
+            lambda a, c: (
+                f"the model {c.model} recycles its trunk {_recycles(c)} times: each pass is a model "
+                f"chunk already, so schedule={a['schedule']} with virtual_stages="
+                f"{a['virtual_stages']} is not available; use 1f1b, gpipe or zb-h1 (or the 3f1b space)"
+            ),
+        ),
         ALL_DEVICES,
     )
 
@@ -407,8 +510,10 @@ class Recompute(Space):
     order = 3
     knobs = (Knob.choice("recompute", ("none", "selective", "full"), "activation recomputation", default="none"),)
     constraints = (
-        Constraint(lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
-                   lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'"),
+        Constraint(
+            lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
+            lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'",
+        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
@@ -445,8 +550,13 @@ class Megatron(Product):
 
 
 # The built-in spaces; another module registers its own with one line: register_space(name, factory).
-BUILTIN: dict[str, type[Space]] = {"dp": DataParallel, "tp": TensorParallel, "pp": PipelineParallel,
-                                   "recompute": Recompute, "megatron": Megatron}
+BUILTIN: dict[str, type[Space]] = {
+    "dp": DataParallel,
+    "tp": TensorParallel,
+    "pp": PipelineParallel,
+    "recompute": Recompute,
+    "megatron": Megatron,
+}
 for _name, _factory in BUILTIN.items():
     register_space(_name, _factory)
 

@@ -15,8 +15,17 @@ import dataclasses
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from planlab.errors import ConfigError, choices
-from planlab.search_spaces.space import (Constraint, Context, Draft, Knob, Product, Space, UnknownKnob, apply_part,
-                                         fmt_knobs)
+from planlab.search_spaces.space import (
+    Constraint,
+    Context,
+    Draft,
+    Knob,
+    Product,
+    Space,
+    UnknownKnob,
+    apply_part,
+    fmt_knobs,
+)
 
 SPACE_KEY = "space"  # the reserved key naming a union's alternative in its assignments
 
@@ -38,8 +47,15 @@ def _as_values(name: str, v: Any) -> tuple:
 class Restricted(Space):
     """``base`` with fewer values for some knobs, extra constraints and extra rules."""
 
-    def __init__(self, base: Space, *, values: Mapping[str, Any] | None = None,
-                 constraints: Iterable[Constraint] = (), rules: Iterable = (), name: str | None = None) -> None:
+    def __init__(
+        self,
+        base: Space,
+        *,
+        values: Mapping[str, Any] | None = None,
+        constraints: Iterable[Constraint] = (),
+        rules: Iterable = (),
+        name: str | None = None,
+    ) -> None:
         if len(base.alternatives()) > 1:
             raise ConfigError(f"restrict the alternatives of union {base.name!r} through the union itself")
         self.base = base
@@ -70,8 +86,9 @@ class Restricted(Space):
             return tuple(v for v in valid if v in chosen)
 
         default = knob.default if knob.default in allowed else (allowed[0] if len(allowed) == 1 else None)
-        return dataclasses.replace(knob, values=values, default=default, pinned=False, explore=None,
-                                   range=", ".join(map(str, allowed)))
+        return dataclasses.replace(
+            knob, values=values, default=default, pinned=False, explore=None, range=", ".join(map(str, allowed))
+        )
 
     def all_constraints(self) -> tuple[Constraint, ...]:
         return tuple(dict.fromkeys(self.base.all_constraints() + self._constraints))
@@ -189,8 +206,9 @@ class Union(Space):
         names = {k.name for k in self.all_knobs()}
         unknown = [k for k in values if k not in names]
         if unknown:
-            raise ConfigError(f"space {self.name!r} has no knob {unknown[0]!r} to restrict; its knobs are "
-                              f"{choices(sorted(names))}")
+            raise ConfigError(
+                f"space {self.name!r} has no knob {unknown[0]!r} to restrict; its knobs are {choices(sorted(names))}"
+            )
         alts = []
         for s in self._alts:
             have = {k.name for k in s.all_knobs()}

@@ -74,38 +74,78 @@ class Coshard(Space):
     name = "coshard"
     order = 4  # after tp (2), whose split it refines, and recompute (3), which it overrides for its operators
     knobs = (
-        Knob.int("coshard", lambda c: (1, 2, 4, 8), "pieces per device of each co-sharded operator", default=1,
-                 range="1, 2, 4 or 8"),
-        Knob.choice("coshard_blocks", lambda c: PARTS, "the layers' operators co-sharded: attention, mlp or both",
-                    default="attention"),
-        Knob.choice("coshard_outputs", lambda c: OUTPUTS, "with recompute=full, the co-sharded operators' results "
-                    "kept from the forward for the layer's recomputation (keep) or made again in it, chunk by "
-                    "chunk (recompute: less memory, one more forward of those operators)", default="keep"),
-        Knob.int("coshard_remade_percent", lambda c: REMADE_PERCENTS, "with coshard_outputs=recompute, the share "
-                 "of the layers that remake their co-sharded results (the others keep them): as many as memory "
-                 "needs", default=100, range="25, 50, 75 or 100"),
+        Knob.int(
+            "coshard",
+            lambda c: (1, 2, 4, 8),
+            "pieces per device of each co-sharded operator",
+            default=1,
+            range="1, 2, 4 or 8",
+        ),
+        Knob.choice(
+            "coshard_blocks",
+            lambda c: PARTS,
+            "the layers' operators co-sharded: attention, mlp or both",
+            default="attention",
+        ),
+        Knob.choice(
+            "coshard_outputs",
+            lambda c: OUTPUTS,
+            "with recompute=full, the co-sharded operators' results "
+            "kept from the forward for the layer's recomputation (keep) or made again in it, chunk by "
+            "chunk (recompute: less memory, one more forward of those operators)",
+            default="keep",
+        ),
+        Knob.int(
+            "coshard_remade_percent",
+            lambda c: REMADE_PERCENTS,
+            "with coshard_outputs=recompute, the share "
+            "of the layers that remake their co-sharded results (the others keep them): as many as memory "
+            "needs",
+            default=100,
+            range="25, 50, 75 or 100",
+        ),
     )
     constraints = (
         # one plan without coshard, not three that differ by a knob that does nothing
-        Constraint.where(lambda k: k["coshard"] != 1 or k["coshard_blocks"] == "attention",
-                         lambda a, c: f"coshard=1 co-shards nothing, so coshard_blocks={a['coshard_blocks']!r} has "
-                                      "no effect; use coshard_blocks='attention' or coshard > 1"),
-        Constraint.where(_heads_ok, lambda a, c: f"tp={a.get('tp') or 1} x coshard={a['coshard']} does not divide "
-                                                 f"the model's {c.heads} attention heads"),
+        Constraint.where(
+            lambda k: k["coshard"] != 1 or k["coshard_blocks"] == "attention",
+            lambda a, c: (
+                f"coshard=1 co-shards nothing, so coshard_blocks={a['coshard_blocks']!r} has "
+                "no effect; use coshard_blocks='attention' or coshard > 1"
+            ),
+        ),
+        Constraint.where(
+            _heads_ok,
+            lambda a, c: (
+                f"tp={a.get('tp') or 1} x coshard={a['coshard']} does not divide the model's {c.heads} attention heads"
+            ),
+        ),
         # co-sharded attention is recomputed piece by piece already: selective recompute (the attention
         # core) would add nothing, and give a second row of the same plan
-        Constraint.where(_recompute_differs,
-                         lambda a, c: f"coshard={a['coshard']} of the {a['coshard_blocks']} recomputes the attention "
-                                      "piece by piece already, so recompute='selective' adds nothing; use 'none' "
-                                      "or 'full'"),
-        Constraint.where(_outputs_differ,
-                         lambda a, c: f"coshard_outputs='recompute' makes the co-sharded results again in the "
-                                      f"layer's recomputation, which needs coshard > 1 and recompute='full' (got "
-                                      f"coshard={a['coshard']}, recompute={a.get('recompute')!r}); use 'keep'"),
-        Constraint.where(_share_differs,
-                         lambda a, c: f"coshard_remade_percent={a['coshard_remade_percent']} says how many layers "
-                                      "remake their co-sharded results, which needs coshard_outputs='recompute' "
-                                      f"(got {a['coshard_outputs']!r}); use 100"),
+        Constraint.where(
+            _recompute_differs,
+            lambda a, c: (
+                f"coshard={a['coshard']} of the {a['coshard_blocks']} recomputes the attention "
+                "piece by piece already, so recompute='selective' adds nothing; use 'none' "
+                "or 'full'"
+            ),
+        ),
+        Constraint.where(
+            _outputs_differ,
+            lambda a, c: (
+                f"coshard_outputs='recompute' makes the co-sharded results again in the "
+                f"layer's recomputation, which needs coshard > 1 and recompute='full' (got "
+                f"coshard={a['coshard']}, recompute={a.get('recompute')!r}); use 'keep'"
+            ),
+        ),
+        Constraint.where(
+            _share_differs,
+            lambda a, c: (
+                f"coshard_remade_percent={a['coshard_remade_percent']} says how many layers "
+                "remake their co-sharded results, which needs coshard_outputs='recompute' "
+                f"(got {a['coshard_outputs']!r}); use 100"
+            ),
+        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:

@@ -35,9 +35,18 @@ from __future__ import annotations
 
 from planlab.graph.ir import Graph
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
-from planlab.search_spaces.builtin import (ALL_DEVICES, DataParallel, Recompute, TensorParallel, _BLOCK,
-                                           _divisors, batch_dims, is_output_layer, pipeline_stages,
-                                           vocab_parallel_size)
+from planlab.search_spaces.builtin import (
+    ALL_DEVICES,
+    DataParallel,
+    Recompute,
+    TensorParallel,
+    _BLOCK,
+    _divisors,
+    batch_dims,
+    is_output_layer,
+    pipeline_stages,
+    vocab_parallel_size,
+)
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -50,8 +59,13 @@ class VocabOps:
     first layer, along the batch), ``head`` (the output layer, what follows it up to the loss and
     what only feeds those from the model's inputs, such as the targets' reshape: along the batch)."""
 
-    def __init__(self, lookup: dict[str, str | None], embed: dict[str, str | None],
-                 head: dict[str, str | None], along_vocab: bool = False) -> None:
+    def __init__(
+        self,
+        lookup: dict[str, str | None],
+        embed: dict[str, str | None],
+        head: dict[str, str | None],
+        along_vocab: bool = False,
+    ) -> None:
         self.lookup, self.embed, self.head, self.along_vocab = lookup, embed, head, along_vocab
 
     def spread(self, embed_layout: str) -> dict[str, str | None]:
@@ -73,8 +87,11 @@ def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
 
 
 def _find(g: Graph, vocab: int) -> VocabOps | None:
-    embed = {op.name: "v" for op in g.operators if op.kind in VOCAB_EMBEDDINGS and op.dim_sizes.get("v") == vocab
-             and op.signature.splittable("v")}
+    embed = {
+        op.name: "v"
+        for op in g.operators
+        if op.kind in VOCAB_EMBEDDINGS and op.dim_sizes.get("v") == vocab and op.signature.splittable("v")
+    }
     heads = [op for op in g.operators if is_output_layer(op, vocab)]
     if not embed or len(heads) != 1:
         return None
@@ -99,7 +116,7 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
         return d if d is not None and op.signature.splittable(d) else None
 
     head: dict[str, str | None] = {lm.name: "n" if along_vocab else batch[lm.name]}
-    for op in g.operators[order[lm.name] + 1:]:  # what follows the output layer
+    for op in g.operators[order[lm.name] + 1 :]:  # what follows the output layer
         if any(t in g.producer and g.producer[t].name in head for t in op.inputs):
             head[op.name] = split(op)
     _feeders(g, head, {name: (None if along_vocab else d) for name, d in batch.items()})
@@ -161,41 +178,85 @@ class Interlaced(Space):
     name = "interlaced-pipeline"
     order = 0
     knobs = (
-        Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
-                 "pipeline-parallel degree of the layers (device groups)",
-                 range="divisors of the device count above 1 that divide the layers"),
-        Knob.choice("embed_layout", EMBED_LAYOUTS, "the embedding stage: the lookup over every device (vocab), with "
-                    "what follows it up to the first layer split along the batch (vocab+batch), or each data-parallel "
-                    "replica's sequences over its own pp x tp devices (batch+vocab)", default="vocab",
-                    explore=EMBED_LAYOUTS),
-        Knob.choice("head_layout", HEAD_LAYOUTS, "with a vocabulary-parallel loss, the output stage: the vocabulary "
-                    "over every device (vocab) or each data-parallel replica's sequences over its own pp x tp "
-                    "devices (batch+vocab)", default="vocab", explore=HEAD_LAYOUTS),
+        Knob.int(
+            "pp",
+            lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
+            "pipeline-parallel degree of the layers (device groups)",
+            range="divisors of the device count above 1 that divide the layers",
+        ),
+        Knob.choice(
+            "embed_layout",
+            EMBED_LAYOUTS,
+            "the embedding stage: the lookup over every device (vocab), with "
+            "what follows it up to the first layer split along the batch (vocab+batch), or each data-parallel "
+            "replica's sequences over its own pp x tp devices (batch+vocab)",
+            default="vocab",
+            explore=EMBED_LAYOUTS,
+        ),
+        Knob.choice(
+            "head_layout",
+            HEAD_LAYOUTS,
+            "with a vocabulary-parallel loss, the output stage: the vocabulary "
+            "over every device (vocab) or each data-parallel replica's sequences over its own pp x tp "
+            "devices (batch+vocab)",
+            default="vocab",
+            explore=HEAD_LAYOUTS,
+        ),
     )
     constraints = (
-        Constraint(lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
-                   lambda a, c: f"the model {c.model} has no token embedding and output layer of "
-                                f"{_vocab(c)} vocabulary entries for the interlaced pipeline to split"),
-        Constraint(lambda a, c: not _vocab(c) or _vocab(c) % c.num_devices == 0,
-                   lambda a, c: f"the vocabulary of {_vocab(c)} entries does not split over the "
-                                f"{c.num_devices} devices (it must divide by the device count)"),
-        Constraint(lambda a, c: a["pp"] is None or a["pp"] > 1,
-                   lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1"),
-        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
-        Constraint(lambda a, c: _sequences_per_microbatch(a, c) is None or _head_along_vocab(c)
-                   or _sequences_per_microbatch(a, c) % c.num_devices == 0,
-                   lambda a, c: f"the {_sequences_per_microbatch(a, c)} sequences of a micro-batch (dp={a.get('dp')} x "
-                                f"microbatch={a.get('microbatch')}) do not split over the {c.num_devices} devices "
-                                f"for the output layer and the loss"),
-        Constraint(lambda a, c: a.get("head_layout") != "batch+vocab" or _head_along_vocab(c),
-                   lambda a, c: "head_layout=batch+vocab splits the output layer along the vocabulary, which needs a "
-                                "vocabulary-parallel loss (gpt with vocab_parallel=1)"),
-        Constraint(lambda a, c: a.get("embed_layout") != "vocab+batch" or _sequences_per_microbatch(a, c) is None
-                   or _sequences_per_microbatch(a, c) % c.num_devices == 0,
-                   lambda a, c: f"embed_layout=vocab+batch splits the embedding's {_sequences_per_microbatch(a, c)} "
-                                f"sequences per micro-batch (dp={a.get('dp')} x microbatch={a.get('microbatch')}) "
-                                f"over the {c.num_devices} devices: they must divide by it"),
+        Constraint(
+            lambda a, c: vocab_ops(c.graph, _vocab(c)) is not None,
+            lambda a, c: (
+                f"the model {c.model} has no token embedding and output layer of "
+                f"{_vocab(c)} vocabulary entries for the interlaced pipeline to split"
+            ),
+        ),
+        Constraint(
+            lambda a, c: not _vocab(c) or _vocab(c) % c.num_devices == 0,
+            lambda a, c: (
+                f"the vocabulary of {_vocab(c)} entries does not split over the "
+                f"{c.num_devices} devices (it must divide by the device count)"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a["pp"] is None or a["pp"] > 1,
+            lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1",
+        ),
+        Constraint(
+            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
+        ),
+        Constraint(
+            lambda a, c: (
+                _sequences_per_microbatch(a, c) is None
+                or _head_along_vocab(c)
+                or _sequences_per_microbatch(a, c) % c.num_devices == 0
+            ),
+            lambda a, c: (
+                f"the {_sequences_per_microbatch(a, c)} sequences of a micro-batch (dp={a.get('dp')} x "
+                f"microbatch={a.get('microbatch')}) do not split over the {c.num_devices} devices "
+                f"for the output layer and the loss"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a.get("head_layout") != "batch+vocab" or _head_along_vocab(c),
+            lambda a, c: (
+                "head_layout=batch+vocab splits the output layer along the vocabulary, which needs a "
+                "vocabulary-parallel loss (gpt with vocab_parallel=1)"
+            ),
+        ),
+        Constraint(
+            lambda a, c: (
+                a.get("embed_layout") != "vocab+batch"
+                or _sequences_per_microbatch(a, c) is None
+                or _sequences_per_microbatch(a, c) % c.num_devices == 0
+            ),
+            lambda a, c: (
+                f"embed_layout=vocab+batch splits the embedding's {_sequences_per_microbatch(a, c)} "
+                f"sequences per micro-batch (dp={a.get('dp')} x microbatch={a.get('microbatch')}) "
+                f"over the {c.num_devices} devices: they must divide by it"
+            ),
+        ),
         ALL_DEVICES,
     )
 

@@ -35,8 +35,9 @@ def passes_of(g: Graph) -> dict[str, int]:
         return hit[1]
     out: dict[str, int] = {}
     for op in g.operators:  # the detaches on the longest path from the inputs
-        out[op.name] = max((out[g.producer[t].name] + (g.producer[t].kind == DETACH)
-                            for t in op.inputs if t in g.producer), default=0)
+        out[op.name] = max(
+            (out[g.producer[t].name] + (g.producer[t].kind == DETACH) for t in op.inputs if t in g.producer), default=0
+        )
     for op in reversed(g.operators):  # computed where first needed: a later pass's embedding is in that pass
         cons = [out[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
         if op.kind != DETACH and cons:
@@ -91,23 +92,45 @@ class ThreeF1BPipeline(Space):
 
     name = "3f1b-pp"
     order = 0
-    knobs = (Knob.int("pp", lambda c: tuple(d for d in _divisors(c.num_devices) if d > 1 and c.layers % d == 0),
-                      "pipeline-parallel degree (device groups)", default=2,
-                      range="divisors above 1 of the device count that divide the layers"),)
+    knobs = (
+        Knob.int(
+            "pp",
+            lambda c: tuple(d for d in _divisors(c.num_devices) if d > 1 and c.layers % d == 0),
+            "pipeline-parallel degree (device groups)",
+            default=2,
+            range="divisors above 1 of the device count that divide the layers",
+        ),
+    )
     constraints = (
-        Constraint(lambda a, c: _passes(c) > 1,
-                   lambda a, c: f"3f1b pipelines recycling passes, but the model {c.model} runs its trunk once: "
-                                "give it recycles > 1 (--model-arg recycles=3)"),
-        Constraint(lambda a, c: a["pp"] is None or (a["pp"] > 1 and c.num_devices % a["pp"] == 0),
-                   lambda a, c: f"pp={a['pp']}: 3f1b needs pp > 1 dividing the {c.num_devices} devices"),
-        Constraint(lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-                   lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers"),
-        Constraint(lambda a, c: a["pp"] is None or a.get("microbatch") is None or a.get("dp") is None
-                   or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0,
-                   lambda a, c: f"3f1b runs micro-batches in groups of pp={a['pp']}: the "
-                                f"{c.global_batch // (a['dp'] * a['microbatch'])} micro-batches "
-                                f"(global batch {c.global_batch} / dp={a['dp']} / microbatch={a['microbatch']}) "
-                                "do not divide by it"),
+        Constraint(
+            lambda a, c: _passes(c) > 1,
+            lambda a, c: (
+                f"3f1b pipelines recycling passes, but the model {c.model} runs its trunk once: "
+                "give it recycles > 1 (--model-arg recycles=3)"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a["pp"] is None or (a["pp"] > 1 and c.num_devices % a["pp"] == 0),
+            lambda a, c: f"pp={a['pp']}: 3f1b needs pp > 1 dividing the {c.num_devices} devices",
+        ),
+        Constraint(
+            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
+            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
+        ),
+        Constraint(
+            lambda a, c: (
+                a["pp"] is None
+                or a.get("microbatch") is None
+                or a.get("dp") is None
+                or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0
+            ),
+            lambda a, c: (
+                f"3f1b runs micro-batches in groups of pp={a['pp']}: the "
+                f"{c.global_batch // (a['dp'] * a['microbatch'])} micro-batches "
+                f"(global batch {c.global_batch} / dp={a['dp']} / microbatch={a['microbatch']}) "
+                "do not divide by it"
+            ),
+        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:

@@ -29,8 +29,9 @@ def register_space(name: str, factory: Callable[[], Space], *, replace: bool = F
     if not isinstance(name, str) or not name or any(c in name for c in "*|: "):
         raise ConfigError(f"space name {name!r}: use a non-empty name without '*', '|', ':' or spaces")
     if not callable(factory):
-        raise ConfigError(f"space {name!r}: register a Space class or a function returning a Space, "
-                          f"not a {type(factory).__name__}")
+        raise ConfigError(
+            f"space {name!r}: register a Space class or a function returning a Space, not a {type(factory).__name__}"
+        )
     if name in SPACES and SPACES[name] is not factory and not replace:
         raise ConfigError(f"space {name!r} is registered already; pass replace=True to replace it")
     SPACES[name] = factory
@@ -60,8 +61,10 @@ def make_space(name: str) -> Space:
     if name not in SPACES:
         _discover()
     if name not in SPACES:
-        raise ConfigError(f"unknown space {name!r}; choose {choices(list(SPACES))}, a product like 'dp*tp', "
-                          "a union like 'megatron|zero3', or package.module:space")
+        raise ConfigError(
+            f"unknown space {name!r}; choose {choices(list(SPACES))}, a product like 'dp*tp', "
+            "a union like 'megatron|zero3', or package.module:space"
+        )
     sp = _call(SPACES[name], name)
     return sp
 

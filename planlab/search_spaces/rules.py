@@ -43,7 +43,9 @@ class SplitRule:
     def __post_init__(self) -> None:
         _compile(self.pattern)
         if isinstance(self.dims, str) or not all(isinstance(d, str) for d in self.dims):
-            raise ConfigError(f"split rule {self.pattern!r}: dims must be a tuple of dimension names, got {self.dims!r}")
+            raise ConfigError(
+                f"split rule {self.pattern!r}: dims must be a tuple of dimension names, got {self.dims!r}"
+            )
         object.__setattr__(self, "dims", tuple(self.dims))
 
     def __str__(self) -> str:
@@ -148,9 +150,11 @@ class Checker:
                 continue
             names = matching_ops(r.pattern, g)
             if not names:
-                raise ConfigError(f"space {self.space!r}: rule {r} matches no operator of the model "
-                                  f"(operators are named like {g.operators[0].name!r}, modules like "
-                                  f"{next((o.module for o in g.operators if o.module), '')!r})")
+                raise ConfigError(
+                    f"space {self.space!r}: rule {r} matches no operator of the model "
+                    f"(operators are named like {g.operators[0].name!r}, modules like "
+                    f"{next((o.module for o in g.operators if o.module), '')!r})"
+                )
             if isinstance(r, SplitRule):
                 self.splits.append((r, names))
             elif isinstance(r, PlaceRule):
@@ -161,19 +165,24 @@ class Checker:
     def split(self, op: Operator, dim: str) -> None:
         for r, names in self.splits:
             if op.name in names and dim not in r.dims:
-                raise InfeasiblePlan(f"space {self.space!r}: op_trans({op.name!r}, {dim!r}) breaks the rule "
-                                     f"{r}: allowed {choices(r.dims) if r.dims else 'no split'}")
+                raise InfeasiblePlan(
+                    f"space {self.space!r}: op_trans({op.name!r}, {dim!r}) breaks the rule "
+                    f"{r}: allowed {choices(r.dims) if r.dims else 'no split'}"
+                )
 
     def place(self, op: Operator, devices: tuple[int, ...]) -> None:
         for r, names, allowed in self.places:
             if op.name in names:
                 bad = [d for d in devices if d not in allowed]
                 if bad:
-                    raise InfeasiblePlan(f"space {self.space!r}: op_assign({op.name!r}) on device {bad[0]} breaks "
-                                         f"the rule {r}")
+                    raise InfeasiblePlan(
+                        f"space {self.space!r}: op_assign({op.name!r}) on device {bad[0]} breaks the rule {r}"
+                    )
 
     def order(self, schedule: str) -> None:
         for r in self.orders:
             if schedule not in r.schedules:
-                raise InfeasiblePlan(f"space {self.space!r}: op_order with schedule {schedule!r} breaks the rule "
-                                     f"{r}: allowed {choices(r.schedules)}")
+                raise InfeasiblePlan(
+                    f"space {self.space!r}: op_order with schedule {schedule!r} breaks the rule "
+                    f"{r}: allowed {choices(r.schedules)}"
+                )

@@ -7,8 +7,7 @@ from planlab.plan.plan import Action
 
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Action]:
     """All forwards, then all backwards."""
-    return [Action(stage, "F", i) for i in range(microbatches)] + \
-        [Action(stage, "B", i) for i in range(microbatches)]
+    return [Action(stage, "F", i) for i in range(microbatches)] + [Action(stage, "B", i) for i in range(microbatches)]
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
@@ -99,8 +98,9 @@ def interlaced_1f1b(rank: int, ranks: int, microbatches: int) -> list[Action]:
     embed, head = 0, ranks + 1
     out = [Action(embed, "F", 0)] if m else []
     for j in range(1 - ranks, m + ranks):
-        layers = [Action(rank + 1, "B", k) for k in [j - ranks + rank] if 0 <= k < m] + \
-                 [Action(rank + 1, "F", k) for k in [j + ranks - 1 - rank] if 0 <= k < m]
+        layers = [Action(rank + 1, "B", k) for k in [j - ranks + rank] if 0 <= k < m] + [
+            Action(rank + 1, "F", k) for k in [j + ranks - 1 - rank] if 0 <= k < m
+        ]
         out += layers[::-1] if rank == ranks - 1 else layers
         if 0 <= j < m:
             out += [Action(head, "F", j), Action(head, "B", j)]
@@ -127,6 +127,7 @@ def parse_schedule(text: str) -> list[Action]:
 # -- recycling (AlphaFold2): R passes of the trunk per micro-batch, the first R-1 without backward ------
 # Pass r of device group ``rank`` is stage ``r * ranks + rank`` (the layout of interleaved virtual
 # stages, one chunk per pass); only the last pass's stages have backward actions.
+
 
 def recycled(rank: int, ranks: int, microbatches: int, passes: int, last=one_f_one_b) -> list[Action]:
     """The plain recycling schedule: every micro-batch's no-grad passes 0..R-2 run as whole forward

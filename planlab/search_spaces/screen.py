@@ -41,9 +41,18 @@ from planlab.graph.ir import Graph
 from planlab.plan.materialize import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
-from planlab.search_spaces.screen_structure import (_aggregate, _Ids, _Profile, _split, _Split, _Structure, _Tables,
-                                                    colocated)
+from planlab.search_spaces.screen_structure import (
+    _aggregate,
+    _Ids,
+    _Profile,
+    _split,
+    _Split,
+    _Structure,
+    _Tables,
+    colocated,
+)
 from planlab.search_spaces.space import Draft
+
 
 def pipeline_view(d: Draft) -> Draft:
     """A draft with operators on every device (``Draft.spread``, the interlaced pipeline) as the
@@ -72,8 +81,10 @@ class Estimate:
     grad_sync_s: float  # exposed gradient reduction (or ZeRO's reduce-scatter + all-gather) and optimizer
 
     def __str__(self) -> str:
-        return (f"~{self.time_s * 1e3:.1f} ms, ~{self.mem_bytes / 2**30:.2f} GiB (compute {self.compute_s * 1e3:.1f} "
-                f"ms, comm {self.comm_s * 1e3:.1f} ms, bubble {self.bubble_s * 1e3:.1f} ms)")
+        return (
+            f"~{self.time_s * 1e3:.1f} ms, ~{self.mem_bytes / 2**30:.2f} GiB (compute {self.compute_s * 1e3:.1f} "
+            f"ms, comm {self.comm_s * 1e3:.1f} ms, bubble {self.bubble_s * 1e3:.1f} ms)"
+        )
 
 
 @dataclass(frozen=True)
@@ -139,8 +150,13 @@ class Screen:
             stages = tuple(d.stages.get(n, 0) for n in names)
         rc = tuple(d.recompute.items()) if d.recompute else None
         co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
-        key = (skey, self._numbers.setdefault(stages, len(self._numbers)),
-               self._numbers.setdefault(rc, len(self._numbers)), d.groups, self._numbers.setdefault(co, len(self._numbers)))
+        key = (
+            skey,
+            self._numbers.setdefault(stages, len(self._numbers)),
+            self._numbers.setdefault(rc, len(self._numbers)),
+            d.groups,
+            self._numbers.setdefault(co, len(self._numbers)),
+        )
         got = self._structures.get(key)
         if got is None:
             n = self.t.n
@@ -149,8 +165,9 @@ class Screen:
             if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
                 pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
                 split = colocated(split, pieces, self._values)
-            got = self._structures[key] = _aggregate(self.t, split, np.array(stages or [0] * n, dtype=np.int64),
-                                                     rcs, d.groups, self._values, pieces)
+            got = self._structures[key] = _aggregate(
+                self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces
+            )
             got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
         return got
 
@@ -166,15 +183,17 @@ class Screen:
                 flops, nbytes = flops * ratio * share, nbytes * share
             elif phase == "I":  # the rest, the input gradients
                 flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
-            got = self._compute[key] = self.cost.compute_time_s(
-                flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype) \
-                if (flops or nbytes) else 0.0
+            got = self._compute[key] = (
+                self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
+                if (flops or nbytes)
+                else 0.0
+            )
         return got
 
     @staticmethod
     def _group(axes: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
         """The devices of the first group along ``axes`` of the first stage's mesh (row-major)."""
-        strides = [math.prod(sizes[a + 1:]) for a in range(len(sizes))]
+        strides = [math.prod(sizes[a + 1 :]) for a in range(len(sizes))]
         members = [0]
         for a in axes:
             members = [m + k * strides[a] for m in members for k in range(sizes[a])]
@@ -217,8 +236,10 @@ class Screen:
         if got is None:
             f = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.fwd)
             b = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.bwd)
-            cm = sum(c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
-                     for (kind, axis, numel, batch, eb), c in p.comm)
+            cm = sum(
+                c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
+                for (kind, axis, numel, batch, eb), c in p.comm
+            )
             wg = split = 0.0
             for (w, pieces, _), c in p.wgt:
                 one = self._compute_s(w, pieces, m, "W")
@@ -282,9 +303,15 @@ class Screen:
                 one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes)
                 ar += nb * one
                 last = max(last, one)
-        opt_s = self.cost.compute_time_s(
-            flops=12.0 * opt, dtype=self.dtype,
-            bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)) if opt else 0.0
+        opt_s = (
+            self.cost.compute_time_s(
+                flops=12.0 * opt,
+                dtype=self.dtype,
+                bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes),
+            )
+            if opt
+            else 0.0
+        )
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
 
@@ -307,8 +334,10 @@ class Screen:
             p = s.profiles[r]
             c = self._price(p, s.ids[r], sizes, m, d.zero, zb)
             prices.append(c)
-            pp = sum(n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
-                     for (numel, batch, eb, src), n in s.p2p[r])
+            pp = sum(
+                n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
+                for (numel, batch, eb, src), n in s.p2p[r]
+            )
             times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
             # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
             # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
@@ -339,11 +368,17 @@ class Screen:
             before += back[r]
         worst = max(range(G), key=lambda r: mems[r])
         c = prices[slow]
-        return Estimate(time_s=total, mem_bytes=mems[worst], bound_bytes=max(bounds),
-                        static_bytes=prices[worst].static_bytes,
-                        compute_s=m * (c.fwd_s + c.bwd_s), comm_s=m * c.comm_s,
-                        p2p_s=m * (times[slow] - c.fwd_s - c.bwd_s - c.comm_s),
-                        bubble_s=pipe - m * t_max, grad_sync_s=max(syncs))
+        return Estimate(
+            time_s=total,
+            mem_bytes=mems[worst],
+            bound_bytes=max(bounds),
+            static_bytes=prices[worst].static_bytes,
+            compute_s=m * (c.fwd_s + c.bwd_s),
+            comm_s=m * c.comm_s,
+            p2p_s=m * (times[slow] - c.fwd_s - c.bwd_s - c.comm_s),
+            bubble_s=pipe - m * t_max,
+            grad_sync_s=max(syncs),
+        )
 
 
 def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:

@@ -101,8 +101,9 @@ class _Tables:
         # the share of its backward that computes weight gradients (zero-bubble's W)
         share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
         works: dict[tuple, int] = {}
-        self.work_class = [works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works))
-                           for op, w in zip(ops, share)]
+        self.work_class = [
+            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works)) for op, w in zip(ops, share)
+        ]
         self.works = list(works)  # class -> (flops, bytes, backward flops ratio, weight-gradient share)
         batch = g.batch_label
 
@@ -132,7 +133,7 @@ class _Tables:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
                     us.append(units.setdefault(unit_key(t), len(units)))
-            for t in (() if op.name in fwd_only else op.saves):
+            for t in () if op.name in fwd_only else op.saves:
                 spec = g.tensors[t]
                 if spec.role != "param":
                     ss.append((spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t)))
@@ -143,23 +144,32 @@ class _Tables:
             self.save_names.append(tuple(names))
             o = op.outputs[0]
             self.out.append((g.tensors[o].numel, frozenset(axis_map(op, o)), is_batch(o), ebytes(o)))
-            has_backward.append(op.name not in fwd_only and any(
-                g.tensors[t].is_float and g.tensors[t].role in ("activation", "param") for t in op.inputs))
+            has_backward.append(
+                op.name not in fwd_only
+                and any(g.tensors[t].is_float and g.tensors[t].role in ("activation", "param") for t in op.inputs)
+            )
             for t in dict.fromkeys(op.inputs):
                 prod = g.producer.get(t)
                 if prod is None or g.tensors[t].role == "param":
                     continue
                 have = axis_map(prod, t)
                 have.update({d: _P for d in prod.signature.reduce if d not in have})
-                self.edges.append(_Edge(index[prod.name], i, t, g.tensors[t].numel, is_batch(t), ebytes(t),
-                                        have, axis_map(op, t)))
+                self.edges.append(
+                    _Edge(index[prod.name], i, t, g.tensors[t].numel, is_batch(t), ebytes(t), have, axis_map(op, t))
+                )
         self.has_backward = np.array(has_backward, dtype=bool)
         classes: dict[tuple, int] = {}
-        self.op_class = [classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
-                         for i in range(self.n)]
+        self.op_class = [
+            classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
+            for i in range(self.n)
+        ]
         classes = {}
-        self.edge_class = [classes.setdefault((e.numel, e.batch, e.ebytes, tuple(sorted(e.have.items())),
-                                               tuple(sorted(e.need.items()))), len(classes)) for e in self.edges]
+        self.edge_class = [
+            classes.setdefault(
+                (e.numel, e.batch, e.ebytes, tuple(sorted(e.have.items())), tuple(sorted(e.need.items()))), len(classes)
+            )
+            for e in self.edges
+        ]
         tensors: dict[str, int] = {}
         self.e_tensor = np.array([tensors.setdefault(e.tensor, len(tensors)) for e in self.edges], dtype=np.int64)
         self.e_producer = np.array([e.producer for e in self.edges], dtype=np.int64)
@@ -241,10 +251,25 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
             bdone.add((e.tensor, contrib))
             cb_edge.extend([j] * len(cb))
             cb_key.extend(cb)
-    return _Split(_ints(fkey), _ints(bkey), _ints(wkey), np.array(work), _ints(s_op), _ints(s_key),
-                  np.array(s_bytes, dtype=np.float64).reshape(-1, 2), _ints(p_op), _ints(p_red),
-                  np.array(p_elems, dtype=np.float64), _ints(p_unit), np.array(recv, dtype=np.float64),
-                  np.array(keep, dtype=np.float64), _ints(cf_edge), _ints(cf_key), _ints(cb_edge), _ints(cb_key))
+    return _Split(
+        _ints(fkey),
+        _ints(bkey),
+        _ints(wkey),
+        np.array(work),
+        _ints(s_op),
+        _ints(s_key),
+        np.array(s_bytes, dtype=np.float64).reshape(-1, 2),
+        _ints(p_op),
+        _ints(p_red),
+        np.array(p_elems, dtype=np.float64),
+        _ints(p_unit),
+        np.array(recv, dtype=np.float64),
+        np.array(keep, dtype=np.float64),
+        _ints(cf_edge),
+        _ints(cf_key),
+        _ints(cb_edge),
+        _ints(cb_key),
+    )
 
 
 def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) -> tuple:
@@ -275,13 +300,17 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: _Id
     have = tuple(_placement(d, e.have) for d in pd)
     recv = e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0)
     keep = e.numel / math.prod(sizes[a] for a, x, h in zip(live, need, have) if x >= 0 and h >= 0)
-    cf = tuple(ids.of((kind, axis, numel, e.batch, e.ebytes))
-               for kind, axis, numel in _conversions(have, need, live, sizes, e.numel))
+    cf = tuple(
+        ids.of((kind, axis, numel, e.batch, e.ebytes))
+        for kind, axis, numel in _conversions(have, need, live, sizes, e.numel)
+    )
     # the gradient contribution: partial where the consumer splits a dimension the tensor lacks
     contrib = tuple(_P if (d is not None and x == _R) else x for d, x in zip(cd, need))
     target = tuple(_R if h == _P else h for h in have)
-    cb = tuple(ids.of((kind, axis, numel, e.batch, e.ebytes))
-               for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel))
+    cb = tuple(
+        ids.of((kind, axis, numel, e.batch, e.ebytes))
+        for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel)
+    )
     return need, recv, keep, cf, contrib, cb
 
 
@@ -356,8 +385,9 @@ def colocated(sp: _Split, pieces: np.ndarray, ids: _Ids) -> _Split:
     return dataclasses.replace(sp, **keys)
 
 
-def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids,
-               pieces: np.ndarray | None = None) -> _Structure:
+def _aggregate(
+    t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids, pieces: np.ndarray | None = None
+) -> _Structure:
     """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
     ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
     grp = stage % G
@@ -367,8 +397,9 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     tg, trc, thb = grp[task], rc[task], hb[task]
     fwd = _per_group(tg, sp.fkey[task], G, ids)
     # the backward, and a recomputed operator's forward again before it
-    bwd = _per_group(np.concatenate([tg[thb], tg[trc]]), np.concatenate([sp.bkey[task][thb], sp.fkey[task][trc]]),
-                     G, ids)
+    bwd = _per_group(
+        np.concatenate([tg[thb], tg[trc]]), np.concatenate([sp.bkey[task][thb], sp.fkey[task][trc]]), G, ids
+    )
     w = thb & (sp.wkey[task] >= 0)
     wgt = _per_group(tg[w], sp.wkey[task][w], G, ids)
     params = _per_group(grp[sp.p_op], sp.p_red, G, ids, sp.p_elems)
@@ -400,8 +431,12 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     same = ~cross
     cf = same[sp.cf_edge]
     cb = same[sp.cb_edge]
-    comm = _per_group(np.concatenate([sc[sp.cf_edge[cf]], sp_[sp.cb_edge[cb]]]) % G,
-                      np.concatenate([sp.cf_key[cf], sp.cb_key[cb]]), G, ids)
+    comm = _per_group(
+        np.concatenate([sc[sp.cf_edge[cf]], sp_[sp.cb_edge[cb]]]) % G,
+        np.concatenate([sp.cf_key[cf], sp.cb_key[cb]]),
+        G,
+        ids,
+    )
     # a recomputed consumer runs again from a received tensor, or from an input read from outside its
     # recomputed group (each once per group): it keeps them
     rx = xe[rc[t.e_consumer[xe]]]
@@ -426,6 +461,8 @@ def _aggregate(t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: in
     saved: list[list] = [[] for _ in range(G)]
     for s in np.nonzero(touched)[0].tolist():
         saved[s % G].append((s, (float(sb[s]), float(so[s]))))
-    profiles = [_Profile(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]),
-                         float(dy[r])) for r in range(G)]
+    profiles = [
+        _Profile(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r]))
+        for r in range(G)
+    ]
     return _Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])

@@ -38,8 +38,14 @@ def front(points: Sequence[tuple[float, float] | None], tol: float = 0.0) -> lis
     return out
 
 
-def candidates(est: Sequence[tuple[float, float] | None], *, k: int | None, memory_bytes: float,
-               parts: dict[str, Sequence[bool]] | None = None, tol: float = NEAR_FRONT) -> list[int]:
+def candidates(
+    est: Sequence[tuple[float, float] | None],
+    *,
+    k: int | None,
+    memory_bytes: float,
+    parts: dict[str, Sequence[bool]] | None = None,
+    tol: float = NEAR_FRONT,
+) -> list[int]:
     """Indices to simulate, fastest estimate first: with ``k`` None every estimated plan; else the
     ``k`` fastest whose estimated memory fits (with :data:`MEMORY_SLACK`; topped up with the
     smallest if fewer fit), up to ``k`` plans within ``tol`` of the screen's Pareto front (spread
@@ -54,7 +60,7 @@ def candidates(est: Sequence[tuple[float, float] | None], *, k: int | None, memo
         chosen = set(sorted(fits, key=lambda i: est[i][0])[:k])
         if len(chosen) < k:
             rest = sorted((i for i in known if i not in chosen), key=lambda i: est[i][1])
-            chosen.update(rest[:k - len(chosen)])
+            chosen.update(rest[: k - len(chosen)])
         fit = set(fits)
         near = front([est[i] if i in fit else None for i in range(len(est))], tol)
         on = sorted((i for i, n in enumerate(near) if n), key=lambda i: est[i][0])

@@ -176,26 +176,44 @@ class Knob:
         value = self.coerce(value, space, valid[0] if valid else None)
         if value not in valid:
             where = f"space {space!r}: " if space else ""
-            raise ConfigError(f"{where}knob {self.name!r} = {value!r} is outside its range: "
-                              f"choose {choices(valid)}")
+            raise ConfigError(f"{where}knob {self.name!r} = {value!r} is outside its range: choose {choices(valid)}")
         return value
 
     # -- typed constructors (defined last: their names shadow the builtins in the class body)
     @classmethod
-    def choice(cls, name: str, values, doc: str = "", *, default: Any = None, explore: tuple | None = None,
-               pinned: bool = False, range: str = "") -> "Knob":
+    def choice(
+        cls,
+        name: str,
+        values,
+        doc: str = "",
+        *,
+        default: Any = None,
+        explore: tuple | None = None,
+        pinned: bool = False,
+        range: str = "",
+    ) -> "Knob":
         """A knob that takes one of ``values`` (a tuple, or a function of the Context)."""
         return cls(name, values, doc, default, kind="choice", pinned=pinned, explore=explore, range=range)
 
     @classmethod
-    def bool(cls, name: str, doc: str = "", *, default: Any = False, explore: tuple | None = None,
-             pinned: bool = False) -> "Knob":
+    def bool(
+        cls, name: str, doc: str = "", *, default: Any = False, explore: tuple | None = None, pinned: bool = False
+    ) -> "Knob":
         """A knob that is on or off."""
         return cls(name, (False, True), doc, default, kind="bool", pinned=pinned, explore=explore)
 
     @classmethod
-    def int(cls, name: str, values, doc: str = "", *, default: Any = None, explore: tuple | None = None,
-            pinned: bool = False, range: str = "") -> "Knob":
+    def int(
+        cls,
+        name: str,
+        values,
+        doc: str = "",
+        *,
+        default: Any = None,
+        explore: tuple | None = None,
+        pinned: bool = False,
+        range: str = "",
+    ) -> "Knob":
         """An integer knob whose valid values are ``values`` (a tuple, a range, or a function
         of the Context)."""
         return cls(name, values, doc, default, kind="int", pinned=pinned, explore=explore, range=range)
@@ -219,8 +237,10 @@ class KnobView(Mapping):
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._values:
-            raise UnknownKnob(f"space {self._space!r}: a constraint reads knob {name!r}, which the space does not "
-                              f"have; its knobs are {choices(list(self._values))}")
+            raise UnknownKnob(
+                f"space {self._space!r}: a constraint reads knob {name!r}, which the space does not "
+                f"have; its knobs are {choices(list(self._values))}"
+            )
         v = self._values[name]
         if v is None:
             raise _Unset(name)
@@ -333,8 +353,7 @@ class Draft:
     spread_devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stage_base: int = 0  # the stage of pipeline rank 0: stage s runs on group (s - stage_base) % groups
 
-    def add_axis(self, name: str, size: int,
-                 dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
+    def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
         dimension each operator splits along it (None: replicated)."""
         ops = self.ctx.graph.operators
@@ -348,8 +367,7 @@ class Draft:
     @property
     def dims(self) -> dict[str, list[str | None]]:
         if self._dims is None:
-            self._dims = {op.name: [ad[i] for ad in self.axis_dims]
-                          for i, op in enumerate(self.ctx.graph.operators)}
+            self._dims = {op.name: [ad[i] for ad in self.axis_dims] for i, op in enumerate(self.ctx.graph.operators)}
         return self._dims
 
     def op_dims(self) -> list[tuple]:
@@ -381,8 +399,10 @@ class Draft:
             from planlab.search_spaces.schedules import SPREAD_SCHEDULES
 
             if self.schedule not in SPREAD_SCHEDULES:
-                raise InfeasiblePlan(f"schedule {self.schedule!r} with operators on every device; choose "
-                                     f"{choices(list(SPREAD_SCHEDULES))}")
+                raise InfeasiblePlan(
+                    f"schedule {self.schedule!r} with operators on every device; choose "
+                    f"{choices(list(SPREAD_SCHEDULES))}"
+                )
             actions = SPREAD_SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
             first = min([rank + self.stage_base] + [self.stages.get(op, 0) for op in self.spread])
             return tuple(actions) + (Action(first, "U", 0),)
@@ -394,8 +414,10 @@ class Draft:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
         else:
             if self.schedule not in SCHEDULES:
-                raise InfeasiblePlan(f"schedule {self.schedule!r} with {self.chunks} model chunk per device; "
-                                     f"choose {choices(list(SCHEDULES))} (or 'interleaved' with virtual stages)")
+                raise InfeasiblePlan(
+                    f"schedule {self.schedule!r} with {self.chunks} model chunk per device; "
+                    f"choose {choices(list(SCHEDULES))} (or 'interleaved' with virtual stages)"
+                )
             actions = SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
         return tuple(actions) + (Action(rank, "U", 0),)
 
@@ -404,10 +426,20 @@ class Draft:
         primitive is issued (InfeasiblePlan names the operator and the rule it breaks)."""
         ctx = self.ctx
         if self.per_stage * self.groups != ctx.num_devices:
-            raise InfeasiblePlan(f"{space}: {self.per_stage} devices per stage x {self.groups} pipeline ranks "
-                                 f"!= {ctx.num_devices} devices")
-        b = PlanBuilder(ctx.graph, model=ctx.model, global_batch=ctx.global_batch, cluster=ctx.cluster,
-                        nodes=ctx.nodes, num_devices=ctx.num_devices, space=space, knobs=knobs)
+            raise InfeasiblePlan(
+                f"{space}: {self.per_stage} devices per stage x {self.groups} pipeline ranks "
+                f"!= {ctx.num_devices} devices"
+            )
+        b = PlanBuilder(
+            ctx.graph,
+            model=ctx.model,
+            global_batch=ctx.global_batch,
+            cluster=ctx.cluster,
+            nodes=ctx.nodes,
+            num_devices=ctx.num_devices,
+            space=space,
+            knobs=knobs,
+        )
         b.microbatch(self.microbatches)
         b.zero(self.zero)
         self.issue(b, rules, space)
@@ -483,8 +515,7 @@ def _dedupe(items: Iterable) -> tuple:
 
 
 def _wrap(space: str, values: Mapping, what: str, e: Exception) -> ConfigError:
-    return ConfigError(f"space {space!r} raised {type(e).__name__}: {e} while {what} the plan of "
-                       f"{fmt_knobs(values)}")
+    return ConfigError(f"space {space!r} raised {type(e).__name__}: {e} while {what} the plan of {fmt_knobs(values)}")
 
 
 def apply_part(part: "Space", draft: Draft, values: dict) -> None:
@@ -545,8 +576,9 @@ class Space(abc.ABC):
         for k in self.all_knobs():
             if k.name == name:
                 return k
-        raise ConfigError(f"space {self.name!r} has no knob {name!r}; its knobs are "
-                          f"{choices([k.name for k in self.all_knobs()])}")
+        raise ConfigError(
+            f"space {self.name!r} has no knob {name!r}; its knobs are {choices([k.name for k in self.all_knobs()])}"
+        )
 
     # -- composition --------------------------------------------------------------
     def __mul__(self, other: "Space") -> "Space":
@@ -617,9 +649,14 @@ class Space(abc.ABC):
                 v = k.coerce(fixed[k.name], self.name, valid[0] if valid else None)
                 if v not in valid:
                     why = self.explain(ctx, {**fixed, k.name: v})
-                    raise ConfigError(f"space {self.name!r}: {k.name}={v} is not valid here: "
-                                      + (f"{why} (knob {k.name!r} takes {choices(valid)})" if why
-                                         else f"knob {k.name!r} takes {choices(valid)}"))
+                    raise ConfigError(
+                        f"space {self.name!r}: {k.name}={v} is not valid here: "
+                        + (
+                            f"{why} (knob {k.name!r} takes {choices(valid)})"
+                            if why
+                            else f"knob {k.name!r} takes {choices(valid)}"
+                        )
+                    )
                 fixed[k.name] = v
                 ranges.append((v,))
             else:
@@ -637,8 +674,10 @@ class Space(abc.ABC):
     def empty_error(self, ctx: Context, fixed: dict) -> ConfigError:
         why = self.explain(ctx, fixed)
         if not why:
-            why = (f"its constraints leave no assignment on {ctx.num_devices} devices with global batch "
-                   f"{ctx.global_batch} and {ctx.layers} layers")
+            why = (
+                f"its constraints leave no assignment on {ctx.num_devices} devices with global batch "
+                f"{ctx.global_batch} and {ctx.layers} layers"
+            )
         with_ = f"with {fmt_knobs(fixed)} fixed" if fixed else "with no knob fixed"
         return ConfigError(f"space {self.name!r} has no plan {with_}: {why}")
 
@@ -709,12 +748,12 @@ def _holds(c: Constraint, a: dict, ctx: Context, space: str) -> bool | None:
         raise
     except Exception as e:
         shown = {k: v for k, v in a.items() if v is not None}
-        raise ConfigError(f"space {space!r}: a constraint raised {type(e).__name__}: {e} on "
-                          f"{fmt_knobs(shown)}") from e
+        raise ConfigError(f"space {space!r}: a constraint raised {type(e).__name__}: {e} on {fmt_knobs(shown)}") from e
 
 
-def _search(names: list[str], ranges: list[tuple], constraints: tuple[Constraint, ...], ctx: Context,
-            space: str) -> Iterator[dict]:
+def _search(
+    names: list[str], ranges: list[tuple], constraints: tuple[Constraint, ...], ctx: Context, space: str
+) -> Iterator[dict]:
     """Depth-first over the knobs in order; after each knob is assigned, every constraint that
     can already be decided prunes the assignments that break it."""
     a: dict[str, Any] = dict.fromkeys(names)

@@ -8,7 +8,7 @@ simulator runs one representative per class.
 from __future__ import annotations
 
 from planlab.costmodel import ClusterSpec
-from planlab.plan.program import DeviceProgram, Program, TaskKind
+from planlab.plan.program import DeviceProgram, Program
 
 
 def _stripped(dp: DeviceProgram, cluster: ClusterSpec) -> tuple:
@@ -16,9 +16,22 @@ def _stripped(dp: DeviceProgram, cluster: ClusterSpec) -> tuple:
     for key in sorted(dp.blocks):
         for t in dp.blocks[key].tasks:
             nodes = len({cluster.node_of(d) for d in t.group}) if t.group else 0
-            out.append((key, t.kind.value, t.op, t.collective, len(t.group), nodes, t.nbytes, t.flops,
-                        t.bytes_moved, tuple(n for _, n in t.alloc), len(t.free),
-                        cluster.node_of(t.peer) == cluster.node_of(dp.device) if t.peer >= 0 else None))
+            out.append(
+                (
+                    key,
+                    t.kind.value,
+                    t.op,
+                    t.collective,
+                    len(t.group),
+                    nodes,
+                    t.nbytes,
+                    t.flops,
+                    t.bytes_moved,
+                    tuple(n for _, n in t.alloc),
+                    len(t.free),
+                    cluster.node_of(t.peer) == cluster.node_of(dp.device) if t.peer >= 0 else None,
+                )
+            )
     return tuple(out)
 
 

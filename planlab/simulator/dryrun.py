@@ -35,9 +35,13 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
                         break
                     tag, mb, name = q[0]
                     if (tag, mb) != (t.axis, a.microbatch):
-                        problem = (d, pos[d], f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
-                                              f"{t.peer}, but the next message on that channel is {name} "
-                                              f"(micro-batch {mb}): the two devices order their transfers differently")
+                        problem = (
+                            d,
+                            pos[d],
+                            f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
+                            f"{t.peer}, but the next message on that channel is {name} "
+                            f"(micro-batch {mb}): the two devices order their transfers differently",
+                        )
                         break
                     q.popleft()
                 elif t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
@@ -59,15 +63,22 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
                 continue
             others = [waiting_coll.get(m) for m in t.group]
             if all(o is not None for o in others):
-                mism = [m for m, o in zip(t.group, others)
-                        if (o[1].collective, tuple(o[1].group), o[0].microbatch, o[1].name) !=
-                        (t.collective, tuple(t.group), a.microbatch, t.name)]
+                mism = [
+                    m
+                    for m, o in zip(t.group, others)
+                    if (o[1].collective, tuple(o[1].group), o[0].microbatch, o[1].name)
+                    != (t.collective, tuple(t.group), a.microbatch, t.name)
+                ]
                 if mism:  # a problem unless another collective lets the members go on (checked below)
                     m = mism[0]
-                    mismatch = mismatch or (d, pos[d], f"device {d} is at {t} (action {a}) while device {m} of the "
-                                                       f"same group is at {waiting_coll[m][1]} (action "
-                                                       f"{waiting_coll[m][0]}): the group's members issue "
-                                                       "collectives in different orders")
+                    mismatch = mismatch or (
+                        d,
+                        pos[d],
+                        f"device {d} is at {t} (action {a}) while device {m} of the "
+                        f"same group is at {waiting_coll[m][1]} (action "
+                        f"{waiting_coll[m][0]}): the group's members issue "
+                        "collectives in different orders",
+                    )
                     continue
                 for m in t.group:
                     pos[m] += 1

@@ -23,40 +23,76 @@ from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.network import Network
 from planlab.simulator.result import DeviceStats, Event, SimResult
-from planlab.simulator.units import (AsyncCollective, Await, Collective, Recv, Segment, Send, lower_block,
-                                     overlap_writers)
+from planlab.simulator.units import (
+    AsyncCollective,
+    Await,
+    Collective,
+    Recv,
+    Segment,
+    Send,
+    lower_block,
+    overlap_writers,
+)
 
 
-def simulate(program: Program, cost: CostModel, *, model_flops: float = 0.0, timeline: bool = False,
-             symmetry: bool = True, stragglers: dict[int, float] | None = None,
-             overlap_slowdown: float = 1.0) -> SimResult:
+def simulate(
+    program: Program,
+    cost: CostModel,
+    *,
+    model_flops: float = 0.0,
+    timeline: bool = False,
+    symmetry: bool = True,
+    stragglers: dict[int, float] | None = None,
+    overlap_slowdown: float = 1.0,
+) -> SimResult:
     """Simulate one iteration of ``program``; ``model_flops`` (forward + backward of the
     model at the global batch) gives MFU. With ``timeline`` every task is recorded. With
     ``symmetry`` one representative per device class is simulated (same result, less work).
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
     ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device."""
     with paused_gc():
-        return _simulate(program, cost, model_flops=model_flops, timeline=timeline, symmetry=symmetry,
-                         stragglers=stragglers, overlap_slowdown=overlap_slowdown)
+        return _simulate(
+            program,
+            cost,
+            model_flops=model_flops,
+            timeline=timeline,
+            symmetry=symmetry,
+            stragglers=stragglers,
+            overlap_slowdown=overlap_slowdown,
+        )
 
 
-def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline: bool, symmetry: bool,
-              stragglers: dict[int, float] | None, overlap_slowdown: float) -> SimResult:
+def _simulate(
+    program: Program,
+    cost: CostModel,
+    *,
+    model_flops: float,
+    timeline: bool,
+    symmetry: bool,
+    stragglers: dict[int, float] | None,
+    overlap_slowdown: float,
+) -> SimResult:
     cluster = cost.cluster
     if program.num_devices > cluster.num_devices:
-        raise DeadlockError(f"the program has {program.num_devices} devices; the cluster {cluster} has "
-                            f"{cluster.num_devices}")
+        raise DeadlockError(
+            f"the program has {program.num_devices} devices; the cluster {cluster} has {cluster.num_devices}"
+        )
     slow = dict(stragglers or {})
-    bad = {d: f for d, f in slow.items() if not isinstance(d, int) or not isinstance(f, (int, float))
-           or not 0 <= d < program.num_devices or not f > 0}
+    bad = {
+        d: f
+        for d, f in slow.items()
+        if not isinstance(d, int) or not isinstance(f, (int, float)) or not 0 <= d < program.num_devices or not f > 0
+    }
     if bad:
         raise ConfigError(f"stragglers {bad}: devices must be 0..{program.num_devices - 1} and factors positive")
     if not overlap_slowdown >= 1.0:
         raise ConfigError(f"overlap_slowdown={overlap_slowdown}: expected a factor of at least 1")
     if program.reduced:
         if slow or not symmetry:
-            raise ConfigError("this Program holds one representative per device class; stragglers and "
-                              "symmetry=False need every device's tasks: materialize with symmetric=False")
+            raise ConfigError(
+                "this Program holds one representative per device class; stragglers and "
+                "symmetry=False need every device's tasks: materialize with symmetric=False"
+            )
         cls = list(program.classes)
     else:
         cls = device_classes(program, cluster, slow) if symmetry else list(range(program.num_devices))
@@ -126,8 +162,16 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
                 sizes.update(t.alloc)
         writers = overlap_writers(dp.blocks.values())
         units: dict[tuple, tuple] = {}
-        st = stats[rep] = dict(compute_s=0.0, comm_s=0.0, wait_s=0.0, exposed_s=0.0, bubble_s=0.0,
-                               peak=dp.static_bytes, peak_at=0.0, peak_task="(weights)")
+        st = stats[rep] = dict(
+            compute_s=0.0,
+            comm_s=0.0,
+            wait_s=0.0,
+            exposed_s=0.0,
+            bubble_s=0.0,
+            peak=dp.static_bytes,
+            peak_at=0.0,
+            peak_task="(weights)",
+        )
         factor = slow.get(rep, 1.0)
         mem = dp.static_bytes
         seen_coll: dict[tuple, int] = defaultdict(int)
@@ -160,9 +204,17 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
             key = (action.stage, action.phase, action.microbatch == last_mb)
             block_units = units.get(key)
             if block_units is None:
-                block_units = units[key] = lower_block(dp.blocks[key[:2]], device=rep, cls=cls, cost=cost,
-                                                       dtype=dtype, sizes=sizes, final=key[2], prices=prices,
-                                                       writers=writers)
+                block_units = units[key] = lower_block(
+                    dp.blocks[key[:2]],
+                    device=rep,
+                    cls=cls,
+                    cost=cost,
+                    dtype=dtype,
+                    sizes=sizes,
+                    final=key[2],
+                    prices=prices,
+                    writers=writers,
+                )
             if action.phase == "U" and in_flight:
                 yield from drain()
             for u in block_units:
@@ -246,22 +298,41 @@ def _simulate(program: Program, cost: CostModel, *, model_flops: float, timeline
     env.run()
     stuck = [r for r in reps if "finish" not in stats.get(r, {})]
     if stuck:
-        raise DeadlockError(f"simulation stopped with device(s) {stuck} still waiting; run the dry run "
-                            "(planlab.simulator.find_deadlock) for the task each waits on")
+        raise DeadlockError(
+            f"simulation stopped with device(s) {stuck} still waiting; run the dry run "
+            "(planlab.simulator.find_deadlock) for the task each waits on"
+        )
     for r in reps:
         dp = program.device(r)
         per_action = {k: sum(t.flops for t in b.tasks if not t.final) for k, b in dp.blocks.items()}
         hw_flops += members[r] * sum(per_action[(a.stage, a.phase)] for a in dp.schedule)
-    devs = tuple(DeviceStats(r, members[r], stats[r]["finish"], stats[r]["compute_s"], stats[r]["comm_s"],
-                             stats[r]["wait_s"], int(stats[r]["peak"]), stats[r]["peak_at"], stats[r]["peak_task"],
-                             exposed_comm_s=stats[r]["exposed_s"], bubble_s=stats[r]["bubble_s"])
-                 for r in reps)
-    return SimResult(iter_time_s=max(d.finish_s for d in devs), devices=devs,
-                     device_memory_bytes=cost.device_memory_bytes, model_flops=model_flops,
-                     hardware_flops=hw_flops, num_devices=program.num_devices,
-                     peak_flops_per_s=peak_flops_per_s(cluster.device, dtype),
-                     events=tuple(e for _, e in sorted(events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
-                     memory=tuple(memory))
+    devs = tuple(
+        DeviceStats(
+            r,
+            members[r],
+            stats[r]["finish"],
+            stats[r]["compute_s"],
+            stats[r]["comm_s"],
+            stats[r]["wait_s"],
+            int(stats[r]["peak"]),
+            stats[r]["peak_at"],
+            stats[r]["peak_task"],
+            exposed_comm_s=stats[r]["exposed_s"],
+            bubble_s=stats[r]["bubble_s"],
+        )
+        for r in reps
+    )
+    return SimResult(
+        iter_time_s=max(d.finish_s for d in devs),
+        devices=devs,
+        device_memory_bytes=cost.device_memory_bytes,
+        model_flops=model_flops,
+        hardware_flops=hw_flops,
+        num_devices=program.num_devices,
+        peak_flops_per_s=peak_flops_per_s(cluster.device, dtype),
+        events=tuple(e for _, e in sorted(events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
+        memory=tuple(memory),
+    )
 
 
 class _Mailbox:

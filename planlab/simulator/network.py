@@ -74,8 +74,7 @@ class Network:
         left = {link: len(self.users[link]) for link in capacity}
         pending = {id(f): f for f in flows}
         while pending:
-            share, bottleneck = min(((capacity[link] / n, link) for link, n in left.items() if n),
-                                    key=lambda x: x[0])
+            share, bottleneck = min(((capacity[link] / n, link) for link, n in left.items() if n), key=lambda x: x[0])
             for f in self.users[bottleneck]:
                 if id(f) in pending:
                     del pending[id(f)]

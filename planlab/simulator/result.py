@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -75,9 +75,11 @@ class SimResult:
         if self.feasible:
             return ""
         d = max(self.devices, key=lambda s: s.peak_mem_bytes)
-        return (f"out of memory: device {d.device} peaks at {d.peak_mem_bytes / 2**30:.1f} GiB "
-                f"(device memory {self.device_memory_bytes / 2**30:.1f} GiB) at {d.peak_at_s * 1e3:.1f} ms "
-                f"in task {d.peak_task}")
+        return (
+            f"out of memory: device {d.device} peaks at {d.peak_mem_bytes / 2**30:.1f} GiB "
+            f"(device memory {self.device_memory_bytes / 2**30:.1f} GiB) at {d.peak_at_s * 1e3:.1f} ms "
+            f"in task {d.peak_task}"
+        )
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -96,16 +98,19 @@ class SimResult:
         return self.hardware_flops / self.iter_time_s / self.num_devices / self.peak_flops_per_s
 
     def summary(self) -> str:
-        return (f"iteration {self.iter_time_s * 1e3:.2f} ms, peak memory {self.peak_mem_bytes / 2**30:.2f} GiB, "
-                f"{self.tflops_per_gpu:.1f} TFLOP/s per device, MFU {self.mfu:.1%}"
-                + ("" if self.feasible else f" -- {self.reason}"))
+        return (
+            f"iteration {self.iter_time_s * 1e3:.2f} ms, peak memory {self.peak_mem_bytes / 2**30:.2f} GiB, "
+            f"{self.tflops_per_gpu:.1f} TFLOP/s per device, MFU {self.mfu:.1%}"
+            + ("" if self.feasible else f" -- {self.reason}")
+        )
 
     def to_dataframe(self):
         """The timeline, one row per event (needs ``simulate(..., timeline=True)``)."""
         import pandas as pd
 
-        return pd.DataFrame([e.__dict__ for e in self.events],
-                            columns=["device", "stream", "action", "name", "start_s", "end_s"])
+        return pd.DataFrame(
+            [e.__dict__ for e in self.events], columns=["device", "stream", "action", "name", "start_s", "end_s"]
+        )
 
     def device_table(self):
         import pandas as pd
@@ -115,8 +120,11 @@ class SimResult:
 
     def write_trace(self, path: str | os.PathLike) -> None:
         """A Chrome/Perfetto trace: a process per device class, a thread per stream."""
-        write_chrome_trace(path, [(e.device, e.stream, e.action, e.name, e.start_s, e.end_s) for e in self.events],
-                           counters=self.memory)
+        write_chrome_trace(
+            path,
+            [(e.device, e.stream, e.action, e.name, e.start_s, e.end_s) for e in self.events],
+            counters=self.memory,
+        )
 
 
 TRACE_THREADS = {"compute": 0, "comm": 1, "wait": 2}  # stream -> thread id in a Chrome trace (3: any other)
@@ -131,8 +139,18 @@ def write_chrome_trace(path: str | os.PathLike, events, counters=()) -> None:
         for s, tid in tids.items():
             out.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": tid, "args": {"name": s}})
     for dev, stream, action, name, a, b in events:
-        out.append({"ph": "X", "pid": dev, "tid": tids.get(stream, 3), "name": name, "cat": action,
-                    "ts": a * 1e6, "dur": max(0.0, (b - a) * 1e6), "args": {"action": action}})
+        out.append(
+            {
+                "ph": "X",
+                "pid": dev,
+                "tid": tids.get(stream, 3),
+                "name": name,
+                "cat": action,
+                "ts": a * 1e6,
+                "dur": max(0.0, (b - a) * 1e6),
+                "args": {"action": action},
+            }
+        )
     for dev, t, nbytes in counters:
         out.append({"ph": "C", "pid": dev, "name": "memory", "ts": t * 1e6, "args": {"GiB": nbytes / 2**30}})
     path = Path(path)

@@ -109,9 +109,18 @@ def overlap_writers(blocks) -> dict[str, str]:
     return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not is_static(b)}
 
 
-def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, dtype: str,
-                sizes: dict[str, int], final: bool = True, prices: dict | None = None,
-                writers: dict[str, str] | None = None) -> tuple[Unit, ...]:
+def lower_block(
+    block: Block,
+    *,
+    device: int,
+    cls: list[int],
+    cost: CostModel,
+    dtype: str,
+    sizes: dict[str, int],
+    final: bool = True,
+    prices: dict | None = None,
+    writers: dict[str, str] | None = None,
+) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
     task times across the blocks of one simulation. A task reading a buffer of ``writers``
@@ -125,9 +134,20 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
     hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
 
     def times(t: Task) -> tuple[float, float]:
-        key = (t.kind, t.flops, t.bytes_moved, t.collective, t.nbytes, t.group, len(t.writes),
-               sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0, t.op_kind, t.shapes, t.accumulate,
-               tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else ())  # I/W parts
+        key = (
+            t.kind,
+            t.flops,
+            t.bytes_moved,
+            t.collective,
+            t.nbytes,
+            t.group,
+            len(t.writes),
+            sum(n for _, n in t.alloc) if t.kind is TaskKind.LOCAL else 0,
+            t.op_kind,
+            t.shapes,
+            t.accumulate,
+            tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else (),
+        )  # I/W parts
         got = prices.get(key)
         if got is None:
             got = prices[key] = cost.device_and_host_s(t, dtype) if hosted else (_task_time_s(t, cost, dtype), 0.0)
@@ -150,8 +170,18 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
             if mem > peak:
                 peak, at = mem, t.name
             mem -= sum(sizes.get(b, 0) for b in t.free)
-        units.append(Segment(tuple(t.name for t, _, _ in cur), sum(durations) - comm, comm,
-                             peak, mem, tuple(durations), at, tuple(c for _, _, c in cur)))
+        units.append(
+            Segment(
+                tuple(t.name for t, _, _ in cur),
+                sum(durations) - comm,
+                comm,
+                peak,
+                mem,
+                tuple(durations),
+                at,
+                tuple(c for _, _, c in cur),
+            )
+        )
         cur.clear()
 
     for t in block.tasks:
@@ -165,20 +195,41 @@ def lower_block(block: Block, *, device: int, cls: list[int], cost: CostModel, d
                 awaited.update(waits)
         if t.overlap:
             flush()
-            units.append(AsyncCollective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
-                                         sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
+            units.append(
+                AsyncCollective(
+                    t.name,
+                    tuple(t.group),
+                    task_time_s(t, cost, dtype),
+                    sum(n for _, n in t.alloc),
+                    sum(sizes.get(b, 0) for b in t.free),
+                )
+            )
             awaited.difference_update(t.writes)
         elif t.kind is TaskKind.SEND:
             flush()
-            units.append(Send(t.name, t.peer, _tag(t), cost.p2p_time_s(t.nbytes, device, t.peer),
-                              sum(sizes.get(b, 0) for b in t.free)))
+            units.append(
+                Send(
+                    t.name,
+                    t.peer,
+                    _tag(t),
+                    cost.p2p_time_s(t.nbytes, device, t.peer),
+                    sum(sizes.get(b, 0) for b in t.free),
+                )
+            )
         elif t.kind is TaskKind.RECV:
             flush()
             units.append(Recv(t.name, t.peer, _tag(t), sum(n for _, n in t.alloc)))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
             flush()
-            units.append(Collective(t.name, tuple(t.group), task_time_s(t, cost, dtype),
-                                    sum(n for _, n in t.alloc), sum(sizes.get(b, 0) for b in t.free)))
+            units.append(
+                Collective(
+                    t.name,
+                    tuple(t.group),
+                    task_time_s(t, cost, dtype),
+                    sum(n for _, n in t.alloc),
+                    sum(sizes.get(b, 0) for b in t.free),
+                )
+            )
         else:
             cur.append((t, times(t), t.kind is TaskKind.COLLECTIVE))
     flush()
