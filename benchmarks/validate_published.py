@@ -49,7 +49,7 @@ def report(name: str, title: str, df: pd.DataFrame, show_rows: bool) -> None:
             f"signed {_pct(s['signed_all'])} (n={s['n_all']})"
         )
     tau = "n/a (no model size with two rows that fit)" if not s["tau_groups"] else f"{s['tau']:.3f}"
-    print(f"   Kendall tau within model sizes: {tau}; across all rows: {s['tau_all']:.3f}")
+    print(f"   Kendall tau within model sizes: {tau}; across all rows (FLOP/s per GPU): {s['tau_all']:.3f}")
     for f in s["families"]:
         print(
             f"   family order {f['model']} on {f['gpus']} GPUs: measured {' > '.join(f['measured'])} "

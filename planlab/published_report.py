@@ -10,8 +10,8 @@ such; its time is then simulated anyway (``unfit_time_s``) so that the time erro
 apart from the memory error.
 
 :func:`summarize` gives a set's figures: mean absolute and mean signed error, the worst row,
-Kendall's tau within model sizes and across all rows (of per-GPU throughput, samples per second
-per GPU, so that runs of different batch compare), and the order of the strategy families
+Kendall's tau of per-GPU throughput within model sizes (samples per second per GPU, so that
+runs of different batch compare) and across all rows (FLOP/s per GPU by the set's formula), and the order of the strategy families
 wherever one model on one GPU count was measured with more than one family.
 """
 
@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pandas as pd
 
 from planlab.errors import InfeasiblePlan, PlanlabError
-from planlab.published import FAMILIES, PublishedRow, PublishedSet
+from planlab.published import FAMILIES, PublishedRow, PublishedSet, flops_per_iteration
 from planlab.validation import kendall_tau
 
 
@@ -90,7 +90,7 @@ def predict_sets(sets: list[PublishedSet], *, jobs: int = 1) -> pd.DataFrame:
     for s in sets:
         for r in s.rows:
             rec = dict(dataclasses.asdict(r), model_args=";".join(f"{k}={v}" for k, v in r.model_args))
-            rec.update(family=r.family, measured_s=_measured(s, r))
+            rec.update(family=r.family, measured_s=_measured(s, r), work=_work(s, r))
             records.append(rec)
             if r.runnable:
                 work.append((len(records) - 1, r))
@@ -111,6 +111,17 @@ def predict_sets(sets: list[PublishedSet], *, jobs: int = 1) -> pd.DataFrame:
     return df
 
 
+def _work(s: PublishedSet, r: PublishedRow) -> float:
+    """The FLOPs of one iteration by the set's formula, or 6 x parameters x tokens without one
+    (a common scale for ranking runs of different models)."""
+    try:
+        if "flops" in s.metric:
+            return flops_per_iteration(r, s.metric)
+        return 6e9 * r.params_b * r.global_batch * r.spec().config().seq
+    except PlanlabError:
+        return math.nan
+
+
 def _measured(s: PublishedSet, r: PublishedRow) -> float:
     try:
         return s.measured_s(r)
@@ -121,6 +132,12 @@ def _measured(s: PublishedSet, r: PublishedRow) -> float:
 def per_gpu_throughput(df: pd.DataFrame, col: str) -> pd.Series:
     """Samples per second per GPU of the iteration times in ``col``."""
     return df["global_batch"] / (df[col] * df["gpus"])
+
+
+def per_gpu_flops(df: pd.DataFrame, col: str) -> pd.Series:
+    """FLOP/s per GPU (``work`` per iteration) of the iteration times in ``col``: a scale on which
+    runs of different models compare."""
+    return df["work"] / (df[col] * df["gpus"])
 
 
 def tau_within_models(df: pd.DataFrame) -> tuple[float, int]:
@@ -182,7 +199,7 @@ def summarize(df: pd.DataFrame) -> dict:
         out.update(mape_all=float(err.abs().mean() * 100), signed_all=float(err.mean() * 100), n_all=len(both))
     out["tau"], out["tau_groups"] = tau_within_models(ok)
     out["tau_all"] = (
-        kendall_tau(list(per_gpu_throughput(ok, "predicted_s")), list(per_gpu_throughput(ok, "measured_s")))
+        kendall_tau(list(per_gpu_flops(ok, "predicted_s")), list(per_gpu_flops(ok, "measured_s")))
         if len(ok) >= 2
         else math.nan
     )

@@ -173,6 +173,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/validate_cpu.py --steps 6 --launches 3": Benchmark(),
     ".venv/bin/python benchmarks/validate_cpu.py --set overhead --steps 8 --launches 3": Benchmark(),
     ".venv/bin/python benchmarks/validate_vtrain.py --jobs 2": Benchmark(),
+    ".venv/bin/python benchmarks/validate_published.py --jobs 2": Benchmark(),
+    ".venv/bin/python benchmarks/validate_published.py --set megatron-sc21-zero3 --rows": Benchmark(),
     ".venv/bin/python benchmarks/host_overhead.py": Benchmark(),
     ".venv/bin/python benchmarks/kernels_in_situ.py": Benchmark(),
     ".venv/bin/python benchmarks/plan_quality.py --jobs 2": Benchmark(),
