@@ -60,6 +60,8 @@ def report(name: str, title: str, df: pd.DataFrame, show_rows: bool) -> None:
         print("   family order: no model measured with two families on one GPU count")
     for row, peak, dev, why in s["unfit"]:
         print(f"   does not fit: {row}: {why}")
+    for row, why in s["failed"]:
+        print(f"   refused by planlab: {row}: {why}")
     skipped = df[df["skip_reason"] != ""]
     for _, r in skipped.iterrows():
         print(f"   skipped: {r['row']}: {r['skip_reason']}")

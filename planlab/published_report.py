@@ -50,7 +50,7 @@ def predict_row(row: PublishedRow) -> dict:
     per_node = load_cluster(row.cluster).node.devices_per_node
     extra = {"software": row.software} if software_input() else {}
     setup = Setup(row.spec(), row.cluster, row.nodes(per_node), row.global_batch, **extra)
-    out = dict(predicted_s=math.nan, peak_mem_gib=math.nan, fits=False, reason="", unfit_time_s=math.nan)
+    out = dict(predicted_s=math.nan, peak_mem_gib=math.nan, fits=False, reason="", unfit_time_s=math.nan, failed=False)
     try:
         if row.gpus % per_node:
             raise InfeasiblePlan(
@@ -72,8 +72,8 @@ def predict_row(row: PublishedRow) -> dict:
         else:  # pruned by the memory bound: simulate anyway, for the time error alone
             program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
             out["unfit_time_s"] = simulate(program, cost, model_flops=training_flops(graph)).iter_time_s
-    except PlanlabError as e:
-        out["reason"] = str(e).splitlines()[0]
+    except PlanlabError as e:  # planlab refuses the plan: reported as such, not as a memory verdict
+        out.update(reason=str(e).splitlines()[0], failed=True)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -103,9 +103,14 @@ def predict_sets(sets: list[PublishedSet], *, jobs: int = 1) -> pd.DataFrame:
     for i, res in results:
         records[i].update(res)
     df = pd.DataFrame(records)
-    for col in ("predicted_s", "unfit_time_s", "peak_mem_gib", "seconds"):
+    for col, empty in (
+        ("predicted_s", math.nan),
+        ("unfit_time_s", math.nan),
+        ("peak_mem_gib", math.nan),
+        ("failed", False),
+    ):
         if col not in df:
-            df[col] = math.nan
+            df[col] = empty
     df["error"] = df["predicted_s"] / df["measured_s"] - 1
     df["unfit_error"] = df["unfit_time_s"] / df["measured_s"] - 1
     return df
@@ -204,8 +209,10 @@ def summarize(df: pd.DataFrame) -> dict:
         else math.nan
     )
     out["families"] = family_orders(ok)
+    failed = run["failed"] == True  # noqa: E712
+    out["failed"] = [(r["row"], r["reason"]) for _, r in run[failed].iterrows()]
     out["unfit"] = [
         (r["row"], r["peak_mem_gib"], r.get("device_gib", math.nan), r["reason"])
-        for _, r in run[run["fits"] != True].iterrows()  # noqa: E712
+        for _, r in run[(run["fits"] != True) & ~failed].iterrows()  # noqa: E712
     ]
     return out

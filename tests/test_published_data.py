@@ -4,6 +4,7 @@ their quoted numbers to seconds, and every runnable row builds its plan on its b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from functools import lru_cache
@@ -15,7 +16,7 @@ from planlab.costmodel import list_clusters, load_cluster
 from planlab.errors import ConfigError
 from planlab.explore import Setup, make_context
 from planlab.published import CONDITIONS, FAMILIES, load_set, load_sets, parse_model_args
-from planlab.published_report import family_orders, summarize, tau_within_models
+from planlab.published_report import family_orders, predict_row, summarize, tau_within_models
 from planlab.search_spaces.builtin import get_space
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
@@ -146,15 +147,28 @@ def test_summary_figures_on_a_table_of_cases():
         ]
     )
     df["unfit_error"] = [math.nan, math.nan, math.nan, -0.2]
-    df["peak_mem_gib"], df["reason"] = 70.0, "out of memory"
+    df["peak_mem_gib"], df["reason"], df["failed"] = 70.0, "out of memory", False
     s = summarize(df)
     assert s["mape"] == pytest.approx(80 / 3) and s["signed"] == pytest.approx(-20.0)
     assert s["worst"] == ("b", pytest.approx(-60.0))
     assert s["mape_all"] == pytest.approx(25.0) and s["n_all"] == 4
-    assert [u[0] for u in s["unfit"]] == ["d"]
+    assert [u[0] for u in s["unfit"]] == ["d"] and s["failed"] == []
     (fam,) = s["families"]
     assert fam["measured"] == ["tp-pp", "zero3-dp"] and fam["predicted"] == ["zero3-dp", "tp-pp"]
     assert not fam["preserved"] and fam["measured_ratio"] == pytest.approx(2.0)
     tau, groups = tau_within_models(df[df["fits"]])
     assert groups == 1 and tau == pytest.approx(-1 / 3) and s["tau_all"] == pytest.approx(-1 / 3)
     assert family_orders(df[df["family"] == "tp-pp"]) == []
+
+
+def test_predict_row_simulates_a_small_plan_and_refuses_part_of_a_node():
+    """The user's path end to end on a small GPT in the 22B row's plan (tp 8 on one DGX A100),
+    and the clear refusal of a run on 4 of a node's 8 GPUs."""
+    base = next(r for _, r in ROWS if r.set == "korthikanti-2022" and r.row == "22B-full")
+    small = dataclasses.replace(
+        base, model_args=parse_model_args("layers=2;hidden=256;heads=8;seq=128;vocab=1024;vocab_parallel=1")
+    )
+    out = predict_row(small)
+    assert out["fits"] and out["predicted_s"] > 0 and not out["failed"], out
+    out = predict_row(dataclasses.replace(small, gpus=4, tp=4))
+    assert out["failed"] and "whole nodes" in out["reason"] and math.isnan(out["predicted_s"])
