@@ -157,6 +157,7 @@ class PublishedSet:
 
     name: str
     title: str
+    software: tuple[str, ...]  # the training software of the rows (``megatron``, ``deepspeed``, ``torch``)
     source: dict = field(compare=False)
     conditions: dict = field(compare=False)
     metric: dict = field(compare=False)
@@ -165,11 +166,6 @@ class PublishedSet:
 
     def __str__(self) -> str:
         return f"{self.name} ({len(self.rows)} rows)"
-
-    @property
-    def software(self) -> tuple[str, ...]:
-        """The software of the set's rows, in order of first use."""
-        return tuple(dict.fromkeys(r.software for r in self.rows))
 
     def measured_s(self, row: PublishedRow) -> float:
         """Seconds per iteration of ``row`` from its quoted number (module docstring)."""
@@ -237,9 +233,15 @@ def load_set(path: str | os.PathLike) -> PublishedSet:
     if not str(metric.get("conversion", "")).strip():
         raise ConfigError(f"{str(path)!r}: metric.conversion is missing (how the value becomes seconds)")
     rows = _read_rows(path.with_suffix(".csv"), meta["name"])
+    software = tuple(meta.get("software", ()))
+    if not software or any(s not in SOFTWARE for s in software) or {r.software for r in rows} - set(software):
+        raise ConfigError(
+            f"{str(path)!r}: software is {list(software)}; expected the training software of its rows, from {choices(SOFTWARE)}"
+        )
     return PublishedSet(
         meta["name"],
         meta["title"],
+        software,
         meta["source"],
         meta["conditions"],
         metric,

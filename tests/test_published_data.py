@@ -38,6 +38,7 @@ def test_every_set_names_its_source_and_conditions(s):
     assert s.source["citation"] and s.source["where"] and s.source["url"].startswith("https://")
     assert all(str(s.conditions[c]).strip() for c in CONDITIONS)
     assert s.metric["conversion"].strip()
+    assert s.software and {r.software for r in s.rows} <= set(s.software)
     assert s.rows and len({r.row for r in s.rows}) == len(s.rows)
 
 
