@@ -69,6 +69,8 @@ def report(name: str, title: str, df: pd.DataFrame, show_rows: bool) -> None:
         cols = ["row", "family", "gpus", "measured_s", "predicted_s", "error", "unfit_time_s", "peak_mem_gib"]
         run = df[df["skip_reason"] == ""][cols]
         print(run.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        for _, r in df[df["skip_reason"] == ""].iterrows():
+            print(f"   {r['row']}: {r['command']}")
 
 
 def main() -> None:
@@ -78,7 +80,7 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=2, help="rows predicted in parallel")
     ap.add_argument("--csv", default=None, metavar="OUT", help="write every row with its prediction there")
-    ap.add_argument("--rows", action="store_true", help="print every predicted row")
+    ap.add_argument("--rows", action="store_true", help="print every predicted row and its planlab explore command")
     ap.add_argument("--data", default=str(DATA), help="the folder of the sets")
     args = ap.parse_args()
     sets = load_sets(args.data, args.set)

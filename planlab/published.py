@@ -146,7 +146,7 @@ class PublishedRow:
         parts = ["planlab explore", f"--model {self.model}"]
         parts += [f"--model-arg {k}={v}" for k, v in self.model_args]
         parts += [f"--cluster {self.cluster}", f"--nodes {self.nodes(devices_per_node)}", "--space megatron"]
-        parts += [f"--set {k}={v}" for k, v in self.knobs().items()]
+        parts += [f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.knobs().items()]
         parts.append(f"--global-batch {self.global_batch}")
         return " ".join(parts)
 

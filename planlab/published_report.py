@@ -90,7 +90,7 @@ def predict_sets(sets: list[PublishedSet], *, jobs: int = 1) -> pd.DataFrame:
     for s in sets:
         for r in s.rows:
             rec = dict(dataclasses.asdict(r), model_args=";".join(f"{k}={v}" for k, v in r.model_args))
-            rec.update(family=r.family, measured_s=_measured(s, r), work=_work(s, r))
+            rec.update(family=r.family, measured_s=_measured(s, r), work=_work(s, r), command=_command(r))
             records.append(rec)
             if r.runnable:
                 work.append((len(records) - 1, r))
@@ -114,6 +114,13 @@ def predict_sets(sets: list[PublishedSet], *, jobs: int = 1) -> pd.DataFrame:
     df["error"] = df["predicted_s"] / df["measured_s"] - 1
     df["unfit_error"] = df["unfit_time_s"] / df["measured_s"] - 1
     return df
+
+
+def _command(r: PublishedRow) -> str:
+    """The ``planlab explore`` command of a runnable row ('' for a skipped one)."""
+    from planlab.costmodel import load_cluster
+
+    return r.command(load_cluster(r.cluster).node.devices_per_node) if r.runnable else ""
 
 
 def _work(s: PublishedSet, r: PublishedRow) -> float:

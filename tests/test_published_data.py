@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import shutil
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
+from planlab.cli import build_parser
 from planlab.costmodel import list_clusters, load_cluster
 from planlab.errors import ConfigError
 from planlab.explore import Setup, make_context
@@ -82,7 +84,15 @@ def test_every_runnable_row_builds_its_plan(s, r):
     assert plan.num_devices == r.gpus
     assert plan.microbatches == r.global_batch // (r.dp * r.microbatch)
     assert plan.zero == r.zero
-    assert f"--cluster {r.cluster}" in r.command(per_node)
+    args = build_parser().parse_args(shlex.split(r.command(per_node))[1:])  # the CLI reads the same plan
+    assert (args.model, args.cluster, args.nodes, args.global_batch) == (
+        r.model,
+        r.cluster,
+        setup.nodes,
+        r.global_batch,
+    )
+    assert dict(args.set) == {k: str(v).lower() if isinstance(v, bool) else v for k, v in r.knobs().items()}
+    assert tuple(args.model_arg or ()) == r.model_args
 
 
 def test_conversions_match_the_papers_own_cross_checks():
