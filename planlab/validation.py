@@ -289,7 +289,7 @@ def partition_pipeline_messages(program, tp: int):
                 if t.kind in (TaskKind.SEND, TaskKind.RECV) and t.nbytes >= tp:
                     tasks.append(replace(t, nbytes=t.nbytes // tp))
                     if t.kind is TaskKind.RECV:
-                        buf = t.writes[0] if t.writes else ""
+                        buf = t.writes[0] if t.writes else None
                         tasks.append(
                             Task(
                                 f"{t.name}:gather",

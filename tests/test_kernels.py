@@ -197,14 +197,15 @@ def test_split_backward_tasks_are_priced_by_their_part() -> None:
     """A linear's backward split into I (writes the input's gradient) and W (the weight's and
     bias's): the device times add up to the whole backward's, kernel by kernel."""
     from planlab.plan.backward_split import split_task
+    from planlab.plan.buffer import contribution, grad, weight_grad
 
     cost = CostModel.load(SPEC_PATH)
     x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
     whole = Task(
         "fc",
         TaskKind.BACKWARD,
-        ("g:y",),
-        ("gc:x<fc.0", "wg:w", "wg:b"),
+        (grad("y"),),
+        (contribution("x", "fc", 0), weight_grad("w"), weight_grad("b")),
         flops=3e9,
         op_kind="linear",
         shapes=(x, w, b, y),
@@ -307,7 +308,7 @@ def test_kernel_model_prices_tasks(tmp_path) -> None:
     assert d == pytest.approx(gemm + dev.launch_overhead_s)
     assert h == pytest.approx(sw.host_call_s + sw.host_launch_s)
     assert cost.task_time_s(fwd, "fp16") == pytest.approx(max(d, h))
-    opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6)  # a million parameters
+    opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6, params=1e6)  # a million parameters
     nbytes = 1e6 * sw.optimizer_bytes_per_param
     assert cost.device_and_host_s(opt, "fp16")[0] == pytest.approx(
         nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s

@@ -5,6 +5,7 @@ import pytest
 
 from planlab.costmodel import CostModel
 from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan.buffer import weight, weight_grad
 from planlab.plan.layout import box_numel
 from planlab.plan.symmetry import plan_classes, reduce_program
 from planlab.search_spaces import Context, get_space
@@ -91,9 +92,9 @@ def _sender_program(sends: list[tuple[int, int]], nbytes: int = 10**9) -> Progra
     """Devices 0..3; each ``(src, dst)`` is one message sent at time 0."""
     tasks = {d: [] for d in range(4)}
     for tag, (src, dst) in enumerate(sends):
-        tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, axis=tag, nbytes=nbytes))
+        tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, tag=tag, nbytes=nbytes))
     for tag, (src, dst) in enumerate(sends):
-        tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, axis=tag, nbytes=nbytes))
+        tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, tag=tag, nbytes=nbytes))
     devs = tuple(DeviceProgram(d, {(0, "F"): Block(0, "F", tuple(tasks[d]))}, (Action(0, "F", 0),)) for d in range(4))
     return Program(devs, 1, FP32)
 
@@ -136,8 +137,8 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
             Task(
                 "grad-reduce",
                 TaskKind.COLLECTIVE,
-                ("wg:w",),
-                ("wg:w",),
+                (weight_grad("w"),),
+                (weight_grad("w"),),
                 collective="all_reduce",
                 group=(0, 1),
                 nbytes=int(reduce_s * 1e9),
@@ -146,7 +147,7 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
             ),
             Task("b2", TaskKind.BACKWARD, (), (), flops=1e9),
         )
-        w = (Task("optimizer", TaskKind.OPTIMIZER, ("wg:w",), ("w:w",)),)
+        w = (Task("optimizer", TaskKind.OPTIMIZER, (weight_grad("w"),), (weight("w"),)),)
         sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "U", 0),)
         devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "U"): Block(0, "U", w)}, sched))
     return Program(tuple(devs), microbatches, FP32)
@@ -195,6 +196,6 @@ def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeyp
     # each gradient is reduced once, in the last micro-batch only (the position embedding's gradient
     # is already summed over the batch by the all-reduce of its broadcast add's input gradient)
     reduced = [r for a, t in prog.devices[0].tasks_in_order() if t.name.startswith("grad-reduce") for r in t.reads]
-    numel = dict((f"wg:{p}", box_numel(bx)) for p, bx in prog.devices[0].params)
-    assert len(reduced) == len(set(reduced)) == len(numel) - 1 and "wg:wpe.weight" not in reduced
+    numel = dict((weight_grad(p), box_numel(bx)) for p, bx in prog.devices[0].params)
+    assert len(reduced) == len(set(reduced)) == len(numel) - 1 and weight_grad("wpe.weight") not in reduced
     assert sum(b[i].nbytes for i in reduces) == 4 * sum(numel[r] for r in reduced)

@@ -4,6 +4,7 @@ import pytest
 
 from planlab.costmodel import CostModel
 from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
 from planlab.simulator import device_classes, find_deadlock, simulate
 
@@ -42,24 +43,26 @@ def _pipeline_program(p: int, m: int, schedule, f_flops=1e9, b_flops=2e9, nbytes
         fwd, bwd = [], []
         if s > 0:
             fwd.append(
-                Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0, nbytes=nbytes, alloc=(("x", 100),))
+                Task("recv_x", TaskKind.RECV, (), (A("x"),), peer=s - 1, tag=0, nbytes=nbytes, alloc=((A("x"), 100),))
             )
-        fwd.append(Task(f"f{s}", TaskKind.FORWARD, ("x",) if s else (), ("y",), flops=f_flops, alloc=(("y", 100),)))
+        fwd.append(
+            Task(f"f{s}", TaskKind.FORWARD, (A("x"),) if s else (), (A("y"),), flops=f_flops, alloc=((A("y"), 100),))
+        )
         if s < p - 1:
-            fwd.append(Task("send_y", TaskKind.SEND, ("y",), (), peer=s + 1, axis=0, nbytes=nbytes))
-            bwd.append(Task("recv_dy", TaskKind.RECV, (), ("dy",), peer=s + 1, axis=1, nbytes=nbytes))
+            fwd.append(Task("send_y", TaskKind.SEND, (A("y"),), (), peer=s + 1, tag=0, nbytes=nbytes))
+            bwd.append(Task("recv_dy", TaskKind.RECV, (), (A("dy"),), peer=s + 1, tag=1, nbytes=nbytes))
         bwd.append(
             Task(
                 f"b{s}",
                 TaskKind.BACKWARD,
-                ("dy",) if s < p - 1 else (),
-                ("dx",),
+                (A("dy"),) if s < p - 1 else (),
+                (A("dx"),),
                 flops=b_flops,
-                free=("y",) + (("x",) if s else ()),
+                free=(A("y"),) + ((A("x"),) if s else ()),
             )
         )
         if s > 0:
-            bwd.append(Task("send_dx", TaskKind.SEND, ("dx",), (), peer=s - 1, axis=1, nbytes=nbytes))
+            bwd.append(Task("send_dx", TaskKind.SEND, (A("dx"),), (), peer=s - 1, tag=1, nbytes=nbytes))
         blocks = {(s, "F"): Block(s, "F", tuple(fwd)), (s, "B"): Block(s, "B", tuple(bwd))}
         devs.append(DeviceProgram(s, blocks, tuple(schedule(s, p, m))))
     return Program(tuple(devs), m, FP32)
@@ -165,14 +168,16 @@ def _interleaved_program(p: int, v: int, m: int, f_flops=1e9, b_flops=2e9) -> Pr
             s = c * p + r
             fwd, bwd = [], []
             if s > 0:
-                fwd.append(Task(f"recv_x{s}", TaskKind.RECV, (), (f"x{s}",), peer=(s - 1) % p, axis=2 * s))
-            fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (f"y{s}",), flops=f_flops / v))
+                fwd.append(Task(f"recv_x{s}", TaskKind.RECV, (), (A(f"x{s}"),), peer=(s - 1) % p, tag=2 * s))
+            fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (A(f"y{s}"),), flops=f_flops / v))
             if s < n - 1:
-                fwd.append(Task(f"send_y{s}", TaskKind.SEND, (f"y{s}",), (), peer=(s + 1) % p, axis=2 * (s + 1)))
-                bwd.append(Task(f"recv_dy{s}", TaskKind.RECV, (), (f"dy{s}",), peer=(s + 1) % p, axis=2 * s + 1))
-            bwd.append(Task(f"b{s}", TaskKind.BACKWARD, (), (f"dx{s}",), flops=b_flops / v))
+                fwd.append(Task(f"send_y{s}", TaskKind.SEND, (A(f"y{s}"),), (), peer=(s + 1) % p, tag=2 * (s + 1)))
+                bwd.append(Task(f"recv_dy{s}", TaskKind.RECV, (), (A(f"dy{s}"),), peer=(s + 1) % p, tag=2 * s + 1))
+            bwd.append(Task(f"b{s}", TaskKind.BACKWARD, (), (A(f"dx{s}"),), flops=b_flops / v))
             if s > 0:
-                bwd.append(Task(f"send_dx{s}", TaskKind.SEND, (f"dx{s}",), (), peer=(s - 1) % p, axis=2 * (s - 1) + 1))
+                bwd.append(
+                    Task(f"send_dx{s}", TaskKind.SEND, (A(f"dx{s}"),), (), peer=(s - 1) % p, tag=2 * (s - 1) + 1)
+                )
             blocks[(s, "F")] = Block(s, "F", tuple(fwd))
             blocks[(s, "B")] = Block(s, "B", tuple(bwd))
         devs.append(DeviceProgram(r, blocks, tuple(interleaved_1f1b(r, p, m, v))))

@@ -18,10 +18,10 @@ import dataclasses
 from typing import Iterable
 
 from planlab.graph.ir import Graph
+from planlab.plan.buffer import WEIGHT_GRAD_KINDS
 from planlab.plan.plan import Action
-from planlab.plan.program import Task, TaskKind
+from planlab.plan.program import Role, Task, TaskKind
 
-WEIGHT_GRADIENTS = ("wg:", "zd:")  # buffers of weights' gradients (zd: ZeRO-3's full gradients)
 # operators whose weight gradient is one product as large as the forward (dW = dY^T X)
 PRODUCT_KINDS = ("linear", "matmul", "einsum", "conv")
 
@@ -42,8 +42,9 @@ def weight_share(kind: str, weights: int, inputs: int) -> float:
 
 
 def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
-    """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute)."""
-    is_w = [bool(w) and w.startswith(WEIGHT_GRADIENTS) for w in task.writes]
+    """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute). An
+    ``I`` part whose ``W`` part follows keeps the piece's autograd graph for it (``Role.KEEP_GRAPH``)."""
+    is_w = [w is not None and w.kind in WEIGHT_GRAD_KINDS for w in task.writes]
     is_i = [bool(w) and not x for w, x in zip(task.writes, is_w)]
     share = weight_share(kind, sum(is_w), sum(is_i))
     if share == 0.0:
@@ -52,13 +53,14 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
         return None, task
     inp = dataclasses.replace(
         task,
-        writes=tuple(w if i else "" for w, i in zip(task.writes, is_i)),
+        writes=tuple(w if i else None for w, i in zip(task.writes, is_i)),
         flops=task.flops * (1 - share),
         bytes_moved=task.bytes_moved * (1 - share),
+        role=Role.KEEP_GRAPH,
     )
     wgt = dataclasses.replace(
         task,
-        writes=tuple(w if x else "" for w, x in zip(task.writes, is_w)),
+        writes=tuple(w if x else None for w, x in zip(task.writes, is_w)),
         flops=task.flops * share,
         bytes_moved=task.bytes_moved * share,
     )
@@ -80,7 +82,7 @@ def split_backward(blocks: dict[tuple[int, str], list], stages: set[int], graph:
                     inp.append((key, i))
                 if w is not None:
                     wgt.append((key, w))
-            elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.startswith(WEIGHT_GRADIENTS) for r in t.reads):
+            elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.kind in WEIGHT_GRAD_KINDS for r in t.reads if r):
                 wgt.append((key, t))
             else:
                 inp.append((key, t))

@@ -29,7 +29,21 @@ from planlab.plan.backward_split import split_backward, split_stages
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
 from planlab.plan.plan import Action, Plan
-from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer
+from planlab.plan.program import (
+    ADAM_FLOPS_PER_PARAM,
+    FP32,
+    MIXED_BF16,
+    Block,
+    DeviceProgram,
+    Precision,
+    Program,
+    Recompute,
+    Role,
+    Task,
+    TaskKind,
+)
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
 from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
@@ -276,7 +290,7 @@ def _build(
     m = plan.microbatches
     stage = {p.op: p.stage for p in plan.ops}
     entries: dict[int, dict[tuple[int, str], list]] = defaultdict(lambda: defaultdict(list))
-    buf_bytes: dict[int, dict[str, int]] = defaultdict(dict)
+    buf_bytes: dict[int, dict[Buffer, int]] = defaultdict(dict)
     params_on: dict[int, list[tuple[str, tuple]]] = defaultdict(list)
     seq = count()
     tags = count()
@@ -290,7 +304,7 @@ def _build(
         entries[dev][block].append((key + (next(seq),), task))
         if t is not None:
             for w in task.writes:
-                if w and not is_static(w) and task.shape is not None:
+                if w and not w.static and task.shape is not None:
                     buf_bytes[dev].setdefault(w, math.prod(task.shape) * ebytes(t))
 
     def place(conv: Conversion, t: str, src_block, src_key, dst_block, dst_key) -> None:
@@ -302,11 +316,10 @@ def _build(
                 emit(dev, dst_block, dst_key, task, t)
 
     # -- pass 2: forward --------------------------------------------------------
-    converted: dict[tuple[str, Layout], str] = {}
-    saved_of: dict[str, tuple[str, ...]] = {}
+    converted: dict[tuple[str, Layout], Buffer] = {}
+    saved_of: dict[str, tuple[Buffer, ...]] = {}
     shapes_of: dict[str, tuple[tuple[int, ...], ...]] = {}  # per operator, its pieces' local shapes
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor converted so far
-    in_bufs: dict[str, list[str]] = {}
     owner: dict[str, tuple[Operator, int]] = {}
     nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
     fwd_only = forward_only_ops(graph, nograd) if nograd else frozenset()
@@ -327,7 +340,7 @@ def _build(
                     params_on,
                     held,
                 )
-                bufs.append(f"w:{t}")
+                bufs.append(buf_.weight(t))
                 continue
             if spec.role == "param":
                 if t in owner and owner[t][0] is not op:
@@ -338,13 +351,13 @@ def _build(
                 owner[t] = (op, ti)
                 for flat, dev in _positions(mesh, keep):
                     params_on[dev].append((t, need.box(flat, L.shapes[t])))
-                bufs.append(f"w:{t}")
+                bufs.append(buf_.weight(t))
                 continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
                 continue
             if spec.role in ("input", "buffer"):
-                buf = f"a:{t}#{versions[t]}"
+                buf = buf_.activation(t, versions[t])
                 batch_axis = next(
                     (a for a in range(len(spec.shape)) if graph.labels.get((t, a)) == graph.batch_label), -1
                 )
@@ -357,12 +370,13 @@ def _build(
                         Task(
                             f"load:{t}",
                             TaskKind.LOCAL,
-                            (f"src:{t}",),
+                            (buf_.source(t),),
                             (buf,),
                             src_region=box,
                             shape=box_shape(box),
                             axis=batch_axis,
                             dtype=spec.dtype,
+                            role=Role.LOAD,
                         ),
                         t,
                     )
@@ -373,15 +387,15 @@ def _build(
             prod = graph.producer[t]
             have = L.has(prod, prod.outputs.index(t))
             if same_layout(have, need):
-                bufs.append(f"a:{t}")
+                bufs.append(buf_.activation(t))
                 continue
-            buf = f"a:{t}#{versions[t] + 1}"
+            buf = buf_.activation(t, versions[t] + 1)
             conv = plan_conversion(
                 have,
                 need,
                 L.shapes[t],
                 ebytes(t),
-                src_buf=f"a:{t}",
+                src_buf=buf_.activation(t),
                 dst_buf=buf,
                 tags=tags,
                 name=f"{t}:",
@@ -395,8 +409,7 @@ def _build(
             converted[(t, need)] = buf
             versions[t] += 1
             bufs.append(buf)
-        in_bufs[op.name] = bufs
-        outs = tuple(f"a:{o}" for o in op.outputs)
+        outs = tuple(buf_.activation(o) for o in op.outputs)
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
         saved = tuple(
             dict.fromkeys(
@@ -456,22 +469,22 @@ def _build(
                 if x == t and c.name not in dead
             ]  # a consumer whose outputs reach no loss gives no gradient
             if t == graph.loss:
-                gbufs.append("")  # seeded with ones by the executor
+                gbufs.append(None)  # seeded with ones by the executor
                 continue
             if not spec.is_float or not uses or t in nograd:
-                gbufs.append("")
+                gbufs.append(None)
                 continue
             target = _full(L.has(op, j))
             if len(uses) == 1 and same_layout(L.contributes(*uses[0]), target):
                 c, k = uses[0]
-                gbufs.append(f"gc:{t}<{c.name}.{k}")
+                gbufs.append(buf_.contribution(t, c.name, k))
                 continue
             # Contributions in one layout on the producer's own devices are summed locally first,
             # so that one conversion (one all-reduce, say) carries them all.
-            pending: list[tuple[Layout, str, str]] = []  # (layout, buffer, stage of its source)
-            local: dict[Layout, list[tuple[str, Operator]]] = {}
+            pending: list[tuple[Layout, Buffer, str]] = []  # (layout, buffer, stage of its source)
+            local: dict[Layout, list[tuple[Buffer, Operator]]] = {}
             for c, k in sorted(uses, key=lambda u: -topo[u[0].name]):
-                lay, buf = L.contributes(c, k), f"gc:{t}<{c.name}.{k}"
+                lay, buf = L.contributes(c, k), buf_.contribution(t, c.name, k)
                 if lay.mesh == target.mesh:
                     local.setdefault(lay, []).append((buf, c))
                 else:
@@ -480,7 +493,7 @@ def _build(
                 if len(items) == 1 or same_layout(lay, target):
                     pending += [(lay, buf, c.name) for buf, c in items]
                     continue
-                summed = f"gs:{t}#{len(pending)}"
+                summed = buf_.grad_sum(t, len(pending))
                 for flat, dev in _positions(lay.mesh, keep):
                     for buf, _ in items:
                         emit(
@@ -506,7 +519,7 @@ def _build(
                     L.shapes[t],
                     ebytes(t),
                     src_buf=buf,
-                    dst_buf=f"g:{t}",
+                    dst_buf=buf_.grad(t),
                     accumulate=True,
                     tags=tags,
                     name=f"d{t}:",
@@ -515,7 +528,7 @@ def _build(
                     channel=next(channels),
                 )
                 place(conv, t, (stage[src], "B"), (-i, 0), blk, (-i, 0))
-            gbufs.append(f"g:{t}")
+            gbufs.append(buf_.grad(t))
         needs_grad = [
             graph.tensors[t].is_float
             and graph.tensors[t].role in ("activation", "param")
@@ -523,17 +536,15 @@ def _build(
             and op.kind != DETACH
             for t in op.inputs
         ]
-        if op.outputs[0] != graph.loss and all(g == "" for g in gbufs):
+        if op.outputs[0] != graph.loss and all(g is None for g in gbufs):
             dead.add(op.name)
             continue
         if not any(needs_grad):
             continue
         writes = tuple(
-            ("wg:" if graph.tensors[t].role == "param" else "gc:")
-            + t
-            + ("" if graph.tensors[t].role == "param" else f"<{op.name}.{k}")
+            (buf_.weight_grad(t) if graph.tensors[t].role == "param" else buf_.contribution(t, op.name, k))
             if ng
-            else ""
+            else None
             for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
         )
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
@@ -554,10 +565,10 @@ def _build(
             )
             emit(dev, blk, (-i, 1), task)
             for k, (t, w) in enumerate(zip(op.inputs, writes)):
-                if w.startswith("gc:"):
+                if w is not None and w.kind is buf_.BufferKind.CONTRIBUTION:
                     buf_bytes[dev][w] = box_numel(L.contributes(op, k).box(flat, L.shapes[t])) * ebytes(t)
         for j, t in enumerate(op.outputs):
-            if gbufs[j].startswith("g:"):
+            if gbufs[j] is not None and gbufs[j].kind is buf_.BufferKind.GRAD:
                 for flat, dev in _positions(mesh, keep):
                     buf_bytes[dev][gbufs[j]] = box_numel(_full(L.has(op, j)).box(flat, L.shapes[t])) * ebytes(t)
 
@@ -573,7 +584,7 @@ def _build(
         _recompute(entries, graph, groups_of, seq, buf_bytes)
 
     # -- pass 4: weight gradients and optimizer ---------------------------------
-    # per device and reduction group: (topological index of the owner, gradient buffer, bytes)
+    # per device and reduction group: (topological index of the owner, parameter, bytes of its gradient)
     buckets: dict[int, dict[tuple[int, ...], list[tuple[int, str, int]]]] = defaultdict(lambda: defaultdict(list))
     for p, (op, k) in owner.items():
         contrib, target = L.contributes(op, k), L.needs(op, k)
@@ -588,7 +599,7 @@ def _build(
         for flat, dev in _positions(mesh, keep):
             group = tuple(sorted(mesh.group_of(flat, tuple(axes))))
             nb = box_numel(target.box(flat, L.shapes[p])) * precision.grad_bytes
-            buckets[dev][group].append((topo[op.name], f"wg:{p}", nb))
+            buckets[dev][group].append((topo[op.name], p, nb))
     devices = sorted(set(entries) | set(params_on))
     zero_saved: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # bytes of grads, optimizer states, weights
     together: dict[int, list] = defaultdict(list)  # ZeRO-3: buffers freed at once (a unit's gathered weights)
@@ -601,7 +612,7 @@ def _build(
                 _overlapped_buckets(emit, dev, group, items, stage, graph, precision)
                 continue
             if plan.zero == 0:  # one all-reduce of every gradient, after the backward
-                bufs = tuple(b for _, b, _ in sorted(items))
+                bufs = tuple(buf_.weight_grad(p) for _, p, _ in sorted(items))
                 emit(
                     dev,
                     w_block,
@@ -614,6 +625,7 @@ def _build(
                         collective="all_reduce",
                         group=group,
                         nbytes=sum(n for _, _, n in items),
+                        role=Role.BUCKET,
                     ),
                 )
                 continue
@@ -631,15 +643,15 @@ def _build(
                 together[dev] += freed
                 for k, b in enumerate((precision.grad_bytes, precision.optimizer_bytes, precision.param_bytes)):
                     zero_saved[dev][k] += numel * b
-                sharded.update(b[3:] for _, b, _ in items)
+                sharded.update(p for _, p, _ in items)
                 continue
-            bufs = tuple(b for _, b, _ in items)
+            bufs = tuple(buf_.weight_grad(p) for _, p, _ in items)
             grad_bytes = sum(n for _, _, n in items)
             # ZeRO: reduce-scatter the bucket, step the optimizer on this device's shard, all-gather weights
             n = len(group)
             numel = grad_bytes // precision.grad_bytes
-            zg, zp = f"zg:{list(group)}", f"zp:{list(group)}"
-            wbufs = tuple("w:" + b[3:] for b in bufs)
+            zg, zp = buf_.shard_grad(group), buf_.shard_weight(group)
+            wbufs = tuple(buf_.weight(p) for _, p, _ in items)
             emit(
                 dev,
                 w_block,
@@ -652,6 +664,7 @@ def _build(
                     collective="reduce_scatter",
                     group=group,
                     nbytes=grad_bytes,
+                    role=Role.SHARD_GRADS,
                 ),
             )
             emit(
@@ -663,10 +676,12 @@ def _build(
                     TaskKind.OPTIMIZER,
                     (zg,),
                     (zp,),
-                    flops=12.0 * numel / n,
+                    flops=ADAM_FLOPS_PER_PARAM * numel / n,
                     bytes_moved=numel
                     / n
                     * (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes),
+                    role=Role.SHARD_STEP,
+                    params=numel / n,
                 ),
             )
             emit(
@@ -681,17 +696,18 @@ def _build(
                     collective="all_gather",
                     group=group,
                     nbytes=numel * precision.param_bytes,
+                    role=Role.GATHER_WEIGHTS,
                 ),
             )
-            sharded.update(b[3:] for b in bufs)
+            sharded.update(p for _, p, _ in items)
             zero_saved[dev][1] += numel * precision.optimizer_bytes * (n - 1) // n
             if plan.zero >= 2:
                 zero_saved[dev][0] += numel * precision.grad_bytes * (n - 1) // n
         rest = [(p, b) for p, b in params_on[dev] if p not in sharded]
         nparams = sum(box_numel(b) for _, b in rest)
         if nparams:
-            w = tuple(f"w:{p}" for p, _ in rest)
-            g = tuple(f"wg:{p}" for p, _ in rest)
+            w = tuple(buf_.weight(p) for p, _ in rest)
+            g = tuple(buf_.weight_grad(p) for p, _ in rest)
             emit(
                 dev,
                 w_block,
@@ -701,9 +717,10 @@ def _build(
                     TaskKind.OPTIMIZER,
                     w + g,
                     w,
-                    flops=12.0 * nparams,
+                    flops=ADAM_FLOPS_PER_PARAM * nparams,
                     bytes_moved=nparams
                     * (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes),
+                    params=float(nparams),
                 ),
             )
 
@@ -748,7 +765,7 @@ def _build(
     for flat, dev in enumerate(lay.mesh.devices):
         c = lay.mesh.coord(flat)
         primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
-        holders.append((dev, f"a:{graph.loss}", int(primary)))
+        holders.append((dev, buf_.activation(graph.loss), int(primary)))
     return Program(
         devices=tuple(programs),
         microbatches=m,
@@ -781,20 +798,20 @@ def _overlapped_buckets(
         by_stage[stage[names[item[0]]]].append(item)
     cap = BUCKET_ELEMENTS * precision.grad_bytes
     for st in sorted(by_stage):
-        ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
+        ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order (then by parameter)
         bucket: list[tuple[int, str, int]] = []
         for k, item in enumerate(ordered):
             bucket.append(item)
             full = sum(n for _, _, n in bucket) >= cap
             if full or k == len(ordered) - 1:
-                bufs = tuple(b for _, b, _ in bucket)
+                bufs = tuple(buf_.weight_grad(p) for _, p, _ in bucket)
                 last = min(i for i, _, _ in bucket)  # the bucket is complete after this operator's backward
                 emit(
                     dev,
                     (st, "B"),
                     (-last, 1),
                     Task(
-                        f"grad-reduce{list(group)}#{bufs[0][3:]}",
+                        f"grad-reduce{list(group)}#{bucket[0][1]}",
                         TaskKind.COLLECTIVE,
                         bufs,
                         bufs,
@@ -803,6 +820,7 @@ def _overlapped_buckets(
                         nbytes=sum(n for _, _, n in bucket),
                         final=True,
                         overlap=True,
+                        role=Role.BUCKET,
                     ),
                 )
                 bucket = []
@@ -826,21 +844,21 @@ def _recompute(entries, graph: Graph, groups_of: dict[str, int], seq, buf_bytes)
                 written = {w for i in idxs for w in items[i][1].writes if w}
                 for w in written:
                     if w in buf_bytes[dev]:
-                        buf_bytes[dev][f"r:{w[2:]}"] = buf_bytes[dev][w]
-                ren = lambda bufs: tuple(f"r:{b[2:]}" if b in written else b for b in bufs)  # noqa: E731
+                        buf_bytes[dev][w.with_kind(buf_.BufferKind.RECOMPUTED)] = buf_bytes[dev][w]
+                ren = lambda bufs: tuple(b.with_kind(buf_.BufferKind.RECOMPUTED) if b in written else b for b in bufs)  # noqa: E731
                 last_op = max(items[i][0][0] for i in idxs)
                 bkey = (st, "B")
                 for i in idxs:
                     key, t = items[i]
                     if t.kind is TaskKind.FORWARD:
-                        items[i] = (key, dataclasses.replace(t, recompute="drop", saved=()))
+                        items[i] = (key, dataclasses.replace(t, recompute=Recompute.DROP, saved=()))
                     redo = dataclasses.replace(
                         t,
                         name=f"re:{t.name}",
                         reads=ren(t.reads),
                         writes=ren(t.writes),
                         saved=ren(t.saved),
-                        recompute="redo" if t.kind is TaskKind.FORWARD else "",
+                        recompute=Recompute.REDO,
                     )
                     blocks[bkey].append(((-last_op, -1, key[0], next(seq)), redo))
                 members = {names[items[i][0][0]] for i in idxs}
@@ -899,7 +917,7 @@ def _check_schedule(dev: int, given: tuple, fs: tuple, bs: tuple, ws: tuple, m: 
         raise InfeasiblePlan(f"device {dev}'s schedule misses actions {', '.join(str(Action(*x)) for x in miss[:6])}")
 
 
-def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) -> dict:
+def _liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
     """Fill ``alloc``/``free``: a buffer is allocated by its first writer and freed
     after its last reader, in the canonical block order (forward stages ascending,
     backward stages descending, a stage's ``I`` before its ``W``), which every valid schedule
@@ -908,16 +926,16 @@ def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) 
     order = sorted(
         blocks, key=lambda k: (0, k[0], 0) if k[1] == "F" else (1, -k[0], k[1] == "W") if k[1] in "BIW" else (2, 0, 0)
     )
-    first: dict[str, tuple] = {}
-    last: dict[str, tuple] = {}
+    first: dict[Buffer, tuple] = {}
+    last: dict[Buffer, tuple] = {}
     for bk in order:
         for ti, t in enumerate(blocks[bk].tasks):
             for b in t.writes:
-                if b and not is_static(b):
+                if b and not b.static:
                     first.setdefault(b, (bk, ti))
                     last.setdefault(b, (bk, ti))
             for b in t.reads + t.saved:
-                if b and not is_static(b):
+                if b and not b.static:
                     last[b] = (bk, ti)
     if together:
         rank = {bk: i for i, bk in enumerate(order)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import count
 
+from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
 from planlab.plan.program import Task, TaskKind
 
@@ -53,8 +54,8 @@ def plan_conversion(
     shape: tuple[int, ...],
     elem_bytes: int,
     *,
-    src_buf: str,
-    dst_buf: str,
+    src_buf: Buffer,
+    dst_buf: Buffer,
     accumulate: bool = False,
     tags: count | None = None,
     name: str = "",
@@ -140,8 +141,8 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         return conv
     for k, (ax, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
-        rbuf = src_buf if k == 0 else f"{dst_buf}~{k}"
-        wbuf = dst_buf if last else f"{dst_buf}~{k + 1}"
+        rbuf = src_buf if k == 0 else dst_buf.at_step(k)
+        wbuf = dst_buf if last else dst_buf.at_step(k + 1)
         conv.kinds.append(kind)
         for flat, dev in _positions(mesh, only):
             bin_, bout = before.box(flat, shape), after.box(flat, shape)
@@ -236,7 +237,7 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                         peer=dd,
                         nbytes=nbytes,
                         region=relative(region, sbox),
-                        axis=tag,
+                        tag=tag,
                         dtype=dtype,
                     ),
                 )
@@ -253,7 +254,7 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                         region=relative(region, dbox),
                         shape=box_shape(dbox),
                         accumulate=acc,
-                        axis=tag,
+                        tag=tag,
                         dtype=dtype,
                     ),
                 )
@@ -337,7 +338,7 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                         peer=dd,
                         nbytes=nbytes,
                         region=relative(region, sbox),
-                        axis=tag,
+                        tag=tag,
                         dtype=dtype,
                         channel=channel,
                     ),
@@ -356,7 +357,7 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                         region=relative(region, dbox),
                         shape=box_shape(dbox),
                         accumulate=acc,
-                        axis=tag,
+                        tag=tag,
                         dtype=dtype,
                         channel=channel,
                     ),

@@ -8,12 +8,12 @@ first name, ``wte``; consecutive in the forward). Each unit keeps one flat shard
 ``ceil(numel / n)`` elements per device (weights ``zp:``, gradients ``zg:`` and optimizer states)
 and, per micro-batch:
 
-- forward: an all-gather of the unit's full weights (``zf:``) on the communication stream,
+- forward: an all-gather of the unit's full weights (``zf``) on the communication stream,
   issued when the previous unit starts (FSDP's forward prefetch), read by the unit's forward
   tasks and freed, the unit at once, after the last of them (reshard after forward);
-- backward: the same again (``zb:``), issued when the unit after it in the forward starts its
+- backward: the same again (``zb``), issued when the unit after it in the forward starts its
   backward (backward prefetch) and freed after the unit's last backward;
-- the backward tasks write each weight's full gradient (``zd:``), reduce-scattered on the
+- the backward tasks write each weight's full gradient (``zd``), reduce-scattered on the
   communication stream into the unit's shard gradient right after the unit's last backward;
 - the update steps the optimizer on the shard; no all-gather follows.
 """
@@ -25,9 +25,9 @@ from collections import defaultdict
 from typing import Callable
 
 from planlab.graph.ir import Graph
-from planlab.plan.program import Precision, Task, TaskKind
-
-FORWARD_WEIGHTS, BACKWARD_WEIGHTS, FULL_GRADIENT = "zf:", "zb:", "zd:"
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer, BufferKind
+from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Role, Task, TaskKind
 
 
 def unit_key(param: str) -> str:
@@ -66,13 +66,12 @@ class Unit:
 def units_of(
     items: list[tuple[int, str, int]], group: tuple[int, ...], graph: Graph, stage: dict[str, int], grad_bytes: int
 ) -> list[Unit]:
-    """Cut one group's weight gradients ``(owner index, "wg:" name, bytes)`` into units, in forward order:
+    """Cut one group's weight gradients ``(owner index, parameter, bytes)`` into units, in forward order:
     runs of consecutive weights of one stage with one :func:`unit_key`."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
-    for idx, buf, nbytes in ordered:
-        p = buf[3:]
+    for idx, p, nbytes in ordered:
         key = (stage[names[idx]], unit_key(p))
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
@@ -101,19 +100,19 @@ def shard_fully(
     ``{(stage, phase): [(key, task)]}``, ``emit(block, key, task)`` adds one, ``sizes`` maps buffers
     to bytes. Returns the elements no longer held whole (weights, gradients and optimizer states
     keep a shard) and the groups of buffers freed together (a unit's gathered weights)."""
-    fwd = {f"w:{p}": FORWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
-    bwd = {f"w:{p}": BACKWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
-    grad = {f"wg:{p}": FULL_GRADIENT + p for u in units for _, p, _ in u.weights}
-    owned: dict[str, list[str]] = defaultdict(list)  # operator -> its weights' backward copies
+    fwd = {buf_.weight(p): Buffer(BufferKind.GATHERED_FORWARD, p) for u in units for _, p, _ in u.weights}
+    bwd = {buf_.weight(p): Buffer(BufferKind.GATHERED_BACKWARD, p) for u in units for _, p, _ in u.weights}
+    grad = {buf_.weight_grad(p): Buffer(BufferKind.FULL_GRAD, p) for u in units for _, p, _ in u.weights}
+    owned: dict[str, list[Buffer]] = defaultdict(list)  # operator -> its weights' backward copies
     names = [op.name for op in graph.operators]
     for u in units:
         for idx, p, n in u.weights:
-            owned[names[idx]].append(BACKWARD_WEIGHTS + p)
-            sizes[FORWARD_WEIGHTS + p] = sizes[BACKWARD_WEIGHTS + p] = n * precision.param_bytes
-            sizes[FULL_GRADIENT + p] = n * precision.grad_bytes
+            owned[names[idx]].append(bwd[buf_.weight(p)])
+            sizes[fwd[buf_.weight(p)]] = sizes[bwd[buf_.weight(p)]] = n * precision.param_bytes
+            sizes[grad[buf_.weight_grad(p)]] = n * precision.grad_bytes
     first: dict[tuple[str, str], tuple] = {}  # (unit, phase) -> key of its first task using its weights
     last_grad: dict[str, tuple] = {}  # unit -> key of its last backward task
-    unit_of = {m: u.name for u in units for _, p, _ in u.weights for m in (f"w:{p}", f"wg:{p}")}
+    unit_of = {m: u.name for u in units for _, p, _ in u.weights for m in (buf_.weight(p), buf_.weight_grad(p))}
     for (st, ph), items in blocks.items():
         if ph not in ("F", "B"):
             continue
@@ -142,24 +141,28 @@ def shard_fully(
     pb, gb = precision.param_bytes, precision.grad_bytes
     for st in sorted({u.stage for u in units}):
         mine = [u for u in units if u.stage == st]
-        for ph, prefix, order in (("F", FORWARD_WEIGHTS, mine), ("B", BACKWARD_WEIGHTS, mine[::-1])):
+        for ph, kind, order in (
+            ("F", BufferKind.GATHERED_FORWARD, mine),
+            ("B", BufferKind.GATHERED_BACKWARD, mine[::-1]),
+        ):
             present = [u for u in order if (u.name, ph) in first]
             for k, u in enumerate(present):
                 # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
                 start = first[(present[max(k - 1, 0)].name, ph)]
-                bufs = tuple(prefix + p for _, p, _ in u.weights)
+                bufs = tuple(Buffer(kind, p) for _, p, _ in u.weights)
                 emit(
                     (st, ph),
                     (start[0], -2, k),
                     Task(
                         f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",
                         TaskKind.COLLECTIVE,
-                        (f"zp:{u}",),
+                        (buf_.shard_weight(u.group, u.name),),
                         bufs,
                         collective="all_gather",
                         group=u.group,
                         nbytes=u.shard_numel * len(u.group) * pb,
                         overlap=True,
+                        role=Role.UNIT_GATHER,
                     ),
                 )
                 together.append(bufs)
@@ -173,13 +176,14 @@ def shard_fully(
                 Task(
                     f"zero3-reduce-scatter{list(u.group)}#{u.name}",
                     TaskKind.COLLECTIVE,
-                    tuple(FULL_GRADIENT + p for _, p, _ in u.weights),
-                    (f"zg:{u}",),
+                    tuple(Buffer(BufferKind.FULL_GRAD, p) for _, p, _ in u.weights),
+                    (buf_.shard_grad(u.group, u.name),),
                     collective="reduce_scatter",
                     group=u.group,
                     nbytes=u.shard_numel * len(u.group) * gb,
                     accumulate=True,
                     overlap=True,
+                    role=Role.UNIT_GRADS,
                 ),
             )
         emit(
@@ -188,10 +192,12 @@ def shard_fully(
             Task(
                 f"optimizer-shard{list(u.group)}#{u.name}",
                 TaskKind.OPTIMIZER,
-                (f"zg:{u}",),
-                (f"zp:{u}",),
-                flops=12.0 * u.shard_numel,
+                (buf_.shard_grad(u.group, u.name),),
+                (buf_.shard_weight(u.group, u.name),),
+                flops=ADAM_FLOPS_PER_PARAM * u.shard_numel,
                 bytes_moved=u.shard_numel * (2 * pb + gb + 2 * precision.optimizer_bytes),
+                role=Role.SHARD_STEP,
+                params=float(u.shard_numel),
             ),
         )
         saved_numel += u.numel - u.shard_numel

@@ -28,13 +28,13 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
             while pos[d] < len(seq):
                 a, t = seq[pos[d]]
                 if t.kind is TaskKind.SEND:
-                    chan[(d, t.peer)].append((t.axis, a.microbatch, t.name))
+                    chan[(d, t.peer)].append((t.tag, a.microbatch, t.name))
                 elif t.kind is TaskKind.RECV:
                     q = chan[(t.peer, d)]
                     if not q:
                         break
                     tag, mb, name = q[0]
-                    if (tag, mb) != (t.axis, a.microbatch):
+                    if (tag, mb) != (t.tag, a.microbatch):
                         problem = (
                             d,
                             pos[d],

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.model import host_bound_elapsed_s
-from planlab.plan.program import Block, Task, TaskKind, is_static
+from planlab.plan.buffer import Buffer
+from planlab.plan.program import Block, Task, TaskKind
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,9 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 _task_time_s = task_time_s
 
 
-def overlap_writers(blocks) -> dict[str, str]:
+def overlap_writers(blocks) -> dict[Buffer, str]:
     """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
-    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not is_static(b)}
+    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not b.static}
 
 
 def lower_block(
@@ -116,10 +117,10 @@ def lower_block(
     cls: list[int],
     cost: CostModel,
     dtype: str,
-    sizes: dict[str, int],
+    sizes: dict[Buffer, int],
     final: bool = True,
     prices: dict | None = None,
-    writers: dict[str, str] | None = None,
+    writers: dict[Buffer, str] | None = None,
 ) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
@@ -129,7 +130,7 @@ def lower_block(
     units: list[Unit] = []
     cur: list = []  # (task, (device s, host s), is_comm)
     writers = overlap_writers([block]) if writers is None else writers
-    awaited: set[str] = set()  # buffers already waited for in this block
+    awaited: set[Buffer] = set()  # buffers already waited for in this block
     prices = prices if prices is not None else {}
     hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
 
@@ -146,7 +147,7 @@ def lower_block(
             t.op_kind,
             t.shapes,
             t.accumulate,
-            tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else (),
+            tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),
         )  # I/W parts
         got = prices.get(key)
         if got is None:
@@ -238,4 +239,4 @@ def lower_block(
 
 def _tag(task: Task) -> int:
     """The channel a message is matched on: its conversion's in a reduced Program, else its own tag."""
-    return task.channel if task.channel >= 0 else task.axis
+    return task.channel if task.channel >= 0 else task.tag
