@@ -82,9 +82,9 @@ def test_plan_classes_of_a_data_parallel_plan_on_two_nodes():
     cost = CostModel.load("dgx-a100-80g", 2)
     ctx = Context(g, spec, 16, "dgx-a100-80g", 2, 16, 1)
     plan = get_space("megatron").build(ctx, dict(dp=2, tp=8, pp=1, microbatch=1))
-    from planlab.plan.materialize import _Layouts
+    from planlab.plan.passes.layouts import Layouts
 
-    classes = plan_classes(plan, _Layouts(plan, g).mesh.values(), cost.cluster.node_of)
+    classes = plan_classes(plan, Layouts(plan, g).mesh.values(), cost.cluster.node_of)
     assert sorted(set(classes)) == [0]  # tensor-parallel inside each node, replicas across nodes
 
 
@@ -181,7 +181,7 @@ def test_compute_sharing_the_device_with_communication_slows_down():
 def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeypatch):
     import importlib
 
-    mat = importlib.import_module("planlab.plan.materialize")
+    mat = importlib.import_module("planlab.plan.passes.gradients")
     monkeypatch.setattr(mat, "BUCKET_ELEMENTS", 5000)  # gpt-tiny's 100k parameters in several buckets
     spec, g = traced("gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=2))

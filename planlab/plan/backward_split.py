@@ -1,6 +1,7 @@
 """Zero-bubble's split backward (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
 stage's backward block becomes an input-gradient block ``I`` and a weight-gradient block ``W``,
-the phases of torch.distributed.pipelining's ``_ComputationType``.
+the phases of torch.distributed.pipelining's ``_ComputationType``; the ``materialize`` pass
+:func:`split_zero_bubble`, after co-located pieces are chunked.
 
 ``I`` holds everything the backward does for the inputs' gradients: the receives of the output
 gradients, each operator's backward for its inputs, the sums and the sends upstream, and the
@@ -19,6 +20,7 @@ from typing import Iterable
 
 from planlab.graph.ir import Graph
 from planlab.plan.buffer import WEIGHT_GRAD_KINDS
+from planlab.plan.passes.draft import Draft
 from planlab.plan.plan import Action
 from planlab.plan.program import Role, Task, TaskKind
 
@@ -67,22 +69,34 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
     return inp, wgt
 
 
-def split_backward(blocks: dict[tuple[int, str], list], stages: set[int], graph: Graph) -> None:
-    """Replace the ``(stage, "B")`` block entries ``[(key, task)]`` of ``stages`` by ``I`` and ``W``
-    blocks (in place); keys are kept, so each part keeps its place in the backward order."""
+def split_zero_bubble(d: Draft) -> Draft:
+    """On every device whose schedule has ``I`` and ``W`` actions, the backward blocks of those
+    stages split (:func:`split_backward`)."""
+    blocks = d.copy_blocks()
+    for dev, mine in blocks.items():
+        given = d.plan.schedule[dev] if d.plan.schedule and dev < len(d.plan.schedule) else ()
+        if any(a.phase in ("I", "W") for a in given):
+            split_backward(mine, split_stages(given), d.graph)
+    return d.replace(blocks=blocks)
+
+
+def split_backward(blocks: dict[tuple[int, str], list[Task]], stages: set[int], graph: Graph) -> None:
+    """Replace the ``(stage, "B")`` blocks (task lists) of ``stages`` by ``I`` and ``W`` blocks (in
+    place); each task keeps its place in the backward order. ``W`` gets each backward task's
+    weight-gradient part and the overlapped reductions of weight gradients, ``I`` the rest."""
     for st in sorted(stages):
         items = blocks.pop((st, "B"), None)
         if items is None:
             continue
-        inp, wgt = blocks[(st, "I")], blocks[(st, "W")]
-        for key, t in items:
+        inp, wgt = blocks.setdefault((st, "I"), []), blocks.setdefault((st, "W"), [])
+        for t in items:
             if t.kind is TaskKind.BACKWARD:
                 i, w = split_task(t, graph.op(t.op).kind)
                 if i is not None:
-                    inp.append((key, i))
+                    inp.append(i)
                 if w is not None:
-                    wgt.append((key, w))
+                    wgt.append(w)
             elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.kind in WEIGHT_GRAD_KINDS for r in t.reads if r):
-                wgt.append((key, t))
+                wgt.append(t)
             else:
-                inp.append((key, t))
+                inp.append(t)

@@ -50,7 +50,7 @@ WEIGHT_GRAD_KINDS = frozenset({BufferKind.WEIGHT_GRAD, BufferKind.FULL_GRAD})
 GATHERED_KINDS = frozenset({BufferKind.GATHERED_FORWARD, BufferKind.GATHERED_BACKWARD})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Buffer:
     """One buffer of a device's program (see the module docstring).
 
@@ -70,19 +70,56 @@ class Buffer:
     input: int = -1
     group: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        key = (self.kind, self.tensor, self.version, self.step, self.chunk, self.consumer, self.input, self.group)
-        # the hash is kept: buffers key every table of liveness, the simulator and the executor
-        self.__dict__.update(_key=key, _hash=hash(key), static=self.kind in STATIC_KINDS)
+    def __init__(
+        self,
+        kind: BufferKind,
+        tensor: str = "",
+        version: int = -1,
+        step: int = 0,
+        chunk: int = -1,
+        consumer: str = "",
+        input: int = -1,
+        group: tuple[int, ...] = (),
+    ) -> None:
+        # Written at once (a frozen dataclass's own __init__ sets fields one by one): buffers are made
+        # for every operator and key every table of liveness, the simulator and the executor, so
+        # their hash is kept too.
+        self.__dict__.update(
+            kind=kind,
+            tensor=tensor,
+            version=version,
+            step=step,
+            chunk=chunk,
+            consumer=consumer,
+            input=input,
+            group=group,
+            _hash=hash((kind, tensor, version, step, chunk, consumer, input, group)),
+            static=kind in STATIC_KINDS,
+        )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Buffer) and self._key == other._key)
+        return self is other or (
+            isinstance(other, Buffer)
+            and self._hash == other._hash
+            and self.kind is other.kind
+            and self.tensor == other.tensor
+            and self.version == other.version
+            and self.step == other.step
+            and self.chunk == other.chunk
+            and self.consumer == other.consumer
+            and self.input == other.input
+            and self.group == other.group
+        )
 
     def __reduce__(self):  # rebuilt from its fields: the cached hash is per process
-        return Buffer, self._key
+        return Buffer, self.fields()
+
+    def fields(self) -> tuple:
+        """The buffer's fields, in order."""
+        return (self.kind, self.tensor, self.version, self.step, self.chunk, self.consumer, self.input, self.group)
 
     def __str__(self) -> str:
         text = f"{self.kind.value}:{self.tensor}"
@@ -104,15 +141,17 @@ class Buffer:
     # -- the variants passes make of a buffer -------------------------------------------------
     def with_kind(self, kind: BufferKind) -> Buffer:
         """The same tensor and variant as another kind (an activation remade: ``RECOMPUTED``)."""
-        return Buffer(kind, self.tensor, self.version, self.step, self.chunk, self.consumer, self.input, self.group)
+        return Buffer(kind, *self.fields()[1:])
 
     def at_step(self, step: int) -> Buffer:
         """Intermediate result ``step`` of the conversion that makes this buffer."""
-        return Buffer(self.kind, self.tensor, self.version, step, self.chunk, self.consumer, self.input, self.group)
+        f = self.fields()
+        return Buffer(*f[:3], step, *f[4:])
 
     def at_chunk(self, chunk: int) -> Buffer:
         """Chunk ``chunk`` of this buffer (co-located pieces run one chunk at a time)."""
-        return Buffer(self.kind, self.tensor, self.version, self.step, chunk, self.consumer, self.input, self.group)
+        f = self.fields()
+        return Buffer(*f[:4], chunk, *f[5:])
 
 
 # -- the buffers passes name --------------------------------------------------------------------

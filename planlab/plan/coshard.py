@@ -1,6 +1,6 @@
 """Coshard: a device's co-located pieces of an operator run one after another, each recomputed.
 
-Pass 4b of ``materialize``. An operator whose plan puts ``k`` neighbouring pieces on each device
+The ``materialize`` pass :func:`run_chunks`, after the blocks are ordered. An operator whose plan puts ``k`` neighbouring pieces on each device
 (:mod:`planlab.plan.colocation`) is first built like the ``n``-way split its shares make: one
 forward and one backward task per device, the same layouts and collectives. This pass then runs
 each device's share as ``k`` chunks, in this order:
@@ -35,6 +35,7 @@ from planlab.graph.ir import Graph, Operator
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.colocation import CoLocation
 from planlab.plan.layout import Box, Layout, Partial, Replicate, box_shape
+from planlab.plan.passes.draft import Draft, Idents
 from planlab.plan.plan import Plan
 from planlab.plan.program import Recompute, Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -106,8 +107,21 @@ def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
     return list(out.values())
 
 
-def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dict[Buffer, int]]) -> None:
-    """Rewrite every device's blocks (``entries[device][(stage, phase)]``: ``(key, task)`` lists)
+def run_chunks(d: Draft) -> Draft:
+    """Co-located operators (``layouts.chunks``) run as chunks on every device (see the module
+    docstring); a collective run per chunk is another collective, with an identity of its own."""
+    if not d.layouts.chunks:
+        return d
+    blocks, sizes = d.copy_blocks(), d.copy_sizes()
+    idents = Idents(d.next_ident)
+    run_in_chunks(blocks, d.graph, d.layouts, d.plan, sizes, idents)
+    return d.replace(blocks=blocks, sizes=sizes, next_ident=idents.next)
+
+
+def run_in_chunks(
+    blocks_of: dict, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dict[Buffer, int]], idents: Idents
+) -> None:
+    """Rewrite every device's blocks (``blocks_of[device][(stage, phase)]``: task lists, in order)
     so that co-located operators run as chunks; register the new buffers' sizes."""
     stage = {p.op: p.stage for p in plan.ops}
     recomputed = frozenset(p.op for p in plan.ops if p.recompute and p.op in L.chunks)
@@ -118,18 +132,17 @@ def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dic
     for members in groups(graph, L, stage):
         by_stage[stage[members[0]]].append(members)
     shapes: dict[tuple[str, int], tuple] = {}
-    for dev, blocks in entries.items():
+    for dev, blocks in blocks_of.items():
         for st, found in by_stage.items():
             fkey, bkey = (st, "F"), (st, "B")
             if fkey not in blocks:
                 continue
-            fw = [t for _, t in sorted(blocks[fkey], key=lambda x: x[0])]
-            bw = [t for _, t in sorted(blocks[bkey], key=lambda x: x[0])] if bkey in blocks else []
-            run = _Stage(graph, L, recomputed, buf_bytes[dev], shapes, nested)
+            fw, bw = list(blocks[fkey]), list(blocks.get(bkey, ()))
+            run = _Stage(graph, L, recomputed, buf_bytes.setdefault(dev, {}), shapes, nested, idents)
             fw, bw = run.rewrite(fw, bw, found)
-            blocks[fkey] = [((j,), t) for j, t in enumerate(fw)]
+            blocks[fkey] = fw
             if bkey in blocks:
-                blocks[bkey] = [((j,), t) for j, t in enumerate(bw)]
+                blocks[bkey] = bw
 
 
 class _Stage:
@@ -142,10 +155,11 @@ class _Stage:
         recomputed: frozenset[str],
         sizes: dict[Buffer, int],
         shapes: dict[tuple[str, int], tuple],
-        nested: frozenset[str] = frozenset(),
+        nested: frozenset[str],
+        idents: Idents,
     ) -> None:
         self.graph, self.L, self.recomputed, self.sizes, self.shapes = graph, L, recomputed, sizes, shapes
-        self.nested = nested
+        self.nested, self.idents = nested, idents
 
     def rewrite(self, fw: list[Task], bw: list[Task], found: list[list[str]]) -> tuple[list[Task], list[Task]]:
         writers: dict[Buffer, set] = defaultdict(set)
@@ -487,6 +501,7 @@ class _Chunks:
                 flops=t.flops / self.k,
                 bytes_moved=t.bytes_moved / self.k,
                 nbytes=t.nbytes // self.k,
+                ident=self.s.idents((t.ident, c)) if t.ident >= 0 else -1,
             )
         op = self._op(t)
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)

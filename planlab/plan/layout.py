@@ -119,6 +119,13 @@ class Layout:
     mesh: Mesh
     placements: tuple[Placement, ...]
 
+    def __hash__(self) -> int:  # kept: layouts key the caches of boxes and conversions
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.placements))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __str__(self) -> str:
         return "[" + ",".join(map(str, self.placements)) + f"]@{self.mesh}"
 

@@ -10,21 +10,23 @@ copies of overlapping slices, which is always correct.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import count
 
 from planlab.plan.buffer import Buffer
-from planlab.plan.layout import Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
+from planlab.plan.layout import Box, Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
 from planlab.plan.program import Task, TaskKind
 
 
 @dataclass
 class Conversion:
     """Tasks of one conversion: ``src`` tasks run where the data is produced
-    (sends), ``dst`` tasks where it is consumed (collectives, receives, copies)."""
+    (sends), ``dst`` tasks where it is consumed (collectives, receives, copies); the kinds of its
+    steps, and how many message tags and collective identities it took."""
 
     src: dict[int, list[Task]] = field(default_factory=dict)
     dst: dict[int, list[Task]] = field(default_factory=dict)
     kinds: list[str] = field(default_factory=list)
+    tags: int = 0
+    idents: int = 0
 
     def add(self, side: str, device: int, task: Task) -> None:
         getattr(self, side).setdefault(device, []).append(task)
@@ -57,32 +59,34 @@ def plan_conversion(
     src_buf: Buffer,
     dst_buf: Buffer,
     accumulate: bool = False,
-    tags: count | None = None,
+    first_tag: int = 0,
     name: str = "",
     dtype: str = "float32",
     only: frozenset[int] | None = None,
     channel: int = -1,
+    ident: int = 0,
 ) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
     ``dst`` must hold full values (no Partial). With ``accumulate`` the result
-    is added into ``dst_buf`` (gradient accumulation). With ``only``, tasks are
+    is added into ``dst_buf`` (gradient accumulation). Point-to-point messages take tags
+    ``first_tag, first_tag + 1, ...`` (``Conversion.tags`` of them); the collectives of step ``k``
+    take identity ``ident + k`` on every device (``Conversion.idents`` of them). With ``only``, tasks are
     planned for those devices alone (the representatives of device classes);
     point-to-point messages then get tags computed from their positions, the
     same whichever devices are planned, and carry ``channel`` for the simulator.
     """
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
         raise ValueError(f"cannot convert into a partial layout {dst}")
-    tags = tags if tags is not None else count()
     if _same_mesh(src, dst) and not _nested(src) and not _nested(dst):
-        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only)
+        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, ident)
         if conv is not None:
             return conv
     if only is not None:
         return _point_to_point_only(
             src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, channel
         )
-    return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name, dtype)
+    return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype)
 
 
 def _positions(mesh, only: frozenset[int] | None):
@@ -93,7 +97,7 @@ def _positions(mesh, only: frozenset[int] | None):
     return sorted((pos[d], d) for d in only if d in pos)
 
 
-def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only) -> Conversion | None:
+def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, ident) -> Conversion | None:
     mesh = src.mesh
     steps = []
     cur = list(_normalize(src))
@@ -120,7 +124,7 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         before = Layout(mesh, tuple(cur))
         cur[ax] = d
         steps.append((ax, kind, before, Layout(mesh, tuple(cur))))
-    conv = Conversion()
+    conv = Conversion(idents=len(steps))
     if not steps:
         if not accumulate:
             return conv  # nothing to do: the caller aliases src_buf
@@ -185,18 +189,82 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                     shape=box_shape(bout),
                     accumulate=accumulate and last,
                     dtype=dtype,
+                    ident=ident + k,
                 ),
             )
     return conv
 
 
-def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, name, dtype) -> Conversion:
+@dataclass(frozen=True)
+class _Messages:
+    """The tasks of one point-to-point conversion from ``src_buf`` into ``dst_buf``: local copies,
+    sends and receives of regions, named after the conversion, adding into the destination with
+    ``accumulate``, carrying ``channel`` (a reduced Program's) on messages."""
+
+    src_buf: Buffer
+    dst_buf: Buffer
+    name: str
+    dtype: str
+    elem_bytes: int
+    accumulate: bool
+    channel: int = -1
+
+    def copy(self, region: Box, sbox: Box, dbox: Box) -> Task:
+        """The local copy of ``region`` (held in ``sbox`` here, wanted in ``dbox`` here)."""
+        return Task(
+            f"{self.name}copy",
+            TaskKind.LOCAL,
+            (self.src_buf,),
+            (self.dst_buf,),
+            src_region=relative(region, sbox),
+            region=relative(region, dbox),
+            shape=box_shape(dbox),
+            accumulate=self.accumulate,
+            dtype=self.dtype,
+        )
+
+    def send(self, tag: int, peer: int, region: Box, sbox: Box) -> Task:
+        """The send of ``region`` (held in ``sbox``) to ``peer``."""
+        return Task(
+            f"{self.name}send{tag}",
+            TaskKind.SEND,
+            (self.src_buf,),
+            (),
+            peer=peer,
+            nbytes=box_numel(region) * self.elem_bytes,
+            region=relative(region, sbox),
+            tag=tag,
+            dtype=self.dtype,
+            channel=self.channel,
+        )
+
+    def recv(self, tag: int, peer: int, region: Box, dbox: Box) -> Task:
+        """The receive of ``region`` (wanted in ``dbox``) from ``peer``."""
+        return Task(
+            f"{self.name}recv{tag}",
+            TaskKind.RECV,
+            (),
+            (self.dst_buf,),
+            peer=peer,
+            nbytes=box_numel(region) * self.elem_bytes,
+            region=relative(region, dbox),
+            shape=box_shape(dbox),
+            accumulate=self.accumulate,
+            tag=tag,
+            dtype=self.dtype,
+            channel=self.channel,
+        )
+
+
+def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, first_tag, name, dtype) -> Conversion:
+    """Every piece of the destination copied from (or sent by) a holder of each overlapping piece
+    of the source: itself where it holds one, else the replica at its position modulo theirs."""
     conv = Conversion(kinds=["p2p"])
     pieces = []  # (device, box, partial key)
     for flat, dev in enumerate(src.mesh.devices):
         pieces.append((dev, src.box(flat, shape), src.partial_key(flat)))
     keys = sorted({p[2] for p in pieces})
-    acc = accumulate or len(keys) > 1
+    make = _Messages(src_buf, dst_buf, name, dtype, eb, accumulate or len(keys) > 1)
     for flat, dd in enumerate(dst.mesh.devices):
         dbox = dst.box(flat, shape)
         for key in keys:
@@ -208,56 +276,12 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                 chosen = dd if dd in replicas else replicas[flat % len(replicas)]
                 region = intersect(sbox, dbox)
                 if chosen == dd:
-                    conv.add(
-                        "dst",
-                        dd,
-                        Task(
-                            f"{name}copy",
-                            TaskKind.LOCAL,
-                            (src_buf,),
-                            (dst_buf,),
-                            src_region=relative(region, sbox),
-                            region=relative(region, dbox),
-                            shape=box_shape(dbox),
-                            accumulate=acc,
-                            dtype=dtype,
-                        ),
-                    )
+                    conv.add("dst", dd, make.copy(region, sbox, dbox))
                     continue
-                tag = next(tags)
-                nbytes = box_numel(region) * eb
-                conv.add(
-                    "src",
-                    chosen,
-                    Task(
-                        f"{name}send{tag}",
-                        TaskKind.SEND,
-                        (src_buf,),
-                        (),
-                        peer=dd,
-                        nbytes=nbytes,
-                        region=relative(region, sbox),
-                        tag=tag,
-                        dtype=dtype,
-                    ),
-                )
-                conv.add(
-                    "dst",
-                    dd,
-                    Task(
-                        f"{name}recv{tag}",
-                        TaskKind.RECV,
-                        (),
-                        (dst_buf,),
-                        peer=chosen,
-                        nbytes=nbytes,
-                        region=relative(region, dbox),
-                        shape=box_shape(dbox),
-                        accumulate=acc,
-                        tag=tag,
-                        dtype=dtype,
-                    ),
-                )
+                tag = first_tag + conv.tags
+                conv.tags += 1
+                conv.add("src", chosen, make.send(tag, dd, region, sbox))
+                conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
     return conv
 
 
@@ -270,14 +294,12 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
     pieces = [(dev, src.box(flat, shape), src.partial_key(flat)) for flat, dev in enumerate(src.mesh.devices)]
     keys = sorted({p[2] for p in pieces})
     key_index = {k: i for i, k in enumerate(keys)}
-    acc = accumulate or len(keys) > 1
+    make = _Messages(src_buf, dst_buf, name, dtype, eb, accumulate or len(keys) > 1, channel)
     by_key: dict[tuple, dict] = {k: {} for k in keys}  # key -> box -> devices holding it, in mesh order
     for dev, sbox, k in pieces:
         by_key[k].setdefault(sbox, []).append(dev)
     src_pos = src.mesh.position
-
-    def messages(flat: int, dd: int):
-        """Every piece ``dd`` (at ``flat`` of the destination mesh) takes: (key, sender, region, dbox, sbox)."""
+    for flat, dd in _receivers(src, dst, shape, only):
         dbox = dst.box(flat, shape)
         for k in keys:
             for sbox, reps in by_key[k].items():
@@ -285,16 +307,22 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                 if region is None:
                     continue
                 chosen = dd if dd in reps else reps[flat % len(reps)]
-                yield k, chosen, region, dbox, sbox
+                if chosen == dd:
+                    if dd in only:
+                        conv.add("dst", dd, make.copy(region, sbox, dbox))
+                    continue
+                tag = (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
+                if chosen in only:
+                    conv.add("src", chosen, make.send(tag, dd, region, sbox))
+                if dd in only:
+                    conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
+    return conv
 
-    def tag_of(flat: int, k, chosen: int) -> int:
-        return (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
 
-    dst_pos = dst.mesh.position
-    wanted = {}  # destination position -> device, for destinations planned or fed by a planned sender
-    for d in only:
-        if d in dst_pos:
-            wanted[dst_pos[d]] = d
+def _receivers(src: Layout, dst: Layout, shape: tuple[int, ...], only: frozenset[int]) -> list[tuple[int, int]]:
+    """``(position, device)`` of the destinations planned or fed by a planned sender, in mesh order."""
+    src_pos, dst_pos = src.mesh.position, dst.mesh.position
+    wanted = {dst_pos[d]: d for d in only if d in dst_pos}
     senders = [d for d in only if d in src_pos]
     if senders:
         mine = {src.box(src_pos[d], shape) for d in senders}
@@ -303,63 +331,4 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                 dbox = dst.box(flat, shape)
                 if any(intersect(b, dbox) is not None for b in mine):
                     wanted[flat] = dd
-    for flat in sorted(wanted):
-        dd = wanted[flat]
-        for k, chosen, region, dbox, sbox in messages(flat, dd):
-            if chosen == dd:
-                if dd in only:
-                    conv.add(
-                        "dst",
-                        dd,
-                        Task(
-                            f"{name}copy",
-                            TaskKind.LOCAL,
-                            (src_buf,),
-                            (dst_buf,),
-                            src_region=relative(region, sbox),
-                            region=relative(region, dbox),
-                            shape=box_shape(dbox),
-                            accumulate=acc,
-                            dtype=dtype,
-                        ),
-                    )
-                continue
-            tag = tag_of(flat, k, chosen)
-            nbytes = box_numel(region) * eb
-            if chosen in only:
-                conv.add(
-                    "src",
-                    chosen,
-                    Task(
-                        f"{name}send{tag}",
-                        TaskKind.SEND,
-                        (src_buf,),
-                        (),
-                        peer=dd,
-                        nbytes=nbytes,
-                        region=relative(region, sbox),
-                        tag=tag,
-                        dtype=dtype,
-                        channel=channel,
-                    ),
-                )
-            if dd in only:
-                conv.add(
-                    "dst",
-                    dd,
-                    Task(
-                        f"{name}recv{tag}",
-                        TaskKind.RECV,
-                        (),
-                        (dst_buf,),
-                        peer=chosen,
-                        nbytes=nbytes,
-                        region=relative(region, dbox),
-                        shape=box_shape(dbox),
-                        accumulate=acc,
-                        tag=tag,
-                        dtype=dtype,
-                        channel=channel,
-                    ),
-                )
-    return conv
+    return [(flat, wanted[flat]) for flat in sorted(wanted)]

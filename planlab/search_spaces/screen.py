@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from planlab.costmodel import CostModel
 from planlab.graph.ir import Graph
-from planlab.plan.materialize import BUCKET_ELEMENTS
+from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.screen_structure import (
