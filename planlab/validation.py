@@ -274,21 +274,26 @@ def partition_pipeline_messages(program, tp: int):
     ``tp`` parts, one per tensor-parallel rank, and the receiving tensor-parallel group
     all-gathers them (Megatron-LM's scatter-gather does the same). planlab's conversions send the
     whole tensor from each replica: here every message between stages carries a ``tp``-th and
-    each receive is followed by an all-gather of the whole over the receiver's tensor-parallel group."""
+    each receive is followed by an all-gather of the whole over the receiver's tensor-parallel group
+    (the k-th such gather of a block is one collective on every member: its identity)."""
     from planlab.plan.program import Task, TaskKind
 
     if tp == 1:
         return program
+    first = 1 + max((t.ident for dp in program.devices for b in dp.blocks.values() for t in b.tasks), default=-1)
+    idents: dict[tuple, int] = {}
     devices = []
     for dp in program.devices:
         group = tuple(range(dp.device - dp.device % tp, dp.device - dp.device % tp + tp))
         blocks = {}
         for key, block in dp.blocks.items():
-            tasks = []
+            tasks, gathers = [], 0
             for t in block.tasks:
                 if t.kind in (TaskKind.SEND, TaskKind.RECV) and t.nbytes >= tp:
                     tasks.append(replace(t, nbytes=t.nbytes // tp))
                     if t.kind is TaskKind.RECV:
+                        ident = idents.setdefault((key, gathers), first + len(idents))
+                        gathers += 1
                         buf = t.writes[0] if t.writes else None
                         tasks.append(
                             Task(
@@ -299,6 +304,7 @@ def partition_pipeline_messages(program, tp: int):
                                 collective="all_gather",
                                 group=group,
                                 nbytes=t.nbytes,
+                                ident=ident,
                             )
                         )
                     continue

@@ -144,6 +144,7 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
                 nbytes=int(reduce_s * 1e9),
                 final=True,
                 overlap=overlap,
+                ident=0,
             ),
             Task("b2", TaskKind.BACKWARD, (), (), flops=1e9),
         )

@@ -157,6 +157,7 @@ def _gather_program(prefetch: bool) -> Program:
             overlap=True,
             alloc=((zf[u], 100),),
             role=Role.UNIT_GATHER,
+            ident=ord(u),
         )
 
     f0 = Task("f0", TaskKind.FORWARD, (zf["a"],), (y,), flops=1e9, free=(zf["a"],))
@@ -176,6 +177,7 @@ def _gather_program(prefetch: bool) -> Program:
             accumulate=True,
             free=(zd,),
             role=Role.UNIT_GRADS,
+            ident=0,
         ),
     )
     upd = (Task("optimizer-shard[0, 1]#a", TaskKind.OPTIMIZER, (zg,), (zp,), flops=1e9, role=Role.SHARD_STEP),)
