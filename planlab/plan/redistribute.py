@@ -12,7 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planlab.plan.buffer import Buffer
-from planlab.plan.layout import Box, Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
+from planlab.plan.layout import (
+    Box,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    box_numel,
+    box_shape,
+    intersect,
+    positions,
+    relative,
+)
 from planlab.plan.program import Task, TaskKind
 
 
@@ -89,21 +100,15 @@ def plan_conversion(
     return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype)
 
 
-def _positions(mesh, only: frozenset[int] | None):
-    """``(flat, device)`` of the mesh's devices, or of those in ``only``."""
-    if only is None:
-        return enumerate(mesh.devices)
-    pos = mesh.position
-    return sorted((pos[d], d) for d in only if d in pos)
-
-
-def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, ident) -> Conversion | None:
+def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout]] | None:
+    """The steps of a conversion on one mesh, one per changed mesh axis: ``(axis, kind, layout
+    before, layout after)``. Reductions first (they shrink nothing but must precede slicing of the
+    same data), then gathers, then local slices (``chunk``); None for a shard-to-shard change (an
+    all-to-all, left to the point-to-point fallback)."""
     mesh = src.mesh
     steps = []
     cur = list(_normalize(src))
     want = _normalize(dst)
-    # Reductions first (they shrink nothing but must precede slicing of the same data),
-    # then gathers, then local slices.
     order = sorted(
         range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else 1 if isinstance(cur[i], Shard) else 2, i)
     )
@@ -120,19 +125,26 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         elif isinstance(s, Replicate) and isinstance(d, Shard):
             kind = "chunk"
         else:
-            return None  # shard-to-shard: all-to-all is left to the point-to-point fallback
+            return None
         before = Layout(mesh, tuple(cur))
         cur[ax] = d
         steps.append((ax, kind, before, Layout(mesh, tuple(cur))))
+    return steps
+
+
+def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, ident) -> Conversion | None:
+    """The conversion as one collective (or local slice) per changed mesh axis (see
+    :func:`_axis_steps`); intermediate results are steps of ``dst_buf``. Without a change, a
+    local copy that accumulates (or nothing: the caller aliases ``src_buf``)."""
+    mesh = src.mesh
+    steps = _axis_steps(src, dst)
+    if steps is None:
+        return None
     conv = Conversion(idents=len(steps))
     if not steps:
-        if not accumulate:
-            return conv  # nothing to do: the caller aliases src_buf
-        for flat, dev in _positions(mesh, only):
-            conv.add(
-                "dst",
-                dev,
-                Task(
+        if accumulate:
+            for flat, dev in positions(mesh, only):
+                copy = Task(
                     f"{name}copy",
                     TaskKind.LOCAL,
                     (src_buf,),
@@ -140,58 +152,36 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                     shape=box_shape(dst.box(flat, shape)),
                     accumulate=True,
                     dtype=dtype,
-                ),
-            )
+                )
+                conv.add("dst", dev, copy)
         return conv
     for k, (ax, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
         rbuf = src_buf if k == 0 else dst_buf.at_step(k)
         wbuf = dst_buf if last else dst_buf.at_step(k + 1)
         conv.kinds.append(kind)
-        for flat, dev in _positions(mesh, only):
+        for flat, dev in positions(mesh, only):
             bin_, bout = before.box(flat, shape), after.box(flat, shape)
+            common = dict(shape=box_shape(bout), accumulate=accumulate and last, dtype=dtype)
             if kind == "chunk":
-                conv.add(
-                    "dst",
-                    dev,
-                    Task(
-                        f"{name}chunk{k}",
-                        TaskKind.LOCAL,
-                        (rbuf,),
-                        (wbuf,),
-                        src_region=relative(bout, bin_),
-                        shape=box_shape(bout),
-                        accumulate=accumulate and last,
-                        dtype=dtype,
-                    ),
+                task = Task(
+                    f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,), src_region=relative(bout, bin_), **common
                 )
-                continue
-            tensor_axis = (
-                after.placements[ax].dim
-                if kind == "reduce_scatter"
-                else before.placements[ax].dim
-                if kind == "all_gather"
-                else -1
-            )
-            nbytes = max(box_numel(bin_), box_numel(bout)) * eb
-            conv.add(
-                "dst",
-                dev,
-                Task(
+            else:
+                axis = {"reduce_scatter": after, "all_gather": before}.get(kind)
+                task = Task(
                     f"{name}{kind}{k}",
                     TaskKind.COLLECTIVE,
                     (rbuf,),
                     (wbuf,),
                     collective=kind,
                     group=mesh.group_of(flat, (ax,)),
-                    axis=tensor_axis,
-                    nbytes=nbytes,
-                    shape=box_shape(bout),
-                    accumulate=accumulate and last,
-                    dtype=dtype,
+                    axis=axis.placements[ax].dim if axis is not None else -1,
+                    nbytes=max(box_numel(bin_), box_numel(bout)) * eb,
                     ident=ident + k,
-                ),
-            )
+                    **common,
+                )
+            conv.add("dst", dev, task)
     return conv
 
 

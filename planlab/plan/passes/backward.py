@@ -12,10 +12,10 @@ from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Layout, box_numel, box_shape
-from planlab.plan.passes.draft import Draft, Part, add, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, record_size
 from planlab.plan.passes.layouts import full
 from planlab.plan.program import Task, TaskKind
-from planlab.plan.redistribute import plan_conversion, same_layout
+from planlab.plan.redistribute import same_layout
 
 
 def convert_gradients(d: Draft) -> Draft:
@@ -30,7 +30,7 @@ def convert_gradients(d: Draft) -> Draft:
     parts, sizes = dict(d.parts), d.copy_sizes()
     dead: set[str] = set()
     grads: dict[str, tuple[Buffer | None, ...]] = {}
-    state = {"channel": d.next_channel, "tag": d.next_tag, "ident": d.next_ident}
+    counters = Counters.of(d)
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
         gbufs = []
@@ -49,7 +49,7 @@ def convert_gradients(d: Draft) -> Draft:
                 c, k = uses[0]
                 gbufs.append(buf_.contribution(t, c.name, k))
                 continue
-            _sum_and_convert(d, parts, sizes, state, i, t, uses, target)
+            _sum_and_convert(d, parts, sizes, counters, i, t, uses, target)
             gbufs.append(buf_.grad(t))
         grads[op.name] = tuple(gbufs)
         if op.outputs[0] != graph.loss and all(g is None for g in gbufs):
@@ -59,16 +59,14 @@ def convert_gradients(d: Draft) -> Draft:
         sizes=sizes,
         grads=grads,
         dead=frozenset(dead),
-        next_channel=state["channel"],
-        next_tag=state["tag"],
-        next_ident=state["ident"],
+        **counters.fields(),
     )
 
 
-def _sum_and_convert(d: Draft, parts, sizes, state: dict, i: int, t: str, uses, target: Layout) -> None:
+def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str, uses, target: Layout) -> None:
     """The tasks that sum the contributions ``uses`` to tensor ``t``'s gradient into its ``GRAD``
-    buffer in layout ``target`` (see :func:`convert_gradients`); ``state`` holds the next channel,
-    tag and identity and is advanced."""
+    buffer in layout ``target`` (see :func:`convert_gradients`), with the next channels, tags and
+    identities of ``counters``."""
     L, graph, op = d.layouts, d.graph, d.graph.operators[i]
     key = (d.stage[op.name], "B")
     pending: list[tuple[Layout, Buffer, str]] = []  # (layout, buffer, operator on whose stage it is)
@@ -99,29 +97,8 @@ def _sum_and_convert(d: Draft, parts, sizes, state: dict, i: int, t: str, uses, 
                 record_size(sizes, dev, task, d.elem_bytes(t))
         pending.append((lay, summed, op.name))
     for lay, buf, src in pending:
-        conv = plan_conversion(
-            lay,
-            target,
-            L.shapes[t],
-            d.elem_bytes(t),
-            src_buf=buf,
-            dst_buf=buf_.grad(t),
-            accumulate=True,
-            first_tag=state["tag"],
-            name=f"d{t}:",
-            dtype=graph.tensors[t].dtype,
-            only=d.keep,
-            channel=state["channel"],
-            ident=state["ident"],
-        )
-        state["channel"] += 1
-        state["tag"] += conv.tags
-        state["ident"] += conv.idents
-        for side, key_of in (("src", (d.stage[src], "B")), ("dst", key)):
-            for dev, tasks in getattr(conv, side).items():
-                add(parts, dev, key_of, i, Part.INPUTS, *tasks)
-                for task in tasks:
-                    record_size(sizes, dev, task, d.elem_bytes(t))
+        at = ((d.stage[src], "B"), key, i)
+        convert(d, parts, sizes, counters, lay, target, t, (buf, buf_.grad(t)), at, accumulate=True, name=f"d{t}:")
 
 
 def backward_pieces(d: Draft) -> Draft:

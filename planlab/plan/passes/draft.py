@@ -25,10 +25,11 @@ from typing import Iterable
 
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
 from planlab.plan.buffer import Buffer
-from planlab.plan.layout import Mesh
+from planlab.plan.layout import Layout, Mesh, positions
 from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import Plan
 from planlab.plan.program import Precision, Task
+from planlab.plan.redistribute import plan_conversion
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -191,18 +192,6 @@ def record_size(sizes: dict[int, dict[Buffer, int]], dev: int, task: Task, elem_
             mine.setdefault(w, math.prod(task.shape) * elem_bytes)
 
 
-def positions(mesh: Mesh, keep: frozenset[int] | None) -> Iterable[tuple[int, int]]:
-    """``(flat, device)`` of a mesh's devices, or of those in ``keep``."""
-    if keep is None:
-        return enumerate(mesh.devices)
-    cache = mesh.__dict__.setdefault("_kept", {})
-    got = cache.get(keep)
-    if got is None:
-        pos = mesh.position
-        got = cache[keep] = sorted((pos[d], d) for d in keep if d in pos)
-    return got
-
-
 def line(mesh: Mesh, flat: int, axes: list[int]) -> tuple[int, ...]:
     """The devices of ``mesh`` whose coordinates differ from ``flat``'s along ``axes`` only, in
     row-major order of those axes; () without such axes (or when they are of size one)."""
@@ -215,6 +204,69 @@ def line(mesh: Mesh, flat: int, axes: list[int]) -> tuple[int, ...]:
             base[a] = j
         out.append(mesh.devices[mesh.flat(tuple(base))])
     return tuple(out)
+
+
+@dataclass
+class Counters:
+    """The next conversion channel, message tag and collective identity a pass gives out."""
+
+    channel: int
+    tag: int
+    ident: int
+
+    @classmethod
+    def of(cls, d: Draft) -> Counters:
+        return cls(d.next_channel, d.next_tag, d.next_ident)
+
+    def fields(self) -> dict[str, int]:
+        """The draft fields that carry them on."""
+        return dict(next_channel=self.channel, next_tag=self.tag, next_ident=self.ident)
+
+
+def convert(
+    d: Draft,
+    parts: Parts,
+    sizes: dict[int, dict[Buffer, int]],
+    counters: Counters,
+    have: Layout,
+    need: Layout,
+    tensor: str,
+    bufs: tuple[Buffer, Buffer],
+    at: tuple[BlockKey, BlockKey, int],
+    accumulate: bool = False,
+    name: str = "",
+) -> None:
+    """Plan the conversion of ``tensor`` from layout ``have`` (buffer ``bufs[0]``) into ``need``
+    (``bufs[1]``, added into with ``accumulate``) for the devices built
+    (:func:`~planlab.plan.redistribute.plan_conversion`, with the next channel, tags and
+    identities of ``counters``) and put its tasks in slot ``at[2]``'s ``INPUTS``: the sending
+    side's in block ``at[0]``, the receiving side's in ``at[1]``."""
+    eb = d.elem_bytes(tensor)
+    conv = plan_conversion(
+        have,
+        need,
+        d.layouts.shapes[tensor],
+        eb,
+        src_buf=bufs[0],
+        dst_buf=bufs[1],
+        accumulate=accumulate,
+        first_tag=counters.tag,
+        name=name,
+        dtype=d.graph.tensors[tensor].dtype,
+        only=d.keep,
+        channel=counters.channel,
+        ident=counters.ident,
+    )
+    counters.channel, counters.tag, counters.ident = (
+        counters.channel + 1,
+        counters.tag + conv.tags,
+        counters.ident + conv.idents,
+    )
+    for side, key in (("src", at[0]), ("dst", at[1])):
+        for dev, tasks in getattr(conv, side).items():
+            add(parts, dev, key, at[2], Part.INPUTS, *tasks)
+            for task in tasks:
+                record_size(sizes, dev, task, eb)
 
 
 class Idents:

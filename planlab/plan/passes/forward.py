@@ -10,10 +10,10 @@ from planlab.errors import InfeasiblePlan
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import box_numel, box_shape
-from planlab.plan.passes.draft import Draft, Part, add, line, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, record_size
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
-from planlab.plan.redistribute import plan_conversion, same_layout
+from planlab.plan.redistribute import same_layout
 from planlab.plan.shared_params import check_shared_params, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -73,7 +73,7 @@ def convert_inputs(d: Draft) -> Draft:
     converted: dict[tuple, Buffer] = {}
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor made so far
     reads: dict[str, tuple[Buffer, ...]] = {}
-    channel, tag, ident = d.next_channel, d.next_tag, d.next_ident
+    counters = Counters.of(d)
     for i, op in enumerate(graph.operators):
         key = (d.stage[op.name], "F")
         bufs = []
@@ -98,31 +98,13 @@ def convert_inputs(d: Draft) -> Draft:
                     bufs.append(d.activation[t])
                     continue
                 buf = buf_.activation(t, versions[t] + 1)
-                conv = plan_conversion(
-                    have,
-                    need,
-                    L.shapes[t],
-                    d.elem_bytes(t),
-                    src_buf=d.activation[t],
-                    dst_buf=buf,
-                    first_tag=tag,
-                    name=f"{t}:",
-                    dtype=spec.dtype,
-                    only=d.keep,
-                    channel=channel,
-                    ident=ident,
-                )
-                channel, tag, ident = channel + 1, tag + conv.tags, ident + conv.idents
-                for side, key_of in (("src", (d.stage[prod.name], "F")), ("dst", key)):
-                    for dev, tasks in getattr(conv, side).items():
-                        add(parts, dev, key_of, i, Part.INPUTS, *tasks)
-                        for task in tasks:
-                            record_size(sizes, dev, task, d.elem_bytes(t))
+                at = ((d.stage[prod.name], "F"), key, i)
+                convert(d, parts, sizes, counters, have, need, t, (d.activation[t], buf), at, name=f"{t}:")
             converted[(t, need)] = buf
             versions[t] += 1
             bufs.append(buf)
         reads[op.name] = tuple(bufs)
-    return d.replace(parts=parts, sizes=sizes, reads=reads, next_channel=channel, next_tag=tag, next_ident=ident)
+    return d.replace(parts=parts, sizes=sizes, reads=reads, **counters.fields())
 
 
 def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
