@@ -1,7 +1,7 @@
 import pytest
 
 from planlab.errors import DeadlockError, InfeasiblePlan
-from planlab.plan import Layout, Mesh, Partial, Replicate, Shard, materialize
+from planlab.plan import FP32, Layout, Mesh, Partial, Replicate, Shard, materialize
 from planlab.plan.buffer import BufferKind, activation
 from planlab.plan.program import TaskKind
 from planlab.plan.redistribute import plan_conversion
@@ -213,3 +213,52 @@ def test_a_dead_branch_gives_no_gradient_and_reads_nothing_unwritten():
     assert (
         not {r for t in tasks for r in t.reads if r and r.kind in (BufferKind.CONTRIBUTION, BufferKind.GRAD)} - written
     )
+
+
+def _products(d):
+    """What a draft's passes made, copied down to the task lists (tasks are immutable)."""
+    from planlab.plan.passes.draft import Draft
+
+    out = {}
+    for f in Draft.__dataclass_fields__:
+        v = getattr(d, f)
+        if f == "blocks":
+            v = {dev: {k: list(ts) for k, ts in bl.items()} for dev, bl in v.items()}
+        elif f == "sizes":
+            v = {dev: dict(s) for dev, s in v.items()}
+        elif isinstance(v, dict):
+            v = dict(v)
+        out[f] = v
+    return out
+
+
+@pytest.mark.parametrize(
+    "space, knobs",
+    [
+        ("megatron", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3, schedule="zb-h1", recompute="full")),
+        ("megatron*coshard", dict(dp=1, tp=2, pp=2, microbatch=1, zero=0, recompute="full", coshard=2)),
+        ("megatron", dict(dp=2, tp=2, pp=1, microbatch=1, zero=1)),
+    ],
+)
+def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, knobs):
+    """materialize's passes are functions of the draft: each returns a new draft and the one it was
+    given is unchanged (so a pass can be run, compared or replaced on its own)."""
+    from planlab.plan.materialize import PASSES, build
+    from planlab.plan.passes.draft import Draft
+    from planlab.plan.passes.layouts import Layouts
+    from planlab.plan.passes.liveness import assemble
+
+    from conftest import traced
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space(space).build(Context(g, spec, 8, "cpu", 4, 4, 1), knobs)
+    layouts = Layouts(plan, g)
+    d = Draft.start(plan, g, layouts, FP32, keep=None, overlap=True)
+    for apply in PASSES:
+        before = _products(d)
+        after = apply(d)
+        assert _products(d) == before, apply.__name__
+        d = after
+    program = assemble(d)
+    assert program == build(plan, g, layouts, FP32, None)
+    assert find_deadlock(program, raise_error=False) is None

@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.errors import DeadlockError
 from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
@@ -208,3 +209,42 @@ def test_interleaved_schedule_text(rank, expected):
     text = format_schedule(interleaved_1f1b(rank, 2, 4, 2))
     assert text == expected
     assert format_schedule(parse_schedule(text)) == text
+
+
+def _two_collectives(order_1: tuple[int, int], idents: tuple[int, int] = (0, 1)) -> Program:
+    """Two devices in two classes (device 1 computes twice as long first); each runs two
+    all-reduces over both, of 1 s and 3 s, device 0 in order (0, 1), device 1 in ``order_1``."""
+    from planlab.plan import Action
+
+    def coll(k):
+        return Task(f"ar{k}", TaskKind.COLLECTIVE, collective="all_reduce", group=(0, 1), nbytes=int((1 + 2 * k) * 1e9))
+
+    devs = []
+    for d, order in ((0, (0, 1)), (1, order_1)):
+        tasks = (Task(f"f{d}", TaskKind.FORWARD, flops=1e9 * (d + 1)),) + tuple(
+            dataclasses.replace(coll(k), ident=idents[k]) for k in order
+        )
+        devs.append(DeviceProgram(d, {(0, "F"): Block(0, "F", tasks)}, (Action(0, "F", 0),)))
+    return Program(tuple(devs), 1, FP32)
+
+
+def test_collectives_meet_by_their_identity_not_their_position():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    res = simulate(_two_collectives((0, 1)), cost, timeline=True)
+    assert res.iter_time_s == pytest.approx(2 + 1 + 3)  # both wait for device 1, then 1 s, then 3 s
+    assert [(e.device, e.name, e.start_s, e.end_s) for e in res.events if e.stream == "comm"] == [
+        (0, "ar0", 2.0, 3.0),
+        (0, "ar1", 3.0, 6.0),
+        (1, "ar0", 2.0, 3.0),
+        (1, "ar1", 3.0, 6.0),
+    ]
+    # device 1 issuing them the other way round waits for a collective device 0 reaches only after
+    # the one device 1 never reaches first: a deadlock (matching by position would pair ar0 with ar1)
+    with pytest.raises(DeadlockError, match=r"device\(s\) \[0, 1\] still waiting"):
+        simulate(_two_collectives((1, 0)), cost)
+
+
+def test_a_collective_across_classes_needs_an_identity():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    with pytest.raises(DeadlockError, match=r"C:all_reduce\(ar0\)@\[0, 1\] spans several device classes"):
+        simulate(_two_collectives((0, 1), idents=(-1, 1)), cost)

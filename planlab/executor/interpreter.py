@@ -11,7 +11,6 @@ Program's, not autograd's.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -388,25 +387,34 @@ class Interpreter:
 
         return run
 
+    # The method that runs each kind of task with each role, as ``method(task, microbatch)``.
+    RUNS = {
+        (TaskKind.FORWARD, Role.PLAIN): "_forward",
+        (TaskKind.BACKWARD, Role.PLAIN): "_backward",
+        (TaskKind.BACKWARD, Role.KEEP_GRAPH): "_backward_input",
+        (TaskKind.LOCAL, Role.PLAIN): "_local",
+        (TaskKind.LOCAL, Role.LOAD): "_load",
+        (TaskKind.COLLECTIVE, Role.PLAIN): "_collective",
+        (TaskKind.COLLECTIVE, Role.BUCKET): "_reduce_bucket",
+        (TaskKind.COLLECTIVE, Role.SHARD_GRADS): "_zero_reduce_scatter",
+        (TaskKind.COLLECTIVE, Role.GATHER_WEIGHTS): "_zero_all_gather",
+        (TaskKind.COLLECTIVE, Role.UNIT_GATHER): "_unit_gather",
+        (TaskKind.COLLECTIVE, Role.UNIT_GRADS): "_unit_reduce_scatter",
+        (TaskKind.SEND, Role.PLAIN): "_send",
+        (TaskKind.RECV, Role.PLAIN): "_recv",
+        (TaskKind.OPTIMIZER, Role.PLAIN): "_optimizer",
+        (TaskKind.OPTIMIZER, Role.SHARD_STEP): "_shard_step",
+    }
+
     def _dispatch(self) -> dict:
-        """The method that runs each kind of task with each role, as ``fn(task, microbatch)``."""
-        return {
-            (TaskKind.FORWARD, Role.PLAIN): self._forward,
-            (TaskKind.BACKWARD, Role.PLAIN): self._backward,
-            (TaskKind.BACKWARD, Role.KEEP_GRAPH): self._backward_input,
-            (TaskKind.LOCAL, Role.PLAIN): self._local,
-            (TaskKind.LOCAL, Role.LOAD): self._load,
-            (TaskKind.COLLECTIVE, Role.PLAIN): self._collective,
-            (TaskKind.COLLECTIVE, Role.BUCKET): self._reduce_bucket,
-            (TaskKind.COLLECTIVE, Role.SHARD_GRADS): self._zero_reduce_scatter,
-            (TaskKind.COLLECTIVE, Role.GATHER_WEIGHTS): self._zero_all_gather,
-            (TaskKind.COLLECTIVE, Role.UNIT_GATHER): functools.partial(zero3.gather, self),
-            (TaskKind.COLLECTIVE, Role.UNIT_GRADS): functools.partial(zero3.reduce_scatter, self),
-            (TaskKind.SEND, Role.PLAIN): self._send,
-            (TaskKind.RECV, Role.PLAIN): self._recv,
-            (TaskKind.OPTIMIZER, Role.PLAIN): self._optimizer,
-            (TaskKind.OPTIMIZER, Role.SHARD_STEP): self._shard_step,
-        }
+        """:data:`RUNS` as bound methods."""
+        return {key: getattr(self, name) for key, name in self.RUNS.items()}
+
+    def _unit_gather(self, task: Task, mb: int) -> None:
+        zero3.gather(self, task, mb)
+
+    def _unit_reduce_scatter(self, task: Task, mb: int) -> None:
+        zero3.reduce_scatter(self, task, mb)
 
     def _run(self, task: Task, mb: int) -> None:
         """Run one task (``run_iteration`` uses the same dispatch, made once per block)."""

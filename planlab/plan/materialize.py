@@ -1,7 +1,7 @@
 """``materialize``: from a Plan to a Program of per-device tasks, by a fixed sequence of passes.
 
-The passes (:func:`build`), in this order, each a function from the Program under construction
-(a :class:`~planlab.plan.passes.draft.Draft`) to a new one:
+The passes (:data:`PASSES`, applied by :func:`build`), in this order, each a function from the
+Program under construction (a :class:`~planlab.plan.passes.draft.Draft`) to a new one:
 
 1. ``place_weights``: each device's pieces of each parameter, and the operator whose backward makes
    each parameter's gradient (:mod:`planlab.plan.passes.forward`);
@@ -23,8 +23,8 @@ The passes (:func:`build`), in this order, each a function from the Program unde
     (:mod:`planlab.plan.coshard`);
 12. ``split_zero_bubble``: where the schedule asks for it, each backward block split into
     input- and weight-gradient blocks ``I`` and ``W`` (:mod:`planlab.plan.backward_split`);
-13. ``assemble``: schedules, liveness (each task's allocations and frees) and the Program
-    (:mod:`planlab.plan.passes.liveness`).
+and then ``assemble``: schedules, liveness (each task's allocations and frees) and the Program
+(:mod:`planlab.plan.passes.liveness`).
 
 The conversions come before the pieces that read them (2, 3; 4, 5): a piece names the buffers
 its inputs arrive in. Passes 1 to 9 place tasks in each operator's slot of a block, in named
@@ -39,8 +39,7 @@ from __future__ import annotations
 from typing import Callable
 
 from planlab.gcpause import paused_gc
-from planlab.graph.ir import Graph, no_grad_tensors
-from planlab.plan import buffer as buf_
+from planlab.graph.ir import Graph
 from planlab.plan.backward_split import split_zero_bubble
 from planlab.plan.coshard import run_chunks
 from planlab.plan.passes.backward import backward_pieces, convert_gradients
@@ -54,7 +53,6 @@ from planlab.plan.passes.order import order_blocks
 from planlab.plan.passes.recompute import recompute
 from planlab.plan.plan import Plan
 from planlab.plan.program import FP32, MIXED_BF16, Precision, Program
-from planlab.plan.shared_params import forward_only_ops
 from planlab.plan.zero import shard_zero
 
 
@@ -130,37 +128,29 @@ def _materialize(
     return build(plan, graph, L, precision, None, overlap)
 
 
+# The passes, in the order they run (see the module docstring); each takes a Draft and returns
+# a new one, and each reads what the ones before it made.
+PASSES = (
+    place_weights,  # 1. weight pieces and the owner of each parameter's gradient
+    convert_inputs,  # 2. layout conversions of the forward's inputs
+    forward_pieces,  # 3. forward tasks
+    convert_gradients,  # 4. gradients summed and converted back to their producers' layouts
+    backward_pieces,  # 5. backward tasks
+    recompute,  # 6. recomputation before the backward
+    reduce_gradients,  # 7. gradient buckets (without ZeRO)
+    shard_zero,  # 8. ZeRO 1 to 3
+    step_optimizer,  # 9. the optimizer on the weights held whole
+    order_blocks,  # 10. each block's tasks in the order they run
+    run_chunks,  # 11. co-located pieces as chunks (coshard)
+    split_zero_bubble,  # 12. backward split into I and W (zero-bubble schedules)
+)
+
+
 def build(
     plan: Plan, graph: Graph, layouts: Layouts, precision: Precision, keep: frozenset[int] | None, overlap: bool = True
 ) -> Program:
     """The passes (see the module docstring), for every device or only for those in ``keep``."""
-    nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
-    params = [t for t, spec in graph.tensors.items() if spec.role == "param"]
-    d = Draft(
-        plan=plan,
-        graph=graph,
-        layouts=layouts,
-        precision=precision,
-        keep=keep,
-        overlap=overlap,
-        topo={op.name: i for i, op in enumerate(graph.operators)},
-        stage={p.op: p.stage for p in plan.ops},
-        nograd=nograd,
-        forward_only=forward_only_ops(graph, nograd) if nograd else frozenset(),
-        weight={p: buf_.weight(p) for p in params},
-        weight_grad={p: buf_.weight_grad(p) for p in params},
-        activation={t: buf_.activation(t) for t in graph.tensors},
-    )
-    d = place_weights(d)  # 1. weight pieces and the owner of each parameter's gradient
-    d = convert_inputs(d)  # 2. layout conversions of the forward's inputs
-    d = forward_pieces(d)  # 3. forward tasks
-    d = convert_gradients(d)  # 4. gradients summed and converted back to their producers' layouts
-    d = backward_pieces(d)  # 5. backward tasks
-    d = recompute(d)  # 6. recomputation before the backward
-    d = reduce_gradients(d)  # 7. gradient buckets (without ZeRO)
-    d = shard_zero(d)  # 8. ZeRO 1 to 3
-    d = step_optimizer(d)  # 9. the optimizer on the weights held whole
-    d = order_blocks(d)  # 10. each block's tasks in the order they run
-    d = run_chunks(d)  # 11. co-located pieces as chunks (coshard)
-    d = split_zero_bubble(d)  # 12. backward split into I and W (zero-bubble schedules)
-    return assemble(d)  # 13. schedules, liveness, the Program
+    d = Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap)
+    for apply in PASSES:
+        d = apply(d)
+    return assemble(d)  # schedules, liveness, the Program

@@ -23,13 +23,15 @@ from enum import IntEnum
 from itertools import product
 from typing import Iterable
 
-from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
+from planlab.graph.ir import DTYPE_BYTES, Graph, Operator, no_grad_tensors
+from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Mesh, positions
 from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import Plan
 from planlab.plan.program import Precision, Task
 from planlab.plan.redistribute import plan_conversion
+from planlab.plan.shared_params import forward_only_ops
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -121,6 +123,36 @@ class Draft:
     next_channel: int = 0
     next_tag: int = 0
     next_ident: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        plan: Plan,
+        graph: Graph,
+        layouts: Layouts,
+        precision: Precision,
+        *,
+        keep: frozenset[int] | None,
+        overlap: bool,
+    ) -> Draft:
+        """The draft before any pass: the inputs and what follows from them."""
+        nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
+        params = [t for t, spec in graph.tensors.items() if spec.role == "param"]
+        return cls(
+            plan=plan,
+            graph=graph,
+            layouts=layouts,
+            precision=precision,
+            keep=keep,
+            overlap=overlap,
+            topo={op.name: i for i, op in enumerate(graph.operators)},
+            stage={p.op: p.stage for p in plan.ops},
+            nograd=nograd,
+            forward_only=forward_only_ops(graph, nograd) if nograd else frozenset(),
+            weight={p: buf_.weight(p) for p in params},
+            weight_grad={p: buf_.weight_grad(p) for p in params},
+            activation={t: buf_.activation(t) for t in graph.tensors},
+        )
 
     @property
     def microbatches(self) -> int:
