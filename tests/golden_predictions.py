@@ -344,16 +344,12 @@ def _cases() -> tuple[Case, ...]:
 CASES = _cases()
 
 
-def measure(case: Case) -> dict:
-    """What planlab predicts for ``case`` (see the module docstring)."""
+def plan_of(case: Case) -> tuple:
+    """``(plan, graph, cost model)`` of ``case``: its space builds the plan, as explore does."""
     from conftest import traced
 
     from planlab.costmodel import CostModel
-    from planlab.plan import materialize
-    from planlab.plan.shared_params import training_flops
     from planlab.search_spaces import Context, get_space
-    from planlab.simulator import simulate
-    from planlab.simulator.classes import device_classes
 
     cluster = str(ROOT / case.cluster) if case.cluster.endswith(".json") else case.cluster
     spec, graph = traced(case.model, case.batch, case.args)
@@ -361,7 +357,17 @@ def measure(case: Case) -> dict:
     ctx = Context(
         graph, spec, case.batch, cluster, case.nodes, cost.cluster.num_devices, cost.cluster.node.devices_per_node
     )
-    plan = get_space(case.space).build(ctx, case.knobs)
+    return get_space(case.space).build(ctx, case.knobs), graph, cost
+
+
+def measure(case: Case) -> dict:
+    """What planlab predicts for ``case`` (see the module docstring)."""
+    from planlab.plan import materialize
+    from planlab.plan.shared_params import training_flops
+    from planlab.simulator import simulate
+    from planlab.simulator.classes import device_classes
+
+    plan, graph, cost = plan_of(case)
     kw = dict(node_of=cost.cluster.node_of, overlap_grad_reduce=case.overlap)
     reduced = materialize(plan, graph, symmetric=True, **kw)
     full = materialize(plan, graph, **kw)

@@ -11,7 +11,7 @@ from planlab.plan import buffer as b
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.program import Role, TaskKind
 
-from golden_predictions import CASES
+from golden_predictions import CASES, plan_of
 
 
 @pytest.mark.parametrize(
@@ -66,21 +66,12 @@ def test_static_kinds_live_all_iteration():
 
 @pytest.fixture(scope="module")
 def programs():
-    """The full programs of the golden plans (each case's plan on every device)."""
-    from golden_predictions import ROOT
-    from conftest import traced
-
-    from planlab.costmodel import CostModel
+    """The programs of the golden plans, reduced to device classes as explore makes them."""
     from planlab.plan import materialize
-    from planlab.search_spaces import Context, get_space
 
     out = {}
     for c in CASES:
-        cluster = str(ROOT / c.cluster) if c.cluster.endswith(".json") else c.cluster
-        spec, g = traced(c.model, c.batch, c.args)
-        cost = CostModel.load(cluster, c.nodes)
-        ctx = Context(g, spec, c.batch, cluster, c.nodes, cost.cluster.num_devices, cost.cluster.node.devices_per_node)
-        plan = get_space(c.space).build(ctx, c.knobs)
+        plan, g, cost = plan_of(c)
         out[c.name] = materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of, overlap_grad_reduce=c.overlap)
     return out
 

@@ -6,13 +6,12 @@ visited."""
 
 from __future__ import annotations
 
-import math
 
 from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Layout, box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, piece_task, record_size
 from planlab.plan.passes.layouts import full
 from planlab.plan.program import Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -125,19 +124,16 @@ def backward_pieces(d: Draft) -> Draft:
             for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
         )
         mesh = L.mesh[op.name]
-        pieces = math.prod(s for dim, s in zip(L.dims[op.name], mesh.shape) if dim is not None)
         for flat, dev in d.positions(mesh):
-            task = Task(
-                op.name,
+            task = piece_task(
+                d,
+                op,
                 TaskKind.BACKWARD,
+                flat,
                 gbufs,
                 writes,
-                op=op.name,
-                coord=flat,
-                flops=op.flops * op.bwd_flops_ratio / pieces / d.microbatches,
-                bytes_moved=op.bytes_moved / pieces / d.microbatches,
+                op.flops * op.bwd_flops_ratio,
                 saved=d.saved[op.name],
-                op_kind=op.kind,
                 shapes=d.piece_shapes.get(op.name, ()),
             )
             add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)

@@ -29,7 +29,7 @@ from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Mesh, positions
 from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import Plan
-from planlab.plan.program import Precision, Task
+from planlab.plan.program import Precision, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
 from planlab.plan.shared_params import forward_only_ops
 
@@ -213,6 +213,29 @@ def run_order(k: SlotKey) -> tuple[int, int]:
     """Where a slot part runs in its block: operators in topological order in a forward block, in
     reverse in a backward one (and its ``I``/``W`` parts), then parts in :class:`Part` order."""
     return (k[2] if k[1][1] == "F" else -k[2], k[3])
+
+
+def piece_task(
+    d: Draft, op: Operator, kind: TaskKind, flat: int, reads: tuple, writes: tuple, flops: float, **fields
+) -> Task:
+    """The ``kind`` task (forward or backward) of ``op``'s piece at position ``flat`` of its mesh:
+    ``flops`` (the whole operator's, for the whole batch) and its memory traffic shared by its
+    pieces and micro-batches."""
+    L = d.layouts
+    pieces = math.prod(s for dim, s in zip(L.dims[op.name], L.mesh[op.name].shape) if dim is not None)
+    m = d.microbatches
+    return Task(
+        op.name,
+        kind,
+        reads,
+        writes,
+        op=op.name,
+        coord=flat,
+        flops=flops / pieces / m,
+        bytes_moved=op.bytes_moved / pieces / m,
+        op_kind=op.kind,
+        **fields,
+    )
 
 
 def record_size(sizes: dict[int, dict[Buffer, int]], dev: int, task: Task, elem_bytes: int) -> None:

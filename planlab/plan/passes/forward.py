@@ -3,18 +3,16 @@ operator its inputs in the layout it needs, and one forward task per piece."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
-from planlab.errors import InfeasiblePlan
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, piece_task, record_size
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
-from planlab.plan.shared_params import check_shared_params, use_shared_param
+from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
 # forward (Megatron's vocabulary-parallel loss: all-reduces of each token's largest logit and sum of
@@ -41,12 +39,7 @@ def place_weights(d: Draft) -> Draft:
             if d.nograd:  # planlab/search_spaces/recycling.py
                 use_shared_param(op, ti, t, pieces, owner, d.forward_only, params, held)
                 continue
-            if t in owner and owner[t][0] is not op:
-                raise InfeasiblePlan(
-                    f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
-                    f"{op.name!r}; tied weights are not supported yet"
-                )
-            owner[t] = (op, ti)
+            claim(owner, op, ti, t)
             for dev, box in pieces:
                 params[dev].append((t, box))
     if d.nograd:
@@ -135,7 +128,6 @@ def forward_pieces(d: Draft) -> Draft:
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(d.activation[o] for o in op.outputs)
-        pieces = math.prod(s for dim, s in zip(L.dims[op.name], mesh.shape) if dim is not None)
         saved = tuple(
             dict.fromkeys(
                 outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
@@ -148,19 +140,17 @@ def forward_pieces(d: Draft) -> Draft:
         shapes_of[op.name] = piece_shapes(L, op)
         agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
         for flat, dev in d.positions(mesh):
-            task = Task(
-                op.name,
+            task = piece_task(
+                d,
+                op,
                 TaskKind.FORWARD,
+                flat,
                 bufs,
                 outs,
-                op=op.name,
-                coord=flat,
-                flops=op.flops / pieces / d.microbatches,
-                bytes_moved=op.bytes_moved / pieces / d.microbatches,
+                op.flops,
                 shape=box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]])),
                 saved=saved,
                 lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
-                op_kind=op.kind,
                 shapes=shapes_of[op.name],
                 group=line(mesh, flat, agree),
             )

@@ -54,26 +54,10 @@ def reduce_gradients(d: Draft) -> Draft:
             if d.overlap:
                 overlapped_buckets(d, parts, idents, dev, group, items)
                 continue
-            params = tuple(p for _, p, _ in sorted(items))
-            bufs = tuple(d.weight_grad[p] for p in params)
-            add(
-                parts,
-                dev,
-                update,
-                0,
-                Part.REDUCE,
-                Task(
-                    f"grad-reduce{list(group)}",
-                    TaskKind.COLLECTIVE,
-                    bufs,
-                    bufs,
-                    collective="all_reduce",
-                    group=group,
-                    nbytes=sum(n for _, _, n in items),
-                    role=Role.BUCKET,
-                    ident=idents(("grad-reduce", params)),
-                ),
-            )
+            ordered = sorted(items)
+            ident = idents(("grad-reduce", params_of(ordered)))
+            task = all_reduce(d, ordered, group, f"grad-reduce{list(group)}", ident)
+            add(parts, dev, update, 0, Part.REDUCE, task)
     return d.replace(parts=parts, next_ident=idents.next)
 
 
@@ -95,27 +79,30 @@ def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[i
             bucket.append(item)
             if sum(n for _, _, n in bucket) < cap and k < len(ordered) - 1:
                 continue
-            params = tuple(p for _, p, _ in bucket)
-            bufs = tuple(d.weight_grad[p] for p in params)
             last = min(i for i, _, _ in bucket)  # the bucket is complete after this operator's backward
-            add(
-                parts,
-                dev,
-                (st, "B"),
-                last,
-                Part.AFTER,
-                Task(
-                    f"grad-reduce{list(group)}#{params[0]}",
-                    TaskKind.COLLECTIVE,
-                    bufs,
-                    bufs,
-                    collective="all_reduce",
-                    group=group,
-                    nbytes=sum(n for _, _, n in bucket),
-                    final=True,
-                    overlap=True,
-                    role=Role.BUCKET,
-                    ident=idents(("bucket", params)),
-                ),
-            )
+            name = f"grad-reduce{list(group)}#{bucket[0][1]}"
+            task = all_reduce(d, bucket, group, name, idents(("bucket", params_of(bucket))), final=True, overlap=True)
+            add(parts, dev, (st, "B"), last, Part.AFTER, task)
             bucket = []
+
+
+def all_reduce(d: Draft, items: Reduction, group: tuple[int, ...], name: str, ident: int, **extra) -> Task:
+    """The all-reduce of the weight gradients ``items`` over ``group`` as one flat buffer."""
+    bufs = tuple(d.weight_grad[p] for _, p, _ in items)
+    return Task(
+        name,
+        TaskKind.COLLECTIVE,
+        bufs,
+        bufs,
+        collective="all_reduce",
+        group=group,
+        nbytes=sum(n for _, _, n in items),
+        role=Role.BUCKET,
+        ident=ident,
+        **extra,
+    )
+
+
+def params_of(items: Reduction) -> tuple[str, ...]:
+    """The parameters of a reduction's gradients, in its order (what identifies its collective)."""
+    return tuple(p for _, p, _ in items)
