@@ -162,40 +162,18 @@ class _Stage:
         self.nested, self.idents = nested, idents
 
     def rewrite(self, fw: list[Task], bw: list[Task], found: list[list[str]]) -> tuple[list[Task], list[Task]]:
-        writers: dict[Buffer, set] = defaultdict(set)
-        readers: dict[Buffer, set] = defaultdict(set)
-        for phase, tasks in (("F", fw), ("B", bw)):
-            for i, t in enumerate(tasks):
-                for b in t.writes:
-                    if b:
-                        writers[b].add((phase, i))
-                for b in t.reads + t.saved:
-                    if b:
-                        readers[b].add((phase, i))
+        """The forward and backward block ``fw``, ``bw`` with the groups ``found`` run as chunks."""
+        writers, readers = _users(fw, bw)
         fpos: dict[str, list[int]] = defaultdict(list)
         bpos: dict[str, list[int]] = defaultdict(list)
         for pos, kind, tasks in ((fpos, TaskKind.FORWARD, fw), (bpos, TaskKind.BACKWARD, bw)):
             for i, t in enumerate(tasks):
                 if t.kind is kind and t.op in self.L.chunks:
                     pos[t.op].append(i)
-        # what the layer's recomputation (planlab.plan.materialize._recompute) makes again: a
-        # recomputed chunk reads that instead of keeping the forward's buffer until the backward
-        relay = {
-            w.with_kind(BufferKind.ACTIVATION): w
-            for t in bw
-            if t.recompute is Recompute.REDO
-            for w in t.writes
-            if w and w.kind is BufferKind.RECOMPUTED
-        }
-        first_re: dict[Buffer, int] = {}  # buffer -> position of the layer recomputation's first task reading it
-        for p, t in enumerate(bw):
-            if t.recompute is Recompute.REDO:
-                for b in t.reads + t.saved:
-                    if b:
-                        first_re.setdefault(b, p)
+        relay, first_re = _layer_recomputation(bw)
         fjobs, bjobs = [], []
         outer: dict[int, list[Task]] = defaultdict(list)  # bw position -> the layer recomputation's chunks
-        remakes: list[tuple[frozenset[int], dict[str, str]]] = []
+        remakes: list[tuple[frozenset[int], dict[Buffer, Buffer]]] = []
         for members in found:
             fi = sorted(i for m in members for i in fpos.get(m, ()))
             if not fi:
@@ -349,6 +327,41 @@ class _Stage:
                 c == 0 or co.dim not in op.signature.reduce,
             )
         return got
+
+
+def _users(fw: list[Task], bw: list[Task]) -> tuple[dict, dict]:
+    """Per buffer, the tasks (``("F" or "B", position)``) that write it and those that read or keep it."""
+    writers: dict[Buffer, set] = defaultdict(set)
+    readers: dict[Buffer, set] = defaultdict(set)
+    for phase, tasks in (("F", fw), ("B", bw)):
+        for i, t in enumerate(tasks):
+            for b in t.writes:
+                if b:
+                    writers[b].add((phase, i))
+            for b in t.reads + t.saved:
+                if b:
+                    readers[b].add((phase, i))
+    return writers, readers
+
+
+def _layer_recomputation(bw: list[Task]) -> tuple[dict[Buffer, Buffer], dict[Buffer, int]]:
+    """What the layer's recomputation (:mod:`planlab.plan.passes.recompute`) makes again, as
+    ``{forward buffer: its recomputed buffer}`` (a recomputed chunk reads that instead of keeping the
+    forward's buffer until the backward), and the position of its first task reading each buffer."""
+    relay = {
+        w.with_kind(BufferKind.ACTIVATION): w
+        for t in bw
+        if t.recompute is Recompute.REDO
+        for w in t.writes
+        if w and w.kind is BufferKind.RECOMPUTED
+    }
+    first_re: dict[Buffer, int] = {}
+    for p, t in enumerate(bw):
+        if t.recompute is Recompute.REDO:
+            for b in t.reads + t.saved:
+                if b:
+                    first_re.setdefault(b, p)
+    return relay, first_re
 
 
 def _per_chunk(t: Task) -> bool:
