@@ -82,8 +82,9 @@ class Draft:
     (``activation``).
 
     Products: ``parts``, the tasks of each part of each operator's slot in each device's block
-    (until the ordering pass), then ``blocks`` per device and block (task lists in order); ``sizes`` (bytes of each buffer a device allocates); ``params``
-    (the pieces of parameters each device holds); ``owner`` (per parameter, the operator and input
+    (until the ordering pass), then ``blocks`` per device and block (task lists in order);
+    ``sizes`` (bytes of each buffer a device allocates); ``params`` (the pieces of parameters each
+    device holds); ``owner`` (per parameter, the operator and input
     index whose backward makes its gradient); ``reads`` (per operator, the buffer each input is read
     from); ``saved`` (per operator, what its backward keeps from its forward); ``piece_shapes``
     (per operator, its pieces' local shapes); ``grads`` (per operator, the gradient buffer of each
