@@ -101,7 +101,7 @@ class CostModel:
 
     def agreement_time_s(self, task: Task) -> float:
         """The collectives inside the forward of a piece whose task names a group
-        (``planlab.plan.materialize.IN_OP_GROUPS``): for a vocabulary-parallel loss over N tokens,
+        (``planlab.plan.passes.forward.IN_OP_GROUPS``): for a vocabulary-parallel loss over N tokens,
         an all-reduce of N fp32 maxima, then one of 2N fp32 sums (Megatron-LM's
         vocab_parallel_cross_entropy)."""
         tokens = math.prod(task.shapes[0][:-1]) if task.shapes and task.shapes[0] else 1
