@@ -15,7 +15,6 @@ live until ``W``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 from planlab.graph.ir import Graph
@@ -53,15 +52,13 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
         return task, None
     if share == 1.0:
         return None, task
-    inp = dataclasses.replace(
-        task,
+    inp = task.but(
         writes=tuple(w if i else None for w, i in zip(task.writes, is_i)),
         flops=task.flops * (1 - share),
         bytes_moved=task.bytes_moved * (1 - share),
         role=Role.KEEP_GRAPH,
     )
-    wgt = dataclasses.replace(
-        task,
+    wgt = task.but(
         writes=tuple(w if x else None for w, x in zip(task.writes, is_w)),
         flops=task.flops * share,
         bytes_moved=task.bytes_moved * share,

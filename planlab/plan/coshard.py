@@ -198,8 +198,7 @@ class _Stage:
                     for t in reload:
                         self.sizes.update({again[w]: self.sizes[w] for w in t.writes if w in self.sizes})
                         seq.append(
-                            _replace(
-                                t,
+                            t.but(
                                 name=f"re:{t.name}",
                                 writes=tuple(again[w] for w in t.writes),
                                 recompute=Recompute.REDO,
@@ -243,7 +242,7 @@ class _Stage:
             if w in self.sizes:
                 self.sizes[r] = self.sizes[w]
         seq = [
-            _replace(t, name=f"re:{t.name}:outer", writes=tuple(again[w] for w in t.writes), recompute=Recompute.REDO)
+            t.but(name=f"re:{t.name}:outer", writes=tuple(again[w] for w in t.writes), recompute=Recompute.REDO)
             for t in reload
         ]
         seq += [made.outer(t, c, remade) for c in range(made.k) for t in ftasks]
@@ -439,9 +438,9 @@ class _Chunks:
         f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
         if op.name in self.s.recomputed:
-            return _replace(t, name=f"{t.name}@{c}", shape=shape, recompute=Recompute.DROP, saved=(), **f)
+            return t.but(name=f"{t.name}@{c}", shape=shape, recompute=Recompute.DROP, saved=(), **f)
         saved = tuple(b.at_chunk(c) if b in self.internal else b for b in t.saved)
-        return _replace(t, name=f"{t.name}@{c}", shape=shape, saved=saved, **f)
+        return t.but(name=f"{t.name}@{c}", shape=shape, saved=saved, **f)
 
     def redo(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of forward task ``t`` run again before the chunk's backward, into ``RECOMPUTED`` buffers."""
@@ -458,8 +457,7 @@ class _Chunks:
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
-        return _replace(
-            t,
+        return t.but(
             name=f"re:{t.name}@{c}",
             shape=shape,
             recompute=Recompute.REDO,
@@ -482,7 +480,7 @@ class _Chunks:
         writes = tuple(remade.get(b, b) for b in t.writes)
         f = self._fields(t, c, op, "F", reads, writes, inner, inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
-        return _replace(t, name=f"re:{t.name}@{c}:outer", shape=shape, recompute=Recompute.DROP, saved=(), **f)
+        return t.but(name=f"re:{t.name}@{c}:outer", shape=shape, recompute=Recompute.DROP, saved=(), **f)
 
     def _saved(self, b: Buffer, c: int, remade: bool) -> Buffer:
         if remade and b in self.remade:
@@ -504,8 +502,7 @@ class _Chunks:
             shape = self.chunk_shape.get(reads[0], t.shape) if reads else t.shape
             for w in writes:
                 self.chunk_shape[w] = shape
-            return _replace(
-                t,
+            return t.but(
                 name=f"{t.name}@{c}",
                 reads=reads,
                 writes=tuple(writes),
@@ -519,7 +516,7 @@ class _Chunks:
         op = self._op(t)
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
-        return _replace(t, name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
+        return t.but(name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
 
 
 def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[Buffer, Buffer]]]) -> list[Task]:
@@ -536,18 +533,9 @@ def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[Buffer, Bu
             if not left[hit]:
                 active.update(remakes[hit][1])
         elif active and any(b in active for b in t.reads + t.saved):
-            t = _replace(
-                t, reads=tuple(active.get(b, b) for b in t.reads), saved=tuple(active.get(b, b) for b in t.saved)
-            )
+            t = t.but(reads=tuple(active.get(b, b) for b in t.reads), saved=tuple(active.get(b, b) for b in t.saved))
         out.append(t)
     return out
-
-
-def _replace(t: Task, **changes) -> Task:
-    """A copy of ``t`` with ``changes`` (cheaper than dataclasses.replace, which re-runs __init__)."""
-    new = object.__new__(Task)
-    new.__dict__.update(t.__dict__, **changes)
-    return new
 
 
 def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[str]]]) -> list[Task]:

@@ -9,6 +9,7 @@ block and micro-batch to run next.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -69,7 +70,7 @@ class Recompute(str, Enum):
 ADAM_FLOPS_PER_PARAM = 12.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Task:
     """One step of a device: compute on a piece, a collective, a send or receive, or a local copy.
 
@@ -139,6 +140,19 @@ class Task:
     ident: int = -1
     params: float = 0.0
 
+    def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
+        # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four
+        # times slower): materialize makes tens of thousands of tasks at cluster scale.
+        values = dict(_TASK_DEFAULTS, name=name, kind=kind)
+        for field_name, value in zip(_TASK_FIELDS[2:], args):
+            values[field_name] = value
+        if len(args) > len(_TASK_FIELDS) - 2 or not fields.keys() <= _TASK_DEFAULTS.keys():
+            raise TypeError(
+                f"Task() takes the fields {_TASK_FIELDS}; got {len(args) + 2} positional and {sorted(fields)}"
+            )
+        values.update(fields)
+        object.__setattr__(self, "__dict__", values)
+
     def __str__(self) -> str:
         if self.kind in (TaskKind.SEND, TaskKind.RECV):
             arrow = "->" if self.kind is TaskKind.SEND else "<-"
@@ -150,6 +164,19 @@ class Task:
     @property
     def stream(self) -> str:
         return self.kind.stream
+
+    def but(self, **changes) -> Task:
+        """This task with ``changes``: ``dataclasses.replace`` without re-running ``__init__`` (passes
+        copy tens of thousands of tasks at cluster scale; a Task checks nothing when it is made)."""
+        fields = self.__dict__.copy()
+        fields.update(changes)
+        new = object.__new__(Task)
+        object.__setattr__(new, "__dict__", fields)
+        return new
+
+
+_TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
+_TASK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Task) if f.default is not dataclasses.MISSING}
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def _shard_bucket(
     reduce = Task(
         f"grad-reduce-scatter{list(group)}",
         TaskKind.COLLECTIVE,
-        tuple(d.weight_grad[p] for p in params),
+        tuple(d.names.weight_grad(p) for p in params),
         (zg,),
         collective="reduce_scatter",
         group=group,
@@ -178,7 +178,7 @@ def _shard_bucket(
         f"param-all-gather{list(group)}",
         TaskKind.COLLECTIVE,
         (zp,),
-        tuple(d.weight[p] for p in params),
+        tuple(d.names.weight(p) for p in params),
         collective="all_gather",
         group=group,
         nbytes=numel * precision.param_bytes,
@@ -251,7 +251,7 @@ def _gathered_and_reduced(
     unit_of: dict[Buffer, Unit] = {}
     for u in units:
         for idx, p, n in u.weights:
-            w, g = d.weight[p], d.weight_grad[p]
+            w, g = d.names.weight(p), d.names.weight_grad(p)
             fwd[w] = Buffer(BufferKind.GATHERED_FORWARD, p)
             bwd[w] = Buffer(BufferKind.GATHERED_BACKWARD, p)
             grad[g] = Buffer(BufferKind.FULL_GRAD, p)
@@ -270,8 +270,7 @@ def _gathered_and_reduced(
             if not used:
                 continue
             saved = t.saved + tuple(owned[t.op]) if t.kind is TaskKind.BACKWARD and t.op in owned else t.saved
-            tasks[k] = dataclasses.replace(
-                t,
+            tasks[k] = t.but(
                 reads=tuple(ren.get(r, r) for r in t.reads),
                 writes=tuple(grad.get(w, w) for w in t.writes),
                 saved=saved,

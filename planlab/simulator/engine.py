@@ -193,8 +193,9 @@ class DeviceRun:
         self.by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
 
     def run(self):
-        """The device's process: every action of its schedule, unit by unit."""
-        sim = self.sim
+        """The device's process: every action of its schedule, unit by unit (segments, sends and
+        receives, the most frequent units, without a generator of their own)."""
+        sim, env, st = self.sim, self.sim.env, self.st
         if sim.timeline:
             sim.memory.append((self.rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
@@ -203,14 +204,36 @@ class DeviceRun:
             if action.phase == "U" and self.in_flight:
                 yield from self.drain()
             for u in self.block_units(action, action.microbatch == last_mb):
-                if isinstance(u, Segment):  # the most frequent unit: no generator of its own
-                    start, compute = sim.env.now, self.compute_s(u)
-                    yield sim.env.timeout(compute + u.comm_s)
-                    self.segment_done(u, a, start, compute)
+                if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
+                    # stretched while an overlapped collective shares the device; class-internal collectives
+                    start = env.now
+                    if u.peak_bytes + self.mem > st["peak"]:
+                        self.bump(u.peak_bytes, u.peak_task)
+                    if sim.timeline:
+                        sim.memory.append((self.rep, start, self.mem + u.peak_bytes))
+                    compute = u.compute_s * self.factor
+                    if sim.overlap_slowdown != 1.0 and sim.coll_free[self.rep] > start:
+                        compute += min(compute, sim.coll_free[self.rep] - start) * (sim.overlap_slowdown - 1.0)
+                    yield env.timeout(compute + u.comm_s)
+                    st["compute_s"] += compute
+                    st["comm_s"] += u.comm_s
+                    st["exposed_s"] += u.comm_s
+                    self.mem += u.net_bytes
+                    if sim.timeline:
+                        self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
                     self.send(u, a)
-                elif isinstance(u, Recv):
-                    yield from self.recv(u, a)
+                elif isinstance(u, Recv):  # wait for the channel's next message (a pipeline bubble)
+                    start, box = env.now, sim.mailbox(u.peer, self.rep, u.tag)
+                    arrival = box.take() if box.arrivals else (yield box.wait(env))
+                    if arrival > env.now:
+                        yield env.timeout(arrival - env.now)
+                    st["wait_s"] += env.now - start
+                    st["bubble_s"] += env.now - start
+                    self.bump(u.alloc_bytes, u.task)
+                    self.mem += u.alloc_bytes
+                    if sim.timeline:
+                        sim.record(self.rep, "wait", a, u.task, start, env.now)
                 elif isinstance(u, AsyncCollective):
                     yield from self.start_overlapped(u, a, action)
                 elif isinstance(u, Await):
@@ -261,67 +284,33 @@ class DeviceRun:
         self.in_flight.clear()
         self.st["exposed_s"] += env.now - start
 
-    def compute_s(self, u: Segment) -> float:
-        """A segment starts: tasks back to back on the device, computation (slowed by a straggler's
-        factor, and stretched while an overlapped collective shares the device) and class-internal
-        collectives. Returns its computation's seconds; :meth:`segment_done` follows."""
+    def record_segment(self, u: Segment, a: str, start: float, compute: float) -> None:
+        """The events of a segment that ran from ``start`` (its computation stretched to ``compute``)."""
         sim, rep = self.sim, self.rep
-        start = sim.env.now
-        self.bump(u.peak_bytes, u.peak_task)
-        if sim.timeline:
-            sim.memory.append((rep, start, self.mem + u.peak_bytes))
-        compute = u.compute_s * self.factor
-        if sim.overlap_slowdown != 1.0 and sim.coll_free[rep] > start:
-            compute += min(compute, sim.coll_free[rep] - start) * (sim.overlap_slowdown - 1.0)
-        return compute
-
-    def segment_done(self, u: Segment, a: str, start: float, compute: float) -> None:
-        """A segment that started at ``start`` ended: its times, memory and events."""
-        sim, st, rep = self.sim, self.st, self.rep
-        env = sim.env
-        st["compute_s"] += compute
-        st["comm_s"] += u.comm_s
-        st["exposed_s"] += u.comm_s
-        self.mem += u.net_bytes
-        if sim.timeline:
-            t = start
-            stretch = compute / (u.compute_s * self.factor) if u.compute_s else 1.0
-            for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
-                d = d if comm else d * self.factor * stretch
-                sim.record(rep, "comm" if comm else "compute", a, name, t, t + d)
-                t += d
-            sim.memory.append((rep, env.now, self.mem))
+        t = start
+        stretch = compute / (u.compute_s * self.factor) if u.compute_s else 1.0
+        for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
+            d = d if comm else d * self.factor * stretch
+            sim.record(rep, "comm" if comm else "compute", a, name, t, t + d)
+            t += d
+        sim.memory.append((rep, sim.env.now, self.mem))
 
     def send(self, u: Send, a: str) -> None:
         """A message leaves as a flow on the network; the device goes on (its buffer is freed)."""
-        sim, rep = self.sim, self.rep
-        start, seq = sim.env.now, next(sim.issued)
+        sim, rep, st = self.sim, self.rep, self.st
+        env = sim.env
+        start, seq = env.now, next(sim.issued)
         box = sim.mailbox(rep, u.peer, u.tag)
 
         def arrived() -> None:
-            sim.stats[rep]["comm_s"] += sim.env.now - start
+            now = env.now
+            st["comm_s"] += now - start
             if sim.timeline:
-                sim.record(rep, "comm", a, u.task, start, sim.env.now, seq)
-            box.post(sim.env.now)
+                sim.record(rep, "comm", a, u.task, start, now, seq)
+            box.post(now)
 
         sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
         self.mem -= u.free_bytes
-
-    def recv(self, u: Recv, a: str):
-        """Wait for the channel's next message to arrive (a pipeline bubble)."""
-        sim, st = self.sim, self.st
-        env = sim.env
-        start = env.now
-        box = sim.mailbox(u.peer, self.rep, u.tag)
-        arrival = box.take() if box.arrivals else (yield box.wait(env))
-        if arrival > env.now:
-            yield env.timeout(arrival - env.now)
-        st["wait_s"] += env.now - start
-        st["bubble_s"] += env.now - start
-        self.bump(u.alloc_bytes, u.task)
-        self.mem += u.alloc_bytes
-        if sim.timeline:
-            sim.record(self.rep, "wait", a, u.task, start, env.now)
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
         """Issue a collective on the communication stream (its output allocated now); it starts

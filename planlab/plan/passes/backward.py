@@ -11,7 +11,7 @@ from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Layout, box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, piece_task, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, piece_task, record_size, shares
 from planlab.plan.passes.layouts import full
 from planlab.plan.program import Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -46,10 +46,10 @@ def convert_gradients(d: Draft) -> Draft:
             target = full(d.layouts.has(op, j))
             if len(uses) == 1 and same_layout(d.layouts.contributes(*uses[0]), target):
                 c, k = uses[0]
-                gbufs.append(buf_.contribution(t, c.name, k))
+                gbufs.append(d.names.contribution(t, c.name, k))
                 continue
             _sum_and_convert(d, parts, sizes, counters, i, t, uses, target)
-            gbufs.append(buf_.grad(t))
+            gbufs.append(d.names.grad(t))
         grads[op.name] = tuple(gbufs)
         if op.outputs[0] != graph.loss and all(g is None for g in gbufs):
             dead.add(op.name)
@@ -71,7 +71,7 @@ def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str,
     pending: list[tuple[Layout, Buffer, str]] = []  # (layout, buffer, operator on whose stage it is)
     local: dict[Layout, list[tuple[Buffer, Operator]]] = {}
     for c, k in sorted(uses, key=lambda u: -d.topo[u[0].name]):
-        lay, buf = L.contributes(c, k), buf_.contribution(t, c.name, k)
+        lay, buf = L.contributes(c, k), d.names.contribution(t, c.name, k)
         if lay.mesh == target.mesh:
             local.setdefault(lay, []).append((buf, c))
         else:
@@ -97,7 +97,7 @@ def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str,
         pending.append((lay, summed, op.name))
     for lay, buf, src in pending:
         at = ((d.stage[src], "B"), key, i)
-        convert(d, parts, sizes, counters, lay, target, t, (buf, buf_.grad(t)), at, accumulate=True, name=f"d{t}:")
+        convert(d, parts, sizes, counters, lay, target, t, (buf, d.names.grad(t)), at, accumulate=True, name=f"d{t}:")
 
 
 def backward_pieces(d: Draft) -> Draft:
@@ -120,19 +120,22 @@ def backward_pieces(d: Draft) -> Draft:
         if op.name in d.dead or not any(needs_grad):
             continue
         writes = tuple(
-            (d.weight_grad[t] if graph.tensors[t].role == "param" else buf_.contribution(t, op.name, k)) if ng else None
+            (d.names.weight_grad(t) if graph.tensors[t].role == "param" else d.names.contribution(t, op.name, k))
+            if ng
+            else None
             for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
         )
         mesh = L.mesh[op.name]
+        share = shares(d, op)
         for flat, dev in d.positions(mesh):
             task = piece_task(
-                d,
                 op,
                 TaskKind.BACKWARD,
                 flat,
                 gbufs,
                 writes,
                 op.flops * op.bwd_flops_ratio,
+                share,
                 saved=d.saved[op.name],
                 shapes=d.piece_shapes.get(op.name, ()),
             )

@@ -69,6 +69,37 @@ SlotKey = tuple[int, BlockKey, int, Part]
 Parts = dict[SlotKey, tuple[Task, ...]]
 
 
+class Names:
+    """The buffers every device names alike (a parameter's pieces and their gradients, a tensor as
+    its producer makes it and its gradient, a consumer's contribution to it), each made once per
+    materialization, when first named: the passes share one object where each device would make
+    its own (a memo of values: a buffer is the same whoever makes it)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, Buffer] = {}
+
+    def _get(self, key: tuple, make) -> Buffer:
+        got = self._made.get(key)
+        if got is None:
+            got = self._made[key] = make(*key[1:])
+        return got
+
+    def weight(self, param: str) -> Buffer:
+        return self._get(("w", param), buf_.weight)
+
+    def weight_grad(self, param: str) -> Buffer:
+        return self._get(("wg", param), buf_.weight_grad)
+
+    def activation(self, tensor: str) -> Buffer:
+        return self._get(("a", tensor), buf_.activation)
+
+    def grad(self, tensor: str) -> Buffer:
+        return self._get(("g", tensor), buf_.grad)
+
+    def contribution(self, tensor: str, consumer: str, index: int) -> Buffer:
+        return self._get(("gc", tensor, consumer, index), buf_.contribution)
+
+
 @dataclass(frozen=True)
 class Draft:
     """A Program under construction (see the module docstring).
@@ -77,9 +108,7 @@ class Draft:
     all), ``overlap`` (gradient buckets overlapped with the backward), and what follows from them:
     ``topo`` (each operator's topological index), ``stage`` (each operator's stage), ``nograd``
     (tensors a detach cuts off from the loss), ``forward_only`` (operators without a backward
-    because of it), and the buffers every device names alike, made once: each parameter's pieces and
-    their gradients (``weight``, ``weight_grad``), each tensor as its producer makes it
-    (``activation``).
+    because of it), and ``names``, the buffers every device names alike (:class:`Names`).
 
     Products: ``parts``, the tasks of each part of each operator's slot in each device's block
     (until the ordering pass), then ``blocks`` per device and block (task lists in order);
@@ -105,9 +134,7 @@ class Draft:
     stage: dict[str, int]
     nograd: frozenset[str]
     forward_only: frozenset[str]
-    weight: dict[str, Buffer]
-    weight_grad: dict[str, Buffer]
-    activation: dict[str, Buffer]
+    names: Names
     parts: Parts = field(default_factory=dict)
     blocks: dict[int, dict[BlockKey, list[Task]]] = field(default_factory=dict)
     sizes: dict[int, dict[Buffer, int]] = field(default_factory=dict)
@@ -138,7 +165,6 @@ class Draft:
     ) -> Draft:
         """The draft before any pass: the inputs and what follows from them."""
         nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
-        params = [t for t, spec in graph.tensors.items() if spec.role == "param"]
         return cls(
             plan=plan,
             graph=graph,
@@ -150,9 +176,7 @@ class Draft:
             stage={p.op: p.stage for p in plan.ops},
             nograd=nograd,
             forward_only=forward_only_ops(graph, nograd) if nograd else frozenset(),
-            weight={p: buf_.weight(p) for p in params},
-            weight_grad={p: buf_.weight_grad(p) for p in params},
-            activation={t: buf_.activation(t) for t in graph.tensors},
+            names=Names(),
         )
 
     @property
@@ -216,15 +240,19 @@ def run_order(k: SlotKey) -> tuple[int, int]:
     return (k[2] if k[1][1] == "F" else -k[2], k[3])
 
 
+def shares(d: Draft, op: Operator) -> tuple[int, int]:
+    """How many pieces ``op`` is split into, and the micro-batches: what divides its work."""
+    L = d.layouts
+    return math.prod(s for dim, s in zip(L.dims[op.name], L.mesh[op.name].shape) if dim is not None), d.microbatches
+
+
 def piece_task(
-    d: Draft, op: Operator, kind: TaskKind, flat: int, reads: tuple, writes: tuple, flops: float, **fields
+    op: Operator, kind: TaskKind, flat: int, reads: tuple, writes: tuple, flops: float, share: tuple, **fields
 ) -> Task:
     """The ``kind`` task (forward or backward) of ``op``'s piece at position ``flat`` of its mesh:
-    ``flops`` (the whole operator's, for the whole batch) and its memory traffic shared by its
-    pieces and micro-batches."""
-    L = d.layouts
-    pieces = math.prod(s for dim, s in zip(L.dims[op.name], L.mesh[op.name].shape) if dim is not None)
-    m = d.microbatches
+    ``flops`` (the whole operator's, for the whole batch) and its memory traffic divided by its
+    ``share`` (:func:`shares`: its pieces, then micro-batches)."""
+    pieces, m = share
     return Task(
         op.name,
         kind,

@@ -8,7 +8,7 @@ from collections import defaultdict
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, piece_task, record_size
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, piece_task, record_size, shares
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -73,7 +73,7 @@ def convert_inputs(d: Draft) -> Draft:
         for ti, t in enumerate(op.inputs):
             spec, need = graph.tensors[t], L.needs(op, ti)
             if spec.role == "param":
-                bufs.append(d.weight[t])
+                bufs.append(d.names.weight(t))
                 continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
@@ -88,11 +88,11 @@ def convert_inputs(d: Draft) -> Draft:
                 prod = graph.producer[t]
                 have = L.has(prod, prod.outputs.index(t))
                 if same_layout(have, need):
-                    bufs.append(d.activation[t])
+                    bufs.append(d.names.activation(t))
                     continue
                 buf = buf_.activation(t, versions[t] + 1)
                 at = ((d.stage[prod.name], "F"), key, i)
-                convert(d, parts, sizes, counters, have, need, t, (d.activation[t], buf), at, name=f"{t}:")
+                convert(d, parts, sizes, counters, have, need, t, (d.names.activation(t), buf), at, name=f"{t}:")
             converted[(t, need)] = buf
             versions[t] += 1
             bufs.append(buf)
@@ -127,7 +127,7 @@ def forward_pieces(d: Draft) -> Draft:
     saved_of, shapes_of = {}, {}
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
-        outs = tuple(d.activation[o] for o in op.outputs)
+        outs = tuple(d.names.activation(o) for o in op.outputs)
         saved = tuple(
             dict.fromkeys(
                 outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
@@ -139,15 +139,16 @@ def forward_pieces(d: Draft) -> Draft:
         saved_of[op.name] = saved
         shapes_of[op.name] = piece_shapes(L, op)
         agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
+        share = shares(d, op)
         for flat, dev in d.positions(mesh):
             task = piece_task(
-                d,
                 op,
                 TaskKind.FORWARD,
                 flat,
                 bufs,
                 outs,
                 op.flops,
+                share,
                 shape=box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]])),
                 saved=saved,
                 lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),

@@ -67,10 +67,10 @@ def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[i
     backward completes them (then by parameter name); each bucket's all-reduce is issued, with the
     last micro-batch (``final``), right after the backward task that completes it (the ``after``
     part of that operator's slot: ``Part.AFTER``), and runs on the communication stream (``overlap``)."""
-    names = [op.name for op in d.graph.operators]
+    ops = d.graph.operators
     by_stage: dict[int, Reduction] = defaultdict(list)
     for item in items:
-        by_stage[d.stage[names[item[0]]]].append(item)
+        by_stage[d.stage[ops[item[0]].name]].append(item)
     cap = BUCKET_ELEMENTS * d.precision.grad_bytes
     for st in sorted(by_stage):
         ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
@@ -88,7 +88,7 @@ def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[i
 
 def all_reduce(d: Draft, items: Reduction, group: tuple[int, ...], name: str, ident: int, **extra) -> Task:
     """The all-reduce of the weight gradients ``items`` over ``group`` as one flat buffer."""
-    bufs = tuple(d.weight_grad[p] for _, p, _ in items)
+    bufs = tuple(d.names.weight_grad(p) for _, p, _ in items)
     return Task(
         name,
         TaskKind.COLLECTIVE,

@@ -9,7 +9,7 @@ from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Replicate, box_numel
 from planlab.plan.passes.draft import Draft
 from planlab.plan.passes.order import as_blocks, block_order, schedule_of
-from planlab.plan.program import Block, DeviceProgram, Program, Task
+from planlab.plan.program import Block, DeviceProgram, Program
 
 
 def assemble(d: Draft) -> Program:
@@ -45,7 +45,7 @@ def assemble(d: Draft) -> Program:
     for flat, dev in enumerate(lay.mesh.devices):
         c = lay.mesh.coord(flat)
         primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
-        holders.append((dev, d.activation[d.graph.loss], int(primary)))
+        holders.append((dev, d.names.activation(d.graph.loss), int(primary)))
     return Program(
         devices=tuple(programs),
         microbatches=plan.microbatches,
@@ -92,9 +92,7 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
         for ti, t in enumerate(blocks[bk].tasks):
             a, f = allocs.get((bk, ti)), frees.get((bk, ti))
             if a or f:
-                fields = dict(t.__dict__, alloc=tuple(a or ()), free=tuple(f or ()))
-                t = object.__new__(Task)  # a shallow copy: much cheaper than dataclasses.replace here
-                t.__dict__.update(fields)
+                t = t.but(alloc=tuple(a or ()), free=tuple(f or ()))
             tasks.append(t)
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
     return out

@@ -21,8 +21,8 @@ def step_optimizer(d: Draft) -> Draft:
         nparams = sum(box_numel(b) for _, b in rest)
         if not nparams:
             continue
-        w = tuple(d.weight[p] for p, _ in rest)
-        g = tuple(d.weight_grad[p] for p, _ in rest)
+        w = tuple(d.names.weight(p) for p, _ in rest)
+        g = tuple(d.names.weight_grad(p) for p, _ in rest)
         add(
             parts,
             dev,

@@ -37,9 +37,9 @@ def schedule_of(plan: Plan, dev: int, blocks: dict, checked: dict) -> tuple[Acti
             + [Action(s, "U", 0) for s in ws]
         )
     split = tuple(sorted(s for s, ph in blocks if ph == "I"))
-    key = (tuple(given), fs, bs, ws, m, split)
+    key = (tuple((a.stage, a.phase, a.microbatch) for a in given), fs, bs, ws, m, split)
     if key not in checked:  # many devices share one schedule
-        check_schedule(dev, tuple((a.stage, a.phase, a.microbatch) for a in given), *key[1:])
+        check_schedule(dev, *key)
         checked[key] = True
     return tuple(given)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.passes.draft import Draft, Idents, Part, Parts, SlotKey, add, by_block
@@ -43,22 +42,20 @@ def _redo(parts: Parts, sizes: dict[Buffer, int], members: list[SlotKey], names:
     and copy them, but their sends and receives, into the backward block (see :func:`recompute`)."""
     dev, (st, _), _, _ = members[0]
     tasks = [t for k in members for t in parts[k] if not _message(t)]
-    written = {w for t in tasks for w in t.writes if w}
-    for w in written:
+    remade = {w: w.with_kind(BufferKind.RECOMPUTED) for t in tasks for w in t.writes if w}
+    for w, r in remade.items():
         if w in sizes:
-            sizes[w.with_kind(BufferKind.RECOMPUTED)] = sizes[w]
+            sizes[r] = sizes[w]
 
     def ren(bufs):
-        return tuple(b.with_kind(BufferKind.RECOMPUTED) if b in written else b for b in bufs)
+        return tuple(remade.get(b, b) if b else b for b in bufs)
 
     for k in members:
         parts[k] = tuple(
-            dataclasses.replace(t, recompute=Recompute.DROP, saved=()) if t.kind is TaskKind.FORWARD else t
-            for t in parts[k]
+            t.but(recompute=Recompute.DROP, saved=()) if t.kind is TaskKind.FORWARD else t for t in parts[k]
         )
     redo = tuple(
-        dataclasses.replace(
-            t,
+        t.but(
             name=f"re:{t.name}",
             reads=ren(t.reads),
             writes=ren(t.writes),
@@ -73,8 +70,7 @@ def _redo(parts: Parts, sizes: dict[Buffer, int], members: list[SlotKey], names:
         k = (dev, (st, "B"), i, Part.COMPUTE)
         if k in parts:
             parts[k] = tuple(
-                dataclasses.replace(t, saved=ren(t.saved)) if t.kind is TaskKind.BACKWARD and t.op == names[i] else t
-                for t in parts[k]
+                t.but(saved=ren(t.saved)) if t.kind is TaskKind.BACKWARD and t.op == names[i] else t for t in parts[k]
             )
 
 
