@@ -195,9 +195,10 @@ class DeviceRun:
     def run(self):
         """The device's process: every action of its schedule, unit by unit (segments, sends and
         receives, the most frequent units, without a generator of their own)."""
-        sim, env, st = self.sim, self.sim.env, self.st
-        if sim.timeline:
-            sim.memory.append((self.rep, 0.0, self.mem))
+        sim, env, st, rep = self.sim, self.sim.env, self.st, self.rep
+        timeline, slowdown, factor, coll_free = sim.timeline, sim.overlap_slowdown, self.factor, sim.coll_free
+        if timeline:
+            sim.memory.append((rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
         for action in self.dp.schedule:
             a = str(action)
@@ -209,22 +210,22 @@ class DeviceRun:
                     start = env.now
                     if u.peak_bytes + self.mem > st["peak"]:
                         self.bump(u.peak_bytes, u.peak_task)
-                    if sim.timeline:
-                        sim.memory.append((self.rep, start, self.mem + u.peak_bytes))
-                    compute = u.compute_s * self.factor
-                    if sim.overlap_slowdown != 1.0 and sim.coll_free[self.rep] > start:
-                        compute += min(compute, sim.coll_free[self.rep] - start) * (sim.overlap_slowdown - 1.0)
+                    if timeline:
+                        sim.memory.append((rep, start, self.mem + u.peak_bytes))
+                    compute = u.compute_s * factor
+                    if slowdown != 1.0 and coll_free[rep] > start:
+                        compute += min(compute, coll_free[rep] - start) * (slowdown - 1.0)
                     yield env.timeout(compute + u.comm_s)
                     st["compute_s"] += compute
                     st["comm_s"] += u.comm_s
                     st["exposed_s"] += u.comm_s
                     self.mem += u.net_bytes
-                    if sim.timeline:
+                    if timeline:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
                     self.send(u, a)
                 elif isinstance(u, Recv):  # wait for the channel's next message (a pipeline bubble)
-                    start, box = env.now, sim.mailbox(u.peer, self.rep, u.tag)
+                    start, box = env.now, sim.mailbox(u.peer, rep, u.tag)
                     arrival = box.take() if box.arrivals else (yield box.wait(env))
                     if arrival > env.now:
                         yield env.timeout(arrival - env.now)
@@ -232,8 +233,8 @@ class DeviceRun:
                     st["bubble_s"] += env.now - start
                     self.bump(u.alloc_bytes, u.task)
                     self.mem += u.alloc_bytes
-                    if sim.timeline:
-                        sim.record(self.rep, "wait", a, u.task, start, env.now)
+                    if timeline:
+                        sim.record(rep, "wait", a, u.task, start, env.now)
                 elif isinstance(u, AsyncCollective):
                     yield from self.start_overlapped(u, a, action)
                 elif isinstance(u, Await):
