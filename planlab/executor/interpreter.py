@@ -2,7 +2,7 @@
 
 It only interprets: every decision (which collective, which slice, which
 order) was made by ``materialize``. A task runs by its kind and role alone
-(:meth:`Interpreter._dispatch`); what it needs beyond them is a field of the task or
+(``Interpreter.RUNS`` names the method for each); what it needs beyond them is a field of the task or
 of its buffers. Each forward task runs an operator piece
 under autograd on detached inputs; the matching backward task calls
 ``torch.autograd.grad`` on that piece alone, so the backward order is the
@@ -164,12 +164,16 @@ class Interpreter:
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
         self.static: dict[Buffer, torch.Tensor] = {}
+        # the buffers of each parameter's piece and its gradient, the Program's own (they key every step's tables)
+        own = {b: b for blk in self.dp.blocks.values() for t in blk.tasks for b in t.reads + t.writes if b}
+        self._weights = {p: own.get(buf_.weight(p), buf_.weight(p)) for p, _ in self.dp.params}
+        self._grads = {p: own.get(buf_.weight_grad(p), buf_.weight_grad(p)) for p, _ in self.dp.params}
         named = dict(self.module.named_parameters()) if self.shards is None else {}
         self.leaves: list[tuple[str, torch.Tensor]] = []
         for p, box in self.dp.params:
             piece = self.shards[p] if self.shards is not None else named[p].detach()[_slices(box)].clone()
             w = piece.to(self.torch_device).requires_grad_(True)
-            self.static[buf_.weight(p)] = w
+            self.static[self._weights[p]] = w
             self.leaves.append((p, w))  # its gradient buffer is made at its first contribution
         self.set_inputs(self.inputs)
         for name, b in self.module.named_buffers():
@@ -185,7 +189,7 @@ class Interpreter:
             full = {b.tensor for b in self.unit_of}
             self.leaves = [(p, w) for p, w in self.leaves if p not in full]
             for p in full:
-                del self.static[buf_.weight(p)]
+                del self.static[self._weights[p]]
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
@@ -198,7 +202,7 @@ class Interpreter:
         self.steps_run = 0
         self._compiled: dict[tuple[int, str], tuple] = {}
         self._read_cache: dict[int, tuple] = {}  # by id(task): the Program's tasks live as long as it
-        self._loss_buffer = buf_.activation(self.graph.loss)
+        self._loss_buffer = own.get(buf_.activation(self.graph.loss), buf_.activation(self.graph.loss))
         self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
 
@@ -210,7 +214,7 @@ class Interpreter:
             for t in block.tasks:
                 if t.role in (Role.SHARD_GRADS, Role.UNIT_GRADS):
                     params = tuple(b.tensor for b in t.reads)
-                    flat = torch.cat([self.static[buf_.weight(p)].detach().reshape(-1) for p in params])
+                    flat = torch.cat([self.static[self._weights[p]].detach().reshape(-1) for p in params])
                     group = tuple(sorted(t.group))
                     n, me = len(group), group.index(self.device)
                     chunk = -(-flat.numel() // n)
@@ -226,7 +230,7 @@ class Interpreter:
                         t.writes[0],
                         group,
                         t.role is Role.UNIT_GRADS,
-                        tuple(tuple(self.static[buf_.weight(p)].shape) for p in params),
+                        tuple(tuple(self.static[self._weights[p]].shape) for p in params),
                     )
         return out
 
@@ -240,8 +244,9 @@ class Interpreter:
         try:
             return self.static[name] if name.static else self.bufs[(name, mb)]
         except KeyError:
-            if name.kind is BufferKind.WEIGHT_GRAD and buf_.weight(name.tensor) in self.static:  # no contribution yet
-                z = self.static[name] = torch.zeros_like(self.static[buf_.weight(name.tensor)], requires_grad=False)
+            w = self._weights.get(name.tensor) if name.kind is BufferKind.WEIGHT_GRAD else None
+            if w is not None and w in self.static:  # no contribution yet: zero
+                z = self.static[name] = torch.zeros_like(self.static[w], requires_grad=False)
                 return z
             raise ExecutionError(
                 f"device {self.device}: buffer '{name}' (micro-batch {mb}) was read before any task wrote it"
@@ -284,7 +289,7 @@ class Interpreter:
             self.action = action
             if progress is not None:
                 progress.phase(f"step {step}, action {action}")
-            for task, fn, label, frees, is_loss in self._steps(action):
+            for task, fn, label, frees, gathered, is_loss in self._steps(action):
                 if task.final and mb != last_mb:
                     continue  # runs with the last micro-batch only
                 if progress is not None:
@@ -301,8 +306,8 @@ class Interpreter:
                     loss += float(bufs[(self._loss_buffer, mb)])
                 for b in frees:
                     bufs.pop((b, mb), None)
-                    if b in self.unit_of:  # a ZeRO-3 layer's gathered weights: give the memory back
-                        zero3.release(self, b, mb)
+                for b in gathered:  # a ZeRO-3 layer's gathered weights: give the memory back
+                    zero3.release(self, b, mb)
         if progress is not None and self.pending:
             progress.phase(
                 f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} to complete"
@@ -350,7 +355,8 @@ class Interpreter:
 
     def _steps(self, action) -> tuple:
         """A block's tasks ready to run, made once per block: ``(task, function, progress label,
-        buffers freed after it, whether it yields this device's loss)``."""
+        buffers freed after it, those of them that are ZeRO-3's gathered weights, whether it yields
+        this device's loss)``."""
         key = (action.stage, action.phase)
         steps = self._compiled.get(key)
         if steps is None:
@@ -370,6 +376,7 @@ class Interpreter:
                         fn,
                         Progress.encode(str(task)),
                         task.free,
+                        tuple(b for b in task.free if b in self.unit_of),
                         holds_loss and task.kind is TaskKind.FORWARD and task.op == loss_op,
                     )
                 )
@@ -636,13 +643,13 @@ class Interpreter:
             if self.capture:
                 off = 0
                 for p in z.params:
-                    w = self.static[buf_.weight(p)]
+                    w = self.static[self._weights[p]]
                     self.captured_grads[p] = flat[off : off + w.numel()].view_as(w).clone()
                     off += w.numel()
             out = flat[z.me * z.chunk : (z.me + 1) * z.chunk]
         self.static[task.writes[0]] = out
         for p in z.params:  # the next step's gradients start from zero
-            self.static.pop(buf_.weight_grad(p), None)
+            self.static.pop(self._grads[p], None)
 
     def _zero_all_gather(self, task: Task, mb: int) -> None:
         """Gather the updated shards and write them into this device's weights."""
@@ -654,7 +661,7 @@ class Interpreter:
         off = 0
         with torch.no_grad():
             for p in z.params:
-                w = self.static[buf_.weight(p)]
+                w = self.static[self._weights[p]]
                 w.copy_(flat[off : off + w.numel()].view_as(w))
                 off += w.numel()
 
@@ -691,7 +698,7 @@ class Interpreter:
         if self.capture:
             for p, _ in self.leaves:
                 if p not in zeroed:
-                    self.captured_grads[p] = self._get(buf_.weight_grad(p), 0).detach().clone()
+                    self.captured_grads[p] = self._get(self._grads[p], 0).detach().clone()
             for z in self.zero.values():  # ZeRO-3 units: gathered from every replica's shard
                 if z.stage3:
                     grad = self.static.get(z.key)
@@ -713,14 +720,14 @@ class Interpreter:
         for p, w in self.leaves:
             if p in zeroed:
                 continue
-            g = self._get(buf_.weight_grad(p), 0)
+            g = self._get(self._grads[p], 0)
             w.grad = g.detach()  # Adam only reads it
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for p, _ in self.leaves:  # the next step's gradients start from zero (see _get)
             if p not in zeroed:
-                self.static.pop(buf_.weight_grad(p), None)
+                self.static.pop(self._grads[p], None)
 
 
 @dataclass
