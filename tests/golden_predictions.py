@@ -1,8 +1,9 @@
 """Golden predictions: a table of plans and what planlab predicts for each (``tests/test_golden.py``).
 
-Each case builds one plan with a space's ``build`` (as ``planlab explore`` does), materializes it
-the way ``explore`` and ``planlab simulate`` do (reduced to device classes) and simulates it; a
-second, full materialization gives every device's task count. Recorded per case: the iteration
+Each case builds one plan with a space's ``build`` (as ``planlab explore`` does), builds its Program
+the way ``explore`` and ``planlab simulate`` do (``build_program`` with the cost model's software and
+precision, reduced to device classes) and simulates it; a second, full Program gives every device's
+task count. Recorded per case: the iteration
 time, the hardware FLOPs, per device class its finish, compute, communication, wait, exposed
 communication and bubble times and its peak memory (with the time of the peak), and per device the
 class it belongs to and the number of tasks it runs in one iteration.
@@ -11,8 +12,8 @@ The table covers every built-in space (dp, tp, pp, recompute, megatron, coshard,
 alpa), ZeRO 0 to 3, every pipeline schedule (1f1b, gpipe, interleaved, zb-h1, the interlaced
 pipeline, 3f1b and the plain recycling schedule, and a single stage accumulating gradients),
 co-located pieces inside recomputed layers, vocabulary-parallel heads and the model families'
-small presets, on the ``cpu`` cluster, on two DGX A100 nodes and on the kernel-level spec of
-``benchmarks/specs`` (Megatron's software).
+small presets, on the ``cpu`` cluster, on two DGX A100 nodes (planlab's software) and on two
+HGX A100 nodes with Megatron-LM's and DeepSpeed's software (gradients reduced after the backward).
 
 A change that moves a prediction on purpose (the cost model, say) regenerates the file with one
 command from the repository root, and the diff of ``tests/data/golden_predictions.json`` shows
@@ -30,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data" / "golden_predictions.json"
-SOFTWARE_SPEC = "benchmarks/specs/vtrain-a100-megatron.json"  # kernels, host costs (Megatron-LM)
 
 # Models beyond the presets (as the tests of the spaces use them)
 WIDE_VOCAB = (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 512))  # interlaced
@@ -42,7 +42,7 @@ ALPA_GPT = (("hidden", 256), ("seq", 64))
 @dataclass(frozen=True)
 class Case:
     """One plan: the model (preset or family with ``args``), global batch, cluster (name or spec
-    path), nodes, space and knobs; ``overlap`` is materialize's ``overlap_grad_reduce``."""
+    path), nodes, space and knobs; ``software`` is the training software (None: the cluster's default)."""
 
     name: str
     model: str
@@ -52,21 +52,21 @@ class Case:
     space: str
     knobs: dict = field(hash=False)
     args: tuple = ()
-    overlap: bool = True
+    software: str | None = None
 
 
 def _cases() -> tuple[Case, ...]:
     cpu2 = dict(cluster="cpu", nodes=2)
     cpu4 = dict(cluster="cpu", nodes=4)
     gpu = dict(cluster="dgx-a100-80g", nodes=2)
-    sw = dict(cluster=SOFTWARE_SPEC, nodes=2)
+    sw = dict(cluster="hgx-a100-80g-4nic", nodes=2, software="megatron")
     dp2 = dict(dp=2, tp=1, pp=1)
     pp2 = dict(dp=1, tp=1, pp=2, microbatch=2)
     return (
         # data parallelism, ZeRO 0 to 3, gradient accumulation on one stage
         Case("dp2", "gpt-tiny", 8, space="dp", knobs=dict(dp=2, microbatch=4), **cpu2),
         Case("dp2-accumulate", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=1), **cpu2),
-        Case("dp2-no-buckets", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=2), overlap=False, **cpu2),
+        Case("dp2-no-buckets", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=2), software="deepspeed", **cpu2),
         *(
             Case(f"zero{z}", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=2, zero=z), **cpu2)
             for z in (1, 2, 3)
@@ -353,24 +353,29 @@ def plan_of(case: Case) -> tuple:
 
     cluster = str(ROOT / case.cluster) if case.cluster.endswith(".json") else case.cluster
     spec, graph = traced(case.model, case.batch, case.args)
-    cost = CostModel.load(cluster, case.nodes)
+    cost = CostModel.load(cluster, case.nodes, software=case.software)
     ctx = Context(
         graph, spec, case.batch, cluster, case.nodes, cost.cluster.num_devices, cost.cluster.node.devices_per_node
     )
     return get_space(case.space).build(ctx, case.knobs), graph, cost
 
 
+def programs_of(case: Case) -> tuple:
+    """``(reduced, full, graph, cost)``: ``case``'s Program reduced to device classes and in full,
+    built as a user's path builds them (``build_program``)."""
+    from planlab.plan.software_passes import build_program
+
+    plan, graph, cost = plan_of(case)
+    return build_program(plan, graph, cost), build_program(plan, graph, cost, symmetric=False), graph, cost
+
+
 def measure(case: Case) -> dict:
     """What planlab predicts for ``case`` (see the module docstring)."""
-    from planlab.plan import materialize
     from planlab.plan.shared_params import training_flops
     from planlab.simulator import simulate
     from planlab.simulator.classes import device_classes
 
-    plan, graph, cost = plan_of(case)
-    kw = dict(node_of=cost.cluster.node_of, overlap_grad_reduce=case.overlap)
-    reduced = materialize(plan, graph, symmetric=True, **kw)
-    full = materialize(plan, graph, **kw)
+    reduced, full, graph, cost = programs_of(case)
     res = simulate(reduced, cost, model_flops=training_flops(graph))
     cls = reduced.classes if reduced.reduced else device_classes(reduced, cost.cluster)
     peak = {d.device: d.peak_mem_bytes for d in res.devices}

@@ -11,7 +11,7 @@ from planlab.plan import buffer as b
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.program import Role, TaskKind
 
-from golden_predictions import CASES, plan_of
+from golden_predictions import CASES, programs_of
 
 
 @pytest.mark.parametrize(
@@ -67,13 +67,7 @@ def test_static_kinds_live_all_iteration():
 @pytest.fixture(scope="module")
 def programs():
     """The programs of the golden plans, reduced to device classes as explore makes them."""
-    from planlab.plan import materialize
-
-    out = {}
-    for c in CASES:
-        plan, g, cost = plan_of(c)
-        out[c.name] = materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of, overlap_grad_reduce=c.overlap)
-    return out
+    return {c.name: programs_of(c)[0] for c in CASES}
 
 
 def test_every_task_is_typed_and_run_by_its_kind_and_role(programs):
