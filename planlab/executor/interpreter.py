@@ -21,6 +21,7 @@ from planlab.errors import ExecutionError
 from planlab.executor import zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
+from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
@@ -156,6 +157,7 @@ class Interpreter:
     fault: Fault | None = None  # a test-only injected fault (PLANLAB_FAULT)
     shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
     clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
+    seed: int = 0  # the seed random operators draw from (planlab.executor.randomness)
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
@@ -197,6 +199,7 @@ class Interpreter:
         self._loss_buffer = f"a:{self.graph.loss}"
         self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        self.random = PieceRandomness(self.graph, self.program.microbatches, self.seed)
 
     def _zero_buckets(self) -> dict[str, "_ZeroBucket"]:
         """ZeRO: per reduce-scattered gradient bucket, this device's shard of the flattened
@@ -449,6 +452,11 @@ class Interpreter:
         elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
             off = task.group.index(self.device) * ins[0].shape[-1]
             group = self.groups[tuple(sorted(task.group))]
+        with self.random.piece(op, task.box, mb, self.step):  # a random operator draws as one process does
+            self._compute(op, task, mb, ins, reads, off, group)
+
+    def _compute(self, op: Operator, task: Task, mb: int, ins: list, reads: tuple, off: int, group) -> None:
+        """Run the piece of a forward task on its inputs ``ins`` and store its outputs."""
         if task.recompute == "drop":  # its backward runs after a second forward ("redo"): keep no graph
             with torch.no_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)

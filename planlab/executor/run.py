@@ -267,6 +267,7 @@ def worker(
             fault=fault,
             shards=shards,
             clip_grad_norm=cfg.clip_grad_norm,
+            seed=cfg.seed,
         )
         del shards
         loaded_steps = 0
@@ -369,6 +370,7 @@ def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, b
         seed=cfg.seed,
         batches=batches,
         clip_grad_norm=cfg.clip_grad_norm,
+        graph=interp.graph,
     )
     err = max_grad_error(grads, dict(program.devices[0].params), ref)
     for r in range(1, world):

@@ -55,6 +55,8 @@ from planlab.graph.ops_hf import Constant, constant, functional_setitem, registe
 
 # Factories that make a tensor from sizes or data alone (deterministic ones only).
 FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "tensor", "linspace", "tril_indices", "triu_indices")
+# Random factories: recorded as operators, always (their pieces draw from planlab's generator).
+RANDOM_FACTORIES = ("rand", "rand_like")
 # In-place methods without a functional twin of the same name but one.
 _INPLACE_TWINS: dict[str, Callable] = {"zero_": torch.zeros_like, "fill_": torch.full_like}
 _RANDOM_INPLACE = (
@@ -289,7 +291,7 @@ class HFTracer(fx.Tracer):
     # -- tracing -------------------------------------------------------------------
     def trace(self, root, concrete_args=None):  # type: ignore[override]
         """Trace ``root`` with the tensor factories recorded as operators."""
-        originals = {name: getattr(torch, name) for name in FACTORIES}
+        originals = {name: getattr(torch, name) for name in FACTORIES + RANDOM_FACTORIES}
         self._factories = set(originals.values())
         _device_constructors()  # cached on first use: let it hold the real factories, not ours
 
@@ -300,7 +302,7 @@ class HFTracer(fx.Tracer):
                     return fn(*args, **{**kwargs, "device": "meta"})
                 traced = []
                 map_aggregate((args, kwargs), lambda v: traced.append(v) if isinstance(v, fx.Proxy) else None)
-                if traced:
+                if traced or fn.__name__ in RANDOM_FACTORIES:
                     return self.create_proxy("call_function", fn, args, kwargs)
                 return fn(*args, **{**kwargs, "device": _CONSTANTS})  # a constant, computed now
 

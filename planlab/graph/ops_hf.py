@@ -272,6 +272,7 @@ _reg_missing(
         torch.clip,
         torch.log1p,
         torch.square,
+        torch.floor,
         F.gelu,
         F.silu,
         F.relu,
@@ -292,6 +293,7 @@ _reg_missing(
         "clip",
         "log1p",
         "square",
+        "floor",
         "__pow__",
     ),
     kind="pointwise",
@@ -383,6 +385,15 @@ _reg_missing(
     methods=("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"),
     kind="factory",
     signature=_new_like,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.0,
+)
+# ``torch.rand`` (stochastic depth's per-sample draw): random, so its pieces draw their own elements of
+# the whole draw from planlab's generator (planlab.graph.random_ops); its axes split like an elementwise output.
+_reg_missing(
+    targets_fn=(torch.rand, torch.rand_like),
+    kind="rand",
+    signature=_elementwise,
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=0.0,
 )

@@ -25,6 +25,7 @@ from typing import Callable
 from planlab.errors import InfeasiblePlan
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DETACH, DTYPE_BYTES, Graph, Operator, no_grad_tensors
+from planlab.graph.random_ops import draws_random
 from planlab.plan.backward_split import split_backward, split_stages
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_numel, box_shape
@@ -409,6 +410,7 @@ def _build(
         saved_of[op.name] = saved
         shapes_of[op.name] = _piece_shapes(L, op)
         agree = [a for a, d in enumerate(L.dims[op.name]) if d is not None and d == IN_OP_GROUPS.get(op.kind)]
+        random = draws_random(op)  # its pieces key their draws by their box (planlab.executor.randomness)
         for flat, dev in _positions(mesh, keep):
             out_shape = box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]]))
             lead = all(mesh.coord(flat)[a] == 0 for a in red_axes)
@@ -427,6 +429,7 @@ def _build(
                 op_kind=op.kind,
                 shapes=shapes_of[op.name],
                 group=_line(mesh, flat, agree),
+                box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
             )
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):

@@ -69,7 +69,9 @@ class Task:
     of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
     where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
-    micro-batch) let the cost model price a compute task kernel by kernel.
+    micro-batch) let the cost model price a compute task kernel by kernel. ``box`` is, on the
+    forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
+    in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
     """
 
     name: str
@@ -103,6 +105,7 @@ class Task:
     free: tuple[str, ...] = ()
     op_kind: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
+    box: Box | None = None
 
     def __str__(self) -> str:
         if self.kind in (TaskKind.SEND, TaskKind.RECV):
