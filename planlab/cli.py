@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from planlab.errors import DeadlockError, PlanlabError
+from planlab.inputs import MAX_GLOBAL_BATCH, count, writable_file, writable_folder
 
 DEFAULT_CANDIDATES = 16  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
 LOSS_TOL = 1e-4  # absolute, on losses of order 1 (fp32)
@@ -35,6 +36,8 @@ def _model(args):
 
 def cmd_explore(args) -> int:
     from planlab.explore import RESULT_COLUMNS, SCREEN_COLUMNS, explore
+
+    count(args.top, "--top")
 
     df = explore(
         _model(args),
@@ -95,6 +98,17 @@ def cmd_explore(args) -> int:
     return 0
 
 
+def _check_outputs(*, save=None, trace=None, predicted_trace=None, plot=None) -> None:
+    """Before any work: every file and folder a command will write can be written."""
+    if save is not None:
+        writable_folder(save, "--save")
+    if plot is not None:
+        writable_folder(plot, "--plot")
+    for value, what in ((trace, "--trace"), (predicted_trace, "--predicted-trace")):
+        if value is not None:
+            writable_file(value, what)
+
+
 def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
     from planlab.plan.shared_params import training_flops
@@ -117,13 +131,17 @@ def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = No
 def cmd_simulate(args) -> int:
     from planlab.plan import load_plan
 
+    _check_outputs(trace=args.trace, plot=args.plot)
     plan = load_plan(args.plan)
     stragglers = {}
     for k, v in args.straggler or []:
-        if not k.isdigit() or not isinstance(v, (int, float)):
+        if not k.isdigit() or int(k) >= plan.num_devices or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             from planlab.errors import ConfigError
 
-            raise ConfigError(f"--straggler {k}={v}: expected DEVICE=FACTOR, e.g. 3=1.5")
+            raise ConfigError(
+                f"--straggler {k}={v}: expected DEVICE=FACTOR with a device 0..{plan.num_devices - 1} of the plan "
+                "and a factor above 0, e.g. 1=1.5"
+            )
         stragglers[int(k)] = float(v)
     res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers, profile=args.profile)
     if args.trace:
@@ -188,6 +206,10 @@ def cmd_run(args) -> int:
     from planlab.errors import ConfigError
     from planlab.executor.launch_env import detect
     from planlab.plan import load_plan
+
+    _check_outputs(save=args.save, trace=args.trace, predicted_trace=args.predicted_trace)
+    if args.nproc is not None:
+        count(args.nproc, "--nproc")
 
     env = None if args.nproc is not None else detect()
     try:  # started by torchrun or srun: this process is one rank
@@ -273,6 +295,9 @@ def _preset_sizes(fam, cfg) -> str:
 def cmd_calibrate(args) -> int:
     from planlab.costmodel.calibrate import calibrate
 
+    count(args.nproc, "--nproc", minimum=2)
+    writable_file(args.out, "--out")
+
     prof = calibrate(
         out=args.out, nproc=args.nproc, quick=args.quick, cluster=args.cluster, log=lambda line: print(line, flush=True)
     )
@@ -343,15 +368,23 @@ def cmd_graph(args) -> int:
     from planlab.graph import trace
     from planlab.models import build_model
 
+    count(args.global_batch, "--global-batch", maximum=MAX_GLOBAL_BATCH)
     model, inputs = build_model(_model(args), batch=args.global_batch)
     g = trace(model, inputs)
     print(g.summary())
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line (the option and the bad value) and status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="planlab", description="Find and run parallelization plans for training.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="planlab", description="Find and run parallelization plans for training.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def model_args(sp, required=True):
         sp.add_argument("--model", required=required, help="a preset (planlab models) or a family")
@@ -508,6 +541,15 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(rest), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("planlab: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # torch's launcher turns a signal into its SignalException after stopping the workers
+        if type(e).__name__ != "SignalException":
+            raise
+        sig = getattr(e, "sigval", None)
+        print(
+            f"planlab: stopped by {getattr(sig, 'name', 'a signal')}; every worker process was stopped", file=sys.stderr
+        )
         return 130
 
 

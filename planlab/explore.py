@@ -26,6 +26,7 @@ import pandas as pd
 
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError, InfeasiblePlan
+from planlab.inputs import check_sizes, writable_folder
 from planlab.graph.ir import Graph
 from planlab.graph.trace import trace
 from planlab.models.registry import ModelSpec, build_model
@@ -332,10 +333,11 @@ def explore(
         raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
     if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
         raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
+    if out is not None:
+        writable_folder(out, "--out")  # before the work, not after it
     cost = CostModel.load(cluster, nodes, profile=profile)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
-    if not isinstance(batch, int) or batch < 1:
-        raise ConfigError(f"--global-batch must be a positive integer, got {batch!r}")
+    check_sizes(batch, cost.cluster.num_devices)
     sp = get_space(space) if isinstance(space, str) else space
     if not isinstance(sp, Space):
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")

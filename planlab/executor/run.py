@@ -426,7 +426,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _quiet_launcher() -> Iterator[None]:
     """Silence torchelastic's own failure logs: :func:`launch_local` reports a failure once."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith(prefixes)]  # each sets its own level
+    loggers = [logging.getLogger(n) for n in dict.fromkeys([*prefixes, *names])]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from planlab.errors import ConfigError
+from planlab.inputs import model_arg
 
 EXAMPLE_BATCH = 2  # samples in the example inputs; planlab rescales them to the global batch
 
@@ -68,10 +69,10 @@ def _pick(size: str, tiny: dict[str, Any], full: dict[str, Any], overrides: dict
     unknown = [k for k, v in overrides.items() if v is not None and k not in base]
     if unknown:
         raise ConfigError(f"unknown model argument {unknown[0]!r}; choose {', '.join(repr(k) for k in base)}")
+    for k, v in overrides.items():
+        if v is not None and k != "dropout":
+            model_arg(k, v, base[k])  # an integer size >= 1 within planlab's limits (planlab.inputs)
     base.update({k: v for k, v in overrides.items() if v is not None})
-    for k, v in base.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
-            raise ConfigError(f"{k}={v} must not be negative")
     return base
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from planlab.errors import ConfigError, choices
+from planlab.inputs import model_arg, model_arg_type
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.llama import Llama, LlamaConfig
 from planlab.models.t5 import T5, T5Config
@@ -393,9 +394,11 @@ class ModelSpec:
             return user_model_config(self.name, self.args)
         fields = fam.config.__dataclass_fields__
         kw = dict(self.args)
-        for k in kw:
+        proto = fam.presets.get(self.name) or next(iter(fam.presets.values()))
+        for k, v in kw.items():
             if k not in fields:
                 raise ConfigError(f"unknown model argument {k!r} for {self.name!r}; choose {choices(list(fields))}")
+            model_arg_type(k, v, getattr(proto, k))  # before the family's checks compute with it
         if self.name in fam.presets:
             cfg = replace(fam.presets[self.name], **kw)
         else:
@@ -404,6 +407,8 @@ class ModelSpec:
                 raise ConfigError(f"model family {self.name!r} needs --model-arg for {', '.join(missing)}")
             cfg = fam.config(**kw)
         fam.check(cfg)
+        for k, v in kw.items():  # the family's checks first (their messages are more precise), then planlab's limits
+            model_arg(k, v, getattr(proto, k))
         return cfg
 
     def to_json(self) -> dict:

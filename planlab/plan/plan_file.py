@@ -107,13 +107,15 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         spec = ModelSpec.from_json(model)
     except (TypeError, ValueError, AttributeError) as e:
         raise PlanFileError(f"{where}: model: {e}") from None
+    counts = {k: _need(d, k, int, where) for k in ("global_batch", "nodes", "num_devices", "microbatches")}
+    _check_counts(counts, schedule, ops, where)
     return Plan(
         model=spec,
-        global_batch=_need(d, "global_batch", int, where),
+        global_batch=counts["global_batch"],
         cluster=_need(d, "cluster", str, where),
-        nodes=_need(d, "nodes", int, where),
-        num_devices=_need(d, "num_devices", int, where),
-        microbatches=_need(d, "microbatches", int, where),
+        nodes=counts["nodes"],
+        num_devices=counts["num_devices"],
+        microbatches=counts["microbatches"],
         ops=tuple(ops),
         schedule=tuple(schedule),
         space=str(d.get("space", "")),
@@ -130,20 +132,38 @@ def plan_from_json(text: str, where: str = "plan") -> Plan:
     return plan_from_dict(d, where)
 
 
+def _file_path(path, verb: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise PlanFileError(f"{verb}: expected the path of a plan file, got {path!r}")
+    return Path(path)
+
+
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write atomically: a temporary file renamed into place, so no half-written plan is left."""
-    path = Path(path)
+    if not isinstance(plan, Plan):
+        raise PlanFileError(f"save_plan(plan, path): expected a Plan, got {type(plan).__name__} {plan!r:.60}")
+    path = _file_path(path, "save_plan")
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(plan_to_json(plan))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(plan_to_json(plan))
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)  # nothing half-written is left
+        raise PlanFileError(f"cannot write plan file {str(path)!r}: {e.strerror}") from None
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    path = Path(path)
+    """The Plan in a plan file; PlanFileError names the file and what is wrong with it."""
+    path = _file_path(path, "load_plan")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PlanFileError(
+            f"{str(path)!r} is not a plan file (byte {e.start} is not UTF-8 text); expected planlab's plan JSON"
+        ) from None
     return plan_from_json(text, where=str(path))
 
 
@@ -152,3 +172,23 @@ def _zero(d: dict, where: str) -> int:
     if z not in ZERO_STAGES or isinstance(z, bool):
         raise PlanFileError(f"{where}: field 'zero' must be 0, 1, 2 or 3, got {z!r}")
     return z
+
+
+def _check_counts(counts: dict[str, int], schedule: list, ops: list, where: str) -> None:
+    """The plan's sizes are positive, its schedule has one list per device (or none), and its
+    operators sit on its devices."""
+    for k, v in counts.items():
+        if v < 1:
+            raise PlanFileError(f"{where}: field {k!r} must be at least 1, got {v}")
+    n = counts["num_devices"]
+    if schedule and len(schedule) != n:
+        raise PlanFileError(
+            f"{where}: the schedule lists the actions of {len(schedule)} devices; the plan has {n} "
+            "(give one list per device, or none for the default order)"
+        )
+    for k, o in enumerate(ops):
+        bad = [x for x in o.devices if not 0 <= x < n]
+        if bad:
+            raise PlanFileError(
+                f"{where}: ops[{k}] ({o.op!r}) is placed on device {bad[0]}; the plan has devices 0..{n - 1}"
+            )
