@@ -21,6 +21,7 @@ from planlab.errors import ConfigError, GraphError  # noqa: E402
 from planlab.executor import launch_local, run_piece  # noqa: E402
 from planlab.executor.randomness import PieceRandomness  # noqa: E402
 from planlab.graph import trace  # noqa: E402
+from planlab.graph.ops_hf import kept_mean  # noqa: E402
 from planlab.graph.registry import OpContext, lookup  # noqa: E402
 from planlab.models import ModelSpec, build_model  # noqa: E402
 from planlab.plan.program import Task, TaskKind  # noqa: E402
@@ -102,7 +103,7 @@ def test_causal_lm_loss_is_a_sum_over_the_kept_targets():
     assert ce.call.kwargs["reduction"] == "sum" and ce.call.kwargs["ignore_index"] == -100
     assert ce.signature.reduce  # a piece's loss is a partial sum
     last = g.producer[g.loss]
-    assert last.call.target is operator.truediv
+    assert last.call.target is kept_mean and last.kind == "kept_mean"  # total / (count x micro-batches) per piece
     count = g.producer[last.inputs[1]]
     assert count.kind == "sum" and g.producer[count.inputs[0]].call.target is operator.ne
 
@@ -447,6 +448,7 @@ COLUMN = {
     [
         *[(f, DP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
         *[(f, TP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
+        ("gpt2", {**DP, "microbatch": 1}),  # 2 micro-batches a replica: each divides by its count x 2
     ],
 )
 def test_tiny_plans_match_one_process(family, knobs):

@@ -72,6 +72,8 @@ def run_piece(
             tensors[0], tensors[1], offset=vocab_offset, count=op.dim_sizes["n"], group=group
         )
         return loss.reshape(task.shape)
+    if op.kind == "kept_mean":  # one micro-batch's share of HF's mean over kept targets (planlab.graph.ops_hf)
+        return tensors[0] / (tensors[1] * microbatches)
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
     if op.kind == "expand":  # the call's sizes are the whole tensor's; expand to the piece's
