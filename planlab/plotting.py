@@ -35,6 +35,13 @@ def _knobs_text(df, i: int) -> str:
     return "\n    ".join(textwrap.wrap(" ".join(f"{k}={df.loc[i, k]}" for k in knobs), 60))
 
 
+def shown_capacity(top_gib: float, cap_gib: float | None) -> float | None:
+    """The device memory, if the Pareto plot shows it: within 3x of the highest simulated peak.
+    The memory axis spans the data and the shown capacity, so points at 2.5 MiB are not squeezed
+    against a 4 GiB device's line."""
+    return cap_gib if cap_gib and cap_gib <= 3 * max(top_gib, 1e-9) else None
+
+
 def pareto_plot(df, path: str | os.PathLike) -> None:
     """Iteration time against peak memory: simulated plans (feasible, out of memory), the screen's
     estimates of the others, the Pareto front, the device memory, the chosen plan (the fastest
@@ -109,11 +116,12 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
             zorder=6,
         )
     cap = df.attrs.get("device_memory_gib")
-    if cap and cap <= 3 * max(top, 1e-9):
-        ax.axvline(cap * scale, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
+    shown = shown_capacity(top, cap)
+    if shown:
+        ax.axvline(shown * scale, color="k", ls=":", lw=1, label=f"device memory {shown:.0f} GiB")
     times = df.loc[sim, "iter_time_s"].dropna()
-    if len(times) and len(peaks):  # the simulated plans and the device's memory, not every estimate
-        ax.set_xlim(0, 1.3 * max(top, cap or 0.0) * scale)
+    if len(times) and len(peaks):  # the simulated plans (and the device's memory when near them), not every estimate
+        ax.set_xlim(0, 1.3 * max(top, shown or 0.0) * scale)
         ax.set_ylim(0, 1.5 * float(times.max()))
     ax.set_xlabel(f"peak memory per device ({unit})")
     ax.set_ylabel("iteration time (s)")

@@ -81,23 +81,22 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab run out/tiny/best_plan.json --nproc 2 --steps 3": ByTest(
         "tests/test_cli.py::test_console_script_explore_then_run"
     ),
-    "planlab run out/tiny/best_plan.json --nproc 2 --trace measured.json --predicted-trace predicted.json": ByTest(
-        "tests/test_executor_trace.py::test_cli_run_writes_both_traces_with_the_same_tasks"
-    ),
-    "planlab run tp.json --nproc 2 --save ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
-    "planlab run pp.json --nproc 2 --load ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
-    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json": TWO_NODES,
-    "srun --ntasks-per-node 8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 --data batches.pt": TWO_NODES,
     "planlab simulate out/tiny/best_plan.json --trace trace.json": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set tp=2 --out out/tp": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --out out/pp": Run(),
+    "planlab run out/tp/best_plan.json --nproc 2 --steps 2 --save ckpt": ByTest(
+        DOC_RUN.format("cli.md"), "docs/cli.md runs the same save under a TP plan and load under a PP plan"
+    ),
+    "planlab run out/pp/best_plan.json --nproc 2 --steps 2 --load ckpt": ByTest(
+        DOC_RUN.format("cli.md"), "docs/cli.md runs the same save under a TP plan and load under a PP plan"
+    ),
+    "planlab explore --model planlab.models.hf:swin --cluster cpu --nodes 2 --global-batch 8 --set dp=2 "
+    "--out out/swin": Run(),
+    "planlab run out/swin/best_plan.json --nproc 2 --steps 2": Run(),
     "planlab models": Run(),
     "planlab clusters": Run(),
     "planlab spaces": Run(),
     "planlab graph --model gpt3-175b": Run(),
-    "planlab explore --model llama-tiny --cluster cpu --nodes 2 --global-batch 8 --set schedule=gpipe": Run(),
-    "planlab explore --model mypkg.models:build --cluster cpu --nodes 2": ByTest(
-        "tests/test_user_model.py::test_traces_and_explores_on_the_cpu_cluster",
-        "mypkg is the reader's; docs/operators.md runs the same form with its own module",
-    ),
     # README.md: Hugging Face models
     "planlab graph --model planlab.models.hf:llama --model-arg size=full": Run(),
     "planlab explore --model planlab.models.hf:t5 --cluster cpu --nodes 2 --global-batch 8 --out out/t5": Run(),
@@ -382,3 +381,12 @@ def test_readme_links_the_docs_and_notebooks():
     readme = (ROOT / "README.md").read_text()
     for p in sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert p.relative_to(ROOT).as_posix() in readme, f"README.md does not link {p.relative_to(ROOT)}"
+
+
+def test_readme_is_a_front_page():
+    """What planlab is, install, the two commands, the tour and links: at most 10 KB."""
+    readme = (ROOT / "README.md").read_bytes()
+    assert len(readme) <= 10 * 1024, f"README.md is {len(readme):,} bytes; move design notes and tables to docs/"
+    text = readme.decode()
+    for part in ("## Install", "## The two commands", "## A five-minute tour", "## Documentation"):
+        assert part in text
