@@ -160,6 +160,7 @@ class Interpreter:
     shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
     clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
     seed: int = 0  # the seed random operators draw from (planlab.executor.randomness)
+    first_step: int = 0  # the training step of this run's first iteration (a resumed run's are later)
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
@@ -454,7 +455,8 @@ class Interpreter:
         elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
             off = task.group.index(self.device) * ins[0].shape[-1]
             group = self.groups[tuple(sorted(task.group))]
-        with self.random.piece(op, task.box, mb, self.step):  # a random operator draws as one process does
+        # a random operator draws what one process draws (planlab.executor.randomness)
+        with self.random.piece(op, task.box, mb, self.first_step + self.step):
             self._compute(op, task, mb, ins, reads, off, group)
 
     def _compute(self, op: Operator, task: Task, mb: int, ins: list, reads: tuple, off: int, group) -> None:

@@ -274,6 +274,7 @@ def worker(
         if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
             loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
+            interp.first_step = loaded_steps  # random operators go on drawing the steps after the checkpoint's
         # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
         batches = (
             load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=loaded_steps + cfg.steps)
