@@ -20,6 +20,7 @@ Run: .venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -95,7 +96,7 @@ def draw_plan(seed: int, index: int) -> tuple[str, object, int, list[str]]:
             refused.append(f"{what}: {n}")
             continue
         try:
-            materialize(plan)  # a split the model cannot take is refused before any process starts
+            materialize(plan, _context(plan.model, n)[1])  # a split the model cannot take: refused before running
         except PlanlabError as e:
             refused.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
@@ -103,10 +104,18 @@ def draw_plan(seed: int, index: int) -> tuple[str, object, int, list[str]]:
     return "", None, 0, refused
 
 
+@functools.lru_cache(maxsize=None)
+def _context(spec, n: int):
+    """The explore context (and traced graph) of a model on ``n`` CPU devices, traced once."""
+    from planlab.explore import Setup, make_context
+
+    ctx, _, graph = make_context(Setup(spec, "cpu", n, GLOBAL_BATCH))
+    return ctx, graph
+
+
 def _draw(rng: random.Random):
     """One draw: ``(description, plan, devices)``, or ``(description, None, reason)``."""
     from planlab.errors import PlanlabError
-    from planlab.explore import Setup, make_context
     from planlab.models import ModelSpec
     from planlab.search_spaces import get_space
 
@@ -116,7 +125,7 @@ def _draw(rng: random.Random):
     spec = ModelSpec(name, args)
     what = f"{spec} on {n}, {space}"
     try:
-        ctx, _, graph = make_context(Setup(spec, "cpu", n, GLOBAL_BATCH))
+        ctx, graph = _context(spec, n)
         if space == "primitives":
             return what, random_primitives(rng, graph, spec, n), n
         sp = get_space(space)
@@ -139,7 +148,9 @@ def run_one(seed: int, index: int) -> dict:
     row["describe"] = plan.describe()
     try:
         res = launch_local(plan, n, steps=2, lr=1e-2, timeout_s=120)
-    except Exception as e:  # the run failed: a finding
+    except Exception as e:  # the run failed: a finding (unless it was stopped: Ctrl-C ends the fuzzer)
+        if type(e).__name__ == "SignalException" or "got signal" in str(e):
+            raise KeyboardInterrupt from e
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         return dict(row, result="ERROR", reason=tb[:400], seconds=time.perf_counter() - t0)
     ok = res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL

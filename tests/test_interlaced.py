@@ -255,3 +255,19 @@ def test_batch_vocab_embed_layout(args):
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
     _matches_one_process(plan)
+
+
+def test_operators_made_from_the_inputs_run_before_their_users():
+    """T5 concatenates its encoder and decoder token ids (``cat``, from the inputs alone) before the
+    shared embedding: on the embedding's stage 0, not the first layer stage after it (where its
+    output was read before it was made)."""
+    spec, g = traced("t5-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=1, tp=1, microbatch=8, recompute="none"))
+    stage = {p.op: p.stage for p in plan.ops}
+    for op in g.operators:
+        for t in op.outputs:
+            for user in g.consumers.get(t, []):
+                if not any(x in g.producer for x in op.inputs):
+                    assert stage[op.name] <= stage[user.name], (op.name, user.name)
+    assert stage["cat"] == stage["shared"] == 0
