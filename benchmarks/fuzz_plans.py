@@ -3,7 +3,7 @@
 Each plan is drawn from its own seed (``SEED:INDEX``), so any plan can be drawn again alone with
 ``--first INDEX --plans 1``: a small model (planlab's GPT with dropout, LLaMA, T5 with dropout, MoE,
 Swin, the Evoformer, and Hugging Face GPT-2, Swin, T5, ViT and LLaMA in their default
-configurations, dropout and stochastic depth on), a device count (2 or 4), and either a random
+configurations, dropout and stochastic depth on; the Evoformer also with 3 recycling passes), a device count (2 or 4), and either a random
 assignment of a random built-in space (dp, tp, pp, recompute, megatron, coshard, interlaced, alpa,
 3f1b, megatron*coshard) or random primitives (each operator kept whole on one device, replicated,
 or split along a random splittable dimension, its pieces on a random order of the devices; 1 or 2
@@ -39,6 +39,7 @@ MODELS = (  # (model, --model-arg pairs)
     ("moe-tiny", ()),
     ("swin-tiny", ()),
     ("evoformer-tiny", ()),
+    ("evoformer-tiny", (("recycles", 3),)),  # AlphaFold2's recycling: what the 3f1b space pipelines
     (HF + "gpt2", ()),
     (HF + "swin", ()),
     (HF + "t5", ()),
