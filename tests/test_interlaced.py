@@ -271,3 +271,28 @@ def test_operators_made_from_the_inputs_run_before_their_users():
                 if not any(x in g.producer for x in op.inputs):
                     assert stage[op.name] <= stage[user.name], (op.name, user.name)
     assert stage["cat"] == stage["shared"] == 0
+
+
+def test_a_recomputed_first_stage_redoes_its_forward_on_the_whole_received_input():
+    """embed_layout=vocab+batch sends each device's batch piece of the embedding's output to the first
+    layer stage, whose input is a receive's piece and a local copy's; with recompute=full the redone
+    forward read a renamed buffer holding the local piece only (the receive is not redone), and the
+    gradients were wrong (0.26 on this model). Now it reads the received input as the forward left it."""
+    ctx = _vp_ctx(devices=2)
+    knobs = dict(pp=2, dp=1, tp=1, microbatch=8, embed_layout="vocab+batch", head_layout="vocab", recompute="full")
+    plan = get_space("interlaced").build(ctx, knobs)
+    program = materialize(plan, ctx.graph)
+    received = {
+        w for d in program.devices for b in d.blocks.values() for t in b.tasks if t.kind.value == "R" for w in t.writes
+    }
+    redo_reads = {
+        r
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.name.startswith("re:")
+        for r in t.reads
+    }
+    assert received & redo_reads  # the redo reads the received buffer itself
+    res = launch_local(plan, 2, steps=1, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL, (res.max_loss_error, res.max_grad_error)

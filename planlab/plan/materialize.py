@@ -833,8 +833,12 @@ def _recompute(entries, graph: Graph, groups_of: dict[str, int], seq, buf_bytes)
                 g = groups_of.get(names[key[0]]) if key[0] < len(names) else None
                 if g and task.kind not in (TaskKind.SEND, TaskKind.RECV):
                     by_group[g].append(i)
+            # a buffer a receive fills (in part: the pieces of a batch-split producer) is not made again:
+            # the redo reads it as the forward left it, since receives are not redone
+            received = {w for _, t in items if t.kind is TaskKind.RECV for w in t.writes if w}
             for g, idxs in by_group.items():
-                written = {w for i in idxs for w in items[i][1].writes if w}
+                idxs = [i for i in idxs if not all(w in received for w in items[i][1].writes if w)]
+                written = {w for i in idxs for w in items[i][1].writes if w} - received
                 for w in written:
                     if w in buf_bytes[dev]:
                         buf_bytes[dev][f"r:{w[2:]}"] = buf_bytes[dev][w]
