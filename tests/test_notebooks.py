@@ -55,10 +55,10 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     # the kernel is this environment's Python (jupyter_client starts sys.executable for "python3"), and
     # PATH lacks the environment, as for a kernel nbclient starts: a notebook must not find planlab there
     venv = os.path.dirname(sys.executable)
-    path = os.pathsep.join(
+    without = os.pathsep.join(
         p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != os.path.realpath(venv)
     )
-    monkeypatch.setenv("PATH", path)
+    monkeypatch.setenv("PATH", without)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
