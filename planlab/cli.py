@@ -97,12 +97,13 @@ def cmd_explore(args) -> int:
 
 def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
+    from planlab.models.trace_cache import trace_model
+    from planlab.plan import materialize
     from planlab.plan.shared_params import training_flops
-    from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 
     cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
-    graph = trace_plan_model(plan)
+    graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
     program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
     try:
@@ -151,8 +152,17 @@ def cmd_simulate(args) -> int:
         )
     else:
         print(f"{plan.describe()}: {res.summary()}")
-        print(res.device_table().to_string(index=False))
+        print(_device_table_text(res))
     return 0
+
+
+def _device_table_text(res) -> str:
+    """``SimResult.device_table()`` as aligned text, without importing pandas for it."""
+    rows = [dict(d.__dict__, idle_s=d.idle_s) for d in res.devices]
+    cols = list(rows[0]) if rows else []
+    cells = [cols] + [[f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[k]) for row in cells) for k in range(len(cols))]
+    return "\n".join(" ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
 def _run_config(args):

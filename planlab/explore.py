@@ -27,8 +27,8 @@ import pandas as pd
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.graph.ir import Graph
-from planlab.graph.trace import trace
-from planlab.models.registry import ModelSpec, build_model
+from planlab.models.registry import ModelSpec
+from planlab.models.trace_cache import trace_model
 from planlab.plan.materialize import materialize, precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
@@ -71,8 +71,7 @@ class Setup:
 def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, CostModel, Graph]:
     cost = CostModel.load(setup.cluster, setup.nodes, profile=setup.profile)
     if graph is None:
-        model, inputs = build_model(setup.model, batch=setup.global_batch)
-        graph = trace(model, inputs)
+        graph = trace_model(setup.model, setup.global_batch)
     ctx = Context(
         graph,
         setup.model,

@@ -103,7 +103,7 @@ class Operator:
     flops: float
     bytes_moved: float
     module: str
-    call: CallSpec
+    call: CallSpec | None  # None in a graph for planning only (planlab.models.trace_cache)
     saves: tuple[str, ...] = ()
     bwd_flops_ratio: float = 2.0
     add_once: tuple[int, ...] = ()
