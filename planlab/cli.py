@@ -45,10 +45,12 @@ def cmd_explore(args) -> int:
         global_batch=args.global_batch,
         jobs=args.jobs,
         out=args.out,
-        progress=sys.stderr.isatty(),
+        progress=True,  # bars on a terminal, a line every few seconds otherwise (planlab.progress)
         profile=args.profile,
         budget=args.budget,
         candidates=None if args.all else args.candidates,
+        ray=False if args.ray is None else args.ray,
+        resume=args.resume,
     )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
@@ -88,7 +90,7 @@ def cmd_explore(args) -> int:
         print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
-        files = ["results.csv", "pareto.png"] + (
+        files = ["results.csv", "simulations.jsonl", "pareto.png"] + (
             ["best_plan.json", "timeline.png", "memory.png"] if df.attrs.get("best_plan") is not None else []
         )
         print("wrote " + ", ".join(str(out / f) for f in files))
@@ -398,6 +400,20 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CANDIDATES})",
     )
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
+    e.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="simulate the candidates as Ray tasks on the cluster at ADDRESS (alone: a local Ray instance); "
+        "needs pip install 'planlab[ray]'",
+    )
+    e.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the exploration interrupted in --out: rows in its simulations.jsonl are not simulated again",
+    )
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser(
