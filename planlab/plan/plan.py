@@ -92,6 +92,11 @@ class Plan:
     version: int = PLAN_VERSION
     zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
 
+    def __deepcopy__(self, memo) -> "Plan":
+        # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
+        # attrs, which hold the best plan, on every operation: seconds each for 1,024 devices)
+        return self
+
     def op_plan(self, name: str) -> OpPlan:
         for p in self.ops:
             if p.op == name:
