@@ -160,3 +160,16 @@ def test_version_3_lists_each_mesh_placement_and_schedule_once(tiny):
     assert len(d["ops"]) == len(g.operators) and len(d["placements"]) < len(g.operators) / 3
     assert {o["op"] for o in d["ops"]} == {op.name for op in g.operators}
     assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_a_plan_is_not_copied_with_the_dataframe_that_holds_it(tiny):
+    """pandas deep-copies DataFrame.attrs on every operation; explore keeps its best plan there."""
+    import copy
+
+    import pandas as pd
+
+    spec, g = tiny
+    plan = dp_plan(g, spec)
+    df = pd.DataFrame({"x": [1, 2, 3]})
+    df.attrs["best_plan"] = plan
+    assert copy.deepcopy(plan) is plan and df[df["x"] > 1].attrs["best_plan"] is plan
