@@ -139,13 +139,27 @@ def _devices(devices: list, w: str) -> tuple[int, ...]:
     return tuple(devices)
 
 
+def _objects(d: dict, key: str, where: str):
+    """``(where, object)`` of each element of the list field ``key``, each checked to be an object."""
+    for k, o in enumerate(_need(d, key, list, where)):
+        w = f"{where}: {key}[{k}]"
+        if not isinstance(o, dict):
+            raise PlanFileError(f"{w}: expected an object")
+        yield w, o
+
+
+def _index(o: dict, key: str, n: int, what: str, w: str) -> int:
+    """The integer field ``key`` of ``o``, an index into ``n`` ``what``."""
+    i = _need(o, key, int, w)
+    if not 0 <= i < n:
+        raise PlanFileError(f"{w}: {key} {i} is not one of the {n} {what} (0..{n - 1})")
+    return i
+
+
 def _ops_v2(d: dict, where: str) -> tuple[OpPlan, ...]:
     """Versions 1 and 2: every operator with its split, devices and stage."""
     ops = []
-    for k, o in enumerate(_need(d, "ops", list, where)):
-        w = f"{where}: ops[{k}]"
-        if not isinstance(o, dict):
-            raise PlanFileError(f"{w}: expected an object")
+    for w, o in _objects(d, "ops", where):
         dims, sizes, stage, rc = _split(o, w)
         devices = _devices(_need(o, "devices", list, w), w)
         ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc))
@@ -160,26 +174,12 @@ def _ops_v3(d: dict, where: str) -> tuple[OpPlan, ...]:
             raise PlanFileError(f"{where}: meshes[{k}] must be a list of devices")
         meshes.append(_devices(m, f"{where}: meshes[{k}]"))
     placements = []
-    for k, p in enumerate(_need(d, "placements", list, where)):
-        w = f"{where}: placements[{k}]"
-        if not isinstance(p, dict):
-            raise PlanFileError(f"{w}: expected an object")
+    for w, p in _objects(d, "placements", where):
         dims, sizes, stage, rc = _split(p, w)
-        mesh = _need(p, "mesh", int, w)
-        if not 0 <= mesh < len(meshes):
-            raise PlanFileError(f"{w}: mesh {mesh} is not one of the {len(meshes)} meshes (0..{len(meshes) - 1})")
-        placements.append((dims, sizes, meshes[mesh], stage, rc))
+        placements.append((dims, sizes, meshes[_index(p, "mesh", len(meshes), "meshes", w)], stage, rc))
     ops = []
-    for k, o in enumerate(_need(d, "ops", list, where)):
-        w = f"{where}: ops[{k}]"
-        if not isinstance(o, dict):
-            raise PlanFileError(f"{w}: expected an object")
-        i = _need(o, "placement", int, w)
-        if not 0 <= i < len(placements):
-            raise PlanFileError(
-                f"{w}: placement {i} is not one of the {len(placements)} placements (0..{len(placements) - 1})"
-            )
-        dims, sizes, devices, stage, rc = placements[i]
+    for w, o in _objects(d, "ops", where):
+        dims, sizes, devices, stage, rc = placements[_index(o, "placement", len(placements), "placements", w)]
         ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc))
     return tuple(ops)
 
