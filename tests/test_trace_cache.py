@@ -76,13 +76,18 @@ def test_a_corrupt_or_foreign_entry_is_traced_again_and_rewritten(cache, damage)
     assert fmt == tc.ENTRY_FORMAT and key == TraceKey.of(SPEC, 8) and len(graph.operators) > 10
 
 
-def test_the_key_holds_the_spec_batch_planlab_source_torch_and_python(monkeypatch):
+def test_the_key_holds_the_spec_batch_planlab_source_torch_and_python(cache, monkeypatch):
     base = TraceKey.of(SPEC, 8)
     assert base.planlab_source_sha256 == tc.source_digest() and len(base.torch_version_sha256) == 64
     assert TraceKey.of(ModelSpec("gpt-tiny", (("layers", 3),)), 8).file_name() != base.file_name()
     assert TraceKey.of(SPEC, 16).file_name() != base.file_name()
+    trace_model(SPEC, 8)
     monkeypatch.setattr(tc, "source_digest", lambda: "an edited checkout")
-    assert TraceKey.of(SPEC, 8).file_name() != base.file_name()
+    edited = TraceKey.of(SPEC, 8)
+    assert edited != base and edited.file_name() == base.file_name()
+    trace_model(SPEC, 8)  # the stale entry is traced again and written over: one file per model and batch
+    (entry,) = cache.iterdir()
+    assert pickle.loads(entry.read_bytes())[1] == edited
 
 
 def _trace_in_child(folder: str) -> int:

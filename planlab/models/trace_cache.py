@@ -85,7 +85,9 @@ class TraceKey:
         return cls(spec, batch, __version__, source_digest(), torch_digest(), sys.version.split()[0])
 
     def file_name(self) -> str:
-        return f"graph-{hashlib.sha256(repr(self).encode()).hexdigest()[:32]}.pkl"
+        """One file per model and batch: an entry of another planlab, torch or Python is stale,
+        found so on reading (its key differs) and written over, so the folder does not grow."""
+        return f"graph-{hashlib.sha256(repr((self.model, self.batch)).encode()).hexdigest()[:32]}.pkl"
 
 
 def for_planning(graph: Graph) -> Graph:
