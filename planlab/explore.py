@@ -362,7 +362,7 @@ def explore(
     setup = Setup(spec, cluster, nodes, batch, profile)
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
-    note(f"trace: {spec} at batch {batch}, {t_trace - t0:.1f} s", show=progress)
+    note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
     assignments = sp.enumerate(ctx, fixed)
     t_enum = time.perf_counter()
     journal = None

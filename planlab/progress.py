@@ -1,5 +1,7 @@
 """Progress of a long command's phases (trace, screen, simulate, plot) on stderr: tqdm's bars on a
-terminal, else a line every few seconds (a log file or a batch job's output has no use for bars)."""
+terminal, else a line every few seconds (a log file or a batch job's output has no use for bars).
+A phase shorter than the interval prints nothing, so a quick command, or one that stops at bad
+input, keeps stderr to its own lines."""
 
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ LINE_INTERVAL_S = 5.0  # seconds between two lines of one phase when stderr is n
 
 
 class Lines:
-    """A phase's progress as plain lines, ``screen: 1200/4716 plans, 5 s``, at most one every
-    ``interval_s`` seconds, and a last one when the phase ends."""
+    """A phase's progress as plain lines, ``screen: 1200/4716 plans, 5 s``, one every
+    ``interval_s`` seconds (default :data:`LINE_INTERVAL_S`), and a last one when a phase that
+    printed any ends."""
 
-    def __init__(self, total: int, desc: str, unit: str, file: TextIO, interval_s: float = LINE_INTERVAL_S) -> None:
-        self.total, self.desc, self.unit, self.file, self.interval_s = total, desc, unit, file, interval_s
-        self.n = 0
+    def __init__(self, total: int, desc: str, unit: str, file: TextIO, interval_s: float | None = None) -> None:
+        self.total, self.desc, self.unit, self.file = total, desc, unit, file
+        self.interval_s = LINE_INTERVAL_S if interval_s is None else interval_s
+        self.n, self.printed = 0, False
         self.start_s = self.last_s = time.monotonic()
 
     def _line(self, end: str = "") -> None:
         elapsed = time.monotonic() - self.start_s
         print(f"{self.desc}: {self.n}/{self.total} {self.unit}s, {elapsed:.1f} s{end}", file=self.file, flush=True)
+        self.printed = True
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -31,7 +36,8 @@ class Lines:
             self._line()
 
     def close(self) -> None:
-        self._line(", done")
+        if self.printed or time.monotonic() - self.start_s >= self.interval_s:
+            self._line(", done")
 
 
 class Silent:
@@ -57,7 +63,8 @@ def progress(total: int, desc: str, *, show: bool, unit: str = "plan", file: Tex
     return Lines(total, desc, unit, file)
 
 
-def note(text: str, *, show: bool, file: TextIO | None = None) -> None:
-    """One line for a phase without a count (``trace: gpt3-175b at batch 1536, 0.1 s``)."""
-    if show:
-        print(text, file=file if file is not None else sys.stderr, flush=True)
+def note(text: str, elapsed_s: float, *, show: bool, file: TextIO | None = None) -> None:
+    """One line for a phase without a count that took ``elapsed_s`` (``trace: gpt3-175b at batch
+    1536, 4.1 s``), if it took at least :data:`LINE_INTERVAL_S`."""
+    if show and elapsed_s >= LINE_INTERVAL_S:
+        print(f"{text}, {elapsed_s:.1f} s", file=file if file is not None else sys.stderr, flush=True)

@@ -19,6 +19,7 @@ import planlab
 from planlab.candidates import JOURNAL, Journal, exploration_header
 from planlab.cli import main
 from planlab.errors import ConfigError
+import planlab.progress as progress_module
 from planlab.progress import Lines, progress
 
 BIN = Path(sys.executable).with_name("planlab")
@@ -87,7 +88,8 @@ def test_resume_needs_out(capsys):
     assert code == 2 and "--resume needs --out" in capsys.readouterr().err
 
 
-def test_progress_names_each_phase_in_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
+def test_progress_names_each_phase_in_lines_when_stderr_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(progress_module, "LINE_INTERVAL_S", 0.0)  # a line at every step of these short phases
     assert main(["explore", "--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err.splitlines()
     for phase in ("trace: gpt-tiny at batch 8", "screen: 72/72 plans", "simulate: 19/19 plans", "plot: 6/6 outputs"):
@@ -106,7 +108,11 @@ def test_progress_names_each_phase_in_lines_when_stderr_is_not_a_terminal(tmp_pa
     assert out.getvalue().splitlines()[-1].endswith(", done") and len(out.getvalue().splitlines()) == 4
     quiet = io.StringIO()
     progress(5, "screen", show=False, file=quiet).update(5)
-    assert quiet.getvalue() == ""
+    monkeypatch.setattr(progress_module, "LINE_INTERVAL_S", 60.0)
+    short = Lines(5, "screen", "plan", quiet)
+    short.update(5)
+    short.close()
+    assert quiet.getvalue() == ""  # a phase shorter than the interval prints nothing
 
 
 @pytest.mark.slow
