@@ -10,7 +10,7 @@ from planlab.graph import trace
 from planlab.models import ModelSpec, build_model
 
 # traced graphs are cached for this session only (planlab.models.trace_cache), never in the user's cache
-_TRACE_CACHE = tempfile.TemporaryDirectory(prefix="planlab-test-trace-cache-")
+_TRACE_CACHE = tempfile.TemporaryDirectory(prefix="pytest-trace-cache-")
 os.environ["PLANLAB_CACHE_DIR"] = _TRACE_CACHE.name
 
 
