@@ -48,10 +48,12 @@ def cmd_explore(args) -> int:
         global_batch=args.global_batch,
         jobs=args.jobs,
         out=args.out,
-        progress=sys.stderr.isatty(),
+        progress=True,  # bars on a terminal, a line every few seconds otherwise (planlab.progress)
         profile=args.profile,
         budget=args.budget,
         candidates=None if args.all else args.candidates,
+        ray=False if args.ray is None else args.ray,
+        resume=args.resume,
     )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
@@ -91,7 +93,7 @@ def cmd_explore(args) -> int:
         print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
-        files = ["results.csv", "pareto.png"] + (
+        files = ["results.csv", "simulations.jsonl", "pareto.png"] + (
             ["best_plan.json", "timeline.png", "memory.png"] if df.attrs.get("best_plan") is not None else []
         )
         print("wrote " + ", ".join(str(out / f) for f in files))
@@ -111,12 +113,13 @@ def _check_outputs(*, save=None, trace=None, predicted_trace=None, plot=None) ->
 
 def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
     from planlab.costmodel import CostModel
+    from planlab.models.trace_cache import trace_model
+    from planlab.plan import materialize
     from planlab.plan.shared_params import training_flops
-    from planlab.plan import materialize, trace_plan_model
     from planlab.simulator import find_deadlock, simulate
 
     cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
-    graph = trace_plan_model(plan)
+    graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
     program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
     try:
@@ -169,8 +172,17 @@ def cmd_simulate(args) -> int:
         )
     else:
         print(f"{plan.describe()}: {res.summary()}")
-        print(res.device_table().to_string(index=False))
+        print(_device_table_text(res))
     return 0
+
+
+def _device_table_text(res) -> str:
+    """``SimResult.device_table()`` as aligned text, without importing pandas for it."""
+    rows = [dict(d.__dict__, idle_s=d.idle_s) for d in res.devices]
+    cols = list(rows[0]) if rows else []
+    cells = [cols] + [[f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[k]) for row in cells) for k in range(len(cols))]
+    return "\n".join(" ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
 def _run_config(args):
@@ -421,6 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CANDIDATES})",
     )
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
+    e.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="simulate the candidates as Ray tasks on the cluster at ADDRESS (alone: a local Ray instance); "
+        "needs pip install 'planlab[ray]'",
+    )
+    e.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the exploration interrupted in --out: rows in its simulations.jsonl are not simulated again",
+    )
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser(

@@ -360,7 +360,8 @@ def test_plan_format_page_matches_the_code():
     text = (ROOT / "docs" / "plan-format.md").read_text()
     assert f"# The plan file (format version {PLAN_VERSION})" in text
     assert f"The current version is **{PLAN_VERSION}**" in text
-    assert "reads versions " + " and ".join(f"**{v}**" for v in READ_VERSIONS) in text
+    *first, last = [f"**{v}**" for v in READ_VERSIONS]
+    assert "reads versions " + ", ".join(first) + " and " + last in text
     assert f'"format": "{FORMAT}"' in text
     documented = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
     from conftest import traced
@@ -372,8 +373,8 @@ def test_plan_format_page_matches_the_code():
     )
     d = plan_to_dict(plan)
     assert set(d) <= documented, f"plan file fields not in docs/plan-format.md: {set(d) - documented}"
-    op_fields = {k for o in d["ops"] for k in o}
-    assert "recompute" in op_fields and op_fields <= documented
+    fields = {k for o in d["ops"] + d["placements"] for k in o}
+    assert "recompute" in fields and fields <= documented, f"not in docs/plan-format.md: {fields - documented}"
     for phase in PHASES:
         assert f"`{phase}`" in text
 

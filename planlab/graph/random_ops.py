@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch.nn.functional as F
-
 from planlab.graph.ir import CallSpec, Graph, Operator
 
 SDPA_DROPOUT_POSITION = 4  # F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
@@ -26,6 +24,8 @@ SDPA_DROPOUT_POSITION = 4  # F.scaled_dot_product_attention(query, key, value, a
 
 def attention_dropout_p(call: CallSpec) -> float:
     """The ``dropout_p`` an attention call passes (0 when it passes none)."""
+    import torch.nn.functional as F  # here: planning from a cached graph imports no torch
+
     p = call.kwargs.get("dropout_p")
     if p is None:
         if call.target is F.scaled_dot_product_attention:
@@ -41,6 +41,8 @@ def attention_dropout_p(call: CallSpec) -> float:
 
 def draws_random(op: Operator) -> bool:
     """True if a forward piece of ``op`` draws random numbers (see the module docstring)."""
+    if op.random is not None:
+        return op.random
     if op.kind == "dropout":
         return op.flops > 0  # p = 0 is traced without work (planlab.graph.registry)
     if op.kind == "rand":
