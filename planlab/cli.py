@@ -49,6 +49,8 @@ def cmd_explore(args) -> int:
         profile=args.profile,
         budget=args.budget,
         candidates=None if args.all else args.candidates,
+        software=args.software,
+        precision=args.precision,
     )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
@@ -69,6 +71,7 @@ def cmd_explore(args) -> int:
 
     with pd.option_context("display.width", 220, "display.max_columns", 24):
         print(show.to_string(index=False))
+    print(df.attrs["software"])
     c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
     print(
@@ -95,16 +98,29 @@ def cmd_explore(args) -> int:
     return 0
 
 
-def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
+def plan_cost(plan, *, profile: str | None = None, software: str | None = None, precision: str | None = None):
+    """The cost model of a plan file: its cluster, with the software and precision given, else the
+    plan's own (files written before they were recorded take the cluster's defaults)."""
     from planlab.costmodel import CostModel
-    from planlab.plan.shared_params import training_flops
+
+    return CostModel.load(
+        plan.cluster,
+        plan.nodes,
+        profile=profile,
+        software=software or plan.software or None,
+        precision=precision or plan.precision or None,
+    )
+
+
+def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None):
     from planlab.plan import materialize, trace_plan_model
+    from planlab.plan.shared_params import training_flops
+    from planlab.plan.software_passes import build_program
     from planlab.simulator import find_deadlock, simulate
 
-    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
     graph = trace_plan_model(plan)
     # one representative per device class, unless a straggler needs every device's tasks
-    program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
+    program = build_program(plan, graph, cost, symmetric=not stragglers)
     try:
         return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:
@@ -125,7 +141,8 @@ def cmd_simulate(args) -> int:
 
             raise ConfigError(f"--straggler {k}={v}: expected DEVICE=FACTOR, e.g. 3=1.5")
         stragglers[int(k)] = float(v)
-    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers, profile=args.profile)
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    res = _simulate_plan(plan, cost, timeline=bool(args.trace or args.plot), stragglers=stragglers)
     if args.trace:
         res.write_trace(args.trace)
     if args.plot:
@@ -146,10 +163,13 @@ def cmd_simulate(args) -> int:
                     "hfu": res.hfu,
                     "feasible": res.feasible,
                     "reason": res.reason,
+                    "software": cost.software.name,
+                    "precision": cost.precision.name,
                 }
             )
         )
     else:
+        print(cost.describe_software())
         print(f"{plan.describe()}: {res.summary()}")
         print(res.device_table().to_string(index=False))
     return 0
@@ -223,7 +243,8 @@ def cmd_run(args) -> int:
     from planlab.executor.report import run_report
     from planlab.executor.timeline import measured_events, predict, write_trace
 
-    pred = predict(plan, profile=args.profile)  # every device simulated, with a timeline to compare against
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    pred = predict(plan, cost=cost)  # every device simulated, with a timeline to compare against
     res = launch_local(
         plan,
         args.nproc,
@@ -242,6 +263,7 @@ def cmd_run(args) -> int:
         log=True,
     )
     text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
+    print(f"predicted with {cost.describe_software()}")
     print(text)
     if args.trace:
         write_trace(args.trace, measured_events(res.timeline))
@@ -349,6 +371,22 @@ def cmd_graph(args) -> int:
     return 0
 
 
+def software_args(sp, default: str) -> None:
+    """``--software`` and ``--precision`` on a subcommand."""
+    sp.add_argument(
+        "--software",
+        default=None,
+        metavar="NAME|FILE.json",
+        help=f"the training software: megatron, deepspeed, torch, planlab or a software file (default: {default})",
+    )
+    sp.add_argument(
+        "--precision",
+        default=None,
+        choices=("bf16", "fp16", "fp8", "fp32"),
+        help="the software's precision (default: the plan's, else the device's: fp16 on V100, bf16 on other GPUs)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="planlab", description="Find and run parallelization plans for training.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -388,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CANDIDATES})",
     )
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
+    software_args(e, "the cluster's: planlab on cpu, megatron on GPUs")
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser(
@@ -456,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a checkpoint of the same model, written under any plan (no numeric check)",
     )
     r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
+    software_args(r, "the plan's")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("simulate", help="simulate one plan")
@@ -471,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="slow one device's computation by FACTOR (what-if)",
     )
     s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
+    software_args(s, "the plan's")
     s.set_defaults(fn=cmd_simulate)
 
     c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")

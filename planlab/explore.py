@@ -13,6 +13,7 @@ Phases, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -25,13 +26,15 @@ from pathlib import Path
 import pandas as pd
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.precision import Precision
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.graph.ir import Graph
 from planlab.graph.trace import trace
 from planlab.models.registry import ModelSpec, build_model
-from planlab.plan.materialize import materialize, precision_for
+from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.software_passes import build_program
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
@@ -59,17 +62,22 @@ DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as man
 
 @dataclass(frozen=True)
 class Setup:
-    """The three inputs of an exploration: model, cluster and batch (the space comes apart)."""
+    """The inputs of an exploration: model, cluster, batch and training software (the space
+    comes apart)."""
 
     model: ModelSpec
     cluster: str
     nodes: int
     global_batch: int
     profile: str | None = None  # a calibration profile (planlab calibrate) pricing the cluster
+    software: str | None = None  # a built-in software name or a software file; None: the cluster's default
+    precision: str | None = None  # the software's precision; None: the device's default
 
 
 def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, CostModel, Graph]:
-    cost = CostModel.load(setup.cluster, setup.nodes, profile=setup.profile)
+    cost = CostModel.load(
+        setup.cluster, setup.nodes, profile=setup.profile, software=setup.software, precision=setup.precision
+    )
     if graph is None:
         model, inputs = build_model(setup.model, batch=setup.global_batch)
         graph = trace(model, inputs)
@@ -85,14 +93,15 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     return ctx, cost, graph
 
 
-def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
+def memory_lower_bound_bytes(plan: Plan, graph: Graph, precision: Precision | None = None) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
     gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
     gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
     plus the activations saved for the backward (each tensor once per stage, however many
     operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
-    moment (until their backward, or its input-gradient part ``I``)."""
-    prec = precision_for(plan.cluster)
+    moment (until their backward, or its input-gradient part ``I``). ``precision``: the cost
+    model's (default: the cluster's, ``precision_for``)."""
+    prec = precision or precision_for(plan.cluster)
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
@@ -175,7 +184,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
-    static, acts = memory_lower_bound_bytes(plan, graph)
+    static, acts = memory_lower_bound_bytes(plan, graph, cost.precision)
     if static + acts > mem_cap:
         what = (
             "weights, gradients and optimizer states alone need"
@@ -191,7 +200,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         )
         return row, None
     try:
-        program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+        program = build_program(plan, graph, cost)
         res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
@@ -226,7 +235,7 @@ def _init_spawned(setup: Setup, space: str) -> None:
 
 def _screen_of() -> Screen:
     if _STATE.get("screen") is None:
-        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], precision_for(_STATE["ctx"].cluster))
+        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], _STATE["cost"].precision)
     return _STATE["screen"]
 
 
@@ -306,6 +315,8 @@ def explore(
     profile: str | os.PathLike | None = None,
     budget: float | None = None,
     candidates: int | None = DEFAULT_CANDIDATES,
+    software: str | os.PathLike | None = None,
+    precision: str | None = None,
 ) -> pd.DataFrame:
     """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
     (simulated feasible plans first, fastest first).
@@ -320,7 +331,10 @@ def explore(
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
     ``timeline.png`` and ``memory.png`` there. ``profile`` (from ``planlab calibrate``) prices the
-    cluster with its measurements.
+    cluster with its measurements. ``software`` (a built-in name, ``planlab.costmodel.software``, or
+    a software file) and ``precision`` are the training software the plans run with (default: the
+    cluster's, see ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
+    ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     """
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
@@ -332,14 +346,15 @@ def explore(
         raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
     if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
         raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
-    cost = CostModel.load(cluster, nodes, profile=profile)
+    software = None if software is None else os.fspath(software)
+    cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     if not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"--global-batch must be a positive integer, got {batch!r}")
     sp = get_space(space) if isinstance(space, str) else space
     if not isinstance(sp, Space):
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
-    setup = Setup(spec, cluster, nodes, batch, profile)
+    setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
     assignments = sp.enumerate(ctx, fixed)
@@ -359,9 +374,12 @@ def explore(
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
     df = _frame(sp, assignments, rows)
+    df.insert(df.columns.get_loc(RESULT_COLUMNS[0]), "software", software_name(cost))
+    df.insert(df.columns.get_loc(RESULT_COLUMNS[0]), "precision", cost.precision.name)
     best = None
     if len(df) and bool(df.loc[0, "feasible"]):
         best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))  # plans are rebuilt, not shipped
+        best = dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
     parts = part_masks(sp, df)
     part_best = {}
     for name, mask in parts.items():
@@ -373,6 +391,7 @@ def explore(
     df.attrs.update(
         best_plan=best,
         space=sp.name,
+        software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
         part_best=part_best,
         counts=counts,
@@ -580,7 +599,7 @@ def write_outputs(
     if best is not None:
         save_plan(best, out / "best_plan.json")
         if graph is not None and cost is not None:
-            program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
+            program = build_program(best, graph, cost)
             res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
             timeline_plot(res, out / "timeline.png", title=best.describe())
             memory_plot(res, out / "memory.png", title=best.describe())
@@ -588,6 +607,15 @@ def write_outputs(
         for name in ("best_plan.json", "timeline.png", "memory.png"):
             if (out / name).exists():
                 (out / name).unlink()
+
+
+def software_name(cost: CostModel) -> str:
+    """How a plan file and results.csv name the cost model's software: its built-in name, or the
+    path of the user's file."""
+    from planlab.costmodel.software import SOFTWARE_DIR
+
+    path = cost.software.path
+    return cost.software.name if not path or Path(path).parent == SOFTWARE_DIR else path
 
 
 def _progress(total: int, show: bool, desc: str):

@@ -38,14 +38,15 @@ ANCHOR_TOLERANCE = 0.25  # relative error allowed against published bus bandwidt
 
 @pytest.mark.parametrize(
     "name, device, per_node, memory_bytes",
-    [
-        ("dgx-a100-80g", "a100-80g", 8, 80e9),
-        ("dgx-a100-40g", "a100-40g", 8, 40e9),
-        ("dgx-h100", "h100-80g", 8, 80e9),
-        ("hgx-h200", "h200-141g", 8, 141e9),
-        ("dgx-1-v100", "v100-32g", 8, 32e9),
-        ("dgx-2-v100", "v100-32g", 16, 32e9),
-        ("mi300x-8", "mi300x", 8, 192e9),
+    [  # the capacity the driver reports (nvidia-smi, rocm-smi), MiB
+        ("dgx-a100-80g", "a100-80g", 8, 81920 * MiB),
+        ("hgx-a100-80g-4nic", "a100-80g", 8, 81920 * MiB),
+        ("dgx-a100-40g", "a100-40g", 8, 40960 * MiB),
+        ("dgx-h100", "h100-80g", 8, 81559 * MiB),
+        ("hgx-h200", "h200-141g", 8, 143771 * MiB),
+        ("dgx-1-v100", "v100-32g", 8, 32510 * MiB),
+        ("dgx-2-v100", "v100-32g", 16, 32510 * MiB),
+        ("mi300x-8", "mi300x", 8, 196592 * MiB),
         ("cpu", "cpu", 1, 4e9),
     ],
 )
@@ -68,11 +69,12 @@ def test_list_clusters_and_devices() -> None:
         "dgx-a100-40g",
         "dgx-a100-80g",
         "dgx-h100",
+        "hgx-a100-80g-4nic",
         "hgx-h200",
         "mi300x-8",
     ]
     assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g", "v100-32g"]
-    assert load_device("v100-16g").memory_bytes == 16e9
+    assert load_device("v100-16g").memory_bytes == 16160 * MiB
 
 
 @pytest.mark.parametrize(
@@ -111,11 +113,11 @@ def test_every_spec_number_names_its_source() -> None:
     "name, attr, expected",
     [
         # device: GB = 1e9 bytes, GBps = 1e9 B/s, tflops = 1e12 flop/s, us = 1e-6 s
-        ("dgx-a100-80g", "device.memory_bytes", 80e9),
+        ("dgx-a100-80g", "device.memory_bytes", 80 * GiB),  # memory_MiB 81920
         ("dgx-a100-80g", "device.hbm_bytes_per_s", 2039e9),
         ("dgx-a100-80g", "device.peak_flops_per_s.bf16", 312e12),
         ("dgx-a100-80g", "device.peak_flops_per_s.fp32", 19.5e12),
-        ("dgx-a100-80g", "device.launch_overhead_s", 4e-6),
+        ("dgx-a100-80g", "device.launch_overhead_s", 2e-6),
         ("dgx-a100-40g", "device.hbm_bytes_per_s", 1555e9),
         ("dgx-h100", "device.peak_flops_per_s.bf16", 989e12),
         ("dgx-h100", "device.hbm_bytes_per_s", 3350e9),
@@ -125,6 +127,7 @@ def test_every_spec_number_names_its_source() -> None:
         # 8 NICs of 200 Gb/s for 8 GPUs = 25e9 B/s per GPU; NDR 400 Gb/s = 50e9
         ("dgx-a100-80g", "node.inter_bytes_per_s", 25e9),
         ("dgx-h100", "node.inter_bytes_per_s", 50e9),
+        ("hgx-a100-80g-4nic", "node.inter_bytes_per_s", 12.5e9),  # 4 NICs of 200 Gb/s for 8 GPUs
         ("dgx-a100-80g", "node.intra_latency_s", 1e-6),
         ("cpu", "node.inter_latency_s", 50e-6),
         ("cpu", "node.inter_bytes_per_s", 4e9),
@@ -146,7 +149,7 @@ def test_str_and_repr() -> None:
     c = load_cluster("dgx-a100-80g", 2)
     assert str(c) == "2x dgx-a100-80g (16x a100-80g)"
     assert str(c.node) == "dgx-a100-80g (8x a100-80g)"
-    assert str(c.device) == "a100-80g (80 GB, 312 TFLOP/s bf16)"
+    assert str(c.device) == "a100-80g (85.8993 GB, 312 TFLOP/s bf16)"
     assert repr(c).startswith("ClusterSpec(node=NodeSpec(name='dgx-a100-80g', device=DeviceSpec(name='a100-80g'")
 
 
@@ -495,7 +498,12 @@ def test_zero_work_and_launch_floor() -> None:
 def test_cost_model_delegates() -> None:
     c = load_cluster("dgx-a100-80g", 2)
     m = CostModel.load("dgx-a100-80g", 2)
-    assert m == CostModel(c) and m.device_memory_bytes == 80e9
+    assert m == CostModel(c) and (m.software.name, m.precision.name) == ("megatron", "bf16")
+    # the driver's 81920 MiB less the CUDA context, NCCL's buffers and cuBLAS's workspace, less fragmentation
+    mem = m.software.memory
+    fixed = mem.cuda_context_bytes + mem.nccl_bytes + mem.workspace_bytes
+    assert (mem.cuda_context_bytes, mem.nccl_bytes, mem.workspace_bytes) == (400 * MiB, 544 * MiB, 32 * MiB)
+    assert m.device_memory_bytes == pytest.approx((81920 * MiB - fixed) * (1 - mem.fragmentation))
     assert m.compute_time_s(flops=1e12, bytes_moved=1e9, dtype="bf16") == compute_time_s(
         c.device, flops=1e12, bytes_moved=1e9, dtype="bf16"
     )
@@ -519,7 +527,8 @@ def user_spec(**changes: object) -> dict:
 
 def test_user_spec_file_with_inline_device(tmp_path) -> None:
     devices = json.loads((SPEC_DIR / "devices.json").read_text())
-    device = dict(devices["h100-80g"], name="my-gpu", memory_GB=141)
+    device = {k: v for k, v in devices["h100-80g"].items() if k != "memory_MiB"}
+    device = dict(device, name="my-gpu", memory_GB=141)  # without memory_MiB: the datasheet's GB
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(user_spec(name="mine", device=device, inter_adapters=4)))
     c = load_cluster(str(path), nodes=3)

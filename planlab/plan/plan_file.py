@@ -38,6 +38,8 @@ def plan_to_dict(plan: Plan) -> dict:
         ],
         "schedule": [[str(a) for a in s] for s in plan.schedule],
         **({"zero": plan.zero} if plan.zero else {}),
+        **({"software": plan.software} if plan.software else {}),
+        **({"precision": plan.precision} if plan.precision else {}),
     }
 
 
@@ -119,6 +121,8 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         space=str(d.get("space", "")),
         knobs=tuple(sorted(knobs.items())),
         zero=_zero(d, where),
+        software=_optional_text(d, "software", where),
+        precision=_optional_text(d, "precision", where),
     )
 
 
@@ -152,3 +156,11 @@ def _zero(d: dict, where: str) -> int:
     if z not in ZERO_STAGES or isinstance(z, bool):
         raise PlanFileError(f"{where}: field 'zero' must be 0, 1, 2 or 3, got {z!r}")
     return z
+
+
+def _optional_text(d: dict, key: str, where: str) -> str:
+    """An optional text field (files written before it existed lack it: the default, "")."""
+    v = d.get(key, "")
+    if not isinstance(v, str):
+        raise PlanFileError(f"{where}: field {key!r} must be a string, got {v!r}")
+    return v

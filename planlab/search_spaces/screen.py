@@ -173,22 +173,61 @@ class Screen:
 
     # -- prices ------------------------------------------------------------------------
     def _compute_s(self, work: int, pieces: int, m: int, phase: str) -> float:
+        """The device's seconds for one piece of a work class in ``phase`` (see :meth:`_compute_dh`)."""
+        return self._compute_dh(work, pieces, m, phase)[0]
+
+    def _compute_dh(self, work: int, pieces: int, m: int, phase: str) -> tuple[float, float]:
+        """(device, host) seconds of one piece of a work class, one micro-batch of ``m``, in ``phase``
+        (F, B, or zero-bubble's I and W parts): the roofline on the piece's share of the flop and
+        bytes, times the implementation's factor over the roofline at the whole operator (its extra
+        passes, as the kernel model prices them; 1 off the kernel level), and the host's issue time."""
         key = (work, pieces, m, phase)
         got = self._compute.get(key)
         if got is None:
-            flops, nbytes, ratio, share = self.t.works[work]
+            flops, nbytes, ratio, share = self.t.works[work][:4]
             if phase == "B":
                 flops *= ratio
             elif phase == "W":  # the weight-gradient part of the backward (zero-bubble's split)
                 flops, nbytes = flops * ratio * share, nbytes * share
             elif phase == "I":  # the rest, the input gradients
                 flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
-            got = self._compute[key] = (
-                self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
+            factor, host = self._kernel_factor(work, phase, flops, nbytes)
+            dev = (
+                factor
+                * self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
                 if (flops or nbytes)
                 else 0.0
             )
+            got = self._compute[key] = (dev, host)
         return got
+
+    def _kernel_factor(self, work: int, phase: str, flops: float, nbytes: float) -> tuple[float, float]:
+        """The kernel model's device time over the roofline's for the whole operator in ``phase``,
+        and the host's time to issue it (1.0 and 0.0 off the kernel level)."""
+        if not self.cost.host_bound:
+            return 1.0, 0.0
+        from planlab.plan.program import Task, TaskKind
+
+        kind, shapes = self.t.works[work][4:6]
+        weights = self.t.work_params.get(work, False)
+        writes = {
+            "F": (),
+            "B": ("gc:x",) + (("wg:w",) if weights else ()),
+            "I": ("gc:x",),
+            "W": ("", "wg:w"),
+        }[phase]
+        task = Task(
+            "screen",
+            TaskKind.FORWARD if phase == "F" else TaskKind.BACKWARD,
+            writes=writes,
+            flops=flops,
+            bytes_moved=nbytes,
+            op_kind=kind,
+            shapes=shapes,
+        )
+        dev, host = self.cost.device_and_host_s(task, self.dtype)
+        roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0
+        return (dev / roof if roof > 0 else 1.0), host
 
     @staticmethod
     def _group(axes: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -234,8 +273,9 @@ class Screen:
         key = (pid, sizes, m)
         got = self._micro.get(key)
         if got is None:
-            f = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.fwd)
-            b = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.bwd)
+            # the device waits for the host where the host is slower (planlab.costmodel.host_bound_elapsed_s)
+            f = self._block_s(p.fwd, m)
+            b = self._block_s(p.bwd, m)
             cm = sum(
                 c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
                 for (kind, axis, numel, batch, eb), c in p.comm
@@ -247,6 +287,14 @@ class Screen:
                 split += c * (self._compute_s(w, pieces, m, "I") + one - self._compute_s(w, pieces, m, "B"))
             got = self._micro[key] = (f, b, cm, wg, split)
         return got
+
+    def _block_s(self, entries, m: int) -> float:
+        """A block's compute: the device's time, or the host's to issue it where that is longer."""
+        dev = host = 0.0
+        for (w, pieces, ph), c in entries:
+            d, h = self._compute_dh(w, pieces, m, ph)
+            dev, host = dev + c * d, host + c * h
+        return max(dev, host)
 
     def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...]) -> tuple[float, float]:
         """ZeRO-3 per micro-batch: (every unit's two weight all-gathers and gradient reduce-scatter,
@@ -303,14 +351,9 @@ class Screen:
                 one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes)
                 ar += nb * one
                 last = max(last, one)
+        per_param = prec.optimizer_pass_bytes or (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
         opt_s = (
-            self.cost.compute_time_s(
-                flops=12.0 * opt,
-                dtype=self.dtype,
-                bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes),
-            )
-            if opt
-            else 0.0
+            self.cost.compute_time_s(flops=12.0 * opt, dtype=self.dtype, bytes_moved=opt * per_param) if opt else 0.0
         )
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got

@@ -86,6 +86,11 @@ def _conversions(have: tuple, need: tuple, live: list[int], sizes, numel: int) -
     return tuple(out)
 
 
+def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
+    """The whole shapes of an operator's inputs, then its outputs (as a Task's ``shapes``)."""
+    return tuple(tuple(g.tensors[t].shape) for t in op.inputs + op.outputs)
+
+
 class _Tables:
     """What the screen needs of a graph, once."""
 
@@ -102,9 +107,12 @@ class _Tables:
         share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
         works: dict[tuple, int] = {}
         self.work_class = [
-            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works)) for op, w in zip(ops, share)
+            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w, op.kind, shapes_of(g, op)), len(works))
+            for op, w in zip(ops, share)
         ]
-        self.works = list(works)  # class -> (flops, bytes, backward flops ratio, weight-gradient share)
+        # class -> (flops, bytes, backward flops ratio, weight-gradient share, kind, shapes of its inputs and outputs)
+        self.works = list(works)
+        self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops, self.work_class)}
         batch = g.batch_label
 
         def is_batch(t: str) -> bool:
