@@ -27,6 +27,7 @@ import pandas as pd
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.precision import Precision
+from planlab.costmodel.software import SoftwareSpec
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.graph.ir import Graph
 from planlab.graph.trace import trace
@@ -34,6 +35,7 @@ from planlab.models.registry import ModelSpec, build_model
 from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.saved import saved_activations
 from planlab.plan.software_passes import build_program
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
@@ -93,46 +95,48 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     return ctx, cost, graph
 
 
-def memory_lower_bound_bytes(plan: Plan, graph: Graph, precision: Precision | None = None) -> tuple[int, int]:
+def memory_lower_bound_bytes(
+    plan: Plan, graph: Graph, precision: Precision | None = None, software: SoftwareSpec | None = None
+) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
     gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
     gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
     plus the activations saved for the backward (each tensor once per stage, however many
-    operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
-    moment (until their backward, or its input-gradient part ``I``). ``precision``: the cost
-    model's (default: the cluster's, ``precision_for``)."""
+    operators save it; what the ``software``'s implementation keeps, :mod:`planlab.plan.saved`)
+    of the micro-batches the device's schedule keeps in flight at its fullest moment (until their
+    backward, or its input-gradient part ``I``). ``precision``: the cost model's (default: the
+    cluster's, ``precision_for``)."""
     prec = precision or precision_for(plan.cluster)
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
     fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
+    plans = {p.op: p for p in plan.ops}
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
-        for t in dict.fromkeys(op.inputs + op.saves):
+        for t in dict.fromkeys(op.inputs):
             spec = graph.tensors[t]
-            if spec.role != "param" and (t not in op.saves or p.recompute or p.op in fwd_only):
-                continue  # a recomputed operator keeps nothing for its backward
-            if fwd_only and spec.role == "param":
+            if spec.role != "param":
+                continue
+            if fwd_only:
                 if (t, "param") in acc[2]:
                     continue  # held once, however many passes read it
                 acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
-            if spec.role == "param":
-                # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
-                red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
-                elems = spec.numel / cut
-                weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
-                grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
-                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
-                acc[0] += elems * (weights + grad + opt)
-            elif (t, cut) not in acc[2]:
-                acc[2].add((t, cut))
-                batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + spec.numel / cut / (m if batch else 1) * (
-                    prec.activation_bytes if spec.is_float else 8
-                )
+            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
+            red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+            weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
+            grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
+            opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+            acc[0] += spec.numel / cut * (weights + grad + opt)
+        if p.recompute or p.op in fwd_only:
+            continue  # a recomputed operator keeps nothing for its backward
+        for key, nbytes in saved_activations(op, p, graph, software, prec.activation_bytes, m, plans):
+            if key not in acc[2]:
+                acc[2].add(key)
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes
     static = [0.0] * plan.num_devices
     saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
     for devs, (st, sv, _) in by_devices.items():
@@ -184,7 +188,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
-    static, acts = memory_lower_bound_bytes(plan, graph, cost.precision)
+    static, acts = memory_lower_bound_bytes(plan, graph, cost.precision, cost.software)
     if static + acts > mem_cap:
         what = (
             "weights, gradients and optimizer states alone need"

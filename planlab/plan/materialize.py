@@ -32,6 +32,7 @@ from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_num
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+from planlab.plan.saved import INTERNAL, internals, saved_buffers
 from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
 
@@ -417,13 +418,7 @@ def _build(
         in_bufs[op.name] = bufs
         outs = tuple(f"a:{o}" for o in op.outputs)
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
-        saved = tuple(
-            dict.fromkeys(
-                outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
-                for s in op.saves
-                if not (s in op.inputs and graph.tensors[s].role == "param")
-            )
-        )
+        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, software, precision.activation_bytes)
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         saved_of[op.name] = saved
         shapes_of[op.name] = _piece_shapes(L, op)
@@ -450,6 +445,12 @@ def _build(
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
+            for tag, base, per, nbytes in internals(op, graph, software, precision.activation_bytes):
+                j = op.inputs.index(base) if base in op.inputs else None
+                lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
+                buf_bytes[dev][f"{INTERNAL}{op.name}:{tag}"] = int(
+                    box_numel(lay.box(flat, L.shapes[base])) * per * nbytes
+                )
 
     if nograd:
         check_shared_params(
@@ -935,7 +936,8 @@ def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) 
     last: dict[str, tuple] = {}
     for bk in order:
         for ti, t in enumerate(blocks[bk].tasks):
-            for b in t.writes:
+            kept = tuple(b for b in t.saved if b.startswith(INTERNAL)) if t.kind is TaskKind.FORWARD else ()
+            for b in t.writes + kept:  # an internal buffer is allocated by the forward that keeps it
                 if b and not is_static(b):
                     first.setdefault(b, (bk, ti))
                     last.setdefault(b, (bk, ti))

@@ -104,7 +104,7 @@ class Screen:
 
     def __init__(self, graph: Graph, cost: CostModel, precision: Precision) -> None:
         self.graph, self.cost, self.prec = graph, cost, precision
-        self.t = _Tables(graph, precision)
+        self.t = _Tables(graph, precision, cost.software)
         self._splits: dict[Any, _Split] = {}
         self._structures: dict[Any, _Structure] = {}
         self._priced: dict[tuple, _Priced] = {}
