@@ -58,7 +58,9 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
     assert c.num_devices == per_node * nodes
     assert c.device.memory_bytes == memory_bytes
     assert {"fp32", "bf16", "fp16"} <= set(c.device.peak_flops_per_s)
-    assert c.network == Network()  # a non-blocking fat tree unless the spec says otherwise
+    assert c.network.oversubscription == 1.0  # non-blocking
+    # DGX SuperPOD-style clusters are rail-optimized (NIC i of every node on leaf switch i)
+    assert c.network.rail_optimized == (name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-a100")))
 
 
 def test_list_clusters_and_devices() -> None:
@@ -622,3 +624,45 @@ def test_kendall_tau_and_validation_rows(tmp_path):
     )
     (run,) = load_runs(p)
     assert (run.gpus, run.pp) == (2, 2) and run.measured_s == pytest.approx(0.37216)
+
+
+# ---------------------------------------------------------------- NCCL's algorithms: NVLS, rails
+
+
+def test_nvls_all_reduce_inside_an_h100_node() -> None:
+    """On H100 and H200 NVSwitches NCCL's NVLS all-reduce reaches about 476 GB/s of bus bandwidth
+    for large messages (nccl-tests issue 290): chosen over the ring there, not across nodes nor
+    on A100, where asking for it is an error naming what it needs."""
+    from planlab.costmodel.comm import collective_time_s as coll
+
+    h100 = load_cluster("dgx-h100", 2)
+    group = tuple(range(8))
+    busbw = 2 * 7 / 8 * GiB / coll(h100, "all_reduce", GiB, group) / 1e9
+    assert busbw == pytest.approx(476 * 0.9649, rel=0.02)  # the intra curve's shape at 1 GiB
+    assert coll(h100, "all_reduce", GiB, group) == coll(h100, "all_reduce", GiB, group, algorithm="nvls")
+    assert coll(h100, "all_reduce", GiB, group, algorithm="ring") > 1.25 * coll(h100, "all_reduce", GiB, group)
+    across = (0, 8)
+    assert coll(h100, "all_reduce", GiB, across) < float("inf")
+    with pytest.raises(ConfigError, match="'nvls' needs a group inside one node"):
+        coll(h100, "all_reduce", GiB, across, algorithm="nvls")
+    with pytest.raises(ConfigError, match="intra_nvls_GBps"):
+        coll(load_cluster("dgx-a100-80g"), "all_reduce", GiB, group, algorithm="nvls")
+
+
+def test_rail_optimized_traffic_stays_on_its_rail(tmp_path) -> None:
+    """Behind 4:1 oversubscribed uplinks a ring between devices of one local rank (a rail) keeps
+    its NIC's bandwidth on a rail-optimized network; devices of different local ranks cross the
+    spine and share it."""
+    from planlab.costmodel.comm import collective_time_s as coll
+
+    def cluster(topology: str):
+        path = tmp_path / f"{topology}.json"
+        net = {"topology": topology, "nodes_per_switch": 1, "oversubscription": 4}
+        path.write_text(json.dumps(user_spec(network=net)))
+        return load_cluster(path, 2)
+
+    rail, tree = cluster("rail_optimized"), cluster("fat_tree")
+    same, crossed = (0, 8), (0, 9)  # local rank 0 on both nodes; local ranks 0 and 1
+    assert coll(rail, "all_gather", GiB, same) == pytest.approx(coll(tree, "all_gather", GiB, same) / 4, rel=0.05)
+    assert coll(rail, "all_gather", GiB, crossed) == pytest.approx(coll(tree, "all_gather", GiB, crossed))
+    assert p2p_time_s(rail, GiB, 0, 8) < p2p_time_s(rail, GiB, 0, 9)

@@ -29,7 +29,7 @@ from planlab.errors import ConfigError, choices
 SPEC_DIR = Path(__file__).parent / "specs"
 DEVICES_FILE = "devices.json"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-TOPOLOGIES = ("fat_tree",)
+TOPOLOGIES = ("fat_tree", "rail_optimized")
 
 # Unit definitions (not hardware numbers): spec field unit -> SI factor.
 _GB = 1e9  # bytes
@@ -74,6 +74,7 @@ _NODE_FIELDS = {
     "inter_efficiency",
     "network",
     "inter_scale_efficiency",
+    "intra_nvls_GBps",
 }
 _NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
@@ -134,6 +135,7 @@ class NodeSpec:
     intra_link: str = ""
     inter_link: str = ""
     inter_scale: tuple[tuple[int, float], ...] = ()  # (nodes, efficiency of large inter-node collectives)
+    nvls_bytes_per_s: float = 0.0  # bus bandwidth of NVLink SHARP all-reduces in the node (0: no NVLS)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -143,11 +145,18 @@ class NodeSpec:
 class Network:
     """How nodes connect: a fat tree of switches with ``nodes_per_switch`` nodes under each leaf
     switch; traffic between leaves shares the uplinks, ``oversubscription`` (>= 1) times fewer
-    than the nodes' adapters (1: non-blocking, full bisection bandwidth)."""
+    than the nodes' adapters (1: non-blocking, full bisection bandwidth). ``rail_optimized``:
+    each node's NIC i sits under rail switch i (as NVIDIA's DGX SuperPOD is cabled), so traffic
+    between devices of the same local rank stays on its rail and never shares the uplinks."""
 
     topology: str = "fat_tree"
     nodes_per_switch: int = 1 << 30  # one leaf holds every node unless the spec says otherwise
     oversubscription: float = 1.0
+
+    @property
+    def rail_optimized(self) -> bool:
+        """Whether NIC i of every node is on rail switch i."""
+        return self.topology == "rail_optimized"
 
     def switches_spanned(self, nodes: set[int] | frozenset[int]) -> int:
         """How many leaf switches the given node indices sit under (nodes fill switch 0 first)."""
@@ -348,6 +357,7 @@ def _node_from(f: Fields) -> NodeSpec:
         intra_link=f.text("intra_link") if "intra_link" in f.obj else "",
         inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
         inter_scale=_inter_scale(f) if "inter_scale_efficiency" in f.obj else (),
+        nvls_bytes_per_s=f.unit("intra_nvls_GBps", "GBps") * _GB if "intra_nvls_GBps" in f.obj else 0.0,
     )
 
 

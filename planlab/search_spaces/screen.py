@@ -252,8 +252,10 @@ class Screen:
             got = self._p2p[key] = self.cost.p2p_time_s(nbytes, src * per, dst * per)
         return got
 
-    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool) -> _Priced:
-        key = (pid, sizes, m, zero, zb)
+    def _price(
+        self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
+    ) -> _Priced:
+        key = (pid, sizes, m, zero, zb, regather)
         got = self._priced.get(key)
         if got is None:
             f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
@@ -261,7 +263,7 @@ class Screen:
                 b += split
             fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
             if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
-                zc, first = self._units_s(p, pid, sizes)  # unit ahead: computation hides all but the first gathers
+                zc, first = self._units_s(p, pid, sizes, regather)  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
             # buckets overlap the last micro-batch's backward; the last one does not
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
@@ -296,10 +298,11 @@ class Screen:
             dev, host = dev + c * d, host + c * h
         return max(dev, host)
 
-    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...]) -> tuple[float, float]:
-        """ZeRO-3 per micro-batch: (every unit's two weight all-gathers and gradient reduce-scatter,
-        the first unit's gathers in the forward and the backward), seconds."""
-        key = (pid, sizes)
+    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], regather: bool = False) -> tuple[float, float]:
+        """ZeRO-3 per micro-batch: (every unit's weight all-gathers, two or with ``regather`` three
+        (the recomputed forward gathers again), and gradient reduce-scatter, the first unit's gathers
+        in the forward and the backward), seconds."""
+        key = (pid, sizes, regather)
         got = self._zero3.get(key)
         if got is None:
             prec = self.prec
@@ -309,7 +312,8 @@ class Screen:
                     continue
                 elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
                 ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
-                total += n_units * (2 * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
+                gathers = 3 if regather else 2
+                total += n_units * (gathers * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
                 first = max(first, 2 * ag)
             got = self._zero3[key] = (total, first)
         return got
@@ -375,7 +379,8 @@ class Screen:
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         for r in range(G):
             p = s.profiles[r]
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb)
+            regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)

@@ -98,6 +98,7 @@ class _Tables:
 
     def __init__(self, g: Graph, prec: Precision, software: SoftwareSpec | None = None) -> None:
         ops = g.operators
+        per_module = software is not None and software.zero3_unit == "module"  # DeepSpeed's ZeRO-3 units
         self.n = len(ops)
         self.names = [op.name for op in ops]
         index = {op.name: i for i, op in enumerate(ops)}
@@ -143,7 +144,7 @@ class _Tables:
             for t in op.inputs:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
-                    us.append(units.setdefault(unit_key(t), len(units)))
+                    us.append(units.setdefault(unit_key(t, per_module), len(units)))
             prods = []
             for t in () if op.name in fwd_only else saved_tensors(op, software):
                 spec = g.tensors[t]
