@@ -524,3 +524,43 @@ def test_rebatch_is_the_trace_at_that_batch(batch: int) -> None:
     assert [(o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in made.operators] == [
         (o.name, o.dim_sizes, o.flops, o.bytes_moved) for o in traced.operators
     ]
+
+
+# ---------------------------------------------------------------- FP8 as a software precision
+
+
+@pytest.mark.parametrize("impl, per", [("megatron", 2 + 2), ("torch", 2 + 2 + 2)])
+def test_fp8_linear_casts_then_fp8_gemms(impl: str, per: int) -> None:
+    """Transformer Engine's cast-transpose (read bf16, write FP8 and its transpose: 4 bytes an
+    element); torchao's dynamic scaling reads the tensor once more for its maximum (6)."""
+    x, w, y = (2, 256, 512), (1024, 512), (2, 256, 1024)
+    fwd = op_kernels("linear", "F", (x, w, y), 2, impl, fp8=True)
+    assert [k.name for k in fwd.kernels] == ["fp8-cast-input", "fp8-cast-weight", "gemm"]
+    assert [k.bytes for k in fwd.kernels[:2]] == [512 * 512 * per, 1024 * 512 * per]
+    assert fwd.kernels[2].fp8 and fwd.kernels[2].gemm == (1, 512, 1024, 512)
+    bwd = op_kernels("linear", "B", (x, w, y), 2, impl, fp8=True)
+    assert [k.name for k in bwd.kernels if k.gemm] == ["gemm-dgrad", "gemm-wgrad"]
+    assert all(k.fp8 for k in bwd.kernels if k.gemm) and bwd.kernels[0].bytes == 512 * 1024 * per
+    assert not any(k.fp8 for k in op_kernels("linear", "F", (x, w, y), 2, impl).kernels)
+
+
+def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
+    from planlab.costmodel.kernels import Kernel
+
+    bf16 = CostModel.load("dgx-h100", precision="bf16")
+    fp8 = CostModel.load("dgx-h100", precision="fp8")
+    dev = fp8.cluster.device
+    big = Kernel("gemm", gemm=(1, 8192, 8192, 8192), fp8=True)
+    flop = 2.0 * 8192**3
+    # 2048 tiles of 256 x 128 on 132 SMs: 16 waves where 15.5 would do (wave quantization, 3%)
+    ideal = flop / (1979e12 * 0.709) + dev.launch_overhead_s
+    assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal * 16 / 15.52, rel=0.01)
+    x, w, y = (4, 2048, 8192), (8192, 8192), (4, 2048, 8192)
+    for phase in ("F", "B"):
+        task = Task("fc", TaskKind(phase), writes=("gc:x", "wg:w"), op_kind="linear", shapes=(x, w, y))
+        t8, t16 = fp8.device_and_host_s(task, "fp8")[0], bf16.device_and_host_s(task, "bf16")[0]
+        assert 0.55 * t16 < t8 < 0.85 * t16  # faster GEMMs, less so for the casts
+    with pytest.raises(ConfigError, match="'a100-80g' has no fp8 peak for precision 'fp8'; choose 'bf16', 'fp16'"):
+        CostModel.load("dgx-a100-80g", precision="fp8")
+    with pytest.raises(ConfigError, match="software 'deepspeed' has no precision 'fp8'"):
+        CostModel.load("dgx-h100", software="deepspeed", precision="fp8")

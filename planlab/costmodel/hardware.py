@@ -54,6 +54,7 @@ _DEVICE_FIELDS = {
     *(f"peak_{dt}_tflops" for dt in DTYPES),
     "sm_count",
     "gemm_efficiency",
+    "gemm_efficiency_fp8",
     "l2_GBps",
     "gemm_tiles",
 }
@@ -305,8 +306,13 @@ def _gemm_from(f: Fields) -> GemmSpec:
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
     l2 = f.unit("l2_GBps", "GBps") * _GB
+    eff8 = (
+        f.number("gemm_efficiency_fp8", high=1.0, unit="fraction of the dense FP8 peak reached by large FP8 GEMMs")
+        if "gemm_efficiency_fp8" in f.obj
+        else 0.0
+    )
     if "gemm_tiles" not in f.obj:
-        return GemmSpec(sms, eff, l2)
+        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8)
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
     if (
@@ -320,7 +326,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         )
     ):
         raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
-    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles))
+    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles), efficiency_fp8=eff8)
 
 
 def _builtin_device(f: Fields, key: str) -> DeviceSpec:

@@ -9,6 +9,7 @@ them the cluster's default applies: ``planlab`` (its own executor, fp32) on the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -206,6 +207,8 @@ class CostModel:
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), sw.host_collective_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
+        fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
+        dtype = "bf16" if fp8 else dtype
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if kind == "L":
             nbytes = float(sum(s for _, s in task.alloc))
@@ -220,7 +223,7 @@ class CostModel:
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
         found = (
-            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation)
+            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation, fp8)
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
         )
@@ -244,15 +247,19 @@ class CostModel:
         if kernel.gemm is None:
             return self._pass_s(kernel.bytes)
         b, m, n, k = kernel.gemm
+        dtype = "fp8" if kernel.fp8 else dtype
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if dev.gemm is None:
             return compute.compute_time_s(
                 dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n), dtype=dtype
             )
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+        spec = dev.gemm
+        if kernel.fp8 and spec.efficiency_fp8:
+            spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
         return (
             gemm_time_s(
-                dev.gemm,
+                spec,
                 batch=b,
                 m=m,
                 n=n,
