@@ -17,7 +17,8 @@ Ring (every kind but all_to_all):
 
 Tree (all_reduce, as NCCL's double binary tree): a reduce up and a broadcast down,
 pipelined: traffic 2, latency steps 2 x depth, where depth is ``ceil(log2 nodes)``
-inter-node hops plus a chain through the node's members. It beats the ring for
+inter-node hops plus a chain through the node's members; its bandwidth 0.9 of the links'
+(NCCL's own tuning model). It beats the ring for
 small messages on many ranks (fewer steps) and loses for large ones (twice the traffic).
 
 Hierarchical (all_reduce, all_gather, reduce_scatter spanning nodes): within each
@@ -40,7 +41,10 @@ slower of the traffic to node peers (intra link) and to other nodes (the rank's
 own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
 messages reach lower bandwidth; its parameters live in the spec files, fitted
 against nccl-tests all-reduce bus bandwidths (of two nodes; over more nodes the spec's
-``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). Without an explicit algorithm the
+``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). A ring moves ``nbytes / n``
+per rank and step, so a ring over n ranks is priced at the buffer with the same per-rank chunk
+on the group size the curve was fitted on (its ``fit_ranks``): 1 GiB over 128 ranks like 128 MiB
+over 16, which is what the 16-node nccl-tests anchors show. Without an explicit algorithm the
 fastest applicable one is priced, as NCCL's tuner picks per size.
 """
 
@@ -133,19 +137,23 @@ def _check_nbytes(nbytes: float) -> None:
         raise ConfigError(f"nbytes must be a number >= 0, got {nbytes!r}")
 
 
-def _intra_bw(node: NodeSpec, nbytes: float) -> float:
-    """Achieved intra-node bandwidth per device for a message of nbytes, bytes/s."""
-    return node.intra_bytes_per_s * node.intra_efficiency.at(nbytes)
+def _intra_bw(node: NodeSpec, nbytes: float, ranks: int = 0) -> float:
+    """Achieved intra-node bandwidth per device for a message of nbytes, bytes/s; for a ring over
+    ``ranks`` ranks at its per-rank chunk (``Efficiency.at_chunk``)."""
+    return node.intra_bytes_per_s * node.intra_efficiency.at_chunk(nbytes, ranks)
 
 
-def _inter_bw(cluster: ClusterSpec, nbytes: float, switches: int = 1, nodes: int = 2, rails: bool = False) -> float:
+def _inter_bw(
+    cluster: ClusterSpec, nbytes: float, switches: int = 1, nodes: int = 2, rails: bool = False, ranks: int = 0
+) -> float:
     """Achieved inter-node bandwidth of one device's NIC share for a message of nbytes, bytes/s;
     shared uplinks divide it when the nodes sit under several leaf switches (unless the traffic
     stays on the rails of a rail-optimized network), and a collective over more than two nodes
-    reaches less (:func:`scale_efficiency`)."""
+    reaches less (:func:`scale_efficiency`); for a ring over ``ranks`` ranks at its per-rank chunk."""
     node = cluster.node
     over = cluster.network.oversubscription if switches > 1 and not rails else 1.0
-    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes) / over * scale_efficiency(node, nodes)
+    eff = node.inter_efficiency.at_chunk(nbytes, ranks)
+    return node.inter_bytes_per_s * eff / over * scale_efficiency(node, nodes)
 
 
 def scale_efficiency(node: NodeSpec, nodes: int) -> float:
@@ -172,14 +180,20 @@ def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -
     node = cluster.node
     steps, traffic = _RING[kind]
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
-    bw = _intra_bw(node, nbytes)  # bytes/s
-    if p.nodes > 1:
-        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))  # g_min rings, one NIC each
+    bw = _intra_bw(node, nbytes, p.n)  # bytes/s, at the ring's per-rank chunk
+    if p.nodes > 1:  # g_min rings, one NIC each
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails, p.n))
     return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
 
 
+# NCCL's tuning model derates a tree's bus bandwidth to 0.9 of what its channels carry in a ring
+# (src/graph/tuning.cc, ncclTopoTuneModel: "if (a == NCCL_ALGO_TREE) busBw = std::min(busBw*.9, ...)").
+TREE_BANDWIDTH = 0.9
+
+
 def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
-    """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them."""
+    """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them,
+    at :data:`TREE_BANDWIDTH` of the links' achieved bandwidth."""
     node = cluster.node
     depth_s = math.ceil(math.log2(p.nodes)) * node.inter_latency_s if p.nodes > 1 else 0.0
     if p.nodes == 1:
@@ -189,7 +203,7 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))
-    return 2.0 * depth_s + 2.0 * nbytes / bw
+    return 2.0 * depth_s + 2.0 * nbytes / (TREE_BANDWIDTH * bw)
 
 
 def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
@@ -206,18 +220,20 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
             else 0.0
         )
         outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(
-            cluster, shard, p.switches, k, p.rails
+            cluster, shard, p.switches, k, p.rails, k
         )
     else:  # all_gather or reduce_scatter: one intra-node and one inter-node phase
         inner = _ring(cluster, kind, nbytes, local) if g > 1 else 0.0
-        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k, p.rails)
+        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(
+            cluster, shard, p.switches, k, p.rails, k
+        )
     return inner + outer
 
 
 def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     node = cluster.node
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
-    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes)  # to ranks on the same node
+    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes, p.n)  # to ranks on the same node
     t_remote = (
         (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails)
         if p.nodes > 1

@@ -91,10 +91,17 @@ class Efficiency:
     max: float
     half: float
     exponent: float = 1.0
+    ranks: int = 0  # a collective's curve: fitted on groups of this many ranks (0: the size is the whole buffer)
 
     def at(self, size: float) -> float:
         """The efficiency for an operation of ``size`` (> 0) flop or bytes."""
         return self.max / (1.0 + (self.half / size) ** self.exponent)
+
+    def at_chunk(self, nbytes: float, n: int) -> float:
+        """The efficiency of a ring collective of ``nbytes`` over ``n`` ranks: the curve at the
+        buffer whose per-rank chunk, over the ``ranks`` it was fitted on, is the same (a ring
+        moves ``nbytes / n`` per rank and step, so 1 GiB over 128 ranks steps like 128 MiB over 16)."""
+        return self.at(nbytes * self.ranks / n if self.ranks and n > 0 else nbytes)
 
     def __str__(self) -> str:
         return f"{self.max:g}@{self.half:.3g}^{self.exponent:g}"
@@ -257,11 +264,12 @@ def _check_nodes(nodes: object) -> None:
 
 def _efficiency(f: Fields, key: str, half_unit: str, unit: float) -> Efficiency:
     e = f.sub(key)
-    e.only({"max", half_unit, "exponent"})
+    e.only({"max", half_unit, "exponent", "fit_ranks"})
     return Efficiency(
         max=e.number("max", high=1.0, unit="fraction of peak"),
         half=e.number(half_unit, strict=False, unit=f"size reaching half of max, in {half_unit[5:]}") * unit,
         exponent=e.number("exponent", high=10.0),
+        ranks=e.integer("fit_ranks") if "fit_ranks" in e.obj else 0,
     )
 
 
