@@ -321,11 +321,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_clusters(args) -> int:
-    from planlab.costmodel import list_clusters, load_cluster
+    from planlab.costmodel import CostModel, list_clusters, list_software
 
     for name in list_clusters():
-        c = load_cluster(name)
-        print(f"{name:14s} {c}")
+        cost = CostModel.load(name)
+        print(f"{name:18s} {cost.cluster}; default software {cost.software.name} ({cost.precision.name})")
+    print(f"software (--software): {', '.join(list_software())}, or a software file")
     return 0
 
 
