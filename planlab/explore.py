@@ -344,12 +344,7 @@ def explore(
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile = None if profile is None else os.fspath(profile)
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
-        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
-    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
-        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
+    _check_counts(jobs, budget, candidates)
     software = None if software is None else os.fspath(software)
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
@@ -377,13 +372,8 @@ def explore(
         _STATE.clear()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df = _frame(sp, assignments, rows)
-    df.insert(df.columns.get_loc(RESULT_COLUMNS[0]), "software", software_name(cost))
-    df.insert(df.columns.get_loc(RESULT_COLUMNS[0]), "precision", cost.precision.name)
-    best = None
-    if len(df) and bool(df.loc[0, "feasible"]):
-        best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))  # plans are rebuilt, not shipped
-        best = dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
+    df = _frame(sp, assignments, rows, cost)
+    best = _best_plan(sp, ctx, assignments, df, cost)
     parts = part_masks(sp, df)
     part_best = {}
     for name, mask in parts.items():
@@ -413,6 +403,16 @@ def explore(
     if out is not None:
         write_outputs(df, Path(out), best=best, graph=graph, cost=cost)
     return df
+
+
+def _check_counts(jobs: object, budget: object, candidates: object) -> None:
+    """ConfigError for a ``jobs``, ``budget`` or ``candidates`` out of range."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
+    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
+        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
 
 
 def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
@@ -557,7 +557,16 @@ def _simulate_all(
     return done
 
 
-def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame:
+def _best_plan(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame, cost: CostModel) -> Plan | None:
+    """The fastest feasible simulated plan (``df``'s first row), rebuilt (plans are not shipped
+    from the workers), with the software and precision it was priced with; None if none fits."""
+    if not len(df) or not bool(df.loc[0, "feasible"]):
+        return None
+    best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))
+    return dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
+
+
+def _frame(sp: Space, assignments: list[dict], rows: list[dict], cost: CostModel | None = None) -> pd.DataFrame:
     recs = []
     for i, (a, row) in enumerate(zip(assignments, rows)):
         rec = {SPACE_KEY: a.get(SPACE_KEY, sp.name)}
@@ -571,6 +580,9 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
             df[c] = math.nan
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS and c != "_index"]
     df = df[knobs + RESULT_COLUMNS + ["_index"]]
+    if cost is not None:  # the software and precision every plan was priced with
+        df.insert(len(knobs), "precision", cost.precision.name)
+        df.insert(len(knobs), "software", software_name(cost))
     kinds = {k.name: k.kind_of() for k in sp.all_knobs()}
     for k in knobs:  # a union's parts leave each other's knobs empty: keep the others' types
         if df[k].isna().any() and kinds.get(k) in ("int", "bool"):

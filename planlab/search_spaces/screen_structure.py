@@ -96,6 +96,32 @@ def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
 class _Tables:
     """What the screen needs of a graph, once."""
 
+    @staticmethod
+    def _saves_of(g: Graph, op, software, prec, fwd_only, index, axis_map, is_batch, ebytes) -> tuple:
+        """What ``op`` keeps for its backward as the software keeps it (:mod:`planlab.plan.saved`):
+        ``(elements, dims, batch, bytes[, producer dims])`` entries, their names, and per entry the
+        producer whose cut a kept input takes (or None)."""
+        ss, names, prods = [], [], []
+        if op.name in fwd_only:
+            return ss, names, prods
+        for t in saved_tensors(op, software):
+            spec = g.tensors[t]
+            if spec.role == "param":
+                continue
+            kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
+            prod = g.producer[t] if kept else None
+            ss.append(
+                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t))
+                + ((frozenset(axis_map(prod, t)),) if kept else ())
+            )
+            names.append(t)
+            prods.append(index[prod.name] if kept else None)
+        for tag, base, per, nbytes in internals(op, g, software, prec.activation_bytes):
+            ss.append((g.tensors[base].numel * per, frozenset(axis_map(op, base)), is_batch(base), nbytes))
+            names.append(f"{INTERNAL}{op.name}:{tag}")
+            prods.append(None)
+        return ss, names, prods
+
     def __init__(self, g: Graph, prec: Precision, software: SoftwareSpec | None = None) -> None:
         ops = g.operators
         per_module = software is not None and software.zero3_unit == "module"  # DeepSpeed's ZeRO-3 units
@@ -140,29 +166,12 @@ class _Tables:
         fwd_only = forward_only_of(g)  # recycling passes behind a detach: no backward, nothing saved
         self.fwd_only = np.array([op.name in fwd_only for op in ops], dtype=bool)
         for i, op in enumerate(ops):
-            ps, ss, names, us = [], [], [], []
+            ps, us = [], []
             for t in op.inputs:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
                     us.append(units.setdefault(unit_key(t, per_module), len(units)))
-            prods = []
-            for t in () if op.name in fwd_only else saved_tensors(op, software):
-                spec = g.tensors[t]
-                if spec.role != "param":
-                    kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
-                    prod = g.producer[t] if kept else None
-                    ss.append(
-                        (spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t))
-                        + ((frozenset(axis_map(prod, t)),) if kept else ())
-                    )
-                    names.append(t)
-                    prods.append(index[prod.name] if kept else None)
-            for tag, base, per, nbytes in (
-                () if op.name in fwd_only else internals(op, g, software, prec.activation_bytes)
-            ):
-                ss.append((g.tensors[base].numel * per, frozenset(axis_map(op, base)), is_batch(base), nbytes))
-                names.append(f"{INTERNAL}{op.name}:{tag}")
-                prods.append(None)
+            ss, names, prods = self._saves_of(g, op, software, prec, fwd_only, index, axis_map, is_batch, ebytes)
             self.save_producers.append(tuple(prods))
             self.params.append(ps)
             self.param_units.append(tuple(us))
