@@ -54,8 +54,9 @@ def partition_pipeline_messages(program: Program, tp: int) -> Program:
     every message carries a ``tp``-th and each receive is followed by an all-gather of the whole
     over the receiver's tensor-parallel group, the ``tp`` consecutive devices the ``tp`` space
     places a tensor-parallel group on. With sequence parallelism the messages are already a
-    sequence shard: this pass does not apply."""
-    if tp == 1:
+    sequence shard: this pass does not apply. Nor where a receive lacks its twin on a member of
+    the receiver's group (a plan whose groups are not laid out so): its all-gather could not meet."""
+    if tp == 1 or not _groups_receive_alike(program, tp):
         return program
     devices = []
     for dp in program.devices:
@@ -63,6 +64,23 @@ def partition_pipeline_messages(program: Program, tp: int) -> Program:
         blocks = {key: replace(block, tasks=_partitioned(block.tasks, tp, group)) for key, block in dp.blocks.items()}
         devices.append(replace(dp, blocks=blocks))
     return replace(program, devices=tuple(devices))
+
+
+def _groups_receive_alike(program: Program, tp: int) -> bool:
+    """Whether every member of each device's tensor-parallel group receives the same messages."""
+
+    def receives(d: int) -> set[tuple]:
+        dp = program.device(d)
+        return {(key, t.name) for key, b in dp.blocks.items() for t in b.tasks if t.kind is TaskKind.RECV}
+
+    for dp in program.devices:
+        base = dp.device - dp.device % tp
+        if base + tp > program.num_devices:
+            return False
+        mine = receives(dp.device)
+        if any(receives(m) != mine for m in range(base, base + tp)):
+            return False
+    return True
 
 
 def _partitioned(tasks: tuple[Task, ...], tp: int, group: tuple[int, ...]) -> tuple[Task, ...]:
