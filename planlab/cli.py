@@ -54,6 +54,8 @@ def cmd_explore(args) -> int:
         candidates=None if args.all else args.candidates,
         ray=False if args.ray is None else args.ray,
         resume=args.resume,
+        software=args.software,
+        precision=args.precision,
     )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
@@ -74,6 +76,7 @@ def cmd_explore(args) -> int:
 
     with pd.option_context("display.width", 220, "display.max_columns", 24):
         print(show.to_string(index=False))
+    print(df.attrs["software"])
     c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
     print(
@@ -111,21 +114,33 @@ def _check_outputs(*, save=None, trace=None, predicted_trace=None, plot=None) ->
             writable_file(value, what)
 
 
-def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
+def plan_cost(plan, *, profile: str | None = None, software: str | None = None, precision: str | None = None):
+    """The cost model of a plan file: its cluster, with the software and precision given, else the
+    plan's own (files written before they were recorded take the cluster's defaults)."""
     from planlab.costmodel import CostModel
+
+    return CostModel.load(
+        plan.cluster,
+        plan.nodes,
+        profile=profile,
+        software=software or plan.software or None,
+        precision=precision or plan.precision or None,
+    )
+
+
+def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None):
     from planlab.models.trace_cache import trace_model
-    from planlab.plan import materialize
     from planlab.plan.shared_params import training_flops
+    from planlab.plan.software_passes import build_program
     from planlab.simulator import find_deadlock, simulate
 
-    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
     graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
-    program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
+    program = build_program(plan, graph, cost, symmetric=not stragglers)
     try:
         return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:
-        full = materialize(plan, graph) if program.reduced else program
+        full = build_program(plan, graph, cost, symmetric=False) if program.reduced else program
         if full.num_tasks() < 200_000:
             find_deadlock(full)  # the report names the device, its task and the peer it waits for
         raise
@@ -146,7 +161,8 @@ def cmd_simulate(args) -> int:
                 "and a factor above 0, e.g. 1=1.5"
             )
         stragglers[int(k)] = float(v)
-    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers, profile=args.profile)
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    res = _simulate_plan(plan, cost, timeline=bool(args.trace or args.plot), stragglers=stragglers)
     if args.trace:
         res.write_trace(args.trace)
     if args.plot:
@@ -167,10 +183,13 @@ def cmd_simulate(args) -> int:
                     "hfu": res.hfu,
                     "feasible": res.feasible,
                     "reason": res.reason,
+                    "software": cost.software.name,
+                    "precision": cost.precision.name,
                 }
             )
         )
     else:
+        print(cost.describe_software())
         print(f"{plan.describe()}: {res.summary()}")
         print(_device_table_text(res))
     return 0
@@ -257,7 +276,8 @@ def cmd_run(args) -> int:
     from planlab.executor.report import run_report
     from planlab.executor.timeline import measured_events, predict, write_trace
 
-    pred = predict(plan, profile=args.profile)  # every device simulated, with a timeline to compare against
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    pred = predict(plan, cost=cost)  # every device simulated, with a timeline to compare against
     res = launch_local(
         plan,
         args.nproc,
@@ -276,6 +296,7 @@ def cmd_run(args) -> int:
         log=True,
     )
     text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
+    print(f"predicted with {cost.describe_software()}")
     print(text)
     if args.trace:
         write_trace(args.trace, measured_events(res.timeline))
@@ -336,11 +357,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_clusters(args) -> int:
-    from planlab.costmodel import list_clusters, load_cluster
+    from planlab.costmodel import CostModel, list_clusters, list_software
 
     for name in list_clusters():
-        c = load_cluster(name)
-        print(f"{name:14s} {c}")
+        cost = CostModel.load(name)
+        print(f"{name:18s} {cost.cluster}; default software {cost.software.name} ({cost.precision.name})")
+    print(f"software (--software): {', '.join(list_software())}, or a software file")
     return 0
 
 
@@ -392,6 +414,22 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def software_args(sp, default: str) -> None:
+    """``--software`` and ``--precision`` on a subcommand."""
+    sp.add_argument(
+        "--software",
+        default=None,
+        metavar="NAME|FILE.json",
+        help=f"the training software: megatron, deepspeed, torch, planlab or a software file (default: {default})",
+    )
+    sp.add_argument(
+        "--precision",
+        default=None,
+        choices=("bf16", "fp16", "fp8", "fp32"),
+        help="the software's precision (default: the plan's, else the device's: fp16 on V100, bf16 on other GPUs)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -447,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the exploration interrupted in --out: rows in its simulations.jsonl are not simulated again",
     )
+    software_args(e, "the cluster's: planlab on cpu, megatron on GPUs")
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser(
@@ -515,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a checkpoint of the same model, written under any plan (no numeric check)",
     )
     r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
+    software_args(r, "the plan's")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("simulate", help="simulate one plan")
@@ -530,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="slow one device's computation by FACTOR (what-if)",
     )
     s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
+    software_args(s, "the plan's")
     s.set_defaults(fn=cmd_simulate)
 
     c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")

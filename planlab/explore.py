@@ -13,6 +13,7 @@ Phases, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -35,14 +36,18 @@ from planlab.candidates import (
     simulate_candidates,
 )
 from planlab.costmodel import CostModel
+from planlab.costmodel.precision import Precision
+from planlab.costmodel.software import SoftwareSpec
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.inputs import check_sizes, writable_folder
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 from planlab.models.trace_cache import trace_model
-from planlab.plan.materialize import materialize, precision_for
+from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.saved import saved_activations
+from planlab.plan.software_passes import build_program
 from planlab.progress import note
 from planlab.progress import progress as progress_bar
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
@@ -72,17 +77,22 @@ DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as man
 
 @dataclass(frozen=True)
 class Setup:
-    """The three inputs of an exploration: model, cluster and batch (the space comes apart)."""
+    """The inputs of an exploration: model, cluster, batch and training software (the space
+    comes apart)."""
 
     model: ModelSpec
     cluster: str
     nodes: int
     global_batch: int
     profile: str | None = None  # a calibration profile (planlab calibrate) pricing the cluster
+    software: str | None = None  # a built-in software name or a software file; None: the cluster's default
+    precision: str | None = None  # the software's precision; None: the device's default
 
 
 def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, CostModel, Graph]:
-    cost = CostModel.load(setup.cluster, setup.nodes, profile=setup.profile)
+    cost = CostModel.load(
+        setup.cluster, setup.nodes, profile=setup.profile, software=setup.software, precision=setup.precision
+    )
     if graph is None:
         graph = trace_model(setup.model, setup.global_batch)
     ctx = Context(
@@ -97,45 +107,48 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     return ctx, cost, graph
 
 
-def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
+def memory_lower_bound_bytes(
+    plan: Plan, graph: Graph, precision: Precision | None = None, software: SoftwareSpec | None = None
+) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
     gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
     gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
     plus the activations saved for the backward (each tensor once per stage, however many
-    operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
-    moment (until their backward, or its input-gradient part ``I``)."""
-    prec = precision_for(plan.cluster)
+    operators save it; what the ``software``'s implementation keeps, :mod:`planlab.plan.saved`)
+    of the micro-batches the device's schedule keeps in flight at its fullest moment (until their
+    backward, or its input-gradient part ``I``). ``precision``: the cost model's (default: the
+    cluster's, ``precision_for``)."""
+    prec = precision or precision_for(plan.cluster)
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
     fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
+    plans = {p.op: p for p in plan.ops}
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
-        for t in dict.fromkeys(op.inputs + op.saves):
+        for t in dict.fromkeys(op.inputs):
             spec = graph.tensors[t]
-            if spec.role != "param" and (t not in op.saves or p.recompute or p.op in fwd_only):
-                continue  # a recomputed operator keeps nothing for its backward
-            if fwd_only and spec.role == "param":
+            if spec.role != "param":
+                continue
+            if fwd_only:
                 if (t, "param") in acc[2]:
                     continue  # held once, however many passes read it
                 acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
-            if spec.role == "param":
-                # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
-                red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
-                elems = spec.numel / cut
-                weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
-                grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
-                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
-                acc[0] += elems * (weights + grad + opt)
-            elif (t, cut) not in acc[2]:
-                acc[2].add((t, cut))
-                batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + spec.numel / cut / (m if batch else 1) * (
-                    prec.activation_bytes if spec.is_float else 8
-                )
+            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
+            red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+            weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
+            grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
+            opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+            acc[0] += spec.numel / cut * (weights + grad + opt)
+        if p.recompute or p.op in fwd_only:
+            continue  # a recomputed operator keeps nothing for its backward
+        for key, nbytes in saved_activations(op, p, graph, software, prec.activation_bytes, m, plans):
+            if key not in acc[2]:
+                acc[2].add(key)
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes
     static = [0.0] * plan.num_devices
     saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
     for devs, (st, sv, _) in by_devices.items():
@@ -187,7 +200,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
-    static, acts = memory_lower_bound_bytes(plan, graph)
+    static, acts = memory_lower_bound_bytes(plan, graph, cost.precision, cost.software)
     if static + acts > mem_cap:
         what = (
             "weights, gradients and optimizer states alone need"
@@ -203,7 +216,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         )
         return row, None
     try:
-        program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+        program = build_program(plan, graph, cost)
         res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
@@ -238,7 +251,7 @@ def _init_spawned(setup: Setup, space: str) -> None:
 
 def _screen_of() -> Screen:
     if _STATE.get("screen") is None:
-        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], precision_for(_STATE["ctx"].cluster))
+        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], _STATE["cost"].precision)
     return _STATE["screen"]
 
 
@@ -329,6 +342,8 @@ def explore(
     candidates: int | None = DEFAULT_CANDIDATES,
     ray: bool | str = False,
     resume: bool = False,
+    software: str | os.PathLike | None = None,
+    precision: str | None = None,
 ) -> pd.DataFrame:
     """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
     (simulated feasible plans first, fastest first).
@@ -347,19 +362,24 @@ def explore(
     that journal. ``profile`` (from ``planlab calibrate``) prices the cluster with its
     measurements. ``ray`` simulates the candidates as Ray tasks: True on a local Ray instance, a
     string on the cluster at that address. ``progress`` names each phase on stderr as it goes.
+    ``software`` (a built-in name, ``planlab.costmodel.software``, or a software file) and
+    ``precision`` are the training software the plans run with (default: the cluster's, see
+    ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
+    ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     """
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile = None if profile is None else os.fspath(profile)
     _check_options(jobs, budget, candidates, ray, resume, out)
-    cost = CostModel.load(cluster, nodes, profile=profile)
+    software = None if software is None else os.fspath(software)
+    cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
     sp = get_space(space) if isinstance(space, str) else space
     if not isinstance(sp, Space):
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
-    setup = Setup(spec, cluster, nodes, batch, profile)
+    setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
@@ -390,8 +410,9 @@ def explore(
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best = _ranked(sp, ctx, assignments, rows)
+    df, best = _ranked(sp, ctx, assignments, rows, cost)
     df.attrs.update(
+        software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
         counts=counts,
         phases=dict(
@@ -407,12 +428,12 @@ def explore(
     return df
 
 
-def _ranked(sp: Space, ctx: Context, assignments: list[dict], rows: list[dict]) -> tuple[pd.DataFrame, Plan | None]:
+def _ranked(
+    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel
+) -> tuple[pd.DataFrame, Plan | None]:
     """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr) and the best plan."""
-    df = _frame(sp, assignments, rows)
-    best = None
-    if len(df) and bool(df.loc[0, "feasible"]):
-        best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))  # plans are rebuilt, not shipped
+    df = _frame(sp, assignments, rows, cost)
+    best = _best_plan(sp, ctx, assignments, df, cost)
     part_best = {}
     for name, mask in part_masks(sp, df).items():
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
@@ -596,7 +617,16 @@ def _simulate_all(
     return done
 
 
-def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame:
+def _best_plan(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame, cost: CostModel) -> Plan | None:
+    """The fastest feasible simulated plan (``df``'s first row), rebuilt (plans are not shipped
+    from the workers), with the software and precision it was priced with; None if none fits."""
+    if not len(df) or not bool(df.loc[0, "feasible"]):
+        return None
+    best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))
+    return dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
+
+
+def _frame(sp: Space, assignments: list[dict], rows: list[dict], cost: CostModel | None = None) -> pd.DataFrame:
     recs = []
     for i, (a, row) in enumerate(zip(assignments, rows)):
         rec = {SPACE_KEY: a.get(SPACE_KEY, sp.name)}
@@ -610,6 +640,9 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
             df[c] = math.nan
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS and c != "_index"]
     df = df[knobs + RESULT_COLUMNS + ["_index"]]
+    if cost is not None:  # the software and precision every plan was priced with
+        df.insert(len(knobs), "precision", cost.precision.name)
+        df.insert(len(knobs), "software", software_name(cost))
     kinds = {k.name: k.kind_of() for k in sp.all_knobs()}
     for k in knobs:  # a union's parts leave each other's knobs empty: keep the others' types
         if df[k].isna().any() and kinds.get(k) in ("int", "bool"):
@@ -661,7 +694,7 @@ def write_outputs(
         save_plan(best, out / "best_plan.json")
         t = done("best_plan.json", t)
         if timeline:
-            program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
+            program = build_program(best, graph, cost)
             res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
             t = done("timeline", t)
             timeline_plot(res, out / "timeline.png", title=best.describe())
@@ -674,3 +707,12 @@ def write_outputs(
                 (out / name).unlink()
     bar.close()
     return seconds
+
+
+def software_name(cost: CostModel) -> str:
+    """How a plan file and results.csv name the cost model's software: its built-in name, or the
+    path of the user's file."""
+    from planlab.costmodel.software import SOFTWARE_DIR
+
+    path = cost.software.path
+    return cost.software.name if not path or Path(path).parent == SOFTWARE_DIR else path

@@ -139,6 +139,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     # docs/cluster.md
     "planlab explore --model gpt3-350m --cluster my-cluster.json --nodes 2 --global-batch 16 --set recompute=selective "
     "--top 5": Run(),
+    "planlab explore --model gpt3-350m --cluster my-cluster.json --nodes 2 --global-batch 16 --software my-software.json "
+    "--precision fp16 --set recompute=selective --top 3": Run(),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json "
     "--steps 20 --warmup 5": TWO_NODES,
     "srun --nodes 2 --ntasks-per-node 8 --gres=gpu:8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 "

@@ -22,6 +22,7 @@ from collections import defaultdict
 from itertools import count, product
 from typing import Callable
 
+from planlab.costmodel.software import SoftwareSpec
 from planlab.errors import InfeasiblePlan
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import DETACH, DTYPE_BYTES, Graph, Operator, no_grad_tensors
@@ -32,6 +33,7 @@ from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_num
 from planlab.plan.plan import Action, Plan
 from planlab.plan.program import FP32, MIXED_BF16, Block, DeviceProgram, Precision, Program, Task, TaskKind, is_static
 from planlab.plan.redistribute import Conversion, plan_conversion, same_layout
+from planlab.plan.saved import INTERNAL, internals, saved_buffers
 from planlab.plan.shared_params import check_shared_params, forward_only_ops, use_shared_param
 from planlab.plan.zero import shard_fully, units_of
 
@@ -194,6 +196,7 @@ def materialize(
     symmetric: bool = False,
     node_of: Callable[[int], int] | None = None,
     overlap_grad_reduce: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     """Turn ``plan`` into a Program (see the module docstring for the passes).
 
@@ -206,11 +209,19 @@ def materialize(
     that does not divide, a bad schedule). ``overlap_grad_reduce=False`` reduces the
     weight gradients without buckets: one all-reduce per group after the backward, in the
     update block (DeepSpeed without gradient bucketing), instead of buckets overlapped with it.
+    A ``software`` (:class:`~planlab.costmodel.software.SoftwareSpec`) decides that instead (its
+    ``grad_reduce``), the bucket size and how ZeRO-3 gathers (its ``zero3_*`` fields).
     """
     graph = graph if graph is not None else trace_plan_model(plan)
     with paused_gc():
         return _materialize(
-            plan, graph, precision or precision_for(plan.cluster), symmetric, node_of, overlap_grad_reduce
+            plan,
+            graph,
+            precision or precision_for(plan.cluster),
+            symmetric,
+            node_of,
+            overlap_grad_reduce if software is None else software.grad_reduce == "overlapped",
+            software,
         )
 
 
@@ -221,6 +232,7 @@ def _materialize(
     symmetric: bool,
     node_of: Callable[[int], int] | None,
     overlap: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     L = _Layouts(plan, graph)
     if symmetric and plan.num_devices > 1:
@@ -237,11 +249,13 @@ def _materialize(
             for d, c in enumerate(classes):
                 if d != c:
                     witnesses[c] = d  # the last member of each class
-            program = _build(plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()), overlap)
+            program = _build(
+                plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()), overlap, software
+            )
             reduced = reduce_program(program, classes, witnesses, node_of)
             if reduced is not None:
                 return reduced
-    return _build(plan, graph, L, precision, None, overlap)
+    return _build(plan, graph, L, precision, None, overlap, software)
 
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -278,7 +292,13 @@ def _positions(mesh: Mesh, keep: frozenset[int] | None):
 
 
 def _build(
-    plan: Plan, graph: Graph, L: _Layouts, precision: Precision, keep: frozenset[int] | None, overlap: bool = True
+    plan: Plan,
+    graph: Graph,
+    L: _Layouts,
+    precision: Precision,
+    keep: frozenset[int] | None,
+    overlap: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     """The passes, for every device or only for those in ``keep``."""
     topo = {op.name: i for i, op in enumerate(graph.operators)}
@@ -407,13 +427,7 @@ def _build(
         in_bufs[op.name] = bufs
         outs = tuple(f"a:{o}" for o in op.outputs)
         pieces = math.prod(s for d, s in zip(L.dims[op.name], mesh.shape) if d is not None)
-        saved = tuple(
-            dict.fromkeys(
-                outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
-                for s in op.saves
-                if not (s in op.inputs and graph.tensors[s].role == "param")
-            )
-        )
+        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, software, precision.activation_bytes)
         red_axes = [a for a, d in enumerate(L.dims[op.name]) if d in op.signature.reduce]
         saved_of[op.name] = saved
         shapes_of[op.name] = _piece_shapes(L, op)
@@ -442,6 +456,12 @@ def _build(
             emit(dev, blk, (i, 1), task)
             for j, o in enumerate(op.outputs):
                 buf_bytes[dev][outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * ebytes(o)
+            for tag, base, per, nbytes in internals(op, graph, software, precision.activation_bytes):
+                j = op.inputs.index(base) if base in op.inputs else None
+                lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
+                buf_bytes[dev][f"{INTERNAL}{op.name}:{tag}"] = int(
+                    box_numel(lay.box(flat, L.shapes[base])) * per * nbytes
+                )
 
     if nograd:
         check_shared_params(
@@ -609,7 +629,8 @@ def _build(
         for gid, group in enumerate(sorted(buckets[dev])):
             items = buckets[dev][group]
             if plan.zero == 0 and overlap:
-                _overlapped_buckets(emit, dev, group, items, stage, graph, precision)
+                bucket = software.grad_bucket_elements if software is not None else BUCKET_ELEMENTS
+                _overlapped_buckets(emit, dev, group, items, stage, graph, precision, bucket)
                 continue
             if plan.zero == 0:  # one all-reduce of every gradient, after the backward
                 bufs = tuple(b for _, b, _ in sorted(items))
@@ -629,7 +650,8 @@ def _build(
                 )
                 continue
             if plan.zero == 3:  # planlab/plan/zero.py
-                units = units_of(items, group, graph, stage, precision.grad_bytes)
+                per_module = software is not None and software.zero3_unit == "module"
+                units = units_of(items, group, graph, stage, precision.grad_bytes, per_module=per_module)
                 numel, freed = shard_fully(
                     entries[dev],
                     units,
@@ -638,6 +660,7 @@ def _build(
                     emit=functools.partial(emit, dev),
                     update_block=w_block,
                     sizes=buf_bytes[dev],
+                    regather=software is not None and software.zero3_regather_for_recompute,
                 )
                 together[dev] += freed
                 for k, b in enumerate((precision.grad_bytes, precision.optimizer_bytes, precision.param_bytes)):
@@ -781,16 +804,17 @@ def _overlapped_buckets(
     stage: dict[str, int],
     graph: Graph,
     precision: Precision,
+    bucket_elements: int = BUCKET_ELEMENTS,
 ) -> None:
     """Data-parallel gradient reduction overlapped with the backward, as Megatron-LM and DDP do it:
-    gradients in buckets of at most :data:`BUCKET_ELEMENTS`, filled in the order the backward
+    gradients in buckets of at most ``bucket_elements`` (:data:`BUCKET_ELEMENTS`), filled in the order the backward
     completes them; each bucket's all-reduce is issued, with the last micro-batch, right after
     the backward task that completes it, and runs on the communication stream."""
     names = [op.name for op in graph.operators]
     by_stage: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
     for item in items:
         by_stage[stage[names[item[0]]]].append(item)
-    cap = BUCKET_ELEMENTS * precision.grad_bytes
+    cap = bucket_elements * precision.grad_bytes
     for st in sorted(by_stage):
         ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
         bucket: list[tuple[int, str, int]] = []
@@ -927,7 +951,8 @@ def _liveness(blocks: dict, sizes: dict[str, int], together: tuple | list = ()) 
     last: dict[str, tuple] = {}
     for bk in order:
         for ti, t in enumerate(blocks[bk].tasks):
-            for b in t.writes:
+            kept = tuple(b for b in t.saved if b.startswith(INTERNAL)) if t.kind is TaskKind.FORWARD else ()
+            for b in t.writes + kept:  # an internal buffer is allocated by the forward that keeps it
                 if b and not is_static(b):
                     first.setdefault(b, (bk, ti))
                     last.setdefault(b, (bk, ti))

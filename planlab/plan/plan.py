@@ -91,6 +91,8 @@ class Plan:
     knobs: tuple[tuple[str, Any], ...] = ()
     version: int = PLAN_VERSION
     zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
+    software: str = ""  # the training software it is priced with (a built-in name or a file); "": the cluster's default
+    precision: str = ""  # the software's precision ("bf16", "fp16", "fp8", "fp32"); "": the device's default
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's

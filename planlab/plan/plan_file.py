@@ -58,6 +58,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "schedules": [[str(a) for a in s] for s in schedules],
         "device_schedule": device_schedule,
         **({"zero": plan.zero} if plan.zero else {}),
+        **({"software": plan.software} if plan.software else {}),
+        **({"precision": plan.precision} if plan.precision else {}),
     }
 
 
@@ -118,6 +120,8 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         space=str(d.get("space", "")),
         knobs=tuple(sorted(knobs.items())),
         zero=_zero(d, where),
+        software=_optional_text(d, "software", where),
+        precision=_optional_text(d, "precision", where),
     )
 
 
@@ -285,3 +289,11 @@ def _check_counts(counts: dict[str, int], schedule: list, ops: list, where: str)
             raise PlanFileError(
                 f"{where}: ops[{k}] ({o.op!r}) is placed on device {bad[0]}; the plan has devices 0..{n - 1}"
             )
+
+
+def _optional_text(d: dict, key: str, where: str) -> str:
+    """An optional text field (files written before it existed lack it: the default, "")."""
+    v = d.get(key, "")
+    if not isinstance(v, str):
+        raise PlanFileError(f"{where}: field {key!r} must be a string, got {v!r}")
+    return v

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from planlab.costmodel.precision import FP32, MIXED_BF16, Precision  # noqa: F401 (re-exported)
 from planlab.plan.layout import Box
 from planlab.plan.plan import Action
 
@@ -155,29 +156,6 @@ class DeviceProgram:
             for t in self.block(a).tasks:
                 if not t.final or a.microbatch == last:
                     yield a, t
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per element of activations and per parameter of weights, gradients and optimizer states."""
-
-    name: str
-    activation_bytes: int
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    compute_dtype: str
-
-    def __str__(self) -> str:
-        return self.name
-
-
-# Mixed precision with Adam: bf16 weights, fp32 main gradients, fp32 master weights + 2 moments
-# (Megatron-LM without the distributed optimizer: 18 bytes per parameter).
-MIXED_BF16 = Precision(
-    "bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12, compute_dtype="bf16"
-)
-FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8, compute_dtype="fp32")
 
 
 @dataclass(frozen=True)

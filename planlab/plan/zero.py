@@ -28,12 +28,16 @@ from planlab.graph.ir import Graph
 from planlab.plan.program import Precision, Task, TaskKind
 
 FORWARD_WEIGHTS, BACKWARD_WEIGHTS, FULL_GRADIENT = "zf:", "zb:", "zd:"
+RECOMPUTE_WEIGHTS = "zr:"  # gathered again for a recomputed forward (regather=True, DeepSpeed)
 
 
-def unit_key(param: str) -> str:
+def unit_key(param: str, per_module: bool = False) -> str:
     """The unit a parameter belongs to: its name up to its first index (``blocks.3.attn.q.weight``:
-    ``blocks.3``), else its first name (``wte.weight``: ``wte``)."""
+    ``blocks.3``), else its first name (``wte.weight``: ``wte``); ``per_module``: its module
+    (``blocks.3.attn.q``), as DeepSpeed's ZeRO-3 fetches parameters module by module."""
     parts = param.split(".")
+    if per_module and len(parts) > 1:
+        return ".".join(parts[:-1])
     for k, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[: k + 1])
@@ -64,16 +68,22 @@ class Unit:
 
 
 def units_of(
-    items: list[tuple[int, str, int]], group: tuple[int, ...], graph: Graph, stage: dict[str, int], grad_bytes: int
+    items: list[tuple[int, str, int]],
+    group: tuple[int, ...],
+    graph: Graph,
+    stage: dict[str, int],
+    grad_bytes: int,
+    *,
+    per_module: bool = False,
 ) -> list[Unit]:
     """Cut one group's weight gradients ``(owner index, "wg:" name, bytes)`` into units, in forward order:
-    runs of consecutive weights of one stage with one :func:`unit_key`."""
+    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``)."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
     for idx, buf, nbytes in ordered:
         p = buf[3:]
-        key = (stage[names[idx]], unit_key(p))
+        key = (stage[names[idx]], unit_key(p, per_module))
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
         runs[-1][1].append((idx, p, nbytes // grad_bytes))
@@ -94,22 +104,28 @@ def shard_fully(
     emit: Callable,
     update_block: tuple[int, str],
     sizes: dict[str, int],
+    regather: bool = False,
 ) -> tuple[int, list]:
     """Apply ZeRO-3 to one device: rewrite its forward and backward tasks to read the gathered
     weights and write full gradients, and emit the gathers, reduce-scatters and shard optimizer
     steps of ``units`` (see the module docstring). ``blocks`` are the device's block entries
     ``{(stage, phase): [(key, task)]}``, ``emit(block, key, task)`` adds one, ``sizes`` maps buffers
     to bytes. Returns the elements no longer held whole (weights, gradients and optimizer states
-    keep a shard) and the groups of buffers freed together (a unit's gathered weights)."""
+    keep a shard) and the groups of buffers freed together (a unit's gathered weights). With
+    ``regather`` a recomputed forward in the backward block gathers its unit's weights once more
+    (``zr:``, as DeepSpeed's pre-forward hooks do) instead of reading the backward's gather."""
     fwd = {f"w:{p}": FORWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
     bwd = {f"w:{p}": BACKWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
+    rec = {f"w:{p}": RECOMPUTE_WEIGHTS + p for u in units for _, p, _ in u.weights}
     grad = {f"wg:{p}": FULL_GRADIENT + p for u in units for _, p, _ in u.weights}
     owned: dict[str, list[str]] = defaultdict(list)  # operator -> its weights' backward copies
     names = [op.name for op in graph.operators]
     for u in units:
         for idx, p, n in u.weights:
             owned[names[idx]].append(BACKWARD_WEIGHTS + p)
-            sizes[FORWARD_WEIGHTS + p] = sizes[BACKWARD_WEIGHTS + p] = n * precision.param_bytes
+            sizes[FORWARD_WEIGHTS + p] = sizes[BACKWARD_WEIGHTS + p] = sizes[RECOMPUTE_WEIGHTS + p] = (
+                n * precision.param_bytes
+            )
             sizes[FULL_GRADIENT + p] = n * precision.grad_bytes
     first: dict[tuple[str, str], tuple] = {}  # (unit, phase) -> key of its first task using its weights
     last_grad: dict[str, tuple] = {}  # unit -> key of its last backward task
@@ -117,8 +133,9 @@ def shard_fully(
     for (st, ph), items in blocks.items():
         if ph not in ("F", "B"):
             continue
-        ren = fwd if ph == "F" else bwd
         for k, (key, t) in enumerate(items):
+            redo = regather and ph == "B" and t.recompute == "redo"
+            ren = fwd if ph == "F" else rec if redo else bwd
             used = [b for b in t.reads if b in ren] + [b for b in t.writes if b in grad]
             if not used:
                 continue
@@ -133,23 +150,28 @@ def shard_fully(
                 ),
             )
             for b in used:
-                u = unit_of[b]
-                if (u, ph) not in first or key < first[(u, ph)]:
-                    first[(u, ph)] = key
+                u, uph = unit_of[b], "R" if redo else ph
+                if (u, uph) not in first or key < first[(u, uph)]:
+                    first[(u, uph)] = key
                 if b in grad and (u not in last_grad or key > last_grad[u]):
                     last_grad[u] = key
     together = []
     pb, gb = precision.param_bytes, precision.grad_bytes
     for st in sorted({u.stage for u in units}):
         mine = [u for u in units if u.stage == st]
-        for ph, prefix, order in (("F", FORWARD_WEIGHTS, mine), ("B", BACKWARD_WEIGHTS, mine[::-1])):
+        redone = sorted((u for u in mine if (u.name, "R") in first), key=lambda u: first[(u.name, "R")])
+        for ph, prefix, order in (
+            ("F", FORWARD_WEIGHTS, mine),
+            ("B", BACKWARD_WEIGHTS, mine[::-1]),
+            ("R", RECOMPUTE_WEIGHTS, redone),
+        ):
             present = [u for u in order if (u.name, ph) in first]
             for k, u in enumerate(present):
                 # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
                 start = first[(present[max(k - 1, 0)].name, ph)]
                 bufs = tuple(prefix + p for _, p, _ in u.weights)
                 emit(
-                    (st, ph),
+                    (st, "B" if ph == "R" else ph),
                     (start[0], -2, k),
                     Task(
                         f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",

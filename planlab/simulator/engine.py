@@ -329,7 +329,7 @@ def _simulate(
         model_flops=model_flops,
         hardware_flops=hw_flops,
         num_devices=program.num_devices,
-        peak_flops_per_s=peak_flops_per_s(cluster.device, dtype),
+        peak_flops_per_s=peak_flops_per_s(cluster.device, program.precision.elementwise_dtype),  # MFU: the 16-bit peak
         events=tuple(e for _, e in sorted(events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
         memory=tuple(memory),
     )
