@@ -2,28 +2,36 @@
 
 The case (issue 6): GPT-3 175B (96 layers, hidden 12288, 96 heads) on 128 DGX A100 80 GB nodes,
 global batch 1536 as in Narayanan et al. 2021; the space is ``megatron``: pp x dp x tp x micro-batch
-x schedule (1F1B, interleaved with virtual_stages) x recompute x sequence_parallel x zero. Target:
-the whole exploration (trace, enumerate, screen, simulate the candidates, rank) in under 60 s on
-this 2-core machine with ``--jobs 2``.
+x schedule (1F1B, interleaved with virtual_stages) x recompute x sequence_parallel x zero. Target
+(issue 20): the whole exploration (trace, enumerate, screen, simulate the candidates, rank) in at
+most 15 s wall on this 2-core machine with ``--jobs 2`` when it is quiet (issue 6 asked for 60 s).
+The model's graph comes from the trace cache after the first run (``trace`` then takes a fraction
+of a second); ``--cold`` traces it again in an empty cache.
 
 Printed: the number of plans, how many were screened, pruned by the memory bound and simulated; the
-time of each phase (wall) and the process's CPU time; the total against the target; the best plan.
+time of each phase (wall) and the process's CPU time; the total against the target; the best plan;
+then the outputs ``--out`` writes (results.csv, pareto.png, best_plan.json, the best plan's
+timeline.png and memory.png, into a temporary folder unless ``--out`` is given), each timed, their
+writing against its target of 1 s, and the simulation of the best plan that records its timeline
+apart.
 Then the screen's agreement with the simulator: Spearman and Kendall rank correlation of the
 screen's iteration time against the simulated one over the simulated candidates, and over ``--check``
 plans drawn at random from the rest (simulated apart, outside the timed exploration).
 
-Run: .venv/bin/python benchmarks/explore_speed.py [--jobs 2] [--check 24] [--candidates 24]
+Run: .venv/bin/python benchmarks/explore_speed.py [--jobs 2] [--check 24] [--candidates 24] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import resource
 import sys
 import time
 
-TARGET_S = 60.0
+TARGET_S = 15.0
+WRITE_TARGET_S = 1.0
 
 
 def main() -> None:
@@ -32,8 +40,13 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=24, help="random plans simulated apart to check the screen")
     ap.add_argument("--candidates", type=int, default=None, help="plans simulated (default: explore's)")
     ap.add_argument("--nodes", type=int, default=128)
-    ap.add_argument("--out", default=None, help="write results.csv, the plots and best_plan.json there (not timed)")
+    ap.add_argument("--out", default=None, help="write results.csv, the plots and best_plan.json there")
+    ap.add_argument("--cold", action="store_true", help="trace in an empty trace cache")
     args = ap.parse_args()
+    if args.cold:
+        import tempfile
+
+        os.environ["PLANLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="planlab-cold-cache-")
 
     import planlab
     from planlab.explore import DEFAULT_CANDIDATES
@@ -70,7 +83,8 @@ def main() -> None:
     )
     print(
         f"  total {wall:.1f} s wall (target {TARGET_S:.0f} s, ratio {wall / TARGET_S:.2f}); CPU: this process "
-        f"{cpu_self:.1f} s, workers {cpu_children.ru_utime + cpu_children.ru_stime:.1f} s"
+        f"{cpu_self:.1f} s, workers {cpu_children.ru_utime + cpu_children.ru_stime:.1f} s; load average "
+        f"{os.getloadavg()[0]:.1f}"
     )
     best = df.attrs["best_plan"]
     if best is not None:
@@ -81,14 +95,30 @@ def main() -> None:
         )
     else:
         print("  no simulated plan fits in memory")
-    if args.out:
-        from pathlib import Path
-
-        from planlab.explore import write_outputs
-
-        write_outputs(df, Path(args.out))
-        print(f"  wrote {args.out}/results.csv, pareto.png, best_plan.json")
+    _outputs(df, args)
     _agreement(df, args)
+
+
+def _outputs(df, args) -> None:
+    """Write the outputs as ``--out`` does, each timed."""
+    import tempfile
+    from pathlib import Path
+
+    from planlab.explore import Setup, make_context, write_outputs
+    from planlab.models import ModelSpec
+
+    _, cost, graph = make_context(Setup(ModelSpec("gpt3-175b"), "dgx-a100-80g", args.nodes, 1536))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        seconds = write_outputs(df, out, graph=graph, cost=cost)
+    sim = seconds.pop("timeline", 0.0)
+    total = sum(seconds.values())
+    print(
+        f"  outputs: the best plan's simulation recording its timeline {sim:.2f} s; then writing {total:.2f} s "
+        f"(target {WRITE_TARGET_S:.0f} s, ratio {total / WRITE_TARGET_S:.2f}): "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items())
+        + (f"; in {args.out}" if args.out else "")
+    )
 
 
 def _agreement(df, args) -> None:

@@ -16,7 +16,7 @@ this machine's CPU with one-element tensors (whose CPU kernels take a fraction o
 The layer's host time, spread over the calls planlab's kernel model counts for one layer of
 its GPT (forward: the first forward and the recompute; backward: the rest), gives
 ``host_call_us`` and ``host_backward_call_us`` of a spec's ``software``
-(``benchmarks/specs/vtrain-a100-megatron.json`` cites this script's output). Repetitions take
+(``planlab/costmodel/software/*.json`` cite this script's output). Repetitions take
 the lower quartile of the process's CPU time (``time.process_time``, one torch thread), which
 other processes sharing the machine change little. The launch of a CUDA kernel
 (``host_launch_us``) cannot be measured here (no GPU) and comes from published figures.

@@ -2,10 +2,11 @@
 
 Every run of ``vtrain_ground_truth_single.csv`` (1,440) and ``..._multi.csv`` (109) is built as
 the measured system's plan (``planlab.validation``: Megatron-DeepSpeed's GPT, tensor x data x
-pipeline parallelism with 1F1B, full recompute, fp16, gradients reduced after the backward) and
-simulated on ``benchmarks/specs/vtrain-a100-megatron.json`` (the reference's machines and
-software; every number there names its source, none comes from vTrain's rows). Prints where the
-parameters come from, then per set: planlab's mean absolute percentage error (MAPE) next to
+pipeline parallelism with 1F1B, full recompute) and simulated as a user's plan is, on the built-in
+cluster ``hgx-a100-80g-4nic`` (HGX A100 80GB, 800 Gb/s of InfiniBand per node, as the reference
+states) with the built-in software ``deepspeed`` in fp16 (Megatron-DeepSpeed); every number of
+those files names its source, none comes from vTrain's rows. Prints where the parameters come
+from, then per set: planlab's mean absolute percentage error (MAPE) next to
 vTrain's own (8.37% and 14.73%), the mean signed error, the error by group (hidden size,
 micro-batch, tp, pp, dp, nodes), the worst runs and Kendall's tau of predicted against measured
 time within each model size.
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from planlab.validation import load_runs, mape, rank_correlation, validate
+from planlab.costmodel.hardware import DEVICES_FILE, SPEC_DIR
+from planlab.costmodel.software import SOFTWARE_DIR
+from planlab.validation import CLUSTER, PRECISION, SOFTWARE, load_runs, mape, rank_correlation, validate
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,23 +36,34 @@ def _reference() -> Path:
     return Path("/work/shared/reference")
 
 
-SPEC = HERE / "specs" / "vtrain-a100-megatron.json"
 VTRAIN_MAPE = {"single": 8.37, "multi": 14.73}  # vTrain (MICRO 2024), reference README
 GROUPS = ("hidden", "micro_batch", "tp", "pp", "dp", "nodes")
 
 
-def print_sources(spec: Path) -> None:
-    """Every number of the spec with where it comes from."""
-    data = json.loads(spec.read_text())
-    print(f"parameters ({spec.name}):")
-    for where, obj in (("device", data.get("device")), ("node", data), ("software", data.get("software"))):
-        if not isinstance(obj, dict):
+def _numbers(where: str, obj: dict, sources: dict) -> None:
+    for key, val in obj.items():
+        if key in ("source", "description", "name", "device") or isinstance(val, str):
             continue
-        src = obj.get("source", {})
-        for key, val in obj.items():
-            if key in ("source", "description", "name", "device", "software") or isinstance(val, str):
-                continue
-            print(f"  {where}.{key} = {json.dumps(val)}: {src.get(key, data.get('source', {}).get(key, '?'))}")
+        src = sources.get(key, "?")
+        print(f"  {where}.{key} = {json.dumps(val)}: {src if isinstance(src, str) else json.dumps(src)}")
+
+
+def print_sources(cluster: str, software: str, precision: str) -> None:
+    """Every number of the cluster, its device and the software with where it comes from."""
+    node = json.loads((SPEC_DIR / f"{cluster}.json").read_text())
+    device = json.loads((SPEC_DIR / DEVICES_FILE).read_text())[node["device"]]
+    sw = json.loads((SOFTWARE_DIR / f"{software}.json").read_text())
+    print(f"parameters: cluster {cluster}, device {node['device']}, software {software} ({precision}):")
+    _numbers("device", device, device.get("source", {}))
+    _numbers("node", node, node.get("source", {}))
+    _numbers("software", sw, sw.get("source", {}))
+    prec_src = sw["precisions"]["source"][precision]
+    _numbers(
+        f"software.precisions.{precision}",
+        sw["precisions"][precision],
+        dict.fromkeys(sw["precisions"][precision], prec_src),
+    )
+    _numbers("software.memory", sw["memory"], sw["memory"]["source"])
 
 
 def report(df: pd.DataFrame, kind: str) -> None:
@@ -91,9 +105,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ref", default=str(_reference()))
-    ap.add_argument("--spec", default=str(SPEC), help="cluster spec (default: the reference's stated machines)")
     args = ap.parse_args()
-    print_sources(Path(args.spec))
+    print_sources(CLUSTER, SOFTWARE, PRECISION)
     frames = []
     for kind in ("single", "multi"):
         step = args.every if kind == "single" else args.multi_every
@@ -101,7 +114,7 @@ def main() -> None:
             continue
         runs = load_runs(Path(args.ref) / f"vtrain_ground_truth_{kind}.csv")[::step]
         t = time.perf_counter()
-        df = validate(runs, args.spec, jobs=args.jobs)
+        df = validate(runs, CLUSTER, jobs=args.jobs)
         df["set"] = kind
         frames.append(df)
         print(f"({kind}: {len(df)} runs simulated in {time.perf_counter() - t:.0f} s)")

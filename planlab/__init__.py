@@ -14,30 +14,28 @@ from planlab.errors import (
     PlanFileError,
     PlanlabError,
 )
-from planlab.graph import Graph, Signature, register_op, trace
-
-# Bound eagerly: the submodule planlab.explore would otherwise shadow the function once imported.
-from planlab.explore import explore  # noqa: E402
+from planlab.graph import Graph, Signature
+from planlab.lazy import make_lazy
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    # Heavier entry points load on first use.
-    if name in ("materialize", "PlanBuilder", "Plan", "load_plan", "save_plan"):
-        import planlab.plan as p
-
-        return getattr(p, name)
-    if name == "simulate":
-        from planlab.simulator import simulate
-
-        return simulate
-    if name == "CostModel":
-        from planlab.costmodel import CostModel
-
-        return CostModel
-    raise AttributeError(f"module 'planlab' has no attribute {name!r}")
-
+# Entry points that import torch, pandas or matplotlib load on first use (planlab.lazy), so that
+# `planlab simulate` of a traced model's plan does not pay for them; planlab.explore is the function.
+make_lazy(
+    __name__,
+    {
+        "explore": "planlab.explore",
+        "register_op": "planlab.graph.registry",
+        "trace": "planlab.graph.trace",
+        "materialize": "planlab.plan",
+        "PlanBuilder": "planlab.plan",
+        "Plan": "planlab.plan",
+        "load_plan": "planlab.plan",
+        "save_plan": "planlab.plan",
+        "simulate": "planlab.simulator",
+        "CostModel": "planlab.costmodel",
+    },
+)
 
 __all__ = [
     "CheckpointError",

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from planlab.errors import DeadlockError, PlanlabError
+from planlab.inputs import MAX_GLOBAL_BATCH, count, writable_file, writable_folder
 
 DEFAULT_CANDIDATES = 16  # planlab.explore.DEFAULT_CANDIDATES, without importing it for --help
 LOSS_TOL = 1e-4  # absolute, on losses of order 1 (fp32)
@@ -36,6 +37,8 @@ def _model(args):
 def cmd_explore(args) -> int:
     from planlab.explore import RESULT_COLUMNS, SCREEN_COLUMNS, explore
 
+    count(args.top, "--top")
+
     df = explore(
         _model(args),
         cluster=args.cluster,
@@ -45,10 +48,14 @@ def cmd_explore(args) -> int:
         global_batch=args.global_batch,
         jobs=args.jobs,
         out=args.out,
-        progress=sys.stderr.isatty(),
+        progress=True,  # bars on a terminal, a line every few seconds otherwise (planlab.progress)
         profile=args.profile,
         budget=args.budget,
         candidates=None if args.all else args.candidates,
+        ray=False if args.ray is None else args.ray,
+        resume=args.resume,
+        software=args.software,
+        precision=args.precision,
     )
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"]]
     fixed = [k for k in knobs if df[k].nunique(dropna=False) == 1]
@@ -69,6 +76,7 @@ def cmd_explore(args) -> int:
 
     with pd.option_context("display.width", 220, "display.max_columns", 24):
         print(show.to_string(index=False))
+    print(df.attrs["software"])
     c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
     print(
@@ -88,27 +96,51 @@ def cmd_explore(args) -> int:
         print("No simulated plan fits in device memory; see the reason column.")
     if args.out:
         out = Path(args.out)
-        files = ["results.csv", "pareto.png"] + (
+        files = ["results.csv", "simulations.jsonl", "pareto.png"] + (
             ["best_plan.json", "timeline.png", "memory.png"] if df.attrs.get("best_plan") is not None else []
         )
         print("wrote " + ", ".join(str(out / f) for f in files))
     return 0
 
 
-def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = None, profile: str | None = None):
+def _check_outputs(*, save=None, trace=None, predicted_trace=None, plot=None) -> None:
+    """Before any work: every file and folder a command will write can be written."""
+    if save is not None:
+        writable_folder(save, "--save")
+    if plot is not None:
+        writable_folder(plot, "--plot")
+    for value, what in ((trace, "--trace"), (predicted_trace, "--predicted-trace")):
+        if value is not None:
+            writable_file(value, what)
+
+
+def plan_cost(plan, *, profile: str | None = None, software: str | None = None, precision: str | None = None):
+    """The cost model of a plan file: its cluster, with the software and precision given, else the
+    plan's own (files written before they were recorded take the cluster's defaults)."""
     from planlab.costmodel import CostModel
+
+    return CostModel.load(
+        plan.cluster,
+        plan.nodes,
+        profile=profile,
+        software=software or plan.software or None,
+        precision=precision or plan.precision or None,
+    )
+
+
+def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None):
+    from planlab.models.trace_cache import trace_model
     from planlab.plan.shared_params import training_flops
-    from planlab.plan import materialize, trace_plan_model
+    from planlab.plan.software_passes import build_program
     from planlab.simulator import find_deadlock, simulate
 
-    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
-    graph = trace_plan_model(plan)
+    graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
-    program = materialize(plan, graph, symmetric=not stragglers, node_of=cost.cluster.node_of)
+    program = build_program(plan, graph, cost, symmetric=not stragglers)
     try:
         return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:
-        full = materialize(plan, graph) if program.reduced else program
+        full = build_program(plan, graph, cost, symmetric=False) if program.reduced else program
         if full.num_tasks() < 200_000:
             find_deadlock(full)  # the report names the device, its task and the peer it waits for
         raise
@@ -117,15 +149,20 @@ def _simulate_plan(plan, *, timeline: bool = False, stragglers: dict | None = No
 def cmd_simulate(args) -> int:
     from planlab.plan import load_plan
 
+    _check_outputs(trace=args.trace, plot=args.plot)
     plan = load_plan(args.plan)
     stragglers = {}
     for k, v in args.straggler or []:
-        if not k.isdigit() or not isinstance(v, (int, float)):
+        if not k.isdigit() or int(k) >= plan.num_devices or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             from planlab.errors import ConfigError
 
-            raise ConfigError(f"--straggler {k}={v}: expected DEVICE=FACTOR, e.g. 3=1.5")
+            raise ConfigError(
+                f"--straggler {k}={v}: expected DEVICE=FACTOR with a device 0..{plan.num_devices - 1} of the plan "
+                "and a factor above 0, e.g. 1=1.5"
+            )
         stragglers[int(k)] = float(v)
-    res = _simulate_plan(plan, timeline=bool(args.trace or args.plot), stragglers=stragglers, profile=args.profile)
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    res = _simulate_plan(plan, cost, timeline=bool(args.trace or args.plot), stragglers=stragglers)
     if args.trace:
         res.write_trace(args.trace)
     if args.plot:
@@ -146,13 +183,25 @@ def cmd_simulate(args) -> int:
                     "hfu": res.hfu,
                     "feasible": res.feasible,
                     "reason": res.reason,
+                    "software": cost.software.name,
+                    "precision": cost.precision.name,
                 }
             )
         )
     else:
+        print(cost.describe_software())
         print(f"{plan.describe()}: {res.summary()}")
-        print(res.device_table().to_string(index=False))
+        print(_device_table_text(res))
     return 0
+
+
+def _device_table_text(res) -> str:
+    """``SimResult.device_table()`` as aligned text, without importing pandas for it."""
+    rows = [dict(d.__dict__, idle_s=d.idle_s) for d in res.devices]
+    cols = list(rows[0]) if rows else []
+    cells = [cols] + [[f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[k]) for row in cells) for k in range(len(cols))]
+    return "\n".join(" ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
 def _run_config(args):
@@ -189,6 +238,10 @@ def cmd_run(args) -> int:
     from planlab.executor.launch_env import detect
     from planlab.plan import load_plan
 
+    _check_outputs(save=args.save, trace=args.trace, predicted_trace=args.predicted_trace)
+    if args.nproc is not None:
+        count(args.nproc, "--nproc")
+
     env = None if args.nproc is not None else detect()
     try:  # started by torchrun or srun: this process is one rank
         plan = load_plan(args.plan)
@@ -223,7 +276,8 @@ def cmd_run(args) -> int:
     from planlab.executor.report import run_report
     from planlab.executor.timeline import measured_events, predict, write_trace
 
-    pred = predict(plan, profile=args.profile)  # every device simulated, with a timeline to compare against
+    cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
+    pred = predict(plan, cost=cost)  # every device simulated, with a timeline to compare against
     res = launch_local(
         plan,
         args.nproc,
@@ -242,6 +296,7 @@ def cmd_run(args) -> int:
         log=True,
     )
     text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
+    print(f"predicted with {cost.describe_software()}")
     print(text)
     if args.trace:
         write_trace(args.trace, measured_events(res.timeline))
@@ -273,6 +328,9 @@ def _preset_sizes(fam, cfg) -> str:
 def cmd_calibrate(args) -> int:
     from planlab.costmodel.calibrate import calibrate
 
+    count(args.nproc, "--nproc", minimum=2)
+    writable_file(args.out, "--out")
+
     prof = calibrate(
         out=args.out, nproc=args.nproc, quick=args.quick, cluster=args.cluster, log=lambda line: print(line, flush=True)
     )
@@ -299,11 +357,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_clusters(args) -> int:
-    from planlab.costmodel import list_clusters, load_cluster
+    from planlab.costmodel import CostModel, list_clusters, list_software
 
     for name in list_clusters():
-        c = load_cluster(name)
-        print(f"{name:14s} {c}")
+        cost = CostModel.load(name)
+        print(f"{name:18s} {cost.cluster}; default software {cost.software.name} ({cost.precision.name})")
+    print(f"software (--software): {', '.join(list_software())}, or a software file")
     return 0
 
 
@@ -343,15 +402,39 @@ def cmd_graph(args) -> int:
     from planlab.graph import trace
     from planlab.models import build_model
 
+    count(args.global_batch, "--global-batch", maximum=MAX_GLOBAL_BATCH)
     model, inputs = build_model(_model(args), batch=args.global_batch)
     g = trace(model, inputs)
     print(g.summary())
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line (the option and the bad value) and status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def software_args(sp, default: str) -> None:
+    """``--software`` and ``--precision`` on a subcommand."""
+    sp.add_argument(
+        "--software",
+        default=None,
+        metavar="NAME|FILE.json",
+        help=f"the training software: megatron, deepspeed, torch, planlab or a software file (default: {default})",
+    )
+    sp.add_argument(
+        "--precision",
+        default=None,
+        choices=("bf16", "fp16", "fp8", "fp32"),
+        help="the software's precision (default: the plan's, else the device's: fp16 on V100, bf16 on other GPUs)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="planlab", description="Find and run parallelization plans for training.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="planlab", description="Find and run parallelization plans for training.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def model_args(sp, required=True):
         sp.add_argument("--model", required=required, help="a preset (planlab models) or a family")
@@ -388,6 +471,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CANDIDATES})",
     )
     e.add_argument("--all", action="store_true", help="simulate every plan the memory bound leaves")
+    e.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="simulate the candidates as Ray tasks on the cluster at ADDRESS (alone: a local Ray instance); "
+        "needs pip install 'planlab[ray]'",
+    )
+    e.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the exploration interrupted in --out: rows in its simulations.jsonl are not simulated again",
+    )
+    software_args(e, "the cluster's: planlab on cpu, megatron on GPUs")
     e.set_defaults(fn=cmd_explore)
 
     r = sub.add_parser(
@@ -456,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a checkpoint of the same model, written under any plan (no numeric check)",
     )
     r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
+    software_args(r, "the plan's")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("simulate", help="simulate one plan")
@@ -471,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="slow one device's computation by FACTOR (what-if)",
     )
     s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
+    software_args(s, "the plan's")
     s.set_defaults(fn=cmd_simulate)
 
     c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")
@@ -508,6 +608,15 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(rest), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("planlab: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # torch's launcher turns a signal into its SignalException after stopping the workers
+        if type(e).__name__ != "SignalException":
+            raise
+        sig = getattr(e, "sigval", None)
+        print(
+            f"planlab: stopped by {getattr(sig, 'name', 'a signal')}; every worker process was stopped", file=sys.stderr
+        )
         return 130
 
 

@@ -13,6 +13,7 @@ Phases, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -24,14 +25,31 @@ from pathlib import Path
 
 import pandas as pd
 
+from planlab.candidates import (
+    JOURNAL,
+    ROW_KEYS,
+    Journal,
+    PoolRunner,
+    RayRunner,
+    SerialRunner,
+    exploration_header,
+    simulate_candidates,
+)
 from planlab.costmodel import CostModel
+from planlab.costmodel.precision import Precision
+from planlab.costmodel.software import SoftwareSpec
 from planlab.errors import ConfigError, InfeasiblePlan
+from planlab.inputs import check_sizes, writable_folder
 from planlab.graph.ir import Graph
-from planlab.graph.trace import trace
-from planlab.models.registry import ModelSpec, build_model
-from planlab.plan.materialize import materialize, precision_for
+from planlab.models.registry import ModelSpec
+from planlab.models.trace_cache import trace_model
+from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
+from planlab.plan.saved import saved_activations
+from planlab.plan.software_passes import build_program
+from planlab.progress import note
+from planlab.progress import progress as progress_bar
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.compose import SPACE_KEY
@@ -59,20 +77,24 @@ DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as man
 
 @dataclass(frozen=True)
 class Setup:
-    """The three inputs of an exploration: model, cluster and batch (the space comes apart)."""
+    """The inputs of an exploration: model, cluster, batch and training software (the space
+    comes apart)."""
 
     model: ModelSpec
     cluster: str
     nodes: int
     global_batch: int
     profile: str | None = None  # a calibration profile (planlab calibrate) pricing the cluster
+    software: str | None = None  # a built-in software name or a software file; None: the cluster's default
+    precision: str | None = None  # the software's precision; None: the device's default
 
 
 def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, CostModel, Graph]:
-    cost = CostModel.load(setup.cluster, setup.nodes, profile=setup.profile)
+    cost = CostModel.load(
+        setup.cluster, setup.nodes, profile=setup.profile, software=setup.software, precision=setup.precision
+    )
     if graph is None:
-        model, inputs = build_model(setup.model, batch=setup.global_batch)
-        graph = trace(model, inputs)
+        graph = trace_model(setup.model, setup.global_batch)
     ctx = Context(
         graph,
         setup.model,
@@ -85,45 +107,48 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
     return ctx, cost, graph
 
 
-def memory_lower_bound_bytes(plan: Plan, graph: Graph) -> tuple[int, int]:
+def memory_lower_bound_bytes(
+    plan: Plan, graph: Graph, precision: Precision | None = None, software: SoftwareSpec | None = None
+) -> tuple[int, int]:
     """``(static, activations)`` bytes on the fullest device, without simulating: weights,
     gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
     gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
     plus the activations saved for the backward (each tensor once per stage, however many
-    operators save it) of the micro-batches the device's schedule keeps in flight at its fullest
-    moment (until their backward, or its input-gradient part ``I``)."""
-    prec = precision_for(plan.cluster)
+    operators save it; what the ``software``'s implementation keeps, :mod:`planlab.plan.saved`)
+    of the micro-batches the device's schedule keeps in flight at its fullest moment (until their
+    backward, or its input-gradient part ``I``). ``precision``: the cost model's (default: the
+    cluster's, ``precision_for``)."""
+    prec = precision or precision_for(plan.cluster)
     m = plan.microbatches
     # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
     by_devices: dict[tuple[int, ...], list] = {}
     fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
+    plans = {p.op: p for p in plan.ops}
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
-        for t in dict.fromkeys(op.inputs + op.saves):
+        for t in dict.fromkeys(op.inputs):
             spec = graph.tensors[t]
-            if spec.role != "param" and (t not in op.saves or p.recompute or p.op in fwd_only):
-                continue  # a recomputed operator keeps nothing for its backward
-            if fwd_only and spec.role == "param":
+            if spec.role != "param":
+                continue
+            if fwd_only:
                 if (t, "param") in acc[2]:
                     continue  # held once, however many passes read it
                 acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
-            if spec.role == "param":
-                # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
-                red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
-                elems = spec.numel / cut
-                weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
-                grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
-                opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
-                acc[0] += elems * (weights + grad + opt)
-            elif (t, cut) not in acc[2]:
-                acc[2].add((t, cut))
-                batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + spec.numel / cut / (m if batch else 1) * (
-                    prec.activation_bytes if spec.is_float else 8
-                )
+            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
+            red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+            weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
+            grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
+            opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+            acc[0] += spec.numel / cut * (weights + grad + opt)
+        if p.recompute or p.op in fwd_only:
+            continue  # a recomputed operator keeps nothing for its backward
+        for key, nbytes in saved_activations(op, p, graph, software, prec.activation_bytes, m, plans):
+            if key not in acc[2]:
+                acc[2].add(key)
+                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes
     static = [0.0] * plan.num_devices
     saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
     for devs, (st, sv, _) in by_devices.items():
@@ -175,7 +200,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
-    static, acts = memory_lower_bound_bytes(plan, graph)
+    static, acts = memory_lower_bound_bytes(plan, graph, cost.precision, cost.software)
     if static + acts > mem_cap:
         what = (
             "weights, gradients and optimizer states alone need"
@@ -191,7 +216,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         )
         return row, None
     try:
-        program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+        program = build_program(plan, graph, cost)
         res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
@@ -226,7 +251,7 @@ def _init_spawned(setup: Setup, space: str) -> None:
 
 def _screen_of() -> Screen:
     if _STATE.get("screen") is None:
-        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], precision_for(_STATE["ctx"].cluster))
+        _STATE["screen"] = Screen(_STATE["graph"], _STATE["cost"], _STATE["cost"].precision)
     return _STATE["screen"]
 
 
@@ -258,15 +283,24 @@ def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | No
     return [(i, *_screen_one(v)) for i, v in items]
 
 
-def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
-    i, values = item
-    sp, ctx = _STATE["space"], _STATE["ctx"]
+def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> dict:
+    """Build and simulate one assignment of ``sp``'s knobs: the simulation's columns of its row
+    (``ROW_KEYS``). The same in this process, a forked worker or a Ray task."""
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
-        return i, _nan_row(str(e).splitlines()[0])
-    row, _ = evaluate(plan, _STATE["graph"], _STATE["cost"])
-    return i, {k: row[k] for k in ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")}
+        return _nan_row(str(e).splitlines()[0])
+    row, _ = evaluate(plan, ctx.graph, cost)
+    return {k: row[k] for k in ROW_KEYS}
+
+
+def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
+    i, values = item
+    return i, simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)
+
+
+def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict) -> tuple[int, dict]:
+    return i, simulate_candidate(sp, ctx, cost, values)
 
 
 class _Workers:
@@ -306,6 +340,10 @@ def explore(
     profile: str | os.PathLike | None = None,
     budget: float | None = None,
     candidates: int | None = DEFAULT_CANDIDATES,
+    ray: bool | str = False,
+    resume: bool = False,
+    software: str | os.PathLike | None = None,
+    precision: str | None = None,
 ) -> pd.DataFrame:
     """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
     (simulated feasible plans first, fastest first).
@@ -319,31 +357,38 @@ def explore(
     ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
-    ``timeline.png`` and ``memory.png`` there. ``profile`` (from ``planlab calibrate``) prices the
-    cluster with its measurements.
+    ``timeline.png`` and ``memory.png`` there, and journals each simulated row to
+    ``simulations.jsonl`` as it finishes (:mod:`planlab.candidates`); ``resume`` continues from
+    that journal. ``profile`` (from ``planlab calibrate``) prices the cluster with its
+    measurements. ``ray`` simulates the candidates as Ray tasks: True on a local Ray instance, a
+    string on the cluster at that address. ``progress`` names each phase on stderr as it goes.
+    ``software`` (a built-in name, ``planlab.costmodel.software``, or a software file) and
+    ``precision`` are the training software the plans run with (default: the cluster's, see
+    ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
+    ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     """
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile = None if profile is None else os.fspath(profile)
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
-        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
-    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
-        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
-    cost = CostModel.load(cluster, nodes, profile=profile)
+    _check_options(jobs, budget, candidates, ray, resume, out)
+    software = None if software is None else os.fspath(software)
+    cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
-    if not isinstance(batch, int) or batch < 1:
-        raise ConfigError(f"--global-batch must be a positive integer, got {batch!r}")
+    check_sizes(batch, cost.cluster.num_devices)
     sp = get_space(space) if isinstance(space, str) else space
     if not isinstance(sp, Space):
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
-    setup = Setup(spec, cluster, nodes, batch, profile)
+    setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
+    note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
     assignments = sp.enumerate(ctx, fixed)
     t_enum = time.perf_counter()
+    journal = None
+    if out is not None:
+        what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
+        journal = _journal(Path(out), setup, what, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
     workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
     try:
@@ -351,34 +396,25 @@ def explore(
         t_screen = time.perf_counter()
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
         deadline = None if budget is None else t0 + budget
-        done = _simulate_all(order, assignments, rows, workers, progress, deadline)
+        runner = _runner(ray, workers, (ctx, cost, sp))
+        try:
+            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal)
+        finally:
+            if isinstance(runner, RayRunner):
+                runner.close()
         workers.close()
     finally:
         workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
         _STATE.clear()
+        if journal is not None:
+            journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df = _frame(sp, assignments, rows)
-    best = None
-    if len(df) and bool(df.loc[0, "feasible"]):
-        best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))  # plans are rebuilt, not shipped
-    parts = part_masks(sp, df)
-    part_best = {}
-    for name, mask in parts.items():
-        ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
-        if len(ok):
-            part_best[name] = int(ok["iter_time_s"].idxmin())
-    df = df.drop(columns=["_index"])
-    sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
+    df, best = _ranked(sp, ctx, assignments, rows, cost)
     df.attrs.update(
-        best_plan=best,
-        space=sp.name,
+        software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
-        part_best=part_best,
         counts=counts,
-        screen_rank_corr=float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman"))
-        if len(sim) >= 3
-        else math.nan,
         phases=dict(
             trace_s=t_trace - t0,
             enumerate_s=t_enum - t_trace,
@@ -388,15 +424,74 @@ def explore(
         ),
     )
     if out is not None:
-        write_outputs(df, Path(out), best=best, graph=graph, cost=cost)
+        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress)
     return df
+
+
+def _ranked(
+    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel
+) -> tuple[pd.DataFrame, Plan | None]:
+    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr) and the best plan."""
+    df = _frame(sp, assignments, rows, cost)
+    best = _best_plan(sp, ctx, assignments, df, cost)
+    part_best = {}
+    for name, mask in part_masks(sp, df).items():
+        ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
+        if len(ok):
+            part_best[name] = int(ok["iter_time_s"].idxmin())
+    df = df.drop(columns=["_index"])
+    sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
+    corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
+    df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
+    return df, best
+
+
+def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
+    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
+        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
+    if not isinstance(ray, (bool, str)):
+        raise ConfigError(f"--ray takes a Ray address or nothing (a local Ray instance), got {ray!r}")
+    if resume and out is None:
+        raise ConfigError("--resume needs --out, the folder of the exploration to continue")
+    if out is not None:
+        writable_folder(out, "--out")  # before the work, not after it
+
+
+def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
+    """The journal of simulated rows in ``out`` (resumed from, with ``resume``); ``what``: the
+    space, pinned knobs and candidates of the exploration."""
+    header = exploration_header(
+        model=setup.model.to_json(),
+        cluster=setup.cluster,
+        nodes=setup.nodes,
+        global_batch=setup.global_batch,
+        profile=setup.profile,
+        **what,
+    )
+    try:
+        return Journal(out, header, resume=resume)
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r}: cannot write {JOURNAL} there: {e.strerror}") from None
+
+
+def _runner(ray: bool | str, workers: _Workers, shared: tuple):
+    """Where candidates are simulated: Ray tasks, the forked workers, or this process."""
+    if ray is not False:
+        return RayRunner(None if ray is True or ray == "" else ray, _ray_task, shared)
+    if workers.pool is not None:
+        return PoolRunner(workers.pool, workers.jobs, _simulate_one, lambda: workers.close(kill=True))
+    return SerialRunner(_simulate_one)
 
 
 def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
     n = len(assignments)
     est: list[Estimate | None] = [None] * n
     why = [""] * n
-    bar = _progress(n, progress, "screening")
+    bar = progress_bar(n, "screen", show=progress)
     if workers.pool is None:
         for i, values in enumerate(assignments):
             est[i], why[i] = _screen_one(values)
@@ -480,49 +575,37 @@ def _simulate_all(
     order: list[int],
     assignments: list[dict],
     rows: list[dict],
-    workers: _Workers,
+    runner,
     progress: bool,
     deadline: float | None,
+    journal: Journal | None,
 ) -> int:
-    """Simulate ``order`` (fastest estimate first) until ``deadline``; returns how many were."""
+    """Simulate ``order`` (fastest estimate first) until ``deadline``, each row journaled as it
+    finishes (rows the journal already holds are taken from it); returns how many were."""
 
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
-    def store(i: int, result: dict) -> None:
-        rows[i].update(result, simulated=True)
-
     done = 0
-    bar = _progress(len(order), progress, "simulating")
-    if workers.pool is None:
+    bar = progress_bar(len(order), "simulate", show=progress)
+
+    def store(i: int, result: dict) -> None:
+        nonlocal done
+        rows[i].update(result, simulated=True)
+        if journal is not None and i not in resumed:
+            journal.record(assignments[i], result)
+        done += 1
+        bar.update(1)
+
+    resumed = set()
+    if journal is not None:
         for i in order:
-            if late():
-                break
-            store(*_simulate_one((i, assignments[i])))
-            done += 1
-            bar.update(1)
-    else:
-        pending = []
-        queue = list(order)
-        slots = 2 * workers.jobs
-        while queue or pending:
-            while queue and len(pending) < slots and not late():
-                i = queue.pop(0)
-                pending.append(workers.pool.apply_async(_simulate_one, ((i, assignments[i]),)))
-            if not pending or late():
-                break
-            pending[0].wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter())))
-            for res in [p for p in pending if p.ready()]:
-                pending.remove(res)
-                store(*res.get())
-                done += 1
-                bar.update(1)
-        for res in pending:  # finished just as the budget ran out
-            if res.ready():
-                store(*res.get())
-                done += 1
-        if pending:
-            workers.close(kill=True)
+            row = journal.row_of(assignments[i])
+            if row is not None:
+                resumed.add(i)
+                store(i, row)
+    todo = [i for i in order if i not in resumed]
+    simulate_candidates(todo, assignments, runner, store=store, late=late, deadline=deadline)
     bar.close()
     for i in order:
         if not rows[i]["simulated"]:
@@ -534,7 +617,16 @@ def _simulate_all(
     return done
 
 
-def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame:
+def _best_plan(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame, cost: CostModel) -> Plan | None:
+    """The fastest feasible simulated plan (``df``'s first row), rebuilt (plans are not shipped
+    from the workers), with the software and precision it was priced with; None if none fits."""
+    if not len(df) or not bool(df.loc[0, "feasible"]):
+        return None
+    best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))
+    return dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
+
+
+def _frame(sp: Space, assignments: list[dict], rows: list[dict], cost: CostModel | None = None) -> pd.DataFrame:
     recs = []
     for i, (a, row) in enumerate(zip(assignments, rows)):
         rec = {SPACE_KEY: a.get(SPACE_KEY, sp.name)}
@@ -548,6 +640,9 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
             df[c] = math.nan
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS and c != "_index"]
     df = df[knobs + RESULT_COLUMNS + ["_index"]]
+    if cost is not None:  # the software and precision every plan was priced with
+        df.insert(len(knobs), "precision", cost.precision.name)
+        df.insert(len(knobs), "software", software_name(cost))
     kinds = {k.name: k.kind_of() for k in sp.all_knobs()}
     for k in knobs:  # a union's parts leave each other's knobs empty: keep the others' types
         if df[k].isna().any() and kinds.get(k) in ("int", "bool"):
@@ -565,32 +660,59 @@ def _frame(sp: Space, assignments: list[dict], rows: list[dict]) -> pd.DataFrame
 
 
 def write_outputs(
-    df: pd.DataFrame, out: Path, *, best: Plan | None = None, graph: Graph | None = None, cost: CostModel | None = None
-) -> None:
+    df: pd.DataFrame,
+    out: Path,
+    *,
+    best: Plan | None = None,
+    graph: Graph | None = None,
+    cost: CostModel | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
     """results.csv, pareto.png and best_plan.json (and with ``graph`` and ``cost``, the best plan's
-    timeline.png and memory.png), each written whole or not at all."""
+    timeline.png and memory.png, from a simulation of it that records its timeline), each written
+    whole or not at all. Returns the seconds each took (``timeline`` for that simulation)."""
     from planlab.plotting import memory_plot, pareto_plot, timeline_plot
 
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "results.csv.tmp"
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, out / "results.csv")
-    pareto_plot(df, out / "pareto.png")
     best = best if best is not None else df.attrs.get("best_plan")
+    timeline = best is not None and graph is not None and cost is not None
+    bar = progress_bar(3 + 3 * timeline, "plot", show=progress, unit="output")
+    seconds: dict[str, float] = {}
+
+    def done(name: str, t0: float) -> float:
+        seconds[name] = time.perf_counter() - t0
+        bar.update(1)
+        return time.perf_counter()
+
+    t = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "results.csv.tmp", index=False)
+    os.replace(out / "results.csv.tmp", out / "results.csv")
+    t = done("results.csv", t)
+    pareto_plot(df, out / "pareto.png")
+    t = done("pareto.png", t)
     if best is not None:
         save_plan(best, out / "best_plan.json")
-        if graph is not None and cost is not None:
-            program = materialize(best, graph, symmetric=True, node_of=cost.cluster.node_of)
+        t = done("best_plan.json", t)
+        if timeline:
+            program = build_program(best, graph, cost)
             res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+            t = done("timeline", t)
             timeline_plot(res, out / "timeline.png", title=best.describe())
+            t = done("timeline.png", t)
             memory_plot(res, out / "memory.png", title=best.describe())
+            done("memory.png", t)
     else:
         for name in ("best_plan.json", "timeline.png", "memory.png"):
             if (out / name).exists():
                 (out / name).unlink()
+    bar.close()
+    return seconds
 
 
-def _progress(total: int, show: bool, desc: str):
-    from tqdm import tqdm
+def software_name(cost: CostModel) -> str:
+    """How a plan file and results.csv name the cost model's software: its built-in name, or the
+    path of the user's file."""
+    from planlab.costmodel.software import SOFTWARE_DIR
 
-    return tqdm(total=total, unit="plan", desc=desc, disable=not show, file=sys.stderr, leave=False)
+    path = cost.software.path
+    return cost.software.name if not path or Path(path).parent == SOFTWARE_DIR else path

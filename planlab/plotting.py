@@ -22,7 +22,7 @@ _PHASE = re.compile(r"^\d+([FBIWU])\d+$")
 def _save(fig, path: str | os.PathLike) -> None:
     path = Path(path)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    fig.savefig(tmp, dpi=FIGURE_DPI, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
 
@@ -33,6 +33,13 @@ def _knobs_text(df, i: int) -> str:
 
     knobs = [c for c in df.columns if c not in RESULT_COLUMNS + ["pareto"] and df[c].nunique(dropna=False) > 1]
     return "\n    ".join(textwrap.wrap(" ".join(f"{k}={df.loc[i, k]}" for k in knobs), 60))
+
+
+def shown_capacity(top_gib: float, cap_gib: float | None) -> float | None:
+    """The device memory, if the Pareto plot shows it: within 3x of the highest simulated peak.
+    The memory axis spans the data and the shown capacity, so points at 2.5 MiB are not squeezed
+    against a 4 GiB device's line."""
+    return cap_gib if cap_gib and cap_gib <= 3 * max(top_gib, 1e-9) else None
 
 
 def pareto_plot(df, path: str | os.PathLike) -> None:
@@ -109,11 +116,12 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
             zorder=6,
         )
     cap = df.attrs.get("device_memory_gib")
-    if cap and cap <= 3 * max(top, 1e-9):
-        ax.axvline(cap * scale, color="k", ls=":", lw=1, label=f"device memory {cap:.0f} GiB")
+    shown = shown_capacity(top, cap)
+    if shown:
+        ax.axvline(shown * scale, color="k", ls=":", lw=1, label=f"device memory {shown:.0f} GiB")
     times = df.loc[sim, "iter_time_s"].dropna()
-    if len(times) and len(peaks):  # the simulated plans and the device's memory, not every estimate
-        ax.set_xlim(0, 1.3 * max(top, cap or 0.0) * scale)
+    if len(times) and len(peaks):  # the simulated plans (and the device's memory when near them), not every estimate
+        ax.set_xlim(0, 1.3 * max(top, shown or 0.0) * scale)
         ax.set_ylim(0, 1.5 * float(times.max()))
     ax.set_xlabel(f"peak memory per device ({unit})")
     ax.set_ylabel("iteration time (s)")
@@ -132,32 +140,87 @@ def _members(result) -> dict[int, int]:
     return {d.device: d.members for d in result.devices}
 
 
+FIGURE_DPI = 110  # pixels per inch of the saved figures
+TIMELINE_WIDTH_IN = 11.0
+
+
+def coverage(starts, ends, edges):
+    """The fraction of each bin ``[edges[k], edges[k + 1])`` that the spans ``[start, end)`` cover
+    (overlapping spans add up, clipped to 1): from the running integral of how many spans are
+    open, by sorting and cumulative sums, in time linear in the spans after sorting."""
+    import numpy as np
+
+    s, e, x = np.sort(np.asarray(starts, float)), np.sort(np.asarray(ends, float)), np.asarray(edges, float)
+    ns, ne = np.searchsorted(s, x), np.searchsorted(e, x)
+    cs, ce = np.r_[0.0, np.cumsum(s)], np.r_[0.0, np.cumsum(e)]
+    covered = (ns * x - cs[ns]) - (ne * x - ce[ne])  # time covered by the spans before each edge
+    return np.clip(np.diff(covered) / np.diff(x), 0.0, 1.0)
+
+
+def _strip(spans: dict[str, tuple[list, list]], edges):
+    """One lane's stream as a row of pixels (RGBA): each colour weighted by the time it covers."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    rgb = np.zeros((len(edges) - 1, 3))
+    total = np.zeros(len(edges) - 1)
+    for color, (starts, ends) in spans.items():
+        cov = coverage(starts, ends, edges)
+        rgb += cov[:, None] * np.array(to_rgb(color))
+        total += cov
+    shown = total > 0
+    rgb[shown] /= total[shown, None]
+    return np.concatenate([rgb, np.minimum(total, 1.0)[:, None]], axis=1)[None, :, :]
+
+
+def _event_spans(result, lanes: dict[int, int]) -> dict[float, dict[str, tuple[list, list]]]:
+    """Start and end times of the shown lanes' events by bar row and colour, in one pass."""
+    rows: dict[float, dict[str, tuple[list, list]]] = defaultdict(dict)
+    colors: dict[str, str] = {}  # action -> colour of its phase
+    for e in result.events:
+        lane = lanes.get(e.device)
+        if lane is None or e.end_s <= e.start_s:
+            continue
+        if e.stream == "compute":
+            color = colors.get(e.action)
+            if color is None:
+                m = _PHASE.match(e.action)
+                color = colors[e.action] = PHASE_COLORS.get(m.group(1) if m else "", "tab:blue")
+            if e.name.startswith("re:"):
+                color = "tab:red"
+            row = rows[lane]
+        else:
+            color, row = "tab:orange" if e.stream == "comm" else "0.7", rows[lane + 0.42]
+        got = row.get(color)
+        if got is None:
+            got = row[color] = ([], [])
+        got[0].append(e.start_s)
+        got[1].append(e.end_s)
+    return rows
+
+
 def timeline_plot(result, path: str | os.PathLike, *, title: str = "", max_lanes: int = 16) -> None:
     """The timeline of a simulated iteration (``simulate(..., timeline=True)``): one lane per
     device class, its compute stream (forward, backward, update by colour) above its
-    communication stream (and waits)."""
+    communication stream (and waits). Each stream is drawn as a row of pixels, each pixel's
+    colour and opacity from the time its tasks cover (a million tasks draw in a fraction of a
+    second, and sub-pixel tasks show as the share of time they take)."""
+    import numpy as np
+
     members = _members(result)
-    devices = sorted({e.device for e in result.events}) or sorted(members)
+    devices = sorted(members) if result.devices else sorted({e.device for e in result.events})
     if len(devices) > max_lanes:  # first and last classes: where a pipeline starts and drains
         devices = devices[: max_lanes // 2] + devices[-(max_lanes - max_lanes // 2) :]
     lanes = {d: i for i, d in enumerate(devices)}
-    fig, ax = plt.subplots(figsize=(11, max(2.2, 0.9 + 0.55 * len(lanes))))
-    bars: dict[tuple[float, str], list] = defaultdict(list)
-    for e in result.events:
-        if e.device not in lanes or e.end_s <= e.start_s:
-            continue
-        if e.stream == "compute":
-            m = _PHASE.match(e.action)
-            color = "tab:red" if e.name.startswith("re:") else PHASE_COLORS.get(m.group(1) if m else "", "tab:blue")
-            y = lanes[e.device]
-        else:
-            color = "tab:orange" if e.stream == "comm" else "0.7"
-            y = lanes[e.device] + 0.42
-        bars[(y, color)].append((e.start_s, e.end_s - e.start_s))
-    for (y, color), spans in bars.items():
-        ax.broken_barh(spans, (y, 0.38), color=color, linewidth=0)
+    fig, ax = plt.subplots(figsize=(TIMELINE_WIDTH_IN, max(2.2, 0.9 + 0.55 * len(lanes))))
+    edges = np.linspace(0.0, max(result.iter_time_s, 1e-12), int(TIMELINE_WIDTH_IN * FIGURE_DPI) + 1)
+    for y, spans in _event_spans(result, lanes).items():
+        ax.imshow(
+            _strip(spans, edges), extent=(0.0, edges[-1], y + 0.38, y), aspect="auto", interpolation="antialiased"
+        )
+    ax.set_xlim(-0.02 * edges[-1], 1.02 * edges[-1])
+    ax.set_ylim(len(lanes) + 0.1, -0.3)
     ax.set_yticks([i + 0.4 for i in lanes.values()], [f"device {d} (x{members.get(d, 1)})" for d in lanes])
-    ax.invert_yaxis()
     handles = [
         matplotlib.patches.Patch(color=c, label=lab)
         for lab, c in (
@@ -176,20 +239,39 @@ def timeline_plot(result, path: str | os.PathLike, *, title: str = "", max_lanes
     _save(fig, path)
 
 
+def step_envelope(times_s, values, pixel_s: float):
+    """A step series ``(times, values)`` (each value holds until the next time) cut to at most one
+    point per ``pixel_s``: each pixel's highest value at its first time, so no peak is lost."""
+    import numpy as np
+
+    t, v = np.asarray(times_s, dtype=float), np.asarray(values, dtype=float)
+    if len(t) <= 2 or pixel_s <= 0:
+        return t, v
+    bins = np.floor((t - t[0]) / pixel_s).astype(np.int64)
+    first = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+    if len(first) == len(t):
+        return t, v
+    return t[first], np.maximum.reduceat(v, first)
+
+
 def memory_plot(result, path: str | os.PathLike, *, title: str = "", max_lines: int = 8) -> None:
-    """Memory over time per device class (``simulate(..., timeline=True)``), with the device's memory."""
+    """Memory over time per device class (``simulate(..., timeline=True)``), with the device's
+    memory; each line keeps the highest value of every pixel."""
     fig, ax = plt.subplots(figsize=(9, 4))
     members = _members(result)
     top = max((d.peak_mem_bytes for d in result.devices), default=0) / 2**30
     unit, scale = ("MiB", 2**20) if top < 1.0 else ("GiB", 2**30)
     cap = result.device_memory_bytes / scale
-    series: dict[int, list] = defaultdict(list)
+    series: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for dev, t, b in result.memory:
-        series[dev].append((t, b / scale))
-    shown = sorted(series, key=lambda d: -max(b for _, b in series[d]))[:max_lines]
+        times, values = series[dev]
+        times.append(t)
+        values.append(b)
+    pixel_s = max(result.iter_time_s, 1e-12) / (9 * FIGURE_DPI)
+    shown = sorted(series, key=lambda d: -max(series[d][1]))[:max_lines]
     for d in sorted(shown):
-        pts = series[d]
-        ax.step([t for t, _ in pts], [b for _, b in pts], where="post", label=f"device {d} (x{members.get(d, 1)})")
+        t, b = step_envelope(*series[d], pixel_s)
+        ax.step(t, b / scale, where="post", label=f"device {d} (x{members.get(d, 1)})")
     if top * 2**30 / scale > cap / 3:
         ax.axhline(cap, color="k", ls=":", lw=1, label=f"device memory {result.device_memory_bytes / 2**30:.0f} GiB")
     ax.set_xlabel("time (s)")

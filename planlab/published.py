@@ -137,6 +137,12 @@ class PublishedRow:
             recompute=self.recompute,
         )
 
+    @property
+    def precision_arg(self) -> str | None:
+        """The row's precision as ``--precision`` takes it; None for "mixed" (the source does not
+        say which 16-bit type: the device's default)."""
+        return None if self.precision == "mixed" else self.precision
+
     def nodes(self, devices_per_node: int) -> int:
         """Nodes of ``devices_per_node`` GPUs the run spans."""
         return max(1, math.ceil(self.gpus / devices_per_node))
@@ -148,6 +154,9 @@ class PublishedRow:
         parts += [f"--cluster {self.cluster}", f"--nodes {self.nodes(devices_per_node)}", "--space megatron"]
         parts += [f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.knobs().items()]
         parts.append(f"--global-batch {self.global_batch}")
+        parts.append(f"--software {self.software}")
+        if self.precision_arg:
+            parts.append(f"--precision {self.precision_arg}")
         return " ".join(parts)
 
 

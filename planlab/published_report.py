@@ -3,9 +3,9 @@
 :func:`predict_row` evaluates one measured run the way ``planlab explore --space megatron
 --set ...`` evaluates a plan whose knobs are all fixed: the built-in cluster, the model traced at
 the run's global batch, the ``megatron`` space's plan of the run's knobs (its constraints
-checked), :func:`planlab.explore.evaluate` (memory bound, materialize, simulate). Where planlab
-has a training-software input (a ``software`` field of :class:`planlab.explore.Setup`), the
-row's software is passed to it. A plan that does not fit in predicted memory is reported as
+checked), :func:`planlab.explore.evaluate` (memory bound, materialize, simulate), with the row's
+training software and precision (``--software``, ``--precision``; a row that says only "mixed"
+precision takes the device's default). A plan that does not fit in predicted memory is reported as
 such; its time is then simulated anyway (``unfit_time_s``) so that the time error can be seen
 apart from the memory error.
 
@@ -42,13 +42,13 @@ def predict_row(row: PublishedRow) -> dict:
     ``seconds`` (wall time of the prediction)."""
     from planlab.costmodel import load_cluster
     from planlab.explore import Setup, evaluate, make_context, training_flops
-    from planlab.plan.materialize import materialize
+    from planlab.plan.software_passes import build_program
     from planlab.search_spaces.builtin import get_space
     from planlab.simulator.engine import simulate
 
     t0 = time.perf_counter()
     per_node = load_cluster(row.cluster).node.devices_per_node
-    extra = {"software": row.software} if software_input() else {}
+    extra = {"software": row.software, "precision": row.precision_arg} if software_input() else {}
     setup = Setup(row.spec(), row.cluster, row.nodes(per_node), row.global_batch, **extra)
     out = dict(predicted_s=math.nan, peak_mem_gib=math.nan, fits=False, reason="", unfit_time_s=math.nan, failed=False)
     try:
@@ -70,7 +70,7 @@ def predict_row(row: PublishedRow) -> dict:
         elif not math.isnan(res_row["iter_time_s"]):
             out["unfit_time_s"] = res_row["iter_time_s"]
         else:  # pruned by the memory bound: simulate anyway, for the time error alone
-            program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+            program = build_program(plan, graph, cost)
             out["unfit_time_s"] = simulate(program, cost, model_flops=training_flops(graph)).iter_time_s
     except PlanlabError as e:  # planlab refuses the plan: reported as such, not as a memory verdict
         out.update(reason=str(e).splitlines()[0], failed=True)

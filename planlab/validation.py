@@ -1,14 +1,20 @@
 """Validation against measured training iterations (vTrain's published ground truth).
 
-Each measured run becomes a plan of the measured system, simulated on a cluster spec describing
-the measured machines; the report compares predicted and measured iteration time.
+Each measured run becomes the plan a user would give planlab for it and is simulated as
+``planlab explore`` simulates a plan: on a built-in cluster (:data:`CLUSTER`, HGX A100 80GB
+nodes with four HDR adapters, the reference's 800 Gb/s per node) with a built-in training
+software and precision (:data:`SOFTWARE`, DeepSpeed driving Megatron-LM's layers, fp16), through
+:func:`planlab.plan.software_passes.build_program`. The report compares predicted and measured
+iteration time.
 
 The measured system is Megatron-DeepSpeed's GPT (reference README): tensor parallelism as
 Megatron-LM's (column- and row-parallel linear layers, and a vocabulary-parallel embedding,
-output layer and cross entropy), full activation recompute per layer, 1F1B, mixed precision
-with fp16 gradients reduced once after the backward (no bucketing), vocabulary padded as
-Megatron pads it. :func:`megatron_gpt` builds that model; :func:`megatron_plan` builds the plan
-directly (tensor parallelism over 16 GPUs spans two nodes, which the ``tp`` space refuses).
+output layer and cross entropy), full activation recompute per layer, 1F1B, fp16 mixed precision
+with gradients reduced once after the backward, vocabulary padded as Megatron pads it (all of it
+the software file's and the ``megatron`` space's). :func:`megatron_gpt` builds that model;
+:func:`megatron_plan` builds the plan with the ``megatron`` space's knobs fixed, or, for tensor
+parallelism over 16 GPUs (two nodes, which the ``tp`` space refuses), with the same space's parts
+issued directly.
 """
 
 from __future__ import annotations
@@ -27,17 +33,13 @@ import torch
 from planlab.errors import ConfigError
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.registry import ModelSpec
-from planlab.plan.program import Precision
 
 GPT2_VOCAB = 50257  # the GPT-2 tokenizer's vocabulary (vTrain's configs)
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default, times the tensor-parallel degree
 DROPOUT = 0.1  # Megatron-LM's default hidden and attention dropout
-
-# Megatron-DeepSpeed in fp16 (DeepSpeed's FP16 optimizer): fp16 weights and gradients (reduced in
-# fp16 over data parallelism), fp32 master weights and Adam's two moments (12 bytes per parameter).
-DEEPSPEED_FP16 = Precision(
-    "fp16-deepspeed", activation_bytes=2, param_bytes=2, grad_bytes=2, optimizer_bytes=12, compute_dtype="fp16"
-)
+CLUSTER = "hgx-a100-80g-4nic"  # 8 A100 SXM 80GB per node over NVSwitch, 800 Gb/s of InfiniBand (reference README)
+SOFTWARE = "deepspeed"  # Megatron-DeepSpeed: DeepSpeed's engine and pipeline engine on Megatron-LM's layers
+PRECISION = "fp16"  # vTrain's configurations train in fp16 mixed precision
 
 
 def padded_vocab(tp: int, vocab: int = GPT2_VOCAB) -> int:
@@ -189,10 +191,18 @@ def rebatch(graph, batch: int):
 
 
 def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes: int, per_node: int):
-    """The plan of ``run``: the megatron space's pipeline, data and tensor parallelism and full
-    recompute, built directly (so tensor parallelism may span nodes), with the vocabulary-parallel
-    embedding, output layer and loss split over the tensor-parallel group as Megatron-LM splits them."""
-    from planlab.search_spaces.builtin import DataParallel, PipelineParallel, Recompute, tensor_parallel_dims
+    """The plan of ``run``: the ``megatron`` space's plan with the run's knobs fixed (pipeline,
+    data and tensor parallelism, full recompute, 1F1B), the vocabulary-parallel embedding, output
+    layer and loss split over the tensor-parallel group as Megatron-LM splits them. Where the
+    space's knobs do not offer the run's values (tensor parallelism wider than a node, a
+    micro-batch that is not a power of two) the same space's parts are issued directly."""
+    from planlab.search_spaces.builtin import (
+        DataParallel,
+        PipelineParallel,
+        Recompute,
+        get_space,
+        tensor_parallel_dims,
+    )
     from planlab.search_spaces.space import Context, Draft
 
     ctx = Context(graph, spec, run.global_batch, cluster, nodes, run.gpus, per_node)
@@ -209,6 +219,10 @@ def megatron_plan(run: MeasuredRun, graph, spec: ModelSpec, cluster: str, nodes:
     )
     if run.layers % run.pp or run.heads % run.tp:
         raise ConfigError(f"pp={run.pp} must divide the {run.layers} layers and tp={run.tp} the {run.heads} heads")
+    try:
+        return get_space("megatron").build(ctx, knobs)
+    except ConfigError:  # a knob value outside the space's ranges: its parts, issued directly
+        pass
     draft = Draft(ctx)
     PipelineParallel().apply(draft, knobs)
     DataParallel().apply(draft, knobs)
@@ -233,7 +247,7 @@ def schedules(run: MeasuredRun, microbatches: int) -> dict[int, tuple]:
     return out
 
 
-def program_of(run: MeasuredRun, cluster: str, *, batch: int | None = None):
+def program_of(run: MeasuredRun, cluster: str = CLUSTER, *, batch: int | None = None):
     """The reduced Program of ``run`` on ``cluster``. With ``batch = dp x micro-batch`` the model
     is traced and materialized for one micro-batch per replica and the schedules are then made
     for the run's micro-batches: every micro-batch runs the same blocks, so runs that differ only
@@ -253,7 +267,7 @@ def program_of(run: MeasuredRun, cluster: str, *, batch: int | None = None):
 
 @lru_cache(maxsize=4)
 def _template(hidden, heads, layers, seq, tp, dp, pp, micro_batch, batch, cluster):
-    from planlab.plan.materialize import materialize
+    from planlab.plan.software_passes import build_program
 
     run = MeasuredRun(tp * dp * pp, batch, micro_batch, hidden, heads, layers, seq, tp, dp, pp, 0.0)
     cost = _cost(cluster, _nodes(run, cluster))
@@ -262,59 +276,10 @@ def _template(hidden, heads, layers, seq, tp, dp, pp, micro_batch, batch, cluste
     plan = megatron_plan(run, graph, spec, cluster, cost.cluster.nodes, cost.cluster.node.devices_per_node)
     sched = schedules(run, run.microbatches)
     plan = replace(plan, schedule=tuple(sched[d // (dp * tp)] for d in range(plan.num_devices)))
-    program = materialize(
-        plan, graph, symmetric=True, node_of=cost.cluster.node_of, precision=DEEPSPEED_FP16, overlap_grad_reduce=False
-    )
-    return partition_pipeline_messages(program, tp)
+    return build_program(plan, graph, cost)
 
 
-def partition_pipeline_messages(program, tp: int):
-    """DeepSpeed's pipeline engine with tensor parallelism (``pipe_partitioned`` and
-    ``grad_partitioned``, on by default) sends each activation and gradient between stages in
-    ``tp`` parts, one per tensor-parallel rank, and the receiving tensor-parallel group
-    all-gathers them (Megatron-LM's scatter-gather does the same). planlab's conversions send the
-    whole tensor from each replica: here every message between stages carries a ``tp``-th and
-    each receive is followed by an all-gather of the whole over the receiver's tensor-parallel group
-    (the k-th such gather of a block is one collective on every member: its identity)."""
-    from planlab.plan.program import Task, TaskKind
-
-    if tp == 1:
-        return program
-    first = 1 + max((t.ident for dp in program.devices for b in dp.blocks.values() for t in b.tasks), default=-1)
-    idents: dict[tuple, int] = {}
-    devices = []
-    for dp in program.devices:
-        group = tuple(range(dp.device - dp.device % tp, dp.device - dp.device % tp + tp))
-        blocks = {}
-        for key, block in dp.blocks.items():
-            tasks, gathers = [], 0
-            for t in block.tasks:
-                if t.kind in (TaskKind.SEND, TaskKind.RECV) and t.nbytes >= tp:
-                    tasks.append(replace(t, nbytes=t.nbytes // tp))
-                    if t.kind is TaskKind.RECV:
-                        ident = idents.setdefault((key, gathers), first + len(idents))
-                        gathers += 1
-                        buf = t.writes[0] if t.writes else None
-                        tasks.append(
-                            Task(
-                                f"{t.name}:gather",
-                                TaskKind.COLLECTIVE,
-                                (buf,),
-                                (buf,),
-                                collective="all_gather",
-                                group=group,
-                                nbytes=t.nbytes,
-                                ident=ident,
-                            )
-                        )
-                    continue
-                tasks.append(t)
-            blocks[key] = replace(block, tasks=tuple(tasks))
-        devices.append(replace(dp, blocks=blocks))
-    return replace(program, devices=tuple(devices))
-
-
-def predict(run: MeasuredRun, cluster: str, *, batch: int | None = None) -> dict:
+def predict(run: MeasuredRun, cluster: str = CLUSTER, *, batch: int | None = None) -> dict:
     """Simulate one measured run; returns a row with the prediction and the error. ``batch``:
     see :func:`program_of`."""
     from planlab.simulator.engine import simulate
@@ -341,7 +306,7 @@ def _per_node(cluster: str) -> int:
 def _cost(cluster: str, nodes: int):
     from planlab.costmodel import CostModel
 
-    return CostModel.load(cluster, nodes)
+    return CostModel.load(cluster, nodes, software=SOFTWARE, precision=PRECISION)
 
 
 def _predict_group(args) -> list[dict]:
@@ -349,7 +314,7 @@ def _predict_group(args) -> list[dict]:
     return [predict(r, cluster, batch=batch) for r, batch in runs]
 
 
-def validate(runs: list[MeasuredRun], cluster: str, *, jobs: int = 1) -> pd.DataFrame:
+def validate(runs: list[MeasuredRun], cluster: str = CLUSTER, *, jobs: int = 1) -> pd.DataFrame:
     """Predicted against measured iteration time for each run (``error`` is signed, relative).
 
     Each model shape is traced once (:func:`rebatch` makes it at each batch); runs that differ

@@ -1,5 +1,6 @@
 import functools
 import os
+import tempfile
 
 import pytest
 
@@ -7,6 +8,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")  # plots in tests (and the kernels of
 
 from planlab.graph import trace
 from planlab.models import ModelSpec, build_model
+
+# traced graphs are cached for this session only (planlab.models.trace_cache), never in the user's cache
+_TRACE_CACHE = tempfile.TemporaryDirectory(prefix="pytest-trace-cache-")
+os.environ["PLANLAB_CACHE_DIR"] = _TRACE_CACHE.name
 
 
 @functools.lru_cache(maxsize=8)

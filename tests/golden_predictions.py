@@ -66,7 +66,15 @@ def _cases() -> tuple[Case, ...]:
         # data parallelism, ZeRO 0 to 3, gradient accumulation on one stage
         Case("dp2", "gpt-tiny", 8, space="dp", knobs=dict(dp=2, microbatch=4), **cpu2),
         Case("dp2-accumulate", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=1), **cpu2),
-        Case("dp2-no-buckets", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=2), software="deepspeed", **cpu2),
+        Case(
+            "dp2-no-buckets",
+            "gpt-tiny",
+            8,
+            space="megatron",
+            knobs=dict(dp2, microbatch=2),
+            software="deepspeed",
+            **cpu2,
+        ),
         *(
             Case(f"zero{z}", "gpt-tiny", 8, space="megatron", knobs=dict(dp2, microbatch=2, zero=z), **cpu2)
             for z in (1, 2, 3)

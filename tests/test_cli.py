@@ -98,7 +98,7 @@ def test_explore_writes_the_results_plots_and_best_plan(explored):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d.update(version=3), "plan format version 3; this planlab reads versions 1, 2"),
+        (lambda d: d.update(version=4), "plan format version 4; this planlab reads versions 1, 2, 3"),
         (lambda d: d.pop("model"), "field 'model' is missing"),
         (lambda d: d["ops"].pop(), "does not place operator"),
     ],

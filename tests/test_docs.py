@@ -81,23 +81,22 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab run out/tiny/best_plan.json --nproc 2 --steps 3": ByTest(
         "tests/test_cli.py::test_console_script_explore_then_run"
     ),
-    "planlab run out/tiny/best_plan.json --nproc 2 --trace measured.json --predicted-trace predicted.json": ByTest(
-        "tests/test_executor_trace.py::test_cli_run_writes_both_traces_with_the_same_tasks"
-    ),
-    "planlab run tp.json --nproc 2 --save ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
-    "planlab run pp.json --nproc 2 --load ckpt": ByTest(DOC_RUN.format("cli.md"), "docs/cli.md runs it on tp/pp plans"),
-    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json": TWO_NODES,
-    "srun --ntasks-per-node 8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 --data batches.pt": TWO_NODES,
     "planlab simulate out/tiny/best_plan.json --trace trace.json": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set tp=2 --out out/tp": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --out out/pp": Run(),
+    "planlab run out/tp/best_plan.json --nproc 2 --steps 2 --save ckpt": ByTest(
+        DOC_RUN.format("cli.md"), "docs/cli.md runs the same save under a TP plan and load under a PP plan"
+    ),
+    "planlab run out/pp/best_plan.json --nproc 2 --steps 2 --load ckpt": ByTest(
+        DOC_RUN.format("cli.md"), "docs/cli.md runs the same save under a TP plan and load under a PP plan"
+    ),
+    "planlab explore --model planlab.models.hf:swin --cluster cpu --nodes 2 --global-batch 8 --set dp=2 "
+    "--out out/swin": Run(),
+    "planlab run out/swin/best_plan.json --nproc 2 --steps 2": Run(),
     "planlab models": Run(),
     "planlab clusters": Run(),
     "planlab spaces": Run(),
     "planlab graph --model gpt3-175b": Run(),
-    "planlab explore --model llama-tiny --cluster cpu --nodes 2 --global-batch 8 --set schedule=gpipe": Run(),
-    "planlab explore --model mypkg.models:build --cluster cpu --nodes 2": ByTest(
-        "tests/test_user_model.py::test_traces_and_explores_on_the_cpu_cluster",
-        "mypkg is the reader's; docs/operators.md runs the same form with its own module",
-    ),
     # README.md: Hugging Face models
     "planlab graph --model planlab.models.hf:llama --model-arg size=full": Run(),
     "planlab explore --model planlab.models.hf:t5 --cluster cpu --nodes 2 --global-batch 8 --out out/t5": Run(),
@@ -140,6 +139,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     # docs/cluster.md
     "planlab explore --model gpt3-350m --cluster my-cluster.json --nodes 2 --global-batch 16 --set recompute=selective "
     "--top 5": Run(),
+    "planlab explore --model gpt3-350m --cluster my-cluster.json --nodes 2 --global-batch 16 --software my-software.json "
+    "--precision fp16 --set recompute=selective --top 3": Run(),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m planlab.cli run plan.json "
     "--steps 20 --warmup 5": TWO_NODES,
     "srun --nodes 2 --ntasks-per-node 8 --gres=gpu:8 planlab run plan.json --steps 20 --warmup 5 --clip-grad-norm 1.0 "
@@ -176,6 +177,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/validate_published.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --set megatron-sc21-zero3 --rows": Benchmark(),
     ".venv/bin/python benchmarks/host_overhead.py": Benchmark(),
+    ".venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0": Benchmark(),
     ".venv/bin/python benchmarks/kernels_in_situ.py": Benchmark(),
     ".venv/bin/python benchmarks/plan_quality.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/explore_speed.py": Benchmark(),
@@ -360,7 +362,8 @@ def test_plan_format_page_matches_the_code():
     text = (ROOT / "docs" / "plan-format.md").read_text()
     assert f"# The plan file (format version {PLAN_VERSION})" in text
     assert f"The current version is **{PLAN_VERSION}**" in text
-    assert "reads versions " + " and ".join(f"**{v}**" for v in READ_VERSIONS) in text
+    *first, last = [f"**{v}**" for v in READ_VERSIONS]
+    assert "reads versions " + ", ".join(first) + " and " + last in text
     assert f'"format": "{FORMAT}"' in text
     documented = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
     from conftest import traced
@@ -372,8 +375,8 @@ def test_plan_format_page_matches_the_code():
     )
     d = plan_to_dict(plan)
     assert set(d) <= documented, f"plan file fields not in docs/plan-format.md: {set(d) - documented}"
-    op_fields = {k for o in d["ops"] for k in o}
-    assert "recompute" in op_fields and op_fields <= documented
+    fields = {k for o in d["ops"] + d["placements"] for k in o}
+    assert "recompute" in fields and fields <= documented, f"not in docs/plan-format.md: {fields - documented}"
     for phase in PHASES:
         assert f"`{phase}`" in text
 
@@ -382,3 +385,12 @@ def test_readme_links_the_docs_and_notebooks():
     readme = (ROOT / "README.md").read_text()
     for p in sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert p.relative_to(ROOT).as_posix() in readme, f"README.md does not link {p.relative_to(ROOT)}"
+
+
+def test_readme_is_a_front_page():
+    """What planlab is, install, the two commands, the tour and links: at most 10 KB."""
+    readme = (ROOT / "README.md").read_bytes()
+    assert len(readme) <= 10 * 1024, f"README.md is {len(readme):,} bytes; move design notes and tables to docs/"
+    text = readme.decode()
+    for part in ("## Install", "## The two commands", "## A five-minute tour", "## Documentation"):
+        assert part in text

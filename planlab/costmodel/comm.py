@@ -17,12 +17,17 @@ Ring (every kind but all_to_all):
 
 Tree (all_reduce, as NCCL's double binary tree): a reduce up and a broadcast down,
 pipelined: traffic 2, latency steps 2 x depth, where depth is ``ceil(log2 nodes)``
-inter-node hops plus a chain through the node's members. It beats the ring for
+inter-node hops plus a chain through the node's members; its bandwidth 0.9 of the links'
+(NCCL's own tuning model). It beats the ring for
 small messages on many ranks (fewer steps) and loses for large ones (twice the traffic).
 
 Hierarchical (all_reduce, all_gather, reduce_scatter spanning nodes): within each
 node a reduce-scatter over the intra-node link, across nodes the node-local
 shards in parallel, one per member's NIC, then an all-gather within each node.
+
+NVLS (all_reduce within a node whose spec gives ``intra_nvls_GBps``: NVLink SHARP on H100 and
+H200 NVSwitches, which reduce and multicast in the switch): two latency steps and the buffer at
+that bus bandwidth, its size curve the intra-node link's.
 
 Placement decides the link. Within one node: the intra-node link per device,
 ``bandwidth = intra * eff_intra(nbytes)``, intra latency per step. Spanning
@@ -36,7 +41,10 @@ slower of the traffic to node peers (intra link) and to other nodes (the rank's
 own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
 messages reach lower bandwidth; its parameters live in the spec files, fitted
 against nccl-tests all-reduce bus bandwidths (of two nodes; over more nodes the spec's
-``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). Without an explicit algorithm the
+``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). A ring moves ``nbytes / n``
+per rank and step, so a ring over n ranks is priced at the buffer with the same per-rank chunk
+on the group size the curve was fitted on (its ``fit_ranks``): 1 GiB over 128 ranks like 128 MiB
+over 16, which is what the 16-node nccl-tests anchors show. Without an explicit algorithm the
 fastest applicable one is priced, as NCCL's tuner picks per size.
 """
 
@@ -71,6 +79,7 @@ class Algorithm(str, Enum):
     TREE = "tree"
     HIERARCHICAL = "hierarchical"
     DIRECT = "direct"  # all_to_all: every pair at once
+    NVLS = "nvls"  # NVLink SHARP: the NVSwitch reduces and multicasts (H100, H200)
 
     def __str__(self) -> str:
         return self.value
@@ -85,7 +94,7 @@ _RING = {
 }
 
 _APPLICABLE = {
-    Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE, Algorithm.HIERARCHICAL),
+    Collective.ALL_REDUCE: (Algorithm.RING, Algorithm.TREE, Algorithm.HIERARCHICAL, Algorithm.NVLS),
     Collective.ALL_GATHER: (Algorithm.RING, Algorithm.HIERARCHICAL),
     Collective.REDUCE_SCATTER: (Algorithm.RING, Algorithm.HIERARCHICAL),
     Collective.BROADCAST: (Algorithm.RING,),
@@ -96,13 +105,15 @@ _APPLICABLE = {
 @dataclass(frozen=True)
 class Placement:
     """Where a group's members sit: ``n`` ranks on ``nodes`` nodes, ``g_min``/``g_max`` members on
-    the emptiest/fullest node, spanning ``switches`` leaf switches."""
+    the emptiest/fullest node, spanning ``switches`` leaf switches; ``rails``: every node holds
+    members of the same local ranks (on a rail-optimized network its traffic stays on the rails)."""
 
     n: int
     nodes: int
     g_min: int
     g_max: int
     switches: int = 1
+    rails: bool = False
 
 
 def placement(cluster: ClusterSpec, group: tuple[int, ...]) -> Placement:
@@ -112,13 +123,13 @@ def placement(cluster: ClusterSpec, group: tuple[int, ...]) -> Placement:
     if len(set(group)) != len(group):
         raise ConfigError(f"group {group!r} repeats a rank")
     per_node = Counter(cluster.node_of(r) for r in group)
-    return Placement(
-        len(group),
-        len(per_node),
-        min(per_node.values()),
-        max(per_node.values()),
-        cluster.network.switches_spanned(set(per_node)),
-    )
+    k = cluster.node.devices_per_node
+    local: dict[int, set[int]] = {}
+    for r in group:
+        local.setdefault(r // k, set()).add(r % k)
+    switches = cluster.network.switches_spanned(set(per_node))
+    rails = cluster.network.rail_optimized and len({frozenset(v) for v in local.values()}) == 1
+    return Placement(len(group), len(per_node), min(per_node.values()), max(per_node.values()), switches, rails)
 
 
 def _check_nbytes(nbytes: float) -> None:
@@ -126,18 +137,23 @@ def _check_nbytes(nbytes: float) -> None:
         raise ConfigError(f"nbytes must be a number >= 0, got {nbytes!r}")
 
 
-def _intra_bw(node: NodeSpec, nbytes: float) -> float:
-    """Achieved intra-node bandwidth per device for a message of nbytes, bytes/s."""
-    return node.intra_bytes_per_s * node.intra_efficiency.at(nbytes)
+def _intra_bw(node: NodeSpec, nbytes: float, ranks: int = 0) -> float:
+    """Achieved intra-node bandwidth per device for a message of nbytes, bytes/s; for a ring over
+    ``ranks`` ranks at its per-rank chunk (``Efficiency.at_chunk``)."""
+    return node.intra_bytes_per_s * node.intra_efficiency.at_chunk(nbytes, ranks)
 
 
-def _inter_bw(cluster: ClusterSpec, nbytes: float, switches: int = 1, nodes: int = 2) -> float:
+def _inter_bw(
+    cluster: ClusterSpec, nbytes: float, switches: int = 1, nodes: int = 2, rails: bool = False, ranks: int = 0
+) -> float:
     """Achieved inter-node bandwidth of one device's NIC share for a message of nbytes, bytes/s;
-    shared uplinks divide it when the nodes sit under several leaf switches, and a collective
-    over more than two nodes reaches less (:func:`scale_efficiency`)."""
+    shared uplinks divide it when the nodes sit under several leaf switches (unless the traffic
+    stays on the rails of a rail-optimized network), and a collective over more than two nodes
+    reaches less (:func:`scale_efficiency`); for a ring over ``ranks`` ranks at its per-rank chunk."""
     node = cluster.node
-    over = cluster.network.oversubscription if switches > 1 else 1.0
-    return node.inter_bytes_per_s * node.inter_efficiency.at(nbytes) / over * scale_efficiency(node, nodes)
+    over = cluster.network.oversubscription if switches > 1 and not rails else 1.0
+    eff = node.inter_efficiency.at_chunk(nbytes, ranks)
+    return node.inter_bytes_per_s * eff / over * scale_efficiency(node, nodes)
 
 
 def scale_efficiency(node: NodeSpec, nodes: int) -> float:
@@ -164,14 +180,20 @@ def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -
     node = cluster.node
     steps, traffic = _RING[kind]
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
-    bw = _intra_bw(node, nbytes)  # bytes/s
-    if p.nodes > 1:
-        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes))  # g_min rings in parallel, one NIC each
+    bw = _intra_bw(node, nbytes, p.n)  # bytes/s, at the ring's per-rank chunk
+    if p.nodes > 1:  # g_min rings, one NIC each
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails, p.n))
     return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
 
 
+# NCCL's tuning model derates a tree's bus bandwidth to 0.9 of what its channels carry in a ring
+# (src/graph/tuning.cc, ncclTopoTuneModel: "if (a == NCCL_ALGO_TREE) busBw = std::min(busBw*.9, ...)").
+TREE_BANDWIDTH = 0.9
+
+
 def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
-    """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them."""
+    """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them,
+    at :data:`TREE_BANDWIDTH` of the links' achieved bandwidth."""
     node = cluster.node
     depth_s = math.ceil(math.log2(p.nodes)) * node.inter_latency_s if p.nodes > 1 else 0.0
     if p.nodes == 1:
@@ -180,8 +202,8 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
         depth_s += (p.g_max - 1) * node.intra_latency_s
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
-        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes))
-    return 2.0 * depth_s + 2.0 * nbytes / bw
+        bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))
+    return 2.0 * depth_s + 2.0 * nbytes / (TREE_BANDWIDTH * bw)
 
 
 def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
@@ -197,19 +219,38 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
             if g > 1
             else 0.0
         )
-        outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k)
+        outer = 2 * (k - 1) * node.inter_latency_s + 2 * (k - 1) / k * shard / _inter_bw(
+            cluster, shard, p.switches, k, p.rails, k
+        )
     else:  # all_gather or reduce_scatter: one intra-node and one inter-node phase
         inner = _ring(cluster, kind, nbytes, local) if g > 1 else 0.0
-        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(cluster, shard, p.switches, k)
+        outer = (k - 1) * node.inter_latency_s + (k - 1) / k * shard / _inter_bw(
+            cluster, shard, p.switches, k, p.rails, k
+        )
     return inner + outer
 
 
 def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     node = cluster.node
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
-    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes)  # to ranks on the same node
-    t_remote = (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches, p.nodes) if p.nodes > 1 else 0.0
+    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes, p.n)  # to ranks on the same node
+    t_remote = (
+        (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails)
+        if p.nodes > 1
+        else 0.0
+    )
     return (p.n - 1) * alpha + max(t_peers, t_remote)
+
+
+def _nvls(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
+    """all_reduce by NVLink SHARP inside a node: the switch reduces the members' buffers and
+    multicasts the sum (two latency steps; the bus bandwidth the spec gives, reached for large
+    buffers along the intra-node link's size curve); ``inf`` where it does not apply."""
+    node = cluster.node
+    if p.nodes > 1 or node.nvls_bytes_per_s <= 0:
+        return math.inf
+    shape = node.intra_efficiency.at(nbytes) / node.intra_efficiency.max
+    return 2 * node.intra_latency_s + 2 * (p.n - 1) / p.n * nbytes / (node.nvls_bytes_per_s * shape)
 
 
 def algorithms(kind: str) -> tuple[str, ...]:
@@ -252,6 +293,13 @@ def collective_time_s(
     for a in todo:
         if a is Algorithm.DIRECT:
             t = _all_to_all(cluster, nbytes, p)
+        elif a is Algorithm.NVLS:
+            t = _nvls(cluster, nbytes, p)
+            if t == math.inf and algorithm is not None:
+                raise ConfigError(
+                    f"algorithm 'nvls' needs a group inside one node of a cluster whose spec gives intra_nvls_GBps "
+                    f"(NVLink SHARP: H100, H200); group {tuple(group)!r} on {cluster.node.name!r}"
+                )
         elif a is Algorithm.TREE:
             t = _tree(cluster, nbytes, p)
         elif a is Algorithm.HIERARCHICAL and p.nodes > 1:
@@ -273,4 +321,9 @@ def p2p_time_s(cluster: ClusterSpec, nbytes: float, src: int, dst: int) -> float
     node = cluster.node
     if a == b:
         return node.intra_latency_s + nbytes / _intra_bw(node, nbytes)
-    return node.inter_latency_s + nbytes / _inter_bw(cluster, nbytes, cluster.network.switches_spanned({a, b}))
+    rails = (
+        cluster.network.rail_optimized and src % cluster.node.devices_per_node == dst % cluster.node.devices_per_node
+    )
+    return node.inter_latency_s + nbytes / _inter_bw(
+        cluster, nbytes, cluster.network.switches_spanned({a, b}), 2, rails
+    )

@@ -17,20 +17,19 @@ file, the field and the expected form.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
+from planlab.costmodel.fields import Fields, read_json
 from planlab.costmodel.gemm import GemmSpec
-from planlab.costmodel.software import SoftwareSpec, software_from
 from planlab.errors import ConfigError, choices
 
 SPEC_DIR = Path(__file__).parent / "specs"
 DEVICES_FILE = "devices.json"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-TOPOLOGIES = ("fat_tree",)
+TOPOLOGIES = ("fat_tree", "rail_optimized")
 
 # Unit definitions (not hardware numbers): spec field unit -> SI factor.
 _GB = 1e9  # bytes
@@ -40,21 +39,13 @@ _GFLOP = 1e9  # flop
 _GBIT = 1e9 / 8  # bytes per Gbit
 _US = 1e-6  # seconds
 
-# Plausible ranges per unit (low exclusive unless noted, high inclusive): a value outside is
-# almost surely written in another unit.
-_RANGE = {
-    "GB": (0.0, 1e4, "gigabytes (1e9 bytes) of device memory"),
-    "GBps": (0.0, 1e5, "GB/s (1e9 bytes per second, one direction)"),
-    "Gbps": (0.0, 1e5, "Gbit/s per adapter"),
-    "tflops": (0.0, 1e5, "TFLOP/s (1e12 flop per second)"),
-    "us": (0.0, 1e6, "microseconds"),
-}
-
 _DEVICE_FIELDS = {
     "name",
     "description",
     "source",
     "memory_GB",
+    "memory_MiB",
+    "default_precision",
     "hbm_GBps",
     "launch_overhead_us",
     "host_overhead_us",
@@ -63,6 +54,7 @@ _DEVICE_FIELDS = {
     *(f"peak_{dt}_tflops" for dt in DTYPES),
     "sm_count",
     "gemm_efficiency",
+    "gemm_efficiency_fp8",
     "l2_GBps",
     "gemm_tiles",
 }
@@ -82,8 +74,8 @@ _NODE_FIELDS = {
     "inter_latency_us",
     "inter_efficiency",
     "network",
-    "software",
     "inter_scale_efficiency",
+    "intra_nvls_GBps",
 }
 _NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
@@ -99,10 +91,17 @@ class Efficiency:
     max: float
     half: float
     exponent: float = 1.0
+    ranks: int = 0  # a collective's curve: fitted on groups of this many ranks (0: the size is the whole buffer)
 
     def at(self, size: float) -> float:
         """The efficiency for an operation of ``size`` (> 0) flop or bytes."""
         return self.max / (1.0 + (self.half / size) ** self.exponent)
+
+    def at_chunk(self, nbytes: float, n: int) -> float:
+        """The efficiency of a ring collective of ``nbytes`` over ``n`` ranks: the curve at the
+        buffer whose per-rank chunk, over the ``ranks`` it was fitted on, is the same (a ring
+        moves ``nbytes / n`` per rank and step, so 1 GiB over 128 ranks steps like 128 MiB over 16)."""
+        return self.at(nbytes * self.ranks / n if self.ranks and n > 0 else nbytes)
 
     def __str__(self) -> str:
         return f"{self.max:g}@{self.half:.3g}^{self.exponent:g}"
@@ -113,7 +112,7 @@ class DeviceSpec:
     """One accelerator, in SI units (bytes, bytes/s, flop/s, seconds)."""
 
     name: str
-    memory_bytes: float
+    memory_bytes: float  # the capacity the driver reports (memory_MiB), or the datasheet's memory_GB
     hbm_bytes_per_s: float
     peak_flops_per_s: Mapping[str, float] = field(hash=False)  # dtype -> flop/s
     launch_overhead_s: float  # added to every kernel (device-side launch latency)
@@ -121,6 +120,7 @@ class DeviceSpec:
     memory_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
     host_overhead_s: float = 0.0  # the host's time to issue one operator: a floor on its time
     gemm: GemmSpec | None = None  # SMs, GEMM efficiency and tiles: GEMMs by tile and wave quantization
+    default_precision: str = "bf16"  # the precision training software uses on it unless told otherwise
 
     def __str__(self) -> str:
         best = max(self.peak_flops_per_s.items(), key=lambda kv: kv[1] if kv[0] != "fp8" else 0.0)
@@ -142,8 +142,8 @@ class NodeSpec:
     inter_efficiency: Efficiency = Efficiency(1.0, 0.0)  # size in bytes
     intra_link: str = ""
     inter_link: str = ""
-    software: SoftwareSpec | None = None  # the training software: kernels per operator, host costs
     inter_scale: tuple[tuple[int, float], ...] = ()  # (nodes, efficiency of large inter-node collectives)
+    nvls_bytes_per_s: float = 0.0  # bus bandwidth of NVLink SHARP all-reduces in the node (0: no NVLS)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -153,11 +153,18 @@ class NodeSpec:
 class Network:
     """How nodes connect: a fat tree of switches with ``nodes_per_switch`` nodes under each leaf
     switch; traffic between leaves shares the uplinks, ``oversubscription`` (>= 1) times fewer
-    than the nodes' adapters (1: non-blocking, full bisection bandwidth)."""
+    than the nodes' adapters (1: non-blocking, full bisection bandwidth). ``rail_optimized``:
+    each node's NIC i sits under rail switch i (as NVIDIA's DGX SuperPOD is cabled), so traffic
+    between devices of the same local rank stays on its rail and never shares the uplinks."""
 
     topology: str = "fat_tree"
     nodes_per_switch: int = 1 << 30  # one leaf holds every node unless the spec says otherwise
     oversubscription: float = 1.0
+
+    @property
+    def rail_optimized(self) -> bool:
+        """Whether NIC i of every node is on rail switch i."""
+        return self.topology == "rail_optimized"
 
     def switches_spanned(self, nodes: set[int] | frozenset[int]) -> int:
         """How many leaf switches the given node indices sit under (nodes fill switch 0 first)."""
@@ -219,13 +226,13 @@ def list_clusters() -> list[str]:
 def list_devices() -> list[str]:
     """Names of the built-in devices (``specs/devices.json``), sorted."""
     path = SPEC_DIR / DEVICES_FILE
-    return sorted(k for k in _read_json(path) if not k.startswith("_"))
+    return sorted(k for k in read_json(path) if not k.startswith("_"))
 
 
 def load_device(name: str) -> DeviceSpec:
     """A built-in device by name (see ``list_devices``)."""
     path = SPEC_DIR / DEVICES_FILE
-    table = _Fields(_read_json(path), str(path))
+    table = Fields(read_json(path), str(path))
     if name not in list_devices():
         raise ConfigError(f"unknown device {name!r}; choose {choices(list_devices())}")
     return _device_from(table.sub(name), name)
@@ -245,7 +252,7 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int = 1) -> Cluste
         path = Path(text)
     else:
         raise ConfigError(f"unknown cluster {name_or_path!r}; choose {choices(names)} or a path to a JSON spec file")
-    f = _Fields(_read_json(path), str(path))
+    f = Fields(read_json(path), str(path))
     network = _network_from(f.sub("network")) if "network" in f.obj else Network()
     return ClusterSpec(node=_node_from(f), nodes=nodes, network=network)
 
@@ -255,91 +262,22 @@ def _check_nodes(nodes: object) -> None:
         raise ConfigError(f"nodes must be an integer >= 1, got {nodes!r}")
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"cluster spec file {str(path)!r} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cluster spec file {str(path)!r}: cannot read JSON: {exc}") from None
-
-
-class _Fields:
-    """Typed access to one JSON object; errors name the file and the field path."""
-
-    def __init__(self, obj: Any, where: str, prefix: str = "", what: str = "cluster spec file") -> None:
-        if not isinstance(obj, dict):
-            at = f"field {prefix.rstrip('.')!r}" if prefix else "the top level"
-            raise ConfigError(f"{what} {where!r}: {at} must be a JSON object, got {obj!r}")
-        self.obj, self.where, self.prefix, self.what = obj, where, prefix, what
-
-    def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.what} {self.where!r}: field {self.prefix + key!r} {problem}")
-
-    def get(self, key: str) -> Any:
-        if key not in self.obj:
-            raise self.error(key, "is missing")
-        return self.obj[key]
-
-    def only(self, allowed: set[str]) -> None:
-        """Refuse fields not in ``allowed`` (``_``-prefixed comments are fine): a unit typo
-        (``memory_GiB``) must not pass silently."""
-        extra = sorted(k for k in self.obj if k not in allowed and not str(k).startswith("_"))
-        if extra:
-            raise self.error(extra[0], f"is not a known field; expected one of {choices(sorted(allowed))}")
-
-    def number(
-        self, key: str, *, low: float = 0.0, strict: bool = True, high: float | None = None, unit: str = ""
-    ) -> float:
-        """A number in (low, high] (strict) or [low, high]; ``unit`` names the expected form."""
-        val = self.get(key)
-        form = f" ({unit})" if unit else ""
-        if isinstance(val, bool) or not isinstance(val, (int, float)):
-            raise self.error(key, f"must be a number{form}, got {val!r}")
-        if val < low or (strict and val == low) or (high is not None and val > high):
-            rng = (
-                f"{'>' if strict else '>='} {low:g}"
-                if high is None
-                else f"in {'(' if strict else '['}{low:g}, {high:g}]"
-            )
-            raise self.error(key, f"must be {rng}{form}, got {val!r}")
-        return float(val)
-
-    def unit(self, key: str, unit: str, *, strict: bool = True) -> float:
-        """A number whose unit is the field name's suffix, within that unit's plausible range."""
-        low, high, form = _RANGE[unit]
-        return self.number(key, low=low, strict=strict, high=high, unit=form)
-
-    def integer(self, key: str) -> int:
-        """An integer >= 1."""
-        val = self.get(key)
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise self.error(key, f"must be an integer >= 1, got {val!r}")
-        return val
-
-    def text(self, key: str) -> str:
-        val = self.get(key)
-        if not isinstance(val, str) or not val:
-            raise self.error(key, f"must be a non-empty string, got {val!r}")
-        return val
-
-    def sub(self, key: str) -> _Fields:
-        return _Fields(self.get(key), self.where, f"{self.prefix}{key}.", self.what)
-
-
-def _efficiency(f: _Fields, key: str, half_unit: str, unit: float) -> Efficiency:
+def _efficiency(f: Fields, key: str, half_unit: str, unit: float) -> Efficiency:
     e = f.sub(key)
-    e.only({"max", half_unit, "exponent"})
+    e.only({"max", half_unit, "exponent", "fit_ranks"})
     return Efficiency(
         max=e.number("max", high=1.0, unit="fraction of peak"),
         half=e.number(half_unit, strict=False, unit=f"size reaching half of max, in {half_unit[5:]}") * unit,
         exponent=e.number("exponent", high=10.0),
+        ranks=e.integer("fit_ranks") if "fit_ranks" in e.obj else 0,
     )
 
 
-def _device_from(f: _Fields, name: str) -> DeviceSpec:
+def _device_from(f: Fields, name: str) -> DeviceSpec:
     f.only(_DEVICE_FIELDS)
-    memory_bytes = f.unit("memory_GB", "GB") * _GB
+    memory_bytes = f.unit("memory_GB", "GB") * _GB  # the datasheet's; the driver's capacity where given
+    if "memory_MiB" in f.obj:
+        memory_bytes = f.number("memory_MiB", high=1e8, unit="MiB of device memory as the driver reports it") * _MiB
     hbm_bytes_per_s = f.unit("hbm_GBps", "GBps") * _GB
     f.unit("peak_fp32_tflops", "tflops")  # required; the other dtypes are optional
     peaks = {dt: f.unit(f"peak_{dt}_tflops", "tflops") * _TFLOPS for dt in DTYPES if f"peak_{dt}_tflops" in f.obj}
@@ -353,17 +291,36 @@ def _device_from(f: _Fields, name: str) -> DeviceSpec:
         memory_efficiency=_efficiency(f, "memory_efficiency", "half_MiB", _MiB),
         host_overhead_s=f.unit("host_overhead_us", "us", strict=False) * _US if "host_overhead_us" in f.obj else 0.0,
         gemm=_gemm_from(f) if "sm_count" in f.obj else None,
+        default_precision=_default_precision(f, peaks),
     )
 
 
-def _gemm_from(f: _Fields) -> GemmSpec:
+def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
+    """The device's ``default_precision`` (one of its dtypes with a peak); bf16 if not given."""
+    if "default_precision" not in f.obj:
+        return "bf16" if "bf16" in peaks else "fp32"
+    val = f.get("default_precision")
+    if val not in peaks or val == "tf32":
+        raise f.error(
+            "default_precision",
+            f"is {val!r}; choose one the device has a peak for: {choices(sorted(set(peaks) - {'tf32'}))}",
+        )
+    return val
+
+
+def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
     optional ``gemm_tiles``); all but the tiles are required once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
     l2 = f.unit("l2_GBps", "GBps") * _GB
+    eff8 = (
+        f.number("gemm_efficiency_fp8", high=1.0, unit="fraction of the dense FP8 peak reached by large FP8 GEMMs")
+        if "gemm_efficiency_fp8" in f.obj
+        else 0.0
+    )
     if "gemm_tiles" not in f.obj:
-        return GemmSpec(sms, eff, l2)
+        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8)
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
     if (
@@ -377,21 +334,21 @@ def _gemm_from(f: _Fields) -> GemmSpec:
         )
     ):
         raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
-    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles))
+    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles), efficiency_fp8=eff8)
 
 
-def _builtin_device(f: _Fields, key: str) -> DeviceSpec:
+def _builtin_device(f: Fields, key: str) -> DeviceSpec:
     """The device named by field ``key`` of ``f``, from specs/devices.json."""
     name = f.text(key)
     path = SPEC_DIR / DEVICES_FILE
-    table = _Fields(_read_json(path), str(path))
+    table = Fields(read_json(path), str(path))
     names = sorted(k for k in table.obj if not k.startswith("_"))
     if name not in names:
         raise f.error(key, f"names unknown device {name!r}; choose {choices(names)} or an inline device object")
     return _device_from(table.sub(name), name)
 
 
-def _node_from(f: _Fields) -> NodeSpec:
+def _node_from(f: Fields) -> NodeSpec:
     f.only(_NODE_FIELDS)
     if isinstance(f.get("device"), dict):  # an inline device object
         inline = f.sub("device")
@@ -413,22 +370,12 @@ def _node_from(f: _Fields) -> NodeSpec:
         inter_efficiency=_efficiency(f, "inter_efficiency", "half_MiB", _MiB),
         intra_link=f.text("intra_link") if "intra_link" in f.obj else "",
         inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
-        software=_software(f, device) if "software" in f.obj else None,
         inter_scale=_inter_scale(f) if "inter_scale_efficiency" in f.obj else (),
+        nvls_bytes_per_s=f.unit("intra_nvls_GBps", "GBps") * _GB if "intra_nvls_GBps" in f.obj else 0.0,
     )
 
 
-def _software(f: _Fields, device: DeviceSpec) -> SoftwareSpec:
-    if device.gemm is None:
-        raise f.error(
-            "software",
-            f"needs its device {device.name!r} to give sm_count, gemm_efficiency and "
-            "l2_GBps (the kernel-level model prices GEMMs by tile and wave quantization)",
-        )
-    return software_from(f.sub("software"))
-
-
-def _inter_scale(f: _Fields) -> tuple[tuple[int, float], ...]:
+def _inter_scale(f: Fields) -> tuple[tuple[int, float], ...]:
     """``{"2": 0.92, "16": 0.76}``: measured ratios of a large all-reduce's bus bandwidth to the
     peak, by the number of nodes it spans (see ``comm.scale_efficiency``)."""
     e = f.sub("inter_scale_efficiency")
@@ -444,7 +391,7 @@ def _inter_scale(f: _Fields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _network_from(f: _Fields) -> Network:
+def _network_from(f: Fields) -> Network:
     f.only(_NETWORK_FIELDS)
     topology = f.text("topology")
     if topology not in TOPOLOGIES:

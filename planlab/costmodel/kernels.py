@@ -40,6 +40,13 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
 * views (``reshape``, ``transpose``, ``permute``, ...): no kernel, one call each way.
 * ``matmul``: a batched GEMM; backward two.
 
+FP8 (``fp8=True``: the precision computes GEMMs in FP8, everything else in 16 bits): a
+``linear``'s GEMMs run in FP8, after casts that read the 16-bit tensor and write its FP8 copy and
+the transposed copy the other GEMM of the backward reads: Transformer Engine's fused
+cast-transpose with delayed scaling (``megatron``) for the input and the weight forward and the
+output gradient backward; torchao's Float8 linear with dynamic tensorwise scaling (``torch``)
+first reads each tensor once more for its absolute maximum.
+
 ``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
 """
 
@@ -61,6 +68,7 @@ class Kernel:
     bytes: float = 0.0
     gemm: tuple[int, int, int, int] | None = None
     weight: bool = False
+    fp8: bool = False  # a GEMM on FP8 operands (the device's FP8 peak and efficiency)
 
     def __str__(self) -> str:
         if self.gemm:
@@ -99,8 +107,8 @@ def _pass(name: str, nbytes: float, weight: bool = False) -> Kernel:
     return Kernel(name, bytes=float(nbytes), weight=weight)
 
 
-def _gemm(name: str, batch: int, m: int, n: int, k: int, weight: bool = False) -> Kernel:
-    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight)
+def _gemm(name: str, batch: int, m: int, n: int, k: int, weight: bool = False, fp8: bool = False) -> Kernel:
+    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8)
 
 
 def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
@@ -109,12 +117,20 @@ def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
 
 
 def op_kernels(
-    kind: str, phase: str, shapes: tuple[tuple[int, ...], ...], eb: int, implementation: str = "torch"
+    kind: str,
+    phase: str,
+    shapes: tuple[tuple[int, ...], ...],
+    eb: int,
+    implementation: str = "torch",
+    fp8: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
-    given the local shapes of its inputs then outputs and ``eb`` bytes per activation element;
-    None when the kind is not modelled (or its shapes are not what the kind takes)."""
+    given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
+    (``fp8``: linear layers' GEMMs in FP8, see the module docstring); None when the kind is not
+    modelled (or its shapes are not what the kind takes)."""
     try:
+        if kind == "linear" and fp8:
+            return _linear_fp8(phase, shapes, eb, implementation)
         return (
             _KINDS[kind](phase, shapes, eb, implementation)
             if kind in _KINDS
@@ -139,6 +155,35 @@ def _linear(phase, shapes, eb, impl):
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
+
+
+def _linear_fp8(phase, shapes, eb, impl):
+    """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
+    and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
+    more for its absolute maximum."""
+    x, w = shapes[0], shapes[1]
+    has_bias = len(shapes) == 4
+    k = x[-1]
+    m = _n(x) // k
+    n = w[0]
+    per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast
+
+    def cast(name: str, elems: int, weight: bool = False) -> Kernel:
+        return _pass(name, elems * per, weight)
+
+    if phase == "F":
+        return OpKernels(
+            (cast("fp8-cast-input", m * k), cast("fp8-cast-weight", n * k), _gemm("gemm", 1, m, n, k, fp8=True)), 3
+        )
+    ks = [
+        cast("fp8-cast-grad", m * n),
+        _gemm("gemm-dgrad", 1, m, k, n, fp8=True),
+        _gemm("gemm-wgrad", 1, n, k, m, True, fp8=True),
+    ]
+    if has_bias:
+        ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
+    params = [w] + ([shapes[2]] if has_bias else [])
+    return OpKernels(tuple(ks + _accumulate(params, eb)), 2 + len(params))
 
 
 def _attention(phase, shapes, eb, impl):

@@ -1,8 +1,15 @@
-"""The cost model the simulator and the searches query: one cluster, three prices, and an
-optional calibration profile that replaces the specs' numbers where it has measurements."""
+"""The cost model the simulator and the searches query: one cluster and its training software,
+three prices, and an optional calibration profile that replaces the specs' numbers where it has
+measurements.
+
+The software (:mod:`planlab.costmodel.software`) and its precision are inputs beside the
+cluster: ``CostModel.load(cluster, nodes, software="megatron", precision="bf16")``. Without
+them the cluster's default applies: ``planlab`` (its own executor, fp32) on the ``cpu`` cluster,
+``megatron`` on GPUs, in the device's default precision (fp16 on V100, bf16 elsewhere)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -12,8 +19,10 @@ from planlab.costmodel import comm, compute
 from planlab.costmodel.gemm import gemm_time_s
 from planlab.costmodel.hardware import ClusterSpec, load_cluster
 from planlab.costmodel.kernels import Kernel, op_kernels
+from planlab.costmodel.precision import Precision
 from planlab.costmodel.profile import Profile, load_profile
-from planlab.errors import ConfigError
+from planlab.costmodel.software import DEFAULT_SOFTWARE, SoftwareSpec, load_software
+from planlab.errors import ConfigError, choices
 
 if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at run time
     from planlab.plan.program import Task
@@ -35,8 +44,14 @@ class CostModel:
 
     cluster: ClusterSpec
     profile: Profile | None = None
+    software: SoftwareSpec | None = None  # None: the cluster's default (default_software)
+    precision: Precision | None = None  # None: the device's default precision in that software
 
     def __post_init__(self) -> None:
+        if self.software is None:
+            object.__setattr__(self, "software", load_software(default_software(self.cluster)))
+        if self.precision is None:
+            object.__setattr__(self, "precision", precision_of(self.software, self.cluster, None))
         if self.profile is not None and self.profile.device != self.cluster.device.name:
             where = f" ({self.profile.path})" if self.profile.path else ""
             raise ConfigError(
@@ -51,16 +66,45 @@ class CostModel:
         name_or_path: str | os.PathLike[str],
         nodes: int = 1,
         profile: str | os.PathLike[str] | Profile | None = None,
+        software: str | os.PathLike[str] | SoftwareSpec | None = None,
+        precision: str | None = None,
     ) -> CostModel:
         """The cost model of a built-in cluster name or a spec file path (see ``load_cluster``),
-        with a profile (a path or a Profile) if given."""
+        with a profile (a path or a Profile) if given, the training ``software`` (a built-in name,
+        a path to a software file or a SoftwareSpec; None: the cluster's default) and its
+        ``precision`` (None: the device's default)."""
         prof = load_profile(profile) if isinstance(profile, (str, os.PathLike)) else profile
-        return cls(load_cluster(name_or_path, nodes), prof)
+        cluster = load_cluster(name_or_path, nodes)
+        sw = software if isinstance(software, SoftwareSpec) else load_software(software or default_software(cluster))
+        return cls(cluster, prof, sw, precision_of(sw, cluster, precision))
 
     @property
     def device_memory_bytes(self) -> float:
-        """Memory of one device, in bytes."""
-        return self.cluster.device.memory_bytes
+        """Memory one device has for planlab's tensors, in bytes: the capacity the driver reports
+        less what the software takes first (CUDA context, NCCL buffers, workspaces) and the share
+        its caching allocator loses to fragmentation."""
+        return self.software.memory.usable_bytes(self.cluster.device.memory_bytes)
+
+    @property
+    def kernel_level(self) -> bool:
+        """True when compute is priced kernel by kernel (the device gives its SMs and GEMM
+        efficiency, and no profile replaces the spec)."""
+        return self.cluster.device.gemm is not None and self.profile is None
+
+    def describe_software(self) -> str:
+        """One line: the software, its precision and how compute is priced."""
+        sw, dev = self.software, self.cluster.device
+        how = (
+            f"kernel by kernel ({sw.implementation} kernels, GEMM tiles on {dev.gemm.sm_count} SMs)"
+            if self.kernel_level
+            else "calibration profile"
+            if self.profile is not None
+            else f"roofline (device {dev.name} gives no SM count)"
+        )
+        return (
+            f"software {sw.name} ({self.precision.name}), compute priced {how}, "
+            f"{self.device_memory_bytes / 2**30:.1f} GiB usable of {dev.memory_bytes / 2**30:.1f} GiB ({sw.memory})"
+        )
 
     def compute_time_s(self, *, flops: float, bytes_moved: float, dtype: str) -> float:
         """Seconds for one compute task on one device (see ``compute.compute_time_s``). With a
@@ -114,7 +158,7 @@ class CostModel:
         kind = task.kind.value
         if kind in ("S", "R"):
             return 0.0
-        if self.profile is None and self.cluster.node.software is not None:
+        if self.host_bound:
             return max(self.device_and_host_s(task, dtype))
         nbytes = float(sum(s for _, s in task.alloc)) if kind == "L" else 0.0
         if self.profile is None:
@@ -142,25 +186,28 @@ class CostModel:
 
     @property
     def host_bound(self) -> bool:
-        """True when the cluster's ``software`` prices the host's issue time separately from the
-        device's (``device_and_host_s``); the simulator then lets the host bound the device."""
-        return self.cluster.node.software is not None and self.profile is None
+        """True when compute is priced kernel by kernel (:attr:`kernel_level`): the software's
+        host issue time is priced apart from the device's (``device_and_host_s``) and the
+        simulator lets the host bound the device."""
+        return self.kernel_level
 
     def device_and_host_s(self, task: Task, dtype: str) -> tuple[float, float]:
         """The device's time for ``task`` and the host's time to issue it, in seconds, by the
-        kernel-level model of the cluster's ``software`` (see :mod:`planlab.costmodel.kernels`).
+        kernel-level model of the ``software`` (see :mod:`planlab.costmodel.kernels`).
         The device cannot start a task's kernels before the host has issued them: consecutive
-        tasks combine with :func:`host_bound_elapsed_s`. Without a ``software`` spec (or with a
-        profile, which measured whole tasks) the host costs nothing here."""
-        sw = self.cluster.node.software
+        tasks combine with :func:`host_bound_elapsed_s`. Off the kernel level (a device without
+        GEMM data, or a profile, which measured whole tasks) the host costs nothing here."""
+        sw = self.software
         kind = task.kind.value
-        if sw is None or self.profile is not None:
+        if not self.host_bound:
             return self.task_time_s(task, dtype), 0.0
         dev = self.cluster.device
         if kind == "C":
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), sw.host_collective_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
+        fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
+        dtype = "bf16" if fp8 else dtype
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if kind == "L":
             nbytes = float(sum(s for _, s in task.alloc))
@@ -169,12 +216,12 @@ class CostModel:
             traffic = (3.0 if task.accumulate else 2.0) * nbytes
             return self._pass_s(traffic), sw.host_call_s + sw.host_launch_s
         if kind == "O":
-            return self._pass_s(task.params * sw.optimizer_bytes_per_param), sw.host_call_s + sw.host_launch_s
+            return self._pass_s(task.params * self.precision.optimizer_pass_bytes), sw.host_call_s + sw.host_launch_s
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
         found = (
-            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation)
+            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation, fp8)
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
         )
@@ -198,15 +245,19 @@ class CostModel:
         if kernel.gemm is None:
             return self._pass_s(kernel.bytes)
         b, m, n, k = kernel.gemm
+        dtype = "fp8" if kernel.fp8 else dtype
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if dev.gemm is None:
             return compute.compute_time_s(
                 dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n), dtype=dtype
             )
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+        spec = dev.gemm
+        if kernel.fp8 and spec.efficiency_fp8:
+            spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
         return (
             gemm_time_s(
-                dev.gemm,
+                spec,
                 batch=b,
                 m=m,
                 n=n,
@@ -258,7 +309,29 @@ class CostModel:
         return found[0].fit.time_s(nbytes) if found is not None else base
 
     def __str__(self) -> str:
-        return f"CostModel({self.cluster}" + (f", {self.profile}" if self.profile is not None else "") + ")"
+        prof = f", {self.profile}" if self.profile is not None else ""
+        return f"CostModel({self.cluster}, {self.software} {self.precision}{prof})"
+
+
+def default_software(cluster: ClusterSpec) -> str:
+    """The software a cluster's plans run with unless told otherwise: planlab's own executor on
+    CPU devices (the ``cpu`` cluster), Megatron-LM on GPUs."""
+    return "planlab" if cluster.device.name == "cpu" else DEFAULT_SOFTWARE
+
+
+def precision_of(software: SoftwareSpec, cluster: ClusterSpec, name: str | None) -> Precision:
+    """The precision ``name`` of ``software`` (None: the device's default), checked against what
+    the device computes: ConfigError for a precision the software lacks or the device has no
+    peak for (FP8 on an A100)."""
+    name = name or cluster.device.default_precision
+    prec = software.precision(name)
+    peaks = cluster.device.peak_flops_per_s
+    if prec.compute_dtype not in peaks:
+        have = [p for p in software.precisions if software.precisions[p].compute_dtype in peaks]
+        raise ConfigError(
+            f"device {cluster.device.name!r} has no {prec.compute_dtype} peak for precision {name!r}; choose {choices(have)}"
+        )
+    return prec
 
 
 def gradient_parts(task: Task) -> dict[str, bool]:

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from planlab.costmodel.fit import AlphaBeta, Roofline
-from planlab.costmodel.hardware import DTYPES, Efficiency, _Fields
+from planlab.costmodel.fields import Fields
+from planlab.costmodel.hardware import DTYPES, Efficiency
 from planlab.errors import ConfigError, choices
 
 PROFILE_FORMAT = "planlab-profile"
@@ -313,7 +314,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
     """A Profile from its JSON object (see ``load_profile``)."""
-    f = _Fields(obj, where, what=_WHAT)
+    f = Fields(obj, where, what=_WHAT)
     if f.get("format") != PROFILE_FORMAT:
         raise f.error("format", f"must be {PROFILE_FORMAT!r}, got {f.obj['format']!r}")
     if f.get("version") != PROFILE_VERSION:
@@ -365,7 +366,7 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
         )
     colls = []
     for i, c in enumerate(_list(f, "collectives")):
-        cf = _Fields(c, where, f"collectives[{i}].", _WHAT)
+        cf = Fields(c, where, f"collectives[{i}].", _WHAT)
         cf.only({"kind", "ranks", "alpha_us", "GBps", "points"})
         kind = cf.text("kind")
         if kind not in COLLECTIVE_KINDS:
@@ -384,7 +385,7 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
         )
     kernels = []
     for i, k in enumerate(_list(f, "kernels")):
-        kf = _Fields(k, where, f"kernels[{i}].", _WHAT)
+        kf = Fields(k, where, f"kernels[{i}].", _WHAT)
         kf.only({"phase", "kind", "dtype", "shape", "flop", "bytes", "time_us"})
         phase = kf.text("phase")
         if phase not in ("F", "B"):
@@ -427,14 +428,14 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
     )
 
 
-def _list(f: _Fields, key: str) -> list:
+def _list(f: Fields, key: str) -> list:
     val = f.get(key)
     if not isinstance(val, list):
         raise f.error(key, f"must be a JSON list, got {val!r}")
     return val
 
 
-def _pairs(f: _Fields, key: str) -> list:
+def _pairs(f: Fields, key: str) -> list:
     val = _list(f, key)
     for v in val:
         if not (

@@ -1,87 +1,254 @@
-"""The software that drives a cluster's devices, as data: how operators become kernels and what
-the host pays to issue them.
+"""The training software as data: how operators become kernels, what the host pays to issue
+them, what its mixed precision keeps, how it reduces gradients, how its ZeRO-3 / FSDP gathers
+weights, and what it takes of device memory before the first tensor.
 
-A cluster spec's optional ``software`` object selects the kernel-level cost model
-(:mod:`planlab.costmodel.kernels`): each compute task is priced as the kernels its operator
-launches in that implementation (GEMMs by tile and wave quantization, the rest by the memory
-traffic they cause), and the host's time to issue them (eager PyTorch dispatches every
-operator from Python, and launches every kernel from the CPU) is a floor that the device
-cannot beat when its kernels are short. Fields (units in the names):
+Built-in software lives in ``planlab/costmodel/software/NAME.json`` (``megatron``,
+``deepspeed``, ``torch``); a user's file has the same fields. Every number names its source in
+the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``). Fields:
 
 ``implementation``
-    ``"megatron"`` (Megatron-LM / Megatron-DeepSpeed's layers: unfused attention through a
-    fused scale-mask-softmax, vocabulary-parallel cross entropy in fp32, apex layer norm,
-    separately accumulated gradients) or ``"torch"`` (plain PyTorch modules: fused
-    scaled-dot-product attention, ``F.cross_entropy``).
-``host_call_us``, ``host_backward_call_us``
-    the host's time per framework call in the forward (Python, dispatcher, autograd
-    recording) and per autograd node in the backward, without the kernel launch;
-``host_launch_us``
-    the host's time to launch one kernel (``cudaLaunchKernel`` and the caching allocator);
-``host_collective_us``
-    the host's time to issue one collective (the library's enqueue);
-``optimizer_bytes_per_param``
-    memory traffic of one optimizer step per parameter (every pass of the mixed-precision
-    optimizer over its gradients, master weights and moments).
+    the kernels each operator launches (:mod:`planlab.costmodel.kernels`): ``"megatron"``
+    (Megatron-LM's layers: unfused attention through a fused scale-mask-softmax, fp32
+    vocabulary-parallel cross entropy) or ``"torch"`` (fused scaled-dot-product attention,
+    ``F.cross_entropy``);
+``host_call_us``, ``host_backward_call_us``, ``host_launch_us``, ``host_collective_us``
+    the host's time per framework call forward, per autograd node backward, per kernel launch
+    and per collective issued: a floor the device cannot beat when its kernels are short;
+``grad_reduce``
+    ``"overlapped"`` (gradient buckets all-reduced during the backward) or ``"after_backward"``
+    (every bucket reduced once the backward is done); ``grad_bucket_elements`` the bucket size;
+``pipeline_messages``
+    ``"whole"`` or ``"partitioned"`` (each tensor-parallel rank sends a tp-th of an activation
+    between stages and the receivers all-gather it: Megatron-LM's scatter/gather, DeepSpeed's
+    ``pipe_partitioned``);
+``sequence_parallel_saves_shard``
+    with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
+    for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
+``precisions``
+    per precision (``fp32``, ``bf16``, ``fp16``, ``fp8``): ``activation_bytes``,
+    ``param_bytes``, ``grad_bytes`` (as reduced), ``optimizer_bytes`` (master weights and
+    moments) per parameter, ``optimizer_pass_bytes`` (memory traffic of one optimizer step per
+    parameter) and ``compute`` (the dtype of the GEMMs);
+``zero3``
+    ``unit`` (``"layer"``: one gather per transformer layer, as FSDP wraps them; ``"module"``:
+    one per module holding weights, as DeepSpeed fetches them), ``regather_for_recompute``
+    (a recomputed layer's forward gathers its weights again instead of using the backward's);
+``memory``
+    ``cuda_context_MiB``, ``nccl_MiB``, ``workspace_MiB`` taken from the device's memory before
+    any tensor, and ``fragmentation``, the fraction of the rest the caching allocator cannot hand out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
 
-from planlab.errors import choices
+from planlab.costmodel.fields import Fields, read_json
+from planlab.costmodel.precision import PRECISIONS, Precision
+from planlab.errors import ConfigError, choices
 
+SOFTWARE_DIR = Path(__file__).parent / "software"
 IMPLEMENTATIONS = ("megatron", "torch")
+GRAD_REDUCE = ("overlapped", "after_backward")
+PIPELINE_MESSAGES = ("whole", "partitioned")
+ZERO3_UNITS = ("layer", "module")
+DEFAULT_SOFTWARE = "megatron"  # on GPU clusters; the CPU cluster runs planlab's own executor: torch
 _US = 1e-6
-FIELDS = {
+_MiB = 2.0**20
+_WHAT = "software file"
+_FIELDS = {
+    "name",
+    "description",
+    "source",
     "implementation",
     "host_call_us",
     "host_backward_call_us",
     "host_launch_us",
     "host_collective_us",
-    "optimizer_bytes_per_param",
-    "source",
-    "description",
+    "grad_reduce",
+    "grad_bucket_elements",
+    "pipeline_messages",
+    "sequence_parallel_saves_shard",
+    "precisions",
+    "zero3",
+    "memory",
 }
+_PRECISION_FIELDS = {
+    "activation_bytes",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "optimizer_pass_bytes",
+    "compute",
+    "source",
+}
+_ZERO3_FIELDS = {"unit", "regather_for_recompute", "source"}
+_MEMORY_FIELDS = {"cuda_context_MiB", "nccl_MiB", "workspace_MiB", "fragmentation", "source"}
+
+
+@dataclass(frozen=True)
+class MemoryReserve:
+    """What the software takes of a device's memory before planlab's tensors (bytes), and the
+    fraction of the rest the caching allocator loses to fragmentation."""
+
+    cuda_context_bytes: float = 0.0
+    nccl_bytes: float = 0.0
+    workspace_bytes: float = 0.0
+    fragmentation: float = 0.0
+
+    def usable_bytes(self, capacity_bytes: float) -> float:
+        """The bytes left for tensors on a device of ``capacity_bytes``."""
+        fixed = self.cuda_context_bytes + self.nccl_bytes + self.workspace_bytes
+        return max(0.0, capacity_bytes - fixed) * (1.0 - self.fragmentation)
+
+    def __str__(self) -> str:
+        fixed = (self.cuda_context_bytes + self.nccl_bytes + self.workspace_bytes) / _MiB
+        return f"{fixed:.0f} MiB reserved, {self.fragmentation:.0%} fragmentation"
 
 
 @dataclass(frozen=True)
 class SoftwareSpec:
-    """The training software's kernels and host costs (SI units)."""
+    """The training software (SI units); see the module docstring for the fields."""
 
+    name: str = "torch"
     implementation: str = "torch"
     host_call_s: float = 0.0
     host_backward_call_s: float = 0.0
     host_launch_s: float = 0.0
     host_collective_s: float = 0.0
-    optimizer_bytes_per_param: float = 16.0
+    grad_reduce: str = "overlapped"
+    grad_bucket_elements: int = 40_000_000
+    pipeline_messages: str = "whole"
+    sequence_parallel_saves_shard: bool = False
+    precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
+    zero3_unit: str = "layer"
+    zero3_regather_for_recompute: bool = False
+    memory: MemoryReserve = MemoryReserve()
+    path: str = ""  # the file it was read from
+
+    def precision(self, name: str) -> Precision:
+        """The named precision; ConfigError naming the software and its precisions."""
+        if name not in self.precisions:
+            raise ConfigError(f"software {self.name!r} has no precision {name!r}; choose {choices(self.precisions)}")
+        return self.precisions[name]
 
     def __str__(self) -> str:
-        return (
-            f"{self.implementation} (host {self.host_call_s * 1e6:g}/{self.host_backward_call_s * 1e6:g} us per "
-            f"call, {self.host_launch_s * 1e6:g} us per launch)"
-        )
+        return self.name
 
 
-def software_from(f) -> SoftwareSpec:
-    """Parse a spec's ``software`` object (``f`` is the hardware module's field reader)."""
-    f.only(FIELDS)
-    impl = f.text("implementation")
-    if impl not in IMPLEMENTATIONS:
-        raise f.error("implementation", f"is {impl!r}; choose {choices(IMPLEMENTATIONS)}")
+def list_software() -> list[str]:
+    """Names of the built-in software files, sorted."""
+    return sorted(p.stem for p in SOFTWARE_DIR.glob("*.json"))
+
+
+def load_software(name_or_path: str | os.PathLike[str]) -> SoftwareSpec:
+    """A built-in software by name (``list_software``) or a user's JSON file by path; ConfigError
+    for an unknown name or a malformed file (naming the file and the field)."""
+    text = os.fspath(name_or_path)
+    names = list_software()
+    if text in names:
+        path = SOFTWARE_DIR / f"{text}.json"
+    elif text.endswith(".json") or "/" in text or os.sep in text:
+        path = Path(text)
+    else:
+        raise ConfigError(f"unknown software {text!r}; choose {choices(names)} or a path to a JSON software file")
+    return software_from(Fields(read_json(path, _WHAT), str(path), what=_WHAT), str(path))
+
+
+def _choice(f: Fields, key: str, valid: tuple[str, ...], default: str) -> str:
+    if key not in f.obj:
+        return default
+    val = f.get(key)
+    if val not in valid:
+        raise f.error(key, f"is {val!r}; choose {choices(valid)}")
+    return val
+
+
+def _flag(f: Fields, key: str, default: bool) -> bool:
+    if key not in f.obj:
+        return default
+    val = f.get(key)
+    if not isinstance(val, bool):
+        raise f.error(key, f"must be true or false, got {val!r}")
+    return val
+
+
+def software_from(f: Fields, path: str = "") -> SoftwareSpec:
+    """Parse a software object (``f`` reads it; see the module docstring for the fields)."""
+    f.only(_FIELDS)
 
     def us(key: str) -> float:
         return f.unit(key, "us", strict=False) * _US if key in f.obj else 0.0
 
+    zero3 = f.sub("zero3") if "zero3" in f.obj else None
+    if zero3 is not None:
+        zero3.only(_ZERO3_FIELDS)
     return SoftwareSpec(
-        implementation=impl,
+        name=f.text("name"),
+        implementation=_choice(f, "implementation", IMPLEMENTATIONS, "") or f.text("implementation"),
         host_call_s=us("host_call_us"),
         host_backward_call_s=us("host_backward_call_us"),
         host_launch_s=us("host_launch_us"),
         host_collective_s=us("host_collective_us"),
-        optimizer_bytes_per_param=f.number(
-            "optimizer_bytes_per_param", high=1000.0, unit="bytes moved per parameter per step"
+        grad_reduce=_choice(f, "grad_reduce", GRAD_REDUCE, "overlapped"),
+        grad_bucket_elements=f.integer("grad_bucket_elements") if "grad_bucket_elements" in f.obj else 40_000_000,
+        pipeline_messages=_choice(f, "pipeline_messages", PIPELINE_MESSAGES, "whole"),
+        sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
+        precisions=_precisions(f.sub("precisions")),
+        zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
+        zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,
+        memory=_memory(f.sub("memory")) if "memory" in f.obj else MemoryReserve(),
+        path=path,
+    )
+
+
+def _precisions(f: Fields) -> dict[str, Precision]:
+    out = {}
+    for name in f.obj:
+        if str(name).startswith("_") or name == "source":
+            continue
+        if name not in PRECISIONS:
+            raise f.error(name, f"is not a precision; choose {choices(PRECISIONS)}")
+        p = f.sub(name)
+        p.only(_PRECISION_FIELDS)
+
+        def nbytes(key: str) -> int:
+            val = p.number(key, strict=False, high=16, unit="bytes per element")
+            if val != int(val):
+                raise p.error(key, f"must be a whole number of bytes, got {val!r}")
+            return int(val)
+
+        out[name] = Precision(
+            name,
+            activation_bytes=nbytes("activation_bytes"),
+            param_bytes=nbytes("param_bytes"),
+            grad_bytes=nbytes("grad_bytes"),
+            optimizer_bytes=nbytes("optimizer_bytes"),
+            compute_dtype=_choice(p, "compute", PRECISIONS, "") or p.text("compute"),
+            optimizer_pass_bytes=p.number(
+                "optimizer_pass_bytes", strict=False, high=1000.0, unit="bytes moved per parameter"
+            ),
         )
-        if "optimizer_bytes_per_param" in f.obj
-        else 16.0,
+    if not out:
+        raise ConfigError(
+            f"{f.what} {f.where!r}: field 'precisions' lists no precision; expected {choices(PRECISIONS)}"
+        )
+    return out
+
+
+def _memory(f: Fields) -> MemoryReserve:
+    f.only(_MEMORY_FIELDS)
+
+    def mib(key: str) -> float:
+        return f.number(key, low=0.0, strict=False, high=1e5, unit="MiB") * _MiB if key in f.obj else 0.0
+
+    return MemoryReserve(
+        cuda_context_bytes=mib("cuda_context_MiB"),
+        nccl_bytes=mib("nccl_MiB"),
+        workspace_bytes=mib("workspace_MiB"),
+        fragmentation=f.number("fragmentation", low=0.0, strict=False, high=0.9, unit="fraction of the memory")
+        if "fragmentation" in f.obj
+        else 0.0,
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from planlab.executor.randomness import reference_draws
+from planlab.graph.ir import Graph
 from planlab.models.init import build_full
 from planlab.models.registry import ModelSpec
 
@@ -30,17 +33,21 @@ def reference_run(
     seed: int = 0,
     batches: Sequence[tuple[torch.Tensor, ...]] | None = None,
     clip_grad_norm: float | None = None,
+    graph: Graph | None = None,
 ) -> Reference:
     """Train the whole model in one process on the whole batch: the model's example inputs
     every step, or ``batches[step % len(batches)]``; with ``clip_grad_norm``, clip as
     ``torch.nn.utils.clip_grad_norm_`` does. The weights are drawn as every rank draws its
-    pieces (:func:`planlab.models.init.build_full`)."""
+    pieces (:func:`planlab.models.init.build_full`). With the traced ``graph``, its random
+    operators draw from the counter-based generator, whole, as the plan's pieces draw
+    (:func:`planlab.executor.randomness.reference_draws`)."""
     model, inputs = build_full(spec, batch=global_batch, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, grads, norms = [], {}, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(*(batches[step % len(batches)] if batches else inputs))
+        with reference_draws(graph, seed, step) if graph is not None else contextlib.nullcontext():
+            loss = model(*(batches[step % len(batches)] if batches else inputs))
         loss.backward()
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -23,6 +23,7 @@ from planlab.errors import ExecutionError
 from planlab.executor import zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError
+from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
@@ -75,6 +76,8 @@ def run_piece(
             tensors[0], tensors[1], offset=vocab_offset, count=op.dim_sizes["n"], group=group
         )
         return loss.reshape(task.shape)
+    if op.kind == "kept_mean":  # one micro-batch's share of HF's mean over kept targets (planlab.graph.ops_hf)
+        return tensors[0] / (tensors[1] * microbatches)
     if op.kind == "reshape":
         return tensors[0].reshape(task.shape)
     if op.kind == "expand":  # the call's sizes are the whole tensor's; expand to the piece's
@@ -160,6 +163,8 @@ class Interpreter:
     fault: Fault | None = None  # a test-only injected fault (PLANLAB_FAULT)
     shards: dict[str, torch.Tensor] | None = None  # this device's pieces (then ``module``'s may be meta)
     clip_grad_norm: float | None = None  # clip the global gradient norm (every rank's pieces) to this
+    seed: int = 0  # the seed random operators draw from (planlab.executor.randomness)
+    first_step: int = 0  # the training step of this run's first iteration (a resumed run's are later)
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
@@ -205,6 +210,7 @@ class Interpreter:
         self._loss_buffer = own.get(buf_.activation(self.graph.loss), buf_.activation(self.graph.loss))
         self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        self.random = PieceRandomness(self.graph, self.program.microbatches, self.seed)
 
     def _zero_buckets(self) -> dict[Buffer, "_ZeroBucket"]:
         """ZeRO: per reduce-scattered gradient bucket, this device's shard of the flattened
@@ -477,6 +483,12 @@ class Interpreter:
         elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
             off = task.group.index(self.device) * ins[0].shape[-1]
             group = self.groups[tuple(sorted(task.group))]
+        # a random operator draws what one process draws (planlab.executor.randomness)
+        with self.random.piece(op, task.box, mb, self.first_step + self.step):
+            self._compute(op, task, mb, ins, reads, off, group)
+
+    def _compute(self, op: Operator, task: Task, mb: int, ins: list, reads: tuple, off: int, group) -> None:
+        """Run the piece of a forward task on its inputs ``ins`` and store its outputs."""
         if task.recompute is Recompute.DROP:  # its backward runs after a second forward (REDO): keep no graph
             with torch.no_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)

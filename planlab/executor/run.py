@@ -267,12 +267,14 @@ def worker(
             fault=fault,
             shards=shards,
             clip_grad_norm=cfg.clip_grad_norm,
+            seed=cfg.seed,
         )
         del shards
         loaded_steps = 0
         if cfg.load_dir:
             phase("setup: loading the checkpoint", armed=False)
             loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
+            interp.first_step = loaded_steps  # random operators go on drawing the steps after the checkpoint's
         # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
         batches = (
             load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=loaded_steps + cfg.steps)
@@ -369,6 +371,7 @@ def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, b
         seed=cfg.seed,
         batches=batches,
         clip_grad_norm=cfg.clip_grad_norm,
+        graph=interp.graph,
     )
     err = max_grad_error(grads, dict(program.devices[0].params), ref)
     for r in range(1, world):
@@ -424,7 +427,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _quiet_launcher() -> Iterator[None]:
     """Silence torchelastic's own failure logs: :func:`launch_local` reports a failure once."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith(prefixes)]  # each sets its own level
+    loggers = [logging.getLogger(n) for n in dict.fromkeys([*prefixes, *names])]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -46,15 +46,23 @@ class Prediction:
     sim: SimResult
 
 
-def predict(plan, *, profile: str | None = None) -> Prediction:
-    """Materialize ``plan``, check it for deadlocks and simulate every device with a timeline,
-    priced by the plan's cluster spec or by a calibration ``profile`` (checked before any work)."""
+def predict(plan, *, profile: str | None = None, cost=None) -> Prediction:
+    """Materialize ``plan`` as the executor runs it, check it for deadlocks and simulate every
+    device with a timeline, priced by ``cost`` (a CostModel), else by the plan's cluster spec and
+    software or by a calibration ``profile`` (checked before any work)."""
     from planlab.costmodel import CostModel
     from planlab.plan import materialize, trace_plan_model
     from planlab.plan.shared_params import training_flops
     from planlab.simulator import find_deadlock, simulate
 
-    cost = CostModel.load(plan.cluster, plan.nodes, profile=profile)
+    if cost is None:
+        cost = CostModel.load(
+            plan.cluster,
+            plan.nodes,
+            profile=profile,
+            software=plan.software or None,
+            precision=plan.precision or None,
+        )
     graph = trace_plan_model(plan)
     program = materialize(plan, graph)
     if program.num_tasks() < 200_000:

@@ -21,8 +21,10 @@ Rewrites keep the recorded graph runnable one operator piece at a time:
    result (``x[i] = v`` records ``x = functional_setitem(x, i, v)``; ``x.masked_fill_(m, v)``
    records ``x = x.masked_fill(m, v)``), as T5's shifted decoder inputs need;
 4. a mean cross-entropy over integer targets becomes the sum divided by the number of kept
-   targets (``target != ignore_index``): both split exactly over the batch, where the mean of
-   the pieces would not (HF's causal-LM loss pads the labels with ``ignore_index``);
+   targets (``target != ignore_index``, :func:`~planlab.graph.ops_hf.kept_mean`): both split
+   exactly over the batch, where the mean of the pieces would not (HF's causal-LM loss pads the
+   labels with ``ignore_index``); with ``m`` micro-batches each divides by ``m`` times its own
+   count, exact when every micro-batch keeps as many targets;
 5. indices that cover a whole axis (``x[:, 0:S]``) are written as full slices;
 6. the key/value cache is off while tracing (a training step keeps none), buffers are traced
    values (``get_attr``), and operators whose results nothing reads are dropped.
@@ -51,10 +53,12 @@ from torch.utils._device import _device_constructors
 
 from planlab.errors import GraphError
 from planlab.graph import registry
-from planlab.graph.ops_hf import Constant, constant, functional_setitem, register_transformers_modules
+from planlab.graph.ops_hf import Constant, constant, functional_setitem, kept_mean, register_transformers_modules
 
 # Factories that make a tensor from sizes or data alone (deterministic ones only).
 FACTORIES = ("arange", "zeros", "ones", "full", "empty", "eye", "tensor", "linspace", "tril_indices", "triu_indices")
+# Random factories: recorded as operators, always (their pieces draw from planlab's generator).
+RANDOM_FACTORIES = ("rand", "rand_like")
 # In-place methods without a functional twin of the same name but one.
 _INPLACE_TWINS: dict[str, Callable] = {"zero_": torch.zeros_like, "fill_": torch.full_like}
 _RANDOM_INPLACE = (
@@ -289,7 +293,7 @@ class HFTracer(fx.Tracer):
     # -- tracing -------------------------------------------------------------------
     def trace(self, root, concrete_args=None):  # type: ignore[override]
         """Trace ``root`` with the tensor factories recorded as operators."""
-        originals = {name: getattr(torch, name) for name in FACTORIES}
+        originals = {name: getattr(torch, name) for name in FACTORIES + RANDOM_FACTORIES}
         self._factories = set(originals.values())
         _device_constructors()  # cached on first use: let it hold the real factories, not ours
 
@@ -300,7 +304,7 @@ class HFTracer(fx.Tracer):
                     return fn(*args, **{**kwargs, "device": "meta"})
                 traced = []
                 map_aggregate((args, kwargs), lambda v: traced.append(v) if isinstance(v, fx.Proxy) else None)
-                if traced:
+                if traced or fn.__name__ in RANDOM_FACTORIES:
                     return self.create_proxy("call_function", fn, args, kwargs)
                 return fn(*args, **{**kwargs, "device": _CONSTANTS})  # a constant, computed now
 
@@ -416,7 +420,7 @@ class HFTracer(fx.Tracer):
         )
         kept = self.create_proxy("call_function", operator.ne, (target, bound.get("ignore_index", -100)), {})
         count = self.create_proxy("call_method", "sum", (kept,), {})
-        return self.create_proxy("call_function", operator.truediv, (total, count), {})
+        return self.create_proxy("call_function", kept_mean, (total, count), {})
 
     # -- meta values ----------------------------------------------------------------
     def _value(self, v: Any) -> Any:

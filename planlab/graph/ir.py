@@ -103,10 +103,13 @@ class Operator:
     flops: float
     bytes_moved: float
     module: str
-    call: CallSpec
+    call: CallSpec | None  # None in a graph for planning only (planlab.models.trace_cache)
     saves: tuple[str, ...] = ()
     bwd_flops_ratio: float = 2.0
     add_once: tuple[int, ...] = ()
+    # whether a forward piece draws random numbers, kept when the call is dropped (planlab.models.trace_cache);
+    # None: decided from the call (planlab.graph.random_ops)
+    random: bool | None = None
 
     def __str__(self) -> str:
         return f"{self.name}[{self.kind}]({self.signature})"

@@ -88,6 +88,14 @@ def constant(c: Constant) -> torch.Tensor:
     return c.value.to(torch.get_default_device())
 
 
+def kept_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A mean cross-entropy as ``total / count`` (the sum over the kept targets, their number).
+    A piece of it run for one of ``m`` micro-batches divides by ``count * m`` instead
+    (planlab.executor.interpreter.run_piece): the micro-batches' losses add up to the batch's mean
+    when each keeps as many targets (HF's shifted causal-LM labels, whole-image labels)."""
+    return total / count
+
+
 def _setitem(c: OpContext) -> Signature:
     """``setitem(x, index, value)`` with basic indices: the axes the index takes whole are
     shared by ``x``, the value (when it is a tensor of those axes) and the result; an indexed
@@ -272,6 +280,7 @@ _reg_missing(
         torch.clip,
         torch.log1p,
         torch.square,
+        torch.floor,
         F.gelu,
         F.silu,
         F.relu,
@@ -292,6 +301,7 @@ _reg_missing(
         "clip",
         "log1p",
         "square",
+        "floor",
         "__pow__",
     ),
     kind="pointwise",
@@ -386,7 +396,24 @@ _reg_missing(
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=0.0,
 )
+# ``torch.rand`` (stochastic depth's per-sample draw): random, so its pieces draw their own elements of
+# the whole draw from planlab's generator (planlab.graph.random_ops); its axes split like an elementwise output.
+_reg_missing(
+    targets_fn=(torch.rand, torch.rand_like),
+    kind="rand",
+    signature=_elementwise,
+    flops=lambda c: float(c.out_numel),
+    bwd_flops_ratio=0.0,
+)
 _reg_missing(targets_fn=(F.pad,), kind="pad", signature=_pad, bwd_flops_ratio=0.0)
+_reg_missing(
+    targets_fn=(kept_mean,),
+    kind="kept_mean",
+    signature=_elementwise,
+    flops=lambda c: 1.0,
+    saves=lambda c: ("in0", "in1"),
+    bwd_flops_ratio=1.0,
+)
 _reg_missing(
     targets_fn=(torch.split, torch.chunk, torch.tensor_split),
     methods=("split", "chunk", "tensor_split"),

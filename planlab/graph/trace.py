@@ -161,7 +161,9 @@ class _GraphBuilder:
                 out = node.args[0]
                 ref = self.tensor_of.get(out) if isinstance(out, fx.Node) else None
                 if not isinstance(ref, str) or self.tensors[ref].shape != ():
-                    raise GraphError(f"the model's forward must return the scalar training loss; it returns {out!r}")
+                    raise GraphError(
+                        f"the model's forward must return the scalar training loss; it returns {_returned(out, ref, self.tensors)}"
+                    )
                 loss = ref
                 continue
             args = map_aggregate(node.args, lambda a: self.values[a] if isinstance(a, fx.Node) else a)
@@ -350,3 +352,14 @@ def _labels(graph: Graph) -> dict[tuple[str, int], str]:
                 else:
                     first[key] = (t, i)
     return {x: f"{find(x)[0]}.{find(x)[1]}" for x in parent}
+
+
+def _returned(out, ref, tensors) -> str:
+    """What a forward returned, for the error that asks for a scalar loss."""
+    if isinstance(ref, str):
+        return f"a tensor of shape {list(tensors[ref].shape)} ({ref!r}); reduce it to a scalar, e.g. with .mean()"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)} values"
+    if isinstance(out, dict):
+        return f"a dict with keys {list(out)}"
+    return f"{type(out).__name__} {out!r}"

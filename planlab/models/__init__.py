@@ -1,41 +1,31 @@
-"""Built-in model families as real torch modules, and users' own models by ``package.module:function``."""
+"""Built-in model families as real torch modules, and users' own models by ``package.module:function``.
 
-from planlab.models.gpt import GPT, GPTConfig
-from planlab.models.llama import Llama, LlamaConfig
-from planlab.models.registry import FAMILIES, GPT_PRESETS, LLAMA_PRESETS, Family, ModelSpec, build_model, list_models
-from planlab.models.user import UserModelConfig
+``ModelSpec`` loads with the package; the modules and presets import torch, so they load on first
+use (:mod:`planlab.lazy`).
+"""
 
-__all__ = [
-    "FAMILIES",
-    "GPT",
-    "GPTConfig",
-    "GPT_PRESETS",
-    "Family",
-    "LLAMA_PRESETS",
-    "Llama",
-    "LlamaConfig",
-    "ModelSpec",
-    "UserModelConfig",
-    "build_model",
-    "list_models",
-]
+from planlab.lazy import make_lazy
+from planlab.models.spec import ModelSpec  # noqa: F401 (public, loaded with the package)
 
-from planlab.models.registry import T5_PRESETS  # noqa: E402
-from planlab.models.t5 import T5, T5Config  # noqa: E402
+_REGISTRY = ("FAMILIES", "Family", "build_model", "list_models")
+_PRESETS = ("GPT", "LLAMA", "T5", "EVOFORMER", "MOE", "SWIN")
+_MODULES = {
+    "gpt": ("GPT", "GPTConfig"),
+    "llama": ("Llama", "LlamaConfig"),
+    "t5": ("T5", "T5Config"),
+    "evoformer": ("Evoformer", "EvoformerConfig"),
+    "moe": ("MoE", "MoEConfig"),
+    "swin": ("Swin", "SwinConfig"),
+    "user": ("UserModelConfig",),
+}
+make_lazy(
+    __name__,
+    {
+        **{n: "planlab.models.registry" for n in _REGISTRY + tuple(f"{p}_PRESETS" for p in _PRESETS)},
+        **{n: f"planlab.models.{m}" for m, names in _MODULES.items() for n in names},
+    },
+)
 
-__all__ += ["T5", "T5Config", "T5_PRESETS"]
-
-from planlab.models.evoformer import Evoformer, EvoformerConfig  # noqa: E402
-from planlab.models.registry import EVOFORMER_PRESETS  # noqa: E402
-
-__all__ += ["EVOFORMER_PRESETS", "Evoformer", "EvoformerConfig"]
-
-from planlab.models.moe import MoE, MoEConfig  # noqa: E402
-from planlab.models.registry import MOE_PRESETS  # noqa: E402
-
-__all__ += ["MOE_PRESETS", "MoE", "MoEConfig"]
-
-from planlab.models.registry import SWIN_PRESETS  # noqa: E402
-from planlab.models.swin import Swin, SwinConfig  # noqa: E402
-
-__all__ += ["SWIN_PRESETS", "Swin", "SwinConfig"]
+__all__ = sorted(
+    ["ModelSpec", *_REGISTRY, *(f"{p}_PRESETS" for p in _PRESETS), *(n for v in _MODULES.values() for n in v)]
+)

@@ -8,7 +8,10 @@ class's defaults: Llama-2 7B, GPT-2 124M, t5-small, Mixtral 8x7B, Swin-T, ViT-B/
 override one size each (``layers=2``, ``hidden=..``, ``heads=..``, ``seq=..``, ...).
 
 Settings for planning and checking a training step, each overridable: dropout and stochastic
-depth 0 (a run is compared with one process), no key/value cache, untied output embeddings
+depth as the config class sets them (GPT-2's dropouts 0.1, T5's 0.1, Swin's stochastic depth
+0.1; ``dropout=P`` sets every one of them to P): their masks come from planlab's counter-based
+generator (:mod:`planlab.executor.randomness`), so a run under any plan still matches one
+process; no key/value cache, untied output embeddings
 (planlab plans one tensor per parameter; see :func:`untie_t5`), and mixture-of-experts layers computed with HF's
 ``batched_mm`` experts (static shapes; the default loops over the experts a batch hits).
 
@@ -24,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from planlab.errors import ConfigError
+from planlab.inputs import model_arg
 
 EXAMPLE_BATCH = 2  # samples in the example inputs; planlab rescales them to the global batch
 
@@ -65,11 +69,21 @@ def _pick(size: str, tiny: dict[str, Any], full: dict[str, Any], overrides: dict
     unknown = [k for k, v in overrides.items() if v is not None and k not in base]
     if unknown:
         raise ConfigError(f"unknown model argument {unknown[0]!r}; choose {', '.join(repr(k) for k in base)}")
+    for k, v in overrides.items():
+        if v is not None and k != "dropout":
+            model_arg(k, v, base[k])  # an integer size >= 1 within planlab's limits (planlab.inputs)
     base.update({k: v for k, v in overrides.items() if v is not None})
-    for k, v in base.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
-            raise ConfigError(f"{k}={v} must not be negative")
     return base
+
+
+def _dropouts(a: dict[str, Any], *fields: str) -> dict[str, float]:
+    """The config's dropout ``fields`` set to ``dropout=P`` when given, else left at the config's defaults."""
+    p = a["dropout"]
+    if p is None:
+        return {}
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ConfigError(f"dropout={p!r}: expected a probability at least 0 and less than 1")
+    return {f: float(p) for f in fields}
 
 
 def _tokens(vocab: int, batch: int, seq: int) -> torch.Tensor:
@@ -93,7 +107,7 @@ def _causal_lm(cls_name: str, cfg_name: str, a: dict[str, Any], **extra) -> tupl
         num_attention_heads=a["heads"],
         num_key_value_heads=a["kv_heads"],
         max_position_embeddings=a["seq"],
-        attention_dropout=a["dropout"],
+        **_dropouts(a, "attention_dropout"),
         tie_word_embeddings=False,
         use_cache=False,
         attn_implementation=a["attn"],
@@ -120,7 +134,7 @@ def llama(
     """``LlamaForCausalLM`` with its causal-LM loss; ``size=full`` is Llama-2 7B at 4,096 tokens."""
     a = _pick(
         size,
-        dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq=16, vocab=64, dropout=0.0, attn="sdpa"),
+        dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq=16, vocab=64, dropout=None, attn="sdpa"),
         dict(
             layers=32,
             hidden=4096,
@@ -129,7 +143,7 @@ def llama(
             ffn_hidden=11008,
             seq=4096,
             vocab=32000,
-            dropout=0.0,
+            dropout=None,
             attn="sdpa",
         ),
         dict(
@@ -176,7 +190,7 @@ def mixtral(
             vocab=64,
             experts=4,
             top_k=2,
-            dropout=0.0,
+            dropout=None,
             attn="sdpa",
             experts_impl="batched_mm",
         ),
@@ -190,7 +204,7 @@ def mixtral(
             vocab=32000,
             experts=8,
             top_k=2,
-            dropout=0.0,
+            dropout=None,
             attn="sdpa",
             experts_impl="batched_mm",
         ),
@@ -236,8 +250,8 @@ def gpt2(
     tf = _transformers()
     a = _pick(
         size,
-        dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=0.0, attn="sdpa"),
-        dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, dropout=0.0, attn="sdpa"),
+        dict(layers=2, hidden=32, heads=4, seq=16, vocab=64, dropout=None, attn="sdpa"),
+        dict(layers=12, hidden=768, heads=12, seq=1024, vocab=50257, dropout=None, attn="sdpa"),
         dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dropout=dropout, attn=attn),
     )
     _divides("heads", a["hidden"], "hidden", a["heads"])
@@ -247,9 +261,7 @@ def gpt2(
         n_embd=a["hidden"],
         n_layer=a["layers"],
         n_head=a["heads"],
-        resid_pdrop=a["dropout"],
-        embd_pdrop=a["dropout"],
-        attn_pdrop=a["dropout"],
+        **_dropouts(a, "resid_pdrop", "embd_pdrop", "attn_pdrop"),
         tie_word_embeddings=False,
         use_cache=False,
         attn_implementation=a["attn"],
@@ -286,7 +298,7 @@ def t5(
             seq=16,
             target_seq=8,
             vocab=64,
-            dropout=0.0,
+            dropout=None,
             attn="eager",
         ),
         dict(
@@ -298,7 +310,7 @@ def t5(
             seq=512,
             target_seq=128,
             vocab=32128,
-            dropout=0.0,
+            dropout=None,
             attn="eager",
         ),
         dict(
@@ -322,7 +334,7 @@ def t5(
         num_layers=a["layers"],
         num_decoder_layers=a["layers"],
         num_heads=a["heads"],
-        dropout_rate=a["dropout"],
+        **_dropouts(a, "dropout_rate"),
         use_cache=False,
         decoder_start_token_id=0,
         attn_implementation=a["attn"],
@@ -366,7 +378,7 @@ def vit(
     tf = _transformers()
     a = _pick(
         size,
-        dict(layers=2, hidden=32, heads=4, ffn_hidden=64, image=16, patch=4, classes=10, dropout=0.0, attn="sdpa"),
+        dict(layers=2, hidden=32, heads=4, ffn_hidden=64, image=16, patch=4, classes=10, dropout=None, attn="sdpa"),
         dict(
             layers=12,
             hidden=768,
@@ -375,7 +387,7 @@ def vit(
             image=224,
             patch=16,
             classes=1000,
-            dropout=0.0,
+            dropout=None,
             attn="sdpa",
         ),
         dict(
@@ -400,8 +412,7 @@ def vit(
         image_size=a["image"],
         patch_size=a["patch"],
         num_labels=a["classes"],
-        hidden_dropout_prob=a["dropout"],
-        attention_probs_dropout_prob=a["dropout"],
+        **_dropouts(a, "hidden_dropout_prob", "attention_probs_dropout_prob"),
         attn_implementation=a["attn"],
     )
     return HFLoss(tf.ViTForImageClassification(cfg), "pixel_values", a["heads"]), _images(3, a["image"], a["classes"])
@@ -424,8 +435,8 @@ def swin(
     tf = _transformers()
     a = _pick(
         size,
-        dict(embed=16, depth=2, heads=2, image=32, patch=4, window=4, classes=10, dropout=0.0),
-        dict(embed=96, depth=0, heads=0, image=224, patch=4, window=7, classes=1000, dropout=0.0),
+        dict(embed=16, depth=2, heads=2, image=32, patch=4, window=4, classes=10, dropout=None),
+        dict(embed=96, depth=0, heads=0, image=224, patch=4, window=7, classes=1000, dropout=None),
         dict(
             embed=embed,
             depth=depth,
@@ -451,9 +462,7 @@ def swin(
         num_heads=heads_per,
         window_size=a["window"],
         num_labels=a["classes"],
-        hidden_dropout_prob=a["dropout"],
-        attention_probs_dropout_prob=a["dropout"],
-        drop_path_rate=a["dropout"],
+        **_dropouts(a, "hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"),
     )
     for i, h in enumerate(heads_per):
         _divides(f"heads of stage {i}", a["embed"] * 2**i, "its width", h)

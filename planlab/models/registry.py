@@ -7,20 +7,21 @@ given as an override (``gpt`` or ``llama`` with ``layers=..``, ...), or a user's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import torch
 import torch.nn as nn
 
-from planlab.errors import ConfigError, choices
+from planlab.errors import ConfigError
 from planlab.models.gpt import GPT, GPTConfig
 from planlab.models.llama import Llama, LlamaConfig
 from planlab.models.t5 import T5, T5Config
 from planlab.models.evoformer import Evoformer, EvoformerConfig
 from planlab.models.moe import MoE, MoEConfig
 from planlab.models.swin import Swin, SwinConfig, check_swin
-from planlab.models.user import UserModelConfig, build_user_model, user_model_config
+from planlab.models.spec import ModelSpec, is_user_model  # noqa: F401 (re-exported: ModelSpec lives apart, without torch)
+from planlab.models.user import UserModelConfig, build_user_model
 
 ModelConfig = Union[GPTConfig, LlamaConfig, T5Config, EvoformerConfig, MoEConfig, SwinConfig, UserModelConfig]
 
@@ -359,63 +360,6 @@ FAMILIES: dict[str, Family] = {
     "swin": Family("swin", SwinConfig, Swin, SWIN_PRESETS, ("embed", "depths", "num_heads"), check_swin),
 }
 PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
-
-
-def is_user_model(name: str) -> bool:
-    """True for ``package.module:function`` names."""
-    return ":" in name
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model by name (a preset, a family, or ``package.module:function``) with keyword overrides."""
-
-    name: str
-    args: tuple[tuple[str, int | float], ...] = ()
-
-    def family(self) -> Family | None:
-        """The built-in family this spec names (None for a user's model); ConfigError if unknown."""
-        if is_user_model(self.name):
-            return None
-        if self.name in PRESET_FAMILY:
-            return FAMILIES[PRESET_FAMILY[self.name]]
-        if self.name in FAMILIES:
-            return FAMILIES[self.name]
-        raise ConfigError(
-            f"unknown model {self.name!r}; choose {choices(list(PRESET_FAMILY) + list(FAMILIES))}, "
-            "or package.module:function for your own model"
-        )
-
-    def config(self) -> ModelConfig:
-        """The family config this spec names; ConfigError on an unknown name or key."""
-        fam = self.family()
-        if fam is None:
-            return user_model_config(self.name, self.args)
-        fields = fam.config.__dataclass_fields__
-        kw = dict(self.args)
-        for k in kw:
-            if k not in fields:
-                raise ConfigError(f"unknown model argument {k!r} for {self.name!r}; choose {choices(list(fields))}")
-        if self.name in fam.presets:
-            cfg = replace(fam.presets[self.name], **kw)
-        else:
-            missing = [f for f in fam.required if f not in kw]
-            if missing:
-                raise ConfigError(f"model family {self.name!r} needs --model-arg for {', '.join(missing)}")
-            cfg = fam.config(**kw)
-        fam.check(cfg)
-        return cfg
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "args": dict(self.args)}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ModelSpec":
-        return cls(str(d["name"]), tuple(sorted(dict(d.get("args", {})).items())))
-
-    def __str__(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in self.args)
-        return self.name + (f"({extra})" if extra else "")
 
 
 def build_model(

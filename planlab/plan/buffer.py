@@ -36,7 +36,9 @@ class BufferKind(str, Enum):
     SHARD_WEIGHT = "zp"  # ZeRO: this device's shard of the same weights (static)
     GATHERED_FORWARD = "zf"  # ZeRO-3: a weight gathered whole for the forward
     GATHERED_BACKWARD = "zb"  # ZeRO-3: the same weight gathered again for the backward
+    GATHERED_RECOMPUTE = "zr"  # ZeRO-3: gathered once more for a recomputed forward (DeepSpeed's regather)
     FULL_GRAD = "zd"  # ZeRO-3: a weight's whole gradient, before it is reduce-scattered into the shard
+    INTERNAL = "k"  # what an operator's implementation keeps for its backward besides graph tensors (plan/saved.py)
 
     def __str__(self) -> str:
         return self.value
@@ -47,14 +49,15 @@ STATIC_KINDS = frozenset(
 )
 # Buffers of weights' gradients (the W part of zero-bubble's split backward writes these)
 WEIGHT_GRAD_KINDS = frozenset({BufferKind.WEIGHT_GRAD, BufferKind.FULL_GRAD})
-GATHERED_KINDS = frozenset({BufferKind.GATHERED_FORWARD, BufferKind.GATHERED_BACKWARD})
+GATHERED_KINDS = frozenset({BufferKind.GATHERED_FORWARD, BufferKind.GATHERED_BACKWARD, BufferKind.GATHERED_RECOMPUTE})
 
 
 @dataclass(frozen=True, init=False)
 class Buffer:
     """One buffer of a device's program (see the module docstring).
 
-    ``tensor`` is the graph tensor, the parameter, or the ZeRO-3 unit it belongs to; ``version``
+    ``tensor`` is the graph tensor, the parameter, the ZeRO-3 unit it belongs to, or (``INTERNAL``)
+    the operator and what it keeps (``attn:probs``); ``version``
     (>= 0) the layout a conversion, a load or a local sum made of it; ``step`` (>= 1) an
     intermediate result of a conversion in several collectives; ``chunk`` (>= 0) a co-located
     piece's chunk; ``consumer`` and ``input`` the operator and input index whose gradient
@@ -188,6 +191,11 @@ def contribution(tensor: str, consumer: str, index: int) -> Buffer:
 def grad_sum(tensor: str, version: int) -> Buffer:
     """Contributions to ``tensor``'s gradient of one layout summed locally (the ``version``-th such sum)."""
     return Buffer(BufferKind.GRAD_SUM, tensor, version)
+
+
+def internal(op: str, tag: str) -> Buffer:
+    """What operator ``op``'s implementation keeps for its backward under ``tag`` (a dropout's mask)."""
+    return Buffer(BufferKind.INTERNAL, f"{op}:{tag}")
 
 
 def shard_grad(group: tuple[int, ...], unit: str = "") -> Buffer:

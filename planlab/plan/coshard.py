@@ -414,7 +414,11 @@ class _Chunks:
             out_w.append(new or b)
             places.append(None if new or not b else (box, full))
         fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
+        box = t.box
+        if box is not None and phase == "F":  # a random operator's chunk: its own box in the whole tensor
+            box = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(box, wgeo[0][1]))
         return dict(
+            box=box,
             reads=tuple(out_r),
             writes=tuple(out_w),
             slices=tuple(slices),

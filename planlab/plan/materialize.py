@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from planlab.costmodel.software import SoftwareSpec
 from planlab.gcpause import paused_gc
 from planlab.graph.ir import Graph
 from planlab.plan.backward_split import split_zero_bubble
@@ -78,6 +79,7 @@ def materialize(
     symmetric: bool = False,
     node_of: Callable[[int], int] | None = None,
     overlap_grad_reduce: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     """Turn ``plan`` into a Program (see the module docstring for the passes).
 
@@ -90,11 +92,20 @@ def materialize(
     that does not divide, a bad schedule). ``overlap_grad_reduce=False`` reduces the
     weight gradients without buckets: one all-reduce per group after the backward, in the
     update block (DeepSpeed without gradient bucketing), instead of buckets overlapped with it.
+    A ``software`` (:class:`~planlab.costmodel.software.SoftwareSpec`) decides that instead (its
+    ``grad_reduce``), the bucket size, what operators keep for the backward
+    (:mod:`planlab.plan.saved`) and how ZeRO-3 gathers (its ``zero3_*`` fields).
     """
     graph = graph if graph is not None else trace_plan_model(plan)
     with paused_gc():
         return _materialize(
-            plan, graph, precision or precision_for(plan.cluster), symmetric, node_of, overlap_grad_reduce
+            plan,
+            graph,
+            precision or precision_for(plan.cluster),
+            symmetric,
+            node_of,
+            overlap_grad_reduce if software is None else software.grad_reduce == "overlapped",
+            software,
         )
 
 
@@ -105,6 +116,7 @@ def _materialize(
     symmetric: bool,
     node_of: Callable[[int], int] | None,
     overlap: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     L = Layouts(plan, graph)
     if symmetric and plan.num_devices > 1:
@@ -121,11 +133,12 @@ def _materialize(
             for d, c in enumerate(classes):
                 if d != c:
                     witnesses[c] = d  # the last member of each class
-            program = build(plan, graph, L, precision, frozenset(reps) | frozenset(witnesses.values()), overlap)
+            keep = frozenset(reps) | frozenset(witnesses.values())
+            program = build(plan, graph, L, precision, keep, overlap, software)
             reduced = reduce_program(program, classes, witnesses, node_of)
             if reduced is not None:
                 return reduced
-    return build(plan, graph, L, precision, None, overlap)
+    return build(plan, graph, L, precision, None, overlap, software)
 
 
 # The passes, in the order they run (see the module docstring); each takes a Draft and returns
@@ -147,10 +160,16 @@ PASSES = (
 
 
 def build(
-    plan: Plan, graph: Graph, layouts: Layouts, precision: Precision, keep: frozenset[int] | None, overlap: bool = True
+    plan: Plan,
+    graph: Graph,
+    layouts: Layouts,
+    precision: Precision,
+    keep: frozenset[int] | None,
+    overlap: bool = True,
+    software: SoftwareSpec | None = None,
 ) -> Program:
     """The passes (see the module docstring), for every device or only for those in ``keep``."""
-    d = Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap)
+    d = Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software)
     for apply in PASSES:
         d = apply(d)
     return assemble(d)  # schedules, liveness, the Program

@@ -14,11 +14,11 @@ from typing import Any
 
 from planlab.errors import InfeasiblePlan, choices
 from planlab.graph.ir import Graph
-from planlab.models.registry import ModelSpec
+from planlab.models.spec import ModelSpec
 from planlab.plan.colocation import colocation
 
-PLAN_VERSION = 2  # 2: the once-per-iteration update phase is U (it was W in version 1)
-READ_VERSIONS = (1, 2)
+PLAN_VERSION = 3  # 2: the update phase is U (it was W in version 1); 3: meshes, placements, schedules listed once
+READ_VERSIONS = (1, 2, 3)
 ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages materialize supports; the search spaces' zero knob explores these
 
 
@@ -91,6 +91,13 @@ class Plan:
     knobs: tuple[tuple[str, Any], ...] = ()
     version: int = PLAN_VERSION
     zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
+    software: str = ""  # the training software it is priced with (a built-in name or a file); "": the cluster's default
+    precision: str = ""  # the software's precision ("bf16", "fp16", "fp8", "fp32"); "": the device's default
+
+    def __deepcopy__(self, memo) -> "Plan":
+        # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
+        # attrs, which hold the best plan, on every operation: seconds each for 1,024 devices)
+        return self
 
     def op_plan(self, name: str) -> OpPlan:
         for p in self.ops:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
+from planlab.costmodel.precision import FP32, MIXED_BF16, Precision  # noqa: F401 (re-exported)
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Box
 from planlab.plan.plan import Action
@@ -101,7 +102,9 @@ class Task:
     of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
     where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
-    micro-batch) let the cost model price a compute task kernel by kernel.
+    micro-batch) let the cost model price a compute task kernel by kernel. ``box`` is, on the
+    forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
+    in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
     """
 
     name: str
@@ -135,6 +138,7 @@ class Task:
     free: tuple[Buffer, ...] = ()
     op_kind: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
+    box: Box | None = None
     role: Role = Role.PLAIN
     tag: int = -1
     ident: int = -1
@@ -214,29 +218,6 @@ class DeviceProgram:
             for t in self.block(a).tasks:
                 if not t.final or a.microbatch == last:
                     yield a, t
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per element of activations and per parameter of weights, gradients and optimizer states."""
-
-    name: str
-    activation_bytes: int
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    compute_dtype: str
-
-    def __str__(self) -> str:
-        return self.name
-
-
-# Mixed precision with Adam: bf16 weights, fp32 main gradients, fp32 master weights + 2 moments
-# (Megatron-LM without the distributed optimizer: 18 bytes per parameter).
-MIXED_BF16 = Precision(
-    "bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12, compute_dtype="bf16"
-)
-FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8, compute_dtype="fp32")
 
 
 @dataclass(frozen=True)

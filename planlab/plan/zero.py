@@ -10,7 +10,8 @@ all-gathered back into the weights. Stage 1 keeps the whole gradients, stage 2 o
 ZeRO-3 (DeepSpeed stage 3, PyTorch FSDP's FULL_SHARD): the weights
 of one device and reduction group are cut into *units*, one per layer as FSDP wraps modules
 (the parameters whose names share the prefix up to their first index, ``blocks.3``, or their
-first name, ``wte``; consecutive in the forward). Each unit keeps one flat shard of
+first name, ``wte``; consecutive in the forward), or one per module where the software's
+``zero3_unit`` is ``module`` (DeepSpeed fetches parameters module by module). Each unit keeps one flat shard of
 ``ceil(numel / n)`` elements per device (weights ``zp:``, gradients ``zg:`` and optimizer states)
 and, per micro-batch:
 
@@ -18,7 +19,10 @@ and, per micro-batch:
   issued when the previous unit starts (FSDP's forward prefetch), read by the unit's forward
   tasks and freed, the unit at once, after the last of them (reshard after forward);
 - backward: the same again (``GATHERED_BACKWARD``), issued when the unit after it in the forward starts its
-  backward (backward prefetch) and freed after the unit's last backward;
+  backward (backward prefetch) and freed after the unit's last backward; with the software's
+  ``zero3_regather_for_recompute`` (DeepSpeed's pre-forward hooks), a recomputed forward in the
+  backward block gathers its unit's weights once more (``GATHERED_RECOMPUTE``), in the order the
+  recomputation first uses them, instead of reading the backward's gather;
 - the backward tasks write each weight's full gradient (``FULL_GRAD``), reduce-scattered on the
   communication stream into the unit's shard gradient right after the unit's last backward;
 - the update steps the optimizer on the shard; no all-gather follows.
@@ -49,13 +53,16 @@ from planlab.plan.passes.draft import (
     update_blocks,
 )
 from planlab.plan.passes.gradients import Reduction, reduction_groups
-from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Role, Task, TaskKind
+from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 
 
-def unit_key(param: str) -> str:
+def unit_key(param: str, per_module: bool = False) -> str:
     """The unit a parameter belongs to: its name up to its first index (``blocks.3.attn.q.weight``:
-    ``blocks.3``), else its first name (``wte.weight``: ``wte``)."""
+    ``blocks.3``), else its first name (``wte.weight``: ``wte``); ``per_module``: its module
+    (``blocks.3.attn.q``), as DeepSpeed's ZeRO-3 fetches parameters module by module."""
     parts = param.split(".")
+    if per_module and len(parts) > 1:
+        return ".".join(parts[:-1])
     for k, part in enumerate(parts[:-1]):
         if part.isdigit():
             return ".".join(parts[: k + 1])
@@ -86,15 +93,21 @@ class Unit:
 
 
 def units_of(
-    items: list[tuple[int, str, int]], group: tuple[int, ...], graph: Graph, stage: dict[str, int], grad_bytes: int
+    items: list[tuple[int, str, int]],
+    group: tuple[int, ...],
+    graph: Graph,
+    stage: dict[str, int],
+    grad_bytes: int,
+    *,
+    per_module: bool = False,
 ) -> list[Unit]:
     """Cut one group's weight gradients ``(owner index, parameter, bytes)`` into units, in forward order:
-    runs of consecutive weights of one stage with one :func:`unit_key`."""
+    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``)."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
     for idx, p, nbytes in ordered:
-        key = (stage[names[idx]], unit_key(p))
+        key = (stage[names[idx]], unit_key(p, per_module))
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
         runs[-1][1].append((idx, p, nbytes // grad_bytes))
@@ -122,7 +135,8 @@ def shard_zero(d: Draft) -> Draft:
         mine = groups[dev]
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
         if d.plan.zero == 3:
-            units = [units_of(mine[g], g, d.graph, d.stage, gb) for g in sorted(mine)]
+            per_module = d.software is not None and d.software.zero3_unit == "module"
+            units = [units_of(mine[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
                 parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
@@ -215,16 +229,19 @@ def shard_fully(
     for gi, mine_all in enumerate(groups):
         for st in sorted({u.stage for u in mine_all}):
             mine = [u for u in mine_all if u.stage == st]
+            redone = sorted((u for u in mine if (u, "R") in first), key=lambda u: first[(u, "R")][0])
             for ph, kind, order in (
                 ("F", BufferKind.GATHERED_FORWARD, mine),
                 ("B", BufferKind.GATHERED_BACKWARD, mine[::-1]),
+                ("R", BufferKind.GATHERED_RECOMPUTE, redone),  # the recomputation's, in the backward block
             ):
                 present = [u for u in order if (u, ph) in first]
+                block = (st, "B" if ph == "R" else ph)
                 for k, u in enumerate(present):
                     # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
                     start = first[(present[max(k - 1, 0)], ph)][1]
                     task = _gather(u, ph, kind, d.precision, idents)
-                    prefetch.setdefault((start[0], (st, ph), start[2], Part.PREFETCH), []).append(((k, gi), task))
+                    prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
                     together.append(task.writes)
     for key, gathers in prefetch.items():
         add(parts, *key, *(t for _, t in sorted(gathers, key=lambda x: x[0])))
@@ -242,11 +259,14 @@ def _gathered_and_reduced(
 ) -> tuple[dict, dict]:
     """Rewrite the forward and backward tasks that use the units' weights (in ``parts``): forward
     tasks read the forward's gathered weights, backward blocks the backward's (their backward tasks
-    keep them, as autograd saves them) and write full gradients. Returns, per (unit, phase), where
+    keep them, as autograd saves them) and write full gradients; with the software's
+    ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
+    ``R``). Returns, per (unit, phase), where
     its first task is and, per unit, where its last backward task is: ``(place in the order the
     block runs, slot part)``."""
     names = [op.name for op in d.graph.operators]
-    fwd, bwd, grad = {}, {}, {}
+    fwd, bwd, rec, grad = {}, {}, {}, {}
+    regather = d.software is not None and d.software.zero3_regather_for_recompute
     owned: dict[str, list[Buffer]] = defaultdict(list)  # operator -> its weights' backward copies
     unit_of: dict[Buffer, Unit] = {}
     for u in units:
@@ -254,18 +274,20 @@ def _gathered_and_reduced(
             w, g = d.names.weight(p), d.names.weight_grad(p)
             fwd[w] = Buffer(BufferKind.GATHERED_FORWARD, p)
             bwd[w] = Buffer(BufferKind.GATHERED_BACKWARD, p)
+            rec[w] = Buffer(BufferKind.GATHERED_RECOMPUTE, p)
             grad[g] = Buffer(BufferKind.FULL_GRAD, p)
             owned[names[idx]].append(bwd[w])
-            sizes[fwd[w]] = sizes[bwd[w]] = n * d.precision.param_bytes
+            sizes[fwd[w]] = sizes[bwd[w]] = sizes[rec[w]] = n * d.precision.param_bytes
             sizes[grad[g]] = n * d.precision.grad_bytes
             unit_of[w] = unit_of[g] = u
     first: dict[tuple[Unit, str], tuple] = {}
     last_grad: dict[Unit, tuple] = {}
     for key in keys:
         ph = key[1][1]
-        ren = fwd if ph == "F" else bwd
         tasks = list(parts[key])
         for k, t in enumerate(tasks):
+            redo = regather and ph == "B" and t.recompute is Recompute.REDO
+            ren = fwd if ph == "F" else rec if redo else bwd
             used = [b for b in t.reads if b in ren] + [b for b in t.writes if b in grad]
             if not used:
                 continue
@@ -277,9 +299,9 @@ def _gathered_and_reduced(
             )
             at = ((run_order(key), k), key)
             for b in used:
-                u = unit_of[b]
-                if (u, ph) not in first or at[0] < first[(u, ph)][0]:
-                    first[(u, ph)] = at
+                u, uph = unit_of[b], "R" if redo else ph
+                if (u, uph) not in first or at[0] < first[(u, uph)][0]:
+                    first[(u, uph)] = at
                 if b in grad and (u not in last_grad or at[0] > last_grad[u][0]):
                     last_grad[u] = at
         parts[key] = tuple(tasks)

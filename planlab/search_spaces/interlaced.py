@@ -270,6 +270,10 @@ class Interlaced(Space):
         spread: dict = ops.spread(embed_layout)
         for name in spread:
             stages[name] = pp + 1 if name in ops.head else 0
+        for op in reversed(g.operators):  # made from the inputs alone (T5's cat of the token ids): before its users
+            if op.name not in spread and not any(t in g.producer for t in op.inputs):
+                users = [stages[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
+                stages[op.name] = min([stages[op.name], *users])
         replica_ops = dict(ops.head) if values.get("head_layout") == "batch+vocab" else {}
         if embed_layout == "batch+vocab":
             replica_ops.update(ops.lookup)

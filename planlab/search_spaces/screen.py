@@ -104,7 +104,7 @@ class Screen:
 
     def __init__(self, graph: Graph, cost: CostModel, precision: Precision) -> None:
         self.graph, self.cost, self.prec = graph, cost, precision
-        self.t = _Tables(graph, precision)
+        self.t = _Tables(graph, precision, cost.software)
         self._splits: dict[Any, _Split] = {}
         self._structures: dict[Any, _Structure] = {}
         self._priced: dict[tuple, _Priced] = {}
@@ -173,22 +173,63 @@ class Screen:
 
     # -- prices ------------------------------------------------------------------------
     def _compute_s(self, work: int, pieces: int, m: int, phase: str) -> float:
+        """The device's seconds for one piece of a work class in ``phase`` (see :meth:`_compute_dh`)."""
+        return self._compute_dh(work, pieces, m, phase)[0]
+
+    def _compute_dh(self, work: int, pieces: int, m: int, phase: str) -> tuple[float, float]:
+        """(device, host) seconds of one piece of a work class, one micro-batch of ``m``, in ``phase``
+        (F, B, or zero-bubble's I and W parts): the roofline on the piece's share of the flop and
+        bytes, times the implementation's factor over the roofline at the whole operator (its extra
+        passes, as the kernel model prices them; 1 off the kernel level), and the host's issue time."""
         key = (work, pieces, m, phase)
         got = self._compute.get(key)
         if got is None:
-            flops, nbytes, ratio, share = self.t.works[work]
+            flops, nbytes, ratio, share = self.t.works[work][:4]
             if phase == "B":
                 flops *= ratio
             elif phase == "W":  # the weight-gradient part of the backward (zero-bubble's split)
                 flops, nbytes = flops * ratio * share, nbytes * share
             elif phase == "I":  # the rest, the input gradients
                 flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
-            got = self._compute[key] = (
-                self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
+            factor, host = self._kernel_factor(work, phase, flops, nbytes)
+            dev = (
+                factor
+                * self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
                 if (flops or nbytes)
                 else 0.0
             )
+            got = self._compute[key] = (dev, host)
         return got
+
+    def _kernel_factor(self, work: int, phase: str, flops: float, nbytes: float) -> tuple[float, float]:
+        """The kernel model's device time over the roofline's for the whole operator in ``phase``,
+        and the host's time to issue it (1.0 and 0.0 off the kernel level)."""
+        if not self.cost.host_bound:
+            return 1.0, 0.0
+        from planlab.plan.buffer import contribution, weight_grad
+        from planlab.plan.program import Task, TaskKind
+
+        kind, shapes = self.t.works[work][4:6]
+        weights = self.t.work_params.get(work, False)
+        x, w = contribution("x", "op", 0), weight_grad("w")  # what gradient_parts asks: their kinds
+        writes = {
+            "F": (),
+            "B": (x,) + ((w,) if weights else ()),
+            "I": (x,),
+            "W": (None, w),
+        }[phase]
+        task = Task(
+            "screen",
+            TaskKind.FORWARD if phase == "F" else TaskKind.BACKWARD,
+            writes=writes,
+            flops=flops,
+            bytes_moved=nbytes,
+            op_kind=kind,
+            shapes=shapes,
+        )
+        dev, host = self.cost.device_and_host_s(task, self.dtype)
+        roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0
+        return (dev / roof if roof > 0 else 1.0), host
 
     @staticmethod
     def _group(axes: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -213,8 +254,10 @@ class Screen:
             got = self._p2p[key] = self.cost.p2p_time_s(nbytes, src * per, dst * per)
         return got
 
-    def _price(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool) -> _Priced:
-        key = (pid, sizes, m, zero, zb)
+    def _price(
+        self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
+    ) -> _Priced:
+        key = (pid, sizes, m, zero, zb, regather)
         got = self._priced.get(key)
         if got is None:
             f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
@@ -222,7 +265,7 @@ class Screen:
                 b += split
             fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
             if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
-                zc, first = self._units_s(p, pid, sizes)  # unit ahead: computation hides all but the first gathers
+                zc, first = self._units_s(p, pid, sizes, regather)  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
             # buckets overlap the last micro-batch's backward; the last one does not
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
@@ -234,8 +277,9 @@ class Screen:
         key = (pid, sizes, m)
         got = self._micro.get(key)
         if got is None:
-            f = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.fwd)
-            b = sum(c * self._compute_s(w, pieces, m, ph) for (w, pieces, ph), c in p.bwd)
+            # the device waits for the host where the host is slower (planlab.costmodel.host_bound_elapsed_s)
+            f = self._block_s(p.fwd, m)
+            b = self._block_s(p.bwd, m)
             cm = sum(
                 c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
                 for (kind, axis, numel, batch, eb), c in p.comm
@@ -248,10 +292,19 @@ class Screen:
             got = self._micro[key] = (f, b, cm, wg, split)
         return got
 
-    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...]) -> tuple[float, float]:
-        """ZeRO-3 per micro-batch: (every unit's two weight all-gathers and gradient reduce-scatter,
-        the first unit's gathers in the forward and the backward), seconds."""
-        key = (pid, sizes)
+    def _block_s(self, entries, m: int) -> float:
+        """A block's compute: the device's time, or the host's to issue it where that is longer."""
+        dev = host = 0.0
+        for (w, pieces, ph), c in entries:
+            d, h = self._compute_dh(w, pieces, m, ph)
+            dev, host = dev + c * d, host + c * h
+        return max(dev, host)
+
+    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], regather: bool = False) -> tuple[float, float]:
+        """ZeRO-3 per micro-batch: (every unit's weight all-gathers, two or with ``regather`` three
+        (the recomputed forward gathers again), and gradient reduce-scatter, the first unit's gathers
+        in the forward and the backward), seconds."""
+        key = (pid, sizes, regather)
         got = self._zero3.get(key)
         if got is None:
             prec = self.prec
@@ -261,7 +314,8 @@ class Screen:
                     continue
                 elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
                 ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
-                total += n_units * (2 * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
+                gathers = 3 if regather else 2
+                total += n_units * (gathers * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
                 first = max(first, 2 * ag)
             got = self._zero3[key] = (total, first)
         return got
@@ -303,14 +357,9 @@ class Screen:
                 one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes)
                 ar += nb * one
                 last = max(last, one)
+        per_param = prec.optimizer_pass_bytes or (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
         opt_s = (
-            self.cost.compute_time_s(
-                flops=12.0 * opt,
-                dtype=self.dtype,
-                bytes_moved=opt * (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes),
-            )
-            if opt
-            else 0.0
+            self.cost.compute_time_s(flops=12.0 * opt, dtype=self.dtype, bytes_moved=opt * per_param) if opt else 0.0
         )
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
@@ -332,7 +381,8 @@ class Screen:
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         for r in range(G):
             p = s.profiles[r]
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb)
+            regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)

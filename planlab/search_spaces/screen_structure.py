@@ -26,8 +26,10 @@ import numpy as np
 
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.backward_split import weight_share
+from planlab.costmodel.software import SoftwareSpec
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
+from planlab.plan.saved import INTERNAL, internals, keeps_producer_layout, saved_tensors
 from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -86,11 +88,43 @@ def _conversions(have: tuple, need: tuple, live: list[int], sizes, numel: int) -
     return tuple(out)
 
 
+def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
+    """The whole shapes of an operator's inputs, then its outputs (as a Task's ``shapes``)."""
+    return tuple(tuple(g.tensors[t].shape) for t in op.inputs + op.outputs)
+
+
 class _Tables:
     """What the screen needs of a graph, once."""
 
-    def __init__(self, g: Graph, prec: Precision) -> None:
+    @staticmethod
+    def _saves_of(g: Graph, op, software, prec, fwd_only, index, axis_map, is_batch, ebytes) -> tuple:
+        """What ``op`` keeps for its backward as the software keeps it (:mod:`planlab.plan.saved`):
+        ``(elements, dims, batch, bytes[, producer dims])`` entries, their names, and per entry the
+        producer whose cut a kept input takes (or None)."""
+        ss, names, prods = [], [], []
+        if op.name in fwd_only:
+            return ss, names, prods
+        for t in saved_tensors(op, software):
+            spec = g.tensors[t]
+            if spec.role == "param":
+                continue
+            kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
+            prod = g.producer[t] if kept else None
+            ss.append(
+                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t))
+                + ((frozenset(axis_map(prod, t)),) if kept else ())
+            )
+            names.append(t)
+            prods.append(index[prod.name] if kept else None)
+        for tag, base, per, nbytes in internals(op, g, software, prec.activation_bytes):
+            ss.append((g.tensors[base].numel * per, frozenset(axis_map(op, base)), is_batch(base), nbytes))
+            names.append(f"{INTERNAL}{op.name}:{tag}")
+            prods.append(None)
+        return ss, names, prods
+
+    def __init__(self, g: Graph, prec: Precision, software: SoftwareSpec | None = None) -> None:
         ops = g.operators
+        per_module = software is not None and software.zero3_unit == "module"  # DeepSpeed's ZeRO-3 units
         self.n = len(ops)
         self.names = [op.name for op in ops]
         index = {op.name: i for i, op in enumerate(ops)}
@@ -102,9 +136,12 @@ class _Tables:
         share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
         works: dict[tuple, int] = {}
         self.work_class = [
-            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w), len(works)) for op, w in zip(ops, share)
+            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w, op.kind, shapes_of(g, op)), len(works))
+            for op, w in zip(ops, share)
         ]
-        self.works = list(works)  # class -> (flops, bytes, backward flops ratio, weight-gradient share)
+        # class -> (flops, bytes, backward flops ratio, weight-gradient share, kind, shapes of its inputs and outputs)
+        self.works = list(works)
+        self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops, self.work_class)}
         batch = g.batch_label
 
         def is_batch(t: str) -> bool:
@@ -122,22 +159,20 @@ class _Tables:
         units: dict[str, int] = {}
         self.saves: list[list[tuple[int, frozenset[str], bool, int]]] = []  # (elements, dims, batch, bytes)
         self.save_names: list[tuple[str, ...]] = []
+        self.save_producers: list[tuple[int | None, ...]] = []  # the producer whose cut a kept input takes
         self.out: list[tuple[int, frozenset[str], bool, int]] = []
         self.edges: list[_Edge] = []
         has_backward = []
         fwd_only = forward_only_of(g)  # recycling passes behind a detach: no backward, nothing saved
         self.fwd_only = np.array([op.name in fwd_only for op in ops], dtype=bool)
         for i, op in enumerate(ops):
-            ps, ss, names, us = [], [], [], []
+            ps, us = [], []
             for t in op.inputs:
                 if g.tensors[t].role == "param":
                     ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
-                    us.append(units.setdefault(unit_key(t), len(units)))
-            for t in () if op.name in fwd_only else op.saves:
-                spec = g.tensors[t]
-                if spec.role != "param":
-                    ss.append((spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t)))
-                    names.append(t)
+                    us.append(units.setdefault(unit_key(t, per_module), len(units)))
+            ss, names, prods = self._saves_of(g, op, software, prec, fwd_only, index, axis_map, is_batch, ebytes)
+            self.save_producers.append(tuple(prods))
             self.params.append(ps)
             self.param_units.append(tuple(us))
             self.saves.append(ss)
@@ -215,10 +250,11 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
     memo: dict[tuple, tuple] = {}
     for i in range(n):
         od = tuple(c[i] for c in cols)
-        key = (t.op_class[i], od, t.work_class[i])
+        pods = tuple(None if j is None else tuple(c[j] for c in cols) for j in t.save_producers[i])
+        key = (t.op_class[i], od, t.work_class[i], pods)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _op_split(t, i, live, sizes, od, ids)
+            got = memo[key] = _op_split(t, i, live, sizes, od, ids, pods)
         fkey[i], bkey[i], wkey[i], work[i], params, saves = got
         for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
@@ -272,10 +308,11 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
     )
 
 
-def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) -> tuple:
+def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids, pods: tuple = ()) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
     elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
-    (per live axis)."""
+    (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
+    the producer's layout (else None)."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
@@ -283,8 +320,10 @@ def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids) 
         cut = math.prod(sizes[a] for a, dm in split if dm in pdims)
         params.append((ids.of(tuple(a for a, dm in split if dm not in pdims)), numel / cut))
     saves = []
-    for numel, sdims, batch, eb in t.saves[i]:
+    for k, (numel, sdims, batch, eb, *pdims) in enumerate(t.saves[i]):
         cut = math.prod(sizes[a] for a, dm in split if dm in sdims)
+        if pdims and k < len(pods) and pods[k] is not None:
+            cut = max(cut, math.prod(sizes[a] for a, dm in zip(live, pods[k]) if dm is not None and dm in pdims[0]))
         saves.append((cut, numel / cut * eb if batch else 0.0, 0.0 if batch else numel / cut * eb))
     numel, odset, batch, eb = t.out[i]
     work = numel / math.prod(sizes[a] for a, dm in split if dm in odset) * eb if batch else 0.0

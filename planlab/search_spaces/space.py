@@ -648,7 +648,10 @@ class Space(abc.ABC):
                 valid = k.range_of(ctx, self.name)
                 v = k.coerce(fixed[k.name], self.name, valid[0] if valid else None)
                 if v not in valid:
-                    why = self.explain(ctx, {**fixed, k.name: v})
+                    try:
+                        why = self.explain(ctx, {**fixed, k.name: v})
+                    except ConfigError:  # a constraint that cannot even evaluate the value (dp=0)
+                        why = ""
                     raise ConfigError(
                         f"space {self.name!r}: {k.name}={v} is not valid here: "
                         + (

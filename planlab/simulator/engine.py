@@ -403,7 +403,9 @@ def result(sim: Simulation, model_flops: float) -> SimResult:
         model_flops=model_flops,
         hardware_flops=hw_flops,
         num_devices=program.num_devices,
-        peak_flops_per_s=peak_flops_per_s(sim.cost.cluster.device, sim.dtype),
+        peak_flops_per_s=peak_flops_per_s(
+            sim.cost.cluster.device, program.precision.elementwise_dtype
+        ),  # MFU: the 16-bit peak
         events=tuple(e for _, e in sorted(sim.events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
         memory=tuple(sim.memory),
     )

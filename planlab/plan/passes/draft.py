@@ -23,6 +23,7 @@ from enum import IntEnum
 from itertools import product
 from typing import Iterable
 
+from planlab.costmodel.software import SoftwareSpec
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator, no_grad_tensors
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
@@ -105,7 +106,9 @@ class Draft:
     """A Program under construction (see the module docstring).
 
     Inputs: ``plan``, ``graph``, ``layouts``, ``precision``, ``keep`` (the devices to build; None:
-    all), ``overlap`` (gradient buckets overlapped with the backward), and what follows from them:
+    all), ``overlap`` (gradient buckets overlapped with the backward), ``software`` (the training
+    software whose implementation decides what is kept, the bucket size and ZeRO-3's gathers; None:
+    planlab's own), and what follows from them:
     ``topo`` (each operator's topological index), ``stage`` (each operator's stage), ``nograd``
     (tensors a detach cuts off from the loss), ``forward_only`` (operators without a backward
     because of it), and ``names``, the buffers every device names alike (:class:`Names`).
@@ -130,6 +133,7 @@ class Draft:
     precision: Precision
     keep: frozenset[int] | None
     overlap: bool
+    software: SoftwareSpec | None
     topo: dict[str, int]
     stage: dict[str, int]
     nograd: frozenset[str]
@@ -162,6 +166,7 @@ class Draft:
         *,
         keep: frozenset[int] | None,
         overlap: bool,
+        software: SoftwareSpec | None = None,
     ) -> Draft:
         """The draft before any pass: the inputs and what follows from them."""
         nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
@@ -172,6 +177,7 @@ class Draft:
             precision=precision,
             keep=keep,
             overlap=overlap,
+            software=software,
             topo={op.name: i for i, op in enumerate(graph.operators)},
             stage={p.op: p.stage for p in plan.ops},
             nograd=nograd,

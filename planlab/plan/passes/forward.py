@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from planlab.graph.random_ops import draws_random
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import box_numel, box_shape
@@ -12,6 +13,7 @@ from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line,
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
+from planlab.plan.saved import internals, saved_buffers
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -120,27 +122,26 @@ def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
 def forward_pieces(d: Draft) -> Draft:
     """One forward task per piece of every operator, reading what :func:`convert_inputs` made and
     writing the operator's outputs in its own layout; what its backward keeps (``saved``: the
-    operator's saved tensors as this piece holds them) and the piece's local shapes (for the cost
-    model) are recorded per operator."""
+    operator's saved tensors as this piece holds them and the internal buffers its implementation
+    keeps, :mod:`planlab.plan.saved`) and the piece's local shapes (for the cost model) are recorded
+    per operator. A random operator's task carries its box in the micro-batch's whole output
+    (``box``): its draws are keyed by it (:mod:`planlab.executor.randomness`)."""
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
     saved_of, shapes_of = {}, {}
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(d.names.activation(o) for o in op.outputs)
-        saved = tuple(
-            dict.fromkeys(
-                outs[op.outputs.index(s)] if s in op.outputs else bufs[op.inputs.index(s)]
-                for s in op.saves
-                if not (s in op.inputs and graph.tensors[s].role == "param")
-            )
-        )
+        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes)
+        kept = internals(op, graph, d.software, d.precision.activation_bytes)
         red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
         saved_of[op.name] = saved
         shapes_of[op.name] = piece_shapes(L, op)
         agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
         share = shares(d, op)
+        random = draws_random(op)
         for flat, dev in d.positions(mesh):
+            out_box = L.has(op, 0).box(flat, L.shapes[op.outputs[0]])
             task = piece_task(
                 op,
                 TaskKind.FORWARD,
@@ -149,14 +150,19 @@ def forward_pieces(d: Draft) -> Draft:
                 outs,
                 op.flops,
                 share,
-                shape=box_shape(L.has(op, 0).box(flat, L.shapes[op.outputs[0]])),
+                shape=box_shape(out_box),
                 saved=saved,
                 lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
                 shapes=shapes_of[op.name],
                 group=line(mesh, flat, agree),
+                box=out_box if random else None,
             )
             add(parts, dev, (d.stage[op.name], "F"), i, Part.COMPUTE, task)
             mine = sizes.setdefault(dev, {})
             for j, o in enumerate(op.outputs):
                 mine[outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * d.elem_bytes(o)
+            for tag, base, per, nbytes in kept:  # internal buffers: a share of a base tensor's piece
+                j = op.inputs.index(base) if base in op.inputs else None
+                lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
+                mine[buf_.internal(op.name, tag)] = int(box_numel(lay.box(flat, L.shapes[base])) * per * nbytes)
     return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)

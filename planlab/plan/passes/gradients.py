@@ -63,7 +63,8 @@ def reduce_gradients(d: Draft) -> Draft:
 
 def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[int, ...], items: Reduction) -> None:
     """Data-parallel gradient reduction overlapped with the backward, as Megatron-LM and DDP do it:
-    per stage, gradients in buckets of at most :data:`BUCKET_ELEMENTS`, filled in the order the
+    per stage, gradients in buckets of at most the software's ``grad_bucket_elements`` (without a
+    software :data:`BUCKET_ELEMENTS`), filled in the order the
     backward completes them (then by parameter name); each bucket's all-reduce is issued, with the
     last micro-batch (``final``), right after the backward task that completes it (the ``after``
     part of that operator's slot: ``Part.AFTER``), and runs on the communication stream (``overlap``)."""
@@ -71,7 +72,8 @@ def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[i
     by_stage: dict[int, Reduction] = defaultdict(list)
     for item in items:
         by_stage[d.stage[ops[item[0]].name]].append(item)
-    cap = BUCKET_ELEMENTS * d.precision.grad_bytes
+    bucket_elements = d.software.grad_bucket_elements if d.software is not None else BUCKET_ELEMENTS
+    cap = bucket_elements * d.precision.grad_bytes
     for st in sorted(by_stage):
         ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
         bucket: Reduction = []

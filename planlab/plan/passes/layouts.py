@@ -24,11 +24,19 @@ class Layouts:
         names = {op.name for op in graph.operators}
         extra = [p.op for p in plan.ops if p.op not in names]
         if extra:
-            raise InfeasiblePlan(f"the plan names operator {extra[0]!r}, which the model {plan.model} does not have")
+            raise InfeasiblePlan(
+                f"the plan names operator {extra[0]!r}, which the model {plan.model} does not have "
+                f"({len(extra)} of the plan's {len(plan.ops)} operators are not the model's): "
+                "was the plan made for another model or size?"
+            )
         self.op_plan = {p.op: p for p in plan.ops}
         missing = [n for n in names if n not in self.op_plan]
         if missing:
-            raise InfeasiblePlan(f"the plan does not place operator {sorted(missing)[0]!r}")
+            raise InfeasiblePlan(
+                f"the plan does not place operator {sorted(missing)[0]!r} of the model {plan.model} "
+                f"({len(missing)} of its {len(names)} operators are not in the plan): "
+                "was the plan made for another model or size?"
+            )
         self.shapes: dict[str, tuple[int, ...]] = {}
         for t, spec in graph.tensors.items():
             shape = list(spec.shape)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from planlab.plan.buffer import Buffer
+from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Replicate, box_numel
 from planlab.plan.passes.draft import Draft
 from planlab.plan.passes.order import as_blocks, block_order, schedule_of
-from planlab.plan.program import Block, DeviceProgram, Program
+from planlab.plan.program import Block, DeviceProgram, Program, TaskKind
 
 
 def assemble(d: Draft) -> Program:
@@ -56,8 +56,8 @@ def assemble(d: Draft) -> Program:
 
 
 def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
-    """Fill ``alloc``/``free``: a buffer is allocated by its first writer and freed
-    after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
+    """Fill ``alloc``/``free``: a buffer is allocated by its first writer (an internal buffer,
+    :mod:`planlab.plan.saved`, by the forward task that keeps it) and freed after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
     which every valid schedule preserves per micro-batch. Each group of buffers in ``together`` is
     freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
     together). Static buffers (weights, their gradients, shards, sources) live all along."""
@@ -67,7 +67,8 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
     for bk in order:
         for ti, t in enumerate(blocks[bk].tasks):
             at = (bk, ti)
-            for b in t.writes:
+            kept = tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL) if t.kind is TaskKind.FORWARD else ()
+            for b in t.writes + kept:
                 if b and not b.static and first.setdefault(b, at) is at:
                     last.setdefault(b, at)
             for b in t.reads + t.saved:

@@ -15,7 +15,10 @@ def recompute(d: Draft) -> Draft:
     (``Recompute.DROP``) and are copied, without their sends and receives, into the backward
     block's slot of the group's last operator (``Part.RECOMPUTE``: before the gradients of its
     outputs), writing ``RECOMPUTED`` buffers that the group's backward tasks keep instead. A copied
-    collective is another collective: it takes a new identity, the same on every device."""
+    collective is another collective: it takes a new identity, the same on every device. A buffer
+    a receive fills (in part: the pieces of a batch-split producer) is not made again: receives are
+    not redone, so the copies read it as the forward left it, and a task that writes only such
+    buffers is not copied."""
     groups_of = {
         p.op: p.recompute
         for p in d.plan.ops
@@ -27,22 +30,31 @@ def recompute(d: Draft) -> Draft:
     parts, sizes = dict(d.parts), d.copy_sizes()
     fresh = Idents(d.next_ident)
     for (dev, (st, _)), keys in by_block(d.parts, "F").items():
+        received = frozenset(w for k in keys for t in d.parts[k] if t.kind is TaskKind.RECV for w in t.writes if w)
         by_group: dict[int, list[SlotKey]] = {}
         for k in keys:
             g = groups_of.get(names[k[2]])
-            if g and k[3] in (Part.INPUTS, Part.COMPUTE) and any(not _message(t) for t in d.parts[k]):
+            if g and k[3] in (Part.INPUTS, Part.COMPUTE) and any(_redone(t, received) for t in d.parts[k]):
                 by_group.setdefault(g, []).append(k)
         for members in by_group.values():
-            _redo(parts, sizes.setdefault(dev, {}), members, names, fresh)
+            _redo(parts, sizes.setdefault(dev, {}), members, names, fresh, received)
     return d.replace(parts=parts, sizes=sizes, next_ident=fresh.next)
 
 
-def _redo(parts: Parts, sizes: dict[Buffer, int], members: list[SlotKey], names: list[str], fresh: Idents) -> None:
+def _redo(
+    parts: Parts,
+    sizes: dict[Buffer, int],
+    members: list[SlotKey],
+    names: list[str],
+    fresh: Idents,
+    received: frozenset[Buffer],
+) -> None:
     """Mark one group's forward tasks (in the slot parts ``members``, in the order they run) DROP
-    and copy them, but their sends and receives, into the backward block (see :func:`recompute`)."""
+    and copy them, but their sends and receives and what writes only ``received`` buffers, into
+    the backward block (see :func:`recompute`)."""
     dev, (st, _), _, _ = members[0]
-    tasks = [t for k in members for t in parts[k] if not _message(t)]
-    remade = {w: w.with_kind(BufferKind.RECOMPUTED) for t in tasks for w in t.writes if w}
+    tasks = [t for k in members for t in parts[k] if _redone(t, received)]
+    remade = {w: w.with_kind(BufferKind.RECOMPUTED) for t in tasks for w in t.writes if w and w not in received}
     for w, r in remade.items():
         if w in sizes:
             sizes[r] = sizes[w]
@@ -52,7 +64,8 @@ def _redo(parts: Parts, sizes: dict[Buffer, int], members: list[SlotKey], names:
 
     for k in members:
         parts[k] = tuple(
-            t.but(recompute=Recompute.DROP, saved=()) if t.kind is TaskKind.FORWARD else t for t in parts[k]
+            t.but(recompute=Recompute.DROP, saved=()) if t.kind is TaskKind.FORWARD and _redone(t, received) else t
+            for t in parts[k]
         )
     redo = tuple(
         t.but(
@@ -74,6 +87,7 @@ def _redo(parts: Parts, sizes: dict[Buffer, int], members: list[SlotKey], names:
             )
 
 
-def _message(t) -> bool:
-    """A send or receive: the recomputation has the data already."""
-    return t.kind in (TaskKind.SEND, TaskKind.RECV)
+def _redone(t, received: frozenset[Buffer]) -> bool:
+    """Whether a forward block's task runs again: not a send or receive (the recomputation has the
+    data already), nor a task that writes only buffers a receive fills."""
+    return t.kind not in (TaskKind.SEND, TaskKind.RECV) and not all(w in received for w in t.writes if w)

@@ -1,0 +1,260 @@
+"""Simulating an exploration's candidates: in this process, in ``--jobs`` forked workers, or as Ray
+tasks on a cluster (``--ray``); each finished row is journaled to ``--out`` at once, so that
+``--resume`` continues an exploration that was interrupted.
+
+The journal, ``OUT/simulations.jsonl``, is JSON lines: a header naming the exploration (model,
+cluster, batch, space, pinned knobs, candidates, and the digests of planlab's source and of the
+cluster and profile files), then one line per simulated candidate, ``{"values": knobs, "row":
+result}``, appended and flushed as it finishes. A resumed exploration reads the rows whose header
+matches its own (a last line cut by the interruption is ignored) and simulates only the others:
+simulation is deterministic and floats round-trip through JSON exactly, so it ends with the rows
+an uninterrupted run gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from planlab.errors import ConfigError
+
+JOURNAL = "simulations.jsonl"
+JOURNAL_FORMAT = "planlab-simulations"
+JOURNAL_VERSION = 1
+ROW_KEYS = ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")
+
+
+def _file_sha256(path: str | None) -> str | None:
+    """The digest of a spec or profile file's contents (None for a built-in name)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def exploration_header(
+    *, model: dict, cluster: str, nodes: int, global_batch: int, space: str, fixed: dict, profile, candidates
+) -> dict:
+    """What an exploration's rows depend on; a journal resumes only under the same header."""
+    from planlab import __version__
+    from planlab.models.trace_cache import source_digest
+
+    return {
+        "format": JOURNAL_FORMAT,
+        "version": JOURNAL_VERSION,
+        "model": model,
+        "cluster": cluster,
+        "cluster_sha256": _file_sha256(cluster),
+        "nodes": nodes,
+        "global_batch": global_batch,
+        "space": space,
+        "fixed": {k: fixed[k] for k in sorted(fixed)},
+        "profile_sha256": _file_sha256(profile),
+        "candidates": candidates,
+        "planlab_version": __version__,
+        "planlab_source_sha256": source_digest(),
+    }
+
+
+def _key(values: dict) -> str:
+    return json.dumps(values, sort_keys=True)
+
+
+class Journal:
+    """``OUT/simulations.jsonl``, written as rows finish (one line each, flushed to disk)."""
+
+    def __init__(self, out: Path, header: dict, *, resume: bool) -> None:
+        self.path = out / JOURNAL
+        self.done: dict[str, dict] = {}  # knob values (as _key) -> row
+        kept = self._read(header) if resume else []
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(JOURNAL + ".tmp")
+        with open(tmp, "w") as f:  # the header and the whole lines kept, then appended to
+            f.write("".join(line + "\n" for line in [json.dumps(header), *kept]))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+
+    def _read(self, header: dict) -> list[str]:
+        """The rows of a journal of this exploration into ``done``; its whole lines."""
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--resume: cannot read {self.path}: {e}") from None
+        try:
+            first = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            first = None
+        if first != header:
+            what = "" if not isinstance(first, dict) else _difference(first, header)
+            raise ConfigError(
+                f"--resume: {self.path} is not a journal of this exploration{what}; "
+                "run without --resume to start it again"
+            )
+        kept = []
+        for line in lines[1:]:
+            try:
+                rec = json.loads(line)
+                values, row = rec["values"], rec["row"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # the line being written when the run was interrupted
+            if isinstance(values, dict) and isinstance(row, dict) and set(row) == set(ROW_KEYS):
+                self.done[_key(values)] = row
+                kept.append(line)
+        return kept
+
+    def record(self, values: dict, row: dict) -> None:
+        self.file.write(json.dumps({"values": values, "row": {k: row[k] for k in ROW_KEYS}}) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def row_of(self, values: dict) -> dict | None:
+        return self.done.get(_key(values))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _difference(old: dict, new: dict) -> str:
+    keys = [k for k in new if old.get(k) != new[k]]
+    return f" (it differs in {', '.join(keys)})" if keys else ""
+
+
+@dataclass
+class Pending:
+    """A candidate submitted to a runner: its index and the runner's handle."""
+
+    index: int
+    handle: Any
+
+
+class SerialRunner:
+    """Candidates simulated one after another in this process."""
+
+    def __init__(self, fn: Callable[[tuple[int, dict]], tuple[int, dict]]) -> None:
+        self.fn = fn
+        self.slots = 1
+
+    def submit(self, i: int, values: dict) -> Pending:
+        return Pending(i, self.fn((i, values)))
+
+    def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
+        return [p.handle for p in pending]
+
+    def cancel(self, pending: list[Pending]) -> None:
+        pass
+
+
+class PoolRunner:
+    """Candidates simulated in a multiprocessing pool (``--jobs``), two in flight per worker."""
+
+    def __init__(self, pool, jobs: int, fn: Callable, on_cancel: Callable[[], None]) -> None:
+        self.pool, self.fn, self.on_cancel = pool, fn, on_cancel
+        self.slots = 2 * jobs
+
+    def submit(self, i: int, values: dict) -> Pending:
+        return Pending(i, self.pool.apply_async(self.fn, ((i, values),)))
+
+    def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
+        pending[0].handle.wait(timeout_s)
+        return [p.handle.get() for p in pending if p.handle.ready()]
+
+    def cancel(self, pending: list[Pending]) -> None:
+        self.on_cancel()
+
+
+def simulate_candidates(
+    order: list[int],
+    assignments: list[dict],
+    runner,
+    *,
+    store: Callable[[int, dict], None],
+    late: Callable[[], bool],
+    deadline: float | None,
+) -> None:
+    """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
+    and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
+    budget ran out are kept, the others cancelled."""
+    pending: list[Pending] = []
+    queue = list(order)
+    while queue or pending:
+        while queue and len(pending) < runner.slots and not late():
+            i = queue.pop(0)
+            pending.append(runner.submit(i, assignments[i]))
+        if not pending or late():
+            break
+        timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
+        for i, row in runner.wait(pending, timeout):
+            pending = [p for p in pending if p.index != i]
+            store(i, row)
+    if pending:
+        for i, row in runner.wait(pending, 0.0):
+            pending = [p for p in pending if p.index != i]
+            store(i, row)
+    if pending:
+        runner.cancel(pending)
+
+
+CONNECT_TIMEOUT_S = 10.0  # how long a Ray address may take to accept a connection
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``host:port`` (or ``ray://host:port``) Ray address that does not accept a connection is
+    refused at once (Ray itself keeps retrying for minutes)."""
+    if not address or address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # a form Ray reads itself
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(f"--ray {address}: cannot start or reach Ray: nothing answers there ({e})") from None
+
+
+class RayRunner:
+    """Candidates simulated as Ray tasks: on the cluster at ``address``, or on a local Ray
+    instance (``address`` None: the one ``RAY_ADDRESS`` names, or a new one). The context, the
+    cost model and the space go to Ray's object store once; each task builds and simulates one
+    plan with :func:`planlab.explore.simulate_candidate`. Ray workers need planlab installed."""
+
+    def __init__(self, address: str | None, task_fn: Callable, shared: tuple) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--ray needs Ray: pip install 'planlab[ray]'") from None
+        self.ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            _check_reachable(address)
+            try:
+                ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"--ray {address or ''}: cannot start or reach Ray: {e}".replace("  ", " ")) from None
+        self.task = ray.remote(task_fn)
+        self.shared = tuple(ray.put(x) for x in shared)
+        self.slots = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def submit(self, i: int, values: dict) -> Pending:
+        return Pending(i, self.task.remote(*self.shared, i, values))
+
+    def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
+        refs = [p.handle for p in pending]
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        return self.ray.get(ready)
+
+    def cancel(self, pending: list[Pending]) -> None:
+        for p in pending:
+            self.ray.cancel(p.handle, force=True)
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()

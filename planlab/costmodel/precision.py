@@ -1,0 +1,46 @@
+"""Numeric precision of a training run: bytes per element of activations, and per parameter of
+weights, gradients and optimizer states, and the dtype its GEMMs compute in.
+
+A precision is a setting of the training software (``planlab/costmodel/software/*.json`` list
+the ones each supports, with the bytes its mixed-precision implementation keeps); the device
+names its default (a V100 has no bf16 tensor cores, so fp16). :data:`FP32` and
+:data:`MIXED_BF16` are the values planlab uses where no software is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of activations and per parameter of weights, gradients (as reduced over
+    data parallelism) and optimizer states; ``compute_dtype`` is the dtype of the GEMMs (``fp8``:
+    FP8 GEMMs with bf16 everywhere else, as Transformer Engine runs them);
+    ``optimizer_pass_bytes`` the memory traffic of one optimizer step per parameter."""
+
+    name: str
+    activation_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    compute_dtype: str
+    optimizer_pass_bytes: float = 0.0
+
+    @property
+    def elementwise_dtype(self) -> str:
+        """The dtype of the kernels that are not GEMMs (bf16 under FP8 training)."""
+        return "bf16" if self.compute_dtype == "fp8" else self.compute_dtype
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# Mixed precision with Adam: bf16 weights, fp32 main gradients, fp32 master weights + 2 moments
+# (Megatron-LM without the distributed optimizer: 18 bytes per parameter).
+MIXED_BF16 = Precision(
+    "bf16-mixed", activation_bytes=2, param_bytes=2, grad_bytes=4, optimizer_bytes=12, compute_dtype="bf16"
+)
+FP32 = Precision("fp32", activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8, compute_dtype="fp32")

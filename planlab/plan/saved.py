@@ -1,0 +1,152 @@
+"""What an operator keeps for its backward, as the training software's implementation keeps it.
+
+The graph says which of an operator's inputs and outputs its backward reads (``Operator.saves``,
+PyTorch's view). The implementation decides the rest, and materialize, the explorer's memory
+bound and the screen all ask here:
+
+- dropout keeps a one-byte mask of its output, not the output (``torch.nn.functional.dropout``
+  saves the boolean mask ``native_dropout`` returns);
+- Megatron-LM's unfused attention (implementation ``megatron``) keeps the softmax's output, the
+  attention dropout's mask and its output: 2 + 1 + 2 bytes (16-bit activations) per element of the
+  ``B x H x T x S`` scores, and not its own output (the backward of ``probs @ V`` needs ``probs``
+  and ``V``) (Korthikanti et al. 2022, section 4.1: ``5 a s^2 b`` bytes per layer);
+- with the software's ``sequence_parallel_saves_shard`` a linear layer keeps the sequence shard
+  its input was gathered from instead of the gathered input (Megatron-LM), gathering it again
+  in the backward (overlapped with the input-gradient GEMM there, and not priced).
+
+An *internal* is a buffer that is no tensor of the graph: ``(tag, base tensor, elements per
+element of the base, bytes per element)``; materialize's buffer for it is
+:func:`planlab.plan.buffer.internal` (text ``k:<operator>:<tag>``), the screen's key
+``INTERNAL + "<operator>:<tag>"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+from planlab.graph.ir import Graph, Operator
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer
+from planlab.plan.layout import Layout, Shard
+
+if TYPE_CHECKING:
+    from planlab.costmodel.software import SoftwareSpec
+
+INTERNAL = "k:"  # prefix of the screen's and the explorer's keys for internal buffers
+
+
+def implementation(software: SoftwareSpec | None) -> str:
+    """The software's kernel implementation (``torch`` without a software)."""
+    return software.implementation if software is not None else "torch"
+
+
+def saved_tensors(op: Operator, software: SoftwareSpec | None) -> tuple[str, ...]:
+    """The graph tensors ``op``'s backward keeps (inputs and outputs, weights included)."""
+    if op.kind == "dropout":
+        return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
+    if op.kind == "attention" and implementation(software) == "megatron":
+        return tuple(t for t in op.saves if t not in op.outputs)
+    return op.saves
+
+
+def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activation_bytes: int) -> tuple:
+    """``((tag, base tensor, elements per base element, bytes per element), ...)`` that ``op``'s
+    implementation keeps for its backward besides graph tensors."""
+    if op.kind == "dropout" and any(t in op.outputs for t in op.saves):
+        return (("mask", op.outputs[0], 1.0, 1),)
+    if op.kind == "attention" and implementation(software) == "megatron" and len(op.inputs) >= 2:
+        q, k = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[1]].shape
+        if len(q) >= 2 and len(k) >= 2 and q[-1]:
+            # scores B*H*T*S = q's elements (B*H*T*D) x S / D: softmax output, dropout mask, dropout output
+            return (("probs", op.inputs[0], k[-2] / q[-1], 2 * activation_bytes + 1),)
+    return ()
+
+
+def keeps_producer_layout(op: Operator, tensor: str, graph: Graph, software: SoftwareSpec | None) -> bool:
+    """Whether ``op`` keeps ``tensor`` (an activation input) in the layout its producer made, not
+    the one it computed on (Megatron-LM's sequence-parallel linear layers)."""
+    return (
+        software is not None
+        and software.sequence_parallel_saves_shard
+        and op.kind == "linear"
+        and graph.tensors[tensor].role == "activation"
+        and tensor in graph.producer
+    )
+
+
+def saved_buffers(
+    op: Operator,
+    bufs: tuple[Buffer, ...],
+    outs: tuple[Buffer, ...],
+    graph: Graph,
+    has: Callable[[Operator, int], Layout],
+    needs: Callable[[Operator, int], Layout],
+    software: SoftwareSpec | None,
+    activation_bytes: int,
+) -> tuple[Buffer, ...]:
+    """The buffers ``op``'s backward keeps: its saved inputs (``bufs``, in the layouts it computed
+    on) and outputs (``outs``), an input in its producer's layout (``outs`` of the producer: the
+    activation as it made it) where the software keeps that (:func:`keeps_producer_layout`) and
+    that layout is more split, then its internal buffers. ``has(op, j)`` and ``needs(op, j)``: the
+    layout of output ``j`` / input ``j``."""
+    out = []
+    for s in saved_tensors(op, software):
+        if s in op.outputs:
+            out.append(outs[op.outputs.index(s)])
+            continue
+        if graph.tensors[s].role == "param":
+            continue
+        j = op.inputs.index(s)
+        buf, made = bufs[j], buf_.activation(s)
+        if buf != made and keeps_producer_layout(op, s, graph, software):
+            prod = graph.producer[s]
+            if shards(has(prod, prod.outputs.index(s))) > shards(needs(op, j)):
+                buf = made  # the sequence shard it was gathered from
+        out.append(buf)
+    out += [buf_.internal(op.name, tag) for tag, *_ in internals(op, graph, software, activation_bytes)]
+    return tuple(dict.fromkeys(out))
+
+
+def shards(layout: Layout) -> int:
+    """How many pieces a layout cuts a tensor into (the product of its sharded mesh axes)."""
+    return math.prod(layout.mesh.shape[a] for a, p in enumerate(layout.placements) if isinstance(p, Shard))
+
+
+def saved_activations(
+    op: Operator,
+    piece,
+    graph: Graph,
+    software: SoftwareSpec | None,
+    activation_bytes: int,
+    microbatches: int,
+    plans: dict,
+) -> list[tuple[tuple, float]]:
+    """What one piece of ``op`` keeps for its backward, one micro-batch: ``((key, bytes), ...)``,
+    ``key`` naming the tensor and how many pieces it is cut into (operators that keep the same
+    tensor in the same cut keep it once). ``piece`` is ``op``'s OpPlan and ``plans`` maps
+    operator names to theirs (a tensor kept in its producer's layout is cut as its producer cuts it)."""
+
+    def cut_of(oplan, o: Operator, t: str) -> int:
+        held = {ax[0] for ax in o.axes_of(t) if ax}
+        return math.prod(n for d, n in zip(oplan.dims, oplan.sizes) if d is not None and d in held)
+
+    def per_microbatch(t: str, cut: int, per: float = 1.0, nbytes: float | None = None) -> float:
+        spec = graph.tensors[t]
+        batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
+        eb = nbytes if nbytes is not None else (activation_bytes if spec.is_float else 8)
+        return spec.numel / cut / (microbatches if batch else 1) * per * eb
+
+    out = []
+    for t in saved_tensors(op, software):
+        if graph.tensors[t].role == "param":
+            continue
+        cut = cut_of(piece, op, t)
+        if keeps_producer_layout(op, t, graph, software):
+            prod = graph.producer[t]
+            cut = max(cut, cut_of(plans[prod.name], prod, t))
+        out.append(((t, cut), per_microbatch(t, cut)))
+    for tag, base, per, nbytes in internals(op, graph, software, activation_bytes):
+        cut = cut_of(piece, op, base)
+        out.append(((f"{INTERNAL}{op.name}:{tag}", cut), per_microbatch(base, cut, per, nbytes)))
+    return out

@@ -1,0 +1,87 @@
+"""Activation memory per transformer layer against Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", sections 4.1 to 4.3 and Table 2).
+
+With 16-bit activations, sequence s, micro-batch b, hidden h, a heads and tensor parallelism t, a
+Megatron-LM layer keeps (bytes): no recomputation ``s b h (34 + 5 a s / h)`` without tensor
+parallelism, ``s b h (10 + 24 / t + 5 a s / (h t))`` with it, ``s b h / t (34 + 5 a s / h)`` with
+sequence parallelism; selective recomputation with sequence parallelism ``34 s b h / t``; full
+recomputation ``2 s b h`` (``2 s b h / t`` with sequence parallelism). planlab's per-layer figure
+is the simulated peak of a GPT with 4 layers less that of the same GPT with 2 layers, halved
+(embedding, output layer and the backward's working set cancel), under the ``megatron`` software.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planlab.costmodel import CostModel
+from planlab.explore import memory_lower_bound_bytes
+from planlab.graph.trace import trace
+from planlab.models.registry import ModelSpec, build_model
+from planlab.plan.software_passes import build_program
+from planlab.search_spaces.builtin import get_space
+from planlab.search_spaces.screen import Screen
+from planlab.search_spaces.space import Context
+from planlab.simulator import simulate
+
+H, A, S, B = 256, 8, 128, 2  # hidden, heads, sequence, micro-batch
+SBH = S * B * H
+COST = CostModel.load("dgx-a100-80g", 1, software="megatron", precision="bf16")
+
+
+def korthikanti(t: int, sp: bool, recompute: str) -> float:
+    """Bytes one layer keeps, Korthikanti et al. 2022 (module docstring)."""
+    attn = 5 * A * S / H
+    if recompute == "full":
+        return 2 * SBH / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * SBH / t
+    if sp:
+        return SBH / t * (34 + attn)
+    return SBH * (34 + attn) if t == 1 else SBH * (10 + 24 / t + attn / t)
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for layers in (2, 4):
+        args = dict(layers=layers, hidden=H, heads=A, seq=S, vocab=512, dropout=0.1, vocab_parallel=1)
+        spec = ModelSpec("gpt", tuple(sorted(args.items())))
+        model, inputs = build_model(spec, batch=B)
+        out[layers] = (spec, trace(model, inputs))
+    return out
+
+
+def activations(graphs, layers: int, t: int, sp: bool, recompute: str) -> tuple[float, float, float, float]:
+    """(simulated peak less static bytes, simulated peak, the explorer's bound, the screen's bound) of one device."""
+    spec, g = graphs[layers]
+    ctx = Context(g, spec, B, "dgx-a100-80g", 1, t, 8)
+    knobs = dict(dp=1, tp=t, pp=1, microbatch=B, sequence_parallel=sp, recompute=recompute)
+    plan = get_space("megatron").build(ctx, knobs)
+    program = build_program(plan, g, COST)
+    peak = simulate(program, COST).peak_mem_bytes
+    bound = sum(memory_lower_bound_bytes(plan, g, COST.precision, COST.software))
+    screen = Screen(g, COST, COST.precision).estimate(get_space("megatron").draft(ctx, knobs)).bound_bytes
+    return peak - program.devices[0].static_bytes, peak, bound, screen
+
+
+@pytest.mark.parametrize(
+    "t, sp, recompute",
+    [
+        (1, False, "none"),
+        (2, False, "none"),
+        (4, False, "none"),
+        (2, True, "none"),
+        (4, True, "none"),
+        (2, True, "selective"),
+        (4, True, "selective"),
+        (2, False, "full"),
+        (4, True, "full"),
+    ],
+)
+def test_activation_memory_per_layer_is_korthikanti(graphs, t: int, sp: bool, recompute: str) -> None:
+    acts = {n: activations(graphs, n, t, sp, recompute) for n in (2, 4)}
+    per_layer = (acts[4][0] - acts[2][0]) / 2
+    assert per_layer == pytest.approx(korthikanti(t, sp, recompute), rel=0.03)
+    for _, peak, bound, screen in acts.values():  # the bounds that prune plans stay below the peak
+        assert bound <= peak * 1.001 and screen <= peak * 1.001

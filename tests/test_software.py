@@ -1,0 +1,108 @@
+"""The training software as an input: --software and --precision on the command line, the plan
+file's fields (and files without them), results.csv's columns, and what a software file changes
+in the Program: ZeRO-3's gathers (per layer or per module, again for a recomputed forward) and
+the gradient reduction (overlapped buckets or after the backward)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from conftest import traced
+
+from planlab.cli import main
+from planlab.costmodel import CostModel
+from planlab.errors import ConfigError
+from planlab.plan.plan_file import load_plan, plan_from_dict, plan_to_dict
+from planlab.plan.program import TaskKind
+from planlab.plan.software_passes import build_program
+from planlab.search_spaces import Context, get_space
+
+TINY = ["--model", "gpt-tiny", "--cluster", "cpu", "--nodes", "2", "--global-batch", "8"]
+
+
+def test_explore_records_the_software(tmp_path, capsys) -> None:
+    """The default software is printed, written into results.csv and the best plan; simulate
+    takes the plan's, or the one given."""
+    out = tmp_path / "out"
+    assert main(["explore", *TINY, "--set", "tp=2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "software planlab (fp32)" in printed
+    head = (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert "software" in head and "precision" in head
+    plan = load_plan(out / "best_plan.json")
+    assert (plan.software, plan.precision) == ("planlab", "fp32")
+    assert main(["simulate", str(out / "best_plan.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["software"] == "planlab"
+    assert main(["simulate", str(out / "best_plan.json"), "--software", "torch", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["software"], got["precision"]) == ("torch", "fp32")
+
+
+def test_plan_files_without_the_software_take_the_default(tmp_path) -> None:
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4))
+    d = plan_to_dict(plan)
+    assert "software" not in d and "precision" not in d  # written only when set
+    assert plan_from_dict(d).software == ""
+    both = plan_from_dict(dict(d, software="deepspeed", precision="fp16"))
+    assert (both.software, both.precision) == ("deepspeed", "fp16")
+    assert plan_from_dict(plan_to_dict(both)) == both
+    with pytest.raises(Exception, match="field 'software' must be a string"):
+        plan_from_dict(dict(d, software=3))
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--software", "jax"], "unknown software 'jax'"),
+        (["--software", "missing.json"], "software file 'missing.json' not found"),
+        (["--precision", "fp8"], "has no precision 'fp8'"),
+    ],
+)
+def test_bad_software_is_one_line(args, fragment, capsys) -> None:
+    assert main(["explore", *TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def zero3_gathers(software: str, recompute: str) -> Counter:
+    spec, g = traced("gpt-tiny", 8)
+    cost = CostModel.load("dgx-a100-80g", 1, software=software, precision="bf16")
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    plan = get_space("megatron").build(ctx, dict(dp=8, tp=1, pp=1, microbatch=1, zero=3, recompute=recompute))
+    program = build_program(plan, g, cost)
+    tasks = [t for b in program.devices[0].blocks.values() for t in b.tasks if t.kind is TaskKind.COLLECTIVE]
+    return Counter(t.name.split("[")[0] for t in tasks if t.collective == "all_gather")
+
+
+def test_zero3_gathers_as_the_software_does() -> None:
+    """FSDP (torch) gathers a layer at a time, forward and backward; DeepSpeed gathers each
+    module, and once more for a recomputed forward."""
+    fsdp, ds = zero3_gathers("torch", "full"), zero3_gathers("deepspeed", "full")
+    assert set(fsdp) == {"zero3-gather-f", "zero3-gather-b"} and fsdp["zero3-gather-f"] == fsdp["zero3-gather-b"]
+    assert set(ds) == {"zero3-gather-f", "zero3-gather-b", "zero3-gather-r"}
+    assert ds["zero3-gather-f"] > 2 * fsdp["zero3-gather-f"]  # modules, not layers
+    assert "zero3-gather-r" not in zero3_gathers("deepspeed", "none")
+
+
+def test_gradient_reduction_follows_the_software() -> None:
+    """torch (DDP) overlaps bucketed all-reduces with the backward; megatron reduces after it."""
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    plan = get_space("megatron").build(ctx, dict(dp=8, tp=1, pp=1, microbatch=1))
+    for software, overlapped in (("torch", True), ("megatron", False)):
+        program = build_program(plan, g, CostModel.load("dgx-a100-80g", 1, software=software))
+        reduces = [
+            t for b in program.devices[0].blocks.values() for t in b.tasks if t.collective == "all_reduce" and t.final
+        ] + [t for (s, ph), b in program.devices[0].blocks.items() for t in b.tasks if ph == "U" and t.collective]
+        assert reduces and all(t.overlap == overlapped for t in reduces), software
+
+
+def test_default_precision_by_device() -> None:
+    assert CostModel.load("dgx-1-v100").precision.name == "fp16"  # no bf16 tensor cores
+    assert CostModel.load("dgx-h100").precision.name == "bf16"
+    assert CostModel.load("cpu").software.name == "planlab"
+    with pytest.raises(ConfigError, match="'v100-32g' has no fp8 peak"):
+        CostModel.load("dgx-1-v100", precision="fp8")

@@ -1,0 +1,163 @@
+"""The cache of traced graphs (planlab.models.trace_cache): what it returns is what tracing
+returns, a second use neither traces nor imports torch, and a bad entry or folder is never a crash."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from planlab.models import ModelSpec
+from planlab.models import trace_cache as tc
+from planlab.models.trace_cache import TraceKey, cache_dir, trace_model
+
+SPEC = ModelSpec("gpt-tiny")
+
+
+def _same_graph(a, b) -> None:
+    assert a.tensors == b.tensors and a.inputs == b.inputs and a.loss == b.loss and a.labels == b.labels
+    assert [
+        (o.name, o.kind, o.inputs, o.outputs, str(o.signature), o.dim_sizes, o.flops, o.bytes_moved, o.saves)
+        for o in a.operators
+    ] == [
+        (o.name, o.kind, o.inputs, o.outputs, str(o.signature), o.dim_sizes, o.flops, o.bytes_moved, o.saves)
+        for o in b.operators
+    ]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(tc.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_cached_graph_is_the_traced_graph_and_simulates_the_same(cache):
+    from conftest import traced
+    from planlab.costmodel import CostModel
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+    from planlab.simulator import simulate
+
+    first = trace_model(SPEC, 8)
+    (entry,) = cache.iterdir()
+    again = trace_model(SPEC, 8)
+    assert again is not first and all(op.call is None for op in again.operators)
+    spec, full = traced("gpt-tiny", 8)
+    _same_graph(first, full)
+    _same_graph(again, full)
+    cost = CostModel.load("cpu", 4)
+    plan = get_space("megatron").build(
+        Context(full, spec, 8, "cpu", 4, 4, 1), dict(dp=1, tp=2, pp=2, microbatch=2, schedule="1f1b")
+    )
+    results = [simulate(materialize(plan, g, symmetric=True), cost) for g in (full, again)]
+    assert results[0] == results[1]
+    assert trace_model(SPEC, 4) is not None and len(list(cache.iterdir())) == 2  # the batch is in the key
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p.write_bytes(b"not a pickle"),
+        lambda p: p.write_bytes(p.read_bytes()[:100]),  # a partial write
+        lambda p: p.write_bytes(pickle.dumps((tc.ENTRY_FORMAT, "another key", None))),
+        lambda p: p.write_bytes(pickle.dumps(("a list", 3))),
+    ],
+)
+def test_a_corrupt_or_foreign_entry_is_traced_again_and_rewritten(cache, damage):
+    trace_model(SPEC, 8)
+    (entry,) = cache.iterdir()
+    damage(entry)
+    _same_graph(trace_model(SPEC, 8), trace_model(ModelSpec("gpt-tiny"), 8))
+    fmt, key, graph = pickle.loads(entry.read_bytes())
+    assert fmt == tc.ENTRY_FORMAT and key == TraceKey.of(SPEC, 8) and len(graph.operators) > 10
+
+
+def test_the_key_holds_the_spec_batch_planlab_source_torch_and_python(cache, monkeypatch):
+    base = TraceKey.of(SPEC, 8)
+    assert base.planlab_source_sha256 == tc.source_digest() and len(base.torch_version_sha256) == 64
+    assert TraceKey.of(ModelSpec("gpt-tiny", (("layers", 3),)), 8).file_name() != base.file_name()
+    assert TraceKey.of(SPEC, 16).file_name() != base.file_name()
+    trace_model(SPEC, 8)
+    monkeypatch.setattr(tc, "source_digest", lambda: "an edited checkout")
+    edited = TraceKey.of(SPEC, 8)
+    assert edited != base and edited.file_name() == base.file_name()
+    trace_model(SPEC, 8)  # the stale entry is traced again and written over: one file per model and batch
+    (entry,) = cache.iterdir()
+    assert pickle.loads(entry.read_bytes())[1] == edited
+
+
+def _trace_in_child(folder: str) -> int:
+    import os
+
+    os.environ[tc.CACHE_ENV] = folder
+    return len(trace_model(SPEC, 8).operators)
+
+
+def test_concurrent_writers_leave_one_whole_entry(cache):
+    with mp.get_context("spawn").Pool(3) as pool:
+        counts = pool.map(_trace_in_child, [str(cache)] * 3)
+    assert len(set(counts)) == 1
+    (entry,) = [p for p in cache.iterdir()]  # no temporary file left behind
+    assert pickle.loads(entry.read_bytes())[1] == TraceKey.of(SPEC, 8)
+
+
+def test_no_cache_where_it_cannot_or_should_not_be(tmp_path, monkeypatch):
+    monkeypatch.setenv(tc.CACHE_ENV, "")
+    assert cache_dir() is None and trace_model(SPEC, 8) is not None
+    monkeypatch.delenv(tc.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "planlab"
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the folder would be")
+    monkeypatch.setenv(tc.CACHE_ENV, str(blocker / "cache"))
+    assert trace_model(SPEC, 8) is not None  # unwritable: traced, not cached, no error
+
+
+def test_users_models_and_registered_ops_are_not_cached(cache, monkeypatch):
+    import planlab.graph.registry as registry
+
+    assert len(trace_model(ModelSpec("test_user_model:classifier"), 8).operators) > 3
+    assert not cache.exists() or not list(cache.iterdir())
+    monkeypatch.setattr(registry, "user_functions", lambda: (len,))
+    trace_model(SPEC, 8)
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_second_simulate_imports_neither_torch_nor_pandas(cache, tmp_path):
+    """`planlab simulate` of a built-in model's plan, after the first: the graph comes from the
+    cache, so the process imports no torch (seconds to import) and no pandas."""
+    from planlab.plan import save_plan
+    from planlab.search_spaces import Context, get_space
+
+    g = trace_model(SPEC, 8)
+    plan = get_space("megatron").build(Context(g, SPEC, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=4))
+    save_plan(plan, tmp_path / "plan.json")
+    code = (
+        "import sys; from planlab.cli import main; main(['simulate', sys.argv[1], '--json']); "
+        "print(sorted(m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "plan.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, tc.CACHE_ENV: str(cache)},
+    ).stdout.splitlines()
+    assert json.loads(out[0])["feasible"] and out[1] == "[]"
+
+
+def test_lazy_packages_keep_functions_where_submodules_share_their_names():
+    code = (
+        "import sys, planlab; assert 'torch' not in sys.modules and 'pandas' not in sys.modules; "
+        "import planlab.explore; from planlab.explore import Setup; from planlab.graph import trace; "
+        "import planlab.graph.trace; from planlab.models import GPT, ModelSpec; "
+        "assert callable(planlab.explore) and planlab.explore.__module__ == 'planlab.explore'; "
+        "assert trace is planlab.trace is planlab.graph.trace and trace.__module__ == 'planlab.graph.trace'; "
+        "print(GPT.__name__, ModelSpec.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["GPT", "planlab.models.spec"]
