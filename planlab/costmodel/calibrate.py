@@ -660,7 +660,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from planlab.executor.run import _free_port, _quiet_launcher, launcher_logs
+    from planlab.executor.run import free_port, quiet_launcher, launcher_logs
 
     run_dir = tempfile.mkdtemp(prefix="planlab-calibrate-")
     cfg = LaunchConfig(
@@ -668,7 +668,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
         max_nodes=1,
         nproc_per_node=nproc,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
         run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}",
@@ -677,7 +677,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _quiet_launcher():
+        with quiet_launcher():
             out = elastic_launch(cfg, collective_worker)(quick)
     except ChildFailedError as e:
         ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))

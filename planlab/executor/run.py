@@ -418,14 +418,15 @@ def _str(path: str | os.PathLike | None) -> str | None:
     return None if path is None else os.fspath(path)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous takes it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 @contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
+def quiet_launcher() -> Iterator[None]:
     """Silence torchelastic's own failure logs: :func:`launch_local` reports a failure once."""
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
     names = [n for n in logging.Logger.manager.loggerDict if n.startswith(prefixes)]  # each sets its own level
@@ -506,14 +507,14 @@ def launch_local(
         max_nodes=1,
         nproc_per_node=nproc,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
         run_id=run_id,
         logs_specs=launcher_logs(run_dir),
     )
     try:
-        with _quiet_launcher():
+        with quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
     except ChildFailedError as e:
         if save_dir is not None:  # a failed save leaves nothing half-written

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from planlab.graph.ir import DETACH, Graph
 from planlab.plan.plan import Action
-from planlab.search_spaces.builtin import DataParallel, Recompute, TensorParallel, _divisors, _pipeline_stages
+from planlab.search_spaces.builtin import DataParallel, Recompute, TensorParallel, divisors, stages_by_layer
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.schedules import SCHEDULES, recycled, three_f_one_b
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
@@ -64,7 +64,7 @@ def recycling_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     """Stage ``pass * pp + layer // (layers / pp)`` for the layers; other operators follow their
     computed inputs, except that a ``detach`` output counts as none (the next pass's recycling
     embedder runs where that pass starts), else their first consumer."""
-    return _pipeline_stages(g, pp, layers, passes_of(g))
+    return stages_by_layer(g, pp, layers, passes_of(g))
 
 
 def recycling_actions(schedule: str, rank: int, ranks: int, microbatches: int, passes: int) -> list[Action]:
@@ -95,7 +95,7 @@ class ThreeF1BPipeline(Space):
     knobs = (
         Knob.int(
             "pp",
-            lambda c: tuple(d for d in _divisors(c.num_devices) if d > 1 and c.layers % d == 0),
+            lambda c: tuple(d for d in divisors(c.num_devices) if d > 1 and c.layers % d == 0),
             "pipeline-parallel degree (device groups)",
             default=2,
             range="divisors above 1 of the device count that divide the layers",
