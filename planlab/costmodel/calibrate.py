@@ -132,33 +132,46 @@ class _Three(_One):
         return self.fn(self.m, x, y, z).sum()
 
 
+# The kernel cases of a full calibration: linear layers' (in, out) widths, attention's
+# (batch, heads, sequence, head width)
+_LINEAR_KN = (
+    (32, 64),
+    (64, 32),
+    (64, 64),
+    (64, 128),
+    (128, 64),
+    (64, 256),
+    (256, 64),
+    (128, 128),
+    (128, 256),
+    (256, 128),
+    (128, 512),
+    (512, 128),
+    (256, 256),
+    (64, 512),
+    (256, 512),
+)
+_ATTENTION_BHSD = (
+    (4, 2, 16, 16),
+    (8, 2, 32, 16),
+    (8, 4, 32, 16),
+    (4, 2, 64, 32),
+    (8, 2, 64, 32),
+    (8, 4, 64, 32),
+    (8, 8, 64, 16),
+    (4, 4, 128, 32),
+    (8, 4, 128, 32),
+    (2, 8, 256, 64),
+)
+
+
 def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]:
     """(kind, shape, make module, make inputs(dtype)) per kernel case. Sizes step by factors of 2
     (the profile's table interpolates within a factor of 2) over the small models this machine
     runs: 64 to 4,096 tokens per micro-batch, widths 32 to 512."""
     cases = []
     lin_m = (128, 512) if quick else (64, 128, 256, 512, 1024, 2048, 4096)
-    lin_kn = (
-        ((64, 64), (64, 256), (256, 64), (128, 512))
-        if quick
-        else (
-            (32, 64),
-            (64, 32),
-            (64, 64),
-            (64, 128),
-            (128, 64),
-            (64, 256),
-            (256, 64),
-            (128, 128),
-            (128, 256),
-            (256, 128),
-            (128, 512),
-            (512, 128),
-            (256, 256),
-            (64, 512),
-            (256, 512),
-        )
-    )
+    lin_kn = ((64, 64), (64, 256), (256, 64), (128, 512)) if quick else _LINEAR_KN
     for m in lin_m:
         for k, n in lin_kn:
             cases.append(
@@ -169,22 +182,7 @@ def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]
                     lambda dt, m=m, k=k: (torch.randn(m, k, dtype=dt),),
                 )
             )
-    attn = (
-        ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32))
-        if quick
-        else (
-            (4, 2, 16, 16),
-            (8, 2, 32, 16),
-            (8, 4, 32, 16),
-            (4, 2, 64, 32),
-            (8, 2, 64, 32),
-            (8, 4, 64, 32),
-            (8, 8, 64, 16),
-            (4, 4, 128, 32),
-            (8, 4, 128, 32),
-            (2, 8, 256, 64),
-        )
-    )
+    attn = ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32)) if quick else _ATTENTION_BHSD
     for b, h, s, d in attn:
         cases.append(
             (
