@@ -9,6 +9,7 @@ import re
 
 from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
+from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
@@ -481,8 +482,6 @@ class PipelineParallel(Space):
     def apply(self, draft: Draft, values: dict) -> None:
         pp = values.get("pp") or 1
         if pp > 1 and _recycles(draft.ctx) > 1:  # a chunk per recycling pass, planlab/search_spaces/recycling.py
-            from planlab.search_spaces.recycling import stage_recycling
-
             stage_recycling(draft, pp, values.get("schedule") or "1f1b")
             return
         v = values.get("virtual_stages") or 1
@@ -495,9 +494,22 @@ class PipelineParallel(Space):
 
 def _recycles(c: Context) -> int:
     """The model's recycling passes (AlphaFold2, planlab/search_spaces/recycling.py)."""
-    from planlab.search_spaces.recycling import num_passes
-
     return num_passes(c.graph)
+
+
+def recycling_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
+    """Stage ``pass * pp + layer // (layers / pp)`` for the layers; other operators follow their
+    computed inputs, except that a ``detach`` output counts as none (the next pass's recycling
+    embedder runs where that pass starts), else their first consumer."""
+    return stages_by_layer(g, pp, layers, passes_of(g))
+
+
+def stage_recycling(draft: Draft, pp: int, schedule: str) -> None:
+    """Stage a recycling model's passes over ``pp`` device groups (a chunk per pass)."""
+    g = draft.ctx.graph
+    r = num_passes(g)
+    draft.num_stages, draft.chunks, draft.recycles, draft.schedule = r * pp, r, r, schedule
+    draft.stages = recycling_stages(g, pp, draft.ctx.layers)
 
 
 ATTENTION_CORE = ("attention", "softmax")

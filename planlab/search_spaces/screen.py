@@ -40,6 +40,7 @@ from planlab.costmodel import CostModel
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
+from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.screen_structure import (
     aggregate,
@@ -478,8 +479,6 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     got = _FLIGHT.get(key)
     if got is None:
         if schedule.startswith("recycled:"):
-            from planlab.search_spaces.recycling import recycling_actions
-
             actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
         elif chunks > 1:
             actions = interleaved_1f1b(r, groups, m, chunks)

@@ -27,6 +27,7 @@ from planlab.errors import ConfigError, InfeasiblePlan, KnobNotSet, PlanlabError
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 from planlab.plan.plan import Action, Plan, PlanBuilder
+from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
 
 if TYPE_CHECKING:
@@ -399,8 +400,6 @@ class Draft:
             first = min([rank + self.stage_base] + [self.stages.get(op, 0) for op in self.spread])
             return tuple(actions) + (Action(first, "U", 0),)
         if self.recycles > 1:  # a chunk per recycling pass: 3f1b, or a plain schedule of the last pass
-            from planlab.search_spaces.recycling import recycling_actions
-
             actions = recycling_actions(self.schedule, rank, self.groups, self.microbatches, self.recycles)
         elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
