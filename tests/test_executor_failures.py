@@ -2,7 +2,9 @@
 every rank within a bound, ``launch_local`` raises one ExecutionError naming rank 1 (or the
 rank that timed out, with the group or peer it waited on), and no process is left behind."""
 
+import multiprocessing.util
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -32,6 +34,19 @@ from conftest import traced
 
 BOUND_S = 60.0  # every rank gone, the error raised, within this (timeouts included)
 MARK = "PLANLAB_TEST_RUN"
+
+
+@pytest.fixture(autouse=True)
+def own_tmp(monkeypatch):
+    """A temporary folder of this test's own (TMPDIR, inherited by the ranks, and this process's
+    tempfile default), so that the launcher folders counted are this test's alone, not those of
+    other sessions running tests in the shared /tmp at the same time."""
+    multiprocessing.util.get_temp_dir()  # multiprocessing's folder of this process stays in the shared one
+    path = tempfile.mkdtemp(prefix="plfail-")  # short: the folders' sockets must fit 108 characters
+    monkeypatch.setenv("TMPDIR", path)
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _plan(knobs, n=2):
