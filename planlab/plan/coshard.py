@@ -37,6 +37,7 @@ from planlab.plan.layout import Box, Layout, Partial, Replicate, box_shape
 from planlab.plan.plan import Plan
 from planlab.plan.program import Task, TaskKind, is_static
 from planlab.plan.redistribute import same_layout
+from planlab.plan.zero import in_backward
 
 
 def _axis(axes, dim: str) -> int | None:
@@ -417,7 +418,7 @@ class _Chunks:
         def wr(b, c, local, chunk):
             return self._sized(_r(b, c), b, local, chunk)
 
-        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
         return _replace(
@@ -438,7 +439,7 @@ class _Chunks:
         def inner(b, c, local, chunk):
             return self._sized(f"o:{b.split(':', 1)[1]}@{c}", b, local, chunk) if b in self.internal else None
 
-        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
         writes = tuple(remade.get(b, b) for b in t.writes)
         f = self._fields(t, c, op, "F", reads, writes, inner, inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
