@@ -44,7 +44,7 @@ ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 (Random123's R_32x2
 PARITY = 0x1BD11BDA  # Threefish's key schedule constant (Random123, SKEIN_KS_PARITY32)
 ROUNDS = 20
 BITS_TO_UNIT = 2.0**-24  # 24 random bits make a float32 in [0, 1) exactly
-CHUNK_ELEMENTS = 1 << 16  # elements hashed at once: the hash's dozen int64 temporaries take ~6 MiB
+CHUNK_ELEMENTS = 1 << 16  # elements hashed at once: each of the hash's int64 temporaries takes 512 KiB
 
 
 def threefry2x32(key: tuple, x0, x1) -> tuple:
