@@ -75,37 +75,60 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
     return tuple(out)
 
 
+def _row(key, t, peer, group) -> tuple:
+    """One task of an outline: what it does, with its peer or group named by class."""
+    return (
+        key,
+        t.kind.value,
+        t.op,
+        t.collective,
+        group,
+        peer,
+        t.channel,
+        t.nbytes,
+        t.flops,
+        t.bytes_moved,
+        t.shape,
+        t.recompute,
+        tuple(n for _, n in t.alloc),
+        len(t.free),
+    )
+
+
+# Messages issued back to back: the simulator starts every send of a run at once (their flows share
+# links fairly whatever their order) and a run of receives ends when the last message has arrived,
+# so the order inside a run does not change a prediction; a device's peers in it, named relative
+# to the device, come in another order on every member of a class (all-to-all exchanges).
+_RUNS = (TaskKind.SEND, TaskKind.RECV)
+
+
 def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int], groups: dict) -> tuple:
-    """A device's program with its peers replaced by their classes and node relations
-    (``groups`` caches the outline of each collective group)."""
+    """A device's program with its peers named relative to it: by their classes and whether they
+    share its node, the messages of a run of sends (or of receives) as a sorted run (``groups``
+    caches the outline of each collective group)."""
     me = node_of(dp.device)
     out: list = [dp.schedule, dp.static_bytes]
     for key in sorted(dp.blocks):
+        run: list = []
+        run_kind = None
         for t in dp.blocks[key].tasks:
+            if run and t.kind is not run_kind:
+                out.append(tuple(sorted(run, key=repr)))
+                run = []
             peer = (classes[t.peer], node_of(t.peer) == me) if t.peer >= 0 else None
             group = None
             if t.group:
                 group = groups.get(t.group)
                 if group is None:
                     group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of))
-            out.append(
-                (
-                    key,
-                    t.kind.value,
-                    t.op,
-                    t.collective,
-                    group,
-                    peer,
-                    t.channel,
-                    t.nbytes,
-                    t.flops,
-                    t.bytes_moved,
-                    t.shape,
-                    t.recompute,
-                    tuple(n for _, n in t.alloc),
-                    len(t.free),
-                )
-            )
+            row = _row(key, t, peer, group)
+            if t.kind in _RUNS:
+                run.append(row)
+                run_kind = t.kind
+            else:
+                out.append(row)
+        if run:
+            out.append(tuple(sorted(run, key=repr)))
     return tuple(out)
 
 
