@@ -1,13 +1,23 @@
 """Device classes from the plan alone, and the Program reduced to their representatives.
 
 At cluster scale most devices are copies of each other: data-parallel replicas,
-tensor-parallel peers. :func:`plan_classes` groups devices by what the plan gives
-them (the meshes they belong to, how the groups along each mesh axis spread over
-nodes, their schedule) without building anyone's tasks; ``materialize(...,
-symmetric=True)`` then builds tasks for one representative per class and one more
-member, and :func:`reduce_program` checks the two agree (up to the names of their
-peers) before it keeps the representatives only. When they do not, the caller
-builds every device's tasks instead.
+tensor-parallel peers, and the members of a stage that every device shares (an interlaced
+pipeline's embedding and output layer, an alpa stage's all-to-all exchanges).
+:func:`plan_classes` groups devices by their position relative to their groups (the meshes
+they belong to, how the groups along each mesh axis spread over nodes, their schedule)
+without building anyone's tasks; ``materialize(..., symmetric=True)`` then builds tasks for one
+representative per class and one more member, and :func:`reduce_program` checks the two agree
+before it keeps the representatives only. They agree when their programs are the same with
+each peer named relative to the device: by its class and whether it shares the device's node,
+a run of messages sent (or received) back to back compared as a set, since the simulator starts
+a run's sends at once and ends a run of receives with its last arrival (materialize puts a
+receiver's own pieces before the messages, at the same place on every member). When they do not
+agree, the caller builds every device's tasks instead.
+
+The simulator runs the representatives; a representative's messages to the members of a class
+of as many devices go through the port of that class's representative (the members receive as
+many messages at the same times), so the reduced and the full simulations agree
+(tests/test_symmetry.py).
 """
 
 from __future__ import annotations
