@@ -9,7 +9,7 @@ memory on every device.
 The training software is planlab's: with Megatron-LM's host model (``host_bound`` kernels) a
 collective inside one class is lowered into the segment around it while the full simulation
 meets it apart, which moves the host's issue times (a difference of the simulator's lowering, not
-of the classes; see the module docstring of planlab.plan.symmetry).
+of the classes; see planlab.plan.symmetry).
 """
 
 import pytest
@@ -60,7 +60,7 @@ def test_the_reduced_program_simulates_like_every_device_on_64_devices(model, ar
     assert sum(d.members for d in a.devices) == 64
 
 
-def test_every_receiver_copies_its_own_piece_before_it_receives_the_others():
+def test_every_receiver_copies_its_own_piece_after_it_has_received_the_others():
     plan, g, cost = _plan(*CASES[0])
     program = build_program(plan, g, cost, symmetric=False)
     seen = 0
@@ -73,8 +73,8 @@ def test_every_receiver_copies_its_own_piece_before_it_receives_the_others():
             for kinds in by_buffer.values():
                 if TaskKind.LOCAL in kinds and TaskKind.RECV in kinds:
                     seen += 1
-                    first_recv = kinds.index(TaskKind.RECV)
-                    assert TaskKind.LOCAL not in kinds[first_recv:], (dp.device, kinds)
+                    first_copy = kinds.index(TaskKind.LOCAL)
+                    assert TaskKind.RECV not in kinds[first_copy:], (dp.device, kinds)
     assert seen  # the embedding's pieces summed on their way to the first layer stage
 
 

@@ -11,13 +11,15 @@ before it keeps the representatives only. They agree when their programs are the
 each peer named relative to the device: by its class and whether it shares the device's node,
 a run of messages sent (or received) back to back compared as a set, since the simulator starts
 a run's sends at once and ends a run of receives with its last arrival (materialize puts a
-receiver's own pieces before the messages, at the same place on every member). When they do not
+receiver's own pieces after the messages, at the same place on every member). When they do not
 agree, the caller builds every device's tasks instead.
 
 The simulator runs the representatives; a representative's messages to the members of a class
 of as many devices go through the port of that class's representative (the members receive as
 many messages at the same times), so the reduced and the full simulations agree
-(tests/test_symmetry.py).
+(tests/test_symmetry.py). Not yet with a software whose host issue time bounds the device's
+(``CostModel.host_bound``, Megatron-LM's): a collective inside one class joins the segment of tasks
+around it, while the full simulation meets it apart, which moves the host's issue times.
 """
 
 from __future__ import annotations
