@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
 # size to another (comm._RING, by kind name; all_to_all moves (n-1)/n of the buffer in n-1 steps).
 _SCALE = {c.value: f for c, f in comm._RING.items()}
 _SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
+_PER_RANK_KINDS = ("all_gather", "reduce_scatter")  # the collectives PyTorch flattens a list of tensors for
 _ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # bytes per activation element by compute dtype
 
 
@@ -204,7 +205,9 @@ class CostModel:
             return self.task_time_s(task, dtype), 0.0
         dev = self.cluster.device
         if kind == "C":
-            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), sw.host_collective_s
+            copies = len(task.group) if self.per_rank_copies_s(task.collective, 1.0, len(task.group)) else 0
+            host_s = sw.host_collective_s + copies * sw.host_launch_s
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), host_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
         fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
@@ -290,7 +293,9 @@ class CostModel:
         nearest measured size by the ring's steps and traffic."""
         base = comm.collective_time_s(self.cluster, kind, nbytes, group)  # validates everything
         if self.profile is None or base == 0.0:
-            return base
+            if base == 0.0:
+                return base
+            return base + self.per_rank_copies_s(kind, nbytes, len(group))
         found = self.profile.collective(kind, len(group))
         if found is None:
             return base
@@ -300,6 +305,16 @@ class CostModel:
             return fit.fit.time_s(nbytes)
         steps, traffic = _SCALE[kind]
         return fit.fit.alpha_s * steps(n) / steps(ranks) + nbytes / fit.fit.bytes_per_s * traffic(n) / traffic(ranks)
+
+    def per_rank_copies_s(self, kind: str, nbytes: float, n: int) -> float:
+        """The device's time for the copies a software with ``collective_buffers: per_rank`` adds
+        to an all-gather or reduce-scatter of ``nbytes`` over ``n`` ranks: PyTorch's
+        ProcessGroupNCCL gathers into (reduces from) a flat buffer of its own and copies each
+        rank's ``nbytes / n`` out of (into) it, one copy kernel per rank. 0 for other software or
+        other kinds (and not added where a calibration profile measured whole collectives)."""
+        if self.software.collective_buffers != "per_rank" or kind not in _PER_RANK_KINDS or n < 2:
+            return 0.0
+        return n * self._pass_s(2.0 * nbytes / n)
 
     def p2p_time_s(self, nbytes: float, src: int, dst: int) -> float:
         """Seconds to send ``nbytes`` from ``src`` to ``dst`` (see ``comm.p2p_time_s``); with a
