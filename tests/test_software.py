@@ -109,10 +109,10 @@ def test_default_precision_by_device() -> None:
 
 
 def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
-    """DeepSpeed of 2021 passes all-gathers and reduce-scatters a list of one tensor per rank,
-    which PyTorch copies out of (into) a flat buffer one rank at a time: the same collective costs
-    n copies more than deepspeed's flat one, the extra grows with the ranks, and an all-reduce
-    (one tensor) costs the same."""
+    """DeepSpeed of 2021 passes its all-gathers a list of one tensor per rank, which PyTorch copies
+    out of a flat buffer one rank at a time: the same all-gather costs n copies more than
+    deepspeed's flat one, the extra grows with the ranks, and an all-reduce (one tensor) and a
+    reduce-scatter cost the same."""
     new, old = (
         CostModel.load("dgx-a100-80g", 96, software=s, precision="fp16") for s in ("deepspeed", "deepspeed-2021")
     )
@@ -125,5 +125,5 @@ def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
         assert extra[n] == pytest.approx(old.per_rank_copies_s("all_gather", 1.2e9, n)) and extra[n] > 0
         assert old.collective_time_s("all_reduce", 1.2e9, group) == new.collective_time_s("all_reduce", 1.2e9, group)
     assert extra[768] > extra[8]
-    assert new.per_rank_copies_s("reduce_scatter", 1.2e9, 768) == 0.0
+    assert old.per_rank_copies_s("reduce_scatter", 1.2e9, 768) == 0.0
     assert old.per_rank_copies_s("reduce_scatter", 1.2e9, 1) == 0.0

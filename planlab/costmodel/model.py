@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
 # size to another (comm._RING, by kind name; all_to_all moves (n-1)/n of the buffer in n-1 steps).
 _SCALE = {c.value: f for c, f in comm._RING.items()}
 _SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
-_PER_RANK_KINDS = ("all_gather", "reduce_scatter")  # the collectives PyTorch flattens a list of tensors for
+_PER_RANK_KINDS = ("all_gather",)  # the collective a per_rank software passes a list of tensors (software.py)
 _ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # bytes per activation element by compute dtype
 
 
@@ -308,9 +308,9 @@ class CostModel:
 
     def per_rank_copies_s(self, kind: str, nbytes: float, n: int) -> float:
         """The device's time for the copies a software with ``collective_buffers: per_rank`` adds
-        to an all-gather or reduce-scatter of ``nbytes`` over ``n`` ranks: PyTorch's
-        ProcessGroupNCCL gathers into (reduces from) a flat buffer of its own and copies each
-        rank's ``nbytes / n`` out of (into) it, one copy kernel per rank. 0 for other software or
+        to an all-gather of ``nbytes`` over ``n`` ranks: PyTorch's ProcessGroupNCCL gathers into a
+        flat buffer of its own and copies each rank's ``nbytes / n`` out of it, one copy kernel
+        per rank. 0 for other software or
         other kinds (and not added where a calibration profile measured whole collectives)."""
         if self.software.collective_buffers != "per_rank" or kind not in _PER_RANK_KINDS or n < 2:
             return 0.0

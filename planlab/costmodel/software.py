@@ -22,10 +22,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     between stages and the receivers all-gather it: Megatron-LM's scatter/gather, DeepSpeed's
     ``pipe_partitioned``);
 ``collective_buffers``
-    ``"flat"`` (all-gathers and reduce-scatters on one flat tensor, as
-    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` take it) or ``"per_rank"`` (the software
-    passes a list of one tensor per rank, which PyTorch's ProcessGroupNCCL copies out of, or into,
-    a flat buffer of its own: one copy kernel per rank and collective);
+    ``"flat"`` (all-gathers into one flat tensor, as ``all_gather_into_tensor`` takes it) or
+    ``"per_rank"`` (the software passes a list of one tensor per rank, which PyTorch's
+    ProcessGroupNCCL copies out of a flat buffer of its own: one copy kernel per rank and
+    all-gather);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
