@@ -25,7 +25,8 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``"flat"`` (all-gathers into one flat tensor, as ``all_gather_into_tensor`` takes it) or
     ``"per_rank"`` (the software passes a list of one tensor per rank, which PyTorch's
     ProcessGroupNCCL copies out of a flat buffer of its own: one copy kernel per rank and
-    all-gather);
+    all-gather) or ``"copied"`` (FSDP2: each all-gather's output copied into the parameters,
+    each reduce-scatter's input assembled from the gradients, one copy kernel each);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -58,7 +59,7 @@ SOFTWARE_DIR = Path(__file__).parent / "software"
 IMPLEMENTATIONS = ("megatron", "torch")
 GRAD_REDUCE = ("overlapped", "after_backward")
 PIPELINE_MESSAGES = ("whole", "partitioned")
-COLLECTIVE_BUFFERS = ("flat", "per_rank")
+COLLECTIVE_BUFFERS = ("flat", "per_rank", "copied")
 ZERO3_UNITS = ("layer", "module")
 DEFAULT_SOFTWARE = "megatron"  # on GPU clusters; the CPU cluster runs planlab's own executor: torch
 _US = 1e-6
