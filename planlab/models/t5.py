@@ -42,7 +42,9 @@ class T5Config:
     ``hidden`` is T5's d_model, ``head_dim`` its d_kv (``heads * head_dim`` need not equal
     ``hidden``), ``ffn_hidden`` its d_ff. ``seq`` is the encoder's input length and
     ``decoder_seq`` the target length; ``rel_buckets`` and ``rel_max_distance`` shape the relative
-    position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training).
+    position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training). ``gated_ffn``:
+    v1.1's gated-GELU feed-forward (True), or the original T5's two-matrix one with a GELU between
+    (False, ``--model-arg gated_ffn=0``; nnScaler's T5 has it).
     """
 
     encoder_layers: int
@@ -58,6 +60,7 @@ class T5Config:
     rel_max_distance: int = 128
     dropout: float = 0.0
     norm_eps: float = 1e-6
+    gated_ffn: bool = True
 
     @property
     def layers(self) -> int:
@@ -74,7 +77,7 @@ class T5Config:
         position tables and final norms, and the untied output layer."""
         h, a, f = self.hidden, self.inner, self.ffn_hidden
         attn = 4 * h * a  # q, k, v, o
-        ffn = 3 * h * f  # wi_0, wi_1, wo
+        ffn = (3 if self.gated_ffn else 2) * h * f  # wi_0, wi_1, wo (gated) or wi, wo
         encoder = self.encoder_layers * (attn + ffn + 2 * h)
         decoder = self.decoder_layers * (2 * attn + ffn + 3 * h)
         tables = 2 * self.rel_buckets * self.heads
@@ -193,6 +196,26 @@ class FeedForward(nn.Module):
         return self.wo(self.drop(self.act(self.wi_0(x)) * self.wi_1(x)))
 
 
+class PlainFeedForward(nn.Module):
+    """The original T5's two-matrix feed-forward with a GELU: ``wo(dropout(gelu_tanh(wi x)))``."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.wi = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.drop = nn.Dropout(cfg.dropout)
+        self.wo = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, C) -> (B, S, F) -> (B, S, C)
+        return self.wo(self.drop(self.act(self.wi(x))))
+
+
+def feed_forward(cfg: T5Config) -> nn.Module:
+    """The feed-forward ``cfg.gated_ffn`` names."""
+    return FeedForward(cfg) if cfg.gated_ffn else PlainFeedForward(cfg)
+
+
 class EncoderBlock(nn.Module):
     """Pre-norm encoder layer: bidirectional self-attention, feed-forward."""
 
@@ -201,7 +224,7 @@ class EncoderBlock(nn.Module):
         self.self_attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, length=cfg.seq, has_bias=first)
         self.ff_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +243,7 @@ class DecoderBlock(nn.Module):
         self.cross_attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.cross_attn = Attention(cfg)
         self.ff_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -269,9 +292,9 @@ class T5(nn.Module):
                 m.o.weight.normal_(0.0, c.inner**-0.5)
                 if m.position_bias is not None:
                     m.position_bias.relative_attention_bias.weight.normal_(0.0, c.hidden**-0.5)
-            elif isinstance(m, FeedForward):
-                m.wi_0.weight.normal_(0.0, c.hidden**-0.5)
-                m.wi_1.weight.normal_(0.0, c.hidden**-0.5)
+            elif isinstance(m, (FeedForward, PlainFeedForward)):
+                for w in (m.wi_0, m.wi_1) if isinstance(m, FeedForward) else (m.wi,):
+                    w.weight.normal_(0.0, c.hidden**-0.5)
                 m.wo.weight.normal_(0.0, c.ffn_hidden**-0.5)
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
