@@ -1,6 +1,7 @@
 """nnScaler's eleven workloads as presets: their shapes as the artifact's scripts state them, each
-module's parameters against its config's count, a small variant traced, and the two-matrix T5
-feed-forward the T5 workloads use (tensor-parallel splits, 2 gloo ranks against one process)."""
+module's parameters against its config's count, a small variant traced, and the T5 the T5 workloads
+use (two-matrix feed-forward, vocabulary-parallel loss): its tensor-parallel splits, and tensor-parallel
+and interlaced plans on 2 gloo ranks against one process."""
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_the_eleven_presets_have_the_artifacts_shapes():
             vocab,
         )
         assert (c.head_dim, c.ffn_hidden, c.seq, c.decoder_seq) == (hidden // heads, 4 * hidden, 1024, 1024)
-        assert not c.gated_ffn and c.dropout == 0.1
+        assert not c.gated_ffn and c.vocab_parallel == 1 and c.dropout == 0.1
     for name, (n_seq, n_res) in EVOFORMER.items():
         c = ModelSpec(name).config()
         assert (c.blocks, c.n_seq, c.n_res, c.recycles, c.c_m, c.c_z) == (48, n_seq, n_res, 3, 256, 128)
@@ -93,9 +94,22 @@ def test_gated_ffn_must_be_0_or_1():
         ModelSpec("t5-tiny", (("gated_ffn", 2),)).config()
 
 
-def test_two_matrix_feed_forward_tensor_parallel_matches_one_process():
-    spec, g = traced("t5-tiny", 8, T5_PLAIN)
-    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8))
+# nnScaler's T5 variant at t5-tiny's sizes: the two-matrix feed-forward, the vocabulary-parallel loss
+T5_NNSCALER = (("gated_ffn", 0), ("vocab_parallel", 1))
+
+
+@pytest.mark.parametrize(
+    "space, knobs",
+    [
+        ("megatron", dict(dp=1, tp=2, pp=1, microbatch=8)),  # heads, FFN columns and the vocabulary split
+        ("interlaced", dict(pp=2, dp=1, tp=1, microbatch=1)),  # one sequence a micro-batch: the loss split by vocab
+    ],
+)
+def test_nnscaler_t5_variant_plans_match_one_process(space, knobs):
+    spec, g = traced("t5-tiny", 8, T5_NNSCALER)
+    plan = get_space(space).build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs)
+    ops = {p.op: p for p in plan.ops}
+    assert ops["vocab_cross_entropy"].dims and ops["vocab_embedding"].dims  # split along the vocabulary
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL

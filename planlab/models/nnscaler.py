@@ -11,7 +11,10 @@ and ``cupilot/examples/t5/train.py`` turn them into the models' shapes):
 * T5: ``layers`` encoder and as many decoder layers, sequence 1,024 for both, ``head_dim = hidden /
   heads``, ``d_ff = 4 hidden``, vocabulary ``K * 1000``, dropout 0.1 (the artifact's
   ``Config.dropout_rate`` default, which train.py does not override), the two-matrix GELU
-  feed-forward (``gated_ffn=False``; the artifact's ``feedforward``). planlab's T5 differs otherwise:
+  feed-forward (``gated_ffn=False``; the artifact's ``feedforward``), and the vocabulary-parallel
+  embedding and loss (``vocab_parallel=1``: nnScaler splits the output layer and its loss along the
+  vocabulary, as Megatron-LM's T5 does; the interlaced pipeline needs it at micro-batch 1, where the
+  loss's sequences cannot split over every device). planlab's T5 differs otherwise:
   its output layer is untied from the embedding (the artifact ties them: one more ``vocab x hidden``
   matrix here, as planlab gives each weight one operator), its linear layers have no biases, it has
   relative position biases and RMS norms where the artifact has learned absolute positions and
@@ -74,6 +77,7 @@ def nnscaler_t5(layers: int, hidden: int, heads: int, vocab_k: int) -> T5Config:
         vocab=vocab_k * 1000,
         dropout=0.1,
         gated_ffn=False,
+        vocab_parallel=1,
     )
 
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.graph.ops_biased_attention import attention_with_bias
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ class T5Config:
     ``decoder_seq`` the target length; ``rel_buckets`` and ``rel_max_distance`` shape the relative
     position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training). ``gated_ffn``:
     v1.1's gated-GELU feed-forward (True), or the original T5's two-matrix one with a GELU between
-    (False, ``--model-arg gated_ffn=0``; nnScaler's T5 has it).
+    (False, ``--model-arg gated_ffn=0``; nnScaler's T5 has it). ``vocab_parallel=1``: Megatron-LM's
+    vocabulary-parallel embedding and loss (:mod:`planlab.models.vocab_parallel`), which tensor
+    parallelism and the interlaced pipeline split along the vocabulary, as GPT's.
     """
 
     encoder_layers: int
@@ -61,6 +64,7 @@ class T5Config:
     dropout: float = 0.0
     norm_eps: float = 1e-6
     gated_ffn: bool = True
+    vocab_parallel: int = 0
 
     @property
     def layers(self) -> int:
@@ -300,7 +304,8 @@ class T5(nn.Module):
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # input_ids: (B, S); decoder_input_ids, labels: (B, T) token ids
         c = self.cfg
-        tokens = self.drop(self.shared(torch.cat((input_ids, decoder_input_ids), dim=1)))  # (B, S+T, C)
+        ids = torch.cat((input_ids, decoder_input_ids), dim=1)  # (B, S+T)
+        tokens = self.drop(vocab_embedding(ids, self.shared.weight) if c.vocab_parallel else self.shared(ids))
         x, y = tokens[:, : c.seq], tokens[:, c.seq :]  # (B, S, C), (B, T, C)
         bias = None
         for block in self.blocks[: c.encoder_layers]:
@@ -310,6 +315,8 @@ class T5(nn.Module):
         for block in self.blocks[c.encoder_layers :]:
             y, bias = block(y, bias, memory)
         logits = self.lm_head(self.drop(self.decoder_norm(y)))  # (B, T, V)
+        if c.vocab_parallel:
+            return vocab_cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1)).reshape(())
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
     @staticmethod
