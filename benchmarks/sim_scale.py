@@ -6,11 +6,22 @@ Cases (issue "The simulator at cluster scale"):
 2. A 1T-parameter GPT (128 layers x 25,600 hidden, 160 heads; Narayanan et al. 2021, table 1's
    1T row) on 3,072 A100s (384 nodes): TP 8, PP 64, DP 6, global batch 3072, micro-batch 1.
    with full recompute (as Megatron-LM trains it). Target: at most 5 s.
+3-5. Plans whose operators sit on different meshes (issue "Every plan simulated in a second"), each on
+   1,024 A100s, target 1 s each: an interlaced pipeline of a 43B GPT with a 256k vocabulary (pp 4 x tp
+   8 x dp 32), its token embedding and output layer split along the vocabulary over every device; an
+   alpa plan of the same model with pp 2 x tp 8 stage meshes (dp 64); a 3f1b plan of AlphaFold2 with 3
+   recycling passes (pp 4 x dp 256).
 
 Wall and CPU time are both printed: on a machine shared with other work the CPU time is the
 fairer figure. Tracing the model on meta tensors is done once per model and shared by every plan an
 exploration evaluates; it is reported on its own line. Each case runs in a fresh process so
 the peak resident memory printed is that case's.
+
+Each case's Program is built as a user's run builds it (``build_program``: the cluster's default
+software and precision), reduced to device classes; the number of classes is printed.
+
+Then one interlaced plan of that kind explored alone as a whole process (``planlab explore ... --space
+interlaced`` with every knob fixed) on 32 and on 1,024 A100s, target 10 s each.
 
 Then, for case 1 as a user meets it (issue "Every plan simulated in a second"), measured against
 the targets side by side:
@@ -22,11 +33,12 @@ the targets side by side:
 - writing the plan's outputs (best_plan.json, timeline.png, memory.png; target 1 s), after the
   simulation that records the timeline (printed apart).
 
-Run: .venv/bin/python benchmarks/sim_scale.py
+Run: .venv/bin/python benchmarks/sim_scale.py [--case NAME ...] [--skip-explore] [--skip-whole]
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import resource
@@ -35,6 +47,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# plan_quality.py's large-vocabulary GPT (48 x 8192, 43B parameters, Megatron-LM's vocabulary-parallel
+# embedding and loss)
+GPT_43B = dict(layers=48, hidden=8192, heads=64, seq=2048, vocab=256000, vocab_parallel=1)
 
 CASES = {
     "gpt3-175b on 1024 A100": dict(
@@ -53,13 +69,40 @@ CASES = {
         target_s=5.0,
         target_gib=None,
     ),
+    "interlaced gpt-43b (256k vocabulary) on 1024 A100": dict(
+        model=("gpt", GPT_43B),
+        nodes=128,
+        batch=1024,
+        space="interlaced",
+        knobs=dict(pp=4, tp=8, dp=32, microbatch=1, embed_layout="vocab", head_layout="vocab"),
+        target_s=1.0,
+        target_gib=None,
+    ),
+    "alpa pp 2 x tp 8 gpt-43b on 1024 A100": dict(
+        model=("gpt", GPT_43B),
+        nodes=128,
+        batch=1024,
+        space="alpa",
+        knobs=dict(pp=2, tp=8, microbatch=1),
+        target_s=1.0,
+        target_gib=None,
+    ),
+    "3f1b alphafold2 (3 recycles) on 1024 A100": dict(
+        model=("alphafold2", dict(recycles=3)),
+        nodes=128,
+        batch=1024,
+        space="3f1b",
+        knobs=dict(pp=4, dp=256, microbatch=1),
+        target_s=1.0,
+        target_gib=None,
+    ),
 }
 
 
 def _case(name: str, out) -> None:
     from planlab.explore import Setup, make_context
     from planlab.models import ModelSpec
-    from planlab.plan import materialize
+    from planlab.plan.software_passes import build_program
     from planlab.search_spaces import get_space
     from planlab.simulator import simulate
 
@@ -70,9 +113,9 @@ def _case(name: str, out) -> None:
     ctx, cost, graph = make_context(Setup(spec, "dgx-a100-80g", c["nodes"], c["batch"]))
     t1 = time.perf_counter()
     rss_trace = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    plan = get_space("megatron").build(ctx, c["knobs"])
+    plan = get_space(c.get("space", "megatron")).build(ctx, c["knobs"])
     t2, c2 = time.perf_counter(), time.process_time()
-    program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+    program = build_program(plan, graph, cost, symmetric=True)
     t3 = time.perf_counter()
     res = simulate(program, cost, model_flops=3 * graph.flops)
     t4, c4 = time.perf_counter(), time.process_time()
@@ -221,9 +264,51 @@ def whole_process(name: str) -> None:
         )
 
 
+EXPLORE_TARGET_S = 10.0
+INTERLACED_EXPLORE = {  # nodes, global batch, knobs (every knob of the interlaced space fixed)
+    32: (4, 256, dict(pp=4, tp=2, dp=4, microbatch=1)),
+    1024: (128, 1024, dict(pp=4, tp=8, dp=32, microbatch=1)),
+}
+
+
+def explore_interlaced(devices: int) -> None:
+    """One interlaced plan (embedding and output layer over every device) explored alone by
+    ``planlab explore`` as a whole process, twice: with an empty trace cache, then with it filled."""
+    nodes, batch, knobs = INTERLACED_EXPLORE[devices]
+    knobs = dict(knobs, zero=0, sequence_parallel=0, recompute="none", embed_layout="vocab", head_layout="vocab")
+    planlab = Path(sys.executable).with_name("planlab")
+    cmd = [str(planlab), "explore", "--model", "gpt", "--cluster", "dgx-a100-80g", "--nodes", str(nodes)]
+    cmd += [a for k, v in GPT_43B.items() for a in ("--model-arg", f"{k}={v}")]
+    cmd += ["--global-batch", str(batch), "--space", "interlaced", "--jobs", "1"]
+    cmd += [a for k, v in knobs.items() for a in ("--set", f"{k}={v}")]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PLANLAB_CACHE_DIR=str(Path(tmp) / "cache"))
+        walls, cpus = [], []
+        for run in range(2):
+            t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            out = Path(tmp) / f"out{run}"
+            subprocess.run(cmd + ["--out", str(out)], env=env, check=True, capture_output=True)
+            c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime)
+    print(
+        f"interlaced gpt-43b, one plan explored alone on {devices} A100 ({knobs}), whole process: first "
+        f"(traces, fills the cache) {walls[0]:.2f} s wall, {cpus[0]:.2f} s CPU; second {walls[1]:.2f} s wall "
+        f"(target {EXPLORE_TARGET_S} s, ratio {walls[1] / EXPLORE_TARGET_S:.2f}), {cpus[1]:.2f} s CPU (ratio "
+        f"{cpus[1] / EXPLORE_TARGET_S:.2f}); load average {os.getloadavg()[0]:.1f}"
+    )
+    sys.stdout.flush()
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeatable)")
+    ap.add_argument("--skip-explore", action="store_true", help="without the interlaced explorations")
+    ap.add_argument("--skip-whole", action="store_true", help="without case 1 as a user runs it")
+    args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    for name, c in CASES.items():
+    for name in args.case or CASES:
+        c = CASES[name]
         q = ctx.Queue()
         p = ctx.Process(target=_case, args=(name, q))
         p.start()
@@ -238,7 +323,7 @@ def main() -> None:
         print(
             f"  materialize {r['materialize_s']:.2f} s + simulate {r['simulate_s']:.2f} s = {wall:.2f} s "
             f"(target {c['target_s']} s, ratio {wall / c['target_s']:.2f}; CPU time {r['cpu_s']:.2f} s, "
-            f"ratio {r['cpu_s'] / c['target_s']:.2f})"
+            f"ratio {r['cpu_s'] / c['target_s']:.2f}; load average {os.getloadavg()[0]:.1f})"
         )
         gib = f"peak RSS {r['rss_gib']:.2f} GiB (after tracing {r['rss_trace_gib']:.2f} GiB)"
         if c["target_gib"]:
@@ -246,7 +331,11 @@ def main() -> None:
         print("  " + gib)
         print(f"  -> {r['summary']}")
         sys.stdout.flush()
-    whole_process("gpt3-175b on 1024 A100")
+    if not args.skip_explore:
+        for devices in INTERLACED_EXPLORE:
+            explore_interlaced(devices)
+    if not args.skip_whole:
+        whole_process("gpt3-175b on 1024 A100")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,24 @@ def test_chunks_run_in_turn_each_recomputed_before_its_backward():
     assert tasks["fc1@0"].recompute == "drop" and tasks["re:fc1@0"].recompute == "redo"
 
 
+def test_zero3_chunks_remade_in_the_backward_read_the_backward_gather():
+    """ZeRO-3 frees a unit's forward gather after the forward: a co-located chunk remade before its
+    backward reads the backward's gather, and no task of the backward reads or frees a forward gather
+    (one freed there took the storage from under the remade chunks' graphs: fuzz_plans.py plan 44)."""
+    spec, g = traced("gpt-tiny", 8)
+    knobs = dict(dp=2, microbatch=2, zero=3, coshard=2, coshard_blocks="attention")
+    prog = materialize(get_space("dp*coshard").build(Context(g, spec, 8, "cpu", 2, 2, 1), knobs), g)
+    find_deadlock(prog)
+    for dev in prog.devices:
+        for (_, phase), block in dev.blocks.items():
+            for t in block.tasks:
+                forward_gathers = [str(b) for b in (*t.reads, *t.free) if str(b).startswith("zf:")]
+                assert phase == "F" or not forward_gathers, (t.name, forward_gathers)
+        remade = [t for _, t in dev.tasks_in_order() if t.name.startswith("re:blocks_0_attn_q@")]
+        assert len(remade) == 2 * 2  # 2 chunks, 2 micro-batches
+        assert all("zb:blocks.0.attn.q.weight" in map(str, t.reads) for t in remade)
+
+
 @pytest.mark.parametrize(
     "model_args, knobs",
     [
@@ -357,6 +375,9 @@ def test_space_co_shards_the_chosen_blocks_and_composes():
                 coshard_remade_percent=25,
             ),
         ),
+        # ZeRO-3: the chunks remade in the backward read the backward's gathered weights (the forward's
+        # are freed after the forward), as each chunk's backward does (fuzz_plans.py plan 44 of seed 0)
+        ("gpt-tiny", (), dict(dp=2, tp=1, pp=1, microbatch=2, zero=3, coshard=2, coshard_blocks="attention")),
     ],
 )
 def test_coshard_plans_match_one_process(model, model_args, knobs):

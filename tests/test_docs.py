@@ -180,6 +180,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0": Benchmark(),
     ".venv/bin/python benchmarks/kernels_in_situ.py": Benchmark(),
     ".venv/bin/python benchmarks/plan_quality.py --jobs 2": Benchmark(),
+    ".venv/bin/python benchmarks/nnscaler_eval.py --jobs 2": Benchmark(),
+    ".venv/bin/python benchmarks/nnscaler_eval.py --workloads swin-4 --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/explore_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/checkpoint_reshard.py": Benchmark(),
     ".venv/bin/python benchmarks/executor_overhead.py --model gpt-small --batch 8 --steps 30 --repeats 7": Benchmark(),

@@ -11,9 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
-from planlab.errors import ExecutionError
+from planlab.errors import ConfigError, ExecutionError
 from planlab.executor import launch_local
-from planlab.executor.randomness import Draw, RandomMode, reference_draws, stream_key, threefry2x32
+from planlab.executor.randomness import (
+    BITS_TO_UNIT,
+    CHUNK_ELEMENTS,
+    MASK32,
+    Draw,
+    RandomMode,
+    reference_draws,
+    stream_key,
+    threefry2x32,
+)
 from planlab.graph.random_ops import random_operators
 from planlab.plan import materialize
 from planlab.plan.program import TaskKind
@@ -57,6 +66,39 @@ def test_any_box_split_draws_what_the_whole_draws(data):
         piece = Draw(seed, "layer.dropout", step, tuple(a for a, _ in box), tuple(b - a for a, b in box), shape)
         assert torch.equal(piece.bits(), bits[tuple(slice(a, b) for a, b in box)])
         assert torch.equal(piece.keep(0.3), whole.keep(0.3)[tuple(slice(a, b) for a, b in box)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_the_chunked_hash_draws_the_bits_of_the_whole_index(data):
+    """The draws hash a bounded number of elements at a time: every chunk size gives, bit for bit,
+    the hash of the whole global index at once (what the generator was defined by)."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=4)))
+    offset = tuple(data.draw(st.integers(0, 5)) for _ in shape)
+    whole = tuple(o + n + data.draw(st.integers(0, 3)) for o, n in zip(offset, shape))
+    d = Draw(
+        data.draw(st.integers(-(2**40), 2**40)), "blocks.0.drop", data.draw(st.integers(0, 99)), offset, shape, whole
+    )
+    idx = d.global_index()
+    want = threefry2x32(stream_key(d.seed, d.op, d.step), idx & MASK32, idx >> 32)[0]
+    chunk = data.draw(st.integers(1, 2 * max(1, want.numel())))
+    assert torch.equal(d.bits(chunk_elements=chunk), want)
+    assert torch.equal(d.keep(0.3, chunk_elements=chunk), want >= math.ceil(0.3 * 2**32))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        u = d.uniform(dtype, chunk_elements=chunk)
+        assert torch.equal(u, ((want >> 8).to(torch.float32) * BITS_TO_UNIT).to(dtype))
+
+
+def test_a_large_draw_is_hashed_in_bounded_chunks():
+    """A draw of 2**20 elements (4 MiB of float32) in chunks of CHUNK_ELEMENTS: equal to the same
+    draw in one chunk; the chunked one's indices are built CHUNK_ELEMENTS at a time."""
+    d = Draw(3, "attn.drop", 1, (8, 0, 0), (4, 512, 512), (32, 512, 512))
+    assert CHUNK_ELEMENTS < 2**20
+    assert d.index_range(0, CHUNK_ELEMENTS).numel() == CHUNK_ELEMENTS
+    assert torch.equal(d.index_range(5, 9), d.global_index().reshape(-1)[5:9])
+    assert torch.equal(d.keep(0.1), d.keep(0.1, chunk_elements=2**20))
+    with pytest.raises(ConfigError, match="chunk_elements must be at least 1, got 0"):
+        d.bits(chunk_elements=0)
 
 
 def test_draws_differ_by_seed_operator_and_step_and_keep_the_rate():

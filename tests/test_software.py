@@ -106,3 +106,24 @@ def test_default_precision_by_device() -> None:
     assert CostModel.load("cpu").software.name == "planlab"
     with pytest.raises(ConfigError, match="'v100-32g' has no fp8 peak"):
         CostModel.load("dgx-1-v100", precision="fp8")
+
+
+def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
+    """DeepSpeed of 2021 passes its all-gathers a list of one tensor per rank, which PyTorch copies
+    out of a flat buffer one rank at a time: the same all-gather costs n copies more than
+    deepspeed's flat one, the extra grows with the ranks, and an all-reduce (one tensor) and a
+    reduce-scatter cost the same."""
+    new, old = (
+        CostModel.load("dgx-a100-80g", 96, software=s, precision="fp16") for s in ("deepspeed", "deepspeed-2021")
+    )
+    assert (new.software.collective_buffers, old.software.collective_buffers) == ("flat", "per_rank")
+    extra = {}
+    for n in (8, 768):
+        group = tuple(range(n))
+        t_new, t_old = (c.collective_time_s("all_gather", 1.2e9, group) for c in (new, old))
+        extra[n] = t_old - t_new
+        assert extra[n] == pytest.approx(old.buffer_copies_s("all_gather", 1.2e9, n)) and extra[n] > 0
+        assert old.collective_time_s("all_reduce", 1.2e9, group) == new.collective_time_s("all_reduce", 1.2e9, group)
+    assert extra[768] > extra[8]
+    assert old.buffer_copies("reduce_scatter", 768) == 0 and old.buffer_copies("all_gather", 1) == 0
+    assert old.buffer_copies("all_gather", 768) == 768 and new.buffer_copies("all_gather", 768) == 0

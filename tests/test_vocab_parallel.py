@@ -106,20 +106,28 @@ def test_the_shares_add_up_to_the_loss_and_its_gradient():
     assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
 
 
-def test_megatron_tensor_parallelism_splits_the_vocabulary_of_a_vocabulary_parallel_gpt():
-    """gpt with vocab_parallel=1: the megatron space's tensor parallelism splits the embedding, the
-    output layer and the loss along the vocabulary, as Megatron-LM does, and matches one process."""
+@pytest.mark.parametrize(
+    "family, sizes, head",
+    [
+        ("gpt", (("heads", 4),), "lm_head"),
+        ("llama", (("heads", 4), ("kv_heads", 2), ("ffn_hidden", 64)), "output"),  # torchtitan's loss_parallel
+    ],
+)
+def test_megatron_tensor_parallelism_splits_the_vocabulary_of_a_vocabulary_parallel_model(family, sizes, head):
+    """gpt or llama with vocab_parallel=1: the megatron space's tensor parallelism splits the
+    embedding, the output layer and the loss along the vocabulary, as Megatron-LM (and torchtitan's
+    loss_parallel) does, and matches one process."""
     from planlab.graph.trace import trace
     from planlab.models.registry import ModelSpec, build_model
     from planlab.search_spaces import Context, get_space
 
     spec = ModelSpec(
-        "gpt", (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab", 256), ("vocab_parallel", 1))
+        family, (("layers", 2), ("hidden", 32), *sizes, ("seq", 16), ("vocab", 256), ("vocab_parallel", 1))
     )
     graph = trace(*build_model(spec, batch=8))
     plan = get_space("megatron").build(Context(graph, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=4))
     ops = {p.op: p for p in plan.ops}
-    assert ops["lm_head"].dims == (None, "n") and ops["lm_head"].sizes == (1, 2)
+    assert ops[head].dims == (None, "n") and ops[head].sizes == (1, 2)
     assert ops["vocab_cross_entropy"].dims == (None, "v") and ops["vocab_embedding"].dims == (None, "v")
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)

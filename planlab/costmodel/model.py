@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
 # size to another (comm._RING, by kind name; all_to_all moves (n-1)/n of the buffer in n-1 steps).
 _SCALE = {c.value: f for c, f in comm._RING.items()}
 _SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
+# the collectives each kind of software's collective_buffers adds copies to (software.py)
+_COPIED_KINDS = {"per_rank": ("all_gather",), "copied": ("all_gather", "reduce_scatter")}
 _ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # bytes per activation element by compute dtype
 
 
@@ -203,7 +205,8 @@ class CostModel:
             return self.task_time_s(task, dtype), 0.0
         dev = self.cluster.device
         if kind == "C":
-            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), sw.host_collective_s
+            host_s = sw.host_collective_s + self.buffer_copies(task.collective, len(task.group)) * sw.host_launch_s
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), host_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
         fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
@@ -288,7 +291,9 @@ class CostModel:
         nearest measured size by the ring's steps and traffic."""
         base = comm.collective_time_s(self.cluster, kind, nbytes, group)  # validates everything
         if self.profile is None or base == 0.0:
-            return base
+            if base == 0.0:
+                return base
+            return base + self.buffer_copies_s(kind, nbytes, len(group))
         found = self.profile.collective(kind, len(group))
         if found is None:
             return base
@@ -298,6 +303,22 @@ class CostModel:
             return fit.fit.time_s(nbytes)
         steps, traffic = _SCALE[kind]
         return fit.fit.alpha_s * steps(n) / steps(ranks) + nbytes / fit.fit.bytes_per_s * traffic(n) / traffic(ranks)
+
+    def buffer_copies(self, kind: str, n: int) -> int:
+        """How many copy kernels the software adds to a collective ``kind`` over ``n`` ranks
+        (its ``collective_buffers``): ``per_rank``, one per rank of an all-gather (PyTorch's
+        ProcessGroupNCCL copies each rank's part out of a flat buffer of its own); ``copied``, one
+        per all-gather (its output copied into the parameters it holds) and per reduce-scatter
+        (its input assembled from the gradients), as FSDP2 does; ``flat``, none."""
+        if n < 2 or kind not in _COPIED_KINDS.get(self.software.collective_buffers, ()):
+            return 0
+        return n if self.software.collective_buffers == "per_rank" else 1
+
+    def buffer_copies_s(self, kind: str, nbytes: float, n: int) -> float:
+        """The device's time for :meth:`buffer_copies` on a collective of ``nbytes`` (the full
+        buffer): each copy reads and writes its share of the buffer."""
+        copies = self.buffer_copies(kind, n)
+        return copies * self._pass_s(2.0 * nbytes / copies) if copies else 0.0
 
     def p2p_time_s(self, nbytes: float, src: int, dst: int) -> float:
         """Seconds to send ``nbytes`` from ``src`` to ``dst`` (see ``comm.p2p_time_s``); with a

@@ -21,6 +21,12 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``"whole"`` or ``"partitioned"`` (each tensor-parallel rank sends a tp-th of an activation
     between stages and the receivers all-gather it: Megatron-LM's scatter/gather, DeepSpeed's
     ``pipe_partitioned``);
+``collective_buffers``
+    ``"flat"`` (all-gathers into one flat tensor, as ``all_gather_into_tensor`` takes it) or
+    ``"per_rank"`` (the software passes a list of one tensor per rank, which PyTorch's
+    ProcessGroupNCCL copies out of a flat buffer of its own: one copy kernel per rank and
+    all-gather) or ``"copied"`` (FSDP2: each all-gather's output copied into the parameters,
+    each reduce-scatter's input assembled from the gradients, one copy kernel each);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -53,6 +59,7 @@ SOFTWARE_DIR = Path(__file__).parent / "software"
 IMPLEMENTATIONS = ("megatron", "torch")
 GRAD_REDUCE = ("overlapped", "after_backward")
 PIPELINE_MESSAGES = ("whole", "partitioned")
+COLLECTIVE_BUFFERS = ("flat", "per_rank", "copied")
 ZERO3_UNITS = ("layer", "module")
 DEFAULT_SOFTWARE = "megatron"  # on GPU clusters; the CPU cluster runs planlab's own executor: torch
 _US = 1e-6
@@ -70,6 +77,7 @@ _FIELDS = {
     "grad_reduce",
     "grad_bucket_elements",
     "pipeline_messages",
+    "collective_buffers",
     "sequence_parallel_saves_shard",
     "precisions",
     "zero3",
@@ -121,6 +129,7 @@ class SoftwareSpec:
     grad_reduce: str = "overlapped"
     grad_bucket_elements: int = 40_000_000
     pipeline_messages: str = "whole"
+    collective_buffers: str = "flat"
     sequence_parallel_saves_shard: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
@@ -195,6 +204,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         grad_reduce=_choice(f, "grad_reduce", GRAD_REDUCE, "overlapped"),
         grad_bucket_elements=f.integer("grad_bucket_elements") if "grad_bucket_elements" in f.obj else 40_000_000,
         pipeline_messages=_choice(f, "pipeline_messages", PIPELINE_MESSAGES, "whole"),
+        collective_buffers=_choice(f, "collective_buffers", COLLECTIVE_BUFFERS, "flat"),
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from planlab.errors import ExecutionError
+from planlab.errors import ConfigError, ExecutionError
 from planlab.graph.ir import Graph, Operator
 from planlab.graph.random_ops import random_operators
 
@@ -44,6 +44,7 @@ ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 (Random123's R_32x2
 PARITY = 0x1BD11BDA  # Threefish's key schedule constant (Random123, SKEIN_KS_PARITY32)
 ROUNDS = 20
 BITS_TO_UNIT = 2.0**-24  # 24 random bits make a float32 in [0, 1) exactly
+CHUNK_ELEMENTS = 1 << 16  # elements hashed at once: each of the hash's int64 temporaries takes 512 KiB
 
 
 def threefry2x32(key: tuple, x0, x1) -> tuple:
@@ -87,7 +88,8 @@ class Draw:
     whole: tuple[int, ...]
 
     def global_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """The linear index of each drawn element in the whole draw (int64, of ``shape``)."""
+        """The linear index of each drawn element in the whole draw (int64, of ``shape``), all at
+        once (the draws themselves hash it in chunks: :meth:`index_range`)."""
         idx = torch.zeros((), dtype=torch.int64, device=device)
         stride = 1
         for a in reversed(range(len(self.shape))):
@@ -97,18 +99,51 @@ class Draw:
             stride *= self.whole[a]
         return idx.expand(self.shape)
 
-    def bits(self, device: torch.device | None = None) -> torch.Tensor:
+    def index_range(self, start: int, stop: int, device: torch.device | None = None) -> torch.Tensor:
+        """The global indices (int64) of the piece's elements ``start`` to ``stop`` in its own
+        row-major order: :meth:`global_index` flattened, that slice alone."""
+        flat = torch.arange(start, stop, dtype=torch.int64, device=device)
+        idx = torch.zeros_like(flat)
+        stride = 1
+        for a in reversed(range(len(self.shape))):
+            n = self.shape[a]
+            idx += (flat % n + self.offset[a]) * stride
+            flat = flat.div(n, rounding_mode="floor")
+            stride *= self.whole[a]
+        return idx
+
+    def bits(self, device: torch.device | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
         """32 random bits per element (int64 in [0, 2**32)), of ``shape``."""
-        idx = self.global_index(device)
-        return threefry2x32(stream_key(self.seed, self.op, self.step), idx & MASK32, idx >> 32)[0]
+        return self._hashed(lambda b: b, torch.int64, device, chunk_elements)
 
-    def uniform(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
-        """Uniform values in [0, 1), from the top 24 of each element's bits."""
-        return ((self.bits(device) >> 8).to(torch.float32) * BITS_TO_UNIT).to(dtype)
+    def uniform(
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        chunk_elements: int = CHUNK_ELEMENTS,
+    ) -> torch.Tensor:
+        """Uniform values in [0, 1), from the top 24 of each element's bits (made float32, then ``dtype``)."""
+        return self._hashed(lambda b: (b >> 8).to(torch.float32) * BITS_TO_UNIT, dtype, device, chunk_elements)
 
-    def keep(self, p: float, device: torch.device | None = None) -> torch.Tensor:
+    def keep(self, p: float, device: torch.device | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
         """The dropout mask: True where an element is kept (probability ``1 - p``)."""
-        return self.bits(device) >= math.ceil(p * 2**32)
+        threshold = math.ceil(p * 2**32)
+        return self._hashed(lambda b: b >= threshold, torch.bool, device, chunk_elements)
+
+    def _hashed(self, finish: Callable, dtype: torch.dtype, device, chunk_elements: int) -> torch.Tensor:
+        """``finish(bits)`` of every element, as ``dtype``: the hash runs on ``chunk_elements`` at a
+        time, so its int64 temporaries stay bounded whatever the draw's size (the values do not
+        depend on the chunks: each element's bits are a function of its global index alone)."""
+        if chunk_elements < 1:
+            raise ConfigError(f"chunk_elements must be at least 1, got {chunk_elements}")
+        out = torch.empty(self.shape, dtype=dtype, device=device)
+        flat = out.view(-1)
+        key = stream_key(self.seed, self.op, self.step)
+        for start in range(0, flat.numel(), chunk_elements):
+            stop = min(start + chunk_elements, flat.numel())
+            idx = self.index_range(start, stop, device)
+            flat[start:stop] = finish(threefry2x32(key, idx & MASK32, idx >> 32)[0])
+        return out
 
 
 def dropout(x: torch.Tensor, p: float, draw: Draw) -> torch.Tensor:

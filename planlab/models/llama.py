@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.models.tokens import token_batch
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class LlamaConfig:
     vocab: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    vocab_parallel: int = 0  # 1: the vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
 
     @property
     def head_dim(self) -> int:
@@ -150,10 +152,13 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # idx, targets: (B, T) token ids
-        x = self.tok_embeddings(idx)  # (B, T, C)
+        vp = self.cfg.vocab_parallel
+        x = vocab_embedding(idx, self.tok_embeddings.weight) if vp else self.tok_embeddings(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin)
         logits = self.output(self.norm(x))  # (B, T, V)
+        if vp:  # torchtitan's loss_parallel with tensor parallelism, Megatron-LM's vocabulary-parallel loss
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod

@@ -20,6 +20,7 @@ from planlab.models.t5 import T5, T5Config
 from planlab.models.evoformer import Evoformer, EvoformerConfig
 from planlab.models.moe import MoE, MoEConfig
 from planlab.models.swin import Swin, SwinConfig, check_swin
+from planlab.models.nnscaler import NNSCALER_EVOFORMER_PRESETS, NNSCALER_SWIN_PRESETS, NNSCALER_T5_PRESETS
 from planlab.models.spec import ModelSpec, is_user_model  # noqa: F401 (re-exported: ModelSpec lives apart, without torch)
 from planlab.models.user import UserModelConfig, build_user_model
 
@@ -209,6 +210,8 @@ def _check_t5(cfg: T5Config) -> None:
         )
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"dropout={cfg.dropout} must be in [0, 1)")
+    if cfg.gated_ffn not in (0, 1):
+        raise ConfigError(f"gated_ffn={cfg.gated_ffn!r} must be 0 (two-matrix feed-forward) or 1 (gated, T5 v1.1)")
 
 
 def _check_evoformer(cfg: EvoformerConfig) -> None:
@@ -327,7 +330,7 @@ FAMILIES: dict[str, Family] = {
         "t5",
         T5Config,
         T5,
-        T5_PRESETS,
+        {**T5_PRESETS, **NNSCALER_T5_PRESETS},
         (
             "encoder_layers",
             "decoder_layers",
@@ -345,7 +348,7 @@ FAMILIES: dict[str, Family] = {
         "evoformer",
         EvoformerConfig,
         Evoformer,
-        EVOFORMER_PRESETS,
+        {**EVOFORMER_PRESETS, **NNSCALER_EVOFORMER_PRESETS},
         ("blocks", "c_m", "c_z", "heads_msa", "heads_pair", "n_seq", "n_res"),
         _check_evoformer,
     ),
@@ -357,7 +360,14 @@ FAMILIES: dict[str, Family] = {
         ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts", "top_k", "seq", "vocab"),
         _check_moe,
     ),
-    "swin": Family("swin", SwinConfig, Swin, SWIN_PRESETS, ("embed", "depths", "num_heads"), check_swin),
+    "swin": Family(
+        "swin",
+        SwinConfig,
+        Swin,
+        {**SWIN_PRESETS, **NNSCALER_SWIN_PRESETS},
+        ("embed", "depths", "num_heads"),
+        check_swin,
+    ),
 }
 PRESET_FAMILY: dict[str, str] = {p: f.name for f in FAMILIES.values() for p in f.presets}
 

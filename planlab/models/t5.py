@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.graph.ops_biased_attention import attention_with_bias
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class T5Config:
     ``hidden`` is T5's d_model, ``head_dim`` its d_kv (``heads * head_dim`` need not equal
     ``hidden``), ``ffn_hidden`` its d_ff. ``seq`` is the encoder's input length and
     ``decoder_seq`` the target length; ``rel_buckets`` and ``rel_max_distance`` shape the relative
-    position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training).
+    position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training). ``gated_ffn``:
+    v1.1's gated-GELU feed-forward (True), or the original T5's two-matrix one with a GELU between
+    (False, ``--model-arg gated_ffn=0``; nnScaler's T5 has it). ``vocab_parallel=1``: Megatron-LM's
+    vocabulary-parallel embedding and loss (:mod:`planlab.models.vocab_parallel`), which tensor
+    parallelism and the interlaced pipeline split along the vocabulary, as GPT's.
     """
 
     encoder_layers: int
@@ -58,6 +63,8 @@ class T5Config:
     rel_max_distance: int = 128
     dropout: float = 0.0
     norm_eps: float = 1e-6
+    gated_ffn: bool = True
+    vocab_parallel: int = 0
 
     @property
     def layers(self) -> int:
@@ -74,7 +81,7 @@ class T5Config:
         position tables and final norms, and the untied output layer."""
         h, a, f = self.hidden, self.inner, self.ffn_hidden
         attn = 4 * h * a  # q, k, v, o
-        ffn = 3 * h * f  # wi_0, wi_1, wo
+        ffn = (3 if self.gated_ffn else 2) * h * f  # wi_0, wi_1, wo (gated) or wi, wo
         encoder = self.encoder_layers * (attn + ffn + 2 * h)
         decoder = self.decoder_layers * (2 * attn + ffn + 3 * h)
         tables = 2 * self.rel_buckets * self.heads
@@ -193,6 +200,26 @@ class FeedForward(nn.Module):
         return self.wo(self.drop(self.act(self.wi_0(x)) * self.wi_1(x)))
 
 
+class PlainFeedForward(nn.Module):
+    """The original T5's two-matrix feed-forward with a GELU: ``wo(dropout(gelu_tanh(wi x)))``."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.wi = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.drop = nn.Dropout(cfg.dropout)
+        self.wo = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, C) -> (B, S, F) -> (B, S, C)
+        return self.wo(self.drop(self.act(self.wi(x))))
+
+
+def feed_forward(cfg: T5Config) -> nn.Module:
+    """The feed-forward ``cfg.gated_ffn`` names."""
+    return FeedForward(cfg) if cfg.gated_ffn else PlainFeedForward(cfg)
+
+
 class EncoderBlock(nn.Module):
     """Pre-norm encoder layer: bidirectional self-attention, feed-forward."""
 
@@ -201,7 +228,7 @@ class EncoderBlock(nn.Module):
         self.self_attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg, length=cfg.seq, has_bias=first)
         self.ff_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +247,7 @@ class DecoderBlock(nn.Module):
         self.cross_attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.cross_attn = Attention(cfg)
         self.ff_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.ff = FeedForward(cfg)
+        self.ff = feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -269,15 +296,16 @@ class T5(nn.Module):
                 m.o.weight.normal_(0.0, c.inner**-0.5)
                 if m.position_bias is not None:
                     m.position_bias.relative_attention_bias.weight.normal_(0.0, c.hidden**-0.5)
-            elif isinstance(m, FeedForward):
-                m.wi_0.weight.normal_(0.0, c.hidden**-0.5)
-                m.wi_1.weight.normal_(0.0, c.hidden**-0.5)
+            elif isinstance(m, (FeedForward, PlainFeedForward)):
+                for w in (m.wi_0, m.wi_1) if isinstance(m, FeedForward) else (m.wi,):
+                    w.weight.normal_(0.0, c.hidden**-0.5)
                 m.wo.weight.normal_(0.0, c.ffn_hidden**-0.5)
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # input_ids: (B, S); decoder_input_ids, labels: (B, T) token ids
         c = self.cfg
-        tokens = self.drop(self.shared(torch.cat((input_ids, decoder_input_ids), dim=1)))  # (B, S+T, C)
+        ids = torch.cat((input_ids, decoder_input_ids), dim=1)  # (B, S+T)
+        tokens = self.drop(vocab_embedding(ids, self.shared.weight) if c.vocab_parallel else self.shared(ids))
         x, y = tokens[:, : c.seq], tokens[:, c.seq :]  # (B, S, C), (B, T, C)
         bias = None
         for block in self.blocks[: c.encoder_layers]:
@@ -287,6 +315,8 @@ class T5(nn.Module):
         for block in self.blocks[c.encoder_layers :]:
             y, bias = block(y, bias, memory)
         logits = self.lm_head(self.drop(self.decoder_norm(y)))  # (B, T, V)
+        if c.vocab_parallel:
+            return vocab_cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1)).reshape(())
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
     @staticmethod

@@ -39,6 +39,7 @@ from planlab.plan.passes.draft import Draft, Idents
 from planlab.plan.plan import Plan
 from planlab.plan.program import Recompute, Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
+from planlab.plan.zero import in_backward
 
 
 def _axis(axes, dim: str) -> int | None:
@@ -458,7 +459,7 @@ class _Chunks:
         def wr(b, c, local, chunk):
             return self._sized(_r(b, c), b, local, chunk)
 
-        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
         return t.but(
@@ -480,7 +481,7 @@ class _Chunks:
                 return None
             return self._sized(b.with_kind(BufferKind.REMADE).at_chunk(c), b, local, chunk)
 
-        reads = tuple(self.relay.get(b, b) for b in t.reads)
+        reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
         writes = tuple(remade.get(b, b) for b in t.writes)
         f = self._fields(t, c, op, "F", reads, writes, inner, inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]

@@ -272,7 +272,7 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, first_tag
                 conv.tags += 1
                 conv.add("src", chosen, make.send(tag, dd, region, sbox))
                 conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
-    return conv
+    return _own_pieces_last(conv)
 
 
 def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, channel) -> Conversion:
@@ -306,6 +306,15 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                     conv.add("src", chosen, make.send(tag, dd, region, sbox))
                 if dd in only:
                     conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
+    return _own_pieces_last(conv)
+
+
+def _own_pieces_last(conv: Conversion) -> Conversion:
+    """Every receiver copies the pieces it holds itself after the messages of the others: its own
+    piece sits at the same place in the receive list of every device (which piece a device holds
+    depends on its position), so devices at alike positions have alike programs."""
+    for dev, tasks in conv.dst.items():
+        conv.dst[dev] = sorted(tasks, key=lambda t: t.kind is TaskKind.LOCAL)
     return conv
 
 

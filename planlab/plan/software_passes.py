@@ -10,6 +10,7 @@ Program (pure functions from Program to Program):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -73,18 +74,32 @@ def partition_pipeline_messages(program: Program, tp: int) -> Program:
 
 
 def _groups_receive_alike(program: Program, tp: int) -> bool:
-    """Whether every member of each device's tensor-parallel group receives the same messages."""
+    """Whether every member of each device's tensor-parallel group receives the same messages, each
+    from its counterpart (the sender at its tensor-parallel rank: a pipeline message, not a piece of
+    an exchange between every device): the same pieces of the same buffers, whatever their tags
+    (each message has its own); in a Program reduced to device classes, the members share a class
+    (their programs agree up to their peers)."""
 
-    def receives(d: int) -> set[tuple]:
+    def receives(d: int) -> Counter:
         dp = program.device(d)
-        return {(key, t.name) for key, b in dp.blocks.items() for t in b.tasks if t.kind is TaskKind.RECV}
+        return Counter(
+            (key, t.name.rstrip("0123456789"), t.nbytes, t.region)
+            for key, b in dp.blocks.items()
+            for t in b.tasks
+            if t.kind is TaskKind.RECV
+        )
 
     for dp in program.devices:
         base = dp.device - dp.device % tp
         if base + tp > program.num_devices:
             return False
+        group = range(base, base + tp)
+        if program.reduced and any(program.classes[m] != program.classes[dp.device] for m in group):
+            return False
+        if any(t.peer % tp != dp.device % tp for b in dp.blocks.values() for t in b.tasks if t.kind is TaskKind.RECV):
+            return False
         mine = receives(dp.device)
-        if any(receives(m) != mine for m in range(base, base + tp)):
+        if any(receives(m) != mine for m in group):
             return False
     return True
 

@@ -1,13 +1,25 @@
 """Device classes from the plan alone, and the Program reduced to their representatives.
 
 At cluster scale most devices are copies of each other: data-parallel replicas,
-tensor-parallel peers. :func:`plan_classes` groups devices by what the plan gives
-them (the meshes they belong to, how the groups along each mesh axis spread over
-nodes, their schedule) without building anyone's tasks; ``materialize(...,
-symmetric=True)`` then builds tasks for one representative per class and one more
-member, and :func:`reduce_program` checks the two agree (up to the names of their
-peers) before it keeps the representatives only. When they do not, the caller
-builds every device's tasks instead.
+tensor-parallel peers, and the members of a stage that every device shares (an interlaced
+pipeline's embedding and output layer, an alpa stage's all-to-all exchanges).
+:func:`plan_classes` groups devices by their position relative to their groups (the meshes
+they belong to, how the groups along each mesh axis spread over nodes, their schedule)
+without building anyone's tasks; ``materialize(..., symmetric=True)`` then builds tasks for one
+representative per class and one more member, and :func:`reduce_program` checks the two agree
+before it keeps the representatives only. They agree when their programs are the same with
+each peer named relative to the device: by its class and whether it shares the device's node,
+a run of messages sent (or received) back to back compared as a set, since the simulator starts
+a run's sends at once and ends a run of receives with its last arrival (materialize puts a
+receiver's own pieces after the messages, at the same place on every member). When they do not
+agree, the caller builds every device's tasks instead.
+
+The simulator runs the representatives; a representative's messages to the members of a class
+of as many devices go through the port of that class's representative (the members receive as
+many messages at the same times), so the reduced and the full simulations agree
+(tests/test_symmetry.py). Not yet with a software whose host issue time bounds the device's
+(``CostModel.host_bound``, Megatron-LM's): a collective inside one class joins the segment of tasks
+around it, while the full simulation meets it apart, which moves the host's issue times.
 """
 
 from __future__ import annotations
@@ -75,37 +87,60 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
     return tuple(out)
 
 
+def _row(key, t, peer, group) -> tuple:
+    """One task of an outline: what it does, with its peer or group named by class."""
+    return (
+        key,
+        t.kind.value,
+        t.op,
+        t.collective,
+        group,
+        peer,
+        t.channel,
+        t.nbytes,
+        t.flops,
+        t.bytes_moved,
+        t.shape,
+        t.recompute,
+        tuple(n for _, n in t.alloc),
+        len(t.free),
+    )
+
+
+# Messages issued back to back: the simulator starts every send of a run at once (their flows share
+# links fairly whatever their order) and a run of receives ends when the last message has arrived,
+# so the order inside a run does not change a prediction; a device's peers in it, named relative
+# to the device, come in another order on every member of a class (all-to-all exchanges).
+_RUNS = (TaskKind.SEND, TaskKind.RECV)
+
+
 def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int], groups: dict) -> tuple:
-    """A device's program with its peers replaced by their classes and node relations
-    (``groups`` caches the outline of each collective group)."""
+    """A device's program with its peers named relative to it: by their classes and whether they
+    share its node, the messages of a run of sends (or of receives) as a sorted run (``groups``
+    caches the outline of each collective group)."""
     me = node_of(dp.device)
     out: list = [dp.schedule, dp.static_bytes]
     for key in sorted(dp.blocks):
+        run: list = []
+        run_kind = None
         for t in dp.blocks[key].tasks:
+            if run and t.kind is not run_kind:
+                out.append(tuple(sorted(run, key=repr)))
+                run = []
             peer = (classes[t.peer], node_of(t.peer) == me) if t.peer >= 0 else None
             group = None
             if t.group:
                 group = groups.get(t.group)
                 if group is None:
                     group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of))
-            out.append(
-                (
-                    key,
-                    t.kind.value,
-                    t.op,
-                    t.collective,
-                    group,
-                    peer,
-                    t.channel,
-                    t.nbytes,
-                    t.flops,
-                    t.bytes_moved,
-                    t.shape,
-                    t.recompute,
-                    tuple(n for _, n in t.alloc),
-                    len(t.free),
-                )
-            )
+            row = _row(key, t, peer, group)
+            if t.kind in _RUNS:
+                run.append(row)
+                run_kind = t.kind
+            else:
+                out.append(row)
+        if run:
+            out.append(tuple(sorted(run, key=repr)))
     return tuple(out)
 
 

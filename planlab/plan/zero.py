@@ -69,6 +69,15 @@ def unit_key(param: str, per_module: bool = False) -> str:
     return parts[0] if len(parts) > 1 else param
 
 
+def in_backward(buf: Buffer) -> Buffer:
+    """What a forward task's read ``buf`` is when the task runs again in the backward block (a
+    co-located chunk remade before its backward): a weight gathered for the forward is read from
+    the backward's gather, since the forward's is freed after the forward (reshard after forward)."""
+    if buf.kind is BufferKind.GATHERED_FORWARD:
+        return buf.with_kind(BufferKind.GATHERED_BACKWARD)
+    return buf
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """A unit on one device: its name, the reduction group, its stage and ``(owner index, parameter,

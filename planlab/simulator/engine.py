@@ -134,17 +134,23 @@ class Simulation:
         self.memory: list[tuple[int, float, int]] = []
         self.prices: dict = {}  # task times by what they depend on, shared by every device
         self._links: dict[tuple[int, int], tuple] = {}
+        self._members = Counter(cls)
 
     def mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
         """The channel of messages with ``tag`` from ``src``'s class to ``dst``'s."""
         return self.boxes[(self.cls[src], self.cls[dst], tag)]
 
     def links(self, src: int, dst: int) -> tuple:
-        """The links a message from ``src`` to ``dst`` uses: the sender's port out, the receiver's in."""
+        """The links a message from representative ``src`` to ``dst`` uses: the sender's port out,
+        the receiver's in. Between classes of as many devices the receiver's port is its
+        representative's: every member of the receiver's class takes as many messages from the
+        sender's class as the sender sends to the members, at the same times, so the messages the
+        representative sends to the members share one port as the members' messages share theirs."""
         got = self._links.get((src, dst))
         if got is None:
             kind = "nvlink" if self.cost.cluster.node_of(src) == self.cost.cluster.node_of(dst) else "nic"
-            got = self._links[(src, dst)] = ((kind, "out", src), (kind, "in", dst))
+            port = self.cls[dst] if self._members[self.cls[src]] == self._members[self.cls[dst]] else dst
+            got = self._links[(src, dst)] = ((kind, "out", src), (kind, "in", port))
         return got
 
     def barrier(self, ident: int, microbatch: int, group: tuple[int, ...]) -> simpy.Event:
