@@ -10,6 +10,7 @@ import re
 from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
 from planlab.search_spaces.registry import parse_space, register_space, space_names
+from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -546,10 +547,21 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
 
 class Megatron(Product):
     """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
-    (1F1B, interleaved) parallelism x recomputation."""
+    (1F1B, interleaved) parallelism x recomputation, with expert (and expert tensor) parallelism
+    for mixture-of-experts models (planlab/search_spaces/experts.py)."""
 
     def __init__(self) -> None:
-        super().__init__((PipelineParallel(), DataParallel(), TensorParallel(), Recompute()), name="megatron")
+        super().__init__(
+            (
+                PipelineParallel(),
+                DataParallel(),
+                ExpertParallel(),
+                TensorParallel(),
+                ExpertTensorParallel(),
+                Recompute(),
+            ),
+            name="megatron",
+        )
 
 
 # The built-in spaces; another module registers its own with one line: register_space(name, factory).
