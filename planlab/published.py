@@ -62,6 +62,8 @@ COLUMNS = (
     "skip_reason",
     "note",
 )
+# expert parallelism (optional columns, after cp): ep, and etp (empty: the tensor-parallel degree)
+EXPERT_COLUMNS = COLUMNS[: COLUMNS.index("cp") + 1] + ("ep", "etp") + COLUMNS[COLUMNS.index("cp") + 1 :]
 METRICS = ("iteration_s", "tflops_per_gpu", "mfu", "scaling_efficiency", "tokens_per_s_per_gpu")
 FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7")
 SOFTWARE = ("megatron", "deepspeed", "torch")
@@ -102,6 +104,8 @@ class PublishedRow:
     value: float
     skip_reason: str = ""
     note: str = ""
+    ep: int = 1
+    etp: int | None = None  # None: the tensor-parallel degree (Megatron-Core's default)
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -135,6 +139,8 @@ class PublishedRow:
             zero=self.zero,
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
+            ep=self.ep,
+            **({} if self.etp is None else {"etp": self.etp}),
         )
 
     @property
@@ -272,8 +278,11 @@ def _read_rows(path: Path, name: str) -> tuple[PublishedRow, ...]:
     try:
         with path.open(newline="") as fh:
             reader = csv.DictReader(fh)
-            if tuple(reader.fieldnames or ()) != COLUMNS:
-                raise ConfigError(f"{str(path)!r}: the columns are {reader.fieldnames}; expected {', '.join(COLUMNS)}")
+            if tuple(reader.fieldnames or ()) not in (COLUMNS, EXPERT_COLUMNS):
+                raise ConfigError(
+                    f"{str(path)!r}: the columns are {reader.fieldnames}; expected {', '.join(COLUMNS)} "
+                    "(with ep, etp after cp for expert parallelism)"
+                )
             raw = list(reader)
     except OSError as e:
         raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}") from None
@@ -322,6 +331,8 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         value=num("value", float),
         skip_reason=skip,
         note=r["note"],
+        ep=num("ep", optional=True) or 1 if "ep" in r else 1,
+        etp=num("etp", optional=True) if "etp" in r else None,
         **ints,
     )
     if not r["row"] or not r["source_ref"].strip():
