@@ -228,3 +228,37 @@ def test_expert_parallel_plans_on_4_ranks_match_one_process(knobs):
     plan = get_space("megatron").build(ctx, dict(pp=1, microbatch=2, **knobs))
     res = launch_local(plan, 4, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+
+
+# ---- the executor's all-to-all on gloo -----------------------------------------------------
+
+
+def _exchange_rank(rank: int, world: int, path: str, group: tuple[int, ...], out) -> None:
+    import torch.distributed as dist
+
+    from planlab.executor.all_to_all import exchange
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    whole = torch.arange(4 * world * 3 * world * 2.0).reshape(4 * world, 3 * world, 2)  # (batch, experts, hidden)
+    pos = group.index(rank)  # the mesh order may differ from the ranks' order
+    mine = whole.chunk(world, dim=0)[pos]  # split along the batch
+    got = exchange(mine, group, rank, 0, (4 * world, 3, 2), dist.new_group(sorted(group)))
+    out.put((rank, torch.equal(got, whole.chunk(world, dim=1)[pos])))  # split along the experts
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", [(1, 0), (2, 0, 3, 1)])
+def test_all_to_all_exchange_on_gloo(group, tmp_path):
+    """torch.distributed.all_to_all_single runs on gloo: each rank's batch piece becomes its expert piece."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_exchange_rank, args=(r, len(group), str(tmp_path / "store"), group, out))
+        for r in range(len(group))
+    ]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join()
+    assert results == {r: True for r in group}
