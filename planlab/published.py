@@ -16,7 +16,9 @@ seconds per iteration, ``measured_s``:
 ``tflops_per_gpu``         ``F / (gpus x value x 1e12)``, F by the set's FLOP formula;
 ``mfu``                    ``F / (gpus x value x peak_tflops x 1e12)``;
 ``scaling_efficiency``     ``F / (gpus x value x baseline_tflops_per_gpu x 1e12)``;
-``tokens_per_s_per_gpu``   ``global batch x sequence / (gpus x value)``.
+``tokens_per_s_per_gpu``   ``global batch x sequence / (gpus x value)``;
+``gpu_hours_per_trillion_tokens``  ``global batch x sequence x value x 3600 / (1e12 x gpus)``
+                           (DeepSeek-V3's "180K H800 GPU hours per trillion tokens").
 
 FLOP formulas (B global batch, s sequence, l layers, h hidden, V the set's ``vocab_for_flops``):
 ``narayanan-eq3`` = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et al. 2021, eq. 3: with the
@@ -64,7 +66,14 @@ COLUMNS = (
 )
 # expert parallelism (optional columns, after cp): ep, and etp (empty: the tensor-parallel degree)
 EXPERT_COLUMNS = COLUMNS[: COLUMNS.index("cp") + 1] + ("ep", "etp") + COLUMNS[COLUMNS.index("cp") + 1 :]
-METRICS = ("iteration_s", "tflops_per_gpu", "mfu", "scaling_efficiency", "tokens_per_s_per_gpu")
+METRICS = (
+    "iteration_s",
+    "tflops_per_gpu",
+    "mfu",
+    "scaling_efficiency",
+    "tokens_per_s_per_gpu",
+    "gpu_hours_per_trillion_tokens",
+)
 FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7")
 SOFTWARE = ("megatron", "deepspeed", "torch")
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
@@ -189,6 +198,8 @@ class PublishedSet:
             return row.value
         if kind == "tokens_per_s_per_gpu":
             return row.global_batch * _config(row).seq / (row.gpus * row.value)
+        if kind == "gpu_hours_per_trillion_tokens":
+            return row.global_batch * _config(row).seq * row.value * 3600 / (1e12 * row.gpus)
         if kind == "mfu":
             per_gpu = row.value * float(m["peak_tflops"])
         elif kind == "tflops_per_gpu":
