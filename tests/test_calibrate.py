@@ -26,6 +26,7 @@ from planlab.costmodel.hardware import Efficiency
 from planlab.costmodel.calibrate import expected_s, fit_collectives, fit_optimizer, typical_s
 from planlab.costmodel.profile import CollectiveFit, KernelTime, OptimizerFit, Profile, load_profile
 from planlab.errors import ConfigError
+from planlab.plan.buffer import activation, weight
 from planlab.plan.program import Task, TaskKind
 
 MiB = 2**20
@@ -333,11 +334,17 @@ def _task(kind: TaskKind, **kw) -> Task:
         (_task(TaskKind.BACKWARD), 25e-6),
         # the optimizer over 3 tensors of 1,000 parameters in all (12 flop per parameter)
         (
-            _task(TaskKind.OPTIMIZER, writes=("w:a", "w:b", "w:c"), flops=12_000.0, bytes_moved=1.0),
+            _task(
+                TaskKind.OPTIMIZER,
+                writes=(weight("a"), weight("b"), weight("c")),
+                flops=12_000.0,
+                bytes_moved=1.0,
+                params=1000.0,
+            ),
             100e-6 + 3 * 50e-6 + 1000 * 4e-9,
         ),
         # a local copy of 4 KiB: 8 KiB of traffic on the roofline + 10 us
-        (_task(TaskKind.LOCAL, alloc=(("x", 4096),)), ROOF.time_s(0.0, 8192.0) + 10e-6),
+        (_task(TaskKind.LOCAL, alloc=((activation("x"), 4096),)), ROOF.time_s(0.0, 8192.0) + 10e-6),
         # an all-reduce of 1 MiB over 2 ranks: the fit
         (_task(TaskKind.COLLECTIVE, collective="all_reduce", group=(0, 1), nbytes=MiB), 90e-6 + MiB / 1.5e9),
         (_task(TaskKind.SEND, peer=1, nbytes=MiB), 0.0),

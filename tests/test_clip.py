@@ -11,6 +11,7 @@ from planlab.executor.clip import EPS, clip_coefficient, copies, local_square_su
 from planlab.executor.shards import build_shards
 from planlab.models.init import build_skeleton
 from planlab.plan import materialize
+from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space
 
 from conftest import traced
@@ -19,13 +20,13 @@ from conftest import traced
 def _rank_grads(interp: Interpreter, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The buffers ``interp`` holds at its optimizer when the whole gradient is ``grads``."""
     boxes = dict(interp.dp.params)
-    out = {f"wg:{p}": grads[p][tuple(slice(a, b) for a, b in boxes[p])] for p, _ in interp.leaves}
+    out = {weight_grad(p): grads[p][tuple(slice(a, b) for a, b in boxes[p])] for p, _ in interp.leaves}
     for name, z in interp.zero.items():
         flat = torch.cat([grads[p][tuple(slice(a, b) for a, b in boxes[p])].reshape(-1) for p in z.params])
         flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
         out[name] = flat[z.me * z.chunk : (z.me + 1) * z.chunk]
         for p in z.params:
-            out.pop(f"wg:{p}")
+            out.pop(weight_grad(p))
     return out
 
 

@@ -18,6 +18,7 @@ from planlab.executor import launch_local
 from planlab.graph import trace
 from planlab.models import ModelSpec, build_model
 from planlab.plan import PlanBuilder, load_plan, materialize, save_plan
+from planlab.plan.buffer import BufferKind
 from planlab.plan.program import TaskKind
 from planlab.search_spaces import Context, get_space
 from planlab.simulator import find_deadlock, simulate
@@ -435,7 +436,7 @@ def test_remade_outputs_are_not_kept_from_the_forward_and_cost_one_more_forward(
             for a, t in tasks["keep"]
             if a.phase == "F" and t.op in attention and t.chunk >= 0
             for w in t.writes
-            if w.startswith("a:") and "@" not in w
+            if w is not None and w.kind is BufferKind.ACTIVATION and w.chunk < 0
         }
         read_late = {
             o: {b for a, t in tasks[o] if a.phase == "B" for b in t.reads + t.saved if b in leaving} for o in progs

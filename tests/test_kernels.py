@@ -14,6 +14,7 @@ from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
 from planlab.costmodel.kernels import fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
+from planlab.plan.buffer import contribution, weight_grad
 from planlab.plan.program import Task, TaskKind
 
 PEAK = 312e12  # A100 dense fp16 flop/s
@@ -197,14 +198,15 @@ def test_split_backward_tasks_are_priced_by_their_part() -> None:
     """A linear's backward split into I (writes the input's gradient) and W (the weight's and
     bias's): the device times add up to the whole backward's, kernel by kernel."""
     from planlab.plan.backward_split import split_task
+    from planlab.plan.buffer import grad
 
     cost = vtrain_cost()
     x, w, b, y = (2, 1024, 1024), (4096, 1024), (4096,), (2, 1024, 4096)
     whole = Task(
         "fc",
         TaskKind.BACKWARD,
-        ("g:y",),
-        ("gc:x<fc.0", "wg:w", "wg:b"),
+        (grad("y"),),
+        (contribution("x", "fc", 0), weight_grad("w"), weight_grad("b")),
         flops=3e9,
         op_kind="linear",
         shapes=(x, w, b, y),
@@ -319,7 +321,7 @@ def test_kernel_model_prices_tasks(tmp_path) -> None:
     assert d == pytest.approx(gemm + dev.launch_overhead_s)
     assert h == pytest.approx(sw.host_call_s + sw.host_launch_s)
     assert cost.task_time_s(fwd, "fp16") == pytest.approx(max(d, h))
-    opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6)  # a million parameters
+    opt = Task("optimizer", TaskKind.OPTIMIZER, flops=12.0 * 1e6, params=1e6)  # a million parameters
     nbytes = 1e6 * cost.precision.optimizer_pass_bytes
     assert cost.device_and_host_s(opt, "fp16")[0] == pytest.approx(
         nbytes / (dev.hbm_bytes_per_s * dev.memory_efficiency.at(nbytes)) + dev.launch_overhead_s
@@ -557,7 +559,8 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal * 16 / 15.52, rel=0.01)
     x, w, y = (4, 2048, 8192), (8192, 8192), (4, 2048, 8192)
     for phase in ("F", "B"):
-        task = Task("fc", TaskKind(phase), writes=("gc:x", "wg:w"), op_kind="linear", shapes=(x, w, y))
+        writes = (contribution("x", "fc", 0), weight_grad("w"))
+        task = Task("fc", TaskKind(phase), writes=writes, op_kind="linear", shapes=(x, w, y))
         t8, t16 = fp8.device_and_host_s(task, "fp8")[0], bf16.device_and_host_s(task, "bf16")[0]
         assert 0.55 * t16 < t8 < 0.85 * t16  # faster GEMMs, less so for the casts
     with pytest.raises(ConfigError, match="'a100-80g' has no fp8 peak for precision 'fp8'; choose 'bf16', 'fp16'"):

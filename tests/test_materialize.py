@@ -1,7 +1,8 @@
 import pytest
 
 from planlab.errors import DeadlockError, InfeasiblePlan
-from planlab.plan import Layout, Mesh, Partial, Replicate, Shard, materialize
+from planlab.plan import FP32, Layout, Mesh, Partial, Replicate, Shard, materialize
+from planlab.plan.buffer import BufferKind, activation
 from planlab.plan.program import TaskKind
 from planlab.plan.redistribute import plan_conversion
 from planlab.search_spaces import Context, get_space
@@ -11,6 +12,7 @@ from test_plan import dp_plan
 
 M2 = Mesh((2,), (0, 1))
 M22 = Mesh((2, 2), (0, 1, 2, 3))
+X, Y = activation("x"), activation("y", 0)
 
 
 @pytest.mark.parametrize(
@@ -28,14 +30,14 @@ M22 = Mesh((2, 2), (0, 1, 2, 3))
     ],
 )
 def test_conversion_kinds(src, dst, kinds):
-    conv = plan_conversion(src, dst, (4, 6), 4, src_buf="x", dst_buf="y")
+    conv = plan_conversion(src, dst, (4, 6), 4, src_buf=X, dst_buf=Y)
     assert conv.kinds == kinds
 
 
 def test_point_to_point_moves_each_slice_once():
     # stage boundary: (S0 over devices 0,1) -> (S0 over devices 2,3): 0 sends to 2, 1 sends to 3
     conv = plan_conversion(
-        Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), (4, 6), 4, src_buf="x", dst_buf="y"
+        Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), (4, 6), 4, src_buf=X, dst_buf=Y
     )
     sends = {(d, t.peer, t.nbytes) for d, ts in conv.src.items() for t in ts}
     assert sends == {(0, 2, 48), (1, 3, 48)}
@@ -45,7 +47,7 @@ def test_point_to_point_moves_each_slice_once():
 
 def test_partial_sums_gathered_point_to_point_accumulate():
     conv = plan_conversion(
-        Layout(M2, (Partial(),)), Layout(Mesh((1,), (2,)), (Replicate(),)), (4,), 4, src_buf="x", dst_buf="y"
+        Layout(M2, (Partial(),)), Layout(Mesh((1,), (2,)), (Replicate(),)), (4,), 4, src_buf=X, dst_buf=Y
     )
     recvs = conv.dst[2]
     assert len(recvs) == 2 and all(t.accumulate for t in recvs)
@@ -208,4 +210,55 @@ def test_a_dead_branch_gives_no_gradient_and_reads_nothing_unwritten():
     prog = materialize(b.build(), g)
     tasks = [t for blk in prog.devices[0].blocks.values() for t in blk.tasks]
     written = {w for t in tasks for w in t.writes}
-    assert not {r for t in tasks for r in t.reads if r.startswith(("gc:", "g:"))} - written
+    assert (
+        not {r for t in tasks for r in t.reads if r and r.kind in (BufferKind.CONTRIBUTION, BufferKind.GRAD)} - written
+    )
+
+
+def _products(d):
+    """What a draft's passes made, copied down to the task lists (tasks are immutable)."""
+    from planlab.plan.passes.draft import Draft
+
+    out = {}
+    for f in Draft.__dataclass_fields__:
+        v = getattr(d, f)
+        if f == "blocks":
+            v = {dev: {k: list(ts) for k, ts in bl.items()} for dev, bl in v.items()}
+        elif f == "sizes":
+            v = {dev: dict(s) for dev, s in v.items()}
+        elif isinstance(v, dict):
+            v = dict(v)
+        out[f] = v
+    return out
+
+
+@pytest.mark.parametrize(
+    "space, knobs",
+    [
+        ("megatron", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3, schedule="zb-h1", recompute="full")),
+        ("megatron*coshard", dict(dp=1, tp=2, pp=2, microbatch=1, zero=0, recompute="full", coshard=2)),
+        ("megatron", dict(dp=2, tp=2, pp=1, microbatch=1, zero=1)),
+    ],
+)
+def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, knobs):
+    """materialize's passes are functions of the draft: each returns a new draft and the one it was
+    given is unchanged (so a pass can be run, compared or replaced on its own)."""
+    from planlab.plan.materialize import PASSES, build
+    from planlab.plan.passes.draft import Draft
+    from planlab.plan.passes.layouts import Layouts
+    from planlab.plan.passes.liveness import assemble
+
+    from conftest import traced
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space(space).build(Context(g, spec, 8, "cpu", 4, 4, 1), knobs)
+    layouts = Layouts(plan, g)
+    d = Draft.start(plan, g, layouts, FP32, keep=None, overlap=True)
+    for apply in PASSES:
+        before = _products(d)
+        after = apply(d)
+        assert _products(d) == before, apply.__name__
+        d = after
+    program = assemble(d)
+    assert program == build(plan, g, layouts, FP32, None)
+    assert find_deadlock(program, raise_error=False) is None

@@ -5,6 +5,7 @@ import pytest
 
 from planlab.costmodel import CostModel
 from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan.buffer import weight, weight_grad
 from planlab.plan.layout import box_numel
 from planlab.plan.symmetry import plan_classes, reduce_program
 from planlab.search_spaces import Context, get_space
@@ -81,9 +82,9 @@ def test_plan_classes_of_a_data_parallel_plan_on_two_nodes():
     cost = CostModel.load("dgx-a100-80g", 2)
     ctx = Context(g, spec, 16, "dgx-a100-80g", 2, 16, 1)
     plan = get_space("megatron").build(ctx, dict(dp=2, tp=8, pp=1, microbatch=1))
-    from planlab.plan.materialize import _Layouts
+    from planlab.plan.passes.layouts import Layouts
 
-    classes = plan_classes(plan, _Layouts(plan, g).mesh.values(), cost.cluster.node_of)
+    classes = plan_classes(plan, Layouts(plan, g).mesh.values(), cost.cluster.node_of)
     assert sorted(set(classes)) == [0]  # tensor-parallel inside each node, replicas across nodes
 
 
@@ -91,9 +92,9 @@ def _sender_program(sends: list[tuple[int, int]], nbytes: int = 10**9) -> Progra
     """Devices 0..3; each ``(src, dst)`` is one message sent at time 0."""
     tasks = {d: [] for d in range(4)}
     for tag, (src, dst) in enumerate(sends):
-        tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, axis=tag, nbytes=nbytes))
+        tasks[src].append(Task(f"send{tag}", TaskKind.SEND, (), (), peer=dst, tag=tag, nbytes=nbytes))
     for tag, (src, dst) in enumerate(sends):
-        tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, axis=tag, nbytes=nbytes))
+        tasks[dst].append(Task(f"recv{tag}", TaskKind.RECV, (), (), peer=src, tag=tag, nbytes=nbytes))
     devs = tuple(DeviceProgram(d, {(0, "F"): Block(0, "F", tuple(tasks[d]))}, (Action(0, "F", 0),)) for d in range(4))
     return Program(devs, 1, FP32)
 
@@ -136,17 +137,18 @@ def _dp_program(reduce_s: float, overlap: bool, microbatches: int = 1) -> Progra
             Task(
                 "grad-reduce",
                 TaskKind.COLLECTIVE,
-                ("wg:w",),
-                ("wg:w",),
+                (weight_grad("w"),),
+                (weight_grad("w"),),
                 collective="all_reduce",
                 group=(0, 1),
                 nbytes=int(reduce_s * 1e9),
                 final=True,
                 overlap=overlap,
+                ident=0,
             ),
             Task("b2", TaskKind.BACKWARD, (), (), flops=1e9),
         )
-        w = (Task("optimizer", TaskKind.OPTIMIZER, ("wg:w",), ("w:w",)),)
+        w = (Task("optimizer", TaskKind.OPTIMIZER, (weight_grad("w"),), (weight("w"),)),)
         sched = tuple(Action(0, "B", k) for k in range(microbatches)) + (Action(0, "U", 0),)
         devs.append(DeviceProgram(d, {(0, "B"): Block(0, "B", b), (0, "U"): Block(0, "U", w)}, sched))
     return Program(tuple(devs), microbatches, FP32)
@@ -180,7 +182,7 @@ def test_compute_sharing_the_device_with_communication_slows_down():
 def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeypatch):
     import importlib
 
-    mat = importlib.import_module("planlab.plan.materialize")
+    mat = importlib.import_module("planlab.plan.passes.gradients")
     monkeypatch.setattr(mat, "BUCKET_ELEMENTS", 5000)  # gpt-tiny's 100k parameters in several buckets
     spec, g = traced("gpt-tiny", 8)
     plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=2))
@@ -195,6 +197,6 @@ def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeyp
     # each gradient is reduced once, in the last micro-batch only (the position embedding's gradient
     # is already summed over the batch by the all-reduce of its broadcast add's input gradient)
     reduced = [r for a, t in prog.devices[0].tasks_in_order() if t.name.startswith("grad-reduce") for r in t.reads]
-    numel = dict((f"wg:{p}", box_numel(bx)) for p, bx in prog.devices[0].params)
-    assert len(reduced) == len(set(reduced)) == len(numel) - 1 and "wg:wpe.weight" not in reduced
+    numel = dict((weight_grad(p), box_numel(bx)) for p, bx in prog.devices[0].params)
+    assert len(reduced) == len(set(reduced)) == len(numel) - 1 and weight_grad("wpe.weight") not in reduced
     assert sum(b[i].nbytes for i in reduces) == 4 * sum(numel[r] for r in reduced)

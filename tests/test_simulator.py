@@ -3,7 +3,9 @@ import dataclasses
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.errors import DeadlockError
 from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
+from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
 from planlab.simulator import device_classes, find_deadlock, simulate
 
@@ -42,24 +44,26 @@ def _pipeline_program(p: int, m: int, schedule, f_flops=1e9, b_flops=2e9, nbytes
         fwd, bwd = [], []
         if s > 0:
             fwd.append(
-                Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0, nbytes=nbytes, alloc=(("x", 100),))
+                Task("recv_x", TaskKind.RECV, (), (A("x"),), peer=s - 1, tag=0, nbytes=nbytes, alloc=((A("x"), 100),))
             )
-        fwd.append(Task(f"f{s}", TaskKind.FORWARD, ("x",) if s else (), ("y",), flops=f_flops, alloc=(("y", 100),)))
+        fwd.append(
+            Task(f"f{s}", TaskKind.FORWARD, (A("x"),) if s else (), (A("y"),), flops=f_flops, alloc=((A("y"), 100),))
+        )
         if s < p - 1:
-            fwd.append(Task("send_y", TaskKind.SEND, ("y",), (), peer=s + 1, axis=0, nbytes=nbytes))
-            bwd.append(Task("recv_dy", TaskKind.RECV, (), ("dy",), peer=s + 1, axis=1, nbytes=nbytes))
+            fwd.append(Task("send_y", TaskKind.SEND, (A("y"),), (), peer=s + 1, tag=0, nbytes=nbytes))
+            bwd.append(Task("recv_dy", TaskKind.RECV, (), (A("dy"),), peer=s + 1, tag=1, nbytes=nbytes))
         bwd.append(
             Task(
                 f"b{s}",
                 TaskKind.BACKWARD,
-                ("dy",) if s < p - 1 else (),
-                ("dx",),
+                (A("dy"),) if s < p - 1 else (),
+                (A("dx"),),
                 flops=b_flops,
-                free=("y",) + (("x",) if s else ()),
+                free=(A("y"),) + ((A("x"),) if s else ()),
             )
         )
         if s > 0:
-            bwd.append(Task("send_dx", TaskKind.SEND, ("dx",), (), peer=s - 1, axis=1, nbytes=nbytes))
+            bwd.append(Task("send_dx", TaskKind.SEND, (A("dx"),), (), peer=s - 1, tag=1, nbytes=nbytes))
         blocks = {(s, "F"): Block(s, "F", tuple(fwd)), (s, "B"): Block(s, "B", tuple(bwd))}
         devs.append(DeviceProgram(s, blocks, tuple(schedule(s, p, m))))
     return Program(tuple(devs), m, FP32)
@@ -165,14 +169,16 @@ def _interleaved_program(p: int, v: int, m: int, f_flops=1e9, b_flops=2e9) -> Pr
             s = c * p + r
             fwd, bwd = [], []
             if s > 0:
-                fwd.append(Task(f"recv_x{s}", TaskKind.RECV, (), (f"x{s}",), peer=(s - 1) % p, axis=2 * s))
-            fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (f"y{s}",), flops=f_flops / v))
+                fwd.append(Task(f"recv_x{s}", TaskKind.RECV, (), (A(f"x{s}"),), peer=(s - 1) % p, tag=2 * s))
+            fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (A(f"y{s}"),), flops=f_flops / v))
             if s < n - 1:
-                fwd.append(Task(f"send_y{s}", TaskKind.SEND, (f"y{s}",), (), peer=(s + 1) % p, axis=2 * (s + 1)))
-                bwd.append(Task(f"recv_dy{s}", TaskKind.RECV, (), (f"dy{s}",), peer=(s + 1) % p, axis=2 * s + 1))
-            bwd.append(Task(f"b{s}", TaskKind.BACKWARD, (), (f"dx{s}",), flops=b_flops / v))
+                fwd.append(Task(f"send_y{s}", TaskKind.SEND, (A(f"y{s}"),), (), peer=(s + 1) % p, tag=2 * (s + 1)))
+                bwd.append(Task(f"recv_dy{s}", TaskKind.RECV, (), (A(f"dy{s}"),), peer=(s + 1) % p, tag=2 * s + 1))
+            bwd.append(Task(f"b{s}", TaskKind.BACKWARD, (), (A(f"dx{s}"),), flops=b_flops / v))
             if s > 0:
-                bwd.append(Task(f"send_dx{s}", TaskKind.SEND, (f"dx{s}",), (), peer=(s - 1) % p, axis=2 * (s - 1) + 1))
+                bwd.append(
+                    Task(f"send_dx{s}", TaskKind.SEND, (A(f"dx{s}"),), (), peer=(s - 1) % p, tag=2 * (s - 1) + 1)
+                )
             blocks[(s, "F")] = Block(s, "F", tuple(fwd))
             blocks[(s, "B")] = Block(s, "B", tuple(bwd))
         devs.append(DeviceProgram(r, blocks, tuple(interleaved_1f1b(r, p, m, v))))
@@ -203,3 +209,42 @@ def test_interleaved_schedule_text(rank, expected):
     text = format_schedule(interleaved_1f1b(rank, 2, 4, 2))
     assert text == expected
     assert format_schedule(parse_schedule(text)) == text
+
+
+def _two_collectives(order_1: tuple[int, int], idents: tuple[int, int] = (0, 1)) -> Program:
+    """Two devices in two classes (device 1 computes twice as long first); each runs two
+    all-reduces over both, of 1 s and 3 s, device 0 in order (0, 1), device 1 in ``order_1``."""
+    from planlab.plan import Action
+
+    def coll(k):
+        return Task(f"ar{k}", TaskKind.COLLECTIVE, collective="all_reduce", group=(0, 1), nbytes=int((1 + 2 * k) * 1e9))
+
+    devs = []
+    for d, order in ((0, (0, 1)), (1, order_1)):
+        tasks = (Task(f"f{d}", TaskKind.FORWARD, flops=1e9 * (d + 1)),) + tuple(
+            dataclasses.replace(coll(k), ident=idents[k]) for k in order
+        )
+        devs.append(DeviceProgram(d, {(0, "F"): Block(0, "F", tasks)}, (Action(0, "F", 0),)))
+    return Program(tuple(devs), 1, FP32)
+
+
+def test_collectives_meet_by_their_identity_not_their_position():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    res = simulate(_two_collectives((0, 1)), cost, timeline=True)
+    assert res.iter_time_s == pytest.approx(2 + 1 + 3)  # both wait for device 1, then 1 s, then 3 s
+    assert [(e.device, e.name, e.start_s, e.end_s) for e in res.events if e.stream == "comm"] == [
+        (0, "ar0", 2.0, 3.0),
+        (0, "ar1", 3.0, 6.0),
+        (1, "ar0", 2.0, 3.0),
+        (1, "ar1", 3.0, 6.0),
+    ]
+    # device 1 issuing them the other way round waits for a collective device 0 reaches only after
+    # the one device 1 never reaches first: a deadlock (matching by position would pair ar0 with ar1)
+    with pytest.raises(DeadlockError, match=r"device\(s\) \[0, 1\] still waiting"):
+        simulate(_two_collectives((1, 0)), cost)
+
+
+def test_a_collective_across_classes_needs_an_identity():
+    cost = IdealCost(CostModel.load("cpu", 2))
+    with pytest.raises(DeadlockError, match=r"C:all_reduce\(ar0\)@\[0, 1\] spans several device classes"):
+        simulate(_two_collectives((0, 1), idents=(-1, 1)), cost)

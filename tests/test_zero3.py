@@ -12,7 +12,9 @@ from planlab.errors import InfeasiblePlan, PlanFileError
 from planlab.executor import launch_local
 from planlab.explore import memory_lower_bound_bytes
 from planlab.plan import FP32, Block, DeviceProgram, Program, Task, TaskKind, materialize, plan_from_json, plan_to_json
+from planlab.plan.buffer import Buffer, BufferKind, activation, shard_grad, shard_weight, weight
 from planlab.plan.plan_file import plan_to_dict
+from planlab.plan.program import Role
 from planlab.plan.zero import unit_key
 from planlab.search_spaces import Context, get_space
 from planlab.simulator import find_deadlock, simulate
@@ -62,13 +64,18 @@ def test_each_layer_gathers_twice_and_reduce_scatters_once_per_microbatch(micro)
     # forward prefetch: each layer's gather is issued before the previous layer's first forward task
     fwd = list(dev.blocks[(0, "F")].tasks)
     at = {t.name.split("#")[1]: i for i, t in enumerate(fwd) if t.name.startswith("zero3-gather-f")}
-    first = {u: min(i for i, t in enumerate(fwd) if any(r.startswith(f"zf:{u}.") for r in t.reads)) for u in UNITS}
+    first = {u: min(i for i, t in enumerate(fwd) if any(_gathered(r, u) for r in t.reads)) for u in UNITS}
     assert [at[u] < first[u] for u in UNITS] == [True] * 5
     assert [at[UNITS[k + 1]] < first[UNITS[k]] for k in range(4)] == [True] * 4
     # reshard after forward: a layer's gathered weights are freed together, after its last forward task
     for u in UNITS:
-        frees = [i for i, t in enumerate(fwd) if any(b.startswith(f"zf:{u}.") for b in t.free)]
-        assert frees == [max(i for i, t in enumerate(fwd) if any(r.startswith(f"zf:{u}.") for r in t.reads))]
+        frees = [i for i, t in enumerate(fwd) if any(_gathered(b, u) for b in t.free)]
+        assert frees == [max(i for i, t in enumerate(fwd) if any(_gathered(r, u) for r in t.reads))]
+
+
+def _gathered(b, unit: str) -> bool:
+    """``b`` is a weight of ``unit`` gathered for the forward."""
+    return b is not None and b.kind is BufferKind.GATHERED_FORWARD and unit_key(b.tensor) == unit
 
 
 @pytest.mark.parametrize(
@@ -88,10 +95,10 @@ def test_static_bytes_are_a_data_parallel_share(n, knobs):
     plan, g, z3 = _program(n, knobs, 3)
     for b, z in zip(base.devices, z3.devices):
         tasks = [t for blk in z.blocks.values() for t in blk.tasks]
-        share = {r[3:]: len(t.group) for t in tasks if t.collective == "reduce_scatter" for r in t.reads}
+        share = {r.tensor: len(t.group) for t in tasks if t.collective == "reduce_scatter" for r in t.reads}
         whole = sum(per_param * _numel(box) for p, box in z.params if p not in share)
-        assert {f"w:{p}" for p, _ in z.params if p not in share} == {
-            r for t in tasks for r in t.reads if r.startswith("w:")
+        assert {weight(p) for p, _ in z.params if p not in share} == {
+            r for t in tasks for r in t.reads if r and r.kind is BufferKind.WEIGHT
         }
         assert b.static_bytes == whole + sum(per_param * _numel(box) for p, box in z.params if p in share)
         if set(share.values()) == {knobs["dp"]}:
@@ -134,38 +141,46 @@ def _gather_program(prefetch: bool) -> Program:
     communication stream, a forward of 1 s per layer, one backward of 1 s whose gradient is
     reduce-scattered (1 s) on the side, then a 1 s optimizer step."""
 
+    zf = {u: Buffer(BufferKind.GATHERED_FORWARD, u) for u in "ab"}
+    zd, y, z = Buffer(BufferKind.FULL_GRAD, "a"), activation("y"), activation("z")
+    zg, zp = shard_grad((0, 1), "a"), shard_weight((0, 1), "a")
+
     def gather(u):
         return Task(
             f"zero3-gather-f[0, 1]#{u}",
             TaskKind.COLLECTIVE,
-            (f"zp:{u}",),
-            (f"zf:{u}",),
+            (shard_weight((0, 1), u),),
+            (zf[u],),
             collective="all_gather",
             group=(0, 1),
             nbytes=int(1e9),
             overlap=True,
-            alloc=((f"zf:{u}", 100),),
+            alloc=((zf[u], 100),),
+            role=Role.UNIT_GATHER,
+            ident=ord(u),
         )
 
-    f0 = Task("f0", TaskKind.FORWARD, ("zf:a",), ("y",), flops=1e9, free=("zf:a",))
-    f1 = Task("f1", TaskKind.FORWARD, ("y", "zf:b"), ("z",), flops=1e9, free=("zf:b", "y", "z"))
+    f0 = Task("f0", TaskKind.FORWARD, (zf["a"],), (y,), flops=1e9, free=(zf["a"],))
+    f1 = Task("f1", TaskKind.FORWARD, (y, zf["b"]), (z,), flops=1e9, free=(zf["b"], y, z))
     fwd = (gather("a"), gather("b"), f0, f1) if prefetch else (gather("a"), f0, gather("b"), f1)
     bwd = (
-        Task("b0", TaskKind.BACKWARD, (), ("zd:a",), flops=1e9, alloc=(("zd:a", 50),)),
+        Task("b0", TaskKind.BACKWARD, (), (zd,), flops=1e9, alloc=((zd, 50),)),
         Task(
             "zero3-reduce-scatter[0, 1]#a",
             TaskKind.COLLECTIVE,
-            ("zd:a",),
-            ("zg:a",),
+            (zd,),
+            (zg,),
             collective="reduce_scatter",
             group=(0, 1),
             nbytes=int(1e9),
             overlap=True,
             accumulate=True,
-            free=("zd:a",),
+            free=(zd,),
+            role=Role.UNIT_GRADS,
+            ident=0,
         ),
     )
-    upd = (Task("optimizer-shard[0, 1]#a", TaskKind.OPTIMIZER, ("zg:a",), ("zp:a",), flops=1e9),)
+    upd = (Task("optimizer-shard[0, 1]#a", TaskKind.OPTIMIZER, (zg,), (zp,), flops=1e9, role=Role.SHARD_STEP),)
     blocks = {(0, "F"): Block(0, "F", fwd), (0, "B"): Block(0, "B", bwd), (0, "U"): Block(0, "U", upd)}
     from planlab.plan import Action
 

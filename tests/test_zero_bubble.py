@@ -12,6 +12,8 @@ from planlab.errors import InfeasiblePlan
 from planlab.executor import launch_local
 from planlab.explore import memory_lower_bound_bytes
 from planlab.plan import FP32, Action, Block, DeviceProgram, Program, Task, TaskKind, materialize
+from planlab.plan.buffer import BufferKind, weight_grad
+from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, one_f_one_b, zb_h1
 from planlab.search_spaces.schedules import format_schedule, parse_schedule
 from planlab.simulator import find_deadlock, simulate
@@ -64,18 +66,20 @@ def _pipeline(p, m, schedule, f, i, w, split=True):
     for s in range(p):
         fwd, inp = [], []
         if s > 0:
-            fwd.append(Task("recv_x", TaskKind.RECV, (), ("x",), peer=s - 1, axis=0))
-        fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), ("y",), flops=f * 1e9))
+            fwd.append(Task("recv_x", TaskKind.RECV, (), (A("x"),), peer=s - 1, tag=0))
+        fwd.append(Task(f"f{s}", TaskKind.FORWARD, (), (A("y"),), flops=f * 1e9))
         if s < p - 1:
-            fwd.append(Task("send_y", TaskKind.SEND, ("y",), (), peer=s + 1, axis=0))
-            inp.append(Task("recv_dy", TaskKind.RECV, (), ("dy",), peer=s + 1, axis=1))
-        inp.append(Task(f"i{s}", TaskKind.BACKWARD, (), ("dx",), flops=(i if split else i + w) * 1e9))
+            fwd.append(Task("send_y", TaskKind.SEND, (A("y"),), (), peer=s + 1, tag=0))
+            inp.append(Task("recv_dy", TaskKind.RECV, (), (A("dy"),), peer=s + 1, tag=1))
+        inp.append(Task(f"i{s}", TaskKind.BACKWARD, (), (A("dx"),), flops=(i if split else i + w) * 1e9))
         if s > 0:
-            inp.append(Task("send_dx", TaskKind.SEND, ("dx",), (), peer=s - 1, axis=1))
+            inp.append(Task("send_dx", TaskKind.SEND, (A("dx"),), (), peer=s - 1, tag=1))
         blocks = {(s, "F"): Block(s, "F", tuple(fwd))}
         if split:
             blocks[(s, "I")] = Block(s, "I", tuple(inp))
-            blocks[(s, "W")] = Block(s, "W", (Task(f"w{s}", TaskKind.BACKWARD, (), ("wg:w",), flops=w * 1e9),))
+            blocks[(s, "W")] = Block(
+                s, "W", (Task(f"w{s}", TaskKind.BACKWARD, (), (weight_grad("w"),), flops=w * 1e9),)
+            )
         else:
             blocks[(s, "B")] = Block(s, "B", tuple(inp))
         devs.append(DeviceProgram(s, blocks, tuple(schedule(s, p, m))))
@@ -126,8 +130,8 @@ def test_backward_splits_into_input_and_weight_blocks():
         inp, wgt = d.blocks[(s, "I")].tasks, d.blocks[(s, "W")].tasks
         bwd = b.blocks[(s, "B")].tasks
         # W: weight gradients only, and the data-parallel gradient bucket, reduced after the last W
-        assert all(w.startswith("wg:") for t in wgt if t.kind is TaskKind.BACKWARD for w in t.writes if w)
-        assert all(not w.startswith("wg:") for t in inp for w in t.writes)
+        assert all(w.kind is BufferKind.WEIGHT_GRAD for t in wgt if t.kind is TaskKind.BACKWARD for w in t.writes if w)
+        assert all(w is None or w.kind is not BufferKind.WEIGHT_GRAD for t in inp for w in t.writes)
         buckets = [t for t in wgt if t.kind is TaskKind.COLLECTIVE]
         assert len(buckets) == 1 and buckets[0].final and buckets[0].overlap
         assert wgt[-1] is buckets[0]

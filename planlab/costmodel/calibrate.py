@@ -482,7 +482,7 @@ def measure_task_overheads(
             residuals.setdefault(kind, []).append(typical_s(ts) - costs.task_time_s(task, dtype))
         elif kind == "O" and profile.optimizer is not None:  # the executor's own work per weight
             tensors = max(1, len(task.writes))
-            model = profile.optimizer.time_s(tensors, task.flops / 12.0)
+            model = profile.optimizer.time_s(tensors, task.params)
             residuals.setdefault("O", []).append((typical_s(ts) - model) / tensors)
     return ({k: robust_overhead(v) for k, v in residuals.items()}, {k: robust_overhead(v) for k, v in views.items()})
 

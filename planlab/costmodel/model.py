@@ -145,7 +145,7 @@ class CostModel:
 
     def agreement_time_s(self, task: Task) -> float:
         """The collectives inside the forward of a piece whose task names a group
-        (``planlab.plan.materialize.IN_OP_GROUPS``): for a vocabulary-parallel loss over N tokens,
+        (``planlab.plan.passes.forward.IN_OP_GROUPS``): for a vocabulary-parallel loss over N tokens,
         an all-reduce of N fp32 maxima, then one of 2N fp32 sums (Megatron-LM's
         vocab_parallel_cross_entropy)."""
         tokens = math.prod(task.shapes[0][:-1]) if task.shapes and task.shapes[0] else 1
@@ -169,8 +169,7 @@ class CostModel:
             return self.compute_time_s(flops=task.flops, bytes_moved=task.bytes_moved, dtype=dtype)
         prof, slow = self.profile, self._slowdown
         if kind == "O" and prof.optimizer is not None:
-            params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
-            return prof.optimizer.time_s(max(1, len(task.writes)), params) * slow
+            return prof.optimizer.time_s(max(1, len(task.writes)), task.params) * slow
         if kind == "L":
             t = self._kernel_s(0.0, 2.0 * nbytes, dtype, "F")
         elif task.flops == 0 and task.bytes_moved == 0 and prof.view_s(kind) is not None:
@@ -217,8 +216,7 @@ class CostModel:
             traffic = (3.0 if task.accumulate else 2.0) * nbytes
             return self._pass_s(traffic), sw.host_call_s + sw.host_launch_s
         if kind == "O":
-            params = task.flops / 12.0  # materialize counts Adam's step as 12 flop per parameter
-            return self._pass_s(params * self.precision.optimizer_pass_bytes), sw.host_call_s + sw.host_launch_s
+            return self._pass_s(task.params * self.precision.optimizer_pass_bytes), sw.host_call_s + sw.host_launch_s
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
@@ -337,13 +335,13 @@ def precision_of(software: SoftwareSpec, cluster: ClusterSpec, name: str | None)
 
 
 def gradient_parts(task: Task) -> dict[str, bool]:
-    """Which gradients a backward task computes, from the buffers it writes: ``inputs`` (of
-    activations) and ``weights`` (``wg:``/``zd:`` buffers). Zero-bubble's split writes ``""``
-    in place of the other part's buffers (:func:`planlab.plan.backward_split.split_task`)."""
-    from planlab.plan.backward_split import WEIGHT_GRADIENTS
+    """Which gradients a backward task computes, from the kinds of the buffers it writes: ``inputs``
+    (of activations) and ``weights`` (weight gradients). Zero-bubble's split writes None in place
+    of the other part's buffers (:func:`planlab.plan.backward_split.split_task`)."""
+    from planlab.plan.buffer import WEIGHT_GRAD_KINDS
 
-    weights = any(w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
-    inputs = any(not w.startswith(WEIGHT_GRADIENTS) for w in task.writes if w)
+    weights = any(w.kind in WEIGHT_GRAD_KINDS for w in task.writes if w)
+    inputs = any(w.kind not in WEIGHT_GRAD_KINDS for w in task.writes if w)
     return {"inputs": inputs or not weights, "weights": weights}
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from planlab.errors import CheckpointError
 from planlab.plan.layout import Box
-from planlab.plan.program import DeviceProgram, Program, TaskKind
+from planlab.plan.program import DeviceProgram, Program, Role
 
 FORMAT, VERSION = "planlab-checkpoint", 2
 FILE_FORMAT = "planlab-checkpoint-file"
@@ -141,13 +141,10 @@ def zero_spans(bucket, boxes: dict[str, Box]) -> list[tuple[str, Box, int, int]]
 def zeroed_params(dp: DeviceProgram) -> set[str]:
     """Parameters a device keeps in ZeRO buckets (their gradients are reduce-scattered)."""
     return {
-        b[3:]
+        b.tensor
         for block in dp.blocks.values()
         for t in block.tasks
-        if t.kind is TaskKind.COLLECTIVE
-        and t.collective == "reduce_scatter"
-        and t.writes
-        and t.writes[0].startswith("zg:")
+        if t.role in (Role.SHARD_GRADS, Role.UNIT_GRADS)
         for b in t.reads
     }
 

@@ -1,8 +1,8 @@
 """Gradient clipping across shards: the global norm of a model whose gradients are split,
 replicated and sharded over ranks, each element counted once.
 
-A rank's gradient buffers at the optimizer are its pieces' final gradients (``wg:``) and,
-under ZeRO, its shard of each reduced bucket (``zg:``). An element held by ``c`` ranks
+A rank's gradient buffers at the optimizer are its pieces' final gradients (``WEIGHT_GRAD``) and,
+under ZeRO, its shard of each reduced bucket (``SHARD_GRAD``). An element held by ``c`` ranks
 (data- or tensor-parallel replicas hold the same piece) is weighted ``1/c`` in each rank's
 sum of squares; in a ZeRO bucket reduce-scattered over ``n`` replicas only one of each ``n``
 holds it, so it is weighted ``n/c``. The weighted sums, all-reduced over every rank, give the
@@ -18,6 +18,7 @@ from typing import Sequence, Union
 import torch
 
 from planlab.plan.layout import Box
+from planlab.plan.buffer import Buffer, weight_grad
 from planlab.plan.program import Program
 
 Weight = Union[float, torch.Tensor]  # one weight for a whole buffer, or one per element
@@ -50,15 +51,15 @@ def copies(box: Box, others: Sequence[Box]) -> Weight:
     return count
 
 
-def norm_weights(program: Program, device: int, zero_buckets: dict) -> dict[str, Weight]:
+def norm_weights(program: Program, device: int, zero_buckets: dict) -> dict[Buffer, Weight]:
     """The weight of each gradient buffer's elements in ``device``'s sum of squares (see the
-    module docstring): ``wg:{param}`` for pieces updated whole, ``zg:...`` for ZeRO shards
+    module docstring): the weight gradients of pieces updated whole, the shard gradients of ZeRO shards
     (``zero_buckets`` as the Interpreter keeps them: params, n, me, chunk)."""
     held = holders(program)
     boxes = {p: tuple(tuple(b) for b in box) for p, box in program.devices[device].params}
     count = {p: copies(box, held[p]) for p, box in boxes.items()}
     zeroed = {p for z in zero_buckets.values() for p in z.params}
-    out: dict[str, Weight] = {f"wg:{p}": 1.0 / c for p, c in count.items() if p not in zeroed}
+    out: dict[Buffer, Weight] = {weight_grad(p): 1.0 / c for p, c in count.items() if p not in zeroed}
     for name, z in zero_buckets.items():
         per = [count[p] for p in z.params]
         if all(isinstance(c, float) for c in per) and len({c for c in per}) == 1:
@@ -84,7 +85,7 @@ def _numel(box: Box) -> int:
     return n
 
 
-def local_square_sum(grads: dict[str, torch.Tensor], weights: dict[str, Weight]) -> torch.Tensor:
+def local_square_sum(grads: dict[Buffer, torch.Tensor], weights: dict[Buffer, Weight]) -> torch.Tensor:
     """``sum(weight * grad**2)`` over this device's buffers, in float64 (a 0-d tensor)."""
     total = torch.zeros((), dtype=torch.float64)
     for name, w in weights.items():

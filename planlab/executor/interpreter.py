@@ -1,7 +1,9 @@
 """The interpreter: runs one device's Program on torch.distributed.
 
 It only interprets: every decision (which collective, which slice, which
-order) was made by ``materialize``. Each forward task runs an operator piece
+order) was made by ``materialize``. A task runs by its kind and role alone
+(``Interpreter.RUNS`` names the method for each); what it needs beyond them is a field of the task or
+of its buffers. Each forward task runs an operator piece
 under autograd on detached inputs; the matching backward task calls
 ``torch.autograd.grad`` on that piece alone, so the backward order is the
 Program's, not autograd's.
@@ -25,8 +27,10 @@ from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import GATHERED_KINDS, Buffer, BufferKind
 from planlab.plan.layout import Box
-from planlab.plan.program import DeviceProgram, Program, Task, TaskKind, is_static
+from planlab.plan.program import DeviceProgram, Program, Recompute, Role, Task, TaskKind
 
 
 def _slices(region: Box | None):
@@ -164,29 +168,33 @@ class Interpreter:
 
     def __post_init__(self) -> None:
         self.dp: DeviceProgram = self.program.devices[self.device]
-        self.static: dict[str, torch.Tensor] = {}
+        self.static: dict[Buffer, torch.Tensor] = {}
+        # the buffers of each parameter's piece and its gradient, the Program's own (they key every step's tables)
+        own = {b: b for blk in self.dp.blocks.values() for t in blk.tasks for b in t.reads + t.writes if b}
+        self._weights = {p: own.get(buf_.weight(p), buf_.weight(p)) for p, _ in self.dp.params}
+        self._grads = {p: own.get(buf_.weight_grad(p), buf_.weight_grad(p)) for p, _ in self.dp.params}
         named = dict(self.module.named_parameters()) if self.shards is None else {}
         self.leaves: list[tuple[str, torch.Tensor]] = []
         for p, box in self.dp.params:
             piece = self.shards[p] if self.shards is not None else named[p].detach()[_slices(box)].clone()
             w = piece.to(self.torch_device).requires_grad_(True)
-            self.static[f"w:{p}"] = w
-            self.leaves.append((p, w))  # its gradient "wg:{p}" is made at its first contribution
+            self.static[self._weights[p]] = w
+            self.leaves.append((p, w))  # its gradient buffer is made at its first contribution
         self.set_inputs(self.inputs)
         for name, b in self.module.named_buffers():
-            self.static[f"src:{name}"] = b.to(self.torch_device)
+            self.static[buf_.source(name)] = b.to(self.torch_device)
         self.zero = self._zero_buckets()
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
         # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py)
         self.unit_of = {
-            pre + p: z.key for z in self.zero.values() if z.stage3 for p in z.params for pre in zero3.GATHERED
+            Buffer(kind, p): z.key for z in self.zero.values() if z.stage3 for p in z.params for kind in GATHERED_KINDS
         }
-        self.gathered: dict[tuple[str, int], torch.Tensor] = {}
+        self.gathered: dict[tuple[Buffer, int], torch.Tensor] = {}
         if self.unit_of:
-            full = {b[3:] for b in self.unit_of}
+            full = {b.tensor for b in self.unit_of}
             self.leaves = [(p, w) for p, w in self.leaves if p not in full]
             for p in full:
-                del self.static[f"w:{p}"]
+                del self.static[self._weights[p]]
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
@@ -199,20 +207,20 @@ class Interpreter:
         self.steps_run = 0
         self._compiled: dict[tuple[int, str], tuple] = {}
         self._read_cache: dict[int, tuple] = {}  # by id(task): the Program's tasks live as long as it
-        self._loss_buffer = f"a:{self.graph.loss}"
+        self._loss_buffer = own.get(buf_.activation(self.graph.loss), buf_.activation(self.graph.loss))
         self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
         self.random = PieceRandomness(self.graph, self.program.microbatches, self.seed)
 
-    def _zero_buckets(self) -> dict[str, "_ZeroBucket"]:
+    def _zero_buckets(self) -> dict[Buffer, "_ZeroBucket"]:
         """ZeRO: per reduce-scattered gradient bucket, this device's shard of the flattened
         weights (fp32 master copy) with its own Adam, keyed by the shard gradient buffer."""
         out = {}
         for block in self.dp.blocks.values():
             for t in block.tasks:
-                if t.kind is TaskKind.COLLECTIVE and t.collective == "reduce_scatter" and t.writes[0].startswith("zg:"):
-                    params = tuple(b[3:] for b in t.reads)
-                    flat = torch.cat([self.static[f"w:{p}"].detach().reshape(-1) for p in params])
+                if t.role in (Role.SHARD_GRADS, Role.UNIT_GRADS):
+                    params = tuple(b.tensor for b in t.reads)
+                    flat = torch.cat([self.static[self._weights[p]].detach().reshape(-1) for p in params])
                     group = tuple(sorted(t.group))
                     n, me = len(group), group.index(self.device)
                     chunk = -(-flat.numel() // n)
@@ -227,30 +235,33 @@ class Interpreter:
                         torch.optim.Adam([shard], lr=self.lr),
                         t.writes[0],
                         group,
-                        t.reads[0].startswith("zd:"),
-                        tuple(tuple(self.static[f"w:{p}"].shape) for p in params),
+                        t.role is Role.UNIT_GRADS,
+                        tuple(tuple(self.static[self._weights[p]].shape) for p in params),
                     )
         return out
 
     def set_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Train on ``inputs`` (the whole global batch, as the model's example inputs) from now on."""
         for t, x in zip(self.graph.inputs, inputs):
-            self.static[f"src:{t}"] = x.to(self.torch_device)
+            self.static[buf_.source(t)] = x.to(self.torch_device)
 
     # -- buffers --------------------------------------------------------------
-    def _get(self, name: str, mb: int) -> torch.Tensor:
+    def _get(self, name: Buffer, mb: int) -> torch.Tensor:
         try:
-            return self.static[name] if is_static(name) else self.bufs[(name, mb)]
+            return self.static[name] if name.static else self.bufs[(name, mb)]
         except KeyError:
-            if name.startswith("wg:") and f"w:{name[3:]}" in self.static:  # no contribution yet: zero
-                z = self.static[name] = torch.zeros_like(self.static[f"w:{name[3:]}"], requires_grad=False)
+            w = self._weights.get(name.tensor) if name.kind is BufferKind.WEIGHT_GRAD else None
+            if w is not None and w in self.static:  # no contribution yet: zero
+                z = self.static[name] = torch.zeros_like(self.static[w], requires_grad=False)
                 return z
             raise ExecutionError(
-                f"device {self.device}: buffer {name!r} (micro-batch {mb}) was read before any task wrote it"
+                f"device {self.device}: buffer '{name}' (micro-batch {mb}) was read before any task wrote it"
             ) from None
 
-    def _put(self, name: str, mb: int, value: torch.Tensor, task: Task | None = None, accumulate: bool = False) -> None:
-        store, key = (self.static, name) if is_static(name) else (self.bufs, (name, mb))
+    def _put(
+        self, name: Buffer, mb: int, value: torch.Tensor, task: Task | None = None, accumulate: bool = False
+    ) -> None:
+        store, key = (self.static, name) if name.static else (self.bufs, (name, mb))
         region = task.region if task is not None and task.kind in (TaskKind.RECV, TaskKind.LOCAL) else None
         if region is None:
             store[key] = store[key] + value if accumulate and key in store else value
@@ -266,7 +277,7 @@ class Interpreter:
     # -- one iteration --------------------------------------------------------
     def run_iteration(self, *, capture_grads: bool = False) -> float:
         """Run every action of the schedule once; returns this device's share of the loss."""
-        self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self.bufs: dict[tuple[Buffer, int], torch.Tensor] = {}
         self.ctx: dict[tuple[str, int], tuple] = {}
         self.pending: list = []
         self.overlapped: list = []
@@ -284,7 +295,7 @@ class Interpreter:
             self.action = action
             if progress is not None:
                 progress.phase(f"step {step}, action {action}")
-            for task, fn, label, frees, is_loss in self._steps(action):
+            for task, fn, label, frees, gathered, is_loss in self._steps(action):
                 if task.final and mb != last_mb:
                     continue  # runs with the last micro-batch only
                 if progress is not None:
@@ -301,8 +312,8 @@ class Interpreter:
                     loss += float(bufs[(self._loss_buffer, mb)])
                 for b in frees:
                     bufs.pop((b, mb), None)
-                    if b in self.unit_of:  # a ZeRO-3 layer's gathered weights: give the memory back
-                        zero3.release(self, b, mb)
+                for b in gathered:  # a ZeRO-3 layer's gathered weights: give the memory back
+                    zero3.release(self, b, mb)
         if progress is not None and self.pending:
             progress.phase(
                 f"step {step}, waiting for the sends to {sorted({t.peer for _, t, _ in self.pending})} to complete"
@@ -342,19 +353,16 @@ class Interpreter:
                 work.wait()
             except Exception as e:
                 raise TaskError(self.device, "gradient reduction", task, e) from e
-            if task.collective == "reduce_scatter":
+            if task.role is Role.UNIT_GRADS:
                 zero3.take(self, task, flat)
-                continue
-            off = 0
-            for b in task.reads:
-                cur = self._get(b, 0)
-                self.static[b] = flat[off : off + cur.numel()].view_as(cur)  # views of a fresh buffer
-                off += cur.numel()
+            else:
+                self._take_bucket(task, flat)
         self.overlapped = []
 
     def _steps(self, action) -> tuple:
         """A block's tasks ready to run, made once per block: ``(task, function, progress label,
-        buffers freed after it, whether it yields this device's loss)``."""
+        buffers freed after it, those of them that are ZeRO-3's gathered weights, whether it yields
+        this device's loss)``."""
         key = (action.stage, action.phase)
         steps = self._compiled.get(key)
         if steps is None:
@@ -362,15 +370,10 @@ class Interpreter:
             loss_op = self.graph.producer[self.graph.loss].name
             holds_loss = any(d == self.device and p for d, _, p in self.program.loss_holders)
             steps = []
-            # zero-bubble: an I task whose operator has a W task too keeps the autograd graph for it
-            w_block = self.dp.blocks.get((action.stage, "W")) if action.phase == "I" else None
-            later = {t.op for t in w_block.tasks if t.kind is TaskKind.BACKWARD} if w_block else set()
             for task in self.dp.blocks[key].tasks:
-                if task.kind not in dispatch:  # pragma: no cover - TaskKind is closed
-                    raise ExecutionError(f"unknown task kind {task.kind}")
-                fn = dispatch[task.kind]
-                if task.kind is TaskKind.BACKWARD and task.op in later:
-                    fn = self._backward_input
+                fn = dispatch.get((task.kind, task.role))
+                if fn is None:
+                    raise ExecutionError(f"task {task} has kind {task.kind} and role {task.role!r}, which no code runs")
                 if self.fault is not None and self.fault.task == task.name:
                     fn = self._with_fault(fn)
                 steps.append(
@@ -379,6 +382,7 @@ class Interpreter:
                         fn,
                         Progress.encode(str(task)),
                         task.free,
+                        tuple(b for b in task.free if b in self.unit_of),
                         holds_loss and task.kind is TaskKind.FORWARD and task.op == loss_op,
                     )
                 )
@@ -396,33 +400,54 @@ class Interpreter:
 
         return run
 
+    # The method that runs each kind of task with each role, as ``method(task, microbatch)``.
+    RUNS = {
+        (TaskKind.FORWARD, Role.PLAIN): "_forward",
+        (TaskKind.BACKWARD, Role.PLAIN): "_backward",
+        (TaskKind.BACKWARD, Role.KEEP_GRAPH): "_backward_input",
+        (TaskKind.LOCAL, Role.PLAIN): "_local",
+        (TaskKind.LOCAL, Role.LOAD): "_load",
+        (TaskKind.COLLECTIVE, Role.PLAIN): "_collective",
+        (TaskKind.COLLECTIVE, Role.BUCKET): "_reduce_bucket",
+        (TaskKind.COLLECTIVE, Role.SHARD_GRADS): "_zero_reduce_scatter",
+        (TaskKind.COLLECTIVE, Role.GATHER_WEIGHTS): "_zero_all_gather",
+        (TaskKind.COLLECTIVE, Role.UNIT_GATHER): "_unit_gather",
+        (TaskKind.COLLECTIVE, Role.UNIT_GRADS): "_unit_reduce_scatter",
+        (TaskKind.SEND, Role.PLAIN): "_send",
+        (TaskKind.RECV, Role.PLAIN): "_recv",
+        (TaskKind.OPTIMIZER, Role.PLAIN): "_optimizer",
+        (TaskKind.OPTIMIZER, Role.SHARD_STEP): "_shard_step",
+    }
+
     def _dispatch(self) -> dict:
-        """The method that runs each kind of task, as ``fn(task, microbatch)``."""
-        return {
-            TaskKind.FORWARD: self._forward,
-            TaskKind.BACKWARD: self._backward,
-            TaskKind.LOCAL: self._local,
-            TaskKind.COLLECTIVE: self._collective,
-            TaskKind.SEND: self._send,
-            TaskKind.RECV: self._recv,
-            TaskKind.OPTIMIZER: self._optimizer,
-        }
+        """:data:`RUNS` as bound methods."""
+        return {key: getattr(self, name) for key, name in self.RUNS.items()}
+
+    def _unit_gather(self, task: Task, mb: int) -> None:
+        zero3.gather(self, task, mb)
+
+    def _unit_reduce_scatter(self, task: Task, mb: int) -> None:
+        zero3.reduce_scatter(self, task, mb)
 
     def _run(self, task: Task, mb: int) -> None:
         """Run one task (``run_iteration`` uses the same dispatch, made once per block)."""
-        fn = self._dispatch().get(task.kind)
-        if fn is None:  # pragma: no cover - TaskKind is closed
-            raise ExecutionError(f"unknown task kind {task.kind}")
+        fn = self._dispatch().get((task.kind, task.role))
+        if fn is None:
+            raise ExecutionError(f"task {task} has kind {task.kind} and role {task.role!r}, which no code runs")
         fn(task, mb)
+
+    def _process_group(self, task: Task):
+        """The process group of a collective's devices."""
+        return self.groups[tuple(sorted(task.group))]
 
     def _send(self, task: Task, mb: int) -> None:
         x = self._get(task.reads[0], mb)[_slices(task.region)].contiguous()
-        self.pending.append((dist.isend(x, dst=task.peer, tag=task.axis), task, x))
+        self.pending.append((dist.isend(x, dst=task.peer, tag=task.tag), task, x))
 
     def _recv(self, task: Task, mb: int) -> None:
         shape = tuple(b - a for a, b in task.region)
         buf = torch.empty(shape, dtype=_dtype(task.dtype), device=self.torch_device)
-        dist.recv(buf, src=task.peer, tag=task.axis)
+        dist.recv(buf, src=task.peer, tag=task.tag)
         self._put(task.writes[0], mb, buf, task, task.accumulate)
 
     def _reads(self, task: Task) -> tuple:
@@ -432,7 +457,10 @@ class Interpreter:
         if r is None:
             r = self._read_cache[id(task)] = (
                 self.graph.op(task.op) if task.op else None,
-                tuple((b, is_static(b), task.chunk >= 0 or not b.startswith("w:")) for b in task.reads),
+                tuple(
+                    (b, b is not None and b.static, task.chunk >= 0 or b is None or b.kind is not BufferKind.WEIGHT)
+                    for b in task.reads
+                ),
             )
         return r
 
@@ -461,7 +489,7 @@ class Interpreter:
 
     def _compute(self, op: Operator, task: Task, mb: int, ins: list, reads: tuple, off: int, group) -> None:
         """Run the piece of a forward task on its inputs ``ins`` and store its outputs."""
-        if task.recompute == "drop":  # its backward runs after a second forward ("redo"): keep no graph
+        if task.recompute is Recompute.DROP:  # its backward runs after a second forward (REDO): keep no graph
             with torch.no_grad():
                 out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -492,7 +520,7 @@ class Interpreter:
         boxes = self.__dict__.get("_boxes")
         if boxes is None:
             boxes = self._boxes = {p: box for p, box in self.dp.params}
-        table = task.reads[1].split(":", 1)[1] if len(task.reads) > 1 else ""
+        table = task.reads[1].tensor if len(task.reads) > 1 else ""
         box = boxes.get(table)
         off = box[0][0] if box else 0
         if task.slices and len(task.slices) > 1 and task.slices[1] is not None:
@@ -536,17 +564,17 @@ class Interpreter:
             w = task.writes[k]
             if task.places and task.places[k] is not None:  # a co-located chunk adds its share
                 self._add_into(w, mb, g, task.places[k])
-            elif w.startswith("wg:"):  # weight gradients add up (out of place: g may alias a buffer)
+            elif w.kind is BufferKind.WEIGHT_GRAD:  # weight gradients add up (out of place: g may alias a buffer)
                 static[w] = static[w] + g if w in static else g
             else:
                 self.bufs[(w, mb)] = g
 
-    def _add_into(self, name: str, mb: int, value: torch.Tensor, place: tuple) -> None:
+    def _add_into(self, name: Buffer, mb: int, value: torch.Tensor, place: tuple) -> None:
         """Add ``value`` into ``region`` of buffer ``name`` (made of zeros of ``shape`` by the first
         chunk that writes it): the co-located chunks of one piece fill or sum it in turn. In place:
         nothing reads the buffer before its last chunk has written it."""
         region, shape = place
-        store, key = (self.static, name) if is_static(name) else (self.bufs, (name, mb))
+        store, key = (self.static, name) if name.static else (self.bufs, (name, mb))
         cur = store.get(key)
         if cur is None:
             cur = store[key] = torch.zeros(shape, dtype=value.dtype, device=value.device)
@@ -554,40 +582,42 @@ class Interpreter:
 
     def _local(self, task: Task, mb: int) -> None:
         src = self._get(task.reads[0], mb)
-        if task.name.startswith("load:") and task.axis >= 0:
-            size = src.shape[task.axis] // self.program.microbatches
-            src = src.narrow(task.axis, mb * size, size)
         # a view (or src itself): no buffer is ever changed in place, so no copy is needed
         x = src if task.src_region is None else src[_slices(task.src_region)]
         self._put(task.writes[0], mb, x, task, task.accumulate)
 
+    def _load(self, task: Task, mb: int) -> None:
+        """A micro-batch's slice of a source tensor (along its batch ``axis``), then its piece."""
+        src = self._get(task.reads[0], mb)
+        if task.axis >= 0:
+            size = src.shape[task.axis] // self.program.microbatches
+            src = src.narrow(task.axis, mb * size, size)
+        x = src if task.src_region is None else src[_slices(task.src_region)]
+        self._put(task.writes[0], mb, x, task, task.accumulate)
+
+    def _reduce_bucket(self, task: Task, mb: int) -> None:
+        """All-reduce a bucket of weight gradients as one flat buffer; overlapped, the optimizer
+        takes its result (:meth:`_finish_overlapped`)."""
+        pg = self._process_group(task)
+        flat = torch.cat([self._get(b, mb).reshape(-1) for b in task.reads])
+        if task.overlap:  # runs while the backward goes on; the optimizer waits for it
+            self.overlapped.append((dist.all_reduce(flat, group=pg, async_op=True), task, flat))
+            return
+        dist.all_reduce(flat, group=pg)
+        self._take_bucket(task, flat)
+
+    def _take_bucket(self, task: Task, flat: torch.Tensor) -> None:
+        """The reduced gradients of a bucket: views of the flat buffer it was reduced in."""
+        off = 0
+        for b in task.reads:
+            cur = self._get(b, 0)
+            self.static[b] = flat[off : off + cur.numel()].view_as(cur)  # views of a fresh buffer
+            off += cur.numel()
+
     def _collective(self, task: Task, mb: int) -> None:
+        """A layout conversion's collective on one buffer."""
         group = tuple(task.group)
-        pg = self.groups[tuple(sorted(group))]
-        if task.collective == "all_reduce" and (len(task.reads) > 1 or task.reads[0].startswith("wg:")):
-            flat = torch.cat([self._get(b, mb).reshape(-1) for b in task.reads])
-            if task.overlap:  # runs while the backward goes on; the optimizer waits for it
-                self.overlapped.append((dist.all_reduce(flat, group=pg, async_op=True), task, flat))
-                return
-            dist.all_reduce(flat, group=pg)
-            off = 0
-            for b in task.reads:
-                cur = self._get(b, mb)
-                self.static[b] = flat[off : off + cur.numel()].view_as(cur)  # views of a fresh buffer
-                off += cur.numel()
-            return
-        if task.writes and task.writes[0].startswith("zg:"):
-            if self.zero[task.writes[0]].stage3:
-                zero3.reduce_scatter(self, task, mb, pg)
-            else:
-                self._zero_reduce_scatter(task, pg)
-            return
-        if task.reads and task.reads[0].startswith("zp:"):
-            if task.writes[0] in self.unit_of:
-                zero3.gather(self, task, mb, pg)
-            else:
-                self._zero_all_gather(task, pg)
-            return
+        pg = self._process_group(task)
         x = self._get(task.reads[0], mb).contiguous()
         n, me = len(group), group.index(self.device)
         order = sorted(group)
@@ -613,8 +643,9 @@ class Interpreter:
             raise ExecutionError(f"collective {task.collective!r} is not supported by the executor")
         self._put(task.writes[0], mb, y, None, task.accumulate)
 
-    def _zero_reduce_scatter(self, task: Task, pg) -> None:
+    def _zero_reduce_scatter(self, task: Task, mb: int) -> None:
         """Sum the bucket's gradients over the group; keep this device's shard of the sum."""
+        pg = self._process_group(task)
         z = self.zero[task.writes[0]]
         flat = torch.cat([self._get(b, 0).reshape(-1) for b in task.reads])
         flat = torch.nn.functional.pad(flat, (0, z.chunk * z.n - flat.numel()))
@@ -626,43 +657,51 @@ class Interpreter:
             if self.capture:
                 off = 0
                 for p in z.params:
-                    w = self.static[f"w:{p}"]
+                    w = self.static[self._weights[p]]
                     self.captured_grads[p] = flat[off : off + w.numel()].view_as(w).clone()
                     off += w.numel()
             out = flat[z.me * z.chunk : (z.me + 1) * z.chunk]
         self.static[task.writes[0]] = out
         for p in z.params:  # the next step's gradients start from zero
-            self.static.pop(f"wg:{p}", None)
+            self.static.pop(self._grads[p], None)
 
-    def _zero_all_gather(self, task: Task, pg) -> None:
+    def _zero_all_gather(self, task: Task, mb: int) -> None:
         """Gather the updated shards and write them into this device's weights."""
-        z = self.zero["zg:" + task.reads[0][3:]]  # the bucket's shard gradient and weight buffers share a key
+        pg = self._process_group(task)
+        z = self.zero[task.reads[0].with_kind(BufferKind.SHARD_GRAD)]  # the bucket's shard gradient
         parts = [torch.empty_like(z.shard) for _ in range(z.n)]
         dist.all_gather(parts, z.shard.detach(), group=pg)
         flat = torch.cat(parts)
         off = 0
         with torch.no_grad():
             for p in z.params:
-                w = self.static[f"w:{p}"]
+                w = self.static[self._weights[p]]
                 w.copy_(flat[off : off + w.numel()].view_as(w))
                 off += w.numel()
 
-    def _optimizer(self, task: Task, mb: int) -> None:
+    def _start_update(self) -> None:
+        """Before the step's first optimizer task: wait for the overlapped reductions; capture, clip."""
         self._finish_overlapped()
         if not self._updating:  # every gradient is reduced: capture, clip
             self._updating = True
             self._before_update()
-        if task.reads and task.reads[0].startswith("zg:"):
-            z = self.zero[task.reads[0]]
-            if z.stage3:  # the shard gradient was summed over the micro-batches; the next step's starts at zero
-                grad = self.static.pop(task.reads[0], None)
-                grad = torch.zeros_like(z.shard) if grad is None else grad
-            else:
-                grad = self.static[task.reads[0]]
-            z.shard.grad = grad.detach()
-            z.optimizer.step()
-            z.optimizer.zero_grad(set_to_none=True)
-            return
+
+    def _shard_step(self, task: Task, mb: int) -> None:
+        """Adam on a ZeRO shard, with the shard gradient the task reads."""
+        self._start_update()
+        z = self.zero[task.reads[0]]
+        if z.stage3:  # the shard gradient was summed over the micro-batches; the next step's starts at zero
+            grad = self.static.pop(task.reads[0], None)
+            grad = torch.zeros_like(z.shard) if grad is None else grad
+        else:
+            grad = self.static[task.reads[0]]
+        z.shard.grad = grad.detach()
+        z.optimizer.step()
+        z.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer(self, task: Task, mb: int) -> None:
+        """Adam on the pieces held whole."""
+        self._start_update()
         self._optimizer_step()
 
     def _before_update(self) -> None:
@@ -673,7 +712,7 @@ class Interpreter:
         if self.capture:
             for p, _ in self.leaves:
                 if p not in zeroed:
-                    self.captured_grads[p] = self._get(f"wg:{p}", 0).detach().clone()
+                    self.captured_grads[p] = self._get(self._grads[p], 0).detach().clone()
             for z in self.zero.values():  # ZeRO-3 units: gathered from every replica's shard
                 if z.stage3:
                     grad = self.static.get(z.key)
@@ -695,14 +734,14 @@ class Interpreter:
         for p, w in self.leaves:
             if p in zeroed:
                 continue
-            g = self._get(f"wg:{p}", 0)
+            g = self._get(self._grads[p], 0)
             w.grad = g.detach()  # Adam only reads it
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for p, _ in self.leaves:  # the next step's gradients start from zero (see _get)
             if p not in zeroed:
-                self.static.pop(f"wg:{p}", None)
+                self.static.pop(self._grads[p], None)
 
 
 @dataclass
@@ -717,7 +756,7 @@ class _ZeroBucket:
     chunk: int
     shard: torch.Tensor
     optimizer: torch.optim.Optimizer
-    key: str = ""
+    key: Buffer | None = None
     group: tuple[int, ...] = ()
     stage3: bool = False
     shapes: tuple[tuple[int, ...], ...] = ()

@@ -21,18 +21,17 @@ import torch
 import torch.distributed as dist
 
 from planlab.errors import ExecutionError
+from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.program import Task
-from planlab.plan.zero import BACKWARD_WEIGHTS, FORWARD_WEIGHTS
-
-GATHERED = (FORWARD_WEIGHTS, BACKWARD_WEIGHTS)
 
 
-def gather(interp, task: Task, mb: int, pg) -> None:
-    """All-gather a unit's shards into its full weights for micro-batch ``mb`` (``zf:``/``zb:``)."""
-    z = interp.zero["zg:" + task.reads[0][3:]]
+def gather(interp, task: Task, mb: int) -> None:
+    """All-gather a unit's shards into its full weights for micro-batch ``mb`` (for its forward or
+    its backward: ``GATHERED_FORWARD`` or ``GATHERED_BACKWARD`` buffers)."""
+    z = interp.zero[task.reads[0].with_kind(BufferKind.SHARD_GRAD)]
     parts = [torch.empty_like(z.shard) for _ in range(z.n)]
-    dist.all_gather(parts, z.shard.detach(), group=pg)
-    if task.writes[0].startswith(FORWARD_WEIGHTS):  # a new tensor, whose views the forward tasks read
+    dist.all_gather(parts, z.shard.detach(), group=interp.groups[z.group])
+    if task.writes[0].kind is BufferKind.GATHERED_FORWARD:  # a new tensor, whose views the forward tasks read
         flat = interp.gathered[(z.key, mb)] = torch.cat(parts)
     else:  # the forward's storage again, filled without touching autograd's view of it
         flat = interp.gathered.get((z.key, mb))
@@ -48,21 +47,22 @@ def gather(interp, task: Task, mb: int, pg) -> None:
         off += n
 
 
-def release(interp, buf: str, mb: int) -> None:
+def release(interp, buf: Buffer, mb: int) -> None:
     """``buf`` (a gathered weight) is freed: give its unit's memory back; the backward's
     release ends the unit's micro-batch."""
     key = interp.unit_of.get(buf)
     flat = interp.gathered.get((key, mb)) if key is not None else None
     if flat is not None:
         flat.untyped_storage().resize_(0)
-        if buf.startswith(BACKWARD_WEIGHTS):
+        if buf.kind is BufferKind.GATHERED_BACKWARD:
             del interp.gathered[(key, mb)]
 
 
-def reduce_scatter(interp, task: Task, mb: int, pg) -> None:
+def reduce_scatter(interp, task: Task, mb: int) -> None:
     """Start reducing a unit's full gradients over its group; :func:`take` adds this device's
     chunk of the sum to the unit's shard gradient once it completes."""
     z = interp.zero[task.writes[0]]
+    pg = interp.groups[z.group]
     zeros = {}
     grads = []
     for p, shape, b in zip(z.params, z.shapes, task.reads):

@@ -1,6 +1,7 @@
 """Zero-bubble's split backward (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): a
 stage's backward block becomes an input-gradient block ``I`` and a weight-gradient block ``W``,
-the phases of torch.distributed.pipelining's ``_ComputationType``.
+the phases of torch.distributed.pipelining's ``_ComputationType``; the ``materialize`` pass
+:func:`split_zero_bubble`, after co-located pieces are chunked.
 
 ``I`` holds everything the backward does for the inputs' gradients: the receives of the output
 gradients, each operator's backward for its inputs, the sums and the sends upstream, and the
@@ -14,14 +15,14 @@ live until ``W``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 from planlab.graph.ir import Graph
+from planlab.plan.buffer import WEIGHT_GRAD_KINDS
+from planlab.plan.passes.draft import Draft
 from planlab.plan.plan import Action
-from planlab.plan.program import Task, TaskKind
+from planlab.plan.program import Role, Task, TaskKind
 
-WEIGHT_GRADIENTS = ("wg:", "zd:")  # buffers of weights' gradients (zd: ZeRO-3's full gradients)
 # operators whose weight gradient is one product as large as the forward (dW = dY^T X)
 PRODUCT_KINDS = ("linear", "matmul", "einsum", "conv")
 
@@ -42,45 +43,57 @@ def weight_share(kind: str, weights: int, inputs: int) -> float:
 
 
 def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
-    """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute)."""
-    is_w = [bool(w) and w.startswith(WEIGHT_GRADIENTS) for w in task.writes]
+    """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute). An
+    ``I`` part whose ``W`` part follows keeps the piece's autograd graph for it (``Role.KEEP_GRAPH``)."""
+    is_w = [w is not None and w.kind in WEIGHT_GRAD_KINDS for w in task.writes]
     is_i = [bool(w) and not x for w, x in zip(task.writes, is_w)]
     share = weight_share(kind, sum(is_w), sum(is_i))
     if share == 0.0:
         return task, None
     if share == 1.0:
         return None, task
-    inp = dataclasses.replace(
-        task,
-        writes=tuple(w if i else "" for w, i in zip(task.writes, is_i)),
+    inp = task.but(
+        writes=tuple(w if i else None for w, i in zip(task.writes, is_i)),
         flops=task.flops * (1 - share),
         bytes_moved=task.bytes_moved * (1 - share),
+        role=Role.KEEP_GRAPH,
     )
-    wgt = dataclasses.replace(
-        task,
-        writes=tuple(w if x else "" for w, x in zip(task.writes, is_w)),
+    wgt = task.but(
+        writes=tuple(w if x else None for w, x in zip(task.writes, is_w)),
         flops=task.flops * share,
         bytes_moved=task.bytes_moved * share,
     )
     return inp, wgt
 
 
-def split_backward(blocks: dict[tuple[int, str], list], stages: set[int], graph: Graph) -> None:
-    """Replace the ``(stage, "B")`` block entries ``[(key, task)]`` of ``stages`` by ``I`` and ``W``
-    blocks (in place); keys are kept, so each part keeps its place in the backward order."""
+def split_zero_bubble(d: Draft) -> Draft:
+    """On every device whose schedule has ``I`` and ``W`` actions, the backward blocks of those
+    stages split (:func:`split_backward`)."""
+    blocks = d.copy_blocks()
+    for dev, mine in blocks.items():
+        given = d.plan.schedule[dev] if d.plan.schedule and dev < len(d.plan.schedule) else ()
+        if any(a.phase in ("I", "W") for a in given):
+            split_backward(mine, split_stages(given), d.graph)
+    return d.replace(blocks=blocks)
+
+
+def split_backward(blocks: dict[tuple[int, str], list[Task]], stages: set[int], graph: Graph) -> None:
+    """Replace the ``(stage, "B")`` blocks (task lists) of ``stages`` by ``I`` and ``W`` blocks (in
+    place); each task keeps its place in the backward order. ``W`` gets each backward task's
+    weight-gradient part and the overlapped reductions of weight gradients, ``I`` the rest."""
     for st in sorted(stages):
         items = blocks.pop((st, "B"), None)
         if items is None:
             continue
-        inp, wgt = blocks[(st, "I")], blocks[(st, "W")]
-        for key, t in items:
+        inp, wgt = blocks.setdefault((st, "I"), []), blocks.setdefault((st, "W"), [])
+        for t in items:
             if t.kind is TaskKind.BACKWARD:
                 i, w = split_task(t, graph.op(t.op).kind)
                 if i is not None:
-                    inp.append((key, i))
+                    inp.append(i)
                 if w is not None:
-                    wgt.append((key, w))
-            elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.startswith(WEIGHT_GRADIENTS) for r in t.reads):
-                wgt.append((key, t))
+                    wgt.append(w)
+            elif t.kind is TaskKind.COLLECTIVE and t.overlap and any(r.kind in WEIGHT_GRAD_KINDS for r in t.reads if r):
+                wgt.append(t)
             else:
-                inp.append((key, t))
+                inp.append(t)

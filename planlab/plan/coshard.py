@@ -1,18 +1,18 @@
 """Coshard: a device's co-located pieces of an operator run one after another, each recomputed.
 
-Pass 4b of ``materialize``. An operator whose plan puts ``k`` neighbouring pieces on each device
+The ``materialize`` pass :func:`run_chunks`, after the blocks are ordered. An operator whose plan puts ``k`` neighbouring pieces on each device
 (:mod:`planlab.plan.colocation`) is first built like the ``n``-way split its shares make: one
 forward and one backward task per device, the same layouts and collectives. This pass then runs
 each device's share as ``k`` chunks, in this order:
 
 1. groups: co-located operators that hand a tensor to one another in the same layout, split
    along the same axis, run their chunks together (chunk 0 of every member, then chunk 1, ...),
-   so the tensors between them exist one chunk at a time (buffers ``name@c``);
+   so the tensors between them exist one chunk at a time (their buffers' ``chunk``);
 2. forward: a group's forward tasks become ``k`` rounds of chunk tasks; a chunk reads its slice
    of the tensors that come from outside the group (``Task.slices``) and adds its slice (or, when
    the chunks split a reduction, its partial sum) into the tensors that leave it (``Task.places``);
 3. backward: per chunk, the forward of its recomputed members runs again (``re:`` tasks writing
-   ``r:name@c``) right before the chunk's backward tasks, whose gradient contributions add into
+   ``RECOMPUTED`` chunks) right before the chunk's backward tasks, whose gradient contributions add into
    slices of the gradients outside the group and of the weight gradients; local sums of
    gradients passed between members run per chunk too;
 4. order: the tasks between a group's first and last member that need its results move after
@@ -32,10 +32,12 @@ from collections import defaultdict
 
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
+from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.colocation import CoLocation
 from planlab.plan.layout import Box, Layout, Partial, Replicate, box_shape
+from planlab.plan.passes.draft import Draft, Idents
 from planlab.plan.plan import Plan
-from planlab.plan.program import Task, TaskKind, is_static
+from planlab.plan.program import Recompute, Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
 
 
@@ -105,8 +107,21 @@ def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
     return list(out.values())
 
 
-def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dict[str, int]]) -> None:
-    """Rewrite every device's blocks (``entries[device][(stage, phase)]``: ``(key, task)`` lists)
+def run_chunks(d: Draft) -> Draft:
+    """Co-located operators (``layouts.chunks``) run as chunks on every device (see the module
+    docstring); a collective run per chunk is another collective, with an identity of its own."""
+    if not d.layouts.chunks:
+        return d
+    blocks, sizes = d.copy_blocks(), d.copy_sizes()
+    idents = Idents(d.next_ident)
+    run_in_chunks(blocks, d.graph, d.layouts, d.plan, sizes, idents)
+    return d.replace(blocks=blocks, sizes=sizes, next_ident=idents.next)
+
+
+def run_in_chunks(
+    blocks_of: dict, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dict[Buffer, int]], idents: Idents
+) -> None:
+    """Rewrite every device's blocks (``blocks_of[device][(stage, phase)]``: task lists, in order)
     so that co-located operators run as chunks; register the new buffers' sizes."""
     stage = {p.op: p.stage for p in plan.ops}
     recomputed = frozenset(p.op for p in plan.ops if p.recompute and p.op in L.chunks)
@@ -117,18 +132,17 @@ def run_in_chunks(entries, graph: Graph, L, plan: Plan, buf_bytes: dict[int, dic
     for members in groups(graph, L, stage):
         by_stage[stage[members[0]]].append(members)
     shapes: dict[tuple[str, int], tuple] = {}
-    for dev, blocks in entries.items():
+    for dev, blocks in blocks_of.items():
         for st, found in by_stage.items():
             fkey, bkey = (st, "F"), (st, "B")
             if fkey not in blocks:
                 continue
-            fw = [t for _, t in sorted(blocks[fkey], key=lambda x: x[0])]
-            bw = [t for _, t in sorted(blocks[bkey], key=lambda x: x[0])] if bkey in blocks else []
-            run = _Stage(graph, L, recomputed, buf_bytes[dev], shapes, nested)
+            fw, bw = list(blocks[fkey]), list(blocks.get(bkey, ()))
+            run = _Stage(graph, L, recomputed, buf_bytes.setdefault(dev, {}), shapes, nested, idents)
             fw, bw = run.rewrite(fw, bw, found)
-            blocks[fkey] = [((j,), t) for j, t in enumerate(fw)]
+            blocks[fkey] = fw
             if bkey in blocks:
-                blocks[bkey] = [((j,), t) for j, t in enumerate(bw)]
+                blocks[bkey] = bw
 
 
 class _Stage:
@@ -139,42 +153,27 @@ class _Stage:
         graph: Graph,
         L,
         recomputed: frozenset[str],
-        sizes: dict[str, int],
+        sizes: dict[Buffer, int],
         shapes: dict[tuple[str, int], tuple],
-        nested: frozenset[str] = frozenset(),
+        nested: frozenset[str],
+        idents: Idents,
     ) -> None:
         self.graph, self.L, self.recomputed, self.sizes, self.shapes = graph, L, recomputed, sizes, shapes
-        self.nested = nested
+        self.nested, self.idents = nested, idents
 
     def rewrite(self, fw: list[Task], bw: list[Task], found: list[list[str]]) -> tuple[list[Task], list[Task]]:
-        writers: dict[str, set] = defaultdict(set)
-        readers: dict[str, set] = defaultdict(set)
-        for phase, tasks in (("F", fw), ("B", bw)):
-            for i, t in enumerate(tasks):
-                for b in t.writes:
-                    if b:
-                        writers[b].add((phase, i))
-                for b in t.reads + t.saved:
-                    if b:
-                        readers[b].add((phase, i))
+        """The forward and backward block ``fw``, ``bw`` with the groups ``found`` run as chunks."""
+        writers, readers = _users(fw, bw)
         fpos: dict[str, list[int]] = defaultdict(list)
         bpos: dict[str, list[int]] = defaultdict(list)
         for pos, kind, tasks in ((fpos, TaskKind.FORWARD, fw), (bpos, TaskKind.BACKWARD, bw)):
             for i, t in enumerate(tasks):
                 if t.kind is kind and t.op in self.L.chunks:
                     pos[t.op].append(i)
-        # what the layer's recomputation (planlab.plan.materialize._recompute) makes again: a
-        # recomputed chunk reads that instead of keeping the forward's buffer until the backward
-        relay = {f"a:{w[2:]}": w for t in bw if t.name.startswith("re:") for w in t.writes if w.startswith("r:")}
-        first_re: dict[str, int] = {}  # buffer -> position of the layer recomputation's first task reading it
-        for p, t in enumerate(bw):
-            if t.name.startswith("re:"):
-                for b in t.reads + t.saved:
-                    if b:
-                        first_re.setdefault(b, p)
+        relay, first_re = _layer_recomputation(bw)
         fjobs, bjobs = [], []
         outer: dict[int, list[Task]] = defaultdict(list)  # bw position -> the layer recomputation's chunks
-        remakes: list[tuple[frozenset[int], dict[str, str]]] = []
+        remakes: list[tuple[frozenset[int], dict[Buffer, Buffer]]] = []
         for members in found:
             fi = sorted(i for m in members for i in fpos.get(m, ()))
             if not fi:
@@ -188,11 +187,9 @@ class _Stage:
             reload = [
                 fw[i]
                 for i in range(fi[0], fi[-1])
-                if fw[i].kind is TaskKind.LOCAL
-                and fw[i].name.startswith("load:")
-                and all(readers[w] <= group for w in fw[i].writes)
+                if fw[i].role is Role.LOAD and all(readers[w] <= group for w in fw[i].writes)
             ]
-            again = {w: f"r:{w[2:]}" for t in reload for w in t.writes}
+            again = {w: w.with_kind(BufferKind.RECOMPUTED) for t in reload for w in t.writes}
             made = _Chunks(self, k, internal, [fw[i] for i in fi], {**relay, **again})
             fjobs.append((fi, [made.forward(fw[i], c) for c in range(k) for i in fi], members))
             if bi:
@@ -200,7 +197,13 @@ class _Stage:
                 if any(fw[i].op in self.recomputed for i in fi):
                     for t in reload:
                         self.sizes.update({again[w]: self.sizes[w] for w in t.writes if w in self.sizes})
-                        seq.append(_replace(t, name=f"re:{t.name}", writes=tuple(again[w] for w in t.writes)))
+                        seq.append(
+                            t.but(
+                                name=f"re:{t.name}",
+                                writes=tuple(again[w] for w in t.writes),
+                                recompute=Recompute.REDO,
+                            )
+                        )
                 for c in range(k):
                     seq += [made.redo(fw[i], c) for i in fi if fw[i].op in self.recomputed]
                     seq += [made.backward(bw[i], c) for i in bi]
@@ -216,42 +219,45 @@ class _Stage:
         self,
         made: "_Chunks",
         ftasks: list[Task],
-        first_re: dict[str, int],
-        internal: frozenset[str],
+        first_re: dict[Buffer, int],
+        internal: frozenset[Buffer],
         outer: dict[int, list[Task]],
         remakes: list,
         reload: list[Task],
-        again: dict[str, str],
+        again: dict[Buffer, Buffer],
     ) -> None:
         """Inside a recomputed layer, the group's results that the layer's recomputation reads are
         made again there, chunk by chunk without keeping a graph (the group's backward remakes each
         chunk once more right before it), instead of being kept from the forward until the
         backward: nnScaler's co-shard inside a checkpointed layer, one chunk's activations alive at
         a time in both recomputations. Queues the chunks before the layer's first reader in ``outer``
-        and the renaming of the results (``a:x`` -> ``r:x``) for the tasks after them in ``remakes``;
+        and the renaming of the results (activations to ``RECOMPUTED`` ones) for the tasks after them in ``remakes``;
         the inputs only the group loads (``reload``) are loaded again first, into ``again``'s buffers."""
-        leaving = {w for t in ftasks for w in t.writes if w and w not in internal and not is_static(w)}
+        leaving = {w for t in ftasks for w in t.writes if w and w not in internal and not w.static}
         at = min((first_re[w] for w in leaving if w in first_re), default=None)
         if at is None:
             return
-        remade = {w: f"r:{w.split(':', 1)[1]}" for w in leaving}
+        remade = {w: w.with_kind(BufferKind.RECOMPUTED) for w in leaving}
         for w, r in remade.items():
             if w in self.sizes:
                 self.sizes[r] = self.sizes[w]
-        seq = [_replace(t, name=f"re:{t.name}:outer", writes=tuple(again[w] for w in t.writes)) for t in reload]
+        seq = [
+            t.but(name=f"re:{t.name}:outer", writes=tuple(again[w] for w in t.writes), recompute=Recompute.REDO)
+            for t in reload
+        ]
         seq += [made.outer(t, c, remade) for c in range(made.k) for t in ftasks]
         outer[at].extend(seq)
         remakes.append((frozenset(id(t) for t in seq), remade))
 
-    def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[str]:
+    def _internal(self, fw, bw, group: set, bi: list[int], writers, readers) -> frozenset[Buffer]:
         """Buffers only the group writes and reads; the group grows by the local sums, copies and
         all-reduces of gradients that pass between its members in the backward (a greatest
         fixpoint): they run per chunk too."""
         lo, hi = (min(bi), max(bi)) if bi else (0, -1)
         cand = {("B", i) for i in range(lo, hi + 1) if _per_chunk(bw[i])}
 
-        def inside(b: str, g: set) -> bool:
-            return bool(b) and not is_static(b) and writers[b] <= g and readers[b] <= g
+        def inside(b: Buffer | None, g: set) -> bool:
+            return b is not None and not b.static and writers[b] <= g and readers[b] <= g
 
         while True:
             g = group | cand
@@ -322,39 +328,74 @@ class _Stage:
         return got
 
 
+def _users(fw: list[Task], bw: list[Task]) -> tuple[dict, dict]:
+    """Per buffer, the tasks (``("F" or "B", position)``) that write it and those that read or keep it."""
+    writers: dict[Buffer, set] = defaultdict(set)
+    readers: dict[Buffer, set] = defaultdict(set)
+    for phase, tasks in (("F", fw), ("B", bw)):
+        for i, t in enumerate(tasks):
+            for b in t.writes:
+                if b:
+                    writers[b].add((phase, i))
+            for b in t.reads + t.saved:
+                if b:
+                    readers[b].add((phase, i))
+    return writers, readers
+
+
+def _layer_recomputation(bw: list[Task]) -> tuple[dict[Buffer, Buffer], dict[Buffer, int]]:
+    """What the layer's recomputation (:mod:`planlab.plan.passes.recompute`) makes again, as
+    ``{forward buffer: its recomputed buffer}`` (a recomputed chunk reads that instead of keeping the
+    forward's buffer until the backward), and the position of its first task reading each buffer."""
+    relay = {
+        w.with_kind(BufferKind.ACTIVATION): w
+        for t in bw
+        if t.recompute is Recompute.REDO
+        for w in t.writes
+        if w and w.kind is BufferKind.RECOMPUTED
+    }
+    first_re: dict[Buffer, int] = {}
+    for p, t in enumerate(bw):
+        if t.recompute is Recompute.REDO:
+            for b in t.reads + t.saved:
+                if b:
+                    first_re.setdefault(b, p)
+    return relay, first_re
+
+
 def _per_chunk(t: Task) -> bool:
     """A task that may run chunk by chunk on chunks of its buffers: an elementwise local sum or
     copy, or an all-reduce issued in the backward's order (not a bucket of weight gradients)."""
     if t.kind is TaskKind.LOCAL:
-        return t.region is None and t.src_region is None and not t.name.startswith("load:")
+        return t.region is None and t.src_region is None and t.role is not Role.LOAD
     return t.kind is TaskKind.COLLECTIVE and t.collective == "all_reduce" and not t.final and not t.overlap
 
 
-def _r(b: str, c: int) -> str:
+def _r(b: Buffer, c: int) -> Buffer:
     """The recomputed chunk ``c`` of buffer ``b``."""
-    return f"r:{b.split(':', 1)[1]}@{c}"
+    return b.with_kind(BufferKind.RECOMPUTED).at_chunk(c)
 
 
 class _Chunks:
     """Builds the chunk tasks of one group on one device."""
 
     def __init__(
-        self, stage: _Stage, k: int, internal: frozenset[str], ftasks: list[Task], relay: dict[str, str]
+        self, stage: _Stage, k: int, internal: frozenset[Buffer], ftasks: list[Task], relay: dict[Buffer, Buffer]
     ) -> None:
         self.s, self.k, self.internal, self.relay = stage, k, internal, relay
         self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
-        self.chunk_shape: dict[str, tuple[int, ...]] = {}
+        self.chunk_shape: dict[Buffer, tuple[int, ...]] = {}
 
-    def _sized(self, new: str, b: str, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
+    def _sized(self, new: Buffer, b: Buffer, local: tuple[int, ...], chunk: tuple[int, ...]) -> Buffer:
         """``new``, a chunk of ``b`` (local shape ``local``) of shape ``chunk``, with its size registered."""
         sizes = self.s.sizes
         if new not in sizes and b in sizes:
             sizes[new] = sizes[b] * math.prod(chunk) // max(1, math.prod(local))
         return new
 
-    def _name(self, b: str, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> str:
-        """``b@c``, with its size registered."""
-        new = self._sized(f"{b}@{c}", b, local, chunk)
+    def _name(self, b: Buffer, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> Buffer:
+        """Chunk ``c`` of ``b``, with its size registered."""
+        new = self._sized(b.at_chunk(c), b, local, chunk)
         self.chunk_shape[new] = chunk
         return new
 
@@ -365,11 +406,11 @@ class _Chunks:
         rgeo, wgeo, frac, _, lead = self.s.geometry(op, t.coord, phase, c)
         out_r, slices, out_w, places = [], [], [], []
         for b, (sl, _, full, chunk) in zip(reads, rgeo):
-            new = rd(b, c, full, chunk) if b else ""
+            new = rd(b, c, full, chunk) if b else None
             out_r.append(new or b)
             slices.append(None if new or not b else sl)
         for b, (_, box, full, chunk) in zip(writes, wgeo):
-            new = wr(b, c, full, chunk) if b else ""
+            new = wr(b, c, full, chunk) if b else None
             out_w.append(new or b)
             places.append(None if new or not b else (box, full))
         fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
@@ -401,12 +442,12 @@ class _Chunks:
         f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
         if op.name in self.s.recomputed:
-            return _replace(t, name=f"{t.name}@{c}", shape=shape, recompute="drop", saved=(), **f)
-        saved = tuple(f"{b}@{c}" if b in self.internal else b for b in t.saved)
-        return _replace(t, name=f"{t.name}@{c}", shape=shape, saved=saved, **f)
+            return t.but(name=f"{t.name}@{c}", shape=shape, recompute=Recompute.DROP, saved=(), **f)
+        saved = tuple(b.at_chunk(c) if b in self.internal else b for b in t.saved)
+        return t.but(name=f"{t.name}@{c}", shape=shape, saved=saved, **f)
 
     def redo(self, t: Task, c: int) -> Task:
-        """Chunk ``c`` of forward task ``t`` run again before the chunk's backward, into ``r:`` buffers."""
+        """Chunk ``c`` of forward task ``t`` run again before the chunk's backward, into ``RECOMPUTED`` buffers."""
         op = self._op(t)
 
         def rd(b, c, local, chunk):
@@ -420,52 +461,52 @@ class _Chunks:
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
-        return _replace(
-            t,
+        return t.but(
             name=f"re:{t.name}@{c}",
             shape=shape,
-            recompute="redo",
+            recompute=Recompute.REDO,
             saved=tuple(self._saved(b, c, True) for b in t.saved),
             **f,
         )
 
-    def outer(self, t: Task, c: int, remade: dict[str, str]) -> Task:
+    def outer(self, t: Task, c: int, remade: dict[Buffer, Buffer]) -> Task:
         """Chunk ``c`` of forward task ``t`` run again in the layer's recomputation, keeping no graph:
         it reads what that recomputation made (``relay``), writes the group's results into their
-        ``remade`` buffers and what stays inside the group into chunk buffers of its own (``o:``)."""
+        ``remade`` buffers and what stays inside the group into chunk buffers of its own (``REMADE``)."""
         op = self._op(t)
 
         def inner(b, c, local, chunk):
-            return self._sized(f"o:{b.split(':', 1)[1]}@{c}", b, local, chunk) if b in self.internal else None
+            if b not in self.internal:
+                return None
+            return self._sized(b.with_kind(BufferKind.REMADE).at_chunk(c), b, local, chunk)
 
         reads = tuple(self.relay.get(b, b) for b in t.reads)
         writes = tuple(remade.get(b, b) for b in t.writes)
         f = self._fields(t, c, op, "F", reads, writes, inner, inner)
         shape = self.s.geometry(op, t.coord, "F", c)[3]
-        return _replace(t, name=f"re:{t.name}@{c}:outer", shape=shape, recompute="drop", saved=(), **f)
+        return t.but(name=f"re:{t.name}@{c}:outer", shape=shape, recompute=Recompute.DROP, saved=(), **f)
 
-    def _saved(self, b: str, c: int, remade: bool) -> str:
+    def _saved(self, b: Buffer, c: int, remade: bool) -> Buffer:
         if remade and b in self.remade:
             return _r(b, c)
         if b in self.internal:
-            return f"{b}@{c}"
+            return b.at_chunk(c)
         return self.relay.get(b, b) if remade else b
 
     def backward(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of a member's backward task, or of a local sum or copy between members."""
         if t.kind is not TaskKind.BACKWARD:  # a local sum, copy or all-reduce of a gradient inside the group
-            reads = tuple(f"{b}@{c}" if b in self.internal else b for b in t.reads)
+            reads = tuple(b.at_chunk(c) if b in self.internal else b for b in t.reads)
             writes = []
             for b in t.writes:
-                new = f"{b}@{c}"
+                new = b.at_chunk(c)
                 if new not in self.s.sizes and b in self.s.sizes:
                     self.s.sizes[new] = self.s.sizes[b] // self.k
                 writes.append(new)
             shape = self.chunk_shape.get(reads[0], t.shape) if reads else t.shape
             for w in writes:
                 self.chunk_shape[w] = shape
-            return _replace(
-                t,
+            return t.but(
                 name=f"{t.name}@{c}",
                 reads=reads,
                 writes=tuple(writes),
@@ -474,19 +515,20 @@ class _Chunks:
                 flops=t.flops / self.k,
                 bytes_moved=t.bytes_moved / self.k,
                 nbytes=t.nbytes // self.k,
+                ident=self.s.idents((t.ident, c)) if t.ident >= 0 else -1,
             )
         op = self._op(t)
         f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
         remade = op.name in self.s.recomputed
-        return _replace(t, name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
+        return t.but(name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
 
 
-def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[str, str]]]) -> list[Task]:
+def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[Buffer, Buffer]]]) -> list[Task]:
     """``bw`` with the reads and saved buffers of the tasks after each group's remade chunks
     (``remakes``: their ids and the renaming of the group's results) renamed to the remade ones."""
     group_of = {i: n for n, (ids, _) in enumerate(remakes) for i in ids}
     left = [len(ids) for ids, _ in remakes]
-    active: dict[str, str] = {}
+    active: dict[Buffer, Buffer] = {}
     out = []
     for t in bw:
         hit = group_of.get(id(t))
@@ -495,18 +537,9 @@ def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[str, str]]
             if not left[hit]:
                 active.update(remakes[hit][1])
         elif active and any(b in active for b in t.reads + t.saved):
-            t = _replace(
-                t, reads=tuple(active.get(b, b) for b in t.reads), saved=tuple(active.get(b, b) for b in t.saved)
-            )
+            t = t.but(reads=tuple(active.get(b, b) for b in t.reads), saved=tuple(active.get(b, b) for b in t.saved))
         out.append(t)
     return out
-
-
-def _replace(t: Task, **changes) -> Task:
-    """A copy of ``t`` with ``changes`` (cheaper than dataclasses.replace, which re-runs __init__)."""
-    new = object.__new__(Task)
-    new.__dict__.update(t.__dict__, **changes)
-    return new
 
 
 def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[str]]]) -> list[Task]:
@@ -554,7 +587,7 @@ def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) 
         if need is not None:
             raise InfeasiblePlan(
                 f"co-located operators {ops[0]!r} .. {ops[-1]!r} run their chunks together, but "
-                f"{tasks[i].op or tasks[i].name!r} reads {need!r}, which task {made[need].name!r} makes from the "
+                f"{tasks[i].op or tasks[i].name!r} reads '{need}', which task {made[need].name!r} makes from the "
                 "group's own results (a tensor passed between them in another layout); co-locate them "
                 "with the same split or not at all"
             )

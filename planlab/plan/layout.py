@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 Box = tuple[tuple[int, int], ...]  # per tensor axis: [start, stop)
 
@@ -119,6 +120,13 @@ class Layout:
     mesh: Mesh
     placements: tuple[Placement, ...]
 
+    def __hash__(self) -> int:  # kept: layouts key the caches of boxes and conversions
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.placements))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __str__(self) -> str:
         return "[" + ",".join(map(str, self.placements)) + f"]@{self.mesh}"
 
@@ -149,6 +157,18 @@ class Layout:
     def partial_key(self, flat: int) -> tuple[int, ...]:
         c = self.mesh.coord(flat)
         return tuple(c[a] for a in self.partial_axes)
+
+
+def positions(mesh: Mesh, only: frozenset[int] | None) -> Iterable[tuple[int, int]]:
+    """``(flat, device)`` of a mesh's devices, or of those in ``only`` (cached per mesh)."""
+    if only is None:
+        return enumerate(mesh.devices)
+    cache = mesh.__dict__.setdefault("_kept", {})
+    got = cache.get(only)
+    if got is None:
+        pos = mesh.position
+        got = cache[only] = sorted((pos[d], d) for d in only if d in pos)
+    return got
 
 
 def box_shape(box: Box) -> tuple[int, ...]:

@@ -9,10 +9,12 @@ block and micro-batch to run next.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
 from planlab.costmodel.precision import FP32, MIXED_BF16, Precision  # noqa: F401 (re-exported)
+from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Box
 from planlab.plan.plan import Action
 
@@ -37,32 +39,62 @@ class TaskKind(str, Enum):
         return "comm" if self in (TaskKind.COLLECTIVE, TaskKind.SEND, TaskKind.RECV) else "compute"
 
 
-STATIC_PREFIXES = ("w:", "wg:", "src:", "zg:", "zp:")
+class Role(str, Enum):
+    """What a task does within its kind where the executor runs it differently (short codes)."""
+
+    PLAIN = ""  # the kind says it all: a piece's forward or backward, a layout conversion, a copy, a step
+    LOAD = "load"  # LOCAL: a micro-batch's slice (along ``axis``) of a source tensor
+    BUCKET = "bucket"  # COLLECTIVE all_reduce: weight gradients summed as one flat buffer
+    SHARD_GRADS = "shard-grads"  # COLLECTIVE reduce_scatter: a ZeRO-1/2 bucket's gradients into this device's shard
+    GATHER_WEIGHTS = "gather-weights"  # COLLECTIVE all_gather: the updated ZeRO-1/2 shards back into the weights
+    UNIT_GATHER = "unit-gather"  # COLLECTIVE all_gather: a ZeRO-3 unit's weights, whole, for a forward or backward
+    UNIT_GRADS = "unit-grads"  # COLLECTIVE reduce_scatter: a ZeRO-3 unit's whole gradients into its shard
+    SHARD_STEP = "shard-step"  # OPTIMIZER: Adam on a ZeRO shard (its reads: the shard gradient)
+    KEEP_GRAPH = "keep-graph"  # BACKWARD: zero-bubble's input-gradient part of a piece whose W part follows
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def is_static(buffer: str) -> bool:
-    """Weights, weight gradients and source tensors live for the whole iteration."""
-    return buffer.startswith(STATIC_PREFIXES)
+class Recompute(str, Enum):
+    """A task's part in activation recomputation."""
+
+    NONE = ""
+    DROP = "drop"  # a forward whose activations are not kept: it runs without an autograd graph
+    REDO = "redo"  # a task of the recomputation, run again in the backward block before the gradients
+
+    def __str__(self) -> str:
+        return self.value
 
 
-@dataclass(frozen=True)
+# Adam's step, counted as FLOPs per parameter (moments, bias corrections, update)
+ADAM_FLOPS_PER_PARAM = 12.0
+
+
+@dataclass(frozen=True, init=False)
 class Task:
     """One step of a device: compute on a piece, a collective, a send or receive, or a local copy.
 
-    ``reads``/``writes`` name buffers. For a forward task they are the
+    ``reads``/``writes`` are :class:`~planlab.plan.buffer.Buffer` s. For a forward task they are the
     operator's inputs and outputs in signature order; for a backward task the
-    gradients of its outputs (``""``: the loss seed or an unused output) and
-    the gradient contributions for its inputs (``""``: no gradient). A send or receive of a
+    gradients of its outputs (None: the loss seed or an unused output) and
+    the gradient contributions for its inputs (None: no gradient). ``role`` says what the task
+    does within its kind where the executor runs it differently (a bucket of gradients, a ZeRO
+    shard, a load). A message has its ``tag``; a send or receive of a
     Program reduced to device classes carries its conversion's ``channel``, on which the
-    simulator matches the messages of whole classes in order. A ``final`` task runs
+    simulator matches the messages of whole classes in order. A collective has its ``ident``,
+    the same on every device that takes part in it and on the parallel groups of the same
+    collective (the simulator matches collectives by it). An optimizer task steps ``params``
+    parameters (a ZeRO shard's share: elements / replicas), counted as
+    :data:`ADAM_FLOPS_PER_PARAM` flops each. A ``final`` task runs
     with the last micro-batch of its block only (a bucket of weight gradients is reduced
     once they are complete); an ``overlap`` collective runs on the communication stream
     while the device goes on, and the optimizer waits for it. ``saved``
     names the buffers its backward keeps alive; ``lead`` is False on pieces
     other than the first along a split reduction dimension, which leave out
     terms added once (a linear layer's bias) so the partial sums add up.
-    ``recompute`` is ``"drop"`` on a forward whose activations are not kept
-    and ``"redo"`` on its second run in the backward block. ``region`` is the slice of the
+    ``recompute`` is :attr:`Recompute.DROP` on a forward whose activations are not kept
+    and :attr:`Recompute.REDO` on its second run in the backward block. ``region`` is the slice of the
     written buffer (receive, local copy) or of the read buffer (send) moved;
     ``shape`` is the local shape of the written buffer. ``alloc``/``free`` are
     the memory effects, filled in by liveness analysis. A piece of a device's co-located pieces
@@ -77,8 +109,8 @@ class Task:
 
     name: str
     kind: TaskKind
-    reads: tuple[str, ...] = ()
-    writes: tuple[str, ...] = ()
+    reads: tuple[Buffer | None, ...] = ()
+    writes: tuple[Buffer | None, ...] = ()
     op: str = ""
     coord: int = -1
     flops: float = 0.0
@@ -94,19 +126,36 @@ class Task:
     dtype: str = "float32"
     accumulate: bool = False
     lead: bool = True
-    recompute: str = ""
+    recompute: Recompute = Recompute.NONE
     channel: int = -1
     final: bool = False
     overlap: bool = False
-    saved: tuple[str, ...] = ()
+    saved: tuple[Buffer, ...] = ()
     chunk: int = -1
     slices: tuple[Box | None, ...] = ()
     places: tuple[tuple[Box, tuple[int, ...]] | None, ...] = ()
-    alloc: tuple[tuple[str, int], ...] = ()
-    free: tuple[str, ...] = ()
+    alloc: tuple[tuple[Buffer, int], ...] = ()
+    free: tuple[Buffer, ...] = ()
     op_kind: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
     box: Box | None = None
+    role: Role = Role.PLAIN
+    tag: int = -1
+    ident: int = -1
+    params: float = 0.0
+
+    def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
+        # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four
+        # times slower): materialize makes tens of thousands of tasks at cluster scale.
+        values = dict(_TASK_DEFAULTS, name=name, kind=kind)
+        for field_name, value in zip(_TASK_FIELDS[2:], args):
+            values[field_name] = value
+        if len(args) > len(_TASK_FIELDS) - 2 or not fields.keys() <= _TASK_DEFAULTS.keys():
+            raise TypeError(
+                f"Task() takes the fields {_TASK_FIELDS}; got {len(args) + 2} positional and {sorted(fields)}"
+            )
+        values.update(fields)
+        object.__setattr__(self, "__dict__", values)
 
     def __str__(self) -> str:
         if self.kind in (TaskKind.SEND, TaskKind.RECV):
@@ -119,6 +168,19 @@ class Task:
     @property
     def stream(self) -> str:
         return self.kind.stream
+
+    def but(self, **changes) -> Task:
+        """This task with ``changes``: ``dataclasses.replace`` without re-running ``__init__`` (passes
+        copy tens of thousands of tasks at cluster scale; a Task checks nothing when it is made)."""
+        fields = self.__dict__.copy()
+        fields.update(changes)
+        new = object.__new__(Task)
+        object.__setattr__(new, "__dict__", fields)
+        return new
+
+
+_TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
+_TASK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Task) if f.default is not dataclasses.MISSING}
 
 
 @dataclass(frozen=True)
@@ -171,7 +233,7 @@ class Program:
     microbatches: int
     precision: Precision
     groups: tuple[tuple[int, ...], ...] = ()
-    loss_holders: tuple[tuple[int, str, int], ...] = field(default=())  # (device, buffer, replica-coord==0)
+    loss_holders: tuple[tuple[int, Buffer, int], ...] = field(default=())  # (device, buffer, replica-coord==0)
     classes: tuple[int, ...] = ()
 
     @property

@@ -10,20 +10,34 @@ copies of overlapping slices, which is always correct.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import count
 
-from planlab.plan.layout import Layout, Partial, Replicate, Shard, box_numel, box_shape, intersect, relative
+from planlab.plan.buffer import Buffer
+from planlab.plan.layout import (
+    Box,
+    Layout,
+    Partial,
+    Replicate,
+    Shard,
+    box_numel,
+    box_shape,
+    intersect,
+    positions,
+    relative,
+)
 from planlab.plan.program import Task, TaskKind
 
 
 @dataclass
 class Conversion:
     """Tasks of one conversion: ``src`` tasks run where the data is produced
-    (sends), ``dst`` tasks where it is consumed (collectives, receives, copies)."""
+    (sends), ``dst`` tasks where it is consumed (collectives, receives, copies); the kinds of its
+    steps, and how many message tags and collective identities it took."""
 
     src: dict[int, list[Task]] = field(default_factory=dict)
     dst: dict[int, list[Task]] = field(default_factory=dict)
     kinds: list[str] = field(default_factory=list)
+    tags: int = 0
+    idents: int = 0
 
     def add(self, side: str, device: int, task: Task) -> None:
         getattr(self, side).setdefault(device, []).append(task)
@@ -53,52 +67,48 @@ def plan_conversion(
     shape: tuple[int, ...],
     elem_bytes: int,
     *,
-    src_buf: str,
-    dst_buf: str,
+    src_buf: Buffer,
+    dst_buf: Buffer,
     accumulate: bool = False,
-    tags: count | None = None,
+    first_tag: int = 0,
     name: str = "",
     dtype: str = "float32",
     only: frozenset[int] | None = None,
     channel: int = -1,
+    ident: int = 0,
 ) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
     ``dst`` must hold full values (no Partial). With ``accumulate`` the result
-    is added into ``dst_buf`` (gradient accumulation). With ``only``, tasks are
+    is added into ``dst_buf`` (gradient accumulation). Point-to-point messages take tags
+    ``first_tag, first_tag + 1, ...`` (``Conversion.tags`` of them); the collectives of step ``k``
+    take identity ``ident + k`` on every device (``Conversion.idents`` of them). With ``only``, tasks are
     planned for those devices alone (the representatives of device classes);
     point-to-point messages then get tags computed from their positions, the
     same whichever devices are planned, and carry ``channel`` for the simulator.
     """
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
         raise ValueError(f"cannot convert into a partial layout {dst}")
-    tags = tags if tags is not None else count()
     if _same_mesh(src, dst) and not _nested(src) and not _nested(dst):
-        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only)
+        conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, ident)
         if conv is not None:
             return conv
     if only is not None:
         return _point_to_point_only(
             src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, channel
         )
-    return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, tags, name, dtype)
+    return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype)
 
 
-def _positions(mesh, only: frozenset[int] | None):
-    """``(flat, device)`` of the mesh's devices, or of those in ``only``."""
-    if only is None:
-        return enumerate(mesh.devices)
-    pos = mesh.position
-    return sorted((pos[d], d) for d in only if d in pos)
-
-
-def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only) -> Conversion | None:
+def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout]] | None:
+    """The steps of a conversion on one mesh, one per changed mesh axis: ``(axis, kind, layout
+    before, layout after)``. Reductions first (they shrink nothing but must precede slicing of the
+    same data), then gathers, then local slices (``chunk``); None for a shard-to-shard change (an
+    all-to-all, left to the point-to-point fallback)."""
     mesh = src.mesh
     steps = []
     cur = list(_normalize(src))
     want = _normalize(dst)
-    # Reductions first (they shrink nothing but must precede slicing of the same data),
-    # then gathers, then local slices.
     order = sorted(
         range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else 1 if isinstance(cur[i], Shard) else 2, i)
     )
@@ -115,19 +125,26 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
         elif isinstance(s, Replicate) and isinstance(d, Shard):
             kind = "chunk"
         else:
-            return None  # shard-to-shard: all-to-all is left to the point-to-point fallback
+            return None
         before = Layout(mesh, tuple(cur))
         cur[ax] = d
         steps.append((ax, kind, before, Layout(mesh, tuple(cur))))
-    conv = Conversion()
+    return steps
+
+
+def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, ident) -> Conversion | None:
+    """The conversion as one collective (or local slice) per changed mesh axis (see
+    :func:`_axis_steps`); intermediate results are steps of ``dst_buf``. Without a change, a
+    local copy that accumulates (or nothing: the caller aliases ``src_buf``)."""
+    mesh = src.mesh
+    steps = _axis_steps(src, dst)
+    if steps is None:
+        return None
+    conv = Conversion(idents=len(steps))
     if not steps:
-        if not accumulate:
-            return conv  # nothing to do: the caller aliases src_buf
-        for flat, dev in _positions(mesh, only):
-            conv.add(
-                "dst",
-                dev,
-                Task(
+        if accumulate:
+            for flat, dev in positions(mesh, only):
+                copy = Task(
                     f"{name}copy",
                     TaskKind.LOCAL,
                     (src_buf,),
@@ -135,67 +152,109 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                     shape=box_shape(dst.box(flat, shape)),
                     accumulate=True,
                     dtype=dtype,
-                ),
-            )
+                )
+                conv.add("dst", dev, copy)
         return conv
     for k, (ax, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
-        rbuf = src_buf if k == 0 else f"{dst_buf}~{k}"
-        wbuf = dst_buf if last else f"{dst_buf}~{k + 1}"
+        rbuf = src_buf if k == 0 else dst_buf.at_step(k)
+        wbuf = dst_buf if last else dst_buf.at_step(k + 1)
         conv.kinds.append(kind)
-        for flat, dev in _positions(mesh, only):
+        for flat, dev in positions(mesh, only):
             bin_, bout = before.box(flat, shape), after.box(flat, shape)
+            common = dict(shape=box_shape(bout), accumulate=accumulate and last, dtype=dtype)
             if kind == "chunk":
-                conv.add(
-                    "dst",
-                    dev,
-                    Task(
-                        f"{name}chunk{k}",
-                        TaskKind.LOCAL,
-                        (rbuf,),
-                        (wbuf,),
-                        src_region=relative(bout, bin_),
-                        shape=box_shape(bout),
-                        accumulate=accumulate and last,
-                        dtype=dtype,
-                    ),
+                task = Task(
+                    f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,), src_region=relative(bout, bin_), **common
                 )
-                continue
-            tensor_axis = (
-                after.placements[ax].dim
-                if kind == "reduce_scatter"
-                else before.placements[ax].dim
-                if kind == "all_gather"
-                else -1
-            )
-            nbytes = max(box_numel(bin_), box_numel(bout)) * eb
-            conv.add(
-                "dst",
-                dev,
-                Task(
+            else:
+                axis = {"reduce_scatter": after, "all_gather": before}.get(kind)
+                task = Task(
                     f"{name}{kind}{k}",
                     TaskKind.COLLECTIVE,
                     (rbuf,),
                     (wbuf,),
                     collective=kind,
                     group=mesh.group_of(flat, (ax,)),
-                    axis=tensor_axis,
-                    nbytes=nbytes,
-                    shape=box_shape(bout),
-                    accumulate=accumulate and last,
-                    dtype=dtype,
-                ),
-            )
+                    axis=axis.placements[ax].dim if axis is not None else -1,
+                    nbytes=max(box_numel(bin_), box_numel(bout)) * eb,
+                    ident=ident + k,
+                    **common,
+                )
+            conv.add("dst", dev, task)
     return conv
 
 
-def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, name, dtype) -> Conversion:
+@dataclass(frozen=True)
+class _Messages:
+    """The tasks of one point-to-point conversion from ``src_buf`` into ``dst_buf``: local copies,
+    sends and receives of regions, named after the conversion, adding into the destination with
+    ``accumulate``, carrying ``channel`` (a reduced Program's) on messages."""
+
+    src_buf: Buffer
+    dst_buf: Buffer
+    name: str
+    dtype: str
+    elem_bytes: int
+    accumulate: bool
+    channel: int = -1
+
+    def copy(self, region: Box, sbox: Box, dbox: Box) -> Task:
+        """The local copy of ``region`` (held in ``sbox`` here, wanted in ``dbox`` here)."""
+        return Task(
+            f"{self.name}copy",
+            TaskKind.LOCAL,
+            (self.src_buf,),
+            (self.dst_buf,),
+            src_region=relative(region, sbox),
+            region=relative(region, dbox),
+            shape=box_shape(dbox),
+            accumulate=self.accumulate,
+            dtype=self.dtype,
+        )
+
+    def send(self, tag: int, peer: int, region: Box, sbox: Box) -> Task:
+        """The send of ``region`` (held in ``sbox``) to ``peer``."""
+        return Task(
+            f"{self.name}send{tag}",
+            TaskKind.SEND,
+            (self.src_buf,),
+            (),
+            peer=peer,
+            nbytes=box_numel(region) * self.elem_bytes,
+            region=relative(region, sbox),
+            tag=tag,
+            dtype=self.dtype,
+            channel=self.channel,
+        )
+
+    def recv(self, tag: int, peer: int, region: Box, dbox: Box) -> Task:
+        """The receive of ``region`` (wanted in ``dbox``) from ``peer``."""
+        return Task(
+            f"{self.name}recv{tag}",
+            TaskKind.RECV,
+            (),
+            (self.dst_buf,),
+            peer=peer,
+            nbytes=box_numel(region) * self.elem_bytes,
+            region=relative(region, dbox),
+            shape=box_shape(dbox),
+            accumulate=self.accumulate,
+            tag=tag,
+            dtype=self.dtype,
+            channel=self.channel,
+        )
+
+
+def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, first_tag, name, dtype) -> Conversion:
+    """Every piece of the destination copied from (or sent by) a holder of each overlapping piece
+    of the source: itself where it holds one, else the replica at its position modulo theirs."""
     conv = Conversion(kinds=["p2p"])
     pieces = []  # (device, box, partial key)
     for flat, dev in enumerate(src.mesh.devices):
         pieces.append((dev, src.box(flat, shape), src.partial_key(flat)))
     keys = sorted({p[2] for p in pieces})
-    acc = accumulate or len(keys) > 1
+    make = _Messages(src_buf, dst_buf, name, dtype, eb, accumulate or len(keys) > 1)
     for flat, dd in enumerate(dst.mesh.devices):
         dbox = dst.box(flat, shape)
         for key in keys:
@@ -207,56 +266,12 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, tags, nam
                 chosen = dd if dd in replicas else replicas[flat % len(replicas)]
                 region = intersect(sbox, dbox)
                 if chosen == dd:
-                    conv.add(
-                        "dst",
-                        dd,
-                        Task(
-                            f"{name}copy",
-                            TaskKind.LOCAL,
-                            (src_buf,),
-                            (dst_buf,),
-                            src_region=relative(region, sbox),
-                            region=relative(region, dbox),
-                            shape=box_shape(dbox),
-                            accumulate=acc,
-                            dtype=dtype,
-                        ),
-                    )
+                    conv.add("dst", dd, make.copy(region, sbox, dbox))
                     continue
-                tag = next(tags)
-                nbytes = box_numel(region) * eb
-                conv.add(
-                    "src",
-                    chosen,
-                    Task(
-                        f"{name}send{tag}",
-                        TaskKind.SEND,
-                        (src_buf,),
-                        (),
-                        peer=dd,
-                        nbytes=nbytes,
-                        region=relative(region, sbox),
-                        axis=tag,
-                        dtype=dtype,
-                    ),
-                )
-                conv.add(
-                    "dst",
-                    dd,
-                    Task(
-                        f"{name}recv{tag}",
-                        TaskKind.RECV,
-                        (),
-                        (dst_buf,),
-                        peer=chosen,
-                        nbytes=nbytes,
-                        region=relative(region, dbox),
-                        shape=box_shape(dbox),
-                        accumulate=acc,
-                        axis=tag,
-                        dtype=dtype,
-                    ),
-                )
+                tag = first_tag + conv.tags
+                conv.tags += 1
+                conv.add("src", chosen, make.send(tag, dd, region, sbox))
+                conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
     return conv
 
 
@@ -269,14 +284,12 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
     pieces = [(dev, src.box(flat, shape), src.partial_key(flat)) for flat, dev in enumerate(src.mesh.devices)]
     keys = sorted({p[2] for p in pieces})
     key_index = {k: i for i, k in enumerate(keys)}
-    acc = accumulate or len(keys) > 1
+    make = _Messages(src_buf, dst_buf, name, dtype, eb, accumulate or len(keys) > 1, channel)
     by_key: dict[tuple, dict] = {k: {} for k in keys}  # key -> box -> devices holding it, in mesh order
     for dev, sbox, k in pieces:
         by_key[k].setdefault(sbox, []).append(dev)
     src_pos = src.mesh.position
-
-    def messages(flat: int, dd: int):
-        """Every piece ``dd`` (at ``flat`` of the destination mesh) takes: (key, sender, region, dbox, sbox)."""
+    for flat, dd in _receivers(src, dst, shape, only):
         dbox = dst.box(flat, shape)
         for k in keys:
             for sbox, reps in by_key[k].items():
@@ -284,16 +297,22 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                 if region is None:
                     continue
                 chosen = dd if dd in reps else reps[flat % len(reps)]
-                yield k, chosen, region, dbox, sbox
+                if chosen == dd:
+                    if dd in only:
+                        conv.add("dst", dd, make.copy(region, sbox, dbox))
+                    continue
+                tag = (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
+                if chosen in only:
+                    conv.add("src", chosen, make.send(tag, dd, region, sbox))
+                if dd in only:
+                    conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
+    return conv
 
-    def tag_of(flat: int, k, chosen: int) -> int:
-        return (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
 
-    dst_pos = dst.mesh.position
-    wanted = {}  # destination position -> device, for destinations planned or fed by a planned sender
-    for d in only:
-        if d in dst_pos:
-            wanted[dst_pos[d]] = d
+def _receivers(src: Layout, dst: Layout, shape: tuple[int, ...], only: frozenset[int]) -> list[tuple[int, int]]:
+    """``(position, device)`` of the destinations planned or fed by a planned sender, in mesh order."""
+    src_pos, dst_pos = src.mesh.position, dst.mesh.position
+    wanted = {dst_pos[d]: d for d in only if d in dst_pos}
     senders = [d for d in only if d in src_pos]
     if senders:
         mine = {src.box(src_pos[d], shape) for d in senders}
@@ -302,63 +321,4 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
                 dbox = dst.box(flat, shape)
                 if any(intersect(b, dbox) is not None for b in mine):
                     wanted[flat] = dd
-    for flat in sorted(wanted):
-        dd = wanted[flat]
-        for k, chosen, region, dbox, sbox in messages(flat, dd):
-            if chosen == dd:
-                if dd in only:
-                    conv.add(
-                        "dst",
-                        dd,
-                        Task(
-                            f"{name}copy",
-                            TaskKind.LOCAL,
-                            (src_buf,),
-                            (dst_buf,),
-                            src_region=relative(region, sbox),
-                            region=relative(region, dbox),
-                            shape=box_shape(dbox),
-                            accumulate=acc,
-                            dtype=dtype,
-                        ),
-                    )
-                continue
-            tag = tag_of(flat, k, chosen)
-            nbytes = box_numel(region) * eb
-            if chosen in only:
-                conv.add(
-                    "src",
-                    chosen,
-                    Task(
-                        f"{name}send{tag}",
-                        TaskKind.SEND,
-                        (src_buf,),
-                        (),
-                        peer=dd,
-                        nbytes=nbytes,
-                        region=relative(region, sbox),
-                        axis=tag,
-                        dtype=dtype,
-                        channel=channel,
-                    ),
-                )
-            if dd in only:
-                conv.add(
-                    "dst",
-                    dd,
-                    Task(
-                        f"{name}recv{tag}",
-                        TaskKind.RECV,
-                        (),
-                        (dst_buf,),
-                        peer=chosen,
-                        nbytes=nbytes,
-                        region=relative(region, dbox),
-                        shape=box_shape(dbox),
-                        accumulate=acc,
-                        axis=tag,
-                        dtype=dtype,
-                        channel=channel,
-                    ),
-                )
-    return conv
+    return [(flat, wanted[flat]) for flat in sorted(wanted)]

@@ -15,7 +15,9 @@ bound and the screen all ask here:
   in the backward (overlapped with the input-gradient GEMM there, and not priced).
 
 An *internal* is a buffer that is no tensor of the graph: ``(tag, base tensor, elements per
-element of the base, bytes per element)``; materialize names it ``k:<operator>:<tag>``.
+element of the base, bytes per element)``; materialize's buffer for it is
+:func:`planlab.plan.buffer.internal` (text ``k:<operator>:<tag>``), the screen's key
+``INTERNAL + "<operator>:<tag>"``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from planlab.graph.ir import Graph, Operator
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Shard
 
 if TYPE_CHECKING:
     from planlab.costmodel.software import SoftwareSpec
 
-INTERNAL = "k:"  # prefix of the internal buffers materialize allocates with a forward and frees after the backward
+INTERNAL = "k:"  # prefix of the screen's and the explorer's keys for internal buffers
 
 
 def implementation(software: SoftwareSpec | None) -> str:
@@ -73,18 +77,19 @@ def keeps_producer_layout(op: Operator, tensor: str, graph: Graph, software: Sof
 
 def saved_buffers(
     op: Operator,
-    bufs: list[str],
-    outs: tuple[str, ...],
+    bufs: tuple[Buffer, ...],
+    outs: tuple[Buffer, ...],
     graph: Graph,
     has: Callable[[Operator, int], Layout],
     needs: Callable[[Operator, int], Layout],
     software: SoftwareSpec | None,
     activation_bytes: int,
-) -> tuple[str, ...]:
-    """The buffers ``op``'s backward keeps in materialize's naming: its saved inputs (``bufs``, in
-    the layouts it computed on) and outputs (``outs``), an input in its producer's layout where
-    the software keeps that (:func:`keeps_producer_layout`) and that layout is more split, then its
-    internal buffers. ``has(op, j)`` and ``needs(op, j)``: the layout of output ``j`` / input ``j``."""
+) -> tuple[Buffer, ...]:
+    """The buffers ``op``'s backward keeps: its saved inputs (``bufs``, in the layouts it computed
+    on) and outputs (``outs``), an input in its producer's layout (``outs`` of the producer: the
+    activation as it made it) where the software keeps that (:func:`keeps_producer_layout`) and
+    that layout is more split, then its internal buffers. ``has(op, j)`` and ``needs(op, j)``: the
+    layout of output ``j`` / input ``j``."""
     out = []
     for s in saved_tensors(op, software):
         if s in op.outputs:
@@ -93,13 +98,13 @@ def saved_buffers(
         if graph.tensors[s].role == "param":
             continue
         j = op.inputs.index(s)
-        buf = bufs[j]
-        if buf != f"a:{s}" and keeps_producer_layout(op, s, graph, software):
+        buf, made = bufs[j], buf_.activation(s)
+        if buf != made and keeps_producer_layout(op, s, graph, software):
             prod = graph.producer[s]
             if shards(has(prod, prod.outputs.index(s))) > shards(needs(op, j)):
-                buf = f"a:{s}"  # the sequence shard it was gathered from
+                buf = made  # the sequence shard it was gathered from
         out.append(buf)
-    out += [f"{INTERNAL}{op.name}:{tag}" for tag, *_ in internals(op, graph, software, activation_bytes)]
+    out += [buf_.internal(op.name, tag) for tag, *_ in internals(op, graph, software, activation_bytes)]
     return tuple(dict.fromkeys(out))
 
 

@@ -65,16 +65,22 @@ def use_shared_param(
     """Record that ``op`` reads parameter ``t`` (its input ``ti``) as ``pieces`` (device, box):
     an operator with a backward becomes the owner of its gradient; each device holds a piece once."""
     if op.name not in fwd_only:
-        if t in owner and owner[t][0] is not op:
-            raise InfeasiblePlan(
-                f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
-                f"{op.name!r}; tied weights are not supported yet"
-            )
-        owner[t] = (op, ti)
+        claim(owner, op, ti, t)
     for dev, box in pieces:
         if (t, box) not in held[dev]:
             held[dev].add((t, box))
             params_on[dev].append((t, box))
+
+
+def claim(owner: dict, op: Operator, ti: int, t: str) -> None:
+    """Make ``op`` (reading parameter ``t`` as its input ``ti``) the owner of ``t``'s gradient;
+    InfeasiblePlan if another operator owns it already (tied weights)."""
+    if t in owner and owner[t][0] is not op:
+        raise InfeasiblePlan(
+            f"parameter {t!r} is used by operators {owner[t][0].name!r} and "
+            f"{op.name!r}; tied weights are not supported yet"
+        )
+    owner[t] = (op, ti)
 
 
 def check_shared_params(params_on: dict, owned_pieces: dict[str, list[tuple[int, tuple]]]) -> None:

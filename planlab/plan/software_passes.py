@@ -55,13 +55,19 @@ def partition_pipeline_messages(program: Program, tp: int) -> Program:
     over the receiver's tensor-parallel group, the ``tp`` consecutive devices the ``tp`` space
     places a tensor-parallel group on. With sequence parallelism the messages are already a
     sequence shard: this pass does not apply. Nor where a receive lacks its twin on a member of
-    the receiver's group (a plan whose groups are not laid out so): its all-gather could not meet."""
+    the receiver's group (a plan whose groups are not laid out so): its all-gather could not meet.
+    The k-th all-gather of a block is one collective on every member of the group: its identity."""
     if tp == 1 or not _groups_receive_alike(program, tp):
         return program
+    first = 1 + max((t.ident for dp in program.devices for b in dp.blocks.values() for t in b.tasks), default=-1)
+    idents: dict[tuple, int] = {}
     devices = []
     for dp in program.devices:
         group = tuple(range(dp.device - dp.device % tp, dp.device - dp.device % tp + tp))
-        blocks = {key: replace(block, tasks=_partitioned(block.tasks, tp, group)) for key, block in dp.blocks.items()}
+        blocks = {
+            key: replace(block, tasks=_partitioned(block.tasks, tp, group, key, first, idents))
+            for key, block in dp.blocks.items()
+        }
         devices.append(replace(dp, blocks=blocks))
     return replace(program, devices=tuple(devices))
 
@@ -83,15 +89,22 @@ def _groups_receive_alike(program: Program, tp: int) -> bool:
     return True
 
 
-def _partitioned(tasks: tuple[Task, ...], tp: int, group: tuple[int, ...]) -> tuple[Task, ...]:
+def _partitioned(
+    tasks: tuple[Task, ...], tp: int, group: tuple[int, ...], key: tuple, first: int, idents: dict[tuple, int]
+) -> tuple[Task, ...]:
+    """One block's tasks with its messages in ``tp`` parts, each receive followed by its all-gather
+    (the block's k-th has identity ``idents[(key, k)]``, numbered from ``first``)."""
     out = []
+    gathers = 0
     for t in tasks:
         if t.kind not in (TaskKind.SEND, TaskKind.RECV) or t.nbytes < tp:
             out.append(t)
             continue
-        out.append(replace(t, nbytes=t.nbytes // tp))
+        out.append(t.but(nbytes=t.nbytes // tp))
         if t.kind is TaskKind.RECV:
-            buf = t.writes[0] if t.writes else ""
+            ident = idents.setdefault((key, gathers), first + len(idents))
+            gathers += 1
+            buf = t.writes[0] if t.writes else None
             gather = Task(
                 f"{t.name}:gather",
                 TaskKind.COLLECTIVE,
@@ -100,6 +113,7 @@ def _partitioned(tasks: tuple[Task, ...], tp: int, group: tuple[int, ...]) -> tu
                 collective="all_gather",
                 group=group,
                 nbytes=t.nbytes,
+                ident=ident,
             )
             out.append(gather)
     return tuple(out)

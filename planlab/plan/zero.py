@@ -1,34 +1,59 @@
-"""ZeRO-3 (DeepSpeed stage 3, PyTorch FSDP's FULL_SHARD): weights, gradients and optimizer
-states all sharded over the devices that sum a weight's gradient.
+"""ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over the devices that
+sum a weight's gradient (its data-parallel replicas): the ``materialize`` pass :func:`shard_zero`,
+after recomputation, in place of the gradient buckets of :mod:`planlab.plan.passes.gradients`.
 
-A pass of ``materialize`` (after recomputation, in place of the gradient buckets): the weights
+ZeRO-1 and 2 (DeepSpeed's stages 1 and 2), per device and reduction group: the group's gradients
+are reduce-scattered in the update block into this device's shard of the flattened bucket
+(``SHARD_GRAD``), the optimizer steps the shard (``SHARD_WEIGHT``), and the updated shards are
+all-gathered back into the weights. Stage 1 keeps the whole gradients, stage 2 only the shard.
+
+ZeRO-3 (DeepSpeed stage 3, PyTorch FSDP's FULL_SHARD): the weights
 of one device and reduction group are cut into *units*, one per layer as FSDP wraps modules
 (the parameters whose names share the prefix up to their first index, ``blocks.3``, or their
-first name, ``wte``; consecutive in the forward). Each unit keeps one flat shard of
+first name, ``wte``; consecutive in the forward), or one per module where the software's
+``zero3_unit`` is ``module`` (DeepSpeed fetches parameters module by module). Each unit keeps one flat shard of
 ``ceil(numel / n)`` elements per device (weights ``zp:``, gradients ``zg:`` and optimizer states)
 and, per micro-batch:
 
-- forward: an all-gather of the unit's full weights (``zf:``) on the communication stream,
+- forward: an all-gather of the unit's full weights (``GATHERED_FORWARD``) on the communication stream,
   issued when the previous unit starts (FSDP's forward prefetch), read by the unit's forward
   tasks and freed, the unit at once, after the last of them (reshard after forward);
-- backward: the same again (``zb:``), issued when the unit after it in the forward starts its
-  backward (backward prefetch) and freed after the unit's last backward;
-- the backward tasks write each weight's full gradient (``zd:``), reduce-scattered on the
+- backward: the same again (``GATHERED_BACKWARD``), issued when the unit after it in the forward starts its
+  backward (backward prefetch) and freed after the unit's last backward; with the software's
+  ``zero3_regather_for_recompute`` (DeepSpeed's pre-forward hooks), a recomputed forward in the
+  backward block gathers its unit's weights once more (``GATHERED_RECOMPUTE``), in the order the
+  recomputation first uses them, instead of reading the backward's gather;
+- the backward tasks write each weight's full gradient (``FULL_GRAD``), reduce-scattered on the
   communication stream into the unit's shard gradient right after the unit's last backward;
 - the update steps the optimizer on the shard; no all-gather follows.
+
+The gathers issued as one operator starts run in the order of their place in their group's
+sequence of units (the first unit's gather and the next one's both start with the first unit),
+then by group.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Callable
 
 from planlab.graph.ir import Graph
-from planlab.plan.program import Precision, Task, TaskKind
-
-FORWARD_WEIGHTS, BACKWARD_WEIGHTS, FULL_GRADIENT = "zf:", "zb:", "zd:"
-RECOMPUTE_WEIGHTS = "zr:"  # gathered again for a recomputed forward (regather=True, DeepSpeed)
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer, BufferKind
+from planlab.plan.passes.draft import (
+    BlockKey,
+    Draft,
+    Idents,
+    Part,
+    Parts,
+    SlotKey,
+    add,
+    by_block,
+    run_order,
+    update_blocks,
+)
+from planlab.plan.passes.gradients import Reduction, reduction_groups
+from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 
 
 def unit_key(param: str, per_module: bool = False) -> str:
@@ -76,13 +101,12 @@ def units_of(
     *,
     per_module: bool = False,
 ) -> list[Unit]:
-    """Cut one group's weight gradients ``(owner index, "wg:" name, bytes)`` into units, in forward order:
+    """Cut one group's weight gradients ``(owner index, parameter, bytes)`` into units, in forward order:
     runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``)."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
-    for idx, buf, nbytes in ordered:
-        p = buf[3:]
+    for idx, p, nbytes in ordered:
         key = (stage[names[idx]], unit_key(p, per_module))
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
@@ -95,126 +119,238 @@ def units_of(
     return out
 
 
+def shard_zero(d: Draft) -> Draft:
+    """ZeRO stages 1 to 3 (``plan.zero``; see the module docstring) on every device and reduction
+    group: the tasks, the bytes no longer held whole (``zero_saved``), the parameters kept in
+    shards (``sharded``) and, for stage 3, the gathered weights freed together (``together``)."""
+    if d.plan.zero == 0:
+        return d
+    parts, sizes = dict(d.parts), d.copy_sizes()
+    idents = Idents(d.next_ident)
+    zero_saved, sharded, together = {}, {}, {}
+    pb, gb, ob = d.precision.param_bytes, d.precision.grad_bytes, d.precision.optimizer_bytes
+    groups = reduction_groups(d)
+    blocks = by_block(d.parts)
+    for dev, update in sorted(update_blocks(d).items()):
+        mine = groups[dev]
+        sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
+        if d.plan.zero == 3:
+            per_module = d.software is not None and d.software.zero3_unit == "module"
+            units = [units_of(mine[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
+            keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
+            numel, together[dev] = shard_fully(
+                parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
+            )
+            zero_saved[dev] = (numel * gb, numel * ob, numel * pb)
+            continue
+        saved_grads = saved_states = 0
+        for group in sorted(mine):
+            numel = _shard_bucket(parts, dev, update, group, mine[group], d, idents)
+            n = len(group)
+            saved_states += numel * ob * (n - 1) // n
+            if d.plan.zero >= 2:
+                saved_grads += numel * gb * (n - 1) // n
+        zero_saved[dev] = (saved_grads, saved_states, 0)
+    return d.replace(
+        parts=parts, sizes=sizes, zero_saved=zero_saved, sharded=sharded, together=together, next_ident=idents.next
+    )
+
+
+def _shard_bucket(
+    parts: Parts, dev: int, update: BlockKey, group: tuple[int, ...], items: Reduction, d: Draft, idents: Idents
+) -> int:
+    """ZeRO-1/2 on one device and group: reduce-scatter the group's gradients into this device's
+    shard, step the optimizer on the shard, all-gather the updated weights (the update block's
+    ``REDUCE``, ``SHARD_STEPS`` and ``GATHER`` parts). Returns the bucket's elements."""
+    precision = d.precision
+    params = tuple(p for _, p, _ in items)
+    grad_bytes = sum(n for _, _, n in items)
+    n, numel = len(group), grad_bytes // precision.grad_bytes
+    zg, zp = buf_.shard_grad(group), buf_.shard_weight(group)
+    reduce = Task(
+        f"grad-reduce-scatter{list(group)}",
+        TaskKind.COLLECTIVE,
+        tuple(d.names.weight_grad(p) for p in params),
+        (zg,),
+        collective="reduce_scatter",
+        group=group,
+        nbytes=grad_bytes,
+        role=Role.SHARD_GRADS,
+        ident=idents(("zero-reduce-scatter", params)),
+    )
+    step = Task(
+        f"optimizer-shard{list(group)}",
+        TaskKind.OPTIMIZER,
+        (zg,),
+        (zp,),
+        flops=ADAM_FLOPS_PER_PARAM * numel / n,
+        bytes_moved=numel / n * (2 * precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes),
+        role=Role.SHARD_STEP,
+        params=numel / n,
+    )
+    gather = Task(
+        f"param-all-gather{list(group)}",
+        TaskKind.COLLECTIVE,
+        (zp,),
+        tuple(d.names.weight(p) for p in params),
+        collective="all_gather",
+        group=group,
+        nbytes=numel * precision.param_bytes,
+        role=Role.GATHER_WEIGHTS,
+        ident=idents(("zero-all-gather", params)),
+    )
+    for part, task in ((Part.REDUCE, reduce), (Part.SHARD_STEPS, step), (Part.GATHER, gather)):
+        add(parts, dev, update, 0, part, task)
+    return numel
+
+
 def shard_fully(
-    blocks: dict[tuple[int, str], list],
-    units: list[Unit],
+    parts: Parts,
+    dev: int,
+    keys: list[SlotKey],
+    update: BlockKey,
+    groups: list[list[Unit]],
     *,
-    graph: Graph,
-    precision: Precision,
-    emit: Callable,
-    update_block: tuple[int, str],
-    sizes: dict[str, int],
-    regather: bool = False,
-) -> tuple[int, list]:
-    """Apply ZeRO-3 to one device: rewrite its forward and backward tasks to read the gathered
-    weights and write full gradients, and emit the gathers, reduce-scatters and shard optimizer
-    steps of ``units`` (see the module docstring). ``blocks`` are the device's block entries
-    ``{(stage, phase): [(key, task)]}``, ``emit(block, key, task)`` adds one, ``sizes`` maps buffers
-    to bytes. Returns the elements no longer held whole (weights, gradients and optimizer states
-    keep a shard) and the groups of buffers freed together (a unit's gathered weights). With
-    ``regather`` a recomputed forward in the backward block gathers its unit's weights once more
-    (``zr:``, as DeepSpeed's pre-forward hooks do) instead of reading the backward's gather."""
-    fwd = {f"w:{p}": FORWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
-    bwd = {f"w:{p}": BACKWARD_WEIGHTS + p for u in units for _, p, _ in u.weights}
-    rec = {f"w:{p}": RECOMPUTE_WEIGHTS + p for u in units for _, p, _ in u.weights}
-    grad = {f"wg:{p}": FULL_GRADIENT + p for u in units for _, p, _ in u.weights}
-    owned: dict[str, list[str]] = defaultdict(list)  # operator -> its weights' backward copies
-    names = [op.name for op in graph.operators]
+    d: Draft,
+    sizes: dict[Buffer, int],
+    idents: Idents,
+) -> tuple[int, tuple[tuple[Buffer, ...], ...]]:
+    """Apply ZeRO-3 to device ``dev`` (its forward and backward slot parts ``keys``, in the order
+    they run; ``parts`` is changed): rewrite its forward and backward tasks to read the gathered weights
+    and write full gradients, and add the gathers, reduce-scatters and shard optimizer steps (in
+    its ``update`` block) of the units of each of its reduction ``groups`` (see the module
+    docstring); ``sizes`` gets the new buffers' bytes. Returns the elements no longer held whole
+    (weights, gradients and optimizer states keep a shard) and the groups of buffers freed together
+    (a unit's gathered weights)."""
+    units = [u for us in groups for u in us]
+    first, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
+    together = []
+    for gi, mine_all in enumerate(groups):
+        for st in sorted({u.stage for u in mine_all}):
+            mine = [u for u in mine_all if u.stage == st]
+            redone = sorted((u for u in mine if (u, "R") in first), key=lambda u: first[(u, "R")][0])
+            for ph, kind, order in (
+                ("F", BufferKind.GATHERED_FORWARD, mine),
+                ("B", BufferKind.GATHERED_BACKWARD, mine[::-1]),
+                ("R", BufferKind.GATHERED_RECOMPUTE, redone),  # the recomputation's, in the backward block
+            ):
+                present = [u for u in order if (u, ph) in first]
+                block = (st, "B" if ph == "R" else ph)
+                for k, u in enumerate(present):
+                    # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
+                    start = first[(present[max(k - 1, 0)], ph)][1]
+                    task = _gather(u, ph, kind, d.precision, idents)
+                    prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
+                    together.append(task.writes)
+    for key, gathers in prefetch.items():
+        add(parts, *key, *(t for _, t in sorted(gathers, key=lambda x: x[0])))
+    saved_numel = 0
+    for u in units:
+        if u in last_grad:  # right after the unit's last backward task
+            add(parts, dev, (u.stage, "B"), last_grad[u][1][2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
+        add(parts, dev, update, 0, Part.SHARD_STEPS, _shard_step(u, d.precision))
+        saved_numel += u.numel - u.shard_numel
+    return saved_numel, tuple(together)
+
+
+def _gathered_and_reduced(
+    parts: Parts, keys: list[SlotKey], units: list[Unit], d: Draft, sizes: dict[Buffer, int]
+) -> tuple[dict, dict]:
+    """Rewrite the forward and backward tasks that use the units' weights (in ``parts``): forward
+    tasks read the forward's gathered weights, backward blocks the backward's (their backward tasks
+    keep them, as autograd saves them) and write full gradients; with the software's
+    ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
+    ``R``). Returns, per (unit, phase), where
+    its first task is and, per unit, where its last backward task is: ``(place in the order the
+    block runs, slot part)``."""
+    names = [op.name for op in d.graph.operators]
+    fwd, bwd, rec, grad = {}, {}, {}, {}
+    regather = d.software is not None and d.software.zero3_regather_for_recompute
+    owned: dict[str, list[Buffer]] = defaultdict(list)  # operator -> its weights' backward copies
+    unit_of: dict[Buffer, Unit] = {}
     for u in units:
         for idx, p, n in u.weights:
-            owned[names[idx]].append(BACKWARD_WEIGHTS + p)
-            sizes[FORWARD_WEIGHTS + p] = sizes[BACKWARD_WEIGHTS + p] = sizes[RECOMPUTE_WEIGHTS + p] = (
-                n * precision.param_bytes
-            )
-            sizes[FULL_GRADIENT + p] = n * precision.grad_bytes
-    first: dict[tuple[str, str], tuple] = {}  # (unit, phase) -> key of its first task using its weights
-    last_grad: dict[str, tuple] = {}  # unit -> key of its last backward task
-    unit_of = {m: u.name for u in units for _, p, _ in u.weights for m in (f"w:{p}", f"wg:{p}")}
-    for (st, ph), items in blocks.items():
-        if ph not in ("F", "B"):
-            continue
-        for k, (key, t) in enumerate(items):
-            redo = regather and ph == "B" and t.recompute == "redo"
+            w, g = d.names.weight(p), d.names.weight_grad(p)
+            fwd[w] = Buffer(BufferKind.GATHERED_FORWARD, p)
+            bwd[w] = Buffer(BufferKind.GATHERED_BACKWARD, p)
+            rec[w] = Buffer(BufferKind.GATHERED_RECOMPUTE, p)
+            grad[g] = Buffer(BufferKind.FULL_GRAD, p)
+            owned[names[idx]].append(bwd[w])
+            sizes[fwd[w]] = sizes[bwd[w]] = sizes[rec[w]] = n * d.precision.param_bytes
+            sizes[grad[g]] = n * d.precision.grad_bytes
+            unit_of[w] = unit_of[g] = u
+    first: dict[tuple[Unit, str], tuple] = {}
+    last_grad: dict[Unit, tuple] = {}
+    for key in keys:
+        ph = key[1][1]
+        tasks = list(parts[key])
+        for k, t in enumerate(tasks):
+            redo = regather and ph == "B" and t.recompute is Recompute.REDO
             ren = fwd if ph == "F" else rec if redo else bwd
             used = [b for b in t.reads if b in ren] + [b for b in t.writes if b in grad]
             if not used:
                 continue
             saved = t.saved + tuple(owned[t.op]) if t.kind is TaskKind.BACKWARD and t.op in owned else t.saved
-            items[k] = (
-                key,
-                dataclasses.replace(
-                    t,
-                    reads=tuple(ren.get(r, r) for r in t.reads),
-                    writes=tuple(grad.get(w, w) for w in t.writes),
-                    saved=saved,
-                ),
+            tasks[k] = t.but(
+                reads=tuple(ren.get(r, r) for r in t.reads),
+                writes=tuple(grad.get(w, w) for w in t.writes),
+                saved=saved,
             )
+            at = ((run_order(key), k), key)
             for b in used:
                 u, uph = unit_of[b], "R" if redo else ph
-                if (u, uph) not in first or key < first[(u, uph)]:
-                    first[(u, uph)] = key
-                if b in grad and (u not in last_grad or key > last_grad[u]):
-                    last_grad[u] = key
-    together = []
+                if (u, uph) not in first or at[0] < first[(u, uph)][0]:
+                    first[(u, uph)] = at
+                if b in grad and (u not in last_grad or at[0] > last_grad[u][0]):
+                    last_grad[u] = at
+        parts[key] = tuple(tasks)
+    return first, last_grad
+
+
+def _gather(u: Unit, ph: str, kind: BufferKind, precision: Precision, idents: Idents) -> Task:
+    """The all-gather of unit ``u``'s weights for phase ``ph`` into ``kind`` buffers."""
+    return Task(
+        f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",
+        TaskKind.COLLECTIVE,
+        (buf_.shard_weight(u.group, u.name),),
+        tuple(Buffer(kind, p) for _, p, _ in u.weights),
+        collective="all_gather",
+        group=u.group,
+        nbytes=u.shard_numel * len(u.group) * precision.param_bytes,
+        overlap=True,
+        role=Role.UNIT_GATHER,
+        ident=idents(("zero3-gather", ph, tuple(p for _, p, _ in u.weights))),
+    )
+
+
+def _reduce_scatter(u: Unit, precision: Precision, idents: Idents) -> Task:
+    """The reduce-scatter of unit ``u``'s full gradients into its shard gradient."""
+    return Task(
+        f"zero3-reduce-scatter{list(u.group)}#{u.name}",
+        TaskKind.COLLECTIVE,
+        tuple(Buffer(BufferKind.FULL_GRAD, p) for _, p, _ in u.weights),
+        (buf_.shard_grad(u.group, u.name),),
+        collective="reduce_scatter",
+        group=u.group,
+        nbytes=u.shard_numel * len(u.group) * precision.grad_bytes,
+        accumulate=True,
+        overlap=True,
+        role=Role.UNIT_GRADS,
+        ident=idents(("zero3-reduce-scatter", tuple(p for _, p, _ in u.weights))),
+    )
+
+
+def _shard_step(u: Unit, precision: Precision) -> Task:
+    """The optimizer step on unit ``u``'s shard."""
     pb, gb = precision.param_bytes, precision.grad_bytes
-    for st in sorted({u.stage for u in units}):
-        mine = [u for u in units if u.stage == st]
-        redone = sorted((u for u in mine if (u.name, "R") in first), key=lambda u: first[(u.name, "R")])
-        for ph, prefix, order in (
-            ("F", FORWARD_WEIGHTS, mine),
-            ("B", BACKWARD_WEIGHTS, mine[::-1]),
-            ("R", RECOMPUTE_WEIGHTS, redone),
-        ):
-            present = [u for u in order if (u.name, ph) in first]
-            for k, u in enumerate(present):
-                # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
-                start = first[(present[max(k - 1, 0)].name, ph)]
-                bufs = tuple(prefix + p for _, p, _ in u.weights)
-                emit(
-                    (st, "B" if ph == "R" else ph),
-                    (start[0], -2, k),
-                    Task(
-                        f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",
-                        TaskKind.COLLECTIVE,
-                        (f"zp:{u}",),
-                        bufs,
-                        collective="all_gather",
-                        group=u.group,
-                        nbytes=u.shard_numel * len(u.group) * pb,
-                        overlap=True,
-                    ),
-                )
-                together.append(bufs)
-    saved_numel = 0
-    for u in units:
-        if u.name in last_grad:  # right after the unit's last backward task
-            end = last_grad[u.name]
-            emit(
-                (u.stage, "B"),
-                end[:-1] + (end[-1] + 0.5,),
-                Task(
-                    f"zero3-reduce-scatter{list(u.group)}#{u.name}",
-                    TaskKind.COLLECTIVE,
-                    tuple(FULL_GRADIENT + p for _, p, _ in u.weights),
-                    (f"zg:{u}",),
-                    collective="reduce_scatter",
-                    group=u.group,
-                    nbytes=u.shard_numel * len(u.group) * gb,
-                    accumulate=True,
-                    overlap=True,
-                ),
-            )
-        emit(
-            update_block,
-            (1, 0),
-            Task(
-                f"optimizer-shard{list(u.group)}#{u.name}",
-                TaskKind.OPTIMIZER,
-                (f"zg:{u}",),
-                (f"zp:{u}",),
-                flops=12.0 * u.shard_numel,
-                bytes_moved=u.shard_numel * (2 * pb + gb + 2 * precision.optimizer_bytes),
-            ),
-        )
-        saved_numel += u.numel - u.shard_numel
-    return saved_numel, together
+    return Task(
+        f"optimizer-shard{list(u.group)}#{u.name}",
+        TaskKind.OPTIMIZER,
+        (buf_.shard_grad(u.group, u.name),),
+        (buf_.shard_weight(u.group, u.name),),
+        flops=ADAM_FLOPS_PER_PARAM * u.shard_numel,
+        bytes_moved=u.shard_numel * (2 * pb + gb + 2 * precision.optimizer_bytes),
+        role=Role.SHARD_STEP,
+        params=float(u.shard_numel),
+    )

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from planlab.costmodel import CostModel
 from planlab.graph.ir import Graph
-from planlab.plan.materialize import BUCKET_ELEMENTS
+from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.screen_structure import (
@@ -206,15 +206,17 @@ class Screen:
         and the host's time to issue it (1.0 and 0.0 off the kernel level)."""
         if not self.cost.host_bound:
             return 1.0, 0.0
+        from planlab.plan.buffer import contribution, weight_grad
         from planlab.plan.program import Task, TaskKind
 
         kind, shapes = self.t.works[work][4:6]
         weights = self.t.work_params.get(work, False)
+        x, w = contribution("x", "op", 0), weight_grad("w")  # what gradient_parts asks: their kinds
         writes = {
             "F": (),
-            "B": ("gc:x",) + (("wg:w",) if weights else ()),
-            "I": ("gc:x",),
-            "W": ("", "wg:w"),
+            "B": (x,) + ((w,) if weights else ()),
+            "I": (x,),
+            "W": (None, w),
         }[phase]
         task = Task(
             "screen",

@@ -17,91 +17,8 @@ from planlab.plan.program import Program, TaskKind
 def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
     """None if every device finishes; otherwise a report naming each stuck device,
     its task and the peers it waits for, followed by the rank-by-step grid."""
-    seqs = {dp.device: [(a, t) for a, t in dp.tasks_in_order()] for dp in program.devices}
-    pos = {d: 0 for d in seqs}
-    chan: dict[tuple[int, int], deque] = defaultdict(deque)
-    problem = None
-    while True:
-        progress = False
-        waiting_coll: dict[int, tuple] = {}
-        for d, seq in seqs.items():
-            while pos[d] < len(seq):
-                a, t = seq[pos[d]]
-                if t.kind is TaskKind.SEND:
-                    chan[(d, t.peer)].append((t.axis, a.microbatch, t.name))
-                elif t.kind is TaskKind.RECV:
-                    q = chan[(t.peer, d)]
-                    if not q:
-                        break
-                    tag, mb, name = q[0]
-                    if (tag, mb) != (t.axis, a.microbatch):
-                        problem = (
-                            d,
-                            pos[d],
-                            f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
-                            f"{t.peer}, but the next message on that channel is {name} "
-                            f"(micro-batch {mb}): the two devices order their transfers differently",
-                        )
-                        break
-                    q.popleft()
-                elif t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
-                    break
-                pos[d] += 1
-                progress = True
-            if problem:
-                break
-            if pos[d] < len(seq):
-                a, t = seq[pos[d]]
-                if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
-                    waiting_coll[d] = (a, t)
-        if problem:
-            break
-        # collectives whose members are all waiting on the same one proceed together
-        mismatch = None
-        for d, (a, t) in list(waiting_coll.items()):
-            if d not in waiting_coll:
-                continue
-            others = [waiting_coll.get(m) for m in t.group]
-            if all(o is not None for o in others):
-                mism = [
-                    m
-                    for m, o in zip(t.group, others)
-                    if (o[1].collective, tuple(o[1].group), o[0].microbatch, o[1].name)
-                    != (t.collective, tuple(t.group), a.microbatch, t.name)
-                ]
-                if mism:  # a problem unless another collective lets the members go on (checked below)
-                    m = mism[0]
-                    mismatch = mismatch or (
-                        d,
-                        pos[d],
-                        f"device {d} is at {t} (action {a}) while device {m} of the "
-                        f"same group is at {waiting_coll[m][1]} (action "
-                        f"{waiting_coll[m][0]}): the group's members issue "
-                        "collectives in different orders",
-                    )
-                    continue
-                for m in t.group:
-                    pos[m] += 1
-                    waiting_coll.pop(m, None)
-                progress = True
-        if problem or all(pos[d] == len(s) for d, s in seqs.items()):
-            break
-        if not progress and mismatch:
-            problem = mismatch
-            break
-        if not progress:
-            lines = []
-            for d, seq in seqs.items():
-                if pos[d] < len(seq):
-                    a, t = seq[pos[d]]
-                    if t.kind is TaskKind.RECV:
-                        lines.append(f"device {d} waits at {t} (action {a}) for device {t.peer}")
-                    else:
-                        missing = [m for m in t.group if m not in waiting_coll]
-                        lines.append(f"device {d} waits at {t} (action {a}) for device(s) {missing}")
-            d0 = next(d for d in seqs if pos[d] < len(seqs[d]))
-            problem = (d0, pos[d0], "deadlock: " + "; ".join(lines))
-            break
+    run = _DryRun(program)
+    problem = run.run()
     if problem is None:
         return None
     d, step, msg = problem
@@ -109,3 +26,111 @@ def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
     if raise_error:
         raise DeadlockError(report)
     return report
+
+
+def _waits_on_group(t) -> bool:
+    return t.kind is TaskKind.COLLECTIVE and len(t.group) > 1
+
+
+class _DryRun:
+    """Every device's tasks in order, where each device is, and the messages on each channel."""
+
+    def __init__(self, program: Program) -> None:
+        self.seqs = {dp.device: [(a, t) for a, t in dp.tasks_in_order()] for dp in program.devices}
+        self.pos = {d: 0 for d in self.seqs}
+        self.chan: dict[tuple[int, int], deque] = defaultdict(deque)
+
+    def run(self) -> tuple[int, int, str] | None:
+        """Step until every device is done (None) or none can move: ``(device, step, message)``."""
+        while True:
+            progress, waiting, problem = self._advance()
+            if problem:
+                return problem
+            moved, mismatch = self._meet(waiting)
+            if all(self.pos[d] == len(s) for d, s in self.seqs.items()):
+                return None
+            if progress or moved:
+                continue
+            return mismatch or self._stuck(waiting)
+
+    def _advance(self) -> tuple[bool, dict, tuple | None]:
+        """Move every device until it waits for a message or a collective; returns whether any
+        moved, the devices waiting at a collective, and a message out of order."""
+        progress, waiting = False, {}
+        for d, seq in self.seqs.items():
+            while self.pos[d] < len(seq):
+                a, t = seq[self.pos[d]]
+                if t.kind is TaskKind.SEND:
+                    self.chan[(d, t.peer)].append((t.tag, a.microbatch, t.name))
+                elif t.kind is TaskKind.RECV:
+                    q = self.chan[(t.peer, d)]
+                    if not q:
+                        break
+                    tag, mb, name = q[0]
+                    if (tag, mb) != (t.tag, a.microbatch):
+                        return (
+                            progress,
+                            waiting,
+                            (
+                                d,
+                                self.pos[d],
+                                f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
+                                f"{t.peer}, but the next message on that channel is {name} "
+                                f"(micro-batch {mb}): the two devices order their transfers differently",
+                            ),
+                        )
+                    q.popleft()
+                elif _waits_on_group(t):
+                    break
+                self.pos[d] += 1
+                progress = True
+            if self.pos[d] < len(seq) and _waits_on_group(seq[self.pos[d]][1]):
+                waiting[d] = seq[self.pos[d]]
+        return progress, waiting, None
+
+    def _meet(self, waiting: dict) -> tuple[bool, tuple | None]:
+        """Collectives whose members all wait at the same one proceed together; returns whether
+        any did, and the first group whose members wait at different ones."""
+        moved, mismatch = False, None
+        for d, (a, t) in list(waiting.items()):
+            if d not in waiting:
+                continue
+            others = [waiting.get(m) for m in t.group]
+            if not all(o is not None for o in others):
+                continue
+            mism = [
+                m
+                for m, o in zip(t.group, others)
+                if (o[1].collective, tuple(o[1].group), o[0].microbatch, o[1].name)
+                != (t.collective, tuple(t.group), a.microbatch, t.name)
+            ]
+            if mism:  # a problem unless another collective lets the members go on (checked by the caller)
+                m = mism[0]
+                mismatch = mismatch or (
+                    d,
+                    self.pos[d],
+                    f"device {d} is at {t} (action {a}) while device {m} of the "
+                    f"same group is at {waiting[m][1]} (action "
+                    f"{waiting[m][0]}): the group's members issue "
+                    "collectives in different orders",
+                )
+                continue
+            for m in t.group:
+                self.pos[m] += 1
+                waiting.pop(m, None)
+            moved = True
+        return moved, mismatch
+
+    def _stuck(self, waiting: dict) -> tuple[int, int, str]:
+        """Nobody can move: each stuck device and what it waits for."""
+        lines = []
+        for d, seq in self.seqs.items():
+            if self.pos[d] < len(seq):
+                a, t = seq[self.pos[d]]
+                if t.kind is TaskKind.RECV:
+                    lines.append(f"device {d} waits at {t} (action {a}) for device {t.peer}")
+                else:
+                    missing = [m for m in t.group if m not in waiting]
+                    lines.append(f"device {d} waits at {t} (action {a}) for device(s) {missing}")
+        d0 = next(d for d in self.seqs if self.pos[d] < len(self.seqs[d]))
+        return d0, self.pos[d0], "deadlock: " + "; ".join(lines)

@@ -3,9 +3,15 @@
 Segments occupy the device; sends are flows on the network (links shared fairly
 between concurrent transfers) while the device goes on; receives wait for the
 matching message; collectives that span classes start when every class has
-reached them; overlapped collectives (gradient buckets, ZeRO-3's gathers and reduce-scatters)
-run on the device's communication stream; a task that reads their output waits for them (an
-:class:`~planlab.simulator.units.Await`), and so does the optimizer.
+reached them (matched by the identity the Program gives each collective, ``Task.ident``,
+and the micro-batch); overlapped collectives (gradient buckets, ZeRO-3's gathers and
+reduce-scatters) run on the device's communication stream; a task that reads their output waits
+for them (an :class:`~planlab.simulator.units.Await`), and so does the optimizer.
+
+:func:`simulate` checks its inputs and finds the device classes, a :class:`Simulation` holds
+what the devices share (the environment, the network, mailboxes, barriers, the record), each
+class's representative runs as a :class:`DeviceRun` (one method per kind of unit), and
+:func:`result` sums up.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from planlab.costmodel import CostModel
 from planlab.costmodel.compute import peak_flops_per_s
 from planlab.errors import ConfigError, DeadlockError
 from planlab.gcpause import paused_gc
+from planlab.plan.plan import Action
 from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.network import Network
@@ -51,27 +58,29 @@ def simulate(
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
     ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device."""
     with paused_gc():
-        return _simulate(
-            program,
-            cost,
-            model_flops=model_flops,
-            timeline=timeline,
-            symmetry=symmetry,
-            stragglers=stragglers,
-            overlap_slowdown=overlap_slowdown,
-        )
+        slow = _checked(program, cost, stragglers, overlap_slowdown, symmetry)
+        if program.reduced:
+            cls = list(program.classes)
+        else:
+            cls = device_classes(program, cost.cluster, slow) if symmetry else list(range(program.num_devices))
+        sim = Simulation(program, cost, cls, timeline=timeline, slow=slow, overlap_slowdown=overlap_slowdown)
+        reps = sorted(set(cls))
+        for r in reps:
+            sim.env.process(DeviceRun(sim, r).run())
+        sim.env.run()
+        stuck = [r for r in reps if "finish" not in sim.stats.get(r, {})]
+        if stuck:
+            raise DeadlockError(
+                f"simulation stopped with device(s) {stuck} still waiting; run the dry run "
+                "(planlab.simulator.find_deadlock) for the task each waits on"
+            )
+        return result(sim, model_flops)
 
 
-def _simulate(
-    program: Program,
-    cost: CostModel,
-    *,
-    model_flops: float,
-    timeline: bool,
-    symmetry: bool,
-    stragglers: dict[int, float] | None,
-    overlap_slowdown: float,
-) -> SimResult:
+def _checked(
+    program: Program, cost: CostModel, stragglers: dict | None, overlap_slowdown: float, symmetry: bool
+) -> dict[int, float]:
+    """The stragglers, once the inputs are checked (ConfigError / DeadlockError naming the value)."""
     cluster = cost.cluster
     if program.num_devices > cluster.num_devices:
         raise DeadlockError(
@@ -87,225 +96,290 @@ def _simulate(
         raise ConfigError(f"stragglers {bad}: devices must be 0..{program.num_devices - 1} and factors positive")
     if not overlap_slowdown >= 1.0:
         raise ConfigError(f"overlap_slowdown={overlap_slowdown}: expected a factor of at least 1")
-    if program.reduced:
-        if slow or not symmetry:
-            raise ConfigError(
-                "this Program holds one representative per device class; stragglers and "
-                "symmetry=False need every device's tasks: materialize with symmetric=False"
-            )
-        cls = list(program.classes)
-    else:
-        cls = device_classes(program, cluster, slow) if symmetry else list(range(program.num_devices))
-    reps = sorted(set(cls))
-    members = Counter(cls)  # class representative -> devices it stands for
-    dtype = program.precision.compute_dtype
-    last_mb = program.microbatches - 1
-    env = simpy.Environment()
-    net = Network(env)
-    coll_free = {r: 0.0 for r in reps}  # when each device's collective stream is next free
-    boxes: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
-    barriers: dict[tuple, list] = {}
-    stats: dict[int, dict] = {}
-    events: list[tuple[int, Event]] = []  # (issue order, event)
-    issued = count()
-    memory: list[tuple[int, float, int]] = []
-    hw_flops = 0.0
+    if program.reduced and (slow or not symmetry):
+        raise ConfigError(
+            "this Program holds one representative per device class; stragglers and "
+            "symmetry=False need every device's tasks: materialize with symmetric=False"
+        )
+    return slow
 
-    def mailbox(src: int, dst: int, tag: int) -> "_Mailbox":
-        return boxes[(cls[src], cls[dst], tag)]
 
-    link_cache: dict[tuple[int, int], tuple] = {}
-    prices: dict = {}  # task times by what they depend on, shared by every device
+class Simulation:
+    """What the simulated devices share: the program, the prices, the classes (``cls[d]``: the
+    representative device ``d`` stands with), the environment and network, the mailboxes of
+    messages and the barriers of collectives, each representative's communication stream and
+    statistics, and the recorded events and memory."""
 
-    def links(src: int, dst: int) -> tuple:
-        got = link_cache.get((src, dst))
+    def __init__(
+        self,
+        program: Program,
+        cost: CostModel,
+        cls: list[int],
+        *,
+        timeline: bool,
+        slow: dict[int, float],
+        overlap_slowdown: float,
+    ) -> None:
+        self.program, self.cost, self.cls = program, cost, cls
+        self.timeline, self.slow, self.overlap_slowdown = timeline, slow, overlap_slowdown
+        self.dtype = program.precision.compute_dtype
+        self.env = simpy.Environment()
+        self.net = Network(self.env)
+        self.coll_free = {r: 0.0 for r in set(cls)}  # when each device's collective stream is next free
+        self.boxes: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
+        self.barriers: dict[tuple, list] = {}
+        self.stats: dict[int, dict] = {}
+        self.events: list[tuple[int, Event]] = []  # (issue order, event)
+        self.issued = count()
+        self.memory: list[tuple[int, float, int]] = []
+        self.prices: dict = {}  # task times by what they depend on, shared by every device
+        self._links: dict[tuple[int, int], tuple] = {}
+
+    def mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
+        """The channel of messages with ``tag`` from ``src``'s class to ``dst``'s."""
+        return self.boxes[(self.cls[src], self.cls[dst], tag)]
+
+    def links(self, src: int, dst: int) -> tuple:
+        """The links a message from ``src`` to ``dst`` uses: the sender's port out, the receiver's in."""
+        got = self._links.get((src, dst))
         if got is None:
-            kind = "nvlink" if cluster.node_of(src) == cluster.node_of(dst) else "nic"
-            got = link_cache[(src, dst)] = ((kind, "out", src), (kind, "in", dst))
+            kind = "nvlink" if self.cost.cluster.node_of(src) == self.cost.cluster.node_of(dst) else "nic"
+            got = self._links[(src, dst)] = ((kind, "out", src), (kind, "in", dst))
         return got
 
-    def send(rep: int, unit: Send, action: str, seq: int) -> None:
-        start = env.now
-        box = mailbox(rep, unit.peer, unit.tag)
-
-        def arrived() -> None:
-            stats[rep]["comm_s"] += env.now - start
-            if timeline:
-                events.append((seq, Event(rep, "comm", action, unit.task, start, env.now)))
-            box.post(env.now)
-
-        net.transfer(unit.duration_s, links(rep, unit.peer), arrived)
-
-    def barrier(key_cls: tuple, n: int) -> simpy.Event:
-        bar = barriers.setdefault((key_cls, n), [0, env.event()])
+    def barrier(self, ident: int, microbatch: int, group: tuple[int, ...]) -> simpy.Event:
+        """The event of collective ``ident``'s run for ``microbatch``: it fires when the
+        representatives of every class in ``group`` have reached it."""
+        key_cls = tuple(sorted({self.cls[d] for d in group}))
+        bar = self.barriers.setdefault((ident, microbatch, key_cls), [0, self.env.event()])
         bar[0] += 1
         if bar[0] == len(key_cls):
             bar[1].succeed()
         return bar[1]
 
-    def overlapped(rep: int, unit: AsyncCollective, ready: simpy.Event, action: str, seq: int, done):
-        issued_at = env.now
-        yield ready
-        start = max(env.now, coll_free[rep])
-        coll_free[rep] = start + unit.duration_s
-        yield env.timeout(coll_free[rep] - env.now)
-        stats[rep]["comm_s"] += unit.duration_s
-        if timeline:
-            events.append((seq, Event(rep, "comm", action, unit.task, issued_at, env.now)))  # in flight
-        done(unit.free_bytes)
+    def record(self, device: int, stream: str, action: str, name: str, start_s: float, end_s: float, seq=None):
+        """Keep one event of the timeline (in issue order ``seq``, by default the next)."""
+        self.events.append(
+            (next(self.issued) if seq is None else seq, Event(device, stream, action, name, start_s, end_s))
+        )
 
-    def device(rep: int):
-        dp = program.device(rep)
-        sizes: dict[str, int] = {}
-        for b in dp.blocks.values():
+
+class DeviceRun:
+    """One representative device running its schedule: its program, the units of each block
+    (lowered once), its memory, and the overlapped collectives it has in flight."""
+
+    def __init__(self, sim: Simulation, rep: int) -> None:
+        self.sim, self.rep = sim, rep
+        self.dp = sim.program.device(rep)
+        self.sizes: dict = {}
+        for b in self.dp.blocks.values():
             for t in b.tasks:
-                sizes.update(t.alloc)
-        writers = overlap_writers(dp.blocks.values())
-        units: dict[tuple, tuple] = {}
-        st = stats[rep] = dict(
+                self.sizes.update(t.alloc)
+        self.writers = overlap_writers(self.dp.blocks.values())
+        self.units: dict[tuple, tuple] = {}
+        self.st = sim.stats[rep] = dict(
             compute_s=0.0,
             comm_s=0.0,
             wait_s=0.0,
             exposed_s=0.0,
             bubble_s=0.0,
-            peak=dp.static_bytes,
+            peak=self.dp.static_bytes,
             peak_at=0.0,
             peak_task="(weights)",
         )
-        factor = slow.get(rep, 1.0)
-        mem = dp.static_bytes
-        seen_coll: dict[tuple, int] = defaultdict(int)
-        in_flight: list[simpy.Process] = []
-        by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
+        self.factor = sim.slow.get(rep, 1.0)
+        self.mem = self.dp.static_bytes
+        self.in_flight: list[simpy.Process] = []
+        self.by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
+
+    def run(self):
+        """The device's process: every action of its schedule, unit by unit (segments, sends and
+        receives, the most frequent units, without a generator of their own)."""
+        sim, env, st, rep = self.sim, self.sim.env, self.st, self.rep
+        timeline, slowdown, factor, coll_free = sim.timeline, sim.overlap_slowdown, self.factor, sim.coll_free
         if timeline:
-            memory.append((rep, 0.0, mem))
-
-        def bump(extra: int, name: str) -> None:
-            if mem + extra > st["peak"]:
-                st["peak"], st["peak_at"], st["peak_task"] = mem + extra, env.now, name
-
-        def release(nbytes: int) -> None:
-            """An overlapped collective completed: its input is freed."""
-            nonlocal mem
-            if nbytes:
-                mem -= nbytes
-                if timeline:
-                    memory.append((rep, env.now, mem))
-
-        def drain():
-            """Wait for the overlapped collectives still running."""
-            start = env.now
-            yield env.all_of(in_flight)
-            in_flight.clear()
-            st["exposed_s"] += env.now - start
-
-        for action in dp.schedule:
+            sim.memory.append((rep, 0.0, self.mem))
+        last_mb = sim.program.microbatches - 1
+        for action in self.dp.schedule:
             a = str(action)
-            key = (action.stage, action.phase, action.microbatch == last_mb)
-            block_units = units.get(key)
-            if block_units is None:
-                block_units = units[key] = lower_block(
-                    dp.blocks[key[:2]],
-                    device=rep,
-                    cls=cls,
-                    cost=cost,
-                    dtype=dtype,
-                    sizes=sizes,
-                    final=key[2],
-                    prices=prices,
-                    writers=writers,
-                )
-            if action.phase == "U" and in_flight:
-                yield from drain()
-            for u in block_units:
-                if isinstance(u, Segment):
-                    bump(u.peak_bytes, u.peak_task)
+            if action.phase == "U" and self.in_flight:
+                yield from self.drain()
+            for u in self.block_units(action, action.microbatch == last_mb):
+                if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
+                    # stretched while an overlapped collective shares the device; class-internal collectives
                     start = env.now
+                    if u.peak_bytes + self.mem > st["peak"]:
+                        self.bump(u.peak_bytes, u.peak_task)
                     if timeline:
-                        memory.append((rep, start, mem + u.peak_bytes))
+                        sim.memory.append((rep, start, self.mem + u.peak_bytes))
                     compute = u.compute_s * factor
-                    if overlap_slowdown != 1.0 and coll_free[rep] > start:
-                        compute += min(compute, coll_free[rep] - start) * (overlap_slowdown - 1.0)
+                    if slowdown != 1.0 and coll_free[rep] > start:
+                        compute += min(compute, coll_free[rep] - start) * (slowdown - 1.0)
                     yield env.timeout(compute + u.comm_s)
                     st["compute_s"] += compute
                     st["comm_s"] += u.comm_s
                     st["exposed_s"] += u.comm_s
-                    mem += u.net_bytes
+                    self.mem += u.net_bytes
                     if timeline:
-                        t = start
-                        stretch = compute / (u.compute_s * factor) if u.compute_s else 1.0
-                        for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
-                            d = d if comm else d * factor * stretch
-                            stream = "comm" if comm else "compute"
-                            events.append((next(issued), Event(rep, stream, a, name, t, t + d)))
-                            t += d
-                        memory.append((rep, env.now, mem))
+                        self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
-                    send(rep, u, a, next(issued))
-                    mem -= u.free_bytes
-                elif isinstance(u, Recv):
-                    start = env.now
-                    box = mailbox(u.peer, rep, u.tag)
+                    self.send(u, a)
+                elif isinstance(u, Recv):  # wait for the channel's next message (a pipeline bubble)
+                    start, box = env.now, sim.mailbox(u.peer, rep, u.tag)
                     arrival = box.take() if box.arrivals else (yield box.wait(env))
                     if arrival > env.now:
                         yield env.timeout(arrival - env.now)
                     st["wait_s"] += env.now - start
                     st["bubble_s"] += env.now - start
-                    bump(u.alloc_bytes, u.task)
-                    mem += u.alloc_bytes
+                    self.bump(u.alloc_bytes, u.task)
+                    self.mem += u.alloc_bytes
                     if timeline:
-                        events.append((next(issued), Event(rep, "wait", a, u.task, start, env.now)))
+                        sim.record(rep, "wait", a, u.task, start, env.now)
                 elif isinstance(u, AsyncCollective):
-                    key_cls = tuple(sorted({cls[d] for d in u.group}))
-                    n = seen_coll[key_cls]
-                    seen_coll[key_cls] += 1
-                    if u.alloc_bytes:
-                        bump(u.alloc_bytes, u.task)
-                        mem += u.alloc_bytes
-                        if timeline:
-                            memory.append((rep, env.now, mem))
-                    proc = env.process(overlapped(rep, u, barrier(key_cls, n), a, next(issued), release))
-                    in_flight.append(proc)
-                    by_name[u.task] = proc
-                    if overlap_slowdown != 1.0:
-                        yield env.timeout(0)  # let it claim the stream, so what follows knows it is shared
-                elif isinstance(u, Await):  # no event: the collectives' own events show the wait
-                    start = env.now
-                    yield env.all_of([by_name[name] for name in u.tasks if name in by_name])
-                    st["exposed_s"] += env.now - start
+                    yield from self.start_overlapped(u, a, action)
+                elif isinstance(u, Await):
+                    yield from self.wait_for(u)
                 elif isinstance(u, Collective):
-                    key_cls = tuple(sorted({cls[d] for d in u.group}))
-                    n = seen_coll[key_cls]
-                    seen_coll[key_cls] += 1
-                    start = env.now
-                    yield barrier(key_cls, n)
-                    st["wait_s"] += env.now - start
-                    st["exposed_s"] += env.now - start
-                    bump(u.alloc_bytes, u.task)
-                    t0 = env.now
-                    yield env.timeout(u.duration_s)
-                    st["comm_s"] += u.duration_s
-                    st["exposed_s"] += u.duration_s
-                    mem += u.alloc_bytes - u.free_bytes
-                    if timeline:
-                        events.append((next(issued), Event(rep, "comm", a, u.task, t0, env.now)))
-        if in_flight:
-            yield from drain()
-        st["finish"] = env.now
+                    yield from self.collective(u, a, action)
+        if self.in_flight:
+            yield from self.drain()
+        self.st["finish"] = sim.env.now
 
-    for r in reps:
-        env.process(device(r))
-    env.run()
-    stuck = [r for r in reps if "finish" not in stats.get(r, {})]
-    if stuck:
-        raise DeadlockError(
-            f"simulation stopped with device(s) {stuck} still waiting; run the dry run "
-            "(planlab.simulator.find_deadlock) for the task each waits on"
-        )
+    def block_units(self, action: Action, final: bool) -> tuple:
+        """The units of ``action``'s block (with its ``final`` tasks on the last micro-batch)."""
+        key = (action.stage, action.phase, final)
+        got = self.units.get(key)
+        if got is None:
+            sim = self.sim
+            got = self.units[key] = lower_block(
+                self.dp.blocks[key[:2]],
+                device=self.rep,
+                cls=sim.cls,
+                cost=sim.cost,
+                dtype=sim.dtype,
+                sizes=self.sizes,
+                final=final,
+                prices=sim.prices,
+                writers=self.writers,
+            )
+        return got
+
+    def bump(self, extra: int, name: str) -> None:
+        """A new peak if memory rises by ``extra`` bytes now (at task ``name``)."""
+        st = self.st
+        if self.mem + extra > st["peak"]:
+            st["peak"], st["peak_at"], st["peak_task"] = self.mem + extra, self.sim.env.now, name
+
+    def release(self, nbytes: int) -> None:
+        """An overlapped collective completed: its input is freed."""
+        if nbytes:
+            self.mem -= nbytes
+            if self.sim.timeline:
+                self.sim.memory.append((self.rep, self.sim.env.now, self.mem))
+
+    def drain(self):
+        """Wait for the overlapped collectives still running."""
+        env = self.sim.env
+        start = env.now
+        yield env.all_of(self.in_flight)
+        self.in_flight.clear()
+        self.st["exposed_s"] += env.now - start
+
+    def record_segment(self, u: Segment, a: str, start: float, compute: float) -> None:
+        """The events of a segment that ran from ``start`` (its computation stretched to ``compute``)."""
+        sim, rep = self.sim, self.rep
+        t = start
+        stretch = compute / (u.compute_s * self.factor) if u.compute_s else 1.0
+        for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
+            d = d if comm else d * self.factor * stretch
+            sim.record(rep, "comm" if comm else "compute", a, name, t, t + d)
+            t += d
+        sim.memory.append((rep, sim.env.now, self.mem))
+
+    def send(self, u: Send, a: str) -> None:
+        """A message leaves as a flow on the network; the device goes on (its buffer is freed)."""
+        sim, rep, st = self.sim, self.rep, self.st
+        env = sim.env
+        start, seq = env.now, next(sim.issued)
+        box = sim.mailbox(rep, u.peer, u.tag)
+
+        def arrived() -> None:
+            now = env.now
+            st["comm_s"] += now - start
+            if sim.timeline:
+                sim.record(rep, "comm", a, u.task, start, now, seq)
+            box.post(now)
+
+        sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
+        self.mem -= u.free_bytes
+
+    def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
+        """Issue a collective on the communication stream (its output allocated now); it starts
+        when every class has issued it and the stream is free."""
+        sim = self.sim
+        if u.alloc_bytes:
+            self.bump(u.alloc_bytes, u.task)
+            self.mem += u.alloc_bytes
+            if sim.timeline:
+                sim.memory.append((self.rep, sim.env.now, self.mem))
+        ready = sim.barrier(u.ident, action.microbatch, u.group)
+        proc = sim.env.process(self.overlapped(u, ready, a, next(sim.issued)))
+        self.in_flight.append(proc)
+        self.by_name[u.task] = proc
+        if sim.overlap_slowdown != 1.0:
+            yield sim.env.timeout(0)  # let it claim the stream, so what follows knows it is shared
+
+    def overlapped(self, u: AsyncCollective, ready: simpy.Event, a: str, seq: int):
+        """The process of an overlapped collective: the barrier, then the stream, then its input freed."""
+        sim, rep = self.sim, self.rep
+        env = sim.env
+        issued_at = env.now
+        yield ready
+        start = max(env.now, sim.coll_free[rep])
+        sim.coll_free[rep] = start + u.duration_s
+        yield env.timeout(sim.coll_free[rep] - env.now)
+        sim.stats[rep]["comm_s"] += u.duration_s
+        if sim.timeline:
+            sim.record(rep, "comm", a, u.task, issued_at, env.now, seq)  # in flight
+        self.release(u.free_bytes)
+
+    def wait_for(self, u: Await):
+        """Wait for the latest runs of the overlapped collectives the next task reads from (no
+        event of its own: the collectives' events show the wait)."""
+        env = self.sim.env
+        start = env.now
+        yield env.all_of([self.by_name[name] for name in u.tasks if name in self.by_name])
+        self.st["exposed_s"] += env.now - start
+
+    def collective(self, u: Collective, a: str, action: Action):
+        """A collective across classes: wait for every class at its barrier, then run it."""
+        sim, st = self.sim, self.st
+        env = sim.env
+        start = env.now
+        yield sim.barrier(u.ident, action.microbatch, u.group)
+        st["wait_s"] += env.now - start
+        st["exposed_s"] += env.now - start
+        self.bump(u.alloc_bytes, u.task)
+        t0 = env.now
+        yield env.timeout(u.duration_s)
+        st["comm_s"] += u.duration_s
+        st["exposed_s"] += u.duration_s
+        self.mem += u.alloc_bytes - u.free_bytes
+        if sim.timeline:
+            sim.record(self.rep, "comm", a, u.task, t0, env.now)
+
+
+def result(sim: Simulation, model_flops: float) -> SimResult:
+    """The iteration's time, per class its statistics, the hardware FLOPs and the timeline."""
+    program, cls = sim.program, sim.cls
+    reps = sorted(set(cls))
+    members = Counter(cls)  # class representative -> devices it stands for
+    hw_flops = 0.0
     for r in reps:
         dp = program.device(r)
         per_action = {k: sum(t.flops for t in b.tasks if not t.final) for k, b in dp.blocks.items()}
         hw_flops += members[r] * sum(per_action[(a.stage, a.phase)] for a in dp.schedule)
+    stats = sim.stats
     devs = tuple(
         DeviceStats(
             r,
@@ -325,13 +399,15 @@ def _simulate(
     return SimResult(
         iter_time_s=max(d.finish_s for d in devs),
         devices=devs,
-        device_memory_bytes=cost.device_memory_bytes,
+        device_memory_bytes=sim.cost.device_memory_bytes,
         model_flops=model_flops,
         hardware_flops=hw_flops,
         num_devices=program.num_devices,
-        peak_flops_per_s=peak_flops_per_s(cluster.device, program.precision.elementwise_dtype),  # MFU: the 16-bit peak
-        events=tuple(e for _, e in sorted(events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
-        memory=tuple(memory),
+        peak_flops_per_s=peak_flops_per_s(
+            sim.cost.cluster.device, program.precision.elementwise_dtype
+        ),  # MFU: the 16-bit peak
+        events=tuple(e for _, e in sorted(sim.events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
+        memory=tuple(sim.memory),
     )
 
 

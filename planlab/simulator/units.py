@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.model import host_bound_elapsed_s
-from planlab.plan.program import Block, Task, TaskKind, is_static
+from planlab.errors import DeadlockError
+from planlab.plan.buffer import Buffer
+from planlab.plan.program import Block, Task, TaskKind
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,15 @@ class Recv:
 
 @dataclass(frozen=True)
 class Collective:
-    """A collective whose members span several classes: a barrier, then ``duration_s``."""
+    """A collective whose members span several classes: a barrier (the collective's ``ident``, the
+    same on every member), then ``duration_s``."""
 
     task: str
     group: tuple[int, ...]
     duration_s: float
     alloc_bytes: int
     free_bytes: int
+    ident: int = -1
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,14 @@ class AsyncCollective:
     """A collective on the communication stream while the device goes on (a bucket of weight
     gradients reduced during the backward, a ZeRO-3 layer's weights gathered ahead); the
     optimizer waits for it. Its output (``alloc_bytes``) is allocated when it is issued, its
-    input (``free_bytes``) freed when it completes."""
+    input (``free_bytes``) freed when it completes; its members meet at ``ident``."""
 
     task: str
     group: tuple[int, ...]
     duration_s: float
     alloc_bytes: int = 0
     free_bytes: int = 0
+    ident: int = -1
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,9 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
     return 0.0  # sends and receives are priced by lower_block, which knows the device
 
 
-_task_time_s = task_time_s
-
-
-def overlap_writers(blocks) -> dict[str, str]:
+def overlap_writers(blocks) -> dict[Buffer, str]:
     """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
-    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not is_static(b)}
+    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not b.static}
 
 
 def lower_block(
@@ -116,24 +118,57 @@ def lower_block(
     cls: list[int],
     cost: CostModel,
     dtype: str,
-    sizes: dict[str, int],
+    sizes: dict[Buffer, int],
     final: bool = True,
     prices: dict | None = None,
-    writers: dict[str, str] | None = None,
+    writers: dict[Buffer, str] | None = None,
 ) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
     task times across the blocks of one simulation. A task reading a buffer of ``writers``
     (:func:`overlap_writers` of the device's blocks; default: this block's) waits for the
-    collective's latest run first."""
-    units: list[Unit] = []
-    cur: list = []  # (task, (device s, host s), is_comm)
+    collective's latest run first. Raises DeadlockError for a collective across classes without
+    an identity to meet at."""
+    low = _Lowering(device, cls, cost, dtype, sizes, prices if prices is not None else {})
     writers = overlap_writers([block]) if writers is None else writers
-    awaited: set[str] = set()  # buffers already waited for in this block
-    prices = prices if prices is not None else {}
-    hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
+    awaited: set[Buffer] = set()  # buffers already waited for in this block
+    for t in block.tasks:
+        if t.final and not final:
+            continue
+        if writers:
+            waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
+            if waits:
+                low.flush()
+                low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
+                awaited.update(waits)
+        if t.overlap:
+            low.apart(AsyncCollective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
+            awaited.difference_update(t.writes)
+        elif t.kind is TaskKind.SEND:
+            duration_s = cost.p2p_time_s(t.nbytes, device, t.peer)
+            low.apart(Send(t.name, t.peer, _tag(t), duration_s, low.memory(t)[1]))
+        elif t.kind is TaskKind.RECV:
+            low.apart(Recv(t.name, t.peer, _tag(t), low.memory(t)[0]))
+        elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
+            low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
+        else:
+            low.cur.append((t, low.times(t), t.kind is TaskKind.COLLECTIVE))
+    low.flush()
+    return tuple(low.units)
 
-    def times(t: Task) -> tuple[float, float]:
+
+class _Lowering:
+    """The units of one block so far, the tasks of the segment being gathered (``cur``: task,
+    (device s, host s), whether it is a collective) and the prices of tasks."""
+
+    def __init__(self, device: int, cls: list[int], cost: CostModel, dtype: str, sizes: dict, prices: dict) -> None:
+        self.device, self.cls, self.cost, self.dtype, self.sizes, self.prices = device, cls, cost, dtype, sizes, prices
+        self.hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
+        self.units: list[Unit] = []
+        self.cur: list = []
+
+    def times(self, t: Task) -> tuple[float, float]:
+        """``(device s, host s)`` of a task, priced once per simulation for tasks alike."""
         key = (
             t.kind,
             t.flops,
@@ -146,21 +181,33 @@ def lower_block(
             t.op_kind,
             t.shapes,
             t.accumulate,
-            tuple(w[:3] for w in t.writes) if t.kind is TaskKind.BACKWARD else (),
-        )  # I/W parts
-        got = prices.get(key)
+            tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),  # I/W parts
+        )
+        got = self.prices.get(key)
         if got is None:
-            got = prices[key] = cost.device_and_host_s(t, dtype) if hosted else (_task_time_s(t, cost, dtype), 0.0)
+            if self.hosted:
+                got = self.cost.device_and_host_s(t, self.dtype)
+            else:
+                got = (task_time_s(t, self.cost, self.dtype), 0.0)
+            self.prices[key] = got
         return got
 
-    def task_time_s(t: Task, cost: CostModel, dtype: str) -> float:
-        return times(t)[0]
+    def memory(self, t: Task) -> tuple[int, int]:
+        """Bytes a task allocates and frees."""
+        return sum(n for _, n in t.alloc), sum(self.sizes.get(b, 0) for b in t.free)
 
-    def flush():
+    def apart(self, unit: Unit) -> None:
+        """A unit of its own, after the segment gathered so far."""
+        self.flush()
+        self.units.append(unit)
+
+    def flush(self) -> None:
+        """The tasks gathered so far as one :class:`Segment`."""
+        cur = self.cur
         if not cur:
             return
         durations = [d for _, (d, _), _ in cur]
-        if hosted:  # the device waits for the host where the host is slower
+        if self.hosted:  # the device waits for the host where the host is slower
             durations = host_bound_elapsed_s(durations, [h for _, (_, h), _ in cur])
         comm = sum(min(e, d) for (_, (d, _), c), e in zip(cur, durations) if c)  # the wait counts as compute
         mem = peak = 0
@@ -169,8 +216,8 @@ def lower_block(
             mem += sum(n for _, n in t.alloc)
             if mem > peak:
                 peak, at = mem, t.name
-            mem -= sum(sizes.get(b, 0) for b in t.free)
-        units.append(
+            mem -= sum(self.sizes.get(b, 0) for b in t.free)
+        self.units.append(
             Segment(
                 tuple(t.name for t, _, _ in cur),
                 sum(durations) - comm,
@@ -182,60 +229,19 @@ def lower_block(
                 tuple(c for _, _, c in cur),
             )
         )
-        cur.clear()
+        self.cur = []
 
-    for t in block.tasks:
-        if t.final and not final:
-            continue
-        if writers:
-            waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
-            if waits:
-                flush()
-                units.append(Await(tuple(sorted({writers[b] for b in waits}))))
-                awaited.update(waits)
-        if t.overlap:
-            flush()
-            units.append(
-                AsyncCollective(
-                    t.name,
-                    tuple(t.group),
-                    task_time_s(t, cost, dtype),
-                    sum(n for _, n in t.alloc),
-                    sum(sizes.get(b, 0) for b in t.free),
-                )
-            )
-            awaited.difference_update(t.writes)
-        elif t.kind is TaskKind.SEND:
-            flush()
-            units.append(
-                Send(
-                    t.name,
-                    t.peer,
-                    _tag(t),
-                    cost.p2p_time_s(t.nbytes, device, t.peer),
-                    sum(sizes.get(b, 0) for b in t.free),
-                )
-            )
-        elif t.kind is TaskKind.RECV:
-            flush()
-            units.append(Recv(t.name, t.peer, _tag(t), sum(n for _, n in t.alloc)))
-        elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
-            flush()
-            units.append(
-                Collective(
-                    t.name,
-                    tuple(t.group),
-                    task_time_s(t, cost, dtype),
-                    sum(n for _, n in t.alloc),
-                    sum(sizes.get(b, 0) for b in t.free),
-                )
-            )
-        else:
-            cur.append((t, times(t), t.kind is TaskKind.COLLECTIVE))
-    flush()
-    return tuple(units)
+
+def _ident(task: Task) -> int:
+    """The identity a collective's members meet at (DeadlockError without one)."""
+    if task.ident < 0:
+        raise DeadlockError(
+            f"collective {task} spans several device classes but has no identity (Task.ident) "
+            "for its members to meet at"
+        )
+    return task.ident
 
 
 def _tag(task: Task) -> int:
     """The channel a message is matched on: its conversion's in a reduced Program, else its own tag."""
-    return task.channel if task.channel >= 0 else task.axis
+    return task.channel if task.channel >= 0 else task.tag

@@ -1,0 +1,153 @@
+"""The backward passes: the gradient of each operator's outputs brought back into the layout the
+operator made them in (its consumers' contributions summed and converted), then one backward task
+per piece. Operators are visited in reverse topological order, so an operator whose outputs reach
+no loss (no consumer gives it a gradient) is known to have no backward before its producers are
+visited."""
+
+from __future__ import annotations
+
+
+from planlab.graph.ir import DETACH, Operator
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer, BufferKind
+from planlab.plan.layout import Layout, box_numel, box_shape
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, piece_task, record_size, shares
+from planlab.plan.passes.layouts import full
+from planlab.plan.program import Task, TaskKind
+from planlab.plan.redistribute import same_layout
+
+
+def convert_gradients(d: Draft) -> Draft:
+    """Per operator, in reverse topological order, the buffer of each output's gradient (None:
+    the loss, seeded by the executor, or an output without one): a single consumer's contribution
+    where it already comes in the operator's layout, else the contributions summed into a ``GRAD``
+    buffer by conversions (accumulating); contributions of one layout on the operator's own devices
+    are summed locally first (``GRAD_SUM``), so that one conversion carries them all. The tasks sit
+    in the operator's backward slot (``INPUTS``), a conversion's sends on the consumer's stage.
+    Operators none of whose outputs get a gradient have no backward (``dead``)."""
+    graph = d.graph
+    parts, sizes = dict(d.parts), d.copy_sizes()
+    dead: set[str] = set()
+    grads: dict[str, tuple[Buffer | None, ...]] = {}
+    counters = Counters.of(d)
+    for i in range(len(graph.operators) - 1, -1, -1):
+        op = graph.operators[i]
+        gbufs = []
+        for j, t in enumerate(op.outputs):
+            uses = [
+                (c, k)
+                for c in graph.consumers.get(t, [])
+                for k, x in enumerate(c.inputs)
+                if x == t and c.name not in dead
+            ]  # a consumer whose outputs reach no loss gives no gradient
+            if t == graph.loss or not graph.tensors[t].is_float or not uses or t in d.nograd:
+                gbufs.append(None)  # the loss: seeded with ones by the executor
+                continue
+            target = full(d.layouts.has(op, j))
+            if len(uses) == 1 and same_layout(d.layouts.contributes(*uses[0]), target):
+                c, k = uses[0]
+                gbufs.append(d.names.contribution(t, c.name, k))
+                continue
+            _sum_and_convert(d, parts, sizes, counters, i, t, uses, target)
+            gbufs.append(d.names.grad(t))
+        grads[op.name] = tuple(gbufs)
+        if op.outputs[0] != graph.loss and all(g is None for g in gbufs):
+            dead.add(op.name)
+    return d.replace(
+        parts=parts,
+        sizes=sizes,
+        grads=grads,
+        dead=frozenset(dead),
+        **counters.fields(),
+    )
+
+
+def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str, uses, target: Layout) -> None:
+    """The tasks that sum the contributions ``uses`` to tensor ``t``'s gradient into its ``GRAD``
+    buffer in layout ``target`` (see :func:`convert_gradients`), with the next channels, tags and
+    identities of ``counters``."""
+    L, graph, op = d.layouts, d.graph, d.graph.operators[i]
+    key = (d.stage[op.name], "B")
+    pending: list[tuple[Layout, Buffer, str]] = []  # (layout, buffer, operator on whose stage it is)
+    local: dict[Layout, list[tuple[Buffer, Operator]]] = {}
+    for c, k in sorted(uses, key=lambda u: -d.topo[u[0].name]):
+        lay, buf = L.contributes(c, k), d.names.contribution(t, c.name, k)
+        if lay.mesh == target.mesh:
+            local.setdefault(lay, []).append((buf, c))
+        else:
+            pending.append((lay, buf, c.name))
+    for lay, items in local.items():
+        if len(items) == 1 or same_layout(lay, target):
+            pending += [(lay, buf, c.name) for buf, c in items]
+            continue
+        summed = buf_.grad_sum(t, len(pending))
+        for flat, dev in d.positions(lay.mesh):
+            for buf, _ in items:
+                task = Task(
+                    f"d{t}:sum",
+                    TaskKind.LOCAL,
+                    (buf,),
+                    (summed,),
+                    shape=box_shape(lay.box(flat, L.shapes[t])),
+                    accumulate=True,
+                    dtype=graph.tensors[t].dtype,
+                )
+                add(parts, dev, key, i, Part.INPUTS, task)
+                record_size(sizes, dev, task, d.elem_bytes(t))
+        pending.append((lay, summed, op.name))
+    for lay, buf, src in pending:
+        at = ((d.stage[src], "B"), key, i)
+        convert(d, parts, sizes, counters, lay, target, t, (buf, d.names.grad(t)), at, accumulate=True, name=f"d{t}:")
+
+
+def backward_pieces(d: Draft) -> Draft:
+    """One backward task per piece of every operator with a backward: it reads its outputs'
+    gradients (:func:`convert_gradients`) and writes its inputs' contributions (``CONTRIBUTION``)
+    and its weights' gradients (``WEIGHT_GRAD``), None where an input takes no gradient (an integer,
+    a model input, a tensor behind a detach)."""
+    L, graph = d.layouts, d.graph
+    parts, sizes = dict(d.parts), d.copy_sizes()
+    for i in range(len(graph.operators) - 1, -1, -1):
+        op = graph.operators[i]
+        gbufs = d.grads[op.name]
+        needs_grad = [
+            graph.tensors[t].is_float
+            and graph.tensors[t].role in ("activation", "param")
+            and t not in d.nograd
+            and op.kind != DETACH
+            for t in op.inputs
+        ]
+        if op.name in d.dead or not any(needs_grad):
+            continue
+        writes = tuple(
+            (d.names.weight_grad(t) if graph.tensors[t].role == "param" else d.names.contribution(t, op.name, k))
+            if ng
+            else None
+            for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
+        )
+        mesh = L.mesh[op.name]
+        share = shares(d, op)
+        for flat, dev in d.positions(mesh):
+            task = piece_task(
+                op,
+                TaskKind.BACKWARD,
+                flat,
+                gbufs,
+                writes,
+                op.flops * op.bwd_flops_ratio,
+                share,
+                saved=d.saved[op.name],
+                shapes=d.piece_shapes.get(op.name, ()),
+            )
+            add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)
+            mine = sizes.setdefault(dev, {})
+            for k, (t, w) in enumerate(zip(op.inputs, writes)):
+                if w is not None and w.kind is BufferKind.CONTRIBUTION:
+                    mine[w] = box_numel(L.contributes(op, k).box(flat, L.shapes[t])) * d.elem_bytes(t)
+        for j, t in enumerate(op.outputs):
+            if gbufs[j] is not None and gbufs[j].kind is BufferKind.GRAD:
+                for flat, dev in d.positions(mesh):
+                    sizes.setdefault(dev, {})[gbufs[j]] = box_numel(full(L.has(op, j)).box(flat, L.shapes[t])) * (
+                        d.elem_bytes(t)
+                    )
+    return d.replace(parts=parts, sizes=sizes)

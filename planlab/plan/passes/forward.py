@@ -1,0 +1,168 @@
+"""The forward passes: the pieces of weights each device holds, the conversions that bring each
+operator its inputs in the layout it needs, and one forward task per piece."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from planlab.graph.random_ops import draws_random
+from planlab.plan import buffer as buf_
+from planlab.plan.buffer import Buffer
+from planlab.plan.layout import box_numel, box_shape
+from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, piece_task, record_size, shares
+from planlab.plan.passes.layouts import piece_shapes
+from planlab.plan.program import Role, Task, TaskKind
+from planlab.plan.redistribute import same_layout
+from planlab.plan.saved import internals, saved_buffers
+from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
+
+# Operators whose pieces, split along the named dimension, agree with each other inside their
+# forward (Megatron's vocabulary-parallel loss: all-reduces of each token's largest logit and sum of
+# exponentials, planlab.executor.vocab_parallel): each piece's forward task carries the group of the
+# devices holding the other slices (``Task.group``, in the order of the slices).
+IN_OP_GROUPS = {"vocab_cross_entropy": "v"}
+
+
+def place_weights(d: Draft) -> Draft:
+    """Each device's pieces of each parameter (in the order operators read them) and the operator
+    whose backward makes each parameter's gradient (its owner). A parameter read by several
+    operators is refused (tied weights), unless all but one read it without a backward (recycling's
+    passes behind a detach, :mod:`planlab.plan.shared_params`): each device then holds a piece once."""
+    L, graph = d.layouts, d.graph
+    params: dict[int, list] = defaultdict(list)
+    owner: dict = {}
+    held: dict[int, set] = defaultdict(set)
+    for op in graph.operators:
+        mesh = L.mesh[op.name]
+        for ti, t in enumerate(op.inputs):
+            if graph.tensors[t].role != "param":
+                continue
+            pieces = [(dev, L.needs(op, ti).box(flat, L.shapes[t])) for flat, dev in d.positions(mesh)]
+            if d.nograd:  # planlab/search_spaces/recycling.py
+                use_shared_param(op, ti, t, pieces, owner, d.forward_only, params, held)
+                continue
+            claim(owner, op, ti, t)
+            for dev, box in pieces:
+                params[dev].append((t, box))
+    if d.nograd:
+        check_shared_params(
+            params,
+            {
+                p: [(dev, L.needs(op, k).box(flat, L.shapes[p])) for flat, dev in d.positions(L.mesh[op.name])]
+                for p, (op, k) in owner.items()
+            },
+        )
+    return d.replace(params={dev: tuple(v) for dev, v in params.items()}, owner=owner)
+
+
+def convert_inputs(d: Draft) -> Draft:
+    """The buffer each operator reads each input from: a weight piece, the producer's output where
+    the layouts agree, else a conversion (collectives on one mesh, point-to-point copies between
+    meshes, :mod:`planlab.plan.redistribute`) or, for a model input or module buffer, a load of
+    this micro-batch's piece. A tensor converted to one layout once is read from there by every
+    later consumer in that layout. The tasks sit in the consumer's slot (``INPUTS``), the sends on
+    the producer's stage in the same slot: every channel carries its messages in the order they
+    are received (NCCL matches in order)."""
+    L, graph = d.layouts, d.graph
+    parts, sizes = dict(d.parts), d.copy_sizes()
+    converted: dict[tuple, Buffer] = {}
+    versions: dict[str, int] = defaultdict(int)  # layouts of each tensor made so far
+    reads: dict[str, tuple[Buffer, ...]] = {}
+    counters = Counters.of(d)
+    for i, op in enumerate(graph.operators):
+        key = (d.stage[op.name], "F")
+        bufs = []
+        for ti, t in enumerate(op.inputs):
+            spec, need = graph.tensors[t], L.needs(op, ti)
+            if spec.role == "param":
+                bufs.append(d.names.weight(t))
+                continue
+            if (t, need) in converted:
+                bufs.append(converted[(t, need)])
+                continue
+            if spec.role in ("input", "buffer"):
+                buf = buf_.activation(t, versions[t])
+                for flat, dev in d.positions(L.mesh[op.name]):
+                    task = _load(d, t, need.box(flat, L.shapes[t]), buf)
+                    add(parts, dev, key, i, Part.INPUTS, task)
+                    record_size(sizes, dev, task, d.elem_bytes(t))
+            else:
+                prod = graph.producer[t]
+                have = L.has(prod, prod.outputs.index(t))
+                if same_layout(have, need):
+                    bufs.append(d.names.activation(t))
+                    continue
+                buf = buf_.activation(t, versions[t] + 1)
+                at = ((d.stage[prod.name], "F"), key, i)
+                convert(d, parts, sizes, counters, have, need, t, (d.names.activation(t), buf), at, name=f"{t}:")
+            converted[(t, need)] = buf
+            versions[t] += 1
+            bufs.append(buf)
+        reads[op.name] = tuple(bufs)
+    return d.replace(parts=parts, sizes=sizes, reads=reads, **counters.fields())
+
+
+def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
+    """The load of this micro-batch's piece ``box`` of source tensor ``t`` into ``buf``."""
+    spec, graph = d.graph.tensors[t], d.graph
+    batch_axis = next((a for a in range(len(spec.shape)) if graph.labels.get((t, a)) == graph.batch_label), -1)
+    return Task(
+        f"load:{t}",
+        TaskKind.LOCAL,
+        (buf_.source(t),),
+        (buf,),
+        src_region=box,
+        shape=box_shape(box),
+        axis=batch_axis,
+        dtype=spec.dtype,
+        role=Role.LOAD,
+    )
+
+
+def forward_pieces(d: Draft) -> Draft:
+    """One forward task per piece of every operator, reading what :func:`convert_inputs` made and
+    writing the operator's outputs in its own layout; what its backward keeps (``saved``: the
+    operator's saved tensors as this piece holds them and the internal buffers its implementation
+    keeps, :mod:`planlab.plan.saved`) and the piece's local shapes (for the cost model) are recorded
+    per operator. A random operator's task carries its box in the micro-batch's whole output
+    (``box``): its draws are keyed by it (:mod:`planlab.executor.randomness`)."""
+    L, graph = d.layouts, d.graph
+    parts, sizes = dict(d.parts), d.copy_sizes()
+    saved_of, shapes_of = {}, {}
+    for i, op in enumerate(graph.operators):
+        mesh, bufs = L.mesh[op.name], d.reads[op.name]
+        outs = tuple(d.names.activation(o) for o in op.outputs)
+        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes)
+        kept = internals(op, graph, d.software, d.precision.activation_bytes)
+        red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
+        saved_of[op.name] = saved
+        shapes_of[op.name] = piece_shapes(L, op)
+        agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
+        share = shares(d, op)
+        random = draws_random(op)
+        for flat, dev in d.positions(mesh):
+            out_box = L.has(op, 0).box(flat, L.shapes[op.outputs[0]])
+            task = piece_task(
+                op,
+                TaskKind.FORWARD,
+                flat,
+                bufs,
+                outs,
+                op.flops,
+                share,
+                shape=box_shape(out_box),
+                saved=saved,
+                lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
+                shapes=shapes_of[op.name],
+                group=line(mesh, flat, agree),
+                box=out_box if random else None,
+            )
+            add(parts, dev, (d.stage[op.name], "F"), i, Part.COMPUTE, task)
+            mine = sizes.setdefault(dev, {})
+            for j, o in enumerate(op.outputs):
+                mine[outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * d.elem_bytes(o)
+            for tag, base, per, nbytes in kept:  # internal buffers: a share of a base tensor's piece
+                j = op.inputs.index(base) if base in op.inputs else None
+                lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
+                mine[buf_.internal(op.name, tag)] = int(box_numel(lay.box(flat, L.shapes[base])) * per * nbytes)
+    return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)

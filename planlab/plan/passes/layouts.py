@@ -1,0 +1,158 @@
+"""Where every operator's pieces live: its mesh, the layout each input needs, each output has and
+each gradient contribution comes in (after DTensor's placements, :mod:`planlab.plan.layout`)."""
+
+from __future__ import annotations
+
+import math
+
+from planlab.errors import InfeasiblePlan
+from planlab.graph.ir import Graph, Operator
+from planlab.plan.colocation import CoLocation, colocation
+from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_shape
+from planlab.plan.plan import Plan
+
+
+class Layouts:
+    """Mesh and layouts of every operator, at micro-batch shapes; co-located operators (coshard) in
+    ``chunks``. Refuses (InfeasiblePlan) a plan that names an operator the graph does not have,
+    leaves one unplaced, places it on devices the plan does not have, or splits a dimension that
+    cannot be split or does not divide."""
+
+    def __init__(self, plan: Plan, graph: Graph) -> None:
+        self.graph, self.plan = graph, plan
+        m = plan.microbatches
+        names = {op.name for op in graph.operators}
+        extra = [p.op for p in plan.ops if p.op not in names]
+        if extra:
+            raise InfeasiblePlan(
+                f"the plan names operator {extra[0]!r}, which the model {plan.model} does not have "
+                f"({len(extra)} of the plan's {len(plan.ops)} operators are not the model's): "
+                "was the plan made for another model or size?"
+            )
+        self.op_plan = {p.op: p for p in plan.ops}
+        missing = [n for n in names if n not in self.op_plan]
+        if missing:
+            raise InfeasiblePlan(
+                f"the plan does not place operator {sorted(missing)[0]!r} of the model {plan.model} "
+                f"({len(missing)} of its {len(names)} operators are not in the plan): "
+                "was the plan made for another model or size?"
+            )
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for t, spec in graph.tensors.items():
+            shape = list(spec.shape)
+            for a in range(len(shape)):
+                if graph.labels.get((t, a)) == graph.batch_label:
+                    if shape[a] % m:
+                        raise InfeasiblePlan(
+                            f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
+                        )
+                    shape[a] //= m
+            self.shapes[t] = tuple(shape)
+        self.mesh: dict[str, Mesh] = {}
+        self.dims: dict[str, tuple[str | None, ...]] = {}
+        self._memo: dict[tuple, Layout] = {}
+        self._placed: dict[tuple, Layout] = {}
+        self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
+        interned: dict[Mesh, Mesh] = {}
+        for op in graph.operators:
+            p = self.op_plan[op.name]
+            sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
+            if len(p.devices) != math.prod(sizes):
+                raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but {len(p.devices)} devices")
+            bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
+            if bad:
+                raise InfeasiblePlan(
+                    f"operator {op.name!r} is placed on device {bad[0]}; the plan has devices 0..{plan.num_devices - 1}"
+                )
+            co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
+            mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
+            if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+                self.chunks[op.name] = co
+                mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
+            mesh = Mesh(tuple(msizes), tuple(mdevices))
+            self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
+            self.dims[op.name] = tuple(mdims)
+            for d in set(x for x in dims if x is not None):
+                if not op.signature.splittable(d):
+                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
+                n = math.prod(s for x, s in zip(dims, sizes) if x == d)
+                size = self._dim_size(op, d)
+                if size % n:
+                    raise InfeasiblePlan(
+                        f"dimension {d!r} of operator {op.name!r} has size {size} per "
+                        f"micro-batch, which does not split into {n} pieces"
+                    )
+
+    def _dim_size(self, op: Operator, dim: str) -> int:
+        for t in op.inputs + op.outputs:
+            for a, ax in enumerate(op.axes_of(t)):
+                if ax and ax[0] == dim:
+                    full = self.shapes[t][a]
+                    inner = math.prod(op.dim_sizes[n] for n in ax[1:])
+                    return full // inner
+        return op.dim_sizes[dim]
+
+    def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False) -> Layout:
+        dims, mesh = self.dims[op.name], self.mesh[op.name]
+        key = (
+            mesh,
+            dims,
+            tuple(tensor_axes),
+            contrib,
+            frozenset(d for d in dims if d in partial_dims) if partial_dims else frozenset(),
+        )
+        got = self._placed.get(key)  # layers repeat: most operators share a few layouts
+        if got is None:
+            got = self._placed[key] = self._make_layout(dims, mesh, tensor_axes, partial_dims, contrib)
+        return got
+
+    @staticmethod
+    def _make_layout(dims, mesh: Mesh, tensor_axes, partial_dims, contrib: bool) -> Layout:
+        out = []
+        for d in dims:
+            axis = next((a for a, ax in enumerate(tensor_axes) if ax and ax[0] == d), None) if d else None
+            if d is None:
+                out.append(Replicate())
+            elif axis is not None:
+                out.append(Shard(axis))
+            elif contrib or d in partial_dims:
+                out.append(Partial())
+            else:
+                out.append(Replicate())
+        return Layout(mesh, tuple(out))
+
+    def needs(self, op: Operator, i: int) -> Layout:
+        """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
+        key = ("in", op.name, i)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._place(op, op.signature.inputs[i])
+        return got
+
+    def has(self, op: Operator, j: int) -> Layout:
+        """Layout in which ``op`` produces its ``j``-th output."""
+        key = ("out", op.name, j)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._place(op, op.signature.outputs[j], op.signature.reduce)
+        return got
+
+    def contributes(self, op: Operator, i: int) -> Layout:
+        """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
+        key = ("grad", op.name, i)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True)
+        return got
+
+
+def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
+    """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
+    its outputs (every piece has the same, since splits divide evenly)."""
+    ins = tuple(box_shape(L.needs(op, k).box(0, L.shapes[t])) for k, t in enumerate(op.inputs))
+    return ins + tuple(box_shape(L.has(op, j).box(0, L.shapes[t])) for j, t in enumerate(op.outputs))
+
+
+def full(layout: Layout) -> Layout:
+    """``layout`` with its partial sums completed (replicated instead)."""
+    return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))

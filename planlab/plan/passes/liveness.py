@@ -1,0 +1,99 @@
+"""Liveness and the finished Program: when each buffer is allocated and freed, each device's
+schedule and static memory, the loss holders."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from planlab.plan.buffer import Buffer, BufferKind
+from planlab.plan.layout import Replicate, box_numel
+from planlab.plan.passes.draft import Draft
+from planlab.plan.passes.order import as_blocks, block_order, schedule_of
+from planlab.plan.program import Block, DeviceProgram, Program, TaskKind
+
+
+def assemble(d: Draft) -> Program:
+    """The Program of the devices built: per device its blocks with each task's allocations and
+    frees (:func:`liveness`), its schedule (:func:`~planlab.plan.passes.order.schedule_of`), its
+    pieces of parameters and its static bytes (weights, gradients and optimizer states, less what
+    ZeRO shards); the collective groups; the devices holding the loss."""
+    plan, pr = d.plan, d.precision
+    programs = []
+    groups: set[tuple[int, ...]] = set()
+    checked: dict = {}
+    for dev in range(plan.num_devices) if d.keep is None else sorted(d.keep):
+        blocks = as_blocks(d.blocks.get(dev, {}))
+        groups.update(tuple(sorted(t.group)) for b in blocks.values() for t in b.tasks if t.group)
+        schedule = schedule_of(plan, dev, blocks, checked)
+        blocks = liveness(blocks, d.sizes.get(dev, {}), d.together.get(dev, ()))
+        params = d.params.get(dev, ())
+        nparams = sum(box_numel(b) for _, b in params)
+        saved_grads, saved_states, saved_weights = d.zero_saved.get(dev, (0, 0, 0))
+        programs.append(
+            DeviceProgram(
+                device=dev,
+                blocks=blocks,
+                schedule=schedule,
+                params=tuple(params),
+                param_bytes=nparams * pr.param_bytes - saved_weights,
+                grad_bytes=nparams * pr.grad_bytes - saved_grads,
+                optimizer_bytes=nparams * pr.optimizer_bytes - saved_states,
+            )
+        )
+    lay = d.layouts.has(d.graph.producer[d.graph.loss], 0)
+    holders = []
+    for flat, dev in enumerate(lay.mesh.devices):
+        c = lay.mesh.coord(flat)
+        primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
+        holders.append((dev, d.names.activation(d.graph.loss), int(primary)))
+    return Program(
+        devices=tuple(programs),
+        microbatches=plan.microbatches,
+        precision=pr,
+        groups=tuple(sorted(g for g in groups if len(g) > 1)),
+        loss_holders=tuple(holders),
+    )
+
+
+def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
+    """Fill ``alloc``/``free``: a buffer is allocated by its first writer (an internal buffer,
+    :mod:`planlab.plan.saved`, by the forward task that keeps it) and freed after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
+    which every valid schedule preserves per micro-batch. Each group of buffers in ``together`` is
+    freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
+    together). Static buffers (weights, their gradients, shards, sources) live all along."""
+    order = sorted(blocks, key=block_order)
+    first: dict[Buffer, tuple] = {}
+    last: dict[Buffer, tuple] = {}
+    for bk in order:
+        for ti, t in enumerate(blocks[bk].tasks):
+            at = (bk, ti)
+            kept = tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL) if t.kind is TaskKind.FORWARD else ()
+            for b in t.writes + kept:
+                if b and not b.static and first.setdefault(b, at) is at:
+                    last.setdefault(b, at)
+            for b in t.reads + t.saved:
+                if b and not b.static:
+                    last[b] = at
+    if together:
+        rank = {bk: i for i, bk in enumerate(order)}
+        for bufs in together:
+            at = max((last[b] for b in bufs if b in last), key=lambda p: (rank[p[0]], p[1]), default=None)
+            for b in bufs:
+                if b in last:
+                    last[b] = at
+    allocs: dict[tuple, list] = defaultdict(list)
+    frees: dict[tuple, list] = defaultdict(list)
+    for b, pos in first.items():
+        allocs[pos].append((b, sizes.get(b, 0)))
+    for b, pos in last.items():
+        frees[pos].append(b)
+    out = {}
+    for bk in order:
+        tasks = []
+        for ti, t in enumerate(blocks[bk].tasks):
+            a, f = allocs.get((bk, ti)), frees.get((bk, ti))
+            if a or f:
+                t = t.but(alloc=tuple(a or ()), free=tuple(f or ()))
+            tasks.append(t)
+        out[bk] = Block(bk[0], bk[1], tuple(tasks))
+    return out
