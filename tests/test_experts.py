@@ -262,3 +262,22 @@ def test_all_to_all_exchange_on_gloo(group, tmp_path):
     for p in procs:
         p.join()
     assert results == {r: True for r in group}
+
+
+def test_dispatch_and_combine_are_all_to_all_collectives():
+    """An EP plan's Program moves tokens by all-to-all over the expert-parallel groups, in the
+    forward (dispatch, combine) and in the backward (their gradients), and sends nothing."""
+    from planlab.plan import materialize
+    from planlab.plan.program import TaskKind
+
+    ctx = _ctx("deepseek-tiny", 4)
+    plan = get_space("megatron").build(ctx, dict(dp=4, tp=1, pp=1, microbatch=1, ep=2))
+    program = materialize(plan, ctx.graph)
+    moe_layers = 3
+    for dev in program.devices:
+        tasks = [t for _, t in dev.tasks_in_order()]
+        a2a = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
+        assert not [t for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)]
+        # per micro-batch and MoE layer: dispatch and combine, and both again for the gradients
+        assert len(a2a) == 4 * moe_layers * plan.microbatches
+        assert {len(t.group) for t in a2a} == {2} and all(t.ident >= 0 for t in a2a)
