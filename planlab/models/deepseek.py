@@ -38,8 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.models.llama import FeedForward, rotary_angles
-from planlab.models.moe import Experts, expert_capacity, route_to_experts
-from planlab.models.tokens import token_batch
+from planlab.models.moe import MoE, Experts, decoder_loss, expert_capacity, route_to_experts
 
 
 @dataclass(frozen=True)
@@ -209,23 +208,7 @@ class DeepSeek(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # idx, targets: (B, T) token ids
-        x = self.tok_embeddings(idx)  # (B, T, C)
-        aux = None
-        for block in self.blocks:
-            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
-            if a is not None:  # None for dense layers and without a balance loss, config constants
-                aux = a if aux is None else aux + a
-        logits = self.output(self.norm(x))  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-        if aux is None:
-            return loss
-        # the batch mean as a sum over samples divided by the whole batch, so pieces add up
-        return loss + aux.sum() * (self.cfg.aux_loss_coef / idx.shape[0])
+        return decoder_loss(self, idx, targets)
 
-    @staticmethod
-    def example_inputs(
-        cfg: DeepSeekConfig, batch: int, device: str | torch.device = "meta", seed: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and next-token targets of shape (batch, seq)."""
-        return token_batch(cfg.vocab, cfg.seq, batch, device, seed)
+    # token ids and next-token targets of shape (batch, seq), as the MoE family's
+    example_inputs = staticmethod(MoE.example_inputs)

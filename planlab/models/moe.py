@@ -215,19 +215,7 @@ class MoE(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # idx, targets: (B, T) token ids
-        x = self.tok_embeddings(idx)  # (B, T, C)
-        aux = None
-        for block in self.blocks:
-            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
-            if a is not None:  # None when aux_loss_coef is 0, a config constant
-                aux = a if aux is None else aux + a
-        logits = self.output(self.norm(x))  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-        if aux is None:
-            return loss
-        # the batch mean as a sum over samples divided by the whole batch, so pieces add up
-        return loss + aux.sum() * (self.cfg.aux_loss_coef / idx.shape[0])
+        return decoder_loss(self, idx, targets)
 
     @staticmethod
     def example_inputs(
@@ -235,3 +223,23 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
         return token_batch(cfg.vocab, cfg.seq, batch, device, seed)
+
+
+def decoder_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The forward of a decoder whose blocks return ``(x, balance loss or None)``: the mean
+    next-token cross-entropy plus ``aux_loss_coef`` times the balance losses summed over layers.
+    ``model`` has ``tok_embeddings``, ``blocks``, ``rope_cos``/``rope_sin``, ``norm``, ``output`` and
+    ``cfg`` (:class:`MoE`, :class:`planlab.models.deepseek.DeepSeek`)."""
+    # idx, targets: (B, T) token ids
+    x = model.tok_embeddings(idx)  # (B, T, C)
+    aux = None
+    for block in model.blocks:
+        x, a = block(x, model.rope_cos, model.rope_sin)  # (B, T, C), (B,) or None
+        if a is not None:  # None for dense layers and without a balance loss: config constants
+            aux = a if aux is None else aux + a
+    logits = model.output(model.norm(x))  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    if aux is None:
+        return loss
+    # the batch mean as a sum over samples divided by the whole batch, so pieces add up
+    return loss + aux.sum() * (model.cfg.aux_loss_coef / idx.shape[0])
