@@ -102,7 +102,9 @@ class ExpertParallel(Space):
             ),
         ),
         Constraint(
-            lambda a, c: not _known(a, "ep", "tp") or (a["ep"] or 1) % _tp_over_etp(a) == 0,
+            lambda a, c: (
+                not _known(a, "ep", "tp") or num_experts(c.graph) == 0 or (a["ep"] or 1) % _tp_over_etp(a) == 0
+            ),
             lambda a, c: (
                 f"ep={a['ep']} with etp=1 and tp={a['tp']}: the experts are split over the tensor-parallel "
                 f"ranks too, so ep must be a multiple of tp={a['tp']}"
@@ -119,7 +121,7 @@ class ExpertParallel(Space):
 
     def apply(self, draft: Draft, values: dict) -> None:
         n = ep_over_dp(values)
-        if n <= 1:
+        if n <= 1 or not num_experts(draft.ctx.graph):
             return
         names = [name for name, _ in draft.axes]
         if "dp" not in names:
@@ -163,7 +165,7 @@ class ExpertTensorParallel(Space):
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
-        if _tp_over_etp(values) == 1:
+        if _tp_over_etp(values) == 1 or not num_experts(draft.ctx.graph):
             return
         names = [name for name, _ in draft.axes]
         t = names.index("tp")
