@@ -168,6 +168,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model gpt3-175b --cluster dgx-a100-80g --nodes 16 --space megatron --global-batch 1536 --jobs 2": ByTest(
         "tests/test_cli.py::test_gpt3_175b_exploration_completes"
     ),
+    ".venv/bin/python -m pytest -q tests/test_experts.py tests/test_moe.py": Elsewhere("tests of this suite"),
     ".venv/bin/python benchmarks/sim_scale.py": Benchmark(),
     ".venv/bin/python benchmarks/simulate_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/trace_large.py": Benchmark(),
