@@ -16,7 +16,9 @@ seconds per iteration, ``measured_s``:
 ``tflops_per_gpu``         ``F / (gpus x value x 1e12)``, F by the set's FLOP formula;
 ``mfu``                    ``F / (gpus x value x peak_tflops x 1e12)``;
 ``scaling_efficiency``     ``F / (gpus x value x baseline_tflops_per_gpu x 1e12)``;
-``tokens_per_s_per_gpu``   ``global batch x sequence / (gpus x value)``.
+``tokens_per_s_per_gpu``   ``global batch x sequence / (gpus x value)``;
+``gpu_hours_per_trillion_tokens``  ``global batch x sequence x value x 3600 / (1e12 x gpus)``
+                           (DeepSeek-V3's "180K H800 GPU hours per trillion tokens").
 
 FLOP formulas (B global batch, s sequence, l layers, h hidden, V the set's ``vocab_for_flops``):
 ``narayanan-eq3`` = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et al. 2021, eq. 3: with the
@@ -62,9 +64,18 @@ COLUMNS = (
     "skip_reason",
     "note",
 )
-METRICS = ("iteration_s", "tflops_per_gpu", "mfu", "scaling_efficiency", "tokens_per_s_per_gpu")
+# expert parallelism (optional columns, after cp): ep, and etp (empty: the tensor-parallel degree)
+EXPERT_COLUMNS = COLUMNS[: COLUMNS.index("cp") + 1] + ("ep", "etp") + COLUMNS[COLUMNS.index("cp") + 1 :]
+METRICS = (
+    "iteration_s",
+    "tflops_per_gpu",
+    "mfu",
+    "scaling_efficiency",
+    "tokens_per_s_per_gpu",
+    "gpu_hours_per_trillion_tokens",
+)
 FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7")
-SOFTWARE = ("megatron", "deepspeed", "deepspeed-2021", "torch")
+SOFTWARE = ("megatron", "megatron-2019", "deepspeed", "deepspeed-2021", "torch")
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")
 # integer plan columns a runnable row must fill (a skipped row may leave what its source does not state)
@@ -102,6 +113,8 @@ class PublishedRow:
     value: float
     skip_reason: str = ""
     note: str = ""
+    ep: int = 1
+    etp: int | None = None  # None: the tensor-parallel degree (Megatron-Core's default)
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -135,6 +148,8 @@ class PublishedRow:
             zero=self.zero,
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
+            ep=self.ep,
+            **({} if self.etp is None else {"etp": self.etp}),
         )
 
     @property
@@ -183,6 +198,8 @@ class PublishedSet:
             return row.value
         if kind == "tokens_per_s_per_gpu":
             return row.global_batch * _config(row).seq / (row.gpus * row.value)
+        if kind == "gpu_hours_per_trillion_tokens":
+            return row.global_batch * _config(row).seq * row.value * 3600 / (1e12 * row.gpus)
         if kind == "mfu":
             per_gpu = row.value * float(m["peak_tflops"])
         elif kind == "tflops_per_gpu":
@@ -272,8 +289,11 @@ def _read_rows(path: Path, name: str) -> tuple[PublishedRow, ...]:
     try:
         with path.open(newline="") as fh:
             reader = csv.DictReader(fh)
-            if tuple(reader.fieldnames or ()) != COLUMNS:
-                raise ConfigError(f"{str(path)!r}: the columns are {reader.fieldnames}; expected {', '.join(COLUMNS)}")
+            if tuple(reader.fieldnames or ()) not in (COLUMNS, EXPERT_COLUMNS):
+                raise ConfigError(
+                    f"{str(path)!r}: the columns are {reader.fieldnames}; expected {', '.join(COLUMNS)} "
+                    "(with ep, etp after cp for expert parallelism)"
+                )
             raw = list(reader)
     except OSError as e:
         raise ConfigError(f"cannot read {str(path)!r}: {e.strerror}") from None
@@ -322,6 +342,8 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         value=num("value", float),
         skip_reason=skip,
         note=r["note"],
+        ep=num("ep", optional=True) or 1 if "ep" in r else 1,
+        etp=num("etp", optional=True) if "etp" in r else None,
         **ints,
     )
     if not r["row"] or not r["source_ref"].strip():

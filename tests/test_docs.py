@@ -168,6 +168,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model gpt3-175b --cluster dgx-a100-80g --nodes 16 --space megatron --global-batch 1536 --jobs 2": ByTest(
         "tests/test_cli.py::test_gpt3_175b_exploration_completes"
     ),
+    ".venv/bin/python -m pytest -q tests/test_experts.py tests/test_moe.py": Elsewhere("tests of this suite"),
     ".venv/bin/python benchmarks/sim_scale.py": Benchmark(),
     ".venv/bin/python benchmarks/simulate_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/trace_large.py": Benchmark(),
@@ -176,6 +177,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/validate_vtrain.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --set megatron-sc21-zero3 --rows": Benchmark(),
+    ".venv/bin/python benchmarks/validate_published.py --set shoeybi-2019-v100 --jobs 1": Benchmark(),
     ".venv/bin/python benchmarks/host_overhead.py": Benchmark(),
     ".venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0": Benchmark(),
     ".venv/bin/python benchmarks/kernels_in_situ.py": Benchmark(),

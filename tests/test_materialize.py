@@ -22,7 +22,12 @@ X, Y = activation("x"), activation("y", 0)
         (Layout(M2, (Partial(),)), Layout(M2, (Shard(0),)), ["reduce_scatter"]),
         (Layout(M2, (Shard(1),)), Layout(M2, (Replicate(),)), ["all_gather"]),
         (Layout(M2, (Replicate(),)), Layout(M2, (Shard(0),)), ["chunk"]),
-        (Layout(M2, (Shard(0),)), Layout(M2, (Shard(1),)), ["p2p"]),
+        (Layout(M2, (Shard(0),)), Layout(M2, (Shard(1),)), ["all_to_all"]),  # one shard for another
+        # the batch over both axes -> the experts over the inner one (expert parallelism's dispatch)
+        (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(0), Shard(1))), ["all_to_all"]),
+        # the inner axis does not hold neighbouring blocks of axis 0 after it: point to point
+        (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(1), Shard(0))), ["p2p"]),
+        (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(0), Replicate())), ["p2p"]),  # as before
         (Layout(M22, (Shard(0), Partial())), Layout(M22, (Shard(0), Replicate())), ["all_reduce"]),
         (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate())), ["all_reduce", "all_gather"]),
         (Layout(M2, (Shard(0),)), Layout(Mesh((2,), (2, 3)), (Shard(0),)), ["p2p"]),

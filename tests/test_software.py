@@ -13,6 +13,8 @@ from conftest import traced
 
 from planlab.cli import main
 from planlab.costmodel import CostModel
+from planlab.costmodel.kernels import op_kernels
+from planlab.costmodel.software import load_software
 from planlab.errors import ConfigError
 from planlab.plan.plan_file import load_plan, plan_from_dict, plan_to_dict
 from planlab.plan.program import TaskKind
@@ -127,3 +129,16 @@ def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
     assert extra[768] > extra[8]
     assert old.buffer_copies("reduce_scatter", 768) == 0 and old.buffer_copies("all_gather", 1) == 0
     assert old.buffer_copies("all_gather", 768) == 768 and new.buffer_copies("all_gather", 768) == 0
+
+
+def test_megatron_2019_attention_masks_and_normalizes_in_separate_kernels() -> None:
+    """Megatron-LM 2019 scales query and key, multiplies by the mask, subtracts and normalizes in
+    separate half-precision kernels: more passes over the scores than the fused kernel, each way."""
+
+    assert not load_software("megatron-2019").fused_softmax and load_software("megatron").fused_softmax
+    shapes = ((8, 16, 1024, 96), (8, 16, 1024, 96), (8, 16, 1024, 96), (8, 16, 1024, 96))
+    for phase in ("F", "B"):
+        fused, unfused = (op_kernels("attention", phase, shapes, 2, "megatron", False, f) for f in (True, False))
+        moved = [sum(k.bytes for k in ks.kernels if not k.gemm) for ks in (fused, unfused)]
+        assert moved[1] > moved[0] and unfused.calls > fused.calls
+        assert [k.gemm for k in unfused.kernels if k.gemm] == [k.gemm for k in fused.kernels if k.gemm]

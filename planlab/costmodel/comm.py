@@ -38,7 +38,8 @@ and every ring step pays the inter-node latency. When the nodes sit under more
 than one leaf switch of an oversubscribed fat tree, the inter-node bandwidth is
 divided by the oversubscription. all_to_all spanning nodes is bounded by the
 slower of the traffic to node peers (intra link) and to other nodes (the rank's
-own NIC). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
+own NIC); on a rail-optimized network NCCL's PXN keeps it on the rails, relaying
+messages for other rails over NVLink (:func:`all_to_all_traffic`). ``eff(size) = max / (1 + (half / size) ** exponent)`` makes small
 messages reach lower bandwidth; its parameters live in the spec files, fitted
 against nccl-tests all-reduce bus bandwidths (of two nodes; over more nodes the spec's
 ``inter_scale_efficiency`` lowers it, :func:`scale_efficiency`). A ring moves ``nbytes / n``
@@ -231,15 +232,44 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
 
 
 def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
+    """Every rank sends ``nbytes / n`` to each other member, all pairs at once (NCCL's all_to_all
+    is grouped point-to-point): the slower of the NVLink traffic and the NIC traffic of the rank
+    with the most bytes to move (see :func:`all_to_all_traffic`), plus a latency per peer."""
     node = cluster.node
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
-    t_peers = (p.g_max - 1) / p.n * nbytes / _intra_bw(node, nbytes, p.n)  # to ranks on the same node
-    t_remote = (
-        (p.n - p.g_min) / p.n * nbytes / _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails)
-        if p.nodes > 1
-        else 0.0
-    )
-    return (p.n - 1) * alpha + max(t_peers, t_remote)
+    nvlink, nic = all_to_all_traffic(p, cluster.network.rail_optimized)
+    t_intra = nvlink * nbytes / _intra_bw(node, nbytes, p.n)
+    t_inter = 0.0
+    if nic > 0:
+        # on rails (or under one leaf) the NIC's share is not divided by the oversubscription; the
+        # ring's node-count derate (inter_scale) is not applied: a direct exchange has no ring to
+        # stretch, and DeepEP's all-to-all keeps 43-51 GB/s per 50 GB/s NIC at 16 to 64 ranks
+        # (deepseek-ai/DeepEP README, normal kernels on H800 with ConnectX-7 400 Gb/s)
+        rails = cluster.network.rail_optimized
+        over = cluster.network.oversubscription if p.switches > 1 and not rails else 1.0
+        bw = node.inter_bytes_per_s * node.inter_efficiency.at_chunk(nbytes, p.n) / over
+        t_inter = nic * nbytes / bw
+    return (p.n - 1) * alpha + max(t_intra, t_inter)
+
+
+def all_to_all_traffic(p: Placement, rail_optimized: bool) -> tuple[float, float]:
+    """The share of one rank's all-to-all buffer that crosses its NVLink and its NIC: ``(nvlink,
+    nic)``, for the rank with the most to move (on the node holding the fewest members).
+
+    Peers on the node take ``(g_max - 1) / n`` of the buffer over NVLink; members on other nodes
+    ``(n - g_min) / n`` over the network. On a rail-optimized network (NIC i of every node on rail
+    switch i, as DGX SuperPOD is cabled) NCCL's PXN (since NCCL 2.12; NVIDIA, "Doubling all2all
+    Performance with NVIDIA Collective Communication Library 2.12", 2022) moves a message for
+    another rail first over NVLink to the node's GPU on the destination's rail, which sends it on
+    that rail: nothing crosses the spine, every NIC carries its GPU's share, and the messages for
+    other rails (all but ``1 / g`` of the remote ones when the group holds ``g`` local ranks on
+    each node; all of them when its nodes hold different local ranks) cross NVLink once more."""
+    n, g = p.n, p.g_max
+    peers, remote = (g - 1) / n, (n - p.g_min) / n
+    if p.nodes == 1 or not rail_optimized:
+        return peers, remote if p.nodes > 1 else 0.0
+    relayed = remote * ((g - 1) / g if p.rails else 1.0)
+    return peers + relayed, remote
 
 
 def _nvls(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:

@@ -123,12 +123,16 @@ def op_kernels(
     eb: int,
     implementation: str = "torch",
     fp8: bool = False,
+    fused_softmax: bool = True,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
     (``fp8``: linear layers' GEMMs in FP8, see the module docstring); None when the kind is not
-    modelled (or its shapes are not what the kind takes)."""
+    modelled (or its shapes are not what the kind takes). ``fused_softmax`` False: Megatron's
+    attention masks and normalizes its scores in separate kernels (:func:`unfused_softmax_2019`)."""
     try:
+        if kind == "attention" and not fused_softmax:
+            return _attention(phase, shapes, eb, implementation, fused_softmax=False)
         if kind == "linear" and fp8:
             return _linear_fp8(phase, shapes, eb, implementation)
         return (
@@ -186,7 +190,7 @@ def _linear_fp8(phase, shapes, eb, impl):
     return OpKernels(tuple(ks + _accumulate(params, eb)), 2 + len(params))
 
 
-def _attention(phase, shapes, eb, impl):
+def _attention(phase, shapes, eb, impl, fused_softmax=True):
     q, kk, v, o = shapes[0], shapes[1], shapes[2], shapes[-1]
     t, d = q[-2], q[-1]
     s = kk[-2]
@@ -198,7 +202,11 @@ def _attention(phase, shapes, eb, impl):
             return OpKernels((_gemm("flash-attention", bh, t, s, d + e),), 1)
         return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e))),), 1)
     ctx = _n(o) * eb
-    softmax = _megatron_softmax(phase, bh, t, s, scores, eb)
+    softmax = (
+        _megatron_softmax(phase, bh, t, s, scores, eb)
+        if fused_softmax
+        else unfused_softmax_2019(phase, scores, _n(q) + _n(kk), eb)
+    )
     if phase == "F":
         return OpKernels(
             (
@@ -256,6 +264,26 @@ def _megatron_softmax(phase: str, bh: int, t: int, s: int, scores: int, eb: int)
         _pass("scale-bwd", 2 * scores * f32),
         _pass("grad-to-half", scores * (f32 + eb)),
     ]
+
+
+def unfused_softmax_2019(phase: str, scores: int, qk: int, eb: int) -> list[Kernel]:
+    """Megatron-LM 2019's scaling, masking and softmax (``mpu/transformer.py``,
+    GPT2ParallelSelfAttention): query and key (``qk`` elements together) each divided by the fourth
+    root of the head size before the score GEMM, then
+    ``torch.mul(scores, mask) - 10000 * (1 - mask)`` and ``torch.nn.Softmax``, each its own kernel
+    over the scores in the model's half precision (the mask is one ``s x s`` matrix broadcast over
+    batch and heads, read from cache). Backward: softmax's (read the probabilities and their
+    gradient, write one) and the multiplication's by the mask; the subtraction passes its gradient
+    through."""
+    scale = _pass("scale-query-key" + ("" if phase == "F" else "-bwd"), 2 * qk * eb)
+    if phase == "F":
+        return [
+            scale,
+            _pass("mask-mul", 2 * scores * eb),
+            _pass("mask-sub", 2 * scores * eb),
+            _pass("softmax", 2 * scores * eb),
+        ]
+    return [_pass("softmax-bwd", 3 * scores * eb), _pass("mask-mul-bwd", 2 * scores * eb), scale]
 
 
 def _layer_norm(phase, shapes, eb, impl):

@@ -27,6 +27,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ProcessGroupNCCL copies out of a flat buffer of its own: one copy kernel per rank and
     all-gather) or ``"copied"`` (FSDP2: each all-gather's output copied into the parameters,
     each reduce-scatter's input assembled from the gradients, one copy kernel each);
+``fused_softmax``
+    Megatron's attention scales, masks and normalizes its scores in one fused kernel each way
+    (true, the default) or in separate PyTorch kernels as Megatron-LM's 2019 release did (false;
+    :func:`planlab.costmodel.kernels.unfused_softmax_2019`);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -79,6 +83,7 @@ _FIELDS = {
     "pipeline_messages",
     "collective_buffers",
     "sequence_parallel_saves_shard",
+    "fused_softmax",
     "precisions",
     "zero3",
     "memory",
@@ -131,6 +136,7 @@ class SoftwareSpec:
     pipeline_messages: str = "whole"
     collective_buffers: str = "flat"
     sequence_parallel_saves_shard: bool = False
+    fused_softmax: bool = True
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -206,6 +212,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         pipeline_messages=_choice(f, "pipeline_messages", PIPELINE_MESSAGES, "whole"),
         collective_buffers=_choice(f, "collective_buffers", COLLECTIVE_BUFFERS, "flat"),
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
+        fused_softmax=_flag(f, "fused_softmax", True),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

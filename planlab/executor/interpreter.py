@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
-from planlab.executor import zero3
+from planlab.executor import all_to_all, zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
@@ -637,6 +637,8 @@ class Interpreter:
                 z = x.clone()
                 dist.all_reduce(z, group=pg)
                 y = z.chunk(n, dim=task.axis)[me].contiguous()
+        elif task.collective == "all_to_all":  # one shard for another: split along task.shape, gather task.axis
+            y = all_to_all.exchange(x, group, self.device, task.axis, task.shape, pg)
         else:
             raise ExecutionError(f"collective {task.collective!r} is not supported by the executor")
         self._put(task.writes[0], mb, y, None, task.accumulate)

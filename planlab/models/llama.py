@@ -62,14 +62,19 @@ class LlamaConfig:
 
 
 def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine of the rotary angles of ``cfg``'s heads, each ``(seq, head_dim)``."""
+    return rotary_angles(cfg.head_dim, cfg.rope_theta, cfg.seq)
+
+
+def rotary_angles(head_dim: int, theta: float, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine of the rotary angles, each ``(seq, head_dim)``.
 
     Frequency ``i`` of ``head_dim / 2`` is ``theta ** (-2i / head_dim)``; both halves of the
     head dimension use the same frequencies (the "rotate half" layout).
     """
-    hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # (hd/2,)
-    angles = torch.outer(torch.arange(cfg.seq, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    hd = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))  # (hd/2,)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (T, hd/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
     return angles.cos(), angles.sin()
 
@@ -110,11 +115,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, hidden: int, ffn_hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+        self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, C) -> (B, T, F) -> (B, T, C)
@@ -129,7 +134,7 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)

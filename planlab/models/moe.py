@@ -39,6 +39,12 @@ from planlab.models.llama import Attention, rotary_tables
 from planlab.models.tokens import token_batch
 
 
+def expert_capacity(capacity_factor: float, seq: int, top_k: int, experts: int) -> int:
+    """Tokens one expert takes per sequence: ``ceil(capacity_factor * seq * top_k / experts)``,
+    at most ``seq`` (a token picks an expert once, so ``seq`` drops nothing)."""
+    return min(seq, math.ceil(capacity_factor * seq * top_k / experts))
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Sizes of a mixture-of-experts decoder.
@@ -69,9 +75,8 @@ class MoEConfig:
 
     @property
     def capacity(self) -> int:
-        """Tokens one expert takes per sequence: ``ceil(capacity_factor * seq * top_k / experts)``,
-        at most ``seq`` (a token picks an expert once)."""
-        return min(self.seq, math.ceil(self.capacity_factor * self.seq * self.top_k / self.experts))
+        """Tokens one expert takes per sequence (see :func:`expert_capacity`)."""
+        return expert_capacity(self.capacity_factor, self.seq, self.top_k, self.experts)
 
     def num_params(self) -> int:
         """Parameter count of the module: embedding, layers (attention, router, experts, norms),
@@ -96,9 +101,9 @@ class MoEConfig:
 class Experts(nn.Module):
     """``experts`` SwiGLU MLPs as stacked weights: ``w2(silu(w1 x) * w3 x)`` per expert."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, experts: int, hidden: int, ffn_hidden: int) -> None:
         super().__init__()
-        e, h, f = cfg.experts, cfg.hidden, cfg.ffn_hidden
+        e, h, f = experts, hidden, ffn_hidden
         self.w1 = nn.Parameter(torch.empty(e, h, f))  # (E, H, F)
         self.w3 = nn.Parameter(torch.empty(e, h, f))  # (E, H, F)
         self.w2 = nn.Parameter(torch.empty(e, f, h))  # (E, F, H)
@@ -119,10 +124,10 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.capacity = cfg.experts, cfg.top_k, cfg.capacity
         self.balance = cfg.aux_loss_coef > 0  # a config constant: no load-balancing operators without it
         self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)  # the router
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg.experts, cfg.hidden, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        E, K, C = self.num_experts, self.top_k, self.capacity
+        E, K = self.num_experts, self.top_k
         S = x.shape[1]
         # routing: probabilities, top-k, renormalised weights
         probs = F.softmax(self.gate(x), dim=-1)  # (B, S, E)
@@ -130,22 +135,7 @@ class SparseMoE(nn.Module):
         top_p, top_i = top[0], top[1]  # (B, S, K) probabilities and experts
         weight = top_p / top_p.sum(dim=-1, keepdim=True)  # (B, S, K)
         choice = F.one_hot(top_i, E)  # (B, S, K, E)
-        # queue positions per sequence: first choices (k = 0) of every token, then second ones
-        order = choice.transpose(1, 2).flatten(1, 2)  # (B, K*S, E)
-        pos = (torch.cumsum(order, dim=1) * order).sum(dim=-1) - 1  # (B, K*S) place in its expert's queue
-        keep = pos < C  # (B, K*S) within capacity
-        expert = top_i.transpose(1, 2).flatten(1, 2)  # (B, K*S)
-        slot = ((expert * C + pos) * keep).unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, K*S, H)
-        # dispatch: each kept assignment's token into its slot (dropped ones add zeros to slot 0)
-        src = x.unsqueeze(1).expand(-1, K, -1, -1).flatten(1, 2) * keep.unsqueeze(-1)  # (B, K*S, H)
-        empty = torch.zeros_like(x[:, :1]).expand(-1, E * C, -1)  # (B, E*C, H)
-        slots = torch.scatter_add(empty, 1, slot, src)  # (B, E*C, H)
-        xe = slots.unflatten(1, (E, C)).transpose(0, 1).flatten(1, 2)  # (E, B*C, H)
-        ye = self.experts(xe)  # (E, B*C, H)
-        yo = ye.unflatten(1, (-1, C)).transpose(0, 1).flatten(1, 2)  # (B, E*C, H)
-        # combine: each assignment reads its slot, weighted (zero when dropped), summed over k
-        wk = (weight.transpose(1, 2).flatten(1, 2) * keep).unsqueeze(-1)  # (B, K*S, 1)
-        y = (torch.gather(yo, 1, slot) * wk).unflatten(1, (K, S)).sum(dim=1)  # (B, S, H)
+        y = route_to_experts(x, top_i, choice, weight, self.experts, num_experts=E, capacity=self.capacity)  # (B, S, H)
         if not self.balance:
             return y, None
         # load balancing per sequence: E * sum_e (tokens routed to e / S) * (mean probability of e)
@@ -153,6 +143,42 @@ class SparseMoE(nn.Module):
         mean_p = probs.sum(dim=1) / S  # (B, E)
         aux = (routed * mean_p).sum(dim=-1) * E  # (B,)
         return y, aux
+
+
+def route_to_experts(
+    x: torch.Tensor,
+    top_i: torch.Tensor,
+    choice: torch.Tensor,
+    weight: torch.Tensor,
+    experts: nn.Module,
+    *,
+    num_experts: int,
+    capacity: int,
+) -> torch.Tensor:
+    """Dispatch each token to its ``top_i`` experts (at most ``capacity`` tokens of a sequence per
+    expert, first choices first), run ``experts`` on ``(E, B*C, H)`` and combine their outputs
+    weighted by ``weight``: x (B, S, H), top_i and weight (B, S, K), ``choice`` the one-hot
+    ``(B, S, K, E)`` of ``top_i`` -> (B, S, H).
+
+    Plain tensor operations, so torch.fx traces it into the caller's module (its ``experts``
+    weights keep their names)."""
+    E, C, K, S = num_experts, capacity, top_i.shape[-1], x.shape[1]
+    # queue positions per sequence: first choices (k = 0) of every token, then second ones
+    order = choice.transpose(1, 2).flatten(1, 2)  # (B, K*S, E)
+    pos = (torch.cumsum(order, dim=1) * order).sum(dim=-1) - 1  # (B, K*S) place in its expert's queue
+    keep = pos < C  # (B, K*S) within capacity
+    expert = top_i.transpose(1, 2).flatten(1, 2)  # (B, K*S)
+    slot = ((expert * C + pos) * keep).unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (B, K*S, H)
+    # dispatch: each kept assignment's token into its slot (dropped ones add zeros to slot 0)
+    src = x.unsqueeze(1).expand(-1, K, -1, -1).flatten(1, 2) * keep.unsqueeze(-1)  # (B, K*S, H)
+    empty = torch.zeros_like(x[:, :1]).expand(-1, E * C, -1)  # (B, E*C, H)
+    slots = torch.scatter_add(empty, 1, slot, src)  # (B, E*C, H)
+    xe = slots.unflatten(1, (E, C)).transpose(0, 1).flatten(1, 2)  # (E, B*C, H)
+    ye = experts(xe)  # (E, B*C, H)
+    yo = ye.unflatten(1, (-1, C)).transpose(0, 1).flatten(1, 2)  # (B, E*C, H)
+    # combine: each assignment reads its slot, weighted (zero when dropped), summed over k
+    wk = (weight.transpose(1, 2).flatten(1, 2) * keep).unsqueeze(-1)  # (B, K*S, 1)
+    return (torch.gather(yo, 1, slot) * wk).unflatten(1, (K, S)).sum(dim=1)  # (B, S, H)
 
 
 class Block(nn.Module):
@@ -189,19 +215,7 @@ class MoE(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # idx, targets: (B, T) token ids
-        x = self.tok_embeddings(idx)  # (B, T, C)
-        aux = None
-        for block in self.blocks:
-            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
-            if a is not None:  # None when aux_loss_coef is 0, a config constant
-                aux = a if aux is None else aux + a
-        logits = self.output(self.norm(x))  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-        if aux is None:
-            return loss
-        # the batch mean as a sum over samples divided by the whole batch, so pieces add up
-        return loss + aux.sum() * (self.cfg.aux_loss_coef / idx.shape[0])
+        return decoder_loss(self, idx, targets)
 
     @staticmethod
     def example_inputs(
@@ -209,3 +223,23 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and next-token targets of shape (batch, seq)."""
         return token_batch(cfg.vocab, cfg.seq, batch, device, seed)
+
+
+def decoder_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The forward of a decoder whose blocks return ``(x, balance loss or None)``: the mean
+    next-token cross-entropy plus ``aux_loss_coef`` times the balance losses summed over layers.
+    ``model`` has ``tok_embeddings``, ``blocks``, ``rope_cos``/``rope_sin``, ``norm``, ``output`` and
+    ``cfg`` (:class:`MoE`, :class:`planlab.models.deepseek.DeepSeek`)."""
+    # idx, targets: (B, T) token ids
+    x = model.tok_embeddings(idx)  # (B, T, C)
+    aux = None
+    for block in model.blocks:
+        x, a = block(x, model.rope_cos, model.rope_sin)  # (B, T, C), (B,) or None
+        if a is not None:  # None for dense layers and without a balance loss: config constants
+            aux = a if aux is None else aux + a
+    logits = model.output(model.norm(x))  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    if aux is None:
+        return loss
+    # the batch mean as a sum over samples divided by the whole batch, so pieces add up
+    return loss + aux.sum() * (model.cfg.aux_loss_coef / idx.shape[0])

@@ -7,7 +7,7 @@ given as an override (``gpt`` or ``llama`` with ``layers=..``, ...), or a user's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Union
 
 import torch
@@ -19,12 +19,15 @@ from planlab.models.llama import Llama, LlamaConfig
 from planlab.models.t5 import T5, T5Config
 from planlab.models.evoformer import Evoformer, EvoformerConfig
 from planlab.models.moe import MoE, MoEConfig
+from planlab.models.deepseek import DeepSeek, DeepSeekConfig
 from planlab.models.swin import Swin, SwinConfig, check_swin
 from planlab.models.nnscaler import NNSCALER_EVOFORMER_PRESETS, NNSCALER_SWIN_PRESETS, NNSCALER_T5_PRESETS
 from planlab.models.spec import ModelSpec, is_user_model  # noqa: F401 (re-exported: ModelSpec lives apart, without torch)
 from planlab.models.user import UserModelConfig, build_user_model
 
-ModelConfig = Union[GPTConfig, LlamaConfig, T5Config, EvoformerConfig, MoEConfig, SwinConfig, UserModelConfig]
+ModelConfig = Union[
+    GPTConfig, LlamaConfig, T5Config, EvoformerConfig, MoEConfig, DeepSeekConfig, SwinConfig, UserModelConfig
+]
 
 # GPT-3 shapes from Brown et al. 2020, table 2.1 (sequence 2048, vocabulary 50257 rounded to 51200
 # as Megatron-LM pads it).
@@ -277,6 +280,78 @@ def _check_moe(cfg: MoEConfig) -> None:
         raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
 
 
+# DeepSeek-V3's shape from its technical report (DeepSeek-AI 2024, arXiv:2412.19437, section 4.2,
+# "Model Hyper-Parameters": 61 layers, hidden 7,168, 128 heads of 128 channels, kv compression 512,
+# query compression 1,536, decoupled rotary key/query 64 per head, all FFNs but the first three
+# layers MoE, each with 1 shared and 256 routed experts of intermediate size 2,048, 8 routed experts
+# per token; section 2.1.2: sigmoid affinities, normalised over the selected ones; section 4.2:
+# sequence-wise balance factor 0.0001; 671B parameters, 37B active per token) and the released
+# config.json of deepseek-ai/DeepSeek-V3 (vocab_size 129,280, intermediate_size 18,432 for the dense
+# layers, qk_nope_head_dim 128, v_head_dim 128, routed_scaling_factor 2.5, rope_theta 10,000,
+# rms_norm_eps 1e-6). Sequence 4,096: the pre-training length (section 4.2). capacity_factor 1.0
+# prices a balanced load (see planlab/models/deepseek.py); DeepSeek-V3 itself drops no token.
+# deepseek-tiny runs here: capacity_factor 4 = experts / top_k drops nothing.
+DEEPSEEK_PRESETS: dict[str, DeepSeekConfig] = {
+    "deepseek-tiny": DeepSeekConfig(
+        layers=4,
+        dense_layers=1,
+        hidden=64,
+        heads=4,
+        ffn_hidden=128,
+        moe_ffn_hidden=32,
+        experts=8,
+        shared_experts=1,
+        top_k=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        rope_head_dim=8,
+        nope_head_dim=8,
+        v_head_dim=8,
+        seq=32,
+        vocab=128,
+        capacity_factor=4.0,
+    ),
+    "deepseek-v3": DeepSeekConfig(
+        layers=61,
+        dense_layers=3,
+        hidden=7168,
+        heads=128,
+        ffn_hidden=18432,
+        moe_ffn_hidden=2048,
+        experts=256,
+        shared_experts=1,
+        top_k=8,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        rope_head_dim=64,
+        nope_head_dim=128,
+        v_head_dim=128,
+        seq=4096,
+        vocab=129280,
+    ),
+}
+
+
+def _check_deepseek(cfg: DeepSeekConfig) -> None:
+    for name in DeepSeekConfig.__dataclass_fields__:
+        v = getattr(cfg, name)
+        if isinstance(v, int) and name not in ("dense_layers", "shared_experts") and v < 1:
+            raise ConfigError(f"{name}={v} must be at least 1")
+    if not 0 <= cfg.dense_layers <= cfg.layers:
+        raise ConfigError(f"dense_layers={cfg.dense_layers} must be between 0 and layers={cfg.layers}")
+    if cfg.shared_experts < 0:
+        raise ConfigError(f"shared_experts={cfg.shared_experts} must be at least 0")
+    if not 1 <= cfg.top_k <= cfg.experts:
+        raise ConfigError(f"top_k={cfg.top_k} must be between 1 and experts={cfg.experts}")
+    if cfg.rope_head_dim % 2:
+        raise ConfigError(f"rope_head_dim={cfg.rope_head_dim} must be even for rotary embeddings")
+    for name in ("capacity_factor", "routed_scale"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be positive")
+    if cfg.aux_loss_coef < 0:
+        raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
+
+
 # Swin Transformer shapes (224x224 images, 4x4 patches, window 7, ImageNet-1k head). Swin-T/S/B/L from
 # Liu et al. 2021, "Swin Transformer", section 3.3 and table 1 (C = 96, 96, 128, 192; depths 2,2,6,2
 # for T and 2,2,18,2 for the others; heads 3,6,12,24 scaled with C; 28M, 50M, 88M, 197M parameters;
@@ -359,6 +434,16 @@ FAMILIES: dict[str, Family] = {
         MOE_PRESETS,
         ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts", "top_k", "seq", "vocab"),
         _check_moe,
+    ),
+    "deepseek": Family(
+        "deepseek",
+        DeepSeekConfig,
+        DeepSeek,
+        DEEPSEEK_PRESETS,
+        tuple(
+            f for f in DeepSeekConfig.__dataclass_fields__ if DeepSeekConfig.__dataclass_fields__[f].default is MISSING
+        ),
+        _check_deepseek,
     ),
     "swin": Family(
         "swin",

@@ -2,7 +2,7 @@
 
 A pure planner, after DTensor's ``_redistribute``: :func:`plan_conversion`
 returns per-device tasks and never runs anything. Conversions over the same
-mesh become one collective per changed mesh axis (all-reduce, reduce-scatter,
+mesh become one collective per changed mesh axis (all-reduce, reduce-scatter, all-to-all,
 all-gather, or a local slice); anything else falls back to point-to-point
 copies of overlapping slices, which is always correct.
 """
@@ -89,7 +89,7 @@ def plan_conversion(
     """
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
         raise ValueError(f"cannot convert into a partial layout {dst}")
-    if _same_mesh(src, dst) and not _nested(src) and not _nested(dst):
+    if _same_mesh(src, dst):
         conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, ident)
         if conv is not None:
             return conv
@@ -103,33 +103,56 @@ def plan_conversion(
 def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout]] | None:
     """The steps of a conversion on one mesh, one per changed mesh axis: ``(axis, kind, layout
     before, layout after)``. Reductions first (they shrink nothing but must precede slicing of the
-    same data), then gathers, then local slices (``chunk``); None for a shard-to-shard change (an
-    all-to-all, left to the point-to-point fallback)."""
+    same data), then gathers, then all-to-alls (one shard for another: expert parallelism's
+    dispatch and combine), then local slices (``chunk``). None where a step would not move whole
+    blocks in the group's order (see :func:`_innermost`), and for a layout that splits one tensor
+    axis over several mesh axes unless the conversion has an all-to-all or no step at all (the
+    others keep the point-to-point path they had)."""
     mesh = src.mesh
+    cur, want = list(_normalize(src)), _normalize(dst)
+
+    def rank(i: int) -> int:
+        s, d = cur[i], want[i]
+        return 0 if isinstance(s, Partial) else (2 if isinstance(d, Shard) else 1) if isinstance(s, Shard) else 3
+
     steps = []
-    cur = list(_normalize(src))
-    want = _normalize(dst)
-    order = sorted(
-        range(len(cur)), key=lambda i: (0 if isinstance(cur[i], Partial) else 1 if isinstance(cur[i], Shard) else 2, i)
-    )
-    for ax in order:
+    for ax in sorted(range(len(cur)), key=lambda i: (rank(i), i)):
         s, d = cur[ax], want[ax]
         if s == d:
             continue
-        if isinstance(s, Partial) and isinstance(d, Replicate):
-            kind = "all_reduce"
-        elif isinstance(s, Partial) and isinstance(d, Shard):
-            kind = "reduce_scatter"
-        elif isinstance(s, Shard) and isinstance(d, Replicate):
-            kind = "all_gather"
-        elif isinstance(s, Replicate) and isinstance(d, Shard):
-            kind = "chunk"
-        else:
+        kind = _STEP_KINDS.get((type(s), type(d)))
+        if kind is None:
             return None
         before = Layout(mesh, tuple(cur))
         cur[ax] = d
-        steps.append((ax, kind, before, Layout(mesh, tuple(cur))))
+        after = Layout(mesh, tuple(cur))
+        if isinstance(s, Shard) and not _innermost(before, ax, s.dim):
+            return None
+        if isinstance(d, Shard) and not _innermost(after, ax, d.dim):
+            return None
+        steps.append((ax, kind, before, after))
+    if steps and (_nested(src) or _nested(dst)) and not any(k == "all_to_all" for _, k, _, _ in steps):
+        return None
     return steps
+
+
+_STEP_KINDS = {
+    (Partial, Replicate): "all_reduce",
+    (Partial, Shard): "reduce_scatter",
+    (Shard, Replicate): "all_gather",
+    (Replicate, Shard): "chunk",
+    (Shard, Shard): "all_to_all",
+}
+
+
+def _innermost(layout: Layout, ax: int, dim: int) -> bool:
+    """Whether mesh axis ``ax`` is the last of ``layout``'s axes to split tensor axis ``dim``: the
+    group along it then holds neighbouring blocks of that axis, so gathering over it (or cutting
+    along it) moves whole blocks in the group's order."""
+    return all(
+        not (isinstance(p, Shard) and p.dim == dim and n > 1)
+        for p, n in zip(layout.placements[ax + 1 :], layout.mesh.shape[ax + 1 :])
+    )
 
 
 def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, ident) -> Conversion | None:
@@ -168,7 +191,7 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                     f"{name}chunk{k}", TaskKind.LOCAL, (rbuf,), (wbuf,), src_region=relative(bout, bin_), **common
                 )
             else:
-                axis = {"reduce_scatter": after, "all_gather": before}.get(kind)
+                axis = {"reduce_scatter": after, "all_gather": before, "all_to_all": before}.get(kind)
                 task = Task(
                     f"{name}{kind}{k}",
                     TaskKind.COLLECTIVE,

@@ -125,7 +125,7 @@ def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int
         run_kind = None
         for t in dp.blocks[key].tasks:
             if run and t.kind is not run_kind:
-                out.append(tuple(sorted(run, key=repr)))
+                out.append(_run(run))
                 run = []
             peer = (classes[t.peer], node_of(t.peer) == me) if t.peer >= 0 else None
             group = None
@@ -140,8 +140,15 @@ def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int
             else:
                 out.append(row)
         if run:
-            out.append(tuple(sorted(run, key=repr)))
+            out.append(_run(run))
     return tuple(out)
+
+
+def _run(rows: list[tuple]) -> tuple:
+    """A run of messages as a set: its rows sorted, and the bytes its tasks allocate apart (the first
+    receive of a buffer allocates it, whichever peer's message it is: the run's peak is the same)."""
+    allocs = sorted(n for r in rows for n in r[12])
+    return tuple(sorted((r[:12] + r[13:] for r in rows), key=repr)), tuple(allocs)
 
 
 def reduce_program(

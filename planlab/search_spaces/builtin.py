@@ -11,6 +11,7 @@ from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
 from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
+from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -135,16 +136,20 @@ class DataParallel(Space):
 
 # Megatron-LM's column- and row-parallel linear layers, by module name (torchtitan's colwise/rowwise):
 # GPT's attn.q/k/v, mlp.fc | attn.proj, mlp.proj; LLaMA's attention.wq/wk/wv, feed_forward.w1/w3 |
-# attention.wo, feed_forward.w2; T5's self_attn/cross_attn.q/k/v, ff.wi(_0/_1) | .o, ff.wo (grouped-query attention splits its key/value heads too). Hugging Face
+# attention.wo, feed_forward.w2 (grouped-query attention splits its key/value heads too); T5's
+# self_attn/cross_attn.q/k/v, ff.wi(_0/_1) | .o, ff.wo; DeepSeek's
+# latent attention up-projections attention.wq_b/wkv_b | attention.wo (the down-projections to the
+# latents stay whole, as Megatron-Core's MLA keeps linear_q_down_proj/linear_kv_down_proj) and its
+# shared experts shared_experts.w1/w3 | shared_experts.w2. Hugging Face
 # models (planlab/graph/hf.py, transformers 5): LLaMA/Mixtral self_attn.q_proj/k_proj/v_proj,
 # mlp.gate_proj/up_proj | self_attn.o_proj, mlp.down_proj; ViT/Swin attention.q_proj/k_proj/v_proj,
 # mlp.fc1 | attention.o_proj, mlp.fc2; T5 SelfAttention/EncDecAttention.q/k/v, DenseReluDense.wi(_0/_1)
 # | .o, DenseReluDense.wo.
 COLWISE = re.compile(
-    r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv)|feed_forward\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi|wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1)|mlp\.c_fc)$"
+    r"(^|\.)(attn\.(q|k|v)|mlp\.fc|attention\.(wq|wk|wv|wq_b|wkv_b)|(feed_forward|shared_experts)\.(w1|w3)|(self_attn|cross_attn)\.(q|k|v)|ff\.(wi|wi_0|wi_1)|mha\.linear_(q|k|v|g)|(msa_att_row|tri_att_start|tri_att_end)\.linear_bias|(msa|pair)_transition\.linear_1|mlp\.fc1|(self_attn|attention)\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj)|(SelfAttention|EncDecAttention)\.(q|k|v)|DenseReluDense\.(wi|wi_0|wi_1)|mlp\.c_fc)$"
 )
 ROWWISE = re.compile(
-    r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|feed_forward\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo|mlp\.c_proj)$"
+    r"(^|\.)(attn\.proj|mlp\.proj|attention\.wo|(feed_forward|shared_experts)\.w2|(self_attn|cross_attn)\.o|ff\.wo|mha\.linear_o|(msa|pair)_transition\.linear_2|mlp\.fc2|(self_attn|attention)\.o_proj|mlp\.down_proj|(SelfAttention|EncDecAttention)\.o|DenseReluDense\.wo|mlp\.c_proj)$"
 )
 
 
@@ -557,10 +562,21 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
 
 class Megatron(Product):
     """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
-    (1F1B, interleaved) parallelism x recomputation."""
+    (1F1B, interleaved) parallelism x recomputation, with expert (and expert tensor) parallelism
+    for mixture-of-experts models (planlab/search_spaces/experts.py)."""
 
     def __init__(self) -> None:
-        super().__init__((PipelineParallel(), DataParallel(), TensorParallel(), Recompute()), name="megatron")
+        super().__init__(
+            (
+                PipelineParallel(),
+                DataParallel(),
+                ExpertParallel(),
+                TensorParallel(),
+                ExpertTensorParallel(),
+                Recompute(),
+            ),
+            name="megatron",
+        )
 
 
 # The built-in spaces; another module registers its own with one line: register_space(name, factory).

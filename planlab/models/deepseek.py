@@ -1,0 +1,214 @@
+"""A DeepSeek-V3-style decoder as real torch modules, written so torch.fx traces it whole.
+
+The architecture of DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
+arXiv:2412.19437, section 2.1; the released ``config.json`` and ``modeling_deepseek.py`` of
+deepseek-ai/DeepSeek-V3 on Hugging Face):
+
+- multi-head latent attention (MLA, section 2.1.1): queries through a low-rank latent
+  (``wq_a`` to ``q_lora_rank``, RMSNorm, ``wq_b`` to ``heads x (nope + rope)``), keys and values
+  through a shared latent of ``kv_lora_rank`` (``wkv_a``, RMSNorm, ``wkv_b`` to
+  ``heads x (nope + v)``) plus one decoupled rotary key of ``rope_head_dim`` shared by every head;
+  attention over ``nope + rope`` query/key channels and ``v_head_dim`` value channels;
+- DeepSeekMoE (section 2.1.2): the first ``dense_layers`` layers keep a dense SwiGLU MLP of
+  ``ffn_hidden``; the others have ``shared_experts`` experts every token passes through (one
+  SwiGLU of ``shared_experts x moe_ffn_hidden``) and ``experts`` fine-grained routed experts of
+  ``moe_ffn_hidden`` of which each token takes ``top_k``. The router scores experts with a
+  sigmoid; the selection adds a per-expert bias (the auxiliary-loss-free balancing of section
+  2.1.2, a buffer that training adjusts outside the gradient; zeros here) and the kept scores are
+  normalised to sum to one and scaled by ``routed_scale``. The complementary sequence-wise
+  balance loss (equations 17-20, weight ``aux_loss_coef``) is added to the loss.
+
+Routing uses the static-shape dispatch of :mod:`planlab.models.moe` (per sequence, at most
+``capacity`` tokens per expert, first choices first): ``capacity_factor >= experts / top_k``
+drops nothing (DeepSeek-V3 drops no token during training, section 2.1.2), and ``1.0`` sizes
+each expert for an even load, which is what the big preset prices (the experts' GEMMs then
+cost ``seq x top_k`` tokens, as dropless routing with a balanced load does).
+
+Left out: node-limited routing (each token's experts on at most 4 nodes: a cap on how far the
+tokens travel, which the cost model does not price), the multi-token-prediction module (one
+more layer at depth 1, section 2.2) and FP8 training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planlab.models.llama import FeedForward, rotary_angles
+from planlab.models.moe import MoE, Experts, decoder_loss, expert_capacity, route_to_experts
+
+
+@dataclass(frozen=True)
+class DeepSeekConfig:
+    """Sizes of a DeepSeek-V3-style decoder (names as in the module docstring; ``ffn_hidden`` is
+    the dense layers' SwiGLU width, ``moe_ffn_hidden`` one expert's)."""
+
+    layers: int
+    dense_layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    moe_ffn_hidden: int
+    experts: int
+    shared_experts: int
+    top_k: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    rope_head_dim: int
+    nope_head_dim: int
+    v_head_dim: int
+    seq: int
+    vocab: int
+    capacity_factor: float = 1.0
+    aux_loss_coef: float = 0.0001
+    routed_scale: float = 2.5
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one routed expert takes per sequence (see :func:`planlab.models.moe.expert_capacity`)."""
+        return expert_capacity(self.capacity_factor, self.seq, self.top_k, self.experts)
+
+    def attention_params(self) -> int:
+        """Parameters of one MLA layer (projections and the two latent norms)."""
+        h, n, qk = self.hidden, self.heads, self.nope_head_dim + self.rope_head_dim
+        q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk
+        kv = h * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * n * (self.nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
+
+    def num_params(self) -> int:
+        """Parameter count of the module: embedding, layers, final norm and untied output."""
+        h = self.hidden
+        dense = 3 * h * self.ffn_hidden
+        moe = h * self.experts + (self.experts + self.shared_experts) * 3 * h * self.moe_ffn_hidden
+        layer = self.attention_params() + 2 * h
+        moe_layers = self.layers - self.dense_layers
+        return 2 * self.vocab * h + self.layers * layer + self.dense_layers * dense + moe_layers * moe + h
+
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the ``experts - top_k`` routed experts it skips per MoE layer."""
+        skipped = (self.experts - self.top_k) * 3 * self.hidden * self.moe_ffn_hidden
+        return self.num_params() - (self.layers - self.dense_layers) * skipped
+
+    def __str__(self) -> str:
+        return (
+            f"deepseek(layers={self.layers}, dense_layers={self.dense_layers}, hidden={self.hidden}, "
+            f"heads={self.heads}, experts={self.experts}+{self.shared_experts} shared, top_k={self.top_k}, "
+            f"moe_ffn_hidden={self.moe_ffn_hidden}, seq={self.seq}, vocab={self.vocab})"
+        )
+
+
+class LatentAttention(nn.Module):
+    """Causal multi-head latent attention with a decoupled rotary key shared by the heads."""
+
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        h, n = cfg.hidden, cfg.heads
+        self.heads, self.nope, self.rope, self.v_dim = n, cfg.nope_head_dim, cfg.rope_head_dim, cfg.v_head_dim
+        self.kv_rank, self.half = cfg.kv_lora_rank, cfg.rope_head_dim // 2
+        self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, n * (self.nope + self.rope), bias=False)
+        self.wkv_a = nn.Linear(h, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(n * self.v_dim, h, bias=False)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x: (B, n, T, r) with cos, sin: (T, r)."""
+        x1, x2 = x[..., : self.half], x[..., self.half :]  # (B, n, T, r/2) each
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin  # (B, n, T, r)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, C); queries (B, nh, T, nope + rope), keys the same, values (B, nh, T, v)
+        n, nope = self.heads, self.nope
+        q = self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (n, nope + self.rope)).transpose(1, 2)
+        latent = self.wkv_a(x)  # (B, T, kv_rank + rope)
+        kv = self.wkv_b(self.kv_norm(latent[..., : self.kv_rank]))  # (B, T, nh * (nope + v))
+        kv = kv.unflatten(-1, (n, nope + self.v_dim)).transpose(1, 2)  # (B, nh, T, nope + v)
+        k_pe = self.rotate(latent[..., self.kv_rank :].unsqueeze(1), cos, sin)  # (B, 1, T, rope)
+        q = torch.cat((q[..., :nope], self.rotate(q[..., nope:], cos, sin)), dim=-1)  # (B, nh, T, nope + rope)
+        k = torch.cat((kv[..., :nope], k_pe.expand(-1, n, -1, -1)), dim=-1)  # (B, nh, T, nope + rope)
+        # the default scale 1/sqrt(nope + rope) is DeepSeek-V3's softmax_scale at 4K tokens (no YaRN)
+        y = F.scaled_dot_product_attention(q, k, kv[..., nope:], is_causal=True)  # (B, nh, T, v)
+        return self.wo(y.transpose(1, 2).flatten(-2))  # (B, T, C)
+
+
+class DeepSeekMoE(nn.Module):
+    """Shared experts plus sigmoid-routed fine-grained experts; returns the output and the
+    per-sequence balance loss (None when ``aux_loss_coef`` is 0)."""
+
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity = cfg.experts, cfg.top_k, cfg.capacity
+        self.scale, self.balance = cfg.routed_scale, cfg.aux_loss_coef > 0
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)  # the router
+        # the balancing bias: it steers the selection only, and training updates it outside the gradient
+        self.register_buffer("gate_bias", torch.zeros(cfg.experts), persistent=False)  # (E,)
+        self.experts = Experts(cfg.experts, cfg.hidden, cfg.moe_ffn_hidden)
+        self.shared_experts = FeedForward(cfg.hidden, cfg.shared_experts * cfg.moe_ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        E, K = self.num_experts, self.top_k
+        S = x.shape[1]
+        scores = torch.sigmoid(self.gate(x))  # (B, S, E) affinities
+        top_i = torch.topk(scores + self.gate_bias, K, dim=-1)[1]  # (B, S, K) experts chosen with the bias
+        top_s = torch.gather(scores, -1, top_i)  # (B, S, K) their affinities, without it
+        weight = top_s / top_s.sum(dim=-1, keepdim=True) * self.scale  # (B, S, K)
+        choice = F.one_hot(top_i, E)  # (B, S, K, E)
+        y = route_to_experts(x, top_i, choice, weight, self.experts, num_experts=E, capacity=self.capacity)
+        y = y + self.shared_experts(x)  # (B, S, H)
+        if not self.balance:
+            return y, None
+        # sequence-wise balance: sum_e f_e P_e, f_e = E / (K S) * tokens routed to e, P_e = mean normalised affinity
+        routed = choice.sum(dim=(1, 2)).to(scores.dtype) * (E / (K * S))  # (B, E)
+        mean_p = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1) / S  # (B, E)
+        return y, (routed * mean_p).sum(dim=-1)  # (B, S, H), (B,)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: latent attention, then a dense MLP or DeepSeekMoE."""
+
+    def __init__(self, cfg: DeepSeekConfig, moe: bool) -> None:
+        super().__init__()
+        self.moe = moe  # a config constant
+        self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention = LatentAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.feed_forward = DeepSeekMoE(cfg) if moe else FeedForward(cfg.hidden, cfg.ffn_hidden)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, C)
+        if not self.moe:
+            return x + self.feed_forward(self.ffn_norm(x)), None
+        y, aux = self.feed_forward(self.ffn_norm(x))  # (B, T, C), (B,) or None
+        return x + y, aux
+
+
+class DeepSeek(nn.Module):
+    """DeepSeek-V3-style decoder whose forward returns the mean next-token cross-entropy plus
+    ``aux_loss_coef`` times the sequence-wise balance loss summed over the MoE layers."""
+
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        cos, sin = rotary_angles(cfg.rope_head_dim, cfg.rope_theta, cfg.seq)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (T, rope)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (T, rope)
+        self.blocks = nn.ModuleList(Block(cfg, i >= cfg.dense_layers) for i in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return decoder_loss(self, idx, targets)
+
+    # token ids and next-token targets of shape (batch, seq), as the MoE family's
+    example_inputs = staticmethod(MoE.example_inputs)
