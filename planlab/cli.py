@@ -433,15 +433,59 @@ def software_args(sp, default: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """planlab's argument parser: one subcommand each (explore, run, simulate, calibrate, models,
+    clusters, spaces, graph)."""
     p = _Parser(prog="planlab", description="Find and run parallelization plans for training.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _add_explore(sub)
+    _add_run(sub)
+    s = sub.add_parser("simulate", help="simulate one plan")
+    s.add_argument("plan")
+    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--plot", default=None, metavar="DIR", help="write timeline.png and memory.png there")
+    s.add_argument(
+        "--straggler",
+        action="append",
+        type=_kv,
+        metavar="DEVICE=FACTOR",
+        help="slow one device's computation by FACTOR (what-if)",
+    )
+    s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
+    software_args(s, "the plan's")
+    s.set_defaults(fn=cmd_simulate)
 
-    def model_args(sp, required=True):
-        sp.add_argument("--model", required=required, help="a preset (planlab models) or a family")
-        sp.add_argument("--model-arg", action="append", type=_kv, metavar="KEY=VALUE", help="override a size")
+    c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")
+    c.add_argument("--out", default="profile.json", metavar="PROFILE.json", help="where to write the profile")
+    c.add_argument("--nproc", type=int, default=2, help="processes for the collective benchmark (>= 2)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (under a minute)")
+    c.add_argument("--cluster", default="cpu", help="the cluster whose device this machine is (default cpu)")
+    c.set_defaults(fn=cmd_calibrate)
 
+    sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)
+    sub.add_parser("clusters", help="list built-in clusters").set_defaults(fn=cmd_clusters)
+    sp = sub.add_parser("spaces", help="list the spaces, their knobs with types and ranges, and their rules")
+    sp.add_argument("space", nargs="?", default=None, help="one space (any --space form) instead of all")
+    _model_args(sp, required=False)
+    sp.add_argument("--cluster", default=None, help="with --model: print the knobs' values for this cluster")
+    sp.add_argument("--nodes", type=int, default=1)
+    sp.add_argument("--global-batch", type=int, default=None)
+    sp.set_defaults(fn=cmd_spaces)
+    g = sub.add_parser("graph", help="trace a model and summarise its graph")
+    _model_args(g)
+    g.add_argument("--global-batch", type=int, default=1)
+    g.set_defaults(fn=cmd_graph)
+    return p
+
+
+def _model_args(sp, required=True) -> None:
+    sp.add_argument("--model", required=required, help="a preset (planlab models) or a family")
+    sp.add_argument("--model-arg", action="append", type=_kv, metavar="KEY=VALUE", help="override a size")
+
+
+def _add_explore(sub) -> None:
     e = sub.add_parser("explore", help="evaluate every plan of a space and rank them")
-    model_args(e)
+    _model_args(e)
     e.add_argument("--cluster", required=True, help="a built-in cluster (planlab clusters) or a spec file")
     e.add_argument("--nodes", type=int, default=1)
     e.add_argument(
@@ -488,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     software_args(e, "the cluster's: planlab on cpu, megatron on GPUs")
     e.set_defaults(fn=cmd_explore)
 
+
+def _add_run(sub) -> None:
     r = sub.add_parser(
         "run", help="run a plan (local processes, or one rank under torchrun or srun) and check it against one process"
     )
@@ -556,44 +602,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default=None, metavar="PROFILE.json", help="predict with a calibration profile")
     software_args(r, "the plan's")
     r.set_defaults(fn=cmd_run)
-
-    s = sub.add_parser("simulate", help="simulate one plan")
-    s.add_argument("plan")
-    s.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--plot", default=None, metavar="DIR", help="write timeline.png and memory.png there")
-    s.add_argument(
-        "--straggler",
-        action="append",
-        type=_kv,
-        metavar="DEVICE=FACTOR",
-        help="slow one device's computation by FACTOR (what-if)",
-    )
-    s.add_argument("--profile", default=None, metavar="PROFILE.json", help="price with a calibration profile")
-    software_args(s, "the plan's")
-    s.set_defaults(fn=cmd_simulate)
-
-    c = sub.add_parser("calibrate", help="measure this machine's kernels, executor and collectives into a profile")
-    c.add_argument("--out", default="profile.json", metavar="PROFILE.json", help="where to write the profile")
-    c.add_argument("--nproc", type=int, default=2, help="processes for the collective benchmark (>= 2)")
-    c.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (under a minute)")
-    c.add_argument("--cluster", default="cpu", help="the cluster whose device this machine is (default cpu)")
-    c.set_defaults(fn=cmd_calibrate)
-
-    sub.add_parser("models", help="list built-in models").set_defaults(fn=cmd_models)
-    sub.add_parser("clusters", help="list built-in clusters").set_defaults(fn=cmd_clusters)
-    sp = sub.add_parser("spaces", help="list the spaces, their knobs with types and ranges, and their rules")
-    sp.add_argument("space", nargs="?", default=None, help="one space (any --space form) instead of all")
-    model_args(sp, required=False)
-    sp.add_argument("--cluster", default=None, help="with --model: print the knobs' values for this cluster")
-    sp.add_argument("--nodes", type=int, default=1)
-    sp.add_argument("--global-batch", type=int, default=None)
-    sp.set_defaults(fn=cmd_spaces)
-    g = sub.add_parser("graph", help="trace a model and summarise its graph")
-    model_args(g)
-    g.add_argument("--global-batch", type=int, default=1)
-    g.set_defaults(fn=cmd_graph)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,11 @@ offending value and what was expected, so the CLI prints it on one line.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planlab.plan.program import Task
+
 
 class PlanlabError(Exception):
     """Base class of every error planlab raises on bad input."""
@@ -33,6 +38,39 @@ class DeadlockError(InfeasiblePlan):
 
 class ExecutionError(PlanlabError):
     """A failure while running a Program on torch.distributed."""
+
+
+class TaskError(ExecutionError):
+    """A task of ``device`` raised ``cause``; ``waited_on`` names the group or peer of a
+    collective, send or receive (``planlab.executor.failures.waited_on``)."""
+
+    def __init__(self, device: int, action: str, task: Task, cause: BaseException, waited_on: str = "") -> None:
+        self.device, self.action, self.task, self.cause = device, action, task, cause
+        self.waited_on = waited_on
+        wait = f" (waiting on {waited_on})" if waited_on else ""
+        super().__init__(f"device {device}, action {action}, task {task}{wait}: {type(cause).__name__}: {cause}")
+
+
+class RankFailure(ExecutionError):
+    """A rank failed: ``rank``, where it was (``where``: step, action, task) and the error."""
+
+    def __init__(self, message: str, *, rank: int, where: str, error: str, cause: str) -> None:
+        super().__init__(message)
+        self.rank, self.where, self.error, self.cause = rank, where, error, cause
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``kind=raise`` test fault raises (``planlab.executor.failures``): not a
+    PlanlabError, as the failures it stands for are not."""
+
+
+class UnknownKnob(ConfigError):
+    """A constraint read a knob that its space does not have."""
+
+
+class KnobNotSet(Exception):
+    """A constraint read a knob that is not assigned yet (``planlab.search_spaces.space``: the
+    constraint is deferred; never raised to a user)."""
 
 
 class CheckpointError(PlanlabError):

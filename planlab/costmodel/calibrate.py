@@ -132,33 +132,46 @@ class _Three(_One):
         return self.fn(self.m, x, y, z).sum()
 
 
+# The kernel cases of a full calibration: linear layers' (in, out) widths, attention's
+# (batch, heads, sequence, head width)
+_LINEAR_KN = (
+    (32, 64),
+    (64, 32),
+    (64, 64),
+    (64, 128),
+    (128, 64),
+    (64, 256),
+    (256, 64),
+    (128, 128),
+    (128, 256),
+    (256, 128),
+    (128, 512),
+    (512, 128),
+    (256, 256),
+    (64, 512),
+    (256, 512),
+)
+_ATTENTION_BHSD = (
+    (4, 2, 16, 16),
+    (8, 2, 32, 16),
+    (8, 4, 32, 16),
+    (4, 2, 64, 32),
+    (8, 2, 64, 32),
+    (8, 4, 64, 32),
+    (8, 8, 64, 16),
+    (4, 4, 128, 32),
+    (8, 4, 128, 32),
+    (2, 8, 256, 64),
+)
+
+
 def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]:
     """(kind, shape, make module, make inputs(dtype)) per kernel case. Sizes step by factors of 2
     (the profile's table interpolates within a factor of 2) over the small models this machine
     runs: 64 to 4,096 tokens per micro-batch, widths 32 to 512."""
     cases = []
     lin_m = (128, 512) if quick else (64, 128, 256, 512, 1024, 2048, 4096)
-    lin_kn = (
-        ((64, 64), (64, 256), (256, 64), (128, 512))
-        if quick
-        else (
-            (32, 64),
-            (64, 32),
-            (64, 64),
-            (64, 128),
-            (128, 64),
-            (64, 256),
-            (256, 64),
-            (128, 128),
-            (128, 256),
-            (256, 128),
-            (128, 512),
-            (512, 128),
-            (256, 256),
-            (64, 512),
-            (256, 512),
-        )
-    )
+    lin_kn = ((64, 64), (64, 256), (256, 64), (128, 512)) if quick else _LINEAR_KN
     for m in lin_m:
         for k, n in lin_kn:
             cases.append(
@@ -169,22 +182,7 @@ def _cases(quick: bool) -> list[tuple[str, tuple[int, ...], Callable, Callable]]
                     lambda dt, m=m, k=k: (torch.randn(m, k, dtype=dt),),
                 )
             )
-    attn = (
-        ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32))
-        if quick
-        else (
-            (4, 2, 16, 16),
-            (8, 2, 32, 16),
-            (8, 4, 32, 16),
-            (4, 2, 64, 32),
-            (8, 2, 64, 32),
-            (8, 4, 64, 32),
-            (8, 8, 64, 16),
-            (4, 4, 128, 32),
-            (8, 4, 128, 32),
-            (2, 8, 256, 64),
-        )
-    )
+    attn = ((8, 4, 32, 16), (8, 4, 64, 32), (4, 4, 128, 32)) if quick else _ATTENTION_BHSD
     for b, h, s, d in attn:
         cases.append(
             (
@@ -660,7 +658,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from planlab.executor.run import _free_port, _quiet_launcher, launcher_logs
+    from planlab.executor.run import free_port, quiet_launcher, launcher_logs
 
     run_dir = tempfile.mkdtemp(prefix="planlab-calibrate-")
     cfg = LaunchConfig(
@@ -668,7 +666,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
         max_nodes=1,
         nproc_per_node=nproc,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
         run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}",
@@ -677,7 +675,7 @@ def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _quiet_launcher():
+        with quiet_launcher():
             out = elastic_launch(cfg, collective_worker)(quick)
     except ChildFailedError as e:
         ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))

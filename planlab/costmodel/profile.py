@@ -320,7 +320,49 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
     if f.get("version") != PROFILE_VERSION:
         raise f.error("version", f"is {f.obj['version']!r}; this planlab reads version {PROFILE_VERSION}")
     device = f.text("device")
-    models = f.sub("kernel_model")
+    rooflines = _rooflines(f.sub("kernel_model"))
+    ov = f.sub("task_overhead_us")
+    ov.only(set(TASK_KINDS))
+    overheads = tuple((k, ov.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(ov.obj))
+    views: tuple[tuple[str, float], ...] = ()
+    if "view_task_us" in f.obj:
+        vw = f.sub("view_task_us")
+        vw.only({"F", "B"})
+        views = tuple((k, vw.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(vw.obj))
+    optimizer = None
+    if "optimizer" in f.obj:
+        o = f.sub("optimizer")
+        o.only({"fixed_us", "per_tensor_us", "per_param_ns"})
+        optimizer = OptimizerFit(
+            o.number("fixed_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
+            o.number("per_tensor_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
+            o.number("per_param_ns", strict=False, high=1e6, unit="nanoseconds") * 1e-9,
+        )
+    colls = _collectives(f, where)
+    kernels = _kernels(f, where)
+    meta = tuple((k, f.obj[k]) for k in ("created", "host", "torch", "threads", "quick", "seconds") if k in f.obj)
+    slowdown: list[tuple[int, float]] = []
+    if "concurrent_slowdown" in f.obj:
+        sd = f.sub("concurrent_slowdown")
+        for key in sd.obj:
+            if not str(key).isdigit() or int(key) < 2:
+                raise sd.error(key, 'must be a number of ranks >= 2 (a JSON key like "2")')
+            slowdown.append((int(key), sd.number(key, low=0.1, high=100.0, unit="factor on compute times")))
+    return Profile(
+        device,
+        rooflines,
+        overheads,
+        optimizer,
+        tuple(colls),
+        tuple(kernels),
+        meta,
+        view_task_s=views,
+        slowdown=tuple(sorted(slowdown)),
+    )
+
+
+def _rooflines(models: Fields) -> tuple:
+    """The per-dtype rooflines of ``kernel_model``."""
     rooflines = []
     for dt in models.obj:
         if dt not in DTYPES:
@@ -347,23 +389,11 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
                 ),
             )
         )
-    ov = f.sub("task_overhead_us")
-    ov.only(set(TASK_KINDS))
-    overheads = tuple((k, ov.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(ov.obj))
-    views: tuple[tuple[str, float], ...] = ()
-    if "view_task_us" in f.obj:
-        vw = f.sub("view_task_us")
-        vw.only({"F", "B"})
-        views = tuple((k, vw.number(k, strict=False, high=1e6, unit="microseconds") * 1e-6) for k in sorted(vw.obj))
-    optimizer = None
-    if "optimizer" in f.obj:
-        o = f.sub("optimizer")
-        o.only({"fixed_us", "per_tensor_us", "per_param_ns"})
-        optimizer = OptimizerFit(
-            o.number("fixed_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
-            o.number("per_tensor_us", strict=False, high=1e7, unit="microseconds") * 1e-6,
-            o.number("per_param_ns", strict=False, high=1e6, unit="nanoseconds") * 1e-9,
-        )
+    return tuple(rooflines)
+
+
+def _collectives(f: Fields, where: str) -> list:
+    """The fitted collectives of ``collectives``."""
     colls = []
     for i, c in enumerate(_list(f, "collectives")):
         cf = Fields(c, where, f"collectives[{i}].", _WHAT)
@@ -383,6 +413,11 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
                 pts,
             )
         )
+    return colls
+
+
+def _kernels(f: Fields, where: str) -> list:
+    """The measured kernels of ``kernels``."""
     kernels = []
     for i, k in enumerate(_list(f, "kernels")):
         kf = Fields(k, where, f"kernels[{i}].", _WHAT)
@@ -407,25 +442,7 @@ def profile_from_json(obj: Any, where: str = "<profile>") -> Profile:
                 kf.number("time_us", high=1e8, unit="microseconds") * 1e-6,
             )
         )
-    meta = tuple((k, f.obj[k]) for k in ("created", "host", "torch", "threads", "quick", "seconds") if k in f.obj)
-    slowdown: list[tuple[int, float]] = []
-    if "concurrent_slowdown" in f.obj:
-        sd = f.sub("concurrent_slowdown")
-        for key in sd.obj:
-            if not str(key).isdigit() or int(key) < 2:
-                raise sd.error(key, 'must be a number of ranks >= 2 (a JSON key like "2")')
-            slowdown.append((int(key), sd.number(key, low=0.1, high=100.0, unit="factor on compute times")))
-    return Profile(
-        device,
-        tuple(rooflines),
-        overheads,
-        optimizer,
-        tuple(colls),
-        tuple(kernels),
-        meta,
-        view_task_s=views,
-        slowdown=tuple(sorted(slowdown)),
-    )
+    return kernels
 
 
 def _list(f: Fields, key: str) -> list:

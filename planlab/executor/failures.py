@@ -38,17 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from planlab.errors import ConfigError, ExecutionError, choices
+from planlab.errors import ConfigError, InjectedFault, RankFailure, TaskError, choices  # noqa: F401 (re-exported)
 from planlab.plan.program import Task, TaskKind
 
 FAULT_ENV = "PLANLAB_FAULT"
 FAULT_KINDS = ("raise", "kill", "hang")
 
 _ARMED, _ACTION, _TASK, _SIZE = slice(0, 1), slice(1, 129), slice(129, 385), 385
-
-
-class InjectedFault(RuntimeError):
-    """The exception a ``kind=raise`` fault raises."""
 
 
 @dataclass(frozen=True)
@@ -180,17 +176,6 @@ class Watchdog(threading.Thread):
 # -- reports -------------------------------------------------------------------
 
 
-class TaskError(ExecutionError):
-    """A task of ``device`` raised ``cause``; ``waited_on`` names the group or peer of a
-    collective, send or receive."""
-
-    def __init__(self, device: int, action: str, task: Task, cause: BaseException) -> None:
-        self.device, self.action, self.task, self.cause = device, action, task, cause
-        self.waited_on = waited_on(task)
-        wait = f" (waiting on {self.waited_on})" if self.waited_on else ""
-        super().__init__(f"device {device}, action {action}, task {task}{wait}: {type(cause).__name__}: {cause}")
-
-
 def waited_on(task: Task) -> str:
     """``group [0, 1]`` for a collective, ``peer 3`` for a send or receive, else ``""``."""
     if task.kind is TaskKind.COLLECTIVE:
@@ -243,14 +228,6 @@ def write_report(
         )
     )
     os.replace(tmp, path)
-
-
-class RankFailure(ExecutionError):
-    """A rank failed: ``rank``, where it was (``where``: step, action, task) and the error."""
-
-    def __init__(self, message: str, *, rank: int, where: str, error: str, cause: str) -> None:
-        super().__init__(message)
-        self.rank, self.where, self.error, self.cause = rank, where, error, cause
 
 
 _PRIORITY = {"error": 0, "killed": 0, "exited": 0, "timeout": 1, "peer": 2}

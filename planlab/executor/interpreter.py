@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from planlab.errors import ExecutionError
 from planlab.executor import all_to_all, zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
-from planlab.executor.failures import Fault, Progress, TaskError
+from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
@@ -305,7 +305,7 @@ class Interpreter:
                 try:
                     fn(task, mb)
                 except Exception as e:
-                    raise TaskError(self.device, str(action), task, e) from e
+                    raise TaskError(self.device, str(action), task, e, waited_on(task)) from e
                 if record:
                     marks.append((action, task, s, stamp()))
                 if is_loss:
@@ -322,7 +322,7 @@ class Interpreter:
             try:
                 work.wait()
             except Exception as e:
-                raise TaskError(self.device, "end of step", task, e) from e
+                raise TaskError(self.device, "end of step", task, e, waited_on(task)) from e
         self.pending = []
         self._finish_overlapped()
         if record:
@@ -352,7 +352,7 @@ class Interpreter:
             try:
                 work.wait()
             except Exception as e:
-                raise TaskError(self.device, "gradient reduction", task, e) from e
+                raise TaskError(self.device, "gradient reduction", task, e, waited_on(task)) from e
             if task.role is Role.UNIT_GRADS:
                 zero3.take(self, task, flat)
             else:

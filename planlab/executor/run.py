@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,9 +66,12 @@ from planlab.executor.interpreter import Interpreter
 from planlab.executor.launch_env import check_launch
 from planlab.executor.memory import PeakMemory
 from planlab.executor.shards import build_shards, check_memory
+from planlab.graph.ir import Graph
 from planlab.models.init import build_skeleton
 from planlab.plan.materialize import materialize, trace_plan_model
+from planlab.plan.plan import Plan
 from planlab.plan.plan_file import plan_from_json, plan_to_json
+from planlab.plan.program import Program
 
 CHECK_WAIT_S = 3600.0  # ranks wait this long (at least) for rank 0's single-process reference
 
@@ -221,126 +224,13 @@ def worker(
     watchdog = Watchdog(progress, watchdog_limit_s(timeout_s), on_hang)
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     try:
-        if backend == "gloo":
-            torch.set_num_threads(1)  # one process stands for one device: one core each, as the cpu spec assumes
-            keep_freed_memory()
         fault = fault_from_env(rank)
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        device = _join(backend, timeout_s)
         watchdog.start()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        everyone = f"group {list(range(world))}"
-        plan = plan_from_json(plan_json)
-        if world != plan.num_devices:
-            raise ConfigError(f"the plan is for {plan.num_devices} devices; this launch has {world} processes")
-        phase("setup: trace, materialize", armed=False)
-        graph, program = setup if setup is not None else (trace_plan_model(plan), None)
-        program = program if program is not None else materialize(plan, graph)
-        phase("setup: creating process groups", everyone)
-        groups = {g: dist.new_group(list(g), timeout=timedelta(seconds=timeout_s)) for g in program.groups}
-        # control traffic (barriers, losses, timelines) on the CPU: the default group, or gloo beside NCCL
-        ctl = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        slow = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S)))
-            if cfg.check
-            else None
-        )
-        phase("setup: building this rank's pieces", armed=False)
-        memory = PeakMemory(device)
-        memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
-        skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
-        shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
-        interp = Interpreter(
-            program,
-            graph,
-            rank,
-            skeleton,
-            inputs,
-            groups,
-            lr=cfg.lr,
-            torch_device=device,
-            progress=progress,
-            fault=fault,
-            shards=shards,
-            clip_grad_norm=cfg.clip_grad_norm,
-            seed=cfg.seed,
-        )
-        del shards
-        loaded_steps = 0
-        if cfg.load_dir:
-            phase("setup: loading the checkpoint", armed=False)
-            loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
-            interp.first_step = loaded_steps  # random operators go on drawing the steps after the checkpoint's
-        # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
-        batches = (
-            load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=loaded_steps + cfg.steps)
-            if cfg.data
-            else None
-        )
-        losses, times, norms = [], [], []
-        for step in range(cfg.steps):
-            interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
-            if batches:
-                interp.set_inputs(batches[(loaded_steps + step) % len(batches)])
-            phase(f"step {step}, barrier before the step", everyone)
-            dist.barrier(group=ctl)
-            t0 = time.perf_counter()
-            local = interp.run_iteration(capture_grads=cfg.check and step == 0)
-            if backend == "nccl":
-                torch.cuda.synchronize(device)
-            phase(f"step {step}, barrier after the step", everyone)
-            dist.barrier(group=ctl)
-            times.append(time.perf_counter() - t0)
-            phase(f"step {step}, loss all-reduce", everyone)
-            total = torch.tensor([local], dtype=torch.float64)
-            dist.all_reduce(total, group=ctl)
-            losses.append(float(total))
-            norms.append(interp.grad_norm)
-            if cfg.log and rank == 0:
-                print(
-                    f"step {step}: loss {losses[-1]:.6f}"
-                    + (f", gradient norm {norms[-1]:.4g}" if cfg.clip_grad_norm is not None else "")
-                    + f", {times[-1] * 1e3:.1f} ms"
-                    + (" (warm-up)" if step < cfg.warmup else ""),
-                    flush=True,
-                )
-        peak = memory.peak()
-        phase("end: timelines and memory", everyone)
-        parts: list | None = [None] * world if rank == 0 else None
-        mine = ([asdict(t) for t in interp.timeline] if cfg.record else [], peak, memory.base)
-        dist.gather_object(mine, parts, dst=0, group=ctl)
-        res = RunResult(
-            losses,
-            times,
-            world_size=world,
-            backend=backend,
-            warmup=cfg.warmup,
-            mem_kind=memory.kind,
-            grad_norms=norms if cfg.clip_grad_norm is not None else [],
-        )
-        if parts:
-            res.timeline = [t for p in parts for t in p[0]]
-            res.peak_mem_bytes, res.base_mem_bytes = [p[1] for p in parts], [p[2] for p in parts]
-        if cfg.check:
-            phase("end: numeric check (rank 0 runs one process)", armed=False)
-            _check(res, interp, program, plan, cfg, batches, slow)
-        if cfg.save_dir:
-            phase("end: saving the checkpoint", everyone)
-            save_checkpoint(
-                interp,
-                cfg.save_dir,
-                rank=rank,
-                world_size=world,
-                group=ctl,
-                model_json=plan.model.to_json(),
-                steps=loaded_steps + cfg.steps,
-                params=param_specs(graph),
-                saved_by=plan.describe(),
-            )
+        rank = dist.get_rank()
+        ready = _set_up(plan_json, cfg, setup, device, phase, progress, fault)
+        losses, times, norms = _train(ready, cfg, device, phase)
+        res = _finish(ready, cfg, phase, losses, times, norms)
         phase("end", armed=False)
         watchdog.stop()
         dist.destroy_process_group()
@@ -353,6 +243,169 @@ def worker(
             raise
         _report_and_exit(run_dir, rank, progress, waiting[0], e)
         raise  # not reached
+
+
+def _join(backend: str, timeout_s: float) -> torch.device:
+    """Join the process group (``backend``: gloo or nccl); this rank's torch device."""
+    if backend == "gloo":
+        torch.set_num_threads(1)  # one process stands for one device: one core each, as the cpu spec assumes
+        keep_freed_memory()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What a rank has made before its first step: the plan, graph and Program, its interpreter,
+    the control group (None: the default group; gloo beside NCCL), the numeric check's group,
+    its memory meter, the steps a loaded checkpoint had trained and the batches (None: the
+    model's example inputs)."""
+
+    plan: Plan
+    graph: Graph
+    program: Program
+    interp: Interpreter
+    ctl: Any
+    slow: Any
+    memory: PeakMemory
+    loaded_steps: int
+    batches: list | None
+
+
+def _set_up(plan_json: str, cfg: RunConfig, setup, device: torch.device, phase, progress, fault) -> _Rank:
+    """Trace and materialize (unless ``setup`` has them), make the process groups, build this
+    rank's pieces and its interpreter, load the checkpoint and the batches."""
+    timeout_s = cfg.timeout_s
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = f"group {list(range(world))}"
+    plan = plan_from_json(plan_json)
+    if world != plan.num_devices:
+        raise ConfigError(f"the plan is for {plan.num_devices} devices; this launch has {world} processes")
+    phase("setup: trace, materialize", armed=False)
+    graph, program = setup if setup is not None else (trace_plan_model(plan), None)
+    program = program if program is not None else materialize(plan, graph)
+    phase("setup: creating process groups", everyone)
+    groups = {g: dist.new_group(list(g), timeout=timedelta(seconds=timeout_s)) for g in program.groups}
+    # control traffic (barriers, losses, timelines) on the CPU: the default group, or gloo beside NCCL
+    nccl = device.type == "cuda"
+    ctl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if nccl else None
+    slow = (
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECK_WAIT_S))) if cfg.check else None
+    )
+    phase("setup: building this rank's pieces", armed=False)
+    memory = PeakMemory(device)
+    memory.reset()  # from here: the model's pieces, its training and nothing of the set-up
+    skeleton, inputs = build_skeleton(plan.model, batch=plan.global_batch, seed=cfg.seed)
+    shards = build_shards(program, rank, skeleton, seed=cfg.seed, empty=bool(cfg.load_dir))
+    interp = Interpreter(
+        program,
+        graph,
+        rank,
+        skeleton,
+        inputs,
+        groups,
+        lr=cfg.lr,
+        torch_device=device,
+        progress=progress,
+        fault=fault,
+        shards=shards,
+        clip_grad_norm=cfg.clip_grad_norm,
+        seed=cfg.seed,
+    )
+    del shards
+    loaded_steps = 0
+    if cfg.load_dir:
+        phase("setup: loading the checkpoint", armed=False)
+        loaded_steps = load_shards(interp, cfg.load_dir, plan.model.to_json())
+        interp.first_step = loaded_steps  # random operators go on drawing the steps after the checkpoint's
+    # a resumed run goes on with the batch after the last one the checkpoint's steps trained on
+    batches = (
+        load_batches(cfg.data, example=inputs, global_batch=plan.global_batch, steps=loaded_steps + cfg.steps)
+        if cfg.data
+        else None
+    )
+    return _Rank(plan, graph, program, interp, ctl, slow, memory, loaded_steps, batches)
+
+
+def _train(r: _Rank, cfg: RunConfig, device: torch.device, phase) -> tuple[list, list, list]:
+    """Run ``cfg.steps`` iterations between barriers: the losses (summed over ranks), the times
+    and the gradient norms."""
+    interp, ctl = r.interp, r.ctl
+    rank, everyone = dist.get_rank(), f"group {list(range(dist.get_world_size()))}"
+    losses, times, norms = [], [], []
+    for step in range(cfg.steps):
+        interp.record = cfg.record and step == cfg.steps - 1  # the last step's timeline only
+        if r.batches:
+            interp.set_inputs(r.batches[(r.loaded_steps + step) % len(r.batches)])
+        phase(f"step {step}, barrier before the step", everyone)
+        dist.barrier(group=ctl)
+        t0 = time.perf_counter()
+        local = interp.run_iteration(capture_grads=cfg.check and step == 0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        phase(f"step {step}, barrier after the step", everyone)
+        dist.barrier(group=ctl)
+        times.append(time.perf_counter() - t0)
+        phase(f"step {step}, loss all-reduce", everyone)
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total, group=ctl)
+        losses.append(float(total))
+        norms.append(interp.grad_norm)
+        if cfg.log and rank == 0:
+            print(
+                f"step {step}: loss {losses[-1]:.6f}"
+                + (f", gradient norm {norms[-1]:.4g}" if cfg.clip_grad_norm is not None else "")
+                + f", {times[-1] * 1e3:.1f} ms"
+                + (" (warm-up)" if step < cfg.warmup else ""),
+                flush=True,
+            )
+    return losses, times, norms
+
+
+def _finish(r: _Rank, cfg: RunConfig, phase, losses: list, times: list, norms: list) -> RunResult:
+    """Gather the timelines and peak memory on rank 0, check the numerics, save the checkpoint."""
+    interp, plan = r.interp, r.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = f"group {list(range(world))}"
+    peak = r.memory.peak()
+    phase("end: timelines and memory", everyone)
+    parts: list | None = [None] * world if rank == 0 else None
+    mine = ([asdict(t) for t in interp.timeline] if cfg.record else [], peak, r.memory.base)
+    dist.gather_object(mine, parts, dst=0, group=r.ctl)
+    res = RunResult(
+        losses,
+        times,
+        world_size=world,
+        backend="nccl" if r.memory.device.type == "cuda" else "gloo",
+        warmup=cfg.warmup,
+        mem_kind=r.memory.kind,
+        grad_norms=norms if cfg.clip_grad_norm is not None else [],
+    )
+    if parts:
+        res.timeline = [t for p in parts for t in p[0]]
+        res.peak_mem_bytes, res.base_mem_bytes = [p[1] for p in parts], [p[2] for p in parts]
+    if cfg.check:
+        phase("end: numeric check (rank 0 runs one process)", armed=False)
+        _check(res, interp, r.program, plan, cfg, r.batches, r.slow)
+    if cfg.save_dir:
+        phase("end: saving the checkpoint", everyone)
+        save_checkpoint(
+            interp,
+            cfg.save_dir,
+            rank=rank,
+            world_size=world,
+            group=r.ctl,
+            model_json=plan.model.to_json(),
+            steps=r.loaded_steps + cfg.steps,
+            params=param_specs(r.graph),
+            saved_by=plan.describe(),
+        )
+    return res
 
 
 def _check(res: RunResult, interp: Interpreter, program, plan, cfg: RunConfig, batches, group) -> None:
@@ -418,14 +471,15 @@ def _str(path: str | os.PathLike | None) -> str | None:
     return None if path is None else os.fspath(path)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous takes it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 @contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
+def quiet_launcher() -> Iterator[None]:
     """Silence torchelastic's own failure logs: :func:`launch_local` reports a failure once."""
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
     names = [n for n in logging.Logger.manager.loggerDict if n.startswith(prefixes)]  # each sets its own level
@@ -506,14 +560,14 @@ def launch_local(
         max_nodes=1,
         nproc_per_node=nproc,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.05,
         run_id=run_id,
         logs_specs=launcher_logs(run_dir),
     )
     try:
-        with _quiet_launcher():
+        with quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)
     except ChildFailedError as e:
         if save_dir is not None:  # a failed save leaves nothing half-written

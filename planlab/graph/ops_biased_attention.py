@@ -26,8 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from planlab.graph import registry
-from planlab.graph.registry import OpContext, _letters, _reg
+from planlab.graph import ops_einsum  # noqa: F401  (defined before this module: registry order)
+from planlab.graph.opdefs import OpContext, axis_names, define_op, keep_whole
 from planlab.graph.signature import Signature
 
 
@@ -47,7 +47,7 @@ def _biased_attention(c: OpContext) -> Signature:
     """``b.. s d, b.. t d, b.. t e, bias -> b.. s e`` with the bias aligned right against
     ``(b.., s, t)``: an axis of the full size carries its name, a size-1 axis is a literal 1."""
     q, k, v, bias = c.in_shapes[:4]
-    b = _letters(len(q) - 2)
+    b = axis_names(len(q) - 2)
     full = [*b, "s", "t"]
     sizes = [*q[:-2], q[-2], k[-2]]
     off = len(full) - len(bias)
@@ -66,7 +66,7 @@ def _flops(c: OpContext) -> float:
     return 2.0 * math.prod(q) * t + 2.0 * c.out_numel * t + 6.0 * scores
 
 
-_reg(
+define_op(
     targets_fn=(attention_with_bias,),
     kind="attention",
     signature=_biased_attention,
@@ -75,5 +75,4 @@ _reg(
     bwd_flops_ratio=2.5,
 )
 # Kept whole while tracing, as functions given to register_op are.
-if attention_with_bias not in registry._USER_FUNCTIONS:
-    registry._USER_FUNCTIONS.append(attention_with_bias)
+keep_whole(attention_with_bias)

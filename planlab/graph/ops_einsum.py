@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from planlab.graph.ir import TensorArg
-from planlab.graph.registry import OpContext, _elementwise, _opaque, _reg
+from planlab.graph import ops_gpt  # noqa: F401  (defined before this module: registry order)
+from planlab.graph.opdefs import OpContext, elementwise_signature, opaque_signature, define_op
 from planlab.graph.signature import Signature
 
 _ELLIPSIS = "."  # one character standing for "..." while parsing
@@ -38,7 +39,7 @@ _ELLIPSIS = "."  # one character standing for "..." while parsing
 
 def _kept_whole(c: OpContext, why: str) -> Signature:
     warnings.warn(f"planlab: einsum {why}; the operator is kept whole", stacklevel=2)
-    return _opaque(c)
+    return opaque_signature(c)
 
 
 def _operands(c: OpContext) -> tuple[str, list] | None:
@@ -152,14 +153,14 @@ def _einsum_saves(c: OpContext) -> tuple[str, ...]:
     return tuple(f"in{i}" for i in range(n))
 
 
-_reg(targets_fn=(torch.einsum,), kind="einsum", signature=_einsum, flops=_einsum_flops, saves=_einsum_saves)
+define_op(targets_fn=(torch.einsum,), kind="einsum", signature=_einsum, flops=_einsum_flops, saves=_einsum_saves)
 
 # ``torch.nn.functional.sigmoid`` is its own function (torch.sigmoid is registered with the
 # activations): the gate of AlphaFold's gated attention and triangle updates, elementwise.
-_reg(
+define_op(
     targets_fn=(F.sigmoid,),
     kind="activation",
-    signature=_elementwise,
+    signature=elementwise_signature,
     flops=lambda c: 8.0 * c.out_numel,
     saves=lambda c: ("in0",),
     bwd_flops_ratio=1.0,

@@ -28,27 +28,28 @@ import torch
 import torch.nn.functional as F
 
 from planlab.graph.ir import DETACH, TensorArg
-from planlab.graph.registry import (
-    _BY_FUNCTION,
-    _BY_METHOD,
-    _BY_MODULE,
+from planlab.graph import ops_routing  # noqa: F401  (defined before this module: registry order)
+from planlab.graph.opdefs import (
+    BY_FUNCTION,
+    BY_METHOD,
+    BY_MODULE,
     OpContext,
     OpDef,
-    _elementwise,
-    _getitem,
-    _letters,
-    _opaque,
-    _reg,
+    elementwise_signature,
+    getitem_signature,
+    axis_names,
+    opaque_signature,
+    define_op,
 )
 from planlab.graph.signature import Signature
 
 
 def _reg_missing(targets_fn=(), methods=(), modules=(), **kw) -> OpDef:
-    """Like ``_reg``, for the targets, methods and modules that have no definition yet."""
-    return _reg(
-        targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
-        methods=tuple(m for m in methods if m not in _BY_METHOD),
-        modules=tuple(m for m in modules if m not in _BY_MODULE),
+    """Like ``define_op``, for the targets, methods and modules that have no definition yet."""
+    return define_op(
+        targets_fn=tuple(t for t in targets_fn if t not in BY_FUNCTION),
+        methods=tuple(m for m in methods if m not in BY_METHOD),
+        modules=tuple(m for m in modules if m not in BY_MODULE),
         **kw,
     )
 
@@ -101,11 +102,11 @@ def _setitem(c: OpContext) -> Signature:
     shared by ``x``, the value (when it is a tensor of those axes) and the result; an indexed
     axis is whole. Anything else is kept whole."""
     if not c.in_shapes:
-        return _opaque(c)
+        return opaque_signature(c)
     x = c.in_shapes[0]
-    read = _getitem(OpContext((x,), (), (c.args[0], c.args[1]), {}))
-    if any(n.startswith("i") for ax in read.inputs[0] for n in ax):  # kept whole by _getitem
-        return _opaque(c)
+    read = getitem_signature(OpContext((x,), (), (c.args[0], c.args[1]), {}))
+    if any(n.startswith("i") for ax in read.inputs[0] for n in ax):  # kept whole by getitem_signature
+        return opaque_signature(c)
     xs = read.inputs[0]
     view = read.outputs[0]  # the axes of x[index]
     ins = [xs]
@@ -113,7 +114,7 @@ def _setitem(c: OpContext) -> Signature:
         v = c.in_shapes[1]
         off = len(view) - len(v)
         if off < 0:
-            return _opaque(c)
+            return opaque_signature(c)
         ins.append([view[off + j] if view[off + j] and v[j] != 1 else () for j in range(len(v))])
     return Signature.of(ins, [xs], (), read.frozen)
 
@@ -123,7 +124,7 @@ def _setitem(c: OpContext) -> Signature:
 
 def _conv1d_linear(c: OpContext) -> Signature:
     """HF's ``Conv1D``: ``x @ W + b`` with ``W: (in, out)``."""
-    b = _letters(len(c.in_shapes[0]) - 1)
+    b = axis_names(len(c.in_shapes[0]) - 1)
     ins = [[*[(n,) for n in b], ("k",)], [("k",), ("n",)]]
     if len(c.in_shapes) > 2:
         ins.append([("n",)])
@@ -145,7 +146,7 @@ def _sdpa_with_heads(previous):
         mask = c.in_shapes[3] if len(c.in_shapes) > 3 else None
         if not gqa and (mask is None or 1 not in mask):
             return previous(c)
-        b = _letters(len(q) - 2)
+        b = axis_names(len(q) - 2)
         qb = [(n,) for n in b]
         kb = list(qb)
         if gqa:  # query heads: kv heads, each repeated rep times (repeat_interleave order)
@@ -177,7 +178,7 @@ def _getitem_gather(previous):
         ):
             x, idx = c.in_shapes
             i = [f"i{j}" for j in range(len(idx))]
-            rest = _letters(len(x) - 1, 1)
+            rest = axis_names(len(x) - 1, 1)
             return Signature.of(
                 [[("v",), *[(n,) for n in rest]], [(n,) for n in i]],
                 [[*[(n,) for n in i], *[(n,) for n in rest]]],
@@ -206,7 +207,7 @@ def _pad(c: OpContext) -> Signature:
     pad = _arg(c, "pad", 1, ())
     r = len(c.in_shapes[0])
     k = len(pad) // 2
-    names = _letters(r)
+    names = axis_names(r)
     ins = [(n,) if a < r - k else (f"p{a}",) for a, n in enumerate(names)]
     outs = [(n,) if a < r - k else (f"q{a}",) for a, n in enumerate(names)]
     return Signature.of([ins], [outs])
@@ -217,7 +218,7 @@ def _split(c: OpContext) -> Signature:
     per piece; the others are shared by the input and every output."""
     r = len(c.in_shapes[0])
     d = _arg(c, "dim", 2, 0) % r if r else 0
-    names = _letters(r)
+    names = axis_names(r)
 
     def axes(tag: str):
         return [(f"c{tag}",) if a == d else (n,) for a, n in enumerate(names)]
@@ -229,8 +230,8 @@ def _where(c: OpContext) -> Signature:
     """``torch.where(cond, x, y)``, ``torch.min(x, y)``, ...: broadcasting elementwise; a
     reduction form (one tensor, another output shape: ``torch.max(x, dim)``) is kept whole."""
     if any(len(s) > len(c.out_shapes[0]) for s in c.in_shapes) or len(c.out_shapes) > 1:
-        return _opaque(c)
-    return _elementwise(c)
+        return opaque_signature(c)
+    return elementwise_signature(c)
 
 
 def _reduce_kept_whole(c: OpContext) -> Signature:
@@ -242,10 +243,10 @@ def _reduce_kept_whole(c: OpContext) -> Signature:
         dims = tuple(range(r))
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     if not all(isinstance(d, int) for d in dims) or len(c.in_shapes) != 1:
-        return _opaque(c)
+        return opaque_signature(c)
     red = {d % r for d in dims}
     keep = bool(_arg(c, "keepdim", 2, False))
-    names = _letters(r)
+    names = axis_names(r)
     ins = [(n if a not in red else f"r{a}",) for a, n in enumerate(names)]
     outs = [(n,) if a not in red else () for a, n in enumerate(names) if keep or a not in red]
     return Signature.of([ins], [outs])
@@ -253,8 +254,8 @@ def _reduce_kept_whole(c: OpContext) -> Signature:
 
 # ---- registrations ---------------------------------------------------------------------------
 
-_reg(targets_fn=(constant,), kind="constant", signature=_factory, bwd_flops_ratio=0.0)
-_reg(
+define_op(targets_fn=(constant,), kind="constant", signature=_factory, bwd_flops_ratio=0.0)
+define_op(
     targets_fn=(functional_setitem,),
     kind="setitem",
     signature=_setitem,
@@ -305,7 +306,7 @@ _reg_missing(
         "__pow__",
     ),
     kind="pointwise",
-    signature=_elementwise,
+    signature=elementwise_signature,
     **_unary,
 )
 _reg_missing(
@@ -356,18 +357,20 @@ _reg_missing(
 _reg_missing(
     targets_fn=(torch.full_like, torch.zeros_like, torch.ones_like, torch.empty_like),
     kind="fill_like",
-    signature=_elementwise,
+    signature=elementwise_signature,
     bwd_flops_ratio=0.0,
 )
 _reg_missing(
     methods=("bool", "long", "int", "half", "double", "bfloat16", "type", "view_as", "reshape_as", "expand_as", "to"),
     kind="copy",
-    signature=_elementwise,
+    signature=elementwise_signature,
     bwd_flops_ratio=0.5,
 )
 # ``detach`` passes no gradient: materialize gives its input no gradient contribution (what AlphaFold2's
 # recycling relies on, planlab/models/evoformer.py), so the operators feeding only a detach get no backward.
-_reg_missing(methods=("detach",), targets_fn=(torch.detach,), kind=DETACH, signature=_elementwise, bwd_flops_ratio=0.0)
+_reg_missing(
+    methods=("detach",), targets_fn=(torch.detach,), kind=DETACH, signature=elementwise_signature, bwd_flops_ratio=0.0
+)
 _reg_missing(
     targets_fn=tuple(
         getattr(torch, n)
@@ -401,7 +404,7 @@ _reg_missing(
 _reg_missing(
     targets_fn=(torch.rand, torch.rand_like),
     kind="rand",
-    signature=_elementwise,
+    signature=elementwise_signature,
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=0.0,
 )
@@ -409,7 +412,7 @@ _reg_missing(targets_fn=(F.pad,), kind="pad", signature=_pad, bwd_flops_ratio=0.
 _reg_missing(
     targets_fn=(kept_mean,),
     kind="kept_mean",
-    signature=_elementwise,
+    signature=elementwise_signature,
     flops=lambda c: 1.0,
     saves=lambda c: ("in0", "in1"),
     bwd_flops_ratio=1.0,
@@ -431,12 +434,12 @@ _reg_missing(
 )
 
 # Extensions of two built-in definitions: each reads the calls it did as before.
-_BY_FUNCTION[F.scaled_dot_product_attention] = dataclasses.replace(
-    _BY_FUNCTION[F.scaled_dot_product_attention],
-    signature=_sdpa_with_heads(_BY_FUNCTION[F.scaled_dot_product_attention].signature),
+BY_FUNCTION[F.scaled_dot_product_attention] = dataclasses.replace(
+    BY_FUNCTION[F.scaled_dot_product_attention],
+    signature=_sdpa_with_heads(BY_FUNCTION[F.scaled_dot_product_attention].signature),
 )
-_BY_FUNCTION[_op.getitem] = dataclasses.replace(
-    _BY_FUNCTION[_op.getitem], signature=_getitem_gather(_BY_FUNCTION[_op.getitem].signature)
+BY_FUNCTION[_op.getitem] = dataclasses.replace(
+    BY_FUNCTION[_op.getitem], signature=_getitem_gather(BY_FUNCTION[_op.getitem].signature)
 )
 
 

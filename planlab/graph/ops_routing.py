@@ -29,15 +29,25 @@ import operator as _op
 import torch
 import torch.nn.functional as F
 
-from planlab.graph.registry import _BY_FUNCTION, _BY_METHOD, OpContext, OpDef, _elementwise, _letters, _opaque, _reg
+from planlab.graph import ops_vision  # noqa: F401  (defined before this module: registry order)
+from planlab.graph.opdefs import (
+    BY_FUNCTION,
+    BY_METHOD,
+    OpContext,
+    OpDef,
+    elementwise_signature,
+    axis_names,
+    opaque_signature,
+    define_op,
+)
 from planlab.graph.signature import Signature
 
 
 def _reg_missing(targets_fn=(), methods=(), **kw) -> OpDef:
-    """Like ``_reg``, for the targets and methods that have no definition yet."""
-    return _reg(
-        targets_fn=tuple(t for t in targets_fn if t not in _BY_FUNCTION),
-        methods=tuple(m for m in methods if m not in _BY_METHOD),
+    """Like ``define_op``, for the targets and methods that have no definition yet."""
+    return define_op(
+        targets_fn=tuple(t for t in targets_fn if t not in BY_FUNCTION),
+        methods=tuple(m for m in methods if m not in BY_METHOD),
         **kw,
     )
 
@@ -74,8 +84,8 @@ def _topk(c: OpContext) -> Signature:
     axis is whole, every other axis splits (rows are chosen independently)."""
     d = _dim(c, 2, -1)
     if d is None or len(c.in_shapes) != 1:
-        return _opaque(c)
-    names = _letters(len(c.in_shapes[0]))
+        return opaque_signature(c)
+    names = axis_names(len(c.in_shapes[0]))
     ins = [(n,) if a != d else ("t",) for a, n in enumerate(names)]
     outs = [(n,) if a != d else ("k",) for a, n in enumerate(names)]
     return Signature.of([ins], [outs, outs])
@@ -83,14 +93,14 @@ def _topk(c: OpContext) -> Signature:
 
 def _one_hot(c: OpContext) -> Signature:
     """``one_hot(i, num_classes)``: ``a0 a1 -> a0 a1 c^``; a new whole class axis."""
-    names = _letters(len(c.in_shapes[0]))
+    names = axis_names(len(c.in_shapes[0]))
     return Signature.of([[(n,) for n in names]], [[*[(n,) for n in names], ("c",)]])
 
 
 def _cumsum(c: OpContext) -> Signature:
     """``cumsum(x, dim)``: elementwise with the running axis whole."""
     d = _dim(c, 1)
-    return _opaque(c) if d is None else _elementwise(c, (d,))
+    return opaque_signature(c) if d is None else elementwise_signature(c, (d,))
 
 
 def _sum(c: OpContext) -> Signature:
@@ -103,9 +113,9 @@ def _sum(c: OpContext) -> Signature:
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     red = {_axis(d, r) for d in dims}
     if None in red:
-        return _opaque(c)
+        return opaque_signature(c)
     keep = bool(_arg(c, "keepdim", 2, False))
-    names = _letters(r)
+    names = axis_names(r)
     outs = [() if a in red else (n,) for a, n in enumerate(names) if keep or a not in red]
     return Signature.of([[(n,) for n in names]], [outs], {names[a] for a in red})
 
@@ -118,9 +128,9 @@ def _gather(c: OpContext) -> Signature:
     (each piece gathers its rows from the whole axis ``t``), and so do the shared axes."""
     d = _dim(c, 1)
     if d is None or len(c.in_shapes) != 2 or len(c.in_shapes[1]) != len(c.in_shapes[0]):
-        return _opaque(c)
+        return opaque_signature(c)
     x, idx = c.in_shapes
-    names = _letters(len(x))
+    names = axis_names(len(x))
     # an axis where the index is shorter than the data reads a prefix of it: kept whole
     ax = [("s",) if a == d else (names[a],) if idx[a] == x[a] else (f"i{a}",) for a in range(len(x))]
     xs = [("t",) if a == d else (names[a],) if idx[a] == x[a] else (f"x{a}",) for a in range(len(x))]
@@ -136,11 +146,11 @@ def _scatter(c: OpContext) -> Signature:
     d = _dim(c, 1)
     n = len(c.in_shapes)
     if d is None or n not in (2, 3):
-        return _opaque(c)
+        return opaque_signature(c)
     x, idx = c.in_shapes[0], c.in_shapes[1]
     if len(idx) != len(x) or any(idx[a] != x[a] for a in range(len(x)) if a != d) or (n == 3 and c.in_shapes[2] != idx):
-        return _opaque(c)
-    names = _letters(len(x))
+        return opaque_signature(c)
+    names = axis_names(len(x))
     xs = [("t",) if a == d else (names[a],) for a in range(len(x))]
     ix = [("s",) if a == d else (names[a],) for a in range(len(x))]
     return Signature.of([xs] + [ix] * (n - 1), [xs], (), {"t", "s"})
@@ -150,8 +160,8 @@ def _index_select(c: OpContext) -> Signature:
     """``index_select(x, dim, index)`` with a 1-D index: ``a0 t^ a2, s -> a0 s a2``."""
     d = _dim(c, 1)
     if d is None or len(c.in_shapes) != 2 or len(c.in_shapes[1]) != 1:
-        return _opaque(c)
-    names = _letters(len(c.in_shapes[0]))
+        return opaque_signature(c)
+    names = axis_names(len(c.in_shapes[0]))
     xs = [("t",) if a == d else (n,) for a, n in enumerate(names)]
     out = [("s",) if a == d else (n,) for a, n in enumerate(names)]
     return Signature.of([xs, [("s",)]], [out])
@@ -162,11 +172,11 @@ def _index_add(c: OpContext) -> Signature:
     a0 t^ a2``; the shared axes split."""
     d = _dim(c, 1)
     if d is None or len(c.in_shapes) != 3 or len(c.in_shapes[1]) != 1:
-        return _opaque(c)
+        return opaque_signature(c)
     x, src = c.in_shapes[0], c.in_shapes[2]
     if len(src) != len(x) or any(src[a] != x[a] for a in range(len(x)) if a != d):
-        return _opaque(c)
-    names = _letters(len(x))
+        return opaque_signature(c)
+    names = axis_names(len(x))
     xs = [("t",) if a == d else (n,) for a, n in enumerate(names)]
     ss = [("s",) if a == d else (n,) for a, n in enumerate(names)]
     return Signature.of([xs, [("s",)], ss], [xs], (), {"t", "s"})
@@ -174,7 +184,7 @@ def _index_add(c: OpContext) -> Signature:
 
 # ---- registrations --------------------------------------------------------------------
 
-_reg(
+define_op(
     targets_fn=(torch.topk,),
     methods=("topk",),
     kind="topk",
@@ -183,10 +193,10 @@ _reg(
     saves=lambda c: ("out1",),
     bwd_flops_ratio=0.5,
 )
-_reg(
+define_op(
     targets_fn=(F.one_hot,), kind="one_hot", signature=_one_hot, flops=lambda c: float(c.out_numel), bwd_flops_ratio=0.0
 )
-_reg(
+define_op(
     targets_fn=(torch.cumsum,),
     methods=("cumsum",),
     kind="cumsum",
@@ -194,7 +204,7 @@ _reg(
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=1.0,
 )
-_reg(
+define_op(
     targets_fn=(torch.gather,),
     methods=("gather",),
     kind="gather",
@@ -203,7 +213,7 @@ _reg(
     saves=lambda c: ("in1",),
     bwd_flops_ratio=1.0,
 )
-_reg(
+define_op(
     targets_fn=(torch.scatter_add, torch.scatter, torch.scatter_reduce),
     methods=("scatter_add", "scatter", "scatter_reduce"),
     kind="scatter",
@@ -212,7 +222,7 @@ _reg(
     saves=lambda c: ("in1",),
     bwd_flops_ratio=1.0,
 )
-_reg(
+define_op(
     targets_fn=(torch.index_select,),
     methods=("index_select",),
     kind="index_select",
@@ -221,7 +231,7 @@ _reg(
     saves=lambda c: ("in1",),
     bwd_flops_ratio=1.0,
 )
-_reg(
+define_op(
     targets_fn=(torch.index_add,),
     methods=("index_add",),
     kind="index_add",
@@ -257,10 +267,13 @@ _reg_missing(
     ),
     methods=("lt", "le", "gt", "ge", "eq", "ne"),
     kind="compare",
-    signature=_elementwise,
+    signature=elementwise_signature,
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=0.0,
 )
 _reg_missing(
-    targets_fn=(torch.zeros_like, torch.ones_like), kind="fill_like", signature=_elementwise, bwd_flops_ratio=0.0
+    targets_fn=(torch.zeros_like, torch.ones_like),
+    kind="fill_like",
+    signature=elementwise_signature,
+    bwd_flops_ratio=0.0,
 )

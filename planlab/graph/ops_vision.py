@@ -31,7 +31,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planlab.graph.registry import OpContext, _elementwise, _letters, _opaque, _reg, _reshape
+from planlab.graph import ops_biased_attention  # noqa: F401  (defined before this module: registry order)
+from planlab.graph.opdefs import (
+    OpContext,
+    elementwise_signature,
+    axis_names,
+    opaque_signature,
+    define_op,
+    reshape_signature,
+)
 from planlab.graph.signature import Signature
 
 # ---- convolution -------------------------------------------------------------------
@@ -70,9 +78,9 @@ def _conv(c: OpContext) -> Signature:
     out = c.out_shapes[0]
     k = len(w) - 2
     if k < 1 or len(x) not in (k + 1, k + 2):
-        return _opaque(c)
+        return opaque_signature(c)
     stride, padding, dilation, groups = _conv_consts(c, k)
-    lead = [(n,) for n in _letters(len(x) - k - 1)]  # the batch, absent for an unbatched input
+    lead = [(n,) for n in axis_names(len(x) - k - 1)]  # the batch, absent for an unbatched input
     off = len(lead) + 1
     xs, ws, os = [], [], []
     for i in range(k):
@@ -124,7 +132,7 @@ def _conv_functional(m: nn.Module):
     return call, (), {}
 
 
-_reg(
+define_op(
     modules=(nn.Conv1d, nn.Conv2d, nn.Conv3d),
     targets_fn=tuple(_CONV_FNS.values()),
     kind="conv",
@@ -145,15 +153,15 @@ def _roll(c: OpContext) -> Signature:
     ``dims`` (a roll of the flattened tensor) the whole operator is kept whole."""
     dims = c.kwargs.get("dims", c.args[2] if len(c.args) > 2 else None)
     if dims is None or len(c.in_shapes) != 1:
-        return _opaque(c)
+        return opaque_signature(c)
     r = len(c.in_shapes[0])
-    names = _letters(r)
+    names = axis_names(r)
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     axes = [(n,) for n in names]
     return Signature.of([axes], [axes], (), {names[d % r] for d in dims})
 
 
-_reg(targets_fn=(torch.roll,), methods=("roll",), kind="roll", signature=_roll, bwd_flops_ratio=0.0)
+define_op(targets_fn=(torch.roll,), methods=("roll",), kind="roll", signature=_roll, bwd_flops_ratio=0.0)
 
 
 # ---- reductions over dims ------------------------------------------------------------
@@ -176,9 +184,9 @@ def _reduction(summed: bool):
         ok = dim is None or isinstance(dim, (int, torch.dtype)) or ints  # sum(x, dtype): every axis
         r = len(c.in_shapes[0]) if len(c.in_shapes) == 1 else 0
         if r == 0 or not ok:  # a scalar, a named dimension, or a tensor argument
-            return _opaque(c)
+            return opaque_signature(c)
         red, keep = _reduced(c, r)
-        names = _letters(r)
+        names = axis_names(r)
         ins = [(n if a not in red else f"r{a}",) for a, n in enumerate(names)]
         outs = [(n,) if a not in red else () for a, n in enumerate(names) if keep or a not in red]
         reduce = {f"r{a}" for a in red} if summed else set()
@@ -187,7 +195,7 @@ def _reduction(summed: bool):
     return sig
 
 
-_reg(
+define_op(
     targets_fn=(torch.sum,),
     methods=("sum",),
     kind="sum",
@@ -195,7 +203,7 @@ _reg(
     flops=lambda c: float(math.prod(c.in_shapes[0])),
     bwd_flops_ratio=0.5,
 )
-_reg(
+define_op(
     targets_fn=(torch.mean,),
     methods=("mean",),
     kind="mean",
@@ -212,8 +220,8 @@ def _adaptive_pool(k: int):
     def sig(c: OpContext) -> Signature:
         x = c.in_shapes[0]
         if len(x) < k + 1:
-            return _opaque(c)
-        lead = [(n,) for n in _letters(len(x) - k)]
+            return opaque_signature(c)
+        lead = [(n,) for n in axis_names(len(x) - k)]
         return Signature.of([[*lead, *[(f"p{i}",) for i in range(k)]]], [[*lead, *[(f"q{i}",) for i in range(k)]]])
 
     return sig
@@ -224,7 +232,7 @@ for _k, _mod, _fn in (
     (2, nn.AdaptiveAvgPool2d, F.adaptive_avg_pool2d),
     (3, nn.AdaptiveAvgPool3d, F.adaptive_avg_pool3d),
 ):
-    _reg(
+    define_op(
         modules=(_mod,),
         targets_fn=(_fn,),
         kind="avg_pool",
@@ -240,19 +248,19 @@ for _k, _mod, _fn in (
 
 def _softmax_module(c: OpContext) -> Signature:
     dim = c.module.dim
-    return _opaque(c) if dim is None else _elementwise(c, (dim,))
+    return opaque_signature(c) if dim is None else elementwise_signature(c, (dim,))
 
 
-_reg(
+define_op(
     targets_fn=(torch.masked_fill,),
     methods=("masked_fill",),
     kind="masked_fill",
-    signature=_elementwise,
+    signature=elementwise_signature,
     flops=lambda c: float(c.out_numel),
     saves=lambda c: ("in1",) if len(c.in_shapes) > 1 else (),
     bwd_flops_ratio=0.5,
 )
-_reg(
+define_op(
     modules=(nn.Softmax,),
     kind="softmax",
     signature=_softmax_module,
@@ -261,18 +269,18 @@ _reg(
     bwd_flops_ratio=1.0,
     functional=lambda m: (m.forward, (), {}),
 )
-_reg(
+define_op(
     modules=(nn.Flatten, nn.Unflatten),
     kind="reshape",
-    signature=_reshape,
+    signature=reshape_signature,
     bwd_flops_ratio=0.0,
     view=True,
     functional=lambda m: (m.forward, (), {}),
 )
-_reg(
+define_op(
     modules=(nn.Identity,),
     kind="copy",
-    signature=_elementwise,
+    signature=elementwise_signature,
     bwd_flops_ratio=0.0,
     functional=lambda m: (m.forward, (), {}),
 )

@@ -38,7 +38,7 @@ from planlab.graph.ir import Graph
 from planlab.plan.materialize import precision_for
 from planlab.search_spaces.alpa_costs import CostTables, Mesh2D
 from planlab.search_spaces.alpa_ilp import Edge, Solution, slice_stages, solve_strategies
-from planlab.search_spaces.builtin import _BLOCK, _divisors, _pow2_upto, _tp_limit
+from planlab.search_spaces.builtin import LAYER_MODULE, divisors, powers_of_two_upto, tp_limit
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
@@ -84,7 +84,7 @@ def layers_of(g: Graph) -> Layers:
     pending: list[str] = []
     index: list[int] = []
     for op in g.operators:
-        m = _BLOCK.search(op.module)
+        m = LAYER_MODULE.search(op.module)
         if not m:
             (pending if blocks else pre).append(op.name)
             continue
@@ -418,7 +418,7 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
 
 
 def _valid_tp(c: Context) -> tuple[int, ...]:
-    return tuple(v for v in _pow2_upto(_tp_limit(c)) if c.num_devices % v == 0)
+    return tuple(v for v in powers_of_two_upto(tp_limit(c)) if c.num_devices % v == 0)
 
 
 def _dp(k, c: Context) -> int:
@@ -433,7 +433,7 @@ class Alpa(Space):
     knobs = (
         Knob.int(
             "pp",
-            lambda c: tuple(d for d in _divisors(c.num_devices) if d <= max(1, c.layers)),
+            lambda c: tuple(d for d in divisors(c.num_devices) if d <= max(1, c.layers)),
             "pipeline stages (layers sliced unevenly by a dynamic program)",
             default=1,
             range="divisors of the device count up to the layers",
@@ -447,7 +447,7 @@ class Alpa(Space):
         ),
         Knob.int(
             "microbatch",
-            lambda c: _pow2_upto(c.global_batch),
+            lambda c: powers_of_two_upto(c.global_batch),
             "micro-batch size per data-parallel replica",
             range="powers of 2 up to the global batch",
         ),

@@ -9,17 +9,20 @@ import re
 
 from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
+from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
 
-def _divisors(n: int) -> tuple[int, ...]:
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending."""
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _pow2_upto(n: int) -> tuple[int, ...]:
+def powers_of_two_upto(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``n``."""
     out, v = [], 1
     while v <= n:
         out.append(v)
@@ -79,14 +82,14 @@ class DataParallel(Space):
     knobs = (
         Knob.int(
             "dp",
-            lambda c: _divisors(c.num_devices),
+            lambda c: divisors(c.num_devices),
             "data-parallel degree",
             default=1,
             range="divisors of the device count",
         ),
         Knob.int(
             "microbatch",
-            lambda c: tuple(v for v in _pow2_upto(c.global_batch)),
+            lambda c: tuple(v for v in powers_of_two_upto(c.global_batch)),
             "micro-batch size per replica",
             range="powers of 2 up to the global batch",
         ),
@@ -210,7 +213,7 @@ def vocab_parallel_size(g: Graph) -> int | None:
 
 def is_output_layer(op: Operator, vocab: int) -> bool:
     """Whether ``op`` is the output layer: a linear with ``vocab`` features outside the layers."""
-    return op.kind == "linear" and op.dim_sizes.get("n") == vocab and not _BLOCK.search(op.module)
+    return op.kind == "linear" and op.dim_sizes.get("n") == vocab and not LAYER_MODULE.search(op.module)
 
 
 # Mixture-of-experts layers (planlab.models.moe) hold their experts as stacked weights
@@ -228,7 +231,7 @@ def expert_column_dim(op: Operator) -> str | None:
     return None
 
 
-def _tp_limit(c: Context) -> int:
+def tp_limit(c: Context) -> int:
     """Tensor parallelism stays inside a node; on single-device nodes (the CPU cluster) it may span them."""
     return c.num_devices if c.devices_per_node == 1 else min(c.devices_per_node, c.num_devices)
 
@@ -266,7 +269,7 @@ class TensorParallel(Space):
     knobs = (
         Knob.int(
             "tp",
-            lambda c: _pow2_upto(_tp_limit(c)),
+            lambda c: powers_of_two_upto(tp_limit(c)),
             "tensor-parallel degree",
             default=1,
             range="powers of 2 up to the devices of a node",
@@ -296,8 +299,8 @@ class TensorParallel(Space):
             ),
         ),
         Constraint(
-            lambda a, c: a["tp"] is None or a["tp"] <= _tp_limit(c),
-            lambda a, c: f"tp={a['tp']} exceeds the {_tp_limit(c)} devices of a node",
+            lambda a, c: a["tp"] is None or a["tp"] <= tp_limit(c),
+            lambda a, c: f"tp={a['tp']} exceeds the {tp_limit(c)} devices of a node",
         ),
         Constraint.where(
             lambda k: not k["sequence_parallel"] or k["tp"] > 1,
@@ -333,7 +336,7 @@ def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
     dims = dict(tensor_parallel_dims(g))
     seq = g.labels.get((g.inputs[0], 1))
     for op in g.operators:
-        if dims[op.name] is None and _BLOCK.search(op.module):
+        if dims[op.name] is None and LAYER_MODULE.search(op.module):
             d = g.dim_with_label(op, seq) if seq else None
             if d is not None and op.signature.splittable(d):
                 dims[op.name] = d
@@ -342,7 +345,7 @@ def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
     return dims
 
 
-_BLOCK = re.compile(r"(^|\.)blocks\.(\d+)(\.|$)")
+LAYER_MODULE = re.compile(r"(^|\.)blocks\.(\d+)(\.|$)")  # an operator's module inside layer ``blocks.<i>``
 
 
 def sequence_parallel_splits(g: Graph) -> bool:
@@ -361,17 +364,17 @@ def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     if hit is None or hit[0] is not g:
         if len(_STAGES_CACHE) > 64 or any(v[0] is not g for v in _STAGES_CACHE.values()):
             _STAGES_CACHE.clear()
-        hit = _STAGES_CACHE[(id(g), pp, layers)] = (g, _pipeline_stages(g, pp, layers))
+        hit = _STAGES_CACHE[(id(g), pp, layers)] = (g, stages_by_layer(g, pp, layers))
     return dict(hit[1])
 
 
-def _pipeline_stages(g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None) -> dict[str, int]:
+def stages_by_layer(g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None) -> dict[str, int]:
     """Layer ``i`` in stage ``i // (layers / pp)``, plus ``passes[op] * pp`` for a recycling model
     (whose ``detach`` outputs then count as no input: planlab/search_spaces/recycling.py)."""
     per = layers // pp
     stage: dict[str, int] = {}
     for op in g.operators:
-        m = _BLOCK.search(op.module)
+        m = LAYER_MODULE.search(op.module)
         if m:
             stage[op.name] = (passes[op.name] * pp if passes else 0) + int(m.group(2)) // per
         else:
@@ -408,7 +411,7 @@ class PipelineParallel(Space):
     knobs = (
         Knob.int(
             "pp",
-            lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0),
+            lambda c: tuple(d for d in divisors(c.num_devices) if c.layers % d == 0),
             "pipeline-parallel degree (device groups)",
             default=1,
             range="divisors of the device count that divide the layers",
@@ -484,8 +487,6 @@ class PipelineParallel(Space):
     def apply(self, draft: Draft, values: dict) -> None:
         pp = values.get("pp") or 1
         if pp > 1 and _recycles(draft.ctx) > 1:  # a chunk per recycling pass, planlab/search_spaces/recycling.py
-            from planlab.search_spaces.recycling import stage_recycling
-
             stage_recycling(draft, pp, values.get("schedule") or "1f1b")
             return
         v = values.get("virtual_stages") or 1
@@ -498,9 +499,22 @@ class PipelineParallel(Space):
 
 def _recycles(c: Context) -> int:
     """The model's recycling passes (AlphaFold2, planlab/search_spaces/recycling.py)."""
-    from planlab.search_spaces.recycling import num_passes
-
     return num_passes(c.graph)
+
+
+def recycling_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
+    """Stage ``pass * pp + layer // (layers / pp)`` for the layers; other operators follow their
+    computed inputs, except that a ``detach`` output counts as none (the next pass's recycling
+    embedder runs where that pass starts), else their first consumer."""
+    return stages_by_layer(g, pp, layers, passes_of(g))
+
+
+def stage_recycling(draft: Draft, pp: int, schedule: str) -> None:
+    """Stage a recycling model's passes over ``pp`` device groups (a chunk per pass)."""
+    g = draft.ctx.graph
+    r = num_passes(g)
+    draft.num_stages, draft.chunks, draft.recycles, draft.schedule = r * pp, r, r, schedule
+    draft.stages = recycling_stages(g, pp, draft.ctx.layers)
 
 
 ATTENTION_CORE = ("attention", "softmax")
@@ -537,7 +551,7 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
         return hit[1]
     out = {}
     for op in g.operators:
-        m = _BLOCK.search(op.module)
+        m = LAYER_MODULE.search(op.module)
         if m and (mode == "full" or op.kind in ATTENTION_CORE):
             out[op.name] = int(m.group(2)) + 1
     if any(v[0] is not g for v in _RECOMPUTE_CACHE.values()):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from planlab.search_spaces.builtin import _BLOCK, tensor_parallel_dims
+from planlab.search_spaces.builtin import LAYER_MODULE, tensor_parallel_dims
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
@@ -159,7 +159,7 @@ class Coshard(Space):
         percent = values.get("coshard_remade_percent") or 100
         dims = tensor_parallel_dims(g)
         for op in g.operators:
-            block = _BLOCK.search(op.module)
+            block = LAYER_MODULE.search(op.module)
             if dims[op.name] is None or block is None:
                 continue
             if ATTENTION.search(op.module):

@@ -40,8 +40,8 @@ from planlab.search_spaces.builtin import (
     DataParallel,
     Recompute,
     TensorParallel,
-    _BLOCK,
-    _divisors,
+    LAYER_MODULE,
+    divisors,
     batch_dims,
     is_output_layer,
     pipeline_stages,
@@ -99,7 +99,9 @@ def _find(g: Graph, vocab: int) -> VocabOps | None:
     batch = batch_dims(g)
     lookup = dict(embed)
     order = {op.name: i for i, op in enumerate(g.operators)}
-    first_layer = min((order[op.name] for op in g.operators if _BLOCK.search(op.module)), default=len(g.operators))
+    first_layer = min(
+        (order[op.name] for op in g.operators if LAYER_MODULE.search(op.module)), default=len(g.operators)
+    )
     for op in g.operators[:first_layer]:  # what follows the embedding up to the first layer, split along the batch
         if op.name not in embed and any(t in g.producer and g.producer[t].name in embed for t in op.inputs):
             embed[op.name] = batch[op.name]
@@ -180,7 +182,7 @@ class Interlaced(Space):
     knobs = (
         Knob.int(
             "pp",
-            lambda c: tuple(d for d in _divisors(c.num_devices) if c.layers % d == 0 and d > 1),
+            lambda c: tuple(d for d in divisors(c.num_devices) if c.layers % d == 0 and d > 1),
             "pipeline-parallel degree of the layers (device groups)",
             range="divisors of the device count above 1 that divide the layers",
         ),

@@ -40,15 +40,16 @@ from planlab.costmodel import CostModel
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
+from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.screen_structure import (
-    _aggregate,
-    _Ids,
-    _Profile,
-    _split,
-    _Split,
-    _Structure,
-    _Tables,
+    aggregate,
+    Ids,
+    ScreenProfile,
+    split_work,
+    Split,
+    Structure,
+    Tables,
     colocated,
 )
 from planlab.search_spaces.space import Draft
@@ -104,17 +105,17 @@ class Screen:
 
     def __init__(self, graph: Graph, cost: CostModel, precision: Precision) -> None:
         self.graph, self.cost, self.prec = graph, cost, precision
-        self.t = _Tables(graph, precision, cost.software)
-        self._splits: dict[Any, _Split] = {}
-        self._structures: dict[Any, _Structure] = {}
+        self.t = Tables(graph, precision, cost.software)
+        self._splits: dict[Any, Split] = {}
+        self._structures: dict[Any, Structure] = {}
         self._priced: dict[tuple, _Priced] = {}
         self._micro: dict[tuple, tuple] = {}
         self._grad: dict[tuple, tuple] = {}
         self._zero3: dict[tuple, tuple] = {}
-        self._profile_ids: dict[_Profile, int] = {}
+        self._profile_ids: dict[ScreenProfile, int] = {}
         self._ids: dict[int, tuple[Any, int]] = {}
         self._numbers: dict[tuple, int] = {}
-        self._values = _Ids()  # the keys of splits and profiles
+        self._values = Ids()  # the keys of splits and profiles
         self._compute: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
         self._p2p: dict[tuple, float] = {}
@@ -134,14 +135,14 @@ class Screen:
         self._ids[id(t)] = (t, n)
         return n
 
-    def structure(self, d: Draft) -> _Structure:
+    def structure(self, d: Draft) -> Structure:
         names = self.t.names
         sizes = tuple(s for _, s in d.axes)
         axis_dims = d.op_dims()
         skey = (sizes, tuple(self._key(ad) for ad in axis_dims))
         split = self._splits.get(skey)
         if split is None:
-            split = self._splits[skey] = _split(self.t, sizes, axis_dims, self._values)
+            split = self._splits[skey] = split_work(self.t, sizes, axis_dims, self._values)
         if not d.stages:
             stages = None
         elif len(d.stages) == len(names) and list(d.stages) == names:
@@ -165,7 +166,7 @@ class Screen:
             if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
                 pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
                 split = colocated(split, pieces, self._values)
-            got = self._structures[key] = _aggregate(
+            got = self._structures[key] = aggregate(
                 self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces
             )
             got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
@@ -255,7 +256,7 @@ class Screen:
         return got
 
     def _price(
-        self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
+        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
     ) -> _Priced:
         key = (pid, sizes, m, zero, zb, regather)
         got = self._priced.get(key)
@@ -271,7 +272,7 @@ class Screen:
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
-    def _micro_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, ...]:
+    def _micro_s(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, ...]:
         """Forward, backward, collectives, the backward's weight-gradient part, and what splitting
         the backward into two tasks per operator adds (smaller kernels), one micro-batch of ``m``."""
         key = (pid, sizes, m)
@@ -300,7 +301,9 @@ class Screen:
             dev, host = dev + c * d, host + c * h
         return max(dev, host)
 
-    def _units_s(self, p: _Profile, pid: int, sizes: tuple[int, ...], regather: bool = False) -> tuple[float, float]:
+    def _units_s(
+        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], regather: bool = False
+    ) -> tuple[float, float]:
         """ZeRO-3 per micro-batch: (every unit's weight all-gathers, two or with ``regather`` three
         (the recomputed forward gathers again), and gradient reduce-scatter, the first unit's gathers
         in the forward and the backward), seconds."""
@@ -320,7 +323,7 @@ class Screen:
             got = self._zero3[key] = (total, first)
         return got
 
-    def _grads(self, p: _Profile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
+    def _grads(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
         """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
         bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
         key = (pid, sizes, zero)
@@ -476,8 +479,6 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     got = _FLIGHT.get(key)
     if got is None:
         if schedule.startswith("recycled:"):
-            from planlab.search_spaces.recycling import recycling_actions
-
             actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
         elif chunks > 1:
             actions = interleaved_1f1b(r, groups, m, chunks)

@@ -1,18 +1,18 @@
 """What the screen prices, before pricing: per device group of a plan's pipeline, the work,
-communication, parameters and saved activations of one micro-batch (``_Profile``).
+communication, parameters and saved activations of one micro-batch (``ScreenProfile``).
 
 Three levels, each cached by the screen (``planlab.search_spaces.screen``):
 
-- ``_Tables``: what the screen needs of the graph, once (operators and edges in flat arrays, and
+- ``Tables``: what the screen needs of the graph, once (operators and edges in flat arrays, and
   *classes*: operators or edges alike but for their names, as the layers of a model repeat);
-- ``_split``: what the mesh axes and the dimensions they split make of each operator and edge
+- ``split_work``: what the mesh axes and the dimensions they split make of each operator and edge
   (pieces, local parameter and saved sizes, layout conversions); computed once per operator or
   edge class and split, so a 96-layer model costs about what one layer costs;
-- ``_aggregate``: per device group, given the stages and the recomputation, the counts and sums
+- ``aggregate``: per device group, given the stages and the recomputation, the counts and sums
   of the above (numpy over all operators and edges at once).
 
 Every value is a plain key (work class, pieces, collective kind, axis, elements, ...) given a small
-number by ``_Ids``, so that counting and summing run on integer arrays.
+number by ``Ids``, so that counting and summing run on integer arrays.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded al
 _P = -2
 
 
-class _Ids:
+class Ids:
     """Small numbers for hashable values (equal values, equal numbers), and back."""
 
     def __init__(self) -> None:
@@ -93,7 +93,7 @@ def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g.tensors[t].shape) for t in op.inputs + op.outputs)
 
 
-class _Tables:
+class Tables:
     """What the screen needs of a graph, once."""
 
     @staticmethod
@@ -214,9 +214,9 @@ class _Tables:
 
 
 @dataclass
-class _Split:
+class Split:
     """Per operator and edge, what the mesh axes and their dimensions make of it (stages aside);
-    keys are numbers of the screen's ``_Ids``."""
+    keys are numbers of the screen's ``Ids``."""
 
     fkey: np.ndarray  # per operator: its forward's price key, (work class, pieces, "F")
     bkey: np.ndarray  # per operator: its backward's, (work class, pieces, "B")
@@ -241,7 +241,7 @@ def _ints(xs) -> np.ndarray:
     return np.array(xs, dtype=np.int64)
 
 
-def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> _Split:
+def split_work(t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids) -> Split:
     live = [a for a, s in enumerate(sizes) if s > 1]
     cols = [dims[a] for a in live]
     n = t.n
@@ -287,7 +287,7 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
             bdone.add((e.tensor, contrib))
             cb_edge.extend([j] * len(cb))
             cb_key.extend(cb)
-    return _Split(
+    return Split(
         _ints(fkey),
         _ints(bkey),
         _ints(wkey),
@@ -308,7 +308,7 @@ def _split(t: _Tables, sizes: tuple[int, ...], dims: list[tuple], ids: _Ids) -> 
     )
 
 
-def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids, pods: tuple = ()) -> tuple:
+def _op_split(t: Tables, i: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = ()) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
     elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
@@ -332,7 +332,7 @@ def _op_split(t: _Tables, i: int, live: list[int], sizes, od: tuple, ids: _Ids, 
     return ids.of((w, pieces, "F")), ids.of((w, pieces, "B")), wkey, work, tuple(params), tuple(saves)
 
 
-def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: _Ids) -> tuple:
+def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids) -> tuple:
     """(the consumer's layout, elements received, elements kept, activation conversions, the
     gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers."""
     need = tuple(_placement(d, e.need) for d in cd)
@@ -354,7 +354,7 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: _Id
 
 
 @dataclass(frozen=True)
-class _Profile:
+class ScreenProfile:
     """What one device group computes and communicates per micro-batch, before pricing."""
 
     fwd: tuple  # ((work class, pieces, priced as phase), tasks), ...
@@ -370,8 +370,10 @@ class _Profile:
 
 
 @dataclass
-class _Structure:
-    profiles: list[_Profile]  # per device group of the pipeline
+class Structure:
+    """What the screen prices of one plan: each device group's profile, and the messages between groups."""
+
+    profiles: list[ScreenProfile]  # per device group of the pipeline
     ids: list[int]  # per group: its profile's number (equal profiles, equal numbers)
     p2p: list[tuple]  # per group: ((elements, batch, element bytes, peer group), transfers), ...
 
@@ -383,7 +385,7 @@ def _first(keys: np.ndarray) -> np.ndarray:
     return first
 
 
-def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: _Ids, weights: np.ndarray | None = None) -> list:
+def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: Ids, weights: np.ndarray | None = None) -> list:
     """Per group, ``((value of key, count or sum of weights), ...)`` sorted by value."""
     out: list[list] = [[] for _ in range(G)]
     if len(keys):
@@ -395,7 +397,7 @@ def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: _Ids, weights:
     return [tuple(sorted(o)) for o in out]
 
 
-def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndarray, G: int, ids: _Ids) -> list:
+def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndarray, G: int, ids: Ids) -> list:
     """Per group, ``((reduction axes, (units, the largest unit's elements)), ...)``."""
     out: list[dict] = [{} for _ in range(G)]
     if len(red):
@@ -409,9 +411,9 @@ def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndar
     return [tuple(sorted((ids.values[rd], v) for rd, v in o.items())) for o in out]
 
 
-def colocated(sp: _Split, pieces: np.ndarray, ids: _Ids) -> _Split:
+def colocated(sp: Split, pieces: np.ndarray, ids: Ids) -> Split:
     """``sp`` with each operator's work in ``pieces[i]`` times smaller tasks (co-located pieces,
-    run one after another: ``_aggregate`` counts them ``pieces[i]`` times)."""
+    run one after another: ``aggregate`` counts them ``pieces[i]`` times)."""
     keys = {}
     for name in ("fkey", "bkey", "wkey"):
         old = getattr(sp, name)
@@ -424,9 +426,9 @@ def colocated(sp: _Split, pieces: np.ndarray, ids: _Ids) -> _Split:
     return dataclasses.replace(sp, **keys)
 
 
-def _aggregate(
-    t: _Tables, sp: _Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: _Ids, pieces: np.ndarray | None = None
-) -> _Structure:
+def aggregate(
+    t: Tables, sp: Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: Ids, pieces: np.ndarray | None = None
+) -> Structure:
     """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
     ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
     grp = stage % G
@@ -501,7 +503,9 @@ def _aggregate(
     for s in np.nonzero(touched)[0].tolist():
         saved[s % G].append((s, (float(sb[s]), float(so[s]))))
     profiles = [
-        _Profile(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r]))
+        ScreenProfile(
+            fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r])
+        )
         for r in range(G)
     ]
-    return _Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])
+    return Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])

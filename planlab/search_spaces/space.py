@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError, choices
+from planlab.errors import ConfigError, InfeasiblePlan, KnobNotSet, PlanlabError, UnknownKnob, choices
 from planlab.graph.ir import Graph
 from planlab.models.registry import ModelSpec
 from planlab.plan.plan import Action, Plan, PlanBuilder
+from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
 
 if TYPE_CHECKING:
@@ -219,14 +220,6 @@ class Knob:
         return cls(name, values, doc, default, kind="int", pinned=pinned, explore=explore, range=range)
 
 
-class _Unset(Exception):
-    """A constraint read a knob that is not assigned yet."""
-
-
-class UnknownKnob(ConfigError):
-    """A constraint read a knob that its space does not have."""
-
-
 class KnobView(Mapping):
     """The knobs a where-constraint reads: ``k["tp"]``. Reading a knob not assigned yet defers
     the constraint; reading a knob the space does not have is a ConfigError."""
@@ -243,7 +236,7 @@ class KnobView(Mapping):
             )
         v = self._values[name]
         if v is None:
-            raise _Unset(name)
+            raise KnobNotSet(name)
         self.read[name] = v
         return v
 
@@ -300,7 +293,7 @@ class Constraint:
         if self.strict:
             try:
                 return bool(self.check(KnobView(a, space), ctx))
-            except _Unset:
+            except KnobNotSet:
                 return None
         try:
             return bool(self.check(a, ctx))
@@ -407,8 +400,6 @@ class Draft:
             first = min([rank + self.stage_base] + [self.stages.get(op, 0) for op in self.spread])
             return tuple(actions) + (Action(first, "U", 0),)
         if self.recycles > 1:  # a chunk per recycling pass: 3f1b, or a plain schedule of the last pass
-            from planlab.search_spaces.recycling import recycling_actions
-
             actions = recycling_actions(self.schedule, rank, self.groups, self.microbatches, self.recycles)
         elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)

@@ -1,0 +1,177 @@
+"""The package's source keeps the project's rules of taste (read with ``ast``, nothing imported):
+
+- no function or method in ``planlab/`` is longer than 100 lines;
+- no module imports another module's private name (``_x``; dunders such as ``__version__`` are public);
+- the modules' module-level imports form no cycle (imports under ``if TYPE_CHECKING:`` and inside
+  functions are not run when the module loads; ``from planlab.plan import buffer`` is an import of
+  the module ``planlab.plan.buffer``, ``from planlab.plan import Plan`` one of the package);
+- every exception class is defined in ``planlab/errors.py``.
+
+Each test fails with the offending names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "planlab"
+MAX_FUNCTION_LINES = 100
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, tuple[Path, ast.Module]]:
+    """Every module of the package: its name -> (path, syntax tree)."""
+    return {_module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def long_functions(sources) -> list[str]:
+    """``module.function (n lines)`` of every function longer than :data:`MAX_FUNCTION_LINES`."""
+    out = []
+    for mod, (_, tree) in sources.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{mod}.{node.name} ({n} lines)")
+    return sorted(out)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(sources) -> list[str]:
+    """``importer: module.name`` of every private name imported from another planlab module."""
+    out = []
+    for mod, (_, tree) in sources.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "planlab":
+                out += [f"{mod}: {node.module}.{a.name}" for a in node.names if _private(a.name)]
+    return sorted(out)
+
+
+def _type_checking(node: ast.stmt) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Name)
+        and test.id == "TYPE_CHECKING"
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def module_imports(mod: str, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The planlab modules ``mod`` imports when it loads (see the module docstring)."""
+    out = set()
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.If, ast.Try)) and not _type_checking(node):
+            stack += node.body + node.orelse + getattr(node, "finalbody", []) + getattr(node, "handlers", [])
+        elif isinstance(node, ast.ExceptHandler):
+            stack += node.body
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+            out |= subs
+            if len(subs) < len(node.names):
+                out.add(node.module)
+    out.discard(mod)
+    return out
+
+
+def import_cycles(sources) -> list[list[str]]:
+    """The cycles of the module-level import graph (one per strongly connected component)."""
+    modules = set(sources)
+    graph = {m: sorted(module_imports(m, tree, modules)) for m, (_, tree) in sources.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def error_classes_elsewhere(sources) -> list[str]:
+    """``module.Class`` of every class outside planlab/errors.py whose base names an exception."""
+    out = []
+    for mod, (_, tree) in sources.items():
+        if mod == "planlab.errors":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                if any(b.endswith(("Error", "Exception", "Interrupt")) for b in bases):
+                    out.append(f"{mod}.{node.name}")
+    return sorted(out)
+
+
+def test_no_function_is_over_100_lines(sources):
+    found = long_functions(sources)
+    assert not found, "\n".join(found)
+
+
+def test_no_private_name_is_imported_from_another_module(sources):
+    found = private_imports(sources)
+    assert not found, "\n".join(found)
+
+
+def test_module_imports_form_no_cycle(sources):
+    found = import_cycles(sources)
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_every_error_class_is_in_errors_py(sources):
+    found = error_classes_elsewhere(sources)
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_find_what_they_look_for():
+    """Each check reports a made-up offence (the checks are not vacuous)."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    fake = {
+        "planlab.a": (None, ast.parse(f"from planlab.b import _hidden, shown\ndef big():\n{body}\n")),
+        "planlab.b": (None, ast.parse("import planlab.a\nclass Oops(ValueError):\n    pass\n")),
+    }
+    assert long_functions(fake) == [f"planlab.a.big ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert private_imports(fake) == ["planlab.a: planlab.b._hidden"]
+    assert import_cycles(fake) == [["planlab.a", "planlab.b"]]
+    assert error_classes_elsewhere(fake) == ["planlab.b.Oops"]
+    typed = {
+        "planlab.a": (None, ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import planlab.b\n")),
+        "planlab.b": (None, ast.parse("def f():\n    import planlab.a\n")),
+    }
+    assert import_cycles(typed) == []
