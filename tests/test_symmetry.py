@@ -12,6 +12,8 @@ meets it apart, which moves the host's issue times (a difference of the simulato
 of the classes; see planlab.plan.symmetry).
 """
 
+import os
+
 import pytest
 
 from planlab.costmodel import CostModel
@@ -24,8 +26,19 @@ from conftest import traced
 
 GPT = (("heads", 8), ("hidden", 128), ("layers", 4), ("seq", 32), ("vocab", 512), ("vocab_parallel", 1))
 EVOFORMER = (("blocks", 4), ("recycles", 3))
+# The interlaced plan's full simulation exchanges vocabulary pieces between every pair of devices: the
+# network's fair sharing over those flows takes about 25 minutes at load 20 (issue 20 item 1 remains:
+# price such exchanges faster). It runs with PLANLAB_LONG_TESTS=1, outside the suite's 30 minutes.
+LONG = pytest.mark.skipif(not os.environ.get("PLANLAB_LONG_TESTS"), reason="about 25 minutes: set PLANLAB_LONG_TESTS=1")
+INTERLACED = (
+    "gpt",
+    GPT,
+    8,
+    "interlaced",
+    dict(pp=4, tp=8, dp=2, microbatch=1, embed_layout="vocab", head_layout="vocab"),
+)
 CASES = [
-    ("gpt", GPT, 8, "interlaced", dict(pp=4, tp=8, dp=2, microbatch=1, embed_layout="vocab", head_layout="vocab")),
+    pytest.param(*INTERLACED, marks=LONG, id="interlaced"),
     ("gpt", GPT, 8, "alpa", dict(pp=2, tp=8, microbatch=1)),
     ("evoformer-tiny", EVOFORMER, 64, "3f1b", dict(pp=4, dp=16, tp=1, microbatch=1)),
     ("gpt", GPT, 8, "megatron", dict(pp=4, tp=8, dp=2, microbatch=1)),
@@ -45,7 +58,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, args, batch, space, knobs", CASES, ids=[c[3] for c in CASES])
+@pytest.mark.parametrize("model, args, batch, space, knobs", CASES, ids=["interlaced", "alpa", "3f1b", "megatron"])
 def test_the_reduced_program_simulates_like_every_device_on_64_devices(model, args, batch, space, knobs):
     plan, g, cost = _plan(model, args, batch, space, knobs)
     reduced = build_program(plan, g, cost, symmetric=True)
@@ -61,7 +74,7 @@ def test_the_reduced_program_simulates_like_every_device_on_64_devices(model, ar
 
 
 def test_every_receiver_copies_its_own_piece_after_it_has_received_the_others():
-    plan, g, cost = _plan(*CASES[0])
+    plan, g, cost = _plan(*INTERLACED)
     program = build_program(plan, g, cost, symmetric=False)
     seen = 0
     for dp in program.devices:
