@@ -28,6 +28,7 @@ from planlab.gcpause import paused_gc
 from planlab.plan.plan import Action
 from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
+from planlab.simulator.exchange import exchange_prices
 from planlab.simulator.network import Network
 from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import (
@@ -133,6 +134,7 @@ class Simulation:
         self.issued = count()
         self.memory: list[tuple[int, float, int]] = []
         self.prices: dict = {}  # task times by what they depend on, shared by every device
+        self.exchange = exchange_prices(program, cls, cost)  # sends of symmetric bursts, in closed form
         self._links: dict[tuple[int, int], tuple] = {}
         self._members = Counter(cls)
 
@@ -267,6 +269,7 @@ class DeviceRun:
                 final=final,
                 prices=sim.prices,
                 writers=self.writers,
+                closed=sim.exchange.get((self.rep, key[:2])),
             )
         return got
 
@@ -316,7 +319,10 @@ class DeviceRun:
                 sim.record(rep, "comm", a, u.task, start, now, seq)
             box.post(now)
 
-        sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
+        if u.closed:  # its arrival is known now: no flow on the network
+            env.timeout(u.duration_s).callbacks.append(lambda _e: arrived())
+        else:
+            sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
         self.mem -= u.free_bytes
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
