@@ -306,23 +306,23 @@ class DeviceRun:
         sim.memory.append((rep, sim.env.now, self.mem))
 
     def send(self, u: Send, a: str) -> None:
-        """A message leaves as a flow on the network; the device goes on (its buffer is freed)."""
+        """A message leaves as a flow on the network (or, priced in closed form, is posted with its
+        arrival time); the device goes on (its buffer is freed)."""
         sim, rep, st = self.sim, self.rep, self.st
         env = sim.env
         start, seq = env.now, next(sim.issued)
         box = sim.mailbox(rep, u.peer, u.tag)
 
-        def arrived() -> None:
-            now = env.now
-            st["comm_s"] += now - start
+        def arrived(at: float) -> None:
+            st["comm_s"] += at - start
             if sim.timeline:
-                sim.record(rep, "comm", a, u.task, start, now, seq)
-            box.post(now)
+                sim.record(rep, "comm", a, u.task, start, at, seq)
+            box.post(at)
 
-        if u.closed:  # its arrival is known now: no flow on the network
-            env.timeout(u.duration_s).callbacks.append(lambda _e: arrived())
+        if u.closed:  # its arrival is known now: no flow on the network, no event of its own
+            arrived(start + u.duration_s)
         else:
-            sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
+            sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):

@@ -106,11 +106,15 @@ def exchange_prices(program: Program, cls: list[int], cost: CostModel) -> dict[t
                 open_.update((m.burst, theirs))
         grown = len(open_) > before
     prices: dict[tuple, dict[int, float]] = defaultdict(dict)
+    shared: dict[tuple, float] = {}  # (port, seconds alone) -> seconds on the port: a few works per port
     for m, theirs, n_out, n_in in pairs:
         if m.burst not in open_:
             key, index = m.where
-            port = works[theirs if n_in >= n_out else m.burst]
-            prices[(m.device, key)][index] = sum(min(w, m.work_s) for w in port)
+            port = theirs if n_in >= n_out else m.burst
+            got = shared.get((port, m.work_s))
+            if got is None:
+                got = shared[(port, m.work_s)] = sum(min(w, m.work_s) for w in works[port])
+            prices[(m.device, key)][index] = got
     return dict(prices)
 
 
