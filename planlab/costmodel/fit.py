@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Sequence
 
 from planlab.costmodel.hardware import Efficiency
 from planlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def roofline_time_s(
 
 
 def _check_points(points: Sequence[Sequence[float]], width: int, what: str, minimum: int) -> np.ndarray:
+    import numpy as np  # imported on use: planlab simulate needs no fitting
+
     arr = np.asarray(points, dtype=float)
     if arr.ndim != 2 or arr.shape[1] != width or len(arr) < minimum:
         raise ConfigError(f"{what} needs at least {minimum} measurements of {width} numbers each, got {len(arr)}")
@@ -96,6 +99,8 @@ MAX_BYTES_PER_S = 1e13  # 10 TB/s: above any link, below the 1e5 GB/s a profile 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> AlphaBeta:
     """Fit ``time = alpha + nbytes / bandwidth`` to ``(nbytes, seconds)`` points by least squares
     on relative error, with alpha >= 0 and bandwidth > 0. Needs two distinct sizes."""
+    import numpy as np  # imported on use: planlab simulate needs no fitting
+
     arr = _check_points(points, 2, "fit_alpha_beta", 2)
     x, t = arr[:, 0], arr[:, 1]
     if len(set(x)) < 2:
@@ -107,6 +112,7 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> AlphaBeta:
 
 def fit_linear(features: np.ndarray | Sequence[Sequence[float]], times: Sequence[float]) -> tuple[float, ...]:
     """Non-negative coefficients ``c`` minimising ``sum(((features @ c) / t - 1) ** 2)``."""
+    import numpy as np  # imported on use: planlab simulate needs no fitting
     from scipy.optimize import nnls
 
     a = np.asarray(features, dtype=float)
@@ -128,6 +134,7 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]], *, launch_s: flo
     fitting it. Least squares on log time; the efficiency maxima are 1 (the fitted peak and
     bandwidth are what the device reaches).
     """
+    import numpy as np  # imported on use: planlab simulate needs no fitting
     from scipy.optimize import least_squares
 
     arr = _check_points(samples, 3, "fit_roofline", 6)
@@ -207,6 +214,8 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]], *, launch_s: flo
 
 def robust_overhead(residuals_s: Sequence[float]) -> float:
     """The fixed cost per task: the median of ``measured - modelled`` over tasks, at least 0."""
+    import numpy as np  # imported on use: planlab simulate needs no fitting
+
     if len(residuals_s) == 0:
         raise ConfigError("robust_overhead needs at least one residual")
     return max(0.0, float(np.median(np.asarray(residuals_s, dtype=float))))
@@ -214,4 +223,6 @@ def robust_overhead(residuals_s: Sequence[float]) -> float:
 
 def relative_errors(pred: Sequence[float], meas: Sequence[float]) -> np.ndarray:
     """``pred / meas - 1`` element-wise."""
+    import numpy as np  # imported on use: planlab simulate needs no fitting
+
     return np.asarray(pred, dtype=float) / np.asarray(meas, dtype=float) - 1.0

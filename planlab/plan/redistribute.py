@@ -312,23 +312,25 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
     for dev, sbox, k in pieces:
         by_key[k].setdefault(sbox, []).append(dev)
     src_pos = src.mesh.position
+    every = [(k, sbox, reps) for k in keys for sbox, reps in by_key[k].items()]
+    planned = [(k, sbox, reps) for k, sbox, reps in every if not only.isdisjoint(reps)]
     for flat, dd in _receivers(src, dst, shape, only):
         dbox = dst.box(flat, shape)
-        for k in keys:
-            for sbox, reps in by_key[k].items():
-                region = intersect(sbox, dbox)
-                if region is None:
-                    continue
-                chosen = dd if dd in reps else reps[flat % len(reps)]
-                if chosen == dd:
-                    if dd in only:
-                        conv.add("dst", dd, make.copy(region, sbox, dbox))
-                    continue
-                tag = (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
-                if chosen in only:
-                    conv.add("src", chosen, make.send(tag, dd, region, sbox))
+        # a receiver not planned needs only the messages of planned senders: pieces a planned device holds
+        for k, sbox, reps in every if dd in only else planned:
+            region = intersect(sbox, dbox)
+            if region is None:
+                continue
+            chosen = dd if dd in reps else reps[flat % len(reps)]
+            if chosen == dd:
                 if dd in only:
-                    conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
+                    conv.add("dst", dd, make.copy(region, sbox, dbox))
+                continue
+            tag = (flat * len(keys) + key_index[k]) * n_src + src_pos[chosen]
+            if chosen in only:
+                conv.add("src", chosen, make.send(tag, dd, region, sbox))
+            if dd in only:
+                conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
     return _own_pieces_last(conv)
 
 

@@ -28,6 +28,7 @@ from planlab.gcpause import paused_gc
 from planlab.plan.plan import Action
 from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
+from planlab.simulator.exchange import exchange_prices
 from planlab.simulator.network import Network
 from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import (
@@ -133,6 +134,7 @@ class Simulation:
         self.issued = count()
         self.memory: list[tuple[int, float, int]] = []
         self.prices: dict = {}  # task times by what they depend on, shared by every device
+        self.exchange = exchange_prices(program, cls, cost)  # sends of symmetric bursts, in closed form
         self._links: dict[tuple[int, int], tuple] = {}
         self._members = Counter(cls)
 
@@ -267,6 +269,7 @@ class DeviceRun:
                 final=final,
                 prices=sim.prices,
                 writers=self.writers,
+                closed=sim.exchange.get((self.rep, key[:2])),
             )
         return got
 
@@ -303,20 +306,23 @@ class DeviceRun:
         sim.memory.append((rep, sim.env.now, self.mem))
 
     def send(self, u: Send, a: str) -> None:
-        """A message leaves as a flow on the network; the device goes on (its buffer is freed)."""
+        """A message leaves as a flow on the network (or, priced in closed form, is posted with its
+        arrival time); the device goes on (its buffer is freed)."""
         sim, rep, st = self.sim, self.rep, self.st
         env = sim.env
         start, seq = env.now, next(sim.issued)
         box = sim.mailbox(rep, u.peer, u.tag)
 
-        def arrived() -> None:
-            now = env.now
-            st["comm_s"] += now - start
+        def arrived(at: float) -> None:
+            st["comm_s"] += at - start
             if sim.timeline:
-                sim.record(rep, "comm", a, u.task, start, now, seq)
-            box.post(now)
+                sim.record(rep, "comm", a, u.task, start, at, seq)
+            box.post(at)
 
-        sim.net.transfer(u.duration_s, sim.links(rep, u.peer), arrived)
+        if u.closed:  # its arrival is known now: no flow on the network, no event of its own
+            arrived(start + u.duration_s)
+        else:
+            sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):

@@ -15,6 +15,7 @@ from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import DeadlockError
 from planlab.plan.buffer import Buffer
 from planlab.plan.program import Block, Task, TaskKind
+from planlab.simulator.exchange import message_tag
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,15 @@ class Segment:
 
 @dataclass(frozen=True)
 class Send:
+    """A message: a flow of ``duration_s`` alone on its links, or with ``closed`` a message of a
+    symmetric burst whose ``duration_s`` is the network's answer already (:mod:`planlab.simulator.exchange`)."""
+
     task: str
     peer: int
     tag: int
     duration_s: float
     free_bytes: int
+    closed: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,17 +127,20 @@ def lower_block(
     final: bool = True,
     prices: dict | None = None,
     writers: dict[Buffer, str] | None = None,
+    closed: dict[int, float] | None = None,
 ) -> tuple[Unit, ...]:
     """The units of one block on ``device``; ``sizes`` maps buffers to bytes (for frees).
     ``final`` includes the tasks that run with the last micro-batch only; ``prices`` caches
     task times across the blocks of one simulation. A task reading a buffer of ``writers``
     (:func:`overlap_writers` of the device's blocks; default: this block's) waits for the
-    collective's latest run first. Raises DeadlockError for a collective across classes without
+    collective's latest run first. ``closed`` maps the index of a send in the block to its price
+    in closed form (:func:`~planlab.simulator.exchange.exchange_prices`). Raises DeadlockError for a collective across classes without
     an identity to meet at."""
     low = _Lowering(device, cls, cost, dtype, sizes, prices if prices is not None else {})
     writers = overlap_writers([block]) if writers is None else writers
     awaited: set[Buffer] = set()  # buffers already waited for in this block
-    for t in block.tasks:
+    closed = closed or {}
+    for i, t in enumerate(block.tasks):
         if t.final and not final:
             continue
         if writers:
@@ -145,10 +153,11 @@ def lower_block(
             low.apart(AsyncCollective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
             awaited.difference_update(t.writes)
         elif t.kind is TaskKind.SEND:
-            duration_s = cost.p2p_time_s(t.nbytes, device, t.peer)
-            low.apart(Send(t.name, t.peer, _tag(t), duration_s, low.memory(t)[1]))
+            price = closed.get(i)
+            duration_s = cost.p2p_time_s(t.nbytes, device, t.peer) if price is None else price
+            low.apart(Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None))
         elif t.kind is TaskKind.RECV:
-            low.apart(Recv(t.name, t.peer, _tag(t), low.memory(t)[0]))
+            low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0]))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
             low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
         else:
@@ -240,8 +249,3 @@ def _ident(task: Task) -> int:
             "for its members to meet at"
         )
     return task.ident
-
-
-def _tag(task: Task) -> int:
-    """The channel a message is matched on: its conversion's in a reduced Program, else its own tag."""
-    return task.channel if task.channel >= 0 else task.tag

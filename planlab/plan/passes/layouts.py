@@ -59,8 +59,8 @@ class Layouts:
             sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
             if len(p.devices) != math.prod(sizes):
                 raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but {len(p.devices)} devices")
-            bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
-            if bad:
+            if p.devices and not (0 <= min(p.devices) and max(p.devices) < plan.num_devices):
+                bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
                 raise InfeasiblePlan(
                     f"operator {op.name!r} is placed on device {bad[0]}; the plan has devices 0..{plan.num_devices - 1}"
                 )
