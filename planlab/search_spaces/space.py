@@ -303,19 +303,11 @@ class Constraint:
             raise
 
 
-_AXIS_DIMS: dict[int, tuple[Any, tuple]] = {}
-
-
 def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> tuple:
-    """Per operator, the dimension ``dim_of`` names; computed once per mapping object."""
+    """Per operator, the dimension ``dim_of`` names."""
     if callable(dim_of) and not isinstance(dim_of, Mapping):
         return tuple(dim_of(op) for op in ops)
-    hit = _AXIS_DIMS.get(id(dim_of))
-    if hit is None or hit[0] is not dim_of or len(hit[1]) != len(ops):
-        if len(_AXIS_DIMS) > 64:
-            _AXIS_DIMS.clear()
-        hit = _AXIS_DIMS[id(dim_of)] = (dim_of, tuple(dim_of.get(op.name) for op in ops))
-    return hit[1]
+    return tuple(dim_of.get(op.name) for op in ops)
 
 
 @dataclass
