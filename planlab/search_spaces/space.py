@@ -20,6 +20,7 @@ import abc
 import inspect
 import math
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -204,20 +205,10 @@ class Knob:
         return cls(name, (False, True), doc, default, kind="bool", pinned=pinned, explore=explore)
 
     @classmethod
-    def int(
-        cls,
-        name: str,
-        values,
-        doc: str = "",
-        *,
-        default: Any = None,
-        explore: tuple | None = None,
-        pinned: bool = False,
-        range: str = "",
-    ) -> "Knob":
+    def int(cls, name: str, values, doc: str = "", **options) -> "Knob":
         """An integer knob whose valid values are ``values`` (a tuple, a range, or a function
-        of the Context)."""
-        return cls(name, values, doc, default, kind="int", pinned=pinned, explore=explore, range=range)
+        of the Context); ``options`` (``default``, ``explore``, ``pinned``, ``range``) as :meth:`choice`'s."""
+        return dataclasses.replace(cls.choice(name, values, doc, **options), kind="int")
 
 
 class KnobView(Mapping):
