@@ -196,13 +196,10 @@ def global_statements(sources) -> list[str]:
     )
 
 
-def test_no_module_level_cache_is_keyed_by_id(sources):
-    found = id_keyed_globals(sources)
-    assert not found, "\n".join(found)
-
-
-def test_no_function_rebinds_a_global(sources):
-    found = global_statements(sources)
+@pytest.mark.parametrize("check", [id_keyed_globals, global_statements], ids=["id-keyed cache", "global"])
+def test_no_hidden_module_state(sources, check):
+    """No module-level container keyed by ``id()`` and no ``global`` statement."""
+    found = check(sources)
     assert not found, "\n".join(found)
 
 
