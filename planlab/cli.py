@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -278,23 +279,8 @@ def cmd_run(args) -> int:
 
     cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
     pred = predict(plan, cost=cost)  # every device simulated, with a timeline to compare against
-    res = launch_local(
-        plan,
-        args.nproc,
-        steps=cfg.steps,
-        warmup=cfg.warmup,
-        lr=cfg.lr,
-        check=cfg.check,
-        seed=cfg.seed,
-        record=True,
-        timeout_s=cfg.timeout_s,
-        save_dir=cfg.save_dir,
-        load_dir=cfg.load_dir,
-        data=cfg.data,
-        clip_grad_norm=cfg.clip_grad_norm,
-        allow_device_mismatch=args.allow_device_mismatch,
-        log=True,
-    )
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "device"}  # launch_local picks the device
+    res = launch_local(plan, args.nproc, **options, allow_device_mismatch=args.allow_device_mismatch)
     text, ok = run_report(plan, res, pred, cfg, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL)
     print(f"predicted with {cost.describe_software()}")
     print(text)

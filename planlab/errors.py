@@ -64,6 +64,11 @@ class InjectedFault(RuntimeError):
     PlanlabError, as the failures it stands for are not."""
 
 
+class KernelFormulaError(RuntimeError):
+    """A kernel formula (``planlab.costmodel.kernels``) failed on the shapes a task gave it: a bug in
+    planlab, not bad input, so not a PlanlabError; never priced by the roofline instead."""
+
+
 class UnknownKnob(ConfigError):
     """A constraint read a knob that its space does not have."""
 

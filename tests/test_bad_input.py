@@ -23,6 +23,9 @@ import planlab
 from planlab.cli import main
 from planlab.errors import PlanlabError
 from planlab.models import ModelSpec
+from planlab.plan.layout import Mesh
+from planlab.plan.plan import Action
+from planlab.search_spaces.schedules import interleaved_1f1b
 
 TINY = "--model gpt-tiny --cluster cpu --nodes 2 --global-batch 8"
 GPT = "--model gpt --model-arg hidden=32 --model-arg heads=2 --model-arg seq=8 --model-arg vocab=32 --cluster cpu --nodes 2"
@@ -226,6 +229,10 @@ API_CASES = [
     ("explore(nodes=0)", lambda d: planlab.explore("gpt-tiny", cluster="cpu", nodes=0), "0"),
     ("ModelSpec(layers=abc)", lambda d: ModelSpec("gpt-tiny", (("layers", "abc"),)).config(), "abc"),
     ("trace(non-scalar)", lambda d: planlab.trace(_Vector(), (torch.randn(2, 4),)), "shape [2, 3]"),
+    ("Action.parse('0X0')", lambda d: Action.parse("0X0"), "'0X0'"),
+    ("Action.parse(5)", lambda d: Action.parse(5), "5"),
+    ("Mesh(shape, devices)", lambda d: Mesh((2, 2), (0, 1, 2)), "(2, 2)"),
+    ("interleaved_1f1b(3 of 2)", lambda d: interleaved_1f1b(0, 2, 3, 2), "(3)"),
 ]
 
 

@@ -353,19 +353,25 @@ def test_a_failed_save_leaves_the_previous_checkpoint(root, tmp_path, monkeypatc
 # -- training continues across plans (2 gloo ranks) ------------------------------
 
 
-@pytest.mark.parametrize("zero, plain", [("zero1", "tp"), ("zero2", "pp"), ("zero3", "tp")])
-def test_zero_checkpoints_continue_under_tp_or_pp_and_back(tmp_path, zero, plain):
-    """ZeRO (1 step, checked against one process) -> TP or PP (2 steps) -> the ZeRO plan again
-    (2 steps): every loss is the uninterrupted single-process run's, so weights and Adam states
-    (moments and step) crossed both ways."""
-    z_plan, p_plan = _plan(zero)[0], _plan(plain)[0]
-    ref = reference_run(z_plan.model, global_batch=8, steps=5, lr=LR)
-    first = launch_local(z_plan, 2, steps=1, lr=LR, save_dir=tmp_path / "a")  # with the numeric check
-    assert first.max_loss_error < 1e-5 and first.max_grad_error < 1e-5
-    mid = launch_local(p_plan, 2, steps=2, lr=LR, check=False, load_dir=tmp_path / "a", save_dir=tmp_path / "b")
-    last = launch_local(z_plan, 2, steps=2, lr=LR, check=False, load_dir=tmp_path / "b")
-    assert first.losses + mid.losses + last.losses == pytest.approx(ref.losses, abs=1e-5)
-    assert read_manifest(tmp_path / "b")["steps"] == 3
+def test_zero_checkpoints_continue_under_tp_or_pp_and_back(tmp_path):
+    """One training run handed from plan to plan through checkpoints: ZeRO-1 (1 step, checked
+    against one process) -> TP -> ZeRO-3 -> PP -> ZeRO-2 -> ZeRO-1 (2 steps each): every loss is
+    the uninterrupted single-process run's, so weights and Adam states (moments and step) crossed
+    from each ZeRO stage into a plain plan or another stage and back. Each stage saves and loads
+    (one chain of six launches covers what three chains of three did)."""
+    chain = ("zero1", "tp", "zero3", "pp", "zero2", "zero1")
+    steps = [1] + [2] * (len(chain) - 1)
+    ref = reference_run(_plan("zero1")[0].model, global_batch=8, steps=sum(steps), lr=LR)
+    losses, load = [], None
+    for i, (name, n) in enumerate(zip(chain, steps)):
+        save = tmp_path / str(i) if i < len(chain) - 1 else None
+        res = launch_local(_plan(name)[0], 2, steps=n, lr=LR, check=i == 0, load_dir=load, save_dir=save)
+        if i == 0:
+            assert res.max_loss_error < 1e-5 and res.max_grad_error < 1e-5
+        losses += res.losses
+        load = save
+    assert losses == pytest.approx(ref.losses, abs=1e-5)
+    assert read_manifest(tmp_path / str(len(chain) - 2))["steps"] == sum(steps[:-1])
 
 
 def test_a_resumed_run_goes_on_with_the_next_batch_of_its_data(tmp_path):

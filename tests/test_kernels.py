@@ -567,3 +567,14 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
         CostModel.load("dgx-a100-80g", precision="fp8")
     with pytest.raises(ConfigError, match="software 'deepspeed' has no precision 'fp8'"):
         CostModel.load("dgx-h100", software="deepspeed", precision="fp8")
+
+
+def test_a_formula_that_fails_raises_instead_of_falling_back_to_the_roofline():
+    """Missing shapes or a vector product are left to the roofline (None); a formula that fails on
+    the shapes it is given is a bug and says so, naming the kind and the shapes."""
+    from planlab.errors import KernelFormulaError
+
+    assert op_kernels("linear", "F", (), 2) is None
+    assert op_kernels("matmul", "F", ((8,), (8, 4), (4,)), 2) is None
+    with pytest.raises(KernelFormulaError, match=r"'linear' \(F\) failed on shapes \(\(4, 8\),\)"):
+        op_kernels("linear", "F", ((4, 8),), 2)  # no weight: the formula indexes past the shapes

@@ -5,7 +5,10 @@
 - the modules' module-level imports form no cycle (imports under ``if TYPE_CHECKING:`` and inside
   functions are not run when the module loads; ``from planlab.plan import buffer`` is an import of
   the module ``planlab.plan.buffer``, ``from planlab.plan import Plan`` one of the package);
-- every exception class is defined in ``planlab/errors.py``.
+- every exception class is defined in ``planlab/errors.py``;
+- no module keeps a module-level mutable container keyed by ``id()`` (a cache that outlives its
+  objects or answers for a new object at a reused address: cache per graph with ``Graph.memo``, or
+  on frozen keys), and no function rebinds a module's global (``global``).
 
 Each test fails with the offending names.
 """
@@ -139,6 +142,67 @@ def error_classes_elsewhere(sources) -> list[str]:
     return sorted(out)
 
 
+MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakValueDictionary"}
+
+
+def _mutable_globals(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to a new dict, list or set."""
+    out = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) in MUTABLE_CALLS
+        )
+        if mutable:
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _calls_id(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "id" for n in ast.walk(node))
+
+
+def id_keyed_globals(sources) -> list[str]:
+    """``module.NAME`` of every module-level dict, list or set indexed, looked up or tested with a
+    key that calls ``id()``."""
+    out = set()
+    for mod, (_, tree) in sources.items():
+        names = _mutable_globals(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names:
+                hit = node.value.id if _calls_id(node.slice) else None
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                keyed = any(_calls_id(a) for a in node.args)
+                hit = owner.id if isinstance(owner, ast.Name) and owner.id in names and keyed else None
+            elif isinstance(node, ast.Compare) and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops):
+                owners = [c.id for c in node.comparators if isinstance(c, ast.Name) and c.id in names]
+                hit = owners[0] if owners and _calls_id(node.left) else None
+            else:
+                hit = None
+            if hit:
+                out.add(f"{mod}.{hit}")
+    return sorted(out)
+
+
+def global_statements(sources) -> list[str]:
+    """``module:line name`` of every ``global`` statement."""
+    return sorted(
+        f"{mod}:{node.lineno} {', '.join(node.names)}"
+        for mod, (_, tree) in sources.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Global)
+    )
+
+
+@pytest.mark.parametrize("check", [id_keyed_globals, global_statements], ids=["id-keyed cache", "global"])
+def test_no_hidden_module_state(sources, check):
+    """No module-level container keyed by ``id()`` and no ``global`` statement."""
+    found = check(sources)
+    assert not found, "\n".join(found)
+
+
 def test_no_function_is_over_100_lines(sources):
     found = long_functions(sources)
     assert not found, "\n".join(found)
@@ -170,6 +234,14 @@ def test_the_checks_find_what_they_look_for():
     assert private_imports(fake) == ["planlab.a: planlab.b._hidden"]
     assert import_cycles(fake) == [["planlab.a", "planlab.b"]]
     assert error_classes_elsewhere(fake) == ["planlab.b.Oops"]
+    cached = (
+        "_A: dict = {}\n_B = dict()\n_C = []\n_OK = {}\n_SEEN = False\n"
+        "def f(g):\n    global _SEEN\n    hit = _A.get(id(g))\n    _B[(id(g), 1)] = 1\n"
+        "    if id(g) in _C:\n        pass\n    _OK[g.name] = id(g)\n"
+    )
+    fake = {"planlab.c": (None, ast.parse(cached))}
+    assert id_keyed_globals(fake) == ["planlab.c._A", "planlab.c._B", "planlab.c._C"]
+    assert global_statements(fake) == ["planlab.c:7 _SEEN"]
     typed = {
         "planlab.a": (None, ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import planlab.b\n")),
         "planlab.b": (None, ast.parse("def f():\n    import planlab.a\n")),

@@ -49,6 +49,33 @@ def test_graph_facts(tiny):
     assert g.tensors["blocks.0.attn.q.weight"].role == "param"
 
 
+def test_a_traced_graph_is_frozen_and_caches_per_graph(tiny):
+    """No pass can change a traced graph under the caches derived from it: each table refuses a
+    change, and what passes derive lives in the graph's own cache (computed once per key)."""
+    import dataclasses
+    import pickle
+
+    from planlab.errors import GraphError
+    from planlab.models.trace_cache import for_planning
+
+    _, g = tiny
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.loss = "x"
+    for table in (g.tensors, g.labels, g.producer, g.consumers):
+        with pytest.raises(GraphError, match="frozen"):
+            table["x"] = None
+    with pytest.raises(AttributeError):
+        g.operators.append(g.operators[0])
+    calls = []
+    assert g.memo(("test", 1), lambda: calls.append(1) or len(calls)) == 1
+    assert g.memo(("test", 1), lambda: calls.append(1) or len(calls)) == 1 and calls == [1]
+    planning = for_planning(g)
+    planning.memo(("test", 1), lambda: 1)
+    again = pickle.loads(pickle.dumps(planning))  # the trace cache's entry: the tables, not the cache
+    assert again.tensors == g.tensors and [o.name for o in again.operators] == [o.name for o in g.operators]
+    assert again.memo(("test", 1), lambda: 2) == 2
+
+
 @pytest.mark.parametrize(
     "preset, published",
     [

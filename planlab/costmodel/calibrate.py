@@ -656,22 +656,12 @@ def collective_worker(quick: bool) -> dict:
 
 def measure_collectives(nproc: int, *, quick: bool = False) -> dict:
     """Run :func:`collective_worker` on ``nproc`` local processes with torch's elastic launcher."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    from planlab.executor.run import free_port, quiet_launcher, launcher_logs
+    from planlab.executor.run import local_launch, quiet_launcher
 
     run_dir = tempfile.mkdtemp(prefix="planlab-calibrate-")
-    cfg = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=0.05,
-        run_id=f"planlab-calibrate-{os.getpid()}-{time.time_ns()}",
-        logs_specs=launcher_logs(run_dir),
-    )
+    cfg = local_launch(nproc, f"planlab-calibrate-{os.getpid()}-{time.time_ns()}", run_dir)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

@@ -55,6 +55,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planlab.errors import KernelFormulaError
+
 VIEW_KINDS = frozenset({"reshape", "transpose", "permute", "expand", "getitem", "view"})
 INDEX_BYTES = 8  # int64 token ids
 
@@ -128,22 +130,25 @@ def op_kernels(
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
     (``fp8``: linear layers' GEMMs in FP8, see the module docstring); None when the kind is not
-    modelled (or its shapes are not what the kind takes). ``fused_softmax`` False: Megatron's
-    attention masks and normalizes its scores in separate kernels (:func:`unfused_softmax_2019`)."""
+    modelled (no formula for the kind, no shapes given, or a matrix product of a vector: the
+    roofline prices those). ``fused_softmax`` False: Megatron's attention masks and normalizes its
+    scores in separate kernels (:func:`unfused_softmax_2019`). A formula that fails on the shapes
+    it is given is a bug: KernelFormulaError, never a silent roofline."""
+    if kind in VIEW_KINDS and kind not in _KINDS:
+        return OpKernels((), 1)
+    if kind not in _KINDS or not shapes or (kind == "matmul" and min(len(s) for s in shapes[:2]) < 2):
+        return None
     try:
         if kind == "attention" and not fused_softmax:
             return _attention(phase, shapes, eb, implementation, fused_softmax=False)
         if kind == "linear" and fp8:
             return _linear_fp8(phase, shapes, eb, implementation)
-        return (
-            _KINDS[kind](phase, shapes, eb, implementation)
-            if kind in _KINDS
-            else OpKernels((), 1)
-            if kind in VIEW_KINDS
-            else None
-        )
-    except (IndexError, ValueError, ZeroDivisionError):
-        return None
+        return _KINDS[kind](phase, shapes, eb, implementation)
+    except (IndexError, ValueError, ZeroDivisionError, TypeError, KeyError) as e:
+        raise KernelFormulaError(
+            f"the kernel formula of {kind!r} ({phase}) failed on shapes {shapes}: {e!r}; a bug in "
+            "planlab.costmodel.kernels (the shapes come from the plan's Program)"
+        ) from e
 
 
 def _linear(phase, shapes, eb, impl):
@@ -380,9 +385,7 @@ def _cross_entropy(phase, shapes, eb, impl):
 
 
 def _matmul(phase, shapes, eb, impl):
-    a, b = shapes[0], shapes[1]
-    if len(a) < 2 or len(b) < 2:
-        raise ValueError("not a matrix product")
+    a, b = shapes[0], shapes[1]  # both matrices or stacks of them (op_kernels leaves vectors to the roofline)
     m, k = a[-2], a[-1]
     n = b[-1]
     batch = _n(shapes[-1][:-2])

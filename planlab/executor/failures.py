@@ -249,23 +249,10 @@ def diagnose(run_dir: str | os.PathLike, exitcodes: Mapping[int, int], world: in
             continue
         if code is not None and code < 0:
             sig = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            found[r] = dict(
-                rank=r,
-                cause="killed",
-                where=where.get(r, "start-up"),
-                error=f"killed by signal {sig}",
-                waited_on="",
-                time=0.0,
-            )
+            cause, error = "killed", f"killed by signal {sig}"
         else:
-            found[r] = dict(
-                rank=r,
-                cause="exited",
-                where=where.get(r, "start-up"),
-                error=f"exited with status {code} without a report",
-                waited_on="",
-                time=0.0,
-            )
+            cause, error = "exited", f"exited with status {code} without a report"
+        found[r] = dict(rank=r, cause=cause, where=where.get(r, "start-up"), error=error, waited_on="", time=0.0)
     if not found:
         return RankFailure(
             f"the run failed (exit codes {dict(exitcodes)}) and no rank left a report",

@@ -206,7 +206,6 @@ class Interpreter:
         self.timeline: list[TaskTiming] = []
         self.steps_run = 0
         self._compiled: dict[tuple[int, str], tuple] = {}
-        self._read_cache: dict[int, tuple] = {}  # by id(task): the Program's tasks live as long as it
         self._loss_buffer = own.get(buf_.activation(self.graph.loss), buf_.activation(self.graph.loss))
         self.step, self.action = 0, None
         self._backend = dist.get_backend() if dist.is_initialized() else "gloo"
@@ -451,18 +450,15 @@ class Interpreter:
         self._put(task.writes[0], mb, buf, task, task.accumulate)
 
     def _reads(self, task: Task) -> tuple:
-        """``task``'s operator (or None) and ``(buffer, static?, detach?)`` per buffer it reads,
-        made once per task."""
-        r = self._read_cache.get(id(task))
-        if r is None:
-            r = self._read_cache[id(task)] = (
-                self.graph.op(task.op) if task.op else None,
-                tuple(
-                    (b, b is not None and b.static, task.chunk >= 0 or b is None or b.kind is not BufferKind.WEIGHT)
-                    for b in task.reads
-                ),
-            )
-        return r
+        """``task``'s operator (or None) and ``(buffer, static?, detach?)`` per buffer it reads (a
+        dictionary look-up and a tuple: cheap next to the kernels the task runs, so not cached)."""
+        return (
+            self.graph.op(task.op) if task.op else None,
+            tuple(
+                (b, b is not None and b.static, task.chunk >= 0 or b is None or b.kind is not BufferKind.WEIGHT)
+                for b in task.reads
+            ),
+        )
 
     def _forward(self, task: Task, mb: int) -> None:
         op, reads = self._reads(task)

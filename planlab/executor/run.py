@@ -471,6 +471,24 @@ def _str(path: str | os.PathLike | None) -> str | None:
     return None if path is None else os.fspath(path)
 
 
+def local_launch(nproc: int, run_id: str, run_dir: str):
+    """torch's elastic ``LaunchConfig`` for ``nproc`` processes on this machine: one node, a c10d
+    rendezvous on a free local port, no restart, the launcher's logs in ``run_dir``."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        run_id=run_id,
+        logs_specs=launcher_logs(run_dir),
+    )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous takes it)."""
     with socket.socket() as s:
@@ -551,21 +569,11 @@ def launch_local(
         Fault.parse(os.environ[FAULT_ENV])  # a malformed fault fails here, not in every rank
     prepare(plan, cfg, range(nproc))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     run_id = run_id or f"planlab-{os.getpid()}-{time.time_ns()}"
     run_dir = tempfile.mkdtemp(prefix=f"{run_id}-")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=0.05,
-        run_id=run_id,
-        logs_specs=launcher_logs(run_dir),
-    )
+    launch = local_launch(nproc, run_id, run_dir)
     try:
         with quiet_launcher():
             out = elastic_launch(launch, worker)(plan_to_json(plan), cfg, run_dir)

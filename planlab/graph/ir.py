@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from planlab.errors import GraphError
 from planlab.graph.signature import Axis, Signature
@@ -126,9 +128,25 @@ class Operator:
         return [d for d in self.signature.dims() if self.signature.splittable(d)]
 
 
-@dataclass
+T = TypeVar("T")
+
+
+class FrozenDict(dict):
+    """A dict that refuses every change once built (a traced graph's tables); it pickles as a dict."""
+
+    def _refuse(self, *args, **kwargs):
+        raise GraphError("a traced graph is frozen: build a new Graph instead of changing this one")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
+
+
+@dataclass(frozen=True, eq=False)
 class Graph:
-    """A traced model: tensors by name and operators in topological order.
+    """A traced model: tensors by name and operators in topological order. Frozen once built:
+    its tables refuse changes, and :meth:`memo` is the one cache of what passes derive from it.
 
     ``loss`` names the scalar the model returns; ``labels`` maps each tensor
     axis to a dimension label shared by every axis that is the same dimension
@@ -136,22 +154,49 @@ class Graph:
     spaces can say "split the batch" once for every operator.
     """
 
-    tensors: dict[str, TensorSpec]
-    operators: list[Operator]
+    tensors: Mapping[str, TensorSpec]
+    operators: tuple[Operator, ...]
     inputs: tuple[str, ...]
     loss: str
-    labels: dict[tuple[str, int], str] = field(default_factory=dict)
+    labels: Mapping[tuple[str, int], str] = field(default_factory=dict)
     unknown: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self._by_name = {op.name: op for op in self.operators}
-        self.producer: dict[str, Operator] = {}
-        self.consumers: dict[str, list[Operator]] = {}
+        producer: dict[str, Operator] = {}
+        consumers: dict[str, list[Operator]] = {}
         for op in self.operators:
             for t in op.outputs:
-                self.producer[t] = op
+                producer[t] = op
             for t in op.inputs:
-                self.consumers.setdefault(t, []).append(op)
+                consumers.setdefault(t, []).append(op)
+        fixed = {
+            "tensors": FrozenDict(self.tensors),
+            "operators": tuple(self.operators),
+            "inputs": tuple(self.inputs),
+            "labels": FrozenDict(self.labels),
+            "unknown": tuple(self.unknown),
+            "_by_name": FrozenDict((op.name, op) for op in self.operators),
+            "producer": FrozenDict(producer),
+            "consumers": FrozenDict((t, tuple(ops)) for t, ops in consumers.items()),
+            "_memo": {},
+            "_memo_lock": threading.Lock(),
+        }
+        for name, value in fixed.items():
+            object.__setattr__(self, name, value)
+
+    def __reduce__(self):
+        return (Graph, (dict(self.tensors), self.operators, self.inputs, self.loss, dict(self.labels), self.unknown))
+
+    def memo(self, key: tuple, compute: Callable[[], T]) -> T:
+        """The graph's cache of derived values: ``compute()`` the first time ``key`` (a tuple of
+        frozen values naming the function and its other arguments) is asked for, its value after.
+        It lives and dies with the graph, so no module keeps state keyed by a graph's ``id()``."""
+        with self._memo_lock:
+            if key in self._memo:
+                return self._memo[key]
+        value = compute()
+        with self._memo_lock:
+            return self._memo.setdefault(key, value)
 
     def op(self, name: str) -> Operator:
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import copy
 import math
@@ -193,8 +195,7 @@ class _GraphBuilder:
         if loss is None:
             raise GraphError("the traced graph has no output")
         graph = Graph(self.tensors, self.ops, tuple(graph_inputs), loss, unknown=tuple(self.unknown))
-        graph.labels = _labels(graph)
-        return graph
+        return dataclasses.replace(graph, labels=_labels(graph))
 
     def _add_op(self, node: fx.Node, outs: tuple[torch.Tensor, ...]) -> None:
         module = self.gm.get_submodule(node.target) if node.op == "call_module" else None

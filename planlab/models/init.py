@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -201,12 +202,25 @@ def init_region(
     return out
 
 
+# Held while torch's init functions are patched: one thread at a time builds on meta, so no two
+# patches interleave and no restore undoes another thread's patch.
+_PATCH_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[InitRecorder]:
     """Build modules with their parameters on the meta device and their buffers (position ids,
     masks, rotary tables) real: every parameter registered inside is moved to meta at once, and
     the draws the model's code makes on meta tensors are recorded (the recorder is yielded)
-    instead of made, so nothing is drawn and no parameter takes memory."""
+    instead of made, so nothing is drawn and no parameter takes memory. The patches of torch it
+    needs last only while it is active, and a lock keeps other threads' uses of it out meanwhile."""
+    with _PATCH_LOCK, _patched_for_meta() as rec:
+        yield rec
+
+
+@contextlib.contextmanager
+def _patched_for_meta() -> Iterator[InitRecorder]:
+    """:func:`params_on_meta` without its lock."""
     rec = InitRecorder()
     register = nn.Module.register_parameter
     saved = {m: getattr(torch.Tensor, m) for m in ("normal_", "uniform_", "fill_", "zero_", "clone")}

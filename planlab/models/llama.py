@@ -15,6 +15,7 @@ query heads consistently). No Python control flow depends on tensor sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -141,19 +142,26 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def add_decoder_modules(model: nn.Module, cfg, block: Callable[[Any], nn.Module]) -> None:
+    """Give ``model`` a LLaMA-style decoder's modules (``cfg`` as :class:`LlamaConfig`'s fields):
+    token embeddings, the rotary tables as buffers, ``cfg.layers`` blocks made by ``block(cfg)``,
+    the final RMSNorm and the output layer (LLaMA's and the mixture-of-experts decoder's)."""
+    model.cfg = cfg
+    model.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+    cos, sin = rotary_tables(cfg)
+    model.register_buffer("rope_cos", cos, persistent=False)  # (T, hs)
+    model.register_buffer("rope_sin", sin, persistent=False)  # (T, hs)
+    model.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.layers))
+    model.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    model.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+
 class Llama(nn.Module):
     """LLaMA decoder whose forward returns the mean next-token cross-entropy."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
-        cos, sin = rotary_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (T, hs)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        add_decoder_modules(self, cfg, Block)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # idx, targets: (B, T) token ids

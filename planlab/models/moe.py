@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from planlab.models.llama import Attention, rotary_tables
+from planlab.models.llama import Attention, add_decoder_modules
 from planlab.models.tokens import token_batch
 
 
@@ -205,14 +205,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
-        cos, sin = rotary_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (T, hs)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        add_decoder_modules(self, cfg, Block)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return decoder_loss(self, idx, targets)

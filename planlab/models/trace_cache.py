@@ -32,7 +32,8 @@ from planlab.graph.ir import Graph
 from planlab.models.spec import ModelSpec, is_user_model
 
 CACHE_ENV = "PLANLAB_CACHE_DIR"
-ENTRY_FORMAT = 1  # the layout of an entry: (ENTRY_FORMAT, TraceKey, Graph)
+# the layout of an entry: (ENTRY_FORMAT, TraceKey, Graph); 2: the Graph is frozen, pickled by its tables
+ENTRY_FORMAT = 2
 
 
 def cache_dir() -> Path | None:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from planlab.errors import ConfigError
+
 Box = tuple[tuple[int, int], ...]  # per tensor axis: [start, stop)
 
 
@@ -53,7 +55,10 @@ class Mesh:
 
     def __post_init__(self) -> None:
         if math.prod(self.shape) != len(self.devices):
-            raise ValueError(f"mesh shape {self.shape} does not hold {len(self.devices)} devices")
+            raise ConfigError(
+                f"mesh shape {self.shape} does not hold {len(self.devices)} devices; expected shape's product "
+                f"{math.prod(self.shape)} devices"
+            )
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from planlab.errors import InfeasiblePlan, choices
+from planlab.errors import ConfigError, InfeasiblePlan, choices
 from planlab.graph.ir import Graph
 from planlab.models.spec import ModelSpec
 from planlab.plan.colocation import colocation
@@ -69,9 +69,10 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        m = _ACTION.match(text.strip())
+        """The action ``text`` names, such as ``0F3``; ConfigError if it names none."""
+        m = _ACTION.match(text.strip()) if isinstance(text, str) else None
         if not m:
-            raise ValueError(f"{text!r} is not an action like '0F3' (stage, phase F/B/I/W/U, microbatch)")
+            raise ConfigError(f"{text!r} is not an action like '0F3' (stage, phase F/B/I/W/U, microbatch)")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
 

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from planlab.errors import PlanFileError
+from planlab.errors import ConfigError, PlanFileError
 from planlab.models.spec import ModelSpec
 from planlab.plan.plan import PLAN_VERSION, READ_VERSIONS, ZERO_STAGES, Action, OpPlan, Plan
 
@@ -197,7 +197,7 @@ def _actions(s, w: str, version: int) -> tuple[Action, ...]:
         if version == 1:  # version 1 named the once-per-iteration update W
             s = [a.replace("W", "U") if isinstance(a, str) else a for a in s]
         return tuple(Action.parse(a) for a in s)
-    except (ValueError, AttributeError) as e:
+    except ConfigError as e:
         raise PlanFileError(f"{w}: {e}") from None
 
 

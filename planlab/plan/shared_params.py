@@ -27,20 +27,16 @@ def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
     return frozenset(op.name for op in graph.operators if op.name not in live)
 
 
-_FWD_ONLY: dict[int, tuple[Graph, frozenset[str]]] = {}
-
-
 def forward_only_of(graph: Graph) -> frozenset[str]:
     """:func:`forward_only_ops` of a graph's detached tensors, cached per graph (empty without a
     detach): what the memory bound and the screen leave without backward and saved activations."""
-    hit = _FWD_ONLY.get(id(graph))
-    if hit is None or hit[0] is not graph:
-        got = frozenset()
+
+    def compute() -> frozenset[str]:
         if any(op.kind == DETACH for op in graph.operators):
-            got = forward_only_ops(graph, no_grad_tensors(graph))
-        _FWD_ONLY.clear()
-        hit = _FWD_ONLY[id(graph)] = (graph, got)
-    return hit[1]
+            return forward_only_ops(graph, no_grad_tensors(graph))
+        return frozenset()
+
+    return graph.memo(("forward_only_of",), compute)
 
 
 def training_flops(graph: Graph) -> float:

@@ -26,6 +26,7 @@ stages and the 1F1B schedule. Solutions are cached per graph, cluster, mesh and 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -64,9 +65,6 @@ class Layers:
         return tuple(dict.fromkeys(self.kind))
 
 
-_LAYERS: dict[int, tuple[Graph, Layers]] = {}
-
-
 def _likeness(g: Graph, names: list[str]) -> tuple:
     return tuple((g.op(n).kind, str(g.op(n).signature), tuple(sorted(g.op(n).dim_sizes.items()))) for n in names)
 
@@ -75,9 +73,10 @@ def layers_of(g: Graph) -> Layers:
     """The layers (operators of module ``blocks.<i>``), the operators around and between them, and
     which layers are alike (cached per graph); ConfigError when a layer's operators are not
     contiguous (a layer run twice, or interleaved with another)."""
-    hit = _LAYERS.get(id(g))
-    if hit is not None and hit[0] is g:
-        return hit[1]
+    return g.memo(("layers_of",), lambda: _layers_of(g))
+
+
+def _layers_of(g: Graph) -> Layers:
     pre: list[str] = []
     blocks: list[list[str]] = []
     glue: list[tuple[str, ...]] = []
@@ -110,8 +109,6 @@ def layers_of(g: Graph) -> Layers:
     first: dict[tuple, int] = {}
     kind = tuple(first.setdefault(_likeness(g, b), k) for k, b in enumerate(blocks))
     out = Layers(tuple(pre), tuple(tuple(b) for b in blocks), tuple(glue), tuple(pending), kind)
-    _LAYERS.clear()
-    _LAYERS[id(g)] = (g, out)
     return out
 
 
@@ -287,19 +284,14 @@ class _Problem:
         return Solved(layers, pre, tuple(glue), post)
 
 
-_EDGES: dict[int, tuple[Graph, list]] = {}
-
-
 def _edges(g: Graph) -> list[tuple[str, str, str]]:
     """Every producer -> consumer edge of ``g`` with its tensor (cached per graph)."""
-    hit = _EDGES.get(id(g))
-    if hit is None or hit[0] is not g:
-        out = [
+    return g.memo(
+        ("alpa_edges",),
+        lambda: [
             (g.producer[t].name, op.name, t) for op in g.operators for t in dict.fromkeys(op.inputs) if t in g.producer
-        ]
-        _EDGES.clear()
-        hit = _EDGES[id(g)] = (g, out)
-    return hit[1]
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -315,29 +307,23 @@ class AlpaPlan:
     fits: bool = True  # False: no slicing fits the device memory; the least memory is kept
 
 
-_SOLVED: dict[tuple, tuple[Graph, object]] = {}
-
-
-def _cost_of(ctx: Context) -> CostModel:
-    key = ("cost", ctx.cluster, ctx.nodes)
-    hit = _SOLVED.get(key)
-    if hit is None:
-        hit = _SOLVED[key] = (None, CostModel.load(ctx.cluster, ctx.nodes))
-    return hit[1]
+@functools.lru_cache(maxsize=16)
+def _cost_of(cluster, nodes) -> CostModel:
+    """The cost model of a cluster (cached on its frozen name and node count)."""
+    return CostModel.load(cluster, nodes)
 
 
 def solutions(ctx: Context, dp: int, tp: int, microbatches: int, inflight: int) -> Solved | None:
     """The solutions on a ``dp x tp`` mesh (cached per graph, cluster, mesh, micro-batches)."""
-    key = (id(ctx.graph), ctx.cluster, ctx.nodes, dp, tp, microbatches, inflight)
-    hit = _SOLVED.get(key)
-    if hit is not None and hit[0] is ctx.graph:
-        return hit[1]
-    if len(_SOLVED) > 256:
-        _SOLVED.clear()
-    tables = CostTables(ctx.graph, _cost_of(ctx), precision_for(ctx.cluster), Mesh2D((dp, tp)), microbatches)
-    got = _Problem(ctx.graph, tables, layers_of(ctx.graph)).solve_all(inflight)
-    _SOLVED[key] = (ctx.graph, got)
-    return got
+
+    def compute() -> Solved | None:
+        tables = CostTables(
+            ctx.graph, _cost_of(ctx.cluster, ctx.nodes), precision_for(ctx.cluster), Mesh2D((dp, tp)), microbatches
+        )
+        return _Problem(ctx.graph, tables, layers_of(ctx.graph)).solve_all(inflight)
+
+    key = ("alpa_solutions", ctx.cluster, ctx.nodes, dp, tp, microbatches, inflight)
+    return ctx.graph.memo(key, compute)
 
 
 MAX_COMBINATIONS = 256  # per stage, solution indices tried per kind of layer (more: each kind's alone)
@@ -350,7 +336,7 @@ def solve(ctx: Context, pp: int, tp: int, microbatches: int) -> AlpaPlan:
     dp = ctx.num_devices // (pp * tp)
     L = layers_of(ctx.graph)
     n = max(1, len(L.blocks))
-    cap = _cost_of(ctx).device_memory_bytes
+    cap = _cost_of(ctx.cluster, ctx.nodes).device_memory_bytes
     sol = solutions(ctx, dp, tp, microbatches, min(pp, microbatches))
     if sol is None:
         raise InfeasiblePlan(

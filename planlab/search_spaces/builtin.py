@@ -56,20 +56,17 @@ ALL_DEVICES = Constraint(
 )
 
 
-_BATCH_DIMS: dict[int, tuple[Graph, dict[str, str | None]]] = {}
-
-
 def batch_dims(g: Graph) -> dict[str, str | None]:
     """Per operator (cached per graph), the splittable dimension that carries the batch, or None."""
-    hit = _BATCH_DIMS.get(id(g))
-    if hit is None or hit[0] is not g:
+
+    def compute() -> dict[str, str | None]:
         out = {}
         for op in g.operators:
             d = g.dim_with_label(op, g.batch_label)
             out[op.name] = d if d is not None and op.signature.splittable(d) else None
-        _BATCH_DIMS.clear()
-        hit = _BATCH_DIMS[id(g)] = (g, out)
-    return hit[1]
+        return out
+
+    return g.memo(("batch_dims",), compute)
 
 
 class DataParallel(Space):
@@ -153,16 +150,14 @@ ROWWISE = re.compile(
 )
 
 
-_TP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
-
-
 def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
     """Per operator (cached per graph), the dimension Megatron's tensor parallelism splits: ``n`` of column-parallel
     linears, ``k`` of row-parallel ones, and between them the head or hidden dimension their
     outputs carry; everything else replicated."""
-    hit = _TP_CACHE.get(id(g))
-    if hit is not None and hit[0] is g:
-        return hit[1]
+    return g.memo(("tensor_parallel_dims",), lambda: _tensor_parallel_dims(g))
+
+
+def _tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
     labels: set[str] = set()
     out: dict[str, str | None] = {}
     vocab = vocab_parallel_size(g)
@@ -187,8 +182,6 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
                     dim = d
                     break
         out[op.name] = dim
-    _TP_CACHE.clear()  # one graph at a time is plenty
-    _TP_CACHE[id(g)] = (g, out)
     return out
 
 
@@ -198,17 +191,14 @@ def tensor_parallel_dims(g: Graph) -> dict[str, str | None]:
 VOCAB_PARALLEL_OPS = ("vocab_embedding", "vocab_cross_entropy")
 
 
-_VP_CACHE: dict[int, tuple[Graph, int | None]] = {}
-
-
 def vocab_parallel_size(g: Graph) -> int | None:
     """The vocabulary of ``g``'s vocabulary-parallel loss, or None if it has none (cached per graph)."""
-    hit = _VP_CACHE.get(id(g))
-    if hit is None or hit[0] is not g:
+
+    def compute() -> int | None:
         loss = [op for op in g.operators if op.kind == "vocab_cross_entropy"]
-        _VP_CACHE.clear()
-        hit = _VP_CACHE[id(g)] = (g, loss[0].dim_sizes["v"] if loss else None)
-    return hit[1]
+        return loss[0].dim_sizes["v"] if loss else None
+
+    return g.memo(("vocab_parallel_size",), compute)
 
 
 def is_output_layer(op: Operator, vocab: int) -> bool:
@@ -245,19 +235,14 @@ def _kv_heads(c: Context) -> int | None:
 # in one weight: its contiguous column shards would mix them, so tensor parallelism leaves that
 # attention replicated and splits the MLP (c_fc column-, c_proj row-parallel) only.
 FUSED_QKV = re.compile(r"(^|\.)attn\.c_attn$")
-_FUSED_CACHE: dict[int, tuple[Graph, str | None]] = {}
 
 
 def fused_qkv(g: Graph) -> str | None:
     """The module of the graph's first fused q/k/v projection, or None (cached per graph)."""
-    hit = _FUSED_CACHE.get(id(g))
-    if hit is None or hit[0] is not g:
-        _FUSED_CACHE.clear()
-        hit = _FUSED_CACHE[id(g)] = (
-            g,
-            next((op.module for op in g.operators if op.kind == "linear" and FUSED_QKV.search(op.module)), None),
-        )
-    return hit[1]
+    return g.memo(
+        ("fused_qkv",),
+        lambda: next((op.module for op in g.operators if op.kind == "linear" and FUSED_QKV.search(op.module)), None),
+    )
 
 
 class TensorParallel(Space):
@@ -323,16 +308,14 @@ class TensorParallel(Space):
         draft.add_axis("tp", tp, dims)
 
 
-_SP_CACHE: dict[int, tuple[Graph, dict[str, str | None]]] = {}
-
-
 def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
     """Megatron's sequence parallelism (cached per graph): inside the layers, the operators tensor
     parallelism replicates (norms, dropout, residual adds) split the sequence instead; materialize
     then turns each all-reduce into a reduce-scatter and an all-gather."""
-    hit = _SP_CACHE.get(id(g))
-    if hit is not None and hit[0] is g:
-        return hit[1]
+    return g.memo(("sequence_parallel_dims",), lambda: _sequence_parallel_dims(g))
+
+
+def _sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
     dims = dict(tensor_parallel_dims(g))
     seq = g.labels.get((g.inputs[0], 1))
     for op in g.operators:
@@ -340,8 +323,6 @@ def sequence_parallel_dims(g: Graph) -> dict[str, str | None]:
             d = g.dim_with_label(op, seq) if seq else None
             if d is not None and op.signature.splittable(d):
                 dims[op.name] = d
-    _SP_CACHE.clear()
-    _SP_CACHE[id(g)] = (g, dims)
     return dims
 
 
@@ -354,18 +335,10 @@ def sequence_parallel_splits(g: Graph) -> bool:
     return sequence_parallel_dims(g) != tensor_parallel_dims(g)
 
 
-_STAGES_CACHE: dict[tuple[int, int, int], tuple[Graph, dict[str, int]]] = {}
-
-
 def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     """Layers split evenly over ``pp`` stages; other operators follow their inputs
     (or, with no computed inputs, their first consumer). Computed once per graph and degree."""
-    hit = _STAGES_CACHE.get((id(g), pp, layers))
-    if hit is None or hit[0] is not g:
-        if len(_STAGES_CACHE) > 64 or any(v[0] is not g for v in _STAGES_CACHE.values()):
-            _STAGES_CACHE.clear()
-        hit = _STAGES_CACHE[(id(g), pp, layers)] = (g, stages_by_layer(g, pp, layers))
-    return dict(hit[1])
+    return dict(g.memo(("pipeline_stages", pp, layers), lambda: stages_by_layer(g, pp, layers)))
 
 
 def stages_by_layer(g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None) -> dict[str, int]:
@@ -541,23 +514,18 @@ class Recompute(Space):
             draft.recompute.update(recompute_groups(draft.ctx.graph, mode))
 
 
-_RECOMPUTE_CACHE: dict[tuple[int, str], tuple[Graph, dict[str, int]]] = {}
-
-
 def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
     """Per recomputed operator (cached per graph and mode), its group: its layer's number + 1."""
-    hit = _RECOMPUTE_CACHE.get((id(g), mode))
-    if hit is not None and hit[0] is g:
-        return hit[1]
-    out = {}
-    for op in g.operators:
-        m = LAYER_MODULE.search(op.module)
-        if m and (mode == "full" or op.kind in ATTENTION_CORE):
-            out[op.name] = int(m.group(2)) + 1
-    if any(v[0] is not g for v in _RECOMPUTE_CACHE.values()):
-        _RECOMPUTE_CACHE.clear()
-    _RECOMPUTE_CACHE[(id(g), mode)] = (g, out)
-    return out
+
+    def compute() -> dict[str, int]:
+        out = {}
+        for op in g.operators:
+            m = LAYER_MODULE.search(op.module)
+            if m and (mode == "full" or op.kind in ATTENTION_CORE):
+                out[op.name] = int(m.group(2)) + 1
+        return out
+
+    return g.memo(("recompute_groups", mode), compute)
 
 
 class Megatron(Product):

@@ -50,8 +50,6 @@ from planlab.search_spaces.builtin import (
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
-_VOCAB_OPS: dict[tuple[int, int], tuple[Graph, "VocabOps | None"]] = {}
-
 
 class VocabOps:
     """The vocabulary operators of a graph and the dimension each splits over every device:
@@ -78,12 +76,7 @@ def vocab_ops(g: Graph, vocab: int | None) -> VocabOps | None:
     has no token embedding of ``vocab`` rows or no output layer of ``vocab`` features."""
     if not vocab:
         return None
-    hit = _VOCAB_OPS.get((id(g), vocab))
-    if hit is None or hit[0] is not g:
-        if len(_VOCAB_OPS) > 16:
-            _VOCAB_OPS.clear()
-        hit = _VOCAB_OPS[(id(g), vocab)] = (g, _find(g, vocab))
-    return hit[1]
+    return g.memo(("vocab_ops", vocab), lambda: _find(g, vocab))
 
 
 def _find(g: Graph, vocab: int) -> VocabOps | None:

@@ -9,17 +9,16 @@ from planlab.graph.ir import DETACH, Graph
 from planlab.plan.plan import Action
 from planlab.search_spaces.schedules import SCHEDULES, recycled, three_f_one_b
 
-_PASSES: dict[int, tuple[Graph, dict[str, int]]] = {}
-
 
 def passes_of(g: Graph) -> dict[str, int]:
     """Per operator (cached per graph), the recycling pass it belongs to: the number of ``detach``
     operators on the longest path to it from the inputs, or, if later, the earliest pass that uses
     it (pass r's embedding of the features is in pass r; a ``detach`` stays in the pass it ends).
     All 0 for a model without recycling."""
-    hit = _PASSES.get(id(g))
-    if hit is not None and hit[0] is g:
-        return hit[1]
+    return g.memo(("passes_of",), lambda: _passes(g))
+
+
+def _passes(g: Graph) -> dict[str, int]:
     out: dict[str, int] = {}
     for op in g.operators:  # the detaches on the longest path from the inputs
         out[op.name] = max(
@@ -29,22 +28,15 @@ def passes_of(g: Graph) -> dict[str, int]:
         cons = [out[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
         if op.kind != DETACH and cons:
             out[op.name] = max(out[op.name], min(cons))
-    _PASSES.clear()
-    _PASSES[id(g)] = (g, out)
     return out
-
-
-_NUM: dict[int, tuple[Graph, int]] = {}
 
 
 def num_passes(g: Graph) -> int:
     """The recycling passes of a traced model (1 without recycling; cached per graph)."""
-    hit = _NUM.get(id(g))
-    if hit is None or hit[0] is not g:
-        n = max(passes_of(g).values()) + 1 if any(op.kind == DETACH for op in g.operators) else 1
-        _NUM.clear()
-        hit = _NUM[id(g)] = (g, n)
-    return hit[1]
+    return g.memo(
+        ("num_passes",),
+        lambda: max(passes_of(g).values()) + 1 if any(op.kind == DETACH for op in g.operators) else 1,
+    )
 
 
 def recycling_actions(schedule: str, rank: int, ranks: int, microbatches: int, passes: int) -> list[Action]:

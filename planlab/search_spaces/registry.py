@@ -13,6 +13,7 @@ Space subclass, or a function returning a Space), a product ``a*b`` and a union 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import Callable
@@ -21,7 +22,6 @@ from planlab.errors import ConfigError, PlanlabError, choices
 from planlab.search_spaces.space import Space
 
 SPACES: dict[str, Callable[[], Space]] = {}
-_DISCOVERED = False
 
 
 def register_space(name: str, factory: Callable[[], Space], *, replace: bool = False) -> None:
@@ -37,12 +37,9 @@ def register_space(name: str, factory: Callable[[], Space], *, replace: bool = F
     SPACES[name] = factory
 
 
+@functools.cache
 def _discover() -> None:
-    """Import every module of planlab.search_spaces once, so that their registrations run."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
+    """Import every module of planlab.search_spaces once (cached), so that their registrations run."""
     import planlab.search_spaces as pkg
 
     for info in pkgutil.iter_modules(pkg.__path__):

@@ -115,20 +115,14 @@ def _ranges(devs: Iterable[int]) -> str:
     return "devices " + ", ".join(out) if out else "no device"
 
 
-_MATCHED: dict[tuple[int, str], tuple[Graph, frozenset[str]]] = {}
-
-
 def matching_ops(pattern: str, graph: Graph) -> frozenset[str]:
     """Names of the operators whose name or module matches ``pattern`` (cached per graph)."""
-    hit = _MATCHED.get((id(graph), pattern))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    rx = _compile(pattern)
-    names = frozenset(op.name for op in graph.operators if rx.search(op.name) or rx.search(op.module))
-    if len(_MATCHED) > 256:
-        _MATCHED.clear()
-    _MATCHED[(id(graph), pattern)] = (graph, names)
-    return names
+
+    def compute() -> frozenset[str]:
+        rx = _compile(pattern)
+        return frozenset(op.name for op in graph.operators if rx.search(op.name) or rx.search(op.module))
+
+    return graph.memo(("matching_ops", pattern), compute)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from planlab.errors import ConfigError
 from planlab.plan.plan import Action
 
 
@@ -27,7 +28,9 @@ def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int) -> l
     Warm-up is ``2 (ranks - rank - 1) + (chunks - 1) ranks`` forwards, then one forward and
     one backward in turn. Needs ``microbatches`` divisible by ``ranks``."""
     if microbatches % ranks:
-        raise ValueError(f"interleaved 1F1B needs the {microbatches} micro-batches to divide by the {ranks} stages")
+        raise ConfigError(
+            f"interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of the stages ({ranks})"
+        )
     total = microbatches * chunks
 
     def unit(k: int, backward: bool) -> Action:

@@ -31,6 +31,7 @@ number of micro-batches, the ZeRO stage or the schedule: a few microseconds per 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -445,59 +446,51 @@ def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
     return min(m, groups - r) * chunks  # another schedule: as 1F1B
 
 
-_FLIGHT: dict[tuple, np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=1024)
 def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
     """ZB-H1 on group ``r``: the distinct (micro-batches past F before their I, micro-batches past
-    I before their W) after each action of its schedule."""
-    key = ("zb", r, groups, m)
-    got = _FLIGHT.get(key)
-    if got is None:
-        kept = pending = 0
-        rows = [(0, 0)]
-        for a in SCHEDULES["zb-h1"](r, groups, m):
-            if a.phase == "F":
-                kept += 1
-            elif a.phase == "I":
-                kept, pending = kept - 1, pending + 1
-            elif a.phase == "W":
-                pending -= 1
-            elif a.phase == "B":
-                kept -= 1
-            rows.append((kept, pending))
-        got = _FLIGHT[key] = np.unique(np.array(rows, dtype=np.int32), axis=0)
+    I before their W) after each action of its schedule (cached on its three integers; read-only)."""
+    kept = pending = 0
+    rows = [(0, 0)]
+    for a in SCHEDULES["zb-h1"](r, groups, m):
+        if a.phase == "F":
+            kept += 1
+        elif a.phase == "I":
+            kept, pending = kept - 1, pending + 1
+        elif a.phase == "W":
+            pending -= 1
+        elif a.phase == "B":
+            kept -= 1
+        rows.append((kept, pending))
+    got = np.unique(np.array(rows, dtype=np.int32), axis=0)
+    got.flags.writeable = False
     return got
 
 
+@functools.lru_cache(maxsize=4096)
 def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np.ndarray:
     """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
     row after each forward of its schedule; forwards add one, full or weight backwards take one
     away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
-    is ``max(rows @ w)``. Cached per schedule and shape."""
-    key = (schedule, r, groups, m, chunks)
-    got = _FLIGHT.get(key)
-    if got is None:
-        if schedule.startswith("recycled:"):
-            actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
-        elif chunks > 1:
-            actions = interleaved_1f1b(r, groups, m, chunks)
-        elif schedule in SCHEDULES:
-            actions = SCHEDULES[schedule](r, groups, m)
-        else:
-            actions = one_f_one_b(r, groups, m)
-        steps = np.zeros((len(actions), chunks), dtype=np.int32)
-        fwd = np.zeros(len(actions), dtype=bool)
-        for k, a in enumerate(actions):
-            c = a.stage // groups
-            if a.phase == "F":
-                steps[k, c] = 1
-                fwd[k] = True
-            elif a.phase in ("B", "W"):
-                steps[k, c] = -1
-        rows = np.cumsum(steps, axis=0)[fwd] if len(actions) else np.zeros((1, chunks), dtype=np.int32)
-        got = np.unique(rows, axis=0)
-        if len(_FLIGHT) > 4096:
-            _FLIGHT.clear()
-        _FLIGHT[key] = got
+    is ``max(rows @ w)``. Cached per schedule and shape (read-only)."""
+    if schedule.startswith("recycled:"):
+        actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
+    elif chunks > 1:
+        actions = interleaved_1f1b(r, groups, m, chunks)
+    elif schedule in SCHEDULES:
+        actions = SCHEDULES[schedule](r, groups, m)
+    else:
+        actions = one_f_one_b(r, groups, m)
+    steps = np.zeros((len(actions), chunks), dtype=np.int32)
+    fwd = np.zeros(len(actions), dtype=bool)
+    for k, a in enumerate(actions):
+        c = a.stage // groups
+        if a.phase == "F":
+            steps[k, c] = 1
+            fwd[k] = True
+        elif a.phase in ("B", "W"):
+            steps[k, c] = -1
+    rows = np.cumsum(steps, axis=0)[fwd] if len(actions) else np.zeros((1, chunks), dtype=np.int32)
+    got = np.unique(rows, axis=0)
+    got.flags.writeable = False
     return got

@@ -20,6 +20,7 @@ import abc
 import inspect
 import math
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -204,20 +205,10 @@ class Knob:
         return cls(name, (False, True), doc, default, kind="bool", pinned=pinned, explore=explore)
 
     @classmethod
-    def int(
-        cls,
-        name: str,
-        values,
-        doc: str = "",
-        *,
-        default: Any = None,
-        explore: tuple | None = None,
-        pinned: bool = False,
-        range: str = "",
-    ) -> "Knob":
+    def int(cls, name: str, values, doc: str = "", **options) -> "Knob":
         """An integer knob whose valid values are ``values`` (a tuple, a range, or a function
-        of the Context)."""
-        return cls(name, values, doc, default, kind="int", pinned=pinned, explore=explore, range=range)
+        of the Context); ``options`` (``default``, ``explore``, ``pinned``, ``range``) as :meth:`choice`'s."""
+        return dataclasses.replace(cls.choice(name, values, doc, **options), kind="int")
 
 
 class KnobView(Mapping):
@@ -303,19 +294,11 @@ class Constraint:
             raise
 
 
-_AXIS_DIMS: dict[int, tuple[Any, tuple]] = {}
-
-
 def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> tuple:
-    """Per operator, the dimension ``dim_of`` names; computed once per mapping object."""
+    """Per operator, the dimension ``dim_of`` names."""
     if callable(dim_of) and not isinstance(dim_of, Mapping):
         return tuple(dim_of(op) for op in ops)
-    hit = _AXIS_DIMS.get(id(dim_of))
-    if hit is None or hit[0] is not dim_of or len(hit[1]) != len(ops):
-        if len(_AXIS_DIMS) > 64:
-            _AXIS_DIMS.clear()
-        hit = _AXIS_DIMS[id(dim_of)] = (dim_of, tuple(dim_of.get(op.name) for op in ops))
-    return hit[1]
+    return tuple(dim_of.get(op.name) for op in ops)
 
 
 @dataclass
