@@ -158,3 +158,46 @@ def test_trace_wrong_number_of_inputs(tiny):
     model, inputs = build_model(spec, batch=2)
     with pytest.raises(GraphError, match="takes 2 inputs"):
         trace(model, inputs[:1])
+
+
+class _Products(nn.Module):
+    """Products of activations by a constant table, by a number, by a parameter and by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, 3))
+        self.register_buffer("table", torch.full((4, 3), 2.0))
+
+    def forward(self, x):
+        a = x * self.w  # the input x only (w's gradient reads it; x has none)
+        b = a * self.table  # the table only: no gradient flows to it
+        c = b * 0.5  # a Python number: nothing kept
+        d = c * c  # one tensor twice: kept
+        e = d / self.table  # a / table: the table only
+        return e.sum()
+
+
+def _torch_keeps(fn) -> dict:
+    """Which operands PyTorch's autograd itself saved for ``fn``'s product node."""
+    node = fn.grad_fn
+    return {k: getattr(node, k, None) is not None for k in ("_saved_self", "_saved_other")}
+
+
+def test_products_keep_what_autograd_keeps():
+    """A product keeps an operand only for the gradient of another operand (PyTorch's conditional
+    saving): ``x * rope_cos`` keeps the table, not ``x`` (LLaMA's rotary embedding)."""
+    m = _Products()
+    x, act = torch.randn(4, 3), torch.randn(4, 3, requires_grad=True)
+    # PyTorch's own choice, on real tensors
+    assert _torch_keeps(x * m.w) == {"_saved_self": True, "_saved_other": False}
+    assert _torch_keeps(act * m.table) == {"_saved_self": False, "_saved_other": True}
+    assert _torch_keeps(act * m.w) == {"_saved_self": True, "_saved_other": True}
+    g = trace(m, (torch.randn(4, 3),))
+    muls = [op for op in g.operators if op.kind == "mul"]
+    assert len(muls) == 5
+    a, b, c, d, e = muls
+    assert a.saves == ("x",)
+    assert b.saves == ("table",)
+    assert c.saves == ()
+    assert d.saves == (d.inputs[0],)
+    assert e.saves == ("table",)

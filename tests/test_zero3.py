@@ -287,3 +287,29 @@ def test_a_weight_gradient_block_waits_for_a_gather_issued_in_the_input_gradient
     waits = [u.tasks for u in lowered if isinstance(u, Await)]
     assert ("zero3-gather-b[0, 1]#wte",) in waits  # the others are long complete: no wait in the simulation
     assert {w for ws in waits for w in ws} == {t.name for t in dev.blocks[(0, "I")].tasks if "gather-b" in t.name}
+
+
+@pytest.mark.parametrize("limit, prefetched", [(0, True), (10**9, True), (1, False)])
+def test_no_prefetch_beside_a_unit_at_the_max_live_parameters(limit, prefetched):
+    """DeepSpeed prefetches the next module only while the gathered parameters are fewer than
+    ``stage3_max_live_parameters`` (software field ``zero3.max_live_elements``): above it, each
+    unit's gather is issued as the unit starts, not as the unit before it starts."""
+    from dataclasses import replace
+
+    from planlab.costmodel.software import load_software
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, zero=3)
+    )
+    software = replace(load_software("deepspeed"), zero3_max_live_elements=limit)
+    assert load_software("deepspeed").zero3_max_live_elements == 10**9
+    dev = materialize(plan, g, software=software).devices[0]
+    fwd = list(dev.blocks[(0, "F")].tasks)
+    gathers = [i for i, t in enumerate(fwd) if t.name.startswith("zero3-gather-f")]
+    computes = [i for i, t in enumerate(fwd) if t.kind is not TaskKind.COLLECTIVE and not t.name.startswith("zero3")]
+    # prefetched: the second gather comes before the first computation that reads the first unit
+    assert (gathers[1] < computes[0]) is prefetched
+    # never prefetched: a computation runs between any two gathers (one unit gathered at a time)
+    between = [any(gathers[k] < i < gathers[k + 1] for i in computes) for k in range(len(gathers) - 1)]
+    assert all(between) is not prefetched

@@ -42,7 +42,9 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
 ``zero3``
     ``unit`` (``"layer"``: one gather per transformer layer, as FSDP wraps them; ``"module"``:
     one per module holding weights, as DeepSpeed fetches them), ``regather_for_recompute``
-    (a recomputed layer's forward gathers its weights again instead of using the backward's);
+    (a recomputed layer's forward gathers its weights again instead of using the backward's),
+    ``max_live_elements`` (no unit is prefetched while the gathered unit holds at least this many
+    elements: DeepSpeed's ``stage3_max_live_parameters``; 0 or absent: always prefetched);
 ``memory``
     ``cuda_context_MiB``, ``nccl_MiB``, ``workspace_MiB`` taken from the device's memory before
     any tensor, and ``fragmentation``, the fraction of the rest the caching allocator cannot hand out.
@@ -97,7 +99,7 @@ _PRECISION_FIELDS = {
     "compute",
     "source",
 }
-_ZERO3_FIELDS = {"unit", "regather_for_recompute", "source"}
+_ZERO3_FIELDS = {"unit", "regather_for_recompute", "max_live_elements", "source"}
 _MEMORY_FIELDS = {"cuda_context_MiB", "nccl_MiB", "workspace_MiB", "fragmentation", "source"}
 
 
@@ -140,6 +142,7 @@ class SoftwareSpec:
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
+    zero3_max_live_elements: int = 0
     memory: MemoryReserve = MemoryReserve()
     path: str = ""  # the file it was read from
 
@@ -216,6 +219,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,
+        zero3_max_live_elements=zero3.integer("max_live_elements") if zero3 and "max_live_elements" in zero3.obj else 0,
         memory=_memory(f.sub("memory")) if "memory" in f.obj else MemoryReserve(),
         path=path,
     )

@@ -18,7 +18,7 @@ from torch.fx.node import map_aggregate
 
 from planlab.errors import GraphError
 from planlab.graph import hf, registry
-from planlab.graph.ir import DTYPE_BYTES, CallSpec, Graph, Operator, TensorArg, TensorSpec
+from planlab.graph.ir import DETACH, DTYPE_BYTES, CallSpec, Graph, Operator, TensorArg, TensorSpec
 from planlab.graph.signature import Signature
 
 
@@ -117,10 +117,13 @@ class _GraphBuilder:
         self.tensors: dict[str, TensorSpec] = {}
         self.ops: list[Operator] = []
         self.unknown: dict[str, None] = {}
+        self.grad: set[str] = set()  # tensors that require a gradient: parameters and what is computed from them
 
     # -- helpers --
     def _add_tensor(self, name: str, t: torch.Tensor, role: str) -> str:
         self.tensors[name] = TensorSpec(name, tuple(int(s) for s in t.shape), _dtype_name(t.dtype), role)
+        if role == "param":
+            self.grad.add(name)
         return name
 
     def _template(self, node: fx.Node, inputs: list[str]):
@@ -257,6 +260,11 @@ class _GraphBuilder:
         for s in opdef.saves(ctx):
             idx = int(s[3:]) if s.startswith("out") else int(s[2:])
             saves.append(out_names[idx] if s.startswith("out") else inputs[idx])
+        grads = [t in self.grad for t in inputs]
+        if opdef.kind == "mul" and not _repeats_operand(node, inputs):
+            saves = [t for t in saves if t in out_names or product_keeps(inputs.index(t), grads, _is_division(node))]
+        if opdef.kind != DETACH and any(grads):
+            self.grad.update(t for t in out_names if self.tensors[t].is_float)
         flops = float(opdef.flops(ctx))
         nbytes = (
             sum(self.tensors[t].nbytes for t in inputs + out_names)
@@ -280,6 +288,29 @@ class _GraphBuilder:
                 add_once=tuple(k for k in opdef.add_once if k < len(inputs)),
             )
         )
+
+
+def _repeats_operand(node: fx.Node, inputs: list[str]) -> bool:
+    """Whether the call passes one tensor twice (``x * x``: both operands are kept)."""
+    return sum(isinstance(a, fx.Node) for a in node.args) > len(inputs)
+
+
+def _is_division(node: fx.Node) -> bool:
+    return node.target in (operator.truediv, torch.div, torch.true_divide, "div", "true_divide")
+
+
+def product_keeps(j: int, requires_grad: list[bool], division: bool = False) -> bool:
+    """Whether PyTorch's autograd keeps operand ``j`` of an elementwise product (or quotient) for the
+    backward, given which operands require a gradient. The gradient of one factor of ``a * b`` reads
+    the other factor only, and the generated autograd code saves each operand only when the gradient
+    it serves is computed (``tools/autograd/derivatives.yaml``, ``mul.Tensor``; the saving guarded
+    by ``should_compute_output`` in the generated ``VariableType``): ``x * rope_cos`` keeps the
+    table, not ``x``. For ``a / b``, ``a``'s gradient reads ``b`` and ``b``'s reads ``a`` and ``b``
+    (``div.Tensor``). A product by a Python number keeps no tensor."""
+    others = [g for i, g in enumerate(requires_grad) if i != j]
+    if division and j == 1:
+        return any(requires_grad)
+    return any(others)
 
 
 def _module_path(node: fx.Node) -> str:

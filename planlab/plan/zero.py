@@ -16,7 +16,8 @@ first name, ``wte``; consecutive in the forward), or one per module where the so
 and, per micro-batch:
 
 - forward: an all-gather of the unit's full weights (``GATHERED_FORWARD``) on the communication stream,
-  issued when the previous unit starts (FSDP's forward prefetch), read by the unit's forward
+  issued when the previous unit starts (FSDP's forward prefetch; as the unit itself starts where
+  the previous one holds the software's ``zero3_max_live_elements`` or more), read by the unit's forward
   tasks and freed, the unit at once, after the last of them (reshard after forward);
 - backward: the same again (``GATHERED_BACKWARD``), issued when the unit after it in the forward starts its
   backward (backward prefetch) and freed after the unit's last backward; with the software's
@@ -247,8 +248,10 @@ def shard_fully(
                 present = [u for u in order if (u, ph) in first]
                 block = (st, "B" if ph == "R" else ph)
                 for k, u in enumerate(present):
-                    # issued when the unit before it (in this pass's order) starts: FSDP's prefetch
-                    start = first[(present[max(k - 1, 0)], ph)][1]
+                    # issued when the unit before it (in this pass's order) starts: FSDP's prefetch;
+                    # when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
+                    before = present[max(k - 1, 0)]
+                    start = first[(before if prefetches(before, d) else u, ph)][1]
                     task = _gather(u, ph, kind, d.precision, idents)
                     prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
                     together.append(task.writes)
@@ -261,6 +264,15 @@ def shard_fully(
         add(parts, dev, update, 0, Part.SHARD_STEPS, _shard_step(u, d.precision))
         saved_numel += u.numel - u.shard_numel
     return saved_numel, tuple(together)
+
+
+def prefetches(u: Unit, d: Draft) -> bool:
+    """Whether the next unit's gather is issued as ``u`` starts: always, but under the software's
+    ``zero3_max_live_elements``, only while ``u``'s gathered weights hold fewer elements (DeepSpeed's
+    ``prefetch_next_sub_modules`` prefetches only while the available parameters are fewer than
+    ``stage3_max_live_parameters``)."""
+    limit = d.software.zero3_max_live_elements if d.software is not None else 0
+    return not limit or u.numel < limit
 
 
 def _gathered_and_reduced(
