@@ -15,9 +15,9 @@ is drawn again (up to 30 times); the refusals are counted and kept with their re
 
 Run: .venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0
 (``--out FILE.jsonl`` keeps a line per plan.) Each line ends with the plan's time: wall seconds,
-drawing, the launch and its steps, and CPU seconds; the summary adds them up. On this 2-core
-machine a plan takes 10 to 30 s of CPU, most of it the ranks' processes starting (importing torch
-and planlab: 2.5 s of CPU each, 3.8 s with transformers), so its wall time grows with the load.
+drawing, the launch and its steps, and CPU seconds; the summary adds them up. Plan 157 took 16 s
+of CPU, about half of it its 2 ranks starting (importing torch and planlab: 2.5 s of CPU each, 3.8 s
+with transformers) and 0.4 s its steps; its wall time grows with the machine's load.
 """
 
 from __future__ import annotations
