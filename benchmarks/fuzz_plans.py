@@ -14,7 +14,10 @@ apply to its model, or that planlab refuses before running it (a split the model
 is drawn again (up to 30 times); the refusals are counted and kept with their reasons.
 
 Run: .venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0
-(about 10 to 30 s a plan on two cores; ``--out FILE.jsonl`` keeps a line per plan.)
+(``--out FILE.jsonl`` keeps a line per plan.) Each line ends with the plan's time: wall seconds,
+drawing, the launch and its steps, and CPU seconds; the summary adds them up. Plan 157 took 16 s
+of CPU, about half of it its 2 ranks starting (importing torch and planlab: 2.5 s of CPU each, 3.8 s
+with transformers) and 0.4 s its steps; its wall time grows with the machine's load.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import functools
 import json
 import os
 import random
+import resource
+import statistics
 import sys
 import time
 import traceback
@@ -137,15 +142,31 @@ def _draw(rng: random.Random):
         return what, None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its ended children (the ranks and their launcher's processes)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_one(seed: int, index: int) -> dict:
-    """Draw plan ``index`` and run it; the result as a dict (one line of --out)."""
+    """Draw plan ``index`` and run it; the result as a dict (one line of --out), with where its time
+    went: ``draw_s`` (tracing its model, the first time, the space's plans, materialize's checks),
+    ``launch_s`` (launch_local: the ranks' processes, imports, tracing and materializing, the steps,
+    rank 0's single-process reference), ``steps_s`` (the ranks' 2 steps, the slowest rank's),
+    ``seconds`` (wall, all of it) and ``cpu_s`` (CPU seconds of this process and the ranks)."""
     from planlab.executor import launch_local
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     what, plan, n, refused = draw_plan(seed, index)
-    row = dict(index=index, plan=what, refused=refused)
+    t1 = time.perf_counter()
+    row = dict(index=index, plan=what, refused=refused, draw_s=t1 - t0)
+
+    def timed(**fields) -> dict:
+        t2 = time.perf_counter()
+        return dict(row, **fields, launch_s=t2 - t1 if plan is not None else 0.0, seconds=t2 - t0, cpu_s=_cpu_s() - c0)
+
     if plan is None:
-        return dict(row, result="ERROR", reason=f"no draw of {ATTEMPTS} applies", seconds=time.perf_counter() - t0)
+        return timed(result="ERROR", reason=f"no draw of {ATTEMPTS} applies")
     row["describe"] = plan.describe()
     try:
         res = launch_local(plan, n, steps=2, lr=1e-2, timeout_s=120)
@@ -153,14 +174,29 @@ def run_one(seed: int, index: int) -> dict:
         if type(e).__name__ == "SignalException" or "got signal" in str(e):
             raise KeyboardInterrupt from e
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        return dict(row, result="ERROR", reason=tb[:400], seconds=time.perf_counter() - t0)
+        return timed(result="ERROR", reason=tb[:400])
     ok = res.max_loss_error <= LOSS_TOL and res.max_grad_error <= GRAD_TOL
-    return dict(
-        row,
+    return timed(
         result="ok" if ok else "MISMATCH",
         loss_error=res.max_loss_error,
         grad_error=res.max_grad_error,
-        seconds=time.perf_counter() - t0,
+        steps_s=sum(res.iter_times_s),
+    )
+
+
+def summary(rows: list[dict]) -> str:
+    """Where the plans' time went: wall seconds (total, median and largest a plan) split into
+    drawing, the launch and its steps, and CPU seconds."""
+    if not rows:
+        return "no plan ran"
+    total = {k: sum(r.get(k, 0.0) for r in rows) for k in ("seconds", "draw_s", "launch_s", "steps_s", "cpu_s")}
+    wall = total["seconds"] or 1.0
+    return (
+        f"time: {total['seconds']:.0f} s wall (median {statistics.median(r['seconds'] for r in rows):.0f} s a plan, "
+        f"largest {max(r['seconds'] for r in rows):.0f} s): drawing {total['draw_s']:.0f} s "
+        f"({100 * total['draw_s'] / wall:.0f}%), launches {total['launch_s']:.0f} s "
+        f"({100 * total['launch_s'] / wall:.0f}%) of which the ranks' steps {total['steps_s']:.0f} s "
+        f"({100 * total['steps_s'] / wall:.0f}%); {total['cpu_s']:.0f} s CPU ({total['cpu_s'] / len(rows):.1f} s a plan)"
     )
 
 
@@ -175,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     refusals = 0
     t0 = time.perf_counter()
-    findings = []
+    findings, rows = [], []
     for i in range(args.first, args.first + args.plans):
         row = run_one(args.seed, i)
+        rows.append(row)
         counts[row["result"]] = counts.get(row["result"], 0) + 1
         refusals += len(row["refused"])
         extra = (
@@ -185,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             if "loss_error" in row
             else row.get("reason", "")
         )
-        print(f"{i:4d} {row['result']:8s} {row['plan']}: {extra}", flush=True)
+        took = f"{row['seconds']:.0f} s: draw {row['draw_s']:.1f}, launch {row['launch_s']:.1f}"
+        took += f" (steps {row['steps_s']:.1f})" if "steps_s" in row else ""
+        print(f"{i:4d} {row['result']:8s} {row['plan']}: {extra} [{took}; {row['cpu_s']:.1f} s CPU]", flush=True)
         if row["result"] in ("MISMATCH", "ERROR"):
             findings.append(row)
         if args.out:
@@ -197,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
         + f" ({refusals} draws refused and drawn again); {time.perf_counter() - t0:.0f} s, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )
+    print(summary(rows))
     for row in findings:
         print(f"  {row['result']} #{row['index']} {row['plan']} ({row.get('describe', '')}): {row.get('reason', '')}")
     return 1 if findings else 0

@@ -62,8 +62,11 @@ def run_piece(
     microbatches: int,
     vocab_offset: int = 0,
     group=None,
+    mb: int = 0,
 ):
-    """Run one piece of ``op`` on local tensors; returns the output tensor(s). A piece of an
+    """Run one piece of ``op`` for micro-batch ``mb`` on local tensors; returns the output
+    tensor(s). A constant (a tensor a Hugging Face model made from sizes alone, at the traced
+    batch) gives micro-batch ``mb``'s rows of its batch axes. A piece of an
     embedding whose table holds rows ``vocab_offset ..`` of the vocabulary only (split along ``v``)
     looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
     vocabulary-parallel loss (``vocab_cross_entropy``) scores its logits, vocabulary entries
@@ -76,6 +79,8 @@ def run_piece(
             tensors[0], tensors[1], offset=vocab_offset, count=op.dim_sizes["n"], group=group
         )
         return loss.reshape(task.shape)
+    if op.kind == "constant" and microbatches > 1:
+        return microbatch_rows(op.call.target(*op.call.args), graph, op.outputs[0], mb, microbatches)
     if op.kind == "kept_mean":  # one micro-batch's share of HF's mean over kept targets (planlab.graph.ops_hf)
         return tensors[0] / (tensors[1] * microbatches)
     if op.kind == "reshape":
@@ -106,6 +111,17 @@ def run_piece(
     if isinstance(target, str):
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
+
+
+def microbatch_rows(x: torch.Tensor, graph: Graph, t: str, mb: int, microbatches: int) -> torch.Tensor:
+    """Micro-batch ``mb``'s rows of ``x``, the whole batch's value of tensor ``t``: each axis of
+    ``t`` that carries the batch narrowed to its ``mb``-th of ``microbatches`` equal parts (as a
+    micro-batch's load narrows the model's inputs)."""
+    for a in range(x.dim()):
+        if graph.labels.get((t, a)) == graph.batch_label:
+            size = x.shape[a] // microbatches
+            x = x.narrow(a, mb * size, size)
+    return x
 
 
 def vocab_piece_embedding(idx: torch.Tensor, rows: torch.Tensor, offset: int) -> torch.Tensor:
@@ -487,7 +503,7 @@ class Interpreter:
         """Run the piece of a forward task on its inputs ``ins`` and store its outputs."""
         if task.recompute is Recompute.DROP:  # its backward runs after a second forward (REDO): keep no graph
             with torch.no_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group, mb)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             for k, (b, o) in enumerate(zip(task.writes, outs)):
                 if task.places and task.places[k] is not None:
@@ -496,10 +512,10 @@ class Interpreter:
                     self.bufs[(b, mb)] = o
             return
         if torch.is_grad_enabled():
-            out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
+            out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group, mb)
         else:
             with torch.enable_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group)
+                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group, mb)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
             outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])

@@ -1,0 +1,52 @@
+"""benchmarks/fuzz_plans.py draws the same plans for a given seed: its per-plan timing and summary
+changed nothing a plan is drawn from (the descriptions below are those seed 0 drew before them)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import fuzz_plans  # noqa: E402
+
+SEED0 = [  # (index, what, Plan.describe(), refusals) as main 133605e drew them for seed 0
+    (
+        157,
+        "llama-tiny on 2, pp {'pp': 2, 'schedule': '1f1b', 'virtual_stages': 1}",
+        "pp(pp=2 schedule=1f1b virtual_stages=1) on 2 devices, 1 micro-batches",
+        [],
+    ),
+    (
+        159,
+        "llama-tiny on 2, dp*recompute {'dp': 2, 'microbatch': 2, 'zero': 2, 'recompute': 'none'}",
+        "dp*recompute(dp=2 microbatch=2 recompute=none zero=2) on 2 devices, 2 micro-batches",
+        [
+            "evoformer-tiny on 4, pp: ConfigError: space 'pp' has no plan with no knob fixed: its constraints "
+            "leave no assignment on 4 devices with global batch 8 and 2 layers"
+        ],
+    ),
+    (
+        162,
+        "swin-tiny on 2, pp {'pp': 2, 'schedule': '1f1b', 'virtual_stages': 1}",
+        "pp(pp=2 schedule=1f1b virtual_stages=1) on 2 devices, 1 micro-batches",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize("index, what, describe, refused", SEED0)
+def test_seed_0_draws_the_same_plans(index, what, describe, refused):
+    got_what, plan, n, got_refused = fuzz_plans.draw_plan(0, index)
+    assert (got_what, plan.describe(), got_refused) == (what, describe, refused)
+    assert n == plan.num_devices == 2
+
+
+def test_summary_splits_the_time():
+    rows = [
+        dict(seconds=10.0, draw_s=1.0, launch_s=9.0, steps_s=2.0, cpu_s=5.0),
+        dict(seconds=30.0, draw_s=2.0, launch_s=28.0, steps_s=4.0, cpu_s=7.0),
+    ]
+    text = fuzz_plans.summary(rows)
+    assert text.startswith("time: 40 s wall (median 20 s a plan, largest 30 s): drawing 3 s (8%), launches 37 s (92%)")
+    assert text.endswith("of which the ranks' steps 6 s (15%); 12 s CPU (6.0 s a plan)")
+    assert fuzz_plans.summary([]) == "no plan ran"
