@@ -96,7 +96,7 @@ class Knob:
     default: Any = None
     kind: str = ""
     pinned: bool | None = None
-    explore: tuple | None = None
+    explore: tuple | Callable[[Context], tuple] | None = None
     range: str = ""  # the range in words, for listings (values that depend on the context)
 
     def __post_init__(self) -> None:
@@ -127,7 +127,20 @@ class Knob:
         if self.pinned:
             return (self.default,)
         vals = self.range_of(ctx, space)
-        return vals if self.explore is None else tuple(v for v in vals if v in self.explore)
+        if self.explore is None:
+            return vals
+        tried = self.explore(ctx) if callable(self.explore) else self.explore  # a function of the context
+        return tuple(v for v in vals if v in tried)
+
+    def describe_explore(self, ctx: Context | None = None) -> str:
+        """The values an exploration tries, in words ('' when it tries every valid value)."""
+        if self.explore is None:
+            return ""
+        if not callable(self.explore):
+            return ", ".join(map(str, self.explore))
+        if ctx is None:
+            return "values that depend on the model and cluster"
+        return ", ".join(map(str, self.explore(ctx)))
 
     def describe_range(self, ctx: Context | None = None) -> str:
         """The range in words: the values in ``ctx``, or ``range``, or the static values."""
