@@ -13,6 +13,7 @@ from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
+from planlab.search_spaces.schedules_v import V_SCHEDULES
 from planlab.search_spaces.stages import FIRST, LAST, explored_ends, layer_stages, layers_per_stage, uneven_problem
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
@@ -397,8 +398,9 @@ def stages_by_layer(
 
 
 def pipeline_schedules() -> tuple[str, ...]:
-    """Every schedule the pp space can run: those of schedules.SCHEDULES, and interleaved."""
-    return tuple(SCHEDULES) + ("interleaved",)
+    """Every schedule the pp space can run: those of schedules.SCHEDULES, interleaved, and the
+    V-shaped ones of schedules_v.V_SCHEDULES (two stages per device)."""
+    return tuple(SCHEDULES) + ("interleaved",) + tuple(V_SCHEDULES)
 
 
 # The schedules explored when --set schedule=... does not pick one: GPipe's bubble is 1F1B's and it
@@ -441,6 +443,38 @@ def uneven_stage_constraints() -> tuple[Constraint, ...]:
                 f"{FIRST}={ends(a)[0]}, {LAST}={ends(a)[1]} set uneven end stages of one model chunk "
                 f"per device: they need virtual_stages=1, not {a['virtual_stages']}, and a model that does not recycle"
             ),
+        ),
+    )
+
+
+def v_schedule_constraint() -> Constraint:
+    """A V-shaped schedule holds two stages per device: ``2 pp`` stages must divide the layers."""
+    return Constraint(
+        lambda a, c: (
+            a["schedule"] not in V_SCHEDULES
+            or a["schedule"] == "dualpipe"
+            or a["pp"] is None
+            or (c.layers % (2 * a["pp"]) == 0 and ends_or_none(a) in ((0, 0), (None, None), (0, None), (None, 0)))
+        ),
+        lambda a, c: (
+            f"schedule={a['schedule']} holds two stages per device: its 2 x pp={a['pp']} stages must divide "
+            f"the model's {c.layers} layers evenly (no {FIRST} / {LAST})"
+        ),
+    )
+
+
+def dualpipe_constraint() -> Constraint:
+    """DualPipe mirrors the stages over an even number of ranks and splits every micro-batch in two."""
+    return Constraint(
+        lambda a, c: (
+            a["schedule"] != "dualpipe"
+            or a["pp"] is None
+            or a.get("microbatch") is None
+            or (a["pp"] % 2 == 0 and a["microbatch"] % 2 == 0)
+        ),
+        lambda a, c: (
+            f"schedule=dualpipe holds stages r and pp - 1 - r on rank r and feeds half of every micro-batch "
+            f"from each end: it needs an even pp and an even microbatch, not pp={a['pp']}, microbatch={a.get('microbatch')}"
         ),
     )
 
@@ -491,6 +525,8 @@ class PipelineParallel(Space):
             lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices",
         ),
         *uneven_stage_constraints(),
+        v_schedule_constraint(),
+        dualpipe_constraint(),
         Constraint(
             lambda a, c: (
                 a["pp"] is None or a["virtual_stages"] in (None, 1) or c.layers % (a["pp"] * a["virtual_stages"]) == 0
@@ -545,6 +581,11 @@ class PipelineParallel(Space):
             stage_recycling(draft, pp, values.get("schedule") or "1f1b")
             return
         v = values.get("virtual_stages") or 1
+        if values.get("schedule") == "dualpipe" and pp > 1:  # two mirrored copies: halves of each micro-batch
+            draft.mirror = True
+            draft.add_axis("dual", 2, batch_dims(draft.ctx.graph))
+        elif values.get("schedule") in V_SCHEDULES:  # two stages per device group, in a V
+            v, draft.vshape = 2, True
         draft.num_stages = pp * v
         draft.chunks = v
         draft.schedule = values.get("schedule") or "1f1b"

@@ -42,6 +42,7 @@ from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
 from planlab.search_spaces.screen_structure import (
     aggregate,
     Ids,
@@ -149,6 +150,9 @@ class Screen:
             stages = tuple(d.stages.values())  # every operator, in graph order: the values will do
         else:
             stages = tuple(d.stages.get(n, 0) for n in names)
+        if stages and d.vshape:  # stage s on group s % G as chunk s // G: the V's way back numbered G + group
+            G = d.groups
+            stages = tuple(s if s < G else G + v_rank(s, G) for s in stages)
         rc = tuple(d.recompute.items()) if d.recompute else None
         co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
         key = (
@@ -376,10 +380,10 @@ class Screen:
         sizes = tuple(x for _, x in d.axes)
         per = math.prod(sizes)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
-        schedule = d.schedule if v == 1 else "interleaved"
+        schedule = d.schedule if v == 1 or d.vshape else "interleaved"
         if d.recycles > 1:  # a chunk per recycling pass: walk the schedule the plan runs (recycling.py)
             schedule = f"recycled:{d.schedule}"
-        zb = schedule == "zb-h1"
+        zb = schedule in ("zb-h1", "zb-v")
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         for r in range(G):
@@ -403,7 +407,7 @@ class Screen:
                 per_chunk[min(v - 1, stage // G)] += b / m + o
             if v == 1 and schedule in ("1f1b", "gpipe"):
                 act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
-            elif zb:  # the activations until I; from I to W, what W reads: the output gradients and
+            elif schedule == "zb-h1":  # the activations until I; from I to W, what W reads: the output gradients and
                 # about as much of the inputs (a product's dW = dY^T X)
                 act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
@@ -480,6 +484,8 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     if got is None:
         if schedule.startswith("recycled:"):
             actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
+        elif schedule in V_SCHEDULES:  # chunk 1 is the way back
+            actions = V_SCHEDULES[schedule](r, groups, m)
         elif chunks > 1:
             actions = interleaved_1f1b(r, groups, m, chunks)
         elif schedule in SCHEDULES:
