@@ -413,7 +413,11 @@ def uneven_stage_knobs() -> tuple[Knob, Knob]:
     explored at the balanced split of each degree that does not divide the layers."""
 
     def explore(which: int):
-        return lambda c: explored_ends(c.layers, tuple(d for d in divisors(c.num_devices) if d <= c.layers))[which]
+        def tried(c: Context) -> tuple[int, ...]:
+            return explored_ends(c.layers, tuple(d for d in divisors(c.num_devices) if d <= c.layers))[which]
+
+        tried.__doc__ = "0 and the balanced uneven split of each pp that does not divide the layers"
+        return tried
 
     return tuple(
         Knob.int(
@@ -494,8 +498,10 @@ def uneven_counts(layers: int, pp: int, values: dict) -> tuple[int, ...] | None:
 
 class PipelineParallel(Space):
     """Layers in ``pp`` stages, run with 1F1B or interleaved 1F1B over ``virtual_stages`` model
-    chunks per device (explored); GPipe and zero-bubble ZB-H1 (backward split into input and
-    weight gradients) when ``--set schedule=`` (or ``restrict``) picks them."""
+    chunks per device (explored); GPipe, zero-bubble ZB-H1 (backward split into input and
+    weight gradients), ZB-V and DualPipe (two stages per device, planlab/search_spaces/schedules_v.py)
+    when ``--set schedule=`` (or ``restrict``) picks them. ``first_stage_layers`` and
+    ``last_stage_layers`` make the end stages uneven (planlab/search_spaces/stages.py)."""
 
     name = "pp"
     order = 0

@@ -140,7 +140,7 @@ class Knob:
         if not callable(self.explore):
             return ", ".join(map(str, self.explore))
         if ctx is None:
-            return "values that depend on the model and cluster"
+            return self.explore.__doc__ or "values that depend on the model and cluster"
         return ", ".join(map(str, self.explore(ctx)))
 
     def describe_range(self, ctx: Context | None = None) -> str:
