@@ -378,7 +378,7 @@ class Screen:
             d = pipeline_view(d)
         s = self.structure(d)
         sizes = tuple(x for _, x in d.axes)
-        per = math.prod(sizes)
+        per = d.per_group  # devices of a pipeline group (a DualPipe stage spans two groups)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
         schedule = d.schedule if v == 1 or d.vshape else "interleaved"
         if d.recycles > 1:  # a chunk per recycling pass: walk the schedule the plan runs (recycling.py)
@@ -415,6 +415,9 @@ class Screen:
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
             mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
+        if d.mirror:  # DualPipe: group r runs half of stage r and half of stage G - 1 - r, and keeps both's weights
+            times = [times[r] + times[G - 1 - r] for r in range(G)]
+            mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]
         t_max = max(times)
         slow = max(range(G), key=lambda r: times[r])
         pipe = m * t_max + (sum(fill) - fill[slow]) / v
