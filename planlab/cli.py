@@ -370,7 +370,7 @@ def cmd_spaces(args) -> int:
         print(f"{sp.name}: {doc}" if doc else sp.name)
         for k in sp.all_knobs():
             default = "" if k.default is None else f"  default {k.default}" + (" (pinned)" if k.pinned else "")
-            explored = f"  explores {', '.join(map(str, k.explore))}" if k.explore is not None else ""
+            explored = f"  explores {k.describe_explore(ctx)}" if k.explore is not None else ""
             print(f"    {k.name:18s} {k.kind_of():6s} {k.describe_range(ctx)}{default}{explored}  -- {k.doc}")
         rules = sp.all_rules()
         if rules:

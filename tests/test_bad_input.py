@@ -119,6 +119,16 @@ CLI_CASES = [
     (f"explore {TINY} --set dp=abc", "abc"),
     (f"explore {TINY} --set tp=-2", "-2"),
     (f"explore {TINY} --set recompute=7", "recompute=7"),
+    # uneven pipeline stages: counts that do not add up, a stage with no layer (planlab/search_spaces/stages.py)
+    (
+        f"explore {TINY} --model-arg layers=3 --set pp=2 --set first_stage_layers=1 --set last_stage_layers=1",
+        "add up to 2",
+    ),
+    (
+        "explore --model gpt-tiny --model-arg layers=4 --cluster cpu --nodes 4 --set pp=4 --set first_stage_layers=2 --set last_stage_layers=2",
+        "no layer",
+    ),
+    (f"explore {TINY} --set pp=2 --set first_stage_layers=7", "first_stage_layers"),
     (f"explore {TINY} --set dp", "dp"),
     (f"explore {TINY} --profile {{d}}/missing.json", "missing.json"),
     (f"explore {TINY} --profile {{d}}/binary.json", "binary.json"),

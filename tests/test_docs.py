@@ -170,6 +170,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ),
     ".venv/bin/python -m pytest -q tests/test_experts.py tests/test_moe.py": Elsewhere("tests of this suite"),
     ".venv/bin/python benchmarks/sim_scale.py": Benchmark(),
+    # docs/spaces.md
+    ".venv/bin/python benchmarks/pipeline_schedules.py": Benchmark(),
     ".venv/bin/python benchmarks/simulate_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/trace_large.py": Benchmark(),
     ".venv/bin/python benchmarks/validate_cpu.py --steps 6 --launches 3": Benchmark(),

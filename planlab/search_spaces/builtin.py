@@ -13,6 +13,8 @@ from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
+from planlab.search_spaces.schedules_v import V_SCHEDULES
+from planlab.search_spaces.stages import FIRST, LAST, explored_ends, layer_stages, layers_per_stage, uneven_problem
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
 
@@ -335,21 +337,26 @@ def sequence_parallel_splits(g: Graph) -> bool:
     return sequence_parallel_dims(g) != tensor_parallel_dims(g)
 
 
-def pipeline_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
-    """Layers split evenly over ``pp`` stages; other operators follow their inputs
-    (or, with no computed inputs, their first consumer). Computed once per graph and degree."""
-    return dict(g.memo(("pipeline_stages", pp, layers), lambda: stages_by_layer(g, pp, layers)))
+def pipeline_stages(g: Graph, pp: int, layers: int, counts: tuple[int, ...] | None = None) -> dict[str, int]:
+    """Layers split over ``pp`` stages, evenly or ``counts[s]`` layers on stage ``s``; other
+    operators follow their inputs (or, with no computed inputs, their first consumer). Computed
+    once per graph, degree and counts."""
+    key = ("pipeline_stages", pp, layers, counts)
+    return dict(g.memo(key, lambda: stages_by_layer(g, pp, layers, counts=counts)))
 
 
-def stages_by_layer(g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None) -> dict[str, int]:
-    """Layer ``i`` in stage ``i // (layers / pp)``, plus ``passes[op] * pp`` for a recycling model
-    (whose ``detach`` outputs then count as no input: planlab/search_spaces/recycling.py)."""
-    per = layers // pp
+def stages_by_layer(
+    g: Graph, pp: int, layers: int, passes: dict[str, int] | None = None, counts: tuple[int, ...] | None = None
+) -> dict[str, int]:
+    """Layer ``i`` in stage ``i // (layers / pp)`` (or by per-stage layer ``counts``), plus
+    ``passes[op] * pp`` for a recycling model (whose ``detach`` outputs then count as no input:
+    planlab/search_spaces/recycling.py)."""
+    of_layer = layer_stages(layers, counts or (layers // pp,) * pp)
     stage: dict[str, int] = {}
     for op in g.operators:
         m = LAYER_MODULE.search(op.module)
         if m:
-            stage[op.name] = (passes[op.name] * pp if passes else 0) + int(m.group(2)) // per
+            stage[op.name] = (passes[op.name] * pp if passes else 0) + of_layer[min(int(m.group(2)), len(of_layer) - 1)]
         else:
             prods = [
                 stage[g.producer[t].name]
@@ -365,8 +372,9 @@ def stages_by_layer(g: Graph, pp: int, layers: int, passes: dict[str, int] | Non
 
 
 def pipeline_schedules() -> tuple[str, ...]:
-    """Every schedule the pp space can run: those of schedules.SCHEDULES, and interleaved."""
-    return tuple(SCHEDULES) + ("interleaved",)
+    """Every schedule the pp space can run: those of schedules.SCHEDULES, interleaved, and the
+    V-shaped ones of schedules_v.V_SCHEDULES (two stages per device)."""
+    return tuple(SCHEDULES) + ("interleaved",) + tuple(V_SCHEDULES)
 
 
 # The schedules explored when --set schedule=... does not pick one: GPipe's bubble is 1F1B's and it
@@ -374,20 +382,110 @@ def pipeline_schedules() -> tuple[str, ...]:
 EXPLORED_SCHEDULES = ("1f1b", "interleaved")
 
 
+def uneven_stage_knobs() -> tuple[Knob, Knob]:
+    """Megatron-Core's layer counts of the first and last pipeline stages (0: an even share),
+    explored at the balanced split of each degree that does not divide the layers."""
+
+    def explore(which: int):
+        def tried(c: Context) -> tuple[int, ...]:
+            return explored_ends(c.layers, tuple(d for d in divisors(c.num_devices) if d <= c.layers))[which]
+
+        tried.__doc__ = "0 and the balanced uneven split of each pp that does not divide the layers"
+        return tried
+
+    return tuple(
+        Knob.int(
+            name,
+            lambda c: tuple(range(c.layers)),
+            f"layers of the {end} pipeline stage (0: an even share; Megatron-Core's --decoder-{end}-pipeline-num-layers)",
+            default=0,
+            explore=explore(i),
+            range="0 (an even share) .. layers - 1",
+        )
+        for i, (name, end) in enumerate(((FIRST, "first"), (LAST, "last")))
+    )
+
+
+def uneven_stage_constraints() -> tuple[Constraint, ...]:
+    """The layers add up over the stages, every stage holds one; uneven ends with one chunk per
+    device and no recycling."""
+    ends = lambda a: (a.get(FIRST) or 0, a.get(LAST) or 0)  # noqa: E731
+    return (
+        Constraint(
+            lambda a, c: a["pp"] is None or None in ends_or_none(a) or layers_per_stage(c.layers, a["pp"], *ends(a)),
+            lambda a, c: uneven_problem(c.layers, a["pp"], *ends(a)) or "",
+        ),
+        Constraint(
+            lambda a, c: ends(a) == (0, 0) or a["virtual_stages"] in (None, 1) and _recycles(c) == 1,
+            lambda a, c: (
+                f"{FIRST}={ends(a)[0]}, {LAST}={ends(a)[1]} set uneven end stages of one model chunk "
+                f"per device: they need virtual_stages=1, not {a['virtual_stages']}, and a model that does not recycle"
+            ),
+        ),
+    )
+
+
+def v_schedule_constraint() -> Constraint:
+    """A V-shaped schedule holds two stages per device: ``2 pp`` stages must divide the layers."""
+    return Constraint(
+        lambda a, c: (
+            a["schedule"] not in V_SCHEDULES
+            or a["schedule"] == "dualpipe"
+            or a["pp"] is None
+            or (c.layers % (2 * a["pp"]) == 0 and ends_or_none(a) in ((0, 0), (None, None), (0, None), (None, 0)))
+        ),
+        lambda a, c: (
+            f"schedule={a['schedule']} holds two stages per device: its 2 x pp={a['pp']} stages must divide "
+            f"the model's {c.layers} layers evenly (no {FIRST} / {LAST})"
+        ),
+    )
+
+
+def dualpipe_constraint() -> Constraint:
+    """DualPipe mirrors the stages over an even number of ranks and splits every micro-batch in two."""
+    return Constraint(
+        lambda a, c: (
+            a["schedule"] != "dualpipe"
+            or a["pp"] is None
+            or a.get("microbatch") is None
+            or (a["pp"] % 2 == 0 and a["microbatch"] % 2 == 0)
+        ),
+        lambda a, c: (
+            f"schedule=dualpipe holds stages r and pp - 1 - r on rank r and feeds half of every micro-batch "
+            f"from each end: it needs an even pp and an even microbatch, not pp={a['pp']}, microbatch={a.get('microbatch')}"
+        ),
+    )
+
+
+def ends_or_none(a: dict) -> tuple:
+    """The first and last stage's layer counts, None where not assigned yet."""
+    return a.get(FIRST), a.get(LAST)
+
+
+def uneven_counts(layers: int, pp: int, values: dict) -> tuple[int, ...] | None:
+    """Per-stage layer counts for the knobs in ``values`` (None: an even split)."""
+    first, last = values.get(FIRST) or 0, values.get(LAST) or 0
+    if not (first or last):
+        return None
+    return layers_per_stage(layers, pp, first, last)
+
+
 class PipelineParallel(Space):
     """Layers in ``pp`` stages, run with 1F1B or interleaved 1F1B over ``virtual_stages`` model
-    chunks per device (explored); GPipe and zero-bubble ZB-H1 (backward split into input and
-    weight gradients) when ``--set schedule=`` (or ``restrict``) picks them."""
+    chunks per device (explored); GPipe, zero-bubble ZB-H1 (backward split into input and
+    weight gradients), ZB-V and DualPipe (two stages per device, planlab/search_spaces/schedules_v.py)
+    when ``--set schedule=`` (or ``restrict``) picks them. ``first_stage_layers`` and
+    ``last_stage_layers`` make the end stages uneven (planlab/search_spaces/stages.py)."""
 
     name = "pp"
     order = 0
     knobs = (
         Knob.int(
             "pp",
-            lambda c: tuple(d for d in divisors(c.num_devices) if c.layers % d == 0),
+            lambda c: tuple(d for d in divisors(c.num_devices) if d <= c.layers),
             "pipeline-parallel degree (device groups)",
             default=1,
-            range="divisors of the device count that divide the layers",
+            range="divisors of the device count up to the layers (that divide them, or with uneven end stages)",
         ),
         Knob.choice(
             "schedule", lambda c: pipeline_schedules(), "pipeline schedule", default="1f1b", explore=EXPLORED_SCHEDULES
@@ -399,19 +497,19 @@ class PipelineParallel(Space):
             default=1,
             range="1, 2, 3, 4, 6 or 8 that divide the layers",
         ),
+        *uneven_stage_knobs(),
     )
     constraints = (
         Constraint(
             lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
             lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices",
         ),
-        Constraint(
-            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
-        ),
+        *uneven_stage_constraints(),
+        v_schedule_constraint(),
+        dualpipe_constraint(),
         Constraint(
             lambda a, c: (
-                a["pp"] is None or a["virtual_stages"] is None or c.layers % (a["pp"] * a["virtual_stages"]) == 0
+                a["pp"] is None or a["virtual_stages"] in (None, 1) or c.layers % (a["pp"] * a["virtual_stages"]) == 0
             ),
             lambda a, c: (
                 f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the model's {c.layers} layers"
@@ -463,11 +561,17 @@ class PipelineParallel(Space):
             stage_recycling(draft, pp, values.get("schedule") or "1f1b")
             return
         v = values.get("virtual_stages") or 1
+        if values.get("schedule") == "dualpipe" and pp > 1:  # two mirrored copies: halves of each micro-batch
+            draft.mirror = True
+            draft.add_axis("dual", 2, batch_dims(draft.ctx.graph))
+        elif values.get("schedule") in V_SCHEDULES:  # two stages per device group, in a V
+            v, draft.vshape = 2, True
         draft.num_stages = pp * v
         draft.chunks = v
         draft.schedule = values.get("schedule") or "1f1b"
         if pp * v > 1:
-            draft.stages = pipeline_stages(draft.ctx.graph, pp * v, draft.ctx.layers)
+            counts = uneven_counts(draft.ctx.layers, pp, values)
+            draft.stages = pipeline_stages(draft.ctx.graph, pp * v, draft.ctx.layers, counts)
 
 
 def _recycles(c: Context) -> int:

@@ -43,6 +43,7 @@ from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
 from planlab.search_spaces.screen_structure import (
     aggregate,
     Ids,
@@ -150,6 +151,9 @@ class Screen:
             stages = tuple(d.stages.values())  # every operator, in graph order: the values will do
         else:
             stages = tuple(d.stages.get(n, 0) for n in names)
+        if stages and d.vshape:  # stage s on group s % G as chunk s // G: the V's way back numbered G + group
+            G = d.groups
+            stages = tuple(s if s < G else G + v_rank(s, G) for s in stages)
         rc = tuple(d.recompute.items()) if d.recompute else None
         co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
         key = (
@@ -375,12 +379,12 @@ class Screen:
             d = pipeline_view(d)
         s = self.structure(d)
         sizes = tuple(x for _, x in d.axes)
-        per = math.prod(sizes)
+        per = d.per_group  # devices of a pipeline group (a DualPipe stage spans two groups)
         m, G, v = d.microbatches, d.groups, max(1, d.chunks)
-        schedule = d.schedule if v == 1 else "interleaved"
+        schedule = d.schedule if v == 1 or d.vshape else "interleaved"
         if d.recycles > 1:  # a chunk per recycling pass: walk the schedule the plan runs (recycling.py)
             schedule = f"recycled:{d.schedule}"
-        zb = schedule == "zb-h1"
+        zb = schedule in ("zb-h1", "zb-v")
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         for r in range(G):
@@ -404,7 +408,7 @@ class Screen:
                 per_chunk[min(v - 1, stage // G)] += b / m + o
             if v == 1 and schedule in ("1f1b", "gpipe"):
                 act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
-            elif zb:  # the activations until I; from I to W, what W reads: the output gradients and
+            elif schedule == "zb-h1":  # the activations until I; from I to W, what W reads: the output gradients and
                 # about as much of the inputs (a product's dW = dY^T X)
                 act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
@@ -412,6 +416,9 @@ class Screen:
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
             mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
+        if d.mirror:  # DualPipe: group r runs half of stage r and half of stage G - 1 - r, and keeps both's weights
+            times = [times[r] + times[G - 1 - r] for r in range(G)]
+            mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]
         t_max = max(times)
         slow = max(range(G), key=lambda r: times[r])
         pipe = m * t_max + (sum(fill) - fill[slow]) / v
@@ -475,6 +482,8 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     is ``max(rows @ w)``. Cached per schedule and shape (read-only)."""
     if schedule.startswith("recycled:"):
         actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
+    elif schedule in V_SCHEDULES:  # chunk 1 is the way back
+        actions = V_SCHEDULES[schedule](r, groups, m)
     elif chunks > 1:
         actions = interleaved_1f1b(r, groups, m, chunks)
     elif schedule in SCHEDULES:

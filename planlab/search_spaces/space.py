@@ -30,6 +30,7 @@ from planlab.models.registry import ModelSpec
 from planlab.plan.plan import Action, Plan, PlanBuilder
 from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
+from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
 
 if TYPE_CHECKING:
     from planlab.search_spaces.rules import Rule
@@ -97,7 +98,7 @@ class Knob:
     default: Any = None
     kind: str = ""
     pinned: bool | None = None
-    explore: tuple | None = None
+    explore: tuple | Callable[[Context], tuple] | None = None
     range: str = ""  # the range in words, for listings (values that depend on the context)
 
     def __post_init__(self) -> None:
@@ -128,7 +129,20 @@ class Knob:
         if self.pinned:
             return (self.default,)
         vals = self.range_of(ctx, space)
-        return vals if self.explore is None else tuple(v for v in vals if v in self.explore)
+        if self.explore is None:
+            return vals
+        tried = self.explore(ctx) if callable(self.explore) else self.explore  # a function of the context
+        return tuple(v for v in vals if v in tried)
+
+    def describe_explore(self, ctx: Context | None = None) -> str:
+        """The values an exploration tries, in words ('' when it tries every valid value)."""
+        if self.explore is None:
+            return ""
+        if not callable(self.explore):
+            return ", ".join(map(str, self.explore))
+        if ctx is None:
+            return self.explore.__doc__ or "values that depend on the model and cluster"
+        return ", ".join(map(str, self.explore(ctx)))
 
     def describe_range(self, ctx: Context | None = None) -> str:
         """The range in words: the values in ``ctx``, or ``range``, or the static values."""
@@ -328,6 +342,10 @@ class Draft:
     spread: dict[str, str | None | tuple[tuple[str | None, int], ...]] = field(default_factory=dict)
     spread_devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
     stage_base: int = 0  # the stage of pipeline rank 0: stage s runs on group (s - stage_base) % groups
+    vshape: bool = False  # stage s runs on group s going down, then 2 groups - 1 - s coming back (ZB-V)
+    # DualPipe: the first mesh axis (2 pieces, the halves of each micro-batch) places piece 0 of stage s
+    # on group s and piece 1 on group groups - 1 - s (planlab/search_spaces/schedules_v.py)
+    mirror: bool = False
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
@@ -364,8 +382,24 @@ class Draft:
         """Devices of one pipeline stage (the product of the mesh axes)."""
         return math.prod(s for _, s in self.axes)
 
+    @property
+    def per_group(self) -> int:
+        """Devices of one pipeline group (a mirrored stage's two halves are on two groups)."""
+        return self.per_stage // 2 if self.mirror else self.per_stage
+
+    def stage_devices(self, stage: int, devices: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The devices of ``stage``'s pieces, row-major over the mesh axes."""
+        g = self.group_of(stage)
+        return devices[g] + devices[self.groups - 1 - g] if self.mirror else devices[g]
+
+    def group_of(self, stage: int) -> int:
+        """The device group that runs ``stage``."""
+        if self.vshape:
+            return v_rank(stage - self.stage_base, self.groups)
+        return (stage - self.stage_base) % self.groups
+
     def group_devices(self) -> list[tuple[int, ...]]:
-        per = self.per_stage
+        per = self.per_group
         return [tuple(range(r * per, (r + 1) * per)) for r in range(self.groups)]
 
     def schedule_actions(self, rank: int) -> tuple[Action, ...]:
@@ -384,6 +418,8 @@ class Draft:
             return tuple(actions) + (Action(first, "U", 0),)
         if self.recycles > 1:  # a chunk per recycling pass: 3f1b, or a plain schedule of the last pass
             actions = recycling_actions(self.schedule, rank, self.groups, self.microbatches, self.recycles)
+        elif self.schedule in V_SCHEDULES:
+            actions = V_SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
         elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
         else:
@@ -393,15 +429,16 @@ class Draft:
                     f"choose {choices(list(SCHEDULES))} (or 'interleaved' with virtual stages)"
                 )
             actions = SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
-        return tuple(actions) + (Action(rank, "U", 0),)
+        first = min(rank, self.groups - 1 - rank) if self.mirror else rank  # the group's lowest stage
+        return tuple(actions) + (Action(first, "U", 0),)
 
     def to_plan(self, *, space: str, knobs: dict, rules: Iterable["Rule"] = ()) -> Plan:
         """Issue op-trans, op-assign and op-order for this draft, checking ``rules`` as each
         primitive is issued (InfeasiblePlan names the operator and the rule it breaks)."""
         ctx = self.ctx
-        if self.per_stage * self.groups != ctx.num_devices:
+        if self.per_group * self.groups != ctx.num_devices:
             raise InfeasiblePlan(
-                f"{space}: {self.per_stage} devices per stage x {self.groups} pipeline ranks "
+                f"{space}: {self.per_group} devices per stage x {self.groups} pipeline ranks "
                 f"!= {ctx.num_devices} devices"
             )
         b = PlanBuilder(
@@ -444,7 +481,7 @@ class Draft:
                     chk.split(op, dim)
                 if b is not None:
                     b.op_trans(op.name, dim, size)
-            where = devices[(s - self.stage_base) % groups]
+            where = self.stage_devices(s, devices)
             if op.name in self.colocate:  # each piece split k times more, the k pieces on its device
                 dim, k = self.colocate[op.name]
                 if chk.splits:
@@ -459,7 +496,7 @@ class Draft:
                 if self.recompute.get(op.name):
                     b.recompute(op.name, self.recompute[op.name])
         if self.num_stages > 1 and chk.orders:
-            chk.order(self.schedule if self.chunks == 1 or self.recycles > 1 else "interleaved")
+            chk.order(self.schedule if self.chunks == 1 or self.recycles > 1 or self.vshape else "interleaved")
         if self.num_stages > 1 or self.microbatches > 1:  # one stage: F0 B0 F1 B1 ... (gradient accumulation)
             if b is not None:
                 for r in range(groups):

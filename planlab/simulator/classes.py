@@ -47,8 +47,9 @@ def device_classes(program: Program, cluster: ClusterSpec, slowdown: dict[int, f
             peers = []
             for key in sorted(dp.blocks):
                 for t in dp.blocks[key].tasks:
-                    if t.peer >= 0:
-                        peers.append(cls[t.peer])
+                    if t.peer >= 0:  # a message inside a class (DualPipe's mirrored ranks): tags need not
+                        # match between the members, so such devices each run as their own class
+                        peers.append(cls[t.peer] if cls[t.peer] != cls[dp.device] else ("own", dp.device))
                     elif t.group:
                         peers.append(tuple(sorted(cls[d] for d in t.group)))
             refined.append((cls[dp.device], tuple(peers)))
