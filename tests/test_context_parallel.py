@@ -33,8 +33,8 @@ def test_a2a_splits_the_sequence_and_the_attention_heads():
             assert g.dim_label(op, dims[op.name]) == seq, op.name
     plan = get_space("megatron").build(ctx, dict(dp=1, cp=2, tp=1, pp=1, microbatch=4))
     attention = next(p for p in plan.ops if p.op == "scaled_dot_product_attention")
-    assert sequence_length(g) == 32 and attention.sizes == (1, 2, 1) and attention.devices == (0, 1)
-    assert attention.dims == (None, dims["scaled_dot_product_attention"], None)  # mesh axes dp, cp, tp
+    assert sequence_length(g) == 32 and attention.sizes == (1, 1, 2) and attention.devices == (0, 1)
+    assert attention.dims == (None, None, dims["scaled_dot_product_attention"])  # mesh axes dp, tp, cp
 
 
 def test_a2a_moves_queries_keys_values_and_outputs_by_all_to_all():
@@ -54,6 +54,19 @@ def test_a2a_moves_queries_keys_values_and_outputs_by_all_to_all():
         assert {tuple(sorted(t.group)) for t in a2a} <= {(0, 1), (2, 3)}
 
 
+def test_cp_devices_sit_outside_the_tensor_parallel_ones():
+    """With tp = cp = 2 the tensor-parallel peers stay neighbours (0 1, 2 3) and the all-to-alls
+    run over the context-parallel ones (0 2, 1 3): the heads split by tp first, by cp inside."""
+    ctx = _ctx("llama-tiny", 4)
+    plan = get_space("megatron").build(ctx, dict(dp=1, cp=2, tp=2, pp=1, microbatch=4))
+    program = materialize(plan, ctx.graph)
+    tasks = [t for _, t in program.devices[0].tasks_in_order()]
+    assert not [t for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)]
+    groups = {(t.collective, tuple(sorted(t.group))) for t in tasks if t.kind is TaskKind.COLLECTIVE}
+    assert ("all_to_all", (0, 2)) in groups and ("all_reduce", (0, 1)) in groups
+    assert not {g for k, g in groups if k == "all_to_all"} - {(0, 2)}
+
+
 @pytest.mark.parametrize(
     "name, args, n, knobs, message",
     [
@@ -61,10 +74,17 @@ def test_a2a_moves_queries_keys_values_and_outputs_by_all_to_all():
         ("llama-tiny", (), 8, dict(dp=1, tp=2, cp=4, pp=1), r"cp=4 with cp_kind=a2a splits the 2 attention heads"),
         ("llama-tiny", (), 4, dict(dp=1, tp=1, cp=2, pp=1), r"do not multiply to the 4 devices"),
         ("llama-tiny", (), 2, dict(cp=2, cp_kind="ring"), r"cp=2 with cp_kind=ring: ring attention is not"),
+        (
+            "llama-tiny",
+            (),
+            4,
+            dict(dp=1, tp=2, cp=2, pp=1, sequence_parallel=True),
+            r"sequence_parallel=True with cp=2",
+        ),
         ("gpt-tiny", (("seq", 24),), 8, dict(cp=8, cp_kind="ring"), r"2 x cp = 16 chunks, which does not divide"),
         ("gpt-tiny", (("seq", 24),), 8, dict(cp=8, cp_kind="wide"), r"wide"),
     ],
-    ids=["devices", "heads", "product", "ring", "ring-chunks", "kind"],
+    ids=["devices", "heads", "product", "ring", "sp", "ring-chunks", "kind"],
 )
 def test_cp_values_that_do_not_fit(name, args, n, knobs, message):
     ctx = _ctx(name, n, args)

@@ -1,8 +1,9 @@
 """Context parallelism (``cp``): the sequence split over ``cp`` devices, as Megatron-Core lays it out.
 
 Megatron-Core's rank order is ``tp-cp-ep-dp-pp``: the context-parallel ranks sit just outside the
-tensor-parallel ones. Here the ``cp`` knob adds a mesh axis between the data-parallel axis and
-the tensor-parallel one, on which every operator that carries the sequence of the model's first
+tensor-parallel ones. Here the ``cp`` knob adds the innermost mesh axis, whose devices are placed
+outside the tensor-parallel ones (``Draft.stage_order``: the tensor-parallel peers stay
+neighbours), on which every operator that carries the sequence of the model's first
 input splits along it (the embedding, the norms, the projections, the MLP, the loss), and the
 attention, which needs the whole sequence, is handled by ``cp_kind``:
 
@@ -88,7 +89,7 @@ class ContextParallel(Space):
     with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses) or as ring attention (``ring``)."""
 
     name = "cp"
-    order = 1  # with dp: a mesh axis outside the tensor-parallel one (Megatron-Core's tp-cp-ep-dp-pp)
+    order = 2  # after tp: the innermost mesh axis, its devices placed outside tp's (Megatron-Core's tp-cp-ep-dp-pp)
     knobs = (
         Knob.int(
             "cp",
@@ -112,6 +113,14 @@ class ContextParallel(Space):
         ),
         Constraint(_seq_fits, _seq_message),
         Constraint(
+            lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
+            lambda a, c: (
+                f"sequence_parallel=True with cp={a['cp']} and tp={a['tp']}: the sequence would be split by cp "
+                "outside and by tp inside, which planlab converts only by point-to-point copies; choose "
+                "sequence_parallel=False"
+            ),
+        ),
+        Constraint(
             lambda a, c: a.get("cp_kind") != "ring" or (a.get("cp") or 1) == 1,
             lambda a, c: (
                 f"cp={a['cp']} with cp_kind=ring: ring attention is not materialized yet (issue 19); choose cp_kind=a2a"
@@ -131,4 +140,18 @@ class ContextParallel(Space):
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
-        draft.add_axis("cp", values.get("cp") or 1, context_parallel_dims(draft.ctx.graph))
+        cp = values.get("cp") or 1
+        draft.add_axis("cp", cp, context_parallel_dims(draft.ctx.graph))
+        tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
+        if cp > 1 and tp > 1:
+            draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)
+
+
+def outside_order(outer: int, tp: int, cp: int) -> tuple[int, ...]:
+    """The device of each mesh position ``(o, t, c)`` of a stage whose last two mesh axes are the
+    tensor-parallel (``tp``) and the context-parallel (``cp``) ones: ``o cp tp + c tp + t``, so
+    that the tensor-parallel peers stay neighbours (inside a node) while the attention's heads,
+    split over both axes, are split by tp first and by cp inside (the all-to-all then moves whole
+    blocks: ``redistribute``'s innermost rule)."""
+    per = cp * tp
+    return tuple(o * per + c * tp + t for o in range(outer) for t in range(tp) for c in range(cp))
