@@ -52,7 +52,7 @@ ALL_DEVICES = Constraint(
     _uses_all,
     lambda a, c: (
         "the degrees "
-        + " x ".join(f"{k}={a[k]}" for k in DEGREES if k in a)
+        + " x ".join(f"{k}={a[k]}" for k in DEGREES if k in a and (k != "cp" or a[k] != 1))
         + f" do not multiply to the {c.num_devices} devices"
     ),
 )

@@ -94,8 +94,9 @@ class ContextParallel(Space):
         Knob.int(
             "cp",
             _cp_values,
-            "context-parallel degree (the sequence split over cp devices)",
+            "context-parallel degree (the sequence split over cp devices; explored with --set cp=N only)",
             default=1,
+            explore=(1,),  # the grid explores cp when asked: it multiplies every plan by the sequence's divisors
             range="divisors of the device count that divide the sequence (2 x cp must divide it for ring)",
         ),
         Knob.choice(
@@ -103,6 +104,7 @@ class ContextParallel(Space):
             CP_KINDS,
             "context parallelism's attention: a2a (all-to-all over heads, DeepSpeed-Ulysses) or ring",
             default="a2a",
+            explore=("a2a",),
             range=", ".join(CP_KINDS),
         ),
     )
