@@ -13,7 +13,7 @@ from planlab.plan.program import TaskKind
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.context import context_parallel_dims, sequence_length
 
-from conftest import traced
+from conftest import all_to_alls, traced
 
 
 def _ctx(name: str, n: int, args: tuple = ()):
@@ -45,9 +45,7 @@ def test_a2a_moves_queries_keys_values_and_outputs_by_all_to_all():
     program = materialize(plan, ctx.graph)
     layers = 2
     for dev in program.devices:
-        tasks = [t for _, t in dev.tasks_in_order()]
-        a2a = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
-        assert not [t for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)]
+        a2a = all_to_alls(dev)
         assert len(a2a) == 8 * layers * plan.microbatches
         assert {len(t.group) for t in a2a} == {2} and all(t.ident >= 0 for t in a2a)
         # the context-parallel peers are neighbours (Megatron-Core's tp-cp-ep-dp-pp order)
