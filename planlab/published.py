@@ -23,7 +23,9 @@ seconds per iteration, ``measured_s``:
 FLOP formulas (B global batch, s sequence, l layers, h hidden, V the set's ``vocab_for_flops``):
 ``narayanan-eq3`` = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et al. 2021, eq. 3: with the
 recomputed forward); ``korthikanti-eq7`` = 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (Korthikanti et
-al. 2022, Appendix A eq. 7: model FLOPs).
+al. 2022, Appendix A eq. 7: model FLOPs); ``torchtitan`` = B s (6 N' + 12 l h s) with N' the parameters
+without the token embedding (torchtitan's ``get_num_flop_per_token``: the attention's four matmuls
+counted whole, not halved for the causal mask; for sources that state no formula of their own).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ METRICS = (
     "tokens_per_s_per_gpu",
     "gpu_hours_per_trillion_tokens",
 )
-FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7")
+FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7", "torchtitan")
 SOFTWARE = ("megatron", "megatron-2019", "deepspeed", "deepspeed-2021", "torch")
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")
@@ -149,6 +151,7 @@ class PublishedRow:
             sequence_parallel=self.sequence_parallel,
             recompute=self.recompute,
             ep=self.ep,
+            cp=self.cp,
             **({} if self.etp is None else {"etp": self.etp}),
         )
 
@@ -214,6 +217,9 @@ def flops_per_iteration(row: PublishedRow, metric: dict) -> float:
     cfg = _config(row)
     b, s, n_l, h = row.global_batch, cfg.seq, cfg.layers, cfg.hidden
     v = float(metric.get("vocab_for_flops", cfg.vocab))
+    if metric["flops"] == "torchtitan":
+        non_embedding = cfg.num_params() - cfg.vocab * h
+        return float(b * s) * (6.0 * non_embedding + 12.0 * n_l * h * s)
     if metric["flops"] == "narayanan-eq3":
         return 96.0 * b * s * n_l * h * h * (1 + s / (6 * h) + v / (16 * n_l * h))
     return 72.0 * b * s * n_l * h * h * (1 + s / (6 * h) + v / (12 * n_l * h))

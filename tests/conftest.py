@@ -14,6 +14,15 @@ _TRACE_CACHE = tempfile.TemporaryDirectory(prefix="pytest-trace-cache-")
 os.environ["PLANLAB_CACHE_DIR"] = _TRACE_CACHE.name
 
 
+def all_to_alls(dev) -> list:
+    """A device program's all-to-all collectives, after checking it sends and receives nothing."""
+    from planlab.plan.program import TaskKind
+
+    tasks = [t for _, t in dev.tasks_in_order()]
+    assert not [t for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)]
+    return [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
+
+
 @functools.lru_cache(maxsize=8)
 def traced(name: str = "gpt-tiny", batch: int = 8, args: tuple = ()):
     spec = ModelSpec(name, args)

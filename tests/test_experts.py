@@ -19,7 +19,7 @@ from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.builtin import tensor_parallel_dims
 from planlab.search_spaces.experts import expert_dims, num_experts
 
-from conftest import traced
+from conftest import all_to_alls, traced
 from test_costmodel import GB, TOY_NODE
 
 # ---- the preset against DeepSeek's published sizes -----------------------------------------
@@ -268,16 +268,13 @@ def test_dispatch_and_combine_are_all_to_all_collectives():
     """An EP plan's Program moves tokens by all-to-all over the expert-parallel groups, in the
     forward (dispatch, combine) and in the backward (their gradients), and sends nothing."""
     from planlab.plan import materialize
-    from planlab.plan.program import TaskKind
 
     ctx = _ctx("deepseek-tiny", 4)
     plan = get_space("megatron").build(ctx, dict(dp=4, tp=1, pp=1, microbatch=1, ep=2))
     program = materialize(plan, ctx.graph)
     moe_layers = 3
     for dev in program.devices:
-        tasks = [t for _, t in dev.tasks_in_order()]
-        a2a = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
-        assert not [t for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)]
+        a2a = all_to_alls(dev)
         # per micro-batch and MoE layer: dispatch and combine, and both again for the gradients
         assert len(a2a) == 4 * moe_layers * plan.microbatches
         assert {len(t.group) for t in a2a} == {2} and all(t.ident >= 0 for t in a2a)

@@ -286,7 +286,7 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, first_tag
                 if k == key and intersect(sbox, dbox) is not None:
                     by_box.setdefault(sbox, []).append(dev)
             for sbox, replicas in by_box.items():
-                chosen = dd if dd in replicas else replicas[flat % len(replicas)]
+                chosen = _chosen(src, dst, flat, dd, replicas)
                 region = intersect(sbox, dbox)
                 if chosen == dd:
                     conv.add("dst", dd, make.copy(region, sbox, dbox))
@@ -296,6 +296,18 @@ def _point_to_point(src, dst, shape, eb, src_buf, dst_buf, accumulate, first_tag
                 conv.add("src", chosen, make.send(tag, dd, region, sbox))
                 conv.add("dst", dd, make.recv(tag, chosen, region, dbox))
     return _own_pieces_last(conv)
+
+
+def _chosen(src: Layout, dst: Layout, flat: int, dd: int, replicas: list[int]) -> int:
+    """The holder of a source piece that sends it to ``dd`` (at position ``flat`` of the destination's
+    mesh): ``dd`` itself; else, between meshes of one shape, the holder at the same position (a
+    pipeline's stages with a mesh in another order than row-major: context parallelism's); else the
+    replica at its position modulo theirs."""
+    if dd in replicas:
+        return dd
+    if src.mesh.shape == dst.mesh.shape and src.mesh.devices[flat] in replicas:
+        return src.mesh.devices[flat]
+    return replicas[flat % len(replicas)]
 
 
 def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, only, channel) -> Conversion:
@@ -321,7 +333,7 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
             region = intersect(sbox, dbox)
             if region is None:
                 continue
-            chosen = dd if dd in reps else reps[flat % len(reps)]
+            chosen = _chosen(src, dst, flat, dd, reps)
             if chosen == dd:
                 if dd in only:
                     conv.add("dst", dd, make.copy(region, sbox, dbox))

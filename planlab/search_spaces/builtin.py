@@ -11,6 +11,7 @@ from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
 from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
+from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
@@ -38,7 +39,7 @@ def _get(values: dict, name: str, default: int = 1) -> int:
 
 
 def _uses_all(a: dict, c: Context) -> bool:
-    present = [a[k] for k in ("dp", "tp", "pp") if k in a]
+    present = [a[k] for k in DEGREES if k in a]
     if any(v is None for v in present):
         return True
     prod = 1
@@ -48,11 +49,12 @@ def _uses_all(a: dict, c: Context) -> bool:
 
 
 # Every device runs a piece: the degrees of the spaces in a plan multiply to the device count.
+DEGREES = ("dp", "cp", "tp", "pp")
 ALL_DEVICES = Constraint(
     _uses_all,
     lambda a, c: (
         "the degrees "
-        + " x ".join(f"{k}={a[k]}" for k in ("dp", "tp", "pp") if k in a)
+        + " x ".join(f"{k}={a[k]}" for k in DEGREES if k in a and (k != "cp" or a[k] != 1))
         + f" do not multiply to the {c.num_devices} devices"
     ),
 )
@@ -634,7 +636,7 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
 
 class Megatron(Product):
     """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
-    (1F1B, interleaved) parallelism x recomputation, with expert (and expert tensor) parallelism
+    (1F1B, interleaved) parallelism x recomputation, context parallelism (planlab/search_spaces/context.py), with expert (and expert tensor) parallelism
     for mixture-of-experts models (planlab/search_spaces/experts.py)."""
 
     def __init__(self) -> None:
@@ -645,6 +647,7 @@ class Megatron(Product):
                 ExpertParallel(),
                 TensorParallel(),
                 ExpertTensorParallel(),
+                ContextParallel(),
                 Recompute(),
             ),
             name="megatron",

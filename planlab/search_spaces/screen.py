@@ -238,19 +238,22 @@ class Screen:
         return (dev / roof if roof > 0 else 1.0), host
 
     @staticmethod
-    def _group(axes: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """The devices of the first group along ``axes`` of the first stage's mesh (row-major)."""
+    def _group(axes: tuple[int, ...], sizes: tuple[int, ...], order: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The devices of the first group along ``axes`` of the first stage's mesh (row-major, or
+        placed by ``order``: ``Draft.stage_order``)."""
         strides = [math.prod(sizes[a + 1 :]) for a in range(len(sizes))]
         members = [0]
         for a in axes:
             members = [m + k * strides[a] for m in members for k in range(sizes[a])]
-        return tuple(sorted(members))
+        return tuple(sorted(order[m] for m in members) if order else sorted(members))
 
-    def _coll_s(self, kind: str, nbytes: float, axes: tuple[int, ...], sizes: tuple[int, ...]) -> float:
-        key = (kind, nbytes, axes, sizes)
+    def _coll_s(
+        self, kind: str, nbytes: float, axes: tuple[int, ...], sizes: tuple[int, ...], order: tuple[int, ...] = ()
+    ) -> float:
+        key = (kind, nbytes, axes, sizes, order)
         got = self._coll.get(key)
         if got is None:
-            got = self._coll[key] = self.cost.collective_time_s(kind, nbytes, self._group(axes, sizes))
+            got = self._coll[key] = self.cost.collective_time_s(kind, nbytes, self._group(axes, sizes, order))
         return got
 
     def _p2p_s(self, nbytes: float, src: int, dst: int, per: int) -> float:
@@ -261,33 +264,45 @@ class Screen:
         return got
 
     def _price(
-        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
+        self,
+        p: ScreenProfile,
+        pid: int,
+        sizes: tuple[int, ...],
+        m: int,
+        zero: int,
+        zb: bool,
+        regather: bool = False,
+        order: tuple[int, ...] = (),
     ) -> _Priced:
-        key = (pid, sizes, m, zero, zb, regather)
+        key = (pid, sizes, m, zero, zb, regather, order)
         got = self._priced.get(key)
         if got is None:
-            f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
+            f, b, cm, w, split = self._micro_s(p, pid, sizes, m, order)
             if zb:
                 b += split
-            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
+            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero, order)
             if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
-                zc, first = self._units_s(p, pid, sizes, regather)  # unit ahead: computation hides all but the first
+                zc, first = self._units_s(
+                    p, pid, sizes, regather, order
+                )  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
             # buckets overlap the last micro-batch's backward; the last one does not
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
-    def _micro_s(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int) -> tuple[float, ...]:
+    def _micro_s(
+        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, order: tuple[int, ...] = ()
+    ) -> tuple[float, ...]:
         """Forward, backward, collectives, the backward's weight-gradient part, and what splitting
         the backward into two tasks per operator adds (smaller kernels), one micro-batch of ``m``."""
-        key = (pid, sizes, m)
+        key = (pid, sizes, m, order)
         got = self._micro.get(key)
         if got is None:
             # the device waits for the host where the host is slower (planlab.costmodel.host_bound_elapsed_s)
             f = self._block_s(p.fwd, m)
             b = self._block_s(p.bwd, m)
             cm = sum(
-                c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes)
+                c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes, order)
                 for (kind, axis, numel, batch, eb), c in p.comm
             )
             wg = split = 0.0
@@ -307,12 +322,12 @@ class Screen:
         return max(dev, host)
 
     def _units_s(
-        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], regather: bool = False
+        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], regather: bool = False, order: tuple[int, ...] = ()
     ) -> tuple[float, float]:
         """ZeRO-3 per micro-batch: (every unit's weight all-gathers, two or with ``regather`` three
         (the recomputed forward gathers again), and gradient reduce-scatter, the first unit's gathers
         in the forward and the backward), seconds."""
-        key = (pid, sizes, regather)
+        key = (pid, sizes, regather, order)
         got = self._zero3.get(key)
         if got is None:
             prec = self.prec
@@ -321,17 +336,21 @@ class Screen:
                 if math.prod(sizes[a] for a in axes) == 1:
                     continue
                 elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
-                ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
+                ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes, order)
                 gathers = 3 if regather else 2
-                total += n_units * (gathers * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes))
+                total += n_units * (
+                    gathers * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes, order)
+                )
                 first = max(first, 2 * ag)
             got = self._zero3[key] = (total, first)
         return got
 
-    def _grads(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
+    def _grads(
+        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int, order: tuple[int, ...] = ()
+    ) -> tuple:
         """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
         bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
-        key = (pid, sizes, zero)
+        key = (pid, sizes, zero, order)
         got = self._grad.get(key)
         if got is not None:
             return got
@@ -348,12 +367,14 @@ class Screen:
                 static -= elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes) * (n_red - 1) / n_red
                 static += big * prec.param_bytes
                 gathered = max(gathered, big * (prec.param_bytes + prec.grad_bytes))
-                sync = max(sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes))  # the last unit's
+                sync = max(
+                    sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes, order)
+                )  # the last unit's
                 opt += elems / n_red
                 continue
             if n_red > 1 and zero:
-                sync += self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes)
-                sync += self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes)
+                sync += self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes, order)
+                sync += self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes, order)
                 static -= elems * prec.optimizer_bytes * (n_red - 1) / n_red
                 if zero >= 2:
                     static -= elems * prec.grad_bytes * (n_red - 1) / n_red
@@ -362,7 +383,7 @@ class Screen:
             opt += elems
             if n_red > 1:
                 nb = max(1, math.ceil(elems / BUCKET_ELEMENTS))
-                one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes)
+                one = self._coll_s("all_reduce", elems * prec.grad_bytes / nb, axes, sizes, order)
                 ar += nb * one
                 last = max(last, one)
         per_param = prec.optimizer_pass_bytes or (2 * prec.param_bytes + prec.grad_bytes + 2 * prec.optimizer_bytes)
@@ -390,7 +411,7 @@ class Screen:
         for r in range(G):
             p = s.profiles[r]
             regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather)
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)

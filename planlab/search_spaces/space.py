@@ -346,6 +346,10 @@ class Draft:
     # DualPipe: the first mesh axis (2 pieces, the halves of each micro-batch) places piece 0 of stage s
     # on group s and piece 1 on group groups - 1 - s (planlab/search_spaces/schedules_v.py)
     mirror: bool = False
+    # the device of each mesh position of a stage, counted from the stage's first device (empty: in
+    # row-major order); lets a mesh axis split a tensor axis inside another's split while its devices
+    # sit further apart (context parallelism's axis inside the tensor-parallel one, planlab/search_spaces/context.py)
+    stage_order: tuple[int, ...] = ()
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
@@ -399,8 +403,10 @@ class Draft:
         return (stage - self.stage_base) % self.groups
 
     def group_devices(self) -> list[tuple[int, ...]]:
+        """Per pipeline group, its devices in mesh order (``stage_order``, else row-major)."""
         per = self.per_group
-        return [tuple(range(r * per, (r + 1) * per)) for r in range(self.groups)]
+        order = self.stage_order or range(per)
+        return [tuple(r * per + p for p in order) for r in range(self.groups)]
 
     def schedule_actions(self, rank: int) -> tuple[Action, ...]:
         """The actions of device group ``rank``: its schedule, then the update (with ``spread``

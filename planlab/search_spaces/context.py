@@ -1,0 +1,167 @@
+"""Context parallelism (``cp``): the sequence split over ``cp`` devices, as Megatron-Core lays it out.
+
+Megatron-Core's rank order is ``tp-cp-ep-dp-pp``: the context-parallel ranks sit just outside the
+tensor-parallel ones. Here the ``cp`` knob adds the innermost mesh axis, whose devices are placed
+outside the tensor-parallel ones (``Draft.stage_order``: the tensor-parallel peers stay
+neighbours), on which every operator that carries the sequence of the model's first
+input splits along it (the embedding, the norms, the projections, the MLP, the loss), and the
+attention, which needs the whole sequence, is handled by ``cp_kind``:
+
+- ``a2a`` (DeepSpeed-Ulysses, Jacobs et al. 2023): the attention splits along its heads on the
+  context-parallel axis. Where the queries, keys and values (split along the sequence) meet it,
+  materialize converts one shard for another on one mesh axis: an all-to-all
+  (``redistribute.plan_conversion``, the same conversion as expert parallelism's dispatch), and
+  another after it back to the sequence; their gradients are all-to-alls too. The heads left on
+  a tensor-parallel rank must divide by ``cp``.
+- ``ring`` (ring attention with Megatron-Core's and Llama 3's causal load balancing: rank ``i``
+  holds chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``) is not materialized yet: it needs a
+  load-balanced sequence layout and the ring's send/receive steps with the online-softmax merge.
+  The knob takes the value so that its checks (``2 cp`` must divide the sequence) hold, and a
+  plan asking for it gets a one-line error that says so.
+"""
+
+from __future__ import annotations
+
+from planlab.graph.ir import Graph
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
+
+CP_KINDS = ("a2a", "ring")
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def sequence_length(g: Graph) -> int:
+    """The sequence length of the model's first input ``(batch, seq, ...)`` (1 without one)."""
+    shape = g.tensors[g.inputs[0]].shape
+    return shape[1] if len(shape) > 1 else 1
+
+
+def _cp_values(c: Context) -> tuple[int, ...]:
+    return tuple(d for d in _divisors(c.num_devices) if sequence_length(c.graph) % d == 0)
+
+
+def context_parallel_dims(g: Graph) -> dict[str, str | None]:
+    """Per operator, the dimension the context-parallel axis splits with ``cp_kind=a2a``: the
+    sequence of the first input where the operator carries it and may split it, the heads for
+    the attention (whose sequence is whole), None (replicated) elsewhere."""
+    seq = g.labels.get((g.inputs[0], 1))
+    out: dict[str, str | None] = {}
+    for op in g.operators:
+        if op.kind == "attention":
+            heads = op.axes_of(op.inputs[0])
+            out[op.name] = heads[-3][0] if len(heads) >= 3 and heads[-3] else None
+            continue
+        d = g.dim_with_label(op, seq) if seq else None
+        out[op.name] = d if d is not None and op.signature.splittable(d) else None
+    return out
+
+
+def _heads_per_tp(a: dict, c: Context) -> int:
+    return c.heads // (a.get("tp") or 1)
+
+
+def _known(a: dict, *names: str) -> bool:
+    return all(a.get(n) is not None for n in names)
+
+
+def _seq_fits(a: dict, c: Context) -> bool:
+    cp, n = a["cp"], sequence_length(c.graph)
+    if cp is None:
+        return True
+    return n % (2 * cp) == 0 if a.get("cp_kind") == "ring" and cp > 1 else n % cp == 0
+
+
+def _seq_message(a: dict, c: Context) -> str:
+    n, cp = sequence_length(c.graph), a["cp"]
+    if a.get("cp_kind") == "ring":
+        fits = [d for d in _cp_values(c) if n % (2 * d) == 0] or [1]
+        return (
+            f"cp={cp} with cp_kind=ring splits the sequence of {n} into 2 x cp = {2 * cp} chunks, which does "
+            f"not divide it; choose cp in {', '.join(map(str, fits))}"
+        )
+    return f"cp={cp} does not divide the sequence of {n} tokens; choose cp in {', '.join(map(str, _cp_values(c)))}"
+
+
+class ContextParallel(Space):
+    """The sequence split over ``cp`` devices (context parallelism); the attention over its heads
+    with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses) or as ring attention (``ring``)."""
+
+    name = "cp"
+    order = 2  # after tp: the innermost mesh axis, its devices placed outside tp's (Megatron-Core's tp-cp-ep-dp-pp)
+    knobs = (
+        Knob.int(
+            "cp",
+            _cp_values,
+            "context-parallel degree (the sequence split over cp devices; explored with --set cp=N only)",
+            default=1,
+            explore=(1,),  # the grid explores cp when asked: it multiplies every plan by the sequence's divisors
+            range="divisors of the device count that divide the sequence (2 x cp must divide it for ring)",
+        ),
+        Knob.choice(
+            "cp_kind",
+            CP_KINDS,
+            "context parallelism's attention: a2a (all-to-all over heads, DeepSpeed-Ulysses) or ring",
+            default="a2a",
+            explore=("a2a",),
+            range=", ".join(CP_KINDS),
+        ),
+    )
+    constraints = (
+        Constraint(
+            lambda a, c: a["cp"] is None or c.num_devices % a["cp"] == 0,
+            lambda a, c: f"cp={a['cp']} does not divide the {c.num_devices} devices",
+        ),
+        Constraint(_seq_fits, _seq_message),
+        Constraint(
+            lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
+            lambda a, c: (
+                f"sequence_parallel=True with cp={a['cp']} and tp={a['tp']}: the sequence would be split by cp "
+                "outside and by tp inside, which planlab converts only by point-to-point copies; choose "
+                "sequence_parallel=False"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a.get("schedule") != "dualpipe" or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
+            lambda a, c: (
+                f"cp={a['cp']} and tp={a['tp']} with schedule=dualpipe: the mirrored halves of a stage and the "
+                "context-parallel placement inside the tensor-parallel one do not compose yet; choose cp=1, tp=1 "
+                "or another schedule"
+            ),
+        ),
+        Constraint(
+            lambda a, c: a.get("cp_kind") != "ring" or (a.get("cp") or 1) == 1,
+            lambda a, c: (
+                f"cp={a['cp']} with cp_kind=ring: ring attention is not materialized yet (issue 19); choose cp_kind=a2a"
+            ),
+        ),
+        Constraint(
+            lambda a, c: (
+                not _known(a, "cp", "tp", "cp_kind") or a["cp_kind"] != "a2a" or _heads_per_tp(a, c) % a["cp"] == 0
+            ),
+            lambda a, c: (
+                f"cp={a['cp']} with cp_kind=a2a splits the {_heads_per_tp(a, c)} attention heads of a "
+                f"tensor-parallel rank (tp={a.get('tp') or 1}), which it does not divide; choose cp in "
+                + ", ".join(str(d) for d in _divisors(_heads_per_tp(a, c)))
+                + " or cp_kind=ring"
+            ),
+        ),
+    )
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        cp = values.get("cp") or 1
+        draft.add_axis("cp", cp, context_parallel_dims(draft.ctx.graph))
+        tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
+        if cp > 1 and tp > 1:
+            draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)
+
+
+def outside_order(outer: int, tp: int, cp: int) -> tuple[int, ...]:
+    """The device of each mesh position ``(o, t, c)`` of a stage whose last two mesh axes are the
+    tensor-parallel (``tp``) and the context-parallel (``cp``) ones: ``o cp tp + c tp + t``, so
+    that the tensor-parallel peers stay neighbours (inside a node) while the attention's heads,
+    split over both axes, are split by tp first and by cp inside (the all-to-all then moves whole
+    blocks: ``redistribute``'s innermost rule)."""
+    per = cp * tp
+    return tuple(o * per + c * tp + t for o in range(outer) for t in range(tp) for c in range(cp))
