@@ -560,6 +560,19 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
     return out
 
 
+class Offload(Space):
+    """ZeRO-Offload (Ren et al., USENIX ATC'21): ``offload_optimizer`` keeps the fp32 master
+    weights and Adam's states in host memory and steps them on the host CPU, the gradients copied
+    device to host after their reduction and the weights back; composes with ZeRO 0 to 3 (``megatron*offload``). Priced on the cluster's host link and CPU."""
+
+    name = "offload"
+    order = 4
+    knobs = (Knob.bool("offload_optimizer", "optimizer states and step in host memory (ZeRO-Offload)"),)
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        draft.offload_optimizer = bool(values.get("offload_optimizer"))
+
+
 class Megatron(Product):
     """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
     (1F1B, interleaved) parallelism x recomputation, with expert (and expert tensor) parallelism
@@ -585,6 +598,7 @@ BUILTIN: dict[str, type[Space]] = {
     "tp": TensorParallel,
     "pp": PipelineParallel,
     "recompute": Recompute,
+    "offload": Offload,
     "megatron": Megatron,
 }
 for _name, _factory in BUILTIN.items():

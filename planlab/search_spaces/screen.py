@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 from planlab.costmodel import CostModel
+from planlab.costmodel.host import copy_time_s, host_of
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
@@ -256,15 +257,23 @@ class Screen:
         return got
 
     def _price(
-        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, zero: int, zb: bool, regather: bool = False
+        self,
+        p: ScreenProfile,
+        pid: int,
+        sizes: tuple[int, ...],
+        m: int,
+        zero: int,
+        zb: bool,
+        regather: bool = False,
+        offload: bool = False,
     ) -> _Priced:
-        key = (pid, sizes, m, zero, zb, regather)
+        key = (pid, sizes, m, zero, zb, regather, offload)
         got = self._priced.get(key)
         if got is None:
             f, b, cm, w, split = self._micro_s(p, pid, sizes, m)
             if zb:
                 b += split
-            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero)
+            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero, offload)
             if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
                 zc, first = self._units_s(p, pid, sizes, regather)  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
@@ -323,10 +332,12 @@ class Screen:
             got = self._zero3[key] = (total, first)
         return got
 
-    def _grads(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int) -> tuple:
+    def _grads(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int, offload: bool = False) -> tuple:
         """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
-        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
-        key = (pid, sizes, zero)
+        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes); with
+        ``offload`` (ZeRO-Offload) the optimizer's states leave the device and the step is the
+        copies over the host link and Adam on the host CPU."""
+        key = (pid, sizes, zero, offload)
         got = self._grad.get(key)
         if got is not None:
             return got
@@ -364,6 +375,10 @@ class Screen:
         opt_s = (
             self.cost.compute_time_s(flops=12.0 * opt, dtype=self.dtype, bytes_moved=opt * per_param) if opt else 0.0
         )
+        if offload and opt:
+            host = host_of(self.cost.cluster)
+            static -= opt * prec.optimizer_bytes
+            opt_s = copy_time_s(host, opt * (prec.grad_bytes + prec.param_bytes)) + opt / host.adam_params_per_s
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
 
@@ -385,7 +400,7 @@ class Screen:
         for r in range(G):
             p = s.profiles[r]
             regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather)
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.offload_optimizer)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
