@@ -60,21 +60,12 @@ def _offloaded(step: Task, pr: Precision) -> tuple[Task, Task, Task]:
     host_grads = tuple(_on_host(g, BufferKind.HOST_GRAD) for g in grads)
     masters = tuple(_on_host(w, BufferKind.HOST_WEIGHT) for w in weights)
     n = step.params
-    to_host = Task(
-        f"grads-to-host:{step.name}",
-        TaskKind.LOCAL,
-        grads,
-        host_grads,
-        nbytes=int(n * pr.grad_bytes),
-        role=Role.TO_HOST,
-    )
+    to_host = _copy(f"grads-to-host:{step.name}", grads, host_grads, n * pr.grad_bytes, Role.TO_HOST)
     host_step = step.but(name=f"host-{step.name}", reads=masters + host_grads, writes=masters, role=Role.HOST_STEP)
-    to_device = Task(
-        f"weights-to-device:{step.name}",
-        TaskKind.LOCAL,
-        masters,
-        weights,
-        nbytes=int(n * pr.param_bytes),
-        role=Role.TO_DEVICE,
-    )
+    to_device = _copy(f"weights-to-device:{step.name}", masters, weights, n * pr.param_bytes, Role.TO_DEVICE)
     return to_host, host_step, to_device
+
+
+def _copy(name: str, reads: tuple[Buffer, ...], writes: tuple[Buffer, ...], nbytes: float, role: Role) -> Task:
+    """A copy between device and host memory of ``nbytes``."""
+    return Task(name, TaskKind.LOCAL, reads, writes, nbytes=int(nbytes), role=role)
