@@ -598,8 +598,8 @@ BUILTIN: dict[str, type[Space]] = {
     "tp": TensorParallel,
     "pp": PipelineParallel,
     "recompute": Recompute,
-    "offload": Offload,
     "megatron": Megatron,
+    "offload": Offload,
 }
 for _name, _factory in BUILTIN.items():
     register_space(_name, _factory)
