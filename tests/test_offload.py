@@ -10,6 +10,7 @@ from planlab.costmodel import CostModel
 from planlab.costmodel.hardware import SPEC_DIR
 from planlab.errors import ConfigError, InfeasiblePlan, PlanFileError
 from planlab.executor import launch_local
+from planlab.explore import memory_lower_bound_bytes
 from planlab.plan import FP32, PlanBuilder, materialize, plan_from_json, plan_to_json
 from planlab.plan.buffer import BufferKind
 from planlab.plan.passes.offload import host_bytes_per_param
@@ -83,6 +84,9 @@ def test_simulated_peak_drops_by_the_states_and_the_step_costs_the_host_link_and
     step = next(t for t in tasks if t.role is Role.HOST_STEP)
     assert cost.task_time_s(step, "fp32") == pytest.approx(step.params / host.adam_params_per_s)
     assert offl.feasible and offl.host_peak_bytes == 2 * p1.devices[0].host_bytes
+    # explore's lower bound on device memory leaves the offloaded states out, and stays a bound
+    bound = {off: sum(memory_lower_bound_bytes(_plan(2, 0, off, "dgx-2-v100")[0], g, cost.precision)) for off in res}
+    assert bound[True] <= offl.peak_mem_bytes and bound[False] - bound[True] == p0.devices[0].optimizer_bytes
 
 
 def test_host_memory_overflow_is_an_out_of_memory_result(tmp_path):
