@@ -142,6 +142,7 @@ def memory_lower_bound_bytes(
             weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
             grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
             opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
+            opt = 0.0 if plan.offload_optimizer else opt  # ZeRO-Offload: the states are in host memory
             acc[0] += spec.numel / cut * (weights + grad + opt)
         if p.recompute or p.op in fwd_only:
             continue  # a recomputed operator keeps nothing for its backward

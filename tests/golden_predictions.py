@@ -281,6 +281,14 @@ def _cases() -> tuple[Case, ...]:
             **gpu,
         ),
         Case(
+            "gpu-dp4-tp2-pp2-zero2-offload",
+            "gpt-small",
+            16,
+            space="megatron*offload",
+            knobs=dict(dp=4, tp=2, pp=2, microbatch=2, zero=2, offload_optimizer=True),
+            **gpu,
+        ),
+        Case(
             "gpu-dp16-zero3",
             "gpt-tiny",
             16,

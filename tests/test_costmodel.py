@@ -693,3 +693,28 @@ def test_a_ring_steps_at_its_per_rank_chunk() -> None:
         for nodes, n, nbytes, busbw in anchors
     ]
     assert sum(errors) / len(errors) < 0.045 and max(errors) < 0.14
+
+
+@pytest.mark.parametrize(
+    "cluster, link, per_direction_GBps",
+    [("dgx-2-v100", "PCIe 3.0 x16", 15.75), ("dgx-a100-40g", "PCIe 4.0 x16", 31.5), ("dgx-h100", "PCIe 5.0 x16", 63.0)],
+)
+def test_each_gpu_cluster_names_its_host_link_memory_and_cpu(
+    cluster: str, link: str, per_direction_GBps: float
+) -> None:
+    """The host side offloading is priced on: the PCIe link (its datasheet rate times the protocol's
+    efficiency), the node's host memory and the CPU's Adam rate per device."""
+    host = load_cluster(cluster).node.host
+    assert host is not None and host.link == link
+    assert host.link_bytes_per_s == pytest.approx(per_direction_GBps * 1e9 * 0.85)
+    assert host.memory_bytes >= 5e11 and host.adam_params_per_s > 0
+    assert all(load_cluster(c).node.host is not None for c in list_clusters() if c != "cpu")
+
+
+def test_a_host_link_shared_by_more_devices_than_the_node_has_is_refused(tmp_path) -> None:
+    spec = json.loads((SPEC_DIR / "dgx-a100-40g.json").read_text())
+    spec["host"]["devices_per_link"] = 9
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="devices_per_link.*at most devices_per_node"):
+        load_cluster(str(path))

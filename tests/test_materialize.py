@@ -243,6 +243,7 @@ def _products(d):
         ("megatron", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3, schedule="zb-h1", recompute="full")),
         ("megatron*coshard", dict(dp=1, tp=2, pp=2, microbatch=1, zero=0, recompute="full", coshard=2)),
         ("megatron", dict(dp=2, tp=2, pp=1, microbatch=1, zero=1)),
+        ("megatron*offload", dict(dp=2, tp=2, pp=1, microbatch=1, zero=2, offload_optimizer=True)),
     ],
 )
 def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, knobs):

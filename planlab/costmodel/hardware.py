@@ -76,6 +76,17 @@ _NODE_FIELDS = {
     "network",
     "inter_scale_efficiency",
     "intra_nvls_GBps",
+    "host",
+}
+_HOST_FIELDS = {
+    "link",
+    "link_GBps",
+    "link_efficiency",
+    "devices_per_link",
+    "memory_GB",
+    "cpu_cores",
+    "cpu_adam_Gparams_per_s_per_core",
+    "source",
 }
 _NETWORK_FIELDS = {"topology", "nodes_per_switch", "oversubscription", "source"}
 
@@ -128,6 +139,23 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class HostSpec:
+    """A node's host side, in SI units: the link from each device to host memory (``link``, e.g.
+    ``PCIe 4.0 x16``), its effective bandwidth per direction and how many devices share one such
+    link (a PCIe switch's uplink), the node's host memory, and how fast the host's CPU steps Adam
+    for one device's process (its share of the node's cores)."""
+
+    link: str
+    link_bytes_per_s: float  # effective, per direction, per link
+    devices_per_link: int
+    memory_bytes: float  # the whole node's host memory
+    adam_params_per_s: float  # per device: the cores of its share of the node's CPU
+
+    def __str__(self) -> str:
+        return f"{self.link} {self.link_bytes_per_s / _GB:.3g} GB/s, {self.memory_bytes / _GB:g} GB host memory"
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """A node: identical devices, an intra-node link and one inter-node NIC share per device."""
 
@@ -144,6 +172,7 @@ class NodeSpec:
     inter_link: str = ""
     inter_scale: tuple[tuple[int, float], ...] = ()  # (nodes, efficiency of large inter-node collectives)
     nvls_bytes_per_s: float = 0.0  # bus bandwidth of NVLink SHARP all-reduces in the node (0: no NVLS)
+    host: HostSpec | None = None  # the host link, memory and CPU (None: the spec gives none; offloading is refused)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -372,6 +401,26 @@ def _node_from(f: Fields) -> NodeSpec:
         inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
         inter_scale=_inter_scale(f) if "inter_scale_efficiency" in f.obj else (),
         nvls_bytes_per_s=f.unit("intra_nvls_GBps", "GBps") * _GB if "intra_nvls_GBps" in f.obj else 0.0,
+        host=_host_from(f.sub("host"), per_node) if "host" in f.obj else None,
+    )
+
+
+def _host_from(f: Fields, per_node: int) -> HostSpec:
+    """A node's ``host`` object: ``link``, ``link_GBps`` and ``link_efficiency`` (per direction),
+    ``devices_per_link``, ``memory_GB``, ``cpu_cores`` and ``cpu_adam_Gparams_per_s_per_core``."""
+    f.only(_HOST_FIELDS)
+    share = f.integer("devices_per_link")
+    if share > per_node:
+        raise f.error("devices_per_link", f"is {share}; expected at most devices_per_node ({per_node})")
+    efficiency = f.number("link_efficiency", high=1.0, unit="fraction of the link's bandwidth")
+    cores = f.integer("cpu_cores")
+    per_core = f.number("cpu_adam_Gparams_per_s_per_core", high=100.0, unit="Gparams/s stepped by Adam on one core")
+    return HostSpec(
+        link=f.text("link"),
+        link_bytes_per_s=f.unit("link_GBps", "GBps") * _GB * efficiency,
+        devices_per_link=share,
+        memory_bytes=f.unit("memory_GB", "GB") * _GB,
+        adam_params_per_s=per_core * 1e9 * cores / per_node,
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from planlab.costmodel import comm, compute
 from planlab.costmodel.gemm import gemm_time_s
 from planlab.costmodel.hardware import ClusterSpec, load_cluster
+from planlab.costmodel.host import host_task_time_s
 from planlab.costmodel.kernels import Kernel, op_kernels
 from planlab.costmodel.precision import Precision
 from planlab.costmodel.profile import Profile, load_profile
@@ -160,6 +161,9 @@ class CostModel:
         kind = task.kind.value
         if kind in ("S", "R"):
             return 0.0
+        on_host = host_task_time_s(self.cluster, task)
+        if on_host is not None:
+            return on_host
         if self.host_bound:
             return max(self.device_and_host_s(task, dtype))
         nbytes = float(sum(s for _, s in task.alloc)) if kind == "L" else 0.0
@@ -201,8 +205,9 @@ class CostModel:
         GEMM data, or a profile, which measured whole tasks) the host costs nothing here."""
         sw = self.software
         kind = task.kind.value
-        if not self.host_bound:
-            return self.task_time_s(task, dtype), 0.0
+        on_host = host_task_time_s(self.cluster, task)
+        if not self.host_bound or on_host is not None:
+            return (self.task_time_s(task, dtype) if on_host is None else on_host), 0.0
         dev = self.cluster.device
         if kind == "C":
             host_s = sw.host_collective_s + self.buffer_copies(task.collective, len(task.group)) * sw.host_launch_s

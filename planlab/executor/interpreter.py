@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.errors import ExecutionError
-from planlab.executor import all_to_all, zero3
+from planlab.executor import all_to_all, offload, zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
@@ -211,6 +211,10 @@ class Interpreter:
             self.leaves = [(p, w) for p, w in self.leaves if p not in full]
             for p in full:
                 del self.static[self._weights[p]]
+        offloaded = offload.offloaded_weights(self.dp)  # ZeRO-Offload: host masters, stepped on the host
+        self.host_masters = offload.host_masters({hw: self._mastered(b) for hw, b in offloaded.items()}, self.lr)
+        self.host: dict[Buffer, torch.Tensor] = {}  # the host's gradient copies, until their host step
+        zeroed |= {b.tensor for b in offloaded.values() if b.kind is BufferKind.WEIGHT}
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clip_grad_norm)
@@ -254,6 +258,10 @@ class Interpreter:
                         tuple(tuple(self.static[self._weights[p]].shape) for p in params),
                     )
         return out
+
+    def _mastered(self, b: Buffer) -> torch.Tensor:
+        """The device tensor an offloaded master copies: a weight piece, or a ZeRO shard (by its gradient)."""
+        return self.static[self._weights[b.tensor]] if b.kind is BufferKind.WEIGHT else self.zero[b].shard
 
     def set_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Train on ``inputs`` (the whole global batch, as the model's example inputs) from now on."""
@@ -432,6 +440,9 @@ class Interpreter:
         (TaskKind.RECV, Role.PLAIN): "_recv",
         (TaskKind.OPTIMIZER, Role.PLAIN): "_optimizer",
         (TaskKind.OPTIMIZER, Role.SHARD_STEP): "_shard_step",
+        (TaskKind.LOCAL, Role.TO_HOST): "_to_host",
+        (TaskKind.OPTIMIZER, Role.HOST_STEP): "_host_step",
+        (TaskKind.LOCAL, Role.TO_DEVICE): "_to_device",
     }
 
     def _dispatch(self) -> dict:
@@ -710,6 +721,30 @@ class Interpreter:
         z.shard.grad = grad.detach()
         z.optimizer.step()
         z.optimizer.zero_grad(set_to_none=True)
+
+    def _to_host(self, task: Task, mb: int) -> None:
+        """ZeRO-Offload: the reduced (and clipped) gradients copied into host memory; the device's
+        next step starts from zero."""
+        self._start_update()
+        grads = []
+        for b in task.reads:
+            z = self.zero.get(b) if b.kind is BufferKind.SHARD_GRAD else None
+            if z is not None and z.stage3:  # summed over the micro-batches: taken
+                g = self.static.pop(b, None)
+                grads.append(torch.zeros_like(z.shard) if g is None else g)
+            else:
+                grads.append(self._get(b, 0))
+                if b.kind is BufferKind.WEIGHT_GRAD:
+                    self.static.pop(b, None)
+        self.host.update(zip(task.writes, offload.copy_to_host(grads)))
+
+    def _host_step(self, task: Task, mb: int) -> None:
+        """ZeRO-Offload: Adam on the host's masters."""
+        offload.host_step(task, self.host_masters, self.host)
+
+    def _to_device(self, task: Task, mb: int) -> None:
+        """ZeRO-Offload: the updated masters copied into the device's weights or shard."""
+        offload.copy_to_device(task, self.host_masters)
 
     def _optimizer(self, task: Task, mb: int) -> None:
         """Adam on the pieces held whole."""

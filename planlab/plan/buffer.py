@@ -38,6 +38,8 @@ class BufferKind(str, Enum):
     GATHERED_BACKWARD = "zb"  # ZeRO-3: the same weight gathered again for the backward
     GATHERED_RECOMPUTE = "zr"  # ZeRO-3: gathered once more for a recomputed forward (DeepSpeed's regather)
     FULL_GRAD = "zd"  # ZeRO-3: a weight's whole gradient, before it is reduce-scattered into the shard
+    HOST_GRAD = "hg"  # offload: the host copy of a weight's or a ZeRO shard's gradient (static, host memory)
+    HOST_WEIGHT = "hw"  # offload: the host's fp32 master of a weight or a ZeRO shard, stepped there (static, host)
     INTERNAL = "k"  # what an operator's implementation keeps for its backward besides graph tensors (plan/saved.py)
 
     def __str__(self) -> str:
@@ -45,8 +47,18 @@ class BufferKind(str, Enum):
 
 
 STATIC_KINDS = frozenset(
-    {BufferKind.SOURCE, BufferKind.WEIGHT, BufferKind.WEIGHT_GRAD, BufferKind.SHARD_GRAD, BufferKind.SHARD_WEIGHT}
+    {
+        BufferKind.SOURCE,
+        BufferKind.WEIGHT,
+        BufferKind.WEIGHT_GRAD,
+        BufferKind.SHARD_GRAD,
+        BufferKind.SHARD_WEIGHT,
+        BufferKind.HOST_GRAD,
+        BufferKind.HOST_WEIGHT,
+    }
 )
+# Buffers in host memory (a pool apart from the device's; DeviceProgram.host_bytes counts them)
+HOST_KINDS = frozenset({BufferKind.HOST_GRAD, BufferKind.HOST_WEIGHT})
 # Buffers of weights' gradients (the W part of zero-bubble's split backward writes these)
 WEIGHT_GRAD_KINDS = frozenset({BufferKind.WEIGHT_GRAD, BufferKind.FULL_GRAD})
 GATHERED_KINDS = frozenset({BufferKind.GATHERED_FORWARD, BufferKind.GATHERED_BACKWARD, BufferKind.GATHERED_RECOMPUTE})

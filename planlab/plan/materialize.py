@@ -18,10 +18,12 @@ Program under construction (a :class:`~planlab.plan.passes.draft.Draft`) to a ne
 8. ``shard_zero``: ZeRO stages 1 to 3 (:mod:`planlab.plan.zero`);
 9. ``step_optimizer``: the optimizer step on the weights held whole
    (:mod:`planlab.plan.passes.optimizer`);
-10. ``order_blocks``: each block's tasks in the order they run (:mod:`planlab.plan.passes.order`);
-11. ``run_chunks``: a device's co-located pieces of an operator run as chunks
+10. ``offload_optimizer``: with ZeRO-Offload, each optimizer step on the host CPU, its gradients
+    copied to the host and its weights back (:mod:`planlab.plan.passes.offload`);
+11. ``order_blocks``: each block's tasks in the order they run (:mod:`planlab.plan.passes.order`);
+12. ``run_chunks``: a device's co-located pieces of an operator run as chunks
     (:mod:`planlab.plan.coshard`);
-12. ``split_zero_bubble``: where the schedule asks for it, each backward block split into
+13. ``split_zero_bubble``: where the schedule asks for it, each backward block split into
     input- and weight-gradient blocks ``I`` and ``W`` (:mod:`planlab.plan.backward_split`);
 and then ``assemble``: schedules, liveness (each task's allocations and frees) and the Program
 (:mod:`planlab.plan.passes.liveness`).
@@ -29,7 +31,7 @@ and then ``assemble``: schedules, liveness (each task's allocations and frees) a
 The conversions come before the pieces that read them (2, 3; 4, 5): a piece names the buffers
 its inputs arrive in. Passes 1 to 9 place tasks in each operator's slot of a block, in named
 parts (:class:`~planlab.plan.passes.draft.Part`: ZeRO-3's prefetches, the recomputation, the
-conversions, the piece, the reductions it completes); pass 10 writes each block out in the order
+conversions, the piece, the reductions it completes), pass 10 rewrites the update's steps; pass 11 writes each block out in the order
 it runs (operators in topological order forward, in reverse backward; parts in that order), and
 the later passes work on the ordered lists.
 """
@@ -48,6 +50,7 @@ from planlab.plan.passes.draft import Draft
 from planlab.plan.passes.forward import convert_inputs, forward_pieces, place_weights
 from planlab.plan.passes.gradients import reduce_gradients
 from planlab.plan.passes.layouts import Layouts
+from planlab.plan.passes.offload import offload_optimizer
 from planlab.plan.passes.liveness import assemble
 from planlab.plan.passes.optimizer import step_optimizer
 from planlab.plan.passes.order import order_blocks
@@ -153,9 +156,10 @@ PASSES = (
     reduce_gradients,  # 7. gradient buckets (without ZeRO)
     shard_zero,  # 8. ZeRO 1 to 3
     step_optimizer,  # 9. the optimizer on the weights held whole
-    order_blocks,  # 10. each block's tasks in the order they run
-    run_chunks,  # 11. co-located pieces as chunks (coshard)
-    split_zero_bubble,  # 12. backward split into I and W (zero-bubble schedules)
+    offload_optimizer,  # 10. ZeRO-Offload: the steps on the host CPU, with their copies
+    order_blocks,  # 11. each block's tasks in the order they run
+    run_chunks,  # 12. co-located pieces as chunks (coshard)
+    split_zero_bubble,  # 13. backward split into I and W (zero-bubble schedules)
 )
 
 

@@ -94,6 +94,7 @@ class Plan:
     zero: int = 0  # ZeRO stage for data-parallel weights: 1 shards optimizer states, 2 also gradients, 3 weights
     software: str = ""  # the training software it is priced with (a built-in name or a file); "": the cluster's default
     precision: str = ""  # the software's precision ("bf16", "fp16", "fp8", "fp32"); "": the device's default
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and the step in host memory, on the host CPU
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
@@ -148,6 +149,7 @@ class PlanBuilder:
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
         self._zero = 0
+        self._offload_optimizer = False
 
     # -- the three primitives --------------------------------------------------
     def op_trans(self, op: str, dim: str | None, n: int) -> None:
@@ -228,6 +230,15 @@ class PlanBuilder:
             raise InfeasiblePlan(f"zero stage {stage!r}: choose {choices(ZERO_STAGES)}")
         self._zero = stage
 
+    def offload_optimizer(self, on: bool = True) -> None:
+        """ZeRO-Offload (Ren et al., USENIX ATC'21): the fp32 master weights and Adam's states live
+        in host memory; after their reduction the gradients go device to host, the host CPU steps
+        Adam, the updated weights come back host to device (:mod:`planlab.plan.passes.offload`).
+        Composes with ZeRO stages 0 to 2: each device offloads what it steps (a shard under ZeRO)."""
+        if not isinstance(on, bool):
+            raise InfeasiblePlan(f"offload_optimizer({on!r}): expected True or False")
+        self._offload_optimizer = on
+
     def microbatch(self, m: int) -> None:
         """Split the batch into ``m`` micro-batches run one after another on the same devices
         (op-trans of every operator's batch dimension over time)."""
@@ -270,4 +281,5 @@ class PlanBuilder:
             space=self.space,
             knobs=tuple(sorted(self.knobs.items())),
             zero=self._zero,
+            offload_optimizer=self._offload_optimizer,
         )

@@ -58,6 +58,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "schedules": [[str(a) for a in s] for s in schedules],
         "device_schedule": device_schedule,
         **({"zero": plan.zero} if plan.zero else {}),
+        **({"offload_optimizer": True} if plan.offload_optimizer else {}),
         **({"software": plan.software} if plan.software else {}),
         **({"precision": plan.precision} if plan.precision else {}),
     }
@@ -120,6 +121,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         space=str(d.get("space", "")),
         knobs=tuple(sorted(knobs.items())),
         zero=_zero(d, where),
+        offload_optimizer=_offload(d, where),
         software=_optional_text(d, "software", where),
         precision=_optional_text(d, "precision", where),
     )
@@ -265,6 +267,13 @@ def _zero(d: dict, where: str) -> int:
     if z not in ZERO_STAGES or isinstance(z, bool):
         raise PlanFileError(f"{where}: field 'zero' must be 0, 1, 2 or 3, got {z!r}")
     return z
+
+
+def _offload(d: dict, where: str) -> bool:
+    on = d.get("offload_optimizer", False)
+    if not isinstance(on, bool):
+        raise PlanFileError(f"{where}: field 'offload_optimizer' must be true or false, got {on!r}")
+    return on
 
 
 def _check_counts(counts: dict[str, int], schedule: list, ops: list, where: str) -> None:

@@ -50,6 +50,9 @@ class Role(str, Enum):
     UNIT_GATHER = "unit-gather"  # COLLECTIVE all_gather: a ZeRO-3 unit's weights, whole, for a forward or backward
     UNIT_GRADS = "unit-grads"  # COLLECTIVE reduce_scatter: a ZeRO-3 unit's whole gradients into its shard
     SHARD_STEP = "shard-step"  # OPTIMIZER: Adam on a ZeRO shard (its reads: the shard gradient)
+    TO_HOST = "to-host"  # LOCAL: gradients copied device to host memory over the host link (ZeRO-Offload)
+    HOST_STEP = "host-step"  # OPTIMIZER: Adam on the host CPU, on host master weights (reads: host gradients)
+    TO_DEVICE = "to-device"  # LOCAL: updated weights (or a ZeRO shard) copied host to device memory
     KEEP_GRAPH = "keep-graph"  # BACKWARD: zero-bubble's input-gradient part of a piece whose W part follows
 
     def __str__(self) -> str:
@@ -203,6 +206,7 @@ class DeviceProgram:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    host_bytes: int = 0  # host memory (a pool apart): offloaded master weights, optimizer states, gradients
 
     @property
     def static_bytes(self) -> int:

@@ -634,6 +634,19 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
     return g.memo(("recompute_groups", mode), compute)
 
 
+class Offload(Space):
+    """ZeRO-Offload (Ren et al., USENIX ATC'21): ``offload_optimizer`` keeps the fp32 master
+    weights and Adam's states in host memory and steps them on the host CPU, the gradients copied
+    device to host after their reduction and the weights back; composes with ZeRO 0 to 3 (``megatron*offload``). Priced on the cluster's host link and CPU."""
+
+    name = "offload"
+    order = 4
+    knobs = (Knob.bool("offload_optimizer", "optimizer states and step in host memory (ZeRO-Offload)"),)
+
+    def apply(self, draft: Draft, values: dict) -> None:
+        draft.offload_optimizer = bool(values.get("offload_optimizer"))
+
+
 class Megatron(Product):
     """The Megatron-LM and DeepSpeed grid: data (ZeRO) x tensor (sequence parallel) x pipeline
     (1F1B, interleaved) parallelism x recomputation, context parallelism (planlab/search_spaces/context.py), with expert (and expert tensor) parallelism
@@ -661,6 +674,7 @@ BUILTIN: dict[str, type[Space]] = {
     "pp": PipelineParallel,
     "recompute": Recompute,
     "megatron": Megatron,
+    "offload": Offload,
 }
 for _name, _factory in BUILTIN.items():
     register_space(_name, _factory)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 from planlab.costmodel import CostModel
+from planlab.costmodel.host import copy_time_s, host_of
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
@@ -273,14 +274,15 @@ class Screen:
         zb: bool,
         regather: bool = False,
         order: tuple[int, ...] = (),
+        offload: bool = False,
     ) -> _Priced:
-        key = (pid, sizes, m, zero, zb, regather, order)
+        key = (pid, sizes, m, zero, zb, regather, order, offload)
         got = self._priced.get(key)
         if got is None:
             f, b, cm, w, split = self._micro_s(p, pid, sizes, m, order)
             if zb:
                 b += split
-            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero, order)
+            fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero, order, offload)
             if zero >= 3:  # per micro-batch, each unit gathered twice and its gradient reduce-scattered, one
                 zc, first = self._units_s(
                     p, pid, sizes, regather, order
@@ -346,11 +348,19 @@ class Screen:
         return got
 
     def _grads(
-        self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], zero: int, order: tuple[int, ...] = ()
+        self,
+        p: ScreenProfile,
+        pid: int,
+        sizes: tuple[int, ...],
+        zero: int,
+        order: tuple[int, ...] = (),
+        offload: bool = False,
     ) -> tuple:
         """``(ZeRO's collectives, all-reduces in all, the last bucket's, the optimizer step, static
-        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes)."""
-        key = (pid, sizes, zero, order)
+        bytes, ZeRO-3's gathered bytes)`` of the group's parameters (seconds, bytes); with
+        ``offload`` (ZeRO-Offload) the optimizer's states leave the device and the step is the
+        copies over the host link and Adam on the host CPU."""
+        key = (pid, sizes, zero, order, offload)
         got = self._grad.get(key)
         if got is not None:
             return got
@@ -390,6 +400,10 @@ class Screen:
         opt_s = (
             self.cost.compute_time_s(flops=12.0 * opt, dtype=self.dtype, bytes_moved=opt * per_param) if opt else 0.0
         )
+        if offload and opt:
+            host = host_of(self.cost.cluster)
+            static -= opt * prec.optimizer_bytes
+            opt_s = copy_time_s(host, opt * (prec.grad_bytes + prec.param_bytes)) + opt / host.adam_params_per_s
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
 
@@ -411,7 +425,7 @@ class Screen:
         for r in range(G):
             p = s.profiles[r]
             regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order)
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order, d.offload_optimizer)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)

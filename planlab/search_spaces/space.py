@@ -331,6 +331,7 @@ class Draft:
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
     zero: int = 0
+    offload_optimizer: bool = False  # ZeRO-Offload (planlab.plan.passes.offload)
     axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
     colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
@@ -459,6 +460,7 @@ class Draft:
         )
         b.microbatch(self.microbatches)
         b.zero(self.zero)
+        b.offload_optimizer(self.offload_optimizer)
         self.issue(b, rules, space)
         return b.build()
 

@@ -23,6 +23,8 @@ import simpy
 
 from planlab.costmodel import CostModel
 from planlab.costmodel.compute import peak_flops_per_s
+from planlab.costmodel.hardware import ClusterSpec
+from planlab.costmodel.host import host_of
 from planlab.errors import ConfigError, DeadlockError
 from planlab.gcpause import paused_gc
 from planlab.plan.plan import Action
@@ -420,7 +422,20 @@ def result(sim: Simulation, model_flops: float) -> SimResult:
         ),  # MFU: the 16-bit peak
         events=tuple(e for _, e in sorted(sim.events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
         memory=tuple(sim.memory),
+        **host_memory(program, sim.cost.cluster),
     )
+
+
+def host_memory(program: Program, cluster: ClusterSpec) -> dict[str, float]:
+    """The fullest node's host memory taken by offloaded state and a node's host memory, as
+    :class:`SimResult` fields (none when nothing is offloaded)."""
+    if not any(dp.host_bytes for dp in program.devices):
+        return {}
+    per_node = cluster.node.devices_per_node
+    nodes: dict[int, float] = {}
+    for d in range(program.num_devices):
+        nodes[d // per_node] = nodes.get(d // per_node, 0.0) + program.device(d).host_bytes
+    return {"host_peak_bytes": max(nodes.values()), "host_memory_bytes": host_of(cluster).memory_bytes}
 
 
 class _Mailbox:

@@ -61,6 +61,8 @@ class SimResult:
     peak_flops_per_s: float
     events: tuple[Event, ...] = ()
     memory: tuple[tuple[int, float, int], ...] = ()  # (device, time s, bytes)
+    host_peak_bytes: float = 0.0  # the fullest node's host memory taken by offloaded state
+    host_memory_bytes: float = float("inf")  # a node's host memory (inf: nothing is offloaded)
 
     @property
     def peak_mem_bytes(self) -> int:
@@ -68,12 +70,17 @@ class SimResult:
 
     @property
     def feasible(self) -> bool:
-        return self.peak_mem_bytes <= self.device_memory_bytes
+        return self.peak_mem_bytes <= self.device_memory_bytes and self.host_peak_bytes <= self.host_memory_bytes
 
     @property
     def reason(self) -> str:
         if self.feasible:
             return ""
+        if self.host_peak_bytes > self.host_memory_bytes:
+            return (
+                f"out of host memory: a node's offloaded state takes {self.host_peak_bytes / 1e9:.1f} GB "
+                f"(host memory {self.host_memory_bytes / 1e9:g} GB per node)"
+            )
         d = max(self.devices, key=lambda s: s.peak_mem_bytes)
         return (
             f"out of memory: device {d.device} peaks at {d.peak_mem_bytes / 2**30:.1f} GiB "

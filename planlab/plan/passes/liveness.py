@@ -9,14 +9,15 @@ from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Replicate, box_numel
 from planlab.plan.passes.draft import Draft
 from planlab.plan.passes.order import as_blocks, block_order, schedule_of
-from planlab.plan.program import Block, DeviceProgram, Program, TaskKind
+from planlab.plan.passes.offload import host_bytes_per_param
+from planlab.plan.program import Block, DeviceProgram, Program, Role, TaskKind
 
 
 def assemble(d: Draft) -> Program:
     """The Program of the devices built: per device its blocks with each task's allocations and
     frees (:func:`liveness`), its schedule (:func:`~planlab.plan.passes.order.schedule_of`), its
     pieces of parameters and its static bytes (weights, gradients and optimizer states, less what
-    ZeRO shards); the collective groups; the devices holding the loss."""
+    ZeRO shards, and, offloaded, the optimizer states, which live in host memory: ``host_bytes``); the collective groups; the devices holding the loss."""
     plan, pr = d.plan, d.precision
     programs = []
     groups: set[tuple[int, ...]] = set()
@@ -29,6 +30,7 @@ def assemble(d: Draft) -> Program:
         params = d.params.get(dev, ())
         nparams = sum(box_numel(b) for _, b in params)
         saved_grads, saved_states, saved_weights = d.zero_saved.get(dev, (0, 0, 0))
+        offloaded = sum(t.params for b in blocks.values() for t in b.tasks if t.role is Role.HOST_STEP)
         programs.append(
             DeviceProgram(
                 device=dev,
@@ -37,7 +39,8 @@ def assemble(d: Draft) -> Program:
                 params=tuple(params),
                 param_bytes=nparams * pr.param_bytes - saved_weights,
                 grad_bytes=nparams * pr.grad_bytes - saved_grads,
-                optimizer_bytes=nparams * pr.optimizer_bytes - saved_states,
+                optimizer_bytes=0 if offloaded else nparams * pr.optimizer_bytes - saved_states,
+                host_bytes=int(offloaded * host_bytes_per_param(pr)),
             )
         )
     lay = d.layouts.has(d.graph.producer[d.graph.loss], 0)
