@@ -66,8 +66,9 @@ COLUMNS = (
     "skip_reason",
     "note",
 )
-# expert parallelism (optional columns, after cp): ep, and etp (empty: the tensor-parallel degree)
-EXPERT_COLUMNS = COLUMNS[: COLUMNS.index("cp") + 1] + ("ep", "etp") + COLUMNS[COLUMNS.index("cp") + 1 :]
+# optional columns, after cp and in this order: expert parallelism (ep, and etp, empty: the tensor-parallel
+# degree) and uneven pipeline stages (first_stage_layers, last_stage_layers, empty or 0: an even share)
+OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers")
 METRICS = (
     "iteration_s",
     "tflops_per_gpu",
@@ -117,6 +118,8 @@ class PublishedRow:
     note: str = ""
     ep: int = 1
     etp: int | None = None  # None: the tensor-parallel degree (Megatron-Core's default)
+    first_stage_layers: int = 0  # 0: an even share (Megatron-Core's --decoder-first-pipeline-num-layers unset)
+    last_stage_layers: int = 0
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -153,6 +156,14 @@ class PublishedRow:
             ep=self.ep,
             cp=self.cp,
             **({} if self.etp is None else {"etp": self.etp}),
+            **{
+                k: v
+                for k, v in (
+                    ("first_stage_layers", self.first_stage_layers),
+                    ("last_stage_layers", self.last_stage_layers),
+                )
+                if v
+            },
         )
 
     @property
@@ -295,10 +306,10 @@ def _read_rows(path: Path, name: str) -> tuple[PublishedRow, ...]:
     try:
         with path.open(newline="") as fh:
             reader = csv.DictReader(fh)
-            if tuple(reader.fieldnames or ()) not in (COLUMNS, EXPERT_COLUMNS):
+            if tuple(reader.fieldnames or ()) != expected_columns(reader.fieldnames or ()):
                 raise ConfigError(
                     f"{str(path)!r}: the columns are {reader.fieldnames}; expected {', '.join(COLUMNS)} "
-                    "(with ep, etp after cp for expert parallelism)"
+                    f"(optionally {', '.join(OPTIONAL_COLUMNS)} after cp, in that order)"
                 )
             raw = list(reader)
     except OSError as e:
@@ -308,6 +319,13 @@ def _read_rows(path: Path, name: str) -> tuple[PublishedRow, ...]:
     if dup:
         raise ConfigError(f"{str(path)!r}: row {dup[0]!r} appears twice")
     return rows
+
+
+def expected_columns(header) -> tuple[str, ...]:
+    """The columns a csv with ``header`` must have: :data:`COLUMNS` with the optional columns it
+    uses inserted after ``cp`` in :data:`OPTIONAL_COLUMNS`' order."""
+    at = COLUMNS.index("cp") + 1
+    return COLUMNS[:at] + tuple(c for c in OPTIONAL_COLUMNS if c in header) + COLUMNS[at:]
 
 
 def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
@@ -350,6 +368,8 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         note=r["note"],
         ep=num("ep", optional=True) or 1 if "ep" in r else 1,
         etp=num("etp", optional=True) if "etp" in r else None,
+        first_stage_layers=_stage_layers(r, "first_stage_layers", where),
+        last_stage_layers=_stage_layers(r, "last_stage_layers", where),
         **ints,
     )
     if not r["row"] or not r["source_ref"].strip():
@@ -359,6 +379,15 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
     if row.runnable and (not row.model or row.global_batch % (row.dp * row.microbatch)):
         raise ConfigError(f"{where}: a runnable row needs a model, and dp x microbatch must divide the global batch")
     return row
+
+
+def _stage_layers(r: dict, col: str, where: str) -> int:
+    text = (r.get(col) or "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ConfigError(f"{where}: column {col!r} is {text!r}; expected a layer count (empty or 0: an even share)")
+    return int(text)
 
 
 def parse_model_args(text: str, where: str = "") -> tuple[tuple[str, int | float], ...]:

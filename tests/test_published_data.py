@@ -140,6 +140,28 @@ def test_unknown_set_and_bad_model_args_are_config_errors():
     assert parse_model_args("layers=24;dropout=0.1") == (("layers", 24), ("dropout", 0.1))
 
 
+def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_path):
+    """Llama 3's 126 layers on 16 stages (section 3.3.2): 7, 14 x 8, 7 through the optional columns."""
+    from planlab.search_spaces.stages import layers_per_stage
+
+    llama = next(s for s in SETS if s.name == "llama3-2024")
+    for r in llama.rows:
+        assert (r.knobs()["first_stage_layers"], r.knobs()["last_stage_layers"]) == (7, 7)
+        assert layers_per_stage(r.spec().config().layers, r.pp, 7, 7) == (7,) + (8,) * 14 + (7,)
+    assert all("first_stage_layers" not in r.knobs() for s, r in ROWS if s.name != "llama3-2024")  # 0: unset
+    for ext in ("json", "csv"):
+        shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")
+    csv_path = tmp_path / "llama3-2024.csv"
+    text = csv_path.read_text()
+    csv_path.write_text(text.replace(",1,7,7,1,1f1b,", ",1,7,x,1,1f1b,", 1))
+    with pytest.raises(ConfigError, match="'last_stage_layers' is 'x'"):
+        load_set(tmp_path / "llama3-2024.json")
+    swapped = text.replace("first_stage_layers,last_stage_layers", "last_stage_layers,first_stage_layers", 1)
+    csv_path.write_text(swapped)
+    with pytest.raises(ConfigError, match="columns"):
+        load_set(tmp_path / "llama3-2024.json")
+
+
 def _frame(rows):
     import pandas as pd
 
