@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     from planlab.explore import Setup, make_context
     from planlab.models import ModelSpec
-    from planlab.plan import materialize
+    from planlab.plan.software_passes import build_program
     from planlab.search_spaces import get_space
     from planlab.simulator import simulate
 
@@ -58,7 +58,7 @@ def main() -> None:
     for sched, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipe", 1)):
         t1 = time.perf_counter()
         plan = get_space("megatron").build(ctx, dict(base, schedule=sched, virtual_stages=v))
-        prog = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
+        prog = build_program(plan, graph, cost)
         res = simulate(prog, cost, model_flops=3.0 * graph.flops)
         busy = max(d.compute_s for d in res.devices)
         bubble = res.iter_time_s - busy

@@ -11,6 +11,7 @@ from planlab.costmodel import CostModel
 from planlab.errors import InfeasiblePlan
 from planlab.executor import launch_local
 from planlab.explore import memory_lower_bound_bytes
+from planlab.plan.backward_split import weight_share
 from planlab.plan import FP32, Action, Block, DeviceProgram, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import BufferKind, weight_grad
 from planlab.plan.buffer import activation as A
@@ -131,7 +132,9 @@ def test_backward_splits_into_input_and_weight_blocks():
         bwd = b.blocks[(s, "B")].tasks
         # W: weight gradients only, and the data-parallel gradient bucket, reduced after the last W
         assert all(w.kind is BufferKind.WEIGHT_GRAD for t in wgt if t.kind is TaskKind.BACKWARD for w in t.writes if w)
-        assert all(w is None or w.kind is not BufferKind.WEIGHT_GRAD for t in inp for w in t.writes)
+        # I: no product's weight gradient (a layer norm computes its own there)
+        kind = {op.name: op.kind for op in g.operators}
+        assert all(kind[t.op] == "layer_norm" for t in inp for w in t.writes if w and w.kind is BufferKind.WEIGHT_GRAD)
         buckets = [t for t in wgt if t.kind is TaskKind.COLLECTIVE]
         assert len(buckets) == 1 and buckets[0].final and buckets[0].overlap
         assert wgt[-1] is buckets[0]
@@ -148,6 +151,33 @@ def test_backward_splits_into_input_and_weight_blocks():
         # the forward's saved activations of a weight's operator live until its W
         fc = next(t for t in wgt if t.name.endswith("mlp_fc"))
         assert set(fc.saved) <= set(fc.free)
+
+
+def test_w_keeps_only_each_products_input_and_output_gradient():
+    """With full recomputation, what outlives a micro-batch's ``I`` until its ``W`` is, per linear
+    layer, the (recomputed) input it keeps and its output's gradient: a layer norm's weight
+    gradients are computed in ``I``, which frees its input and output gradient."""
+    assert weight_share("linear", 2, 1) == 0.5 and weight_share("embedding", 1, 0) == 1.0
+    assert weight_share("layer_norm", 2, 1) == 0.0
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=1, schedule="zb-h1", recompute="full"))
+    kind = {op.name: op.kind for op in g.operators}
+    for d in materialize(plan, g).devices:
+        s = d.device
+        inp, wgt = d.blocks[(s, "I")].tasks, d.blocks[(s, "W")].tasks
+        products = [t for t in wgt if t.kind is TaskKind.BACKWARD and kind[t.op] == "linear"]
+        assert products and all(kind[t.op] in ("linear", "embedding") for t in wgt if t.kind is TaskKind.BACKWARD)
+        norms = [t for t in inp if t.kind is TaskKind.BACKWARD and kind[t.op] == "layer_norm"]
+        assert norms and all(any(w and w.kind is BufferKind.WEIGHT_GRAD for w in t.writes) for t in norms)
+        freed = {b for t in wgt for b in t.free}
+        kept = {b for t in products for b in t.saved + t.reads if b}
+        assert freed <= kept | {b for t in wgt if kind.get(t.op) == "embedding" for b in t.saved + t.reads if b}
+        assert {b.kind for b in freed} <= {
+            BufferKind.RECOMPUTED,
+            BufferKind.ACTIVATION,
+            BufferKind.GRAD,
+            BufferKind.CONTRIBUTION,
+        }
+        assert any(b.kind is BufferKind.RECOMPUTED for b in freed)  # the linears' recomputed inputs
 
 
 def test_zb_h1_beats_1f1b_on_a_real_program_with_idealised_costs():

@@ -5,12 +5,21 @@ the phases of torch.distributed.pipelining's ``_ComputationType``; the ``materia
 
 ``I`` holds everything the backward does for the inputs' gradients: the receives of the output
 gradients, each operator's backward for its inputs, the sums and the sends upstream, and the
-recomputation of recomputed layers. ``W`` holds each operator's backward for its weights and
-the reductions of the weight gradients (gradient buckets, ZeRO-3's reduce-scatters), which so
-fire after the last micro-batch's ``W`` that completes them. An operator with both kinds of
-gradient has a task in each: the executor's ``I`` task keeps the piece's autograd graph, which
-its ``W`` task uses and frees, so the forward's saved activations and the output gradients
-live until ``W``.
+recomputation of recomputed layers. ``W`` holds the weight-gradient products (linear layers,
+matmuls, einsums, convolutions: :data:`PRODUCT_KINDS`), the backward of operators with no input
+gradient (an embedding), and the reductions of the weight gradients (gradient buckets, ZeRO-3's
+reduce-scatters), which so fire after the last micro-batch's ``W`` that completes them. A product
+with both kinds of gradient has a task in each: the executor's ``I`` task keeps the piece's
+autograd graph, which its ``W`` task uses and frees, so the product's saved input and its output
+gradient live until ``W``. Other operators (layer norms) compute their weight gradients in ``I``
+(:func:`weight_share`).
+
+With recomputation the inputs ``W`` keeps are the recomputed ones: a micro-batch between its
+``I`` and its ``W`` holds, for every layer of the stage, each product's input and output gradient,
+about as much as a layer keeps without recomputation (Qi et al.'s ``M_W = 32 b s h`` against
+``M_B = 34 b s h + 5 a s^2 b``), where 1F1B keeps only the layer inputs. So ZB-H1 with full
+recomputation peaks above 1F1B, higher on later stages, which owe more ``W`` passes (see
+docs/spaces.md).
 """
 
 from __future__ import annotations
@@ -33,13 +42,18 @@ def split_stages(schedule: Iterable[Action]) -> set[int]:
 
 
 def weight_share(kind: str, weights: int, inputs: int) -> float:
-    """The part of a backward's work that computes weight gradients: one half for products
-    (the input gradient is a product of the same size), else the weights' share of the gradients made."""
+    """The part of a backward's work that ``W`` does: one half for products (the input gradient
+    is a product of the same size), all of it for an operator without input gradients (an
+    embedding), else none. Only products defer their weight gradients: a layer norm's are a
+    reduction beside its input gradient, and the implementations compute them in ``I`` (the
+    paper's Megatron-LM fork queues only linear layers' weight GEMMs, with their saved input and
+    output gradient, in its ``WeightGradStore``), so ``W`` keeps no more than each product's input
+    and output gradient alive."""
     if not weights:
         return 0.0
     if not inputs:
         return 1.0
-    return 0.5 if kind in PRODUCT_KINDS else weights / (weights + inputs)
+    return 0.5 if kind in PRODUCT_KINDS else 0.0
 
 
 def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
