@@ -451,6 +451,11 @@ COLUMN = {
         ("gpt2", {**DP, "microbatch": 1}),  # 2 micro-batches a replica: each divides by its count x 2
         # 2 micro-batches under tp: Swin's window mask, a constant made at the whole batch, gives each its rows
         ("swin", {**TP, "microbatch": 2}),
+        # micro-batches of T5: _shift_right's x.new_zeros(x.shape), a factory sized at the whole batch, gives
+        # each micro-batch its rows (fuzz plan 206: 2 micro-batches; plan 211: 4 of one sample, where the write
+        # into it broadcast one row over the whole batch and the decoder ran on 4 samples)
+        ("t5", {**TP, "microbatch": 2}),
+        ("t5", {**TP, "microbatch": 1}),
     ],
 )
 def test_tiny_plans_match_one_process(family, knobs):

@@ -65,8 +65,8 @@ def run_piece(
     mb: int = 0,
 ):
     """Run one piece of ``op`` for micro-batch ``mb`` on local tensors; returns the output
-    tensor(s). A constant (a tensor a Hugging Face model made from sizes alone, at the traced
-    batch) gives micro-batch ``mb``'s rows of its batch axes. A piece of an
+    tensor(s). A constant or a factory (a tensor a Hugging Face model made from sizes alone, at the
+    traced batch: :data:`SIZED_AT_TRACE`) gives micro-batch ``mb``'s rows of its batch axes. A piece of an
     embedding whose table holds rows ``vocab_offset ..`` of the vocabulary only (split along ``v``)
     looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
     vocabulary-parallel loss (``vocab_cross_entropy``) scores its logits, vocabulary entries
@@ -79,8 +79,6 @@ def run_piece(
             tensors[0], tensors[1], offset=vocab_offset, count=op.dim_sizes["n"], group=group
         )
         return loss.reshape(task.shape)
-    if op.kind == "constant" and microbatches > 1:
-        return microbatch_rows(op.call.target(*op.call.args), graph, op.outputs[0], mb, microbatches)
     if op.kind == "kept_mean":  # one micro-batch's share of HF's mean over kept targets (planlab.graph.ops_hf)
         return tensors[0] / (tensors[1] * microbatches)
     if op.kind == "reshape":
@@ -108,17 +106,26 @@ def run_piece(
         args = [torch.fx.node.map_aggregate(a, sub) for a in op.call.args]
         kwargs = {k: torch.fx.node.map_aggregate(v, sub) for k, v in op.call.kwargs.items()}
     target = op.call.target
-    if isinstance(target, str):
-        return getattr(args[0], target)(*args[1:], **kwargs)
-    return target(*args, **kwargs)
+    out = getattr(args[0], target)(*args[1:], **kwargs) if isinstance(target, str) else target(*args, **kwargs)
+    if op.kind in SIZED_AT_TRACE and microbatches > 1:
+        return microbatch_rows(out, graph, op.outputs[0], mb, microbatches)
+    return out
+
+
+# Operators whose sizes were fixed when the model was traced, at the whole batch: a constant (a
+# tensor made from sizes alone) and a factory (``torch.zeros(8, 7)``, ``x.new_zeros(x.shape)``: its
+# size is the traced one even when ``x`` is one micro-batch's). Each gives the whole batch's value;
+# a micro-batch takes its rows of it (:func:`microbatch_rows`).
+SIZED_AT_TRACE = frozenset({"constant", "factory"})
 
 
 def microbatch_rows(x: torch.Tensor, graph: Graph, t: str, mb: int, microbatches: int) -> torch.Tensor:
     """Micro-batch ``mb``'s rows of ``x``, the whole batch's value of tensor ``t``: each axis of
-    ``t`` that carries the batch narrowed to its ``mb``-th of ``microbatches`` equal parts (as a
-    micro-batch's load narrows the model's inputs)."""
+    ``t`` that carries the batch, and that ``x`` holds whole, narrowed to its ``mb``-th of
+    ``microbatches`` equal parts (as a micro-batch's load narrows the model's inputs)."""
+    whole = graph.tensors[t].shape
     for a in range(x.dim()):
-        if graph.labels.get((t, a)) == graph.batch_label:
+        if graph.labels.get((t, a)) == graph.batch_label and x.shape[a] == whole[a]:
             size = x.shape[a] // microbatches
             x = x.narrow(a, mb * size, size)
     return x
