@@ -61,6 +61,8 @@ def test_static_kinds_live_all_iteration():
         BufferKind.WEIGHT_GRAD,
         BufferKind.SHARD_GRAD,
         BufferKind.SHARD_WEIGHT,
+        BufferKind.HOST_GRAD,
+        BufferKind.HOST_WEIGHT,
     }
 
 
