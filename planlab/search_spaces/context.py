@@ -151,6 +151,8 @@ class ContextParallel(Space):
 
     def apply(self, draft: Draft, values: dict) -> None:
         cp = values.get("cp") or 1
+        if cp == 1:  # no mesh axis of one device: plans without cp stay as they were written before it
+            return
         draft.add_axis("cp", cp, context_parallel_dims(draft.ctx.graph))
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
