@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.models.tokens import token_batch
-from planlab.models.vocab_parallel import token_loss, vocab_embedding
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return token_loss(logits, targets, bool(vp))
+        if vp:
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod
     def example_inputs(

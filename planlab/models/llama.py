@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.models.tokens import token_batch
-from planlab.models.vocab_parallel import token_loss, vocab_embedding
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ class Llama(nn.Module):
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin)
         logits = self.output(self.norm(x))  # (B, T, V)
-        return token_loss(logits, targets, bool(vp))
+        if vp:  # torchtitan's loss_parallel with tensor parallelism, Megatron-LM's vocabulary-parallel loss
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     @staticmethod
     def example_inputs(

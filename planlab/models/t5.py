@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from planlab.graph.ops_biased_attention import attention_with_bias
-from planlab.models.vocab_parallel import token_loss, vocab_embedding
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,9 @@ class T5(nn.Module):
         for block in self.blocks[c.encoder_layers :]:
             y, bias = block(y, bias, memory)
         logits = self.lm_head(self.drop(self.decoder_norm(y)))  # (B, T, V)
-        return token_loss(logits, labels, bool(c.vocab_parallel))
+        if c.vocab_parallel:
+            return vocab_cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1)).reshape(())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
     @staticmethod
     def example_inputs(

@@ -40,12 +40,3 @@ def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     if target.device.type != "meta" and target.numel() and int(target.max()) >= logits.shape[-1]:
         raise PlanlabError(f"vocab_cross_entropy: a target is beyond these {logits.shape[-1]} logits")
     return F.cross_entropy(logits, target).reshape(1)
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_parallel: bool) -> torch.Tensor:
-    """A language model's mean cross entropy of ``logits`` (B, T, V) against ``targets`` (B, T), as a
-    scalar: the vocabulary-parallel loss (Megatron-LM's; torchtitan's ``loss_parallel`` with tensor
-    parallelism) when ``vocab_parallel``, else torch's."""
-    if vocab_parallel:
-        return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
