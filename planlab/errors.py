@@ -64,7 +64,13 @@ class InjectedFault(RuntimeError):
     PlanlabError, as the failures it stands for are not."""
 
 
-class KernelFormulaError(RuntimeError):
+class InternalError(RuntimeError):
+    """An invariant inside planlab does not hold (a Task built with unknown fields, a conversion into
+    a partial layout, a pipeline list schedule that stalls): a bug in planlab, not bad input, so not a
+    PlanlabError. Where a user's input could reach a check, it raises a PlanlabError instead."""
+
+
+class KernelFormulaError(InternalError):
     """A kernel formula (``planlab.costmodel.kernels``) failed on the shapes a task gave it: a bug in
     planlab, not bad input, so not a PlanlabError; never priced by the roofline instead."""
 

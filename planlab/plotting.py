@@ -42,6 +42,15 @@ def shown_capacity(top_gib: float, cap_gib: float | None) -> float | None:
     return cap_gib if cap_gib and cap_gib <= 3 * max(top_gib, 1e-9) else None
 
 
+def _points(ax, rows, prefix: str, scale: float, label: str, empty: bool = False, **style) -> None:
+    """``rows`` as points of memory (the ``<prefix>_mem_gib`` or ``peak_mem_gib`` column, times
+    ``scale``) against time (``<prefix>_time_s`` or ``iter_time_s``), labelled with their count;
+    no rows draw nothing unless ``empty``."""
+    mem, time = (f"{prefix}_mem_gib", f"{prefix}_time_s") if prefix else ("peak_mem_gib", "iter_time_s")
+    if len(rows) or empty:
+        ax.scatter(rows[mem] * scale, rows[time], label=f"{label} ({len(rows)})", **style)
+
+
 def pareto_plot(df, path: str | os.PathLike) -> None:
     """Iteration time against peak memory: simulated plans (feasible, out of memory), the screen's
     estimates of the others, the Pareto front, the device memory, the chosen plan (the fastest
@@ -55,29 +64,9 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
     unit, scale = ("MiB", 1024.0) if 0 < top < 1.0 else ("GiB", 1.0)
     if "screen_time_s" in df:
         est = df[~sim & df["screen_time_s"].notna()]
-        if len(est):
-            ax.scatter(
-                est["screen_mem_gib"] * scale,
-                est["screen_time_s"],
-                s=6,
-                color="0.75",
-                alpha=0.6,
-                label=f"screen estimate, not simulated ({len(est)})",
-                zorder=1,
-            )
-    ax.scatter(
-        ok["peak_mem_gib"] * scale, ok["iter_time_s"], s=18, label=f"feasible ({len(ok)})", color="tab:blue", zorder=3
-    )
-    if len(bad):
-        ax.scatter(
-            bad["peak_mem_gib"] * scale,
-            bad["iter_time_s"],
-            s=18,
-            marker="x",
-            color="tab:gray",
-            label=f"out of memory ({len(bad)})",
-            zorder=2,
-        )
+        _points(ax, est, "screen", scale, "screen estimate, not simulated", s=6, color="0.75", alpha=0.6, zorder=1)
+    _points(ax, ok, "", scale, "feasible", s=18, color="tab:blue", zorder=3, empty=True)
+    _points(ax, bad, "", scale, "out of memory", s=18, marker="x", color="tab:gray", zorder=2)
     front = ok[ok["pareto"] == True].sort_values("peak_mem_gib")  # noqa: E712
     if len(front):
         ax.step(

@@ -395,10 +395,11 @@ def parse_model_args(text: str, where: str = "") -> tuple[tuple[str, int | float
     out = []
     for part in filter(None, (p.strip() for p in (text or "").split(";"))):
         key, sep, val = part.partition("=")
+        bad = ConfigError(f"{where}: model argument {part!r} is not KEY=NUMBER")
+        if not sep:
+            raise bad
         try:
-            if not sep:
-                raise ValueError
             out.append((key.strip(), int(val) if val.strip().lstrip("-").isdigit() else float(val)))
         except ValueError:
-            raise ConfigError(f"{where}: model argument {part!r} is not KEY=NUMBER") from None
+            raise bad from None
     return tuple(out)

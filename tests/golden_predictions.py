@@ -9,8 +9,9 @@ communication and bubble times and its peak memory (with the time of the peak), 
 class it belongs to and the number of tasks it runs in one iteration.
 
 The table covers every built-in space (dp, tp, pp, recompute, megatron, coshard, interlaced, 3f1b,
-alpa), ZeRO 0 to 3, every pipeline schedule (1f1b, gpipe, interleaved, zb-h1, the interlaced
-pipeline, 3f1b and the plain recycling schedule, and a single stage accumulating gradients),
+alpa), ZeRO 0 to 3, every pipeline schedule (1f1b, gpipe, interleaved, zb-h1, zb-v, dualpipe, the
+interlaced pipeline, 3f1b and the plain recycling schedule, and a single stage accumulating
+gradients), context and expert parallelism, ZeRO-Offload's optimizer on the host,
 co-located pieces inside recomputed layers, vocabulary-parallel heads and the model families'
 small presets, on the ``cpu`` cluster, on two DGX A100 nodes (planlab's software) and on two
 HGX A100 nodes with Megatron-LM's and DeepSpeed's software (gradients reduced after the backward).
@@ -37,6 +38,7 @@ WIDE_VOCAB = (("layers", 2), ("hidden", 32), ("heads", 4), ("seq", 16), ("vocab"
 VOCAB_PARALLEL = WIDE_VOCAB + (("vocab_parallel", 1),)
 RECYCLED = (("recycles", 3),)  # evoformer: three passes, two behind a detach
 ALPA_GPT = (("hidden", 256), ("seq", 64))
+FOUR_LAYERS = (("layers", 4),)  # zb-v: two stages a device over pp=2
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,16 @@ def _cases() -> tuple[Case, ...]:
             **cpu2,
         ),
         Case(
+            "pp2-zb-v",
+            "gpt-tiny",
+            8,
+            space="megatron",
+            knobs=dict(dp=1, tp=1, pp=2, microbatch=1, schedule="zb-v"),
+            args=FOUR_LAYERS,
+            **cpu2,
+        ),
+        Case("pp2-dualpipe", "gpt-tiny", 8, space="megatron", knobs=dict(pp2, schedule="dualpipe"), **cpu2),
+        Case(
             "dp2-pp2-zero3-zb-h1",
             "gpt-tiny",
             8,
@@ -137,6 +149,16 @@ def _cases() -> tuple[Case, ...]:
             "dp2-pp2-zero1", "gpt-tiny", 8, space="megatron", knobs=dict(dp=2, tp=1, pp=2, microbatch=1, zero=1), **cpu4
         ),
         Case("tp2-pp2-llama", "llama-tiny", 8, space="megatron", knobs=dict(dp=1, tp=2, pp=2, microbatch=2), **cpu4),
+        # context parallelism (all-to-all over the sequence and heads), expert parallelism
+        Case("cp2-llama", "llama-tiny", 8, space="megatron", knobs=dict(dp=1, cp=2, tp=1, pp=1, microbatch=4), **cpu2),
+        Case(
+            "dp2-ep2-deepseek",
+            "deepseek-tiny",
+            8,
+            space="megatron",
+            knobs=dict(dp=2, tp=1, pp=1, microbatch=2, ep=2),
+            **cpu2,
+        ),
         # co-located pieces (coshard), alone and inside recomputed layers
         Case(
             "coshard-attention",

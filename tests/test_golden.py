@@ -1,5 +1,6 @@
 """Every prediction unchanged: a table of plans (``tests/golden_predictions.py``: every built-in space,
-ZeRO 0 to 3, every schedule, coshard, recycling, interlaced, alpa, on the cpu cluster, two DGX A100
+ZeRO 0 to 3, every schedule (zb-v and dualpipe too), coshard, recycling, interlaced, alpa, context and
+expert parallelism, ZeRO-Offload, on the cpu cluster, two DGX A100
 nodes and the kernel-level spec) against what was recorded in ``tests/data/golden_predictions.json``:
 iteration time, hardware FLOPs, per device class its times and peak memory, per device its class, peak
 memory and task count, to 1e-12 relative.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from planlab.cli import GRAD_TOL, LOSS_TOL, main
 from planlab.errors import ConfigError
 from planlab.executor import launch_local
-from planlab.executor.interpreter import run_piece
+from planlab.executor.pieces import run_piece
 from planlab.graph import trace
 from planlab.graph.registry import OpContext, lookup
 from planlab.models import LLAMA_PRESETS, ModelSpec, build_model

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from planlab.cli import GRAD_TOL, LOSS_TOL, main
 from planlab.errors import ConfigError
 from planlab.executor import launch_local
-from planlab.executor.interpreter import run_piece
+from planlab.executor.pieces import run_piece
 from planlab.graph import ops_routing, trace
 from planlab.graph.registry import OpContext, lookup
 from planlab.models import MOE_PRESETS, ModelSpec, MoEConfig, build_model

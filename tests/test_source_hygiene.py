@@ -1,6 +1,6 @@
 """The package's source keeps the project's rules of taste (read with ``ast``, nothing imported):
 
-- no function or method in ``planlab/`` is longer than 100 lines;
+- no function or method in ``planlab/`` is longer than 100 lines, and no module longer than 800;
 - no module imports another module's private name (``_x``; dunders such as ``__version__`` are public);
 - the modules' module-level imports form no cycle (imports under ``if TYPE_CHECKING:`` and inside
   functions are not run when the module loads; ``from planlab.plan import buffer`` is an import of
@@ -8,7 +8,9 @@
 - every exception class is defined in ``planlab/errors.py``;
 - no module keeps a module-level mutable container keyed by ``id()`` (a cache that outlives its
   objects or answers for a new object at a reused address: cache per graph with ``Graph.memo``, or
-  on frozen keys), and no function rebinds a module's global (``global``).
+  on frozen keys), and no function rebinds a module's global (``global``);
+- no ``raise ValueError`` or ``raise TypeError``: bad input raises a PlanlabError subclass naming
+  the value, a broken invariant an ``InternalError`` (both in ``planlab/errors.py``).
 
 Each test fails with the offending names.
 """
@@ -22,6 +24,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "planlab"
 MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 800
+BARE_ERRORS = ("ValueError", "TypeError")
 
 
 def _module_name(path: Path) -> str:
@@ -44,6 +48,25 @@ def long_functions(sources) -> list[str]:
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     out.append(f"{mod}.{node.name} ({n} lines)")
+    return sorted(out)
+
+
+def long_modules(sources) -> list[str]:
+    """``module (n lines)`` of every module longer than :data:`MAX_MODULE_LINES`."""
+    counts = {mod: len(path.read_text().splitlines()) for mod, (path, _) in sources.items()}
+    return sorted(f"{mod} ({n} lines)" for mod, n in counts.items() if n > MAX_MODULE_LINES)
+
+
+def bare_error_raises(sources) -> list[str]:
+    """``module:line Error`` of every ``raise ValueError(...)`` or ``raise TypeError`` (a class of
+    :data:`BARE_ERRORS`, called or not)."""
+    out = []
+    for mod, (_, tree) in sources.items():
+        for node in ast.walk(tree):
+            exc = node.exc.func if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else None
+            exc = exc or (node.exc if isinstance(node, ast.Raise) else None)
+            if isinstance(exc, ast.Name) and exc.id in BARE_ERRORS:
+                out.append(f"{mod}:{node.lineno} {exc.id}")
     return sorted(out)
 
 
@@ -208,6 +231,17 @@ def test_no_function_is_over_100_lines(sources):
     assert not found, "\n".join(found)
 
 
+def test_no_module_is_over_800_lines(sources):
+    found = long_modules(sources)
+    assert not found, "\n".join(found)
+
+
+def test_no_bare_value_or_type_error_is_raised(sources):
+    """Bad input raises a PlanlabError subclass, a bug an InternalError (planlab/errors.py)."""
+    found = bare_error_raises(sources)
+    assert not found, "\n".join(found)
+
+
 def test_no_private_name_is_imported_from_another_module(sources):
     found = private_imports(sources)
     assert not found, "\n".join(found)
@@ -223,13 +257,20 @@ def test_every_error_class_is_in_errors_py(sources):
     assert not found, "\n".join(found)
 
 
-def test_the_checks_find_what_they_look_for():
+def test_the_checks_find_what_they_look_for(tmp_path):
     """Each check reports a made-up offence (the checks are not vacuous)."""
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    raises = "def f(x):\n    if x:\n        raise ValueError(x)\n    raise TypeError\n    raise RuntimeError(x)\n"
     fake = {
         "planlab.a": (None, ast.parse(f"from planlab.b import _hidden, shown\ndef big():\n{body}\n")),
-        "planlab.b": (None, ast.parse("import planlab.a\nclass Oops(ValueError):\n    pass\n")),
+        "planlab.b": (None, ast.parse("import planlab.a\nclass Oops(ValueError):\n    pass\n" + raises)),
     }
+    assert bare_error_raises(fake) == ["planlab.b:6 ValueError", "planlab.b:7 TypeError"]
+    sizes = {}
+    for name, n in (("long", MAX_MODULE_LINES + 1), ("short", MAX_MODULE_LINES)):
+        (tmp_path / f"{name}.py").write_text("x = 1\n" * n)
+        sizes[f"planlab.{name}"] = (tmp_path / f"{name}.py", None)
+    assert long_modules(sizes) == [f"planlab.long ({MAX_MODULE_LINES + 1} lines)"]
     assert long_functions(fake) == [f"planlab.a.big ({MAX_FUNCTION_LINES + 1} lines)"]
     assert private_imports(fake) == ["planlab.a: planlab.b._hidden"]
     assert import_cycles(fake) == [["planlab.a", "planlab.b"]]

@@ -54,13 +54,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
 
+from planlab.enums import StrEnum
 from planlab.costmodel.hardware import ClusterSpec, NodeSpec
 from planlab.errors import ConfigError, choices
 
 
-class Collective(str, Enum):
+class Collective(StrEnum):
     """Collective kinds; the value is the name ``collective_time_s`` accepts."""
 
     ALL_REDUCE = "all_reduce"
@@ -69,11 +69,8 @@ class Collective(str, Enum):
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Algorithm(str, Enum):
+class Algorithm(StrEnum):
     """Collective algorithms; the value is the name ``collective_time_s`` accepts."""
 
     RING = "ring"
@@ -81,9 +78,6 @@ class Algorithm(str, Enum):
     HIERARCHICAL = "hierarchical"
     DIRECT = "direct"  # all_to_all: every pair at once
     NVLS = "nvls"  # NVLink SHARP: the NVSwitch reduces and multicasts (H100, H200)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # kind -> (latency steps, traffic per rank in units of nbytes), as functions of n

@@ -3,7 +3,8 @@ its timeline against the simulator's, reports failed ranks and writes sharded ch
 
 from planlab.executor.check import Reference, reference_run
 from planlab.executor.failures import Fault, RankFailure, TaskError
-from planlab.executor.interpreter import Interpreter, run_piece
+from planlab.executor.interpreter import Interpreter
+from planlab.executor.pieces import run_piece
 from planlab.executor.run import RunConfig, RunResult, launch_local, worker
 from planlab.executor.timeline import (
     compare,

@@ -33,6 +33,7 @@ from planlab.graph.ir import TensorArg
 from planlab.graph import ops_gpt  # noqa: F401  (defined before this module: registry order)
 from planlab.graph.opdefs import OpContext, elementwise_signature, opaque_signature, define_op
 from planlab.graph.signature import Signature
+from planlab.errors import GraphError
 
 _ELLIPSIS = "."  # one character standing for "..." while parsing
 
@@ -61,7 +62,7 @@ def _parse(eq: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]:
     lhs, arrow, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != len(ranks):
-        raise ValueError(f"{len(terms)} operand subscripts for {len(ranks)} operands")
+        raise GraphError(f"einsum {eq!r}: {len(terms)} operand subscripts for {len(ranks)} operands")
     ell = 0
     for t, r in zip(terms, ranks):
         if _ELLIPSIS in t:
@@ -95,7 +96,7 @@ def _einsum(c: OpContext) -> Signature:
     shapes = [c.in_shapes[o.index] for o in operands]
     try:
         ops, out = _parse(eq, [len(s) for s in shapes])
-    except ValueError as e:
+    except GraphError as e:
         return _kept_whole(c, f"{eq!r} could not be read ({e})")
     size: dict[str, int] = {}
     for names, shp in zip(ops, shapes):
@@ -126,7 +127,7 @@ def _einsum_flops(c: OpContext) -> float:
     shapes = [c.in_shapes[o.index] for o in operands]
     try:
         ops, out = _parse(eq, [len(s) for s in shapes])
-    except ValueError:
+    except GraphError:
         return float(c.out_numel)
     size: dict[str, int] = {}
     for names, shp in zip(ops, shapes):

@@ -37,7 +37,7 @@ def _linear(c: OpContext) -> Signature:
 def _embedding(c: OpContext) -> Signature:
     i = axis_names(len(c.in_shapes[0]))
     # the vocabulary splits as Megatron's VocabParallelEmbedding does: each piece looks up the ids in
-    # its rows (zeros elsewhere) and the pieces add up (planlab.executor.interpreter.run_piece)
+    # its rows (zeros elsewhere) and the pieces add up (planlab.executor.pieces.run_piece)
     return Signature.of([[(n,) for n in i], [("v",), ("h",)]], [[*[(n,) for n in i], ("h",)]], {"v"})
 
 

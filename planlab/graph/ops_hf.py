@@ -92,7 +92,7 @@ def constant(c: Constant) -> torch.Tensor:
 def kept_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """A mean cross-entropy as ``total / count`` (the sum over the kept targets, their number).
     A piece of it run for one of ``m`` micro-batches divides by ``count * m`` instead
-    (planlab.executor.interpreter.run_piece): the micro-batches' losses add up to the batch's mean
+    (planlab.executor.pieces.run_piece): the micro-batches' losses add up to the batch's mean
     when each keeps as many targets (HF's shifted causal-LM labels, whole-image labels)."""
     return total / count
 

@@ -204,42 +204,32 @@ define_op(
     flops=lambda c: float(c.out_numel),
     bwd_flops_ratio=1.0,
 )
-define_op(
-    targets_fn=(torch.gather,),
-    methods=("gather",),
-    kind="gather",
-    signature=_gather,
-    flops=lambda c: 0.0,
-    saves=lambda c: ("in1",),
-    bwd_flops_ratio=1.0,
+
+
+def _define_indexing(fns: tuple, methods: tuple[str, ...], kind: str, signature, counted: int | None) -> None:
+    """An indexing operator: it saves its index tensor (input 1) for a backward that costs as much as
+    the forward; its FLOPs are the elements of input ``counted`` (None: it moves data, no FLOPs)."""
+    define_op(
+        targets_fn=fns,
+        methods=methods,
+        kind=kind,
+        signature=signature,
+        flops=(lambda c: 0.0) if counted is None else (lambda c: float(_numel(c.in_shapes[counted]))),
+        saves=lambda c: ("in1",),
+        bwd_flops_ratio=1.0,
+    )
+
+
+_define_indexing((torch.gather,), ("gather",), "gather", _gather, None)
+_define_indexing(
+    (torch.scatter_add, torch.scatter, torch.scatter_reduce),
+    ("scatter_add", "scatter", "scatter_reduce"),
+    "scatter",
+    _scatter,
+    1,
 )
-define_op(
-    targets_fn=(torch.scatter_add, torch.scatter, torch.scatter_reduce),
-    methods=("scatter_add", "scatter", "scatter_reduce"),
-    kind="scatter",
-    signature=_scatter,
-    flops=lambda c: float(_numel(c.in_shapes[1])),
-    saves=lambda c: ("in1",),
-    bwd_flops_ratio=1.0,
-)
-define_op(
-    targets_fn=(torch.index_select,),
-    methods=("index_select",),
-    kind="index_select",
-    signature=_index_select,
-    flops=lambda c: 0.0,
-    saves=lambda c: ("in1",),
-    bwd_flops_ratio=1.0,
-)
-define_op(
-    targets_fn=(torch.index_add,),
-    methods=("index_add",),
-    kind="index_add",
-    signature=_index_add,
-    flops=lambda c: float(_numel(c.in_shapes[2])),
-    saves=lambda c: ("in1",),
-    bwd_flops_ratio=1.0,
-)
+_define_indexing((torch.index_select,), ("index_select",), "index_select", _index_select, None)
+_define_indexing((torch.index_add,), ("index_add",), "index_add", _index_add, 2)
 
 # generic operators, defined here unless another module has already defined them
 _reg_missing(

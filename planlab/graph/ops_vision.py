@@ -195,22 +195,15 @@ def _reduction(summed: bool):
     return sig
 
 
-define_op(
-    targets_fn=(torch.sum,),
-    methods=("sum",),
-    kind="sum",
-    signature=_reduction(True),
-    flops=lambda c: float(math.prod(c.in_shapes[0])),
-    bwd_flops_ratio=0.5,
-)
-define_op(
-    targets_fn=(torch.mean,),
-    methods=("mean",),
-    kind="mean",
-    signature=_reduction(False),
-    flops=lambda c: float(math.prod(c.in_shapes[0])),
-    bwd_flops_ratio=0.5,
-)
+for _fn, _name, _summed in ((torch.sum, "sum", True), (torch.mean, "mean", False)):  # one FLOP an element
+    define_op(
+        targets_fn=(_fn,),
+        methods=(_name,),
+        kind=_name,
+        signature=_reduction(_summed),
+        flops=lambda c: float(math.prod(c.in_shapes[0])),
+        bwd_flops_ratio=0.5,
+    )
 
 
 # ---- adaptive average pooling --------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from planlab.plan.layout import Box
+from planlab.errors import InternalError
 
 CHUNK_ELEMENTS = 1 << 18  # elements per chunk of rows (1 MiB of fp32), at least one row
 FALLBACK_STD = 0.02  # GPT-2's and most transformer codebases' default
@@ -173,7 +174,7 @@ def _draw(rule: InitRule, shape: tuple[int, ...], seed: int, dtype: torch.dtype)
         return out.normal_(rule.a, rule.b, generator=g)
     if rule.kind == "uniform":
         return out.uniform_(rule.a, rule.b, generator=g)
-    raise ValueError(f"unknown initialisation {rule.kind!r}; expected 'normal', 'uniform' or 'constant'")
+    raise InternalError(f"unknown initialisation {rule.kind!r}; expected 'normal', 'uniform' or 'constant'")
 
 
 def init_region(

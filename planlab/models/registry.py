@@ -67,6 +67,23 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
+
+def _t5_v1_1(layers: int, hidden: int, heads: int, ffn_hidden: int) -> T5Config:
+    """A T5 v1.1 size: as many decoder layers as encoder layers, 64 channels a head, 32,128 tokens,
+    512 input and 114 target tokens (see :data:`T5_PRESETS`)."""
+    return T5Config(
+        encoder_layers=layers,
+        decoder_layers=layers,
+        hidden=hidden,
+        heads=heads,
+        head_dim=64,
+        ffn_hidden=ffn_hidden,
+        seq=512,
+        decoder_seq=114,
+        vocab=32128,
+    )
+
+
 # T5 v1.1 shapes from the released config.json of google/t5-v1_1-{small,base,large,xl,xxl} (d_model,
 # d_ff, num_heads, d_kv = 64, num_layers = num_decoder_layers, vocab_size 32,128, 32 relative
 # buckets up to distance 128). Sequence lengths of T5's span-corruption pre-training (Raffel et al.
@@ -85,61 +102,11 @@ T5_PRESETS: dict[str, T5Config] = {
         decoder_seq=16,
         vocab=128,
     ),
-    "t5-v1_1-small": T5Config(
-        encoder_layers=8,
-        decoder_layers=8,
-        hidden=512,
-        heads=6,
-        head_dim=64,
-        ffn_hidden=1024,
-        seq=512,
-        decoder_seq=114,
-        vocab=32128,
-    ),
-    "t5-v1_1-base": T5Config(
-        encoder_layers=12,
-        decoder_layers=12,
-        hidden=768,
-        heads=12,
-        head_dim=64,
-        ffn_hidden=2048,
-        seq=512,
-        decoder_seq=114,
-        vocab=32128,
-    ),
-    "t5-v1_1-large": T5Config(
-        encoder_layers=24,
-        decoder_layers=24,
-        hidden=1024,
-        heads=16,
-        head_dim=64,
-        ffn_hidden=2816,
-        seq=512,
-        decoder_seq=114,
-        vocab=32128,
-    ),
-    "t5-v1_1-xl": T5Config(
-        encoder_layers=24,
-        decoder_layers=24,
-        hidden=2048,
-        heads=32,
-        head_dim=64,
-        ffn_hidden=5120,
-        seq=512,
-        decoder_seq=114,
-        vocab=32128,
-    ),
-    "t5-v1_1-xxl": T5Config(
-        encoder_layers=24,
-        decoder_layers=24,
-        hidden=4096,
-        heads=64,
-        head_dim=64,
-        ffn_hidden=10240,
-        seq=512,
-        decoder_seq=114,
-        vocab=32128,
-    ),
+    "t5-v1_1-small": _t5_v1_1(layers=8, hidden=512, heads=6, ffn_hidden=1024),
+    "t5-v1_1-base": _t5_v1_1(layers=12, hidden=768, heads=12, ffn_hidden=2048),
+    "t5-v1_1-large": _t5_v1_1(layers=24, hidden=1024, heads=16, ffn_hidden=2816),
+    "t5-v1_1-xl": _t5_v1_1(layers=24, hidden=2048, heads=32, ffn_hidden=5120),
+    "t5-v1_1-xxl": _t5_v1_1(layers=24, hidden=4096, heads=64, ffn_hidden=10240),
 }
 
 # AlphaFold2's Evoformer stack (Jumper et al. 2021, supplementary information, section 1.6 and

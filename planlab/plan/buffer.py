@@ -17,10 +17,11 @@ their gradients, ZeRO shards, source tensors) live for the whole iteration, one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+
+from planlab.enums import StrEnum
 
 
-class BufferKind(str, Enum):
+class BufferKind(StrEnum):
     """What a buffer holds; the value is the short code of its text form."""
 
     SOURCE = "src"  # a model input or module buffer, the whole global batch (static)
@@ -41,9 +42,6 @@ class BufferKind(str, Enum):
     HOST_GRAD = "hg"  # offload: the host copy of a weight's or a ZeRO shard's gradient (static, host memory)
     HOST_WEIGHT = "hw"  # offload: the host's fp32 master of a weight or a ZeRO shard, stepped there (static, host)
     INTERNAL = "k"  # what an operator's implementation keeps for its backward besides graph tensors (plan/saved.py)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 STATIC_KINDS = frozenset(

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
 
+from planlab.enums import StrEnum
 from planlab.costmodel.precision import FP32, MIXED_BF16, Precision  # noqa: F401 (re-exported)
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Box
 from planlab.plan.plan import Action
+from planlab.errors import InternalError
 
 
-class TaskKind(str, Enum):
+class TaskKind(StrEnum):
     """Kinds of task, with short codes as in pipelining's F/B/W."""
 
     FORWARD = "F"
@@ -30,16 +31,13 @@ class TaskKind(str, Enum):
     LOCAL = "L"
     OPTIMIZER = "O"
 
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def stream(self) -> str:
         """The stream a task runs on: ``compute`` or ``comm``."""
         return "comm" if self in (TaskKind.COLLECTIVE, TaskKind.SEND, TaskKind.RECV) else "compute"
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What a task does within its kind where the executor runs it differently (short codes)."""
 
     PLAIN = ""  # the kind says it all: a piece's forward or backward, a layout conversion, a copy, a step
@@ -55,19 +53,13 @@ class Role(str, Enum):
     TO_DEVICE = "to-device"  # LOCAL: updated weights (or a ZeRO shard) copied host to device memory
     KEEP_GRAPH = "keep-graph"  # BACKWARD: zero-bubble's input-gradient part of a piece whose W part follows
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Recompute(str, Enum):
+class Recompute(StrEnum):
     """A task's part in activation recomputation."""
 
     NONE = ""
     DROP = "drop"  # a forward whose activations are not kept: it runs without an autograd graph
     REDO = "redo"  # a task of the recomputation, run again in the backward block before the gradients
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # Adam's step, counted as FLOPs per parameter (moments, bias corrections, update)
@@ -154,7 +146,7 @@ class Task:
         for field_name, value in zip(_TASK_FIELDS[2:], args):
             values[field_name] = value
         if len(args) > len(_TASK_FIELDS) - 2 or not fields.keys() <= _TASK_DEFAULTS.keys():
-            raise TypeError(
+            raise InternalError(
                 f"Task() takes the fields {_TASK_FIELDS}; got {len(args) + 2} positional and {sorted(fields)}"
             )
         values.update(fields)

@@ -25,6 +25,7 @@ from planlab.plan.layout import (
     relative,
 )
 from planlab.plan.program import Task, TaskKind
+from planlab.errors import InternalError
 
 
 @dataclass
@@ -88,7 +89,7 @@ def plan_conversion(
     same whichever devices are planned, and carry ``channel`` for the simulator.
     """
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
-        raise ValueError(f"cannot convert into a partial layout {dst}")
+        raise InternalError(f"cannot convert into a partial layout {dst}: a conversion's target holds full values")
     if _same_mesh(src, dst):
         conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, ident)
         if conv is not None:

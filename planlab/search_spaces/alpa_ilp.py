@@ -25,7 +25,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from planlab.errors import InfeasiblePlan
+from planlab.errors import InfeasiblePlan, InternalError
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def solve_strategies(
     for e in edges:
         m = np.asarray(e.cost, dtype=float)
         if m.shape != (len(costs[e.src]), len(costs[e.dst])):
-            raise ValueError(
+            raise InternalError(
                 f"edge {e.src}->{e.dst}: cost shape {m.shape}, expected {(len(costs[e.src]), len(costs[e.dst]))}"
             )
         if e.src == e.dst:
@@ -94,18 +94,17 @@ def solve_strategies(
         r += 1
     for (u, v, m), base in zip(kept, e_offs):
         nu, nv = m.shape
-        for s in range(nu):  # sum_t e[s, t] = x[u, s]
-            for t in range(nv):
-                rows.append(r), cols.append(base + s * nv + t), vals.append(1.0)
-            rows.append(r), cols.append(offs[u] + s), vals.append(-1.0)
-            lo.append(0.0), hi.append(0.0)
-            r += 1
-        for t in range(nv):  # sum_s e[s, t] = x[v, t]
-            for s in range(nu):
-                rows.append(r), cols.append(base + s * nv + t), vals.append(1.0)
-            rows.append(r), cols.append(offs[v] + t), vals.append(-1.0)
-            lo.append(0.0), hi.append(0.0)
-            r += 1
+        # sum_t e[s, t] = x[u, s] for every s, then sum_s e[s, t] = x[v, t] for every t
+        for own, other, x0, at in (
+            (nu, nv, offs[u], lambda i, j: i * nv + j),
+            (nv, nu, offs[v], lambda i, j: j * nv + i),
+        ):
+            for i in range(own):
+                for j in range(other):
+                    rows.append(r), cols.append(base + at(i, j)), vals.append(1.0)
+                rows.append(r), cols.append(x0 + i), vals.append(-1.0)
+                lo.append(0.0), hi.append(0.0)
+                r += 1
     mem = None
     if node_memory is not None:
         mem = np.concatenate([np.asarray(m, dtype=float) for m in node_memory])

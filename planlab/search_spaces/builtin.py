@@ -6,6 +6,7 @@ Each is written with the public Space API only; ``megatron`` is their product.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from planlab.graph.ir import DETACH, Graph, Operator
 from planlab.plan.plan import ZERO_STAGES
@@ -103,14 +104,8 @@ class DataParallel(Space):
         ),
     )
     constraints = (
-        Constraint(
-            lambda a, c: a["dp"] is None or c.num_devices % a["dp"] == 0,
-            lambda a, c: f"dp={a['dp']} does not divide the {c.num_devices} devices",
-        ),
-        Constraint(
-            lambda a, c: a["dp"] is None or c.global_batch % a["dp"] == 0,
-            lambda a, c: f"dp={a['dp']} does not divide the global batch {c.global_batch}",
-        ),
+        Constraint.divides("dp", "the {n} devices", lambda c: c.num_devices),
+        Constraint.divides("dp", "the global batch {n}", lambda c: c.global_batch),
         Constraint(
             lambda a, c: (
                 a["dp"] is None or a["microbatch"] is None or c.global_batch % (a["dp"] * a["microbatch"]) == 0
@@ -266,18 +261,9 @@ class TensorParallel(Space):
         Knob.bool("sequence_parallel", "split the sequence where tp replicates (with tp > 1)"),
     )
     constraints = (
-        Constraint(
-            lambda a, c: a["tp"] is None or c.num_devices % a["tp"] == 0,
-            lambda a, c: f"tp={a['tp']} does not divide the {c.num_devices} devices",
-        ),
-        Constraint(
-            lambda a, c: a["tp"] is None or c.heads % a["tp"] == 0,
-            lambda a, c: f"tp={a['tp']} does not divide the model's {c.heads} attention heads",
-        ),
-        Constraint(
-            lambda a, c: a["tp"] is None or _kv_heads(c) is None or _kv_heads(c) % a["tp"] == 0,
-            lambda a, c: f"tp={a['tp']} does not divide the model's {_kv_heads(c)} key/value heads",
-        ),
+        Constraint.divides("tp", "the {n} devices", lambda c: c.num_devices),
+        Constraint.divides("tp", "the model's {n} attention heads", lambda c: c.heads),
+        Constraint.divides("tp", "the model's {n} key/value heads", _kv_heads),
         Constraint(
             lambda a, c: (
                 a["tp"] is None or not vocab_parallel_size(c.graph) or vocab_parallel_size(c.graph) % a["tp"] == 0
@@ -427,15 +413,16 @@ def uneven_stage_constraints() -> tuple[Constraint, ...]:
     )
 
 
+def _schedule_constraint(schedules: tuple[str, ...], holds: Callable, message: Callable) -> Constraint:
+    """``holds(a, c)`` for plans whose schedule is one of ``schedules``, once their pp is assigned."""
+    return Constraint(lambda a, c: a["schedule"] not in schedules or a["pp"] is None or holds(a, c), message)
+
+
 def v_schedule_constraint() -> Constraint:
     """A V-shaped schedule holds two stages per device: ``2 pp`` stages must divide the layers."""
-    return Constraint(
-        lambda a, c: (
-            a["schedule"] not in V_SCHEDULES
-            or a["schedule"] == "dualpipe"
-            or a["pp"] is None
-            or (c.layers % (2 * a["pp"]) == 0 and ends_or_none(a) in ((0, 0), (None, None), (0, None), (None, 0)))
-        ),
+    return _schedule_constraint(
+        tuple(s for s in V_SCHEDULES if s != "dualpipe"),
+        lambda a, c: c.layers % (2 * a["pp"]) == 0 and ends_or_none(a) in ((0, 0), (None, None), (0, None), (None, 0)),
         lambda a, c: (
             f"schedule={a['schedule']} holds two stages per device: its 2 x pp={a['pp']} stages must divide "
             f"the model's {c.layers} layers evenly (no {FIRST} / {LAST})"
@@ -445,13 +432,9 @@ def v_schedule_constraint() -> Constraint:
 
 def dualpipe_constraint() -> Constraint:
     """DualPipe mirrors the stages over an even number of ranks and splits every micro-batch in two."""
-    return Constraint(
-        lambda a, c: (
-            a["schedule"] != "dualpipe"
-            or a["pp"] is None
-            or a.get("microbatch") is None
-            or (a["pp"] % 2 == 0 and a["microbatch"] % 2 == 0)
-        ),
+    return _schedule_constraint(
+        ("dualpipe",),
+        lambda a, c: a.get("microbatch") is None or (a["pp"] % 2 == 0 and a["microbatch"] % 2 == 0),
         lambda a, c: (
             f"schedule=dualpipe holds stages r and pp - 1 - r on rank r and feeds half of every micro-batch "
             f"from each end: it needs an even pp and an even microbatch, not pp={a['pp']}, microbatch={a.get('microbatch')}"
@@ -502,10 +485,7 @@ class PipelineParallel(Space):
         *uneven_stage_knobs(),
     )
     constraints = (
-        Constraint(
-            lambda a, c: a["pp"] is None or c.num_devices % a["pp"] == 0,
-            lambda a, c: f"pp={a['pp']} does not divide the {c.num_devices} devices",
-        ),
+        Constraint.divides("pp", "the {n} devices", lambda c: c.num_devices),
         *uneven_stage_constraints(),
         v_schedule_constraint(),
         dualpipe_constraint(),

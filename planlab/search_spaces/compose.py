@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from planlab.errors import ConfigError, choices
+from planlab.errors import ConfigError, UnknownKnob, choices
 from planlab.search_spaces.space import (
     Constraint,
     Context,
@@ -22,7 +22,6 @@ from planlab.search_spaces.space import (
     Knob,
     Product,
     Space,
-    UnknownKnob,
     apply_part,
     fmt_knobs,
 )

@@ -109,10 +109,7 @@ class ContextParallel(Space):
         ),
     )
     constraints = (
-        Constraint(
-            lambda a, c: a["cp"] is None or c.num_devices % a["cp"] == 0,
-            lambda a, c: f"cp={a['cp']} does not divide the {c.num_devices} devices",
-        ),
+        Constraint.divides("cp", "the {n} devices", lambda c: c.num_devices),
         Constraint(_seq_fits, _seq_message),
         Constraint(
             lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,

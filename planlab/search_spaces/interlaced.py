@@ -217,10 +217,7 @@ class Interlaced(Space):
             lambda a, c: a["pp"] is None or a["pp"] > 1,
             lambda a, c: f"pp={a['pp']}: the interlaced pipeline is a pipeline, it needs pp > 1",
         ),
-        Constraint(
-            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
-        ),
+        Constraint.divides("pp", "the model's {n} layers", lambda c: c.layers),
         Constraint(
             lambda a, c: (
                 _sequences_per_microbatch(a, c) is None

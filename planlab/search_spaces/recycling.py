@@ -58,10 +58,7 @@ class ThreeF1BPipeline(Space):
             lambda a, c: a["pp"] is None or (a["pp"] > 1 and c.num_devices % a["pp"] == 0),
             lambda a, c: f"pp={a['pp']}: 3f1b needs pp > 1 dividing the {c.num_devices} devices",
         ),
-        Constraint(
-            lambda a, c: a["pp"] is None or c.layers % a["pp"] == 0,
-            lambda a, c: f"pp={a['pp']} does not divide the model's {c.layers} layers",
-        ),
+        Constraint.divides("pp", "the model's {n} layers", lambda c: c.layers),
         Constraint(
             lambda a, c: (
                 a["pp"] is None
