@@ -396,3 +396,27 @@ def test_constraint_holds_is_three_valued():
     assert c.holds({"tp": 2, "pp": 2}, None) is True and c.holds({"tp": 4, "pp": 2}, None) is False
     with pytest.raises(ConfigError, match="a constraint reads knob 'tpp', which the space does not have"):
         Constraint.where(lambda k: k["tpp"] > 1, "typo").holds({"tp": 2}, None)
+
+
+def test_enumeration_equals_the_filtered_product_of_the_knobs():
+    """The search re-evaluates a constraint only when a knob it read changed: it must keep exactly
+    the assignments of the whole product that every constraint allows (plain constraints, where-
+    constraints reading through a KnobView, and one that reads its knobs with ``.get``)."""
+    ctx = ctx_of(4)
+    sp = (
+        get_space("pp*dp*tp*recompute")
+        .restrict(zero=(0, 1), microbatch=(1, 2), recompute=("none", "full"))
+        .where(lambda k: k["tp"] * k["pp"] <= 2, "tp={tp} x pp={pp} is at most 2-way model parallelism")
+        .where(lambda k, c: k.get("recompute") != "full" or k["dp"] > 1, "full recomputation with dp > 1")
+    )
+    knobs = sp.all_knobs()
+    ranges = [k.explored(ctx, sp.name) for k in knobs]
+    constraints = sp.all_constraints()
+    brute = [
+        a
+        for a in (dict(zip((k.name for k in knobs), vs)) for vs in itertools.product(*ranges))
+        if all(c.holds(a, ctx, sp.name) is not False for c in constraints)
+    ]
+    got = sp.enumerate(ctx)
+    assert len(got) > 10 and len(got) < len(list(itertools.product(*ranges)))
+    assert got == brute

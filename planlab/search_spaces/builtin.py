@@ -227,7 +227,7 @@ def tp_limit(c: Context) -> int:
 
 def _kv_heads(c: Context) -> int | None:
     """Key/value heads of a grouped-query attention model (None if the model does not say)."""
-    return getattr(c.model.config(), "kv_heads", None)
+    return getattr(c.config, "kv_heads", None)
 
 
 # A fused q/k/v projection (GPT-2's Conv1D ``attn.c_attn``, Hugging Face) holds q, k and v side by side

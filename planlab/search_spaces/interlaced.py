@@ -132,7 +132,7 @@ def _feeders(g: Graph, ops: dict[str, str | None], batch: dict[str, str | None])
 
 
 def _vocab(c: Context) -> int | None:
-    return getattr(c.model.config(), "vocab", None)
+    return getattr(c.config, "vocab", None)
 
 
 def _head_along_vocab(c: Context) -> bool:

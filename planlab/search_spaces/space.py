@@ -504,20 +504,37 @@ def _search(
     names: list[str], ranges: list[tuple], constraints: tuple[Constraint, ...], ctx: Context, space: str
 ) -> Iterator[dict]:
     """Depth-first over the knobs in order; after each knob is assigned, every constraint that
-    can already be decided prunes the assignments that break it."""
-    a: dict[str, Any] = dict.fromkeys(names)
+    can already be decided prunes the assignments that break it. A constraint is a function of
+    the knobs it reads (recorded by :class:`_Reads`): it is evaluated again only when the knob
+    just assigned is one of them (its answer is the same otherwise, and was not False)."""
+    a = _Reads(dict.fromkeys(names))
     n = len(names)
+    everything = None  # the reads of a constraint not evaluated yet, or that looked at every knob
 
-    def rec(i: int) -> Iterator[dict]:
+    def decided_false(name: str, before: list, after: list) -> bool:
+        for j, c in enumerate(constraints):
+            reads = before[j]
+            if reads is not everything and name not in reads:
+                after[j] = reads
+                continue
+            a.log, a.every = set(), False
+            ok = _holds(c, a, ctx, space)
+            after[j] = everything if a.every else frozenset(a.log)
+            if ok is False:
+                return True
+        return False
+
+    def rec(i: int, before: list) -> Iterator[dict]:
         name = names[i]
+        after = [everything] * len(constraints)
         for v in ranges[i]:
             a[name] = v
-            if any(_holds(c, a, ctx, space) is False for c in constraints):
+            if decided_false(name, before, after):
                 continue
             if i + 1 == n:
                 yield dict(a)
             else:
-                yield from rec(i + 1)
+                yield from rec(i + 1, list(after))
         a[name] = None
 
     if n == 0:
@@ -526,7 +543,51 @@ def _search(
         return
     if any(not r for r in ranges):
         return
-    yield from rec(0)
+    yield from rec(0, [everything] * len(constraints))
+
+
+class _Reads(dict):
+    """A knob assignment that records the knobs a constraint reads (``log``), or that it looked
+    at all of them (``every``: iterating, listing values or items, copying)."""
+
+    def __init__(self, values: dict) -> None:
+        super().__init__(values)
+        self.log: set = set()
+        self.every = False
+
+    def __getitem__(self, key):
+        self.log.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.log.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self.log.add(key)
+        return super().__contains__(key)
+
+    def _all(self):
+        self.every = True
+        return self
+
+    def __iter__(self):
+        return super(_Reads, self._all()).__iter__()
+
+    def keys(self):
+        return super(_Reads, self._all()).keys()
+
+    def values(self):
+        return super(_Reads, self._all()).values()
+
+    def items(self):
+        return super(_Reads, self._all()).items()
+
+    def copy(self) -> dict:
+        return dict(super(_Reads, self._all()).items())
+
+    def __or__(self, other):
+        return dict(self.items()) | other
 
 
 class Product(Space):
