@@ -25,6 +25,7 @@ from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weigh
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
+from planlab.executor.ring_attention import ring_attention
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.plan import buffer as buf_
@@ -71,7 +72,12 @@ def run_piece(
     looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
     vocabulary-parallel loss (``vocab_cross_entropy``) scores its logits, vocabulary entries
     ``vocab_offset ..``, with the other slices' pieces on the process group ``group``
-    (:mod:`planlab.executor.vocab_parallel`)."""
+    (:mod:`planlab.executor.vocab_parallel`). A piece of a ring attention runs the ring on ``group``
+    (:mod:`planlab.executor.ring_attention`)."""
+    if task.ring is not None:  # a ring attention's piece: its ring is the process group ``group``
+        return ring_attention(
+            *tensors[:3], ring=task.ring, ranks=task.group, group=group, scale=op.call.kwargs.get("scale")
+        )
     if op.kind in VOCAB_EMBEDDINGS and tensors[1].shape[0] != op.dim_sizes["v"]:
         return vocab_piece_embedding(tensors[0], tensors[1], vocab_offset)
     if op.kind == "vocab_cross_entropy":
@@ -510,6 +516,8 @@ class Interpreter:
         off, group = 0, None
         if op.kind in VOCAB_EMBEDDINGS:
             off = self._vocab_offset(task)
+        elif task.ring is not None:
+            group = self.groups[tuple(sorted(task.group))]
         elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
             off = task.group.index(self.device) * ins[0].shape[-1]
             group = self.groups[tuple(sorted(task.group))]
