@@ -100,6 +100,7 @@ def _ring_rank(rank: int, world: int, path: str, cases: tuple, out) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes: about 30 s on this loaded machine
 def test_ring_attention_matches_sdpa_on_gloo(tmp_path):
     """Each rank's chunk of the output and of the gradients of q, k and v, as one process computes
     them whole: causal (a diagonal block, then a full or a skipped one), and not causal with
@@ -183,6 +184,7 @@ def test_ring_plan_cp2_tp2_on_4_ranks_matches_one_process():
     assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
 
 
+@pytest.mark.slow
 def test_ring_plan_cp4_on_4_ranks_matches_one_process():
     _, plan = _ring_plan(4, cp=4, microbatch=2)
     res = launch_local(plan, 4, steps=1, lr=1e-2)
