@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planlab.errors import ConfigError, InfeasiblePlan, choices
-from planlab.graph.ir import Graph
+from planlab.graph.ir import Graph, Operator
+from planlab.graph.random_ops import draws_random
 from planlab.models.spec import ModelSpec
 from planlab.plan.colocation import colocation
 
@@ -52,6 +53,12 @@ _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
 PHASES = ("F", "B", "I", "W", "U")
 RING_DIM = "s"  # the queries' sequence of an attention (``F.scaled_dot_product_attention``'s signature)
 RING_KV_DIM = "t"  # the keys' and values' sequence
+
+
+def causal_attention(op: Operator) -> bool:
+    """Whether attention ``op`` (without a mask input) is causal: its signature keeps the queries'
+    sequence whole exactly then (``planlab.graph.ops_gpt``), and a graph for planning has no call."""
+    return RING_DIM in op.signature.frozen and len(op.inputs) == 3
 
 
 @dataclass(frozen=True)
@@ -239,7 +246,7 @@ class PlanBuilder:
                 f"ring({op!r}): the attention takes a mask or bias input, which ring attention does not split; "
                 "choose cp_kind=a2a"
             )
-        if o.call.kwargs.get("dropout_p", 0.0):
+        if draws_random(o):
             raise InfeasiblePlan(
                 f"ring({op!r}): the attention has dropout, which ring attention does not draw; choose cp_kind=a2a"
             )

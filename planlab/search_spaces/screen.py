@@ -430,10 +430,11 @@ class Screen:
 
     def _ring_extra_s(self, op, work: int, pieces: int, m: int, group: tuple[int, ...]) -> float:
         """One ring attention's forward and backward as a ring, less the same priced as one piece."""
+        from planlab.plan.plan import causal_attention
         from planlab.plan.program import Ring, Task, TaskKind
 
         flops, nbytes, ratio, _, kind, shapes = self.t.works[work][:6]
-        ring = Ring(len(group), bool(op.call.kwargs.get("is_causal", False)))
+        ring = Ring(len(group), causal_attention(op))
         cp = len(group)  # a piece: the batch over the micro-batches and the other axes, each sequence over cp
         local = tuple(
             tuple(x // (m * pieces // cp) if a == 0 else x // cp if a == len(s) - 2 else x for a, x in enumerate(s))

@@ -29,7 +29,7 @@ from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Mesh, box_numel, positions
 from planlab.plan.passes.layouts import Layouts
-from planlab.plan.plan import RING_DIM, Plan
+from planlab.plan.plan import RING_DIM, Plan, causal_attention
 from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
 from planlab.plan.shared_params import forward_only_ops
@@ -387,7 +387,7 @@ def ring_fields(d: Draft, op: Operator, flat: int) -> dict:
     if not L.op_plan[op.name].ring:
         return {}
     group = line(L.mesh[op.name], flat, [L.dims[op.name].index(RING_DIM)])
-    return {"group": group, "ring": Ring(len(group), bool(op.call.kwargs.get("is_causal", False)))} if group else {}
+    return {"group": group, "ring": Ring(len(group), causal_attention(op))} if group else {}
 
 
 # key/value blocks a ring attention's piece holds besides its own while it runs: forward, the block
