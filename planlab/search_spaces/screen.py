@@ -417,29 +417,39 @@ class Screen:
             return out
         axis = next(a for a, (name, _) in enumerate(d.axes) if name == "cp")
         group = self._group((axis,), sizes, d.stage_order)
-        pieces = math.prod(sizes)
+        per_axis = d.op_dims()
         for i, op in enumerate(self.graph.operators):
             if op.name not in d.ring:
                 continue
-            key = ("ring", self.t.work_class[i], sizes, m, group)
+            dims = tuple(ad[i] for ad in per_axis)
+            key = ("ring", self.t.work_class[i], sizes, dims, m, group)
             got = self._compute.get(key)
             if got is None:
-                got = self._compute[key] = self._ring_extra_s(op, self.t.work_class[i], pieces, m, group)
+                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group)
             out[d.group_of(d.stages.get(op.name, 0))] += got
         return out
 
-    def _ring_extra_s(self, op, work: int, pieces: int, m: int, group: tuple[int, ...]) -> float:
+    def _ring_extra_s(self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...]) -> float:
         """One ring attention's forward and backward as a ring, less the same priced as one piece."""
-        from planlab.plan.plan import causal_attention
+        from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
         from planlab.plan.program import Ring, Task, TaskKind
 
-        flops, nbytes, ratio, _, kind, shapes = self.t.works[work][:6]
+        g, work = self.graph, self.t.work_class[i]
+        flops, nbytes, ratio, _, kind, _ = self.t.works[work][:6]
+        pieces = math.prod(n for dim, n in zip(dims, sizes) if dim is not None)
+        local = []
+        for k, t in enumerate(op.inputs + op.outputs):  # the piece's shapes: every split, the batch over m
+            shape = list(g.tensors[t].shape)
+            names = [ax[0] if ax else None for ax in op.axes_of(t)]
+            for dim, n in zip(dims, sizes):
+                dim = RING_KV_DIM if dim == RING_DIM and k in (1, 2) else dim
+                if dim in names:
+                    shape[names.index(dim)] //= n
+            for a in range(len(shape)):
+                if g.labels.get((t, a)) == g.batch_label:
+                    shape[a] //= m
+            local.append(tuple(shape))
         ring = Ring(len(group), causal_attention(op))
-        cp = len(group)  # a piece: the batch over the micro-batches and the other axes, each sequence over cp
-        local = tuple(
-            tuple(x // (m * pieces // cp) if a == 0 else x // cp if a == len(s) - 2 else x for a, x in enumerate(s))
-            for s in shapes
-        )
         extra = 0.0
         for tk, f, phase in ((TaskKind.FORWARD, flops, "F"), (TaskKind.BACKWARD, flops * ratio, "B")):
             task = Task(
@@ -448,7 +458,7 @@ class Screen:
                 flops=f / m / pieces,
                 bytes_moved=nbytes / m / pieces,
                 op_kind=kind,
-                shapes=local,
+                shapes=tuple(local),
                 group=group,
                 ring=ring,
             )
