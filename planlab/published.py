@@ -68,7 +68,8 @@ COLUMNS = (
 )
 # optional columns, after cp and in this order: expert parallelism (ep, and etp, empty: the tensor-parallel
 # degree) and uneven pipeline stages (first_stage_layers, last_stage_layers, empty or 0: an even share)
-OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers")
+OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers", "cp_kind")
+CP_KINDS = ("a2a", "ring")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
 METRICS = (
     "iteration_s",
     "tflops_per_gpu",
@@ -120,6 +121,7 @@ class PublishedRow:
     etp: int | None = None  # None: the tensor-parallel degree (Megatron-Core's default)
     first_stage_layers: int = 0  # 0: an even share (Megatron-Core's --decoder-first-pipeline-num-layers unset)
     last_stage_layers: int = 0
+    cp_kind: str = ""  # context parallelism's attention (the cp_kind knob); empty: the default, a2a
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -161,6 +163,7 @@ class PublishedRow:
                 for k, v in (
                     ("first_stage_layers", self.first_stage_layers),
                     ("last_stage_layers", self.last_stage_layers),
+                    ("cp_kind", self.cp_kind),
                 )
                 if v
             },
@@ -370,6 +373,7 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         etp=num("etp", optional=True) if "etp" in r else None,
         first_stage_layers=_stage_layers(r, "first_stage_layers", where),
         last_stage_layers=_stage_layers(r, "last_stage_layers", where),
+        cp_kind=_cp_kind(r, where),
         **ints,
     )
     if not r["row"] or not r["source_ref"].strip():
@@ -379,6 +383,13 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
     if row.runnable and (not row.model or row.global_batch % (row.dp * row.microbatch)):
         raise ConfigError(f"{where}: a runnable row needs a model, and dp x microbatch must divide the global batch")
     return row
+
+
+def _cp_kind(r: dict, where: str) -> str:
+    text = (r.get("cp_kind") or "").strip()
+    if text and text not in CP_KINDS:
+        raise ConfigError(f"{where}: column 'cp_kind' is {text!r}; choose {choices(CP_KINDS)} (empty: a2a)")
+    return text
 
 
 def _stage_layers(r: dict, col: str, where: str) -> int:

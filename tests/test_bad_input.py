@@ -130,7 +130,7 @@ CLI_CASES = [
     ),
     (f"explore {TINY} --set pp=2 --set first_stage_layers=7", "first_stage_layers"),
     (f"explore {TINY} --set cp=3", "cp=3 does not divide the 2 devices"),
-    (f"explore {TINY} --set cp=2 --set cp_kind=ring", "cp_kind=ring"),
+    (f"explore {TINY} --model-arg seq=31 --set cp=2 --set cp_kind=ring", "cp=2 does not divide the sequence of 31"),
     (f"explore {TINY} --set cp=2 --set cp_kind=wide", "wide"),
     (f"explore {TINY} --set cp=2 --set dp=2", "cp=2, dp=2"),
     (f"explore {TINY} --set dp", "dp"),

@@ -149,12 +149,16 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
         assert (r.knobs()["first_stage_layers"], r.knobs()["last_stage_layers"]) == (7, 7)
         assert layers_per_stage(r.spec().config().layers, r.pp, 7, 7) == (7,) + (8,) * 14 + (7,)
     assert all("first_stage_layers" not in r.knobs() for s, r in ROWS if s.name != "llama3-2024")  # 0: unset
+    assert [r.knobs().get("cp_kind") for r in llama.rows] == [None, None, "ring"]  # the 131K row's ring
     for ext in ("json", "csv"):
         shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")
     csv_path = tmp_path / "llama3-2024.csv"
     text = csv_path.read_text()
-    csv_path.write_text(text.replace(",1,7,7,1,1f1b,", ",1,7,x,1,1f1b,", 1))
+    csv_path.write_text(text.replace(",1,7,7,,1,1f1b,", ",1,7,x,,1,1f1b,", 1))
     with pytest.raises(ConfigError, match="'last_stage_layers' is 'x'"):
+        load_set(tmp_path / "llama3-2024.json")
+    csv_path.write_text(text.replace(",7,7,ring,", ",7,7,wide,", 1))
+    with pytest.raises(ConfigError, match=r"'cp_kind' is 'wide'; choose 'a2a' or 'ring'"):
         load_set(tmp_path / "llama3-2024.json")
     swapped = text.replace("first_stage_layers,last_stage_layers", "last_stage_layers,first_stage_layers", 1)
     csv_path.write_text(swapped)

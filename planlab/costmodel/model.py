@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planlab.costmodel import comm, compute
+from planlab.costmodel import comm, compute, ring
 from planlab.costmodel.gemm import gemm_time_s
 from planlab.costmodel.hardware import ClusterSpec, load_cluster
 from planlab.costmodel.host import host_task_time_s
@@ -142,9 +142,28 @@ class CostModel:
         kind = task.kind.value
         if kind == "C":
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+        if task.ring is not None:
+            return self.ring_attention_s(task, dtype)[0]
         if kind == "F" and task.group:  # a piece that agrees with its group inside its forward
             return self._own_time_s(task, dtype) + self.agreement_time_s(task)
         return self._own_time_s(task, dtype)
+
+    def ring_attention_s(self, task: Task, dtype: str) -> tuple[float, float]:
+        """(device, host) seconds of a ring attention piece's forward or backward
+        (:mod:`planlab.costmodel.ring`): its ``steps`` blocks, each priced as this model prices the
+        attention on the piece's shapes (one chunk's queries against one chunk's keys), overlapped
+        with the key/value block's transfer to the ring's slowest neighbour (intra- or inter-node,
+        rail-aware: ``p2p_time_s``); the host issues every block."""
+        n = task.ring.steps
+        block = task.but(ring=None, group=(), flops=task.flops / n, bytes_moved=task.bytes_moved / n)
+        block_s, host_s = (
+            self.device_and_host_s(block, dtype) if self.host_bound else (self._own_time_s(block, dtype), 0.0)
+        )
+        eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
+        kv_bytes = eb * sum(math.prod(s) for s in task.shapes[1:3]) if len(task.shapes) >= 3 else 0.0
+        g = task.group
+        transfer_s = max((self.p2p_time_s(kv_bytes, g[i], g[(i + 1) % n]) for i in range(n)), default=0.0)
+        return ring.ring_time_s(task.ring, task.kind.value != "F", block_s, transfer_s), n * host_s
 
     def agreement_time_s(self, task: Task) -> float:
         """The collectives inside the forward of a piece whose task names a group
@@ -208,6 +227,8 @@ class CostModel:
         on_host = host_task_time_s(self.cluster, task)
         if not self.host_bound or on_host is not None:
             return (self.task_time_s(task, dtype) if on_host is None else on_host), 0.0
+        if task.ring is not None:
+            return self.ring_attention_s(task, dtype)
         dev = self.cluster.device
         if kind == "C":
             host_s = sw.host_collective_s + self.buffer_copies(task.collective, len(task.group)) * sw.host_launch_s

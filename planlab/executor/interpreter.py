@@ -410,6 +410,8 @@ class Interpreter:
         off, group = 0, None
         if op.kind in VOCAB_EMBEDDINGS:
             off = self._vocab_offset(task)
+        elif task.ring is not None:
+            group = self.groups[tuple(sorted(task.group))]
         elif task.group:  # a piece that agrees with the others on its group (vocab_cross_entropy)
             off = task.group.index(self.device) * ins[0].shape[-1]
             group = self.groups[tuple(sorted(task.group))]

@@ -11,6 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from planlab.executor.ring_attention import ring_attention
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
@@ -45,7 +46,12 @@ def run_piece(
     looks up the ids in its rows and gives zeros for the others (the pieces add up). A piece of a
     vocabulary-parallel loss (``vocab_cross_entropy``) scores its logits, vocabulary entries
     ``vocab_offset ..``, with the other slices' pieces on the process group ``group``
-    (:mod:`planlab.executor.vocab_parallel`)."""
+    (:mod:`planlab.executor.vocab_parallel`). A piece of a ring attention runs the ring on ``group``
+    (:mod:`planlab.executor.ring_attention`)."""
+    if task.ring is not None:  # a ring attention's piece: its ring is the process group ``group``
+        return ring_attention(
+            *tensors[:3], ring=task.ring, ranks=task.group, group=group, scale=op.call.kwargs.get("scale")
+        )
     if op.kind in VOCAB_EMBEDDINGS and tensors[1].shape[0] != op.dim_sizes["v"]:
         return vocab_piece_embedding(tensors[0], tensors[1], vocab_offset)
     if op.kind == "vocab_cross_entropy":

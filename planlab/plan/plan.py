@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planlab.errors import ConfigError, InfeasiblePlan, choices
-from planlab.graph.ir import Graph
+from planlab.graph.ir import Graph, Operator
+from planlab.graph.random_ops import draws_random
 from planlab.models.spec import ModelSpec
 from planlab.plan.colocation import colocation
 
@@ -38,15 +39,26 @@ class OpPlan:
     devices: tuple[int, ...] = ()
     stage: int = 0
     recompute: int = 0  # 0: keep what the backward needs; k > 0: recompute with group k in the backward
+    # an attention run as ring attention: its queries' sequence ``s`` is split (along the mesh axis
+    # that splits ``s``) and so are its keys' and values', passed around that axis' devices
+    ring: bool = False
 
     def __str__(self) -> str:
         tr = " x ".join(f"{d or 'R'}/{n}" for d, n in zip(self.dims, self.sizes)) or "whole"
         rc = f" recompute {self.recompute}" if self.recompute else ""
-        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}"
+        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}{' ring' if self.ring else ''}"
 
 
 _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
 PHASES = ("F", "B", "I", "W", "U")
+RING_DIM = "s"  # the queries' sequence of an attention (``F.scaled_dot_product_attention``'s signature)
+RING_KV_DIM = "t"  # the keys' and values' sequence
+
+
+def causal_attention(op: Operator) -> bool:
+    """Whether attention ``op`` (without a mask input) is causal: its signature keeps the queries'
+    sequence whole exactly then (``planlab.graph.ops_gpt``), and a graph for planning has no call."""
+    return RING_DIM in op.signature.frozen and len(op.inputs) == 3
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class PlanBuilder:
         self._stage: dict[str, int] = {}
         self._schedule: dict[int, tuple[Action, ...]] = {}
         self._recompute: dict[str, int] = {}
+        self._ring: set[str] = set()
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
         self._zero = 0
@@ -165,7 +178,7 @@ class PlanBuilder:
                     f"operator {op!r} has no dimension {dim!r}; its signature is "
                     f"{o.signature} (dimensions {choices(o.signature.dims())})"
                 )
-            if not o.signature.splittable(dim):
+            if not o.signature.splittable(dim) and not (op in self._ring and dim == RING_DIM):
                 raise InfeasiblePlan(
                     f"dimension {dim!r} of operator {op!r} ({o.signature}) cannot be split; "
                     f"splittable: {choices(o.splittable_dims())}"
@@ -220,6 +233,25 @@ class PlanBuilder:
             raise InfeasiblePlan(f"recompute({op!r}): the group must be a non-negative integer, got {group!r}")
         self._recompute[op] = group
 
+    def ring(self, op: str) -> None:
+        """Run attention ``op`` as ring attention (context parallelism, :mod:`planlab.executor.ring_attention`):
+        op-trans of its queries' sequence ``s`` (whole otherwise under a causal mask) then splits its keys'
+        and values' sequence ``t`` alike, and each piece meets the others' keys and values in turn, passed
+        around the devices of that split. Call it before the op-trans."""
+        o = self.graph.op(op)
+        if o.kind != "attention" or RING_DIM not in o.signature.dims():
+            raise InfeasiblePlan(f"ring({op!r}): {op!r} is a {o.kind!r} operator; only an attention runs as a ring")
+        if len(o.inputs) > 3:
+            raise InfeasiblePlan(
+                f"ring({op!r}): the attention takes a mask or bias input, which ring attention does not split; "
+                "choose cp_kind=a2a"
+            )
+        if draws_random(o):
+            raise InfeasiblePlan(
+                f"ring({op!r}): the attention has dropout, which ring attention does not draw; choose cp_kind=a2a"
+            )
+        self._ring.add(op)
+
     def zero(self, stage: int) -> None:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
@@ -265,6 +297,7 @@ class PlanBuilder:
                 self._devices[op.name],
                 self._stage[op.name],
                 self._recompute.get(op.name, 0),
+                op.name in self._ring,
             )
             for op in self.graph.operators
         )

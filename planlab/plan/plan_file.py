@@ -1,7 +1,8 @@
 """Plan files: a Plan as versioned JSON, and back, with every field checked.
 
 Version 3 (written) lists each distinct device mesh once (``meshes``), each distinct split and
-placement once (``placements``: dims, sizes, mesh, stage, recompute), every operator by name with
+placement once (``placements``: dims, sizes, mesh, stage, recompute, and ``ring`` for an attention run as
+ring attention, written only when true, so a plan without one is the file it was before), every operator by name with
 the index of its placement (``ops``), and each distinct schedule once (``schedules``, with
 ``device_schedule`` giving each device's), so a plan for 1,024 devices does not repeat its device
 lists per operator. Versions 1 and 2 (read) list every operator with its devices, and every
@@ -28,7 +29,7 @@ def plan_to_dict(plan: Plan) -> dict:
     ops = []
     for p in plan.ops:
         mesh = meshes.setdefault(p.devices, len(meshes))
-        key = (p.dims, p.sizes, mesh, p.stage, p.recompute)
+        key = (p.dims, p.sizes, mesh, p.stage, p.recompute, p.ring)
         ops.append({"op": p.op, "placement": placements.setdefault(key, len(placements))})
     schedules: dict[tuple[Action, ...], int] = {}
     device_schedule = [schedules.setdefault(s, len(schedules)) for s in plan.schedule]
@@ -51,8 +52,9 @@ def plan_to_dict(plan: Plan) -> dict:
                 "mesh": mesh,
                 "stage": stage,
                 **({"recompute": recompute} if recompute else {}),
+                **({"ring": True} if ring else {}),
             }
-            for dims, sizes, mesh, stage, recompute in placements
+            for dims, sizes, mesh, stage, recompute, ring in placements
         ],
         "ops": ops,
         "schedules": [[str(a) for a in s] for s in schedules],
@@ -184,11 +186,14 @@ def _ops_v3(d: dict, where: str) -> tuple[OpPlan, ...]:
     placements = []
     for w, p in _objects(d, "placements", where):
         dims, sizes, stage, rc = _split(p, w)
-        placements.append((dims, sizes, meshes[_index(p, "mesh", len(meshes), "meshes", w)], stage, rc))
+        ring = p.get("ring", False)
+        if not isinstance(ring, bool):
+            raise PlanFileError(f"{w}: ring must be true or false, got {ring!r}")
+        placements.append((dims, sizes, meshes[_index(p, "mesh", len(meshes), "meshes", w)], stage, rc, ring))
     ops = []
     for w, o in _objects(d, "ops", where):
-        dims, sizes, devices, stage, rc = placements[_index(o, "placement", len(placements), "placements", w)]
-        ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc))
+        dims, sizes, devices, stage, rc, ring = placements[_index(o, "placement", len(placements), "placements", w)]
+        ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc, ring))
     return tuple(ops)
 
 

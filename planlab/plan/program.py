@@ -62,6 +62,35 @@ class Recompute(StrEnum):
     REDO = "redo"  # a task of the recomputation, run again in the backward block before the gradients
 
 
+@dataclass(frozen=True)
+class Ring:
+    """A ring attention's piece (context parallelism, ``cp_kind=ring``): ``steps`` block steps, one per
+    device of the task's ``group`` (the ring, in sequence-chunk order), each meeting one key/value block
+    passed around it; ``causal`` masks each block as full, diagonal or skipped."""
+
+    steps: int
+    causal: bool
+
+    def __str__(self) -> str:
+        return f"ring/{self.steps}{' causal' if self.causal else ''}"
+
+    def block(self, rank: int, step: int) -> "RingBlock":
+        """What ring position ``rank`` computes at ``step``, when it holds the keys and values of chunk
+        ``(rank - step) mod steps``: a full block, the diagonal one (causal) or nothing (causal, a later chunk)."""
+        src = (rank - step) % self.steps
+        if not self.causal or src < rank:
+            return RingBlock.FULL
+        return RingBlock.DIAGONAL if src == rank else RingBlock.SKIPPED
+
+
+class RingBlock(StrEnum):
+    """A ring attention step's block of scores: all of it, its causal lower triangle, or none."""
+
+    FULL = "full"
+    DIAGONAL = "diagonal"
+    SKIPPED = "skipped"
+
+
 # Adam's step, counted as FLOPs per parameter (moments, bias corrections, update)
 ADAM_FLOPS_PER_PARAM = 12.0
 
@@ -97,7 +126,8 @@ class Task:
     of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
     where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
-    micro-batch) let the cost model price a compute task kernel by kernel. ``box`` is, on the
+    micro-batch) let the cost model price a compute task kernel by kernel. ``ring`` marks the forward
+    and backward of a ring attention's piece, whose ring is ``group``. ``box`` is, on the
     forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
     in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
     """
@@ -138,6 +168,7 @@ class Task:
     tag: int = -1
     ident: int = -1
     params: float = 0.0
+    ring: Ring | None = None
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

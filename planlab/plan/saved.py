@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable
 
+from planlab.plan.plan import RING_DIM, RING_KV_DIM
 from planlab.graph.ir import Graph, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
@@ -129,6 +130,8 @@ def saved_activations(
 
     def cut_of(oplan, o: Operator, t: str) -> int:
         held = {ax[0] for ax in o.axes_of(t) if ax}
+        if oplan.ring and RING_KV_DIM in held:  # a ring attention's keys and values: split where its queries are
+            held.add(RING_DIM)
         return math.prod(n for d, n in zip(oplan.dims, oplan.sizes) if d is not None and d in held)
 
     def per_microbatch(t: str, cut: int, per: float = 1.0, nbytes: float | None = None) -> float:

@@ -13,16 +13,22 @@ attention, which needs the whole sequence, is handled by ``cp_kind``:
   (``redistribute.plan_conversion``, the same conversion as expert parallelism's dispatch), and
   another after it back to the sequence; their gradients are all-to-alls too. The heads left on
   a tensor-parallel rank must divide by ``cp``.
-- ``ring`` (ring attention with Megatron-Core's and Llama 3's causal load balancing: rank ``i``
-  holds chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``) is not materialized yet: it needs a
-  load-balanced sequence layout and the ring's send/receive steps with the online-softmax merge.
-  The knob takes the value so that its checks (``2 cp`` must divide the sequence) hold, and a
-  plan asking for it gets a one-line error that says so.
+- ``ring`` (ring attention, as Megatron-Core and Transformer Engine run it): the attention splits
+  along its queries' sequence too, and its keys and values along theirs (``PlanBuilder.ring``), so
+  no conversion meets it; its pieces pass their key/value blocks around the context-parallel
+  devices, ``cp`` steps each merged by the online-softmax rule, and the backward passes the
+  blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`). The chunks are
+  contiguous (rank ``i`` holds chunk ``i``): under a causal mask rank ``i`` computes ``i`` full
+  blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank, and
+  the cost model prices it so. Megatron-Core's and Llama 3's load balancing (rank ``i`` holds
+  chunks ``i`` and ``2 cp - 1 - i``) would need a permutation of the tokens at the input with
+  the positions carried through to the rotary embeddings; it is not built.
 """
 
 from __future__ import annotations
 
 from planlab.graph.ir import Graph
+from planlab.plan.plan import RING_DIM
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
 CP_KINDS = ("a2a", "ring")
@@ -42,13 +48,17 @@ def _cp_values(c: Context) -> tuple[int, ...]:
     return tuple(d for d in _divisors(c.num_devices) if sequence_length(c.graph) % d == 0)
 
 
-def context_parallel_dims(g: Graph) -> dict[str, str | None]:
-    """Per operator, the dimension the context-parallel axis splits with ``cp_kind=a2a``: the
-    sequence of the first input where the operator carries it and may split it, the heads for
-    the attention (whose sequence is whole), None (replicated) elsewhere."""
+def context_parallel_dims(g: Graph, ring: bool = False) -> dict[str, str | None]:
+    """Per operator, the dimension the context-parallel axis splits: the sequence of the first
+    input where the operator carries it and may split it, None (replicated) elsewhere; the
+    attention's heads with ``cp_kind=a2a`` (its sequence whole), its queries' sequence with
+    ``ring`` (its keys and values split alike, :meth:`PlanBuilder.ring`)."""
     seq = g.labels.get((g.inputs[0], 1))
     out: dict[str, str | None] = {}
     for op in g.operators:
+        if op.kind == "attention" and ring:
+            out[op.name] = RING_DIM if RING_DIM in op.signature.dims() else None
+            continue
         if op.kind == "attention":
             heads = op.axes_of(op.inputs[0])
             out[op.name] = heads[-3][0] if len(heads) >= 3 and heads[-3] else None
@@ -70,17 +80,11 @@ def _seq_fits(a: dict, c: Context) -> bool:
     cp, n = a["cp"], sequence_length(c.graph)
     if cp is None:
         return True
-    return n % (2 * cp) == 0 if a.get("cp_kind") == "ring" and cp > 1 else n % cp == 0
+    return n % cp == 0
 
 
 def _seq_message(a: dict, c: Context) -> str:
     n, cp = sequence_length(c.graph), a["cp"]
-    if a.get("cp_kind") == "ring":
-        fits = [d for d in _cp_values(c) if n % (2 * d) == 0] or [1]
-        return (
-            f"cp={cp} with cp_kind=ring splits the sequence of {n} into 2 x cp = {2 * cp} chunks, which does "
-            f"not divide it; choose cp in {', '.join(map(str, fits))}"
-        )
     return f"cp={cp} does not divide the sequence of {n} tokens; choose cp in {', '.join(map(str, _cp_values(c)))}"
 
 
@@ -97,7 +101,7 @@ class ContextParallel(Space):
             "context-parallel degree (the sequence split over cp devices; explored with --set cp=N only)",
             default=1,
             explore=(1,),  # the grid explores cp when asked: it multiplies every plan by the sequence's divisors
-            range="divisors of the device count that divide the sequence (2 x cp must divide it for ring)",
+            range="divisors of the device count that divide the sequence",
         ),
         Knob.choice(
             "cp_kind",
@@ -128,12 +132,6 @@ class ContextParallel(Space):
             ),
         ),
         Constraint(
-            lambda a, c: a.get("cp_kind") != "ring" or (a.get("cp") or 1) == 1,
-            lambda a, c: (
-                f"cp={a['cp']} with cp_kind=ring: ring attention is not materialized yet (issue 19); choose cp_kind=a2a"
-            ),
-        ),
-        Constraint(
             lambda a, c: (
                 not _known(a, "cp", "tp", "cp_kind") or a["cp_kind"] != "a2a" or _heads_per_tp(a, c) % a["cp"] == 0
             ),
@@ -150,7 +148,13 @@ class ContextParallel(Space):
         cp = values.get("cp") or 1
         if cp == 1:  # no mesh axis of one device: plans without cp stay as they were written before it
             return
-        draft.add_axis("cp", cp, context_parallel_dims(draft.ctx.graph))
+        ring = values.get("cp_kind") == "ring"
+        dims = context_parallel_dims(draft.ctx.graph, ring)
+        draft.add_axis("cp", cp, dims)
+        if ring:
+            draft.ring = frozenset(
+                op.name for op in draft.ctx.graph.operators if op.kind == "attention" and dims[op.name]
+            )
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
             draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)

@@ -142,10 +142,11 @@ class Screen:
         names = self.t.names
         sizes = tuple(s for _, s in d.axes)
         axis_dims = d.op_dims()
-        skey = (sizes, tuple(self._key(ad) for ad in axis_dims))
+        ring = frozenset(i for i, n in enumerate(names) if n in d.ring) if d.ring else frozenset()
+        skey = (sizes, tuple(self._key(ad) for ad in axis_dims), ring)
         split = self._splits.get(skey)
         if split is None:
-            split = self._splits[skey] = split_work(self.t, sizes, axis_dims, self._values)
+            split = self._splits[skey] = split_work(self.t, sizes, axis_dims, self._values, ring)
         if not d.stages:
             stages = None
         elif len(d.stages) == len(names) and list(d.stages) == names:
@@ -407,6 +408,63 @@ class Screen:
         got = self._grad[key] = (sync, ar, last, opt_s, static, gathered)
         return got
 
+    def _rings_s(self, d: Draft, sizes: tuple[int, ...], m: int) -> list[float]:
+        """Per device group, what running its ring attentions as rings (``Draft.ring``) adds per
+        micro-batch to their forward and backward priced as one piece each: the ring's steps at the pace of
+        its slowest rank, overlapped with the key/value transfers (``CostModel.ring_attention_s``)."""
+        out = [0.0] * d.groups
+        if not d.ring:
+            return out
+        axis = next(a for a, (name, _) in enumerate(d.axes) if name == "cp")
+        group = self._group((axis,), sizes, d.stage_order)
+        per_axis = d.op_dims()
+        for i, op in enumerate(self.graph.operators):
+            if op.name not in d.ring:
+                continue
+            dims = tuple(ad[i] for ad in per_axis)
+            key = ("ring", self.t.work_class[i], sizes, dims, m, group)
+            got = self._compute.get(key)
+            if got is None:
+                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group)
+            out[d.group_of(d.stages.get(op.name, 0))] += got
+        return out
+
+    def _ring_extra_s(self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...]) -> float:
+        """One ring attention's forward and backward as a ring, less the same priced as one piece."""
+        from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
+        from planlab.plan.program import Ring, Task, TaskKind
+
+        g, work = self.graph, self.t.work_class[i]
+        flops, nbytes, ratio, _, kind, _ = self.t.works[work][:6]
+        pieces = math.prod(n for dim, n in zip(dims, sizes) if dim is not None)
+        local = []
+        for k, t in enumerate(op.inputs + op.outputs):  # the piece's shapes: every split, the batch over m
+            shape = list(g.tensors[t].shape)
+            names = [ax[0] if ax else None for ax in op.axes_of(t)]
+            for dim, n in zip(dims, sizes):
+                dim = RING_KV_DIM if dim == RING_DIM and k in (1, 2) else dim
+                if dim in names:
+                    shape[names.index(dim)] //= n
+            for a in range(len(shape)):
+                if g.labels.get((t, a)) == g.batch_label:
+                    shape[a] //= m
+            local.append(tuple(shape))
+        ring = Ring(len(group), causal_attention(op))
+        extra = 0.0
+        for tk, f, phase in ((TaskKind.FORWARD, flops, "F"), (TaskKind.BACKWARD, flops * ratio, "B")):
+            task = Task(
+                "screen",
+                tk,
+                flops=f / m / pieces,
+                bytes_moved=nbytes / m / pieces,
+                op_kind=kind,
+                shapes=tuple(local),
+                group=group,
+                ring=ring,
+            )
+            extra += self.cost.ring_attention_s(task, self.dtype)[0] - self._compute_s(work, pieces, m, phase)
+        return extra
+
     # -- the estimate --------------------------------------------------------------------
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""
@@ -422,6 +480,7 @@ class Screen:
         zb = schedule in ("zb-h1", "zb-v")
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
+        rings = self._rings_s(d, sizes, m)
         for r in range(G):
             p = s.profiles[r]
             regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
@@ -431,7 +490,7 @@ class Screen:
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
                 for (numel, batch, eb, src), n in s.p2p[r]
             )
-            times.append(c.fwd_s + c.bwd_s + c.comm_s + pp)
+            times.append(c.fwd_s + c.bwd_s + c.comm_s + pp + rings[r])
             # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
             # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
             # one, each W only overlaps the I upstream: F + I), and its backward drains as its I passes

@@ -27,6 +27,7 @@ import numpy as np
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.backward_split import weight_share
 from planlab.costmodel.software import SoftwareSpec
+from planlab.plan.plan import RING_DIM, RING_KV_DIM
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
 from planlab.plan.saved import INTERNAL, internals, keeps_producer_layout, saved_tensors
@@ -241,7 +242,12 @@ def _ints(xs) -> np.ndarray:
     return np.array(xs, dtype=np.int64)
 
 
-def split_work(t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids) -> Split:
+def split_work(
+    t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids, ring: frozenset[int] = frozenset()
+) -> Split:
+    """What ``sizes`` and ``dims`` (per mesh axis, per operator) make of every operator and edge;
+    ``ring`` (operator indices) run as ring attention: their keys and values split along their
+    sequence where the queries are, so no conversion meets them (``PlanBuilder.ring``)."""
     live = [a for a, s in enumerate(sizes) if s > 1]
     cols = [dims[a] for a in live]
     n = t.n
@@ -251,10 +257,10 @@ def split_work(t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids) -
     for i in range(n):
         od = tuple(c[i] for c in cols)
         pods = tuple(None if j is None else tuple(c[j] for c in cols) for j in t.save_producers[i])
-        key = (t.op_class[i], od, t.work_class[i], pods)
+        key = (t.op_class[i], od, t.work_class[i], pods, i in ring)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _op_split(t, i, live, sizes, od, ids, pods)
+            got = memo[key] = _op_split(t, i, live, sizes, od, ids, pods, i in ring)
         fkey[i], bkey[i], wkey[i], work[i], params, saves = got
         for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
@@ -272,6 +278,8 @@ def split_work(t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids) -
     for j, e in enumerate(t.edges):
         pd = tuple(c[e.producer] for c in cols)
         cd = tuple(c[e.consumer] for c in cols)
+        if e.consumer in ring and RING_KV_DIM in e.need and RING_DIM not in e.need:  # its keys or values
+            cd = tuple(RING_KV_DIM if x == RING_DIM else x for x in cd)
         key = (t.edge_class[j], pd, cd)
         got = memo.get(key)
         if got is None:
@@ -308,11 +316,14 @@ def split_work(t: Tables, sizes: tuple[int, ...], dims: list[tuple], ids: Ids) -
     )
 
 
-def _op_split(t: Tables, i: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = ()) -> tuple:
+def _op_split(
+    t: Tables, i: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
+) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
     elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
-    the producer's layout (else None)."""
+    the producer's layout (else None); a ``ring`` attention keeps its keys and values split along
+    their sequence as its queries are."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
@@ -321,6 +332,8 @@ def _op_split(t: Tables, i: int, live: list[int], sizes, od: tuple, ids: Ids, po
         params.append((ids.of(tuple(a for a, dm in split if dm not in pdims)), numel / cut))
     saves = []
     for k, (numel, sdims, batch, eb, *pdims) in enumerate(t.saves[i]):
+        if ring and RING_KV_DIM in sdims:
+            sdims = sdims | {RING_DIM}
         cut = math.prod(sizes[a] for a, dm in split if dm in sdims)
         if pdims and k < len(pods) and pods[k] is not None:
             cut = max(cut, math.prod(sizes[a] for a, dm in zip(live, pods[k]) if dm is not None and dm in pdims[0]))

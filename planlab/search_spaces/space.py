@@ -78,6 +78,7 @@ class Draft:
     # row-major order); lets a mesh axis split a tensor axis inside another's split while its devices
     # sit further apart (context parallelism's axis inside the tensor-parallel one, planlab/search_spaces/context.py)
     stage_order: tuple[int, ...] = ()
+    ring: frozenset[str] = frozenset()  # attentions run as ring attention (context parallelism, cp_kind=ring)
 
     def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
         """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
@@ -211,6 +212,8 @@ class Draft:
             if op.name in spread:  # one piece per device, on every device
                 self._issue_spread(b, chk, op, s)
                 continue
+            if b is not None and op.name in self.ring:
+                b.ring(op.name)
             for dim, (_, size) in zip([ad[i] for ad in per_axis], self.axes):
                 if chk.splits and dim is not None and size > 1:
                     chk.split(op, dim)

@@ -191,6 +191,7 @@ class _Lowering:
             t.shapes,
             t.accumulate,
             tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),  # I/W parts
+            t.ring,
         )
         got = self.prices.get(key)
         if got is None:

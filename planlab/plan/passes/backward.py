@@ -11,7 +11,18 @@ from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Layout, box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, piece_task, record_size, shares
+from planlab.plan.passes.draft import (
+    Counters,
+    Draft,
+    Part,
+    add,
+    convert,
+    piece_task,
+    record_ring_in_flight,
+    record_size,
+    ring_fields,
+    shares,
+)
 from planlab.plan.passes.layouts import full
 from planlab.plan.program import Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -138,7 +149,10 @@ def backward_pieces(d: Draft) -> Draft:
                 share,
                 saved=d.saved[op.name],
                 shapes=d.piece_shapes.get(op.name, ()),
+                **ring_fields(d, op, flat),
             )
+            if task.ring is not None:
+                record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)
             add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)
             mine = sizes.setdefault(dev, {})
             for k, (t, w) in enumerate(zip(op.inputs, writes)):

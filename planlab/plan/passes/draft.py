@@ -27,10 +27,10 @@ from planlab.costmodel.software import SoftwareSpec
 from planlab.graph.ir import DTYPE_BYTES, Graph, Operator, no_grad_tensors
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
-from planlab.plan.layout import Layout, Mesh, positions
+from planlab.plan.layout import Layout, Mesh, box_numel, positions
 from planlab.plan.passes.layouts import Layouts
-from planlab.plan.plan import Plan
-from planlab.plan.program import Precision, Task, TaskKind
+from planlab.plan.plan import RING_DIM, Plan, causal_attention
+from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
 from planlab.plan.shared_params import forward_only_ops
 
@@ -377,3 +377,34 @@ class Idents:
     @property
     def next(self) -> int:
         return self.first + len(self.table)
+
+
+def ring_fields(d: Draft, op: Operator, flat: int) -> dict:
+    """The fields of the forward and backward tasks of piece ``flat`` of a ring attention (``OpPlan.ring``):
+    its ring, the devices along the mesh axis that splits its queries' sequence in chunk order
+    (``group``), and its :class:`Ring`; empty for any other operator."""
+    L = d.layouts
+    if not L.op_plan[op.name].ring:
+        return {}
+    group = line(L.mesh[op.name], flat, [L.dims[op.name].index(RING_DIM)])
+    return {"group": group, "ring": Ring(len(group), causal_attention(op))} if group else {}
+
+
+# key/value blocks a ring attention's piece holds besides its own while it runs: forward, the block
+# in use and the one arriving; backward, those two and the key/value gradients travelling with them
+RING_BLOCKS_IN_FLIGHT = {TaskKind.FORWARD: 2, TaskKind.BACKWARD: 4}
+
+
+def ring_in_flight(op: str, kind: TaskKind) -> Buffer:
+    """The internal buffer that stands for the key/value blocks in flight in a ring attention's
+    ``kind`` task (allocated and freed by that task: liveness)."""
+    return buf_.internal(op, f"ring-{kind.value}")
+
+
+def record_ring_in_flight(d: Draft, sizes: dict, dev: int, op: Operator, flat: int, kind: TaskKind) -> None:
+    """Size the key/value blocks in flight (:func:`ring_in_flight`) of piece ``flat`` of a ring attention."""
+    L = d.layouts
+    block = sum(
+        box_numel(L.needs(op, k).box(flat, L.shapes[op.inputs[k]])) * d.elem_bytes(op.inputs[k]) for k in (1, 2)
+    )
+    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = RING_BLOCKS_IN_FLIGHT[kind] * block

@@ -9,7 +9,19 @@ from planlab.graph.random_ops import draws_random
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import box_numel, box_shape
-from planlab.plan.passes.draft import Counters, Draft, Part, add, convert, line, piece_task, record_size, shares
+from planlab.plan.passes.draft import (
+    Counters,
+    Draft,
+    Part,
+    add,
+    convert,
+    line,
+    piece_task,
+    record_ring_in_flight,
+    record_size,
+    ring_fields,
+    shares,
+)
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -142,6 +154,7 @@ def forward_pieces(d: Draft) -> Draft:
         random = draws_random(op)
         for flat, dev in d.positions(mesh):
             out_box = L.has(op, 0).box(flat, L.shapes[op.outputs[0]])
+            ring = ring_fields(d, op, flat)
             task = piece_task(
                 op,
                 TaskKind.FORWARD,
@@ -154,9 +167,11 @@ def forward_pieces(d: Draft) -> Draft:
                 saved=saved,
                 lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
                 shapes=shapes_of[op.name],
-                group=line(mesh, flat, agree),
                 box=out_box if random else None,
+                **(ring or {"group": line(mesh, flat, agree)}),
             )
+            if ring:
+                record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, (d.stage[op.name], "F"), i, Part.COMPUTE, task)
             mine = sizes.setdefault(dev, {})
             for j, o in enumerate(op.outputs):

@@ -9,7 +9,7 @@ from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_shape
-from planlab.plan.plan import Plan
+from planlab.plan.plan import RING_DIM, RING_KV_DIM, Plan
 
 
 class Layouts:
@@ -72,8 +72,12 @@ class Layouts:
             mesh = Mesh(tuple(msizes), tuple(mdevices))
             self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
             self.dims[op.name] = tuple(mdims)
+            if p.ring and RING_DIM not in dims:
+                raise InfeasiblePlan(
+                    f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
+                )
             for d in set(x for x in dims if x is not None):
-                if not op.signature.splittable(d):
+                if not op.signature.splittable(d) and not (p.ring and d == RING_DIM):
                     raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
                 n = math.prod(s for x, s in zip(dims, sizes) if x == d)
                 size = self._dim_size(op, d)
@@ -92,8 +96,10 @@ class Layouts:
                     return full // inner
         return op.dim_sizes[dim]
 
-    def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False) -> Layout:
+    def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False, kv=False) -> Layout:
         dims, mesh = self.dims[op.name], self.mesh[op.name]
+        if kv:  # a ring attention's keys and values: split along their sequence where its queries are
+            dims = tuple(RING_KV_DIM if d == RING_DIM else d for d in dims)
         key = (
             mesh,
             dims,
@@ -126,8 +132,12 @@ class Layouts:
         key = ("in", op.name, i)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i])
+            got = self._memo[key] = self._place(op, op.signature.inputs[i], kv=self.is_ring_kv(op, i))
         return got
+
+    def is_ring_kv(self, op: Operator, i: int) -> bool:
+        """Whether input ``i`` of ``op`` is a ring attention's keys or values (split along ``t``)."""
+        return i in (1, 2) and self.op_plan[op.name].ring
 
     def has(self, op: Operator, j: int) -> Layout:
         """Layout in which ``op`` produces its ``j``-th output."""
@@ -142,7 +152,7 @@ class Layouts:
         key = ("grad", op.name, i)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True)
+            got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True, kv=self.is_ring_kv(op, i))
         return got
 
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Replicate, box_numel
-from planlab.plan.passes.draft import Draft
+from planlab.plan.passes.draft import RING_BLOCKS_IN_FLIGHT, Draft, ring_in_flight
 from planlab.plan.passes.order import as_blocks, block_order, schedule_of
 from planlab.plan.passes.offload import host_bytes_per_param
 from planlab.plan.program import Block, DeviceProgram, Program, Role, TaskKind
@@ -73,6 +73,10 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
             kept = tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL) if t.kind is TaskKind.FORWARD else ()
             for b in t.writes + kept:
                 if b and not b.static and first.setdefault(b, at) is at:
+                    last.setdefault(b, at)
+            if t.ring is not None and t.kind in RING_BLOCKS_IN_FLIGHT:  # held while the task runs
+                b = ring_in_flight(t.op, t.kind)
+                if first.setdefault(b, at) is at:
                     last.setdefault(b, at)
             for b in t.reads + t.saved:
                 if b and not b.static:

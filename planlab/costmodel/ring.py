@@ -1,0 +1,44 @@
+"""The price of ring attention (context parallelism, ``cp_kind=ring``): a piece's forward or backward
+runs ``steps`` block steps in lock-step around the ring, each overlapping the step's block computation
+with the transfer of the next key/value block to the neighbour (Megatron-Core / Transformer Engine's
+``AttnFuncWithCPAndKVP2P``, which issues the step's send/receive on its own stream before the block's
+kernel).
+
+A step lasts ``max(the slowest rank's block, the transfer)``: every rank waits for its neighbour's
+block before its next step, so the ring runs at the pace of the rank with the most work in each step.
+With contiguous chunks under a causal mask, rank ``i`` computes chunk ``i - step`` in full, the
+diagonal at step 0, and skips the chunks after its own (:meth:`planlab.plan.program.Ring.block`), so
+every step after the first is paced by a full block: ``steps - 1/2`` blocks where a balanced layout
+would take about half as many.
+
+A diagonal block costs half a full one: a flash-attention kernel skips the tiles above the diagonal
+(Dao, "FlashAttention-2", 2023, section 3.1.1, causal masking: about half of the blocks). The
+backward moves the key/value block ahead and the block's key/value gradients behind it, both
+overlapped with the step's computation, and one more gradient transfer brings each chunk's gradients
+home after the last step.
+"""
+
+from __future__ import annotations
+
+from planlab.plan.program import Ring, RingBlock
+
+# the share of a full block's kernel work a ring step's block does (FlashAttention-2, section 3.1.1)
+BLOCK_SHARE = {RingBlock.FULL: 1.0, RingBlock.DIAGONAL: 0.5, RingBlock.SKIPPED: 0.0}
+
+
+def step_shares(ring: Ring) -> tuple[float, ...]:
+    """Per step, the largest share of a full block any rank of the ring computes (the step's pace)."""
+    return tuple(max(BLOCK_SHARE[ring.block(r, step)] for r in range(ring.steps)) for step in range(ring.steps))
+
+
+def ring_time_s(ring: Ring, backward: bool, block_s: float, transfer_s: float) -> float:
+    """Seconds of a ring attention piece's forward (or ``backward``): per step the slowest rank's
+    block (``block_s`` for a full block) or the transfers it overlaps, whichever is longer.
+    ``transfer_s`` is one key/value block's transfer to the ring's slowest neighbour; the forward
+    sends ``steps - 1`` blocks, the backward those and ``steps`` blocks of their gradients."""
+    total = 0.0
+    last = ring.steps - 1
+    for step, share in enumerate(step_shares(ring)):
+        moves = (step < last) + (1 if backward else 0)
+        total += max(share * block_s, moves * transfer_s)
+    return total

@@ -1,0 +1,191 @@
+"""Ring attention (``cp_kind=ring``): the plan and its Program, the executor's ring on gloo against
+``F.scaled_dot_product_attention``, the cost model's price of a ring step, and ring plans on gloo
+against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planlab.cli import GRAD_TOL, LOSS_TOL
+from planlab.costmodel import CostModel
+from planlab.costmodel.ring import ring_time_s, step_shares
+from planlab.executor import launch_local
+from planlab.plan import materialize
+from planlab.plan.plan_file import plan_from_dict, plan_to_dict
+from planlab.plan.program import Ring, RingBlock, Task, TaskKind
+from planlab.search_spaces import Context, get_space
+
+from conftest import traced
+
+
+def _ctx(name: str, n: int, args: tuple = ()):
+    spec, g = traced(name, 8, args)
+    return Context(g, spec, 8, "cpu", n, n, 1)
+
+
+def _ring_plan(n: int = 2, **knobs):
+    ctx = _ctx("llama-tiny", n)
+    values = dict(dp=1, tp=1, pp=1, cp=2, cp_kind="ring", microbatch=4)
+    values.update(knobs)
+    return ctx, get_space("megatron").build(ctx, values)
+
+
+# ---- the plan and its Program -------------------------------------------------------------
+
+
+def test_ring_plan_splits_the_attention_sequence_and_round_trips():
+    ctx, plan = _ring_plan()
+    attention = [p for p in plan.ops if ctx.graph.op(p.op).kind == "attention"]
+    assert attention and all(p.ring and p.dims[-1] == "s" and p.sizes[-1] == 2 for p in attention)
+    assert all(not p.ring for p in plan.ops if ctx.graph.op(p.op).kind != "attention")
+    assert plan_from_dict(plan_to_dict(plan)) == plan
+
+
+def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_flight():
+    """The queries, keys and values arrive split along the sequence: no collective or message over
+    the context-parallel pair but the logits' (vocabulary) gathering; the forward and backward of
+    each attention piece carry the ring, and hold 2 and 4 key/value blocks while they run."""
+    ctx, plan = _ring_plan()
+    program = materialize(plan, ctx.graph)
+    tasks = [t for _, t in program.devices[1].tasks_in_order()]
+    rings = [t for t in tasks if t.ring is not None]
+    layers = 2
+    assert len(rings) == 2 * layers * plan.microbatches
+    assert {(t.kind, t.ring, t.group) for t in rings} == {
+        (TaskKind.FORWARD, Ring(2, True), (0, 1)),
+        (TaskKind.BACKWARD, Ring(2, True), (0, 1)),
+    }
+    assert not [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
+    fwd = next(t for t in rings if t.kind is TaskKind.FORWARD)
+    k_piece = fwd.shapes[1]  # (B / m, heads, T / cp, head dim)
+    assert k_piece[-2] == 16  # sequence 32 over cp 2
+    held = {b.tensor: n for t in rings for b, n in t.alloc if str(b).endswith(("ring-F", "ring-B"))}
+    block = 4 * 2 * sum(torch.Size(s).numel() for s in fwd.shapes[1:3])  # fp32 keys and values
+    assert set(held.values()) == {block, 2 * block}
+
+
+# ---- the executor's ring on gloo -------------------------------------------------------------
+
+
+def _ring_errors(rank: int, world: int, group, causal: bool, rep: int) -> float:
+    """The largest difference between this rank's chunk of the ring's output and gradients and one
+    process's whole attention, on random inputs (keys and values with ``4 / rep`` heads)."""
+    from planlab.executor.ring_attention import ring_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8 * world, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 4 // rep, 8 * world, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 4 // rep, 8 * world, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 4, 8 * world, 6, generator=gen, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=rep > 1)
+    ref.backward(dy)
+    ranks = tuple(range(world))[::-1]  # the ring's order is its chunks', not the ranks'
+    pos = ranks.index(rank)
+    mine = [x.detach().chunk(world, dim=-2)[pos].clone().requires_grad_(True) for x in (q, k, v)]
+    y = ring_attention(*mine, ring=Ring(world, causal), ranks=ranks, group=group)
+    y.backward(dy.chunk(world, dim=-2)[pos])
+    errors = [(y - ref.chunk(world, dim=-2)[pos]).abs().max().item()]
+    errors += [(m.grad - x.grad.chunk(world, dim=-2)[pos]).abs().max().item() for m, x in zip(mine, (q, k, v))]
+    return max(errors)
+
+
+def _ring_rank(rank: int, world: int, path: str, cases: tuple, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    out.put((rank, [_ring_errors(rank, world, group, causal, rep) for causal, rep in cases]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: about 30 s on this loaded machine
+def test_ring_attention_matches_sdpa_on_gloo(tmp_path):
+    """Each rank's chunk of the output and of the gradients of q, k and v, as one process computes
+    them whole: causal (a diagonal block, then a full or a skipped one), and not causal with
+    grouped-query heads (two query heads a key/value head)."""
+    world, cases = 2, ((True, 1), (False, 2))
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ring_rank, args=(r, world, str(tmp_path / "store"), cases, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    errors = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join()
+    assert len(errors) == world and max(max(e) for e in errors.values()) < 1e-10, errors
+
+
+# ---- pricing ------------------------------------------------------------------------------
+
+
+def test_causal_contiguous_ring_blocks_and_step_pace():
+    ring = Ring(4, True)
+    grid = [[str(ring.block(r, s))[0] for s in range(4)] for r in range(4)]
+    assert grid == [list("dsss"), list("dfss"), list("dffs"), list("dfff")]  # rank r: r full blocks, one diagonal
+    assert step_shares(ring) == (0.5, 1.0, 1.0, 1.0)  # the last rank sets the pace
+    assert step_shares(Ring(4, False)) == (1.0,) * 4
+    assert ring.block(2, 1) is RingBlock.FULL and ring.block(1, 2) is RingBlock.SKIPPED
+
+
+@pytest.mark.parametrize(
+    "backward, block_s, transfer_s, expected",
+    [
+        (False, 2.0, 1.0, 1.0 + 2.0 + 2.0 + 2.0),  # compute-bound: 0.5 x 2 at step 0, then full blocks
+        (False, 2.0, 3.0, 3.0 + 3.0 + 3.0 + 2.0),  # transfer-bound: 3 transfers, the last step computes only
+        (True, 2.0, 1.5, 3.0 + 3.0 + 3.0 + 2.0),  # backward: keys/values ahead and their gradients behind
+    ],
+)
+def test_ring_time_by_hand(backward, block_s, transfer_s, expected):
+    assert ring_time_s(Ring(4, True), backward, block_s, transfer_s) == pytest.approx(expected)
+
+
+def test_cost_model_prices_a_ring_step_on_the_cp_link():
+    """A ring of 2 on one node (NVLink) and across two nodes (the network): the forward of a piece is
+    the diagonal block, then the full one, with one key/value transfer overlapped with the first."""
+    cost = CostModel.load("dgx-h100", nodes=2, software="torch")
+    q = (1, 8, 4096, 128)
+    shapes = (q, q, q, q)
+    flops = 4.0 * 8 * 4096 * 8192 * 128  # the piece's: its 4,096 queries against the 8,192 keys
+    kv_bytes = 2 * 2 * 8 * 4096 * 128  # bf16 keys and values of one chunk
+    for group in ((0, 1), (0, 8)):
+        task = Task(
+            "attn", TaskKind.FORWARD, flops=flops, op_kind="attention", shapes=shapes, group=group, ring=Ring(2, True)
+        )
+        block = task.but(ring=None, group=(), flops=flops / 2)
+        block_s = cost.device_and_host_s(block, "bf16")[0]
+        x = cost.p2p_time_s(kv_bytes, *group)
+        assert cost.ring_attention_s(task, "bf16")[0] == pytest.approx(max(0.5 * block_s, x) + block_s)
+    assert cost.p2p_time_s(kv_bytes, 0, 8) > cost.p2p_time_s(kv_bytes, 0, 1)
+
+
+def test_spaces_lists_ring(capsys):
+    from planlab.cli import main
+
+    main(["spaces"])
+    out = capsys.readouterr().out
+    assert "cp_kind" in out and "a2a, ring" in out
+
+
+# ---- ring plans on gloo match one process ----------------------------------------------------
+
+
+def test_ring_plan_on_2_ranks_matches_one_process():
+    _, plan = _ring_plan()
+    res = launch_local(plan, 2, steps=2, lr=1e-2)
+    assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
+
+
+@pytest.mark.slow
+def test_ring_plan_cp2_tp2_on_4_ranks_matches_one_process():
+    _, plan = _ring_plan(4, tp=2, microbatch=2)
+    res = launch_local(plan, 4, steps=2, lr=1e-2)
+    assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
+
+
+@pytest.mark.slow
+def test_ring_plan_cp4_on_4_ranks_matches_one_process():
+    _, plan = _ring_plan(4, cp=4, microbatch=2)
+    res = launch_local(plan, 4, steps=1, lr=1e-2)
+    assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
