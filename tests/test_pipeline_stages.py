@@ -8,7 +8,13 @@ from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.errors import ConfigError
 from planlab.executor import launch_local
 from planlab.search_spaces import Context, get_space
-from planlab.search_spaces.stages import balanced_uneven, explored_ends, layers_per_stage, uneven_problem
+from planlab.search_spaces.stages import (
+    balanced_uneven,
+    chunk_layers,
+    explored_ends,
+    layers_per_stage,
+    uneven_problem,
+)
 
 from conftest import traced
 
@@ -92,3 +98,44 @@ def test_uneven_stages_match_one_process():
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL
+
+
+@pytest.mark.parametrize(
+    "counts, chunks, got",
+    [
+        ((7,) + (8,) * 14 + (7,), 8, (0,) + (1,) * 126 + (0,)),  # Llama 3 405B: 126 layers, 128 chunks
+        ((3, 4, 4, 3), 2, (1, 2, 2, 2, 2, 2, 2, 1)),
+        ((1, 1), 2, (0, 1, 1, 0)),
+        ((2, 2, 2, 2), 1, (2, 2, 2, 2)),
+        ((3, 4, 4, 3), 4, (0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0)),
+        ((1, 4, 4, 3), 2, None),  # the first device's one layer cannot fill its second chunk of 2
+        ((3, 4, 5, 3), 2, None),  # middle stages unequal
+        ((3, 3, 3, 3), 2, None),  # 3 middle layers do not split into 2 chunks
+    ],
+)
+def test_uneven_ends_split_into_model_chunks(counts, chunks, got):
+    assert chunk_layers(counts, chunks) == got
+    if got:
+        assert sum(got) == sum(counts) and len(got) == len(counts) * chunks
+        for d, n in enumerate(counts):  # stage c * pp + d is device d's chunk c
+            assert sum(got[d :: len(counts)]) == n
+
+
+def test_interleaved_uneven_ends_put_the_embedding_and_the_loss_on_chunks_of_their_own():
+    """Llama 3's layout in small: 2 layers on 2 devices of 2 chunks, one layer fewer on each end
+    device, so the first chunk holds only the embedding and the last only the output and the loss."""
+    spec, g = traced("gpt-tiny", 8, (("layers", 2),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    knobs = dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)
+    plan = get_space("megatron").build(ctx, dict(knobs, first_stage_layers=1, last_stage_layers=1))
+    stage_of = {p.op: p.stage for p in plan.ops}
+    layer_stage = {int(op.split("_")[1]): s for op, s in stage_of.items() if op.startswith("blocks_")}
+    assert layer_stage == {0: 1, 1: 2}
+    assert stage_of["wte"] == stage_of["wpe"] == 0
+    assert stage_of["cross_entropy"] == 3
+
+
+def test_uneven_ends_that_do_not_split_into_chunks_name_the_knobs(three):
+    knobs = dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=3, last_stage_layers=1)
+    with pytest.raises(ConfigError, match="virtual_stages=3: each device's layers must split"):
+        get_space("megatron").build(three, knobs)

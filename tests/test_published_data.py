@@ -154,7 +154,7 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
         shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")
     csv_path = tmp_path / "llama3-2024.csv"
     text = csv_path.read_text()
-    csv_path.write_text(text.replace(",1,7,7,,1,1f1b,", ",1,7,x,,1,1f1b,", 1))
+    csv_path.write_text(text.replace(",1,7,7,,8,interleaved,", ",1,7,x,,8,interleaved,", 1))
     with pytest.raises(ConfigError, match="'last_stage_layers' is 'x'"):
         load_set(tmp_path / "llama3-2024.json")
     csv_path.write_text(text.replace(",7,7,ring,", ",7,7,wide,", 1))

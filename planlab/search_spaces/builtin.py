@@ -16,7 +16,15 @@ from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
-from planlab.search_spaces.stages import FIRST, LAST, explored_ends, layer_stages, layers_per_stage, uneven_problem
+from planlab.search_spaces.stages import (
+    FIRST,
+    LAST,
+    chunk_layers,
+    explored_ends,
+    layer_stages,
+    layers_per_stage,
+    uneven_problem,
+)
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
 
 
@@ -356,7 +364,24 @@ def stages_by_layer(
         if stage[op.name] == -1:
             cons = [stage[c.name] for t in op.outputs for c in g.consumers.get(t, [])]
             stage[op.name] = min(cons) if cons else 0
+    if counts and 0 in (counts[0], counts[-1]):
+        pin_ends_to_empty_stages(g, stage, counts)
     return stage
+
+
+def pin_ends_to_empty_stages(g: Graph, stage: dict[str, int], counts: tuple[int, ...]) -> None:
+    """A first stage of no layer runs what comes before the first layer (the embedding), a last
+    stage of no layer what comes after the last (the output layer and the loss), in place."""
+    in_layer = [bool(LAYER_MODULE.search(op.module)) for op in g.operators]
+    if True not in in_layer:
+        return
+    first = in_layer.index(True)
+    last = len(in_layer) - 1 - in_layer[::-1].index(True)
+    for i, op in enumerate(g.operators):
+        if counts[0] == 0 and i < first:
+            stage[op.name] = 0
+        elif counts[-1] == 0 and i > last:
+            stage[op.name] = len(counts) - 1
 
 
 def pipeline_schedules() -> tuple[str, ...]:
@@ -404,10 +429,16 @@ def uneven_stage_constraints() -> tuple[Constraint, ...]:
             lambda a, c: uneven_problem(c.layers, a["pp"], *ends(a)) or "",
         ),
         Constraint(
-            lambda a, c: ends(a) == (0, 0) or a["virtual_stages"] in (None, 1) and _recycles(c) == 1,
+            lambda a, c: ends(a) == (0, 0) or _recycles(c) == 1 and uneven_chunks_fit(c.layers, a),
             lambda a, c: (
-                f"{FIRST}={ends(a)[0]}, {LAST}={ends(a)[1]} set uneven end stages of one model chunk "
-                f"per device: they need virtual_stages=1, not {a['virtual_stages']}, and a model that does not recycle"
+                f"{FIRST}={ends(a)[0]}, {LAST}={ends(a)[1]} with virtual_stages={a['virtual_stages']}: "
+                + (
+                    "uneven end stages need a model that does not recycle"
+                    if _recycles(c) > 1
+                    else "each device's layers must split into its model chunks evenly, but for the first "
+                    "device's first chunk and the last device's last chunk (0 to a chunk's layers each); "
+                    "choose virtual_stages=1 or one that divides the middle stages' layers"
+                )
             ),
         ),
     )
@@ -440,6 +471,16 @@ def dualpipe_constraint() -> Constraint:
             f"from each end: it needs an even pp and an even microbatch, not pp={a['pp']}, microbatch={a.get('microbatch')}"
         ),
     )
+
+
+def uneven_chunks_fit(layers: int, a: dict) -> bool:
+    """Whether uneven end stages split into ``virtual_stages`` model chunks a device
+    (:func:`planlab.search_spaces.stages.chunk_layers`); true while a knob is unassigned."""
+    v, pp = a["virtual_stages"], a["pp"]
+    if v in (None, 1) or pp is None or None in ends_or_none(a):
+        return True
+    counts = layers_per_stage(layers, pp, a.get(FIRST) or 0, a.get(LAST) or 0)
+    return counts is None or chunk_layers(counts, v) is not None
 
 
 def ends_or_none(a: dict) -> tuple:
@@ -477,10 +518,10 @@ class PipelineParallel(Space):
         ),
         Knob.int(
             "virtual_stages",
-            lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0),
+            lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0 or (c.layers + 2) % v == 0),
             "model chunks per device (interleaved schedule)",
             default=1,
-            range="1, 2, 3, 4, 6 or 8 that divide the layers",
+            range="1, 2, 3, 4, 6 or 8 that divide the layers (or the layers + 2, with uneven end stages)",
         ),
         *uneven_stage_knobs(),
     )
@@ -491,7 +532,10 @@ class PipelineParallel(Space):
         dualpipe_constraint(),
         Constraint(
             lambda a, c: (
-                a["pp"] is None or a["virtual_stages"] in (None, 1) or c.layers % (a["pp"] * a["virtual_stages"]) == 0
+                a["pp"] is None
+                or a["virtual_stages"] in (None, 1)
+                or c.layers % (a["pp"] * a["virtual_stages"]) == 0
+                or (a.get(FIRST) or a.get(LAST))  # uneven ends: uneven_stage_constraints
             ),
             lambda a, c: (
                 f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the model's {c.layers} layers"
@@ -553,6 +597,8 @@ class PipelineParallel(Space):
         draft.schedule = values.get("schedule") or "1f1b"
         if pp * v > 1:
             counts = uneven_counts(draft.ctx.layers, pp, values)
+            if counts is not None and v > 1:
+                counts = chunk_layers(counts, v)
             draft.stages = pipeline_stages(draft.ctx.graph, pp * v, draft.ctx.layers, counts)
 
 

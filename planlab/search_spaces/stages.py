@@ -110,6 +110,34 @@ def explored_ends(layers: int, pps: tuple[int, ...]) -> tuple[tuple[int, ...], t
     return (0,) + tuple(sorted(firsts)), (0,) + tuple(sorted({v for _, (_, v) in pairs}))
 
 
+def chunk_layers(counts: tuple[int, ...], chunks: int) -> tuple[int, ...] | None:
+    """Per stage of an interleaved schedule over ``chunks`` model chunks a device (stage
+    ``c * pp + d`` is device ``d``'s chunk ``c``), its layer count, for the per-device ``counts``
+    of uneven end stages; None when they do not split so. Every chunk holds ``q`` layers (a middle
+    device's count over ``chunks``); the first device's first chunk and the last device's last
+    chunk hold what their ends leave, 0 to ``q``: a chunk of 0 layers runs only the embedding (first)
+    or the output layer and the loss (last). This is Llama 3's balanced interleaved pipeline (one
+    layer fewer on the first and the last stage, the first chunk of the first stage holding only
+    the embedding and the last chunk of the last only the output and the loss; Llama 3 paper,
+    section 3.3.2) and Megatron-Core's ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split`` with virtual pipeline stages."""
+    pp = len(counts)
+    if chunks == 1:
+        return tuple(counts)
+    if pp < 2 or chunks < 1:
+        return None
+    middle = set(counts[1:-1])
+    if len(middle) > 1 or (middle and next(iter(middle)) % chunks):
+        return None
+    q = next(iter(middle)) // chunks if middle else -(-max(counts) // chunks)
+    first, last = counts[0] - q * (chunks - 1), counts[-1] - q * (chunks - 1)
+    if q < 1 or not (0 <= first <= q and 0 <= last <= q):
+        return None
+    out = [q] * (pp * chunks)
+    out[0], out[-1] = first, last
+    return tuple(out)
+
+
 def layer_stages(layers: int, counts: tuple[int, ...]) -> tuple[int, ...]:
     """Per layer, its stage, for per-stage layer ``counts`` (in order)."""
     return tuple(s for s, n in enumerate(counts) for _ in range(n))
