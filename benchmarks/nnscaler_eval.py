@@ -117,6 +117,8 @@ WORKLOADS = (
     ),
 )
 
+LABELS = tuple(dict.fromkeys(r.label for w in WORKLOADS for r in w.runs))
+
 
 def cluster_for(gpus: int, folder: Path) -> tuple[str, int]:
     """The cluster (a built-in name or a spec file written to ``folder``) and node count for ``gpus``
@@ -166,6 +168,8 @@ class Best:
     plans: int
     took_s: float
     note: str = ""
+    cpu_s: float = 0.0  # CPU seconds of this process and its finished workers
+    phases: str = ""  # explore's phases (trace, screen, simulate, ...) and counts
 
 
 def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None) -> Best:
@@ -174,7 +178,7 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
     import planlab
     from planlab.errors import PlanlabError
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     try:
         df = planlab.explore(
             w.preset,
@@ -188,17 +192,34 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
             out=None if out is None else out / w.key / r.label.replace("*", "x"),
         )
     except PlanlabError as e:
-        return Best(r, None, None, "", 0, time.perf_counter() - t0, f"not explored: {e}")
-    took = time.perf_counter() - t0
+        return Best(r, None, None, "", 0, time.perf_counter() - t0, f"not explored: {e}", cpu_seconds() - c0)
+    took, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     ok = df[df["feasible"].astype(bool) & df["simulated"].astype(bool)]
+    how = phases_of(df)
     if ok.empty:
         reasons = df["reason"].dropna().astype(str).value_counts()
         why = reasons.index[0] if len(reasons) else "no plan"
-        return Best(r, None, None, "", len(df), took, f"none fits ({why})")
+        return Best(r, None, None, "", len(df), took, f"none fits ({why})", cpu, how)
     row = ok.sort_values("iter_time_s").iloc[0]
-    return Best(
-        r, float(row["iter_time_s"]), float(row["peak_mem_gib"]), describe(row, knob_names(r.space)), len(df), took
-    )
+    knobs = describe(row, knob_names(r.space))
+    return Best(r, float(row["iter_time_s"]), float(row["peak_mem_gib"]), knobs, len(df), took, "", cpu, how)
+
+
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process and of its children that have ended (explore's
+    ``--jobs`` workers are joined before it returns)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def phases_of(df) -> str:
+    """``trace 3 s, screen 10 s, simulate 40 s (16 of 72 simulated)``: where an exploration's time went."""
+    ph, counts = df.attrs.get("phases", {}), df.attrs.get("counts", {})
+    names = ("trace", "enumerate", "screen", "simulate")
+    parts = [f"{n} {ph[n + '_s']:.0f} s" for n in names if n + "_s" in ph]
+    rest = ph.get("total_s", 0.0) - sum(ph.get(n + "_s", 0.0) for n in names)
+    parts.append(f"rank {rest:.0f} s")
+    return ", ".join(parts) + f" ({counts.get('simulated', 0)} of {counts.get('plans', len(df))} simulated)"
 
 
 def speedups(b: Best, bests: dict[str, Best]) -> list[str]:
@@ -211,16 +232,25 @@ def speedups(b: Best, bests: dict[str, Best]) -> list[str]:
     return out
 
 
-def run_workload(w: Workload, *, jobs: int, specs: Path, out: Path | None) -> dict[str, Best]:
-    """Explore every space of ``w``, printing one line per space as it finishes."""
+def run_workload(
+    w: Workload, *, jobs: int, specs: Path, out: Path | None, labels: tuple[str, ...] = ()
+) -> dict[str, Best]:
+    """Explore every space of ``w`` (with ``labels``, those only), printing one line per space as it finishes."""
     cluster, nodes = cluster_for(w.gpus, specs)
     print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}")
     bests: dict[str, Best] = {}
+    t0, c0 = time.perf_counter(), cpu_seconds()
     for r in w.runs:
+        if labels and r.label not in labels:
+            continue
         b = explore_run(w, r, cluster, nodes, jobs, out)
         bests[r.label] = b
         fig = f"{b.time_s:.3f} s, {b.mem_gib:.1f} GiB  {b.knobs}" if b.time_s is not None else b.note
-        print(f"  {r.label:<13} {b.plans:>4} plans, {b.took_s:5.0f} s: {fig}", flush=True)
+        print(f"  {r.label:<13} {b.plans:>4} plans, {b.took_s:5.0f} s ({b.cpu_s:.0f} s CPU): {fig}", flush=True)
+        if b.phases:
+            print(f"  {'':<13} {b.phases}", flush=True)
+    load = os.getloadavg()[0]
+    print(f"  ({w.key}: {time.perf_counter() - t0:.0f} s wall, {cpu_seconds() - c0:.0f} s CPU, load {load:.1f})")
     return bests
 
 
@@ -256,6 +286,9 @@ def summary(results: dict[str, dict[str, Best]]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="", help="comma-separated keys: " + ",".join(w.key for w in WORKLOADS))
+    ap.add_argument(
+        "--spaces", default="", help="comma-separated labels to explore (default: all): " + ",".join(LABELS)
+    )
     ap.add_argument("--jobs", type=int, default=2, help="plans simulated in parallel")
     ap.add_argument("--specs", default="out/nnscaler_specs", help="folder for the 4- and 8-GPU cluster spec files")
     ap.add_argument("--out", help="folder for each exploration's results.csv, best_plan.json and plots")
@@ -265,17 +298,22 @@ def main() -> int:
     if unknown:
         print(f"unknown workload(s) {unknown}; expected some of {[w.key for w in WORKLOADS]}", file=sys.stderr)
         return 2
+    labels = tuple(x for x in a.spaces.split(",") if x)
+    if set(labels) - set(LABELS):
+        print(f"unknown space label(s) {sorted(set(labels) - set(LABELS))}; expected some of {LABELS}", file=sys.stderr)
+        return 2
     if a.jobs < 1:
         print(f"--jobs {a.jobs}: expected an integer >= 1", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     by_key = {w.key: w for w in WORKLOADS}
     out = None if a.out is None else Path(a.out)
-    results = {k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out) for k in keys}
+    results = {k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels) for k in keys}
     print_table(results)
     summary(results)
     load = os.getloadavg()
-    print(f"\n(total {time.perf_counter() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    print(f"\n(total {wall:.0f} s wall, {cpu:.0f} s CPU; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
     return 0
 
 
