@@ -86,10 +86,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated workload keys")
     ap.add_argument("--timelines", default=None, help="write both best plans' timelines there")
+    ap.add_argument("--set", action="append", default=[], help="KNOB=VALUE pinned in both spaces (a slice of the grid)")
+    ap.add_argument("--candidates", type=int, default=None, help="plans simulated per space (default: explore's)")
     args = ap.parse_args()
     import planlab
 
+    from planlab.explore import DEFAULT_CANDIDATES
+
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
+    fixed = dict(kv.split("=", 1) for kv in args.set)
+    if fixed:
+        print(f"pinned in both spaces: {fixed} (a slice of the grid, not the full grid)")
     t0, cpu0 = time.perf_counter(), time.process_time()
     ratios = []
     for w in chosen:
@@ -105,6 +112,8 @@ def main() -> None:
                 space=space,
                 jobs=args.jobs,
                 out=out,
+                fixed=fixed,
+                candidates=args.candidates or DEFAULT_CANDIDATES,
             )
             ok = df[df["feasible"] == True]  # noqa: E712
             best[label] = ok.iloc[0] if len(ok) else None
