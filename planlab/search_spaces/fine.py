@@ -30,7 +30,7 @@ from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
 from planlab.search_spaces.fine_costs import StageCosts, stage_costs
 from planlab.search_spaces.registry import register_space
-from planlab.search_spaces.screen import Screen
+from planlab.search_spaces.screen import GroupCost, Screen
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 from planlab.search_spaces.stages import StageLayout, layout_problem
 
@@ -43,7 +43,9 @@ def in_flight(schedule: str, stage: int, stages: int, m: int) -> int:
     return m if schedule == "gpipe" else min(m, stages - stage)
 
 
-def solve_layout(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b"):
+def solve_layout(
+    c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b"
+) -> StageLayout | None:
     """The :class:`StageLayout` minimizing the pipeline's time under ``cap_bytes`` per device
     (HiGHS), or None when no layout fits."""
     G = stages
@@ -100,10 +102,8 @@ def solve_layout(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: flo
     )
 
 
-def _extras(c: StageCosts, s: int, G: int):
+def _extras(c: StageCosts, s: int, G: int) -> GroupCost:
     """Stage ``s``'s extras: the first stage's, the last's, or both's on one stage."""
-    from planlab.search_spaces.screen import GroupCost
-
     parts = ([c.first] if s == 0 else []) + ([c.last] if s == G - 1 else [])
     return GroupCost(
         *(sum(getattr(p, f) for p in parts) for f in ("time_s", "sync_s", "static_bytes", "saved_bytes", "work_bytes"))
