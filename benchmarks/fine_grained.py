@@ -67,6 +67,7 @@ def _draft(w: Workload, row, space: str):
     ctx, cost, graph = make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
     sp = get_space(space)
     knobs = {k.name: row[k.name] for k in sp.all_knobs() if k.name in row and str(row[k.name]) not in ("nan", "None")}
+    knobs = {k: (v.item() if hasattr(v, "item") else v) for k, v in knobs.items()}  # numpy scalars from pandas
     knobs = {k: (int(v) if isinstance(v, float) and v == int(v) else v) for k, v in knobs.items()}
     return sp.draft(ctx, sp.with_defaults(knobs)), cost, graph
 
