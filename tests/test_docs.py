@@ -155,6 +155,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model gpt-tiny --cluster cpu --nodes 2 --global-batch 8 --space alpa": Run(),
     "PYTHONPATH=. planlab explore --model gpt-small --cluster cpu --nodes 4 --global-batch 8 --space myspaces:space "
     "--top 5": Run(),
+    "planlab explore --model gpt-tiny --cluster cpu --nodes 4 --global-batch 8 --space 'megatron*fine' "
+    "--model-arg layers=5 --set pp=2": Run(),
     "planlab explore --model evoformer-tiny --model-arg recycles=3 --cluster cpu --nodes 2 --global-batch 4 "
     "--space 3f1b": Run(),
     "planlab explore --model gpt --model-arg layers=2 --model-arg hidden=32 --model-arg heads=4 --model-arg seq=16 "
@@ -189,6 +191,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/nnscaler_eval.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/nnscaler_eval.py --workloads swin-4 --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/explore_speed.py": Benchmark(),
+    ".venv/bin/python benchmarks/fine_grained.py --jobs 1 --timelines fine-timelines": Benchmark(),
     ".venv/bin/python benchmarks/checkpoint_reshard.py": Benchmark(),
     ".venv/bin/python benchmarks/executor_overhead.py --model gpt-small --batch 8 --steps 30 --repeats 7": Benchmark(),
     ".venv/bin/python benchmarks/executor_memory.py": Benchmark(),

@@ -107,6 +107,8 @@ class Plan:
     software: str = ""  # the training software it is priced with (a built-in name or a file); "": the cluster's default
     precision: str = ""  # the software's precision ("bf16", "fp16", "fp8", "fp32"); "": the device's default
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and the step in host memory, on the host CPU
+    # with offload_optimizer, the devices whose first pipeline stage is listed offload (empty: all)
+    offload_stages: tuple[int, ...] = ()
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
@@ -163,6 +165,7 @@ class PlanBuilder:
         self._microbatches = 1
         self._zero = 0
         self._offload_optimizer = False
+        self._offload_stages: tuple[int, ...] = ()
 
     # -- the three primitives --------------------------------------------------
     def op_trans(self, op: str, dim: str | None, n: int) -> None:
@@ -262,14 +265,20 @@ class PlanBuilder:
             raise InfeasiblePlan(f"zero stage {stage!r}: choose {choices(ZERO_STAGES)}")
         self._zero = stage
 
-    def offload_optimizer(self, on: bool = True) -> None:
+    def offload_optimizer(self, on: bool = True, stages: tuple[int, ...] = ()) -> None:
         """ZeRO-Offload (Ren et al., USENIX ATC'21): the fp32 master weights and Adam's states live
         in host memory; after their reduction the gradients go device to host, the host CPU steps
         Adam, the updated weights come back host to device (:mod:`planlab.plan.passes.offload`).
-        Composes with ZeRO stages 0 to 2: each device offloads what it steps (a shard under ZeRO)."""
+        Composes with ZeRO stages 0 to 2: each device offloads what it steps (a shard under ZeRO).
+        ``stages`` limits it to the devices whose first pipeline stage is listed (empty: every device)."""
         if not isinstance(on, bool):
             raise InfeasiblePlan(f"offload_optimizer({on!r}): expected True or False")
+        if not isinstance(stages, tuple) or not all(isinstance(s, int) and s >= 0 for s in stages):
+            raise InfeasiblePlan(f"offload_optimizer stages={stages!r}: expected a tuple of stage numbers >= 0")
+        if stages and not on:
+            raise InfeasiblePlan(f"offload_optimizer stages={stages!r} with offload off: turn it on or give no stages")
         self._offload_optimizer = on
+        self._offload_stages = tuple(sorted(set(stages)))
 
     def microbatch(self, m: int) -> None:
         """Split the batch into ``m`` micro-batches run one after another on the same devices
@@ -315,4 +324,5 @@ class PlanBuilder:
             knobs=tuple(sorted(self.knobs.items())),
             zero=self._zero,
             offload_optimizer=self._offload_optimizer,
+            offload_stages=self._offload_stages,
         )

@@ -61,6 +61,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "device_schedule": device_schedule,
         **({"zero": plan.zero} if plan.zero else {}),
         **({"offload_optimizer": True} if plan.offload_optimizer else {}),
+        **({"offload_stages": list(plan.offload_stages)} if plan.offload_stages else {}),
         **({"software": plan.software} if plan.software else {}),
         **({"precision": plan.precision} if plan.precision else {}),
     }
@@ -124,6 +125,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         knobs=tuple(sorted(knobs.items())),
         zero=_zero(d, where),
         offload_optimizer=_offload(d, where),
+        offload_stages=_offload_stages(d, where),
         software=_optional_text(d, "software", where),
         precision=_optional_text(d, "precision", where),
     )
@@ -279,6 +281,17 @@ def _offload(d: dict, where: str) -> bool:
     if not isinstance(on, bool):
         raise PlanFileError(f"{where}: field 'offload_optimizer' must be true or false, got {on!r}")
     return on
+
+
+def _offload_stages(d: dict, where: str) -> tuple[int, ...]:
+    stages = d.get("offload_stages", [])
+    if not isinstance(stages, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stages
+    ):
+        raise PlanFileError(f"{where}: field 'offload_stages' must be a list of stage numbers >= 0, got {stages!r}")
+    if stages and not d.get("offload_optimizer", False):
+        raise PlanFileError(f"{where}: field 'offload_stages' needs 'offload_optimizer': true")
+    return tuple(sorted(set(stages)))
 
 
 def _check_counts(counts: dict[str, int], schedule: list, ops: list, where: str) -> None:

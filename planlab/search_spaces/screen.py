@@ -293,6 +293,15 @@ class Screen:
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
+    def price(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, zero: int, offload: bool, **kw):
+        """A group's figures under 1F1B (no zero-bubble split), as :meth:`estimate` prices them
+        (``regather`` and ``order`` as there)."""
+        return self._price(p, pid, sizes, m, zero, False, kw.get("regather", False), kw.get("order", ()), offload)
+
+    def p2p_s(self, nbytes: float, src: int, dst: int, per: int) -> float:
+        """A transfer of ``nbytes`` between pipeline groups ``src`` and ``dst`` of ``per`` devices each."""
+        return self._p2p_s(nbytes, src, dst, per)
+
     def _micro_s(
         self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, order: tuple[int, ...] = ()
     ) -> tuple[float, ...]:
@@ -484,7 +493,8 @@ class Screen:
         for r in range(G):
             p = s.profiles[r]
             regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
-            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order, d.offload_optimizer)
+            off = d.offload_optimizer and (not d.offload_stages or r in d.offload_stages)
+            c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order, off)
             prices.append(c)
             pp = sum(
                 n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
@@ -534,6 +544,48 @@ class Screen:
             bubble_s=pipe - m * t_max,
             grad_sync_s=max(syncs),
         )
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """One pipeline device group's figures from the screen (seconds and bytes per device): its time
+    per micro-batch (forward, backward, collectives and pipeline transfers), its gradient
+    reduction and optimizer step, its static memory, the activations one micro-batch keeps for
+    the backward, and its working set."""
+
+    time_s: float
+    sync_s: float
+    static_bytes: float
+    saved_bytes: float
+    work_bytes: float
+    p2p_s: float = 0.0  # the pipeline transfers into the group (part of time_s)
+
+
+def group_costs(screen: Screen, d: Draft, offload: tuple[bool, ...] = ()) -> list[GroupCost]:
+    """Per device group of ``d`` (one model chunk per group), its :class:`GroupCost`; ``offload[r]``
+    prices group ``r``'s optimizer in host memory (default: ``d.offload_optimizer``). The fine-grained
+    space reads per-layer costs from it (planlab/search_spaces/fine_costs.py), on a probe with more
+    groups than the cluster has: a transfer between groups is priced between the devices of those
+    groups modulo the cluster's pipeline ranks."""
+    s = screen.structure(d)
+    sizes = tuple(x for _, x in d.axes)
+    m = d.microbatches
+    regather = d.zero >= 3 and bool(d.recompute) and screen.cost.software.zero3_regather_for_recompute
+    ranks = d.ctx.num_devices // d.per_group
+    out = []
+    for r in range(d.groups):
+        p = s.profiles[r]
+        off = offload[r] if offload else d.offload_optimizer
+        c = screen.price(p, s.ids[r], sizes, m, d.zero, off, regather=regather, order=d.stage_order)
+        p2p = sum(
+            n * screen.p2p_s(numel / (m if batch else 1) * eb, src % ranks, r % ranks, d.per_group)
+            for (numel, batch, eb, src), n in s.p2p[r]
+            if ranks > 1
+        )
+        saved = sum(b / m + o for _, (b, o) in p.saved)
+        work = 2 * p.work / m + c.gathered_bytes
+        out.append(GroupCost(c.fwd_s + c.bwd_s + c.comm_s + p2p, c.sync_s, c.static_bytes, saved, work, p2p))
+    return out
 
 
 def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:

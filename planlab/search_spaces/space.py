@@ -59,6 +59,8 @@ class Draft:
     recompute: dict[str, int] = field(default_factory=dict)
     zero: int = 0
     offload_optimizer: bool = False  # ZeRO-Offload (planlab.plan.passes.offload)
+    offload_stages: tuple[int, ...] = ()  # with offload_optimizer: only the groups of these first stages (empty: all)
+    layout: Any = None  # the per-stage StageLayout the fine space chose (planlab/search_spaces/stages.py), if any
     axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
     colocate: dict[str, tuple[str, int]] = field(default_factory=dict)  # op -> (dim, k): coshard
@@ -188,7 +190,7 @@ class Draft:
         )
         b.microbatch(self.microbatches)
         b.zero(self.zero)
-        b.offload_optimizer(self.offload_optimizer)
+        b.offload_optimizer(self.offload_optimizer, self.offload_stages)
         self.issue(b, rules, space)
         return b.build()
 

@@ -9,6 +9,8 @@ same, 0 meaning "an even share" (Megatron's unset). Pure functions of integers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 FIRST, LAST = "first_stage_layers", "last_stage_layers"
 
 
@@ -141,3 +143,41 @@ def chunk_layers(counts: tuple[int, ...], chunks: int) -> tuple[int, ...] | None
 def layer_stages(layers: int, counts: tuple[int, ...]) -> tuple[int, ...]:
     """Per layer, its stage, for per-stage layer ``counts`` (in order)."""
     return tuple(s for s, n in enumerate(counts) for _ in range(n))
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Per pipeline stage (in order): its layer count (any counts that add up to the model's
+    layers), how many of its layers recompute in the backward (the first ones of the stage:
+    Megatron-LM's ``--recompute-method block --recompute-num-layers``, per stage), and whether its
+    devices keep the optimizer in host memory (ZeRO-Offload, per stage). The fine-grained space
+    (planlab/search_spaces/fine.py) chooses one per plan; :func:`layout_problem` checks one."""
+
+    layers: tuple[int, ...]
+    recompute: tuple[int, ...] = ()  # empty: none
+    offload: tuple[bool, ...] = ()  # empty: none
+
+    def recomputed(self, stage: int) -> int:
+        return self.recompute[stage] if self.recompute else 0
+
+    def offloads(self, stage: int) -> bool:
+        return bool(self.offload[stage]) if self.offload else False
+
+
+def layout_problem(layout: StageLayout, layers: int, pp: int) -> str | None:
+    """None if ``layout`` fits ``layers`` on ``pp`` stages, else one line naming the knob, its
+    value and what fits."""
+    counts = layout.layers
+    if not isinstance(counts, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        return f"stage_layers={counts!r}: expected a tuple of {pp} integers, one per stage"
+    if len(counts) != pp:
+        return f"stage_layers={counts}: {len(counts)} counts for pp={pp} stages; give {pp} counts"
+    if min(counts) < 1 or sum(counts) != layers:
+        return f"stage_layers={counts}: {pp} counts of at least 1 each that add up to the model's {layers} layers expected (these add up to {sum(counts)})"
+    rc = layout.recompute
+    if rc and (len(rc) != pp or not all(isinstance(k, int) and 0 <= k <= n for k, n in zip(rc, counts))):
+        return f"stage_recompute={rc}: expected {pp} counts, each from 0 to its stage's layers {counts}"
+    off = layout.offload
+    if off and (len(off) != pp or not all(isinstance(o, bool) for o in off)):
+        return f"stage_offload={off}: expected {pp} booleans, one per stage"
+    return None

@@ -31,12 +31,15 @@ def host_bytes_per_param(precision: Precision) -> int:
 def offload_optimizer(d: Draft) -> Draft:
     """With ``plan.offload_optimizer``, every optimizer task of the update blocks (``STEP`` and
     ``SHARD_STEPS``) becomes copy to host, step on the host CPU, copy to device (see the module
-    docstring). Records nothing else: liveness leaves static host buffers out of device memory."""
+    docstring); with ``plan.offload_stages``, only on the devices whose first pipeline stage is listed. Records nothing else: liveness leaves static host buffers out of device memory."""
     if not d.plan.offload_optimizer:
         return d
+    only = set(d.plan.offload_stages)
     parts = dict(d.parts)
     for key, tasks in d.parts.items():
         if key[3] not in (Part.STEP, Part.SHARD_STEPS) or not any(t.kind is TaskKind.OPTIMIZER for t in tasks):
+            continue
+        if only and key[1][0] not in only:  # per-stage: the device's update block runs in its first stage
             continue
         out: list[Task] = []
         for t in tasks:

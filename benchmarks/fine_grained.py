@@ -1,0 +1,158 @@
+"""The fine-grained space against the full Megatron grid on standard language-model workloads.
+
+Issue 18, item 3. For each workload this script explores ``megatron`` (Megatron-LM's whole grid:
+tp x pp x dp x micro-batch x schedule x recompute x sequence parallelism x ZeRO, uneven end
+stages) and ``megatron*fine`` (each grid point's per-stage layers, recomputed layers and
+offloading chosen by an integer program, planlab/search_spaces/fine.py), and prints per workload
+the best simulated plan of each: iteration time, peak memory, knobs, the fine plan's per-stage
+layout, and the speedup of the fine plan over the grid's; then the geometric mean.
+
+Workloads (shapes from planlab/models/registry.py):
+- GPT-3 175B, sequence 2048, global batch 1536: Narayanan et al., SC'21 ("Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM"), Table 1's 175B row; on 512 and
+  1,024 A100 80 GB (DGX A100) and 1,024 H100 (DGX H100).
+- LLaMA-3 70B and 405B, sequence 8192, global batch 512 sequences (4M tokens, the Llama 3 paper's
+  first batch size, Dubey et al. 2024, section 3.4.1): 70B on 64 A100 and 256 H100, 405B on 1,024 H100.
+
+With ``--timelines DIR`` the best plans' simulated timelines (timeline.png, memory.png) are written
+per workload and space, and the per-stage times per micro-batch of both plans (the screen's) printed.
+
+Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only gpt3-a100-512,...] [--timelines DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    model: str
+    cluster: str
+    nodes: int
+    global_batch: int
+
+
+WORKLOADS = (
+    Workload("gpt3-175b-a100-512", "gpt3-175b", "dgx-a100-80g", 64, 1536),
+    Workload("gpt3-175b-a100-1024", "gpt3-175b", "dgx-a100-80g", 128, 1536),
+    Workload("gpt3-175b-h100-1024", "gpt3-175b", "dgx-h100", 128, 1536),
+    Workload("llama3-70b-a100-64", "llama3-70b", "dgx-a100-80g", 8, 512),
+    Workload("llama3-70b-h100-256", "llama3-70b", "dgx-h100", 32, 512),
+    Workload("llama3-405b-h100-1024", "llama3-405b", "dgx-h100", 128, 512),
+)
+SPACES = (("grid", "megatron"), ("fine", "megatron*fine"))
+KNOBS = ("tp", "pp", "dp", "microbatch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+
+
+def _knobs(row) -> str:
+    return " ".join(
+        f"{k}={row[k]}" for k in KNOBS + ("fine_offload",) if k in row and str(row[k]) not in ("nan", "None")
+    )
+
+
+def _draft(w: Workload, row, space: str):
+    """The draft of the plan of ``row`` in ``space``, with the workload's cost model and graph."""
+    from planlab.explore import Setup, make_context
+    from planlab.models import ModelSpec
+    from planlab.search_spaces import get_space
+
+    ctx, cost, graph = make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
+    sp = get_space(space)
+    knobs = {k.name: row[k.name] for k in sp.all_knobs() if k.name in row and str(row[k.name]) not in ("nan", "None")}
+    knobs = {k: (v.item() if hasattr(v, "item") else v) for k, v in knobs.items()}  # numpy scalars from pandas
+    knobs = {k: (int(v) if isinstance(v, float) and v == int(v) else v) for k, v in knobs.items()}
+    return sp.draft(ctx, sp.with_defaults(knobs)), cost, graph
+
+
+def _stage_times(w: Workload, row, space: str) -> str:
+    """Per pipeline group, the screen's time per micro-batch (ms) of the plan of ``row``."""
+    from planlab.search_spaces.screen import Screen, group_costs
+
+    d, cost, graph = _draft(w, row, space)
+    if d.chunks != 1:
+        return "(interleaved: per-chunk times not shown)"
+    return " ".join(f"{g.time_s * 1e3:.0f}" for g in group_costs(Screen(graph, cost, cost.precision), d))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated workload keys")
+    ap.add_argument("--timelines", default=None, help="write both best plans' timelines there")
+    ap.add_argument("--set", action="append", default=[], help="KNOB=VALUE pinned in both spaces (a slice of the grid)")
+    ap.add_argument("--candidates", type=int, default=None, help="plans simulated per space (default: explore's)")
+    args = ap.parse_args()
+    import planlab
+
+    from planlab.explore import DEFAULT_CANDIDATES
+
+    chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
+    fixed = dict(kv.split("=", 1) for kv in args.set)
+    if fixed:
+        print(f"pinned in both spaces: {fixed} (a slice of the grid, not the full grid)")
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    ratios = []
+    for w in chosen:
+        best = {}
+        for label, space in SPACES:
+            s0 = time.perf_counter()
+            out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
+            df = planlab.explore(
+                w.model,
+                cluster=w.cluster,
+                nodes=w.nodes,
+                global_batch=w.global_batch,
+                space=space,
+                jobs=args.jobs,
+                out=out,
+                fixed=fixed,
+                candidates=args.candidates or DEFAULT_CANDIDATES,
+            )
+            ok = df[df["feasible"] == True]  # noqa: E712
+            best[label] = ok.iloc[0] if len(ok) else None
+            c = df.attrs["counts"]
+            print(
+                f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
+                f"{time.perf_counter() - s0:.0f} s; load {os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+            )
+        g, f = best["grid"], best["fine"]
+        print(f"\n{w.key}: {w.model} on {w.nodes} x {w.cluster}, global batch {w.global_batch}")
+        for label, r in (("grid", g), ("fine", f)):
+            if r is None:
+                print(f"  {label}: no simulated plan fits")
+                continue
+            print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
+        if g is None or f is None:
+            continue
+        lay = _draft(w, f, "megatron*fine")[0].layout
+        if lay is not None:
+            print(f"  fine layout: layers {lay.layers}, recomputed {lay.recompute}, offloaded {lay.offload}")
+        ratio = g["iter_time_s"] / f["iter_time_s"]
+        ratios.append(ratio)
+        print(f"  speedup fine / grid: {ratio:.3f}x")
+        if args.timelines:
+            print(f"  per-stage ms per micro-batch (screen): grid {_stage_times(w, g, 'megatron')}")
+            print(f"                                         fine {_stage_times(w, f, 'megatron*fine')}")
+    if ratios:
+        gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(
+            f"\ngeometric mean speedup over {len(ratios)} workloads: {gm:.3f}x (target 1.10x); min {min(ratios):.3f}x, max {max(ratios):.3f}x"
+        )
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(
+        f"wall {time.perf_counter() - t0:.0f} s, CPU {time.process_time() - cpu0:.0f} s (+ workers "
+        f"{ch.ru_utime + ch.ru_stime:.0f} s), load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The fine-grained space: per-stage layer counts, recomputation and offloading chosen by an
+integer program (HiGHS) over per-layer costs; its choices on hand-checkable cases, its refusals,
+and a fine plan's numerics on gloo."""
+
+import pytest
+
+from planlab.cli import GRAD_TOL, LOSS_TOL
+from planlab.errors import ConfigError, PlanFileError
+from planlab.executor import launch_local
+from planlab.plan import PlanBuilder, materialize, plan_from_json, plan_to_json
+from planlab.plan.plan_file import plan_to_dict
+from planlab.plan.program import Role
+from planlab.search_spaces import Context, get_space
+from planlab.search_spaces.fine import apply_layout, solve_layout
+from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.screen import GroupCost
+from planlab.simulator import find_deadlock
+
+from conftest import traced
+
+NONE = GroupCost(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _costs(first=NONE, last=NONE, **kw):
+    base = dict(
+        layer_s=1.0,
+        recompute_s=0.3,
+        sync_s=0.0,
+        offload_sync_s=0.0,
+        static_bytes=1.0,
+        offload_static_bytes=1.0,
+        saved_bytes=10.0,
+        recompute_saved_bytes=1.0,
+        work_bytes=0.0,
+        p2p_s=0.0,
+        first=first,
+        last=last,
+        can_offload=False,
+    )
+    return StageCosts(**{**base, **kw})
+
+
+def test_a_memory_limit_forces_recompute_on_the_first_stage_only():
+    # 1F1B keeps 2 micro-batches in flight on stage 0 of 2 and 1 on stage 1: 2 + 2 x 20 = 42 > 30
+    # bytes on stage 0 without recomputation, 2 + 2 x 11 = 24 with one layer recomputed; moving a
+    # layer to stage 1 instead costs more time (3 layers: 3 + 30 > 30 would need recompute there too)
+    got = solve_layout(_costs(), layers=4, stages=2, m=8, cap_bytes=30.0)
+    assert (got.layers, got.recompute, got.offload) == ((2, 2), (1, 0), (False, False))
+    # with room for everything, nothing recomputes
+    assert solve_layout(_costs(), layers=4, stages=2, m=8, cap_bytes=100.0).recompute == (0, 0)
+
+
+def test_a_heavy_output_layer_makes_the_last_stage_shorter():
+    # the last stage's head and loss take 2 layers' time: 4 + 2 layers balance at 4 and 2 + 2
+    head = GroupCost(2.0, 0.0, 0.0, 0.0, 0.0)
+    got = solve_layout(_costs(last=head), layers=6, stages=2, m=8, cap_bytes=1e9)
+    assert (got.layers, got.recompute) == ((4, 2), (0, 0))
+
+
+def test_offloading_goes_where_the_memory_is_short():
+    # optimizer states: 5 bytes a layer of 6 on the device; offloaded they leave (1), at a sync cost
+    c = _costs(static_bytes=6.0, offload_static_bytes=1.0, sync_s=0.01, offload_sync_s=0.05, can_offload=True)
+    got = solve_layout(c, layers=4, stages=2, m=8, cap_bytes=40.0)
+    # stage 0: 12 + 2 x 20 = 52 > 40; offloaded 2 + 40 = 42 > 40; recomputing one: 12 + 22 = 34 fits
+    assert got.offload == (False, False) and got.recompute == (1, 0)
+    # 33: stage 1 fits as it is (12 + 20); stage 0 offloads and recomputes one layer (2 + 22), which
+    # beats recomputing both (12 + 4) by 0.3 s a micro-batch for 0.08 s of sync
+    got = solve_layout(c, layers=4, stages=2, m=8, cap_bytes=33.0)
+    assert (got.layers, got.recompute, got.offload) == ((2, 2), (1, 0), (True, False))
+    assert solve_layout(c, layers=4, stages=2, m=8, cap_bytes=3.0) is None
+
+
+def _ctx(layers=3, n=2, cluster="cpu"):
+    spec, g = traced("gpt-tiny", 8, (("layers", layers),))
+    return Context(g, spec, 8, cluster, n if cluster == "cpu" else 1, n, 1), g
+
+
+def _fine_plan(layout, ctx):
+    space = get_space("megatron")
+    knobs = dict(pp=2, dp=1, tp=1, microbatch=2, recompute="none")
+    draft = space.draft(ctx, space.with_defaults(knobs))
+    apply_layout(draft, layout)
+    return draft.to_plan(space="megatron*fine", knobs=knobs)
+
+
+def test_bad_layouts_are_refused_in_one_line_naming_the_knob():
+    from planlab.search_spaces.stages import StageLayout
+
+    ctx, _ = _ctx()
+    for layout, match in (
+        (StageLayout((1, 1)), r"stage_layers=\(1, 1\).*add up to the model's 3 layers"),
+        (StageLayout((1, 1, 1)), r"3 counts for pp=2 stages"),
+        (StageLayout((2, 1), recompute=(3, 0)), r"stage_recompute=\(3, 0\).*from 0 to its stage's layers"),
+        (StageLayout((2, 1), offload=(True,)), r"stage_offload=\(True,\): expected 2 booleans"),
+    ):
+        with pytest.raises(ConfigError, match=match) as e:
+            _fine_plan(layout, ctx)
+        assert "\n" not in str(e.value)
+    with pytest.raises(Exception, match="stages=.*with offload off"):
+        PlanBuilder(
+            ctx.graph, model=ctx.model, global_batch=8, cluster="cpu", nodes=2, num_devices=2
+        ).offload_optimizer(False, (0,))
+
+
+def test_the_space_composes_with_the_grid_and_refuses_what_it_chooses_itself():
+    ctx, _ = _ctx(layers=4)
+    space = get_space("megatron*fine")
+    plans = list(space.assignments(ctx, {"pp": 2, "tp": 1}))
+    assert plans and all(p["recompute"] in ("none", "selective") for p in plans)
+    with pytest.raises(ConfigError, match="fine space chooses.*recompute='full'"):
+        space.build(ctx, dict(pp=2, tp=1, recompute="full"))
+    with pytest.raises(ConfigError, match="fine_offload=True on cluster 'cpu'"):
+        space.build(ctx, dict(pp=2, tp=1, fine_offload=True))
+    draft = space.draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
+    assert draft.layout is not None and sum(draft.layout.layers) == 4
+
+
+def test_a_per_stage_offloaded_plan_offloads_those_stages_only_and_round_trips():
+    from planlab.search_spaces.stages import StageLayout
+
+    ctx, g = _ctx(layers=3, cluster="dgx-a100-80g")
+    plan = _fine_plan(StageLayout((2, 1), (1, 0), (True, False)), ctx)
+    assert plan.offload_stages == (0,)
+    program = materialize(plan, g)
+    find_deadlock(program)
+    host_steps = {
+        d
+        for d, dp in enumerate(program.devices)
+        for b in dp.blocks.values()
+        for t in b.tasks
+        if t.role is Role.HOST_STEP
+    }
+    assert host_steps == {0}
+    assert plan_from_json(plan_to_json(plan)).offload_stages == (0,)
+    d = plan_to_dict(plan)
+    d["offload_optimizer"] = False
+    import json
+
+    with pytest.raises(PlanFileError, match="offload_stages.*needs 'offload_optimizer'"):
+        plan_from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "n, layout",
+    [(2, ((2, 1), (1, 0), (True, False))), pytest.param(4, ((2, 1), (0, 1)), marks=pytest.mark.slow)],
+)
+def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, layout):
+    """Stage 0 holds 2 of 3 layers and recomputes its own number of them (on 2 ranks it also keeps its
+    optimizer on the host, stage 1 not): two steps match one process."""
+    from planlab.search_spaces.stages import StageLayout
+
+    spec, g = traced("gpt-tiny", 8, (("layers", 3),))
+    ctx = Context(g, spec, 8, "cpu", n, n, 1)
+    space = get_space("megatron")
+    knobs = dict(pp=2, dp=n // 2, tp=1, microbatch=2, recompute="none")
+    draft = space.draft(ctx, space.with_defaults(knobs))
+    apply_layout(draft, StageLayout(*layout))
+    plan = draft.to_plan(space="megatron*fine", knobs=knobs)
+    assert {p.recompute for p in plan.ops} != {0}
+    res = launch_local(plan, n, steps=2, lr=1e-2, record=True)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL
+    assert res.losses[1] < res.losses[0]
+    hosted = {t["device"] for t in res.timeline if t["task"].startswith("host-optimizer")}
+    assert hosted == ({0} if len(layout) > 2 else set())
