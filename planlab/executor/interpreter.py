@@ -23,6 +23,7 @@ from planlab.errors import ExecutionError
 from planlab.executor import all_to_all, offload, zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
+from planlab.executor.piece_check import check_piece_shapes
 from planlab.executor.randomness import PieceRandomness
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
@@ -108,7 +109,8 @@ def run_piece(
     target = op.call.target
     out = getattr(args[0], target)(*args[1:], **kwargs) if isinstance(target, str) else target(*args, **kwargs)
     if op.kind in SIZED_AT_TRACE and microbatches > 1:
-        return microbatch_rows(out, graph, op.outputs[0], mb, microbatches)
+        out = microbatch_rows(out, graph, op.outputs[0], mb, microbatches)
+    check_piece_shapes(op, task, out)  # a size fixed at trace time fails here, naming the operator
     return out
 
 
