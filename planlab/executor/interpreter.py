@@ -31,6 +31,7 @@ from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import GATHERED_KINDS, Buffer, BufferKind
 from planlab.plan.layout import Box
+from planlab.plan.passes.layouts import NARROWED_TO_MICROBATCH
 from planlab.plan.program import DeviceProgram, Program, Recompute, Role, Task, TaskKind
 
 
@@ -118,7 +119,7 @@ def run_piece(
 # tensor made from sizes alone) and a factory (``torch.zeros(8, 7)``, ``x.new_zeros(x.shape)``: its
 # size is the traced one even when ``x`` is one micro-batch's). Each gives the whole batch's value;
 # a micro-batch takes its rows of it (:func:`microbatch_rows`).
-SIZED_AT_TRACE = frozenset({"constant", "factory"})
+SIZED_AT_TRACE = NARROWED_TO_MICROBATCH
 
 
 def microbatch_rows(x: torch.Tensor, graph: Graph, t: str, mb: int, microbatches: int) -> torch.Tensor:

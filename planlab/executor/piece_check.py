@@ -17,8 +17,12 @@ def check_piece_shapes(op: Operator, task: Task, out) -> None:
     ``op`` has another shape than the task's; a task without shapes (made by hand) is not checked."""
     outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     expected = task.shapes[len(op.inputs) :]
-    if len(task.shapes) != len(op.inputs) + len(op.outputs) or len(outs) != len(expected):
+    if len(task.shapes) != len(op.inputs) + len(op.outputs):
         return
+    if len(outs) != len(expected):  # ``x.split(4)`` on fewer rows than traced
+        raise PieceShapeError(
+            f"operator {op.name!r} ({op.kind}), task {task.name}: {len(outs)} outputs, the plan expects {len(expected)}"
+        )
     for k, (o, want) in enumerate(zip(outs, expected)):
         if isinstance(o, torch.Tensor) and tuple(o.shape) != tuple(want):
             raise PieceShapeError(
