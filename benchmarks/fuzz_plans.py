@@ -7,17 +7,20 @@ configurations, dropout and stochastic depth on; the Evoformer also with 3 recyc
 assignment of a random built-in space (dp, tp, pp, recompute, megatron, coshard, interlaced, alpa,
 3f1b, megatron*coshard) or random primitives (each operator kept whole on one device, replicated,
 or split along a random splittable dimension, its pieces on a random order of the devices; 1 or 2
-micro-batches). The plan runs 2 steps with ``planlab.executor.launch_local`` (what ``planlab run``
-calls) and the numeric check; each line prints the result: ``ok``, ``MISMATCH`` (loss or gradient
+micro-batches). The plan runs 2 steps with the numeric check on a pool of ranks started once per
+device count (``planlab.executor.pool.RankPool``: each rank traces the model and runs the worker
+``planlab run``'s processes run, in a fresh process group per plan), or with ``--launch`` on ranks
+started for it by ``planlab.executor.launch_local`` (what ``planlab run`` calls); each line prints the result: ``ok``, ``MISMATCH`` (loss or gradient
 error above planlab run's tolerances) or ``ERROR`` (the run failed). A draw whose space does not
 apply to its model, or that planlab refuses before running it (a split the model cannot take),
 is drawn again (up to 30 times); the refusals are counted and kept with their reasons.
 
 Run: .venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0
 (``--out FILE.jsonl`` keeps a line per plan.) Each line ends with the plan's time: wall seconds,
-drawing, the launch and its steps, and CPU seconds; the summary adds them up. Plan 157 took 16 s
-of CPU, about half of it its 2 ranks starting (importing torch and planlab: 2.5 s of CPU each, 3.8 s
-with transformers) and 0.4 s its steps; its wall time grows with the machine's load.
+drawing, the run (``launch``) and its steps, and CPU seconds (this process and its ranks); the
+summary adds them up. With ``--launch``, plan 157 took 16 s of CPU, about half of it its 2 ranks
+starting (importing torch and planlab: 2.5 s of CPU each, 3.8 s with transformers) and 0.4 s its
+steps; the pool starts them once per device count (and again after a failed plan).
 """
 
 from __future__ import annotations
@@ -119,6 +122,15 @@ def _context(spec, n: int):
     return ctx, graph
 
 
+@functools.lru_cache(maxsize=None)
+def _assignments(space: str, spec, n: int) -> list:
+    """Every assignment of ``space`` for a model on ``n`` CPU devices, enumerated once (up to 2 s of
+    CPU for megatron*coshard on T5)."""
+    from planlab.search_spaces import get_space
+
+    return get_space(space).enumerate(_context(spec, n)[0])
+
+
 def _draw(rng: random.Random):
     """One draw: ``(description, plan, devices)``, or ``(description, None, reason)``."""
     from planlab.errors import PlanlabError
@@ -134,42 +146,59 @@ def _draw(rng: random.Random):
         ctx, graph = _context(spec, n)
         if space == "primitives":
             return what, random_primitives(rng, graph, spec, n), n
-        sp = get_space(space)
-        assignments = sp.enumerate(ctx)
-        knobs = rng.choice(assignments)
-        return f"{what} {knobs}", sp.build(ctx, knobs), n
+        knobs = rng.choice(_assignments(space, spec, n))
+        return f"{what} {knobs}", get_space(space).build(ctx, knobs), n
     except PlanlabError as e:
         return what, None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process and its ended children (the ranks and their launcher's processes)."""
+def _cpu_s(pools: dict) -> float:
+    """CPU seconds of this process, its ended children (the ranks and their launcher's processes) and
+    the pools' running ranks."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + sum(p.cpu_s() for p in pools.values())
 
 
-def run_one(seed: int, index: int) -> dict:
+def run_plan(plan, n: int, pools: dict | None):
+    """Run ``plan`` on ``n`` ranks for 2 steps with the numeric check: on ``pools[n]`` (a
+    :class:`~planlab.executor.pool.RankPool`, started at its first plan), or with ``pools`` None on
+    ranks started for it by ``launch_local``."""
+    from planlab.executor import RunConfig, launch_local
+    from planlab.executor.pool import RankPool
+
+    if pools is None:
+        return launch_local(plan, n, steps=2, lr=1e-2, timeout_s=120)
+    pool = pools.setdefault(n, RankPool(n))
+    return pool.run(plan, RunConfig(steps=2, lr=1e-2, timeout_s=120))
+
+
+def run_one(seed: int, index: int, pools: dict | None = None) -> dict:
     """Draw plan ``index`` and run it; the result as a dict (one line of --out), with where its time
     went: ``draw_s`` (tracing its model, the first time, the space's plans, materialize's checks),
     ``launch_s`` (launch_local: the ranks' processes, imports, tracing and materializing, the steps,
     rank 0's single-process reference), ``steps_s`` (the ranks' 2 steps, the slowest rank's),
-    ``seconds`` (wall, all of it) and ``cpu_s`` (CPU seconds of this process and the ranks)."""
-    from planlab.executor import launch_local
-
-    t0, c0 = time.perf_counter(), _cpu_s()
+    ``seconds`` (wall, all of it) and ``cpu_s`` (CPU seconds of this process and the ranks).
+    ``pools``: see :func:`run_plan`."""
+    t0, c0 = time.perf_counter(), _cpu_s(pools or {})
     what, plan, n, refused = draw_plan(seed, index)
     t1 = time.perf_counter()
     row = dict(index=index, plan=what, refused=refused, draw_s=t1 - t0)
 
     def timed(**fields) -> dict:
         t2 = time.perf_counter()
-        return dict(row, **fields, launch_s=t2 - t1 if plan is not None else 0.0, seconds=t2 - t0, cpu_s=_cpu_s() - c0)
+        return dict(
+            row,
+            **fields,
+            launch_s=t2 - t1 if plan is not None else 0.0,
+            seconds=t2 - t0,
+            cpu_s=_cpu_s(pools or {}) - c0,
+        )
 
     if plan is None:
         return timed(result="ERROR", reason=f"no draw of {ATTEMPTS} applies")
     row["describe"] = plan.describe()
     try:
-        res = launch_local(plan, n, steps=2, lr=1e-2, timeout_s=120)
+        res = run_plan(plan, n, pools)
     except Exception as e:  # the run failed: a finding (unless it was stopped: Ctrl-C ends the fuzzer)
         if type(e).__name__ == "SignalException" or "got signal" in str(e):
             raise KeyboardInterrupt from e
@@ -200,41 +229,49 @@ def summary(rows: list[dict]) -> str:
     )
 
 
+def report(row: dict, seed: int, out: str | None) -> None:
+    """Print plan ``row``'s line (and append it to ``out``, a JSON-lines file)."""
+    extra = (
+        f"loss {row['loss_error']:.1e} grad {row['grad_error']:.1e}" if "loss_error" in row else row.get("reason", "")
+    )
+    took = f"{row['seconds']:.0f} s: draw {row['draw_s']:.1f}, launch {row['launch_s']:.1f}"
+    took += f" (steps {row['steps_s']:.1f})" if "steps_s" in row else ""
+    print(f"{row['index']:4d} {row['result']:8s} {row['plan']}: {extra} [{took}; {row['cpu_s']:.1f} s CPU]", flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(dict(row, seed=seed)) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", type=int, default=20, help="plans to draw and run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--first", type=int, default=0, help="index of the first plan (to run a range in chunks)")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl", help="append one JSON line per plan")
+    ap.add_argument("--launch", action="store_true", help="start each plan's ranks for it (launch_local), not a pool")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    counts: dict[str, int] = {}
-    refusals = 0
     t0 = time.perf_counter()
-    findings, rows = [], []
-    for i in range(args.first, args.first + args.plans):
-        row = run_one(args.seed, i)
-        rows.append(row)
+    rows: list[dict] = []
+    pools: dict | None = None if args.launch else {}
+    try:
+        for i in range(args.first, args.first + args.plans):
+            rows.append(run_one(args.seed, i, pools))
+            report(rows[-1], args.seed, args.out)
+    finally:
+        for pool in (pools or {}).values():
+            pool.close()
+    counts: dict[str, int] = {}
+    for row in rows:
         counts[row["result"]] = counts.get(row["result"], 0) + 1
-        refusals += len(row["refused"])
-        extra = (
-            f"loss {row['loss_error']:.1e} grad {row['grad_error']:.1e}"
-            if "loss_error" in row
-            else row.get("reason", "")
-        )
-        took = f"{row['seconds']:.0f} s: draw {row['draw_s']:.1f}, launch {row['launch_s']:.1f}"
-        took += f" (steps {row['steps_s']:.1f})" if "steps_s" in row else ""
-        print(f"{i:4d} {row['result']:8s} {row['plan']}: {extra} [{took}; {row['cpu_s']:.1f} s CPU]", flush=True)
-        if row["result"] in ("MISMATCH", "ERROR"):
-            findings.append(row)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(dict(row, seed=args.seed)) + "\n")
+    findings = [row for row in rows if row["result"] in ("MISMATCH", "ERROR")]
     load = os.getloadavg()
     print(
         f"\n{args.plans} plans (seed {args.seed}, from {args.first}): "
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        + f" ({refusals} draws refused and drawn again); {time.perf_counter() - t0:.0f} s, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+        + f" ({sum(len(r['refused']) for r in rows)} draws refused and drawn again); "
+        + f"{time.perf_counter() - t0:.0f} s, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+        + ("" if pools is None else f"; ranks started {sum(p.starts for p in pools.values())} times")
     )
     print(summary(rows))
     for row in findings:

@@ -97,3 +97,9 @@ def choices(values) -> str:
     if len(vals) == 1:
         return vals[0]
     return ", ".join(vals[:-1]) + " or " + vals[-1]
+
+
+class PieceShapeError(RuntimeError):
+    """A forward piece's output has another shape than its task's (``planlab.executor.piece_check``):
+    a bug in planlab (a size fixed when the model was traced, a split the operator does not take),
+    not bad input, so not a PlanlabError; caught at the first wrong shape instead of downstream."""

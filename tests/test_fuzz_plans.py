@@ -53,3 +53,27 @@ def test_summary_splits_the_time():
     assert text.startswith("time: 40 s wall (median 20 s a plan, largest 30 s): drawing 3 s (8%), launches 37 s (92%)")
     assert text.endswith("of which the ranks' steps 6 s (15%); 12 s CPU (6.0 s a plan)")
     assert fuzz_plans.summary([]) == "no plan ran"
+
+
+def test_a_pool_runs_plans_on_ranks_started_once_and_restarts_after_a_failure(monkeypatch):
+    """Two seed-0 plans (LLaMA under pp=2, then dp=2 with ZeRO-2 and 2 micro-batches) on one pool of 2
+    ranks match one process; a rank that fails before them is reported as ``launch_local`` reports
+    it, and the pool starts again."""
+    from planlab.errors import RankFailure
+    from planlab.executor import RunConfig
+    from planlab.executor.failures import FAULT_ENV
+    from planlab.executor.pool import RankPool
+
+    plans = [fuzz_plans.draw_plan(0, i)[1] for i in (157, 159)]
+    cfg = RunConfig(steps=2, lr=1e-2, timeout_s=60)
+    with RankPool(2) as pool:
+        monkeypatch.setenv(FAULT_ENV, "rank=1,task=blocks_0_attention_norm,kind=raise")  # the ranks inherit it
+        with pytest.raises(RankFailure, match=r"rank 1 failed at step 0.*blocks_0_attention_norm.*InjectedFault"):
+            pool.run(plans[1], cfg)
+        assert pool.procs == []  # ended; the next plan starts them again
+        monkeypatch.delenv(FAULT_ENV)
+        for plan in plans:
+            res = pool.run(plan, cfg)
+            assert res.passed(loss_tol=fuzz_plans.LOSS_TOL, grad_tol=fuzz_plans.GRAD_TOL), plan.describe()
+            assert len(res.losses) == 2 and res.world_size == 2
+        assert pool.starts == 2

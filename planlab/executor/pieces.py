@@ -11,10 +11,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from planlab.executor.piece_check import check_piece_shapes
 from planlab.executor.ring_attention import ring_attention
 from planlab.executor.vocab_parallel import vocab_parallel_cross_entropy
 from planlab.graph.ir import Graph, Operator, TensorArg
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
+from planlab.plan.passes.layouts import NARROWED_TO_MICROBATCH
 from planlab.plan.program import Task
 
 
@@ -86,7 +88,8 @@ def run_piece(
     target = op.call.target
     out = getattr(args[0], target)(*args[1:], **kwargs) if isinstance(target, str) else target(*args, **kwargs)
     if op.kind in SIZED_AT_TRACE and microbatches > 1:
-        return microbatch_rows(out, graph, op.outputs[0], mb, microbatches)
+        out = microbatch_rows(out, graph, op.outputs[0], mb, microbatches)
+    check_piece_shapes(op, task, out)  # a size fixed at trace time fails here, naming the operator
     return out
 
 
@@ -94,7 +97,7 @@ def run_piece(
 # tensor made from sizes alone) and a factory (``torch.zeros(8, 7)``, ``x.new_zeros(x.shape)``: its
 # size is the traced one even when ``x`` is one micro-batch's). Each gives the whole batch's value;
 # a micro-batch takes its rows of it (:func:`microbatch_rows`).
-SIZED_AT_TRACE = frozenset({"constant", "factory"})
+SIZED_AT_TRACE = NARROWED_TO_MICROBATCH
 
 
 def microbatch_rows(x: torch.Tensor, graph: Graph, t: str, mb: int, microbatches: int) -> torch.Tensor:

@@ -559,15 +559,7 @@ def launch_local(
         clip_grad_norm=clip_grad_norm,
         log=log,
     )
-    cfg.validate()
-    cfg = replace(
-        cfg, device=check_launch(plan, nproc, cuda_devices=nproc, allow_device_mismatch=allow_device_mismatch)
-    )
-    if load_dir is not None:
-        read_manifest(load_dir, plan.model.to_json())  # a wrong folder or model fails here
-    if os.environ.get(FAULT_ENV, "").strip():
-        Fault.parse(os.environ[FAULT_ENV])  # a malformed fault fails here, not in every rank
-    prepare(plan, cfg, range(nproc))
+    cfg = check_local_launch(plan, nproc, cfg, allow_device_mismatch=allow_device_mismatch)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -584,6 +576,23 @@ def launch_local(
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunResult(**out[0])
+
+
+def check_local_launch(plan, nproc: int, cfg: RunConfig, *, allow_device_mismatch: bool = False) -> RunConfig:
+    """Refuse (ConfigError and the like) a launch of ``plan`` on ``nproc`` local processes before any
+    starts: ``cfg`` out of range, a device mismatch, a wrong checkpoint, a malformed fault, pieces
+    that do not fit (:func:`prepare`). Returns ``cfg`` with the device the ranks use. Shared by
+    :func:`launch_local` and :class:`planlab.executor.pool.RankPool`."""
+    cfg.validate()
+    cfg = replace(
+        cfg, device=check_launch(plan, nproc, cuda_devices=nproc, allow_device_mismatch=allow_device_mismatch)
+    )
+    if cfg.load_dir is not None:
+        read_manifest(cfg.load_dir, plan.model.to_json())  # a wrong folder or model fails here
+    if os.environ.get(FAULT_ENV, "").strip():
+        Fault.parse(os.environ[FAULT_ENV])  # a malformed fault fails here, not in every rank
+    prepare(plan, cfg, range(nproc))
+    return cfg
 
 
 def launcher_logs(run_dir: str):

@@ -37,6 +37,11 @@ class Layouts:
                 f"({len(missing)} of its {len(names)} operators are not in the plan): "
                 "was the plan made for another model or size?"
             )
+        if m > 1 and (whole := whole_batch_read(graph)):  # its size under a micro-batch is not the plan's
+            raise InfeasiblePlan(
+                f"operator {whole[0].name!r} ({whole[0].kind}) reads the batch axis {whole[2]} of {whole[1]!r} whole "
+                f"(its signature cannot split it), so it cannot run on one of {m} micro-batches: use 1 micro-batch"
+            )
         self.shapes: dict[str, tuple[int, ...]] = {}
         for t, spec in graph.tensors.items():
             shape = list(spec.shape)
@@ -154,6 +159,26 @@ class Layouts:
         if got is None:
             got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True, kv=self.is_ring_kv(op, i))
         return got
+
+
+# Operators sized at trace time whose whole-batch value the executor narrows to a micro-batch's rows
+# (planlab.executor.pieces.SIZED_AT_TRACE)
+NARROWED_TO_MICROBATCH = frozenset({"constant", "factory"})
+
+
+def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
+    """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
+    split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
+    signature): what it does with sizes fixed at the traced batch differs on a micro-batch."""
+    for op in graph.operators:
+        if op.kind in NARROWED_TO_MICROBATCH:
+            continue
+        can = set(op.splittable_dims())
+        for t in op.inputs:
+            for a, ax in enumerate(op.axes_of(t)):
+                if graph.labels.get((t, a)) == graph.batch_label and not (ax and ax[0] in can):
+                    return op, t, a
+    return None
 
 
 def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
