@@ -28,6 +28,12 @@ and, per micro-batch:
   communication stream into the unit's shard gradient right after the unit's last backward;
 - the update steps the optimizer on the shard; no all-gather follows.
 
+A unit belongs to the stage of the operators whose backward makes its gradients; a stage that only
+reads its weights (a recycling pass before the last, :mod:`planlab.search_spaces.recycling`: each
+pass runs the same weights, only the last has a backward) gathers the unit for its own forward, into
+buffers of its own (:func:`gathered`), freed after that stage's last reader, as FSDP gathers a
+module again at each call.
+
 The gathers issued as one operator starts run in the order of their place in their group's
 sequence of units (the first unit's gather and the next one's both start with the first unit),
 then by group.
