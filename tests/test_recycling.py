@@ -10,8 +10,9 @@ from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.errors import ConfigError
 from planlab.executor import launch_local
 from planlab.models import ModelSpec, build_model
+from planlab.plan.buffer import GATHERED_KINDS
 from planlab.plan.materialize import materialize
-from planlab.plan.program import TaskKind
+from planlab.plan.program import Program, TaskKind
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.recycling import num_passes, passes_of
 from planlab.search_spaces.schedules import format_schedule
@@ -148,3 +149,49 @@ def test_training_flops_count_no_backward_for_the_no_grad_passes():
     # three forwards and one backward (twice a forward's FLOPs): 5 passes' worth, not 9 (a little less:
     # the masks, computed from the inputs alone, get no backward in the recycling graph)
     assert 4.9 * one.flops < training_flops(three) < 5.0 * one.flops
+
+
+def _gathered_reads_without_a_write(prog: Program) -> list[str]:
+    """Each read of a ZeRO-3 gathered weight, in the order a device runs its schedule, that no gather
+    on that device wrote for that micro-batch since it was last freed; and each gathered weight not
+    freed in the block that gathered it (FSDP reshards after each module's forward and backward)."""
+    bad = []
+    for dp in prog.devices:
+        live: dict = {}  # (buffer, micro-batch) -> the action that gathered it
+        for a, t in dp.tasks_in_order():
+            for b in t.reads:
+                if b is not None and b.kind in GATHERED_KINDS and (b, a.microbatch) not in live:
+                    bad.append(f"device {dp.device}, {a}, {t.name}: reads {b} before a gather wrote it")
+            live.update({(b, a.microbatch): a for b in t.writes if b is not None and b.kind in GATHERED_KINDS})
+            for b in t.free:
+                got = live.pop((b, a.microbatch), None)
+                if got is not None and (got.stage, got.phase) != (a.stage, a.phase):
+                    bad.append(f"device {dp.device}: {b} gathered in {got}, freed in {a}")
+        bad += [f"device {dp.device}: {b} gathered in {a}, never freed" for (b, _), a in live.items()]
+    return bad
+
+
+@pytest.mark.parametrize(
+    "space,knobs",
+    [
+        ("3f1b", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3)),  # fuzz plan 343's shape (seed 0)
+        ("3f1b", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3, recompute="full")),
+        ("megatron", dict(dp=2, tp=1, pp=2, microbatch=1, zero=3)),  # the plain recycled pipeline
+        ("megatron", dict(dp=4, tp=1, pp=1, microbatch=1, zero=3)),  # every pass on one device
+    ],
+)
+def test_zero3_gathers_the_weights_each_recycling_pass_reads(space, knobs):
+    """Every pass reads the last pass's weights (the owners of their gradients): under ZeRO-3 each
+    pass's forward gathers them itself, and frees them before the next pass."""
+    spec, g = traced("evoformer-tiny", 4, R3)
+    prog = materialize(get_space(space).build(Context(g, spec, 4, "cpu", 4, 4, 1), knobs), g)
+    assert _gathered_reads_without_a_write(prog) == []
+    assert find_deadlock(prog, raise_error=False) is None
+    gathers = {
+        (s, ph)
+        for dp in prog.devices
+        for (s, ph), b in dp.blocks.items()
+        for t in b.tasks
+        if t.name.startswith("zero3-gather")
+    }
+    assert {s for s, ph in gathers if ph == "F"} == {s for dp in prog.devices for s, ph in dp.blocks if ph == "F"}

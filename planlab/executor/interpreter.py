@@ -108,10 +108,11 @@ class Interpreter:
             self.static[buf_.source(name)] = b.to(self.torch_device)
         self.zero = self._zero_buckets()
         zeroed = {p for bucket in self.zero.values() for p in bucket.params}
-        # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py)
-        self.unit_of = {
-            Buffer(kind, p): z.key for z in self.zero.values() if z.stage3 for p in z.params for kind in GATHERED_KINDS
-        }
+        # ZeRO-3: the flat shards are all this device keeps of those weights (planlab/executor/zero3.py);
+        # a stage that reads another stage's unit (a recycling pass) reads its own gather, a variant
+        key_of = {p: z.key for z in self.zero.values() if z.stage3 for p in z.params}
+        self.unit_of = {Buffer(kind, p): key for p, key in key_of.items() for kind in GATHERED_KINDS}
+        self.unit_of.update({b: key_of[b.tensor] for b in own if b.kind in GATHERED_KINDS and b.tensor in key_of})
         self.gathered: dict[tuple[Buffer, int], torch.Tensor] = {}
         if self.unit_of:
             full = {b.tensor for b in self.unit_of}

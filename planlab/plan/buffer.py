@@ -68,7 +68,9 @@ class Buffer:
 
     ``tensor`` is the graph tensor, the parameter, the ZeRO-3 unit it belongs to, or (``INTERNAL``)
     the operator and what it keeps (``attn:probs``); ``version``
-    (>= 0) the layout a conversion, a load or a local sum made of it; ``step`` (>= 1) an
+    (>= 0) the layout a conversion, a load or a local sum made of it, or, for a ZeRO-3 gathered
+    weight, the stage that gathered it when that is not its unit's own (a recycling pass reading the
+    last pass's weights, :func:`planlab.plan.zero.gathered`); ``step`` (>= 1) an
     intermediate result of a conversion in several collectives; ``chunk`` (>= 0) a co-located
     piece's chunk; ``consumer`` and ``input`` the operator and input index whose gradient
     contribution it is; ``group`` the devices a ZeRO shard is cut over.

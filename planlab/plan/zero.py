@@ -28,6 +28,12 @@ and, per micro-batch:
   communication stream into the unit's shard gradient right after the unit's last backward;
 - the update steps the optimizer on the shard; no all-gather follows.
 
+A unit belongs to the stage of the operators whose backward makes its gradients; a stage that only
+reads its weights (a recycling pass before the last, :mod:`planlab.search_spaces.recycling`: each
+pass runs the same weights, only the last has a backward) gathers the unit for its own forward, into
+buffers of its own (:func:`gathered`), freed after that stage's last reader, as FSDP gathers a
+module again at each call.
+
 The gathers issued as one operator starts run in the order of their place in their group's
 sequence of units (the first unit's gather and the next one's both start with the first unit),
 then by group.
@@ -236,23 +242,25 @@ def shard_fully(
     first, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
     prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
     together = []
-    for gi, mine_all in enumerate(groups):
-        for st in sorted({u.stage for u in mine_all}):
-            mine = [u for u in mine_all if u.stage == st]
-            redone = sorted((u for u in mine if (u, "R") in first), key=lambda u: first[(u, "R")][0])
+    for gi, mine in enumerate(groups):
+        ours = set(mine)
+        for st in sorted({block[0] for u, _, block in first if u in ours}):  # the stages that read them
+            redone = [u for u in mine if (u, "R", (st, "B")) in first]
+            redone.sort(key=lambda u: first[(u, "R", (st, "B"))][0])
             for ph, kind, order in (
                 ("F", BufferKind.GATHERED_FORWARD, mine),
                 ("B", BufferKind.GATHERED_BACKWARD, mine[::-1]),
                 ("R", BufferKind.GATHERED_RECOMPUTE, redone),  # the recomputation's, in the backward block
             ):
-                present = [u for u in order if (u, ph) in first]
                 block = (st, "B" if ph == "R" else ph)
+                present = [u for u in order if (u, ph, block) in first]
                 for k, u in enumerate(present):
                     # issued when the unit before it (in this pass's order) starts: FSDP's prefetch;
                     # when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
                     before = present[max(k - 1, 0)]
-                    start = first[(before if prefetches(before, d) else u, ph)][1]
-                    task = _gather(u, ph, kind, d.precision, idents)
+                    start = first[(before if prefetches(before, d) else u, ph, block)][1]
+                    task = _gather(u, ph, kind, st, d.precision, idents)
+                    sizes.update((b, n * d.precision.param_bytes) for b, (_, _, n) in zip(task.writes, u.weights))
                     prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
                     together.append(task.writes)
     for key, gathers in prefetch.items():
@@ -275,6 +283,13 @@ def prefetches(u: Unit, d: Draft) -> bool:
     return not limit or u.numel < limit
 
 
+def gathered(kind: BufferKind, param: str, unit: Unit, stage: int) -> Buffer:
+    """The gathered copy (``kind``) of ``param``, of ``unit``, that stage ``stage``'s tasks read: the
+    unit's own stage reads ``Buffer(kind, param)``; another stage (a recycling pass before the last,
+    which reads the last pass's weights) its own gather, ``version`` ``stage``."""
+    return Buffer(kind, param) if stage == unit.stage else Buffer(kind, param, version=stage)
+
+
 def _gathered_and_reduced(
     parts: Parts, keys: list[SlotKey], units: list[Unit], d: Draft, sizes: dict[Buffer, int]
 ) -> tuple[dict, dict]:
@@ -282,37 +297,44 @@ def _gathered_and_reduced(
     tasks read the forward's gathered weights, backward blocks the backward's (their backward tasks
     keep them, as autograd saves them) and write full gradients; with the software's
     ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
-    ``R``). Returns, per (unit, phase), where
-    its first task is and, per unit, where its last backward task is: ``(place in the order the
+    ``R``). Each stage reads its own gather (:func:`gathered`). Returns, per (unit, phase, block), where
+    its first task in the block is and, per unit, where its last backward task is: ``(place in the order the
     block runs, slot part)``."""
     names = [op.name for op in d.graph.operators]
-    fwd, bwd, rec, grad = {}, {}, {}, {}
     regather = d.software is not None and d.software.zero3_regather_for_recompute
-    owned: dict[str, list[Buffer]] = defaultdict(list)  # operator -> its weights' backward copies
+    weights: dict[Buffer, tuple[str, Unit]] = {}  # a weight's buffer -> (parameter, unit)
+    grad: dict[Buffer, Buffer] = {}
+    owned: dict[str, list[Buffer]] = defaultdict(list)  # operator -> its weights' buffers
     unit_of: dict[Buffer, Unit] = {}
     for u in units:
         for idx, p, n in u.weights:
             w, g = d.names.weight(p), d.names.weight_grad(p)
-            fwd[w] = Buffer(BufferKind.GATHERED_FORWARD, p)
-            bwd[w] = Buffer(BufferKind.GATHERED_BACKWARD, p)
-            rec[w] = Buffer(BufferKind.GATHERED_RECOMPUTE, p)
+            weights[w] = (p, u)
             grad[g] = Buffer(BufferKind.FULL_GRAD, p)
-            owned[names[idx]].append(bwd[w])
-            sizes[fwd[w]] = sizes[bwd[w]] = sizes[rec[w]] = n * d.precision.param_bytes
-            sizes[grad[g]] = n * d.precision.grad_bytes
+            owned[names[idx]].append(w)
+            sizes[grad[g]] = n * d.precision.grad_bytes  # a gather sets its weights' sizes
             unit_of[w] = unit_of[g] = u
-    first: dict[tuple[Unit, str], tuple] = {}
+    first: dict[tuple[Unit, str, BlockKey], tuple] = {}
     last_grad: dict[Unit, tuple] = {}
     for key in keys:
-        ph = key[1][1]
+        st, ph = key[1]
         tasks = list(parts[key])
         for k, t in enumerate(tasks):
             redo = regather and ph == "B" and t.recompute is Recompute.REDO
-            ren = fwd if ph == "F" else rec if redo else bwd
-            used = [b for b in t.reads if b in ren] + [b for b in t.writes if b in grad]
+            used = [b for b in t.reads if b in weights] + [b for b in t.writes if b in grad]
             if not used:
                 continue
-            saved = t.saved + tuple(owned[t.op]) if t.kind is TaskKind.BACKWARD and t.op in owned else t.saved
+            kind = (
+                BufferKind.GATHERED_FORWARD
+                if ph == "F"
+                else BufferKind.GATHERED_RECOMPUTE
+                if redo
+                else BufferKind.GATHERED_BACKWARD
+            )
+            ren = {w: gathered(kind, *weights[w][:2], st) for w in t.reads if w in weights}
+            saved = t.saved
+            if t.kind is TaskKind.BACKWARD and t.op in owned:  # autograd keeps its weights for its backward
+                saved += tuple(gathered(BufferKind.GATHERED_BACKWARD, *weights[w][:2], st) for w in owned[t.op])
             tasks[k] = t.but(
                 reads=tuple(ren.get(r, r) for r in t.reads),
                 writes=tuple(grad.get(w, w) for w in t.writes),
@@ -321,27 +343,28 @@ def _gathered_and_reduced(
             at = ((run_order(key), k), key)
             for b in used:
                 u, uph = unit_of[b], "R" if redo else ph
-                if (u, uph) not in first or at[0] < first[(u, uph)][0]:
-                    first[(u, uph)] = at
+                if (u, uph, key[1]) not in first or at[0] < first[(u, uph, key[1])][0]:
+                    first[(u, uph, key[1])] = at
                 if b in grad and (u not in last_grad or at[0] > last_grad[u][0]):
                     last_grad[u] = at
         parts[key] = tuple(tasks)
     return first, last_grad
 
 
-def _gather(u: Unit, ph: str, kind: BufferKind, precision: Precision, idents: Idents) -> Task:
-    """The all-gather of unit ``u``'s weights for phase ``ph`` into ``kind`` buffers."""
+def _gather(u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision, idents: Idents) -> Task:
+    """The all-gather of unit ``u``'s weights for phase ``ph`` of stage ``stage`` into ``kind`` buffers."""
+    own = stage == u.stage
     return Task(
-        f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}",
+        f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}" + ("" if own else f"@{stage}"),
         TaskKind.COLLECTIVE,
         (buf_.shard_weight(u.group, u.name),),
-        tuple(Buffer(kind, p) for _, p, _ in u.weights),
+        tuple(gathered(kind, p, u, stage) for _, p, _ in u.weights),
         collective="all_gather",
         group=u.group,
         nbytes=u.shard_numel * len(u.group) * precision.param_bytes,
         overlap=True,
         role=Role.UNIT_GATHER,
-        ident=idents(("zero3-gather", ph, tuple(p for _, p, _ in u.weights))),
+        ident=idents(("zero3-gather", ph, tuple(p for _, p, _ in u.weights)) + (() if own else (stage,))),
     )
 
 
