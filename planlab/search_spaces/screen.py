@@ -293,14 +293,36 @@ class Screen:
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
-    def price(self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, zero: int, offload: bool, **kw):
-        """A group's figures under 1F1B (no zero-bubble split), as :meth:`estimate` prices them
-        (``regather`` and ``order`` as there)."""
-        return self._price(p, pid, sizes, m, zero, False, kw.get("regather", False), kw.get("order", ()), offload)
+    def price(
+        self,
+        p: ScreenProfile,
+        pid: int,
+        sizes: tuple[int, ...],
+        m: int,
+        zero: int,
+        offload: bool,
+        regather: bool = False,
+        order: tuple[int, ...] = (),
+    ):
+        """A group's figures under 1F1B (no zero-bubble split), as :meth:`estimate` prices them."""
+        return self._price(p, pid, sizes, m, zero, False, regather, order, offload)
 
-    def p2p_s(self, nbytes: float, src: int, dst: int, per: int) -> float:
-        """A transfer of ``nbytes`` between pipeline groups ``src`` and ``dst`` of ``per`` devices each."""
-        return self._p2p_s(nbytes, src, dst, per)
+    def regathers(self, d: Draft) -> bool:
+        """Whether ZeRO-3 gathers a unit's weights again for its recomputation under ``d``."""
+        return d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
+
+    def p2p_in_s(self, s: Structure, r: int, m: int, per: int, ranks: int = 0) -> float:
+        """Seconds of the pipeline transfers into device group ``r`` per micro-batch (groups of ``per``
+        devices); ``ranks`` takes groups modulo that many pipeline ranks (a probe with more groups
+        than the cluster has)."""
+
+        def rank(g: int) -> int:
+            return g % ranks if ranks else g
+
+        return sum(
+            n * self._p2p_s(numel / (m if batch else 1) * eb, rank(src), rank(r), per)
+            for (numel, batch, eb, src), n in s.p2p[r]
+        )
 
     def _micro_s(
         self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, order: tuple[int, ...] = ()
@@ -490,16 +512,13 @@ class Screen:
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         rings = self._rings_s(d, sizes, m)
+        regather = self.regathers(d)
         for r in range(G):
             p = s.profiles[r]
-            regather = d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
             off = d.offload_optimizer and (not d.offload_stages or r in d.offload_stages)
             c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order, off)
             prices.append(c)
-            pp = sum(
-                n * self._p2p_s(numel / (m if batch else 1) * eb, src, r, per)
-                for (numel, batch, eb, src), n in s.p2p[r]
-            )
+            pp = self.p2p_in_s(s, r, m, per)
             times.append(c.fwd_s + c.bwd_s + c.comm_s + pp + rings[r])
             # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
             # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
@@ -570,18 +589,14 @@ def group_costs(screen: Screen, d: Draft, offload: tuple[bool, ...] = ()) -> lis
     s = screen.structure(d)
     sizes = tuple(x for _, x in d.axes)
     m = d.microbatches
-    regather = d.zero >= 3 and bool(d.recompute) and screen.cost.software.zero3_regather_for_recompute
+    regather = screen.regathers(d)
     ranks = d.ctx.num_devices // d.per_group
     out = []
     for r in range(d.groups):
         p = s.profiles[r]
         off = offload[r] if offload else d.offload_optimizer
         c = screen.price(p, s.ids[r], sizes, m, d.zero, off, regather=regather, order=d.stage_order)
-        p2p = sum(
-            n * screen.p2p_s(numel / (m if batch else 1) * eb, src % ranks, r % ranks, d.per_group)
-            for (numel, batch, eb, src), n in s.p2p[r]
-            if ranks > 1
-        )
+        p2p = screen.p2p_in_s(s, r, m, d.per_group, ranks) if ranks > 1 else 0.0
         saved = sum(b / m + o for _, (b, o) in p.saved)
         work = 2 * p.work / m + c.gathered_bytes
         out.append(GroupCost(c.fwd_s + c.bwd_s + c.comm_s + p2p, c.sync_s, c.static_bytes, saved, work, p2p))
