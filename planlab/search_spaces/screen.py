@@ -293,20 +293,6 @@ class Screen:
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
         return got
 
-    def price(
-        self,
-        p: ScreenProfile,
-        pid: int,
-        sizes: tuple[int, ...],
-        m: int,
-        zero: int,
-        offload: bool,
-        regather: bool = False,
-        order: tuple[int, ...] = (),
-    ):
-        """A group's figures under 1F1B (no zero-bubble split), as :meth:`estimate` prices them."""
-        return self._price(p, pid, sizes, m, zero, False, regather, order, offload)
-
     def regathers(self, d: Draft) -> bool:
         """Whether ZeRO-3 gathers a unit's weights again for its recomputation under ``d``."""
         return d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
@@ -595,7 +581,7 @@ def group_costs(screen: Screen, d: Draft, offload: tuple[bool, ...] = ()) -> lis
     for r in range(d.groups):
         p = s.profiles[r]
         off = offload[r] if offload else d.offload_optimizer
-        c = screen.price(p, s.ids[r], sizes, m, d.zero, off, regather=regather, order=d.stage_order)
+        c = screen._price(p, s.ids[r], sizes, m, d.zero, False, regather, d.stage_order, off)  # 1F1B: no ZB split
         p2p = screen.p2p_in_s(s, r, m, d.per_group, ranks) if ranks > 1 else 0.0
         saved = sum(b / m + o for _, (b, o) in p.saved)
         work = 2 * p.work / m + c.gathered_bytes
