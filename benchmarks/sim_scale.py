@@ -12,7 +12,8 @@ Cases (issue "The simulator at cluster scale"):
    alpa plan of the same model with pp 2 x tp 8 stage meshes (dp 64); a 3f1b plan of AlphaFold2 with 3
    recycling passes (pp 4 x dp 256).
 6. Mixtral 8x7B (EP 8, PP 4) and DeepSeek-V3 (EP 64) on 64 and 1,024 H100s (DGX H100 nodes), with
-   expert parallelism's all-to-all dispatch and combine. Target: at most 5 s each.
+   expert parallelism's all-to-all dispatch and combine. Target: at most 5 s each. And DeepSeek-V3 as its
+   report trained it: 2,048 H800, DualPipe over 16 uneven stages, EP 64, ZeRO-1, FP8. Target: 5 s.
 7. LLaMA-3 405B at sequence 131,072 on 16,384 H100s (2,048 DGX H100 nodes): TP 8, CP 16 (all-to-all
    over heads), PP 16, DP 8, global batch 128 (16M tokens), micro-batch 1, ZeRO-2, as Llama 3's Table 4
    row, its 126 layers on uneven stages (7, 14 x 8, 7), with the torch software's fused attention.
@@ -143,6 +144,31 @@ CASES = {
         target_s=5.0,
         target_gib=None,
     ),
+    # DeepSeek-V3 at its report's shape (benchmarks/data/deepseek-v3-2024): 2,048 H800 (256 HGX H800 nodes),
+    # PP 16 with its 61 layers on uneven stages (3, 14 x 4, 2), EP 64 inside DP 128, ZeRO-1, FP8 GEMMs,
+    # 15,360 sequences of 4,096 a step, micro-batch 2 (unstated; the least DualPipe takes), DualPipe.
+    "deepseek-v3 as published (dualpipe, pp 16 uneven, ep 64) on 2048 H800": dict(
+        model=("deepseek-v3", {}),
+        cluster="hgx-h800",
+        nodes=256,
+        batch=15360,
+        knobs=dict(
+            tp=1,
+            pp=16,
+            dp=128,
+            ep=64,
+            microbatch=2,
+            schedule="dualpipe",
+            zero=1,
+            recompute="selective",
+            first_stage_layers=3,
+            last_stage_layers=2,
+        ),
+        software="megatron",
+        precision="fp8",
+        target_s=5.0,
+        target_gib=None,
+    ),
     # Llama 3's long-context stage (Dubey et al. 2024, Table 4): TP 8, CP 16, PP 16, DP 8 on 16,384 H100,
     # 16M tokens a batch. Its 126 layers on 16 stages as section 3.3.2 says: one layer fewer on the first
     # and the last stage (7, 14 x 8, 7), with the uneven-stage knobs a user sets; ZeRO-2 as its FSDP shards
@@ -180,7 +206,14 @@ def _case(name: str, out) -> None:
     spec = ModelSpec(model, tuple(sorted(args.items())))
     t0 = time.perf_counter()
     ctx, cost, graph = make_context(
-        Setup(spec, c.get("cluster", "dgx-a100-80g"), c["nodes"], c["batch"], software=c.get("software"))
+        Setup(
+            spec,
+            c.get("cluster", "dgx-a100-80g"),
+            c["nodes"],
+            c["batch"],
+            software=c.get("software"),
+            precision=c.get("precision"),
+        )
     )
     t1 = time.perf_counter()
     rss_trace = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

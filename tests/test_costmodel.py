@@ -44,6 +44,7 @@ ANCHOR_TOLERANCE = 0.25  # relative error allowed against published bus bandwidt
         ("dgx-a100-40g", "a100-40g", 8, 40960 * MiB),
         ("dgx-h100", "h100-80g", 8, 81559 * MiB),
         ("hgx-h200", "h200-141g", 8, 143771 * MiB),
+        ("hgx-h800", "h100-80g", 8, 81559 * MiB),  # H800 SXM: H100 SXM's compute and memory
         ("dgx-1-v100", "v100-32g", 8, 32510 * MiB),
         ("dgx-2-v100", "v100-32g", 16, 32510 * MiB),
         ("mi300x-8", "mi300x", 8, 196592 * MiB),
@@ -60,7 +61,7 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
     assert {"fp32", "bf16", "fp16"} <= set(c.device.peak_flops_per_s)
     assert c.network.oversubscription == 1.0  # non-blocking
     # DGX SuperPOD-style clusters are rail-optimized (NIC i of every node on leaf switch i)
-    assert c.network.rail_optimized == (name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-a100")))
+    assert c.network.rail_optimized == (name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-h800", "hgx-a100")))
 
 
 def test_list_clusters_and_devices() -> None:
@@ -73,6 +74,7 @@ def test_list_clusters_and_devices() -> None:
         "dgx-h100",
         "hgx-a100-80g-4nic",
         "hgx-h200",
+        "hgx-h800",
         "mi300x-8",
     ]
     assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g", "v100-32g"]
@@ -126,6 +128,7 @@ def test_every_spec_number_names_its_source() -> None:
         # links: NVLink 600 GB/s bidirectional = 300e9 B/s per direction
         ("dgx-a100-80g", "node.intra_bytes_per_s", 300e9),
         ("dgx-h100", "node.intra_bytes_per_s", 450e9),
+        ("hgx-h800", "node.intra_bytes_per_s", 200e9),  # H800: NVLink 400 GB/s bidirectional
         # 8 NICs of 200 Gb/s for 8 GPUs = 25e9 B/s per GPU; NDR 400 Gb/s = 50e9
         ("dgx-a100-80g", "node.inter_bytes_per_s", 25e9),
         ("dgx-h100", "node.inter_bytes_per_s", 50e9),

@@ -148,7 +148,12 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
     for r in llama.rows:
         assert (r.knobs()["first_stage_layers"], r.knobs()["last_stage_layers"]) == (7, 7)
         assert layers_per_stage(r.spec().config().layers, r.pp, 7, 7) == (7,) + (8,) * 14 + (7,)
-    assert all("first_stage_layers" not in r.knobs() for s, r in ROWS if s.name != "llama3-2024")  # 0: unset
+    uneven = {"llama3-2024", "deepseek-v3-2024", "megatron-bridge-25.09-h100"}  # sets whose runs state them
+    assert all("first_stage_layers" not in r.knobs() for s, r in ROWS if s.name not in uneven)  # 0: unset
+    (deepseek,) = next(s for s in SETS if s.name == "deepseek-v3-2024").rows  # 61 layers on 16 stages
+    assert layers_per_stage(61, deepseek.pp, deepseek.first_stage_layers, deepseek.last_stage_layers) == (
+        (3,) + (4,) * 14 + (2,)
+    )
     assert [r.knobs().get("cp_kind") for r in llama.rows] == [None, None, "ring"]  # the 131K row's ring
     for ext in ("json", "csv"):
         shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")

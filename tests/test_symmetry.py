@@ -107,3 +107,22 @@ def test_megatron_partitions_pipeline_messages_alike_in_the_full_and_the_reduced
     for d in range(full.num_devices):
         assert messages(full, d) == messages(reduced, d)
     assert messages(full, 0)[0] > 0
+
+
+def test_a_dualpipe_plan_reduces_to_its_pipeline_ranks_and_simulates_like_every_device():
+    """DualPipe's mirrored ranks r and pp - 1 - r hold the same two stages in opposite directions and
+    look alike by their meshes, but the middle pair message each other: the classes keep them apart
+    (one class per pipeline rank, the data-parallel replicas merged), and the reduced Program
+    simulates as the full one does."""
+    spec, g = traced("gpt", 8, GPT)
+    cost = CostModel.load("dgx-a100-80g", 2, software="planlab")
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 2, cost.cluster.num_devices, 8)
+    plan = get_space("megatron").build(ctx, dict(pp=4, tp=1, dp=4, microbatch=2, schedule="dualpipe"))
+    reduced = build_program(plan, g, cost, symmetric=True)
+    full = build_program(plan, g, cost, symmetric=False)
+    assert reduced.reduced and len(reduced.devices) == 4 < full.num_devices == 16
+    a, b = simulate(reduced, cost), simulate(full, cost, symmetry=False)
+    assert _rel(a.iter_time_s, b.iter_time_s) <= 1e-9
+    peak = {d.device: d.peak_mem_bytes for d in a.devices}
+    for d in b.devices:
+        assert _rel(peak[reduced.classes[d.device]], d.peak_mem_bytes) <= 1e-9, d.device

@@ -65,6 +65,7 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
     for i, mesh in enumerate(unique):
         for flat, role in enumerate(_mesh_roles(mesh, node_of)):
             parts[mesh.devices[flat]].append((i, role))
+    partners: list[list[int]] = [[] for _ in range(plan.num_devices)]
     for a, b in dict.fromkeys((x, y) for x, y in zip(order, order[1:]) if x != y):
         if a.shape != b.shape:
             continue
@@ -72,6 +73,8 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
             same = node_of(da) == node_of(db)
             parts[da].append(("to", index[b], same))
             parts[db].append(("from", index[a], same))
+            partners[da].append(db)
+            partners[db].append(da)
     schedule = plan.schedule or ()
     by_object: dict[int, int] = {}  # a schedule object shared by many devices is hashed once
     distinct: dict[tuple, int] = {}
@@ -84,7 +87,20 @@ def plan_classes(plan: Plan, meshes: Iterable[Mesh], node_of: Callable[[int], in
             k = by_object[id(sched)] = distinct.setdefault(tuple(sched), len(distinct))
         key = (tuple(parts[d]), k)
         out.append(first.setdefault(key, d))
-    return tuple(out)
+    return _refined(out, partners)
+
+
+def _refined(classes: list[int], partners: list[list[int]]) -> tuple[int, ...]:
+    """``classes`` split until the devices of a class pass data to and from devices of the same
+    classes. DualPipe's mirrored ranks (r and pp - 1 - r hold the same two stages, in opposite
+    directions) look alike by their meshes, but the middle pair exchange messages, which a class
+    cannot (:mod:`planlab.simulator.classes`), so the mirror symmetry must not merge them."""
+    while True:
+        first: dict = {}
+        new = [first.setdefault((classes[d], tuple(classes[p] for p in partners[d])), d) for d in range(len(classes))]
+        if len(first) == len(set(classes)):
+            return tuple(new)
+        classes = new
 
 
 def _row(key, t, peer, group) -> tuple:

@@ -518,10 +518,12 @@ class PipelineParallel(Space):
         ),
         Knob.int(
             "virtual_stages",
-            lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if c.layers % v == 0 or (c.layers + 2) % v == 0),
+            # with uneven ends: one layer fewer at each end (layers + 2), or one fewer in the first chunk and
+            # two in the last, as Megatron-Bridge's DeepSeek-V3 layout 'Et|(tt|)*30mL' (layers + 3)
+            lambda c: tuple(v for v in (1, 2, 3, 4, 6, 8) if any((c.layers + d) % v == 0 for d in (0, 2, 3))),
             "model chunks per device (interleaved schedule)",
             default=1,
-            range="1, 2, 3, 4, 6 or 8 that divide the layers (or the layers + 2, with uneven end stages)",
+            range="1, 2, 3, 4, 6 or 8 that divide the layers (or the layers + 2 or + 3, with uneven end stages)",
         ),
         *uneven_stage_knobs(),
     )
