@@ -1,9 +1,13 @@
 """The simulator at scale: the Program reduced to device classes, links shared by concurrent
 transfers, and gradient reductions overlapped with the backward."""
 
+import json
+
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.hardware import SPEC_DIR
+from planlab.errors import ConfigError
 from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import weight, weight_grad
 from planlab.plan.layout import box_numel
@@ -177,6 +181,18 @@ def test_compute_sharing_the_device_with_communication_slows_down():
     res = simulate(_dp_program(0.5, True), cost, symmetry=False, overlap_slowdown=1.2)
     # b2 overlaps the 0.5 s reduction for 0.5 s of its 1 s: 0.5 * 1.2 + 0.5
     assert res.iter_time_s == pytest.approx(1.0 + 1.1)
+
+
+def test_a_dgx_a100_computes_on_the_sms_its_collectives_leave(tmp_path):
+    # NCCL takes 16 of an A100's 108 SMs on a DGX with 8 NICs (nccl issue 689): 108 / 92
+    assert CostModel.load("dgx-a100-80g", 2).overlap_slowdown == pytest.approx(108 / 92)
+    assert CostModel.load("hgx-a100-80g-4nic", 2).overlap_slowdown == 1.0  # not stated there: none
+    spec = json.loads((SPEC_DIR / "dgx-a100-80g.json").read_text())
+    spec["collective_sms"] = 108
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="collective_sms.*is 108; expected fewer than the device's SMs"):
+        CostModel.load(path, 2)
 
 
 def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeypatch):

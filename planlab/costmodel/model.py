@@ -89,6 +89,17 @@ class CostModel:
         return self.software.memory.usable_bytes(self.cluster.device.memory_bytes)
 
     @property
+    def overlap_slowdown(self) -> float:
+        """How much longer computation takes while an overlapped collective runs beside it: the
+        device's SMs over those the collective leaves (``collective_sms`` of the node; a GEMM's
+        waves spread over fewer SMs). 1.0 when the node states no ``collective_sms``."""
+        node = self.cluster.node
+        if not node.collective_sms or node.device.gemm is None:
+            return 1.0
+        sms = node.device.gemm.sm_count
+        return sms / (sms - node.collective_sms)
+
+    @property
     def kernel_level(self) -> bool:
         """True when compute is priced kernel by kernel (the device gives its SMs and GEMM
         efficiency, and no profile replaces the spec)."""

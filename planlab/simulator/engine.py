@@ -53,13 +53,16 @@ def simulate(
     timeline: bool = False,
     symmetry: bool = True,
     stragglers: dict[int, float] | None = None,
-    overlap_slowdown: float = 1.0,
+    overlap_slowdown: float | None = None,
 ) -> SimResult:
     """Simulate one iteration of ``program``; ``model_flops`` (forward + backward of the
     model at the global batch) gives MFU. With ``timeline`` every task is recorded. With
     ``symmetry`` one representative per device class is simulated (same result, less work).
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
-    ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device."""
+    ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device
+    (None: the cost model's, :attr:`CostModel.overlap_slowdown`, from the SMs the cluster's collectives take)."""
+    if overlap_slowdown is None:
+        overlap_slowdown = cost.overlap_slowdown
     with paused_gc():
         slow = _checked(program, cost, stragglers, overlap_slowdown, symmetry)
         if program.reduced:
