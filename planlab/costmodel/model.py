@@ -351,6 +351,16 @@ class CostModel:
             return 0
         return n if self.software.collective_buffers == "per_rank" else 1
 
+    def copy_out_s(self, task: Task) -> float:
+        """The part of an all-gather's price (:meth:`buffer_copies_s`) that runs on the compute
+        stream: FSDP2 (``collective_buffers`` ``copied``) copies the gathered buffer into the
+        parameters with ``foreach_all_gather_copy_out`` on the current stream once it has waited for
+        the gather (``FSDPParamGroup.wait_for_unshard``). 0.0 for other collectives and softwares,
+        and with a profile (its fits price collectives without copies)."""
+        if self.profile is not None or task.collective != "all_gather" or self.software.collective_buffers != "copied":
+            return 0.0
+        return self.buffer_copies_s(task.collective, task.nbytes, len(task.group))
+
     def buffer_copies_s(self, kind: str, nbytes: float, n: int) -> float:
         """The device's time for :meth:`buffer_copies` on a collective of ``nbytes`` (the full
         buffer): each copy reads and writes its share of the buffer."""

@@ -189,6 +189,7 @@ class DeviceRun:
             for t in b.tasks:
                 self.sizes.update(t.alloc)
         self.writers = overlap_writers(self.dp.blocks.values())
+        self.owed_s = 0.0  # compute-stream copies of finished overlapped collectives, paid by the next segment
         self.units: dict[tuple, tuple] = {}
         self.st = sim.stats[rep] = dict(
             compute_s=0.0,
@@ -225,7 +226,8 @@ class DeviceRun:
                         self.bump(u.peak_bytes, u.peak_task)
                     if timeline:
                         sim.memory.append((rep, start, self.mem + u.peak_bytes))
-                    compute = u.compute_s * factor
+                    compute = u.compute_s * factor + self.owed_s  # copies left by finished collectives
+                    self.owed_s = 0.0
                     if slowdown != 1.0 and coll_free[rep] > start:
                         compute += min(compute, coll_free[rep] - start) * (slowdown - 1.0)
                     yield env.timeout(compute + u.comm_s)
@@ -356,6 +358,7 @@ class DeviceRun:
         sim.coll_free[rep] = start + u.duration_s
         yield env.timeout(sim.coll_free[rep] - env.now)
         sim.stats[rep]["comm_s"] += u.duration_s
+        self.owed_s += u.copy_out_s
         if sim.timeline:
             sim.record(rep, "comm", a, u.task, issued_at, env.now, seq)  # in flight
         self.release(u.free_bytes)
