@@ -1,9 +1,14 @@
 """The simulator at scale: the Program reduced to device classes, links shared by concurrent
 transfers, and gradient reductions overlapped with the backward."""
 
+import dataclasses
+import json
+
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.hardware import SPEC_DIR
+from planlab.errors import ConfigError
 from planlab.plan import Action, Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import weight, weight_grad
 from planlab.plan.layout import box_numel
@@ -177,6 +182,37 @@ def test_compute_sharing_the_device_with_communication_slows_down():
     res = simulate(_dp_program(0.5, True), cost, symmetry=False, overlap_slowdown=1.2)
     # b2 overlaps the 0.5 s reduction for 0.5 s of its 1 s: 0.5 * 1.2 + 0.5
     assert res.iter_time_s == pytest.approx(1.0 + 1.1)
+
+
+class _CopyOutCost(IdealCost):
+    def copy_out_s(self, task):
+        return 0.2  # of each overlapped collective's 0.5 s, run on the compute stream once it is done
+
+
+def test_a_copy_out_runs_on_the_compute_stream_after_its_collective():
+    res = simulate(_dp_program(0.5, True), _CopyOutCost(CostModel.load("cpu", 2)), symmetry=False)
+    # the reduction's 0.3 s on the communication stream hides behind b2 (1 s to 2 s); its 0.2 s
+    # copy-out then runs before the optimizer
+    assert res.iter_time_s == pytest.approx(2.2)
+    assert res.devices[0].comm_s == pytest.approx(0.3)
+    torch = CostModel.load("dgx-a100-80g", 2, software="torch")
+    gather = _dp_program(0.5, True).devices[0].blocks[(0, "B")].tasks[1]
+    assert torch.copy_out_s(gather) == 0.0  # an all-reduce: DDP's buckets are not copied
+    gather = dataclasses.replace(gather, collective="all_gather", group=tuple(range(16)))
+    assert torch.copy_out_s(gather) == pytest.approx(torch.buffer_copies_s("all_gather", gather.nbytes, 16))
+    assert CostModel.load("dgx-a100-80g", 2, software="deepspeed").copy_out_s(gather) == 0.0
+
+
+def test_a_dgx_a100_computes_on_the_sms_its_collectives_leave(tmp_path):
+    # NCCL takes 16 of an A100's 108 SMs on a DGX with 8 NICs (nccl issue 689): 108 / 92
+    assert CostModel.load("dgx-a100-80g", 2).overlap_slowdown == pytest.approx(108 / 92)
+    assert CostModel.load("hgx-a100-80g-4nic", 2).overlap_slowdown == 1.0  # not stated there: none
+    spec = json.loads((SPEC_DIR / "dgx-a100-80g.json").read_text())
+    spec["collective_sms"] = 108
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="collective_sms.*is 108; expected fewer than the device's SMs"):
+        CostModel.load(path, 2)
 
 
 def test_materialized_data_parallel_plans_overlap_their_gradient_buckets(monkeypatch):

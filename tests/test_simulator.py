@@ -27,6 +27,10 @@ class IdealCost:
     def device_memory_bytes(self):
         return self.memory_bytes
 
+    @property
+    def overlap_slowdown(self):
+        return 1.0
+
     def compute_time_s(self, *, flops, bytes_moved, dtype):
         return flops / 1e9
 

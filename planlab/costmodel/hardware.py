@@ -76,6 +76,7 @@ _NODE_FIELDS = {
     "network",
     "inter_scale_efficiency",
     "intra_nvls_GBps",
+    "collective_sms",
     "host",
 }
 _HOST_FIELDS = {
@@ -173,6 +174,7 @@ class NodeSpec:
     inter_scale: tuple[tuple[int, float], ...] = ()  # (nodes, efficiency of large inter-node collectives)
     nvls_bytes_per_s: float = 0.0  # bus bandwidth of NVLink SHARP all-reduces in the node (0: no NVLS)
     host: HostSpec | None = None  # the host link, memory and CPU (None: the spec gives none; offloading is refused)
+    collective_sms: int = 0  # SMs a running NCCL collective takes from computation (0: not stated, none)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -402,7 +404,22 @@ def _node_from(f: Fields) -> NodeSpec:
         inter_scale=_inter_scale(f) if "inter_scale_efficiency" in f.obj else (),
         nvls_bytes_per_s=f.unit("intra_nvls_GBps", "GBps") * _GB if "intra_nvls_GBps" in f.obj else 0.0,
         host=_host_from(f.sub("host"), per_node) if "host" in f.obj else None,
+        collective_sms=_collective_sms(f, device),
     )
+
+
+def _collective_sms(f: Fields, device: DeviceSpec) -> int:
+    """``collective_sms``: the SMs of each device a running collective occupies (NCCL runs one
+    thread block per channel, on an SM of its own); fewer than the device has. 0 when not given."""
+    if "collective_sms" not in f.obj:
+        return 0
+    sms = f.integer("collective_sms")
+    if device.gemm is None or sms >= device.gemm.sm_count:
+        have = "no sm_count" if device.gemm is None else f"{device.gemm.sm_count} SMs"
+        raise f.error(
+            "collective_sms", f"is {sms}; expected fewer than the device's SMs (device {device.name}: {have})"
+        )
+    return sms
 
 
 def _host_from(f: Fields, per_node: int) -> HostSpec:

@@ -89,6 +89,17 @@ class CostModel:
         return self.software.memory.usable_bytes(self.cluster.device.memory_bytes)
 
     @property
+    def overlap_slowdown(self) -> float:
+        """How much longer computation takes while an overlapped collective runs beside it: the
+        device's SMs over those the collective leaves (``collective_sms`` of the node; a GEMM's
+        waves spread over fewer SMs). 1.0 when the node states no ``collective_sms``."""
+        node = self.cluster.node
+        if not node.collective_sms or node.device.gemm is None:
+            return 1.0
+        sms = node.device.gemm.sm_count
+        return sms / (sms - node.collective_sms)
+
+    @property
     def kernel_level(self) -> bool:
         """True when compute is priced kernel by kernel (the device gives its SMs and GEMM
         efficiency, and no profile replaces the spec)."""
@@ -339,6 +350,16 @@ class CostModel:
         if n < 2 or kind not in _COPIED_KINDS.get(self.software.collective_buffers, ()):
             return 0
         return n if self.software.collective_buffers == "per_rank" else 1
+
+    def copy_out_s(self, task: Task) -> float:
+        """The part of an all-gather's price (:meth:`buffer_copies_s`) that runs on the compute
+        stream: FSDP2 (``collective_buffers`` ``copied``) copies the gathered buffer into the
+        parameters with ``foreach_all_gather_copy_out`` on the current stream once it has waited for
+        the gather (``FSDPParamGroup.wait_for_unshard``). 0.0 for other collectives and softwares,
+        and with a profile (its fits price collectives without copies)."""
+        if self.profile is not None or task.collective != "all_gather" or self.software.collective_buffers != "copied":
+            return 0.0
+        return self.buffer_copies_s(task.collective, task.nbytes, len(task.group))
 
     def buffer_copies_s(self, kind: str, nbytes: float, n: int) -> float:
         """The device's time for :meth:`buffer_copies` on a collective of ``nbytes`` (the full

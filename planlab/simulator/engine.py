@@ -53,13 +53,16 @@ def simulate(
     timeline: bool = False,
     symmetry: bool = True,
     stragglers: dict[int, float] | None = None,
-    overlap_slowdown: float = 1.0,
+    overlap_slowdown: float | None = None,
 ) -> SimResult:
     """Simulate one iteration of ``program``; ``model_flops`` (forward + backward of the
     model at the global batch) gives MFU. With ``timeline`` every task is recorded. With
     ``symmetry`` one representative per device class is simulated (same result, less work).
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
-    ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device."""
+    ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device
+    (None: the cost model's, :attr:`CostModel.overlap_slowdown`, from the SMs the cluster's collectives take)."""
+    if overlap_slowdown is None:
+        overlap_slowdown = cost.overlap_slowdown
     with paused_gc():
         slow = _checked(program, cost, stragglers, overlap_slowdown, symmetry)
         if program.reduced:
@@ -186,6 +189,7 @@ class DeviceRun:
             for t in b.tasks:
                 self.sizes.update(t.alloc)
         self.writers = overlap_writers(self.dp.blocks.values())
+        self.owed_s = 0.0  # compute-stream copies of finished overlapped collectives, paid by the next segment
         self.units: dict[tuple, tuple] = {}
         self.st = sim.stats[rep] = dict(
             compute_s=0.0,
@@ -222,7 +226,8 @@ class DeviceRun:
                         self.bump(u.peak_bytes, u.peak_task)
                     if timeline:
                         sim.memory.append((rep, start, self.mem + u.peak_bytes))
-                    compute = u.compute_s * factor
+                    compute = u.compute_s * factor + self.owed_s  # copies left by finished collectives
+                    self.owed_s = 0.0
                     if slowdown != 1.0 and coll_free[rep] > start:
                         compute += min(compute, coll_free[rep] - start) * (slowdown - 1.0)
                     yield env.timeout(compute + u.comm_s)
@@ -353,6 +358,7 @@ class DeviceRun:
         sim.coll_free[rep] = start + u.duration_s
         yield env.timeout(sim.coll_free[rep] - env.now)
         sim.stats[rep]["comm_s"] += u.duration_s
+        self.owed_s += u.copy_out_s
         if sim.timeline:
             sim.record(rep, "comm", a, u.task, issued_at, env.now, seq)  # in flight
         self.release(u.free_bytes)

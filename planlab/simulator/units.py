@@ -72,7 +72,9 @@ class AsyncCollective:
     """A collective on the communication stream while the device goes on (a bucket of weight
     gradients reduced during the backward, a ZeRO-3 layer's weights gathered ahead); the
     optimizer waits for it. Its output (``alloc_bytes``) is allocated when it is issued, its
-    input (``free_bytes``) freed when it completes; its members meet at ``ident``."""
+    input (``free_bytes``) freed when it completes; its members meet at ``ident``.
+    ``copy_out_s``: the part of its price the software runs on the compute stream once it is done
+    (FSDP2 copies a gathered buffer into the parameters there), paid by the next computation."""
 
     task: str
     group: tuple[int, ...]
@@ -80,6 +82,7 @@ class AsyncCollective:
     alloc_bytes: int = 0
     free_bytes: int = 0
     ident: int = -1
+    copy_out_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,9 @@ def lower_block(
                 low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
                 awaited.update(waits)
         if t.overlap:
-            low.apart(AsyncCollective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
+            duration_s = low.times(t)[0]
+            copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
+            low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
             awaited.difference_update(t.writes)
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
