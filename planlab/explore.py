@@ -392,11 +392,11 @@ def explore(
     ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
-    ``timeline.png`` and ``memory.png`` there, and journals each simulated row to
-    ``simulations.jsonl`` as it finishes (:mod:`planlab.candidates`); ``resume`` continues from
-    that journal. ``profile`` (from ``planlab calibrate``) prices the cluster with its
-    measurements. ``ray`` simulates the candidates as Ray tasks: True on a local Ray instance, a
-    string on the cluster at that address. ``progress`` names each phase on stderr as it goes.
+    ``timeline.png`` and ``memory.png`` there, and journals each simulated row to ``simulations.jsonl``
+    as it finishes (:mod:`planlab.candidates`); ``resume`` continues from that journal. ``profile``
+    (from ``planlab calibrate``) prices the cluster with its measurements. ``ray`` simulates the
+    candidates as Ray tasks: True on a local Ray instance, a string on the cluster at that address.
+    ``progress`` names each phase on stderr as it goes.
     ``software`` (a built-in name, ``planlab.costmodel.software``, or a software file) and
     ``precision`` are the training software the plans run with (default: the cluster's, see
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
@@ -405,9 +405,8 @@ def explore(
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
-    profile = None if profile is None else os.fspath(profile)
+    profile, software = (None if path is None else os.fspath(path) for path in (profile, software))
     _check_options(jobs, budget, candidates, ray, resume, out)
-    software = None if software is None else os.fspath(software)
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
@@ -424,15 +423,14 @@ def explore(
     if out is not None:
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, kept=None, lone=False)
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, kept=None)
     workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
         deadline = None if budget is None else t0 + budget
-        runner = _runner(ray, workers, (ctx, cost, sp))
-        _STATE["lone"] = len(order) == 1  # the only candidate: its timeline is recorded as it is simulated
+        runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal)
         finally:
@@ -441,13 +439,13 @@ def explore(
         workers.close()
     finally:
         workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
-        kept = _STATE.get("kept")
+        kept = _STATE.pop("kept", None)  # the best candidate simulated in this process
         _STATE.clear()
         if journal is not None:
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best, best_index = _ranked(sp, ctx, assignments, rows, cost)
+    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, kept)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -461,19 +459,18 @@ def explore(
         ),
     )
     if out is not None:
-        drawn = kept[1] if kept is not None and kept[0] == best_index else None
         write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, simulated=drawn)
     return df
 
 
 def _ranked(
-    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel
-) -> tuple[pd.DataFrame, Plan | None, int | None]:
-    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan
-    and its index among the assignments (None without one)."""
+    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel, kept: tuple | None
+) -> tuple[pd.DataFrame, Plan | None, Simulated | None]:
+    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan,
+    and its simulation if it is ``kept``'s (``(index, Simulated)``, the best simulated in this process)."""
     df = _frame(sp, assignments, rows, cost)
     best = _best_plan(sp, ctx, assignments, df, cost)
-    best_index = int(df.loc[0, "_index"]) if best is not None else None
+    drawn = kept[1] if best is not None and kept is not None and kept[0] == int(df.loc[0, "_index"]) else None
     part_best = {}
     for name, mask in part_masks(sp, df).items():
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
@@ -483,7 +480,7 @@ def _ranked(
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
     corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
     df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
-    return df, best, best_index
+    return df, best, drawn
 
 
 def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
@@ -518,12 +515,14 @@ def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
         raise ConfigError(f"--out {str(out)!r}: cannot write {JOURNAL} there: {e.strerror}") from None
 
 
-def _runner(ray: bool | str, workers: _Workers, shared: tuple):
-    """Where candidates are simulated: Ray tasks, the forked workers, or this process."""
+def _runner(ray: bool | str, workers: _Workers, shared: tuple, *, lone: bool = False):
+    """Where candidates are simulated: Ray tasks, the forked workers, or this process (``lone``:
+    the only candidate, its timeline recorded as it is simulated)."""
     if ray is not False:
         return RayRunner(None if ray is True or ray == "" else ray, _ray_task, shared)
     if workers.pool is not None:
         return PoolRunner(workers.pool, workers.jobs, _simulate_one, lambda: workers.close(kill=True))
+    _STATE["lone"] = lone
     return SerialRunner(_simulate_kept)
 
 
