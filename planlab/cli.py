@@ -130,14 +130,17 @@ def plan_cost(plan, *, profile: str | None = None, software: str | None = None, 
 
 
 def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None):
+    """Simulate ``plan``: its Program comes from the program cache after the first time
+    (:mod:`planlab.plan.program_cache`), unless stragglers need every device's tasks."""
     from planlab.models.trace_cache import trace_model
+    from planlab.plan.program_cache import cached_program
     from planlab.plan.shared_params import training_flops
     from planlab.plan.software_passes import build_program
     from planlab.simulator import find_deadlock, simulate
 
     graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
-    program = build_program(plan, graph, cost, symmetric=not stragglers)
+    program = build_program(plan, graph, cost, symmetric=False) if stragglers else cached_program(plan, graph, cost)
     try:
         return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:

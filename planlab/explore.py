@@ -59,6 +59,8 @@ from planlab.search_spaces.selection import candidates as choose_candidates
 from planlab.search_spaces.selection import pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
+from planlab.simulator.result import SimResult
+from planlab.plan.program import Program
 
 SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
 RESULT_COLUMNS = SCREEN_COLUMNS + [
@@ -199,6 +201,12 @@ def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
 
 def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = False):
     """Simulate one plan; returns ``(row dict, SimResult or None)``. Infeasible plans are rows too."""
+    row, res, _ = _evaluated(plan, graph, cost, timeline)
+    return row, res
+
+
+def _evaluated(plan: Plan, graph: Graph, cost: CostModel, timeline: bool):
+    """``evaluate``'s row and SimResult, and the Program simulated (None when it was not)."""
     row = dict(plan.knobs)
     mem_cap = cost.device_memory_bytes
     static, acts = memory_lower_bound_bytes(plan, graph, cost.precision, cost.software)
@@ -215,13 +223,13 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
             ),
             peak_mem_gib=(static + acts) / 2**30,
         )
-        return row, None
+        return row, None, None
     try:
         program = build_program(plan, graph, cost)
         res = simulate(program, cost, model_flops=training_flops(graph), timeline=timeline)
     except InfeasiblePlan as e:
         row.update(_nan_row(str(e).splitlines()[0]))
-        return row, None
+        return row, None, None
     row.update(
         iter_time_s=res.iter_time_s,
         peak_mem_gib=res.peak_mem_bytes / 2**30,
@@ -230,7 +238,7 @@ def evaluate(plan: Plan, graph: Graph, cost: CostModel, *, timeline: bool = Fals
         feasible=res.feasible,
         reason=res.reason,
     )
-    return row, res
+    return row, res, program
 
 
 # -- the work of one plan, in this process or in a worker --------------------------------------
@@ -284,24 +292,50 @@ def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | No
     return [(i, *_screen_one(v)) for i, v in items]
 
 
-def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> dict:
+def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *, timeline: bool = False):
     """Build and simulate one assignment of ``sp``'s knobs: the simulation's columns of its row
-    (``ROW_KEYS``). The same in this process, a forked worker or a Ray task."""
+    (``ROW_KEYS``), and its Program and SimResult (None for a plan not simulated; with
+    ``timeline``, the timeline recorded). The same in this process, a forked worker or a Ray task."""
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
-        return _nan_row(str(e).splitlines()[0])
-    row, _ = evaluate(plan, ctx.graph, cost)
-    return {k: row[k] for k in ROW_KEYS}
+        return _nan_row(str(e).splitlines()[0]), None
+    row, res, program = _evaluated(plan, ctx.graph, cost, timeline)
+    return {k: row[k] for k in ROW_KEYS}, (None if res is None else Simulated(program, res))
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A plan simulated in this process: its Program and its SimResult (with or without its
+    timeline), what the outputs draw without materializing it again."""
+
+    program: Program
+    result: SimResult
 
 
 def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
     i, values = item
-    return i, simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)
+    return i, simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)[0]
+
+
+def _simulate_kept(item: tuple[int, dict]) -> tuple[int, dict]:
+    """One candidate simulated in this process; the fastest feasible one so far is kept
+    (``_STATE["kept"]``: its index and :class:`Simulated`), so that the outputs draw it without
+    materializing it again. A lone candidate (``_STATE["lone"]``) records its timeline at once."""
+    i, values = item
+    row, sim = simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, timeline=_STATE["lone"])
+    kept = _STATE.get("kept")
+    if (
+        sim is not None
+        and sim.result.feasible
+        and (kept is None or sim.result.iter_time_s < kept[1].result.iter_time_s)
+    ):
+        _STATE["kept"] = (i, sim)
+    return i, row
 
 
 def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict) -> tuple[int, dict]:
-    return i, simulate_candidate(sp, ctx, cost, values)
+    return i, simulate_candidate(sp, ctx, cost, values)[0]
 
 
 class _Workers:
@@ -358,11 +392,11 @@ def explore(
     ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
-    ``timeline.png`` and ``memory.png`` there, and journals each simulated row to
-    ``simulations.jsonl`` as it finishes (:mod:`planlab.candidates`); ``resume`` continues from
-    that journal. ``profile`` (from ``planlab calibrate``) prices the cluster with its
-    measurements. ``ray`` simulates the candidates as Ray tasks: True on a local Ray instance, a
-    string on the cluster at that address. ``progress`` names each phase on stderr as it goes.
+    ``timeline.png`` and ``memory.png`` there, and journals each simulated row to ``simulations.jsonl``
+    as it finishes (:mod:`planlab.candidates`); ``resume`` continues from that journal. ``profile``
+    (from ``planlab calibrate``) prices the cluster with its measurements. ``ray`` simulates the
+    candidates as Ray tasks: True on a local Ray instance, a string on the cluster at that address.
+    ``progress`` names each phase on stderr as it goes.
     ``software`` (a built-in name, ``planlab.costmodel.software``, or a software file) and
     ``precision`` are the training software the plans run with (default: the cluster's, see
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
@@ -371,9 +405,8 @@ def explore(
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
-    profile = None if profile is None else os.fspath(profile)
+    profile, software = (None if path is None else os.fspath(path) for path in (profile, software))
     _check_options(jobs, budget, candidates, ray, resume, out)
-    software = None if software is None else os.fspath(software)
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
@@ -390,14 +423,14 @@ def explore(
     if out is not None:
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, kept=None)
     workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
         deadline = None if budget is None else t0 + budget
-        runner = _runner(ray, workers, (ctx, cost, sp))
+        runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal)
         finally:
@@ -406,12 +439,13 @@ def explore(
         workers.close()
     finally:
         workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
+        kept = _STATE.pop("kept", None)  # the best candidate simulated in this process
         _STATE.clear()
         if journal is not None:
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best = _ranked(sp, ctx, assignments, rows, cost)
+    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, kept)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -425,16 +459,18 @@ def explore(
         ),
     )
     if out is not None:
-        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress)
+        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, simulated=drawn)
     return df
 
 
 def _ranked(
-    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel
-) -> tuple[pd.DataFrame, Plan | None]:
-    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr) and the best plan."""
+    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel, kept: tuple | None
+) -> tuple[pd.DataFrame, Plan | None, Simulated | None]:
+    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan,
+    and its simulation if it is ``kept``'s (``(index, Simulated)``, the best simulated in this process)."""
     df = _frame(sp, assignments, rows, cost)
     best = _best_plan(sp, ctx, assignments, df, cost)
+    drawn = kept[1] if best is not None and kept is not None and kept[0] == int(df.loc[0, "_index"]) else None
     part_best = {}
     for name, mask in part_masks(sp, df).items():
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
@@ -444,7 +480,7 @@ def _ranked(
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
     corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
     df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
-    return df, best
+    return df, best, drawn
 
 
 def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
@@ -479,13 +515,15 @@ def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
         raise ConfigError(f"--out {str(out)!r}: cannot write {JOURNAL} there: {e.strerror}") from None
 
 
-def _runner(ray: bool | str, workers: _Workers, shared: tuple):
-    """Where candidates are simulated: Ray tasks, the forked workers, or this process."""
+def _runner(ray: bool | str, workers: _Workers, shared: tuple, *, lone: bool = False):
+    """Where candidates are simulated: Ray tasks, the forked workers, or this process (``lone``:
+    the only candidate, its timeline recorded as it is simulated)."""
     if ray is not False:
         return RayRunner(None if ray is True or ray == "" else ray, _ray_task, shared)
     if workers.pool is not None:
         return PoolRunner(workers.pool, workers.jobs, _simulate_one, lambda: workers.close(kill=True))
-    return SerialRunner(_simulate_one)
+    _STATE["lone"] = lone
+    return SerialRunner(_simulate_kept)
 
 
 def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
@@ -668,10 +706,13 @@ def write_outputs(
     graph: Graph | None = None,
     cost: CostModel | None = None,
     progress: bool = False,
+    simulated: Simulated | None = None,
 ) -> dict[str, float]:
     """results.csv, pareto.png and best_plan.json (and with ``graph`` and ``cost``, the best plan's
-    timeline.png and memory.png, from a simulation of it that records its timeline), each written
-    whole or not at all. Returns the seconds each took (``timeline`` for that simulation)."""
+    timeline.png and memory.png, from a simulation that records its timeline), each written whole
+    or not at all. ``simulated``: the best plan's Program and simulation as the exploration made
+    them: its timeline is drawn as recorded, else its Program simulated again (not materialized
+    again). Returns the seconds each took (``timeline`` for that simulation)."""
     from planlab.plotting import memory_plot, pareto_plot, timeline_plot
 
     best = best if best is not None else df.attrs.get("best_plan")
@@ -695,8 +736,10 @@ def write_outputs(
         save_plan(best, out / "best_plan.json")
         t = done("best_plan.json", t)
         if timeline:
-            program = build_program(best, graph, cost)
-            res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+            res = simulated.result if simulated is not None else None
+            if res is None or not res.events:
+                program = simulated.program if simulated is not None else build_program(best, graph, cost)
+                res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
             t = done("timeline", t)
             timeline_plot(res, out / "timeline.png", title=best.describe())
             t = done("timeline.png", t)

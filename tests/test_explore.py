@@ -212,6 +212,28 @@ def test_out_writes_the_plots_of_the_best_plan(tmp_path):
     assert (tmp_path / "pareto.png").exists() and len(df)
 
 
+def test_outputs_draw_the_evaluated_best_plan_without_materializing_it_again(tmp_path, monkeypatch):
+    """A serial exploration keeps the best candidate's Program: the outputs simulate it again only
+    to record its timeline, and a lone candidate records its timeline as it is simulated."""
+    ex = sys.modules["planlab.explore"]  # the module (planlab.explore is the function)
+
+    calls = []
+    real_build, real_simulate = ex.build_program, ex.simulate
+    monkeypatch.setattr(ex, "build_program", lambda *a, **k: calls.append("build") or real_build(*a, **k))
+    monkeypatch.setattr(ex, "simulate", lambda *a, **k: calls.append(("sim", k["timeline"])) or real_simulate(*a, **k))
+    df = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "many", candidates=3)
+    n = int(df["simulated"].sum())
+    assert n > 1 and calls.count("build") == n and calls.count(("sim", True)) == 1
+    calls.clear()
+    best = {k.name: df.loc[0, k.name] for k in get_space("megatron").all_knobs()}
+    lone = planlab.explore(
+        "gpt-tiny", **TINY, fixed={k: getattr(v, "item", lambda: v)() for k, v in best.items()}, out=tmp_path
+    )
+    assert calls == ["build", ("sim", True)]
+    assert lone.loc[0, "iter_time_s"] == df.loc[0, "iter_time_s"]  # recording the timeline changes nothing
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
 # -- choosing candidates and the front ---------------------------------------------------------------
 @pytest.mark.parametrize(
     "points, tol, expected",

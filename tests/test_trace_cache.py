@@ -3,6 +3,7 @@ returns, a second use neither traces nor imports torch, and a bad entry or folde
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import pickle
@@ -161,3 +162,37 @@ def test_lazy_packages_keep_functions_where_submodules_share_their_names():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["GPT", "planlab.models.spec"]
+
+
+def test_a_cached_program_is_the_built_program_and_a_changed_setup_builds_it_again(cache, tmp_path, capsys):
+    """`planlab simulate` keeps the plan's Program beside the graph: a second run loads it and prints
+    the same; another precision, or an entry holding another key, builds it again; stragglers do not use it."""
+    from planlab.cli import main
+    from planlab.costmodel import CostModel
+    from planlab.plan import save_plan
+    from planlab.plan.program_cache import PROGRAM_FORMAT, cached_program
+    from planlab.plan.software_passes import build_program
+    from planlab.search_spaces import Context, get_space
+
+    graph = trace_model(SPEC, 8)
+    plan = get_space("megatron").build(
+        Context(graph, SPEC, 8, "cpu", 2, 2, 1), dict(dp=1, tp=1, pp=2, microbatch=2, schedule="1f1b")
+    )
+    save_plan(plan, tmp_path / "plan.json")
+    printed = []
+    for _ in range(2):
+        assert main(["simulate", str(tmp_path / "plan.json"), "--json"]) == 0
+        printed.append(capsys.readouterr().out)
+    (entry,) = cache.glob("program-*.pkl")
+    assert printed[0] == printed[1]
+    cost = CostModel.load("cpu", 2)
+    assert cached_program(plan, graph, cost) == build_program(plan, graph, cost)
+    other = CostModel.load("cpu", 2, precision="bf16")
+    assert other.precision != cost.precision
+    assert cached_program(plan, graph, other) == build_program(plan, graph, other)
+    assert len(list(cache.glob("program-*.pkl"))) == 2
+    fmt, key, program = pickle.loads(entry.read_bytes())
+    entry.write_bytes(pickle.dumps((PROGRAM_FORMAT, dataclasses.replace(key, plan_sha256="another plan"), program)))
+    assert cached_program(plan, graph, cost) == build_program(plan, graph, cost)  # written again
+    assert pickle.loads(entry.read_bytes())[1] == key
+    assert main(["simulate", str(tmp_path / "plan.json"), "--straggler", "1=1.5"]) == 0

@@ -115,26 +115,36 @@ def _builtin_ops_registered() -> bool:
 _CALLED_BY_MODELS = ("torch", "builtins", "_operator", "operator", "math")
 
 
-def _read(path: Path, key: TraceKey) -> Graph | None:
+def cacheable(spec: ModelSpec) -> bool:
+    """Whether what is derived from ``spec``'s trace may be cached: not for a user's model, nor
+    after :func:`planlab.register_op` registered one of the functions planlab's models call."""
+    return not is_user_model(spec.name) and not _builtin_ops_registered()
+
+
+def read_entry(path: Path, entry_format: int, key, kind: type):
+    """The value of the cache entry at ``path``, a pickle of ``(entry_format, key, value)``, if it
+    loads, holds that format and key and a ``kind``; else None."""
     try:
         with open(path, "rb") as f:
             entry = pickle.load(f)
-    except Exception:  # noqa: BLE001 - a missing, partial or foreign entry is traced again
+    except Exception:  # noqa: BLE001 - a missing, partial or foreign entry is made again
         return None
-    if not (isinstance(entry, tuple) and len(entry) == 3 and entry[0] == ENTRY_FORMAT and entry[1] == key):
+    if not (isinstance(entry, tuple) and len(entry) == 3 and entry[0] == entry_format and entry[1] == key):
         return None
-    return entry[2] if isinstance(entry[2], Graph) else None
+    return entry[2] if isinstance(entry[2], kind) else None
 
 
-def _write(folder: Path, path: Path, key: TraceKey, graph: Graph) -> None:
+def write_entry(folder: Path, path: Path, entry: tuple) -> None:
+    """Write ``entry`` to ``path`` in ``folder`` (a temporary file renamed into place); a folder
+    that cannot be written leaves it unwritten."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=path.name + ".", suffix=".tmp")
     except OSError:
-        return  # an unwritable cache folder: the graph stays uncached
+        return  # an unwritable cache folder: the value stays uncached
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump((ENTRY_FORMAT, key, graph), f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
@@ -144,11 +154,10 @@ def trace_model(spec: ModelSpec, batch: int) -> Graph:
     """The graph of ``spec`` at ``batch`` samples, for planning (:func:`for_planning`): from the
     cache when an entry of the same :class:`TraceKey` loads, else built, traced and stored."""
     folder = cache_dir()
-    cacheable = folder is not None and not is_user_model(spec.name) and not _builtin_ops_registered()
-    if cacheable:
+    if folder is not None and cacheable(spec):
         key = TraceKey.of(spec, batch)
         path = folder / key.file_name()
-        graph = _read(path, key)
+        graph = read_entry(path, ENTRY_FORMAT, key, Graph)
         if graph is not None:
             for what in graph.unknown:
                 warnings.warn(f"planlab: no signature for {what}; it is kept whole", stacklevel=2)
@@ -158,6 +167,6 @@ def trace_model(spec: ModelSpec, batch: int) -> Graph:
 
     model, inputs = build_model(spec, batch=batch)
     graph = for_planning(trace(model, inputs))
-    if cacheable:
-        _write(folder, path, key, graph)
+    if folder is not None and cacheable(spec):
+        write_entry(folder, path, (ENTRY_FORMAT, key, graph))
     return graph

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from planlab.errors import InfeasiblePlan, InternalError
 
@@ -56,6 +54,9 @@ def solve_strategies(
 ) -> Solution | None:
     """The strategy per node minimising node and edge costs with ``sum memory <= memory_bound``;
     None when no choice fits the bound. ``node_cost[v][s]``: node ``v`` under strategy ``s``."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+    from scipy.sparse import coo_matrix
+
     n_nodes = len(node_cost)
     offs = np.cumsum([0] + [len(c) for c in node_cost])
     nx = int(offs[-1])

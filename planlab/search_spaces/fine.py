@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
@@ -48,6 +47,8 @@ def solve_layout(
 ) -> StageLayout | None:
     """The :class:`StageLayout` minimizing the pipeline's time under ``cap_bytes`` per device
     (HiGHS), or None when no layout fits."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+
     G = stages
     n, k, o, z, T, S = 0, G, 2 * G, 3 * G, 4 * G, 4 * G + 1
     nv = 4 * G + 2

@@ -135,7 +135,8 @@ class Simulation:
         self.boxes: dict[tuple, _Mailbox] = defaultdict(_Mailbox)
         self.barriers: dict[tuple, list] = {}
         self.stats: dict[int, dict] = {}
-        self.events: list[tuple[int, Event]] = []  # (issue order, event)
+        # (device, start_s, issue order, stream, action, name, end_s): sorted as recorded, made Events at the end
+        self.events: list[tuple] = []
         self.issued = count()
         self.memory: list[tuple[int, float, int]] = []
         self.prices: dict = {}  # task times by what they depend on, shared by every device
@@ -172,9 +173,7 @@ class Simulation:
 
     def record(self, device: int, stream: str, action: str, name: str, start_s: float, end_s: float, seq=None):
         """Keep one event of the timeline (in issue order ``seq``, by default the next)."""
-        self.events.append(
-            (next(self.issued) if seq is None else seq, Event(device, stream, action, name, start_s, end_s))
-        )
+        self.events.append((device, start_s, next(self.issued) if seq is None else seq, stream, action, name, end_s))
 
 
 class DeviceRun:
@@ -305,10 +304,12 @@ class DeviceRun:
         """The events of a segment that ran from ``start`` (its computation stretched to ``compute``)."""
         sim, rep = self.sim, self.rep
         t = start
-        stretch = compute / (u.compute_s * self.factor) if u.compute_s else 1.0
+        factor = self.factor
+        stretch = compute / (u.compute_s * factor) if u.compute_s else 1.0
+        add, issued = sim.events.append, sim.issued
         for name, d, comm in zip(u.tasks, u.durations, u.is_comm):
-            d = d if comm else d * self.factor * stretch
-            sim.record(rep, "comm" if comm else "compute", a, name, t, t + d)
+            d = d if comm else d * factor * stretch
+            add((rep, t, next(issued), "comm" if comm else "compute", a, name, t + d))
             t += d
         sim.memory.append((rep, sim.env.now, self.mem))
 
@@ -426,7 +427,7 @@ def result(sim: Simulation, model_flops: float) -> SimResult:
         peak_flops_per_s=peak_flops_per_s(
             sim.cost.cluster.device, program.precision.elementwise_dtype
         ),  # MFU: the 16-bit peak
-        events=tuple(e for _, e in sorted(sim.events, key=lambda x: (x[1].device, x[1].start_s, x[0]))),
+        events=tuple(Event(d, st, a, n, s, e) for d, s, _, st, a, n, e in sorted(sim.events)),
         memory=tuple(sim.memory),
         **host_memory(program, sim.cost.cluster),
     )

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ class DeviceStats:
         return max(0.0, self.finish_s - self.compute_s - self.exposed_comm_s - self.bubble_s)
 
 
-@dataclass(frozen=True)
-class Event:
-    """One task or segment on a device's stream, in seconds from the iteration's start."""
+class Event(NamedTuple):
+    """One task or segment on a device's stream, in seconds from the iteration's start (a named
+    tuple, not a dataclass: a timeline holds millions, and a tuple is made three times faster)."""
 
     device: int
     stream: str
@@ -115,9 +116,7 @@ class SimResult:
         """The timeline, one row per event (needs ``simulate(..., timeline=True)``)."""
         import pandas as pd
 
-        return pd.DataFrame(
-            [e.__dict__ for e in self.events], columns=["device", "stream", "action", "name", "start_s", "end_s"]
-        )
+        return pd.DataFrame(list(self.events), columns=["device", "stream", "action", "name", "start_s", "end_s"])
 
     def device_table(self):
         import pandas as pd
@@ -129,7 +128,7 @@ class SimResult:
         """A Chrome/Perfetto trace: a process per device class, a thread per stream."""
         write_chrome_trace(
             path,
-            [(e.device, e.stream, e.action, e.name, e.start_s, e.end_s) for e in self.events],
+            self.events,
             counters=self.memory,
         )
 
