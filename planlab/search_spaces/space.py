@@ -40,7 +40,10 @@ def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str
     """Per operator, the dimension ``dim_of`` names (a tuple: already per operator in graph order)."""
     if isinstance(dim_of, tuple):
         if len(dim_of) != len(ops):
-            raise ValueError(f"{len(dim_of)} dimensions for the graph's {len(ops)} operators")
+            raise ConfigError(
+                f"a mesh axis given {len(dim_of)} dimensions for the graph's {len(ops)} operators; "
+                "expected one per operator in graph order (in_graph_order)"
+            )
         return dim_of
     if callable(dim_of) and not isinstance(dim_of, Mapping):
         return tuple(dim_of(op) for op in ops)
