@@ -420,3 +420,20 @@ def test_enumeration_equals_the_filtered_product_of_the_knobs():
     got = sp.enumerate(ctx)
     assert len(got) > 10 and len(got) < len(list(itertools.product(*ranges)))
     assert got == brute
+
+
+def test_an_axis_given_in_graph_order_is_the_axis_given_by_name():
+    """``in_graph_order`` hands add_axis the dimensions it would look up by operator name, as one
+    tuple cached on the graph (the same object for every plan); a tuple of another length is a
+    ConfigError."""
+    from planlab.search_spaces.builtin import tensor_parallel_dims
+    from planlab.search_spaces.space import Draft, in_graph_order
+
+    ctx = ctx_of(2)
+    by_name, in_order = Draft(ctx), Draft(ctx)
+    by_name.add_axis("tp", 2, tensor_parallel_dims(ctx.graph))
+    in_order.add_axis("tp", 2, in_graph_order(ctx.graph, "tensor_parallel_dims", tensor_parallel_dims))
+    assert by_name.axis_dims == in_order.axis_dims and any(in_order.axis_dims[0])
+    assert in_graph_order(ctx.graph, "tensor_parallel_dims", tensor_parallel_dims) is in_order.axis_dims[0]
+    with pytest.raises(ConfigError, match="given 1 dimensions for the graph's"):
+        Draft(ctx).add_axis("tp", 2, (None,))

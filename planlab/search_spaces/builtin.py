@@ -25,7 +25,7 @@ from planlab.search_spaces.stages import (
     layers_per_stage,
     uneven_problem,
 )
-from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space, in_graph_order
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -133,8 +133,7 @@ class DataParallel(Space):
         dp = values.get("dp") or draft.ctx.num_devices
         mbs = values.get("microbatch") or draft.ctx.global_batch // dp
         draft.microbatches = draft.ctx.global_batch // (dp * mbs)
-        dims = batch_dims(draft.ctx.graph)
-        draft.add_axis("dp", dp, dims)
+        draft.add_axis("dp", dp, in_graph_order(draft.ctx.graph, "batch_dims", batch_dims))
         draft.zero = values.get("zero") or 0
 
 
@@ -302,7 +301,10 @@ class TensorParallel(Space):
     def apply(self, draft: Draft, values: dict) -> None:
         tp = values.get("tp") or 1
         g = draft.ctx.graph
-        dims = sequence_parallel_dims(g) if values.get("sequence_parallel") else tensor_parallel_dims(g)
+        if values.get("sequence_parallel"):
+            dims = in_graph_order(g, "sequence_parallel_dims", sequence_parallel_dims)
+        else:
+            dims = in_graph_order(g, "tensor_parallel_dims", tensor_parallel_dims)
         draft.add_axis("tp", tp, dims)
 
 

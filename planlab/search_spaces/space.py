@@ -29,17 +29,33 @@ from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
 from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
 
 if TYPE_CHECKING:
+    from planlab.graph.ir import Graph
     from planlab.search_spaces.rules import Rule
 
 
 from planlab.search_spaces.knobs import KINDS, Constraint, Context, Knob, KnobView, fmt_knobs  # noqa: F401 (re-exported)
 
 
-def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> tuple:
-    """Per operator, the dimension ``dim_of`` names."""
+def _axis_dims(ops: list, dim_of: Callable[[Any], str | None] | Mapping[str, str | None] | tuple) -> tuple:
+    """Per operator, the dimension ``dim_of`` names (a tuple: already per operator in graph order)."""
+    if isinstance(dim_of, tuple):
+        if len(dim_of) != len(ops):
+            raise ConfigError(
+                f"a mesh axis given {len(dim_of)} dimensions for the graph's {len(ops)} operators; "
+                "expected one per operator in graph order (in_graph_order)"
+            )
+        return dim_of
     if callable(dim_of) and not isinstance(dim_of, Mapping):
         return tuple(dim_of(op) for op in ops)
     return tuple(dim_of.get(op.name) for op in ops)
+
+
+def in_graph_order(graph: Graph, name: str, dims: Callable[[Graph], Mapping[str, str | None]]) -> tuple:
+    """``dims(graph)`` (operator name -> dimension) per operator in graph order, as
+    :meth:`Draft.add_axis` takes it without walking the graph again: cached per graph under
+    ``name``, which must name ``dims`` alone (the same tuple for every plan also lets the screen
+    recognise it at once)."""
+    return graph.memo(("in_graph_order", name), lambda: tuple(dims(graph).get(op.name) for op in graph.operators))
 
 
 @dataclass
@@ -82,11 +98,15 @@ class Draft:
     stage_order: tuple[int, ...] = ()
     ring: frozenset[str] = frozenset()  # attentions run as ring attention (context parallelism, cp_kind=ring)
 
-    def add_axis(self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None]) -> None:
-        """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``) names the
-        dimension each operator splits along it (None: replicated)."""
-        ops = self.ctx.graph.operators
-        dims = _axis_dims(ops, dim_of) if size > 1 else (None,) * len(ops)
+    def add_axis(
+        self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None] | tuple
+    ) -> None:
+        """Add a mesh axis of ``size`` devices; ``dim_of(op)`` (or ``dim_of[op.name]``, or a tuple
+        per operator in graph order: :func:`in_graph_order`) names the dimension each operator
+        splits along it (None: replicated)."""
+        g = self.ctx.graph
+        ops = g.operators
+        dims = _axis_dims(ops, dim_of) if size > 1 else g.memo(("replicated",), lambda: (None,) * len(ops))
         self.axes.append((name, size))
         self.axis_dims.append(dims)
         if self._dims is not None:
