@@ -417,8 +417,7 @@ def explore(
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
-    workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
-    kept = BestPlans()
+    workers, kept = _Workers(jobs, setup, space if isinstance(space, str) else None), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
