@@ -132,13 +132,6 @@ class Layout:
             object.__setattr__(self, "_hash", h)
         return h
 
-    def __eq__(self, other: object) -> bool:  # kept: the box cache compares each plan's layouts with the last's
-        if self is other:
-            return True
-        if other.__class__ is not Layout:
-            return NotImplemented
-        return hash(self) == hash(other) and self.mesh == other.mesh and self.placements == other.placements
-
     def __str__(self) -> str:
         return "[" + ",".join(map(str, self.placements)) + f"]@{self.mesh}"
 

@@ -37,18 +37,22 @@ class Layouts:
                 f"({len(missing)} of its {len(names)} operators are not in the plan): "
                 "was the plan made for another model or size?"
             )
-        if m > 1 and (whole := graph.memo(("whole_batch_read",), lambda: whole_batch_read(graph))):
-            # its size under a micro-batch is not the plan's
+        if m > 1 and (whole := whole_batch_read(graph)):  # its size under a micro-batch is not the plan's
             raise InfeasiblePlan(
                 f"operator {whole[0].name!r} ({whole[0].kind}) reads the batch axis {whole[2]} of {whole[1]!r} whole "
                 f"(its signature cannot split it), so it cannot run on one of {m} micro-batches: use 1 micro-batch"
             )
-        # every tensor's shape per micro-batch (the same for every plan with m micro-batches: kept on the graph,
-        # read only)
-        self.shapes: dict[str, tuple[int, ...]] = graph.memo(
-            ("microbatch_shapes", m), lambda: microbatch_shapes(graph, m)
-        )
-        self._piece_shapes: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for t, spec in graph.tensors.items():
+            shape = list(spec.shape)
+            for a in range(len(shape)):
+                if graph.labels.get((t, a)) == graph.batch_label:
+                    if shape[a] % m:
+                        raise InfeasiblePlan(
+                            f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
+                        )
+                    shape[a] //= m
+            self.shapes[t] = tuple(shape)
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
@@ -157,23 +161,6 @@ class Layouts:
         return got
 
 
-def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape with its batch axes split into ``m`` micro-batches; InfeasiblePlan
-    naming the tensor when one does not split."""
-    shapes = {}
-    for t, spec in graph.tensors.items():
-        shape = list(spec.shape)
-        for a in range(len(shape)):
-            if graph.labels.get((t, a)) == graph.batch_label:
-                if shape[a] % m:
-                    raise InfeasiblePlan(
-                        f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
-                    )
-                shape[a] //= m
-        shapes[t] = tuple(shape)
-    return shapes
-
-
 # Operators sized at trace time whose whole-batch value the executor narrows to a micro-batch's rows
 # (planlab.executor.pieces.SIZED_AT_TRACE)
 NARROWED_TO_MICROBATCH = frozenset({"constant", "factory"})
@@ -196,16 +183,9 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
 
 def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
     """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
-    its outputs (every piece has the same, since splits divide evenly). Layers repeat: the shapes are
-    kept per the layouts and whole shapes they follow from (within one materialization)."""
-    key = (
-        tuple((L.needs(op, k), L.shapes[t]) for k, t in enumerate(op.inputs)),
-        tuple((L.has(op, j), L.shapes[t]) for j, t in enumerate(op.outputs)),
-    )
-    got = L._piece_shapes.get(key)
-    if got is None:
-        got = L._piece_shapes[key] = tuple(box_shape(lay.box(0, shape)) for part in key for lay, shape in part)
-    return got
+    its outputs (every piece has the same, since splits divide evenly)."""
+    ins = tuple(box_shape(L.needs(op, k).box(0, L.shapes[t])) for k, t in enumerate(op.inputs))
+    return ins + tuple(box_shape(L.has(op, j).box(0, L.shapes[t])) for j, t in enumerate(op.outputs))
 
 
 def full(layout: Layout) -> Layout:
