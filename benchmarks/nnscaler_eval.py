@@ -27,7 +27,9 @@ Per workload the script explores, with ``planlab.explore`` as a user calls it:
 (b) ``grid``: planlab's full Megatron grid (``megatron``: every knob but the micro-batch explored);
 (c) the composed spaces of the workload: co-sharding for Swin (``dp*tp*recompute*coshard`` and, in
     product with the grid, ``megatron*coshard``), the interlaced pipeline for T5 (``interlaced``, which
-    already carries the grid's data, tensor, ZeRO and recomputation knobs), 3F1B and co-sharding for
+    already carries the grid's data, tensor, ZeRO and recomputation knobs; and, with the optimizer
+    offloaded as the DeepSpeed baseline does, ``interlaced*offload`` and ``megatron*offload``: from 8
+    GPUs on no plan of the grid fits T5's states without it), 3F1B and co-sharding for
     the Evoformer (``3f1b``, ``3f1b*coshard``, ``dp*tp*recompute*coshard``, ``megatron*coshard``).
 
 It prints, per workload, each space's best simulated plan (knobs, iteration time, peak memory) and
@@ -95,7 +97,13 @@ def _baselines(ds_tp: int | None = None, megatron: dict | None = None) -> tuple[
 
 
 SWIN_COMPOSED = (Run("coshard", "dp*tp*recompute*coshard"), Run("grid*coshard", "megatron*coshard"))
-T5_COMPOSED = (Run("interlaced", "interlaced"),)
+# with the optimizer offloaded to host memory as well (ZeRO-Offload, as the DeepSpeed baseline): from 8 GPUs
+# on, T5's weights, gradients and Adam states do not fit a 32 GB V100 in any plan of the grid without it
+T5_COMPOSED = (
+    Run("interlaced", "interlaced"),
+    Run("interlaced*offload", "interlaced*offload"),
+    Run("grid*offload", "megatron*offload"),
+)
 EVOFORMER_COMPOSED = (
     Run("3f1b", "3f1b"),
     Run("3f1b*coshard", "3f1b*coshard"),

@@ -292,16 +292,22 @@ def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | No
     return [(i, *_screen_one(v)) for i, v in items]
 
 
+PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
+
+
 def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *, timeline: bool = False):
     """Build and simulate one assignment of ``sp``'s knobs: the simulation's columns of its row
-    (``ROW_KEYS``), and its Program and SimResult (None for a plan not simulated; with
-    ``timeline``, the timeline recorded). The same in this process, a forked worker or a Ray task."""
+    (``ROW_KEYS``, and under ``PLAN_KEY`` the Plan when it fits the device, so the parent need not
+    build the best plan again: an alpa plan's integer programs are solved where it was built), and
+    its Program and SimResult (None for a plan not simulated; with ``timeline``, the timeline
+    recorded). The same in this process, a forked worker or a Ray task."""
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
         return _nan_row(str(e).splitlines()[0]), None
     row, res, program = _evaluated(plan, ctx.graph, cost, timeline)
-    return {k: row[k] for k in ROW_KEYS}, (None if res is None else Simulated(program, res))
+    out = {k: row[k] for k in ROW_KEYS}
+    return ({**out, PLAN_KEY: plan} if out["feasible"] else out), (None if res is None else Simulated(program, res))
 
 
 @dataclass(frozen=True)
@@ -311,6 +317,26 @@ class Simulated:
 
     program: Program
     result: SimResult
+
+
+class BestPlans:
+    """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index:
+    the parent keeps the best plan as the workers built it, and no other."""
+
+    def __init__(self) -> None:
+        self.time_s = math.inf
+        self.plans: dict[int, Plan] = {}
+
+    def offer(self, i: int, result: dict) -> dict:
+        """``result`` without its Plan, kept if its row is the fastest feasible one yet."""
+        result = dict(result)
+        plan = result.pop(PLAN_KEY, None)
+        t = result.get("iter_time_s", math.nan)
+        if plan is not None and result.get("feasible") and t <= self.time_s:
+            if t < self.time_s:
+                self.time_s, self.plans = t, {}
+            self.plans[i] = plan
+        return result
 
 
 def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
@@ -424,7 +450,7 @@ def explore(
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, kept=None)
-    workers = _Workers(jobs, setup, space if isinstance(space, str) else None)
+    workers, plans = _Workers(jobs, setup, space if isinstance(space, str) else None), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
@@ -432,7 +458,7 @@ def explore(
         deadline = None if budget is None else t0 + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
-            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal)
+            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans)
         finally:
             if isinstance(runner, RayRunner):
                 runner.close()
@@ -445,7 +471,7 @@ def explore(
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, kept)
+    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, kept, plans.plans)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -464,12 +490,19 @@ def explore(
 
 
 def _ranked(
-    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel, kept: tuple | None
+    sp: Space,
+    ctx: Context,
+    assignments: list[dict],
+    rows: list[dict],
+    cost: CostModel,
+    kept: tuple | None,
+    plans: dict[int, Plan],
 ) -> tuple[pd.DataFrame, Plan | None, Simulated | None]:
-    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan,
-    and its simulation if it is ``kept``'s (``(index, Simulated)``, the best simulated in this process)."""
+    """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan
+    (from ``plans``, the plans the workers built, where it is there), and its simulation if it is
+    ``kept``'s (``(index, Simulated)``, the best simulated in this process)."""
     df = _frame(sp, assignments, rows, cost)
-    best = _best_plan(sp, ctx, assignments, df, cost)
+    best = _best_plan(sp, ctx, assignments, df, cost, plans)
     drawn = kept[1] if best is not None and kept is not None and kept[0] == int(df.loc[0, "_index"]) else None
     part_best = {}
     for name, mask in part_masks(sp, df).items():
@@ -618,9 +651,11 @@ def _simulate_all(
     progress: bool,
     deadline: float | None,
     journal: Journal | None,
+    best: BestPlans,
 ) -> int:
     """Simulate ``order`` (fastest estimate first) until ``deadline``, each row journaled as it
-    finishes (rows the journal already holds are taken from it); returns how many were."""
+    finishes (rows the journal already holds are taken from it), the fastest rows' plans kept in
+    ``best``; returns how many were."""
 
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
@@ -630,6 +665,7 @@ def _simulate_all(
 
     def store(i: int, result: dict) -> None:
         nonlocal done
+        result = best.offer(i, result)
         rows[i].update(result, simulated=True)
         if journal is not None and i not in resumed:
             journal.record(assignments[i], result)
@@ -656,12 +692,16 @@ def _simulate_all(
     return done
 
 
-def _best_plan(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame, cost: CostModel) -> Plan | None:
-    """The fastest feasible simulated plan (``df``'s first row), rebuilt (plans are not shipped
-    from the workers), with the software and precision it was priced with; None if none fits."""
+def _best_plan(
+    sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame, cost: CostModel, kept: dict[int, Plan]
+) -> Plan | None:
+    """The fastest feasible simulated plan (``df``'s first row), as its worker built it (``kept``,
+    :class:`BestPlans`) or built again (a row resumed from the journal), with the software and
+    precision it was priced with; None if none fits."""
     if not len(df) or not bool(df.loc[0, "feasible"]):
         return None
-    best = sp.build(ctx, _strip(sp, assignments[int(df.loc[0, "_index"])]))
+    i = int(df.loc[0, "_index"])
+    best = kept[i] if i in kept else sp.build(ctx, _strip(sp, assignments[i]))
     return dataclasses.replace(best, software=software_name(cost), precision=cost.precision.name)
 
 

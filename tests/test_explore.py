@@ -13,7 +13,8 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.explore import evaluate, memory_lower_bound_bytes
+from planlab.explore import PLAN_KEY, BestPlans, Setup, evaluate, make_context, memory_lower_bound_bytes
+from planlab.models import ModelSpec
 from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
@@ -163,6 +164,26 @@ def test_jobs_give_the_same_results(tiny_full):
     a = df[cols].sort_values(key).reset_index(drop=True)
     b = tiny_full[cols].sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)
+    assert df.attrs["best_plan"] == tiny_full.attrs["best_plan"]  # built in a worker, kept by the parent
+
+
+def test_the_best_plan_kept_from_its_row_is_the_plan_built_again(tiny_full):
+    best = tiny_full.attrs["best_plan"]
+    ctx, _, _ = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
+    again = get_space("megatron").build(ctx, dict(best.knobs))
+    assert dataclasses.replace(again, software=best.software, precision=best.precision) == best
+
+
+def test_best_plans_keep_the_fastest_feasible_rows_only():
+    kept, plan = BestPlans(), object()
+    row = dict(iter_time_s=2.0, feasible=True, reason="")
+    assert kept.offer(0, {**row, PLAN_KEY: plan}) == row  # the plan is taken off the row
+    kept.offer(1, {**row, "iter_time_s": 3.0, PLAN_KEY: plan})
+    kept.offer(2, {**row, "iter_time_s": 1.0, "feasible": False, PLAN_KEY: plan})
+    kept.offer(3, {**row, PLAN_KEY: plan})
+    assert set(kept.plans) == {0, 3}
+    kept.offer(4, {**row, "iter_time_s": 1.5, PLAN_KEY: plan})
+    assert set(kept.plans) == {4}
 
 
 def test_a_union_explores_both_parts_and_marks_each_best(tmp_path):
