@@ -15,19 +15,55 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from planlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from planlab.plan.plan import Plan
+    from planlab.plan.program import Program
+    from planlab.simulator.result import SimResult
 
 JOURNAL = "simulations.jsonl"
 JOURNAL_FORMAT = "planlab-simulations"
 JOURNAL_VERSION = 1
 ROW_KEYS = ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")
+PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A plan simulated in this process: its Program and its SimResult (with or without its
+    timeline), what the outputs draw without materializing it again."""
+
+    program: Program
+    result: SimResult
+
+
+class BestPlans:
+    """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index:
+    the parent keeps the best plan as the workers built it, and no other."""
+
+    def __init__(self) -> None:
+        self.time_s = math.inf
+        self.plans: dict[int, Plan] = {}
+
+    def offer(self, i: int, result: dict) -> dict:
+        """``result`` without its Plan, kept if its row is the fastest feasible one yet."""
+        result = dict(result)
+        plan = result.pop(PLAN_KEY, None)
+        t = result.get("iter_time_s", math.nan)
+        if plan is not None and result.get("feasible") and t <= self.time_s:
+            if t < self.time_s:
+                self.time_s, self.plans = t, {}
+            self.plans[i] = plan
+        return result
 
 
 def _file_sha256(path: str | None) -> str | None:

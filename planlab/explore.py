@@ -27,11 +27,14 @@ import pandas as pd
 
 from planlab.candidates import (
     JOURNAL,
+    PLAN_KEY,
     ROW_KEYS,
+    BestPlans,
     Journal,
     PoolRunner,
     RayRunner,
     SerialRunner,
+    Simulated,
     exploration_header,
     simulate_candidates,
 )
@@ -59,8 +62,6 @@ from planlab.search_spaces.selection import candidates as choose_candidates
 from planlab.search_spaces.selection import pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
-from planlab.simulator.result import SimResult
-from planlab.plan.program import Program
 
 SCREEN_COLUMNS = ["screen_time_s", "screen_mem_gib", "screen_rank"]
 RESULT_COLUMNS = SCREEN_COLUMNS + [
@@ -292,9 +293,6 @@ def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | No
     return [(i, *_screen_one(v)) for i, v in items]
 
 
-PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
-
-
 def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *, timeline: bool = False):
     """Build and simulate one assignment of ``sp``'s knobs: the simulation's columns of its row
     (``ROW_KEYS``, and under ``PLAN_KEY`` the Plan when it fits the device, so the parent need not
@@ -308,35 +306,6 @@ def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *
     row, res, program = _evaluated(plan, ctx.graph, cost, timeline)
     out = {k: row[k] for k in ROW_KEYS}
     return ({**out, PLAN_KEY: plan} if out["feasible"] else out), (None if res is None else Simulated(program, res))
-
-
-@dataclass(frozen=True)
-class Simulated:
-    """A plan simulated in this process: its Program and its SimResult (with or without its
-    timeline), what the outputs draw without materializing it again."""
-
-    program: Program
-    result: SimResult
-
-
-class BestPlans:
-    """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index:
-    the parent keeps the best plan as the workers built it, and no other."""
-
-    def __init__(self) -> None:
-        self.time_s = math.inf
-        self.plans: dict[int, Plan] = {}
-
-    def offer(self, i: int, result: dict) -> dict:
-        """``result`` without its Plan, kept if its row is the fastest feasible one yet."""
-        result = dict(result)
-        plan = result.pop(PLAN_KEY, None)
-        t = result.get("iter_time_s", math.nan)
-        if plan is not None and result.get("feasible") and t <= self.time_s:
-            if t < self.time_s:
-                self.time_s, self.plans = t, {}
-            self.plans[i] = plan
-        return result
 
 
 def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:

@@ -13,7 +13,8 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.explore import PLAN_KEY, BestPlans, Setup, evaluate, make_context, memory_lower_bound_bytes
+from planlab.candidates import PLAN_KEY, BestPlans
+from planlab.explore import Setup, evaluate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
 from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
