@@ -70,6 +70,19 @@ def test_offloading_goes_where_the_memory_is_short():
     assert solve_layout(c, layers=4, stages=2, m=8, cap_bytes=3.0) is None
 
 
+def test_interleaved_chunks_balance_at_the_slowest_chunk():
+    # 10 layers in 4 chunks on 2 devices (chunks 0 and 2 on device 0); the head costs 2 layers: chunk
+    # times 3, 3, 3, 1 + 2 make both devices 6 and no chunk slower than 3
+    head = GroupCost(2.0, 0.0, 0.0, 0.0, 0.0)
+    got = solve_layout(_costs(last=head), layers=10, stages=4, m=8, cap_bytes=1e9, schedule="interleaved", chunks=2)
+    assert (got.layers, got.recompute, got.offload) == ((3, 3, 3, 1), (0, 0, 0, 0), (False, False))
+    # 9 layers and a head of 3: the last chunk runs the head alone (Llama 3's balanced pipeline), chunk
+    # times 3, 3, 3, 0 + 3; a layer on it would make it 4
+    head = GroupCost(3.0, 0.0, 0.0, 0.0, 0.0)
+    got = solve_layout(_costs(last=head), layers=9, stages=4, m=8, cap_bytes=1e9, schedule="interleaved", chunks=2)
+    assert got.layers == (3, 3, 3, 0)
+
+
 def _ctx(layers=3, n=2, cluster="cpu"):
     spec, g = traced("gpt-tiny", 8, (("layers", layers),))
     return Context(g, spec, 8, cluster, n if cluster == "cpu" else 1, n, 1), g
@@ -141,18 +154,25 @@ def test_a_per_stage_offloaded_plan_offloads_those_stages_only_and_round_trips()
 
 
 @pytest.mark.parametrize(
-    "n, layout",
-    [(2, ((2, 1), (1, 0), (True, False))), pytest.param(4, ((2, 1), (0, 1)), marks=pytest.mark.slow)],
+    "n, layout, v",
+    [
+        (2, ((2, 1), (1, 0), (True, False)), 1),
+        (2, ((0, 2, 1, 1), (0, 1, 0, 1), (False, True)), 2),
+        pytest.param(4, ((2, 1), (0, 1)), 1, marks=pytest.mark.slow),
+    ],
 )
-def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, layout):
+def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, layout, v):
     """Stage 0 holds 2 of 3 layers and recomputes its own number of them (on 2 ranks it also keeps its
-    optimizer on the host, stage 1 not): two steps match one process."""
+    optimizer on the host, stage 1 not); interleaved over 2 chunks a device, the first chunk runs only
+    the embedding, two chunks recompute and device 1 offloads: two steps match one process."""
     from planlab.search_spaces.stages import StageLayout
 
-    spec, g = traced("gpt-tiny", 8, (("layers", 3),))
+    spec, g = traced("gpt-tiny", 8, (("layers", sum(layout[0])),))
     ctx = Context(g, spec, 8, "cpu", n, n, 1)
     space = get_space("megatron")
     knobs = dict(pp=2, dp=n // 2, tp=1, microbatch=2, recompute="none")
+    if v > 1:
+        knobs.update(schedule="interleaved", virtual_stages=v)
     draft = space.draft(ctx, space.with_defaults(knobs))
     apply_layout(draft, StageLayout(*layout))
     plan = draft.to_plan(space="megatron*fine", knobs=knobs)
@@ -162,4 +182,4 @@ def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, lay
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
     hosted = {t["device"] for t in res.timeline if t["task"].startswith("host-optimizer")}
-    assert hosted == ({0} if len(layout) > 2 else set())
+    assert hosted == ({d for d, o in enumerate(layout[2]) if o} if len(layout) > 2 else set())
