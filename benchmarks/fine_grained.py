@@ -23,6 +23,7 @@ Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import resource
@@ -77,9 +78,11 @@ def _stage_times(w: Workload, row, space: str) -> str:
     from planlab.search_spaces.screen import Screen, group_costs
 
     d, cost, graph = _draft(w, row, space)
-    if d.chunks != 1:
-        return "(interleaved: per-chunk times not shown)"
-    return " ".join(f"{g.time_s * 1e3:.0f}" for g in group_costs(Screen(graph, cost, cost.precision), d))
+    chunks = d.chunks
+    if chunks > 1:  # per model chunk: each chunk a group of its own
+        d = dataclasses.replace(d, chunks=1, schedule="1f1b")
+    times = " ".join(f"{g.time_s * 1e3:.0f}" for g in group_costs(Screen(graph, cost, cost.precision), d))
+    return times + (f" (per model chunk, {chunks} a device; chunk s on device s % pp)" if chunks > 1 else "")
 
 
 def _cpu_s() -> float:

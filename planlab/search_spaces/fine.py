@@ -13,8 +13,22 @@ stage's first ones: Megatron-LM's block method per stage) and ``o_s`` (ZeRO-Offl
     static_s + f_s activations_s + work_s <= the device's memory, f_s = micro-batches in flight
     sum_s n_s = layers,  1 <= n_s,  0 <= k_s <= n_s
 
-(``e_s``: the first stage's embedding and the last stage's output layer and loss). The plan the
-solution describes is then simulated like any other: the simulator judges, not the program.
+(``e_s``: the first stage's embedding and the last stage's output layer and loss).
+
+With interleaved 1F1B (``virtual_stages`` v > 1; stage ``s`` is model chunk ``s // G`` of device
+group ``s % G``) each chunk gets its own ``n_s`` and ``k_s`` (the first and the last chunk may hold
+no layer: Llama 3's balanced interleaved pipeline, Dubey et al. 2024, section 3.3.2), each device
+group its ``o_d``, and the program follows Megatron-LM's model of that schedule:
+
+    minimize   M T + (G - 1) C + S                T >= sum of device d's chunks' t_s,  C >= t_s
+    static_d + max over the schedule's peaks of sum_c f_c activations_c + work_d <= memory
+
+(``f_c``: micro-batches in flight on chunk ``c`` at a peak, walked from the schedule the plan
+runs, planlab/search_spaces/screen.py's ``flight_counts``). The grid decides which (pp, v) it
+offers: pp x v divides the layers, or uneven end stages. The V schedules (ZB-V, DualPipe) are
+left out: their weight-gradient passes fill the bubble, which the per-layer costs here (one 1F1B
+backward each) do not separate. The plan the solution describes is then simulated like any other:
+the simulator judges, not the program.
 """
 
 from __future__ import annotations
