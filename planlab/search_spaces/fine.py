@@ -68,11 +68,17 @@ def flight_rows(schedule: str, group: int, groups: int, m: int, chunks: int) -> 
     return np.array(keep)
 
 
-class _Rows:
-    """The rows of a linear program under construction (HiGHS' LinearConstraint)."""
+class _Program:
+    """The integer program under construction: its variables' positions (per stage ``n`` layers and
+    ``k`` recomputed, per device group ``o`` offloads and ``z`` = n o, then ``T`` the slowest
+    device, ``S`` the slowest sync, ``C`` the slowest chunk) and its rows (HiGHS' LinearConstraint)."""
 
-    def __init__(self, nv: int) -> None:
-        self.nv, self.rows, self.lo, self.hi = nv, [], [], []
+    def __init__(self, stages: int, chunks: int) -> None:
+        self.stages, self.G = stages, stages // chunks
+        self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
+        self.T, self.S, self.C = self.z + self.G, self.z + self.G + 1, self.z + self.G + 2
+        self.nv = self.C + 1
+        self.rows, self.lo, self.hi = [], [], []
 
     def add(self, coefs: dict[int, float], low: float, high: float) -> None:
         r = np.zeros(self.nv)
@@ -83,6 +89,30 @@ class _Rows:
         self.hi.append(high)
 
 
+def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, schedule: str, layers: int) -> None:
+    """Device group ``d``'s rows: its time, its sync, its memory at each peak, its offloaded layers."""
+    n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, lp.stages // lp.G
+    mine = [cc * G + d for cc in range(v)]
+    ex = [_extras(c, s, lp.stages) for s in mine]
+    fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
+    lp.add({lp.T: 1.0, **{n + s: -c.layer_s for s in mine}, **{k + s: -c.recompute_s for s in mine}}, fixed_s, np.inf)
+    sync = {lp.S: 1.0, **{n + s: -c.sync_s for s in mine}, z + d: c.sync_s - c.offload_sync_s}
+    lp.add(sync, sum(e.sync_s for e in ex), np.inf)
+    work = c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
+    static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
+    for f in flight_rows(schedule, d, G, m, v):
+        mem = dict(static)
+        for fc, s in zip(f, mine):
+            mem[n + s] += fc * c.saved_bytes
+            mem[k + s] = fc * (c.recompute_saved_bytes - c.saved_bytes)
+        room = cap_bytes - work - sum(e.static_bytes + fc * e.saved_bytes for e, fc in zip(ex, f))
+        lp.add({i: val / cap_bytes for i, val in mem.items()}, -np.inf, room / cap_bytes)
+    # z = n o (the device's offloaded layers): z <= L o, z <= n, z >= n - L (1 - o)
+    lp.add({z + d: 1.0, o + d: -layers}, -np.inf, 0.0)
+    lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}}, -np.inf, 0.0)
+    lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}, o + d: -layers}, -layers, np.inf)
+
+
 def solve_layout(
     c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b", chunks: int = 1
 ) -> StageLayout | None:
@@ -91,43 +121,23 @@ def solve_layout(
     the model chunks (stage ``s`` on device ``s % (stages / chunks)``); each chunk gets its own
     layers (the first and the last may hold none: Llama 3's balanced pipeline) and recomputation,
     each device its offloading, and the memory limit holds at every peak of the schedule."""
-    G, v = stages // chunks, chunks
-    n, k, o, z = 0, stages, 2 * stages, 2 * stages + G
-    T, S, C = z + G, z + G + 1, z + G + 2  # the slowest device, the slowest sync, the slowest chunk
-    nv = C + 1
-    lp = _Rows(nv)
+    lp = _Program(stages, chunks)
+    n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, chunks
     for d in range(G):
-        mine = [cc * G + d for cc in range(v)]
-        ex = [_extras(c, s, stages) for s in mine]
-        fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
-        lp.add({T: 1.0, **{n + s: -c.layer_s for s in mine}, **{k + s: -c.recompute_s for s in mine}}, fixed_s, np.inf)
-        sync = {S: 1.0, **{n + s: -c.sync_s for s in mine}, z + d: c.sync_s - c.offload_sync_s}
-        lp.add(sync, sum(e.sync_s for e in ex), np.inf)
-        work = c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
-        static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
-        for f in flight_rows(schedule, d, G, m, v):
-            mem = dict(static)
-            for fc, s in zip(f, mine):
-                mem[n + s] += fc * c.saved_bytes
-                mem[k + s] = fc * (c.recompute_saved_bytes - c.saved_bytes)
-            room = cap_bytes - work - sum(e.static_bytes + fc * e.saved_bytes for e, fc in zip(ex, f))
-            lp.add({i: val / cap_bytes for i, val in mem.items()}, -np.inf, room / cap_bytes)
-        # z = n o (the device's offloaded layers): z <= L o, z <= n, z >= n - L (1 - o)
-        lp.add({z + d: 1.0, o + d: -layers}, -np.inf, 0.0)
-        lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}}, -np.inf, 0.0)
-        lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}, o + d: -layers}, -layers, np.inf)
+        _device_rows(lp, c, d, m, cap_bytes, schedule, layers)
     for s in range(stages):
         lp.add({k + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
         fixed_s = _extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
-        lp.add({C: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, fixed_s, np.inf)
+        lp.add({lp.C: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, fixed_s, np.inf)
     lp.add({n + s: 1.0 for s in range(stages)}, layers, layers)
-    cost = np.zeros(nv)
-    cost[S] = 1.0
+    cost = np.zeros(lp.nv)
+    cost[lp.S] = 1.0
     if v == 1:  # 1F1B: M max_s t_s + the fill and drain of the others, (M - 1) T + sum_s t_s
-        cost[T] = m - 1
+        cost[lp.T] = m - 1
         cost[n : n + stages], cost[k : k + stages] = c.layer_s, c.recompute_s
     else:  # interleaved 1F1B: M max_d t_d + (groups - 1) chunks' fill and drain, at the slowest chunk's pace
-        cost[T], cost[C] = m, G - 1
+        cost[lp.T], cost[lp.C] = m, G - 1
+        cost[n : n + stages], cost[k : k + stages] = TIE * c.layer_s, TIE * c.recompute_s  # no needless recompute
     # ties (the bottleneck's sync hides the others'): offload no stage more than the memory asks
     cost[n : n + stages] += TIE * c.sync_s
     cost[z : z + G] = TIE * (c.offload_sync_s - c.sync_s)
@@ -136,12 +146,8 @@ def solve_layout(
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
     integ = np.array([1] * (2 * stages + 2 * G) + [0] * 3)
-    res = milp(
-        cost,
-        constraints=LinearConstraint(np.array(lp.rows), lp.lo, lp.hi),
-        integrality=integ,
-        bounds=Bounds(lower, upper),
-    )
+    bounds = Bounds(lower, upper)
+    res = milp(cost, constraints=LinearConstraint(np.array(lp.rows), lp.lo, lp.hi), integrality=integ, bounds=bounds)
     if res.x is None:
         return None
     x = np.round(res.x).astype(int)
