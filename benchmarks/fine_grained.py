@@ -85,6 +85,23 @@ def _stage_times(w: Workload, row, space: str) -> str:
     return times + (f" (per model chunk, {chunks} a device; chunk s on device s % pp)" if chunks > 1 else "")
 
 
+def _device_times(w: Workload, plan) -> str:
+    """The simulated timeline of ``plan`` per device class (its representative device): busy
+    computing, communication it waited for, pipeline bubble, finish and peak memory."""
+    from planlab.explore import Setup, evaluate, make_context
+    from planlab.models import ModelSpec
+
+    _, cost, graph = make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
+    _, res = evaluate(plan, graph, cost)
+    if res is None:
+        return "(not simulated)"
+    return "; ".join(
+        f"device {d.device} (x{d.members}): compute {d.compute_s:.1f}, exposed comm {d.exposed_comm_s:.1f}, "
+        f"bubble {d.bubble_s:.1f}, finish {d.finish_s:.1f} s, peak {d.peak_mem_bytes / 2**30:.1f} GiB"
+        for d in res.devices
+    )
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and its finished workers."""
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -105,13 +122,13 @@ def main() -> None:
     from planlab.explore import DEFAULT_CANDIDATES
 
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
-    fixed = dict(kv.split("=", 1) for kv in args.set)
+    fixed = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.set)}
     if fixed:
         print(f"pinned in both spaces: {fixed} (a slice of the grid, not the full grid)")
     t0, cpu0 = time.perf_counter(), time.process_time()
     ratios = []
     for w in chosen:
-        best = {}
+        best, plans = {}, {}
         for label, space in SPACES:
             if label not in args.spaces.split(","):
                 continue
@@ -130,6 +147,7 @@ def main() -> None:
             )
             ok = df[df["feasible"] == True]  # noqa: E712
             best[label] = ok.iloc[0] if len(ok) else None
+            plans[label] = df.attrs.get("best_plan")
             c = df.attrs["counts"]
             print(
                 f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
@@ -146,11 +164,15 @@ def main() -> None:
                 print(f"  {label}: no simulated plan fits")
                 continue
             print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
+            if args.timelines and plans.get(label) is not None:
+                print(f"    simulated, per device class: {_device_times(w, plans[label])}")
         if g is None or f is None:
             continue
-        lay = _draft(w, f, "megatron*fine")[0].layout
-        if lay is not None:
-            print(f"  fine layout: layers {lay.layers}, recomputed {lay.recompute}, offloaded {lay.offload}")
+        if isinstance(f.get("stage_layers"), tuple):
+            print(
+                f"  fine layout: layers {f['stage_layers']}, recomputed {f['stage_recompute']}, "
+                f"optimizer offloaded per device group {f['stage_offload']}"
+            )
         ratio = g["iter_time_s"] / f["iter_time_s"]
         ratios.append(ratio)
         print(f"  speedup fine / grid: {ratio:.3f}x")
