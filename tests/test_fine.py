@@ -183,3 +183,29 @@ def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, lay
     assert res.losses[1] < res.losses[0]
     hosted = {t["device"] for t in res.timeline if t["task"].startswith("host-optimizer")}
     assert hosted == ({d for d, o in enumerate(layout[2]) if o} if len(layout) > 2 else set())
+
+
+def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
+    """results.csv carries the fine space's choice per simulated plan (layers and recomputed layers
+    per stage, offload per device group); the grid's plans have none."""
+    import pandas as pd
+
+    import planlab
+    from planlab.models import ModelSpec
+
+    fixed = dict(pp=2, tp=1, dp=1, microbatch=2, zero=0, sequence_parallel=False)
+    df = planlab.explore(
+        ModelSpec("gpt-tiny", (("layers", 3),)),
+        cluster="cpu",
+        nodes=2,
+        global_batch=8,
+        space="megatron*fine",
+        fixed=fixed,
+        candidates=1,
+        out=tmp_path,
+    )
+    sim = df[df["simulated"]]
+    assert len(sim) and all(sum(v) == 3 and len(v) == 2 for v in sim["stage_layers"])
+    assert all(len(v) == 2 for v in sim["stage_recompute"]) and all(len(v) == 2 for v in sim["stage_offload"])
+    assert df[~df["simulated"]]["stage_layers"].isna().all()
+    assert "stage_layers" in pd.read_csv(tmp_path / "results.csv").columns
