@@ -210,7 +210,23 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
     """The layout the integer program picks for ``draft``'s grid point (None: none fits)."""
     ctx = draft.ctx
     cost = _cost_model(ctx.cluster, ctx.nodes)
-    costs = stage_costs(_screen(ctx), draft, offload)
+    # the probe replaces the stages, chunks and schedule: grid points that differ only there share its costs
+    key = (
+        "fine_costs",
+        ctx.cluster,
+        ctx.nodes,
+        offload,
+        tuple(draft.axes),
+        tuple(draft.op_dims()),
+        draft.microbatches,
+        draft.zero,
+        tuple(draft.recompute.items()),
+        tuple(draft.colocate.items()),
+        draft.stage_base,
+        draft.stage_order,
+        draft.ring,
+    )
+    costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
     return solve_layout(
         costs, ctx.layers, draft.num_stages, draft.microbatches, cost.device_memory_bytes, draft.schedule, draft.chunks
     )
