@@ -209,3 +209,24 @@ def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
     assert all(len(v) == 2 for v in sim["stage_recompute"]) and all(len(v) == 2 for v in sim["stage_offload"])
     assert df[~df["simulated"]]["stage_layers"].isna().all()
     assert "stage_layers" in pd.read_csv(tmp_path / "results.csv").columns
+
+
+def test_zero3_gathers_one_unit_per_device_not_one_per_layer():
+    """Under ZeRO-3 a device holds the unit it computes gathered once, whatever its layers: the
+    per-layer static memory is the shards only, and the gathered unit is the device's once-only part."""
+    from planlab.costmodel import CostModel
+    from planlab.search_spaces.fine_costs import stage_costs
+    from planlab.search_spaces.screen import Screen
+
+    ctx, g = _ctx(layers=5, n=2)
+    space = get_space("megatron")
+    cost = CostModel.load("cpu", 2)
+    screen = Screen(g, cost, cost.precision)
+    got = {}
+    for zero in (0, 3):
+        d = space.draft(ctx, space.with_defaults(dict(pp=1, dp=2, tp=1, microbatch=2, zero=zero, recompute="none")))
+        got[zero] = stage_costs(screen, d, False)
+    assert got[0].unit_static_bytes == pytest.approx(0.0, abs=1e-6 * got[0].static_bytes)
+    # fp32 on cpu: 4 + 4 + 8 bytes a parameter, all sharded over dp=2 under ZeRO-3; the unit's 4 gathered
+    assert got[3].static_bytes == pytest.approx(got[0].static_bytes / 2, rel=1e-3)
+    assert got[3].unit_static_bytes == pytest.approx(got[0].static_bytes / 4, rel=1e-3)

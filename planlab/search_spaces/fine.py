@@ -97,8 +97,8 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
     fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
     lp.add({lp.T: 1.0, **{n + s: -c.layer_s for s in mine}, **{k + s: -c.recompute_s for s in mine}}, fixed_s, np.inf)
     sync = {lp.S: 1.0, **{n + s: -c.sync_s for s in mine}, z + d: c.sync_s - c.offload_sync_s}
-    lp.add(sync, sum(e.sync_s for e in ex), np.inf)
-    work = c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
+    lp.add(sync, c.unit_sync_s + sum(e.sync_s for e in ex), np.inf)
+    work = c.unit_static_bytes + c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
     static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
     for f in flight_rows(schedule, d, G, m, v):
         mem = dict(static)
