@@ -102,6 +102,50 @@ def _device_times(w: Workload, plan) -> str:
     )
 
 
+def _explore(w: Workload, label: str, space: str, args, fixed: dict):
+    """The best feasible row of ``space`` on ``w`` (None: none fits) and its plan; a line of counts and times."""
+    import planlab
+    from planlab.explore import DEFAULT_CANDIDATES
+
+    s0, c0 = time.perf_counter(), _cpu_s()
+    out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
+    df = planlab.explore(
+        w.model,
+        cluster=w.cluster,
+        nodes=w.nodes,
+        global_batch=w.global_batch,
+        space=space,
+        jobs=args.jobs,
+        out=out,
+        fixed=fixed,
+        candidates=args.candidates or DEFAULT_CANDIDATES,
+    )
+    ok = df[df["feasible"] == True]  # noqa: E712
+    c = df.attrs["counts"]
+    print(
+        f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
+        f"{time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU (with workers); "
+        f"load {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+    )
+    return (ok.iloc[0] if len(ok) else None), df.attrs.get("best_plan")
+
+
+def _print_best(w: Workload, label: str, r, plan, timelines: str | None) -> None:
+    """One space's best plan: time, memory, knobs, the fine layout, the simulated time per device class."""
+    if r is None:
+        print(f"  {label}: no simulated plan fits")
+        return
+    print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
+    if isinstance(r.get("stage_layers"), tuple):
+        print(
+            f"    layout: layers {r['stage_layers']}, recomputed {r['stage_recompute']}, "
+            f"optimizer offloaded per device group {r['stage_offload']}"
+        )
+    if timelines and plan is not None:
+        print(f"    simulated, per device class: {_device_times(w, plan)}")
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and its finished workers."""
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -117,10 +161,6 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=None, help="plans simulated per space (default: explore's)")
     ap.add_argument("--spaces", default="grid,fine", help="which of grid, fine to explore (the speedup needs both)")
     args = ap.parse_args()
-    import planlab
-
-    from planlab.explore import DEFAULT_CANDIDATES
-
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
     fixed = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.set)}
     if fixed:
@@ -130,49 +170,14 @@ def main() -> None:
     for w in chosen:
         best, plans = {}, {}
         for label, space in SPACES:
-            if label not in args.spaces.split(","):
-                continue
-            s0, c0 = time.perf_counter(), _cpu_s()
-            out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
-            df = planlab.explore(
-                w.model,
-                cluster=w.cluster,
-                nodes=w.nodes,
-                global_batch=w.global_batch,
-                space=space,
-                jobs=args.jobs,
-                out=out,
-                fixed=fixed,
-                candidates=args.candidates or DEFAULT_CANDIDATES,
-            )
-            ok = df[df["feasible"] == True]  # noqa: E712
-            best[label] = ok.iloc[0] if len(ok) else None
-            plans[label] = df.attrs.get("best_plan")
-            c = df.attrs["counts"]
-            print(
-                f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
-                f"{time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU (with workers); "
-                f"load {os.getloadavg()[0]:.1f}",
-                file=sys.stderr,
-            )
+            if label in args.spaces.split(","):
+                best[label], plans[label] = _explore(w, label, space, args, fixed)
         g, f = best.get("grid"), best.get("fine")
         print(f"\n{w.key}: {w.model} on {w.nodes} x {w.cluster}, global batch {w.global_batch}")
-        for label, r in (("grid", g), ("fine", f)):
-            if label not in best:
-                continue
-            if r is None:
-                print(f"  {label}: no simulated plan fits")
-                continue
-            print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
-            if args.timelines and plans.get(label) is not None:
-                print(f"    simulated, per device class: {_device_times(w, plans[label])}")
+        for label in best:
+            _print_best(w, label, best[label], plans[label], args.timelines)
         if g is None or f is None:
             continue
-        if isinstance(f.get("stage_layers"), tuple):
-            print(
-                f"  fine layout: layers {f['stage_layers']}, recomputed {f['stage_recompute']}, "
-                f"optimizer offloaded per device group {f['stage_offload']}"
-            )
         ratio = g["iter_time_s"] / f["iter_time_s"]
         ratios.append(ratio)
         print(f"  speedup fine / grid: {ratio:.3f}x")
