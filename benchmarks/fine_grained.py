@@ -23,6 +23,7 @@ Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import resource
@@ -77,9 +78,78 @@ def _stage_times(w: Workload, row, space: str) -> str:
     from planlab.search_spaces.screen import Screen, group_costs
 
     d, cost, graph = _draft(w, row, space)
-    if d.chunks != 1:
-        return "(interleaved: per-chunk times not shown)"
-    return " ".join(f"{g.time_s * 1e3:.0f}" for g in group_costs(Screen(graph, cost, cost.precision), d))
+    chunks = d.chunks
+    if chunks > 1:  # per model chunk: each chunk a group of its own
+        d = dataclasses.replace(d, chunks=1, schedule="1f1b")
+    times = " ".join(f"{g.time_s * 1e3:.0f}" for g in group_costs(Screen(graph, cost, cost.precision), d))
+    return times + (f" (per model chunk, {chunks} a device; chunk s on device s % pp)" if chunks > 1 else "")
+
+
+def _device_times(w: Workload, plan) -> str:
+    """The simulated timeline of ``plan`` per device class (its representative device): busy
+    computing, communication it waited for, pipeline bubble, finish and peak memory."""
+    from planlab.explore import Setup, evaluate, make_context
+    from planlab.models import ModelSpec
+
+    _, cost, graph = make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
+    _, res = evaluate(plan, graph, cost)
+    if res is None:
+        return "(not simulated)"
+    return "; ".join(
+        f"device {d.device} (x{d.members}): compute {d.compute_s:.1f}, exposed comm {d.exposed_comm_s:.1f}, "
+        f"bubble {d.bubble_s:.1f}, finish {d.finish_s:.1f} s, peak {d.peak_mem_bytes / 2**30:.1f} GiB"
+        for d in res.devices
+    )
+
+
+def _explore(w: Workload, label: str, space: str, args, fixed: dict):
+    """The best feasible row of ``space`` on ``w`` (None: none fits) and its plan; a line of counts and times."""
+    import planlab
+    from planlab.explore import DEFAULT_CANDIDATES
+
+    s0, c0 = time.perf_counter(), _cpu_s()
+    out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
+    df = planlab.explore(
+        w.model,
+        cluster=w.cluster,
+        nodes=w.nodes,
+        global_batch=w.global_batch,
+        space=space,
+        jobs=args.jobs,
+        out=out,
+        fixed=fixed,
+        candidates=args.candidates or DEFAULT_CANDIDATES,
+    )
+    ok = df[df["feasible"] == True]  # noqa: E712
+    c = df.attrs["counts"]
+    print(
+        f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
+        f"{time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU (with workers); "
+        f"load {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+    )
+    return (ok.iloc[0] if len(ok) else None), df.attrs.get("best_plan")
+
+
+def _print_best(w: Workload, label: str, r, plan, timelines: str | None) -> None:
+    """One space's best plan: time, memory, knobs, the fine layout, the simulated time per device class."""
+    if r is None:
+        print(f"  {label}: no simulated plan fits")
+        return
+    print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
+    if isinstance(r.get("stage_layers"), tuple):
+        print(
+            f"    layout: layers {r['stage_layers']}, recomputed {r['stage_recompute']}, "
+            f"optimizer offloaded per device group {r['stage_offload']}"
+        )
+    if timelines and plan is not None:
+        print(f"    simulated, per device class: {_device_times(w, plan)}")
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished workers."""
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
 
 
 def main() -> None:
@@ -89,53 +159,25 @@ def main() -> None:
     ap.add_argument("--timelines", default=None, help="write both best plans' timelines there")
     ap.add_argument("--set", action="append", default=[], help="KNOB=VALUE pinned in both spaces (a slice of the grid)")
     ap.add_argument("--candidates", type=int, default=None, help="plans simulated per space (default: explore's)")
+    ap.add_argument("--spaces", default="grid,fine", help="which of grid, fine to explore (the speedup needs both)")
     args = ap.parse_args()
-    import planlab
-
-    from planlab.explore import DEFAULT_CANDIDATES
-
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
-    fixed = dict(kv.split("=", 1) for kv in args.set)
+    fixed = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.set)}
     if fixed:
         print(f"pinned in both spaces: {fixed} (a slice of the grid, not the full grid)")
     t0, cpu0 = time.perf_counter(), time.process_time()
     ratios = []
     for w in chosen:
-        best = {}
+        best, plans = {}, {}
         for label, space in SPACES:
-            s0 = time.perf_counter()
-            out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
-            df = planlab.explore(
-                w.model,
-                cluster=w.cluster,
-                nodes=w.nodes,
-                global_batch=w.global_batch,
-                space=space,
-                jobs=args.jobs,
-                out=out,
-                fixed=fixed,
-                candidates=args.candidates or DEFAULT_CANDIDATES,
-            )
-            ok = df[df["feasible"] == True]  # noqa: E712
-            best[label] = ok.iloc[0] if len(ok) else None
-            c = df.attrs["counts"]
-            print(
-                f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
-                f"{time.perf_counter() - s0:.0f} s; load {os.getloadavg()[0]:.1f}",
-                file=sys.stderr,
-            )
-        g, f = best["grid"], best["fine"]
+            if label in args.spaces.split(","):
+                best[label], plans[label] = _explore(w, label, space, args, fixed)
+        g, f = best.get("grid"), best.get("fine")
         print(f"\n{w.key}: {w.model} on {w.nodes} x {w.cluster}, global batch {w.global_batch}")
-        for label, r in (("grid", g), ("fine", f)):
-            if r is None:
-                print(f"  {label}: no simulated plan fits")
-                continue
-            print(f"  {label}: {r['iter_time_s']:.3f} s, {r['peak_mem_gib']:.1f} GiB, MFU {r['mfu']:.1%}: {_knobs(r)}")
+        for label in best:
+            _print_best(w, label, best[label], plans[label], args.timelines)
         if g is None or f is None:
             continue
-        lay = _draft(w, f, "megatron*fine")[0].layout
-        if lay is not None:
-            print(f"  fine layout: layers {lay.layers}, recomputed {lay.recompute}, offloaded {lay.offload}")
         ratio = g["iter_time_s"] / f["iter_time_s"]
         ratios.append(ratio)
         print(f"  speedup fine / grid: {ratio:.3f}x")

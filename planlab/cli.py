@@ -78,6 +78,7 @@ def cmd_explore(args) -> int:
     with pd.option_context("display.width", 220, "display.max_columns", 24):
         print(show.to_string(index=False))
     print(df.attrs["software"])
+    _print_best_layout(df)
     c, ph = df.attrs["counts"], df.attrs["phases"]
     same = ", ".join(f"{k}={df[k].iloc[0]}" for k in fixed)
     print(
@@ -102,6 +103,16 @@ def cmd_explore(args) -> int:
         )
         print("wrote " + ", ".join(str(out / f) for f in files))
     return 0
+
+
+def _print_best_layout(df) -> None:
+    """The best plan's per-stage layout (the fine space's), when it has one."""
+    if len(df) and "stage_layers" in df and df.loc[0, "feasible"] and isinstance(df.loc[0, "stage_layers"], tuple):
+        r = df.loc[0]
+        print(
+            f"best plan's stages: layers {r['stage_layers']}, fully recomputed {r['stage_recompute']}, "
+            f"optimizer offloaded per device group {r['stage_offload']}"
+        )
 
 
 def _check_outputs(*, save=None, trace=None, predicted_trace=None, plot=None) -> None:

@@ -478,11 +478,31 @@ def _ranked(
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
         if len(ok):
             part_best[name] = int(ok["iter_time_s"].idxmin())
-    df = df.drop(columns=["_index"])
+    df = _with_layouts(sp, ctx, assignments, df).drop(columns=["_index"])
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
     corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
     df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
     return df, best, drawn
+
+
+LAYOUT_COLUMNS = ("stage_layers", "stage_recompute", "stage_offload")
+
+
+def _with_layouts(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame) -> pd.DataFrame:
+    """The simulated plans' per-stage layouts (the fine space's StageLayout: layers and fully
+    recomputed layers per stage, optimizer offload per device group) as columns before the
+    screen's; no columns when no plan has one."""
+    got = {}
+    for pos in df.index[df["simulated"]]:
+        layout = sp.draft(ctx, assignments[int(df.at[pos, "_index"])]).layout
+        if layout is not None:
+            got[pos] = (layout.layers, layout.recompute, layout.offload)
+    if not got:
+        return df
+    at = df.columns.get_loc(SCREEN_COLUMNS[0])
+    for j, name in enumerate(LAYOUT_COLUMNS):
+        df.insert(at + j, name, pd.Series({p: v[j] for p, v in got.items()}, dtype=object).reindex(df.index))
+    return df
 
 
 def _check_options(jobs, budget, candidates, ray, resume, out) -> None:

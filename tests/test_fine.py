@@ -70,6 +70,19 @@ def test_offloading_goes_where_the_memory_is_short():
     assert solve_layout(c, layers=4, stages=2, m=8, cap_bytes=3.0) is None
 
 
+def test_interleaved_chunks_balance_at_the_slowest_chunk():
+    # 10 layers in 4 chunks on 2 devices (chunks 0 and 2 on device 0); the head costs 2 layers: chunk
+    # times 3, 3, 3, 1 + 2 make both devices 6 and no chunk slower than 3
+    head = GroupCost(2.0, 0.0, 0.0, 0.0, 0.0)
+    got = solve_layout(_costs(last=head), layers=10, stages=4, m=8, cap_bytes=1e9, schedule="interleaved", chunks=2)
+    assert (got.layers, got.recompute, got.offload) == ((3, 3, 3, 1), (0, 0, 0, 0), (False, False))
+    # 9 layers and a head of 3: the last chunk runs the head alone (Llama 3's balanced pipeline), chunk
+    # times 3, 3, 3, 0 + 3; a layer on it would make it 4
+    head = GroupCost(3.0, 0.0, 0.0, 0.0, 0.0)
+    got = solve_layout(_costs(last=head), layers=9, stages=4, m=8, cap_bytes=1e9, schedule="interleaved", chunks=2)
+    assert got.layers == (3, 3, 3, 0)
+
+
 def _ctx(layers=3, n=2, cluster="cpu"):
     spec, g = traced("gpt-tiny", 8, (("layers", layers),))
     return Context(g, spec, 8, cluster, n if cluster == "cpu" else 1, n, 1), g
@@ -141,18 +154,25 @@ def test_a_per_stage_offloaded_plan_offloads_those_stages_only_and_round_trips()
 
 
 @pytest.mark.parametrize(
-    "n, layout",
-    [(2, ((2, 1), (1, 0), (True, False))), pytest.param(4, ((2, 1), (0, 1)), marks=pytest.mark.slow)],
+    "n, layout, v",
+    [
+        (2, ((2, 1), (1, 0), (True, False)), 1),
+        (2, ((0, 2, 1, 1), (0, 1, 0, 1), (False, True)), 2),
+        pytest.param(4, ((2, 1), (0, 1)), 1, marks=pytest.mark.slow),
+    ],
 )
-def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, layout):
+def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, layout, v):
     """Stage 0 holds 2 of 3 layers and recomputes its own number of them (on 2 ranks it also keeps its
-    optimizer on the host, stage 1 not): two steps match one process."""
+    optimizer on the host, stage 1 not); interleaved over 2 chunks a device, the first chunk runs only
+    the embedding, two chunks recompute and device 1 offloads: two steps match one process."""
     from planlab.search_spaces.stages import StageLayout
 
-    spec, g = traced("gpt-tiny", 8, (("layers", 3),))
+    spec, g = traced("gpt-tiny", 8, (("layers", sum(layout[0])),))
     ctx = Context(g, spec, 8, "cpu", n, n, 1)
     space = get_space("megatron")
     knobs = dict(pp=2, dp=n // 2, tp=1, microbatch=2, recompute="none")
+    if v > 1:
+        knobs.update(schedule="interleaved", virtual_stages=v)
     draft = space.draft(ctx, space.with_defaults(knobs))
     apply_layout(draft, StageLayout(*layout))
     plan = draft.to_plan(space="megatron*fine", knobs=knobs)
@@ -162,4 +182,51 @@ def test_uneven_layers_with_per_stage_recompute_match_one_process_on_gloo(n, lay
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
     hosted = {t["device"] for t in res.timeline if t["task"].startswith("host-optimizer")}
-    assert hosted == ({0} if len(layout) > 2 else set())
+    assert hosted == ({d for d, o in enumerate(layout[2]) if o} if len(layout) > 2 else set())
+
+
+def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
+    """results.csv carries the fine space's choice per simulated plan (layers and recomputed layers
+    per stage, offload per device group); the grid's plans have none."""
+    import pandas as pd
+
+    import planlab
+    from planlab.models import ModelSpec
+
+    fixed = dict(pp=2, tp=1, dp=1, microbatch=2, zero=0, sequence_parallel=False)
+    df = planlab.explore(
+        ModelSpec("gpt-tiny", (("layers", 3),)),
+        cluster="cpu",
+        nodes=2,
+        global_batch=8,
+        space="megatron*fine",
+        fixed=fixed,
+        candidates=1,
+        out=tmp_path,
+    )
+    sim = df[df["simulated"]]
+    assert len(sim) and all(sum(v) == 3 and len(v) == 2 for v in sim["stage_layers"])
+    assert all(len(v) == 2 for v in sim["stage_recompute"]) and all(len(v) == 2 for v in sim["stage_offload"])
+    assert df[~df["simulated"]]["stage_layers"].isna().all()
+    assert "stage_layers" in pd.read_csv(tmp_path / "results.csv").columns
+
+
+def test_zero3_gathers_one_unit_per_device_not_one_per_layer():
+    """Under ZeRO-3 a device holds the unit it computes gathered once, whatever its layers: the
+    per-layer static memory is the shards only, and the gathered unit is the device's once-only part."""
+    from planlab.costmodel import CostModel
+    from planlab.search_spaces.fine_costs import stage_costs
+    from planlab.search_spaces.screen import Screen
+
+    ctx, g = _ctx(layers=5, n=2)
+    space = get_space("megatron")
+    cost = CostModel.load("cpu", 2)
+    screen = Screen(g, cost, cost.precision)
+    got = {}
+    for zero in (0, 3):
+        d = space.draft(ctx, space.with_defaults(dict(pp=1, dp=2, tp=1, microbatch=2, zero=zero, recompute="none")))
+        got[zero] = stage_costs(screen, d, False)
+    assert got[0].unit_static_bytes == pytest.approx(0.0, abs=1e-6 * got[0].static_bytes)
+    # fp32 on cpu: 4 + 4 + 8 bytes a parameter, all sharded over dp=2 under ZeRO-3; the unit's 4 gathered
+    assert got[3].static_bytes == pytest.approx(got[0].static_bytes / 2, rel=1e-3)
+    assert got[3].unit_static_bytes == pytest.approx(got[0].static_bytes / 4, rel=1e-3)

@@ -13,8 +13,22 @@ stage's first ones: Megatron-LM's block method per stage) and ``o_s`` (ZeRO-Offl
     static_s + f_s activations_s + work_s <= the device's memory, f_s = micro-batches in flight
     sum_s n_s = layers,  1 <= n_s,  0 <= k_s <= n_s
 
-(``e_s``: the first stage's embedding and the last stage's output layer and loss). The plan the
-solution describes is then simulated like any other: the simulator judges, not the program.
+(``e_s``: the first stage's embedding and the last stage's output layer and loss).
+
+With interleaved 1F1B (``virtual_stages`` v > 1; stage ``s`` is model chunk ``s // G`` of device
+group ``s % G``) each chunk gets its own ``n_s`` and ``k_s`` (the first and the last chunk may hold
+no layer: Llama 3's balanced interleaved pipeline, Dubey et al. 2024, section 3.3.2), each device
+group its ``o_d``, and the program follows Megatron-LM's model of that schedule:
+
+    minimize   M T + (G - 1) C + S                T >= sum of device d's chunks' t_s,  C >= t_s
+    static_d + max over the schedule's peaks of sum_c f_c activations_c + work_d <= memory
+
+(``f_c``: micro-batches in flight on chunk ``c`` at a peak, walked from the schedule the plan
+runs, planlab/search_spaces/screen.py's ``flight_counts``). The grid decides which (pp, v) it
+offers: pp x v divides the layers, or uneven end stages. The V schedules (ZB-V, DualPipe) are
+left out: their weight-gradient passes fill the bubble, which the per-layer costs here (one 1F1B
+backward each) do not separate. The plan the solution describes is then simulated like any other:
+the simulator judges, not the program.
 """
 
 from __future__ import annotations
@@ -29,11 +43,11 @@ from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
 from planlab.search_spaces.fine_costs import StageCosts, stage_costs
 from planlab.search_spaces.registry import register_space
-from planlab.search_spaces.screen import GroupCost, Screen
+from planlab.search_spaces.screen import GroupCost, Screen, flight_counts
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
-from planlab.search_spaces.stages import StageLayout, layout_problem
+from planlab.search_spaces.stages import FIRST, LAST, StageLayout, layout_problem
 
-FINE_SCHEDULES = ("1f1b", "gpipe")
+FINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 TIE = 1e-3  # the weight of the stages' own sync in the objective, which breaks ties
 
 
@@ -42,64 +56,106 @@ def in_flight(schedule: str, stage: int, stages: int, m: int) -> int:
     return m if schedule == "gpipe" else min(m, stages - stage)
 
 
-def solve_layout(
-    c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b"
-) -> StageLayout | None:
-    """The :class:`StageLayout` minimizing the pipeline's time under ``cap_bytes`` per device
-    (HiGHS), or None when no layout fits."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+def flight_rows(schedule: str, group: int, groups: int, m: int, chunks: int) -> np.ndarray:
+    """Per model chunk of device ``group``, the micro-batches in flight at each of its schedule's
+    possible peaks (rows; the activation peak for per-chunk bytes ``w`` is ``max(rows @ w)``):
+    1F1B's and GPipe's one count, or interleaved 1F1B's rows that no other row covers."""
+    if chunks == 1:
+        return np.array([[in_flight(schedule, group, groups, m)]])
+    rows = flight_counts("interleaved", group, groups, m, chunks)
+    keep = [r for r in rows if not any((o >= r).all() and (o > r).any() for o in rows)]
+    return np.array(keep)
 
-    G = stages
-    n, k, o, z, T, S = 0, G, 2 * G, 3 * G, 4 * G, 4 * G + 1
-    nv = 4 * G + 2
-    rows, lo, hi = [], [], []
 
-    def row(coefs: dict[int, float], low: float, high: float) -> None:
-        r = np.zeros(nv)
+class _Program:
+    """The integer program under construction: its variables' positions (per stage ``n`` layers and
+    ``k`` recomputed, per device group ``o`` offloads and ``z`` = n o, then ``T`` the slowest
+    device, ``S`` the slowest sync, ``C`` the slowest chunk) and its rows (HiGHS' LinearConstraint)."""
+
+    def __init__(self, stages: int, chunks: int) -> None:
+        self.stages, self.G = stages, stages // chunks
+        self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
+        self.T, self.S, self.C = self.z + self.G, self.z + self.G + 1, self.z + self.G + 2
+        self.nv = self.C + 1
+        self.rows, self.lo, self.hi = [], [], []
+
+    def add(self, coefs: dict[int, float], low: float, high: float) -> None:
+        r = np.zeros(self.nv)
         for i, v in coefs.items():
             r[i] += v
-        rows.append(r)
-        lo.append(low)
-        hi.append(high)
+        self.rows.append(r)
+        self.lo.append(low)
+        self.hi.append(high)
 
-    for s in range(G):
-        ex = _extras(c, s, G)
-        p2p = c.p2p_s if s else 0.0
-        f = in_flight(schedule, s, G, m)
-        row({T: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, ex.time_s + p2p, np.inf)
-        row({S: 1.0, n + s: -c.sync_s, z + s: c.sync_s - c.offload_sync_s}, ex.sync_s, np.inf)
-        room = cap_bytes - ex.static_bytes - f * ex.saved_bytes - max(c.work_bytes, c.work_bytes + ex.work_bytes)
-        mem = {
-            n + s: c.static_bytes + f * c.saved_bytes,
-            k + s: f * (c.recompute_saved_bytes - c.saved_bytes),
-            z + s: c.offload_static_bytes - c.static_bytes,
-        }
-        row({i: v / cap_bytes for i, v in mem.items()}, -np.inf, room / cap_bytes)
-        row({k + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
-        # z = n o (offloaded layers): z <= L o, z <= n, z >= n - L (1 - o)
-        row({z + s: 1.0, o + s: -layers}, -np.inf, 0.0)
-        row({z + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
-        row({z + s: 1.0, n + s: -1.0, o + s: -layers}, -layers, np.inf)
-    row({n + s: 1.0 for s in range(G)}, layers, layers)
-    cost = np.zeros(nv)
-    cost[T], cost[S] = m - 1, 1.0
-    cost[n : n + G], cost[k : k + G] = c.layer_s, c.recompute_s
+
+def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, schedule: str, layers: int) -> None:
+    """Device group ``d``'s rows: its time, its sync, its memory at each peak, its offloaded layers."""
+    n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, lp.stages // lp.G
+    mine = [cc * G + d for cc in range(v)]
+    ex = [_extras(c, s, lp.stages) for s in mine]
+    fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
+    lp.add({lp.T: 1.0, **{n + s: -c.layer_s for s in mine}, **{k + s: -c.recompute_s for s in mine}}, fixed_s, np.inf)
+    sync = {lp.S: 1.0, **{n + s: -c.sync_s for s in mine}, z + d: c.sync_s - c.offload_sync_s}
+    lp.add(sync, c.unit_sync_s + sum(e.sync_s for e in ex), np.inf)
+    work = c.unit_static_bytes + c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
+    static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
+    for f in flight_rows(schedule, d, G, m, v):
+        mem = dict(static)
+        for fc, s in zip(f, mine):
+            mem[n + s] += fc * c.saved_bytes
+            mem[k + s] = fc * (c.recompute_saved_bytes - c.saved_bytes)
+        room = cap_bytes - work - sum(e.static_bytes + fc * e.saved_bytes for e, fc in zip(ex, f))
+        lp.add({i: val / cap_bytes for i, val in mem.items()}, -np.inf, room / cap_bytes)
+    # z = n o (the device's offloaded layers): z <= L o, z <= n, z >= n - L (1 - o)
+    lp.add({z + d: 1.0, o + d: -layers}, -np.inf, 0.0)
+    lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}}, -np.inf, 0.0)
+    lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}, o + d: -layers}, -layers, np.inf)
+
+
+def solve_layout(
+    c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b", chunks: int = 1
+) -> StageLayout | None:
+    """The :class:`StageLayout` minimizing the pipeline's time under ``cap_bytes`` per device
+    (HiGHS), or None when no layout fits. With ``chunks`` > 1 (interleaved 1F1B) ``stages`` counts
+    the model chunks (stage ``s`` on device ``s % (stages / chunks)``); each chunk gets its own
+    layers (the first and the last may hold none: Llama 3's balanced pipeline) and recomputation,
+    each device its offloading, and the memory limit holds at every peak of the schedule."""
+    lp = _Program(stages, chunks)
+    n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, chunks
+    for d in range(G):
+        _device_rows(lp, c, d, m, cap_bytes, schedule, layers)
+    for s in range(stages):
+        lp.add({k + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
+        fixed_s = _extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
+        lp.add({lp.C: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, fixed_s, np.inf)
+    lp.add({n + s: 1.0 for s in range(stages)}, layers, layers)
+    cost = np.zeros(lp.nv)
+    cost[lp.S] = 1.0
+    if v == 1:  # 1F1B: M max_s t_s + the fill and drain of the others, (M - 1) T + sum_s t_s
+        cost[lp.T] = m - 1
+        cost[n : n + stages], cost[k : k + stages] = c.layer_s, c.recompute_s
+    else:  # interleaved 1F1B: M max_d t_d + (groups - 1) chunks' fill and drain, at the slowest chunk's pace
+        cost[lp.T], cost[lp.C] = m, G - 1
+        cost[n : n + stages], cost[k : k + stages] = TIE * c.layer_s, TIE * c.recompute_s  # no needless recompute
     # ties (the bottleneck's sync hides the others'): offload no stage more than the memory asks
-    cost[n : n + G] += TIE * c.sync_s
+    cost[n : n + stages] += TIE * c.sync_s
     cost[z : z + G] = TIE * (c.offload_sync_s - c.sync_s)
-    upper = np.array([layers] * (2 * G) + [1 if c.can_offload else 0] * G + [layers] * G + [np.inf, np.inf])
-    lower = np.array([1] * G + [0] * (3 * G) + [0, 0])
-    integ = np.array([1] * (4 * G) + [0, 0])
-    res = milp(
-        cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integ, bounds=Bounds(lower, upper)
-    )
+    upper = np.array([layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [np.inf] * 3)
+    lower = np.array([1] * stages + [0] * (stages + 2 * G) + [0] * 3)
+    if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
+        lower[n], lower[n + stages - 1] = 0, 0
+    integ = np.array([1] * (2 * stages + 2 * G) + [0] * 3)
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+
+    bounds = Bounds(lower, upper)
+    res = milp(cost, constraints=LinearConstraint(np.array(lp.rows), lp.lo, lp.hi), integrality=integ, bounds=bounds)
     if res.x is None:
         return None
     x = np.round(res.x).astype(int)
     return StageLayout(
-        layers=tuple(int(v) for v in x[n : n + G]),
-        recompute=tuple(int(v) for v in x[k : k + G]),
-        offload=tuple(bool(v) for v in x[o : o + G]),
+        layers=tuple(int(val) for val in x[n : n + stages]),
+        recompute=tuple(int(val) for val in x[k : k + stages]),
+        offload=tuple(bool(val) for val in x[o : o + G]),
     )
 
 
@@ -112,12 +168,13 @@ def _extras(c: StageCosts, s: int, G: int) -> GroupCost:
 
 
 def apply_layout(draft: Draft, layout: StageLayout) -> None:
-    """Put ``layout`` on ``draft``: the stages' layer counts, each stage's first ``recompute[s]``
-    layers recomputed in full (the others keep the draft's recomputation), per-stage offloading.
-    ConfigError in one line if the layout does not fit the draft's layers and stages."""
+    """Put ``layout`` on ``draft``: the stages' (model chunks') layer counts, each stage's first
+    ``recompute[s]`` layers recomputed in full (the others keep the draft's recomputation), per
+    device group offloading. ConfigError in one line if the layout does not fit the draft's layers,
+    stages and chunks."""
     ctx = draft.ctx
     G, L = draft.num_stages, ctx.layers
-    problem = layout_problem(layout, L, G)
+    problem = layout_problem(layout, L, G, draft.chunks)
     if problem:
         raise ConfigError(f"fine: {problem}")
     if G > 1:
@@ -127,9 +184,9 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     if redo:
         draft.recompute = dict(draft.recompute)
         draft.recompute.update({op: grp for op, grp in recompute_groups(ctx.graph, "full").items() if grp in redo})
-    if any(layout.offloads(s) for s in range(G)):
+    if any(layout.offloads(d) for d in range(draft.groups)):  # a device group's first stage is its number
         draft.offload_optimizer = True
-        draft.offload_stages = tuple(s for s in range(G) if layout.offloads(s))
+        draft.offload_stages = tuple(d for d in range(draft.groups) if layout.offloads(d))
     draft.layout = layout
 
 
@@ -154,9 +211,25 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
     """The layout the integer program picks for ``draft``'s grid point (None: none fits)."""
     ctx = draft.ctx
     cost = _cost_model(ctx.cluster, ctx.nodes)
-    costs = stage_costs(_screen(ctx), draft, offload)
+    # the probe replaces the stages, chunks and schedule: grid points that differ only there share its costs
+    key = (
+        "fine_costs",
+        ctx.cluster,
+        ctx.nodes,
+        offload,
+        tuple(draft.axes),
+        tuple(draft.op_dims()),
+        draft.microbatches,
+        draft.zero,
+        tuple(draft.recompute.items()),
+        tuple(draft.colocate.items()),
+        draft.stage_base,
+        draft.stage_order,
+        draft.ring,
+    )
+    costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
     return solve_layout(
-        costs, ctx.layers, draft.num_stages, draft.microbatches, cost.device_memory_bytes, draft.schedule
+        costs, ctx.layers, draft.num_stages, draft.microbatches, cost.device_memory_bytes, draft.schedule, draft.chunks
     )
 
 
@@ -179,7 +252,19 @@ class FineStages(Space):
     knobs = (Knob.bool("fine_offload", "let the integer program offload the optimizer per stage (ZeRO-Offload)"),)
     constraints = (
         _unset("schedule", FINE_SCHEDULES),
-        _unset("virtual_stages", (1,)),
+        Constraint(
+            lambda a, c: (
+                not (a.get(FIRST) or a.get(LAST))
+                or a.get("pp") is None
+                or a.get("virtual_stages") is None
+                or c.layers % (a["pp"] * a["virtual_stages"]) != 0
+            ),
+            lambda a, c: (
+                f"the fine space chooses per-stage layers itself: {FIRST}={a.get(FIRST)}, {LAST}={a.get(LAST)} "
+                f"with pp={a['pp']} x virtual_stages={a['virtual_stages']}, which divide the {c.layers} layers, "
+                f"would only repeat the even plan; set both to 0"
+            ),
+        ),
         _unset("recompute", ("none", "selective")),
         _unset("offload_optimizer", (False,)),
         Constraint(
@@ -191,7 +276,7 @@ class FineStages(Space):
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
-        if draft.chunks != 1 or draft.mirror or draft.spread or draft.recycles > 1:
+        if draft.vshape or draft.mirror or draft.spread or draft.recycles > 1:
             return
         layout = choose_layout(draft, bool(values.get("fine_offload")))
         if layout is not None:  # none fits: the grid's plan stays, out of memory

@@ -38,6 +38,10 @@ class StageCosts:
     first: GroupCost  # the first stage's extras (embedding), as differences from a layer
     last: GroupCost  # the last stage's extras (output layer, loss)
     can_offload: bool
+    # what a device holds once whatever its layers (ZeRO-3: the unit it computes, gathered; its last
+    # unit's reduce-scatter), so that a stage of n layers is unit + n x the per-layer figures above
+    unit_static_bytes: float = 0.0
+    unit_sync_s: float = 0.0
 
 
 def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
@@ -51,12 +55,17 @@ def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
 
 
 def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
-    """The per-layer costs of grid point ``d`` (any stages; the probe replaces them)."""
+    """The per-layer costs of grid point ``d`` (any stages; the probe replaces them). With 5 layers
+    or more the probe's middle group holds two layers: its difference from a one-layer group is a
+    layer's static memory and sync, and what is left of the one-layer group the device's once-only
+    part (ZeRO-3's gathered unit and last reduce-scatter; 0 where those figures add up per layer)."""
     g, L = d.ctx.graph, d.ctx.layers
+    pair = (L - 1) // 2 if L >= 5 else None  # the probe group with two layers
+    counts = tuple(2 if i == pair else 1 for i in range(L - 1)) if pair is not None else (1,) * L
     probe = dataclasses.replace(
         d,
-        stages=pipeline_stages(g, L, L),
-        num_stages=L,
+        stages=pipeline_stages(g, len(counts), L, counts),
+        num_stages=len(counts),
         chunks=1,
         schedule="1f1b",
         offload_optimizer=False,
@@ -65,16 +74,27 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
     )
     base = group_costs(screen, probe)
     full = group_costs(screen, dataclasses.replace(probe, recompute=dict(recompute_groups(g, "full"))))
-    off = group_costs(screen, probe, offload=(True,) * L) if can_offload else base
-    mid = L // 2 if L > 2 else min(1, L - 1)
+    off = group_costs(screen, probe, offload=(True,) * len(counts)) if can_offload else base
+    mid = pair - 1 if pair is not None else (L // 2 if L > 2 else min(1, L - 1))
     a = base[mid]
+
+    def per_layer(costs: list[GroupCost], field: str) -> tuple[float, float]:
+        """(a layer's, the device's once-only) part of ``field``."""
+        one = getattr(costs[mid], field)
+        if pair is None:
+            return one, 0.0
+        layer = getattr(costs[pair], field) - one
+        return layer, max(0.0, one - layer)
+
+    static, unit_static = per_layer(base, "static_bytes")
+    sync, unit_sync = per_layer(base, "sync_s")
     return StageCosts(
         layer_s=a.time_s - a.p2p_s,
         recompute_s=max(0.0, full[mid].time_s - a.time_s),
-        sync_s=a.sync_s,
-        offload_sync_s=off[mid].sync_s,
-        static_bytes=a.static_bytes,
-        offload_static_bytes=off[mid].static_bytes,
+        sync_s=sync,
+        offload_sync_s=per_layer(off, "sync_s")[0],
+        static_bytes=static,
+        offload_static_bytes=per_layer(off, "static_bytes")[0],
         saved_bytes=a.saved_bytes,
         recompute_saved_bytes=min(a.saved_bytes, full[mid].saved_bytes),
         work_bytes=a.work_bytes,
@@ -82,4 +102,6 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         first=_minus(base[0], a),
         last=_minus(base[-1], a),
         can_offload=can_offload,
+        unit_static_bytes=unit_static,
+        unit_sync_s=unit_sync,
     )

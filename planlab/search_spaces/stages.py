@@ -147,37 +147,46 @@ def layer_stages(layers: int, counts: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Per pipeline stage (in order): its layer count (any counts that add up to the model's
-    layers), how many of its layers recompute in the backward (the first ones of the stage:
-    Megatron-LM's ``--recompute-method block --recompute-num-layers``, per stage), and whether its
-    devices keep the optimizer in host memory (ZeRO-Offload, per stage). The fine-grained space
-    (planlab/search_spaces/fine.py) chooses one per plan; :func:`layout_problem` checks one."""
+    """Per pipeline stage (in order; with an interleaved schedule, per model chunk: stage ``s`` on
+    device group ``s % groups``): its layer count (any counts that add up to the model's layers; an
+    interleaved pipeline's first and last chunk may hold none, as in Llama 3's), how many of its
+    layers recompute in the backward (the first ones of the stage: Megatron-LM's ``--recompute-method
+    block --recompute-num-layers``, per stage), and per device group whether its devices keep the
+    optimizer in host memory (ZeRO-Offload). The fine-grained space (planlab/search_spaces/fine.py)
+    chooses one per plan; :func:`layout_problem` checks one."""
 
     layers: tuple[int, ...]
     recompute: tuple[int, ...] = ()  # empty: none
-    offload: tuple[bool, ...] = ()  # empty: none
+    offload: tuple[bool, ...] = ()  # per device group; empty: none
 
     def recomputed(self, stage: int) -> int:
         return self.recompute[stage] if self.recompute else 0
 
-    def offloads(self, stage: int) -> bool:
-        return bool(self.offload[stage]) if self.offload else False
+    def offloads(self, group: int) -> bool:
+        return bool(self.offload[group]) if self.offload else False
+
+    def describe(self) -> str:
+        """One line: ``layers 2/2 recompute 1/0 offload 1/0`` (stages in order)."""
+        parts = [("layers", self.layers), ("recompute", self.recompute), ("offload", tuple(map(int, self.offload)))]
+        return " ".join(f"{name} {'/'.join(map(str, vals))}" for name, vals in parts if vals)
 
 
-def layout_problem(layout: StageLayout, layers: int, pp: int) -> str | None:
-    """None if ``layout`` fits ``layers`` on ``pp`` stages, else one line naming the knob, its
-    value and what fits."""
+def layout_problem(layout: StageLayout, layers: int, pp: int, chunks: int = 1) -> str | None:
+    """None if ``layout`` fits ``layers`` on ``pp`` stages (``pp / chunks`` device groups of
+    ``chunks`` model chunks each), else one line naming the knob, its value and what fits."""
     counts = layout.layers
     if not isinstance(counts, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
         return f"stage_layers={counts!r}: expected a tuple of {pp} integers, one per stage"
     if len(counts) != pp:
         return f"stage_layers={counts}: {len(counts)} counts for pp={pp} stages; give {pp} counts"
-    if min(counts) < 1 or sum(counts) != layers:
-        return f"stage_layers={counts}: {pp} counts of at least 1 each that add up to the model's {layers} layers expected (these add up to {sum(counts)})"
+    inner = counts[1:-1] if chunks > 1 else counts  # an interleaved pipeline's end chunks may hold none
+    if min(inner + (1,)) < 1 or min(counts) < 0 or sum(counts) != layers:
+        least = "at least 1 each (0 allowed on the first and last chunk)" if chunks > 1 else "of at least 1 each"
+        return f"stage_layers={counts}: {pp} counts {least} that add up to the model's {layers} layers expected (these add up to {sum(counts)})"
     rc = layout.recompute
     if rc and (len(rc) != pp or not all(isinstance(k, int) and 0 <= k <= n for k, n in zip(rc, counts))):
         return f"stage_recompute={rc}: expected {pp} counts, each from 0 to its stage's layers {counts}"
-    off = layout.offload
-    if off and (len(off) != pp or not all(isinstance(o, bool) for o in off)):
-        return f"stage_offload={off}: expected {pp} booleans, one per stage"
+    off, groups = layout.offload, pp // max(1, chunks)
+    if off and (len(off) != groups or not all(isinstance(o, bool) for o in off)):
+        return f"stage_offload={off}: expected {groups} booleans, one per device group"
     return None
