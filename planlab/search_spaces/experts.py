@@ -48,6 +48,45 @@ def _expert_dims(g: Graph) -> dict[str, str]:
     return out
 
 
+def token_hidden_dims(g: Graph) -> dict[str, str]:
+    """Per operator on the tokens' way into and out of the experts, the dimension with the experts'
+    hidden axis (axis 1 of the stacked ``w1``, the model's hidden size), if it may be split: the
+    producers of the expert operators' inputs, back from them (the dispatch's scatter, the
+    tokens' copies into it), and the consumers of their outputs, on from them (the combine's
+    gather, weighting and sum), each way as far as operators carry that axis (memoized on the graph).
+    """
+    return dict(g.memo(("token_hidden_dims",), lambda: _token_hidden_dims(g)))
+
+
+def _token_hidden_dims(g: Graph) -> dict[str, str]:
+    w1 = next((t for t in g.tensors if EXPERT_WEIGHTS.search(t) and t.endswith("w1")), None)
+    label = g.labels.get((w1, 1)) if w1 else None
+    region = expert_dims(g)
+    if label is None or not region:
+        return {}
+    out: dict[str, str] = {}
+
+    def walk(ops: list, step) -> None:
+        while ops:
+            op = ops.pop()
+            d = g.dim_with_label(op, label)
+            if op.name in region or op.name in out or d is None or not op.signature.splittable(d):
+                continue
+            out[op.name] = d
+            ops.extend(step(op))
+
+    def producers(op) -> list:
+        return [g.producer[t] for t in op.inputs if t in g.producer]
+
+    def consumers(op) -> list:
+        return [c for t in op.outputs for c in g.consumers.get(t, ())]
+
+    experts = [g.op(name) for name in region]
+    walk([p for op in experts for p in producers(op)], producers)
+    walk([c for op in experts for c in consumers(op)], consumers)
+    return out
+
+
 def num_experts(g: Graph) -> int:
     """The routed experts per layer (0 for a model without stacked expert weights). Memoized on
     the graph: the grid's constraints ask for it on every partial assignment (a scan of every
@@ -181,3 +220,9 @@ class ExpertTensorParallel(Space):
         t = names.index("tp")
         for op, d in expert_dims(draft.ctx.graph).items():
             draft.dims[op][t] = d
+        # the tokens the tensor-parallel ranks would both hold, split over them along the hidden
+        # size: each rank then sends its own share to the experts in one all-to-all over the ep x tp
+        # ranks, as Megatron-Core's dispatcher sends each rank's own tokens
+        for op, d in token_hidden_dims(draft.ctx.graph).items():
+            if draft.dims[op][t] is None:
+                draft.dims[op][t] = d
