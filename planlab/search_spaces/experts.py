@@ -49,12 +49,12 @@ def _expert_dims(g: Graph) -> dict[str, str]:
 
 
 def token_hidden_dims(g: Graph) -> dict[str, str]:
-    """Per operator on the tokens' way into and out of the experts, the dimension with the experts'
-    hidden axis (axis 1 of the stacked ``w1``, the model's hidden size), if it may be split: the
-    producers of the expert operators' inputs, back from them (the dispatch's scatter, the
-    tokens' copies into it), and the consumers of their outputs, on from them (the combine's
-    gather, weighting and sum), each way as far as operators carry that axis (memoized on the graph).
-    """
+    """Per operator on the tokens' way into and out of the experts inside the mixture-of-experts
+    layer, the dimension with the experts' hidden axis (axis 1 of the stacked ``w1``, the model's
+    hidden size): the producers of the expert operators' inputs, back from them (the dispatch's
+    scatter, the tokens' top-k copies into it), and the consumers of their outputs, on from them
+    (the combine's gather, weighting and sum over the top k), each way as far as operators of the
+    same module may split that axis (memoized on the graph)."""
     return dict(g.memo(("token_hidden_dims",), lambda: _token_hidden_dims(g)))
 
 
@@ -66,14 +66,15 @@ def _token_hidden_dims(g: Graph) -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
 
-    def walk(ops: list, step) -> None:
+    def walk(ops: list, step) -> None:  # ops: (operator, the module of the one it was reached from)
         while ops:
-            op = ops.pop()
+            op, module = ops.pop()
             d = g.dim_with_label(op, label)
-            if op.name in region or op.name in out or d is None or not op.signature.splittable(d):
+            if op.name in region or op.name in out or op.module != module or d is None:
                 continue
-            out[op.name] = d
-            ops.extend(step(op))
+            if op.signature.splittable(d):
+                out[op.name] = d
+                ops.extend((nxt, op.module) for nxt in step(op))
 
     def producers(op) -> list:
         return [g.producer[t] for t in op.inputs if t in g.producer]
@@ -82,8 +83,8 @@ def _token_hidden_dims(g: Graph) -> dict[str, str]:
         return [c for t in op.outputs for c in g.consumers.get(t, ())]
 
     experts = [g.op(name) for name in region]
-    walk([p for op in experts for p in producers(op)], producers)
-    walk([c for op in experts for c in consumers(op)], consumers)
+    walk([(p, op.module) for op in experts for p in producers(op)], producers)
+    walk([(c, op.module) for op in experts for c in consumers(op)], consumers)
     return out
 
 
@@ -220,9 +221,9 @@ class ExpertTensorParallel(Space):
         t = names.index("tp")
         for op, d in expert_dims(draft.ctx.graph).items():
             draft.dims[op][t] = d
-        # the tokens the tensor-parallel ranks would both hold, split over them along the hidden
-        # size: each rank then sends its own share to the experts in one all-to-all over the ep x tp
-        # ranks, as Megatron-Core's dispatcher sends each rank's own tokens
+        # the tokens on their way to and from the experts, split over the tensor-parallel ranks along
+        # the hidden size (where they were whole, or split along the sequence: the routing needs a
+        # whole sequence): each rank sends its own share to the experts in one all-to-all over the
+        # ep x tp ranks, as Megatron-Core's dispatcher sends each rank's own tokens
         for op, d in token_hidden_dims(draft.ctx.graph).items():
-            if draft.dims[op][t] is None:
-                draft.dims[op][t] = d
+            draft.dims[op][t] = d
