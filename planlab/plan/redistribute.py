@@ -3,8 +3,8 @@
 A pure planner, after DTensor's ``_redistribute``: :func:`plan_conversion`
 returns per-device tasks and never runs anything. Conversions over the same
 mesh become one collective per changed mesh axis (all-reduce, reduce-scatter, all-to-all,
-all-gather, or a local slice); anything else falls back to point-to-point
-copies of overlapping slices, which is always correct.
+all-gather, or a local slice), all-to-alls on several axes one over their joint group; anything
+else falls back to point-to-point copies of overlapping slices, which is always correct.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def plan_conversion(
     return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype)
 
 
-Step = tuple[tuple[int, ...], str, Layout, Layout]  # (mesh axes, kind, layout before, layout after)
+_Step = tuple[tuple[int, ...], str, Layout, Layout]  # (mesh axes, kind, layout before, layout after)
 
 
-def _axis_steps(src: Layout, dst: Layout) -> list[Step] | None:
+def _axis_steps(src: Layout, dst: Layout) -> list[_Step] | None:
     """The steps of a conversion on one mesh, one per changed mesh axis: ``(axes, kind, layout
     before, layout after)``. Reductions first (they shrink nothing but must precede slicing of the
     same data), then gathers, then all-to-alls (one shard for another: expert parallelism's
@@ -123,7 +123,7 @@ def _axis_steps(src: Layout, dst: Layout) -> list[Step] | None:
 
     changed = sorted((i for i in range(len(cur)) if cur[i] != want[i]), key=lambda i: (rank(i), i))
     swaps = tuple(i for i in changed if rank(i) == 2)
-    steps: list[Step] = []
+    steps: list[_Step] = []
     for ax in changed:
         if len(swaps) > 1 and ax in swaps:
             if ax != swaps[0]:

@@ -14,8 +14,13 @@ router, the expert axis for the operators between the dispatch and the combine).
 router's tokens (split along the batch) meet the experts (split along the expert axis),
 materialize converts the layout on that axis: an all-to-all, the dispatch; after the experts,
 the combine. With ``etp = 1`` the tensor-parallel axis splits the experts too (``ep = ep_dp x
-tp``): the tokens, replicated over the tensor-parallel ranks, are sliced by expert and gathered
-back. ``etp`` other than 1 and ``tp`` is not run (it needs a third axis), and is refused.
+tp``), and the tokens on their way to and from the experts are split over the tensor-parallel
+ranks along the hidden size (:func:`token_hidden_dims`; the routing needs whole sequences, so
+it cannot be the sequence): the dispatch and the combine are then each one all-to-all over the
+``ep_dp x tp`` ranks in which every rank sends its own share, as Megatron-Core's dispatcher sends
+each rank's own tokens over one group of all TP and EP ranks, not the buffer two tensor-parallel
+ranks would both hold. ``etp`` other than 1 and ``tp`` is not run (it needs a third axis), and is
+refused.
 """
 
 from __future__ import annotations
