@@ -159,6 +159,16 @@ def _cases() -> tuple[Case, ...]:
             knobs=dict(dp=2, tp=1, pp=1, microbatch=2, ep=2),
             **cpu2,
         ),
+        # Megatron-Bridge's DeepSeek-V3 layout: tp x ep, expert TP 1, sequence parallelism; one
+        # all-to-all over the ep x tp ranks each way, each rank sending its own share of the tokens
+        Case(
+            "dp2-tp2-ep4-etp1-deepseek",
+            "deepseek-tiny",
+            8,
+            space="megatron",
+            knobs=dict(dp=2, tp=2, pp=1, microbatch=2, ep=4, etp=1, sequence_parallel=True),
+            **cpu4,
+        ),
         # co-located pieces (coshard), alone and inside recomputed layers
         Case(
             "coshard-attention",

@@ -15,6 +15,9 @@ from planlab.executor import launch_local
 from planlab.models import ModelSpec, build_model
 from planlab.models.deepseek import DeepSeekConfig, DeepSeekMoE
 from planlab.models.registry import DEEPSEEK_PRESETS
+from planlab.plan import Layout, Mesh, Shard
+from planlab.plan.buffer import activation
+from planlab.plan.redistribute import plan_conversion
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.builtin import tensor_parallel_dims
 from planlab.search_spaces.experts import expert_dims, num_experts
@@ -214,17 +217,35 @@ def test_bad_model_arguments_of_the_family():
 # ---- expert-parallel plans on gloo match one process -------------------------------------
 
 
-def test_expert_parallel_plan_on_2_ranks_matches_one_process():
-    ctx = _ctx("deepseek-tiny", 2)
-    plan = get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=2, ep=2))
+@pytest.mark.parametrize(
+    "name, knobs",
+    [
+        ("deepseek-tiny", dict(dp=2, tp=1, ep=2)),
+        # etp 1: the experts split over the tensor-parallel ranks, the tokens over them along the hidden size
+        ("moe-tiny", dict(dp=1, tp=2, ep=2, etp=1)),
+    ],
+    ids=["ep2", "tp2-ep2-etp1"],
+)
+def test_expert_parallel_plan_on_2_ranks_matches_one_process(name, knobs):
+    ctx = _ctx(name, 2)
+    plan = get_space("megatron").build(ctx, dict(pp=1, microbatch=2, **knobs))
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("knobs", [dict(dp=2, tp=2, ep=4, etp=1), dict(dp=4, tp=1, ep=2)], ids=["etp1", "edp2"])
-def test_expert_parallel_plans_on_4_ranks_match_one_process(knobs):
-    ctx = _ctx("moe-tiny", 4)
+@pytest.mark.parametrize(
+    "name, knobs",
+    [
+        # Megatron-Bridge's DeepSeek-V3 layout: tp x ep with expert TP 1 and sequence parallelism, whose
+        # dispatch and combine are one all-to-all over the 4 ranks each
+        ("deepseek-tiny", dict(dp=2, tp=2, ep=4, etp=1, sequence_parallel=True)),
+        ("moe-tiny", dict(dp=4, tp=1, ep=2)),
+    ],
+    ids=["etp1", "edp2"],
+)
+def test_expert_parallel_plans_on_4_ranks_match_one_process(name, knobs):
+    ctx = _ctx(name, 4)
     plan = get_space("megatron").build(ctx, dict(pp=1, microbatch=2, **knobs))
     res = launch_local(plan, 4, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
@@ -233,27 +254,53 @@ def test_expert_parallel_plans_on_4_ranks_match_one_process(knobs):
 # ---- the executor's all-to-all on gloo -----------------------------------------------------
 
 
-def _exchange_rank(rank: int, world: int, path: str, group: tuple[int, ...], out) -> None:
+# (mesh shape, source placements, destination placements) on a (batch, experts, hidden) tensor
+_EXPERTS_NESTED = (Shard(1), Shard(1))  # the experts over ep, and over tp inside it (etp 1)
+_EXCHANGES = {
+    "batch-to-experts": ((2,), (Shard(0),), (Shard(1),)),
+    # ep x tp, the tokens' hidden size split over tp: one all-to-all over the 4 ranks each way
+    "dispatch-ep-tp": ((2, 2), (Shard(0), Shard(2)), _EXPERTS_NESTED),
+    "combine-ep-tp": ((2, 2), _EXPERTS_NESTED, (Shard(0), Shard(2))),
+}
+
+
+def _one_exchange(case: str, group: tuple[int, ...]):
+    """The mesh (``group`` in mesh order), the layouts and the one all-to-all the planner makes for ``case``."""
+    shape, src, dst = _EXCHANGES[case]
+    mesh = Mesh(shape, group)
+    a, b = Layout(mesh, src), Layout(mesh, dst)
+    conv = plan_conversion(a, b, (8, 8, 4), 4, src_buf=activation("x"), dst_buf=activation("y", 0))
+    assert conv.kinds == ["all_to_all"] and not conv.src
+    return a, b, {d: ts[0] for d, ts in conv.dst.items()}
+
+
+def _exchange_rank(rank: int, world: int, path: str, case: str, group: tuple[int, ...], out) -> None:
     import torch.distributed as dist
 
     from planlab.executor.all_to_all import exchange
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    whole = torch.arange(4 * world * 3 * world * 2.0).reshape(4 * world, 3 * world, 2)  # (batch, experts, hidden)
+    src, dst, tasks = _one_exchange(case, group)
+    whole = torch.arange(8 * 8 * 4.0).reshape(8, 8, 4)  # (batch, experts, hidden)
     pos = group.index(rank)  # the mesh order may differ from the ranks' order
-    mine = whole.chunk(world, dim=0)[pos]  # split along the batch
-    got = exchange(mine, group, rank, 0, (4 * world, 3, 2), dist.new_group(sorted(group)))
-    out.put((rank, torch.equal(got, whole.chunk(world, dim=1)[pos])))  # split along the experts
+    mine = whole[tuple(slice(*r) for r in src.box(pos, whole.shape))]
+    task = tasks[rank]
+    got = exchange(mine, task.group, rank, task.exchange, task.shape, dist.new_group(sorted(group)))
+    out.put((rank, torch.equal(got, whole[tuple(slice(*r) for r in dst.box(pos, whole.shape))])))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("group", [(1, 0), (2, 0, 3, 1)])
-def test_all_to_all_exchange_on_gloo(group, tmp_path):
-    """torch.distributed.all_to_all_single runs on gloo: each rank's batch piece becomes its expert piece."""
+@pytest.mark.parametrize(
+    "case, group",
+    [("batch-to-experts", (1, 0)), ("dispatch-ep-tp", (2, 0, 3, 1)), ("combine-ep-tp", (0, 1, 2, 3))],
+)
+def test_all_to_all_exchange_on_gloo(case, group, tmp_path):
+    """torch.distributed.all_to_all_single runs on gloo: each rank's piece of the source layout
+    becomes its piece of the destination's, over one mesh axis or, in one all-to-all, over two."""
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_exchange_rank, args=(r, len(group), str(tmp_path / "store"), group, out))
+        ctx.Process(target=_exchange_rank, args=(r, len(group), str(tmp_path / "store"), case, group, out))
         for r in range(len(group))
     ]
     for p in procs:
@@ -262,6 +309,17 @@ def test_all_to_all_exchange_on_gloo(group, tmp_path):
     for p in procs:
         p.join()
     assert results == {r: True for r in group}
+
+
+def test_dispatch_over_ep_and_tp_sends_each_rank_its_own_share():
+    """A dispatch whose tokens are split over tp along the hidden size is one all-to-all over the
+    ep x tp ranks moving a quarter of the buffer each (not the half of a tp-replicated buffer)."""
+    for case in ("dispatch-ep-tp", "combine-ep-tp"):
+        _, _, tasks = _one_exchange(case, (0, 1, 2, 3))
+        assert {t.group for t in tasks.values()} == {(0, 1, 2, 3)}
+        assert {t.nbytes for t in tasks.values()} == {8 * 8 * 4 * 4 // 4}
+    _, _, tasks = _one_exchange("dispatch-ep-tp", (0, 1, 2, 3))
+    assert [str(a) for a in tasks[0].exchange] == ["2:1->0", "2:1->2"]
 
 
 def test_dispatch_and_combine_are_all_to_all_collectives():
@@ -278,3 +336,21 @@ def test_dispatch_and_combine_are_all_to_all_collectives():
         # per micro-batch and MoE layer: dispatch and combine, and both again for the gradients
         assert len(a2a) == 4 * moe_layers * plan.microbatches
         assert {len(t.group) for t in a2a} == {2} and all(t.ident >= 0 for t in a2a)
+
+
+def test_tp_by_ep_dispatch_sends_each_rank_its_own_share():
+    """tp 2 x ep 4 with expert TP 1 and sequence parallelism (Megatron-Bridge's DeepSeek-V3 layout):
+    each dispatch and combine (and their gradients) is one all-to-all over the 4 ranks of the ep x tp
+    group moving the rank's own half of its sequences' slot buffer, as Megatron-Core's dispatcher
+    sends each rank's own tokens; never the whole buffer a tensor-parallel rank pair both hold."""
+    from planlab.plan import materialize
+
+    ctx = _ctx("deepseek-tiny", 4)
+    plan = get_space("megatron").build(ctx, dict(dp=2, tp=2, pp=1, microbatch=1, ep=4, etp=1, sequence_parallel=True))
+    cfg = ctx.config
+    slots_bytes = cfg.experts * cfg.capacity * cfg.hidden * 4  # one sequence's (E*C, H) fp32: a micro-batch's per rank
+    program = materialize(plan, ctx.graph)
+    for dev in program.devices:
+        ep_tp = [t for t in all_to_alls(dev) if len(t.group) == 4]
+        assert len(ep_tp) == 4 * 3 * plan.microbatches
+        assert {t.nbytes for t in ep_tp} == {slots_bytes // 2}

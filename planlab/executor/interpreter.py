@@ -570,8 +570,8 @@ class Interpreter:
                 z = x.clone()
                 dist.all_reduce(z, group=pg)
                 y = z.chunk(n, dim=task.axis)[me].contiguous()
-        elif task.collective == "all_to_all":  # one shard for another: split along task.shape, gather task.axis
-            y = all_to_all.exchange(x, group, self.device, task.axis, task.shape, pg)
+        elif task.collective == "all_to_all":  # one shard for another: cut and joined as task.exchange says
+            y = all_to_all.exchange(x, group, self.device, task.exchange, task.shape, pg)
         else:
             raise ExecutionError(f"collective {task.collective!r} is not supported by the executor")
         self._put(task.writes[0], mb, y, None, task.accumulate)

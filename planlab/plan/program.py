@@ -91,6 +91,20 @@ class RingBlock(StrEnum):
     SKIPPED = "skipped"
 
 
+@dataclass(frozen=True)
+class ExchangeAxis:
+    """One mesh axis of an all-to-all's group, outermost first: ``size`` members along it; a member
+    cuts its piece along tensor axis ``split`` (the axis the result is split on there) and joins the
+    pieces it receives along ``gather`` (the axis the source was split on there)."""
+
+    size: int
+    split: int
+    gather: int
+
+    def __str__(self) -> str:
+        return f"{self.size}:{self.split}->{self.gather}"
+
+
 # Adam's step, counted as FLOPs per parameter (moments, bias corrections, update)
 ADAM_FLOPS_PER_PARAM = 12.0
 
@@ -127,7 +141,8 @@ class Task:
     where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
     micro-batch) let the cost model price a compute task kernel by kernel. ``ring`` marks the forward
-    and backward of a ring attention's piece, whose ring is ``group``. ``box`` is, on the
+    and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
+    says, per mesh axis of its group, how pieces are cut and joined. ``box`` is, on the
     forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
     in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
     """
@@ -169,6 +184,7 @@ class Task:
     ident: int = -1
     params: float = 0.0
     ring: Ring | None = None
+    exchange: tuple[ExchangeAxis, ...] = ()
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

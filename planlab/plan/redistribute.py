@@ -3,8 +3,8 @@
 A pure planner, after DTensor's ``_redistribute``: :func:`plan_conversion`
 returns per-device tasks and never runs anything. Conversions over the same
 mesh become one collective per changed mesh axis (all-reduce, reduce-scatter, all-to-all,
-all-gather, or a local slice); anything else falls back to point-to-point
-copies of overlapping slices, which is always correct.
+all-gather, or a local slice), all-to-alls on several axes one over their joint group; anything
+else falls back to point-to-point copies of overlapping slices, which is always correct.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from planlab.plan.layout import (
     positions,
     relative,
 )
-from planlab.plan.program import Task, TaskKind
+from planlab.plan.program import ExchangeAxis, Task, TaskKind
 from planlab.errors import InternalError
 
 
@@ -101,14 +101,19 @@ def plan_conversion(
     return _point_to_point(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype)
 
 
-def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout]] | None:
-    """The steps of a conversion on one mesh, one per changed mesh axis: ``(axis, kind, layout
+_Step = tuple[tuple[int, ...], str, Layout, Layout]  # (mesh axes, kind, layout before, layout after)
+
+
+def _axis_steps(src: Layout, dst: Layout) -> list[_Step] | None:
+    """The steps of a conversion on one mesh, one per changed mesh axis: ``(axes, kind, layout
     before, layout after)``. Reductions first (they shrink nothing but must precede slicing of the
     same data), then gathers, then all-to-alls (one shard for another: expert parallelism's
-    dispatch and combine), then local slices (``chunk``). None where a step would not move whole
-    blocks in the group's order (see :func:`_innermost`), and for a layout that splits one tensor
-    axis over several mesh axes unless the conversion has an all-to-all or no step at all (the
-    others keep the point-to-point path they had)."""
+    dispatch and combine), then local slices (``chunk``). All-to-alls on several axes are one
+    all-to-all over the group of those axes where that moves whole blocks (see :func:`_merged`):
+    each member then sends its own share once, where one all-to-all per axis would send it twice.
+    None where a step would not move whole blocks in the group's order (see :func:`_innermost`),
+    and for a layout that splits one tensor axis over several mesh axes unless the conversion has
+    an all-to-all or no step at all (the others keep the point-to-point path they had)."""
     mesh = src.mesh
     cur, want = list(_normalize(src)), _normalize(dst)
 
@@ -116,11 +121,21 @@ def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout
         s, d = cur[i], want[i]
         return 0 if isinstance(s, Partial) else (2 if isinstance(d, Shard) else 1) if isinstance(s, Shard) else 3
 
-    steps = []
-    for ax in sorted(range(len(cur)), key=lambda i: (rank(i), i)):
+    changed = sorted((i for i in range(len(cur)) if cur[i] != want[i]), key=lambda i: (rank(i), i))
+    swaps = tuple(i for i in changed if rank(i) == 2)
+    steps: list[_Step] = []
+    for ax in changed:
+        if len(swaps) > 1 and ax in swaps:
+            if ax != swaps[0]:
+                continue
+            before = Layout(mesh, tuple(cur))
+            after = Layout(mesh, tuple(want[i] if i in swaps else p for i, p in enumerate(cur)))
+            if _merged(before, after, swaps):
+                cur = list(after.placements)
+                steps.append((swaps, "all_to_all", before, after))
+                continue
+            swaps = ()  # one all-to-all per axis, as any other step
         s, d = cur[ax], want[ax]
-        if s == d:
-            continue
         kind = _STEP_KINDS.get((type(s), type(d)))
         if kind is None:
             return None
@@ -131,10 +146,25 @@ def _axis_steps(src: Layout, dst: Layout) -> list[tuple[int, str, Layout, Layout
             return None
         if isinstance(d, Shard) and not _innermost(after, ax, d.dim):
             return None
-        steps.append((ax, kind, before, after))
+        steps.append(((ax,), kind, before, after))
     if steps and (_nested(src) or _nested(dst)) and not any(k == "all_to_all" for _, k, _, _ in steps):
         return None
     return steps
+
+
+def _merged(before: Layout, after: Layout, axes: tuple[int, ...]) -> bool:
+    """Whether one all-to-all over the group of mesh ``axes`` (each a shard for another shard) moves
+    whole blocks: the tensor axes the source is split on there and those the result is split on
+    there are apart, and along each no mesh axis after it but those of the group splits them (the
+    group's members then hold, and want, neighbouring blocks, nested in the group's order)."""
+    gathered = {before.placements[a].dim for a in axes}
+    split = {after.placements[a].dim for a in axes}
+    if gathered & split:
+        return False
+    return all(
+        _innermost(before, a, before.placements[a].dim, axes) and _innermost(after, a, after.placements[a].dim, axes)
+        for a in axes
+    )
 
 
 _STEP_KINDS = {
@@ -146,13 +176,15 @@ _STEP_KINDS = {
 }
 
 
-def _innermost(layout: Layout, ax: int, dim: int) -> bool:
-    """Whether mesh axis ``ax`` is the last of ``layout``'s axes to split tensor axis ``dim``: the
-    group along it then holds neighbouring blocks of that axis, so gathering over it (or cutting
-    along it) moves whole blocks in the group's order."""
+def _innermost(layout: Layout, ax: int, dim: int, group: tuple[int, ...] = ()) -> bool:
+    """Whether mesh axis ``ax`` is the last of ``layout``'s axes to split tensor axis ``dim`` (but
+    for the axes of ``group``): the group along it then holds neighbouring blocks of that axis, so
+    gathering over it (or cutting along it) moves whole blocks in the group's order."""
     return all(
-        not (isinstance(p, Shard) and p.dim == dim and n > 1)
-        for p, n in zip(layout.placements[ax + 1 :], layout.mesh.shape[ax + 1 :])
+        not (isinstance(p, Shard) and p.dim == dim and n > 1) or a in group
+        for a, p, n in zip(
+            range(ax + 1, len(layout.placements)), layout.placements[ax + 1 :], layout.mesh.shape[ax + 1 :]
+        )
     )
 
 
@@ -179,7 +211,7 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                 )
                 conv.add("dst", dev, copy)
         return conv
-    for k, (ax, kind, before, after) in enumerate(steps):
+    for k, (axes, kind, before, after) in enumerate(steps):
         last = k == len(steps) - 1
         rbuf = src_buf if k == 0 else dst_buf.at_step(k)
         wbuf = dst_buf if last else dst_buf.at_step(k + 1)
@@ -199,14 +231,20 @@ def _per_axis(src, dst, shape, eb, src_buf, dst_buf, accumulate, name, dtype, on
                     (rbuf,),
                     (wbuf,),
                     collective=kind,
-                    group=mesh.group_of(flat, (ax,)),
-                    axis=axis.placements[ax].dim if axis is not None else -1,
+                    group=mesh.group_of(flat, axes),
+                    axis=axis.placements[axes[0]].dim if axis is not None else -1,
+                    exchange=_exchange(before, after, axes) if kind == "all_to_all" else (),
                     nbytes=max(box_numel(bin_), box_numel(bout)) * eb,
                     ident=ident + k,
                     **common,
                 )
             conv.add("dst", dev, task)
     return conv
+
+
+def _exchange(before: Layout, after: Layout, axes: tuple[int, ...]) -> tuple[ExchangeAxis, ...]:
+    """How an all-to-all over mesh ``axes`` cuts and joins pieces, per axis in mesh order."""
+    return tuple(ExchangeAxis(before.mesh.shape[a], after.placements[a].dim, before.placements[a].dim) for a in axes)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,13 @@ router, the expert axis for the operators between the dispatch and the combine).
 router's tokens (split along the batch) meet the experts (split along the expert axis),
 materialize converts the layout on that axis: an all-to-all, the dispatch; after the experts,
 the combine. With ``etp = 1`` the tensor-parallel axis splits the experts too (``ep = ep_dp x
-tp``): the tokens, replicated over the tensor-parallel ranks, are sliced by expert and gathered
-back. ``etp`` other than 1 and ``tp`` is not run (it needs a third axis), and is refused.
+tp``), and the tokens on their way to and from the experts are split over the tensor-parallel
+ranks along the hidden size (:func:`token_hidden_dims`; the routing needs whole sequences, so
+it cannot be the sequence): the dispatch and the combine are then each one all-to-all over the
+``ep_dp x tp`` ranks in which every rank sends its own share, as Megatron-Core's dispatcher sends
+each rank's own tokens over one group of all TP and EP ranks, not the buffer two tensor-parallel
+ranks would both hold. ``etp`` other than 1 and ``tp`` is not run (it needs a third axis), and is
+refused.
 """
 
 from __future__ import annotations
@@ -45,6 +50,46 @@ def _expert_dims(g: Graph) -> dict[str, str]:
             if d is not None and op.signature.splittable(d):
                 out[op.name] = d
                 break
+    return out
+
+
+def token_hidden_dims(g: Graph) -> dict[str, str]:
+    """Per operator on the tokens' way into and out of the experts inside the mixture-of-experts
+    layer, the dimension with the experts' hidden axis (axis 1 of the stacked ``w1``, the model's
+    hidden size): the producers of the expert operators' inputs, back from them (the dispatch's
+    scatter, the tokens' top-k copies into it), and the consumers of their outputs, on from them
+    (the combine's gather, weighting and sum over the top k), each way as far as operators of the
+    same module may split that axis (memoized on the graph)."""
+    return dict(g.memo(("token_hidden_dims",), lambda: _token_hidden_dims(g)))
+
+
+def _token_hidden_dims(g: Graph) -> dict[str, str]:
+    w1 = next((t for t in g.tensors if EXPERT_WEIGHTS.search(t) and t.endswith("w1")), None)
+    label = g.labels.get((w1, 1)) if w1 else None
+    region = expert_dims(g)
+    if label is None or not region:
+        return {}
+    out: dict[str, str] = {}
+
+    def walk(ops: list, step) -> None:  # ops: (operator, the module of the one it was reached from)
+        while ops:
+            op, module = ops.pop()
+            d = g.dim_with_label(op, label)
+            if op.name in region or op.name in out or op.module != module or d is None:
+                continue
+            if op.signature.splittable(d):
+                out[op.name] = d
+                ops.extend((nxt, op.module) for nxt in step(op))
+
+    def producers(op) -> list:
+        return [g.producer[t] for t in op.inputs if t in g.producer]
+
+    def consumers(op) -> list:
+        return [c for t in op.outputs for c in g.consumers.get(t, ())]
+
+    experts = [g.op(name) for name in region]
+    walk([(p, op.module) for op in experts for p in producers(op)], producers)
+    walk([(c, op.module) for op in experts for c in consumers(op)], consumers)
     return out
 
 
@@ -180,4 +225,10 @@ class ExpertTensorParallel(Space):
         names = [name for name, _ in draft.axes]
         t = names.index("tp")
         for op, d in expert_dims(draft.ctx.graph).items():
+            draft.dims[op][t] = d
+        # the tokens on their way to and from the experts, split over the tensor-parallel ranks along
+        # the hidden size (where they were whole, or split along the sequence: the routing needs a
+        # whole sequence): each rank sends its own share to the experts in one all-to-all over the
+        # ep x tp ranks, as Megatron-Core's dispatcher sends each rank's own tokens
+        for op, d in token_hidden_dims(draft.ctx.graph).items():
             draft.dims[op][t] = d
