@@ -35,6 +35,7 @@ JOURNAL_FORMAT = "planlab-simulations"
 JOURNAL_VERSION = 1
 ROW_KEYS = ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")
 PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
+SIMULATED_KEY = "simulation"  # ... and its Simulated, when it ran in this process (taken off likewise)
 
 
 @dataclass(frozen=True)
@@ -47,22 +48,26 @@ class Simulated:
 
 
 class BestPlans:
-    """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index:
-    the parent keeps the best plan as the workers built it, and no other."""
+    """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index,
+    and their Simulated where they ran in this process: the parent keeps the best plan as the
+    workers built it (and, in a serial run, its Program and simulation), and no other."""
 
     def __init__(self) -> None:
         self.time_s = math.inf
         self.plans: dict[int, Plan] = {}
+        self.simulated: dict[int, Simulated] = {}
 
     def offer(self, i: int, result: dict) -> dict:
-        """``result`` without its Plan, kept if its row is the fastest feasible one yet."""
+        """``result`` without its Plan and Simulated, kept if its row is the fastest feasible one yet."""
         result = dict(result)
-        plan = result.pop(PLAN_KEY, None)
+        plan, sim = result.pop(PLAN_KEY, None), result.pop(SIMULATED_KEY, None)
         t = result.get("iter_time_s", math.nan)
         if plan is not None and result.get("feasible") and t <= self.time_s:
             if t < self.time_s:
-                self.time_s, self.plans = t, {}
+                self.time_s, self.plans, self.simulated = t, {}, {}
             self.plans[i] = plan
+            if sim is not None:
+                self.simulated[i] = sim
         return result
 
 

@@ -29,6 +29,7 @@ from planlab.candidates import (
     JOURNAL,
     PLAN_KEY,
     ROW_KEYS,
+    SIMULATED_KEY,
     BestPlans,
     Journal,
     PoolRunner,
@@ -313,20 +314,14 @@ def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
     return i, simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)[0]
 
 
-def _simulate_kept(item: tuple[int, dict]) -> tuple[int, dict]:
-    """One candidate simulated in this process; the fastest feasible one so far is kept
-    (``_STATE["kept"]``: its index and :class:`Simulated`), so that the outputs draw it without
-    materializing it again. A lone candidate (``_STATE["lone"]``) records its timeline at once."""
+def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
+    """One candidate simulated in this process: a fitting row carries its Simulated too
+    (``SIMULATED_KEY``), so that the outputs draw the best plan without materializing it again
+    (:class:`BestPlans` keeps the fastest). A lone candidate (``_STATE["lone"]``) records its
+    timeline at once."""
     i, values = item
     row, sim = simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, timeline=_STATE["lone"])
-    kept = _STATE.get("kept")
-    if (
-        sim is not None
-        and sim.result.feasible
-        and (kept is None or sim.result.iter_time_s < kept[1].result.iter_time_s)
-    ):
-        _STATE["kept"] = (i, sim)
-    return i, row
+    return i, ({**row, SIMULATED_KEY: sim} if PLAN_KEY in row and sim is not None else row)
 
 
 def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict) -> tuple[int, dict]:
@@ -418,7 +413,7 @@ def explore(
     if out is not None:
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, kept=None)
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
     workers, plans = _Workers(jobs, setup, space if isinstance(space, str) else None), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
@@ -434,13 +429,12 @@ def explore(
         workers.close()
     finally:
         workers.close(kill=True)  # after an error or an interrupt (the pool is gone otherwise)
-        kept = _STATE.pop("kept", None)  # the best candidate simulated in this process
         _STATE.clear()
         if journal is not None:
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, kept, plans.plans)
+    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, plans)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -459,20 +453,13 @@ def explore(
 
 
 def _ranked(
-    sp: Space,
-    ctx: Context,
-    assignments: list[dict],
-    rows: list[dict],
-    cost: CostModel,
-    kept: tuple | None,
-    plans: dict[int, Plan],
+    sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel, kept: BestPlans
 ) -> tuple[pd.DataFrame, Plan | None, Simulated | None]:
     """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan
-    (from ``plans``, the plans the workers built, where it is there), and its simulation if it is
-    ``kept``'s (``(index, Simulated)``, the best simulated in this process)."""
+    (as its worker built it, where ``kept`` holds it), and its simulation if it ran in this process."""
     df = _frame(sp, assignments, rows, cost)
-    best = _best_plan(sp, ctx, assignments, df, cost, plans)
-    drawn = kept[1] if best is not None and kept is not None and kept[0] == int(df.loc[0, "_index"]) else None
+    best = _best_plan(sp, ctx, assignments, df, cost, kept.plans)
+    drawn = kept.simulated.get(int(df.loc[0, "_index"])) if best is not None else None
     part_best = {}
     for name, mask in part_masks(sp, df).items():
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
@@ -545,7 +532,7 @@ def _runner(ray: bool | str, workers: _Workers, shared: tuple, *, lone: bool = F
     if workers.pool is not None:
         return PoolRunner(workers.pool, workers.jobs, _simulate_one, lambda: workers.close(kill=True))
     _STATE["lone"] = lone
-    return SerialRunner(_simulate_kept)
+    return SerialRunner(_simulate_here)
 
 
 def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
