@@ -17,12 +17,20 @@ attention, which needs the whole sequence, is handled by ``cp_kind``:
   along its queries' sequence too, and its keys and values along theirs (``PlanBuilder.ring``), so
   no conversion meets it; its pieces pass their key/value blocks around the context-parallel
   devices, ``cp`` steps each merged by the online-softmax rule, and the backward passes the
-  blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`). The chunks are
-  contiguous (rank ``i`` holds chunk ``i``): under a causal mask rank ``i`` computes ``i`` full
-  blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank, and
-  the cost model prices it so. Megatron-Core's and Llama 3's load balancing (rank ``i`` holds
-  chunks ``i`` and ``2 cp - 1 - i``) would need a permutation of the tokens at the input with
-  the positions carried through to the rotary embeddings; it is not built.
+  blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`).
+
+``cp_layout`` (ring only) says which tokens each ring rank holds:
+
+- ``zigzag`` (the default, as Megatron-Core and Llama 3 run a causal ring): the sequence is cut
+  into ``2 cp`` chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (``PlanBuilder.zigzag``).
+  The tokens are permuted so as they are loaded (the inputs, the labels, and every source along the
+  sequence, such as the rotary tables, so the positions travel with their tokens:
+  :mod:`planlab.plan.zigzag`), every operator but the attention treats the positions alike, and
+  the attention masks each pair of a query chunk and a key chunk; under a causal mask every rank
+  then computes half a block per step (``cp / 2`` blocks in all). ``2 cp`` must divide the sequence.
+- ``contiguous``: rank ``i`` holds chunk ``i``; under a causal mask rank ``i`` computes ``i`` full
+  blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank
+  (``cp - 1/2`` blocks), and the cost model prices it so. Kept as a what-if.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from planlab.plan.plan import RING_DIM
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
 CP_KINDS = ("a2a", "ring")
+CP_LAYOUTS = ("zigzag", "contiguous")  # the first is the default (Megatron-Core's for a causal ring)
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -88,6 +97,23 @@ def _seq_message(a: dict, c: Context) -> str:
     return f"cp={cp} does not divide the sequence of {n} tokens; choose cp in {', '.join(map(str, _cp_values(c)))}"
 
 
+def _zigzag(a: dict) -> bool:
+    return (a.get("cp") or 1) > 1 and a.get("cp_kind") == "ring" and a.get("cp_layout", "zigzag") == "zigzag"
+
+
+def _zigzag_fits(a: dict, c: Context) -> bool:
+    return not _known(a, "cp", "cp_kind") or not _zigzag(a) or sequence_length(c.graph) % (2 * a["cp"]) == 0
+
+
+def _zigzag_message(a: dict, c: Context) -> str:
+    n, cp = sequence_length(c.graph), a["cp"]
+    fits = [str(d) for d in _cp_values(c) if n % (2 * d) == 0]
+    return (
+        f"cp={cp} with cp_layout=zigzag cuts the sequence of {n} tokens into {2 * cp} chunks, which do not divide "
+        f"it; choose cp in {', '.join(fits) or '(none)'} or cp_layout=contiguous"
+    )
+
+
 class ContextParallel(Space):
     """The sequence split over ``cp`` devices (context parallelism); the attention over its heads
     with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses) or as ring attention (``ring``)."""
@@ -111,9 +137,19 @@ class ContextParallel(Space):
             explore=("a2a",),
             range=", ".join(CP_KINDS),
         ),
+        Knob.choice(
+            "cp_layout",
+            CP_LAYOUTS,
+            "ring attention's chunks: zigzag (rank i holds chunks i and 2cp-1-i, load-balanced as "
+            "Megatron-Core and Llama 3) or contiguous (rank i holds chunk i); cp_kind=ring only",
+            default="zigzag",
+            explore=("zigzag",),
+            range=", ".join(CP_LAYOUTS),
+        ),
     )
     constraints = (
         Constraint.divides("cp", "the {n} devices", lambda c: c.num_devices),
+        Constraint(_zigzag_fits, _zigzag_message),
         Constraint(_seq_fits, _seq_message),
         Constraint(
             lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
@@ -155,6 +191,7 @@ class ContextParallel(Space):
             draft.ring = frozenset(
                 op.name for op in draft.ctx.graph.operators if op.kind == "attention" and dims[op.name]
             )
+            draft.zigzag = values.get("cp_layout", "zigzag") == "zigzag" and bool(draft.ring)
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
             draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)
