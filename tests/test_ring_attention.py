@@ -203,6 +203,7 @@ def test_spaces_lists_ring(capsys):
     main(["spaces"])
     out = capsys.readouterr().out
     assert "cp_kind" in out and "a2a, ring" in out
+    assert "cp_layout" in out and "auto, zigzag, contiguous  default auto" in out
 
 
 # ---- ring plans on gloo match one process ----------------------------------------------------

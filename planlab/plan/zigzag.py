@@ -101,8 +101,10 @@ def sequence_zigzag(plan: Plan, graph: Graph, ring_sizes: dict[str, int]) -> Seq
         raise InfeasiblePlan(
             f"zigzag: the sequence of {first.name!r}'s queries has no label to follow through the graph"
         )
+    why = order_dependent(graph, label, frozenset(ring_sizes))
+    if why:
+        raise InfeasiblePlan(f"zigzag: {why}; choose cp_layout=contiguous")
     marks = graph.memo(("zigzag-sequence", label), lambda: sequence_marks(graph, label))
-    _check_order_free(graph, marks, ring_sizes)
     axes = []
     for (t, a), (k, parts) in sorted(marks.items()):
         spec = graph.tensors[t]
@@ -117,14 +119,22 @@ def sequence_zigzag(plan: Plan, graph: Graph, ring_sizes: dict[str, int]) -> Seq
     return SequenceZigzag(tuple(axes), chunks)
 
 
-def _check_order_free(graph: Graph, marks: dict, rings: dict[str, int]) -> None:
-    """Refuse an operator other than the rings that keeps a dimension along the sequence whole."""
+def order_dependent(graph: Graph, label: str, rings: frozenset[str]) -> str | None:
+    """Why the zigzag order would change what the graph computes: the first operator other than the
+    ``rings`` that keeps a dimension along the sequence (graph label ``label``) whole, named with that
+    dimension (None: every other operator treats the positions alike)."""
+    return graph.memo(("zigzag-order-dependent", label, rings), lambda: _order_dependent(graph, label, rings))
+
+
+def _order_dependent(graph: Graph, label: str, rings: frozenset[str]) -> str | None:
+    marks = graph.memo(("zigzag-sequence", label), lambda: sequence_marks(graph, label))
     for op in graph.operators:
         seq, carried = _op_sequence(op, marks)
         ring = {RING_DIM, RING_KV_DIM} if op.name in rings else set()
         whole = sorted((seq | set(carried)) & op.signature.frozen - ring)
         if whole:
-            raise InfeasiblePlan(
-                f"zigzag: operator {op.name!r} ({op.kind}) keeps the sequence whole ({whole[0]!r} of "
-                f"{op.signature}), so it would see the tokens out of order; choose cp_layout=contiguous"
+            return (
+                f"operator {op.name!r} ({op.kind}) keeps the sequence whole ({whole[0]!r} of {op.signature}), "
+                "so it would see the tokens out of order"
             )
+    return None

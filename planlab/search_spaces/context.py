@@ -37,10 +37,12 @@ from __future__ import annotations
 
 from planlab.graph.ir import Graph
 from planlab.plan.plan import RING_DIM
+from planlab.plan.zigzag import order_dependent
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
 CP_KINDS = ("a2a", "ring")
-CP_LAYOUTS = ("zigzag", "contiguous")  # the first is the default (Megatron-Core's for a causal ring)
+# auto, the default: zigzag (Megatron-Core's for a causal ring) where the model computes the same in that order
+CP_LAYOUTS = ("auto", "zigzag", "contiguous")
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -98,11 +100,30 @@ def _seq_message(a: dict, c: Context) -> str:
 
 
 def _zigzag(a: dict) -> bool:
-    return (a.get("cp") or 1) > 1 and a.get("cp_kind") == "ring" and a.get("cp_layout", "zigzag") == "zigzag"
+    """Whether the plan asks for the zigzag layout by name."""
+    return (a.get("cp") or 1) > 1 and a.get("cp_kind") == "ring" and a.get("cp_layout") == "zigzag"
+
+
+def zigzag_layout(values: dict, c: Context) -> bool:
+    """Whether a ring plan with these knob values lays its tokens out in zigzag order: asked for by
+    name, or by ``auto`` where the model computes the same in that order and ``2 cp`` divides the
+    sequence."""
+    layout, cp = values.get("cp_layout") or "auto", values.get("cp") or 1
+    if layout != "auto":
+        return layout == "zigzag"
+    return sequence_length(c.graph) % (2 * cp) == 0 and _ring_order_dependent(c) is None
 
 
 def _zigzag_fits(a: dict, c: Context) -> bool:
     return not _known(a, "cp", "cp_kind") or not _zigzag(a) or sequence_length(c.graph) % (2 * a["cp"]) == 0
+
+
+def _ring_order_dependent(c: Context) -> str | None:
+    """Why the zigzag order would change what the model computes (None: it would not)."""
+    g = c.graph
+    rings = frozenset(op.name for op in g.operators if op.kind == "attention" and RING_DIM in op.signature.dims())
+    seq = g.labels.get((g.inputs[0], 1))
+    return order_dependent(g, seq, rings) if seq else "the model's first input has no sequence axis"
 
 
 def _zigzag_message(a: dict, c: Context) -> str:
@@ -141,15 +162,20 @@ class ContextParallel(Space):
             "cp_layout",
             CP_LAYOUTS,
             "ring attention's chunks: zigzag (rank i holds chunks i and 2cp-1-i, load-balanced as "
-            "Megatron-Core and Llama 3) or contiguous (rank i holds chunk i); cp_kind=ring only",
-            default="zigzag",
-            explore=("zigzag",),
+            "Megatron-Core and Llama 3), contiguous (rank i holds chunk i), or auto (zigzag where the model "
+            "computes the same in that order and 2cp divides the sequence); cp_kind=ring only",
+            default="auto",
+            explore=("auto",),
             range=", ".join(CP_LAYOUTS),
         ),
     )
     constraints = (
         Constraint.divides("cp", "the {n} devices", lambda c: c.num_devices),
         Constraint(_zigzag_fits, _zigzag_message),
+        Constraint(
+            lambda a, c: not _known(a, "cp", "cp_kind") or not _zigzag(a) or _ring_order_dependent(c) is None,
+            lambda a, c: f"cp_layout=zigzag with cp_kind=ring: {_ring_order_dependent(c)}; choose cp_layout=contiguous",
+        ),
         Constraint(_seq_fits, _seq_message),
         Constraint(
             lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
@@ -191,7 +217,7 @@ class ContextParallel(Space):
             draft.ring = frozenset(
                 op.name for op in draft.ctx.graph.operators if op.kind == "attention" and dims[op.name]
             )
-            draft.zigzag = values.get("cp_layout", "zigzag") == "zigzag" and bool(draft.ring)
+            draft.zigzag = bool(draft.ring) and zigzag_layout(values, draft.ctx)
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
             draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)
