@@ -19,15 +19,19 @@ attention, which needs the whole sequence, is handled by ``cp_kind``:
   devices, ``cp`` steps each merged by the online-softmax rule, and the backward passes the
   blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`).
 
-``cp_layout`` (ring only) says which tokens each ring rank holds:
+``cp_layout`` (ring only) says which tokens each ring rank holds; its default ``auto`` is ``zigzag``
+where the model computes the same in that order and ``2 cp`` divides the sequence, ``contiguous``
+otherwise (a mixture of experts whose capacity-limited routing counts tokens in sequence order):
 
-- ``zigzag`` (the default, as Megatron-Core and Llama 3 run a causal ring): the sequence is cut
+- ``zigzag`` (as Megatron-Core and Llama 3 run a causal ring): the sequence is cut
   into ``2 cp`` chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (``PlanBuilder.zigzag``).
   The tokens are permuted so as they are loaded (the inputs, the labels, and every source along the
   sequence, such as the rotary tables, so the positions travel with their tokens:
   :mod:`planlab.plan.zigzag`), every operator but the attention treats the positions alike, and
   the attention masks each pair of a query chunk and a key chunk; under a causal mask every rank
-  then computes half a block per step (``cp / 2`` blocks in all). ``2 cp`` must divide the sequence.
+  then computes half a block per step (``cp / 2`` blocks in all). ``2 cp`` must divide the sequence,
+  and no operator but the attention may keep the sequence whole (:func:`planlab.plan.zigzag.order_dependent`):
+  asked for by name where either fails, it is refused in one line naming why.
 - ``contiguous``: rank ``i`` holds chunk ``i``; under a causal mask rank ``i`` computes ``i`` full
   blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank
   (``cp - 1/2`` blocks), and the cost model prices it so. Kept as a what-if.
