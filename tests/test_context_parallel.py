@@ -116,8 +116,9 @@ def test_cp_values_that_do_not_fit(name, args, n, knobs, message):
 )
 def test_cp_layout_auto_is_zigzag_where_the_model_computes_the_same(name, args, zigzag):
     ctx = _ctx(name, 4, args)
-    plan = get_space("megatron").build(ctx, dict(dp=1, tp=1, pp=1, cp=4, cp_kind="ring", microbatch=1))
-    assert plan.zigzag is zigzag
+    values = dict(dp=1, tp=1, pp=1, cp=4, cp_kind="ring", microbatch=1)
+    plan = get_space("megatron").build(ctx, values)
+    assert plan.zigzag is zigzag and get_space("megatron").draft(ctx, values).zigzag is zigzag  # the screen's too
 
 
 def test_cp_error_names_what_fits():

@@ -4,6 +4,8 @@ against one process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.costmodel import CostModel
 from planlab.costmodel.ring import rank_share, ring_time_s, step_shares
-from planlab.errors import InternalError
+from planlab.errors import InfeasiblePlan, InternalError, PlanFileError
 from planlab.executor import launch_local
 from planlab.plan import materialize
 from planlab.plan.plan_file import plan_from_dict, plan_to_dict
@@ -41,7 +43,10 @@ def test_ring_plan_splits_the_attention_sequence_and_round_trips():
     attention = [p for p in plan.ops if ctx.graph.op(p.op).kind == "attention"]
     assert attention and all(p.ring and p.dims[-1] == "s" and p.sizes[-1] == 2 for p in attention)
     assert all(not p.ring for p in plan.ops if ctx.graph.op(p.op).kind != "attention")
+    assert plan.zigzag and plan_to_dict(plan)["zigzag"] is True  # cp_layout=auto: llama-tiny computes the same
     assert plan_from_dict(plan_to_dict(plan)) == plan
+    with pytest.raises(PlanFileError, match=r"field 'zigzag' must be true or false, got 'yes'"):
+        plan_from_dict(dict(plan_to_dict(plan), zigzag="yes"))
 
 
 def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_flight():
@@ -65,6 +70,17 @@ def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_fli
     held = {b.tensor: n for t in rings for b, n in t.alloc if str(b).endswith(("ring-F", "ring-B"))}
     block = 4 * 2 * sum(torch.Size(s).numel() for s in fwd.shapes[1:3])  # fp32 keys and values
     assert set(held.values()) == {block, 2 * block}
+
+
+def test_zigzag_plans_that_do_not_fit_are_refused_in_one_line():
+    ctx, plan = _ring_plan(cp_kind="a2a")
+    with pytest.raises(InfeasiblePlan, match=r"^zigzag: the plan runs no attention as a ring"):
+        materialize(dataclasses.replace(plan, zigzag=True), ctx.graph)
+    moe = _ctx("moe-tiny", 2)
+    plan = get_space("megatron").build(moe, dict(dp=1, tp=1, pp=1, cp=2, cp_kind="ring", microbatch=1))
+    assert not plan.zigzag  # auto: the routing's cumsum counts tokens in sequence order
+    with pytest.raises(InfeasiblePlan, match=r"^zigzag: operator 'cumsum' \(cumsum\) keeps the sequence whole"):
+        materialize(dataclasses.replace(plan, zigzag=True), moe.graph)
 
 
 # ---- the executor's ring on gloo -------------------------------------------------------------
