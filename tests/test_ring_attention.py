@@ -225,7 +225,7 @@ def test_spaces_lists_ring(capsys):
 # ---- ring plans on gloo match one process ----------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", ["zigzag", pytest.param("contiguous", marks=pytest.mark.slow)])
 def test_ring_plan_on_2_ranks_matches_one_process(layout):
     """The zigzag plan loads its tokens, targets and rotary tables permuted (rank 0 holds chunks 0 and 3
     of 4) and masks its attention per pair of chunks; the loss and gradients are one process's."""
