@@ -132,6 +132,7 @@ CLI_CASES = [
     (f"explore {TINY} --set cp=3", "cp=3 does not divide the 2 devices"),
     (f"explore {TINY} --model-arg seq=31 --set cp=2 --set cp_kind=ring", "cp=2 does not divide the sequence of 31"),
     (f"explore {TINY} --set cp=2 --set cp_kind=wide", "wide"),
+    (f"explore {TINY} --set cp=2 --set cp_kind=ring --set cp_layout=spiral", "spiral"),
     (f"explore {TINY} --set cp=2 --set dp=2", "cp=2, dp=2"),
     (f"explore {TINY} --set dp", "dp"),
     (f"explore {TINY} --profile {{d}}/missing.json", "missing.json"),

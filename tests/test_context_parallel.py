@@ -80,13 +80,45 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
         ),
         ("gpt-tiny", (("seq", 20),), 8, dict(cp=8, cp_kind="ring"), r"knob 'cp' = 8 is outside"),
         ("gpt-tiny", (("seq", 24),), 8, dict(cp=8, cp_kind="wide"), r"wide"),
+        (
+            "gpt-tiny",
+            (("seq", 20),),
+            4,
+            dict(dp=1, tp=1, pp=1, cp=4, cp_kind="ring", cp_layout="zigzag"),
+            r"^space .megatron.: cp=4 with cp_layout=zigzag cuts the sequence of 20 tokens into 8 chunks, which do "
+            r"not divide it; choose cp in 1, 2 or cp_layout=contiguous$",
+        ),
+        ("gpt-tiny", (), 2, dict(cp=2, cp_kind="ring", cp_layout="spiral"), r"'cp_layout' .*spiral.*zigzag"),
+        (
+            "moe-tiny",
+            (),
+            2,
+            dict(dp=1, tp=1, pp=1, cp=2, cp_kind="ring", cp_layout="zigzag"),
+            r"cp_layout=zigzag with cp_kind=ring: operator 'cumsum' \(cumsum\) keeps the sequence whole .*; choose "
+            r"cp_layout=contiguous$",
+        ),
     ],
-    ids=["devices", "heads", "product", "sp", "ring-chunks", "kind"],
+    ids=["devices", "heads", "product", "sp", "ring-chunks", "kind", "zigzag-chunks", "layout", "zigzag-moe"],
 )
 def test_cp_values_that_do_not_fit(name, args, n, knobs, message):
     ctx = _ctx(name, n, args)
     with pytest.raises(ConfigError, match=message):
         get_space("megatron").build(ctx, dict(microbatch=1, **knobs))
+
+
+@pytest.mark.parametrize(
+    "name, args, zigzag",
+    [
+        ("llama-tiny", (), True),  # causal, rotary tables: balanced as Megatron-Core balances it
+        ("gpt-tiny", (("seq", 20),), False),  # 2 cp = 8 does not divide 20 tokens
+        ("moe-tiny", (), False),  # capacity-limited routing counts tokens in sequence order (cumsum)
+    ],
+)
+def test_cp_layout_auto_is_zigzag_where_the_model_computes_the_same(name, args, zigzag):
+    ctx = _ctx(name, 4, args)
+    values = dict(dp=1, tp=1, pp=1, cp=4, cp_kind="ring", microbatch=1)
+    plan = get_space("megatron").build(ctx, values)
+    assert plan.zigzag is zigzag and get_space("megatron").draft(ctx, values).zigzag is zigzag  # the screen's too
 
 
 def test_cp_error_names_what_fits():

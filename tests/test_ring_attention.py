@@ -4,17 +4,20 @@ against one process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.costmodel import CostModel
-from planlab.costmodel.ring import ring_time_s, step_shares
+from planlab.costmodel.ring import rank_share, ring_time_s, step_shares
+from planlab.errors import InfeasiblePlan, InternalError, PlanFileError
 from planlab.executor import launch_local
 from planlab.plan import materialize
 from planlab.plan.plan_file import plan_from_dict, plan_to_dict
-from planlab.plan.program import Ring, RingBlock, Task, TaskKind
+from planlab.plan.program import Ring, RingBlock, Task, TaskKind, Zigzag
 from planlab.search_spaces import Context, get_space
 
 from conftest import traced
@@ -40,7 +43,10 @@ def test_ring_plan_splits_the_attention_sequence_and_round_trips():
     attention = [p for p in plan.ops if ctx.graph.op(p.op).kind == "attention"]
     assert attention and all(p.ring and p.dims[-1] == "s" and p.sizes[-1] == 2 for p in attention)
     assert all(not p.ring for p in plan.ops if ctx.graph.op(p.op).kind != "attention")
+    assert plan.zigzag and plan_to_dict(plan)["zigzag"] is True  # cp_layout=auto: llama-tiny computes the same
     assert plan_from_dict(plan_to_dict(plan)) == plan
+    with pytest.raises(PlanFileError, match=r"field 'zigzag' must be true or false, got 'yes'"):
+        plan_from_dict(dict(plan_to_dict(plan), zigzag="yes"))
 
 
 def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_flight():
@@ -54,8 +60,8 @@ def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_fli
     layers = 2
     assert len(rings) == 2 * layers * plan.microbatches
     assert {(t.kind, t.ring, t.group) for t in rings} == {
-        (TaskKind.FORWARD, Ring(2, True), (0, 1)),
-        (TaskKind.BACKWARD, Ring(2, True), (0, 1)),
+        (TaskKind.FORWARD, Ring(2, True, zigzag=True), (0, 1)),
+        (TaskKind.BACKWARD, Ring(2, True, zigzag=True), (0, 1)),
     }
     assert not [t for t in tasks if t.kind is TaskKind.COLLECTIVE and t.collective == "all_to_all"]
     fwd = next(t for t in rings if t.kind is TaskKind.FORWARD)
@@ -66,13 +72,25 @@ def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_fli
     assert set(held.values()) == {block, 2 * block}
 
 
+def test_zigzag_plans_that_do_not_fit_are_refused_in_one_line():
+    ctx, plan = _ring_plan(cp_kind="a2a")
+    with pytest.raises(InfeasiblePlan, match=r"^zigzag: the plan runs no attention as a ring"):
+        materialize(dataclasses.replace(plan, zigzag=True), ctx.graph)
+    moe = _ctx("moe-tiny", 2)
+    plan = get_space("megatron").build(moe, dict(dp=1, tp=1, pp=1, cp=2, cp_kind="ring", microbatch=1))
+    assert not plan.zigzag  # auto: the routing's cumsum counts tokens in sequence order
+    with pytest.raises(InfeasiblePlan, match=r"^zigzag: operator 'cumsum' \(cumsum\) keeps the sequence whole"):
+        materialize(dataclasses.replace(plan, zigzag=True), moe.graph)
+
+
 # ---- the executor's ring on gloo -------------------------------------------------------------
 
 
-def _ring_errors(rank: int, world: int, group, causal: bool, rep: int) -> float:
+def _ring_errors(rank: int, world: int, group, causal: bool, rep: int, zigzag: bool = False) -> float:
     """The largest difference between this rank's chunk of the ring's output and gradients and one
-    process's whole attention, on random inputs (keys and values with ``4 / rep`` heads)."""
-    from planlab.executor.ring_attention import ring_attention
+    process's whole attention, on random inputs (keys and values with ``4 / rep`` heads); with
+    ``zigzag`` each rank holds chunks ``pos`` and ``2 world - 1 - pos`` of ``2 world``."""
+    from planlab.executor.ring_attention import ring_attention, zigzag_tokens
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8 * world, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -83,11 +101,16 @@ def _ring_errors(rank: int, world: int, group, causal: bool, rep: int) -> float:
     ref.backward(dy)
     ranks = tuple(range(world))[::-1]  # the ring's order is its chunks', not the ranks'
     pos = ranks.index(rank)
-    mine = [x.detach().chunk(world, dim=-2)[pos].clone().requires_grad_(True) for x in (q, k, v)]
-    y = ring_attention(*mine, ring=Ring(world, causal), ranks=ranks, group=group)
-    y.backward(dy.chunk(world, dim=-2)[pos])
-    errors = [(y - ref.chunk(world, dim=-2)[pos]).abs().max().item()]
-    errors += [(m.grad - x.grad.chunk(world, dim=-2)[pos]).abs().max().item() for m, x in zip(mine, (q, k, v))]
+
+    def piece(x: torch.Tensor) -> torch.Tensor:  # this rank's chunk of the sequence (in zigzag order)
+        x = zigzag_tokens(x, Zigzag(x.dim() - 2, 2 * world)) if zigzag else x
+        return x.chunk(world, dim=-2)[pos]
+
+    mine = [piece(x.detach()).clone().requires_grad_(True) for x in (q, k, v)]
+    y = ring_attention(*mine, ring=Ring(world, causal, zigzag), ranks=ranks, group=group)
+    y.backward(piece(dy))
+    errors = [(y - piece(ref)).abs().max().item()]
+    errors += [(m.grad - piece(x.grad)).abs().max().item() for m, x in zip(mine, (q, k, v))]
     return max(errors)
 
 
@@ -96,7 +119,7 @@ def _ring_rank(rank: int, world: int, path: str, cases: tuple, out) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
-    out.put((rank, [_ring_errors(rank, world, group, causal, rep) for causal, rep in cases]))
+    out.put((rank, [_ring_errors(rank, world, group, *case) for case in cases]))
     dist.destroy_process_group()
 
 
@@ -104,8 +127,9 @@ def _ring_rank(rank: int, world: int, path: str, cases: tuple, out) -> None:
 def test_ring_attention_matches_sdpa_on_gloo(tmp_path):
     """Each rank's chunk of the output and of the gradients of q, k and v, as one process computes
     them whole: causal (a diagonal block, then a full or a skipped one), and not causal with
-    grouped-query heads (two query heads a key/value head)."""
-    world, cases = 2, ((True, 1), (False, 2))
+    grouped-query heads (two query heads a key/value head), and causal in zigzag order (each rank two
+    chunks: diagonal, full and skipped sub-blocks), with grouped-query heads."""
+    world, cases = 2, ((True, 1, False), (False, 2, False), (True, 2, True))
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_ring_rank, args=(r, world, str(tmp_path / "store"), cases, out)) for r in range(world)]
@@ -127,6 +151,35 @@ def test_causal_contiguous_ring_blocks_and_step_pace():
     assert step_shares(ring) == (0.5, 1.0, 1.0, 1.0)  # the last rank sets the pace
     assert step_shares(Ring(4, False)) == (1.0,) * 4
     assert ring.block(2, 1) is RingBlock.FULL and ring.block(1, 2) is RingBlock.SKIPPED
+
+
+def test_causal_zigzag_ring_computes_half_a_block_per_step_on_every_rank():
+    """Megatron-Core's load balancing: rank r holds chunks r and 7 - r of 8. At step 0 it computes its
+    two diagonal sub-blocks and one full one; later, its queries against an earlier rank's first chunk,
+    or its second chunk of queries against a later rank's keys: half a block on every rank."""
+    ring = Ring(4, True, zigzag=True)
+    assert [ring.chunks(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [b for _, _, b in ring.blocks(1, 0)] == ["diagonal", "skipped", "full", "diagonal"]
+    assert [(i, j) for i, j, b in ring.blocks(1, 1) if b == "full"] == [(0, 0), (1, 0)]  # rank 0's chunk 0
+    assert [(i, j) for i, j, b in ring.blocks(1, 3) if b == "full"] == [(1, 0), (1, 1)]  # rank 2's chunks 2, 5
+    assert all(rank_share(ring, r, s) == 0.5 for r in range(4) for s in range(4))
+    assert step_shares(ring) == (0.5,) * 4
+    assert step_shares(Ring(4, False, zigzag=True)) == (1.0,) * 4
+    assert Zigzag(1, 8).order() == (0, 7, 1, 6, 2, 5, 3, 4)
+    with pytest.raises(InternalError):
+        ring.block(0, 0)
+
+
+@pytest.mark.parametrize(
+    "zigzag, backward, block_s, transfer_s, expected",
+    [
+        (True, False, 2.0, 0.5, 4 * 1.0),  # compute-bound: half a block at every step
+        # backward transfer-bound: the block and its gradients, 2 x 0.75; the last step sends gradients only
+        (True, True, 2.0, 0.75, 3 * 1.5 + 1.0),
+    ],
+)
+def test_zigzag_ring_time_by_hand(zigzag, backward, block_s, transfer_s, expected):
+    assert ring_time_s(Ring(4, True, zigzag), backward, block_s, transfer_s) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -166,13 +219,21 @@ def test_spaces_lists_ring(capsys):
     main(["spaces"])
     out = capsys.readouterr().out
     assert "cp_kind" in out and "a2a, ring" in out
+    assert "cp_layout" in out and "auto, zigzag, contiguous  default auto" in out
 
 
 # ---- ring plans on gloo match one process ----------------------------------------------------
 
 
-def test_ring_plan_on_2_ranks_matches_one_process():
-    _, plan = _ring_plan()
+@pytest.mark.parametrize("layout", ["zigzag", pytest.param("contiguous", marks=pytest.mark.slow)])
+def test_ring_plan_on_2_ranks_matches_one_process(layout):
+    """The zigzag plan loads its tokens, targets and rotary tables permuted (rank 0 holds chunks 0 and 3
+    of 4) and masks its attention per pair of chunks; the loss and gradients are one process's."""
+    ctx, plan = _ring_plan(cp_layout=layout)
+    program = materialize(plan, ctx.graph)
+    loads = {t.reads[0].tensor: t.order for _, t in program.devices[0].tasks_in_order() if t.role == "load"}
+    want = {"idx": Zigzag(1, 4), "targets": Zigzag(1, 4), "rope_cos": Zigzag(0, 4), "rope_sin": Zigzag(0, 4)}
+    assert loads == (want if layout == "zigzag" else dict.fromkeys(want))
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
 

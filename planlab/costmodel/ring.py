@@ -8,8 +8,12 @@ A step lasts ``max(the slowest rank's block, the transfer)``: every rank waits f
 block before its next step, so the ring runs at the pace of the rank with the most work in each step.
 With contiguous chunks under a causal mask, rank ``i`` computes chunk ``i - step`` in full, the
 diagonal at step 0, and skips the chunks after its own (:meth:`planlab.plan.program.Ring.block`), so
-every step after the first is paced by a full block: ``steps - 1/2`` blocks where a balanced layout
-would take about half as many.
+every step after the first is paced by a full block: ``steps - 1/2`` blocks. A zigzag ring (rank ``i``
+holding chunks ``i`` and ``2 steps - 1 - i``, :class:`planlab.plan.program.Ring`) balances it as
+Megatron-Core and Transformer Engine do: at step 0 each rank computes its two diagonal sub-blocks and one
+full one, and at every later step two full sub-blocks (its queries against the first half of an earlier
+rank's keys, or the second half of its queries against a later rank's), half a block on every rank, so
+``steps / 2`` blocks in all. The transfers are the same whole key/value blocks either way.
 
 A diagonal block costs half a full one: a flash-attention kernel skips the tiles above the diagonal
 (Dao, "FlashAttention-2", 2023, section 3.1.1, causal masking: about half of the blocks). The
@@ -26,9 +30,16 @@ from planlab.plan.program import Ring, RingBlock
 BLOCK_SHARE = {RingBlock.FULL: 1.0, RingBlock.DIAGONAL: 0.5, RingBlock.SKIPPED: 0.0}
 
 
+def rank_share(ring: Ring, rank: int, step: int) -> float:
+    """The share of a full block ring position ``rank`` computes at ``step``: its pairs of a query
+    chunk and a key chunk (:meth:`Ring.blocks`), each a ``1 / parts²`` sub-block of the step's block."""
+    pairs = ring.blocks(rank, step)
+    return sum(BLOCK_SHARE[b] for _, _, b in pairs) / len(pairs)
+
+
 def step_shares(ring: Ring) -> tuple[float, ...]:
     """Per step, the largest share of a full block any rank of the ring computes (the step's pace)."""
-    return tuple(max(BLOCK_SHARE[ring.block(r, step)] for r in range(ring.steps)) for step in range(ring.steps))
+    return tuple(max(rank_share(ring, r, step) for r in range(ring.steps)) for step in range(ring.steps))
 
 
 def ring_time_s(ring: Ring, backward: bool, block_s: float, transfer_s: float) -> float:

@@ -24,6 +24,7 @@ from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weigh
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
 from planlab.executor.pieces import run_piece
+from planlab.executor.ring_attention import zigzag_tokens
 from planlab.graph.ir import Graph, Operator
 from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.plan import buffer as buf_
@@ -520,8 +521,11 @@ class Interpreter:
         self._put(task.writes[0], mb, x, task, task.accumulate)
 
     def _load(self, task: Task, mb: int) -> None:
-        """A micro-batch's slice of a source tensor (along its batch ``axis``), then its piece."""
+        """A micro-batch's slice of a source tensor (along its batch ``axis``), then its piece (of the
+        tensor's sequence in zigzag order, where the task's ``order`` says so)."""
         src = self._get(task.reads[0], mb)
+        if task.order is not None:
+            src = zigzag_tokens(src, task.order)
         if task.axis >= 0:
             size = src.shape[task.axis] // self.program.microbatches
             src = src.narrow(task.axis, mb * size, size)

@@ -5,8 +5,12 @@ send/receive while the step's block is computed, and the blocks' results merge b
 (log-sum-exp) rule. The backward passes the keys and values around again, with the gradients of each
 block's keys and values travelling behind them until they reach the chunk's owner.
 
-The chunks are contiguous (rank ``i`` of the ring holds chunk ``i``); under a causal mask a block is
-full, diagonal or skipped (:meth:`planlab.plan.program.Ring.block`). Shapes are
+Each rank holds one contiguous chunk (rank ``i`` of the ring holds chunk ``i``) or, with a zigzag ring
+(Megatron-Core's and Llama 3's causal load balancing), two: chunks ``i`` and ``2 cp - 1 - i`` of ``2 cp``,
+the tokens permuted so at the input (:func:`zigzag_tokens`). Under a causal mask each pair of a query
+chunk and a key chunk is full, diagonal or skipped (:meth:`planlab.plan.program.Ring.blocks`), and a step
+computes its pairs as sub-blocks (Transformer Engine's half-blocks), merging each query chunk's by
+the log-sum-exp rule. Shapes are
 ``(B.., H, S, D)`` for queries and ``(B.., Hk, S, D)`` / ``(B.., Hk, S, E)`` for keys and values, with
 ``H`` a multiple of ``Hk`` (grouped-query attention, as ``enable_gqa``).
 """
@@ -18,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from planlab.plan.program import RingBlock, Ring
+from planlab.plan.program import Ring, RingBlock, Zigzag
 
 
 def _exchange(t: torch.Tensor, ranks: tuple[int, ...], pos: int, group) -> tuple[list, torch.Tensor]:
@@ -69,30 +73,69 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: RingBlock) ->
     return s
 
 
+def _parts(t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The ``n`` chunks of the sequence (axis -2) a piece holds (:meth:`Ring.chunks`)."""
+    return t.chunk(n, dim=-2)
+
+
+def _merge(acc: list, i: int, b_out: torch.Tensor, b_lse: torch.Tensor) -> None:
+    """Merge a block's partial result into part ``i`` of the queries' by the online-softmax rule."""
+    if acc[i] is None:  # the first block a part of the queries meets has a finite lse in every row
+        acc[i] = (b_out, b_lse)
+        return
+    out, lse = acc[i]
+    new = torch.logaddexp(lse, b_lse)
+    acc[i] = (out * torch.exp(lse - new).unsqueeze(-1) + b_out * torch.exp(b_lse - new).unsqueeze(-1), new)
+
+
+def _forward_step(q, kv, k, v, ring: Ring, pos: int, step: int, scale: float, acc: list) -> None:
+    """One step of the forward: this rank's queries against the key/value block ``kv`` it holds."""
+    n, rep = len(ring.chunks(pos)), q.shape[-3] // k.shape[-3]
+    kb, vb = _unpack(kv, k, v)
+    qs, ks, vs = _parts(q, n), _parts(_heads(kb, rep), n), _parts(_heads(vb, rep), n)
+    for i, j, block in ring.blocks(pos, step):
+        if block is RingBlock.SKIPPED:
+            continue
+        s = _scores(qs[i], ks[j], scale, block)
+        b_lse = torch.logsumexp(s, dim=-1)
+        _merge(acc, i, torch.matmul(torch.exp(s - b_lse.unsqueeze(-1)), vs[j]), b_lse)
+
+
+def _backward_step(q, kv, k, v, dout, lse, delta, ring: Ring, pos: int, step: int, scale: float):
+    """One step of the backward: this block's gradients of this rank's queries and of the block's
+    keys and values (a flat buffer, as the block travels)."""
+    n, rep = len(ring.chunks(pos)), q.shape[-3] // k.shape[-3]
+    kb, vb = _unpack(kv, k, v)
+    kh, vh = _heads(kb, rep), _heads(vb, rep)
+    qs, ks, vs, dos = _parts(q, n), _parts(kh, n), _parts(vh, n), _parts(dout, n)
+    lses, deltas = _parts(lse.unsqueeze(-1), n), _parts(delta, n)
+    dq, dk, dv = [torch.zeros_like(x) for x in qs], [torch.zeros_like(x) for x in ks], [torch.zeros_like(x) for x in vs]
+    for i, j, block in ring.blocks(pos, step):
+        if block is RingBlock.SKIPPED:
+            continue
+        p = torch.exp(_scores(qs[i], ks[j], scale, block) - lses[i])
+        dv[j] = dv[j] + torch.matmul(p.transpose(-2, -1), dos[i])
+        ds = p * (torch.matmul(dos[i], vs[j].transpose(-2, -1)) - deltas[i])
+        dq[i] = dq[i] + torch.matmul(ds, ks[j]) * scale
+        dk[j] = dk[j] + torch.matmul(ds.transpose(-2, -1), qs[i]) * scale
+    return torch.cat(dq, dim=-2), _pack(_fold(torch.cat(dk, dim=-2), rep), _fold(torch.cat(dv, dim=-2), rep))
+
+
 class RingAttention(torch.autograd.Function):
-    """``softmax(q kᵀ scale [+ causal mask]) v`` over the whole sequence, each rank holding one chunk."""
+    """``softmax(q kᵀ scale [+ causal mask]) v`` over the whole sequence, each rank holding one
+    chunk (two, zigzag)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, ranks: tuple[int, ...], group, scale: float):
-        pos, rep = ranks.index(dist.get_rank()), q.shape[-3] // k.shape[-3]
-        out = lse = None
+        pos = ranks.index(dist.get_rank())
+        acc: list = [None] * len(ring.chunks(pos))
         kv = _pack(k, v)
         for step in range(ring.steps):
             reqs, nxt = _exchange(kv, ranks, pos, group) if step < ring.steps - 1 else ([], kv)
-            block = ring.block(pos, step)
-            if block is not RingBlock.SKIPPED:
-                kb, vb = _unpack(kv, k, v)
-                s = _scores(q, _heads(kb, rep), scale, block)
-                b_lse = torch.logsumexp(s, dim=-1)
-                b_out = torch.matmul(torch.exp(s - b_lse.unsqueeze(-1)), _heads(vb, rep))
-                if out is None:  # step 0 is the diagonal (or a full) block: every row has a finite lse
-                    out, lse = b_out, b_lse
-                else:  # the online-softmax merge of two partial results
-                    new = torch.logaddexp(lse, b_lse)
-                    out = out * torch.exp(lse - new).unsqueeze(-1) + b_out * torch.exp(b_lse - new).unsqueeze(-1)
-                    lse = new
+            _forward_step(q, kv, k, v, ring, pos, step, scale, acc)
             _wait(reqs)
             kv = nxt
+        out, lse = torch.cat([a[0] for a in acc], dim=-2), torch.cat([a[1] for a in acc], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.ranks, ctx.group, ctx.scale = ring, ranks, group, scale
         return out
@@ -101,22 +144,14 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, ranks, group, scale = ctx.ring, ctx.ranks, ctx.group, ctx.scale
-        pos, rep = ranks.index(dist.get_rank()), q.shape[-3] // k.shape[-3]
+        pos = ranks.index(dist.get_rank())
         delta = (dout * out).sum(-1, keepdim=True)  # (B.., H, S, 1)
         dq = torch.zeros_like(q)
         kv, dkv = _pack(k, v), torch.zeros(k.numel() + v.numel(), dtype=q.dtype, device=q.device)
         for step in range(ring.steps):
             reqs, nxt = _exchange(kv, ranks, pos, group) if step < ring.steps - 1 else ([], kv)
-            block = ring.block(pos, step)
-            if block is not RingBlock.SKIPPED:
-                kb, vb = _unpack(kv, k, v)
-                kh, vh = _heads(kb, rep), _heads(vb, rep)
-                p = torch.exp(_scores(q, kh, scale, block) - lse.unsqueeze(-1))
-                dv = torch.matmul(p.transpose(-2, -1), dout)
-                ds = p * (torch.matmul(dout, vh.transpose(-2, -1)) - delta)
-                dq = dq + torch.matmul(ds, kh) * scale
-                dk = torch.matmul(ds.transpose(-2, -1), q) * scale
-                dkv = dkv + _pack(_fold(dk, rep), _fold(dv, rep))
+            b_dq, b_dkv = _backward_step(q, kv, k, v, dout, lse, delta, ring, pos, step, scale)
+            dq, dkv = dq + b_dq, dkv + b_dkv
             _wait(reqs)
             kv = nxt
             # this block's key/value gradients go on behind its keys and values; after the last step
@@ -125,6 +160,14 @@ class RingAttention(torch.autograd.Function):
             _wait(dreqs)
         dk, dv = _unpack(dkv, k, v)
         return dq, dk.clone(), dv.clone(), None, None, None, None
+
+
+def zigzag_tokens(x: torch.Tensor, order: Zigzag) -> torch.Tensor:
+    """``x`` with its sequence (axis ``order.axis``) in zigzag order: its ``order.chunks`` chunks
+    ``0, n - 1, 1, n - 2, ...``, so contiguous pieces of it hold a zigzag ring's chunks (the token
+    permutation at the input, as Megatron-Core's ``get_batch_on_this_cp_rank``)."""
+    parts = x.chunk(order.chunks, dim=order.axis)
+    return torch.cat([parts[c] for c in order.order()], dim=order.axis)
 
 
 def ring_attention(

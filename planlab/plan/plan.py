@@ -109,6 +109,9 @@ class Plan:
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and the step in host memory, on the host CPU
     # with offload_optimizer, the devices whose first pipeline stage is listed offload (empty: all)
     offload_stages: tuple[int, ...] = ()
+    # the tokens in zigzag order along the sequence, so that each ring attention's position r holds
+    # chunks r and 2 cp - 1 - r (planlab.plan.program.Ring): causal load balancing
+    zigzag: bool = False
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
@@ -161,6 +164,7 @@ class PlanBuilder:
         self._schedule: dict[int, tuple[Action, ...]] = {}
         self._recompute: dict[str, int] = {}
         self._ring: set[str] = set()
+        self._zigzag = False
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
         self._zero = 0
@@ -255,6 +259,17 @@ class PlanBuilder:
             )
         self._ring.add(op)
 
+    def zigzag(self, on: bool = True) -> None:
+        """Lay the sequence out in zigzag order for the ring attentions (Megatron-Core's and Llama 3's
+        causal load balancing): the model's inputs are permuted along the sequence as they are loaded,
+        so that the device at position ``r`` of a ring of ``cp`` holds chunks ``r`` and ``2 cp - 1 - r``
+        of ``2 cp`` (its queries, keys and values, and every other tensor along the sequence: positions
+        travel with the tokens into the rotary tables); each ring step then computes half a block on every
+        device (:class:`planlab.plan.program.Ring`)."""
+        if not isinstance(on, bool):
+            raise InfeasiblePlan(f"zigzag({on!r}): expected True or False")
+        self._zigzag = on
+
     def zero(self, stage: int) -> None:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
@@ -325,4 +340,5 @@ class PlanBuilder:
             zero=self._zero,
             offload_optimizer=self._offload_optimizer,
             offload_stages=self._offload_stages,
+            zigzag=self._zigzag,
         )

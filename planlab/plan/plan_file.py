@@ -2,7 +2,8 @@
 
 Version 3 (written) lists each distinct device mesh once (``meshes``), each distinct split and
 placement once (``placements``: dims, sizes, mesh, stage, recompute, and ``ring`` for an attention run as
-ring attention, written only when true, so a plan without one is the file it was before), every operator by name with
+ring attention, written only when true, so a plan without one is the file it was before; ``zigzag`` likewise at the
+top, for the tokens in a zigzag ring's order), every operator by name with
 the index of its placement (``ops``), and each distinct schedule once (``schedules``, with
 ``device_schedule`` giving each device's), so a plan for 1,024 devices does not repeat its device
 lists per operator. Versions 1 and 2 (read) list every operator with its devices, and every
@@ -62,6 +63,7 @@ def plan_to_dict(plan: Plan) -> dict:
         **({"zero": plan.zero} if plan.zero else {}),
         **({"offload_optimizer": True} if plan.offload_optimizer else {}),
         **({"offload_stages": list(plan.offload_stages)} if plan.offload_stages else {}),
+        **({"zigzag": True} if plan.zigzag else {}),
         **({"software": plan.software} if plan.software else {}),
         **({"precision": plan.precision} if plan.precision else {}),
     }
@@ -124,10 +126,11 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         space=str(d.get("space", "")),
         knobs=tuple(sorted(knobs.items())),
         zero=_zero(d, where),
-        offload_optimizer=_offload(d, where),
+        offload_optimizer=_flag(d, "offload_optimizer", where),
         offload_stages=_offload_stages(d, where),
         software=_optional_text(d, "software", where),
         precision=_optional_text(d, "precision", where),
+        zigzag=_flag(d, "zigzag", where),
     )
 
 
@@ -276,10 +279,10 @@ def _zero(d: dict, where: str) -> int:
     return z
 
 
-def _offload(d: dict, where: str) -> bool:
-    on = d.get("offload_optimizer", False)
+def _flag(d: dict, name: str, where: str) -> bool:
+    on = d.get(name, False)
     if not isinstance(on, bool):
-        raise PlanFileError(f"{where}: field 'offload_optimizer' must be true or false, got {on!r}")
+        raise PlanFileError(f"{where}: field {name!r} must be true or false, got {on!r}")
     return on
 
 

@@ -65,22 +65,61 @@ class Recompute(StrEnum):
 @dataclass(frozen=True)
 class Ring:
     """A ring attention's piece (context parallelism, ``cp_kind=ring``): ``steps`` block steps, one per
-    device of the task's ``group`` (the ring, in sequence-chunk order), each meeting one key/value block
-    passed around it; ``causal`` masks each block as full, diagonal or skipped."""
+    device of the task's ``group`` (the ring, in the order of the sequence's pieces), each meeting one
+    key/value block passed around it; ``causal`` masks each pair of chunks as full, diagonal or skipped.
+
+    With ``zigzag`` (Megatron-Core's and Llama 3's causal load balancing) the sequence is cut into
+    ``2 steps`` chunks and ring position ``r`` holds chunks ``r`` and ``2 steps - 1 - r`` (the tokens
+    are permuted so at the input: :class:`Zigzag`); otherwise position ``r`` holds chunk ``r`` of
+    ``steps``."""
 
     steps: int
     causal: bool
+    zigzag: bool = False
 
     def __str__(self) -> str:
-        return f"ring/{self.steps}{' causal' if self.causal else ''}"
+        return f"ring/{self.steps}{' causal' if self.causal else ''}{' zigzag' if self.zigzag else ''}"
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        """The chunks of the sequence ring position ``rank`` holds, in the order it holds them."""
+        return (rank, 2 * self.steps - 1 - rank) if self.zigzag else (rank,)
+
+    def pair(self, query_chunk: int, key_chunk: int) -> "RingBlock":
+        """The block of scores of a chunk of queries and a chunk of keys: full, its causal lower
+        triangle (the same chunk) or nothing (causal, a later chunk)."""
+        if not self.causal or key_chunk < query_chunk:
+            return RingBlock.FULL
+        return RingBlock.DIAGONAL if key_chunk == query_chunk else RingBlock.SKIPPED
+
+    def blocks(self, rank: int, step: int) -> tuple[tuple[int, int, "RingBlock"], ...]:
+        """What ring position ``rank`` computes at ``step``, when it holds the keys and values of
+        position ``(rank - step) mod steps``: per (part of its queries, part of those keys), the
+        indices of the two parts (:meth:`chunks`) and their block."""
+        mine, theirs = self.chunks(rank), self.chunks((rank - step) % self.steps)
+        return tuple((i, j, self.pair(q, k)) for i, q in enumerate(mine) for j, k in enumerate(theirs))
 
     def block(self, rank: int, step: int) -> "RingBlock":
-        """What ring position ``rank`` computes at ``step``, when it holds the keys and values of chunk
-        ``(rank - step) mod steps``: a full block, the diagonal one (causal) or nothing (causal, a later chunk)."""
-        src = (rank - step) % self.steps
-        if not self.causal or src < rank:
-            return RingBlock.FULL
-        return RingBlock.DIAGONAL if src == rank else RingBlock.SKIPPED
+        """The whole block ring position ``rank`` computes at ``step`` with contiguous chunks."""
+        if self.zigzag:
+            raise InternalError(f"{self}: a zigzag ring computes its blocks by parts (Ring.blocks)")
+        return self.blocks(rank, step)[0][2]
+
+
+@dataclass(frozen=True)
+class Zigzag:
+    """The zigzag order of a model input's sequence (axis ``axis``, cut into ``chunks`` chunks): chunk
+    ``0, chunks - 1, 1, chunks - 2, ...`` one after another, so that piece ``r`` of ``chunks / 2``
+    contiguous pieces holds chunks ``r`` and ``chunks - 1 - r`` (a zigzag :class:`Ring`'s layout,
+    Megatron-Core's ``get_batch_on_this_cp_rank``). A load task with it permutes its source so before
+    taking its piece."""
+
+    axis: int
+    chunks: int
+
+    def order(self) -> tuple[int, ...]:
+        """The chunks of the input, in the order the permuted sequence holds them."""
+        n = self.chunks
+        return tuple(c for r in range(n // 2) for c in (r, n - 1 - r))
 
 
 class RingBlock(StrEnum):
@@ -142,7 +181,8 @@ class Task:
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
     micro-batch) let the cost model price a compute task kernel by kernel. ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
-    says, per mesh axis of its group, how pieces are cut and joined. ``box`` is, on the
+    says, per mesh axis of its group, how pieces are cut and joined. A load's ``order`` permutes its
+    source's sequence before it takes its piece (a zigzag ring's layout). ``box`` is, on the
     forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
     in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
     """
@@ -184,6 +224,7 @@ class Task:
     ident: int = -1
     params: float = 0.0
     ring: Ring | None = None
+    order: Zigzag | None = None
     exchange: tuple[ExchangeAxis, ...] = ()
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:

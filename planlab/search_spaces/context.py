@@ -17,21 +17,36 @@ attention, which needs the whole sequence, is handled by ``cp_kind``:
   along its queries' sequence too, and its keys and values along theirs (``PlanBuilder.ring``), so
   no conversion meets it; its pieces pass their key/value blocks around the context-parallel
   devices, ``cp`` steps each merged by the online-softmax rule, and the backward passes the
-  blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`). The chunks are
-  contiguous (rank ``i`` holds chunk ``i``): under a causal mask rank ``i`` computes ``i`` full
-  blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank, and
-  the cost model prices it so. Megatron-Core's and Llama 3's load balancing (rank ``i`` holds
-  chunks ``i`` and ``2 cp - 1 - i``) would need a permutation of the tokens at the input with
-  the positions carried through to the rotary embeddings; it is not built.
+  blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`).
+
+``cp_layout`` (ring only) says which tokens each ring rank holds; its default ``auto`` is ``zigzag``
+where the model computes the same in that order and ``2 cp`` divides the sequence, ``contiguous``
+otherwise (a mixture of experts whose capacity-limited routing counts tokens in sequence order):
+
+- ``zigzag`` (as Megatron-Core and Llama 3 run a causal ring): the sequence is cut
+  into ``2 cp`` chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (``PlanBuilder.zigzag``).
+  The tokens are permuted so as they are loaded (the inputs, the labels, and every source along the
+  sequence, such as the rotary tables, so the positions travel with their tokens:
+  :mod:`planlab.plan.zigzag`), every operator but the attention treats the positions alike, and
+  the attention masks each pair of a query chunk and a key chunk; under a causal mask every rank
+  then computes half a block per step (``cp / 2`` blocks in all). ``2 cp`` must divide the sequence,
+  and no operator but the attention may keep the sequence whole (:func:`planlab.plan.zigzag.order_dependent`):
+  asked for by name where either fails, it is refused in one line naming why.
+- ``contiguous``: rank ``i`` holds chunk ``i``; under a causal mask rank ``i`` computes ``i`` full
+  blocks and one diagonal and skips the rest, so the ring runs at the pace of the last rank
+  (``cp - 1/2`` blocks), and the cost model prices it so. Kept as a what-if.
 """
 
 from __future__ import annotations
 
 from planlab.graph.ir import Graph
 from planlab.plan.plan import RING_DIM
+from planlab.plan.zigzag import order_dependent
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
 CP_KINDS = ("a2a", "ring")
+# auto, the default: zigzag (Megatron-Core's for a causal ring) where the model computes the same in that order
+CP_LAYOUTS = ("auto", "zigzag", "contiguous")
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -88,6 +103,42 @@ def _seq_message(a: dict, c: Context) -> str:
     return f"cp={cp} does not divide the sequence of {n} tokens; choose cp in {', '.join(map(str, _cp_values(c)))}"
 
 
+def _zigzag(a: dict) -> bool:
+    """Whether the plan asks for the zigzag layout by name."""
+    return (a.get("cp") or 1) > 1 and a.get("cp_kind") == "ring" and a.get("cp_layout") == "zigzag"
+
+
+def zigzag_layout(values: dict, c: Context) -> bool:
+    """Whether a ring plan with these knob values lays its tokens out in zigzag order: asked for by
+    name, or by ``auto`` where the model computes the same in that order and ``2 cp`` divides the
+    sequence."""
+    layout, cp = values.get("cp_layout") or "auto", values.get("cp") or 1
+    if layout != "auto":
+        return layout == "zigzag"
+    return sequence_length(c.graph) % (2 * cp) == 0 and _ring_order_dependent(c) is None
+
+
+def _zigzag_fits(a: dict, c: Context) -> bool:
+    return not _known(a, "cp", "cp_kind") or not _zigzag(a) or sequence_length(c.graph) % (2 * a["cp"]) == 0
+
+
+def _ring_order_dependent(c: Context) -> str | None:
+    """Why the zigzag order would change what the model computes (None: it would not)."""
+    g = c.graph
+    rings = frozenset(op.name for op in g.operators if op.kind == "attention" and RING_DIM in op.signature.dims())
+    seq = g.labels.get((g.inputs[0], 1))
+    return order_dependent(g, seq, rings) if seq else "the model's first input has no sequence axis"
+
+
+def _zigzag_message(a: dict, c: Context) -> str:
+    n, cp = sequence_length(c.graph), a["cp"]
+    fits = [str(d) for d in _cp_values(c) if n % (2 * d) == 0]
+    return (
+        f"cp={cp} with cp_layout=zigzag cuts the sequence of {n} tokens into {2 * cp} chunks, which do not divide "
+        f"it; choose cp in {', '.join(fits) or '(none)'} or cp_layout=contiguous"
+    )
+
+
 class ContextParallel(Space):
     """The sequence split over ``cp`` devices (context parallelism); the attention over its heads
     with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses) or as ring attention (``ring``)."""
@@ -111,9 +162,24 @@ class ContextParallel(Space):
             explore=("a2a",),
             range=", ".join(CP_KINDS),
         ),
+        Knob.choice(
+            "cp_layout",
+            CP_LAYOUTS,
+            "ring attention's chunks: zigzag (rank i holds chunks i and 2cp-1-i, load-balanced as "
+            "Megatron-Core and Llama 3), contiguous (rank i holds chunk i), or auto (zigzag where the model "
+            "computes the same in that order and 2cp divides the sequence); cp_kind=ring only",
+            default="auto",
+            explore=("auto",),
+            range=", ".join(CP_LAYOUTS),
+        ),
     )
     constraints = (
         Constraint.divides("cp", "the {n} devices", lambda c: c.num_devices),
+        Constraint(_zigzag_fits, _zigzag_message),
+        Constraint(
+            lambda a, c: not _known(a, "cp", "cp_kind") or not _zigzag(a) or _ring_order_dependent(c) is None,
+            lambda a, c: f"cp_layout=zigzag with cp_kind=ring: {_ring_order_dependent(c)}; choose cp_layout=contiguous",
+        ),
         Constraint(_seq_fits, _seq_message),
         Constraint(
             lambda a, c: not a.get("sequence_parallel") or (a.get("cp") or 1) == 1 or (a.get("tp") or 1) == 1,
@@ -155,6 +221,7 @@ class ContextParallel(Space):
             draft.ring = frozenset(
                 op.name for op in draft.ctx.graph.operators if op.kind == "attention" and dims[op.name]
             )
+            draft.zigzag = bool(draft.ring) and zigzag_layout(values, draft.ctx)
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
             draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)

@@ -439,15 +439,18 @@ class Screen:
             if op.name not in d.ring:
                 continue
             dims = tuple(ad[i] for ad in per_axis)
-            key = ("ring", self.t.work_class[i], sizes, dims, m, group)
+            key = ("ring", self.t.work_class[i], sizes, dims, m, group, d.zigzag)
             got = self._compute.get(key)
             if got is None:
-                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group)
+                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group, d.zigzag)
             out[d.group_of(d.stages.get(op.name, 0))] += got
         return out
 
-    def _ring_extra_s(self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...]) -> float:
-        """One ring attention's forward and backward as a ring, less the same priced as one piece."""
+    def _ring_extra_s(
+        self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...], zigzag: bool
+    ) -> float:
+        """One ring attention's forward and backward as a ring (``zigzag``: balanced), less the same
+        priced as one piece."""
         from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
         from planlab.plan.program import Ring, Task, TaskKind
 
@@ -466,7 +469,7 @@ class Screen:
                 if g.labels.get((t, a)) == g.batch_label:
                     shape[a] //= m
             local.append(tuple(shape))
-        ring = Ring(len(group), causal_attention(op))
+        ring = Ring(len(group), causal_attention(op), zigzag=zigzag)
         extra = 0.0
         for tk, f, phase in ((TaskKind.FORWARD, flops, "F"), (TaskKind.BACKWARD, flops * ratio, "B")):
             task = Task(

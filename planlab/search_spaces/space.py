@@ -97,6 +97,7 @@ class Draft:
     # sit further apart (context parallelism's axis inside the tensor-parallel one, planlab/search_spaces/context.py)
     stage_order: tuple[int, ...] = ()
     ring: frozenset[str] = frozenset()  # attentions run as ring attention (context parallelism, cp_kind=ring)
+    zigzag: bool = False  # the tokens in zigzag order for the rings (cp_layout=zigzag, PlanBuilder.zigzag)
 
     def add_axis(
         self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None] | tuple
@@ -211,6 +212,7 @@ class Draft:
         b.microbatch(self.microbatches)
         b.zero(self.zero)
         b.offload_optimizer(self.offload_optimizer, self.offload_stages)
+        b.zigzag(self.zigzag)
         self.issue(b, rules, space)
         return b.build()
 

@@ -387,7 +387,8 @@ def ring_fields(d: Draft, op: Operator, flat: int) -> dict:
     if not L.op_plan[op.name].ring:
         return {}
     group = line(L.mesh[op.name], flat, [L.dims[op.name].index(RING_DIM)])
-    return {"group": group, "ring": Ring(len(group), causal_attention(op))} if group else {}
+    ring = Ring(len(group), causal_attention(op), zigzag=L.zigzag is not None)
+    return {"group": group, "ring": ring} if group else {}
 
 
 # key/value blocks a ring attention's piece holds besides its own while it runs: forward, the block

@@ -115,7 +115,8 @@ def convert_inputs(d: Draft) -> Draft:
 
 
 def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
-    """The load of this micro-batch's piece ``box`` of source tensor ``t`` into ``buf``."""
+    """The load of this micro-batch's piece ``box`` of source tensor ``t`` into ``buf`` (of ``t`` in
+    zigzag order along its sequence under ``Plan.zigzag``: :mod:`planlab.plan.zigzag`)."""
     spec, graph = d.graph.tensors[t], d.graph
     batch_axis = next((a for a in range(len(spec.shape)) if graph.labels.get((t, a)) == graph.batch_label), -1)
     return Task(
@@ -128,6 +129,7 @@ def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
         axis=batch_axis,
         dtype=spec.dtype,
         role=Role.LOAD,
+        order=d.layouts.zigzag.order(t) if d.layouts.zigzag else None,
     )
 
 

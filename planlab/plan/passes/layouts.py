@@ -10,6 +10,7 @@ from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_shape
 from planlab.plan.plan import RING_DIM, RING_KV_DIM, Plan
+from planlab.plan.zigzag import sequence_zigzag
 
 
 class Layouts:
@@ -91,6 +92,8 @@ class Layouts:
                         f"dimension {d!r} of operator {op.name!r} has size {size} per "
                         f"micro-batch, which does not split into {n} pieces"
                     )
+        rings = {p.op: math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) for p in plan.ops if p.ring}
+        self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
 
     def _dim_size(self, op: Operator, dim: str) -> int:
         for t in op.inputs + op.outputs:
