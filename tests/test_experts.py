@@ -354,3 +354,33 @@ def test_tp_by_ep_dispatch_sends_each_rank_its_own_share():
         ep_tp = [t for t in all_to_alls(dev) if len(t.group) == 4]
         assert len(ep_tp) == 4 * 3 * plan.microbatches
         assert {t.nbytes for t in ep_tp} == {slots_bytes // 2}
+
+
+def test_a_saved_broadcast_view_keeps_only_the_storage_under_it():
+    """The dispatch's ``scatter_add`` and the combine's ``gather`` keep their index, the routing's slot
+    numbers expanded to the hidden size (``Tensor.expand``, a view): the bound, the screen and the
+    Program keep the ``tokens x top-k`` integers under the view, not ``x hidden`` of them."""
+    from planlab.plan import TaskKind, materialize
+    from planlab.costmodel.precision import MIXED_BF16
+    from planlab.plan.saved import saved_activations, view_of
+    from planlab.search_spaces.screen_structure import Tables
+
+    ctx = _ctx("deepseek-tiny", 2)
+    g = ctx.graph
+    plan = get_space("megatron").build(ctx, dict(dp=2, ep=2, microbatch=2))
+    plans = {p.op: p for p in plan.ops}
+    kept = [(op, t) for op in g.operators for t in op.saves if view_of(t, g) is not None]
+    views = {t: view_of(t, g) for _, t in kept}
+    assert {op.kind for op, _ in kept} == {"scatter", "gather"} and {v.kind for v in views.values()} == {"expand"}
+    for op, t in kept:
+        base = views[t].inputs[0]
+        assert g.tensors[base].numel * g.tensors[t].shape[-1] == g.tensors[t].numel  # the hidden size is broadcast
+        got = saved_activations(op, plans[op.name], g, None, 2, plan.microbatches, plans)
+        assert [k[0] for k, _ in got] == [base]
+    screen = Tables(g, MIXED_BF16)
+    names = {op.name: screen.save_names[i] for i, op in enumerate(g.operators)}
+    assert all(views[t].inputs[0] in names[op.name] and t not in names[op.name] for op, t in kept)
+    prog = materialize(plan, g)
+    tasks = [t for dp in prog.devices for b in dp.blocks.values() for t in b.tasks if t.kind is TaskKind.FORWARD]
+    saved = {b.tensor for t in tasks if t.op in {op.name for op, _ in kept} for b in t.saved}
+    assert not saved & set(views) and {v.inputs[0] for v in views.values()} <= saved

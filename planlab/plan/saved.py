@@ -10,6 +10,10 @@ bound and the screen all ask here:
   attention dropout's mask and its output: 2 + 1 + 2 bytes (16-bit activations) per element of the
   ``B x H x T x S`` scores, and not its own output (the backward of ``probs @ V`` needs ``probs``
   and ``V``) (Korthikanti et al. 2022, section 4.1: ``5 a s^2 b`` bytes per layer);
+- a saved tensor that is a broadcast view of another (``Tensor.expand``: stride 0 on the new axes,
+  no storage of its own) keeps the storage under it, the view's input: autograd saves the view, and
+  the view holds its base alive, nothing more (the routing's index expanded to the hidden size,
+  ``index.unsqueeze(-1).expand(..., H)``, keeps ``tokens x top-k`` integers, not ``x H`` of them);
 - with the software's ``sequence_parallel_saves_shard`` a linear layer keeps the sequence shard
   its input was gathered from instead of the gathered input (Megatron-LM), gathering it again
   in the backward (overlapped with the input-gradient GEMM there, and not priced).
@@ -64,6 +68,17 @@ def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activat
     return ()
 
 
+# Operator kinds whose output is a view of their first input broadcast along new or size-1 axes.
+BROADCAST_VIEWS = frozenset({"expand"})
+
+
+def view_of(tensor: str, graph: Graph) -> Operator | None:
+    """The operator whose output ``tensor`` is a broadcast view of its first input (an activation
+    some operator makes), or None: a backward that keeps ``tensor`` keeps that input's storage."""
+    p = graph.producer.get(tensor)
+    return p if p is not None and p.kind in BROADCAST_VIEWS and p.inputs[0] in graph.producer else None
+
+
 def keeps_producer_layout(op: Operator, tensor: str, graph: Graph, software: SoftwareSpec | None) -> bool:
     """Whether ``op`` keeps ``tensor`` (an activation input) in the layout its producer made, not
     the one it computed on (Megatron-LM's sequence-parallel linear layers)."""
@@ -85,18 +100,25 @@ def saved_buffers(
     needs: Callable[[Operator, int], Layout],
     software: SoftwareSpec | None,
     activation_bytes: int,
+    view_read: Callable[[Operator], Buffer | None] = lambda v: None,
 ) -> tuple[Buffer, ...]:
     """The buffers ``op``'s backward keeps: its saved inputs (``bufs``, in the layouts it computed
     on) and outputs (``outs``), an input in its producer's layout (``outs`` of the producer: the
     activation as it made it) where the software keeps that (:func:`keeps_producer_layout`) and
     that layout is more split, then its internal buffers. ``has(op, j)`` and ``needs(op, j)``: the
-    layout of output ``j`` / input ``j``."""
+    layout of output ``j`` / input ``j``. A saved broadcast view (:func:`view_of`) keeps
+    ``view_read(view operator)`` instead, the buffer the view operator read here (None: the view)."""
     out = []
     for s in saved_tensors(op, software):
         if s in op.outputs:
             out.append(outs[op.outputs.index(s)])
             continue
         if graph.tensors[s].role == "param":
+            continue
+        view = view_of(s, graph)
+        base = view_read(view) if view is not None else None
+        if base is not None:
+            out.append(base)
             continue
         j = op.inputs.index(s)
         buf, made = bufs[j], buf_.activation(s)
@@ -143,6 +165,12 @@ def saved_activations(
     out = []
     for t in saved_tensors(op, software):
         if graph.tensors[t].role == "param":
+            continue
+        view = view_of(t, graph)
+        if view is not None and view.name in plans:  # the storage under a broadcast view, as the view cut it
+            base = view.inputs[0]
+            cut = cut_of(plans[view.name], view, base)
+            out.append(((base, cut), per_microbatch(base, cut)))
             continue
         cut = cut_of(piece, op, t)
         if keeps_producer_layout(op, t, graph, software):

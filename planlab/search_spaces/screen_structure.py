@@ -30,7 +30,7 @@ from planlab.costmodel.software import SoftwareSpec
 from planlab.plan.plan import RING_DIM, RING_KV_DIM
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
-from planlab.plan.saved import INTERNAL, internals, keeps_producer_layout, saved_tensors
+from planlab.plan.saved import INTERNAL, internals, keeps_producer_layout, saved_tensors, view_of
 from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -108,6 +108,15 @@ class Tables:
         for t in saved_tensors(op, software):
             spec = g.tensors[t]
             if spec.role == "param":
+                continue
+            view = view_of(t, g)
+            if view is not None:  # a broadcast view keeps the storage under it (planlab.plan.saved), split
+                base = view.inputs[0]  # along the view's axes that are the base's
+                kept = {a for a, ax in enumerate(view.axes_of(t)) if ax and ax[0] in axis_map(view, base)}
+                dims = frozenset(d for d, a in axis_map(op, t).items() if a in kept)
+                ss.append((g.tensors[base].numel, dims, is_batch(base), ebytes(base)))
+                names.append(base)
+                prods.append(None)
                 continue
             kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
             prod = g.producer[t] if kept else None

@@ -133,6 +133,12 @@ def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:
     )
 
 
+def _view_read(d: Draft, mesh):
+    """The buffer a broadcast view operator read, where it runs on ``mesh`` too (the storage a
+    backward that keeps its view keeps, :func:`planlab.plan.saved.view_of`); else None."""
+    return lambda view: d.reads[view.name][0] if d.layouts.mesh[view.name] == mesh else None
+
+
 def forward_pieces(d: Draft) -> Draft:
     """One forward task per piece of every operator, reading what :func:`convert_inputs` made and
     writing the operator's outputs in its own layout; what its backward keeps (``saved``: the
@@ -146,7 +152,9 @@ def forward_pieces(d: Draft) -> Draft:
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(d.names.activation(o) for o in op.outputs)
-        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes)
+        saved = saved_buffers(
+            op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes, _view_read(d, mesh)
+        )
         kept = internals(op, graph, d.software, d.precision.activation_bytes)
         red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
         saved_of[op.name] = saved
