@@ -139,3 +139,13 @@ def test_uneven_ends_that_do_not_split_into_chunks_name_the_knobs(three):
     knobs = dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=3, last_stage_layers=1)
     with pytest.raises(ConfigError, match="virtual_stages=3: each device's layers must split"):
         get_space("megatron").build(three, knobs)
+
+
+def test_uneven_interleaved_ends_are_found_with_the_knobs_fixed_as_typed():
+    """``--set`` values arrive as text; interleaved chunks that divide only the layers + 2 are
+    enumerated once the end stages' counts are fixed (the divisibility check waits for them)."""
+    spec, g = traced("gpt-tiny", 8, (("layers", 2),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    fixed = dict(pp="2", schedule="interleaved", virtual_stages="2", first_stage_layers="1", last_stage_layers="1")
+    got = get_space("megatron").enumerate(ctx, dict(fixed, sequence_parallel="false", dp="1", tp="1"))
+    assert got and all(a["virtual_stages"] == 2 and a["sequence_parallel"] is False for a in got)

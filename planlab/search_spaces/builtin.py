@@ -539,7 +539,9 @@ class PipelineParallel(Space):
                 a["pp"] is None
                 or a["virtual_stages"] in (None, 1)
                 or c.layers % (a["pp"] * a["virtual_stages"]) == 0
-                or (a.get(FIRST) or a.get(LAST))  # uneven ends: uneven_stage_constraints
+                or a.get(FIRST) is None  # not decided before the end stages' knobs are
+                or a.get(LAST) is None
+                or (a[FIRST] or a[LAST])  # uneven ends: uneven_stage_constraints
             ),
             lambda a, c: (
                 f"pp={a['pp']} x virtual_stages={a['virtual_stages']} does not divide the model's {c.layers} layers"

@@ -186,7 +186,9 @@ class Union(Space):
             if missing:
                 out.append(f"{s.name} has no knob {missing[0]!r}")
             elif not any(True for _ in s.assignments(ctx, fixed)):
-                out.append(f"{s.name}: {s.explain(ctx, fixed) or 'its constraints leave no assignment'}")
+                out.append(
+                    f"{s.name}: {s.explain(ctx, s.coerced(ctx, fixed)) or 'its constraints leave no assignment'}"
+                )
         return "; ".join(out)
 
     def check_values(self, ctx: Context, values: Mapping) -> dict:

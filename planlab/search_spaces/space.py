@@ -409,42 +409,46 @@ class Space(abc.ABC):
     def assignments(self, ctx: Context, fixed: dict | None = None) -> Iterator[dict]:
         """Every knob assignment that satisfies the constraints (``fixed`` knobs pinned to
         their given values, pinned knobs to their defaults)."""
-        fixed = dict(fixed or {})
+        fixed = self.coerced(ctx, fixed or {})
         knobs = self.all_knobs()
-        names = [k.name for k in knobs]
+        ranges = [(fixed[k.name],) if k.name in fixed else k.explored(ctx, self.name) for k in knobs]
+        yield from _search([k.name for k in knobs], ranges, self.all_constraints(), ctx, self.name)
+
+    def coerced(self, ctx: Context, fixed: Mapping) -> dict:
+        """``fixed`` with each value as its knob's type (``"false"`` a bool False); ConfigError for an
+        unknown knob or a value outside the knob's range here, naming the first constraint it breaks."""
+        fixed = dict(fixed)
+        names = [k.name for k in self.all_knobs()]
         unknown = [k for k in fixed if k not in names]
         if unknown:
             raise ConfigError(f"space {self.name!r} has no knob {unknown[0]!r}; its knobs are {choices(names)}")
-        ranges = []
-        for k in knobs:
-            if k.name in fixed:
-                valid = k.range_of(ctx, self.name)
-                v = k.coerce(fixed[k.name], self.name, valid[0] if valid else None)
-                if v not in valid:
-                    try:
-                        why = self.explain(ctx, {**fixed, k.name: v})
-                    except ConfigError:  # a constraint that cannot even evaluate the value (dp=0)
-                        why = ""
-                    raise ConfigError(
-                        f"space {self.name!r}: {k.name}={v} is not valid here: "
-                        + (
-                            f"{why} (knob {k.name!r} takes {choices(valid)})"
-                            if why
-                            else f"knob {k.name!r} takes {choices(valid)}"
-                        )
+        for k in self.all_knobs():
+            if k.name not in fixed:
+                continue
+            valid = k.range_of(ctx, self.name)
+            v = k.coerce(fixed[k.name], self.name, valid[0] if valid else None)
+            if v not in valid:
+                try:
+                    why = self.explain(ctx, {**fixed, k.name: v})
+                except ConfigError:  # a constraint that cannot even evaluate the value (dp=0)
+                    why = ""
+                raise ConfigError(
+                    f"space {self.name!r}: {k.name}={v} is not valid here: "
+                    + (
+                        f"{why} (knob {k.name!r} takes {choices(valid)})"
+                        if why
+                        else f"knob {k.name!r} takes {choices(valid)}"
                     )
-                fixed[k.name] = v
-                ranges.append((v,))
-            else:
-                ranges.append(k.explored(ctx, self.name))
-        yield from _search(names, ranges, self.all_constraints(), ctx, self.name)
+                )
+            fixed[k.name] = v
+        return fixed
 
     def enumerate(self, ctx: Context, fixed: dict | None = None) -> list[dict]:
         """The assignments as a list; ConfigError naming the space and the knobs fixed when the
         constraints leave none."""
         out = list(self.assignments(ctx, fixed))
         if not out:
-            raise self.empty_error(ctx, dict(fixed or {}))
+            raise self.empty_error(ctx, self.coerced(ctx, fixed or {}))
         return out
 
     def empty_error(self, ctx: Context, fixed: dict) -> ConfigError:
