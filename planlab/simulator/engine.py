@@ -16,8 +16,8 @@ class's representative runs as a :class:`DeviceRun` (one method per kind of unit
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
 import math
+from collections import Counter, defaultdict, deque
 from itertools import count
 
 import simpy
@@ -192,7 +192,7 @@ class DeviceRun:
         self.writers = overlap_writers(self.dp.blocks.values())
         self.owed_s: dict[str, float] = {}  # compute-stream copies of finished overlapped collectives, by name
         self.pending = 0  # overlapped collectives issued that have not started on the communication stream
-        self.computing = False  # in a computation that a collective starting on the idle stream slows
+        self.computing = False  # in a computation that an overlapped collective starting (or queued) interrupts
         self.proc: simpy.Process | None = None
         self.units: dict[tuple, tuple] = {}
         self.st = sim.stats[rep] = dict(
@@ -274,8 +274,8 @@ class DeviceRun:
         may hold a collective: computation runs ``overlap_slowdown`` times as long while one runs
         there (from when it starts on the stream, once every member has issued it, to when it ends:
         the same span for every member of a class, in the reduced and the full simulation). A
-        collective starting on the idle stream meanwhile interrupts the run, which goes on from where
-        it was."""
+        collective that starts (or queues) on the stream meanwhile interrupts the run, which goes on
+        from where it was, at the speed the stream now leaves it."""
         sim, env = self.sim, self.sim.env
         at, slowdown = (0, parts[0]), sim.overlap_slowdown
         while True:
