@@ -180,8 +180,19 @@ def test_an_overlapped_gradient_reduction_hides_behind_the_backward(reduce_s, ov
 def test_compute_sharing_the_device_with_communication_slows_down():
     cost = IdealCost(CostModel.load("cpu", 2))
     res = simulate(_dp_program(0.5, True), cost, symmetry=False, overlap_slowdown=1.2)
-    # b2 overlaps the 0.5 s reduction for 0.5 s of its 1 s: 0.5 * 1.2 + 0.5
-    assert res.iter_time_s == pytest.approx(1.0 + 1.1)
+    # b2 advances at 1/1.2 while the 0.5 s reduction runs beside it: 0.5 / 1.2 s of its 1 s, the rest alone
+    assert res.iter_time_s == pytest.approx(1.0 + 0.5 + (1.0 - 0.5 / 1.2))
+
+
+def test_a_collective_starting_during_a_computation_slows_the_rest_of_it():
+    # device 1 straggles (1.5x): the reduction starts at 1.5 s, when device 1 issues it, while
+    # device 0 is half-way through b2 (from 1.0 s); both devices' b2 slow down from 1.5 s to 2.0 s
+    cost = IdealCost(CostModel.load("cpu", 2))
+    res = simulate(_dp_program(0.5, True), cost, symmetry=False, stragglers={1: 1.5}, overlap_slowdown=1.2)
+    finish = {d.device: d.finish_s for d in res.devices}
+    assert finish[0] == pytest.approx(2.0 + (0.5 - 0.5 / 1.2))
+    assert finish[1] == pytest.approx(2.0 + (1.5 - 0.5 / 1.2))
+    assert res.devices[0].comm_s == pytest.approx(0.5)
 
 
 class _CopyOutCost(IdealCost):
@@ -204,14 +215,12 @@ def test_a_copy_out_runs_on_the_compute_stream_after_its_collective():
 
 
 def test_a_dgx_a100_computes_on_the_sms_its_collectives_leave(tmp_path):
-    # NCCL takes 16 of an A100's 108 SMs on a DGX with 8 NICs (nccl issue 689): 108 / 92. The
-    # built-in files state no value yet: with it, reduced and full simulations differ (issue 20).
-    assert CostModel.load("dgx-a100-80g", 2).overlap_slowdown == 1.0  # not stated: none
+    # NCCL takes 16 of an A100's 108 SMs on a DGX with 8 NICs (nccl issue 689): 108 / 92
+    for name in ("dgx-a100-80g", "dgx-a100-40g"):
+        assert CostModel.load(name, 2).overlap_slowdown == pytest.approx(108 / 92)
+    assert CostModel.load("dgx-h100", 2).overlap_slowdown == 1.0  # not stated: none
     spec = json.loads((SPEC_DIR / "dgx-a100-80g.json").read_text())
-    spec["collective_sms"] = 16
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(spec))
-    assert CostModel.load(path, 2).overlap_slowdown == pytest.approx(108 / 92)
     spec["collective_sms"] = 108
     path.write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match="collective_sms.*is 108; expected fewer than the device's SMs"):

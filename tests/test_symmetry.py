@@ -60,13 +60,20 @@ def test_the_reduced_program_simulates_like_every_device_on_64_devices(model, ar
     reduced = build_program(plan, g, cost, symmetric=True)
     full = build_program(plan, g, cost, symmetric=False)
     assert reduced.reduced and len(reduced.devices) <= 8 < full.num_devices == reduced.num_devices == 64
-    a = simulate(reduced, cost)
-    b = simulate(full, cost, symmetry=False)
+    a = _simulate_alike(reduced, full, cost)
+    assert sum(d.members for d in a.devices) == 64
+
+
+def _simulate_alike(reduced, full, cost):
+    """The reduced Program's simulation, checked against the full one's: the same iteration time and
+    per device the same peak memory as its class's representative."""
+    assert cost.overlap_slowdown > 1.0  # DGX A100: computation beside a collective runs on 92 of 108 SMs
+    a, b = simulate(reduced, cost), simulate(full, cost, symmetry=False)
     assert _rel(a.iter_time_s, b.iter_time_s) <= 1e-9
     peak = {d.device: d.peak_mem_bytes for d in a.devices}
     for d in b.devices:
         assert _rel(peak[reduced.classes[d.device]], d.peak_mem_bytes) <= 1e-9, d.device
-    assert sum(d.members for d in a.devices) == 64
+    return a
 
 
 def test_every_receiver_copies_its_own_piece_after_it_has_received_the_others():
@@ -121,8 +128,22 @@ def test_a_dualpipe_plan_reduces_to_its_pipeline_ranks_and_simulates_like_every_
     reduced = build_program(plan, g, cost, symmetric=True)
     full = build_program(plan, g, cost, symmetric=False)
     assert reduced.reduced and len(reduced.devices) == 4 < full.num_devices == 16
-    a, b = simulate(reduced, cost), simulate(full, cost, symmetry=False)
-    assert _rel(a.iter_time_s, b.iter_time_s) <= 1e-9
-    peak = {d.device: d.peak_mem_bytes for d in a.devices}
-    for d in b.devices:
-        assert _rel(peak[reduced.classes[d.device]], d.peak_mem_bytes) <= 1e-9, d.device
+    _simulate_alike(reduced, full, cost)
+
+
+def test_an_fsdp2_plan_simulates_alike_reduced_and_full():
+    """FSDP2 (software ``torch``) under pipeline parallelism: its gathers and reduce-scatters
+    overlap computation (slowed beside them) and each gather's copy-out runs on the compute stream
+    where the computation waits for it, the same on every member of a class. (A model with a
+    collective inside one class that blocks the device, such as gpt's vocabulary-parallel loss, would
+    meet the host model's difference described above.)"""
+    spec, g = traced("llama-tiny", 8)
+    cost = CostModel.load("dgx-a100-80g", 2, software="torch")
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 2, cost.cluster.num_devices, 8)
+    plan = get_space("megatron").build(ctx, dict(pp=2, tp=1, dp=8, microbatch=1, zero=3))
+    reduced = build_program(plan, g, cost, symmetric=True)
+    full = build_program(plan, g, cost, symmetric=False)
+    assert reduced.reduced and len(reduced.devices) == 2 < full.num_devices == 16
+    assert any(cost.copy_out_s(t) > 0 for dp in reduced.devices for b in dp.blocks.values() for t in b.tasks)
+    a = _simulate_alike(reduced, full, cost)
+    assert sum(d.members for d in a.devices) == 16

@@ -16,6 +16,7 @@ class's representative runs as a :class:`DeviceRun` (one method per kind of unit
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict, deque
 from itertools import count
 
@@ -42,6 +43,7 @@ from planlab.simulator.units import (
     Send,
     lower_block,
     overlap_writers,
+    run_parts,
 )
 
 
@@ -72,7 +74,7 @@ def simulate(
         sim = Simulation(program, cost, cls, timeline=timeline, slow=slow, overlap_slowdown=overlap_slowdown)
         reps = sorted(set(cls))
         for r in reps:
-            sim.env.process(DeviceRun(sim, r).run())
+            DeviceRun(sim, r).start()
         sim.env.run()
         stuck = [r for r in reps if "finish" not in sim.stats.get(r, {})]
         if stuck:
@@ -188,7 +190,10 @@ class DeviceRun:
             for t in b.tasks:
                 self.sizes.update(t.alloc)
         self.writers = overlap_writers(self.dp.blocks.values())
-        self.owed_s = 0.0  # compute-stream copies of finished overlapped collectives, paid by the next segment
+        self.owed_s: dict[str, float] = {}  # compute-stream copies of finished overlapped collectives, by name
+        self.pending = 0  # overlapped collectives issued that have not started on the communication stream
+        self.computing = False  # in a computation that an overlapped collective starting (or queued) interrupts
+        self.proc: simpy.Process | None = None
         self.units: dict[tuple, tuple] = {}
         self.st = sim.stats[rep] = dict(
             compute_s=0.0,
@@ -209,14 +214,14 @@ class DeviceRun:
         """The device's process: every action of its schedule, unit by unit (segments, sends and
         receives, the most frequent units, without a generator of their own)."""
         sim, env, st, rep = self.sim, self.sim.env, self.st, self.rep
-        timeline, slowdown, factor, coll_free = sim.timeline, sim.overlap_slowdown, self.factor, sim.coll_free
+        timeline, slowdown, factor = sim.timeline, sim.overlap_slowdown, self.factor
         if timeline:
             sim.memory.append((rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
         for action in self.dp.schedule:
             a = str(action)
-            if action.phase == "U" and self.in_flight:
-                yield from self.drain()
+            if action.phase == "U" and (self.in_flight or self.owed_s):
+                yield from self.drain(a)
             for u in self.block_units(action, action.microbatch == last_mb):
                 if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
                     # stretched while an overlapped collective shares the device; class-internal collectives
@@ -225,11 +230,12 @@ class DeviceRun:
                         self.bump(u.peak_bytes, u.peak_task)
                     if timeline:
                         sim.memory.append((rep, start, self.mem + u.peak_bytes))
-                    compute = u.compute_s * factor + self.owed_s  # copies left by finished collectives
-                    self.owed_s = 0.0
-                    if slowdown != 1.0 and coll_free[rep] > start:
-                        compute += min(compute, coll_free[rep] - start) * (slowdown - 1.0)
-                    yield env.timeout(compute + u.comm_s)
+                    compute = u.compute_s * factor
+                    if slowdown == 1.0 or (not self.pending and sim.coll_free[rep] <= start):  # alone
+                        yield env.timeout(compute + u.comm_s)
+                    else:
+                        yield from self.share(u.parts if factor == 1.0 else scaled(u.parts, factor))
+                        compute = env.now - start - u.comm_s
                     st["compute_s"] += compute
                     st["comm_s"] += u.comm_s
                     st["exposed_s"] += u.comm_s
@@ -252,12 +258,59 @@ class DeviceRun:
                 elif isinstance(u, AsyncCollective):
                     yield from self.start_overlapped(u, a, action)
                 elif isinstance(u, Await):
-                    yield from self.wait_for(u)
+                    yield from self.wait_for(u, a)
                 elif isinstance(u, Collective):
                     yield from self.collective(u, a, action)
-        if self.in_flight:
-            yield from self.drain()
+        if self.in_flight or self.owed_s:
+            yield from self.drain("end")
         self.st["finish"] = sim.env.now
+
+    def start(self) -> None:
+        """Start the device's process."""
+        self.proc = self.sim.env.process(self.run())
+
+    def share(self, parts: tuple[float, ...]):
+        """Run a segment's ``parts`` (:attr:`Segment.parts`) on a device whose communication stream
+        may hold a collective: computation runs ``overlap_slowdown`` times as long while one runs
+        there (from when it starts on the stream, once every member has issued it, to when it ends:
+        the same span for every member of a class, in the reduced and the full simulation). A
+        collective that starts (or queues) on the stream meanwhile interrupts the run, which goes on
+        from where it was, at the speed the stream now leaves it."""
+        sim, env = self.sim, self.sim.env
+        at, slowdown = (0, parts[0]), sim.overlap_slowdown
+        while True:
+            now, busy_until = env.now, sim.coll_free[self.rep]
+            end, _ = run_parts(parts, at, now, busy_until, slowdown, math.inf)
+            if not self.pending:  # nothing can start on the stream before the end
+                yield env.timeout(end - now)
+                return
+            self.computing = True
+            try:
+                yield env.timeout(end - now)
+            except simpy.Interrupt:
+                if env.now >= end:
+                    return
+                _, at = run_parts(parts, at, now, busy_until, slowdown, env.now)
+                continue
+            self.computing = False
+            return
+
+    def copy_out(self, names: tuple[str, ...] | None, a: str):
+        """Run on the compute stream the copies owed by the finished overlapped collectives ``names``
+        (every one with None): FSDP2 copies a gathered buffer into the parameters when the
+        computation waits for it (``FSDPParamGroup.wait_for_unshard``)."""
+        owed, env = self.owed_s, self.sim.env
+        copy_s = sum(owed.pop(n) for n in (list(owed) if names is None else [n for n in names if n in owed]))
+        if not copy_s:
+            return
+        start = env.now
+        if self.sim.overlap_slowdown == 1.0:
+            yield env.timeout(copy_s)
+        else:
+            yield from self.share((copy_s,))
+        self.st["compute_s"] += env.now - start
+        if self.sim.timeline:
+            self.sim.record(self.rep, "compute", a, "copy-out", start, env.now)
 
     def block_units(self, action: Action, final: bool) -> tuple:
         """The units of ``action``'s block (with its ``final`` tasks on the last micro-batch)."""
@@ -292,13 +345,14 @@ class DeviceRun:
             if self.sim.timeline:
                 self.sim.memory.append((self.rep, self.sim.env.now, self.mem))
 
-    def drain(self):
-        """Wait for the overlapped collectives still running."""
+    def drain(self, a: str):
+        """Wait for the overlapped collectives still running, then run the copies still owed."""
         env = self.sim.env
         start = env.now
         yield env.all_of(self.in_flight)
         self.in_flight.clear()
         self.st["exposed_s"] += env.now - start
+        yield from self.copy_out(None, a)
 
     def record_segment(self, u: Segment, a: str, start: float, compute: float) -> None:
         """The events of a segment that ran from ``start`` (its computation stretched to ``compute``)."""
@@ -346,8 +400,8 @@ class DeviceRun:
         proc = sim.env.process(self.overlapped(u, ready, a, next(sim.issued)))
         self.in_flight.append(proc)
         self.by_name[u.task] = proc
-        if sim.overlap_slowdown != 1.0:
-            yield sim.env.timeout(0)  # let it claim the stream, so what follows knows it is shared
+        self.pending += 1
+        yield from ()
 
     def overlapped(self, u: AsyncCollective, ready: simpy.Event, a: str, seq: int):
         """The process of an overlapped collective: the barrier, then the stream, then its input freed."""
@@ -355,22 +409,28 @@ class DeviceRun:
         env = sim.env
         issued_at = env.now
         yield ready
+        self.pending -= 1
         start = max(env.now, sim.coll_free[rep])
         sim.coll_free[rep] = start + u.duration_s
+        if self.computing and u.duration_s:  # the stream is busy longer: the computation under way
+            self.computing = False  # is interrupted (once) and goes on from where it was
+            self.proc.interrupt()
         yield env.timeout(sim.coll_free[rep] - env.now)
         sim.stats[rep]["comm_s"] += u.duration_s
-        self.owed_s += u.copy_out_s
+        if u.copy_out_s:
+            self.owed_s[u.task] = self.owed_s.get(u.task, 0.0) + u.copy_out_s
         if sim.timeline:
             sim.record(rep, "comm", a, u.task, issued_at, env.now, seq)  # in flight
         self.release(u.free_bytes)
 
-    def wait_for(self, u: Await):
+    def wait_for(self, u: Await, a: str):
         """Wait for the latest runs of the overlapped collectives the next task reads from (no
-        event of its own: the collectives' events show the wait)."""
+        event of its own: the collectives' events show the wait), then run their copies out."""
         env = self.sim.env
         start = env.now
         yield env.all_of([self.by_name[name] for name in u.tasks if name in self.by_name])
         self.st["exposed_s"] += env.now - start
+        yield from self.copy_out(u.tasks, a)
 
     def collective(self, u: Collective, a: str, action: Action):
         """A collective across classes: wait for every class at its barrier, then run it."""
@@ -443,6 +503,11 @@ def host_memory(program: Program, cluster: ClusterSpec) -> dict[str, float]:
     for d in range(program.num_devices):
         nodes[d // per_node] = nodes.get(d // per_node, 0.0) + program.device(d).host_bytes
     return {"host_peak_bytes": max(nodes.values()), "host_memory_bytes": host_of(cluster).memory_bytes}
+
+
+def scaled(parts: tuple[float, ...], factor: float) -> tuple[float, ...]:
+    """A segment's parts with its computation (the even parts) slowed by a straggler's ``factor``."""
+    return tuple(p * factor if i % 2 == 0 else p for i, p in enumerate(parts))
 
 
 class _Mailbox:

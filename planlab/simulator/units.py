@@ -21,7 +21,9 @@ from planlab.simulator.exchange import message_tag
 @dataclass(frozen=True)
 class Segment:
     """Tasks run back to back: ``compute_s`` on the compute stream, ``comm_s`` in
-    class-internal collectives; memory rises by ``peak_bytes`` at most and ends at ``net_bytes``."""
+    class-internal collectives; memory rises by ``peak_bytes`` at most and ends at ``net_bytes``.
+    ``parts``: the same time in the order it runs, computation and collectives alternating
+    (computation first; :func:`run_parts` runs them on a device whose collectives come and go)."""
 
     tasks: tuple[str, ...]
     compute_s: float
@@ -31,6 +33,7 @@ class Segment:
     durations: tuple[float, ...]
     peak_task: str = ""
     is_comm: tuple[bool, ...] = ()
+    parts: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class AsyncCollective:
     optimizer waits for it. Its output (``alloc_bytes``) is allocated when it is issued, its
     input (``free_bytes``) freed when it completes; its members meet at ``ident``.
     ``copy_out_s``: the part of its price the software runs on the compute stream once it is done
-    (FSDP2 copies a gathered buffer into the parameters there), paid by the next computation."""
+    (FSDP2 copies a gathered buffer into the parameters there), run where the computation waits for
+    it (its :class:`Await`; the copies of collectives never waited for run before the optimizer)."""
 
     task: str
     group: tuple[int, ...]
@@ -242,9 +246,51 @@ class _Lowering:
                 tuple(durations),
                 at,
                 tuple(c for _, _, c in cur),
+                _parts(durations, [(d, c) for _, (d, _), c in cur]),
             )
         )
         self.cur = []
+
+
+def _parts(elapsed: list[float], tasks: list[tuple[float, bool]]) -> tuple[float, ...]:
+    """A segment's seconds in order, computation and class-internal collectives alternating
+    (computation first, possibly 0): a collective's ``elapsed`` beyond its device time (waiting
+    for the host) counts as computation before it, as :class:`Segment` counts it."""
+    parts = [0.0]
+    for e, (d, comm) in zip(elapsed, tasks):
+        if not comm:
+            parts[-1] += e
+            continue
+        parts[-1] += e - min(e, d)
+        parts += [min(e, d), 0.0]
+    return tuple(parts)
+
+
+def run_parts(
+    parts: tuple[float, ...], at: tuple[int, float], now_s: float, busy_until_s: float, slowdown: float, stop_s: float
+) -> tuple[float, tuple[int, float]]:
+    """Run a segment's ``parts`` (:attr:`Segment.parts`) from ``at`` (a part's index and the
+    seconds left in it) at ``now_s``: computation takes ``slowdown`` times as long before
+    ``busy_until_s`` (a collective on the communication stream holds some of the device's SMs), the
+    class-internal collectives do not. Returns the time reached and where, stopping at ``stop_s``
+    or at the end (index ``len(parts)``). Pure; the computation of a part is reached at the same
+    time whatever the times at which the run is cut."""
+    i, left = at
+    t = now_s
+    while i < len(parts):
+        slow = slowdown if i % 2 == 0 and t < busy_until_s else 1.0
+        need = left * slow
+        bound = min(stop_s, busy_until_s) if slow != 1.0 else stop_s
+        if t + need <= bound:
+            t += need
+            i += 1
+            left = parts[i] if i < len(parts) else 0.0
+            continue
+        left -= (bound - t) / slow
+        t = bound
+        if t >= stop_s:
+            break
+    return t, (i, left)
 
 
 def _ident(task: Task) -> int:
