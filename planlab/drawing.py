@@ -146,12 +146,12 @@ def _memory_lines(result, max_lines: int) -> tuple[tuple[int, int, np.ndarray, n
 
 def drawing_of(result, *, max_lanes: int = MAX_LANES, max_lines: int = MAX_LINES) -> Drawing:
     """The :class:`Drawing` of a result simulated with ``timeline=True``: its first and last
-    ``max_lanes`` device classes' streams as pixels (where a pipeline starts and drains), and the
-    memory of its ``max_lines`` fullest classes."""
+    ``max_lanes`` device classes' streams as pixels (where a pipeline starts and drains; 0: no
+    timeline), and the memory of its ``max_lines`` fullest classes."""
     members = {d.device: d.members for d in result.devices}
     devices = sorted(members) if result.devices else sorted({e.device for e in result.events})
     if len(devices) > max_lanes:
-        devices = devices[: max_lanes // 2] + devices[-(max_lanes - max_lanes // 2) :]
+        devices = devices[: max_lanes // 2] + devices[len(devices) - (max_lanes - max_lanes // 2) :]
     lanes = {d: i for i, d in enumerate(devices)}
     edges = timeline_edges(result.iter_time_s)
     strips = tuple((y, _strip(spans, edges)) for y, spans in _event_spans(result, lanes).items())

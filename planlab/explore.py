@@ -774,14 +774,16 @@ def write_outputs(
         save_plan(best, out / "best_plan.json")
         t = done("best_plan.json", t)
         if timeline:
-            res = drawing if drawing is not None else simulated.result if simulated is not None else None
-            if res is None or (drawing is None and not res.events):
-                program = simulated.program if simulated is not None else build_program(best, graph, cost)
-                res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+            if drawing is None:
+                res = simulated.result if simulated is not None else None
+                if res is None or not res.events:
+                    program = simulated.program if simulated is not None else build_program(best, graph, cost)
+                    res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+                drawing = drawing_of(res)
             t = done("timeline", t)
-            timeline_plot(res, out / "timeline.png", title=best.describe())
+            timeline_plot(drawing, out / "timeline.png", title=best.describe())
             t = done("timeline.png", t)
-            memory_plot(res, out / "memory.png", title=best.describe())
+            memory_plot(drawing, out / "memory.png", title=best.describe())
             done("memory.png", t)
     else:
         for name in ("best_plan.json", "timeline.png", "memory.png"):

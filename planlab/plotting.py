@@ -10,7 +10,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.patches  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from planlab.drawing import (  # noqa: E402
     FIGURE_DPI,
@@ -28,11 +29,22 @@ from planlab.drawing import (  # noqa: E402
 PART_MARKERS = ("s", "^", "D", "v", "P", "X", "<", ">", "h", "p")
 
 
+def _figure(width_in: float, height_in: float):
+    """A figure and its axes, drawn by Agg at the saved resolution (not pyplot's: no figure
+    manager, nothing to close, and pyplot is not imported)."""
+    fig = Figure(figsize=(width_in, height_in), dpi=FIGURE_DPI)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
+
+
 def _save(fig, path: str | os.PathLike) -> None:
+    """``fig`` as a PNG, cropped to what it draws (a tight box, padded as savefig pads one), written
+    whole. The box is found from the text and artists' extents without drawing the figure, so the
+    figure is drawn once (``bbox_inches="tight"`` draws it once more to find the box)."""
     path = Path(path)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=FIGURE_DPI, bbox_inches="tight")
-    plt.close(fig)
+    box = fig.get_tightbbox(fig.canvas.get_renderer()).padded(matplotlib.rcParams["savefig.pad_inches"])
+    fig.savefig(tmp, dpi=FIGURE_DPI, bbox_inches=box)
     os.replace(tmp, path)
 
 
@@ -64,7 +76,7 @@ def pareto_plot(df, path: str | os.PathLike) -> None:
     """Iteration time against peak memory: simulated plans (feasible, out of memory), the screen's
     estimates of the others, the Pareto front, the device memory, the chosen plan (the fastest
     feasible) and the best plan of each part of the space (``df.attrs["part_best"]``)."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = _figure(8, 5)
     sim = df["simulated"] == True if "simulated" in df else df["iter_time_s"].notna()  # noqa: E712
     ok = df[(df["feasible"] == True) & sim]  # noqa: E712
     bad = df[(df["feasible"] == False) & sim & df["iter_time_s"].notna()]  # noqa: E712
@@ -146,7 +158,7 @@ def timeline_plot(result, path: str | os.PathLike, *, title: str = "", max_lanes
     draw in a fraction of a second, and sub-pixel tasks show as the share of time they take)."""
     drawing = _drawing(result, max_lanes, MAX_LINES)
     lanes = drawing.lanes
-    fig, ax = plt.subplots(figsize=(TIMELINE_WIDTH_IN, max(2.2, 0.9 + 0.55 * len(lanes))))
+    fig, ax = _figure(TIMELINE_WIDTH_IN, max(2.2, 0.9 + 0.55 * len(lanes)))
     end_s = timeline_edges(drawing.iter_time_s)[-1]
     for y, strip in drawing.strips:
         ax.imshow(strip, extent=(0.0, end_s, y + 0.38, y), aspect="auto", interpolation="antialiased")
@@ -175,8 +187,8 @@ def memory_plot(result, path: str | os.PathLike, *, title: str = "", max_lines: 
     """Memory over time per device class (a result of ``simulate(..., timeline=True)``, or its
     :class:`~planlab.drawing.Drawing`), with the device's memory; each line keeps the highest
     value of every pixel."""
-    drawing = _drawing(result, MAX_LANES, max_lines)
-    fig, ax = plt.subplots(figsize=(MEMORY_WIDTH_IN, 4))
+    drawing = _drawing(result, 0, max_lines)  # a SimResult: its memory lines alone
+    fig, ax = _figure(MEMORY_WIDTH_IN, 4)
     top = drawing.peak_mem_bytes / 2**30
     unit, scale = ("MiB", 2**20) if top < 1.0 else ("GiB", 2**30)
     cap = drawing.device_memory_bytes / scale
