@@ -280,7 +280,7 @@ def _simulate_phases(path: str, cache: str, out) -> None:
     cost = CostModel.load(plan.cluster, plan.nodes)
     graph = trace_model(plan.model, plan.global_batch)
     t.append(time.perf_counter())
-    program = cached_program(plan, graph, cost)
+    program = cached_program(plan, graph, cost, plan_text=Path(path).read_text(encoding="utf-8"))
     t.append(time.perf_counter())
     res = simulate(program, cost, model_flops=training_flops(graph))
     t.append(time.perf_counter())
