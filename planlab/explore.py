@@ -450,7 +450,6 @@ def explore(
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
     df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
-    drawn, drawing = plans.simulated.get(index), plans.drawings.get(index)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -464,9 +463,8 @@ def explore(
         ),
     )
     if out is not None:
-        write_outputs(
-            df, Path(out), best=best, graph=graph, cost=cost, progress=progress, simulated=drawn, drawing=drawing
-        )
+        kept = dict(simulated=plans.simulated.get(index), drawing=plans.drawings.get(index))
+        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
 
 
