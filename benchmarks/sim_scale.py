@@ -38,8 +38,9 @@ the targets side by side:
   traces the model and fills the caches, the second loads the graph and the Program from them): wall
   time, target 1.5 s for the second; and where the second's time goes (imports, loading the plan, the
   graph and the Program from the caches, simulate, the table), measured in a process of its own;
-- writing the plan's outputs (best_plan.json, timeline.png, memory.png; target 1 s), after the
-  simulation that records the timeline (printed apart).
+- writing the plan's outputs (best_plan.json, timeline.png, memory.png; target 1 s, CPU time), from
+  the Drawing an exploration's worker sends, after the simulation that records the timeline and the
+  Drawing made of it (printed apart, with the Drawing's pickled size).
 
 Run: .venv/bin/python benchmarks/sim_scale.py [CASE ...] [--skip-explore] [--skip-whole]
 (CASE: part of a case's name, e.g. mixtral deepseek; naming cases skips the explorations and the whole-process runs)
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import pickle
 import resource
 import subprocess
 import sys
@@ -286,7 +288,7 @@ def _simulate_phases(path: str, cache: str, out) -> None:
     cost = CostModel.load(plan.cluster, plan.nodes)
     graph = trace_model(plan.model, plan.global_batch)
     t.append(time.perf_counter())
-    program = cached_program(plan, graph, cost)
+    program = cached_program(plan, graph, cost, plan_text=Path(path).read_text(encoding="utf-8"))
     t.append(time.perf_counter())
     res = simulate(program, cost, model_flops=training_flops(graph))
     t.append(time.perf_counter())
@@ -297,10 +299,13 @@ def _simulate_phases(path: str, cache: str, out) -> None:
 
 
 def _write_outputs(path: str, cache: str, out) -> None:
-    """The seconds to simulate the plan with its timeline, then to write its outputs."""
+    """The seconds to simulate the plan with its timeline and reduce it to a Drawing (where an
+    exploration's candidate is simulated), then to write its outputs from the Drawing, as
+    ``write_outputs`` does (CPU seconds each)."""
     os.environ["PLANLAB_CACHE_DIR"] = cache
     folder = Path(path).parent
     from planlab.costmodel import CostModel
+    from planlab.drawing import drawing_of
     from planlab.models.trace_cache import trace_model
     from planlab.plan import load_plan, materialize, save_plan
     from planlab.plan.shared_params import training_flops
@@ -314,18 +319,22 @@ def _write_outputs(path: str, cache: str, out) -> None:
     program = materialize(plan, graph, symmetric=True, node_of=cost.cluster.node_of)
     res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
     t1, c1 = time.perf_counter(), time.process_time()
+    drawing = drawing_of(res)
+    t2, c2 = time.perf_counter(), time.process_time()
     save_plan(plan, folder / "best_plan.json")
-    t2 = time.perf_counter()
-    timeline_plot(res, folder / "timeline.png", title=plan.describe())
-    t3 = time.perf_counter()
-    memory_plot(res, folder / "memory.png", title=plan.describe())
-    t4, c4 = time.perf_counter(), time.process_time()
+    c3 = time.process_time()
+    timeline_plot(drawing, folder / "timeline.png", title=plan.describe())
+    c4 = time.process_time()
+    memory_plot(drawing, folder / "memory.png", title=plan.describe())
+    t5, c5 = time.perf_counter(), time.process_time()
     out.put(
         dict(
             events=len(res.events),
             timeline_sim_s=t1 - t0,
-            seconds={"best_plan.json": t2 - t1, "timeline.png": t3 - t2, "memory.png": t4 - t3},
-            cpu_s=c4 - c1,
+            drawing_cpu_s=c2 - c1,
+            drawing_kb=len(pickle.dumps(drawing)) / 1000,
+            cpu={"best_plan.json": c3 - c2, "timeline.png": c4 - c3, "memory.png": c5 - c4},
+            wall_s=t5 - t2,
         )
     )
 
@@ -367,11 +376,12 @@ def whole_process(name: str) -> None:
         phases = _in_child(_simulate_phases, str(plan), env["PLANLAB_CACHE_DIR"])
         print("  second run's time, in a process of its own: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
         w = _in_child(_write_outputs, str(plan), env["PLANLAB_CACHE_DIR"])
-        total = sum(w["seconds"].values())
+        cpu = sum(w["cpu"].values())
         print(
             f"  outputs: the simulation recording the timeline ({w['events']:,} events) {w['timeline_sim_s']:.2f} s; "
-            f"then writing {total:.2f} s wall (target {WRITE_TARGET_S} s, ratio {total / WRITE_TARGET_S:.2f}), "
-            f"{w['cpu_s']:.2f} s CPU: " + ", ".join(f"{k} {v:.2f} s" for k, v in w["seconds"].items())
+            f"its Drawing {w['drawing_cpu_s']:.2f} s CPU ({w['drawing_kb']:.0f} KB pickled, what a worker sends); "
+            f"then writing {w['wall_s']:.2f} s wall, {cpu:.2f} s CPU (target {WRITE_TARGET_S} s, ratio "
+            f"{cpu / WRITE_TARGET_S:.2f}): " + ", ".join(f"{k} {v:.2f} s CPU" for k, v in w["cpu"].items())
         )
 
 

@@ -28,6 +28,7 @@ from planlab.errors import ConfigError
 if TYPE_CHECKING:
     from planlab.plan.plan import Plan
     from planlab.plan.program import Program
+    from planlab.drawing import Drawing
     from planlab.simulator.result import SimResult
 
 JOURNAL = "simulations.jsonl"
@@ -36,6 +37,7 @@ JOURNAL_VERSION = 1
 ROW_KEYS = ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")
 PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
 SIMULATED_KEY = "simulation"  # ... and its Simulated, when it ran in this process (taken off likewise)
+DRAWING_KEY = "drawing"  # ... or its Drawing, when it ran elsewhere and could be the best (taken off likewise)
 
 
 @dataclass(frozen=True)
@@ -49,25 +51,30 @@ class Simulated:
 
 class BestPlans:
     """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index,
-    and their Simulated where they ran in this process: the parent keeps the best plan as the
-    workers built it (and, in a serial run, its Program and simulation), and no other."""
+    and their Simulated where they ran in this process or their Drawing where they ran in a worker:
+    the parent keeps the best plan as the workers built it (and, in a serial run, its Program and
+    simulation; else the pixels of its timeline), and no other."""
 
     def __init__(self) -> None:
         self.time_s = math.inf
         self.plans: dict[int, Plan] = {}
         self.simulated: dict[int, Simulated] = {}
+        self.drawings: dict[int, Drawing] = {}
 
     def offer(self, i: int, result: dict) -> dict:
-        """``result`` without its Plan and Simulated, kept if its row is the fastest feasible one yet."""
+        """``result`` without its Plan, Simulated and Drawing, kept if its row is the fastest feasible one yet."""
         result = dict(result)
         plan, sim = result.pop(PLAN_KEY, None), result.pop(SIMULATED_KEY, None)
+        drawing = result.pop(DRAWING_KEY, None)
         t = result.get("iter_time_s", math.nan)
         if plan is not None and result.get("feasible") and t <= self.time_s:
             if t < self.time_s:
-                self.time_s, self.plans, self.simulated = t, {}, {}
+                self.time_s, self.plans, self.simulated, self.drawings = t, {}, {}, {}
             self.plans[i] = plan
             if sim is not None:
                 self.simulated[i] = sim
+            if drawing is not None:
+                self.drawings[i] = drawing
         return result
 
 
@@ -182,7 +189,7 @@ class SerialRunner:
         self.fn = fn
         self.slots = 1
 
-    def submit(self, i: int, values: dict) -> Pending:
+    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
         return Pending(i, self.fn((i, values)))
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
@@ -199,8 +206,9 @@ class PoolRunner:
         self.pool, self.fn, self.on_cancel = pool, fn, on_cancel
         self.slots = 2 * jobs
 
-    def submit(self, i: int, values: dict) -> Pending:
-        return Pending(i, self.pool.apply_async(self.fn, ((i, values),)))
+    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
+        """``draw_below``: the fastest feasible time yet; a row as fast comes with its Drawing."""
+        return Pending(i, self.pool.apply_async(self.fn, ((i, values, draw_below),)))
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         pending[0].handle.wait(timeout_s)
@@ -218,16 +226,18 @@ def simulate_candidates(
     store: Callable[[int, dict], None],
     late: Callable[[], bool],
     deadline: float | None,
+    fastest: Callable[[], float] = lambda: math.inf,
 ) -> None:
     """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
     and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
-    budget ran out are kept, the others cancelled."""
+    budget ran out are kept, the others cancelled. ``fastest()``: the fastest feasible time stored
+    yet, given with each submission (a worker draws the timeline of a row that could be the best)."""
     pending: list[Pending] = []
     queue = list(order)
     while queue or pending:
         while queue and len(pending) < runner.slots and not late():
             i = queue.pop(0)
-            pending.append(runner.submit(i, assignments[i]))
+            pending.append(runner.submit(i, assignments[i], fastest()))
         if not pending or late():
             break
         timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
@@ -282,8 +292,8 @@ class RayRunner:
         self.shared = tuple(ray.put(x) for x in shared)
         self.slots = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
 
-    def submit(self, i: int, values: dict) -> Pending:
-        return Pending(i, self.task.remote(*self.shared, i, values))
+    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
+        return Pending(i, self.task.remote(*self.shared, i, values, draw_below))
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         refs = [p.handle for p in pending]

@@ -140,9 +140,10 @@ def plan_cost(plan, *, profile: str | None = None, software: str | None = None, 
     )
 
 
-def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None):
-    """Simulate ``plan``: its Program comes from the program cache after the first time
-    (:mod:`planlab.plan.program_cache`), unless stragglers need every device's tasks."""
+def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | None = None, plan_text=None):
+    """Simulate ``plan`` (read from a file of ``plan_text``): its Program comes from the program
+    cache after the first time (:mod:`planlab.plan.program_cache`), unless stragglers need every
+    device's tasks."""
     from planlab.models.trace_cache import trace_model
     from planlab.plan.program_cache import cached_program
     from planlab.plan.shared_params import training_flops
@@ -151,7 +152,10 @@ def _simulate_plan(plan, cost, *, timeline: bool = False, stragglers: dict | Non
 
     graph = trace_model(plan.model, plan.global_batch)  # from the trace cache after the first time
     # one representative per device class, unless a straggler needs every device's tasks
-    program = build_program(plan, graph, cost, symmetric=False) if stragglers else cached_program(plan, graph, cost)
+    if stragglers:
+        program = build_program(plan, graph, cost, symmetric=False)
+    else:
+        program = cached_program(plan, graph, cost, plan_text=plan_text)
     try:
         return simulate(program, cost, model_flops=training_flops(graph), timeline=timeline, stragglers=stragglers)
     except DeadlockError:
@@ -177,16 +181,19 @@ def cmd_simulate(args) -> int:
             )
         stragglers[int(k)] = float(v)
     cost = plan_cost(plan, profile=args.profile, software=args.software, precision=args.precision)
-    res = _simulate_plan(plan, cost, timeline=bool(args.trace or args.plot), stragglers=stragglers)
+    text = Path(args.plan).read_text(encoding="utf-8")  # read whole by load_plan already: it keys the program cache
+    res = _simulate_plan(plan, cost, timeline=bool(args.trace or args.plot), stragglers=stragglers, plan_text=text)
     if args.trace:
         res.write_trace(args.trace)
     if args.plot:
+        from planlab.drawing import drawing_of
         from planlab.plotting import memory_plot, timeline_plot
 
         out = Path(args.plot)
         out.mkdir(parents=True, exist_ok=True)
-        timeline_plot(res, out / "timeline.png", title=plan.describe())
-        memory_plot(res, out / "memory.png", title=plan.describe())
+        drawing = drawing_of(res)  # the timeline's events reduced to pixels once, for both plots
+        timeline_plot(drawing, out / "timeline.png", title=plan.describe())
+        memory_plot(drawing, out / "memory.png", title=plan.describe())
     if args.json:
         print(
             json.dumps(

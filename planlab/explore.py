@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from planlab.candidates import (
+    DRAWING_KEY,
     JOURNAL,
     PLAN_KEY,
     ROW_KEYS,
@@ -42,10 +43,11 @@ from planlab.candidates import (
 from planlab.costmodel import CostModel
 from planlab.costmodel.precision import Precision
 from planlab.costmodel.software import SoftwareSpec
+from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.inputs import check_sizes, writable_folder
 from planlab.graph.ir import Graph
-from planlab.models.registry import ModelSpec
+from planlab.models.spec import ModelSpec
 from planlab.models.trace_cache import trace_model
 from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
@@ -309,9 +311,22 @@ def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *
     return ({**out, PLAN_KEY: plan} if out["feasible"] else out), (None if res is None else Simulated(program, res))
 
 
-def _simulate_one(item: tuple[int, dict]) -> tuple[int, dict]:
-    i, values = item
-    return i, simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)[0]
+def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, draw_below: float) -> dict:
+    """:func:`simulate_candidate`'s row, in a worker or a Ray task: a fitting row at least as fast
+    as ``draw_below`` (the fastest the parent has yet) could be the best, and carries the
+    :class:`~planlab.drawing.Drawing` of its timeline (``DRAWING_KEY``; its Program simulated again
+    with the timeline recorded, here, where the Program is), so that the parent draws the best plan
+    without building or simulating it again. Other rows carry nothing more."""
+    row, sim = simulate_candidate(sp, ctx, cost, values)
+    if PLAN_KEY in row and sim is not None and row["iter_time_s"] <= draw_below:
+        res = simulate(sim.program, cost, model_flops=training_flops(ctx.graph), timeline=True)
+        row = {**row, DRAWING_KEY: drawing_of(res)}
+    return row
+
+
+def _simulate_one(item: tuple[int, dict, float]) -> tuple[int, dict]:
+    i, values, draw_below = item
+    return i, drawn_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, draw_below)
 
 
 def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
@@ -324,8 +339,8 @@ def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
     return i, ({**row, SIMULATED_KEY: sim} if PLAN_KEY in row and sim is not None else row)
 
 
-def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict) -> tuple[int, dict]:
-    return i, simulate_candidate(sp, ctx, cost, values)[0]
+def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict, draw_below: float) -> tuple[int, dict]:
+    return i, drawn_candidate(sp, ctx, cost, values, draw_below)
 
 
 class _Workers:
@@ -434,7 +449,7 @@ def explore(
             journal.close()
     t_sim = time.perf_counter()
     counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best, drawn = _ranked(sp, ctx, assignments, rows, cost, plans)
+    df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
@@ -448,18 +463,19 @@ def explore(
         ),
     )
     if out is not None:
-        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, simulated=drawn)
+        kept = dict(simulated=plans.simulated.get(index), drawing=plans.drawings.get(index))
+        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
 
 
 def _ranked(
     sp: Space, ctx: Context, assignments: list[dict], rows: list[dict], cost: CostModel, kept: BestPlans
-) -> tuple[pd.DataFrame, Plan | None, Simulated | None]:
+) -> tuple[pd.DataFrame, Plan | None, int]:
     """The ranked DataFrame (attrs: best_plan, space, part_best, screen_rank_corr), the best plan
-    (as its worker built it, where ``kept`` holds it), and its simulation if it ran in this process."""
+    (as its worker built it, where ``kept`` holds it), and its row's index in ``assignments`` (-1: none)."""
     df = _frame(sp, assignments, rows, cost)
     best = _best_plan(sp, ctx, assignments, df, cost, kept.plans)
-    drawn = kept.simulated.get(int(df.loc[0, "_index"])) if best is not None else None
+    index = int(df.loc[0, "_index"]) if best is not None else -1
     part_best = {}
     for name, mask in part_masks(sp, df).items():
         ok = df[pd.Series(mask, index=df.index) & df["feasible"]]
@@ -469,7 +485,7 @@ def _ranked(
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
     corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
     df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
-    return df, best, drawn
+    return df, best, index
 
 
 LAYOUT_COLUMNS = ("stage_layers", "stage_recompute", "stage_offload")
@@ -656,7 +672,9 @@ def _simulate_all(
                 resumed.add(i)
                 store(i, row)
     todo = [i for i in order if i not in resumed]
-    simulate_candidates(todo, assignments, runner, store=store, late=late, deadline=deadline)
+    simulate_candidates(
+        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=lambda: best.time_s
+    )
     bar.close()
     for i in order:
         if not rows[i]["simulated"]:
@@ -723,12 +741,14 @@ def write_outputs(
     cost: CostModel | None = None,
     progress: bool = False,
     simulated: Simulated | None = None,
+    drawing: Drawing | None = None,
 ) -> dict[str, float]:
     """results.csv, pareto.png and best_plan.json (and with ``graph`` and ``cost``, the best plan's
     timeline.png and memory.png, from a simulation that records its timeline), each written whole
-    or not at all. ``simulated``: the best plan's Program and simulation as the exploration made
-    them: its timeline is drawn as recorded, else its Program simulated again (not materialized
-    again). Returns the seconds each took (``timeline`` for that simulation)."""
+    or not at all. ``drawing``: the best plan's timeline as a worker drew it (nothing is simulated
+    here); else ``simulated``, its Program and simulation as the exploration made them: its
+    timeline is drawn as recorded, else its Program simulated again (not materialized again).
+    Returns the seconds each took (``timeline`` for that simulation)."""
     from planlab.plotting import memory_plot, pareto_plot, timeline_plot
 
     best = best if best is not None else df.attrs.get("best_plan")
@@ -752,14 +772,16 @@ def write_outputs(
         save_plan(best, out / "best_plan.json")
         t = done("best_plan.json", t)
         if timeline:
-            res = simulated.result if simulated is not None else None
-            if res is None or not res.events:
-                program = simulated.program if simulated is not None else build_program(best, graph, cost)
-                res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+            if drawing is None:
+                res = simulated.result if simulated is not None else None
+                if res is None or not res.events:
+                    program = simulated.program if simulated is not None else build_program(best, graph, cost)
+                    res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
+                drawing = drawing_of(res)
             t = done("timeline", t)
-            timeline_plot(res, out / "timeline.png", title=best.describe())
+            timeline_plot(drawing, out / "timeline.png", title=best.describe())
             t = done("timeline.png", t)
-            memory_plot(res, out / "memory.png", title=best.describe())
+            memory_plot(drawing, out / "memory.png", title=best.describe())
             done("memory.png", t)
     else:
         for name in ("best_plan.json", "timeline.png", "memory.png"):

@@ -13,8 +13,9 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.candidates import PLAN_KEY, BestPlans
-from planlab.explore import Setup, evaluate, make_context, memory_lower_bound_bytes
+from planlab.candidates import DRAWING_KEY, PLAN_KEY, BestPlans
+from planlab.drawing import Drawing
+from planlab.explore import Setup, drawn_candidate, evaluate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
 from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
@@ -254,6 +255,35 @@ def test_outputs_draw_the_evaluated_best_plan_without_materializing_it_again(tmp
     assert calls == ["build", ("sim", True)]
     assert lone.loc[0, "iter_time_s"] == df.loc[0, "iter_time_s"]  # recording the timeline changes nothing
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tmp_path, monkeypatch):
+    """With --jobs, a row that could be the best comes with the Drawing of its timeline: the parent
+    neither builds nor simulates the best plan, and draws the same timeline and memory plots as a
+    serial run."""
+    ex = sys.modules["planlab.explore"]
+    calls = []  # the parent's: a forked worker appends to its own copy
+    real_build, real_simulate = ex.build_program, ex.simulate
+    monkeypatch.setattr(ex, "build_program", lambda *a, **k: calls.append("build") or real_build(*a, **k))
+    monkeypatch.setattr(ex, "simulate", lambda *a, **k: calls.append("sim") or real_simulate(*a, **k))
+    serial = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "serial", candidates=3)
+    calls.clear()
+    jobs = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "jobs", candidates=3, jobs=2)
+    assert calls == []
+    pd.testing.assert_frame_equal(jobs, serial)
+    for name in ("timeline.png", "memory.png"):
+        assert (tmp_path / "jobs" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes(), name
+
+
+def test_only_a_row_that_could_be_the_best_carries_a_drawing():
+    ctx, cost, _ = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
+    sp = get_space("megatron")
+    values = sp.enumerate(ctx)[0]
+    row = drawn_candidate(sp, ctx, cost, values, math.inf)
+    assert row["feasible"] and isinstance(row[DRAWING_KEY], Drawing)
+    assert row[DRAWING_KEY].strips and row[DRAWING_KEY].lines
+    assert DRAWING_KEY not in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"] * (1 - 1e-9))
+    assert DRAWING_KEY in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"])  # a tie could be the best
 
 
 # -- choosing candidates and the front ---------------------------------------------------------------

@@ -164,6 +164,27 @@ def test_lazy_packages_keep_functions_where_submodules_share_their_names():
     assert out.split() == ["GPT", "planlab.models.spec"]
 
 
+def test_an_exploration_of_a_cached_trace_imports_no_torch(cache, tmp_path):
+    """`planlab explore` of a built-in model whose trace is cached reads the model's config and the
+    graph without torch (its models' configs and presets load apart from their modules), and writes
+    its plots."""
+    trace_model(SPEC, 8)
+    code = (
+        "import sys; from planlab.cli import main; "
+        "main(['explore', '--model', 'gpt-tiny', '--cluster', 'cpu', '--nodes', '2', '--global-batch', '8', "
+        "'--set', 'tp=2', '--set', 'pp=1', '--out', sys.argv[1]]); print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, tc.CACHE_ENV: str(cache)},
+    ).stdout.splitlines()
+    assert out[-1] == "False"
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 1000
+
+
 def test_a_cached_program_is_the_built_program_and_a_changed_setup_builds_it_again(cache, tmp_path, capsys):
     """`planlab simulate` keeps the plan's Program beside the graph: a second run loads it and prints
     the same; another precision, or an entry holding another key, builds it again; stragglers do not use it."""

@@ -31,76 +31,13 @@ more layer at depth 1, section 2.2) and FP8 training.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import DeepSeekConfig  # noqa: F401 (re-exported)
 from planlab.models.llama import FeedForward, rotary_angles
-from planlab.models.moe import MoE, Experts, decoder_loss, expert_capacity, route_to_experts
-
-
-@dataclass(frozen=True)
-class DeepSeekConfig:
-    """Sizes of a DeepSeek-V3-style decoder (names as in the module docstring; ``ffn_hidden`` is
-    the dense layers' SwiGLU width, ``moe_ffn_hidden`` one expert's)."""
-
-    layers: int
-    dense_layers: int
-    hidden: int
-    heads: int
-    ffn_hidden: int
-    moe_ffn_hidden: int
-    experts: int
-    shared_experts: int
-    top_k: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    rope_head_dim: int
-    nope_head_dim: int
-    v_head_dim: int
-    seq: int
-    vocab: int
-    capacity_factor: float = 1.0
-    aux_loss_coef: float = 0.0001
-    routed_scale: float = 2.5
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-
-    @property
-    def capacity(self) -> int:
-        """Tokens one routed expert takes per sequence (see :func:`planlab.models.moe.expert_capacity`)."""
-        return expert_capacity(self.capacity_factor, self.seq, self.top_k, self.experts)
-
-    def attention_params(self) -> int:
-        """Parameters of one MLA layer (projections and the two latent norms)."""
-        h, n, qk = self.hidden, self.heads, self.nope_head_dim + self.rope_head_dim
-        q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk
-        kv = h * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank
-        kv += self.kv_lora_rank * n * (self.nope_head_dim + self.v_head_dim)
-        return q + kv + n * self.v_head_dim * h
-
-    def num_params(self) -> int:
-        """Parameter count of the module: embedding, layers, final norm and untied output."""
-        h = self.hidden
-        dense = 3 * h * self.ffn_hidden
-        moe = h * self.experts + (self.experts + self.shared_experts) * 3 * h * self.moe_ffn_hidden
-        layer = self.attention_params() + 2 * h
-        moe_layers = self.layers - self.dense_layers
-        return 2 * self.vocab * h + self.layers * layer + self.dense_layers * dense + moe_layers * moe + h
-
-    def active_params(self) -> int:
-        """Parameters one token uses: all but the ``experts - top_k`` routed experts it skips per MoE layer."""
-        skipped = (self.experts - self.top_k) * 3 * self.hidden * self.moe_ffn_hidden
-        return self.num_params() - (self.layers - self.dense_layers) * skipped
-
-    def __str__(self) -> str:
-        return (
-            f"deepseek(layers={self.layers}, dense_layers={self.dense_layers}, hidden={self.hidden}, "
-            f"heads={self.heads}, experts={self.experts}+{self.shared_experts} shared, top_k={self.top_k}, "
-            f"moe_ffn_hidden={self.moe_ffn_hidden}, seq={self.seq}, vocab={self.vocab})"
-        )
+from planlab.models.moe import MoE, Experts, decoder_loss, route_to_experts
 
 
 class LatentAttention(nn.Module):

@@ -43,98 +43,15 @@ blocks live in ``blocks`` so pipeline staging finds them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import EvoformerConfig  # noqa: F401 (re-exported)
+
 INF = 1e9  # the reference code's masking constant
-
-
-@dataclass(frozen=True)
-class EvoformerConfig:
-    """Sizes of an Evoformer stack (defaults: AlphaFold2's, supplement table and Algorithms 6-15).
-
-    ``blocks`` Evoformer blocks; MSA representation ``c_m`` channels over ``n_seq`` sequences and
-    ``n_res`` residues; pair representation ``c_z`` channels; ``heads_msa`` heads of
-    ``c_att_msa`` channels in the MSA attentions, ``heads_pair`` heads of ``c_att_pair`` in the
-    triangle attentions; ``c_opm`` channels of the outer product mean; ``c_tri_mul`` of the
-    triangle multiplications; transitions widen by ``transition_n``. Input features: ``msa_feat``
-    (49 in AlphaFold2), ``target_feat`` (22), ``relpos_bins`` one-hot relative positions (65 =
-    offsets clipped to +-32); ``dist_bins`` distogram bins (64).
-    """
-
-    blocks: int
-    c_m: int
-    c_z: int
-    heads_msa: int
-    heads_pair: int
-    n_seq: int
-    n_res: int
-    c_att_msa: int = 32
-    c_att_pair: int = 32
-    c_opm: int = 32
-    c_tri_mul: int = 128
-    transition_n: int = 4
-    msa_feat: int = 49
-    target_feat: int = 22
-    relpos_bins: int = 65
-    dist_bins: int = 64
-    recycles: int = 1
-
-    @property
-    def layers(self) -> int:
-        """The Evoformer blocks (what pipeline parallelism stages)."""
-        return self.blocks
-
-    @property
-    def heads(self) -> int:
-        """The head count that tensor parallelism must divide: a degree divides both the MSA
-        and the pair attention's heads exactly when it divides their greatest common divisor."""
-        return math.gcd(self.heads_msa, self.heads_pair)
-
-    def block_params(self) -> int:
-        """Parameters of one Evoformer block (Algorithms 7-15)."""
-        cm, cz, n = self.c_m, self.c_z, self.transition_n
-
-        def lin(i: int, o: int, bias: bool = True) -> int:
-            return i * o + (o if bias else 0)
-
-        def mha(c_in: int, c: int, h: int) -> int:  # q, k, v without bias; gate and output with
-            return 3 * lin(c_in, h * c, False) + lin(c_in, h * c) + lin(h * c, c_in)
-
-        row = 2 * cm + 2 * cz + lin(cz, self.heads_msa, False) + mha(cm, self.c_att_msa, self.heads_msa)
-        col = 2 * cm + mha(cm, self.c_att_msa, self.heads_msa)
-        opm = 2 * cm + 2 * lin(cm, self.c_opm) + lin(self.c_opm**2, cz)
-        tri_mul = 2 * cz + 4 * lin(cz, self.c_tri_mul) + lin(cz, cz) + 2 * self.c_tri_mul + lin(self.c_tri_mul, cz)
-        tri_att = 2 * cz + lin(cz, self.heads_pair, False) + mha(cz, self.c_att_pair, self.heads_pair)
-
-        def transition(c: int) -> int:
-            return 2 * c + lin(c, n * c) + lin(n * c, c)
-
-        return row + col + transition(cm) + opm + 2 * tri_mul + 2 * tri_att + transition(cz)
-
-    def num_params(self) -> int:
-        """Parameter count of the module: embedders, blocks and the distogram head."""
-        cm, cz = self.c_m, self.c_z
-        embed = (
-            2 * (self.target_feat * cz + cz)
-            + (self.target_feat * cm + cm)
-            + (self.msa_feat * cm + cm)
-            + (self.relpos_bins * cz + cz)
-        )
-        recycle = 2 * cm + 2 * cz
-        head = cz * self.dist_bins + self.dist_bins
-        return embed + recycle + self.blocks * self.block_params() + head
-
-    def __str__(self) -> str:
-        r = f", recycles={self.recycles}" if self.recycles != 1 else ""
-        return (
-            f"evoformer(blocks={self.blocks}, c_m={self.c_m}, c_z={self.c_z}, heads_msa={self.heads_msa}, "
-            f"heads_pair={self.heads_pair}, n_seq={self.n_seq}, n_res={self.n_res}{r})"
-        )
 
 
 class _Masks(NamedTuple):

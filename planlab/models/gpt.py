@@ -7,40 +7,13 @@ causal attention, untied embedding and output layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import GPTConfig  # noqa: F401 (re-exported)
 from planlab.models.tokens import token_batch
 from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of a GPT decoder. ``ffn_mult`` scales the MLP's hidden width."""
-
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-    ffn_mult: int = 4
-    dropout: float = 0.0
-    vocab_parallel: int = 0  # 1: Megatron-LM's vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def num_params(self, *, tied: bool = False) -> int:
-        """Parameter count of the module (weights and biases). ``tied=True`` leaves out the
-        output layer, as published counts do for models that tie it to the embedding."""
-        h, f = self.hidden, self.ffn_mult * self.hidden
-        per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
-        out = 0 if tied else h * self.vocab + self.vocab
-        return self.vocab * h + self.seq * h + self.layers * per_layer + 2 * h + out
 
 
 class Attention(nn.Module):

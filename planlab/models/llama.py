@@ -14,52 +14,15 @@ query heads consistently). No Python control flow depends on tensor sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import LlamaConfig  # noqa: F401 (re-exported)
 from planlab.models.tokens import token_batch
 from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Sizes of a LLaMA decoder.
-
-    ``kv_heads`` key/value heads (dividing ``heads``; equal to it is plain multi-head
-    attention), ``ffn_hidden`` the SwiGLU width, ``rope_theta`` the rotary base and
-    ``norm_eps`` the RMSNorm epsilon.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    seq: int
-    vocab: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    vocab_parallel: int = 0  # 1: the vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def num_params(self) -> int:
-        """Parameter count of the module: embedding, layers, final norm and untied output."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.ffn_hidden + 2 * h
-        return 2 * self.vocab * h + self.layers * per_layer + h
-
-    def __str__(self) -> str:
-        return (
-            f"llama(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, "
-            f"kv_heads={self.kv_heads}, ffn_hidden={self.ffn_hidden}, seq={self.seq}, vocab={self.vocab})"
-        )
 
 
 def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,74 +28,13 @@ parallel replicas and micro-batches exactly.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import MoEConfig, expert_capacity  # noqa: F401 (re-exported)
 from planlab.models.llama import Attention, add_decoder_modules
 from planlab.models.tokens import token_batch
-
-
-def expert_capacity(capacity_factor: float, seq: int, top_k: int, experts: int) -> int:
-    """Tokens one expert takes per sequence: ``ceil(capacity_factor * seq * top_k / experts)``,
-    at most ``seq`` (a token picks an expert once, so ``seq`` drops nothing)."""
-    return min(seq, math.ceil(capacity_factor * seq * top_k / experts))
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Sizes of a mixture-of-experts decoder.
-
-    ``experts`` SwiGLU experts of width ``ffn_hidden`` per layer, ``top_k`` of them per token;
-    ``capacity_factor`` sets the tokens an expert takes per sequence (see :attr:`capacity`);
-    ``aux_loss_coef`` weighs the load-balancing loss (0 leaves it out). The attention is
-    LLaMA's: ``kv_heads`` key/value heads, rotary base ``rope_theta``, RMSNorm ``norm_eps``.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    experts: int
-    top_k: int
-    seq: int
-    vocab: int
-    capacity_factor: float = 1.25
-    aux_loss_coef: float = 0.02
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def capacity(self) -> int:
-        """Tokens one expert takes per sequence (see :func:`expert_capacity`)."""
-        return expert_capacity(self.capacity_factor, self.seq, self.top_k, self.experts)
-
-    def num_params(self) -> int:
-        """Parameter count of the module: embedding, layers (attention, router, experts, norms),
-        final norm and untied output."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv
-        moe = h * self.experts + self.experts * 3 * h * self.ffn_hidden
-        return 2 * self.vocab * h + self.layers * (attention + moe + 2 * h) + h
-
-    def active_params(self) -> int:
-        """Parameters one token uses: all but the ``experts - top_k`` experts it skips per layer."""
-        return self.num_params() - self.layers * (self.experts - self.top_k) * 3 * self.hidden * self.ffn_hidden
-
-    def __str__(self) -> str:
-        return (
-            f"moe(layers={self.layers}, hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}, "
-            f"ffn_hidden={self.ffn_hidden}, experts={self.experts}, top_k={self.top_k}, seq={self.seq}, "
-            f"vocab={self.vocab})"
-        )
 
 
 class Experts(nn.Module):

@@ -28,9 +28,7 @@ without gradients, then one with, nnScaler's "3F1B"), (N_seq, N_res) = (128, 256
 
 from __future__ import annotations
 
-from planlab.models.evoformer import EvoformerConfig
-from planlab.models.swin import SwinConfig
-from planlab.models.t5 import T5Config
+from planlab.models.configs import EvoformerConfig, SwinConfig, T5Config
 
 # (GPUs, layers, hidden, heads) of cupilot/evaluation/swin_{N}gpus.sh
 SWIN_RUNS: tuple[tuple[int, int, int, int], ...] = (

@@ -13,7 +13,7 @@ from planlab.errors import ConfigError, choices
 from planlab.inputs import model_arg, model_arg_type
 
 if TYPE_CHECKING:
-    from planlab.models.registry import Family, ModelConfig
+    from planlab.models.families import Family, ModelConfig
 
 
 def is_user_model(name: str) -> bool:
@@ -30,7 +30,7 @@ class ModelSpec:
 
     def family(self) -> Family | None:
         """The built-in family this spec names (None for a user's model); ConfigError if unknown."""
-        from planlab.models.registry import FAMILIES, PRESET_FAMILY
+        from planlab.models.families import FAMILIES, PRESET_FAMILY
 
         if is_user_model(self.name):
             return None

@@ -26,73 +26,14 @@ Written for planlab:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from planlab.models.configs import T5Config  # noqa: F401 (re-exported)
 from planlab.graph.ops_biased_attention import attention_with_bias
 from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
-
-
-@dataclass(frozen=True)
-class T5Config:
-    """Sizes of a T5 v1.1 encoder-decoder.
-
-    ``hidden`` is T5's d_model, ``head_dim`` its d_kv (``heads * head_dim`` need not equal
-    ``hidden``), ``ffn_hidden`` its d_ff. ``seq`` is the encoder's input length and
-    ``decoder_seq`` the target length; ``rel_buckets`` and ``rel_max_distance`` shape the relative
-    position buckets; ``dropout`` is T5's dropout_rate (0 in v1.1 pre-training). ``gated_ffn``:
-    v1.1's gated-GELU feed-forward (True), or the original T5's two-matrix one with a GELU between
-    (False, ``--model-arg gated_ffn=0``; nnScaler's T5 has it). ``vocab_parallel=1``: Megatron-LM's
-    vocabulary-parallel embedding and loss (:mod:`planlab.models.vocab_parallel`), which tensor
-    parallelism and the interlaced pipeline split along the vocabulary, as GPT's.
-    """
-
-    encoder_layers: int
-    decoder_layers: int
-    hidden: int
-    heads: int
-    head_dim: int
-    ffn_hidden: int
-    seq: int
-    decoder_seq: int
-    vocab: int
-    rel_buckets: int = 32
-    rel_max_distance: int = 128
-    dropout: float = 0.0
-    norm_eps: float = 1e-6
-    gated_ffn: bool = True
-    vocab_parallel: int = 0
-
-    @property
-    def layers(self) -> int:
-        """Transformer layers in all, the encoder's and the decoder's (what pipeline stages split)."""
-        return self.encoder_layers + self.decoder_layers
-
-    @property
-    def inner(self) -> int:
-        """Width of the attention projections: ``heads * head_dim``."""
-        return self.heads * self.head_dim
-
-    def num_params(self) -> int:
-        """Parameter count of the module: shared embedding, both stacks with their relative
-        position tables and final norms, and the untied output layer."""
-        h, a, f = self.hidden, self.inner, self.ffn_hidden
-        attn = 4 * h * a  # q, k, v, o
-        ffn = (3 if self.gated_ffn else 2) * h * f  # wi_0, wi_1, wo (gated) or wi, wo
-        encoder = self.encoder_layers * (attn + ffn + 2 * h)
-        decoder = self.decoder_layers * (2 * attn + ffn + 3 * h)
-        tables = 2 * self.rel_buckets * self.heads
-        return 2 * self.vocab * h + encoder + decoder + tables + 2 * h
-
-    def __str__(self) -> str:
-        return (
-            f"t5(encoder_layers={self.encoder_layers}, decoder_layers={self.decoder_layers}, "
-            f"hidden={self.hidden}, heads={self.heads}, head_dim={self.head_dim}, "
-            f"ffn_hidden={self.ffn_hidden}, seq={self.seq}, decoder_seq={self.decoder_seq}, vocab={self.vocab})"
-        )
 
 
 def relative_position_buckets(

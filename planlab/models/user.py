@@ -12,38 +12,16 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from planlab.errors import ConfigError
+from planlab.models.configs import UserModelConfig  # noqa: F401 (re-exported)
 
 _HEAD_ATTRS = ("heads", "n_heads", "num_heads", "n_head", "num_attention_heads")
 _KV_ATTRS = ("kv_heads", "n_kv_heads", "num_key_value_heads")
-
-
-@dataclass(frozen=True)
-class UserModelConfig:
-    """What search spaces may know of a user's model, read off the module.
-
-    ``layers`` is the length of a ``blocks`` ModuleList (1 without one), ``heads`` and
-    ``kv_heads`` the first integer attribute named like a head count on any submodule
-    (``heads``, ``n_heads``, ``num_heads``, ...; 1 and None without one).
-    """
-
-    name: str
-    layers: int
-    heads: int
-    kv_heads: int | None
-    params: int
-
-    def num_params(self) -> int:
-        return self.params
-
-    def __str__(self) -> str:
-        return f"{self.name}(layers={self.layers}, heads={self.heads})"
 
 
 def _load(name: str) -> Callable:

@@ -19,10 +19,7 @@ import torch.nn.functional as F
 
 from planlab.errors import PlanlabError
 from planlab.graph.registry import register_op
-
-# Operator kinds whose table a plan may split by rows (the vocabulary, ``v``): torch's embedding
-# and the vocabulary-parallel one below.
-VOCAB_EMBEDDINGS = ("embedding", "vocab_embedding")
+from planlab.models.configs import VOCAB_EMBEDDINGS  # noqa: F401 (re-exported)
 
 
 @register_op("a b, v+ h -> a b h", flops=lambda idx, table: 0.0)

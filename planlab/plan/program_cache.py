@@ -49,15 +49,18 @@ class ProgramKey:
         return f"program-{hashlib.sha256(what.encode()).hexdigest()[:32]}.pkl"
 
 
-def cached_program(plan: Plan, graph: Graph, cost: CostModel) -> Program:
+def cached_program(plan: Plan, graph: Graph, cost: CostModel, *, plan_text: str | None = None) -> Program:
     """The reduced Program of ``plan`` under ``cost`` (``build_program``'s), from the cache when
-    an entry of the same :class:`ProgramKey` loads, else built and stored."""
+    an entry of the same :class:`ProgramKey` loads, else built and stored. ``plan_text``: the plan
+    file ``plan`` was read from, whose digest then keys the entry (the same text is the same plan;
+    writing a 1,024-device plan as JSON again to digest it takes about as long as simulating it);
+    None: the plan as planlab writes it."""
     folder = cache_dir()
     if folder is None or not cacheable(plan.model):
         return build_program(plan, graph, cost)
     key = ProgramKey(
         TraceKey.of(plan.model, plan.global_batch),
-        hashlib.sha256(plan_to_json(plan).encode()).hexdigest(),
+        hashlib.sha256((plan_to_json(plan) if plan_text is None else plan_text).encode()).hexdigest(),
         cost.cluster,
         cost.software,
         cost.precision,

@@ -34,7 +34,7 @@ the Draft's ``spread`` places an operator on every device.
 from __future__ import annotations
 
 from planlab.graph.ir import Graph
-from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
+from planlab.models.configs import VOCAB_EMBEDDINGS
 from planlab.search_spaces.builtin import (
     ALL_DEVICES,
     DataParallel,

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from planlab.errors import ConfigError, KnobNotSet, PlanlabError, UnknownKnob, choices
 from planlab.graph.ir import Graph
-from planlab.models.registry import ModelConfig, ModelSpec
+from planlab.models.families import ModelConfig
+from planlab.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
