@@ -268,3 +268,47 @@ def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, kn
     program = assemble(d)
     assert program == build(plan, g, layouts, FP32, None)
     assert find_deadlock(program, raise_error=False) is None
+
+
+@pytest.mark.parametrize(
+    "model, space, knobs",
+    [
+        ("gpt-small", "megatron", dict(dp=1, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
+        (
+            "gpt-tiny",
+            "megatron",
+            dict(dp=2, tp=2, pp=1, microbatch=2, zero=3, recompute="selective", sequence_parallel=True),
+        ),
+        ("gpt-tiny", "megatron*coshard", dict(dp=1, tp=2, pp=2, microbatch=1, zero=0, recompute="full", coshard=2)),
+    ],
+)
+def test_bytes_sized_once_per_operator_are_every_pieces_bytes(model, space, knobs):
+    """The passes size a piece's buffers once per operator (splits divide evenly, so every piece
+    has its operator's local shapes): the sizes they record equal each device's own box, as sizing
+    piece by piece gives them, and a second materialization (micro-batch shapes kept on the graph)
+    gives the same Program."""
+    from planlab.plan.layout import box_numel, box_shape
+    from planlab.plan.passes.draft import Draft
+    from planlab.plan.passes.forward import convert_inputs, forward_pieces, place_weights
+    from planlab.plan.passes.layouts import Layouts, full
+
+    from conftest import traced
+
+    spec, g = traced(model, 8)
+    plan = get_space(space).build(Context(g, spec, 8, "cpu", 4, 4, 1), knobs)
+    L = Layouts(plan, g)
+    d = forward_pieces(convert_inputs(place_weights(Draft.start(plan, g, L, FP32, keep=None, overlap=True))))
+    checked = 0
+    for op in g.operators:
+        tensors = [(L.needs(op, k), t) for k, t in enumerate(op.inputs)]
+        tensors += [(full(L.has(op, j)), t) for j, t in enumerate(op.outputs)]
+        for lay, t in tensors + [(L.has(op, j), t) for j, t in enumerate(op.outputs)]:
+            for flat in range(len(lay.mesh.devices)):
+                assert box_shape(lay.box(flat, L.shapes[t])) == L.local_shape(lay, t), (op.name, t)
+        for flat, dev in enumerate(L.mesh[op.name].devices):
+            for j, t in enumerate(op.outputs):
+                box = L.has(op, j).box(flat, L.shapes[t])
+                assert d.sizes[dev][d.names.activation(t)] == box_numel(box) * d.elem_bytes(t), (op.name, dev)
+                checked += 1
+    assert checked >= len(g.operators)
+    assert materialize(plan, g) == materialize(plan, g)

@@ -141,7 +141,14 @@ class Layout:
 
     @property
     def partial_axes(self) -> list[int]:
-        return [i for i, p in enumerate(self.placements) if isinstance(p, Partial)]
+        return list(self._partial_axes())
+
+    def _partial_axes(self) -> tuple[int, ...]:
+        got = self.__dict__.get("_partial")  # kept, as the hash: conversions ask it for every position
+        if got is None:
+            got = tuple(i for i, p in enumerate(self.placements) if isinstance(p, Partial))
+            object.__setattr__(self, "_partial", got)
+        return got
 
     def box(self, flat: int, shape: tuple[int, ...]) -> Box:
         """Region of the tensor held by the ``flat``-th mesh position."""
@@ -161,7 +168,7 @@ class Layout:
 
     def partial_key(self, flat: int) -> tuple[int, ...]:
         c = self.mesh.coord(flat)
-        return tuple(c[a] for a in self.partial_axes)
+        return tuple(c[a] for a in self._partial_axes())
 
 
 def positions(mesh: Mesh, only: frozenset[int] | None) -> Iterable[tuple[int, int]]:

@@ -401,9 +401,13 @@ def _receivers(src: Layout, dst: Layout, shape: tuple[int, ...], only: frozenset
     senders = [d for d in only if d in src_pos]
     if senders:
         mine = {src.box(src_pos[d], shape) for d in senders}
+        fed: dict = {}  # per destination box (positions share few): whether a planned sender's piece meets it
         for flat, dd in enumerate(dst.mesh.devices):
             if flat not in wanted:
                 dbox = dst.box(flat, shape)
-                if any(intersect(b, dbox) is not None for b in mine):
+                hit = fed.get(dbox)
+                if hit is None:
+                    hit = fed[dbox] = any(intersect(b, dbox) is not None for b in mine)
+                if hit:
                     wanted[flat] = dd
     return [(flat, wanted[flat]) for flat in sorted(wanted)]

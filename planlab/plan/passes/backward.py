@@ -6,11 +6,12 @@ visited."""
 
 from __future__ import annotations
 
+import math
 
 from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
-from planlab.plan.layout import Layout, box_numel, box_shape
+from planlab.plan.layout import Layout, box_shape
 from planlab.plan.passes.draft import (
     Counters,
     Draft,
@@ -138,6 +139,11 @@ def backward_pieces(d: Draft) -> Draft:
         )
         mesh = L.mesh[op.name]
         share = shares(d, op)
+        made = {  # every piece's contributions have the same bytes (splits divide evenly)
+            w: math.prod(L.local_shape(L.contributes(op, k), t)) * d.elem_bytes(t)
+            for k, (t, w) in enumerate(zip(op.inputs, writes))
+            if w is not None and w.kind is BufferKind.CONTRIBUTION
+        }
         for flat, dev in d.positions(mesh):
             task = piece_task(
                 op,
@@ -154,14 +160,10 @@ def backward_pieces(d: Draft) -> Draft:
             if task.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)
             add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)
-            mine = sizes.setdefault(dev, {})
-            for k, (t, w) in enumerate(zip(op.inputs, writes)):
-                if w is not None and w.kind is BufferKind.CONTRIBUTION:
-                    mine[w] = box_numel(L.contributes(op, k).box(flat, L.shapes[t])) * d.elem_bytes(t)
+            sizes.setdefault(dev, {}).update(made)
         for j, t in enumerate(op.outputs):
             if gbufs[j] is not None and gbufs[j].kind is BufferKind.GRAD:
+                nbytes = math.prod(L.local_shape(full(L.has(op, j)), t)) * d.elem_bytes(t)
                 for flat, dev in d.positions(mesh):
-                    sizes.setdefault(dev, {})[gbufs[j]] = box_numel(full(L.has(op, j)).box(flat, L.shapes[t])) * (
-                        d.elem_bytes(t)
-                    )
+                    sizes.setdefault(dev, {})[gbufs[j]] = nbytes
     return d.replace(parts=parts, sizes=sizes)

@@ -3,12 +3,14 @@ operator its inputs in the layout it needs, and one forward task per piece."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
+from planlab.graph.ir import Operator
 from planlab.graph.random_ops import draws_random
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
-from planlab.plan.layout import box_numel, box_shape
+from planlab.plan.layout import box_shape
 from planlab.plan.passes.draft import (
     Counters,
     Draft,
@@ -155,15 +157,16 @@ def forward_pieces(d: Draft) -> Draft:
         saved = saved_buffers(
             op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes, _view_read(d, mesh)
         )
-        kept = internals(op, graph, d.software, d.precision.activation_bytes)
         red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
         saved_of[op.name] = saved
-        shapes_of[op.name] = piece_shapes(L, op)
+        shapes = shapes_of[op.name] = piece_shapes(L, op)
         agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
         share = shares(d, op)
         random = draws_random(op)
+        key = (d.stage[op.name], "F")
+        # every piece's buffers have the same bytes (splits divide evenly)
+        made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :])
         for flat, dev in d.positions(mesh):
-            out_box = L.has(op, 0).box(flat, L.shapes[op.outputs[0]])
             ring = ring_fields(d, op, flat)
             task = piece_task(
                 op,
@@ -173,21 +176,28 @@ def forward_pieces(d: Draft) -> Draft:
                 outs,
                 op.flops,
                 share,
-                shape=box_shape(out_box),
+                shape=shapes[len(op.inputs)],
                 saved=saved,
                 lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
-                shapes=shapes_of[op.name],
-                box=out_box if random else None,
+                shapes=shapes,
+                box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
                 **(ring or {"group": line(mesh, flat, agree)}),
             )
             if ring:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
-            add(parts, dev, (d.stage[op.name], "F"), i, Part.COMPUTE, task)
-            mine = sizes.setdefault(dev, {})
-            for j, o in enumerate(op.outputs):
-                mine[outs[j]] = box_numel(L.has(op, j).box(flat, L.shapes[o])) * d.elem_bytes(o)
-            for tag, base, per, nbytes in kept:  # internal buffers: a share of a base tensor's piece
-                j = op.inputs.index(base) if base in op.inputs else None
-                lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
-                mine[buf_.internal(op.name, tag)] = int(box_numel(lay.box(flat, L.shapes[base])) * per * nbytes)
+            add(parts, dev, key, i, Part.COMPUTE, task)
+            sizes.setdefault(dev, {}).update(made)
     return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)
+
+
+def _piece_bytes(d: Draft, op: Operator, outs: tuple[Buffer, ...], out_shapes: tuple) -> dict[Buffer, int]:
+    """The bytes of the buffers one forward piece of ``op`` makes: its outputs (local shapes
+    ``out_shapes``) and the internal buffers its implementation keeps for the backward, each a share
+    of a base tensor's piece (:func:`~planlab.plan.saved.internals`)."""
+    L = d.layouts
+    made = {b: math.prod(shape) * d.elem_bytes(o) for b, shape, o in zip(outs, out_shapes, op.outputs)}
+    for tag, base, per, nbytes in internals(op, d.graph, d.software, d.precision.activation_bytes):
+        j = op.inputs.index(base) if base in op.inputs else None
+        lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
+        made[buf_.internal(op.name, tag)] = int(math.prod(L.local_shape(lay, base)) * per * nbytes)
+    return made

@@ -38,22 +38,17 @@ class Layouts:
                 f"({len(missing)} of its {len(names)} operators are not in the plan): "
                 "was the plan made for another model or size?"
             )
-        if m > 1 and (whole := whole_batch_read(graph)):  # its size under a micro-batch is not the plan's
+        if m > 1 and (whole := graph.memo(("whole_batch_read",), lambda: whole_batch_read(graph))):
+            # its size under a micro-batch is not the plan's
             raise InfeasiblePlan(
                 f"operator {whole[0].name!r} ({whole[0].kind}) reads the batch axis {whole[2]} of {whole[1]!r} whole "
                 f"(its signature cannot split it), so it cannot run on one of {m} micro-batches: use 1 micro-batch"
             )
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for t, spec in graph.tensors.items():
-            shape = list(spec.shape)
-            for a in range(len(shape)):
-                if graph.labels.get((t, a)) == graph.batch_label:
-                    if shape[a] % m:
-                        raise InfeasiblePlan(
-                            f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
-                        )
-                    shape[a] //= m
-            self.shapes[t] = tuple(shape)
+        # shared by every plan of m micro-batches of the graph (read only)
+        self.shapes: dict[str, tuple[int, ...]] = graph.memo(
+            ("microbatch_shapes", m), lambda: microbatch_shapes(graph, m)
+        )
+        self._local: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
         self._memo: dict[tuple, Layout] = {}
@@ -135,6 +130,15 @@ class Layouts:
                 out.append(Replicate())
         return Layout(mesh, tuple(out))
 
+    def local_shape(self, layout: Layout, tensor: str) -> tuple[int, ...]:
+        """The shape of every piece of ``tensor`` in ``layout`` per micro-batch (splits divide evenly,
+        so every position's box has it: ``box_shape(layout.box(flat, shapes[tensor]))``)."""
+        key = (layout, self.shapes[tensor])
+        got = self._local.get(key)
+        if got is None:
+            got = self._local[key] = box_shape(layout.box(0, key[1]))
+        return got
+
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
         key = ("in", op.name, i)
@@ -169,6 +173,24 @@ class Layouts:
 NARROWED_TO_MICROBATCH = frozenset({"constant", "factory"})
 
 
+def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape per micro-batch of ``m``: its batch axes divided by ``m``; refuses
+    (InfeasiblePlan) a batch axis that does not split into ``m``."""
+    label, labels = graph.batch_label, graph.labels
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t, spec in graph.tensors.items():
+        shape = list(spec.shape)
+        for a in range(len(shape)):
+            if labels.get((t, a)) == label:
+                if shape[a] % m:
+                    raise InfeasiblePlan(
+                        f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
+                    )
+                shape[a] //= m
+        shapes[t] = tuple(shape)
+    return shapes
+
+
 def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
     split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
@@ -187,8 +209,8 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
 def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
     """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
     its outputs (every piece has the same, since splits divide evenly)."""
-    ins = tuple(box_shape(L.needs(op, k).box(0, L.shapes[t])) for k, t in enumerate(op.inputs))
-    return ins + tuple(box_shape(L.has(op, j).box(0, L.shapes[t])) for j, t in enumerate(op.outputs))
+    ins = tuple(L.local_shape(L.needs(op, k), t) for k, t in enumerate(op.inputs))
+    return ins + tuple(L.local_shape(L.has(op, j), t) for j, t in enumerate(op.outputs))
 
 
 def full(layout: Layout) -> Layout:

@@ -70,15 +70,20 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
     for bk in order:
         for ti, t in enumerate(blocks[bk].tasks):
             at = (bk, ti)
-            kept = tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL) if t.kind is TaskKind.FORWARD else ()
-            for b in t.writes + kept:
+            made = t.writes
+            if t.saved and t.kind is TaskKind.FORWARD:
+                made = made + tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL)
+            for b in made:
                 if b and not b.static and first.setdefault(b, at) is at:
                     last.setdefault(b, at)
             if t.ring is not None and t.kind in RING_BLOCKS_IN_FLIGHT:  # held while the task runs
                 b = ring_in_flight(t.op, t.kind)
                 if first.setdefault(b, at) is at:
                     last.setdefault(b, at)
-            for b in t.reads + t.saved:
+            for b in t.reads:
+                if b and not b.static:
+                    last[b] = at
+            for b in t.saved:
                 if b and not b.static:
                     last[b] = at
     if together:
