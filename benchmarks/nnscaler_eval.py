@@ -205,12 +205,23 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
     ok = df[df["feasible"].astype(bool) & df["simulated"].astype(bool)]
     how = phases_of(df)
     if ok.empty:
-        reasons = df["reason"].dropna().astype(str).value_counts()
-        why = reasons.index[0] if len(reasons) else "no plan"
-        return Best(r, None, None, "", len(df), took, f"none fits ({why})", cpu, how)
+        return Best(r, None, None, "", len(df), took, f"none fits ({least_memory_reason(df)})", cpu, how)
     row = ok.sort_values("iter_time_s").iloc[0]
     knobs = describe(row, knob_names(r.space))
     return Best(r, float(row["iter_time_s"]), float(row["peak_mem_gib"]), knobs, len(df), took, "", cpu, how)
+
+
+def least_memory_reason(df) -> str:
+    """Why the plan needing the least memory does not fit (its simulated peak, else the screen's
+    estimate, orders the rows): the one a reader needs to see how far the space is from fitting."""
+    if df.empty:
+        return "no plan"
+    need = df["peak_mem_gib"].astype(float)
+    if "screen_mem_gib" in df:
+        need = need.fillna(df["screen_mem_gib"].astype(float))
+    order = need.fillna(math.inf).sort_values(kind="stable").index
+    reason = df.loc[order[0], "reason"]
+    return str(reason) if isinstance(reason, str) and reason else "no plan"
 
 
 def cpu_seconds() -> float:
