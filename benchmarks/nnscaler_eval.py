@@ -16,11 +16,16 @@ Per workload the script explores, with ``planlab.explore`` as a user calls it:
       and ``offload_param.device`` ``cpu``, fp16, ``overlap_comm`` false, ``deepspeed.checkpointing``
       per block), priced with the ``deepspeed`` software: ``dp*tp*recompute*offload`` with ``zero=3,
       recompute=full, offload_optimizer=True`` and the script's ``tp`` (Swin: 2, 4, 4, 8). The
-      artifact runs DeepSpeed only for Swin; for T5 and the Evoformer ``tp`` is explored. The
+      artifact runs DeepSpeed only for Swin; for T5 and the Evoformer ``tp`` is explored (T5's own
+      ``cupilot/examples/t5/train_ds.py``, which no script runs, also fixes stage 3 and checkpoints
+      every layer; its ``--offload-opt`` defaults to none, but no ZeRO-3 plan of T5 fits from 8 GPUs
+      without it, so the optimizer is offloaded there too). The
       optimizer's offload (ZeRO-Offload: states and Adam on the host, gradients and weights over
       PCIe) is priced; the parameters' offload (``offload_param``: ZeRO-3's shards fetched from host
       memory before each gather) is not, so this baseline is faster than the artifact's run and
-      keeps the weight shards in device memory;
+      keeps the weight shards in device memory. The 16- and 32-GPU Swin scripts run alpa and
+      DeepSpeed at ``GBS=16``; every run here takes global batch 256, which spreads the baselines'
+      once-an-iteration costs (optimizer step, gradient reduction) over 16 times the samples;
     - ``megatron``: the ``megatron`` space with full recomputation; for T5 on 4 GPUs the script fixes
       ``--policy megatron --max-pp 2`` (pp 2, tp = 4 / 2); elsewhere the artifact does not run it and
       the grid's data, tensor and pipeline degrees are explored;
