@@ -50,6 +50,8 @@ Every figure is the simulator's prediction with the cluster's specification (no 
 The workloads run in the order given (all: by GPU count), each line printed as its space finishes.
 
 Run: .venv/bin/python benchmarks/nnscaler_eval.py [--workloads swin-4,t5-4,...] [--jobs 2] [--out DIR]
+(``--candidates N``: simulate N plans per space, ``planlab explore --candidates``; default explore's own,
+a smaller N is a partial measurement and the table says so.)
 """
 
 from __future__ import annotations
@@ -185,7 +187,9 @@ class Best:
     phases: str = ""  # explore's phases (trace, screen, simulate, ...) and counts
 
 
-def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None) -> Best:
+def explore_run(
+    w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None, candidates: int | None = None
+) -> Best:
     """Explore one space for one workload and keep its best feasible simulated plan (with ``out``,
     explore's files for it go to ``out/<workload>/<space label>``)."""
     import planlab
@@ -201,6 +205,7 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
             fixed={"microbatch": MICROBATCH, **r.fixed},
             global_batch=GLOBAL_BATCH,
             jobs=jobs,
+            **({} if candidates is None else {"candidates": candidates}),
             software=r.software,
             out=None if out is None else out / w.key / r.label.replace("*", "x"),
         )
@@ -257,17 +262,24 @@ def speedups(b: Best, bests: dict[str, Best]) -> list[str]:
 
 
 def run_workload(
-    w: Workload, *, jobs: int, specs: Path, out: Path | None, labels: tuple[str, ...] = ()
+    w: Workload,
+    *,
+    jobs: int,
+    specs: Path,
+    out: Path | None,
+    labels: tuple[str, ...] = (),
+    candidates: int | None = None,
 ) -> dict[str, Best]:
     """Explore every space of ``w`` (with ``labels``, those only), printing one line per space as it finishes."""
     cluster, nodes = cluster_for(w.gpus, specs)
-    print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}")
+    part = "" if candidates is None else f", only {candidates} plans simulated per space (a partial measurement)"
+    print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}{part}")
     bests: dict[str, Best] = {}
     t0, c0 = time.perf_counter(), cpu_seconds()
     for r in w.runs:
         if labels and r.label not in labels:
             continue
-        b = explore_run(w, r, cluster, nodes, jobs, out)
+        b = explore_run(w, r, cluster, nodes, jobs, out, candidates)
         bests[r.label] = b
         fig = f"{b.time_s:.3f} s, {b.mem_gib:.1f} GiB  {b.knobs}" if b.time_s is not None else b.note
         print(f"  {r.label:<13} {b.plans:>4} plans, {b.took_s:5.0f} s ({b.cpu_s:.0f} s CPU): {fig}", flush=True)
@@ -314,6 +326,7 @@ def main() -> int:
         "--spaces", default="", help="comma-separated labels to explore (default: all): " + ",".join(LABELS)
     )
     ap.add_argument("--jobs", type=int, default=2, help="plans simulated in parallel")
+    ap.add_argument("--candidates", type=int, help="plans simulated per space (default: explore's)")
     ap.add_argument("--specs", default="out/nnscaler_specs", help="folder for the 4- and 8-GPU cluster spec files")
     ap.add_argument("--out", help="folder for each exploration's results.csv, best_plan.json and plots")
     a = ap.parse_args()
@@ -329,10 +342,16 @@ def main() -> int:
     if a.jobs < 1:
         print(f"--jobs {a.jobs}: expected an integer >= 1", file=sys.stderr)
         return 2
+    if a.candidates is not None and a.candidates < 1:
+        print(f"--candidates {a.candidates}: expected an integer >= 1", file=sys.stderr)
+        return 2
     t0, c0 = time.perf_counter(), cpu_seconds()
     by_key = {w.key: w for w in WORKLOADS}
     out = None if a.out is None else Path(a.out)
-    results = {k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels) for k in keys}
+    results = {
+        k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels, candidates=a.candidates)
+        for k in keys
+    }
     print_table(results)
     summary(results)
     load = os.getloadavg()
