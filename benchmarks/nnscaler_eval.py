@@ -16,11 +16,16 @@ Per workload the script explores, with ``planlab.explore`` as a user calls it:
       and ``offload_param.device`` ``cpu``, fp16, ``overlap_comm`` false, ``deepspeed.checkpointing``
       per block), priced with the ``deepspeed`` software: ``dp*tp*recompute*offload`` with ``zero=3,
       recompute=full, offload_optimizer=True`` and the script's ``tp`` (Swin: 2, 4, 4, 8). The
-      artifact runs DeepSpeed only for Swin; for T5 and the Evoformer ``tp`` is explored. The
+      artifact runs DeepSpeed only for Swin; for T5 and the Evoformer ``tp`` is explored (T5's own
+      ``cupilot/examples/t5/train_ds.py``, which no script runs, also fixes stage 3 and checkpoints
+      every layer; its ``--offload-opt`` defaults to none, but no ZeRO-3 plan of T5 fits from 8 GPUs
+      without it, so the optimizer is offloaded there too). The
       optimizer's offload (ZeRO-Offload: states and Adam on the host, gradients and weights over
       PCIe) is priced; the parameters' offload (``offload_param``: ZeRO-3's shards fetched from host
       memory before each gather) is not, so this baseline is faster than the artifact's run and
-      keeps the weight shards in device memory;
+      keeps the weight shards in device memory. The 16- and 32-GPU Swin scripts run alpa and
+      DeepSpeed at ``GBS=16``; every run here takes global batch 256, which spreads the baselines'
+      once-an-iteration costs (optimizer step, gradient reduction) over 16 times the samples;
     - ``megatron``: the ``megatron`` space with full recomputation; for T5 on 4 GPUs the script fixes
       ``--policy megatron --max-pp 2`` (pp 2, tp = 4 / 2); elsewhere the artifact does not run it and
       the grid's data, tensor and pipeline degrees are explored;
@@ -45,6 +50,8 @@ Every figure is the simulator's prediction with the cluster's specification (no 
 The workloads run in the order given (all: by GPU count), each line printed as its space finishes.
 
 Run: .venv/bin/python benchmarks/nnscaler_eval.py [--workloads swin-4,t5-4,...] [--jobs 2] [--out DIR]
+(``--candidates N``: simulate N plans per space, ``planlab explore --candidates``; default explore's own,
+a smaller N is a partial measurement and the table says so.)
 """
 
 from __future__ import annotations
@@ -180,7 +187,9 @@ class Best:
     phases: str = ""  # explore's phases (trace, screen, simulate, ...) and counts
 
 
-def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None) -> Best:
+def explore_run(
+    w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None, candidates: int | None = None
+) -> Best:
     """Explore one space for one workload and keep its best feasible simulated plan (with ``out``,
     explore's files for it go to ``out/<workload>/<space label>``)."""
     import planlab
@@ -196,6 +205,7 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
             fixed={"microbatch": MICROBATCH, **r.fixed},
             global_batch=GLOBAL_BATCH,
             jobs=jobs,
+            **({} if candidates is None else {"candidates": candidates}),
             software=r.software,
             out=None if out is None else out / w.key / r.label.replace("*", "x"),
         )
@@ -205,12 +215,23 @@ def explore_run(w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: P
     ok = df[df["feasible"].astype(bool) & df["simulated"].astype(bool)]
     how = phases_of(df)
     if ok.empty:
-        reasons = df["reason"].dropna().astype(str).value_counts()
-        why = reasons.index[0] if len(reasons) else "no plan"
-        return Best(r, None, None, "", len(df), took, f"none fits ({why})", cpu, how)
+        return Best(r, None, None, "", len(df), took, f"none fits ({least_memory_reason(df)})", cpu, how)
     row = ok.sort_values("iter_time_s").iloc[0]
     knobs = describe(row, knob_names(r.space))
     return Best(r, float(row["iter_time_s"]), float(row["peak_mem_gib"]), knobs, len(df), took, "", cpu, how)
+
+
+def least_memory_reason(df) -> str:
+    """Why the plan needing the least memory does not fit (its simulated peak, else the screen's
+    estimate, orders the rows): the one a reader needs to see how far the space is from fitting."""
+    if df.empty:
+        return "no plan"
+    need = df["peak_mem_gib"].astype(float)
+    if "screen_mem_gib" in df:
+        need = need.fillna(df["screen_mem_gib"].astype(float))
+    order = need.fillna(math.inf).sort_values(kind="stable").index
+    reason = df.loc[order[0], "reason"]
+    return str(reason) if isinstance(reason, str) and reason else "no plan"
 
 
 def cpu_seconds() -> float:
@@ -241,17 +262,24 @@ def speedups(b: Best, bests: dict[str, Best]) -> list[str]:
 
 
 def run_workload(
-    w: Workload, *, jobs: int, specs: Path, out: Path | None, labels: tuple[str, ...] = ()
+    w: Workload,
+    *,
+    jobs: int,
+    specs: Path,
+    out: Path | None,
+    labels: tuple[str, ...] = (),
+    candidates: int | None = None,
 ) -> dict[str, Best]:
     """Explore every space of ``w`` (with ``labels``, those only), printing one line per space as it finishes."""
     cluster, nodes = cluster_for(w.gpus, specs)
-    print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}")
+    part = "" if candidates is None else f", only {candidates} plans simulated per space (a partial measurement)"
+    print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}{part}")
     bests: dict[str, Best] = {}
     t0, c0 = time.perf_counter(), cpu_seconds()
     for r in w.runs:
         if labels and r.label not in labels:
             continue
-        b = explore_run(w, r, cluster, nodes, jobs, out)
+        b = explore_run(w, r, cluster, nodes, jobs, out, candidates)
         bests[r.label] = b
         fig = f"{b.time_s:.3f} s, {b.mem_gib:.1f} GiB  {b.knobs}" if b.time_s is not None else b.note
         print(f"  {r.label:<13} {b.plans:>4} plans, {b.took_s:5.0f} s ({b.cpu_s:.0f} s CPU): {fig}", flush=True)
@@ -298,6 +326,7 @@ def main() -> int:
         "--spaces", default="", help="comma-separated labels to explore (default: all): " + ",".join(LABELS)
     )
     ap.add_argument("--jobs", type=int, default=2, help="plans simulated in parallel")
+    ap.add_argument("--candidates", type=int, help="plans simulated per space (default: explore's)")
     ap.add_argument("--specs", default="out/nnscaler_specs", help="folder for the 4- and 8-GPU cluster spec files")
     ap.add_argument("--out", help="folder for each exploration's results.csv, best_plan.json and plots")
     a = ap.parse_args()
@@ -313,10 +342,16 @@ def main() -> int:
     if a.jobs < 1:
         print(f"--jobs {a.jobs}: expected an integer >= 1", file=sys.stderr)
         return 2
+    if a.candidates is not None and a.candidates < 1:
+        print(f"--candidates {a.candidates}: expected an integer >= 1", file=sys.stderr)
+        return 2
     t0, c0 = time.perf_counter(), cpu_seconds()
     by_key = {w.key: w for w in WORKLOADS}
     out = None if a.out is None else Path(a.out)
-    results = {k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels) for k in keys}
+    results = {
+        k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels, candidates=a.candidates)
+        for k in keys
+    }
     print_table(results)
     summary(results)
     load = os.getloadavg()
