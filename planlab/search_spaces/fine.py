@@ -234,18 +234,9 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
         draft.ring,
     )
     costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
-    # the program's inputs, whole: grid points that differ only in knobs the costs do not see (the
-    # uneven end stages, which the program chooses itself) share its solution
-    inputs = (
-        costs,
-        ctx.layers,
-        draft.num_stages,
-        draft.microbatches,
-        cost.device_memory_bytes,
-        draft.schedule,
-        draft.chunks,
+    return solve_layout(
+        costs, ctx.layers, draft.num_stages, draft.microbatches, cost.device_memory_bytes, draft.schedule, draft.chunks
     )
-    return ctx.graph.memo(("fine_layout",) + inputs, lambda: solve_layout(*inputs))
 
 
 def _unset(name: str, allowed: tuple) -> Constraint:
