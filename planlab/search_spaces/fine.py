@@ -101,10 +101,15 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
     lp.add(sync, c.unit_sync_s + sum(e.sync_s for e in ex), np.inf)
     work = c.unit_static_bytes + c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
     static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
-    # a device that recomputes a layer runs its forward again before its backward: that layer's working set
-    static[lp.r + d] = max(0.0, c.recompute_work_bytes - c.work_bytes)
-    for s in mine:  # k_s <= L r_d
-        lp.add({k + s: 1.0, lp.r + d: -layers}, -np.inf, 0.0)
+    # a device that recomputes a layer runs its forward again before its backward: that layer's working
+    # set. Under 1F1B a binary r_d says whether it does (k_s <= L r_d); interleaved, every device pays it
+    # (the binary's weak relaxation made one HiGHS program take 177 s of CPU instead of 3)
+    regrow = max(0.0, c.recompute_work_bytes - c.work_bytes)
+    if v == 1:
+        static[lp.r + d] = regrow
+        lp.add({k + mine[0]: 1.0, lp.r + d: -layers}, -np.inf, 0.0)
+    else:
+        work += regrow
     for f in flight_rows(schedule, d, G, m, v):
         mem = dict(static)
         for fc, s in zip(f, mine):
@@ -146,7 +151,9 @@ def solve_layout(
     # ties (the bottleneck's sync hides the others'): offload no stage more than the memory asks
     cost[n : n + stages] += TIE * c.sync_s
     cost[z : z + G] = TIE * (c.offload_sync_s - c.sync_s)
-    upper = np.array([layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [1] * G + [np.inf] * 3)
+    upper = np.array(
+        [layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [int(v == 1)] * G + [np.inf] * 3
+    )
     lower = np.array([1] * stages + [0] * (stages + 3 * G) + [0] * 3)
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
