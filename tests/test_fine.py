@@ -50,6 +50,13 @@ def test_a_memory_limit_forces_recompute_on_the_first_stage_only():
     assert solve_layout(_costs(), layers=4, stages=2, m=8, cap_bytes=100.0).recompute == (0, 0)
 
 
+def test_a_stage_that_recomputes_pays_the_regrown_layer_once():
+    # as above, but a recomputed layer's forward, run again before its backward, keeps 10 bytes for
+    # it: one recomputed layer on stage 0 needs 2 + 2 x 11 + 10 = 34 > 30, both 2 + 2 x 2 + 10 = 16
+    got = solve_layout(_costs(recompute_work_bytes=10.0), layers=4, stages=2, m=8, cap_bytes=30.0)
+    assert (got.layers, got.recompute) == ((2, 2), (2, 0))
+
+
 def test_a_heavy_output_layer_makes_the_last_stage_shorter():
     # the last stage's head and loss take 2 layers' time: 4 + 2 layers balance at 4 and 2 + 2
     head = GroupCost(2.0, 0.0, 0.0, 0.0, 0.0)

@@ -69,13 +69,15 @@ def flight_rows(schedule: str, group: int, groups: int, m: int, chunks: int) -> 
 
 class _Program:
     """The integer program under construction: its variables' positions (per stage ``n`` layers and
-    ``k`` recomputed, per device group ``o`` offloads and ``z`` = n o, then ``T`` the slowest
-    device, ``S`` the slowest sync, ``C`` the slowest chunk) and its rows (HiGHS' LinearConstraint)."""
+    ``k`` recomputed, per device group ``o`` offloads, ``z`` = n o and ``r`` whether it recomputes
+    at all, then ``T`` the slowest device, ``S`` the slowest sync, ``C`` the slowest chunk) and its
+    rows (HiGHS' LinearConstraint)."""
 
     def __init__(self, stages: int, chunks: int) -> None:
         self.stages, self.G = stages, stages // chunks
         self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
-        self.T, self.S, self.C = self.z + self.G, self.z + self.G + 1, self.z + self.G + 2
+        self.r = self.z + self.G
+        self.T, self.S, self.C = self.r + self.G, self.r + self.G + 1, self.r + self.G + 2
         self.nv = self.C + 1
         self.rows, self.lo, self.hi = [], [], []
 
@@ -99,6 +101,15 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
     lp.add(sync, c.unit_sync_s + sum(e.sync_s for e in ex), np.inf)
     work = c.unit_static_bytes + c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
     static = {n + s: c.static_bytes for s in mine} | {z + d: c.offload_static_bytes - c.static_bytes}
+    # a device that recomputes a layer runs its forward again before its backward: that layer's working
+    # set. Under 1F1B a binary r_d says whether it does (k_s <= L r_d); interleaved, every device pays it
+    # (with the binary, one interleaved HiGHS program took 177 s of CPU, against 3 s without the charge)
+    regrow = max(0.0, c.recompute_work_bytes - c.work_bytes)
+    if v == 1:
+        static[lp.r + d] = regrow
+        lp.add({k + mine[0]: 1.0, lp.r + d: -layers}, -np.inf, 0.0)
+    else:
+        work += regrow
     for f in flight_rows(schedule, d, G, m, v):
         mem = dict(static)
         for fc, s in zip(f, mine):
@@ -140,11 +151,13 @@ def solve_layout(
     # ties (the bottleneck's sync hides the others'): offload no stage more than the memory asks
     cost[n : n + stages] += TIE * c.sync_s
     cost[z : z + G] = TIE * (c.offload_sync_s - c.sync_s)
-    upper = np.array([layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [np.inf] * 3)
-    lower = np.array([1] * stages + [0] * (stages + 2 * G) + [0] * 3)
+    upper = np.array(
+        [layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [int(v == 1)] * G + [np.inf] * 3
+    )
+    lower = np.array([1] * stages + [0] * (stages + 3 * G) + [0] * 3)
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
-    integ = np.array([1] * (2 * stages + 2 * G) + [0] * 3)
+    integ = np.array([1] * (2 * stages + 3 * G) + [0] * 3)
     from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
 
     bounds = Bounds(lower, upper)

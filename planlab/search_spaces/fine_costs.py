@@ -42,6 +42,8 @@ class StageCosts:
     # unit's reduce-scatter), so that a stage of n layers is unit + n x the per-layer figures above
     unit_static_bytes: float = 0.0
     unit_sync_s: float = 0.0
+    # work_bytes when the stage recomputes a layer in full: its forward, run again, keeps its activations
+    recompute_work_bytes: float = 0.0
 
 
 def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
@@ -104,4 +106,5 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         can_offload=can_offload,
         unit_static_bytes=unit_static,
         unit_sync_s=unit_sync,
+        recompute_work_bytes=full[mid].work_bytes,
     )

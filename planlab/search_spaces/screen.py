@@ -527,7 +527,7 @@ class Screen:
                 act = float((flight_counts(schedule, r, G, m, v) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
-            mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
+            mems.append(c.static_bytes + c.gathered_bytes + act + working_bytes(p) / m)
         if d.mirror:  # DualPipe: group r runs half of stage r and half of stage G - 1 - r, and keeps both's weights
             times = [times[r] + times[G - 1 - r] for r in range(G)]
             mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]
@@ -587,9 +587,16 @@ def group_costs(screen: Screen, d: Draft, offload: tuple[bool, ...] = ()) -> lis
         c = screen._price(p, s.ids[r], sizes, m, d.zero, False, regather, d.stage_order, off)  # 1F1B: no ZB split
         p2p = screen.p2p_in_s(s, r, m, d.per_group, ranks) if ranks > 1 else 0.0
         saved = sum(b / m + o for _, (b, o) in p.saved)
-        work = 2 * p.work / m + c.gathered_bytes
+        work = working_bytes(p) / m + c.gathered_bytes
         out.append(GroupCost(c.fwd_s + c.bwd_s + c.comm_s + p2p, c.sync_s, c.static_bytes, saved, work, p2p))
     return out
+
+
+def working_bytes(p: ScreenProfile) -> float:
+    """Batch bytes a device group holds beyond its saved activations at its peak: twice the largest
+    working set (an operator's output and its gradient), or in the backward of a recomputed group
+    what its forward, run again, keeps for that backward and twice its largest working set."""
+    return max(2 * p.work, p.regrow + 2 * p.regrow_work)
 
 
 def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:

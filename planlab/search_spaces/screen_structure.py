@@ -389,6 +389,10 @@ class ScreenProfile:
     work: float  # the largest operator's working set, batch bytes
     dy: float = 0.0  # output-gradient and saved-input batch bytes of the operators with weights (what
     # zero-bubble's W reads: a product's dW = dY^T X)
+    # a recomputed group's forward runs again just before its backward and keeps for it what it would
+    # have saved: the largest such group's saved batch bytes, and the largest working set of a recomputed task
+    regrow: float = 0.0
+    regrow_work: float = 0.0
 
 
 @dataclass
@@ -524,10 +528,41 @@ def aggregate(
     saved: list[list] = [[] for _ in range(G)]
     for s in np.nonzero(touched)[0].tolist():
         saved[s % G].append((s, (float(sb[s]), float(so[s]))))
+    regrow, regrow_work = _regrown(sp, grp, rc, rcs, G, ids, task, trc, pieces)
     profiles = [
         ScreenProfile(
-            fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r])
+            *(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r])),
+            float(regrow[r]),
+            float(regrow_work[r]),
         )
         for r in range(G)
     ]
     return Structure(profiles, [], [tuple(sorted(p.items())) for p in p2p])
+
+
+def _regrown(
+    sp: Split,
+    grp: np.ndarray,
+    rc: np.ndarray,
+    rcs: np.ndarray,
+    G: int,
+    ids: Ids,
+    task: np.ndarray,
+    trc: np.ndarray,
+    pieces: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per device group, the batch bytes the largest recomputed group saves again when its forward
+    reruns before its backward (each buffer once), and the largest working set of a recomputed task."""
+    regrow, rwork = np.zeros(G), np.zeros(G)
+    works = sp.work[task] if pieces is None else (sp.work / pieces)[task]
+    np.maximum.at(rwork, grp[task][trc], works[trc])
+    sel = rc[sp.s_op]
+    if not sel.any():
+        return regrow, rwork
+    ops, nbytes = sp.s_op[sel], sp.s_bytes[sel, 0]
+    span = int(rcs.max()) + 1
+    owner = grp[ops] * span + rcs[ops]  # (device group, recompute group)
+    first = _first(owner * (len(ids.values) + 1) + sp.s_key[sel])
+    u, inv = np.unique(owner[first], return_inverse=True)
+    np.maximum.at(regrow, u // span, np.bincount(inv.ravel(), weights=nbytes[first]))
+    return regrow, rwork
