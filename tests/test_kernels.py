@@ -287,7 +287,7 @@ def vtrain_cost(nodes: int = 1) -> CostModel:
 
 def inline_device_spec(**device_change) -> dict:
     """dgx-a100-80g with its device inline (specs/devices.json's a100-80g), changed as given
-    (a None value removes the field)."""
+    (a None value removes the field; without ``sm_count`` the node states no ``collective_sms``)."""
     from planlab.costmodel.hardware import DEVICES_FILE, SPEC_DIR
 
     spec = json.loads((SPEC_DIR / "dgx-a100-80g.json").read_text())
@@ -298,6 +298,8 @@ def inline_device_spec(**device_change) -> dict:
         else:
             device[key] = value
     spec["device"] = device
+    if "sm_count" not in device:  # the SMs a collective takes are a share of the device's SMs
+        spec.pop("collective_sms", None)
     return spec
 
 
