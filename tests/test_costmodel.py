@@ -62,7 +62,9 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
     assert {"fp32", "bf16", "fp16"} <= set(c.device.peak_flops_per_s)
     assert c.network.oversubscription == 1.0  # non-blocking
     # DGX SuperPOD-style clusters are rail-optimized (NIC i of every node on leaf switch i)
-    assert c.network.rail_optimized == (name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-h800", "hgx-a100", "grand-teton")))
+    assert c.network.rail_optimized == (
+        name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-h800", "hgx-a100", "grand-teton"))
+    )
 
 
 def test_list_clusters_and_devices() -> None:
@@ -79,7 +81,17 @@ def test_list_clusters_and_devices() -> None:
         "hgx-h800",
         "mi300x-8",
     ]
-    assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h100-96g", "h200-141g", "mi300x", "v100-16g", "v100-32g"]
+    assert list_devices() == [
+        "a100-40g",
+        "a100-80g",
+        "cpu",
+        "h100-80g",
+        "h100-96g",
+        "h200-141g",
+        "mi300x",
+        "v100-16g",
+        "v100-32g",
+    ]
     assert load_device("v100-16g").memory_bytes == 16160 * MiB
 
 
