@@ -43,6 +43,7 @@ ANCHOR_TOLERANCE = 0.25  # relative error allowed against published bus bandwidt
         ("hgx-a100-80g-4nic", "a100-80g", 8, 81920 * MiB),
         ("dgx-a100-40g", "a100-40g", 8, 40960 * MiB),
         ("dgx-h100", "h100-80g", 8, 81559 * MiB),
+        ("grand-teton-h100", "h100-96g", 8, 96256 * MiB),  # torchtitan's "94GB" H100s, in GiB
         ("hgx-h200", "h200-141g", 8, 143771 * MiB),
         ("hgx-h800", "h100-80g", 8, 81559 * MiB),  # H800 SXM: H100 SXM's compute and memory
         ("dgx-1-v100", "v100-32g", 8, 32510 * MiB),
@@ -61,7 +62,9 @@ def test_load_builtin_cluster(name: str, device: str, per_node: int, memory_byte
     assert {"fp32", "bf16", "fp16"} <= set(c.device.peak_flops_per_s)
     assert c.network.oversubscription == 1.0  # non-blocking
     # DGX SuperPOD-style clusters are rail-optimized (NIC i of every node on leaf switch i)
-    assert c.network.rail_optimized == (name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-h800", "hgx-a100")))
+    assert c.network.rail_optimized == (
+        name.startswith(("dgx-a100", "dgx-h100", "hgx-h200", "hgx-h800", "hgx-a100", "grand-teton"))
+    )
 
 
 def test_list_clusters_and_devices() -> None:
@@ -72,12 +75,23 @@ def test_list_clusters_and_devices() -> None:
         "dgx-a100-40g",
         "dgx-a100-80g",
         "dgx-h100",
+        "grand-teton-h100",
         "hgx-a100-80g-4nic",
         "hgx-h200",
         "hgx-h800",
         "mi300x-8",
     ]
-    assert list_devices() == ["a100-40g", "a100-80g", "cpu", "h100-80g", "h200-141g", "mi300x", "v100-16g", "v100-32g"]
+    assert list_devices() == [
+        "a100-40g",
+        "a100-80g",
+        "cpu",
+        "h100-80g",
+        "h100-96g",
+        "h200-141g",
+        "mi300x",
+        "v100-16g",
+        "v100-32g",
+    ]
     assert load_device("v100-16g").memory_bytes == 16160 * MiB
 
 
@@ -89,6 +103,9 @@ def test_list_clusters_and_devices() -> None:
         ("h200-141g", "bf16", 989),
         ("h200-141g", "fp8", 1979),
         ("h100-80g", "fp8", 1979),
+        # torchtitan's 500 W H100: between the SXM's and the NVL's peaks (1671 / 3341 with sparsity), the middle
+        ("h100-96g", "bf16", (989 + 1671 / 2) / 2),
+        ("h100-96g", "fp8", (1979 + 3341 / 2) / 2),
         ("mi300x", "bf16", 1307.4),
         ("mi300x", "fp32", 163.4),
         ("mi300x", "fp8", 2614.9),
