@@ -38,6 +38,7 @@ def _reference() -> Path:
 
 VTRAIN_MAPE = {"single": 8.37, "multi": 14.73}  # vTrain (MICRO 2024), reference README
 GROUPS = ("hidden", "micro_batch", "tp", "pp", "dp", "nodes")
+CROSS = (("tp", "pp"), ("tp", "micro_batch"), ("hidden", "tp"))  # two factors at once: where the misses sit
 
 
 def _numbers(where: str, obj: dict, sources: dict) -> None:
@@ -78,6 +79,8 @@ def report(df: pd.DataFrame, kind: str) -> None:
         for v, s in df.groupby(g):
             parts.append(f"{v}: {s['error'].abs().mean() * 100:.1f}% ({s['error'].mean() * 100:+.1f}, n={len(s)})")
         print(f"  by {g}: " + "; ".join(parts))
+    for rows, cols in CROSS:
+        print(cross_table(df, rows, cols))
     worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(8)
     print(
         worst[
@@ -96,6 +99,14 @@ def report(df: pd.DataFrame, kind: str) -> None:
             ]
         ].to_string(index=False)
     )
+
+
+def cross_table(df: pd.DataFrame, rows: str, cols: str) -> str:
+    """Mean signed error (%) and the number of runs for every pair of ``rows`` x ``cols`` values
+    that has runs, as a printable table."""
+    cell = df.groupby([rows, cols])["error"].agg(["mean", "size"])
+    text = cell.apply(lambda r: f"{r['mean'] * 100:+.1f} ({int(r['size'])})", axis=1).unstack(cols).fillna("")
+    return f"  signed error %, {rows} (rows) x {cols} (columns), runs in brackets:\n" + text.to_string()
 
 
 def main() -> None:
