@@ -38,10 +38,28 @@ def schedule_of(plan: Plan, dev: int, blocks: dict, checked: dict) -> tuple[Acti
         )
     split = tuple(sorted(s for s, ph in blocks if ph == "I"))
     key = (tuple((a.stage, a.phase, a.microbatch) for a in given), fs, bs, ws, m, split)
-    if key not in checked:  # many devices share one schedule
+    posts = tuple(a.posts for a in given)
+    if (key, posts) not in checked:  # many devices share one schedule
         check_schedule(dev, *key)
-        checked[key] = True
+        if any(posts):
+            check_posts(dev, tuple(given))
+        checked[(key, posts)] = True
     return tuple(given)
+
+
+def check_posts(dev: int, given: tuple[Action, ...]) -> None:
+    """Refuse (InfeasiblePlan) a schedule whose action posts the receives (``Action.posts``) of an
+    action that is not in the schedule, comes before it, or is posted twice."""
+    at = {a.bare(): i for i, a in enumerate(given)}
+    seen: set[Action] = set()
+    for i, a in enumerate(given):
+        for x in a.posts:
+            x = x.bare()
+            j = at.get(x)
+            if j is None or j < i or x in seen:
+                why = "is not in its schedule" if j is None else "runs before it" if j < i else "is posted twice"
+                raise InfeasiblePlan(f"device {dev}'s action {a} posts the receives of {x}, which {why}")
+            seen.add(x)
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of its arguments: plans explored share schedules
