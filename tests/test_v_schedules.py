@@ -10,7 +10,9 @@ from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.costmodel import CostModel
 from planlab.executor import launch_local
 from planlab.plan import FP32, Block, DeviceProgram, Program, Task, TaskKind, materialize
+from planlab.errors import InfeasiblePlan
 from planlab.plan.plan import Action
+from planlab.plan.plan_file import plan_from_json, plan_to_json
 from planlab.plan.buffer import activation as A
 from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space, one_f_one_b
@@ -196,6 +198,38 @@ def test_dualpipe_published_order_runs_with_receives_posted_ahead(p, m):
     assert (bare is not None) == (p >= 8)
 
 
+def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
+    """Two alike devices, a forward and a backward each 1 s of computation, a 1 s all-to-all over
+    both devices, 1 s of computation: one after the other 6 s (2 s of it exposed all-to-all); as a
+    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation."""
+
+    def block(stage, phase, kind):
+        tasks = (
+            Task(f"{phase}a", kind, (), (A(f"a{stage}"),), flops=1e9),
+            Task(
+                f"{phase}x",
+                TaskKind.COLLECTIVE,
+                (A(f"a{stage}"),),
+                (A(f"b{stage}"),),
+                collective="all_to_all",
+                group=(0, 1),
+                nbytes=10**9,
+                ident=stage,
+            ),
+            Task(f"{phase}b", kind, (A(f"b{stage}"),), (A(f"c{stage}"),), flops=1e9),
+        )
+        return Block(stage, phase, tasks)
+
+    blocks = {(0, "F"): block(0, "F", TaskKind.FORWARD), (1, "I"): block(1, "I", TaskKind.BACKWARD)}
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, 4.0, 0.0)):
+        schedule = (Action(0, "F", 0, overlaps=overlaps), Action(1, "I", 0))
+        prog = Program(tuple(DeviceProgram(d, blocks, schedule) for d in range(2)), 1, FP32)
+        res = simulate(prog, cost)
+        assert res.iter_time_s == pytest.approx(want_s)
+        assert [d.exposed_comm_s for d in res.devices] == pytest.approx([exposed_s] * len(res.devices))
+
+
 def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
     plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
     first = plan.schedule[1]
@@ -204,6 +238,18 @@ def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
         Exception, match=rf"device 1's action {first[0]} posts the receives of 7F0, which is not in its"
     ):
         materialize(dataclasses.replace(plan, schedule=(plan.schedule[0], bad)), g)
+
+
+def test_a_dualpipe_plan_file_keeps_the_posts_and_pairs():
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
+    assert any(a.posts for s in plan.schedule for a in s) and any(a.overlaps for s in plan.schedule for a in s)
+    assert plan_from_json(plan_to_json(plan)) == plan
+    last = plan.schedule[0][-1]
+    bad = plan.schedule[0][:-1] + (Action(last.stage, last.phase, last.microbatch, overlaps=True),)
+    with pytest.raises(
+        InfeasiblePlan, match=rf"device 0's action {last} overlaps the next, but only a forward .* is the last"
+    ):
+        materialize(dataclasses.replace(plan, schedule=(bad, plan.schedule[1])), g)
 
 
 def test_a_posted_receive_out_of_order_is_a_deadlock_report():

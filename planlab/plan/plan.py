@@ -77,12 +77,17 @@ class Action:
     its channel at this point and is waited for where its own action reads it. An action may post
     its own receives (then ahead of others posted with it). Empty: every receive is posted where its
     action reads it.
+
+    ``overlaps``: the device runs this action and the next of its schedule as a pair, the
+    communication of each overlapping the computation of the other on one compute stream (DualPipe's
+    overlapped forward and backward chunks of two micro-batches); it does not change what is computed.
     """
 
     stage: int
     phase: str
     microbatch: int = 0
     posts: tuple[Action, ...] = ()
+    overlaps: bool = False
 
     def __str__(self) -> str:
         return f"{self.stage}{self.phase}{self.microbatch}"
@@ -96,8 +101,8 @@ class Action:
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
     def bare(self) -> Action:
-        """This action without ``posts``."""
-        return Action(self.stage, self.phase, self.microbatch) if self.posts else self
+        """This action without ``posts`` and ``overlaps``."""
+        return Action(self.stage, self.phase, self.microbatch) if self.posts or self.overlaps else self
 
 
 @dataclass(frozen=True)

@@ -203,20 +203,25 @@ def _ops_v3(d: dict, where: str) -> tuple[OpPlan, ...]:
 
 
 def _action_json(a: Action) -> str | dict:
-    """An action as text (``1F0``), or with the receives it posts ahead as
-    ``{"run": "1F0", "posts": ["1F1", "2I0"]}``."""
-    return {"run": str(a), "posts": [str(x) for x in a.posts]} if a.posts else str(a)
+    """An action as text (``1F0``), or with the receives it posts ahead and whether it overlaps the
+    next as ``{"run": "1F0", "posts": ["1F1", "2I0"], "overlaps": true}``."""
+    if not a.posts and not a.overlaps:
+        return str(a)
+    return {"run": str(a), "posts": [str(x) for x in a.posts], **({"overlaps": True} if a.overlaps else {})}
 
 
 def _action(a, w: str) -> Action:
     """An action as :func:`_action_json` writes it."""
     if not isinstance(a, dict):
         return Action.parse(a)
-    posts = a.get("posts", [])
-    if set(a) - {"run", "posts"} or not isinstance(posts, list):
-        raise PlanFileError(f'{w}: an action object has "run" (an action) and "posts" (a list of actions), got {a!r}')
+    posts, overlaps = a.get("posts", []), a.get("overlaps", False)
+    if set(a) - {"run", "posts", "overlaps"} or not isinstance(posts, list) or not isinstance(overlaps, bool):
+        raise PlanFileError(
+            f'{w}: an action object has "run" (an action), "posts" (a list of actions) and "overlaps" '
+            f"(true or false), got {a!r}"
+        )
     run = Action.parse(a.get("run"))
-    return Action(run.stage, run.phase, run.microbatch, tuple(Action.parse(x) for x in posts))
+    return Action(run.stage, run.phase, run.microbatch, tuple(Action.parse(x) for x in posts), overlaps)
 
 
 def _actions(s, w: str, version: int) -> tuple[Action, ...]:

@@ -20,7 +20,10 @@ micro-batches (``m >= p``). A step runs eight parts, with ``n = p / 2`` and ``h 
 8. the ``h + 1`` deferred weight-gradient computations left.
 
 A backward is an ``I`` action; its ``W`` follows at once unless deferred (then the deferred ones
-run first in, first out). DualPipe issues its point-to-point operations in batches
+run first in, first out). The forward of a pair (parts 4 and 5) ``overlaps`` the backward's ``I``
+after it (:mod:`planlab.simulator.pairs` runs the two together, each one's communication beside
+the other's computation), as DualPipe's ``overlapped_forward_backward`` does; the middle ranks'
+first pair of part 4 is not overlapped, as in DualPipe. DualPipe issues its point-to-point operations in batches
 (``batch_isend_irecv``) and posts some receives one computation ahead (part 2 posts the next phase-0
 input before the phase-1 forward, part 3 the phase-1 input before the weight-gradient
 computation, a pair posts the backward's gradient before its forward): each action here carries,
@@ -73,11 +76,11 @@ class _Order:
             self.events.append((False, Action(self._stage(c), "I", self.rb[c])))
             self.rb[c] += 1
 
-    def forward(self, phase: int, recv: bool = True) -> None:
+    def forward(self, phase: int, recv: bool = True, overlaps: bool = False) -> None:
         c = self._copy(phase)
         if recv:
             self.recv_f(phase)
-        self.events.append((True, Action(self._stage(c), "F", self.f[c])))
+        self.events.append((True, Action(self._stage(c), "F", self.f[c], overlaps=overlaps)))
         self.f[c] += 1
 
     def backward(self, phase: int, defer: bool = False, recv: bool = True) -> None:
@@ -96,11 +99,12 @@ class _Order:
         self.events.append((True, self.deferred.popleft()))
 
     def pair(self, phase0: int, phase1: int, recv0: bool = True) -> None:
-        """A forward of ``phase0`` with a backward of ``phase1``: both receives posted, then both run."""
+        """A forward of ``phase0`` with a backward of ``phase1``: both receives posted, then both run
+        overlapped (the forward ``overlaps`` the backward's ``I``; its ``W`` follows)."""
         if recv0:
             self.recv_f(phase0)
         self.recv_b(phase1)
-        self.forward(phase0, recv=False)
+        self.forward(phase0, recv=False, overlaps=True)
         self.backward(phase1, recv=False)
 
     def actions(self) -> list[Action]:
@@ -111,7 +115,8 @@ class _Order:
             if not computes:
                 window.append(a)
                 continue
-            out.append(Action(a.stage, a.phase, a.microbatch, tuple(window)) if window and window != [a] else a)
+            posts = tuple(window) if window and window != [a.bare()] else ()
+            out.append(Action(a.stage, a.phase, a.microbatch, posts, a.overlaps))
             window = []
         return out
 
