@@ -212,8 +212,9 @@ class DeviceRun:
         self.by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
 
     def run(self):
-        """The device's process: every action of its schedule, unit by unit (segments, sends and
-        receives, the most frequent units, without a generator of their own)."""
+        """The device's process: every action of its schedule, unit by unit (segments and sends, the
+        most frequent units, without a generator of their own); an action that ``overlaps`` the next
+        runs with it as a pair (:func:`~planlab.simulator.pairs.run_pair`)."""
         sim, env, st, rep = self.sim, self.sim.env, self.st, self.rep
         timeline, slowdown, factor = sim.timeline, sim.overlap_slowdown, self.factor
         if timeline:
@@ -253,6 +254,8 @@ class DeviceRun:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
                     self.send(u, a)
+                elif isinstance(u, Recv):
+                    yield from self.recv(u, a)
                 else:
                     yield from self.unit(u, a, action)
         if self.in_flight or self.owed_s:
