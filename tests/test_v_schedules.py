@@ -228,6 +228,10 @@ def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
         res = simulate(prog, cost)
         assert res.iter_time_s == pytest.approx(want_s)
         assert [d.exposed_comm_s for d in res.devices] == pytest.approx([exposed_s] * len(res.devices))
+    # computation twice as slow beside a collective: the backward's first second of computation runs
+    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s
+    slowed = simulate(prog, cost, overlap_slowdown=2.0).iter_time_s
+    assert 4.0 < slowed < 6.0
 
 
 def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
