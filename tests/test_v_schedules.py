@@ -2,12 +2,17 @@
 golden text, every action once in a dependency-respecting, deadlock-free order, their bubbles in
 the simulator against the papers' formulas (idealised costs), and ZB-V plans on gloo ranks."""
 
+import dataclasses
+
 import pytest
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.costmodel import CostModel
 from planlab.executor import launch_local
 from planlab.plan import FP32, Block, DeviceProgram, Program, Task, TaskKind, materialize
+from planlab.errors import InfeasiblePlan
+from planlab.plan.plan import Action
+from planlab.plan.plan_file import plan_from_json, plan_to_json
 from planlab.plan.buffer import activation as A
 from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space, one_f_one_b
@@ -25,11 +30,12 @@ GOLDEN_ZBV = [
     "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 2F5 5F3 2F6 5I0 5I1 5F4 5W0 5F5 2I0 5W1 2I1 2F7 5I2 5I3 5I4 2W0 5I5 5F6 2I2 2I3 2W1 2I4 5W2 2I5 5I6 5F7 5W3 2I6 5W4 5W5 5I7 2W2 2W3 2I7 2W4 2W5 5W6 2W6 5W7 2W7",
     "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4F4 3F5 4F5 3F6 4I0 3I0 4I1 3I1 4W0 3W0 4F6 4W1 3F7 4I2 3I2 4I3 3I3 4I4 3I4 4I5 3I5 3W1 4F7 4I6 3I6 4W2 3W2 4W3 3W3 4I7 3I7 4W4 3W4 4W5 3W5 4W6 3W6 4W7 3W7",
 ]
-# DualPipe for p=4, m=8: rank r runs stage r for the halves going down and stage 3 - r for those
-# coming up; rank 3 - r's list is rank r's (the placement is a mirror)
+# DualPipe for p=4, m=8 (DualPipe's own order, deepseek-ai/DualPipe's step): rank r runs stage r for
+# the halves going down and stage 3 - r for those coming up; rank 3 - r's list is rank r's (the
+# placement is a mirror)
 GOLDEN_DUALPIPE = [
-    "0F0 0F1 0F2 3F0 3I0 3F1 3I1 3W0 0F3 3W1 3F2 0I0 0I1 3I2 0W0 0F4 0W1 3F3 0I2 3I3 3W2 0F5 0W2 3F4 0I3 3I4 3W3 0F6 0W3 3F5 0I4 3I5 3W4 0F7 0W4 3F6 0I5 3I6 3W5 0W5 3W6 3F7 0I6 3I7 0W6 3W7 0I7 0W7",
-    "1F0 2F0 1F1 2F1 1F2 2I0 2I1 2W0 2F2 1I0 1I1 2W1 1F3 2I2 1W0 2F3 1I2 1W1 1F4 2I3 2W2 2F4 1I3 1W2 1F5 2I4 2W3 2F5 1I4 1W3 1F6 2I5 2W4 2F6 1I5 1W4 1F7 2I6 2W5 2F7 1I6 1W5 2W6 2I7 1I7 1W6 2W7 1W7",
+    "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 0F4 3I2 3W2 3F3 0I1 0W1 0F5 3I3 3W3 3F4 0I2 0W2 0F6 3I4 3W4 3F5 0I3 0W3 0F7 3I5 3W5 3F6 0I4 0W4 3I6 3W6 3F7 0I5 0W5 3I7 3W7 0I6 0W6 0I7 0W7",
+    "1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 1F4 2I2 2W2 2F4 1I2 1W2 1F5 2I3 2W3 2F5 1I3 1W3 1F6 2I4 2W4 2F6 1I4 1W4 1F7 2I5 2W5 2F7 1I5 1W5 2I6 2W6 1I6 1W6 2I7 1I7 2W7 1W7",
 ]
 
 
@@ -99,6 +105,24 @@ def _zbv_stages(p):
     return of
 
 
+def _dualpipe_stages(p):
+    """Rank ``d``'s two stages: ``d`` going down (from rank ``d - 1`` to ``d + 1``) and ``p - 1 - d``
+    coming up (from rank ``d + 1`` to ``d - 1``)."""
+
+    def of(d):
+        up = p - 1 - d
+        return [
+            (d, (d - 1, d - 1) if d else None, (d + 1, d + 1) if d < p - 1 else None),
+            (up, (up - 1, d + 1) if up else None, (up + 1, d - 1) if up < p - 1 else None),
+        ]
+
+    return of
+
+
+def _bare(schedule):
+    return lambda d, p, m: [a.bare() for a in schedule(d, p, m)]
+
+
 def _chain_stages(p):
     return lambda d: [(d, (d - 1, d - 1) if d else None, (d + 1, d + 1) if d < p - 1 else None)]
 
@@ -152,6 +176,100 @@ def test_peaks_in_flight():
     scheduler up to 13 (entries below 3p = 12); DualPipe's report p + 1 (5). The list scheduler's figures are recorded here (docs/spaces.md)."""
     assert [peak_in_flight(zb_v(r, 4, 8)) for r in range(4)] == [11, 12, 12, 13]
     assert [peak_in_flight(dualpipe(r, 4, 8)) for r in range(4)] == [5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16), (16, 20)])
+def test_dualpipe_published_order_runs_with_receives_posted_ahead(p, m):
+    """DualPipe's own order (receives posted ahead): every action once, F before I before W, at most
+    p + 1 chunks in flight and exactly p + 1 somewhere; the dry run and the simulator pass it on 2 to
+    16 ranks. Without its posts, the same order deadlocks from 8 ranks on (messages matched in order)."""
+    for r in range(p):
+        acts = dualpipe(r, p, m)
+        stages = (r, p - 1 - r)
+        assert sorted(map(str, acts)) == sorted(f"{s}{ph}{k}" for s in stages for ph in "FIW" for k in range(m))
+        pos = {str(a): i for i, a in enumerate(acts)}
+        assert all(pos[f"{s}F{k}"] < pos[f"{s}I{k}"] < pos[f"{s}W{k}"] for s in stages for k in range(m))
+    assert max(peak_in_flight(dualpipe(r, p, m)) for r in range(p)) == p + 1
+    prog = _v_program(p, m, dualpipe, 1, 1, 1, _dualpipe_stages(p))
+    assert find_deadlock(prog) is None
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 2))
+    assert simulate(prog, cost).iter_time_s >= 2 * 3 * m  # two stages of F = I = W = 1 s each way
+    bare = find_deadlock(_v_program(p, m, _bare(dualpipe), 1, 1, 1, _dualpipe_stages(p)), raise_error=False)
+    assert (bare is not None) == (p >= 8)
+
+
+def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
+    """Two alike devices, a forward and a backward each 1 s of computation, a 1 s all-to-all over
+    both devices, 1 s of computation: one after the other 6 s (2 s of it exposed all-to-all); as a
+    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation."""
+
+    def block(stage, phase, kind):
+        tasks = (
+            Task(f"{phase}a", kind, (), (A(f"a{stage}"),), flops=1e9),
+            Task(
+                f"{phase}x",
+                TaskKind.COLLECTIVE,
+                (A(f"a{stage}"),),
+                (A(f"b{stage}"),),
+                collective="all_to_all",
+                group=(0, 1),
+                nbytes=10**9,
+                ident=stage,
+            ),
+            Task(f"{phase}b", kind, (A(f"b{stage}"),), (A(f"c{stage}"),), flops=1e9),
+        )
+        return Block(stage, phase, tasks)
+
+    blocks = {(0, "F"): block(0, "F", TaskKind.FORWARD), (1, "I"): block(1, "I", TaskKind.BACKWARD)}
+    cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
+    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, 4.0, 0.0)):
+        schedule = (Action(0, "F", 0, overlaps=overlaps), Action(1, "I", 0))
+        prog = Program(tuple(DeviceProgram(d, blocks, schedule) for d in range(2)), 1, FP32)
+        res = simulate(prog, cost)
+        assert res.iter_time_s == pytest.approx(want_s)
+        assert [d.exposed_comm_s for d in res.devices] == pytest.approx([exposed_s] * len(res.devices))
+    # computation twice as slow beside a collective: the backward's first second of computation runs
+    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s
+    slowed = simulate(prog, cost, overlap_slowdown=2.0).iter_time_s
+    assert 4.0 < slowed < 6.0
+
+
+def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
+    first = plan.schedule[1]
+    bad = (Action(first[0].stage, first[0].phase, first[0].microbatch, (Action(7, "F", 0),)),) + first[1:]
+    with pytest.raises(
+        Exception, match=rf"device 1's action {first[0]} posts the receives of 7F0, which is not in its"
+    ):
+        materialize(dataclasses.replace(plan, schedule=(plan.schedule[0], bad)), g)
+
+
+def test_a_dualpipe_plan_file_keeps_the_posts_and_pairs():
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
+    assert any(a.posts for s in plan.schedule for a in s) and any(a.overlaps for s in plan.schedule for a in s)
+    assert plan_from_json(plan_to_json(plan)) == plan
+    last = plan.schedule[0][-1]
+    bad = plan.schedule[0][:-1] + (Action(last.stage, last.phase, last.microbatch, overlaps=True),)
+    with pytest.raises(
+        InfeasiblePlan, match=rf"device 0's action {last} overlaps the next, but only a forward .* is the last"
+    ):
+        materialize(dataclasses.replace(plan, schedule=(bad, plan.schedule[1])), g)
+
+
+def test_a_posted_receive_out_of_order_is_a_deadlock_report():
+    """Two sends from device 0 (x then y); device 1 posts y's receive first: the dry run names it."""
+    send = lambda n, tag: Task(f"send_{n}", TaskKind.SEND, (A(n),), (), peer=1, tag=tag)  # noqa: E731
+    recv = lambda n, tag: Task(f"recv_{n}", TaskKind.RECV, (), (A(n),), peer=0, tag=tag)  # noqa: E731
+    d0 = DeviceProgram(0, {(0, "F"): Block(0, "F", (send("x", 0), send("y", 1)))}, (Action(0, "F", 0),))
+    blocks = {(1, "F"): Block(1, "F", (recv("x", 0),)), (2, "F"): Block(2, "F", (recv("y", 1),))}
+    good = (Action(1, "F", 0, (Action(1, "F", 0), Action(2, "F", 0))), Action(2, "F", 0))
+    bad = (Action(1, "F", 0, (Action(2, "F", 0), Action(1, "F", 0))), Action(2, "F", 0))
+    assert find_deadlock(Program((d0, DeviceProgram(1, blocks, good)), 1, FP32)) is None
+    report = find_deadlock(Program((d0, DeviceProgram(1, blocks, bad)), 1, FP32), raise_error=False)
+    assert (
+        "device 1 expects R:recv_x<-0 (micro-batch 0) from device 0, but its message on that channel is send_y"
+        in report
+    )
 
 
 def test_dualpipe_plan_mirrors_the_stages():

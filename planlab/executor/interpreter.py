@@ -30,6 +30,7 @@ from planlab.models.vocab_parallel import VOCAB_EMBEDDINGS
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import GATHERED_KINDS, Buffer, BufferKind
 from planlab.plan.layout import Box
+from planlab.plan.plan import Action
 from planlab.plan.program import DeviceProgram, Program, Recompute, Role, Task, TaskKind
 
 
@@ -212,6 +213,7 @@ class Interpreter:
         self.bufs: dict[tuple[Buffer, int], torch.Tensor] = {}
         self.ctx: dict[tuple[str, int], tuple] = {}
         self.pending: list = []
+        self.posted: dict[tuple, tuple] = {}  # receives posted ahead of their action, by (action, task)
         self.overlapped: list = []
         self.capture = capture_grads
         self.timeline = []
@@ -227,6 +229,8 @@ class Interpreter:
             self.action = action
             if progress is not None:
                 progress.phase(f"step {step}, action {action}")
+            for x in action.posts:
+                self._post(x, last_mb)
             for task, fn, label, frees, gathered, is_loss in self._steps(action):
                 if task.final and mb != last_mb:
                     continue  # runs with the last micro-batch only
@@ -379,10 +383,28 @@ class Interpreter:
         x = self._get(task.reads[0], mb)[_slices(task.region)].contiguous()
         self.pending.append((dist.isend(x, dst=task.peer, tag=task.tag), task, x))
 
-    def _recv(self, task: Task, mb: int) -> None:
+    def _recv_buffer(self, task: Task) -> torch.Tensor:
         shape = tuple(b - a for a, b in task.region)
-        buf = torch.empty(shape, dtype=_dtype(task.dtype), device=self.torch_device)
-        dist.recv(buf, src=task.peer, tag=task.tag)
+        return torch.empty(shape, dtype=_dtype(task.dtype), device=self.torch_device)
+
+    def _post(self, x: Action, last_mb: int) -> None:
+        """Post the receives of action ``x`` ahead of it (``Action.posts``): ``irecv`` now, in order,
+        waited for where ``x`` reads them (:meth:`_recv`)."""
+        for t in self.dp.block(x).tasks:
+            if t.kind is TaskKind.RECV and (not t.final or x.microbatch == last_mb):
+                buf = self._recv_buffer(t)
+                work = dist.irecv(buf, src=t.peer, tag=t.tag)
+                self.posted[(x.stage, x.phase, x.microbatch, t.name, t.tag)] = (work, buf)
+
+    def _recv(self, task: Task, mb: int) -> None:
+        a = self.action
+        got = self.posted.pop((a.stage, a.phase, mb, task.name, task.tag), None)
+        if got is None:
+            buf = self._recv_buffer(task)
+            dist.recv(buf, src=task.peer, tag=task.tag)
+        else:
+            got[0].wait()
+            buf = got[1]
         self._put(task.writes[0], mb, buf, task, task.accumulate)
 
     def _reads(self, task: Task) -> tuple:

@@ -70,11 +70,24 @@ class Action:
     (zero-bubble schedules split ``B`` into the two), and ``U`` the update: weight-gradient
     reduction and optimizer step, once per iteration. Text form ``{stage}{phase}{microbatch}``
     as in pipelining's schedules, e.g. ``1F0``.
+
+    ``posts`` names the actions whose receives the device posts, in this order, when it reaches this
+    action and before running it (``torch.distributed.irecv`` posted ahead, as DualPipe's
+    ``batch_isend_irecv`` does): each of those receives then takes its place among the messages of
+    its channel at this point and is waited for where its own action reads it. An action may post
+    its own receives (then ahead of others posted with it). Empty: every receive is posted where its
+    action reads it.
+
+    ``overlaps``: the device runs this action and the next of its schedule as a pair, the
+    communication of each overlapping the computation of the other on one compute stream (DualPipe's
+    overlapped forward and backward chunks of two micro-batches); it does not change what is computed.
     """
 
     stage: int
     phase: str
     microbatch: int = 0
+    posts: tuple[Action, ...] = ()
+    overlaps: bool = False
 
     def __str__(self) -> str:
         return f"{self.stage}{self.phase}{self.microbatch}"
@@ -86,6 +99,10 @@ class Action:
         if not m:
             raise ConfigError(f"{text!r} is not an action like '0F3' (stage, phase F/B/I/W/U, microbatch)")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+    def bare(self) -> Action:
+        """This action without ``posts`` and ``overlaps``."""
+        return Action(self.stage, self.phase, self.microbatch) if self.posts or self.overlaps else self
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def plan_to_dict(plan: Plan) -> dict:
             for dims, sizes, mesh, stage, recompute, ring in placements
         ],
         "ops": ops,
-        "schedules": [[str(a) for a in s] for s in schedules],
+        "schedules": [[_action_json(a) for a in s] for s in schedules],
         "device_schedule": device_schedule,
         **({"zero": plan.zero} if plan.zero else {}),
         **({"offload_optimizer": True} if plan.offload_optimizer else {}),
@@ -202,13 +202,35 @@ def _ops_v3(d: dict, where: str) -> tuple[OpPlan, ...]:
     return tuple(ops)
 
 
+def _action_json(a: Action) -> str | dict:
+    """An action as text (``1F0``), or with the receives it posts ahead and whether it overlaps the
+    next as ``{"run": "1F0", "posts": ["1F1", "2I0"], "overlaps": true}``."""
+    if not a.posts and not a.overlaps:
+        return str(a)
+    return {"run": str(a), "posts": [str(x) for x in a.posts], **({"overlaps": True} if a.overlaps else {})}
+
+
+def _action(a, w: str) -> Action:
+    """An action as :func:`_action_json` writes it."""
+    if not isinstance(a, dict):
+        return Action.parse(a)
+    posts, overlaps = a.get("posts", []), a.get("overlaps", False)
+    if set(a) - {"run", "posts", "overlaps"} or not isinstance(posts, list) or not isinstance(overlaps, bool):
+        raise PlanFileError(
+            f'{w}: an action object has "run" (an action), "posts" (a list of actions) and "overlaps" '
+            f"(true or false), got {a!r}"
+        )
+    run = Action.parse(a.get("run"))
+    return Action(run.stage, run.phase, run.microbatch, tuple(Action.parse(x) for x in posts), overlaps)
+
+
 def _actions(s, w: str, version: int) -> tuple[Action, ...]:
     if not isinstance(s, list):
         raise PlanFileError(f"{w} must be a list of actions")
     try:
         if version == 1:  # version 1 named the once-per-iteration update W
             s = [a.replace("W", "U") if isinstance(a, str) else a for a in s]
-        return tuple(Action.parse(a) for a in s)
+        return tuple(_action(a, w) for a in s)
     except ConfigError as e:
         raise PlanFileError(f"{w}: {e}") from None
 

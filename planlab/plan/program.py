@@ -54,6 +54,15 @@ class Role(StrEnum):
     KEEP_GRAPH = "keep-graph"  # BACKWARD: zero-bubble's input-gradient part of a piece whose W part follows
 
 
+class Step(StrEnum):
+    """How a device issues a task (:meth:`DeviceProgram.steps`): runs it, posts a receive ahead of
+    the action that reads it (``Action.posts``), or waits for a receive posted before."""
+
+    RUN = "run"
+    POST = "post"
+    WAIT = "wait"
+
+
 class Recompute(StrEnum):
     """A task's part in activation recomputation."""
 
@@ -287,6 +296,23 @@ class DeviceProgram:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     host_bytes: int = 0  # host memory (a pool apart): offloaded master weights, optimizer states, gradients
+
+    def steps(self):
+        """Yield ``(action, task, Step)`` in the order the device issues them: each action's posted
+        receives (``Action.posts``, in order, as :attr:`Step.POST`) before its own tasks, of which a
+        receive posted before is :attr:`Step.WAIT` (``final`` tasks with the last micro-batch only)."""
+        last = max((a.microbatch for a in self.schedule), default=0)
+        posted: set[tuple[Action, int]] = set()
+        for a in self.schedule:
+            for x in a.posts:
+                for i, t in enumerate(self.block(x).tasks):
+                    if t.kind is TaskKind.RECV and (not t.final or x.microbatch == last):
+                        posted.add((x.bare(), i))
+                        yield x, t, Step.POST
+            bare = a.bare()
+            for i, t in enumerate(self.block(a).tasks):
+                if not t.final or a.microbatch == last:
+                    yield a, t, Step.WAIT if (bare, i) in posted else Step.RUN
 
     @property
     def static_bytes(self) -> int:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from planlab.plan.plan import Action
 from planlab.errors import InternalError
+from planlab.search_spaces.dualpipe import published
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,13 @@ def dualpipe(rank: int, ranks: int, microbatches: int) -> list[Action]:
     """DualPipe over ``ranks`` (even) ranks: the half of every micro-batch going down runs the
     stages ``0 .. ranks - 1`` on ranks ``0 .. ranks - 1``, the half coming up the same stages on
     ranks ``ranks - 1 .. 0``; actions name the model stage (rank ``r`` runs stage ``r`` down and
-    ``ranks - 1 - r`` up). At most ``ranks + 1`` half micro-batches' chunks in flight per rank
-    (the report's PP + 1)."""
+    ``ranks - 1 - r`` up). With at least ``ranks`` micro-batches, DualPipe's own order with its
+    receives posted ahead (:func:`planlab.search_spaces.dualpipe.published`: ``ranks + 1`` half
+    micro-batches' chunks in flight at most, the report's PP + 1); with fewer (which DualPipe does
+    not run), the list scheduler's, at most ``ranks + 1`` in flight unless every rank would wait."""
     p = ranks
+    if microbatches >= p:
+        return published(rank, p, microbatches)
     down = Chain(tuple(range(p)), tuple(range(microbatches)))
     up = Chain(tuple(range(p, 2 * p)), tuple(range(microbatches)))
     acts = within(p, (down, up), p + 1)[rank]

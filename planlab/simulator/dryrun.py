@@ -1,17 +1,20 @@
 """The dry run: step every device through its tasks without timing to find deadlocks.
 
 Sends never block (they are queued per channel, first in first out, as NCCL
-and gloo match them); a receive waits for its channel's next message, which
-must be the one it expects; a collective waits until every member of its
-group has reached it, and all must have reached the same one.
+and gloo match them); a receive takes its channel's next message when it is
+issued, which must be the one it expects: where its action runs, or ahead of
+it where an action posts it (``Action.posts``), the device then waiting for
+the message only where the receive's action reads it. A collective waits
+until every member of its group has reached it, and all must have reached the
+same one.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 
 from planlab.errors import DeadlockError
-from planlab.plan.program import Program, TaskKind
+from planlab.plan.program import Program, Step, TaskKind
 
 
 def find_deadlock(program: Program, *, raise_error: bool = True) -> str | None:
@@ -36,9 +39,11 @@ class _DryRun:
     """Every device's tasks in order, where each device is, and the messages on each channel."""
 
     def __init__(self, program: Program) -> None:
-        self.seqs = {dp.device: [(a, t) for a, t in dp.tasks_in_order()] for dp in program.devices}
+        self.seqs = {dp.device: list(dp.steps()) for dp in program.devices}
         self.pos = {d: 0 for d in self.seqs}
-        self.chan: dict[tuple[int, int], deque] = defaultdict(deque)
+        self.chan: dict[tuple[int, int], list] = defaultdict(list)  # messages sent, in order
+        self.taken: dict[tuple[int, int], int] = defaultdict(int)  # receives issued on each channel
+        self.slot: dict[tuple[int, int], int] = {}  # (device, step) of a posted receive's wait: its message
 
     def run(self) -> tuple[int, int, str] | None:
         """Step until every device is done (None) or none can move: ``(device, step, message)``."""
@@ -59,34 +64,40 @@ class _DryRun:
         progress, waiting = False, {}
         for d, seq in self.seqs.items():
             while self.pos[d] < len(seq):
-                a, t = seq[self.pos[d]]
+                a, t, how = seq[self.pos[d]]
                 if t.kind is TaskKind.SEND:
                     self.chan[(d, t.peer)].append((t.tag, a.microbatch, t.name))
                 elif t.kind is TaskKind.RECV:
-                    q = self.chan[(t.peer, d)]
-                    if not q:
-                        break
-                    tag, mb, name = q[0]
-                    if (tag, mb) != (t.tag, a.microbatch):
-                        return (
-                            progress,
-                            waiting,
-                            (
-                                d,
-                                self.pos[d],
-                                f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
-                                f"{t.peer}, but the next message on that channel is {name} "
-                                f"(micro-batch {mb}): the two devices order their transfers differently",
-                            ),
-                        )
-                    q.popleft()
+                    ch, key = (t.peer, d), (d, a.bare(), t.name, t.tag)
+                    if how is Step.POST:  # takes its place on the channel now, waited for later
+                        self.slot[key] = self.taken[ch]
+                        self.taken[ch] += 1
+                    else:
+                        at = self.slot[key] if how is Step.WAIT else self.taken[ch]
+                        if at >= len(self.chan[ch]):
+                            break
+                        tag, mb, name = self.chan[ch][at]
+                        if (tag, mb) != (t.tag, a.microbatch):
+                            return progress, waiting, self._out_of_order(d, a, t, mb, name)
+                        self.taken[ch] += how is Step.RUN
+                        self.slot.pop(key, None)
                 elif _waits_on_group(t):
                     break
                 self.pos[d] += 1
                 progress = True
             if self.pos[d] < len(seq) and _waits_on_group(seq[self.pos[d]][1]):
-                waiting[d] = seq[self.pos[d]]
+                waiting[d] = seq[self.pos[d]][:2]
         return progress, waiting, None
+
+    def _out_of_order(self, d: int, a, t, mb: int, name: str) -> tuple[int, int, str]:
+        """A receive whose message on its channel is another's."""
+        return (
+            d,
+            self.pos[d],
+            f"device {d} expects {t} (micro-batch {a.microbatch}) from device "
+            f"{t.peer}, but its message on that channel is {name} "
+            f"(micro-batch {mb}): the two devices order their transfers differently",
+        )
 
     def _meet(self, waiting: dict) -> tuple[bool, tuple | None]:
         """Collectives whose members all wait at the same one proceed together; returns whether
@@ -126,7 +137,7 @@ class _DryRun:
         lines = []
         for d, seq in self.seqs.items():
             if self.pos[d] < len(seq):
-                a, t = seq[self.pos[d]]
+                a, t, _ = seq[self.pos[d]]
                 if t.kind is TaskKind.RECV:
                     lines.append(f"device {d} waits at {t} (action {a}) for device {t.peer}")
                 else:

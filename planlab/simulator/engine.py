@@ -33,6 +33,7 @@ from planlab.plan.program import Program
 from planlab.simulator.classes import device_classes
 from planlab.simulator.exchange import exchange_prices
 from planlab.simulator.network import Network
+from planlab.simulator.pairs import run_pair
 from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import (
     AsyncCollective,
@@ -211,17 +212,26 @@ class DeviceRun:
         self.by_name: dict[str, simpy.Process] = {}  # the latest overlapped collective of each name
 
     def run(self):
-        """The device's process: every action of its schedule, unit by unit (segments, sends and
-        receives, the most frequent units, without a generator of their own)."""
+        """The device's process: every action of its schedule, unit by unit (segments and sends, the
+        most frequent units, without a generator of their own); an action that ``overlaps`` the next
+        runs with it as a pair (:func:`~planlab.simulator.pairs.run_pair`)."""
         sim, env, st, rep = self.sim, self.sim.env, self.st, self.rep
         timeline, slowdown, factor = sim.timeline, sim.overlap_slowdown, self.factor
         if timeline:
             sim.memory.append((rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
-        for action in self.dp.schedule:
+        schedule, paired = self.dp.schedule, None
+        for i, action in enumerate(schedule):
             a = str(action)
             if action.phase == "U" and (self.in_flight or self.owed_s):
                 yield from self.drain(a)
+            if paired is not None:  # ran with the action before it
+                paired = None
+                continue
+            if action.overlaps and i + 1 < len(schedule):
+                paired = schedule[i + 1]
+                yield from run_pair(self, action, paired, last_mb)
+                continue
             for u in self.block_units(action, action.microbatch == last_mb):
                 if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
                     # stretched while an overlapped collective shares the device; class-internal collectives
@@ -244,26 +254,39 @@ class DeviceRun:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
                     self.send(u, a)
-                elif isinstance(u, Recv):  # wait for the channel's next message (a pipeline bubble)
-                    start, box = env.now, sim.mailbox(u.peer, rep, u.tag)
-                    arrival = box.take() if box.arrivals else (yield box.wait(env))
-                    if arrival > env.now:
-                        yield env.timeout(arrival - env.now)
-                    st["wait_s"] += env.now - start
-                    st["bubble_s"] += env.now - start
-                    self.bump(u.alloc_bytes, u.task)
-                    self.mem += u.alloc_bytes
-                    if timeline:
-                        sim.record(rep, "wait", a, u.task, start, env.now)
-                elif isinstance(u, AsyncCollective):
-                    yield from self.start_overlapped(u, a, action)
-                elif isinstance(u, Await):
-                    yield from self.wait_for(u, a)
-                elif isinstance(u, Collective):
-                    yield from self.collective(u, a, action)
+                elif isinstance(u, Recv):
+                    yield from self.recv(u, a)
+                else:
+                    yield from self.unit(u, a, action)
         if self.in_flight or self.owed_s:
             yield from self.drain("end")
         self.st["finish"] = sim.env.now
+
+    def unit(self, u, a: str, action: Action):
+        """Run one unit other than a segment or a send: a receive, an overlapped collective's start
+        or wait, a collective across classes."""
+        if isinstance(u, Recv):
+            yield from self.recv(u, a)
+        elif isinstance(u, AsyncCollective):
+            yield from self.start_overlapped(u, a, action)
+        elif isinstance(u, Await):
+            yield from self.wait_for(u, a)
+        elif isinstance(u, Collective):
+            yield from self.collective(u, a, action)
+
+    def recv(self, u: Recv, a: str):
+        """Wait for the channel's next message (a pipeline bubble)."""
+        sim, env, st = self.sim, self.sim.env, self.st
+        start, box = env.now, sim.mailbox(u.peer, self.rep, u.tag)
+        arrival = box.take() if box.arrivals else (yield box.wait(env))
+        if arrival > env.now:
+            yield env.timeout(arrival - env.now)
+        st["wait_s"] += env.now - start
+        st["bubble_s"] += env.now - start
+        self.bump(u.alloc_bytes, u.task)
+        self.mem += u.alloc_bytes
+        if sim.timeline:
+            sim.record(self.rep, "wait", a, u.task, start, env.now)
 
     def start(self) -> None:
         """Start the device's process."""

@@ -38,10 +38,35 @@ def schedule_of(plan: Plan, dev: int, blocks: dict, checked: dict) -> tuple[Acti
         )
     split = tuple(sorted(s for s, ph in blocks if ph == "I"))
     key = (tuple((a.stage, a.phase, a.microbatch) for a in given), fs, bs, ws, m, split)
-    if key not in checked:  # many devices share one schedule
+    posts = tuple((a.posts, a.overlaps) for a in given)
+    if (key, posts) not in checked:  # many devices share one schedule
         check_schedule(dev, *key)
-        checked[key] = True
+        if any(p or o for p, o in posts):
+            check_posts(dev, tuple(given))
+        checked[(key, posts)] = True
     return tuple(given)
+
+
+def check_posts(dev: int, given: tuple[Action, ...]) -> None:
+    """Refuse (InfeasiblePlan) a schedule whose action posts the receives (``Action.posts``) of an
+    action that is not in the schedule, comes before it, or is posted twice, or pairs (``overlaps``)
+    anything but a forward with a backward (``B`` or ``I``) that follows it."""
+    at = {a.bare(): i for i, a in enumerate(given)}
+    seen: set[Action] = set()
+    for i, a in enumerate(given):
+        for x in a.posts:
+            x = x.bare()
+            j = at.get(x)
+            if j is None or j < i or x in seen:
+                why = "is not in its schedule" if j is None else "runs before it" if j < i else "is posted twice"
+                raise InfeasiblePlan(f"device {dev}'s action {a} posts the receives of {x}, which {why}")
+            seen.add(x)
+        if a.overlaps and (a.phase != "F" or i + 1 == len(given) or given[i + 1].phase not in "BI"):
+            after = f"is followed by {given[i + 1]}" if i + 1 < len(given) else "is the last"
+            raise InfeasiblePlan(
+                f"device {dev}'s action {a} overlaps the next, but only a forward pairs with a backward that "
+                f"follows it; it {after}"
+            )
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of its arguments: plans explored share schedules
