@@ -244,10 +244,21 @@ def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
         materialize(dataclasses.replace(plan, schedule=(plan.schedule[0], bad)), g)
 
 
-def test_a_dualpipe_plan_file_keeps_the_posts_and_pairs():
-    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
+def test_a_dualpipe_plan_pairs_chunks_only_where_it_dispatches_experts():
+    """DualPipe's overlapped chunk hides the expert all-to-alls: a dense plan keeps the posted receives
+    but runs no pairs; an expert-parallel plan pairs (and its plan file keeps both)."""
+    dense, _ = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
+    assert any(a.posts for s in dense.schedule for a in s)
+    assert not any(a.overlaps for s in dense.schedule for a in s)
+    spec, moe = traced("deepseek-tiny", 8)
+    knobs = dict(dp=2, ep=2, tp=1, pp=2, microbatch=2, schedule="dualpipe")
+    plan = get_space("megatron").build(Context(moe, spec, 8, "cpu", 4, 4, 1), knobs)
     assert any(a.posts for s in plan.schedule for a in s) and any(a.overlaps for s in plan.schedule for a in s)
     assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_a_pair_must_be_a_forward_and_the_backward_after_it():
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"), 2)
     last = plan.schedule[0][-1]
     bad = plan.schedule[0][:-1] + (Action(last.stage, last.phase, last.microbatch, overlaps=True),)
     with pytest.raises(

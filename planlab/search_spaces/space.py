@@ -160,6 +160,16 @@ class Draft:
         order = self.stage_order or range(per)
         return [tuple(r * per + p for p in order) for r in range(self.groups)]
 
+    @property
+    def dispatches_experts(self) -> bool:
+        """Whether the plan sends tokens to experts on other devices (an ``ep`` mesh axis of more than one).
+
+        DualPipe overlaps a forward and a backward chunk (``Action.overlaps``) only for that: its repository
+        leaves the overlapped chunk to the model (``overlapped_forward_backward``), and DeepSeek-V3's hides
+        the expert all-to-alls (report section 3.2.1). Without experts to dispatch the pair would hide nothing
+        the model's own code overlaps, so such plans run DualPipe's order without pairs."""
+        return any(name == "ep" and size > 1 for name, size in self.axes)
+
     def schedule_actions(self, rank: int) -> tuple[Action, ...]:
         """The actions of device group ``rank``: its schedule, then the update (with ``spread``
         operators, in the first stage the group runs)."""
@@ -178,6 +188,8 @@ class Draft:
             actions = recycling_actions(self.schedule, rank, self.groups, self.microbatches, self.recycles)
         elif self.schedule in V_SCHEDULES:
             actions = V_SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
+            if not self.dispatches_experts:
+                actions = [Action(a.stage, a.phase, a.microbatch, a.posts) if a.overlaps else a for a in actions]
         elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
         else:
