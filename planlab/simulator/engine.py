@@ -37,6 +37,7 @@ from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import (
     AsyncCollective,
     Await,
+    HostCopy,
     Collective,
     Recv,
     Segment,
@@ -191,6 +192,7 @@ class DeviceRun:
                 self.sizes.update(t.alloc)
         self.writers = overlap_writers(self.dp.blocks.values())
         self.owed_s: dict[str, float] = {}  # compute-stream copies of finished overlapped collectives, by name
+        self.copy_free_s = 0.0  # when the device's copy stream (activation offload) is next free
         self.pending = 0  # overlapped collectives issued that have not started on the communication stream
         self.computing = False  # in a computation that an overlapped collective starting (or queued) interrupts
         self.proc: simpy.Process | None = None
@@ -257,6 +259,8 @@ class DeviceRun:
                         sim.record(rep, "wait", a, u.task, start, env.now)
                 elif isinstance(u, AsyncCollective):
                     yield from self.start_overlapped(u, a, action)
+                elif isinstance(u, HostCopy):
+                    self.start_copy(u, a)
                 elif isinstance(u, Await):
                     yield from self.wait_for(u, a)
                 elif isinstance(u, Collective):
@@ -402,6 +406,31 @@ class DeviceRun:
         self.by_name[u.task] = proc
         self.pending += 1
         yield from ()
+
+    def start_copy(self, u: HostCopy, a: str) -> None:
+        """Issue copies on the device's copy stream (what they write allocated now); they run after
+        the copies issued before them, while the device computes, and free what they read when done."""
+        sim = self.sim
+        if u.alloc_bytes:
+            self.bump(u.alloc_bytes, u.tasks[0])
+            self.mem += u.alloc_bytes
+            if sim.timeline:
+                sim.memory.append((self.rep, sim.env.now, self.mem))
+        proc = sim.env.process(self.copying(u, a, next(sim.issued)))
+        self.in_flight.append(proc)
+        for name in u.tasks:
+            self.by_name[name] = proc
+
+    def copying(self, u: HostCopy, a: str, seq: int):
+        """The process of copies on the copy stream: in turn after the ones before, then their inputs freed."""
+        sim, env = self.sim, self.sim.env
+        issued_at = env.now
+        start = max(env.now, self.copy_free_s)
+        self.copy_free_s = start + u.duration_s
+        yield env.timeout(self.copy_free_s - env.now)
+        if sim.timeline:
+            sim.record(self.rep, "copy", a, u.tasks[0], issued_at, env.now, seq)
+        self.release(u.free_bytes)
 
     def overlapped(self, u: AsyncCollective, ready: simpy.Event, a: str, seq: int):
         """The process of an overlapped collective: the barrier, then the stream, then its input freed."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.host import SAVE_COPY_ROLES
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import DeadlockError
-from planlab.plan.buffer import Buffer
+from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.program import Block, Task, TaskKind
 from planlab.simulator.exchange import message_tag
 
@@ -90,6 +91,20 @@ class AsyncCollective:
 
 
 @dataclass(frozen=True)
+class HostCopy:
+    """Saved activations copied between the device and host memory (activation offload,
+    :mod:`planlab.plan.passes.act_offload`) on a copy stream of the device's own while it goes on:
+    consecutive copies of a block's ``tasks`` as one, ``duration_s`` on the host link. What it
+    writes on the device (``alloc_bytes``) is allocated when it is issued, what it reads
+    (``free_bytes``) freed when it is done; a task reading what it wrote waits for it (an :class:`Await`)."""
+
+    tasks: tuple[str, ...]
+    duration_s: float
+    alloc_bytes: int = 0
+    free_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Await:
     """Wait for the latest run of overlapped collectives whose outputs the next task reads
     (a ZeRO-3 layer's forward waits for its gathered weights)."""
@@ -97,7 +112,7 @@ class Await:
     tasks: tuple[str, ...]
 
 
-Unit = Segment | Send | Recv | Collective | AsyncCollective | Await
+Unit = Segment | Send | Recv | Collective | AsyncCollective | HostCopy | Await
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
@@ -119,8 +134,16 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 
 
 def overlap_writers(blocks) -> dict[Buffer, str]:
-    """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
-    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not b.static}
+    """Buffers (not static ones) written by overlapped collectives or by copies on the copy stream,
+    and the task writing each."""
+    return {
+        b: t.name
+        for blk in blocks
+        for t in blk.tasks
+        if t.overlap or t.role.value in SAVE_COPY_ROLES
+        for b in t.writes
+        if b and not b.static and b.kind is not BufferKind.HOST_ACTIVATION  # one copy stream: in order
+    }
 
 
 def lower_block(
@@ -156,7 +179,10 @@ def lower_block(
                 low.flush()
                 low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
                 awaited.update(waits)
-        if t.overlap:
+        if t.role.value in SAVE_COPY_ROLES:
+            low.copy(t)
+            awaited.difference_update(t.writes)
+        elif t.overlap:
             duration_s = low.times(t)[0]
             copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
@@ -201,6 +227,7 @@ class _Lowering:
             t.accumulate,
             tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),  # I/W parts
             t.ring,
+            t.role,
         )
         got = self.prices.get(key)
         if got is None:
@@ -214,6 +241,20 @@ class _Lowering:
     def memory(self, t: Task) -> tuple[int, int]:
         """Bytes a task allocates and frees."""
         return sum(n for _, n in t.alloc), sum(self.sizes.get(b, 0) for b in t.free)
+
+    def copy(self, t: Task) -> None:
+        """A copy on the copy stream, joined to the copy just before it when nothing ran between."""
+        alloc, free = self.memory(t)
+        last = self.units[-1] if self.units and not self.cur else None
+        if isinstance(last, HostCopy):
+            self.units[-1] = HostCopy(
+                last.tasks + (t.name,),
+                last.duration_s + self.times(t)[0],
+                last.alloc_bytes + alloc,
+                last.free_bytes + free,
+            )
+        else:
+            self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""
