@@ -10,6 +10,7 @@ from planlab.costmodel import CostModel
 from planlab.costmodel.hardware import SPEC_DIR
 from planlab.errors import ConfigError, InfeasiblePlan, PlanFileError
 from planlab.executor import launch_local
+from planlab.explore import memory_lower_bound_bytes
 from planlab.plan import PlanBuilder, materialize, plan_from_json, plan_to_json
 from planlab.plan.buffer import BufferKind
 from planlab.plan.plan_file import plan_to_dict
@@ -64,13 +65,15 @@ def test_device_memory_falls_host_memory_rises_and_the_copies_run_on_their_own_s
     for pct in (0, 100):
         plan, g = _plan(pct, microbatch=2)
         program = build_program(plan, g, cost)
-        res[pct] = (simulate(program, cost, timeline=True), program)
-    (plain, p0), (off, p1) = res[0], res[100]
+        res[pct] = (simulate(program, cost, timeline=True), plan, program)
+    (plain, plan0, p0), (off, plan1, p1) = res[0], res[100]
     assert off.peak_mem_bytes < plain.peak_mem_bytes
     assert p0.devices[0].host_bytes == 0
     assert p1.devices[0].host_bytes == sum(t.nbytes for t in _copies(p1, Role.SAVE_TO_HOST))  # 1F1B, 1 stage: 1 mb
     assert off.host_peak_bytes == 2 * p1.devices[0].host_bytes  # the two devices of the plan share a node
     assert off.iter_time_s >= plain.iter_time_s  # copies only add: what compute does not cover
+    bound = [sum(memory_lower_bound_bytes(p, g, cost.precision)) for p in (plan0, plan1)]
+    assert bound[1] < bound[0] and bound[1] <= off.peak_mem_bytes  # still a lower bound
     copies = [e for e in off.events if e.stream == "copy"]
     assert copies and not [e for e in plain.events if e.stream == "copy"]
     host = cost.cluster.node.host
