@@ -17,6 +17,7 @@ from planlab.plan.plan_file import plan_to_dict
 from planlab.plan.program import Role, TaskKind
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
+from planlab.search_spaces.screen import Screen
 from planlab.simulator import find_deadlock, simulate
 
 from conftest import traced
@@ -133,3 +134,14 @@ def test_offloaded_activations_move_and_match_one_process_on_gloo(dp, pp):
     assert res.max_grad_error <= GRAD_TOL
     ran = {t["task"].split(":")[0] for t in res.timeline}
     assert {"save-to-host", "save-to-device"} <= ran
+
+
+def test_the_screen_leaves_the_offloaded_activations_out_and_prices_the_copies_it_cannot_hide():
+    cost = CostModel.load(CLUSTER)
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, CLUSTER, 1, 2, 8)
+    space, screen = get_space(SPACE), Screen(g, cost, cost.precision)
+    knobs = dict(dp=2, tp=1, pp=1, microbatch=2, zero=0, recompute="none")
+    est = {pct: screen.estimate(space.draft(ctx, dict(knobs, offload_activations=pct))) for pct in (0, 100)}
+    assert est[100].mem_bytes < est[0].mem_bytes and est[100].bound_bytes < est[0].bound_bytes
+    assert est[100].time_s >= est[0].time_s  # copies only add
