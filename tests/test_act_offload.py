@@ -99,8 +99,8 @@ def test_the_knob_takes_a_share_of_each_stage_s_first_layers_and_refuses_a_bad_v
     layers = {p.offload for p in plan.ops if p.offload}
     assert layers == {1, 2}
     assert not any(p.offload for p in _plan(0)[0].ops)
-    recomputed, _ = _plan(100, recompute="full")
-    assert not any(p.offload and not p.recompute for p in recomputed.ops)  # nothing of its own to offload
+    with pytest.raises(ConfigError, match="recompute=.full.: a recomputed layer keeps nothing to offload"):
+        _plan(100, recompute="full")
     with pytest.raises(ConfigError, match="offload_activations.*= 30 is outside its range") as e:
         _plan(30)
     assert "\n" not in str(e.value)

@@ -15,7 +15,7 @@ import math
 
 from planlab.graph.ir import Graph
 from planlab.search_spaces.builtin import LAYER_MODULE
-from planlab.search_spaces.knobs import Knob
+from planlab.search_spaces.knobs import Constraint, Knob
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Draft, Space
 
@@ -55,6 +55,16 @@ class ActivationOffload(Space):
             "per cent of each stage's layers whose saved activations live in host memory",
             default=0,
             explore=(0, 50, 100),
+        ),
+    )
+
+    constraints = (
+        Constraint(
+            lambda a, c: not a.get("offload_activations") or a.get("recompute") != "full",
+            lambda a, c: (
+                f"offload_activations={a.get('offload_activations')} with recompute='full': a recomputed layer keeps "
+                "nothing to offload (the same plan as offload_activations=0); use recompute 'none' or 'selective'"
+            ),
         ),
     )
 
