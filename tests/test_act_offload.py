@@ -126,7 +126,9 @@ def test_plan_files_keep_the_groups_and_refuse_a_bad_one():
         plan_from_json(json.dumps(d))
 
 
-@pytest.mark.parametrize("dp, pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    "dp, pp", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)]
+)
 def test_offloaded_activations_move_and_match_one_process_on_gloo(dp, pp):
     plan, _ = _plan(100, dp=dp, pp=pp, cluster="cpu", microbatch=2)
     res = launch_local(plan, dp * pp, steps=2, lr=1e-2, record=True)
