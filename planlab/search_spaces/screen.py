@@ -491,14 +491,15 @@ class Screen:
     # -- the estimate --------------------------------------------------------------------
     def _copies(self, p: ScreenProfile, m: int, c) -> tuple[float, float]:
         """Activation offload, one micro-batch of the group: the seconds of its copies to the host and
-        back (on a copy stream of their own) that its computation does not cover, and the offloaded
+        back (each direction on a copy stream of its own) that its computation does not cover, and the offloaded
         bytes still on the device when its forward ends (a copy frees its activations once done)."""
         b, o = p.offloaded
         if not (b or o):
             return 0.0, 0.0
         nbytes = b / m + o
         out_s = copy_time_s(host_of(self.cost.cluster), nbytes)
-        return max(0.0, 2 * out_s - (c.fwd_s + c.bwd_s)), nbytes * max(0.0, 1.0 - c.fwd_s / out_s)
+        # each direction its own stream (PCIe is full duplex): either paces the group beyond its computation
+        return max(0.0, out_s - (c.fwd_s + c.bwd_s)), nbytes * max(0.0, 1.0 - c.fwd_s / out_s)
 
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""

@@ -14,7 +14,7 @@ from planlab.costmodel import CostModel
 from planlab.costmodel.host import SAVE_COPY_ROLES
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import DeadlockError
-from planlab.plan.buffer import Buffer, BufferKind
+from planlab.plan.buffer import Buffer
 from planlab.plan.program import Block, Task, TaskKind
 from planlab.simulator.exchange import message_tag
 
@@ -94,7 +94,8 @@ class AsyncCollective:
 class HostCopy:
     """Saved activations copied between the device and host memory (activation offload,
     :mod:`planlab.plan.passes.act_offload`) on a copy stream of the device's own while it goes on:
-    consecutive copies of a block's ``tasks`` as one, ``duration_s`` on the host link. What it
+    consecutive copies of a block's ``tasks`` as one, ``duration_s`` on the host link (each direction
+    its own stream, as Megatron-Core's offloading uses one for each). What it
     writes on the device (``alloc_bytes``) is allocated when it is issued, what it reads
     (``free_bytes``) freed when it is done; a task reading what it wrote waits for it (an :class:`Await`)."""
 
@@ -102,6 +103,8 @@ class HostCopy:
     duration_s: float
     alloc_bytes: int = 0
     free_bytes: int = 0
+    to_host: bool = True  # the direction: PCIe is full duplex, each direction has a copy stream of its own
+    after: tuple[str, ...] = ()  # the copies to the host (of this micro-batch) a copy back waits for
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def overlap_writers(blocks) -> dict[Buffer, str]:
         for t in blk.tasks
         if t.overlap or t.role.value in SAVE_COPY_ROLES
         for b in t.writes
-        if b and not b.static and b.kind is not BufferKind.HOST_ACTIVATION  # one copy stream: in order
+        if b and not b.static
     }
 
 
@@ -173,14 +176,14 @@ def lower_block(
     for i, t in enumerate(block.tasks):
         if t.final and not final:
             continue
-        if writers:
+        if writers and t.role.value not in SAVE_COPY_ROLES:  # a copy back waits on its stream, not the device
             waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 low.flush()
                 low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
                 awaited.update(waits)
         if t.role.value in SAVE_COPY_ROLES:
-            low.copy(t)
+            low.copy(t, tuple(sorted({writers[b] for b in t.reads if b in writers})))
             awaited.difference_update(t.writes)
         elif t.overlap:
             duration_s = low.times(t)[0]
@@ -242,19 +245,22 @@ class _Lowering:
         """Bytes a task allocates and frees."""
         return sum(n for _, n in t.alloc), sum(self.sizes.get(b, 0) for b in t.free)
 
-    def copy(self, t: Task) -> None:
-        """A copy on the copy stream, joined to the copy just before it when nothing ran between."""
+    def copy(self, t: Task, after: tuple[str, ...]) -> None:
+        """A copy on its direction's copy stream, joined to the copy just before it when nothing ran between."""
         alloc, free = self.memory(t)
+        out = t.role.value == "save-to-host"
         last = self.units[-1] if self.units and not self.cur else None
-        if isinstance(last, HostCopy):
+        if isinstance(last, HostCopy) and last.to_host == out:
             self.units[-1] = HostCopy(
                 last.tasks + (t.name,),
                 last.duration_s + self.times(t)[0],
                 last.alloc_bytes + alloc,
                 last.free_bytes + free,
+                out,
+                last.after + after,
             )
         else:
-            self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free))
+            self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free, out, after))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""
