@@ -455,6 +455,20 @@ def colocated(sp: Split, pieces: np.ndarray, ids: Ids) -> Split:
     return dataclasses.replace(sp, **keys)
 
 
+def _offloaded(grp, s_op, s_bytes, key, first, offs, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """Activation offload: per group the (batch, other) bytes of the saved buffers (``first``: each
+    once per group, ``key`` the group's key of each) that only offloaded operators keep, and
+    ``first`` without them."""
+    offloaded = np.zeros((G, 2))
+    if offs is None:
+        return offloaded, first
+    moved = offs[s_op][first]
+    stays = set(key[~offs[s_op]].tolist())  # what an operator that is not offloaded keeps stays
+    moved &= np.array([k not in stays for k in key[first].tolist()], dtype=bool)
+    np.add.at(offloaded, grp[s_op[first][moved]], s_bytes[first][moved])
+    return offloaded, first[~moved]
+
+
 def aggregate(
     t: Tables,
     sp: Split,
@@ -489,15 +503,8 @@ def aggregate(
     # saved activations: each buffer once per group (several operators may save one), not when recomputed
     keep = ~rc[sp.s_op]
     s_op, s_bytes, s_key = sp.s_op[keep], sp.s_bytes[keep], sp.s_key[keep]
-    first = _first(grp[s_op] * (len(ids.values) + 1) + s_key)
-    offloaded = np.zeros((G, 2))
-    if offs is not None:  # each buffer once per group; what an operator that stays also keeps stays
-        moved = offs[s_op][first]
-        stays = set((grp[s_op][~offs[s_op]] * (len(ids.values) + 1) + s_key[~offs[s_op]]).tolist())
-        key = grp[s_op][first] * (len(ids.values) + 1) + s_key[first]
-        moved &= np.array([k not in stays for k in key.tolist()], dtype=bool)
-        np.add.at(offloaded, grp[s_op[first][moved]], s_bytes[first][moved])
-        first = first[~moved]
+    key = grp[s_op] * (len(ids.values) + 1) + s_key  # a buffer in a group
+    offloaded, first = _offloaded(grp, s_op, s_bytes, key, _first(key), offs, G)
     add_stage, add_bytes = [stage[s_op[first]]], [s_bytes[first]]
     xw = wop[s_op[first]]  # inputs saved by operators with weights
     if xw.any():
