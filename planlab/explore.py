@@ -150,8 +150,8 @@ def memory_lower_bound_bytes(
             opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
             opt = 0.0 if plan.offload_optimizer else opt  # ZeRO-Offload: the states are in host memory
             acc[0] += spec.numel / cut * (weights + grad + opt)
-        if p.recompute or p.op in fwd_only:
-            continue  # a recomputed operator keeps nothing for its backward
+        if p.recompute or p.offload or p.op in fwd_only:
+            continue  # a recomputed operator keeps nothing for its backward, an offloaded one nothing on the device
         for key, nbytes in saved_activations(op, p, graph, software, prec.activation_bytes, m, plans):
             if key not in acc[2]:
                 acc[2].add(key)

@@ -93,6 +93,8 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     "planlab explore --model planlab.models.hf:swin --cluster cpu --nodes 2 --global-batch 8 --set dp=2 "
     "--out out/swin": Run(),
     "planlab run out/swin/best_plan.json --nproc 2 --steps 2": Run(),
+    "planlab explore --model gpt-tiny --cluster dgx-a100-80g --space 'megatron*act_offload' --global-batch 8 "
+    "--set offload_activations=50 --top 3": Run(),
     "planlab models": Run(),
     "planlab clusters": Run(),
     "planlab spaces": Run(),

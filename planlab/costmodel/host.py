@@ -19,7 +19,9 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
     from planlab.plan.program import Task
 
 # Task roles (planlab.plan.program.Role values) that run on the host link or the host CPU
-COPY_ROLES = frozenset({"to-host", "to-device"})
+COPY_ROLES = frozenset({"to-host", "to-device", "save-to-host", "save-to-device"})
+# Copies of saved activations, on a copy stream of their own while the device computes
+SAVE_COPY_ROLES = frozenset({"save-to-host", "save-to-device"})
 STEP_ROLES = frozenset({"host-step"})
 
 

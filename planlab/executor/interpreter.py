@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from planlab.errors import ExecutionError
-from planlab.executor import all_to_all, offload, zero3
+from planlab.executor import act_offload, all_to_all, offload, zero3
 from planlab.executor.clip import clip_coefficient, local_square_sum, norm_weights
 from planlab.executor.failures import Fault, Progress, TaskError, waited_on
 from planlab.executor.randomness import PieceRandomness
@@ -124,6 +124,7 @@ class Interpreter:
         offloaded = offload.offloaded_weights(self.dp)  # ZeRO-Offload: host masters, stepped on the host
         self.host_masters = offload.host_masters({hw: self._mastered(b) for hw, b in offloaded.items()}, self.lr)
         self.host: dict[Buffer, torch.Tensor] = {}  # the host's gradient copies, until their host step
+        self.saved_host = act_offload.SavedOnHost(self.dp, self.torch_device)  # activation offload
         zeroed |= {b.tensor for b in offloaded.values() if b.kind is BufferKind.WEIGHT}
         plain = [w for p, w in self.leaves if p not in zeroed]
         self.optimizer = torch.optim.Adam(plain, lr=self.lr) if plain else None
@@ -356,6 +357,8 @@ class Interpreter:
         (TaskKind.LOCAL, Role.TO_HOST): "_to_host",
         (TaskKind.OPTIMIZER, Role.HOST_STEP): "_host_step",
         (TaskKind.LOCAL, Role.TO_DEVICE): "_to_device",
+        (TaskKind.LOCAL, Role.SAVE_TO_HOST): "_save_to_host",
+        (TaskKind.LOCAL, Role.SAVE_TO_DEVICE): "_save_to_device",
     }
 
     def _dispatch(self) -> dict:
@@ -455,11 +458,9 @@ class Interpreter:
                 else:
                     self.bufs[(b, mb)] = o
             return
-        if torch.is_grad_enabled():
+        # an offloaded piece's saved tensors go to its slots (planlab.executor.act_offload)
+        with torch.enable_grad(), self.saved_host.hooks(task.op, task.chunk, mb):
             out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group, mb)
-        else:
-            with torch.enable_grad():
-                out = run_piece(op, task, ins, self.graph, self.program.microbatches, off, group, mb)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if self.unit_of and any(b in self.unit_of for b, _, _ in reads):
             outs = zero3.own_outputs(outs, [v for (b, _, _), v in zip(reads, ins) if b in self.unit_of])
@@ -514,6 +515,8 @@ class Interpreter:
             grads = [None] * len(wanted)
         else:
             grads = _grad(ys, [x for _, x in wanted], gs, keep)
+        if not keep:
+            self.saved_host.release(task.op, task.chunk, mb)
         static = self.static
         for (k, x), g in zip(wanted, grads):
             g = torch.zeros_like(x) if g is None else g
@@ -681,6 +684,14 @@ class Interpreter:
     def _to_device(self, task: Task, mb: int) -> None:
         """ZeRO-Offload: the updated masters copied into the device's weights or shard."""
         offload.copy_to_device(task, self.host_masters)
+
+    def _save_to_host(self, task: Task, mb: int) -> None:
+        """Activation offload: the piece's saved activations copied into host memory."""
+        self.saved_host.to_host(task, mb)
+
+    def _save_to_device(self, task: Task, mb: int) -> None:
+        """Activation offload: the same copied back ahead of the piece's backward."""
+        self.saved_host.to_device(task, mb)
 
     def _optimizer(self, task: Task, mb: int) -> None:
         """Adam on the pieces held whole."""

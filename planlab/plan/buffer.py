@@ -41,6 +41,8 @@ class BufferKind(StrEnum):
     FULL_GRAD = "zd"  # ZeRO-3: a weight's whole gradient, before it is reduce-scattered into the shard
     HOST_GRAD = "hg"  # offload: the host copy of a weight's or a ZeRO shard's gradient (static, host memory)
     HOST_WEIGHT = "hw"  # offload: the host's fp32 master of a weight or a ZeRO shard, stepped there (static, host)
+    HOST_ACTIVATION = "ha"  # activation offload: a saved activation's host copy (per micro-batch, host memory)
+    FETCHED = "f"  # activation offload: a saved activation brought back from host memory before its backward
     INTERNAL = "k"  # what an operator's implementation keeps for its backward besides graph tensors (plan/saved.py)
 
 

@@ -13,6 +13,8 @@ Program under construction (a :class:`~planlab.plan.passes.draft.Draft`) to a ne
 5. ``backward_pieces``: one backward task per piece;
 6. ``recompute``: recompute groups run their forward again before their backward
    (:mod:`planlab.plan.passes.recompute`);
+6b. ``offload_activations``: the saved activations of offloaded groups copied to the host after
+   their forward and back ahead of their backward (:mod:`planlab.plan.passes.act_offload`);
 7. ``reduce_gradients``: without ZeRO, the weight gradients' all-reduces, in buckets overlapped
    with the backward (:mod:`planlab.plan.passes.gradients`);
 8. ``shard_zero``: ZeRO stages 1 to 3 (:mod:`planlab.plan.zero`);
@@ -45,6 +47,7 @@ from planlab.gcpause import paused_gc
 from planlab.graph.ir import Graph
 from planlab.plan.backward_split import split_zero_bubble
 from planlab.plan.coshard import run_chunks
+from planlab.plan.passes.act_offload import offload_activations
 from planlab.plan.passes.backward import backward_pieces, convert_gradients
 from planlab.plan.passes.draft import Draft
 from planlab.plan.passes.forward import convert_inputs, forward_pieces, place_weights
@@ -153,6 +156,7 @@ PASSES = (
     convert_gradients,  # 4. gradients summed and converted back to their producers' layouts
     backward_pieces,  # 5. backward tasks
     recompute,  # 6. recomputation before the backward
+    offload_activations,  # 6b. activation offload: saved activations to the host and back
     reduce_gradients,  # 7. gradient buckets (without ZeRO)
     shard_zero,  # 8. ZeRO 1 to 3
     step_optimizer,  # 9. the optimizer on the weights held whole

@@ -42,11 +42,15 @@ class OpPlan:
     # an attention run as ring attention: its queries' sequence ``s`` is split (along the mesh axis
     # that splits ``s``) and so are its keys' and values', passed around that axis' devices
     ring: bool = False
+    # 0: keep its saved activations on the device; k > 0: copy them to host memory after its forward,
+    # with the rest of offload group ``k``, and back before its backward (planlab.plan.passes.act_offload)
+    offload: int = 0
 
     def __str__(self) -> str:
         tr = " x ".join(f"{d or 'R'}/{n}" for d, n in zip(self.dims, self.sizes)) or "whole"
         rc = f" recompute {self.recompute}" if self.recompute else ""
-        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}{' ring' if self.ring else ''}"
+        off = f" offload {self.offload}" if self.offload else ""
+        return f"{self.op}: {tr} on {list(self.devices)} stage {self.stage}{rc}{off}{' ring' if self.ring else ''}"
 
 
 _ACTION = re.compile(r"^(\d+)([FBIWU])(\d+)$")
@@ -180,6 +184,7 @@ class PlanBuilder:
         self._stage: dict[str, int] = {}
         self._schedule: dict[int, tuple[Action, ...]] = {}
         self._recompute: dict[str, int] = {}
+        self._offload_acts: dict[str, int] = {}
         self._ring: set[str] = set()
         self._zigzag = False
         self._checked: set[tuple[int, ...]] = set()
@@ -256,6 +261,18 @@ class PlanBuilder:
         if not isinstance(group, int) or group < 0:
             raise InfeasiblePlan(f"recompute({op!r}): the group must be a non-negative integer, got {group!r}")
         self._recompute[op] = group
+
+    def offload_activations(self, op: str, group: int) -> None:
+        """Keep what ``op``'s backward saves in host memory (activation offload, as Megatron-Core's
+        and torch's ``save_on_cpu``): copied device to host after the forward of offload ``group``,
+        on a copy stream apart, and back ahead of the group's backward. Group 0 turns it off; an
+        operator that is also recomputed keeps nothing to offload."""
+        self.graph.op(op)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise InfeasiblePlan(
+                f"offload_activations({op!r}): the group must be a non-negative integer, got {group!r}"
+            )
+        self._offload_acts[op] = group
 
     def ring(self, op: str) -> None:
         """Run attention ``op`` as ring attention (context parallelism, :mod:`planlab.executor.ring_attention`):
@@ -339,6 +356,7 @@ class PlanBuilder:
                 self._stage[op.name],
                 self._recompute.get(op.name, 0),
                 op.name in self._ring,
+                self._offload_acts.get(op.name, 0),
             )
             for op in self.graph.operators
         )

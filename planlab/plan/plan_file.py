@@ -30,7 +30,7 @@ def plan_to_dict(plan: Plan) -> dict:
     ops = []
     for p in plan.ops:
         mesh = meshes.setdefault(p.devices, len(meshes))
-        key = (p.dims, p.sizes, mesh, p.stage, p.recompute, p.ring)
+        key = (p.dims, p.sizes, mesh, p.stage, p.recompute, p.ring, p.offload)
         ops.append({"op": p.op, "placement": placements.setdefault(key, len(placements))})
     schedules: dict[tuple[Action, ...], int] = {}
     device_schedule = [schedules.setdefault(s, len(schedules)) for s in plan.schedule]
@@ -54,8 +54,9 @@ def plan_to_dict(plan: Plan) -> dict:
                 "stage": stage,
                 **({"recompute": recompute} if recompute else {}),
                 **({"ring": True} if ring else {}),
+                **({"offload": offload} if offload else {}),
             }
-            for dims, sizes, mesh, stage, recompute, ring in placements
+            for dims, sizes, mesh, stage, recompute, ring, offload in placements
         ],
         "ops": ops,
         "schedules": [[_action_json(a) for a in s] for s in schedules],
@@ -194,11 +195,16 @@ def _ops_v3(d: dict, where: str) -> tuple[OpPlan, ...]:
         ring = p.get("ring", False)
         if not isinstance(ring, bool):
             raise PlanFileError(f"{w}: ring must be true or false, got {ring!r}")
-        placements.append((dims, sizes, meshes[_index(p, "mesh", len(meshes), "meshes", w)], stage, rc, ring))
+        off = p.get("offload", 0)
+        if not _is_int(off) or off < 0:
+            raise PlanFileError(f"{w}: offload must be a non-negative integer group, got {off!r}")
+        placements.append((dims, sizes, meshes[_index(p, "mesh", len(meshes), "meshes", w)], stage, rc, ring, off))
     ops = []
     for w, o in _objects(d, "ops", where):
-        dims, sizes, devices, stage, rc, ring = placements[_index(o, "placement", len(placements), "placements", w)]
-        ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc, ring))
+        dims, sizes, devices, stage, rc, ring, off = placements[
+            _index(o, "placement", len(placements), "placements", w)
+        ]
+        ops.append(OpPlan(_need(o, "op", str, w), dims, sizes, devices, stage, rc, ring, off))
     return tuple(ops)
 
 

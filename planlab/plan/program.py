@@ -51,6 +51,8 @@ class Role(StrEnum):
     TO_HOST = "to-host"  # LOCAL: gradients copied device to host memory over the host link (ZeRO-Offload)
     HOST_STEP = "host-step"  # OPTIMIZER: Adam on the host CPU, on host master weights (reads: host gradients)
     TO_DEVICE = "to-device"  # LOCAL: updated weights (or a ZeRO shard) copied host to device memory
+    SAVE_TO_HOST = "save-to-host"  # LOCAL: a piece's saved activations copied to host memory after its forward
+    SAVE_TO_DEVICE = "save-to-device"  # LOCAL: the same brought back to the device ahead of its backward
     KEEP_GRAPH = "keep-graph"  # BACKWARD: zero-bubble's input-gradient part of a piece whose W part follows
 
 
@@ -295,7 +297,9 @@ class DeviceProgram:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
-    host_bytes: int = 0  # host memory (a pool apart): offloaded master weights, optimizer states, gradients
+    host_bytes: int = (
+        0  # host memory (a pool apart): offloaded master weights, optimizer states, gradients, activations
+    )
 
     def steps(self):
         """Yield ``(action, task, Step)`` in the order the device issues them: each action's posted

@@ -158,12 +158,14 @@ class Screen:
             stages = tuple(s if s < G else G + v_rank(s, G) for s in stages)
         rc = tuple(d.recompute.items()) if d.recompute else None
         co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
+        off = tuple(sorted(d.offload_acts)) if d.offload_acts else None
         key = (
             skey,
             self._numbers.setdefault(stages, len(self._numbers)),
             self._numbers.setdefault(rc, len(self._numbers)),
             d.groups,
             self._numbers.setdefault(co, len(self._numbers)),
+            self._numbers.setdefault(off, len(self._numbers)),
         )
         got = self._structures.get(key)
         if got is None:
@@ -173,8 +175,9 @@ class Screen:
             if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
                 pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
                 split = colocated(split, pieces, self._values)
+            offs = np.array([x in d.offload_acts for x in names], dtype=bool) if off else None
             got = self._structures[key] = aggregate(
-                self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces
+                self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces, offs
             )
             got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
         return got
@@ -486,6 +489,18 @@ class Screen:
         return extra
 
     # -- the estimate --------------------------------------------------------------------
+    def _copies(self, p: ScreenProfile, m: int, c) -> tuple[float, float]:
+        """Activation offload, one micro-batch of the group: the seconds of its copies to the host and
+        back (each direction on a copy stream of its own) that its computation does not cover, and the offloaded
+        bytes still on the device when its forward ends (a copy frees its activations once done)."""
+        b, o = p.offloaded
+        if not (b or o):
+            return 0.0, 0.0
+        nbytes = b / m + o
+        out_s = copy_time_s(host_of(self.cost.cluster), nbytes)
+        # each direction its own stream (PCIe is full duplex): either paces the group beyond its computation
+        return max(0.0, out_s - (c.fwd_s + c.bwd_s)), nbytes * max(0.0, 1.0 - c.fwd_s / out_s)
+
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""
         if d.spread:
@@ -508,7 +523,8 @@ class Screen:
             c = self._price(p, s.ids[r], sizes, m, d.zero, zb, regather, d.stage_order, off)
             prices.append(c)
             pp = self.p2p_in_s(s, r, m, per)
-            times.append(c.fwd_s + c.bwd_s + c.comm_s + pp + rings[r])
+            exposed_s, unmoved = self._copies(p, m, c)
+            times.append(c.fwd_s + c.bwd_s + c.comm_s + pp + rings[r] + exposed_s)
             # ZB-H1 defers the weight-gradient passes W into the bubble: a group's share of it shrinks
             # from F + B to F + I - W (B = I + W) with micro-batches enough to defer (m >= groups; with
             # one, each W only overlaps the I upstream: F + I), and its backward drains as its I passes
@@ -530,7 +546,7 @@ class Screen:
             # twice the largest working set, not working_bytes: with the recomputed layer's regrown activations
             # the estimate ran 36-74% over the simulated peak on nnScaler's Swin plans (ZeRO-3, full recompute)
             # and product spaces lost the fitting plans of their factors; the fine program charges it (group_costs)
-            mems.append(c.static_bytes + c.gathered_bytes + act + 2 * p.work / m)
+            mems.append(c.static_bytes + c.gathered_bytes + act + unmoved + 2 * p.work / m)
         if d.mirror:  # DualPipe: group r runs half of stage r and half of stage G - 1 - r, and keeps both's weights
             times = [times[r] + times[G - 1 - r] for r in range(G)]
             mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]

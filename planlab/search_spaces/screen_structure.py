@@ -393,6 +393,9 @@ class ScreenProfile:
     # have saved: the largest such group's saved batch bytes, and the largest working set of a recomputed task
     regrow: float = 0.0
     regrow_work: float = 0.0
+    # activation offload: the (batch, other) bytes of one micro-batch's saved activations the group's
+    # offloaded operators copy to the host and back (left out of ``saved``)
+    offloaded: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -452,11 +455,33 @@ def colocated(sp: Split, pieces: np.ndarray, ids: Ids) -> Split:
     return dataclasses.replace(sp, **keys)
 
 
+def _offloaded(grp, s_op, s_bytes, key, first, offs, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """Activation offload: per group the (batch, other) bytes of the saved buffers (``first``: each
+    once per group, ``key`` the group's key of each) that only offloaded operators keep, and
+    ``first`` without them."""
+    offloaded = np.zeros((G, 2))
+    if offs is None:
+        return offloaded, first
+    moved = offs[s_op][first]
+    stays = set(key[~offs[s_op]].tolist())  # what an operator that is not offloaded keeps stays
+    moved &= np.array([k not in stays for k in key[first].tolist()], dtype=bool)
+    np.add.at(offloaded, grp[s_op[first][moved]], s_bytes[first][moved])
+    return offloaded, first[~moved]
+
+
 def aggregate(
-    t: Tables, sp: Split, stage: np.ndarray, rcs: np.ndarray, G: int, ids: Ids, pieces: np.ndarray | None = None
+    t: Tables,
+    sp: Split,
+    stage: np.ndarray,
+    rcs: np.ndarray,
+    G: int,
+    ids: Ids,
+    pieces: np.ndarray | None = None,
+    offs: np.ndarray | None = None,
 ) -> Structure:
     """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
-    ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1)."""
+    ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1);
+    ``offs[i]``: operator ``i``'s saved activations are offloaded to the host (None: none are)."""
     grp = stage % G
     rc = (rcs != 0) & ~t.fwd_only  # a pass without backward has nothing to recompute
     hb = t.has_backward
@@ -477,8 +502,9 @@ def aggregate(
     dy = np.bincount(grp[wop], weights=sp.work[wop], minlength=G)
     # saved activations: each buffer once per group (several operators may save one), not when recomputed
     keep = ~rc[sp.s_op]
-    s_op, s_bytes = sp.s_op[keep], sp.s_bytes[keep]
-    first = _first(grp[s_op] * (len(ids.values) + 1) + sp.s_key[keep])
+    s_op, s_bytes, s_key = sp.s_op[keep], sp.s_bytes[keep], sp.s_key[keep]
+    key = grp[s_op] * (len(ids.values) + 1) + s_key  # a buffer in a group
+    offloaded, first = _offloaded(grp, s_op, s_bytes, key, _first(key), offs, G)
     add_stage, add_bytes = [stage[s_op[first]]], [s_bytes[first]]
     xw = wop[s_op[first]]  # inputs saved by operators with weights
     if xw.any():
@@ -534,6 +560,7 @@ def aggregate(
             *(fwd[r], bwd[r], wgt[r], comm[r], params[r], units[r], tuple(saved[r]), float(work[r]), float(dy[r])),
             float(regrow[r]),
             float(regrow_work[r]),
+            (float(offloaded[r, 0]), float(offloaded[r, 1])),
         )
         for r in range(G)
     ]

@@ -76,6 +76,7 @@ class Draft:
     zero: int = 0
     offload_optimizer: bool = False  # ZeRO-Offload (planlab.plan.passes.offload)
     offload_stages: tuple[int, ...] = ()  # with offload_optimizer: only the groups of these first stages (empty: all)
+    offload_acts: dict[str, int] = field(default_factory=dict)  # op -> offload group (planlab.plan.passes.act_offload)
     layout: Any = None  # the per-stage StageLayout the fine space chose (planlab/search_spaces/stages.py), if any
     axis_dims: list[tuple] = field(default_factory=list, repr=False)  # per axis, per operator in graph order
     _dims: dict[str, list[str | None]] | None = field(default=None, repr=False)
@@ -269,6 +270,8 @@ class Draft:
                 b.op_assign(op.name, where, stage=s)
                 if self.recompute.get(op.name):
                     b.recompute(op.name, self.recompute[op.name])
+                if self.offload_acts.get(op.name):
+                    b.offload_activations(op.name, self.offload_acts[op.name])
         if self.num_stages > 1 and chk.orders:
             chk.order(self.schedule if self.chunks == 1 or self.recycles > 1 or self.vshape else "interleaved")
         if self.num_stages > 1 or self.microbatches > 1:  # one stage: F0 B0 F1 B1 ... (gradient accumulation)

@@ -38,6 +38,7 @@ from planlab.simulator.result import DeviceStats, Event, SimResult
 from planlab.simulator.units import (
     AsyncCollective,
     Await,
+    HostCopy,
     Collective,
     Recv,
     Segment,
@@ -192,6 +193,8 @@ class DeviceRun:
                 self.sizes.update(t.alloc)
         self.writers = overlap_writers(self.dp.blocks.values())
         self.owed_s: dict[str, float] = {}  # compute-stream copies of finished overlapped collectives, by name
+        self.copy_free_s = {True: 0.0, False: 0.0}  # when each copy stream (to the host, back) is next free
+        self.copied: dict[tuple[str, int], simpy.Process] = {}  # copies to the host by (task, micro-batch)
         self.pending = 0  # overlapped collectives issued that have not started on the communication stream
         self.computing = False  # in a computation that an overlapped collective starting (or queued) interrupts
         self.proc: simpy.Process | None = None
@@ -264,11 +267,13 @@ class DeviceRun:
 
     def unit(self, u, a: str, action: Action):
         """Run one unit other than a segment or a send: a receive, an overlapped collective's start
-        or wait, a collective across classes."""
+        or wait, a copy to or from the host, a collective across classes."""
         if isinstance(u, Recv):
             yield from self.recv(u, a)
         elif isinstance(u, AsyncCollective):
             yield from self.start_overlapped(u, a, action)
+        elif isinstance(u, HostCopy):
+            self.start_copy(u, a, action.microbatch)
         elif isinstance(u, Await):
             yield from self.wait_for(u, a)
         elif isinstance(u, Collective):
@@ -425,6 +430,37 @@ class DeviceRun:
         self.by_name[u.task] = proc
         self.pending += 1
         yield from ()
+
+    def start_copy(self, u: HostCopy, a: str, mb: int) -> None:
+        """Issue copies on the device's copy stream (what they write allocated now); they run after
+        the copies issued before them, while the device computes, and free what they read when done."""
+        sim = self.sim
+        if u.alloc_bytes:
+            self.bump(u.alloc_bytes, u.tasks[0])
+            self.mem += u.alloc_bytes
+            if sim.timeline:
+                sim.memory.append((self.rep, sim.env.now, self.mem))
+        sources = [self.copied.pop((name, mb)) for name in u.after if (name, mb) in self.copied]
+        proc = sim.env.process(self.copying(u, a, next(sim.issued), sources))
+        self.in_flight.append(proc)
+        for name in u.tasks:
+            self.by_name[name] = proc
+            if u.to_host:  # its copy back waits for it
+                self.copied[(name, mb)] = proc
+
+    def copying(self, u: HostCopy, a: str, seq: int, sources: list):
+        """The process of copies on the copy stream: in turn after the ones before, then their inputs freed."""
+        sim, env = self.sim, self.sim.env
+        issued_at = env.now
+        if sources:  # a copy back starts once its activations are on the host
+            yield env.all_of(sources)
+        free = self.copy_free_s
+        start = max(env.now, free[u.to_host])
+        free[u.to_host] = start + u.duration_s
+        yield env.timeout(free[u.to_host] - env.now)
+        if sim.timeline:
+            sim.record(self.rep, "copy", a, u.tasks[0], issued_at, env.now, seq)
+        self.release(u.free_bytes)
 
     def overlapped(self, u: AsyncCollective, ready: simpy.Event, a: str, seq: int):
         """The process of an overlapped collective: the barrier, then the stream, then its input freed."""

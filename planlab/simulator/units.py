@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.host import SAVE_COPY_ROLES
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import DeadlockError
 from planlab.plan.buffer import Buffer
@@ -90,6 +91,23 @@ class AsyncCollective:
 
 
 @dataclass(frozen=True)
+class HostCopy:
+    """Saved activations copied between the device and host memory (activation offload,
+    :mod:`planlab.plan.passes.act_offload`) on a copy stream of the device's own while it goes on:
+    consecutive copies of a block's ``tasks`` as one, ``duration_s`` on the host link (each direction
+    its own stream, as Megatron-Core's offloading uses one for each). What it
+    writes on the device (``alloc_bytes``) is allocated when it is issued, what it reads
+    (``free_bytes``) freed when it is done; a task reading what it wrote waits for it (an :class:`Await`)."""
+
+    tasks: tuple[str, ...]
+    duration_s: float
+    alloc_bytes: int = 0
+    free_bytes: int = 0
+    to_host: bool = True  # the direction: PCIe is full duplex, each direction has a copy stream of its own
+    after: tuple[str, ...] = ()  # the copies to the host (of this micro-batch) a copy back waits for
+
+
+@dataclass(frozen=True)
 class Await:
     """Wait for the latest run of overlapped collectives whose outputs the next task reads
     (a ZeRO-3 layer's forward waits for its gathered weights)."""
@@ -97,7 +115,7 @@ class Await:
     tasks: tuple[str, ...]
 
 
-Unit = Segment | Send | Recv | Collective | AsyncCollective | Await
+Unit = Segment | Send | Recv | Collective | AsyncCollective | HostCopy | Await
 
 
 def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
@@ -119,8 +137,16 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
 
 
 def overlap_writers(blocks) -> dict[Buffer, str]:
-    """Buffers (not static ones) written by overlapped collectives, and the collective writing each."""
-    return {b: t.name for blk in blocks for t in blk.tasks if t.overlap for b in t.writes if b and not b.static}
+    """Buffers (not static ones) written by overlapped collectives or by copies on the copy stream,
+    and the task writing each."""
+    return {
+        b: t.name
+        for blk in blocks
+        for t in blk.tasks
+        if t.overlap or t.role.value in SAVE_COPY_ROLES
+        for b in t.writes
+        if b and not b.static
+    }
 
 
 def lower_block(
@@ -150,13 +176,16 @@ def lower_block(
     for i, t in enumerate(block.tasks):
         if t.final and not final:
             continue
-        if writers:
+        if writers and t.role.value not in SAVE_COPY_ROLES:  # a copy back waits on its stream, not the device
             waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 low.flush()
                 low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
                 awaited.update(waits)
-        if t.overlap:
+        if t.role.value in SAVE_COPY_ROLES:
+            low.copy(t, tuple(sorted({writers[b] for b in t.reads if b in writers})))
+            awaited.difference_update(t.writes)
+        elif t.overlap:
             duration_s = low.times(t)[0]
             copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
@@ -201,6 +230,7 @@ class _Lowering:
             t.accumulate,
             tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),  # I/W parts
             t.ring,
+            t.role,
         )
         got = self.prices.get(key)
         if got is None:
@@ -214,6 +244,23 @@ class _Lowering:
     def memory(self, t: Task) -> tuple[int, int]:
         """Bytes a task allocates and frees."""
         return sum(n for _, n in t.alloc), sum(self.sizes.get(b, 0) for b in t.free)
+
+    def copy(self, t: Task, after: tuple[str, ...]) -> None:
+        """A copy on its direction's copy stream, joined to the copy just before it when nothing ran between."""
+        alloc, free = self.memory(t)
+        out = t.role.value == "save-to-host"
+        last = self.units[-1] if self.units and not self.cur else None
+        if isinstance(last, HostCopy) and last.to_host == out:
+            self.units[-1] = HostCopy(
+                last.tasks + (t.name,),
+                last.duration_s + self.times(t)[0],
+                last.alloc_bytes + alloc,
+                last.free_bytes + free,
+                out,
+                last.after + after,
+            )
+        else:
+            self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free, out, after))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""

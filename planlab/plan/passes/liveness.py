@@ -9,6 +9,7 @@ from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import Replicate, box_numel
 from planlab.plan.passes.draft import RING_BLOCKS_IN_FLIGHT, Draft, ring_in_flight
 from planlab.plan.passes.order import as_blocks, block_order, schedule_of
+from planlab.plan.passes.act_offload import host_activation_bytes
 from planlab.plan.passes.offload import host_bytes_per_param
 from planlab.plan.program import Block, DeviceProgram, Program, Role, TaskKind
 
@@ -17,7 +18,8 @@ def assemble(d: Draft) -> Program:
     """The Program of the devices built: per device its blocks with each task's allocations and
     frees (:func:`liveness`), its schedule (:func:`~planlab.plan.passes.order.schedule_of`), its
     pieces of parameters and its static bytes (weights, gradients and optimizer states, less what
-    ZeRO shards, and, offloaded, the optimizer states, which live in host memory: ``host_bytes``); the collective groups; the devices holding the loss."""
+    ZeRO shards, and, offloaded, the optimizer states and the activations, which live in host memory:
+    ``host_bytes``); the collective groups; the devices holding the loss."""
     plan, pr = d.plan, d.precision
     programs = []
     groups: set[tuple[int, ...]] = set()
@@ -40,7 +42,7 @@ def assemble(d: Draft) -> Program:
                 param_bytes=nparams * pr.param_bytes - saved_weights,
                 grad_bytes=nparams * pr.grad_bytes - saved_grads,
                 optimizer_bytes=0 if offloaded else nparams * pr.optimizer_bytes - saved_states,
-                host_bytes=int(offloaded * host_bytes_per_param(pr)),
+                host_bytes=int(offloaded * host_bytes_per_param(pr)) + host_activation_bytes(blocks, schedule),
             )
         )
     lay = d.layouts.has(d.graph.producer[d.graph.loss], 0)
