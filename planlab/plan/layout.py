@@ -150,6 +150,15 @@ class Layout:
             object.__setattr__(self, "_partial", got)
         return got
 
+    def normalized(self) -> tuple[Placement, ...]:
+        """The placements with size-1 mesh axes replicated (kept, as the hash: every operator's inputs
+        are compared with their producers' layouts)."""
+        got = self.__dict__.get("_normal")
+        if got is None:
+            got = tuple(p if s > 1 else Replicate() for p, s in zip(self.placements, self.mesh.shape))
+            object.__setattr__(self, "_normal", got)
+        return got
+
     def box(self, flat: int, shape: tuple[int, ...]) -> Box:
         """Region of the tensor held by the ``flat``-th mesh position."""
         return _box(self, flat, tuple(shape))

@@ -55,11 +55,12 @@ def _nested(layout: Layout) -> bool:
 
 def _normalize(layout: Layout) -> tuple:
     """Placements with size-1 mesh axes ignored."""
-    return tuple(p if s > 1 else Replicate() for p, s in zip(layout.placements, layout.mesh.shape))
+    return layout.normalized()
 
 
 def same_layout(a: Layout, b: Layout) -> bool:
-    return a.mesh == b.mesh and _normalize(a) == _normalize(b)
+    """Whether ``a`` and ``b`` place a tensor alike (size-1 mesh axes ignored)."""
+    return a is b or (a.mesh == b.mesh and _normalize(a) == _normalize(b))
 
 
 def plan_conversion(

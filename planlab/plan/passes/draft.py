@@ -78,6 +78,11 @@ class Names:
 
     def __init__(self) -> None:
         self._made: dict[tuple, Buffer] = {}
+        # one tensor's buffer of each kind, a dict per kind (no key to build per call)
+        self._weights: dict[str, Buffer] = {}
+        self._weight_grads: dict[str, Buffer] = {}
+        self._activations: dict[str, Buffer] = {}
+        self._grads: dict[str, Buffer] = {}
 
     def _get(self, key: tuple, make) -> Buffer:
         got = self._made.get(key)
@@ -86,16 +91,20 @@ class Names:
         return got
 
     def weight(self, param: str) -> Buffer:
-        return self._get(("w", param), buf_.weight)
+        got = self._weights.get(param)
+        return got if got is not None else self._weights.setdefault(param, buf_.weight(param))
 
     def weight_grad(self, param: str) -> Buffer:
-        return self._get(("wg", param), buf_.weight_grad)
+        got = self._weight_grads.get(param)
+        return got if got is not None else self._weight_grads.setdefault(param, buf_.weight_grad(param))
 
     def activation(self, tensor: str) -> Buffer:
-        return self._get(("a", tensor), buf_.activation)
+        got = self._activations.get(tensor)
+        return got if got is not None else self._activations.setdefault(tensor, buf_.activation(tensor))
 
     def grad(self, tensor: str) -> Buffer:
-        return self._get(("g", tensor), buf_.grad)
+        got = self._grads.get(tensor)
+        return got if got is not None else self._grads.setdefault(tensor, buf_.grad(tensor))
 
     def contribution(self, tensor: str, consumer: str, index: int) -> Buffer:
         return self._get(("gc", tensor, consumer, index), buf_.contribution)

@@ -9,7 +9,7 @@ from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_shape
-from planlab.plan.plan import RING_DIM, RING_KV_DIM, Plan
+from planlab.plan.plan import RING_DIM, RING_KV_DIM, OpPlan, Plan
 from planlab.plan.zigzag import sequence_zigzag
 
 
@@ -54,25 +54,21 @@ class Layouts:
         self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
+        placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
-            sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
-            if len(p.devices) != math.prod(sizes):
-                raise InfeasiblePlan(f"operator {op.name!r} has {math.prod(sizes)} pieces but {len(p.devices)} devices")
-            if p.devices and not (0 <= min(p.devices) and max(p.devices) < plan.num_devices):
-                bad = [d for d in p.devices if not 0 <= d < plan.num_devices]
-                raise InfeasiblePlan(
-                    f"operator {op.name!r} is placed on device {bad[0]}; the plan has devices 0..{plan.num_devices - 1}"
-                )
-            co = colocation(op.name, tuple(dims), tuple(sizes), tuple(p.devices))
-            mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
-            if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+            key = (p.sizes, p.dims, p.devices)
+            got = placed.get(key)
+            if got is None:
+                co, mesh, mdims = self._placement(op.name, p, plan.num_devices)
+                got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims)
+            co, mesh, mdims = got
+            dims, sizes = (p.dims, p.sizes) if p.sizes else ((None,), (1,))
+            if co is not None:
                 self.chunks[op.name] = co
-                mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
-            mesh = Mesh(tuple(msizes), tuple(mdevices))
-            self.mesh[op.name] = interned.setdefault(mesh, mesh)  # one object per mesh: its caches are shared
-            self.dims[op.name] = tuple(mdims)
+            self.mesh[op.name] = mesh  # one object per mesh: its caches are shared
+            self.dims[op.name] = mdims
             if p.ring and RING_DIM not in dims:
                 raise InfeasiblePlan(
                     f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
@@ -89,6 +85,24 @@ class Layouts:
                     )
         rings = {p.op: math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) for p in plan.ops if p.ring}
         self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
+
+    @staticmethod
+    def _placement(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
+        """The co-location, mesh and mesh dimensions of a placement (``p``'s sizes, dims and devices),
+        first met at operator ``name``; refuses (InfeasiblePlan) pieces that do not match their devices."""
+        sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
+        if len(p.devices) != math.prod(sizes):
+            raise InfeasiblePlan(f"operator {name!r} has {math.prod(sizes)} pieces but {len(p.devices)} devices")
+        if p.devices and not (0 <= min(p.devices) and max(p.devices) < num_devices):
+            bad = [d for d in p.devices if not 0 <= d < num_devices]
+            raise InfeasiblePlan(
+                f"operator {name!r} is placed on device {bad[0]}; the plan has devices 0..{num_devices - 1}"
+            )
+        co = colocation(name, tuple(dims), tuple(sizes), tuple(p.devices))
+        mdims, msizes, mdevices = (dims, sizes, p.devices) if co is None else co.reduce(dims, sizes, p.devices)
+        if co is not None:  # each device holds the n-way share its k pieces make, run as k chunks
+            mdims, msizes = (mdims, msizes) if msizes else ((None,), (1,))
+        return co, Mesh(tuple(msizes), tuple(mdevices)), tuple(mdims)
 
     def _dim_size(self, op: Operator, dim: str) -> int:
         for t in op.inputs + op.outputs:
