@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.candidates import DRAWING_KEY, PLAN_KEY, BestPlans
+from planlab.candidates import PLAN_KEY, BestPlans
 from planlab.drawing import Drawing
 from planlab.explore import Setup, drawn_candidate, evaluate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
@@ -258,32 +258,34 @@ def test_outputs_draw_the_evaluated_best_plan_without_materializing_it_again(tmp
 
 
 def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tmp_path, monkeypatch):
-    """With --jobs, a row that could be the best comes with the Drawing of its timeline: the parent
-    neither builds nor simulates the best plan, and draws the same timeline and memory plots as a
-    serial run."""
+    """With --jobs, a worker draws the final best plan's timeline, once every candidate is in, and
+    no other: the parent neither builds nor simulates the best plan, and draws the same timeline
+    and memory plots as a serial run."""
     ex = sys.modules["planlab.explore"]
     calls = []  # the parent's: a forked worker appends to its own copy
-    real_build, real_simulate = ex.build_program, ex.simulate
+    drawn = tmp_path / "drawn.log"  # the workers' drawings, one line each
+    real_build, real_simulate, real_drawing_of = ex.build_program, ex.simulate, ex.drawing_of
     monkeypatch.setattr(ex, "build_program", lambda *a, **k: calls.append("build") or real_build(*a, **k))
     monkeypatch.setattr(ex, "simulate", lambda *a, **k: calls.append("sim") or real_simulate(*a, **k))
+    monkeypatch.setattr(ex, "drawing_of", lambda r: drawn.open("a").write("d\n") and real_drawing_of(r))
     serial = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "serial", candidates=3)
     calls.clear()
+    drawn.unlink()
     jobs = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "jobs", candidates=3, jobs=2)
-    assert calls == []
+    assert calls == [] and drawn.read_text() == "d\n" and int(jobs["simulated"].sum()) > 1
     pd.testing.assert_frame_equal(jobs, serial)
     for name in ("timeline.png", "memory.png"):
         assert (tmp_path / "jobs" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes(), name
 
 
-def test_only_a_row_that_could_be_the_best_carries_a_drawing():
-    ctx, cost, _ = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
+def test_a_drawn_candidate_is_the_drawing_of_its_simulation():
+    ctx, cost, g = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
     sp = get_space("megatron")
     values = sp.enumerate(ctx)[0]
-    row = drawn_candidate(sp, ctx, cost, values, math.inf)
-    assert row["feasible"] and isinstance(row[DRAWING_KEY], Drawing)
-    assert row[DRAWING_KEY].strips and row[DRAWING_KEY].lines
-    assert DRAWING_KEY not in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"] * (1 - 1e-9))
-    assert DRAWING_KEY in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"])  # a tie could be the best
+    drawing = drawn_candidate(sp, ctx, cost, values)
+    _, res = evaluate(sp.build(ctx, values), g, cost, timeline=True)
+    assert isinstance(drawing, Drawing) and drawing.strips and drawing.lines
+    assert drawing.iter_time_s == res.iter_time_s and drawing.peak_mem_bytes == res.peak_mem_bytes
 
 
 # -- choosing candidates and the front ---------------------------------------------------------------
@@ -330,8 +332,8 @@ def test_workers_end_when_terminated_whatever_sigterm_handler_the_parent_has():
     code = """
 import signal, time
 signal.signal(signal.SIGTERM, lambda *a: None)
-from planlab.explore import _Workers
-w = _Workers(2, None, None)
+from planlab.candidates import Workers
+w = Workers(2, None)
 w.pool.apply_async(time.sleep, (120,))
 time.sleep(1.0)
 t = time.perf_counter()
