@@ -186,7 +186,7 @@ class SerialRunner:
         self.fn = fn
         self.slots = 1
 
-    def submit(self, i: int, values: dict) -> Pending:
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
         return Pending(i, self.fn((i, values)))
 
     def draw(self, values: dict) -> Drawing | None:
@@ -240,8 +240,9 @@ class PoolRunner:
         self.pool, self.fn, self.draw_fn, self.on_cancel = pool, fn, draw_fn, on_cancel
         self.slots, self.cancelled = 2 * jobs, False
 
-    def submit(self, i: int, values: dict) -> Pending:
-        return Pending(i, self.pool.apply_async(self.fn, ((i, values),)))
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
+        """``best_s``: the fastest feasible time yet; only a row as fast comes back with its Plan."""
+        return Pending(i, self.pool.apply_async(self.fn, ((i, values, best_s),)))
 
     def draw(self, values: dict) -> Drawing | None:
         """The Drawing of the best row's timeline, in one more task once every candidate is in
@@ -265,16 +266,18 @@ def simulate_candidates(
     store: Callable[[int, dict], None],
     late: Callable[[], bool],
     deadline: float | None,
+    fastest: Callable[[], float] = lambda: math.inf,
 ) -> None:
     """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
     and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
-    budget ran out are kept, the others cancelled."""
+    budget ran out are kept, the others cancelled. ``fastest()``: the fastest feasible time stored
+    yet, given with each submission (a slower row cannot be the best: its Plan stays where it was built)."""
     pending: list[Pending] = []
     queue = list(order)
     while queue or pending:
         while queue and len(pending) < runner.slots and not late():
             i = queue.pop(0)
-            pending.append(runner.submit(i, assignments[i]))
+            pending.append(runner.submit(i, assignments[i], fastest()))
         if not pending or late():
             break
         timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
@@ -329,8 +332,8 @@ class RayRunner:
         self.shared = tuple(ray.put(x) for x in shared)
         self.slots = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
 
-    def submit(self, i: int, values: dict) -> Pending:
-        return Pending(i, self.task.remote(*self.shared, i, values))
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
+        return Pending(i, self.task.remote(*self.shared, i, values, best_s))
 
     def draw(self, values: dict) -> Drawing:
         """The Drawing of the best row's timeline, in one more task once every candidate is in."""

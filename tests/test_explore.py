@@ -15,8 +15,9 @@ from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
 from planlab.candidates import PLAN_KEY, BestPlans
 from planlab.drawing import Drawing
-from planlab.explore import Setup, drawn_candidate, evaluate, make_context, memory_lower_bound_bytes
+from planlab.explore import Setup, drawn_candidate, evaluate, kept_candidate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
+from planlab.plan.plan import Plan
 from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
@@ -278,7 +279,7 @@ def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tm
         assert (tmp_path / "jobs" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes(), name
 
 
-def test_a_drawn_candidate_is_the_drawing_of_its_simulation():
+def test_workers_draw_a_candidate_as_simulated_and_send_only_plans_that_could_be_the_best():
     ctx, cost, g = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
     sp = get_space("megatron")
     values = sp.enumerate(ctx)[0]
@@ -286,6 +287,10 @@ def test_a_drawn_candidate_is_the_drawing_of_its_simulation():
     _, res = evaluate(sp.build(ctx, values), g, cost, timeline=True)
     assert isinstance(drawing, Drawing) and drawing.strips and drawing.lines
     assert drawing.iter_time_s == res.iter_time_s and drawing.peak_mem_bytes == res.peak_mem_bytes
+    row = kept_candidate(sp, ctx, cost, values, math.inf)  # a worker's row: its Plan only if it could be the best
+    assert row["feasible"] and isinstance(row[PLAN_KEY], Plan)
+    assert PLAN_KEY not in kept_candidate(sp, ctx, cost, values, row["iter_time_s"] * (1 - 1e-9))
+    assert PLAN_KEY in kept_candidate(sp, ctx, cost, values, row["iter_time_s"])  # a tie could be the best
 
 
 # -- choosing candidates and the front ---------------------------------------------------------------
