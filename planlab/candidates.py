@@ -189,8 +189,8 @@ class SerialRunner:
     def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
         return Pending(i, self.fn((i, values)))
 
-    def draw(self, values: dict) -> Drawing | None:
-        """None: the parent draws the best plan from the Simulated it kept."""
+    def draw_async(self, values: dict) -> None:
+        """None: the parent draws the best plan from the Simulated it kept (see :class:`Draws`)."""
         return None
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
@@ -244,10 +244,12 @@ class PoolRunner:
         """``best_s``: the fastest feasible time yet; only a row as fast comes back with its Plan."""
         return Pending(i, self.pool.apply_async(self.fn, ((i, values, best_s),)))
 
-    def draw(self, values: dict) -> Drawing | None:
-        """The Drawing of the best row's timeline, in one more task once every candidate is in
-        (None once the budget cancelled the pool: the parent draws it)."""
-        return None if self.cancelled else self.pool.apply(self.draw_fn, (values,))
+    def draw_async(self, values: dict):
+        """A task drawing one row's timeline (:class:`Draws`); None once the budget cancelled the pool."""
+        return None if self.cancelled else self.pool.apply_async(self.draw_fn, (values,))
+
+    def drawn(self, handle) -> Drawing | None:
+        return None if self.cancelled else handle.get()
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         pending[0].handle.wait(timeout_s)
@@ -256,6 +258,27 @@ class PoolRunner:
     def cancel(self, pending: list[Pending]) -> None:
         self.cancelled = True
         self.on_cancel()
+
+
+class Draws:
+    """The best row's :class:`~planlab.drawing.Drawing`, drawn in a worker or a Ray task: started
+    for the fastest row yet once every candidate is submitted (while the last ones finish), and
+    again at the end only when the final best is another row. None where the runner draws nothing
+    (in this process: the parent keeps the Simulated)."""
+
+    def __init__(self, runner, assignments: list[dict]) -> None:
+        self.runner, self.assignments = runner, assignments
+        self.started: dict[int, Any] = {}
+
+    def start(self, i: int) -> None:
+        if i not in self.started:
+            handle = self.runner.draw_async(self.assignments[i])
+            if handle is not None:
+                self.started[i] = handle
+
+    def get(self, i: int) -> Drawing | None:
+        self.start(i)
+        return self.runner.drawn(self.started[i]) if i in self.started else None
 
 
 def simulate_candidates(
@@ -267,17 +290,21 @@ def simulate_candidates(
     late: Callable[[], bool],
     deadline: float | None,
     fastest: Callable[[], float] = lambda: math.inf,
+    drained: Callable[[], None] = lambda: None,
 ) -> None:
     """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
     and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
     budget ran out are kept, the others cancelled. ``fastest()``: the fastest feasible time stored
-    yet, given with each submission (a slower row cannot be the best: its Plan stays where it was built)."""
+    yet, given with each submission (a slower row cannot be the best: its Plan stays where it was built).
+    ``drained()``: called once, when the last candidate has been submitted."""
     pending: list[Pending] = []
     queue = list(order)
     while queue or pending:
         while queue and len(pending) < runner.slots and not late():
             i = queue.pop(0)
             pending.append(runner.submit(i, assignments[i], fastest()))
+            if not queue:
+                drained()
         if not pending or late():
             break
         timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
@@ -335,9 +362,12 @@ class RayRunner:
     def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
         return Pending(i, self.task.remote(*self.shared, i, values, best_s))
 
-    def draw(self, values: dict) -> Drawing:
-        """The Drawing of the best row's timeline, in one more task once every candidate is in."""
-        return self.ray.get(self.draw_task.remote(*self.shared, values))
+    def draw_async(self, values: dict):
+        """A task drawing one row's timeline (:class:`Draws`)."""
+        return self.draw_task.remote(*self.shared, values)
+
+    def drawn(self, handle) -> Drawing:
+        return self.ray.get(handle)
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         refs = [p.handle for p in pending]

@@ -29,6 +29,7 @@ from planlab.candidates import (
     ROW_KEYS,
     SIMULATED_KEY,
     BestPlans,
+    Draws,
     Journal,
     PoolRunner,
     RayRunner,
@@ -421,12 +422,12 @@ def explore(
         deadline = None if budget is None else t0 + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
-            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans)
+            draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
+            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws)
             t_sim = time.perf_counter()
             counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
-            # the best plan's timeline, drawn where Programs are built (none in a serial run)
-            drawing = runner.draw(assignments[index]) if out is not None and best is not None else None
+            drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
             if isinstance(runner, RayRunner):
                 runner.close()
@@ -626,10 +627,16 @@ def _simulate_all(
     deadline: float | None,
     journal: Journal | None,
     best: BestPlans,
+    draws: Draws | None = None,
 ) -> int:
     """Simulate ``order`` (fastest estimate first) until ``deadline``, each row journaled as it
     finishes (rows the journal already holds are taken from it), the fastest rows' plans kept in
-    ``best``; returns how many were."""
+    ``best``; returns how many were. ``draws``: where the likely best is drawn once the last
+    candidate is submitted (the fastest row yet; ties by the screen's estimate, as ranked)."""
+
+    def drained() -> None:
+        if draws is not None and best.plans:
+            draws.start(min(best.plans, key=lambda i: (rows[i]["screen_time_s"], i)))
 
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
@@ -654,7 +661,13 @@ def _simulate_all(
                 resumed.add(i)
                 store(i, row)
     todo = [i for i in order if i not in resumed]
-    simulate_candidates(todo, assignments, runner, store=store, late=late, deadline=deadline)
+
+    def fastest() -> float:
+        return best.time_s
+
+    simulate_candidates(
+        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=fastest, drained=drained
+    )
     bar.close()
     for i in order:
         if not rows[i]["simulated"]:

@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.candidates import PLAN_KEY, BestPlans
+from planlab.candidates import PLAN_KEY, BestPlans, Draws, Pending, simulate_candidates
 from planlab.drawing import Drawing
 from planlab.explore import Setup, drawn_candidate, evaluate, kept_candidate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
@@ -177,6 +177,52 @@ def test_the_best_plan_kept_from_its_row_is_the_plan_built_again(tiny_full):
     assert dataclasses.replace(again, software=best.software, precision=best.precision) == best
 
 
+class _ListRunner:
+    """Rows of ``{"t": values["t"]}`` at once, one slot; draws a row as ``("drawn", t)``."""
+
+    slots = 1
+
+    def __init__(self) -> None:
+        self.best_s, self.draws = [], []
+
+    def submit(self, i, values, best_s):
+        self.best_s.append(best_s)
+        return Pending(i, (i, dict(values)))
+
+    def wait(self, pending, timeout_s):
+        return [p.handle for p in pending]
+
+    def cancel(self, pending):
+        pass
+
+    def draw_async(self, values):
+        self.draws.append(values["t"])
+        return ("drawn", values["t"])
+
+    def drawn(self, handle):
+        return handle
+
+
+def test_submissions_carry_the_fastest_time_yet_and_the_likely_best_is_drawn_once():
+    runner, times, drained = _ListRunner(), [3.0, 2.0, 5.0], []
+    assignments, stored = [{"t": t} for t in times], {}
+    simulate_candidates(
+        [0, 1, 2],
+        assignments,
+        runner,
+        store=lambda i, row: stored.update({i: row["t"]}),
+        late=lambda: False,
+        deadline=None,
+        fastest=lambda: min(stored.values(), default=math.inf),
+        drained=lambda: drained.append(len(stored)),
+    )
+    assert runner.best_s == [math.inf, 3.0, 2.0] and drained == [2] and stored == {0: 3.0, 1: 2.0, 2: 5.0}
+    draws = Draws(runner, assignments)
+    draws.start(1)
+    assert draws.get(1) == ("drawn", 2.0) and runner.draws == [2.0]  # started once, taken at the end
+    assert draws.get(0) == ("drawn", 3.0) and runner.draws == [2.0, 3.0]  # another best: drawn then
+
+
 def test_best_plans_keep_the_fastest_feasible_rows_only():
     kept, plan = BestPlans(), object()
     row = dict(iter_time_s=2.0, feasible=True, reason="")
@@ -259,9 +305,9 @@ def test_outputs_draw_the_evaluated_best_plan_without_materializing_it_again(tmp
 
 
 def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tmp_path, monkeypatch):
-    """With --jobs, a worker draws the final best plan's timeline, once every candidate is in, and
-    no other: the parent neither builds nor simulates the best plan, and draws the same timeline
-    and memory plots as a serial run."""
+    """With --jobs, a worker draws the likely best plan's timeline once the last candidate is
+    submitted, and the final best's if it is another, and no other row's: the parent neither builds
+    nor simulates the best plan, and draws the same timeline and memory plots as a serial run."""
     ex = sys.modules["planlab.explore"]
     calls = []  # the parent's: a forked worker appends to its own copy
     drawn = tmp_path / "drawn.log"  # the workers' drawings, one line each
@@ -273,7 +319,8 @@ def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tm
     calls.clear()
     drawn.unlink()
     jobs = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "jobs", candidates=3, jobs=2)
-    assert calls == [] and drawn.read_text() == "d\n" and int(jobs["simulated"].sum()) > 1
+    # the likely best drawn as the last candidates finish, then the final best if it is another row
+    assert calls == [] and drawn.read_text() in ("d\n", "d\nd\n") and int(jobs["simulated"].sum()) == 7
     pd.testing.assert_frame_equal(jobs, serial)
     for name in ("timeline.png", "memory.png"):
         assert (tmp_path / "jobs" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes(), name
