@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import os
+import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,6 @@ JOURNAL_VERSION = 1
 ROW_KEYS = ("iter_time_s", "peak_mem_gib", "tflops_per_gpu", "mfu", "feasible", "reason")
 PLAN_KEY = "plan"  # a simulated row's built Plan, when it fits (taken off the row by the parent)
 SIMULATED_KEY = "simulation"  # ... and its Simulated, when it ran in this process (taken off likewise)
-DRAWING_KEY = "drawing"  # ... or its Drawing, when it ran elsewhere and could be the best (taken off likewise)
 
 
 @dataclass(frozen=True)
@@ -51,30 +53,25 @@ class Simulated:
 
 class BestPlans:
     """The Plans of the fastest feasible rows simulated so far (all of them on a tie), by row index,
-    and their Simulated where they ran in this process or their Drawing where they ran in a worker:
-    the parent keeps the best plan as the workers built it (and, in a serial run, its Program and
-    simulation; else the pixels of its timeline), and no other."""
+    and their Simulated where they ran in this process: the parent keeps the best plan as the
+    workers built it (and, in a serial run, its Program and simulation), and no other."""
 
     def __init__(self) -> None:
         self.time_s = math.inf
         self.plans: dict[int, Plan] = {}
         self.simulated: dict[int, Simulated] = {}
-        self.drawings: dict[int, Drawing] = {}
 
     def offer(self, i: int, result: dict) -> dict:
-        """``result`` without its Plan, Simulated and Drawing, kept if its row is the fastest feasible one yet."""
+        """``result`` without its Plan and Simulated, kept if its row is the fastest feasible one yet."""
         result = dict(result)
         plan, sim = result.pop(PLAN_KEY, None), result.pop(SIMULATED_KEY, None)
-        drawing = result.pop(DRAWING_KEY, None)
         t = result.get("iter_time_s", math.nan)
         if plan is not None and result.get("feasible") and t <= self.time_s:
             if t < self.time_s:
-                self.time_s, self.plans, self.simulated, self.drawings = t, {}, {}, {}
+                self.time_s, self.plans, self.simulated = t, {}, {}
             self.plans[i] = plan
             if sim is not None:
                 self.simulated[i] = sim
-            if drawing is not None:
-                self.drawings[i] = drawing
         return result
 
 
@@ -189,8 +186,12 @@ class SerialRunner:
         self.fn = fn
         self.slots = 1
 
-    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
         return Pending(i, self.fn((i, values)))
+
+    def draw_async(self, values: dict) -> None:
+        """None: the parent draws the best plan from the Simulated it kept (see :class:`Draws`)."""
+        return None
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         return [p.handle for p in pending]
@@ -199,23 +200,85 @@ class SerialRunner:
         pass
 
 
+def init_worker() -> None:
+    """A worker dies on SIGTERM (``Pool.terminate``) whatever handler its parent had installed (a
+    forked worker inherits them: torch's elastic launcher, say), and leaves Ctrl-C to its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Workers:
+    """``jobs`` processes (no pool for one job) that share this process's state (forked), or, where
+    forking is not available, set it up again (spawned, running ``spawned``: an initializer that
+    calls :func:`init_worker`, and its arguments; no pool when None)."""
+
+    def __init__(self, jobs: int, spawned: tuple[Callable, tuple] | None) -> None:
+        self.pool = None
+        self.jobs = jobs
+        if jobs <= 1:
+            return
+        if "fork" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
+            self.pool = mp.get_context("fork").Pool(jobs, initializer=init_worker)
+        elif spawned is not None:
+            self.pool = mp.get_context("spawn").Pool(jobs, initializer=spawned[0], initargs=spawned[1])
+
+    def close(self, *, kill: bool = False) -> None:
+        if self.pool is not None:
+            if kill:
+                self.pool.terminate()
+            else:
+                self.pool.close()
+            self.pool.join()
+            self.pool = None
+
+
 class PoolRunner:
-    """Candidates simulated in a multiprocessing pool (``--jobs``), two in flight per worker."""
+    """Candidates simulated in a multiprocessing pool (``--jobs``), two in flight per worker;
+    ``draw_fn`` draws one assignment's timeline in a worker (:meth:`draw`)."""
 
-    def __init__(self, pool, jobs: int, fn: Callable, on_cancel: Callable[[], None]) -> None:
-        self.pool, self.fn, self.on_cancel = pool, fn, on_cancel
-        self.slots = 2 * jobs
+    def __init__(self, pool, jobs: int, fn: Callable, draw_fn: Callable, on_cancel: Callable[[], None]) -> None:
+        self.pool, self.fn, self.draw_fn, self.on_cancel = pool, fn, draw_fn, on_cancel
+        self.slots, self.cancelled = 2 * jobs, False
 
-    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
-        """``draw_below``: the fastest feasible time yet; a row as fast comes with its Drawing."""
-        return Pending(i, self.pool.apply_async(self.fn, ((i, values, draw_below),)))
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
+        """``best_s``: the fastest feasible time yet; only a row as fast comes back with its Plan."""
+        return Pending(i, self.pool.apply_async(self.fn, ((i, values, best_s),)))
+
+    def draw_async(self, values: dict):
+        """A task drawing one row's timeline (:class:`Draws`); None once the budget cancelled the pool."""
+        return None if self.cancelled else self.pool.apply_async(self.draw_fn, (values,))
+
+    def drawn(self, handle) -> Drawing | None:
+        return None if self.cancelled else handle.get()
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         pending[0].handle.wait(timeout_s)
         return [p.handle.get() for p in pending if p.handle.ready()]
 
     def cancel(self, pending: list[Pending]) -> None:
+        self.cancelled = True
         self.on_cancel()
+
+
+class Draws:
+    """The best row's :class:`~planlab.drawing.Drawing`, drawn in a worker or a Ray task: started
+    for the fastest row yet once every candidate is submitted (while the last ones finish), and
+    again at the end only when the final best is another row. None where the runner draws nothing
+    (in this process: the parent keeps the Simulated)."""
+
+    def __init__(self, runner, assignments: list[dict]) -> None:
+        self.runner, self.assignments = runner, assignments
+        self.started: dict[int, Any] = {}
+
+    def start(self, i: int) -> None:
+        if i not in self.started:
+            handle = self.runner.draw_async(self.assignments[i])
+            if handle is not None:
+                self.started[i] = handle
+
+    def get(self, i: int) -> Drawing | None:
+        self.start(i)
+        return self.runner.drawn(self.started[i]) if i in self.started else None
 
 
 def simulate_candidates(
@@ -227,17 +290,21 @@ def simulate_candidates(
     late: Callable[[], bool],
     deadline: float | None,
     fastest: Callable[[], float] = lambda: math.inf,
+    drained: Callable[[], None] = lambda: None,
 ) -> None:
     """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
     and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
     budget ran out are kept, the others cancelled. ``fastest()``: the fastest feasible time stored
-    yet, given with each submission (a worker draws the timeline of a row that could be the best)."""
+    yet, given with each submission (a slower row cannot be the best: its Plan stays where it was built).
+    ``drained()``: called once, when the last candidate has been submitted."""
     pending: list[Pending] = []
     queue = list(order)
     while queue or pending:
         while queue and len(pending) < runner.slots and not late():
             i = queue.pop(0)
             pending.append(runner.submit(i, assignments[i], fastest()))
+            if not queue:
+                drained()
         if not pending or late():
             break
         timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
@@ -275,7 +342,7 @@ class RayRunner:
     cost model and the space go to Ray's object store once; each task builds and simulates one
     plan with :func:`planlab.explore.simulate_candidate`. Ray workers need planlab installed."""
 
-    def __init__(self, address: str | None, task_fn: Callable, shared: tuple) -> None:
+    def __init__(self, address: str | None, task_fn: Callable, draw_fn: Callable, shared: tuple) -> None:
         try:
             import ray
         except ImportError:
@@ -288,12 +355,19 @@ class RayRunner:
                 ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"--ray {address or ''}: cannot start or reach Ray: {e}".replace("  ", " ")) from None
-        self.task = ray.remote(task_fn)
+        self.task, self.draw_task = ray.remote(task_fn), ray.remote(draw_fn)
         self.shared = tuple(ray.put(x) for x in shared)
         self.slots = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
 
-    def submit(self, i: int, values: dict, draw_below: float = math.inf) -> Pending:
-        return Pending(i, self.task.remote(*self.shared, i, values, draw_below))
+    def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
+        return Pending(i, self.task.remote(*self.shared, i, values, best_s))
+
+    def draw_async(self, values: dict):
+        """A task drawing one row's timeline (:class:`Draws`)."""
+        return self.draw_task.remote(*self.shared, values)
+
+    def drawn(self, handle) -> Drawing:
+        return self.ray.get(handle)
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         refs = [p.handle for p in pending]

@@ -15,29 +15,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing as mp
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
 
 from planlab.candidates import (
-    DRAWING_KEY,
     JOURNAL,
     PLAN_KEY,
     ROW_KEYS,
     SIMULATED_KEY,
     BestPlans,
+    Draws,
     Journal,
     PoolRunner,
     RayRunner,
     SerialRunner,
     Simulated,
+    Workers,
     exploration_header,
+    init_worker,
     simulate_candidates,
 )
 from planlab.costmodel import CostModel
@@ -79,6 +79,7 @@ RESULT_COLUMNS = SCREEN_COLUMNS + [
 # the reason of a candidate the budget left unsimulated (its row's reason starts with it)
 BUDGET_REASON = "not simulated within the budget"
 DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
+PHASES = ("trace_s", "enumerate_s", "screen_s", "simulate_s")  # df.attrs["phases"], with "total_s"
 
 
 @dataclass(frozen=True)
@@ -249,15 +250,8 @@ def _evaluated(plan: Plan, graph: Graph, cost: CostModel, timeline: bool):
 _STATE: dict = {}  # ctx, cost, graph, space, screen: set before the workers fork (or by _init_spawned)
 
 
-def _init_worker() -> None:
-    """A worker dies on SIGTERM (``Pool.terminate``) whatever handler its parent had installed (a
-    forked worker inherits them: torch's elastic launcher, say), and leaves Ctrl-C to its parent."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _init_spawned(setup: Setup, space: str) -> None:
-    _init_worker()
+    init_worker()
     ctx, cost, graph = make_context(setup)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=get_space(space), screen=None)
 
@@ -311,22 +305,31 @@ def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *
     return ({**out, PLAN_KEY: plan} if out["feasible"] else out), (None if res is None else Simulated(program, res))
 
 
-def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, draw_below: float) -> dict:
-    """:func:`simulate_candidate`'s row, in a worker or a Ray task: a fitting row at least as fast
-    as ``draw_below`` (the fastest the parent has yet) could be the best, and carries the
-    :class:`~planlab.drawing.Drawing` of its timeline (``DRAWING_KEY``; its Program simulated again
-    with the timeline recorded, here, where the Program is), so that the parent draws the best plan
-    without building or simulating it again. Other rows carry nothing more."""
-    row, sim = simulate_candidate(sp, ctx, cost, values)
-    if PLAN_KEY in row and sim is not None and row["iter_time_s"] <= draw_below:
-        res = simulate(sim.program, cost, model_flops=training_flops(ctx.graph), timeline=True)
-        row = {**row, DRAWING_KEY: drawing_of(res)}
-    return row
+def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> Drawing:
+    """The :class:`~planlab.drawing.Drawing` of one fitting assignment's timeline: built and
+    simulated again with the timeline recorded, in a worker or a Ray task (where Programs are
+    built), so that the parent draws the best plan without building or simulating it. Only the
+    final best is drawn, in one task once every candidate is in."""
+    plan = sp.build(ctx, values)
+    program = build_program(plan, ctx.graph, cost)
+    return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
+
+
+def kept_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, best_s: float) -> dict:
+    """:func:`simulate_candidate`'s row, in a worker or a Ray task: with its Plan (``PLAN_KEY``)
+    only when it is as fast as ``best_s``, the fastest the parent had when it was submitted (a
+    slower row cannot be the best), so that the plans of the others are not sent back."""
+    row, _ = simulate_candidate(sp, ctx, cost, values)
+    return row if PLAN_KEY not in row or row["iter_time_s"] <= best_s else {k: row[k] for k in ROW_KEYS}
 
 
 def _simulate_one(item: tuple[int, dict, float]) -> tuple[int, dict]:
-    i, values, draw_below = item
-    return i, drawn_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, draw_below)
+    i, values, best_s = item
+    return i, kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, best_s)
+
+
+def _draw_one(values: dict) -> Drawing:
+    return drawn_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)
 
 
 def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
@@ -339,31 +342,12 @@ def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
     return i, ({**row, SIMULATED_KEY: sim} if PLAN_KEY in row and sim is not None else row)
 
 
-def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict, draw_below: float) -> tuple[int, dict]:
-    return i, drawn_candidate(sp, ctx, cost, values, draw_below)
+def _ray_task(ctx: Context, cost: CostModel, sp: Space, i: int, values: dict, best_s: float) -> tuple[int, dict]:
+    return i, kept_candidate(sp, ctx, cost, values, best_s)
 
 
-class _Workers:
-    """``jobs`` processes that share this process's graph (forked), or trace it again (spawned)."""
-
-    def __init__(self, jobs: int, setup: Setup, space_spec: str | None) -> None:
-        self.pool = None
-        self.jobs = jobs
-        if jobs <= 1:
-            return
-        if "fork" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
-            self.pool = mp.get_context("fork").Pool(jobs, initializer=_init_worker)
-        elif space_spec is not None:
-            self.pool = mp.get_context("spawn").Pool(jobs, initializer=_init_spawned, initargs=(setup, space_spec))
-
-    def close(self, *, kill: bool = False) -> None:
-        if self.pool is not None:
-            if kill:
-                self.pool.terminate()
-            else:
-                self.pool.close()
-            self.pool.join()
-            self.pool = None
+def _ray_draw(ctx: Context, cost: CostModel, sp: Space, values: dict) -> Drawing:
+    return drawn_candidate(sp, ctx, cost, values)
 
 
 def explore(
@@ -429,7 +413,8 @@ def explore(
         what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
         journal = _journal(Path(out), setup, what, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
-    workers, plans = _Workers(jobs, setup, space if isinstance(space, str) else None), BestPlans()
+    spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
+    workers, plans = Workers(jobs, spawned), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
@@ -437,7 +422,12 @@ def explore(
         deadline = None if budget is None else t0 + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
-            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans)
+            draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
+            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws)
+            t_sim = time.perf_counter()
+            counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
+            df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
+            drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
             if isinstance(runner, RayRunner):
                 runner.close()
@@ -447,23 +437,15 @@ def explore(
         _STATE.clear()
         if journal is not None:
             journal.close()
-    t_sim = time.perf_counter()
-    counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-    df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
+    phases = dict(zip(PHASES, (b - a for a, b in pairwise((t0, t_trace, t_enum, t_screen, t_sim)))))
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
         counts=counts,
-        phases=dict(
-            trace_s=t_trace - t0,
-            enumerate_s=t_enum - t_trace,
-            screen_s=t_screen - t_enum,
-            simulate_s=t_sim - t_screen,
-            total_s=time.perf_counter() - t0,
-        ),
+        phases={**phases, "total_s": time.perf_counter() - t0},
     )
     if out is not None:
-        kept = dict(simulated=plans.simulated.get(index), drawing=plans.drawings.get(index))
+        kept = dict(simulated=plans.simulated.get(index), drawing=drawing)
         write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
 
@@ -483,7 +465,8 @@ def _ranked(
             part_best[name] = int(ok["iter_time_s"].idxmin())
     df = _with_layouts(sp, ctx, assignments, df).drop(columns=["_index"])
     sim = df[df["simulated"] & df["iter_time_s"].notna() & df["screen_time_s"].notna()]
-    corr = float(sim["screen_time_s"].corr(sim["iter_time_s"], method="spearman")) if len(sim) >= 3 else math.nan
+    # Spearman's rho: the Pearson correlation of the average ranks (pandas' method="spearman" imports scipy.stats, ~1 s)
+    corr = float(sim["screen_time_s"].rank().corr(sim["iter_time_s"].rank())) if len(sim) >= 3 else math.nan
     df.attrs.update(best_plan=best, space=sp.name, part_best=part_best, screen_rank_corr=corr)
     return df, best, index
 
@@ -540,18 +523,18 @@ def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
         raise ConfigError(f"--out {str(out)!r}: cannot write {JOURNAL} there: {e.strerror}") from None
 
 
-def _runner(ray: bool | str, workers: _Workers, shared: tuple, *, lone: bool = False):
+def _runner(ray: bool | str, workers: Workers, shared: tuple, *, lone: bool = False):
     """Where candidates are simulated: Ray tasks, the forked workers, or this process (``lone``:
     the only candidate, its timeline recorded as it is simulated)."""
     if ray is not False:
-        return RayRunner(None if ray is True or ray == "" else ray, _ray_task, shared)
+        return RayRunner(None if ray is True or ray == "" else ray, _ray_task, _ray_draw, shared)
     if workers.pool is not None:
-        return PoolRunner(workers.pool, workers.jobs, _simulate_one, lambda: workers.close(kill=True))
+        return PoolRunner(workers.pool, workers.jobs, _simulate_one, _draw_one, lambda: workers.close(kill=True))
     _STATE["lone"] = lone
     return SerialRunner(_simulate_here)
 
 
-def _screen_all(assignments: list[dict], workers: _Workers, progress: bool) -> tuple[list, list]:
+def _screen_all(assignments: list[dict], workers: Workers, progress: bool) -> tuple[list, list]:
     n = len(assignments)
     est: list[Estimate | None] = [None] * n
     why = [""] * n
@@ -644,10 +627,16 @@ def _simulate_all(
     deadline: float | None,
     journal: Journal | None,
     best: BestPlans,
+    draws: Draws | None = None,
 ) -> int:
     """Simulate ``order`` (fastest estimate first) until ``deadline``, each row journaled as it
     finishes (rows the journal already holds are taken from it), the fastest rows' plans kept in
-    ``best``; returns how many were."""
+    ``best``; returns how many were. ``draws``: where the likely best is drawn once the last
+    candidate is submitted (the fastest row yet; ties by the screen's estimate, as ranked)."""
+
+    def drained() -> None:
+        if draws is not None and best.plans:
+            draws.start(min(best.plans, key=lambda i: (rows[i]["screen_time_s"], i)))
 
     def late() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
@@ -672,8 +661,12 @@ def _simulate_all(
                 resumed.add(i)
                 store(i, row)
     todo = [i for i in order if i not in resumed]
+
+    def fastest() -> float:
+        return best.time_s
+
     simulate_candidates(
-        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=lambda: best.time_s
+        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=fastest, drained=drained
     )
     bar.close()
     for i in order:

@@ -13,10 +13,11 @@ from scipy.stats import spearmanr
 import planlab
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
-from planlab.candidates import DRAWING_KEY, PLAN_KEY, BestPlans
+from planlab.candidates import PLAN_KEY, BestPlans, Draws, Pending, simulate_candidates
 from planlab.drawing import Drawing
-from planlab.explore import Setup, drawn_candidate, evaluate, make_context, memory_lower_bound_bytes
+from planlab.explore import Setup, drawn_candidate, evaluate, kept_candidate, make_context, memory_lower_bound_bytes
 from planlab.models import ModelSpec
+from planlab.plan.plan import Plan
 from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
@@ -176,6 +177,52 @@ def test_the_best_plan_kept_from_its_row_is_the_plan_built_again(tiny_full):
     assert dataclasses.replace(again, software=best.software, precision=best.precision) == best
 
 
+class _ListRunner:
+    """Rows of ``{"t": values["t"]}`` at once, one slot; draws a row as ``("drawn", t)``."""
+
+    slots = 1
+
+    def __init__(self) -> None:
+        self.best_s, self.draws = [], []
+
+    def submit(self, i, values, best_s):
+        self.best_s.append(best_s)
+        return Pending(i, (i, dict(values)))
+
+    def wait(self, pending, timeout_s):
+        return [p.handle for p in pending]
+
+    def cancel(self, pending):
+        pass
+
+    def draw_async(self, values):
+        self.draws.append(values["t"])
+        return ("drawn", values["t"])
+
+    def drawn(self, handle):
+        return handle
+
+
+def test_submissions_carry_the_fastest_time_yet_and_the_likely_best_is_drawn_once():
+    runner, times, drained = _ListRunner(), [3.0, 2.0, 5.0], []
+    assignments, stored = [{"t": t} for t in times], {}
+    simulate_candidates(
+        [0, 1, 2],
+        assignments,
+        runner,
+        store=lambda i, row: stored.update({i: row["t"]}),
+        late=lambda: False,
+        deadline=None,
+        fastest=lambda: min(stored.values(), default=math.inf),
+        drained=lambda: drained.append(len(stored)),
+    )
+    assert runner.best_s == [math.inf, 3.0, 2.0] and drained == [2] and stored == {0: 3.0, 1: 2.0, 2: 5.0}
+    draws = Draws(runner, assignments)
+    draws.start(1)
+    assert draws.get(1) == ("drawn", 2.0) and runner.draws == [2.0]  # started once, taken at the end
+    assert draws.get(0) == ("drawn", 3.0) and runner.draws == [2.0, 3.0]  # another best: drawn then
+
+
 def test_best_plans_keep_the_fastest_feasible_rows_only():
     kept, plan = BestPlans(), object()
     row = dict(iter_time_s=2.0, feasible=True, reason="")
@@ -258,32 +305,39 @@ def test_outputs_draw_the_evaluated_best_plan_without_materializing_it_again(tmp
 
 
 def test_workers_send_the_best_plans_drawing_and_the_parent_simulates_nothing(tmp_path, monkeypatch):
-    """With --jobs, a row that could be the best comes with the Drawing of its timeline: the parent
-    neither builds nor simulates the best plan, and draws the same timeline and memory plots as a
-    serial run."""
+    """With --jobs, a worker draws the likely best plan's timeline once the last candidate is
+    submitted, and the final best's if it is another, and no other row's: the parent neither builds
+    nor simulates the best plan, and draws the same timeline and memory plots as a serial run."""
     ex = sys.modules["planlab.explore"]
     calls = []  # the parent's: a forked worker appends to its own copy
-    real_build, real_simulate = ex.build_program, ex.simulate
+    drawn = tmp_path / "drawn.log"  # the workers' drawings, one line each
+    real_build, real_simulate, real_drawing_of = ex.build_program, ex.simulate, ex.drawing_of
     monkeypatch.setattr(ex, "build_program", lambda *a, **k: calls.append("build") or real_build(*a, **k))
     monkeypatch.setattr(ex, "simulate", lambda *a, **k: calls.append("sim") or real_simulate(*a, **k))
+    monkeypatch.setattr(ex, "drawing_of", lambda r: drawn.open("a").write("d\n") and real_drawing_of(r))
     serial = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "serial", candidates=3)
     calls.clear()
+    drawn.unlink()
     jobs = planlab.explore("gpt-tiny", **TINY, out=tmp_path / "jobs", candidates=3, jobs=2)
-    assert calls == []
+    # the likely best drawn as the last candidates finish, then the final best if it is another row
+    assert calls == [] and drawn.read_text() in ("d\n", "d\nd\n") and int(jobs["simulated"].sum()) == 7
     pd.testing.assert_frame_equal(jobs, serial)
     for name in ("timeline.png", "memory.png"):
         assert (tmp_path / "jobs" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes(), name
 
 
-def test_only_a_row_that_could_be_the_best_carries_a_drawing():
-    ctx, cost, _ = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
+def test_workers_draw_a_candidate_as_simulated_and_send_only_plans_that_could_be_the_best():
+    ctx, cost, g = make_context(Setup(ModelSpec("gpt-tiny"), "cpu", 2, 8))
     sp = get_space("megatron")
     values = sp.enumerate(ctx)[0]
-    row = drawn_candidate(sp, ctx, cost, values, math.inf)
-    assert row["feasible"] and isinstance(row[DRAWING_KEY], Drawing)
-    assert row[DRAWING_KEY].strips and row[DRAWING_KEY].lines
-    assert DRAWING_KEY not in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"] * (1 - 1e-9))
-    assert DRAWING_KEY in drawn_candidate(sp, ctx, cost, values, row["iter_time_s"])  # a tie could be the best
+    drawing = drawn_candidate(sp, ctx, cost, values)
+    _, res = evaluate(sp.build(ctx, values), g, cost, timeline=True)
+    assert isinstance(drawing, Drawing) and drawing.strips and drawing.lines
+    assert drawing.iter_time_s == res.iter_time_s and drawing.peak_mem_bytes == res.peak_mem_bytes
+    row = kept_candidate(sp, ctx, cost, values, math.inf)  # a worker's row: its Plan only if it could be the best
+    assert row["feasible"] and isinstance(row[PLAN_KEY], Plan)
+    assert PLAN_KEY not in kept_candidate(sp, ctx, cost, values, row["iter_time_s"] * (1 - 1e-9))
+    assert PLAN_KEY in kept_candidate(sp, ctx, cost, values, row["iter_time_s"])  # a tie could be the best
 
 
 # -- choosing candidates and the front ---------------------------------------------------------------
@@ -330,8 +384,8 @@ def test_workers_end_when_terminated_whatever_sigterm_handler_the_parent_has():
     code = """
 import signal, time
 signal.signal(signal.SIGTERM, lambda *a: None)
-from planlab.explore import _Workers
-w = _Workers(2, None, None)
+from planlab.candidates import Workers
+w = Workers(2, None)
 w.pool.apply_async(time.sleep, (120,))
 time.sleep(1.0)
 t = time.perf_counter()
