@@ -99,7 +99,18 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
             r"cp_layout=contiguous$",
         ),
     ],
-    ids=["devices", "heads", "grouped-heads", "product", "sp", "ring-chunks", "kind", "zigzag-chunks", "layout", "zigzag-moe"],
+    ids=[
+        "devices",
+        "heads",
+        "grouped-heads",
+        "product",
+        "sp",
+        "ring-chunks",
+        "kind",
+        "zigzag-chunks",
+        "layout",
+        "zigzag-moe",
+    ],
 )
 def test_cp_values_that_do_not_fit(name, args, n, knobs, message):
     ctx = _ctx(name, n, args)
