@@ -203,6 +203,9 @@ CASES["llama3-405b at 131072 tokens (cp 16, ring) on 16384 H100"] = dict(
 CASES["llama3-405b at 131072 tokens (cp 16, ring, contiguous) on 16384 H100"] = dict(
     _A2A, knobs=dict(_A2A["knobs"], cp_kind="ring", cp_layout="contiguous")
 )
+# all-to-all over heads (cp_kind=a2a) does not fit this shape: the attention reads its 8 key/value heads
+# unrepeated (grouped-query attention), one per tensor-parallel rank at tp 8, which cp 16 cannot split
+del CASES["llama3-405b at 131072 tokens (cp 16) on 16384 H100"]
 
 
 def _case(name: str, out) -> None:
