@@ -153,7 +153,7 @@ def memory_lower_bound_bytes(
             acc[0] += spec.numel / cut * (weights + grad + opt)
         if p.recompute or p.offload or p.op in fwd_only:
             continue  # a recomputed operator keeps nothing for its backward, an offloaded one nothing on the device
-        for key, nbytes in saved_activations(op, p, graph, software, prec.activation_bytes, m, plans):
+        for key, nbytes in saved_activations(op, p, graph, software, prec, m, plans):
             if key not in acc[2]:
                 acc[2].add(key)
                 acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes

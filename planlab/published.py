@@ -68,7 +68,10 @@ COLUMNS = (
 )
 # optional columns, after cp and in this order: expert parallelism (ep, and etp, empty: the tensor-parallel
 # degree) and uneven pipeline stages (first_stage_layers, last_stage_layers, empty or 0: an even share)
-OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers", "cp_kind")
+# and the modules recomputed besides recompute's (recompute_modules: Megatron-Core's --recompute-modules
+# names separated by spaces, each a recompute_<name> knob of planlab.search_spaces.recompute_modules)
+OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers", "cp_kind", "recompute_modules")
+RECOMPUTE_MODULES = ("moe_act", "mlp", "mla_up_proj")
 CP_KINDS = ("a2a", "ring")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
 METRICS = (
     "iteration_s",
@@ -122,6 +125,7 @@ class PublishedRow:
     first_stage_layers: int = 0  # 0: an even share (Megatron-Core's --decoder-first-pipeline-num-layers unset)
     last_stage_layers: int = 0
     cp_kind: str = ""  # context parallelism's attention (the cp_kind knob); empty: the default, a2a
+    recompute_modules: tuple[str, ...] = ()  # each sets knob recompute_<name> (RECOMPUTE_MODULES)
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -167,6 +171,7 @@ class PublishedRow:
                 )
                 if v
             },
+            **{f"recompute_{m}": True for m in self.recompute_modules},
         )
 
     @property
@@ -331,6 +336,15 @@ def expected_columns(header) -> tuple[str, ...]:
     return COLUMNS[:at] + tuple(c for c in OPTIONAL_COLUMNS if c in header) + COLUMNS[at:]
 
 
+def _recompute_modules(r: dict, where: str) -> tuple[str, ...]:
+    """The ``recompute_modules`` column: Megatron-Core module names (:data:`RECOMPUTE_MODULES`)."""
+    names = tuple((r.get("recompute_modules") or "").split())
+    bad = [m for m in names if m not in RECOMPUTE_MODULES]
+    if bad:
+        raise ConfigError(f"{where}: column 'recompute_modules' names {bad[0]!r}; choose {choices(RECOMPUTE_MODULES)}")
+    return names
+
+
 def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
     skip = (r["skip_reason"] or "").strip()
 
@@ -374,6 +388,7 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         first_stage_layers=_stage_layers(r, "first_stage_layers", where),
         last_stage_layers=_stage_layers(r, "last_stage_layers", where),
         cp_kind=_cp_kind(r, where),
+        recompute_modules=_recompute_modules(r, where),
         **ints,
     )
     if not r["row"] or not r["source_ref"].strip():

@@ -5,7 +5,10 @@ With 16-bit activations, sequence s, micro-batch b, hidden h, a heads and tensor
 Megatron-LM layer keeps (bytes): no recomputation ``s b h (34 + 5 a s / h)`` without tensor
 parallelism, ``s b h (10 + 24 / t + 5 a s / (h t))`` with it, ``s b h / t (34 + 5 a s / h)`` with
 sequence parallelism; selective recomputation with sequence parallelism ``34 s b h / t``; full
-recomputation ``2 s b h`` (``2 s b h / t`` with sequence parallelism). planlab's per-layer figure
+recomputation ``2 s b h`` (``2 s b h / t`` with sequence parallelism). Under FP8 training with
+Transformer Engine (``megatron`` software, ``fp8``) the linear layers keep the one-byte FP8 cast of
+their inputs: the QKV, projection and fc1 inputs ``2 s b h`` become ``s b h`` each and fc2's
+``8 s b h`` becomes ``4 s b h``, so 34 becomes 27 (10 + 24 / t: 8 + 19 / t). planlab's per-layer figure
 is the simulated peak of a GPT with 4 layers less that of the same GPT with 2 layers, halved
 (embedding, output layer and the backward's working set cancel), under the ``megatron`` software.
 """
@@ -27,18 +30,20 @@ from planlab.simulator import simulate
 H, A, S, B = 256, 8, 128, 2  # hidden, heads, sequence, micro-batch
 SBH = S * B * H
 COST = CostModel.load("dgx-a100-80g", 1, software="megatron", precision="bf16")
+FP8 = CostModel.load("dgx-h100", 1, software="megatron", precision="fp8")
 
 
-def korthikanti(t: int, sp: bool, recompute: str) -> float:
-    """Bytes one layer keeps, Korthikanti et al. 2022 (module docstring)."""
+def korthikanti(t: int, sp: bool, recompute: str, fp8: bool = False) -> float:
+    """Bytes one layer keeps, Korthikanti et al. 2022 (module docstring; ``fp8``: with the casts)."""
     attn = 5 * A * S / H
+    kept, whole, split = (27, 8, 19) if fp8 else (34, 10, 24)
     if recompute == "full":
         return 2 * SBH / (t if sp else 1)
     if recompute == "selective":
-        return 34 * SBH / t
+        return kept * SBH / t
     if sp:
-        return SBH / t * (34 + attn)
-    return SBH * (34 + attn) if t == 1 else SBH * (10 + 24 / t + attn / t)
+        return SBH / t * (kept + attn)
+    return SBH * (kept + attn) if t == 1 else SBH * (whole + split / t + attn / t)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +57,18 @@ def graphs():
     return out
 
 
-def activations(graphs, layers: int, t: int, sp: bool, recompute: str) -> tuple[float, float, float, float]:
+def activations(
+    graphs, layers: int, t: int, sp: bool, recompute: str, cost: CostModel = COST
+) -> tuple[float, float, float, float]:
     """(simulated peak less static bytes, simulated peak, the explorer's bound, the screen's bound) of one device."""
     spec, g = graphs[layers]
-    ctx = Context(g, spec, B, "dgx-a100-80g", 1, t, 8)
+    ctx = Context(g, spec, B, cost.cluster.node.name, 1, t, 8)
     knobs = dict(dp=1, tp=t, pp=1, microbatch=B, sequence_parallel=sp, recompute=recompute)
     plan = get_space("megatron").build(ctx, knobs)
-    program = build_program(plan, g, COST)
-    peak = simulate(program, COST).peak_mem_bytes
-    bound = sum(memory_lower_bound_bytes(plan, g, COST.precision, COST.software))
-    screen = Screen(g, COST, COST.precision).estimate(get_space("megatron").draft(ctx, knobs)).bound_bytes
+    program = build_program(plan, g, cost)
+    peak = simulate(program, cost).peak_mem_bytes
+    bound = sum(memory_lower_bound_bytes(plan, g, cost.precision, cost.software))
+    screen = Screen(g, cost, cost.precision).estimate(get_space("megatron").draft(ctx, knobs)).bound_bytes
     return peak - program.devices[0].static_bytes, peak, bound, screen
 
 
@@ -84,4 +91,16 @@ def test_activation_memory_per_layer_is_korthikanti(graphs, t: int, sp: bool, re
     per_layer = (acts[4][0] - acts[2][0]) / 2
     assert per_layer == pytest.approx(korthikanti(t, sp, recompute), rel=0.03)
     for _, peak, bound, screen in acts.values():  # the bounds that prune plans stay below the peak
+        assert bound <= peak * 1.001 and screen <= peak * 1.001
+
+
+@pytest.mark.parametrize("t, sp, recompute", [(1, False, "none"), (2, False, "none"), (2, True, "selective")])
+def test_fp8_training_keeps_the_linear_layers_inputs_as_their_one_byte_casts(graphs, t: int, sp: bool, recompute):
+    """Transformer Engine under FP8 (``--software megatron --precision fp8``): each linear layer keeps
+    the FP8 cast of its input for the weight-gradient GEMM (module docstring), in the Program, the
+    explorer's bound and the screen alike."""
+    acts = {n: activations(graphs, n, t, sp, recompute, FP8) for n in (2, 4)}
+    per_layer = (acts[4][0] - acts[2][0]) / 2
+    assert per_layer == pytest.approx(korthikanti(t, sp, recompute, fp8=True), rel=0.03)
+    for _, peak, bound, screen in acts.values():
         assert bound <= peak * 1.001 and screen <= peak * 1.001

@@ -55,7 +55,7 @@ def test_a2a_moves_queries_keys_values_and_outputs_by_all_to_all():
 def test_cp_devices_sit_outside_the_tensor_parallel_ones():
     """With tp = cp = 2 the tensor-parallel peers stay neighbours (0 1, 2 3) and the all-to-alls
     run over the context-parallel ones (0 2, 1 3): the heads split by tp first, by cp inside."""
-    ctx = _ctx("llama-tiny", 4)
+    ctx = _ctx("gpt-tiny", 4)  # 4 heads (llama-tiny's 2 key/value heads split over tp x cp = 4 would not divide)
     plan = get_space("megatron").build(ctx, dict(dp=1, cp=2, tp=2, pp=1, microbatch=4))
     program = materialize(plan, ctx.graph)
     tasks = [t for _, t in program.devices[0].tasks_in_order()]
@@ -69,10 +69,11 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
     "name, args, n, knobs, message",
     [
         ("llama-tiny", (), 2, dict(cp=3), r"knob 'cp' = 3 is outside its range: choose 1 or 2"),
-        ("llama-tiny", (), 8, dict(dp=1, tp=2, cp=4, pp=1), r"cp=4 with cp_kind=a2a splits the 2 attention heads"),
+        ("llama-tiny", (), 8, dict(dp=1, tp=2, cp=4, pp=1), r"cp=4 with cp_kind=a2a splits the 1 key/value heads"),
+        ("llama-tiny", (), 4, dict(dp=1, tp=2, cp=2, pp=1), r"splits the 1 key/value heads .* choose cp in 1 or"),
         ("llama-tiny", (), 4, dict(dp=1, tp=1, cp=2, pp=1), r"do not multiply to the 4 devices"),
         (
-            "llama-tiny",
+            "gpt-tiny",
             (),
             4,
             dict(dp=1, tp=2, cp=2, pp=1, sequence_parallel=True),
@@ -98,7 +99,18 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
             r"cp_layout=contiguous$",
         ),
     ],
-    ids=["devices", "heads", "product", "sp", "ring-chunks", "kind", "zigzag-chunks", "layout", "zigzag-moe"],
+    ids=[
+        "devices",
+        "heads",
+        "grouped-heads",
+        "product",
+        "sp",
+        "ring-chunks",
+        "kind",
+        "zigzag-chunks",
+        "layout",
+        "zigzag-moe",
+    ],
 )
 def test_cp_values_that_do_not_fit(name, args, n, knobs, message):
     ctx = _ctx(name, n, args)
@@ -140,8 +152,8 @@ def test_context_parallel_plan_on_2_ranks_matches_one_process():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, n, knobs",
-    [("llama-tiny", 4, dict(dp=1, cp=2, tp=2, pp=1)), ("gpt-tiny", 4, dict(dp=1, cp=2, tp=1, pp=2))],
-    ids=["llama-cp2-tp2", "gpt-cp2-pp2"],
+    [("llama-tiny", 4, dict(dp=2, cp=2, tp=1, pp=1)), ("gpt-tiny", 4, dict(dp=1, cp=2, tp=1, pp=2))],
+    ids=["llama-cp2-dp2", "gpt-cp2-pp2"],
 )
 def test_context_parallel_plans_on_4_ranks_match_one_process(name, n, knobs):
     ctx = _ctx(name, n)

@@ -375,7 +375,7 @@ def test_a_saved_broadcast_view_keeps_only_the_storage_under_it():
     for op, t in kept:
         base = views[t].inputs[0]
         assert g.tensors[base].numel * g.tensors[t].shape[-1] == g.tensors[t].numel  # the hidden size is broadcast
-        got = saved_activations(op, plans[op.name], g, None, 2, plan.microbatches, plans)
+        got = saved_activations(op, plans[op.name], g, None, MIXED_BF16, plan.microbatches, plans)
         assert [k[0] for k, _ in got] == [base]
     screen = Tables(g, MIXED_BF16)
     names = {op.name: screen.save_names[i] for i, op in enumerate(g.operators)}

@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import fuzz_plans  # noqa: E402
 
 # (index, what, Plan.describe(), refusals) as main 133605e drew them for seed 0; since then the pp space
-# names its uneven-stage knobs at their default 0 (an even split) in the assignment and the description;
-# the plan is the same
+# names its uneven-stage knobs at their default 0 (an even split) in the assignment and the description,
+# and the recompute space its module knobs at their default False; the plan is the same
 SEED0 = [
     (
         157,
@@ -21,8 +21,10 @@ SEED0 = [
     ),
     (
         159,
-        "llama-tiny on 2, dp*recompute {'dp': 2, 'microbatch': 2, 'zero': 2, 'recompute': 'none'}",
-        "dp*recompute(dp=2 microbatch=2 recompute=none zero=2) on 2 devices, 2 micro-batches",
+        "llama-tiny on 2, dp*recompute {'dp': 2, 'microbatch': 2, 'zero': 2, 'recompute': 'none', "
+        "'recompute_moe_act': False, 'recompute_mlp': False, 'recompute_mla_up_proj': False}",
+        "dp*recompute(dp=2 microbatch=2 recompute=none recompute_mla_up_proj=False recompute_mlp=False "
+        "recompute_moe_act=False zero=2) on 2 devices, 2 micro-batches",
         [
             "evoformer-tiny on 4, pp: ConfigError: space 'pp' has no plan with no knob fixed: its constraints "
             "leave no assignment on 4 devices with global batch 8 and 2 layers"

@@ -19,7 +19,10 @@ class Precision:
     """Bytes per element of activations and per parameter of weights, gradients (as reduced over
     data parallelism) and optimizer states; ``compute_dtype`` is the dtype of the GEMMs (``fp8``:
     FP8 GEMMs with bf16 everywhere else, as Transformer Engine runs them);
-    ``optimizer_pass_bytes`` the memory traffic of one optimizer step per parameter."""
+    ``optimizer_pass_bytes`` the memory traffic of one optimizer step per parameter;
+    ``linear_input_bytes`` the bytes per element of the copy of a linear layer's input its backward
+    keeps where the software keeps the FP8 cast it made for the forward GEMM instead of the input
+    (Transformer Engine under FP8 training: 1), 0 where it keeps the input itself."""
 
     name: str
     activation_bytes: int
@@ -28,6 +31,7 @@ class Precision:
     optimizer_bytes: int
     compute_dtype: str
     optimizer_pass_bytes: float = 0.0
+    linear_input_bytes: int = 0
 
     @property
     def elementwise_dtype(self) -> str:

@@ -38,7 +38,9 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     per precision (``fp32``, ``bf16``, ``fp16``, ``fp8``): ``activation_bytes``,
     ``param_bytes``, ``grad_bytes`` (as reduced), ``optimizer_bytes`` (master weights and
     moments) per parameter, ``optimizer_pass_bytes`` (memory traffic of one optimizer step per
-    parameter) and ``compute`` (the dtype of the GEMMs);
+    parameter), ``compute`` (the dtype of the GEMMs) and, optionally, ``linear_input_bytes`` (a
+    linear layer keeps the cast of its input made for an FP8 GEMM, this many bytes an element,
+    instead of the input: Transformer Engine; absent: the input itself);
 ``zero3``
     ``unit`` (``"layer"``: one gather per transformer layer, as FSDP wraps them; ``"module"``:
     one per module holding weights, as DeepSpeed fetches them), ``regather_for_recompute``
@@ -96,6 +98,7 @@ _PRECISION_FIELDS = {
     "grad_bytes",
     "optimizer_bytes",
     "optimizer_pass_bytes",
+    "linear_input_bytes",
     "compute",
     "source",
 }
@@ -251,6 +254,7 @@ def _precisions(f: Fields) -> dict[str, Precision]:
             optimizer_pass_bytes=p.number(
                 "optimizer_pass_bytes", strict=False, high=1000.0, unit="bytes moved per parameter"
             ),
+            linear_input_bytes=nbytes("linear_input_bytes") if "linear_input_bytes" in p.obj else 0,
         )
     if not out:
         raise ConfigError(

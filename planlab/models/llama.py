@@ -7,9 +7,12 @@ untied output layer, no biases. Module names follow Meta's reference code (``att
 ``feed_forward.w1``, ...) with the layers in ``blocks`` so pipeline staging finds them.
 
 Tracing-friendly: the rotary tables are buffers computed once, the rotation is written with
-ordinary ops (slices, negation, concatenation, broadcast multiply), and keys and values are
-repeated to the query heads with ``repeat_interleave`` (so splitting key/value heads splits
-query heads consistently). No Python control flow depends on tensor sizes.
+ordinary ops (slices, negation, concatenation, broadcast multiply), and grouped-query attention
+reads the ``kv_heads`` key/value heads unrepeated (``scaled_dot_product_attention(...,
+enable_gqa=True)``, as flash attention and PyTorch's SDPA compute it: query head ``i`` reads
+key/value head ``i // rep``), so the keys and values kept for the backward and passed around a
+ring are ``kv_heads`` wide, and splitting key/value heads splits their query heads with them.
+No Python control flow depends on tensor sizes.
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ class Attention(nn.Module):
         k = self.wk(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.wv(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        if self.rep > 1:  # a config constant, not a tensor size
-            k = k.repeat_interleave(self.rep, dim=1)  # (B, nh, T, hs)
-            v = v.repeat_interleave(self.rep, dim=1)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if self.rep > 1:  # a config constant: grouped heads, each key/value head read by rep query heads
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).flatten(-2))  # (B, T, C)
 
 

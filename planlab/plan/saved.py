@@ -16,7 +16,14 @@ bound and the screen all ask here:
   ``index.unsqueeze(-1).expand(..., H)``, keeps ``tokens x top-k`` integers, not ``x H`` of them);
 - with the software's ``sequence_parallel_saves_shard`` a linear layer keeps the sequence shard
   its input was gathered from instead of the gathered input (Megatron-LM), gathering it again
-  in the backward (overlapped with the input-gradient GEMM there, and not priced).
+  in the backward (overlapped with the input-gradient GEMM there, and not priced);
+- under a precision with ``linear_input_bytes`` (Transformer Engine's FP8 training) a linear
+  layer, and a matrix product with a weight (the experts' stacked weights: Transformer Engine's
+  GroupedLinear), keeps the FP8 cast of its activation input instead of the input
+  (:func:`cast_inputs`): one cast of a tensor in one layout, shared by the layers that read it
+  there (one fused GEMM in Megatron-Core: its QKV and SwiGLU fc1 layers), buffer
+  :func:`fp8_cast` of the buffer cast, the screen's and the explorer's key
+  ``INTERNAL + "<tensor>:fp8"``.
 
 An *internal* is a buffer that is no tensor of the graph: ``(tag, base tensor, elements per
 element of the base, bytes per element)``; materialize's buffer for it is
@@ -36,6 +43,7 @@ from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Shard
 
 if TYPE_CHECKING:
+    from planlab.costmodel.precision import Precision
     from planlab.costmodel.software import SoftwareSpec
 
 INTERNAL = "k:"  # prefix of the screen's and the explorer's keys for internal buffers
@@ -66,6 +74,27 @@ def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activat
             # scores B*H*T*S = q's elements (B*H*T*D) x S / D: softmax output, dropout mask, dropout output
             return (("probs", op.inputs[0], k[-2] / q[-1], 2 * activation_bytes + 1),)
     return ()
+
+
+# Operator kinds that run as a GEMM with a weight, whose input an FP8 training keeps as its cast
+CAST_KINDS = frozenset({"linear", "matmul"})
+
+
+def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[str]:
+    """The activation inputs ``op``'s backward keeps as the FP8 cast its forward GEMM made
+    (``precision.linear_input_bytes`` bytes an element) instead of themselves: those of a linear
+    layer, or of a matrix product with a weight, where the precision says so (module docstring)."""
+    if not precision.linear_input_bytes or op.kind not in CAST_KINDS:
+        return frozenset()
+    ts = graph.tensors
+    if op.kind != "linear" and not any(ts[t].role == "param" for t in op.inputs):
+        return frozenset()
+    return frozenset(t for t in op.saves if t in op.inputs and ts[t].role == "activation" and ts[t].is_float)
+
+
+def fp8_cast(buf: Buffer) -> Buffer:
+    """The buffer of the FP8 cast of ``buf`` a linear layer keeps for its backward (:func:`cast_inputs`)."""
+    return buf_.internal(str(buf), "fp8")
 
 
 # Operator kinds whose output is a view of their first input broadcast along new or size-1 axes.
@@ -99,7 +128,7 @@ def saved_buffers(
     has: Callable[[Operator, int], Layout],
     needs: Callable[[Operator, int], Layout],
     software: SoftwareSpec | None,
-    activation_bytes: int,
+    precision: Precision,
     view_read: Callable[[Operator], Buffer | None] = lambda v: None,
 ) -> tuple[Buffer, ...]:
     """The buffers ``op``'s backward keeps: its saved inputs (``bufs``, in the layouts it computed
@@ -107,8 +136,10 @@ def saved_buffers(
     activation as it made it) where the software keeps that (:func:`keeps_producer_layout`) and
     that layout is more split, then its internal buffers. ``has(op, j)`` and ``needs(op, j)``: the
     layout of output ``j`` / input ``j``. A saved broadcast view (:func:`view_of`) keeps
-    ``view_read(view operator)`` instead, the buffer the view operator read here (None: the view)."""
+    ``view_read(view operator)`` instead, the buffer the view operator read here (None: the view).
+    An input kept as its FP8 cast (:func:`cast_inputs`) is kept as :func:`fp8_cast` of its buffer."""
     out = []
+    cast = cast_inputs(op, graph, precision)
     for s in saved_tensors(op, software):
         if s in op.outputs:
             out.append(outs[op.outputs.index(s)])
@@ -126,8 +157,8 @@ def saved_buffers(
             prod = graph.producer[s]
             if shards(has(prod, prod.outputs.index(s))) > shards(needs(op, j)):
                 buf = made  # the sequence shard it was gathered from
-        out.append(buf)
-    out += [buf_.internal(op.name, tag) for tag, *_ in internals(op, graph, software, activation_bytes)]
+        out.append(fp8_cast(buf) if s in cast else buf)
+    out += [buf_.internal(op.name, tag) for tag, *_ in internals(op, graph, software, precision.activation_bytes)]
     return tuple(dict.fromkeys(out))
 
 
@@ -141,7 +172,7 @@ def saved_activations(
     piece,
     graph: Graph,
     software: SoftwareSpec | None,
-    activation_bytes: int,
+    precision: Precision,
     microbatches: int,
     plans: dict,
 ) -> list[tuple[tuple, float]]:
@@ -159,10 +190,11 @@ def saved_activations(
     def per_microbatch(t: str, cut: int, per: float = 1.0, nbytes: float | None = None) -> float:
         spec = graph.tensors[t]
         batch = any(graph.labels.get((t, a)) == graph.batch_label for a in range(len(spec.shape)))
-        eb = nbytes if nbytes is not None else (activation_bytes if spec.is_float else 8)
+        eb = nbytes if nbytes is not None else (precision.activation_bytes if spec.is_float else 8)
         return spec.numel / cut / (microbatches if batch else 1) * per * eb
 
     out = []
+    cast = cast_inputs(op, graph, precision)
     for t in saved_tensors(op, software):
         if graph.tensors[t].role == "param":
             continue
@@ -176,8 +208,11 @@ def saved_activations(
         if keeps_producer_layout(op, t, graph, software):
             prod = graph.producer[t]
             cut = max(cut, cut_of(plans[prod.name], prod, t))
+        if t in cast:
+            out.append(((f"{INTERNAL}{t}:fp8", cut), per_microbatch(t, cut, nbytes=precision.linear_input_bytes)))
+            continue
         out.append(((t, cut), per_microbatch(t, cut)))
-    for tag, base, per, nbytes in internals(op, graph, software, activation_bytes):
+    for tag, base, per, nbytes in internals(op, graph, software, precision.activation_bytes):
         cut = cut_of(piece, op, base)
         out.append(((f"{INTERNAL}{op.name}:{tag}", cut), per_microbatch(base, cut, per, nbytes)))
     return out

@@ -14,6 +14,7 @@ from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
+from planlab.search_spaces.recompute_modules import MODULE_DOCS, MODULE_KNOBS, module_groups
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
 from planlab.search_spaces.stages import (
@@ -638,18 +639,51 @@ class Recompute(Space):
 
     name = "recompute"
     order = 3
-    knobs = (Knob.choice("recompute", ("none", "selective", "full"), "activation recomputation", default="none"),)
+    knobs = (
+        Knob.choice("recompute", ("none", "selective", "full"), "activation recomputation", default="none"),
+        Knob.bool("recompute_moe_act", "recompute the experts' activation (Megatron-Core's moe_act)", pinned=True),
+        Knob.bool("recompute_mlp", "recompute the dense layers' MLP (Megatron-Core's mlp)", pinned=True),
+        Knob.bool(
+            "recompute_mla_up_proj", "recompute MLA's up-projections with the attention core (mla_up_proj)", pinned=True
+        ),
+    )
     constraints = (
         Constraint(
             lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
             lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'",
         ),
+        Constraint(
+            lambda a, c: not a.get("recompute_mla_up_proj") or a.get("recompute") == "selective",
+            lambda a, c: (
+                f"recompute_mla_up_proj=true with recompute={a.get('recompute')!r}: planlab recomputes the "
+                "up-projections in one group with the attention core, so it needs recompute='selective'"
+            ),
+        ),
+        Constraint(
+            lambda a, c: not any(a.get(k) for k in MODULE_KNOBS) or a.get("recompute") != "full",
+            lambda a, c: (
+                "recompute='full' recomputes every operator of a layer already; leave the recompute_* "
+                "module knobs false"
+            ),
+        ),
+        Constraint(
+            lambda a, c: all(not a.get(k) or module_groups(c.graph, k) for k in MODULE_KNOBS),
+            lambda a, c: "; ".join(
+                f"{k}=true: the model has no {MODULE_DOCS[k]}; leave it false"
+                for k in MODULE_KNOBS
+                if a.get(k) and not module_groups(c.graph, k)
+            ),
+        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
         mode = values.get("recompute") or "none"
+        g = draft.ctx.graph
         if mode != "none":
-            draft.recompute.update(recompute_groups(draft.ctx.graph, mode))
+            draft.recompute.update(recompute_groups(g, mode))
+        for knob in MODULE_KNOBS:
+            if values.get(knob):
+                draft.recompute.update(module_groups(g, knob))
 
 
 def recompute_groups(g: Graph, mode: str) -> dict[str, int]:

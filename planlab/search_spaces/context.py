@@ -84,7 +84,9 @@ def context_parallel_dims(g: Graph, ring: bool = False) -> dict[str, str | None]
 
 
 def _heads_per_tp(a: dict, c: Context) -> int:
-    return c.heads // (a.get("tp") or 1)
+    """The attention heads a tensor-parallel rank holds that a2a can split: its key/value heads
+    (grouped-query attention reads them unrepeated, each with its group of query heads)."""
+    return (getattr(c.config, "kv_heads", None) or c.heads) // (a.get("tp") or 1)
 
 
 def _known(a: dict, *names: str) -> bool:
@@ -202,7 +204,7 @@ class ContextParallel(Space):
                 not _known(a, "cp", "tp", "cp_kind") or a["cp_kind"] != "a2a" or _heads_per_tp(a, c) % a["cp"] == 0
             ),
             lambda a, c: (
-                f"cp={a['cp']} with cp_kind=a2a splits the {_heads_per_tp(a, c)} attention heads of a "
+                f"cp={a['cp']} with cp_kind=a2a splits the {_heads_per_tp(a, c)} key/value heads of a "
                 f"tensor-parallel rank (tp={a.get('tp') or 1}), which it does not divide; choose cp in "
                 + ", ".join(str(d) for d in _divisors(_heads_per_tp(a, c)))
                 + " or cp_kind=ring"

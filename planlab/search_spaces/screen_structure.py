@@ -30,7 +30,7 @@ from planlab.costmodel.software import SoftwareSpec
 from planlab.plan.plan import RING_DIM, RING_KV_DIM
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
-from planlab.plan.saved import INTERNAL, internals, keeps_producer_layout, saved_tensors, view_of
+from planlab.plan.saved import INTERNAL, cast_inputs, internals, keeps_producer_layout, saved_tensors, view_of
 from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -105,6 +105,7 @@ class Tables:
         ss, names, prods = [], [], []
         if op.name in fwd_only:
             return ss, names, prods
+        cast = cast_inputs(op, g, prec)
         for t in saved_tensors(op, software):
             spec = g.tensors[t]
             if spec.role == "param":
@@ -120,11 +121,12 @@ class Tables:
                 continue
             kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
             prod = g.producer[t] if kept else None
+            fp8 = t in cast  # its FP8 cast instead (planlab.plan.saved.cast_inputs)
             ss.append(
-                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), ebytes(t))
+                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), prec.linear_input_bytes if fp8 else ebytes(t))
                 + ((frozenset(axis_map(prod, t)),) if kept else ())
             )
-            names.append(t)
+            names.append(f"{INTERNAL}{t}:fp8" if fp8 else t)
             prods.append(index[prod.name] if kept else None)
         for tag, base, per, nbytes in internals(op, g, software, prec.activation_bytes):
             ss.append((g.tensors[base].numel * per, frozenset(axis_map(op, base)), is_batch(base), nbytes))

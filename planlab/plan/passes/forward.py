@@ -27,7 +27,7 @@ from planlab.plan.passes.draft import (
 from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
-from planlab.plan.saved import internals, saved_buffers
+from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -154,9 +154,7 @@ def forward_pieces(d: Draft) -> Draft:
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(d.names.activation(o) for o in op.outputs)
-        saved = saved_buffers(
-            op, bufs, outs, graph, L.has, L.needs, d.software, d.precision.activation_bytes, _view_read(d, mesh)
-        )
+        saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision, _view_read(d, mesh))
         red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
         saved_of[op.name] = saved
         shapes = shapes_of[op.name] = piece_shapes(L, op)
@@ -165,7 +163,7 @@ def forward_pieces(d: Draft) -> Draft:
         random = draws_random(op)
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
-        made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :])
+        made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
         for flat, dev in d.positions(mesh):
             ring = ring_fields(d, op, flat)
             task = piece_task(
@@ -188,6 +186,21 @@ def forward_pieces(d: Draft) -> Draft:
             add(parts, dev, key, i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
     return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)
+
+
+def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffer, int]:
+    """The bytes of the FP8 casts of its inputs one piece of ``op`` keeps for its backward
+    (:func:`~planlab.plan.saved.cast_inputs`), each in the layout of the buffer it cast."""
+    L, out = d.layouts, {}
+    cast = cast_inputs(op, d.graph, d.precision)
+    for j, t in enumerate(op.inputs):
+        prod = d.graph.producer.get(t)
+        if t not in cast or prod is None:
+            continue
+        for b, lay in ((d.reads[op.name][j], L.needs(op, j)), (buf_.activation(t), L.has(prod, prod.outputs.index(t)))):
+            if fp8_cast(b) in saved:
+                out[fp8_cast(b)] = math.prod(L.local_shape(lay, t)) * d.precision.linear_input_bytes
+    return out
 
 
 def _piece_bytes(d: Draft, op: Operator, outs: tuple[Buffer, ...], out_shapes: tuple) -> dict[Buffer, int]:
