@@ -22,7 +22,7 @@ from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.screen import Screen
-from planlab.search_spaces.selection import candidates, front
+from planlab.search_spaces.selection import SCREEN_MEMORY_ERROR, candidates, front
 from planlab.simulator import simulate
 
 TINY = dict(cluster="cpu", nodes=2, global_batch=8)
@@ -357,13 +357,24 @@ def test_front(points, tol, expected):
 
 def test_candidates_take_the_fastest_that_fit_the_front_and_each_part():
     gib = 2**30
-    est = [(1.0, 90 * gib), (2.0, 50 * gib), (3.0, 40 * gib), (4.0, 70 * gib), (5.0, 10 * gib), None, (9.0, 60 * gib)]
+    est = [(1.0, 100 * gib), (2.0, 50 * gib), (3.0, 40 * gib), (4.0, 70 * gib), (5.0, 10 * gib), None, (9.0, 60 * gib)]
     parts = {"a": [False] * 6 + [True]}
     got = candidates(est, k=1, memory_bytes=80 * gib, parts=parts)
-    assert got[0] == 1  # the fastest that fits (0 needs 90 GiB)
+    assert got[0] == 1  # the fastest that fits (0 needs 100 GiB, over the screen's error too)
     assert 5 not in got and 0 not in got and 6 in got  # the best of part a
     assert set(candidates(est, k=None, memory_bytes=80 * gib)) == {0, 1, 2, 3, 4, 6}
     assert candidates([(1.0, 90 * gib), (2.0, 95 * gib)], k=1, memory_bytes=80 * gib) == [0]  # none fits: smallest
+
+
+def test_candidates_keep_the_fastest_within_the_screens_memory_error():
+    """A plan the screen puts over the device by less than its known error is simulated when it is
+    among the k fastest of those (the simulator judges it); one further over is not."""
+    gib = 2**30
+    over = 80 * (1 + SCREEN_MEMORY_ERROR)
+    est = [(1.0, (over + 1) * gib), (2.0, (over - 1) * gib), (3.0, 70 * gib), (4.0, 60 * gib), (5.0, 50 * gib)]
+    got = candidates(est, k=2, memory_bytes=80 * gib)
+    assert got[:3] == [1, 2, 3] and 0 not in got  # 1 by the error; 2 and 3, the fastest that fit
+    assert candidates(est, k=1, memory_bytes=80 * gib)[:2] == [1, 2]
 
 
 def test_evaluate_prunes_by_the_bound_and_names_the_memory():
