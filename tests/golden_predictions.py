@@ -328,6 +328,16 @@ def _cases() -> tuple[Case, ...]:
             knobs=dict(dp=16, tp=1, pp=1, microbatch=1, zero=3),
             **gpu,
         ),
+        # activation offload: half of each stage's layers keep their saved activations in host memory
+        # (copies to the host after the forward and back before the backward, over PCIe)
+        Case(
+            "gpu-dp8-pp2-act-offload",
+            "gpt-tiny",
+            16,
+            space="megatron*act_offload",
+            knobs=dict(dp=8, tp=1, pp=2, microbatch=1, zero=0, recompute="none", offload_activations=50),
+            **gpu,
+        ),
         Case(
             "gpu-dp2-tp2-pp4-zb-h1",
             "gpt-small",
