@@ -446,7 +446,7 @@ def explore(
     )
     if out is not None:
         kept = dict(simulated=plans.simulated.get(index), drawing=drawing)
-        write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
+        df.attrs["outputs"] = write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
 
 
