@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError, choices
@@ -190,7 +190,7 @@ class Draft:
         elif self.schedule in V_SCHEDULES:
             actions = V_SCHEDULES[self.schedule](rank, self.groups, self.microbatches)
             if not self.dispatches_experts:
-                actions = [Action(a.stage, a.phase, a.microbatch, a.posts) if a.overlaps else a for a in actions]
+                actions = [replace(a, overlaps=False) for a in actions]
         elif self.chunks > 1:
             actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
         else:
