@@ -150,7 +150,10 @@ def test_ring_attention_matches_sdpa_on_gloo(tmp_path):
     grouped-query heads (two query heads a key/value head), and causal in zigzag order (each rank two
     chunks: diagonal, full and skipped sub-blocks), with grouped-query heads, passed around or
     all-gathered (Llama 3's context parallelism), and contiguous all-gathered."""
-    world, cases = 2, ((True, 1, False), (False, 2, False), (True, 2, True), (True, 2, True, True), (True, 1, False, True))
+    world, cases = (
+        2,
+        ((True, 1, False), (False, 2, False), (True, 2, True), (True, 2, True, True), (True, 1, False, True)),
+    )
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_ring_rank, args=(r, world, str(tmp_path / "store"), cases, out)) for r in range(world)]
@@ -234,7 +237,9 @@ def test_cost_model_prices_a_ring_step_on_the_cp_link():
     assert cost.p2p_time_s(kv_bytes, 0, 8) > cost.p2p_time_s(kv_bytes, 0, 1)
 
 
-@pytest.mark.parametrize("zigzag, backward, expected", [(True, False, 3 + 2), (False, False, 3 + 3.5), (True, True, 3 + 2 + 1)])
+@pytest.mark.parametrize(
+    "zigzag, backward, expected", [(True, False, 3 + 2), (False, False, 3 + 3.5), (True, True, 3 + 2 + 1)]
+)
 def test_allgather_time_by_hand(zigzag, backward, expected):
     """An all-gather ring of 4, a full block 1 s, the all-gather 3 s and the reduce-scatter 1 s: balanced,
     every rank computes 2 blocks (16 blocks' causal half over 4); contiguous, the last rank computes its 3

@@ -417,7 +417,9 @@ def record_ring_in_flight(d: Draft, sizes: dict, dev: int, op: Operator, flat: i
     block = sum(
         box_numel(L.needs(op, k).box(flat, L.shapes[op.inputs[k]])) * d.elem_bytes(op.inputs[k]) for k in (1, 2)
     )
-    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = blocks_in_flight(L.kv_gather, kind, L.op_plan[op.name], block)
+    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = blocks_in_flight(
+        L.kv_gather, kind, L.op_plan[op.name], block
+    )
 
 
 def blocks_in_flight(gather: bool, kind: TaskKind, p, block: int) -> int:
