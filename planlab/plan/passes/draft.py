@@ -417,17 +417,15 @@ def record_ring_in_flight(d: Draft, sizes: dict, dev: int, op: Operator, flat: i
     block = sum(
         box_numel(L.needs(op, k).box(flat, L.shapes[op.inputs[k]])) * d.elem_bytes(op.inputs[k]) for k in (1, 2)
     )
-    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = blocks_in_flight(
-        L.kv_gather, kind, L.op_plan[op.name], block
-    )
+    p = L.op_plan[op.name]
+    gathered = math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) if L.kv_gather else 0
+    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = blocks_in_flight(kind, block, gathered)
 
 
-def blocks_in_flight(gather: bool, kind: TaskKind, p, block: int) -> int:
+def blocks_in_flight(kind: TaskKind, block: int, gathered: int = 0) -> int:
     """Bytes of the key/value blocks (``block`` bytes each) a ring attention's ``kind`` task holds besides its
-    own: :data:`RING_BLOCKS_IN_FLIGHT` passed around a ring; all of the ring's gathered (and, backward, their
-    gradients before the reduce-scatter) with ``gather``, the ring's size being that of ``p``'s split of the
-    queries' sequence."""
-    if not gather:
+    own: :data:`RING_BLOCKS_IN_FLIGHT` passed around a ring; with an all-gather ring of ``gathered`` devices
+    (0: none), all of theirs, and in the backward their gradients too before the reduce-scatter."""
+    if not gathered:
         return RING_BLOCKS_IN_FLIGHT[kind] * block
-    n = math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM)
-    return (1 if kind is TaskKind.FORWARD else 2) * n * block
+    return (1 if kind is TaskKind.FORWARD else 2) * gathered * block
