@@ -72,7 +72,7 @@ COLUMNS = (
 # names separated by spaces, each a recompute_<name> knob of planlab.search_spaces.recompute_modules)
 OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers", "cp_kind", "recompute_modules")
 RECOMPUTE_MODULES = ("moe_act", "mlp", "mla_up_proj")
-CP_KINDS = ("a2a", "ring")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
+CP_KINDS = ("a2a", "ring", "allgather")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
 METRICS = (
     "iteration_s",
     "tflops_per_gpu",

@@ -98,6 +98,14 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
             r"cp_layout=zigzag with cp_kind=ring: operator 'cumsum' \(cumsum\) keeps the sequence whole .*; choose "
             r"cp_layout=contiguous$",
         ),
+        (
+            "moe-tiny",
+            (),
+            2,
+            dict(dp=1, tp=1, pp=1, cp=2, cp_kind="allgather", cp_layout="zigzag"),
+            r"cp_layout=zigzag with cp_kind=allgather: operator 'cumsum' \(cumsum\) keeps the sequence whole .*; "
+            r"choose cp_layout=contiguous$",
+        ),
     ],
     ids=[
         "devices",
@@ -110,6 +118,7 @@ def test_cp_devices_sit_outside_the_tensor_parallel_ones():
         "zigzag-chunks",
         "layout",
         "zigzag-moe",
+        "zigzag-moe-allgather",
     ],
 )
 def test_cp_values_that_do_not_fit(name, args, n, knobs, message):

@@ -154,7 +154,7 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
     assert layers_per_stage(61, deepseek.pp, deepseek.first_stage_layers, deepseek.last_stage_layers) == (
         (3,) + (4,) * 14 + (2,)
     )
-    assert [r.knobs().get("cp_kind") for r in llama.rows] == [None, None, "ring"]  # the 131K row's ring
+    assert [r.knobs().get("cp_kind") for r in llama.rows] == [None, None, "allgather"]  # the 131K row's, as Llama 3
     for ext in ("json", "csv"):
         shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")
     csv_path = tmp_path / "llama3-2024.csv"
@@ -162,8 +162,8 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
     csv_path.write_text(text.replace(",1,7,7,,8,interleaved,", ",1,7,x,,8,interleaved,", 1))
     with pytest.raises(ConfigError, match="'last_stage_layers' is 'x'"):
         load_set(tmp_path / "llama3-2024.json")
-    csv_path.write_text(text.replace(",7,7,ring,", ",7,7,wide,", 1))
-    with pytest.raises(ConfigError, match=r"'cp_kind' is 'wide'; choose 'a2a' or 'ring'"):
+    csv_path.write_text(text.replace(",7,7,allgather,", ",7,7,wide,", 1))
+    with pytest.raises(ConfigError, match=r"'cp_kind' is 'wide'; choose 'a2a', 'ring' or 'allgather'"):
         load_set(tmp_path / "llama3-2024.json")
     swapped = text.replace("first_stage_layers,last_stage_layers", "last_stage_layers,first_stage_layers", 1)
     csv_path.write_text(swapped)

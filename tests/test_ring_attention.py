@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
 from planlab.costmodel import CostModel
-from planlab.costmodel.ring import rank_share, ring_time_s, step_shares
+from planlab.costmodel.ring import gather_time_s, rank_share, ring_time_s, step_shares
 from planlab.errors import InfeasiblePlan, InternalError, PlanFileError
 from planlab.executor import launch_local
 from planlab.plan import materialize
@@ -72,6 +72,23 @@ def test_ring_program_has_no_conversion_at_the_attention_and_holds_blocks_in_fli
     assert set(held.values()) == {block, 2 * block}
 
 
+def test_allgather_plan_gathers_the_ring_and_holds_every_block():
+    """cp_kind=allgather (Llama 3): the same split as a ring, its pieces all-gathering the keys and values;
+    with cp 4 a forward holds the 4 gathered blocks and a backward those and their gradients (a ring: 2 and 4)."""
+    ctx, plan = _ring_plan(4, cp=4, cp_kind="allgather", microbatch=2)
+    assert plan.kv_gather and plan.zigzag and plan_to_dict(plan)["kv_gather"] is True
+    assert plan_from_dict(plan_to_dict(plan)) == plan
+    program = materialize(plan, ctx.graph)
+    rings = [t for _, t in program.devices[1].tasks_in_order() if t.ring is not None]
+    assert {t.ring for t in rings} == {Ring(4, True, zigzag=True, gather=True)}
+    assert str(rings[0].ring) == "allgather/4 causal zigzag"
+    block = 4 * sum(torch.Size(s).numel() for s in rings[0].shapes[1:3])
+    held = {n for t in rings for b, n in t.alloc if str(b).endswith(("ring-F", "ring-B"))}
+    assert held == {4 * block, 8 * block}
+    with pytest.raises(InfeasiblePlan, match=r"^kv_gather: the plan runs no attention as a ring"):
+        materialize(dataclasses.replace(_ring_plan(cp_kind="a2a")[1], kv_gather=True), ctx.graph)
+
+
 def test_zigzag_plans_that_do_not_fit_are_refused_in_one_line():
     ctx, plan = _ring_plan(cp_kind="a2a")
     with pytest.raises(InfeasiblePlan, match=r"^zigzag: the plan runs no attention as a ring"):
@@ -86,10 +103,13 @@ def test_zigzag_plans_that_do_not_fit_are_refused_in_one_line():
 # ---- the executor's ring on gloo -------------------------------------------------------------
 
 
-def _ring_errors(rank: int, world: int, group, causal: bool, rep: int, zigzag: bool = False) -> float:
+def _ring_errors(
+    rank: int, world: int, group, causal: bool, rep: int, zigzag: bool = False, gather: bool = False
+) -> float:
     """The largest difference between this rank's chunk of the ring's output and gradients and one
     process's whole attention, on random inputs (keys and values with ``4 / rep`` heads); with
-    ``zigzag`` each rank holds chunks ``pos`` and ``2 world - 1 - pos`` of ``2 world``."""
+    ``zigzag`` each rank holds chunks ``pos`` and ``2 world - 1 - pos`` of ``2 world``; with ``gather``
+    the keys and values are all-gathered (``cp_kind=allgather``)."""
     from planlab.executor.ring_attention import ring_attention, zigzag_tokens
 
     gen = torch.Generator().manual_seed(0)
@@ -107,7 +127,7 @@ def _ring_errors(rank: int, world: int, group, causal: bool, rep: int, zigzag: b
         return x.chunk(world, dim=-2)[pos]
 
     mine = [piece(x.detach()).clone().requires_grad_(True) for x in (q, k, v)]
-    y = ring_attention(*mine, ring=Ring(world, causal, zigzag), ranks=ranks, group=group)
+    y = ring_attention(*mine, ring=Ring(world, causal, zigzag, gather), ranks=ranks, group=group)
     y.backward(piece(dy))
     errors = [(y - piece(ref)).abs().max().item()]
     errors += [(m.grad - piece(x.grad)).abs().max().item() for m, x in zip(mine, (q, k, v))]
@@ -128,8 +148,12 @@ def test_ring_attention_matches_sdpa_on_gloo(tmp_path):
     """Each rank's chunk of the output and of the gradients of q, k and v, as one process computes
     them whole: causal (a diagonal block, then a full or a skipped one), and not causal with
     grouped-query heads (two query heads a key/value head), and causal in zigzag order (each rank two
-    chunks: diagonal, full and skipped sub-blocks), with grouped-query heads."""
-    world, cases = 2, ((True, 1, False), (False, 2, False), (True, 2, True))
+    chunks: diagonal, full and skipped sub-blocks), with grouped-query heads, passed around or
+    all-gathered (Llama 3's context parallelism), and contiguous all-gathered."""
+    world, cases = (
+        2,
+        ((True, 1, False), (False, 2, False), (True, 2, True), (True, 2, True, True), (True, 1, False, True)),
+    )
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_ring_rank, args=(r, world, str(tmp_path / "store"), cases, out)) for r in range(world)]
@@ -213,12 +237,37 @@ def test_cost_model_prices_a_ring_step_on_the_cp_link():
     assert cost.p2p_time_s(kv_bytes, 0, 8) > cost.p2p_time_s(kv_bytes, 0, 1)
 
 
+@pytest.mark.parametrize(
+    "zigzag, backward, expected", [(True, False, 3 + 2), (False, False, 3 + 3.5), (True, True, 3 + 2 + 1)]
+)
+def test_allgather_time_by_hand(zigzag, backward, expected):
+    """An all-gather ring of 4, a full block 1 s, the all-gather 3 s and the reduce-scatter 1 s: balanced,
+    every rank computes 2 blocks (16 blocks' causal half over 4); contiguous, the last rank computes its 3
+    earlier chunks and its diagonal, 3.5 blocks; nothing overlaps."""
+    assert gather_time_s(Ring(4, True, zigzag, gather=True), backward, 1.0, 3.0, 1.0) == pytest.approx(expected)
+
+
+def test_cost_model_prices_an_allgather_ring_as_exposed_collectives():
+    """Llama 3's all-gather: the keys and values of the ring all-gathered, the piece's blocks, and in the
+    backward the gradients reduce-scattered, each a collective of the ring's whole key/value bytes."""
+    cost = CostModel.load("dgx-h100", nodes=2, software="torch")
+    q, kv = (1, 8, 4096, 128), (1, 1, 4096, 128)
+    kv_bytes = 2 * 2 * 1 * 4096 * 128  # bf16 keys and values of one chunk, one key/value head
+    group, ring = (0, 8), Ring(2, True, zigzag=True, gather=True)
+    for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+        task = Task("attn", kind, flops=1e12, op_kind="attention", shapes=(q, kv, kv, q), group=group, ring=ring)
+        block_s = cost.device_and_host_s(task.but(ring=None, group=(), flops=0.5e12), "bf16")[0]
+        ag = cost.collective_time_s("all_gather", 2 * kv_bytes, group)
+        rs = cost.collective_time_s("reduce_scatter", 2 * kv_bytes, group) if kind is TaskKind.BACKWARD else 0.0
+        assert cost.ring_attention_s(task, "bf16")[0] == pytest.approx(ag + block_s + rs)
+
+
 def test_spaces_lists_ring(capsys):
     from planlab.cli import main
 
     main(["spaces"])
     out = capsys.readouterr().out
-    assert "cp_kind" in out and "a2a, ring" in out
+    assert "cp_kind" in out and "a2a, ring, allgather" in out
     assert "cp_layout" in out and "auto, zigzag, contiguous  default auto" in out
 
 
@@ -235,6 +284,14 @@ def test_ring_plan_on_2_ranks_matches_one_process(layout):
     want = {"idx": Zigzag(1, 4), "targets": Zigzag(1, 4), "rope_cos": Zigzag(0, 4), "rope_sin": Zigzag(0, 4)}
     assert loads == (want if layout == "zigzag" else dict.fromkeys(want))
     res = launch_local(plan, 2, steps=2, lr=1e-2)
+    assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
+
+
+def test_allgather_plan_on_2_ranks_matches_one_process():
+    """Llama 3's context parallelism: zigzag tokens, keys and values all-gathered, their gradients
+    reduce-scattered; the loss and gradients are one process's."""
+    _, plan = _ring_plan(cp_kind="allgather")
+    res = launch_local(plan, 2, steps=1, lr=1e-2)
     assert res.passed(loss_tol=LOSS_TOL, grad_tol=GRAD_TOL), (res.losses, res.ref_losses, res.max_grad_error)
 
 

@@ -164,7 +164,8 @@ class CostModel:
         (:mod:`planlab.costmodel.ring`): its ``steps`` blocks, each priced as this model prices the
         attention on the piece's shapes (one chunk's queries against one chunk's keys), overlapped
         with the key/value block's transfer to the ring's slowest neighbour (intra- or inter-node,
-        rail-aware: ``p2p_time_s``); the host issues every block."""
+        rail-aware: ``p2p_time_s``), or, for an all-gather ring, after the keys' and values' all-gather
+        and (backward) before their gradients' reduce-scatter; the host issues every block."""
         n = task.ring.steps
         block = task.but(ring=None, group=(), flops=task.flops / n, bytes_moved=task.bytes_moved / n)
         block_s, host_s = (
@@ -172,9 +173,13 @@ class CostModel:
         )
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         kv_bytes = eb * sum(math.prod(s) for s in task.shapes[1:3]) if len(task.shapes) >= 3 else 0.0
-        g = task.group
+        g, backward = task.group, task.kind.value != "F"
+        if task.ring.gather:  # Llama 3's all-gather of the keys and values, exposed
+            gather_s = self.collective_time_s("all_gather", n * kv_bytes, tuple(g))
+            scatter_s = self.collective_time_s("reduce_scatter", n * kv_bytes, tuple(g)) if backward else 0.0
+            return ring.gather_time_s(task.ring, backward, block_s, gather_s, scatter_s), n * host_s
         transfer_s = max((self.p2p_time_s(kv_bytes, g[i], g[(i + 1) % n]) for i in range(n)), default=0.0)
-        return ring.ring_time_s(task.ring, task.kind.value != "F", block_s, transfer_s), n * host_s
+        return ring.ring_time_s(task.ring, backward, block_s, transfer_s), n * host_s
 
     def agreement_time_s(self, task: Task) -> float:
         """The collectives inside the forward of a piece whose task names a group

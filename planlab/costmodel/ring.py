@@ -20,6 +20,13 @@ A diagonal block costs half a full one: a flash-attention kernel skips the tiles
 backward moves the key/value block ahead and the block's key/value gradients behind it, both
 overlapped with the step's computation, and one more gradient transfer brings each chunk's gradients
 home after the last step.
+
+An all-gather ring (``Ring.gather``: context parallelism as Llama 3 runs it, section 3.3.2 of "The Llama 3
+Herd of Models", 2024) passes nothing during its computation: the forward all-gathers the keys and values
+first, then computes its queries' blocks, as many as the ring's steps give it, with no step waiting for a
+neighbour; the backward all-gathers them again (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``
+keeps only the local keys and values), computes, and reduce-scatters the key/value gradients. The
+collectives are exposed: :func:`gather_time_s`.
 """
 
 from __future__ import annotations
@@ -53,3 +60,12 @@ def ring_time_s(ring: Ring, backward: bool, block_s: float, transfer_s: float) -
         moves = (step < last) + (1 if backward else 0)
         total += max(share * block_s, moves * transfer_s)
     return total
+
+
+def gather_time_s(ring: Ring, backward: bool, block_s: float, gather_s: float, scatter_s: float) -> float:
+    """Seconds of an all-gather ring's piece (``ring.gather``) forward (or ``backward``): the all-gather
+    of the keys and values (``gather_s``), then the most work any rank of the ring computes, its
+    shares of a full block (``block_s``) over all the steps, then, backward, the reduce-scatter of
+    the key/value gradients (``scatter_s``)."""
+    work = max(sum(rank_share(ring, r, step) for step in range(ring.steps)) for r in range(ring.steps))
+    return gather_s + work * block_s + (scatter_s if backward else 0.0)

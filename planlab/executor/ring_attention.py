@@ -13,6 +13,12 @@ computes its pairs as sub-blocks (Transformer Engine's half-blocks), merging eac
 the log-sum-exp rule. Shapes are
 ``(B.., H, S, D)`` for queries and ``(B.., Hk, S, D)`` / ``(B.., Hk, S, E)`` for keys and values, with
 ``H`` a multiple of ``Hk`` (grouped-query attention, as ``enable_gqa``).
+
+An all-gather ring (``Ring.gather``, ``cp_kind=allgather``: Llama 3's context parallelism, section 3.3.2 of
+"The Llama 3 Herd of Models") passes nothing around: each rank all-gathers every rank's keys and values
+(again in the backward, as Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` keeps only its own), computes
+the blocks a ring's steps would give it from them, and reduce-scatters the key/value gradients, each rank's
+back to it.
 """
 
 from __future__ import annotations
@@ -121,6 +127,46 @@ def _backward_step(q, kv, k, v, dout, lse, delta, ring: Ring, pos: int, step: in
     return torch.cat(dq, dim=-2), _pack(_fold(torch.cat(dk, dim=-2), rep), _fold(torch.cat(dv, dim=-2), rep))
 
 
+def _gathered(kv: torch.Tensor, ranks: tuple[int, ...], pos: int, group) -> list[torch.Tensor]:
+    """Per ring step, the key/value block (packed) this rank meets at that step, all-gathered from
+    the ring: at step ``i`` the block of position ``(pos - i) mod n``, as a ring would pass it."""
+    n, members = len(ranks), dist.get_process_group_ranks(group)  # the group's ranks in its own order
+    every = [torch.empty_like(kv) for _ in range(n)]
+    dist.all_gather(every, kv, group=group)
+    return [every[members.index(ranks[(pos - step) % n])] for step in range(n)]
+
+
+def _ring_forward(q, k, v, ring: Ring, ranks: tuple[int, ...], group, scale: float, acc: list) -> None:
+    """The forward of a ring: each step's block computed while the next arrives from the previous rank."""
+    pos, kv = ranks.index(dist.get_rank()), _pack(k, v)
+    for step in range(ring.steps):
+        reqs, nxt = _exchange(kv, ranks, pos, group) if step < ring.steps - 1 else ([], kv)
+        _forward_step(q, kv, k, v, ring, pos, step, scale, acc)
+        _wait(reqs)
+        kv = nxt
+
+
+def _gather_forward(q, k, v, ring: Ring, ranks: tuple[int, ...], group, scale: float, acc: list) -> None:
+    """The forward of an all-gather ring: every block met after one all-gather of the keys and values."""
+    pos = ranks.index(dist.get_rank())
+    for step, kv in enumerate(_gathered(_pack(k, v), ranks, pos, group)):
+        _forward_step(q, kv, k, v, ring, pos, step, scale, acc)
+
+
+def _gather_backward(q, k, v, dout, lse, delta, ring: Ring, ranks: tuple[int, ...], group, scale: float):
+    """The backward of an all-gather ring: the keys and values all-gathered again, every block's
+    gradients computed, and the key/value gradients reduce-scattered back to their positions."""
+    pos, n = ranks.index(dist.get_rank()), len(ranks)
+    dq, dkv = torch.zeros_like(q), [None] * n
+    for step, kv in enumerate(_gathered(_pack(k, v), ranks, pos, group)):
+        b_dq, dkv[(pos - step) % n] = _backward_step(q, kv, k, v, dout, lse, delta, ring, pos, step, scale)
+        dq = dq + b_dq
+    mine = torch.empty_like(dkv[pos])
+    members = dist.get_process_group_ranks(group)
+    dist.reduce_scatter_tensor(mine, torch.cat([dkv[ranks.index(r)] for r in members]), group=group)
+    return dq, mine
+
+
 class RingAttention(torch.autograd.Function):
     """``softmax(q kᵀ scale [+ causal mask]) v`` over the whole sequence, each rank holding one
     chunk (two, zigzag)."""
@@ -129,12 +175,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring, ranks: tuple[int, ...], group, scale: float):
         pos = ranks.index(dist.get_rank())
         acc: list = [None] * len(ring.chunks(pos))
-        kv = _pack(k, v)
-        for step in range(ring.steps):
-            reqs, nxt = _exchange(kv, ranks, pos, group) if step < ring.steps - 1 else ([], kv)
-            _forward_step(q, kv, k, v, ring, pos, step, scale, acc)
-            _wait(reqs)
-            kv = nxt
+        (_gather_forward if ring.gather else _ring_forward)(q, k, v, ring, ranks, group, scale, acc)
         out, lse = torch.cat([a[0] for a in acc], dim=-2), torch.cat([a[1] for a in acc], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.ranks, ctx.group, ctx.scale = ring, ranks, group, scale
@@ -146,6 +187,10 @@ class RingAttention(torch.autograd.Function):
         ring, ranks, group, scale = ctx.ring, ctx.ranks, ctx.group, ctx.scale
         pos = ranks.index(dist.get_rank())
         delta = (dout * out).sum(-1, keepdim=True)  # (B.., H, S, 1)
+        if ring.gather:
+            dq, dkv = _gather_backward(q, k, v, dout, lse, delta, ring, ranks, group, scale)
+            dk, dv = _unpack(dkv, k, v)
+            return dq, dk.clone(), dv.clone(), None, None, None, None
         dq = torch.zeros_like(q)
         kv, dkv = _pack(k, v), torch.zeros(k.numel() + v.numel(), dtype=q.dtype, device=q.device)
         for step in range(ring.steps):

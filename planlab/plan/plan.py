@@ -133,6 +133,9 @@ class Plan:
     # the tokens in zigzag order along the sequence, so that each ring attention's position r holds
     # chunks r and 2 cp - 1 - r (planlab.plan.program.Ring): causal load balancing
     zigzag: bool = False
+    # the ring attentions all-gather their keys and values over the ring instead of passing them around
+    # (context parallelism as Llama 3 runs it, cp_kind=allgather: planlab.plan.program.Ring.gather)
+    kv_gather: bool = False
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
@@ -187,6 +190,7 @@ class PlanBuilder:
         self._offload_acts: dict[str, int] = {}
         self._ring: set[str] = set()
         self._zigzag = False
+        self._kv_gather = False
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
         self._zero = 0
@@ -304,6 +308,15 @@ class PlanBuilder:
             raise InfeasiblePlan(f"zigzag({on!r}): expected True or False")
         self._zigzag = on
 
+    def kv_gather(self, on: bool = True) -> None:
+        """Run the ring attentions by all-gather (context parallelism as Llama 3 runs it, section 3.3.2):
+        each piece all-gathers the keys and values of its ring before computing its queries' attention,
+        and reduce-scatters their gradients in the backward, neither overlapped with the computation
+        (:class:`planlab.plan.program.Ring`'s ``gather``)."""
+        if not isinstance(on, bool):
+            raise InfeasiblePlan(f"kv_gather({on!r}): expected True or False")
+        self._kv_gather = on
+
     def zero(self, stage: int) -> None:
         """ZeRO for weights whose gradients are summed over devices (data parallelism): stage 1
         shards their optimizer states over those devices (reduce-scatter the gradients, step the
@@ -376,4 +389,5 @@ class PlanBuilder:
             offload_optimizer=self._offload_optimizer,
             offload_stages=self._offload_stages,
             zigzag=self._zigzag,
+            kv_gather=self._kv_gather,
         )

@@ -3,7 +3,7 @@
 Version 3 (written) lists each distinct device mesh once (``meshes``), each distinct split and
 placement once (``placements``: dims, sizes, mesh, stage, recompute, and ``ring`` for an attention run as
 ring attention, written only when true, so a plan without one is the file it was before; ``zigzag`` likewise at the
-top, for the tokens in a zigzag ring's order), every operator by name with
+top, for the tokens in a zigzag ring's order, and ``kv_gather`` for rings run by all-gather), every operator by name with
 the index of its placement (``ops``), and each distinct schedule once (``schedules``, with
 ``device_schedule`` giving each device's), so a plan for 1,024 devices does not repeat its device
 lists per operator. Versions 1 and 2 (read) list every operator with its devices, and every
@@ -65,6 +65,7 @@ def plan_to_dict(plan: Plan) -> dict:
         **({"offload_optimizer": True} if plan.offload_optimizer else {}),
         **({"offload_stages": list(plan.offload_stages)} if plan.offload_stages else {}),
         **({"zigzag": True} if plan.zigzag else {}),
+        **({"kv_gather": True} if plan.kv_gather else {}),
         **({"software": plan.software} if plan.software else {}),
         **({"precision": plan.precision} if plan.precision else {}),
     }
@@ -132,6 +133,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         software=_optional_text(d, "software", where),
         precision=_optional_text(d, "precision", where),
         zigzag=_flag(d, "zigzag", where),
+        kv_gather=_flag(d, "kv_gather", where),
     )
 
 

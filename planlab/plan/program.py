@@ -82,14 +82,21 @@ class Ring:
     With ``zigzag`` (Megatron-Core's and Llama 3's causal load balancing) the sequence is cut into
     ``2 steps`` chunks and ring position ``r`` holds chunks ``r`` and ``2 steps - 1 - r`` (the tokens
     are permuted so at the input: :class:`Zigzag`); otherwise position ``r`` holds chunk ``r`` of
-    ``steps``."""
+    ``steps``.
+
+    With ``gather`` (context parallelism as Llama 3 runs it, ``cp_kind=allgather``) no block is passed
+    around: a piece all-gathers every position's keys and values first and computes the same blocks as
+    the ring's steps from them; its backward reduce-scatters the blocks' key/value gradients, each back
+    to its position. Neither collective overlaps the computation."""
 
     steps: int
     causal: bool
     zigzag: bool = False
+    gather: bool = False
 
     def __str__(self) -> str:
-        return f"ring/{self.steps}{' causal' if self.causal else ''}{' zigzag' if self.zigzag else ''}"
+        kind = "allgather" if self.gather else "ring"
+        return f"{kind}/{self.steps}{' causal' if self.causal else ''}{' zigzag' if self.zigzag else ''}"
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         """The chunks of the sequence ring position ``rank`` holds, in the order it holds them."""

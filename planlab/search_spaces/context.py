@@ -18,12 +18,17 @@ attention, which needs the whole sequence, is handled by ``cp_kind``:
   no conversion meets it; its pieces pass their key/value blocks around the context-parallel
   devices, ``cp`` steps each merged by the online-softmax rule, and the backward passes the
   blocks' gradients around the ring (:mod:`planlab.executor.ring_attention`).
+- ``allgather`` (as Llama 3 ran its 131,072-token stage, "The Llama 3 Herd of Models", 2024, section
+  3.3.2; Transformer Engine's ``cp_comm_type="all_gather"``): split as ``ring``, but each piece
+  all-gathers the keys and values of the context-parallel devices before computing its queries'
+  attention (small with grouped-query attention's few key/value heads), and reduce-scatters their
+  gradients in the backward; neither collective overlaps the computation (``PlanBuilder.kv_gather``).
 
-``cp_layout`` (ring only) says which tokens each ring rank holds; its default ``auto`` is ``zigzag``
+``cp_layout`` (ring and allgather) says which tokens each ring rank holds; its default ``auto`` is ``zigzag``
 where the model computes the same in that order and ``2 cp`` divides the sequence, ``contiguous``
 otherwise (a mixture of experts whose capacity-limited routing counts tokens in sequence order):
 
-- ``zigzag`` (as Megatron-Core and Llama 3 run a causal ring): the sequence is cut
+- ``zigzag`` (as Megatron-Core and Llama 3 run a causal ring; Llama 3's 2 x CP chunks): the sequence is cut
   into ``2 cp`` chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (``PlanBuilder.zigzag``).
   The tokens are permuted so as they are loaded (the inputs, the labels, and every source along the
   sequence, such as the rotary tables, so the positions travel with their tokens:
@@ -44,7 +49,8 @@ from planlab.plan.plan import RING_DIM
 from planlab.plan.zigzag import order_dependent
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 
-CP_KINDS = ("a2a", "ring")
+CP_KINDS = ("a2a", "ring", "allgather")
+RING_KINDS = ("ring", "allgather")  # the kinds that split the attention's queries' sequence (PlanBuilder.ring)
 # auto, the default: zigzag (Megatron-Core's for a causal ring) where the model computes the same in that order
 CP_LAYOUTS = ("auto", "zigzag", "contiguous")
 
@@ -107,7 +113,7 @@ def _seq_message(a: dict, c: Context) -> str:
 
 def _zigzag(a: dict) -> bool:
     """Whether the plan asks for the zigzag layout by name."""
-    return (a.get("cp") or 1) > 1 and a.get("cp_kind") == "ring" and a.get("cp_layout") == "zigzag"
+    return (a.get("cp") or 1) > 1 and a.get("cp_kind") in RING_KINDS and a.get("cp_layout") == "zigzag"
 
 
 def zigzag_layout(values: dict, c: Context) -> bool:
@@ -143,7 +149,8 @@ def _zigzag_message(a: dict, c: Context) -> str:
 
 class ContextParallel(Space):
     """The sequence split over ``cp`` devices (context parallelism); the attention over its heads
-    with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses) or as ring attention (``ring``)."""
+    with all-to-alls (``cp_kind=a2a``, DeepSpeed-Ulysses), as ring attention (``ring``) or with its keys
+    and values all-gathered (``allgather``, Llama 3)."""
 
     name = "cp"
     order = 2  # after tp: the innermost mesh axis, its devices placed outside tp's (Megatron-Core's tp-cp-ep-dp-pp)
@@ -159,7 +166,8 @@ class ContextParallel(Space):
         Knob.choice(
             "cp_kind",
             CP_KINDS,
-            "context parallelism's attention: a2a (all-to-all over heads, DeepSpeed-Ulysses) or ring",
+            "context parallelism's attention: a2a (all-to-all over heads, DeepSpeed-Ulysses), ring (key/value "
+            "blocks passed around, overlapped) or allgather (keys and values all-gathered first, as Llama 3)",
             default="a2a",
             explore=("a2a",),
             range=", ".join(CP_KINDS),
@@ -169,7 +177,7 @@ class ContextParallel(Space):
             CP_LAYOUTS,
             "ring attention's chunks: zigzag (rank i holds chunks i and 2cp-1-i, load-balanced as "
             "Megatron-Core and Llama 3), contiguous (rank i holds chunk i), or auto (zigzag where the model "
-            "computes the same in that order and 2cp divides the sequence); cp_kind=ring only",
+            "computes the same in that order and 2cp divides the sequence); cp_kind=ring or allgather only",
             default="auto",
             explore=("auto",),
             range=", ".join(CP_LAYOUTS),
@@ -180,7 +188,9 @@ class ContextParallel(Space):
         Constraint(_zigzag_fits, _zigzag_message),
         Constraint(
             lambda a, c: not _known(a, "cp", "cp_kind") or not _zigzag(a) or _ring_order_dependent(c) is None,
-            lambda a, c: f"cp_layout=zigzag with cp_kind=ring: {_ring_order_dependent(c)}; choose cp_layout=contiguous",
+            lambda a, c: (
+                f"cp_layout=zigzag with cp_kind={a['cp_kind']}: {_ring_order_dependent(c)}; choose cp_layout=contiguous"
+            ),
         ),
         Constraint(_seq_fits, _seq_message),
         Constraint(
@@ -207,7 +217,7 @@ class ContextParallel(Space):
                 f"cp={a['cp']} with cp_kind=a2a splits the {_heads_per_tp(a, c)} key/value heads of a "
                 f"tensor-parallel rank (tp={a.get('tp') or 1}), which it does not divide; choose cp in "
                 + ", ".join(str(d) for d in _divisors(_heads_per_tp(a, c)))
-                + " or cp_kind=ring"
+                + " or cp_kind=ring or allgather"
             ),
         ),
     )
@@ -216,7 +226,7 @@ class ContextParallel(Space):
         cp = values.get("cp") or 1
         if cp == 1:  # no mesh axis of one device: plans without cp stay as they were written before it
             return
-        ring = values.get("cp_kind") == "ring"
+        ring = values.get("cp_kind") in RING_KINDS
         dims = context_parallel_dims(draft.ctx.graph, ring)
         draft.add_axis("cp", cp, dims)
         if ring:
@@ -224,6 +234,7 @@ class ContextParallel(Space):
                 op.name for op in draft.ctx.graph.operators if op.kind == "attention" and dims[op.name]
             )
             draft.zigzag = bool(draft.ring) and zigzag_layout(values, draft.ctx)
+            draft.kv_gather = bool(draft.ring) and values.get("cp_kind") == "allgather"
         tp = draft.axes[-2][1] if len(draft.axes) > 1 and draft.axes[-2][0] == "tp" else 1
         if cp > 1 and tp > 1:
             draft.stage_order = outside_order(draft.per_stage // (cp * tp), tp, cp)

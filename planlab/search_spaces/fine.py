@@ -239,6 +239,8 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
         draft.stage_base,
         draft.stage_order,
         draft.ring,
+        draft.zigzag,
+        draft.kv_gather,
     )
     costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
     return solve_layout(

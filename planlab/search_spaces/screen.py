@@ -442,18 +442,18 @@ class Screen:
             if op.name not in d.ring:
                 continue
             dims = tuple(ad[i] for ad in per_axis)
-            key = ("ring", self.t.work_class[i], sizes, dims, m, group, d.zigzag)
+            key = ("ring", self.t.work_class[i], sizes, dims, m, group, d.zigzag, d.kv_gather)
             got = self._compute.get(key)
             if got is None:
-                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group, d.zigzag)
+                got = self._compute[key] = self._ring_extra_s(op, i, dims, sizes, m, group, d)
             out[d.group_of(d.stages.get(op.name, 0))] += got
         return out
 
     def _ring_extra_s(
-        self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...], zigzag: bool
+        self, op, i: int, dims: tuple, sizes: tuple[int, ...], m: int, group: tuple[int, ...], d: Draft
     ) -> float:
-        """One ring attention's forward and backward as a ring (``zigzag``: balanced), less the same
-        priced as one piece."""
+        """One ring attention's forward and backward as a ring on ``group`` (``d.zigzag``: balanced;
+        ``d.kv_gather``: by all-gather), less the same priced as one piece."""
         from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
         from planlab.plan.program import Ring, Task, TaskKind
 
@@ -472,7 +472,7 @@ class Screen:
                 if g.labels.get((t, a)) == g.batch_label:
                     shape[a] //= m
             local.append(tuple(shape))
-        ring = Ring(len(group), causal_attention(op), zigzag=zigzag)
+        ring = Ring(len(group), causal_attention(op), zigzag=d.zigzag, gather=d.kv_gather)
         extra = 0.0
         for tk, f, phase in ((TaskKind.FORWARD, flops, "F"), (TaskKind.BACKWARD, flops * ratio, "B")):
             task = Task(

@@ -99,6 +99,7 @@ class Draft:
     stage_order: tuple[int, ...] = ()
     ring: frozenset[str] = frozenset()  # attentions run as ring attention (context parallelism, cp_kind=ring)
     zigzag: bool = False  # the tokens in zigzag order for the rings (cp_layout=zigzag, PlanBuilder.zigzag)
+    kv_gather: bool = False  # the rings all-gather their keys and values (cp_kind=allgather, PlanBuilder.kv_gather)
 
     def add_axis(
         self, name: str, size: int, dim_of: Callable[[Any], str | None] | Mapping[str, str | None] | tuple
@@ -226,6 +227,7 @@ class Draft:
         b.zero(self.zero)
         b.offload_optimizer(self.offload_optimizer, self.offload_stages)
         b.zigzag(self.zigzag)
+        b.kv_gather(self.kv_gather)
         self.issue(b, rules, space)
         return b.build()
 

@@ -396,7 +396,7 @@ def ring_fields(d: Draft, op: Operator, flat: int) -> dict:
     if not L.op_plan[op.name].ring:
         return {}
     group = line(L.mesh[op.name], flat, [L.dims[op.name].index(RING_DIM)])
-    ring = Ring(len(group), causal_attention(op), zigzag=L.zigzag is not None)
+    ring = Ring(len(group), causal_attention(op), zigzag=L.zigzag is not None, gather=L.kv_gather)
     return {"group": group, "ring": ring} if group else {}
 
 
@@ -417,4 +417,15 @@ def record_ring_in_flight(d: Draft, sizes: dict, dev: int, op: Operator, flat: i
     block = sum(
         box_numel(L.needs(op, k).box(flat, L.shapes[op.inputs[k]])) * d.elem_bytes(op.inputs[k]) for k in (1, 2)
     )
-    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = RING_BLOCKS_IN_FLIGHT[kind] * block
+    p = L.op_plan[op.name]
+    gathered = math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) if L.kv_gather else 0
+    sizes.setdefault(dev, {})[ring_in_flight(op.name, kind)] = blocks_in_flight(kind, block, gathered)
+
+
+def blocks_in_flight(kind: TaskKind, block: int, gathered: int = 0) -> int:
+    """Bytes of the key/value blocks (``block`` bytes each) a ring attention's ``kind`` task holds besides its
+    own: :data:`RING_BLOCKS_IN_FLIGHT` passed around a ring; with an all-gather ring of ``gathered`` devices
+    (0: none), all of theirs, and in the backward their gradients too before the reduce-scatter."""
+    if not gathered:
+        return RING_BLOCKS_IN_FLIGHT[kind] * block
+    return (1 if kind is TaskKind.FORWARD else 2) * gathered * block

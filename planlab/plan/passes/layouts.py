@@ -85,6 +85,11 @@ class Layouts:
                     )
         rings = {p.op: math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) for p in plan.ops if p.ring}
         self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
+        if plan.kv_gather and not rings:
+            raise InfeasiblePlan(
+                "kv_gather: the plan runs no attention as a ring; the all-gather is a ring's keys and values"
+            )
+        self.kv_gather = plan.kv_gather  # the rings all-gather their keys and values (Ring.gather)
 
     @staticmethod
     def _placement(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
