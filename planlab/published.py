@@ -25,7 +25,11 @@ FLOP formulas (B global batch, s sequence, l layers, h hidden, V the set's ``voc
 recomputed forward); ``korthikanti-eq7`` = 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (Korthikanti et
 al. 2022, Appendix A eq. 7: model FLOPs); ``torchtitan`` = B s (6 N' + 12 l h s) with N' the parameters
 without the token embedding (torchtitan's ``get_num_flop_per_token``: the attention's four matmuls
-counted whole, not halved for the causal mask; for sources that state no formula of their own).
+counted whole, not halved for the causal mask; for sources that state no formula of their own);
+``megatron-lm`` = 12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x k x 3/2 + V/(2 l h)) with a heads, g key/value
+heads, q = a x head size, f the feed-forward width, k the experts a token is routed to (1 for a dense
+model) and 3/2 for SwiGLU's third matrix (Megatron-LM's ``num_floating_point_operations`` in
+``megatron/training/training.py``, the teraFLOP/s its training log prints; llama-style and MoE models).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ METRICS = (
     "tokens_per_s_per_gpu",
     "gpu_hours_per_trillion_tokens",
 )
-FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7", "torchtitan")
+FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7", "torchtitan", "megatron-lm")
 SOFTWARE = ("megatron", "megatron-2019", "deepspeed", "deepspeed-2021", "torch")
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")
@@ -241,7 +245,22 @@ def flops_per_iteration(row: PublishedRow, metric: dict) -> float:
         return float(b * s) * (6.0 * non_embedding + 12.0 * n_l * h * s)
     if metric["flops"] == "narayanan-eq3":
         return 96.0 * b * s * n_l * h * h * (1 + s / (6 * h) + v / (16 * n_l * h))
+    if metric["flops"] == "megatron-lm":
+        return megatron_lm_flops(b, cfg, v)
     return 72.0 * b * s * n_l * h * h * (1 + s / (6 * h) + v / (12 * n_l * h))
+
+
+def megatron_lm_flops(batch: int, cfg, vocab: float) -> float:
+    """FLOPs of one iteration of ``batch`` sequences by Megatron-LM's ``num_floating_point_operations``
+    (module docstring): grouped-query attention, SwiGLU feed-forward, ``top_k`` experts per token;
+    ConfigError for a model without key/value heads (not a llama-style or MoE decoder)."""
+    if not hasattr(cfg, "kv_heads") or not hasattr(cfg, "ffn_hidden"):
+        raise ConfigError(f"the megatron-lm FLOP formula counts llama-style and MoE decoders; got {type(cfg).__name__}")
+    s, n_l, h = cfg.seq, cfg.layers, cfg.hidden
+    query_ratio = cfg.heads * cfg.head_dim / h
+    attention = (1 + cfg.kv_heads / cfg.heads + s / h) * query_ratio
+    feed_forward = cfg.ffn_hidden / h * getattr(cfg, "top_k", 1) * 1.5
+    return 12.0 * batch * s * n_l * h * h * (attention + feed_forward + vocab / (2 * n_l * h))
 
 
 def _config(row: PublishedRow):

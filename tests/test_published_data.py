@@ -17,7 +17,7 @@ from planlab.cli import build_parser
 from planlab.costmodel import list_clusters, load_cluster
 from planlab.errors import ConfigError
 from planlab.explore import Setup, make_context
-from planlab.published import CONDITIONS, FAMILIES, load_set, load_sets, parse_model_args
+from planlab.published import CONDITIONS, FAMILIES, flops_per_iteration, load_set, load_sets, parse_model_args
 from planlab.published_report import family_orders, predict_row, summarize, tau_within_models
 from planlab.search_spaces.builtin import get_space
 
@@ -109,6 +109,22 @@ def test_conversions_match_the_papers_own_cross_checks():
     assert w.measured_s(one_t) == pytest.approx(
         96 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)) / (3072 * 163e12)
     )
+
+
+def test_megatron_lm_flops_match_megatron_core_moe_readme():
+    """Megatron-LM's count (num_floating_point_operations) for Mixtral 8x7B, written out by hand from
+    its terms: 12 B s l h^2 x (attention with 8 of 32 key/value heads + 2 SwiGLU experts of 14,336
+    + the 32,000-word output); 438 TFLOP/s on 64 GPUs is then 3.10 s, 5,282 tokens/s per GPU."""
+    m = next(s for s in SETS if s.name == "megatron-core-moe-h100")
+    row = next(r for r in m.rows if r.row == "mixtral-8x7b-mcore0.8")
+    b, s, n_l, h = 256, 4096, 32, 4096
+    by_hand = 12 * b * s * n_l * h * h * ((1 + 8 / 32 + s / h) + 14336 / h * 2 * 1.5 + 32000 / (2 * n_l * h))
+    assert flops_per_iteration(row, m.metric) == pytest.approx(by_hand, rel=1e-12)
+    assert m.measured_s(row) == pytest.approx(by_hand / (64 * 438e12), rel=1e-12)
+    assert b * s / (64 * m.measured_s(row)) == pytest.approx(5282, abs=1)
+    gpt = dataclasses.replace(row, model="gpt3-1.3b", model_args=())
+    with pytest.raises(ConfigError, match="megatron-lm FLOP formula"):
+        flops_per_iteration(gpt, m.metric)
 
 
 @pytest.mark.parametrize(
