@@ -198,10 +198,12 @@ def test_dualpipe_published_order_runs_with_receives_posted_ahead(p, m):
     assert (bare is not None) == (p >= 8)
 
 
-def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
+@pytest.mark.parametrize("collective, paired_s", [("all_to_all", 4.0), ("all_reduce", 6.0)])
+def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation(collective, paired_s):
     """Two alike devices, a forward and a backward each 1 s of computation, a 1 s all-to-all over
     both devices, 1 s of computation: one after the other 6 s (2 s of it exposed all-to-all); as a
-    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation."""
+    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation.
+    A tensor-parallel all-reduce in its place is not overlapped by the pair: 6 s, 2 s exposed."""
 
     def block(stage, phase, kind):
         tasks = (
@@ -211,7 +213,7 @@ def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
                 TaskKind.COLLECTIVE,
                 (A(f"a{stage}"),),
                 (A(f"b{stage}"),),
-                collective="all_to_all",
+                collective=collective,
                 group=(0, 1),
                 nbytes=10**9,
                 ident=stage,
@@ -222,16 +224,17 @@ def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
 
     blocks = {(0, "F"): block(0, "F", TaskKind.FORWARD), (1, "I"): block(1, "I", TaskKind.BACKWARD)}
     cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
-    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, 4.0, 0.0)):
+    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, paired_s, paired_s - 4.0)):
         schedule = (Action(0, "F", 0, overlaps=overlaps), Action(1, "I", 0))
         prog = Program(tuple(DeviceProgram(d, blocks, schedule) for d in range(2)), 1, FP32)
         res = simulate(prog, cost)
         assert res.iter_time_s == pytest.approx(want_s)
         assert [d.exposed_comm_s for d in res.devices] == pytest.approx([exposed_s] * len(res.devices))
     # computation twice as slow beside a collective: the backward's first second of computation runs
-    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s
+    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s; the
+    # all-reduce runs beside no computation, so nothing is slowed
     slowed = simulate(prog, cost, overlap_slowdown=2.0).iter_time_s
-    assert 4.0 < slowed < 6.0
+    assert 4.0 < slowed < 6.0 if collective == "all_to_all" else slowed == pytest.approx(6.0)
 
 
 def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
