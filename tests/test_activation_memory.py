@@ -39,6 +39,7 @@ H, A, S, B = 256, 8, 128, 2  # hidden, heads, sequence, micro-batch
 SBH = S * B * H
 COST = CostModel.load("dgx-a100-80g", 1, software="megatron-2022", precision="bf16")
 FUSED = CostModel.load("dgx-a100-80g", 1, software="megatron", precision="bf16")
+TORCH = CostModel.load("dgx-a100-80g", 1, software="torch", precision="bf16")
 FP8 = CostModel.load("dgx-h100", 1, software="megatron", precision="fp8")
 
 
@@ -116,12 +117,17 @@ def test_fp8_training_keeps_the_linear_layers_inputs_as_their_one_byte_casts(gra
         assert bound <= peak * 1.001 and screen <= peak * 1.001
 
 
-@pytest.mark.parametrize("t, sp, recompute", [(1, False, "none"), (2, True, "none"), (2, True, "selective")])
-def test_fused_attention_keeps_no_scores(graphs, t: int, sp: bool, recompute: str) -> None:
-    """Megatron-Core's fused attention (``--software megatron``) keeps Q, K, V, O and the
-    log-sum-exp, not the ``B x H x T x S`` scores: without recomputation a layer keeps what selective
-    recomputation keeps, ``34 s b h / t`` (module docstring), and less than the unfused attention."""
-    acts = {n: activations(graphs, n, t, sp, recompute, FUSED) for n in (2, 4)}
+@pytest.mark.parametrize(
+    "t, sp, recompute, cost",
+    [(1, False, "none", FUSED), (2, True, "none", FUSED), (2, True, "selective", FUSED), (1, False, "none", TORCH)],
+    ids=["megatron-t1", "megatron-t2-sp", "megatron-t2-sp-selective", "torch-t1"],
+)
+def test_fused_attention_keeps_no_scores(graphs, t: int, sp: bool, recompute: str, cost: CostModel) -> None:
+    """Megatron-Core's fused attention (``--software megatron``) and PyTorch's flash SDPA (``torch``)
+    keep Q, K, V, O and the log-sum-exp, not the ``B x H x T x S`` scores, O in one storage with the
+    output projection's input: without recomputation a layer keeps what selective recomputation
+    keeps, ``34 s b h / t`` (module docstring), and less than the unfused attention."""
+    acts = {n: activations(graphs, n, t, sp, recompute, cost) for n in (2, 4)}
     per_layer = (acts[4][0] - acts[2][0]) / 2
     assert per_layer == pytest.approx(korthikanti(t, sp, recompute, fused=True), rel=0.03)
     if recompute == "none":

@@ -32,12 +32,13 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     (true, the default) or in separate PyTorch kernels as Megatron-LM's 2019 release did (false;
     :func:`planlab.costmodel.kernels.unfused_softmax_2019`);
 ``fused_attention``
-    with the ``megatron`` implementation, the attention core runs as one fused kernel each way
-    (Transformer Engine's flash or cuDNN fused attention, as Megatron-Core runs it: true) or as
-    Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM (false, the default). Fused,
-    it keeps query, key, value, output and the softmax's log-sum-exp (fp32, one per row) for the
-    backward, which computes the scores again, and writes no score matrix
-    (:mod:`planlab.plan.saved`); the ``torch`` implementation always runs it fused;
+    the attention core runs as a flash-style fused kernel each way (true: Transformer Engine's flash
+    or cuDNN fused attention as Megatron-Core runs it, PyTorch's flash SDPA on CUDA): it keeps
+    query, key, value, output and the softmax's log-sum-exp (fp32, one per row) for the backward,
+    which computes the scores again, writes no score matrix and writes its output in the layout the
+    output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
+    implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
+    ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;

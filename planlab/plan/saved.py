@@ -10,11 +10,13 @@ bound and the screen all ask here:
   attention dropout's mask and its output: 2 + 1 + 2 bytes (16-bit activations) per element of the
   ``B x H x T x S`` scores, and not its own output (the backward of ``probs @ V`` needs ``probs``
   and ``V``) (Korthikanti et al. 2022, section 4.1: ``5 a s^2 b`` bytes per layer);
-- fused attention (``megatron`` with the software's ``fused_attention``: Transformer Engine's
-  flash / cuDNN fused attention as Megatron-Core runs it) keeps query, key, value and its output
-  and the softmax's log-sum-exp, one fp32 number per query row and head (``softmax_lse`` of
-  FlashAttention-2, Dao 2023, algorithm 1; cuDNN's ``Stats`` tensor, TE's ``aux_ctx_tensors``),
-  and no score matrix: its backward computes the scores again;
+- fused attention (the software's ``fused_attention``: Transformer Engine's flash / cuDNN fused
+  attention as Megatron-Core runs it, PyTorch's flash and memory-efficient SDPA on CUDA) keeps
+  query, key, value and its output and the softmax's log-sum-exp, one fp32 number per query row
+  and head (``softmax_lse`` of FlashAttention-2, Dao 2023, algorithm 1; cuDNN's ``Stats`` tensor,
+  TE's ``aux_ctx_tensors``), and no score matrix: its backward computes the scores again. Its
+  output is written in the layout the output projection reads, so the heads' merge is a view and a
+  projection that keeps its 16-bit input keeps the same storage (:func:`output_kept_by_reader`);
 - a saved tensor that is a broadcast view of another (``Tensor.expand``: stride 0 on the new axes,
   no storage of its own) keeps the storage under it, the view's input: autograd saves the view, and
   the view holds its base alive, nothing more (the routing's index expanded to the hidden size,
@@ -76,7 +78,8 @@ def saved_tensors(
         return tuple(t for t in op.saves if t not in op.outputs)
     if (
         op.kind == "attention"
-        and implementation(software) == "megatron"
+        and software is not None
+        and software.fused_attention
         and graph is not None
         and precision is not None
         and output_kept_by_reader(op, graph, precision)
@@ -111,12 +114,13 @@ def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activat
     implementation keeps for its backward besides graph tensors."""
     if op.kind == "dropout" and any(t in op.outputs for t in op.saves):
         return (("mask", op.outputs[0], 1.0, 1),)
-    if op.kind != "attention" or implementation(software) != "megatron" or len(op.inputs) < 2:
+    fused = software is not None and software.fused_attention
+    if op.kind != "attention" or len(op.inputs) < 2 or not (fused or unfused_attention(software)):
         return ()
     q, k = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[1]].shape
     if len(q) < 2 or len(k) < 2 or not q[-1]:
         return ()
-    if software.fused_attention:  # log-sum-exp: B*H*T = q's elements / D, fp32
+    if fused:  # log-sum-exp: B*H*T = q's elements / D, fp32
         return (("lse", op.inputs[0], 1 / q[-1], LSE_BYTES),)
     # scores B*H*T*S = q's elements (B*H*T*D) x S / D: softmax output, dropout mask, dropout output
     return (("probs", op.inputs[0], k[-2] / q[-1], 2 * activation_bytes + 1),)
