@@ -89,15 +89,16 @@ def saved_tensors(
 
 
 # Operator kinds that only relabel the axes of a fused attention's output: Transformer Engine writes
-# it in the layout the output projection reads ([s, b, h * d]), so these are views of one storage
+# it in the layout the output projection reads ([s, b, h * d]) and PyTorch's flash SDPA returns a
+# transposed view of a [b, s, h, d] tensor, so these are views of one storage
 LAYOUT_VIEWS = frozenset({"transpose", "reshape", "permute", "view"})
 
 
 def output_kept_by_reader(op: Operator, graph: Graph, precision: Precision) -> bool:
     """Whether the layer that reads ``op``'s output, through views of it only (the heads merged: a
     transpose and a reshape), keeps that output itself for its backward (a linear layer keeping its
-    16-bit input, not an FP8 cast): one storage, which Megatron-Core's fused attention and its
-    output projection both keep, counted once there."""
+    16-bit input, not an FP8 cast): one storage, which the fused attention and its output
+    projection both keep, counted once there."""
     t = op.outputs[0]
     while True:
         readers = graph.consumers.get(t, ())
