@@ -18,6 +18,7 @@ from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space, one_f_one_b
 from planlab.search_spaces.schedules import format_schedule, parse_schedule
 from planlab.search_spaces.schedules_v import dualpipe, peak_in_flight, v_rank, zb_v
+from planlab.search_spaces.screen import Screen, paired_actions
 from planlab.simulator import find_deadlock, simulate
 
 from conftest import traced
@@ -258,6 +259,30 @@ def test_a_dualpipe_plan_pairs_chunks_only_where_it_dispatches_experts():
     plan = get_space("megatron").build(Context(moe, spec, 8, "cpu", 4, 4, 1), knobs)
     assert any(a.posts for s in plan.schedule for a in s) and any(a.overlaps for s in plan.schedule for a in s)
     assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_the_screen_credits_a_dualpipe_plan_the_all_to_alls_its_pairs_hide():
+    """The screen takes off a DualPipe group's time what its pairs hide: a chunk's all-to-alls per
+    pair, on an expert-parallel plan (the pairs its schedule runs); nothing on a dense plan."""
+    spec, moe = traced("deepseek-tiny", 8)
+    cost = CostModel.load("dgx-a100-80g", 1)
+    ctx = Context(moe, spec, 8, cost.cluster.node.name, 1, 4, 1)
+    screen, space = Screen(moe, cost, cost.precision), get_space("megatron")
+    ep = space.draft(ctx, dict(dp=2, ep=2, tp=1, pp=2, microbatch=2, schedule="dualpipe"))
+    dense = space.draft(ctx, dict(dp=2, ep=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"))
+    for d in (ep, dense):
+        prices = [
+            screen._price(p, i, tuple(x for _, x in d.axes), d.microbatches, 0, False)
+            for i, p in enumerate(screen.structure(d).profiles)
+        ]
+        hidden = screen.pairs_hidden_s(d, prices)
+        if d is dense:
+            assert hidden == [0.0, 0.0]
+            continue
+        pairs = [paired_actions("dualpipe", r, 2, d.microbatches) for r in range(2)]
+        assert min(pairs) > 0 and min(hidden) > 0
+        a2a = [(prices[r].a2a_s + prices[1 - r].a2a_s) / 2 for r in range(2)]
+        assert hidden == pytest.approx([n * x / d.microbatches for n, x in zip(pairs, a2a)])
 
 
 def test_a_pair_must_be_a_forward_and_the_backward_after_it():
