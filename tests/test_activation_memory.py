@@ -10,7 +10,15 @@ Transformer Engine (``megatron`` software, ``fp8``) the linear layers keep the o
 their inputs: the QKV, projection and fc1 inputs ``2 s b h`` become ``s b h`` each and fc2's
 ``8 s b h`` becomes ``4 s b h``, so 34 becomes 27 (10 + 24 / t: 8 + 19 / t). planlab's per-layer figure
 is the simulated peak of a GPT with 4 layers less that of the same GPT with 2 layers, halved
-(embedding, output layer and the backward's working set cancel), under the ``megatron`` software.
+(embedding, output layer and the backward's working set cancel), under the ``megatron-2022``
+software (Megatron-LM's unfused attention, as the paper measured it).
+
+With fused attention (``megatron``: Transformer Engine's flash / cuDNN attention in Megatron-Core) no
+score matrix is kept: the ``5 a s / h`` term becomes the softmax's log-sum-exp, 4 bytes per query
+row and head (``4 a / h`` in units of ``s b h``), so no recomputation keeps what selective
+recomputation keeps, plus that. Under FP8 the fused attention keeps its 16-bit output ``O`` for its
+backward (``2 s b h``) beside the projection's FP8 cast of it, so 27 becomes 29 (8 + 21 / t) unless
+selective recomputation recomputes the attention core.
 """
 
 from __future__ import annotations
@@ -29,14 +37,17 @@ from planlab.simulator import simulate
 
 H, A, S, B = 256, 8, 128, 2  # hidden, heads, sequence, micro-batch
 SBH = S * B * H
-COST = CostModel.load("dgx-a100-80g", 1, software="megatron", precision="bf16")
+COST = CostModel.load("dgx-a100-80g", 1, software="megatron-2022", precision="bf16")
+FUSED = CostModel.load("dgx-a100-80g", 1, software="megatron", precision="bf16")
+TORCH = CostModel.load("dgx-a100-80g", 1, software="torch", precision="bf16")
 FP8 = CostModel.load("dgx-h100", 1, software="megatron", precision="fp8")
 
 
-def korthikanti(t: int, sp: bool, recompute: str, fp8: bool = False) -> float:
-    """Bytes one layer keeps, Korthikanti et al. 2022 (module docstring; ``fp8``: with the casts)."""
-    attn = 5 * A * S / H
-    kept, whole, split = (27, 8, 19) if fp8 else (34, 10, 24)
+def korthikanti(t: int, sp: bool, recompute: str, fp8: bool = False, fused: bool = False) -> float:
+    """Bytes one layer keeps, Korthikanti et al. 2022 (module docstring; ``fp8``: with the casts;
+    ``fused``: fused attention, the log-sum-exp instead of the scores)."""
+    attn = 4 * A / H if fused else 5 * A * S / H
+    kept, whole, split = ((29, 8, 21) if fused and recompute != "selective" else (27, 8, 19)) if fp8 else (34, 10, 24)
     if recompute == "full":
         return 2 * SBH / (t if sp else 1)
     if recompute == "selective":
@@ -101,6 +112,25 @@ def test_fp8_training_keeps_the_linear_layers_inputs_as_their_one_byte_casts(gra
     explorer's bound and the screen alike."""
     acts = {n: activations(graphs, n, t, sp, recompute, FP8) for n in (2, 4)}
     per_layer = (acts[4][0] - acts[2][0]) / 2
-    assert per_layer == pytest.approx(korthikanti(t, sp, recompute, fp8=True), rel=0.03)
+    assert per_layer == pytest.approx(korthikanti(t, sp, recompute, fp8=True, fused=True), rel=0.03)
+    for _, peak, bound, screen in acts.values():
+        assert bound <= peak * 1.001 and screen <= peak * 1.001
+
+
+@pytest.mark.parametrize(
+    "t, sp, recompute, cost",
+    [(1, False, "none", FUSED), (2, True, "none", FUSED), (2, True, "selective", FUSED), (1, False, "none", TORCH)],
+    ids=["megatron-t1", "megatron-t2-sp", "megatron-t2-sp-selective", "torch-t1"],
+)
+def test_fused_attention_keeps_no_scores(graphs, t: int, sp: bool, recompute: str, cost: CostModel) -> None:
+    """Megatron-Core's fused attention (``--software megatron``) and PyTorch's flash SDPA (``torch``)
+    keep Q, K, V, O and the log-sum-exp, not the ``B x H x T x S`` scores, O in one storage with the
+    output projection's input: without recomputation a layer keeps what selective recomputation
+    keeps, ``34 s b h / t`` (module docstring), and less than the unfused attention."""
+    acts = {n: activations(graphs, n, t, sp, recompute, cost) for n in (2, 4)}
+    per_layer = (acts[4][0] - acts[2][0]) / 2
+    assert per_layer == pytest.approx(korthikanti(t, sp, recompute, fused=True), rel=0.03)
+    if recompute == "none":
+        assert per_layer < 0.9 * korthikanti(t, sp, recompute)
     for _, peak, bound, screen in acts.values():
         assert bound <= peak * 1.001 and screen <= peak * 1.001

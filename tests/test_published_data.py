@@ -131,7 +131,9 @@ def test_megatron_lm_flops_match_megatron_core_moe_readme():
     "edit,message",
     [
         (
-            lambda t: t.replace(",dgx-a100-80g,megatron,fp16,1,1,32,", ",dgx-a100-80g,megatron,fp16,1,1,31,", 1),
+            lambda t: t.replace(
+                ",dgx-a100-80g,megatron-2022,fp16,1,1,32,", ",dgx-a100-80g,megatron-2022,fp16,1,1,31,", 1
+            ),
             "tp x pp",
         ),
         (lambda t: t.replace(",fp16,", ",fp4,", 1), "'precision'"),

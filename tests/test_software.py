@@ -6,6 +6,7 @@ the gradient reduction (overlapped buckets or after the backward)."""
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -142,3 +143,18 @@ def test_megatron_2019_attention_masks_and_normalizes_in_separate_kernels() -> N
         moved = [sum(k.bytes for k in ks.kernels if not k.gemm) for ks in (fused, unfused)]
         assert moved[1] > moved[0] and unfused.calls > fused.calls
         assert [k.gemm for k in unfused.kernels if k.gemm] == [k.gemm for k in fused.kernels if k.gemm]
+
+
+def test_megatron_runs_attention_fused_and_megatron_2022_unfused() -> None:
+    """Megatron-Core with Transformer Engine (``megatron``) computes the attention core in one fused
+    kernel each way, its backward computing the scores again (2.5 times the forward's flop, as
+    FlashAttention-2 counts it); Megatron-LM before it (``megatron-2022``) in its unfused kernels."""
+    core, old = load_software("megatron"), load_software("megatron-2022")
+    assert core.fused_attention and core.attention_fused and not old.fused_attention and not old.attention_fused
+    shapes = ((8, 16, 1024, 96), (8, 16, 1024, 96), (8, 16, 1024, 96), (8, 16, 1024, 96))
+    fwd, bwd = (op_kernels("attention", ph, shapes, 2, "megatron", False, True, True) for ph in ("F", "B"))
+    assert len(fwd.kernels) == len(bwd.kernels) == 1
+    flop = [math.prod(ks.kernels[0].gemm) for ks in (fwd, bwd)]
+    assert flop[1] == pytest.approx(2.5 * flop[0])
+    unfused = op_kernels("attention", "F", shapes, 2, "megatron", False, True, False)
+    assert len(unfused.kernels) > 1 and any(k.name == "baddbmm-scores" for k in unfused.kernels)

@@ -18,6 +18,7 @@ from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space, one_f_one_b
 from planlab.search_spaces.schedules import format_schedule, parse_schedule
 from planlab.search_spaces.schedules_v import dualpipe, peak_in_flight, v_rank, zb_v
+from planlab.search_spaces.screen import Screen, paired_actions
 from planlab.simulator import find_deadlock, simulate
 
 from conftest import traced
@@ -198,10 +199,12 @@ def test_dualpipe_published_order_runs_with_receives_posted_ahead(p, m):
     assert (bare is not None) == (p >= 8)
 
 
-def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
+@pytest.mark.parametrize("collective, paired_s", [("all_to_all", 4.0), ("all_reduce", 6.0)])
+def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation(collective, paired_s):
     """Two alike devices, a forward and a backward each 1 s of computation, a 1 s all-to-all over
     both devices, 1 s of computation: one after the other 6 s (2 s of it exposed all-to-all); as a
-    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation."""
+    pair (the forward ``overlaps`` the backward) 4 s, each all-to-all beside the other's computation.
+    A tensor-parallel all-reduce in its place is not overlapped by the pair: 6 s, 2 s exposed."""
 
     def block(stage, phase, kind):
         tasks = (
@@ -211,7 +214,7 @@ def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
                 TaskKind.COLLECTIVE,
                 (A(f"a{stage}"),),
                 (A(f"b{stage}"),),
-                collective="all_to_all",
+                collective=collective,
                 group=(0, 1),
                 nbytes=10**9,
                 ident=stage,
@@ -222,16 +225,17 @@ def test_a_pair_overlaps_each_ones_all_to_all_with_the_others_computation():
 
     blocks = {(0, "F"): block(0, "F", TaskKind.FORWARD), (1, "I"): block(1, "I", TaskKind.BACKWARD)}
     cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
-    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, 4.0, 0.0)):
+    for overlaps, want_s, exposed_s in ((False, 6.0, 2.0), (True, paired_s, paired_s - 4.0)):
         schedule = (Action(0, "F", 0, overlaps=overlaps), Action(1, "I", 0))
         prog = Program(tuple(DeviceProgram(d, blocks, schedule) for d in range(2)), 1, FP32)
         res = simulate(prog, cost)
         assert res.iter_time_s == pytest.approx(want_s)
         assert [d.exposed_comm_s for d in res.devices] == pytest.approx([exposed_s] * len(res.devices))
     # computation twice as slow beside a collective: the backward's first second of computation runs
-    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s
+    # beside the forward's all-to-all, so the pair takes longer than 4 s, still less than 6 s; the
+    # all-reduce runs beside no computation, so nothing is slowed
     slowed = simulate(prog, cost, overlap_slowdown=2.0).iter_time_s
-    assert 4.0 < slowed < 6.0
+    assert 4.0 < slowed < 6.0 if collective == "all_to_all" else slowed == pytest.approx(6.0)
 
 
 def test_a_schedule_that_posts_a_receive_it_does_not_run_is_refused():
@@ -255,6 +259,30 @@ def test_a_dualpipe_plan_pairs_chunks_only_where_it_dispatches_experts():
     plan = get_space("megatron").build(Context(moe, spec, 8, "cpu", 4, 4, 1), knobs)
     assert any(a.posts for s in plan.schedule for a in s) and any(a.overlaps for s in plan.schedule for a in s)
     assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_the_screen_credits_a_dualpipe_plan_the_all_to_alls_its_pairs_hide():
+    """The screen takes off a DualPipe group's time what its pairs hide: a chunk's all-to-alls per
+    pair, on an expert-parallel plan (the pairs its schedule runs); nothing on a dense plan."""
+    spec, moe = traced("deepseek-tiny", 8)
+    cost = CostModel.load("dgx-a100-80g", 1)
+    ctx = Context(moe, spec, 8, cost.cluster.node.name, 1, 4, 1)
+    screen, space = Screen(moe, cost, cost.precision), get_space("megatron")
+    ep = space.draft(ctx, dict(dp=2, ep=2, tp=1, pp=2, microbatch=2, schedule="dualpipe"))
+    dense = space.draft(ctx, dict(dp=2, ep=1, tp=1, pp=2, microbatch=2, schedule="dualpipe"))
+    for d in (ep, dense):
+        prices = [
+            screen._price(p, i, tuple(x for _, x in d.axes), d.microbatches, 0, False)
+            for i, p in enumerate(screen.structure(d).profiles)
+        ]
+        hidden = screen.pairs_hidden_s(d, prices)
+        if d is dense:
+            assert hidden == [0.0, 0.0]
+            continue
+        pairs = [paired_actions("dualpipe", r, 2, d.microbatches) for r in range(2)]
+        assert min(pairs) > 0 and min(hidden) > 0
+        a2a = [(prices[r].a2a_s + prices[1 - r].a2a_s) / 2 for r in range(2)]
+        assert hidden == pytest.approx([n * x / d.microbatches for n, x in zip(pairs, a2a)])
 
 
 def test_a_pair_must_be_a_forward_and_the_backward_after_it():

@@ -20,8 +20,11 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   them and a one-byte mask, the context ``bmm`` (``T x D x T``) reads them, and the context is
   permuted into a contiguous ``[T, B, H*D]``. Backward: the permute's copy, the two GEMMs of
   the ``bmm``, dropout's and softmax's backward passes over the scores, the two GEMMs of the
-  ``baddbmm``. With ``torch``: one fused attention kernel each way (flash attention), priced
-  as a GEMM of the same flop.
+  ``baddbmm``. With ``torch``, or ``megatron`` with the software's ``fused_attention``
+  (Transformer Engine's flash / cuDNN fused attention in Megatron-Core): one fused attention kernel
+  each way, priced as a GEMM of the same flop; the backward computes the scores again, 2.5 times
+  the forward's flop (Dao, "FlashAttention-2", 2023, section 4.1: the backward's five matrix
+  products against the forward's two).
 * ``layer_norm``: one pass forward (apex's fused kernel: read ``x``, write ``y``); backward
   the input gradient (read ``dy``, ``x``, write ``dx``) and the weight gradients (read
   ``dy``, ``x``), then accumulation of both weight gradients.
@@ -126,21 +129,23 @@ def op_kernels(
     implementation: str = "torch",
     fp8: bool = False,
     fused_softmax: bool = True,
+    fused_attention: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
     (``fp8``: linear layers' GEMMs in FP8, see the module docstring); None when the kind is not
     modelled (no formula for the kind, no shapes given, or a matrix product of a vector: the
     roofline prices those). ``fused_softmax`` False: Megatron's attention masks and normalizes its
-    scores in separate kernels (:func:`unfused_softmax_2019`). A formula that fails on the shapes
+    scores in separate kernels (:func:`unfused_softmax_2019`); ``fused_attention`` True: Megatron's
+    attention runs fused, as ``torch``'s does. A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
     if kind not in _KINDS or not shapes or (kind == "matmul" and min(len(s) for s in shapes[:2]) < 2):
         return None
     try:
-        if kind == "attention" and not fused_softmax:
-            return _attention(phase, shapes, eb, implementation, fused_softmax=False)
+        if kind == "attention":
+            return _attention(phase, shapes, eb, "torch" if fused_attention else implementation, fused_softmax)
         if kind == "linear" and fp8:
             return _linear_fp8(phase, shapes, eb, implementation)
         return _KINDS[kind](phase, shapes, eb, implementation)

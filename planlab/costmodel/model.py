@@ -266,7 +266,9 @@ class CostModel:
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
         found = (
-            op_kernels(task.op_kind, kind, task.shapes, eb, sw.implementation, fp8, sw.fused_softmax)
+            op_kernels(
+                task.op_kind, kind, task.shapes, eb, sw.implementation, fp8, sw.fused_softmax, sw.fused_attention
+            )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
         )

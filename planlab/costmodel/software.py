@@ -31,6 +31,14 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     Megatron's attention scales, masks and normalizes its scores in one fused kernel each way
     (true, the default) or in separate PyTorch kernels as Megatron-LM's 2019 release did (false;
     :func:`planlab.costmodel.kernels.unfused_softmax_2019`);
+``fused_attention``
+    the attention core runs as a flash-style fused kernel each way (true: Transformer Engine's flash
+    or cuDNN fused attention as Megatron-Core runs it, PyTorch's flash SDPA on CUDA): it keeps
+    query, key, value, output and the softmax's log-sum-exp (fp32, one per row) for the backward,
+    which computes the scores again, writes no score matrix and writes its output in the layout the
+    output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
+    implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
+    ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -88,6 +96,7 @@ _FIELDS = {
     "collective_buffers",
     "sequence_parallel_saves_shard",
     "fused_softmax",
+    "fused_attention",
     "precisions",
     "zero3",
     "memory",
@@ -142,6 +151,7 @@ class SoftwareSpec:
     collective_buffers: str = "flat"
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
+    fused_attention: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -154,6 +164,11 @@ class SoftwareSpec:
         if name not in self.precisions:
             raise ConfigError(f"software {self.name!r} has no precision {name!r}; choose {choices(self.precisions)}")
         return self.precisions[name]
+
+    @property
+    def attention_fused(self) -> bool:
+        """Whether the attention core runs as one fused (flash) kernel each way (``fused_attention``)."""
+        return self.implementation != "megatron" or self.fused_attention
 
     def __str__(self) -> str:
         return self.name
@@ -219,6 +234,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         collective_buffers=_choice(f, "collective_buffers", COLLECTIVE_BUFFERS, "flat"),
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),
+        fused_attention=_flag(f, "fused_attention", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

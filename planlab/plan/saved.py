@@ -10,6 +10,13 @@ bound and the screen all ask here:
   attention dropout's mask and its output: 2 + 1 + 2 bytes (16-bit activations) per element of the
   ``B x H x T x S`` scores, and not its own output (the backward of ``probs @ V`` needs ``probs``
   and ``V``) (Korthikanti et al. 2022, section 4.1: ``5 a s^2 b`` bytes per layer);
+- fused attention (the software's ``fused_attention``: Transformer Engine's flash / cuDNN fused
+  attention as Megatron-Core runs it, PyTorch's flash and memory-efficient SDPA on CUDA) keeps
+  query, key, value and its output and the softmax's log-sum-exp, one fp32 number per query row
+  and head (``softmax_lse`` of FlashAttention-2, Dao 2023, algorithm 1; cuDNN's ``Stats`` tensor,
+  TE's ``aux_ctx_tensors``), and no score matrix: its backward computes the scores again. Its
+  output is written in the layout the output projection reads, so the heads' merge is a view and a
+  projection that keeps its 16-bit input keeps the same storage (:func:`output_kept_by_reader`);
 - a saved tensor that is a broadcast view of another (``Tensor.expand``: stride 0 on the new axes,
   no storage of its own) keeps the storage under it, the view's input: autograd saves the view, and
   the view holds its base alive, nothing more (the routing's index expanded to the hidden size,
@@ -54,13 +61,53 @@ def implementation(software: SoftwareSpec | None) -> str:
     return software.implementation if software is not None else "torch"
 
 
-def saved_tensors(op: Operator, software: SoftwareSpec | None) -> tuple[str, ...]:
-    """The graph tensors ``op``'s backward keeps (inputs and outputs, weights included)."""
+def unfused_attention(software: SoftwareSpec | None) -> bool:
+    """Whether the software runs attention unfused (Megatron-LM's score GEMM, softmax, dropout)."""
+    return software is not None and not software.attention_fused
+
+
+def saved_tensors(
+    op: Operator, software: SoftwareSpec | None, graph: Graph | None = None, precision: Precision | None = None
+) -> tuple[str, ...]:
+    """The graph tensors ``op``'s backward keeps (inputs and outputs, weights included); with
+    ``graph`` and ``precision``, a fused attention's output that the next layer keeps is counted
+    there only (:func:`output_kept_by_reader`)."""
     if op.kind == "dropout":
         return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
-    if op.kind == "attention" and implementation(software) == "megatron":
+    if op.kind == "attention" and unfused_attention(software):
+        return tuple(t for t in op.saves if t not in op.outputs)
+    if (
+        op.kind == "attention"
+        and software is not None
+        and software.fused_attention
+        and graph is not None
+        and precision is not None
+        and output_kept_by_reader(op, graph, precision)
+    ):
         return tuple(t for t in op.saves if t not in op.outputs)
     return op.saves
+
+
+# Operator kinds that only relabel the axes of a fused attention's output: Transformer Engine writes
+# it in the layout the output projection reads ([s, b, h * d]) and PyTorch's flash SDPA returns a
+# transposed view of a [b, s, h, d] tensor, so these are views of one storage
+LAYOUT_VIEWS = frozenset({"transpose", "reshape", "permute", "view"})
+
+
+def output_kept_by_reader(op: Operator, graph: Graph, precision: Precision) -> bool:
+    """Whether the layer that reads ``op``'s output, through views of it only (the heads merged: a
+    transpose and a reshape), keeps that output itself for its backward (a linear layer keeping its
+    16-bit input, not an FP8 cast): one storage, which the fused attention and its output
+    projection both keep, counted once there."""
+    t = op.outputs[0]
+    while True:
+        readers = graph.consumers.get(t, ())
+        if len(readers) != 1:
+            return False
+        reader = readers[0]
+        if reader.kind not in LAYOUT_VIEWS:
+            return reader.kind == "linear" and t in reader.saves and t not in cast_inputs(reader, graph, precision)
+        t = reader.outputs[0]
 
 
 def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activation_bytes: int) -> tuple:
@@ -68,12 +115,19 @@ def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activat
     implementation keeps for its backward besides graph tensors."""
     if op.kind == "dropout" and any(t in op.outputs for t in op.saves):
         return (("mask", op.outputs[0], 1.0, 1),)
-    if op.kind == "attention" and implementation(software) == "megatron" and len(op.inputs) >= 2:
-        q, k = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[1]].shape
-        if len(q) >= 2 and len(k) >= 2 and q[-1]:
-            # scores B*H*T*S = q's elements (B*H*T*D) x S / D: softmax output, dropout mask, dropout output
-            return (("probs", op.inputs[0], k[-2] / q[-1], 2 * activation_bytes + 1),)
-    return ()
+    fused = software is not None and software.fused_attention
+    if op.kind != "attention" or len(op.inputs) < 2 or not (fused or unfused_attention(software)):
+        return ()
+    q, k = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[1]].shape
+    if len(q) < 2 or len(k) < 2 or not q[-1]:
+        return ()
+    if fused:  # log-sum-exp: B*H*T = q's elements / D, fp32
+        return (("lse", op.inputs[0], 1 / q[-1], LSE_BYTES),)
+    # scores B*H*T*S = q's elements (B*H*T*D) x S / D: softmax output, dropout mask, dropout output
+    return (("probs", op.inputs[0], k[-2] / q[-1], 2 * activation_bytes + 1),)
+
+
+LSE_BYTES = 4  # fused attention's log-sum-exp per row, fp32 (FlashAttention-2's softmax_lse, cuDNN's Stats)
 
 
 # Operator kinds that run as a GEMM with a weight, whose input an FP8 training keeps as its cast
@@ -140,7 +194,7 @@ def saved_buffers(
     An input kept as its FP8 cast (:func:`cast_inputs`) is kept as :func:`fp8_cast` of its buffer."""
     out = []
     cast = cast_inputs(op, graph, precision)
-    for s in saved_tensors(op, software):
+    for s in saved_tensors(op, software, graph, precision):
         if s in op.outputs:
             out.append(outs[op.outputs.index(s)])
             continue
@@ -195,7 +249,7 @@ def saved_activations(
 
     out = []
     cast = cast_inputs(op, graph, precision)
-    for t in saved_tensors(op, software):
+    for t in saved_tensors(op, software, graph, precision):
         if graph.tensors[t].role == "param":
             continue
         view = view_of(t, graph)

@@ -100,6 +100,7 @@ class _Priced:
     static_bytes: float
     wgt_s: float = 0.0  # the weight-gradient part of bwd_s (zero-bubble's W)
     gathered_bytes: float = 0.0  # ZeRO-3: a prefetched unit's weights and a unit's full gradient, besides static
+    a2a_s: float = 0.0  # the all-to-alls among comm_s (the expert dispatch and combine)
 
 
 class Screen:
@@ -283,7 +284,7 @@ class Screen:
         key = (pid, sizes, m, zero, zb, regather, order, offload)
         got = self._priced.get(key)
         if got is None:
-            f, b, cm, w, split = self._micro_s(p, pid, sizes, m, order)
+            f, b, cm, w, split, a2a = self._micro_s(p, pid, sizes, m, order)
             if zb:
                 b += split
             fixed, ar, last, opt_s, static, gathered = self._grads(p, pid, sizes, zero, order, offload)
@@ -293,7 +294,7 @@ class Screen:
                 )  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
             # buckets overlap the last micro-batch's backward; the last one does not
-            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered)
+            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered, a2a)
         return got
 
     def regathers(self, d: Draft) -> bool:
@@ -316,24 +317,27 @@ class Screen:
     def _micro_s(
         self, p: ScreenProfile, pid: int, sizes: tuple[int, ...], m: int, order: tuple[int, ...] = ()
     ) -> tuple[float, ...]:
-        """Forward, backward, collectives, the backward's weight-gradient part, and what splitting
-        the backward into two tasks per operator adds (smaller kernels), one micro-batch of ``m``."""
+        """Forward, backward, collectives, the backward's weight-gradient part, what splitting the
+        backward into two tasks per operator adds (smaller kernels), and the all-to-alls among the
+        collectives, one micro-batch of ``m``."""
         key = (pid, sizes, m, order)
         got = self._micro.get(key)
         if got is None:
             # the device waits for the host where the host is slower (planlab.costmodel.host_bound_elapsed_s)
             f = self._block_s(p.fwd, m)
             b = self._block_s(p.bwd, m)
-            cm = sum(
-                c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes, order)
+            each = [
+                (kind, c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes, order))
                 for (kind, axis, numel, batch, eb), c in p.comm
-            )
+            ]
+            cm = sum(t for _, t in each)
+            a2a = sum(t for kind, t in each if kind == "all_to_all")
             wg = split = 0.0
             for (w, pieces, _), c in p.wgt:
                 one = self._compute_s(w, pieces, m, "W")
                 wg += c * one
                 split += c * (self._compute_s(w, pieces, m, "I") + one - self._compute_s(w, pieces, m, "B"))
-            got = self._micro[key] = (f, b, cm, wg, split)
+            got = self._micro[key] = (f, b, cm, wg, split, a2a)
         return got
 
     def _block_s(self, entries, m: int) -> float:
@@ -548,7 +552,8 @@ class Screen:
             # and product spaces lost the fitting plans of their factors; the fine program charges it (group_costs)
             mems.append(c.static_bytes + c.gathered_bytes + act + unmoved + 2 * p.work / m)
         if d.mirror:  # DualPipe: group r runs half of stage r and half of stage G - 1 - r, and keeps both's weights
-            times = [times[r] + times[G - 1 - r] for r in range(G)]
+            hidden = self.pairs_hidden_s(d, prices)
+            times = [times[r] + times[G - 1 - r] - hidden[r] for r in range(G)]
             mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]
         t_max = max(times)
         slow = max(range(G), key=lambda r: times[r])
@@ -571,6 +576,29 @@ class Screen:
             bubble_s=pipe - m * t_max,
             grad_sync_s=max(syncs),
         )
+
+    def pairs_hidden_s(self, d: Draft, prices: list[_Priced]) -> list[float]:
+        """Per device group of a mirrored (DualPipe) plan, the seconds per micro-batch its
+        forward/backward pairs hide (:mod:`planlab.simulator.pairs`): each pair runs one chunk's
+        all-to-alls beside the other's computation, so it hides a chunk's all-to-alls (forward and
+        backward, the two stages' average) up to a chunk's computation; pairs only where the plan
+        dispatches experts (:attr:`Draft.dispatches_experts`), as many as its schedule overlaps."""
+        G, m = d.groups, d.microbatches
+        if not d.dispatches_experts or d.schedule not in V_SCHEDULES:
+            return [0.0] * G
+        out = []
+        for r in range(G):
+            a, z = prices[r], prices[G - 1 - r]
+            per_pair = min((a.a2a_s + z.a2a_s) / 2, (a.fwd_s + a.bwd_s + z.fwd_s + z.bwd_s) / 2)
+            out.append(paired_actions(d.schedule, r, G, m) * per_pair / m)
+        return out
+
+
+@functools.lru_cache(maxsize=1024)
+def paired_actions(schedule: str, r: int, groups: int, m: int) -> int:
+    """How many forward/backward pairs (``Action.overlaps``) group ``r`` of a V-shaped schedule runs
+    (cached on the schedule and its three integers)."""
+    return sum(a.overlaps for a in V_SCHEDULES[schedule](r, groups, m))
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class Tables:
         if op.name in fwd_only:
             return ss, names, prods
         cast = cast_inputs(op, g, prec)
-        for t in saved_tensors(op, software):
+        for t in saved_tensors(op, software, g, prec):
             spec = g.tensors[t]
             if spec.role == "param":
                 continue

@@ -5,9 +5,13 @@ chunk of another together, so that the all-to-all and pipeline communication of 
 the computation of the other, both sharing one GPU's compute (a few SMs kept for communication).
 Here each action of the pair runs as its own simpy process on the device, on two streams (each a
 ``simpy.Resource`` of capacity 1): the computation of its segments takes the compute stream, its
-class-internal collectives (a segment's odd parts: the expert all-to-alls) the communication
-stream, so that neither two computations nor two such collectives (which share the device's links)
-run at once, but one action's collective runs beside the other's computation. Its messages and its
+all-to-alls (the expert dispatch and combine) the communication stream, so that neither two
+computations nor two all-to-alls (which share the device's links) run at once, but one action's
+all-to-all runs beside the other's computation. Its other class-internal collectives (tensor
+parallelism's) take both streams: they run in order with the chunk's computation on the compute
+stream, as Megatron-Core's overlapped 1F1B (``--overlap-moe-expert-parallel-comm``) and DualPipe's
+``overlapped_forward_backward`` leave them; DeepSeek-V3's report (section 3.2.1) hides only the
+all-to-all and the pipeline's messages, and trains without tensor parallelism. Its messages and its
 collectives across classes run as outside a pair. A computation that starts while the other's
 collective runs is slowed as the simulator slows computation beside any overlapped collective
 (``overlap_slowdown``: the SMs the collective takes), until that collective ends (one that starts
@@ -38,8 +42,8 @@ def run_pair(run, first: Action, second: Action, last_mb: int):
 
 
 def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], comm_until: list, final: bool):
-    """One action of a pair: its units in order, its computation holding the compute stream and its
-    class-internal collectives the communication stream (``streams``)."""
+    """One action of a pair: its units in order, its computation holding the compute stream, its
+    all-to-alls the communication stream and its other class-internal collectives both (``streams``)."""
     env, st, a = run.sim.env, run.st, str(action)
     for u in run.block_units(action, final):
         if isinstance(u, Segment):
@@ -49,15 +53,24 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
                 if not part:
                     continue
                 comm = k % 2  # odd parts: class-internal collectives
-                with streams[comm].request() as turn:
-                    yield turn
+                beside = not comm or _overlapped(u, k)
+                held = (streams[comm],) if beside else streams  # compute first, one at a time: no deadlock
+                turns = []
+                try:
+                    for s in held:
+                        turns.append(s.request())
+                        yield turns[-1]
                     t0 = env.now
                     if comm:
                         took = part
-                        comm_until[0] = t0 + part
+                        if beside:
+                            comm_until[0] = t0 + part
                     else:
                         took = _stretched(part * run.factor, comm_until[0] - t0, run.sim.overlap_slowdown)
                     yield env.timeout(took)
+                finally:
+                    for s, turn in zip(held, turns):
+                        s.release(turn)
                 st["comm_s" if comm else "compute_s"] += took
                 if run.sim.timeline:
                     run.sim.record(run.rep, "comm" if comm else "compute", a, u.peak_task or a, t0, env.now)
@@ -66,6 +79,12 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
             run.send(u, a)
         else:
             yield from run.unit(u, a, action)
+
+
+def _overlapped(u: Segment, k: int) -> bool:
+    """Whether the collective of ``u``'s odd part ``k`` runs beside the other action's computation
+    (an all-to-all; a segment that does not say overlaps them all)."""
+    return not u.all_to_all or u.all_to_all[k // 2]
 
 
 def _stretched(compute_s: float, beside_s: float, slowdown: float) -> float:

@@ -24,7 +24,9 @@ class Segment:
     """Tasks run back to back: ``compute_s`` on the compute stream, ``comm_s`` in
     class-internal collectives; memory rises by ``peak_bytes`` at most and ends at ``net_bytes``.
     ``parts``: the same time in the order it runs, computation and collectives alternating
-    (computation first; :func:`run_parts` runs them on a device whose collectives come and go)."""
+    (computation first; :func:`run_parts` runs them on a device whose collectives come and go);
+    ``all_to_all``: per collective of ``parts`` (its odd parts, in order), whether it is an
+    all-to-all (the expert dispatch and combine a pair overlaps, :mod:`planlab.simulator.pairs`)."""
 
     tasks: tuple[str, ...]
     compute_s: float
@@ -35,6 +37,7 @@ class Segment:
     peak_task: str = ""
     is_comm: tuple[bool, ...] = ()
     parts: tuple[float, ...] = ()
+    all_to_all: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,7 @@ class _Lowering:
                 at,
                 tuple(c for _, _, c in cur),
                 _parts(durations, [(d, c) for _, (d, _), c in cur]),
+                tuple(t.collective == "all_to_all" for t, _, c in cur if c),
             )
         )
         self.cur = []
