@@ -54,7 +54,6 @@ def test_gemm_split_k_fills_idle_sms() -> None:
     assert t < tile_s(8192)  # faster than one wave of the whole k
 
 
-
 def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
     # 128 more steps of k per tile: one full wave of k = 384 costs as k = 512 would, a third more;
     # split-K by 16 of k = 8192 pays it on each of its 16 splits of 512.
@@ -63,6 +62,7 @@ def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
     assert gemm_time_s(spec, m=128 * 12, n=128 * 9, k=384, **run) == pytest.approx(tile_s(512))
     split = gemm_time_s(spec, m=256, n=256, k=8192, **run)
     assert split == pytest.approx(tile_s(512 + 128) + 2.0 * 16 * 256 * 256 * 4 / 2e12)
+
 
 def test_gemm_memory_floor() -> None:
     # an outer product writes a large output: 8192 x 8 by 8 x 8192 in fp16 at 1 TB/s
