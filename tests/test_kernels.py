@@ -12,7 +12,7 @@ import pytest
 
 from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
-from planlab.costmodel.kernels import fused_softmax_available, op_kernels
+from planlab.costmodel.kernels import Kernel, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
 from planlab.plan.buffer import contribution, weight_grad
@@ -599,3 +599,20 @@ def test_a_formula_that_fails_raises_instead_of_falling_back_to_the_roofline():
     assert op_kernels("matmul", "F", ((8,), (8, 4), (4,)), 2) is None
     with pytest.raises(KernelFormulaError, match=r"'linear' \(F\) failed on shapes \(\(4, 8\),\)"):
         op_kernels("linear", "F", ((4, 8),), 2)  # no weight: the formula indexes past the shapes
+
+
+def test_flash_attention_pays_no_gemm_tile_overhead() -> None:
+    # on an A100 (tile overhead 128) a GEMM with k = 256 pays it; flash attention of the same flop does not
+    cost = CostModel.load("dgx-a100-80g", software="torch")
+    dev = cost.cluster.device
+    shape = (1, 128 * 12, 128 * 9, 256)
+    plain = cost.kernel_time_s(Kernel("gemm", gemm=shape), "bf16")
+    flash = [k for k in op_kernels("attention", "F", ((1, 1, shape[1], 128),) * 4, 2, "torch").kernels][0]
+    assert flash.fused and flash.gemm == (1, shape[1], shape[1], 256)
+    free = dataclasses.replace(dev.gemm, tile_overhead_k=0)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    run = dict(batch=1, k=256, elem_bytes=2, peak_flops_per_s=312e12, hbm_bytes_per_s=hbm)
+    want_flash = gemm_time_s(free, m=shape[1], n=shape[1], **run) + dev.launch_overhead_s
+    assert cost.kernel_time_s(flash, "bf16") == pytest.approx(want_flash)
+    assert plain == pytest.approx(gemm_time_s(dev.gemm, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s)
+    assert plain > gemm_time_s(free, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s
