@@ -181,6 +181,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/validate_cpu.py --steps 6 --launches 3": Benchmark(),
     ".venv/bin/python benchmarks/validate_cpu.py --set overhead --steps 8 --launches 3": Benchmark(),
     ".venv/bin/python benchmarks/validate_vtrain.py --jobs 2": Benchmark(),
+    ".venv/bin/python benchmarks/gemm_microbench.py --fit": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --set megatron-sc21-zero3 --rows": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --set shoeybi-2019-v100 --jobs 1": Benchmark(),

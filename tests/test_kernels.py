@@ -4,6 +4,7 @@ from the formulas in the modules' docstrings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,7 +12,7 @@ import pytest
 
 from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
-from planlab.costmodel.kernels import fused_softmax_available, op_kernels
+from planlab.costmodel.kernels import Kernel, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
 from planlab.plan.buffer import contribution, weight_grad
@@ -51,6 +52,16 @@ def test_gemm_split_k_fills_idle_sms() -> None:
     expected = tile_s(512) + 2.0 * 16 * m * n * 4 / 2e12
     assert t == pytest.approx(expected)
     assert t < tile_s(8192)  # faster than one wave of the whole k
+
+
+def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
+    # 128 more steps of k per tile: one full wave of k = 384 costs as k = 512 would, a third more;
+    # split-K by 16 of k = 8192 pays it on each of its 16 splits of 512.
+    spec = dataclasses.replace(ONE_TILE, tile_overhead_k=128)
+    run = dict(batch=1, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=2e12)
+    assert gemm_time_s(spec, m=128 * 12, n=128 * 9, k=384, **run) == pytest.approx(tile_s(512))
+    split = gemm_time_s(spec, m=256, n=256, k=8192, **run)
+    assert split == pytest.approx(tile_s(512 + 128) + 2.0 * 16 * 256 * 256 * 4 / 2e12)
 
 
 def test_gemm_memory_floor() -> None:
@@ -401,6 +412,7 @@ def test_unknown_software(name, fragments) -> None:
         (dict(gemm_efficiency=1.5), ["'device.gemm_efficiency'", "(0, 1]", "fraction of the dense peak"]),
         (dict(l2_GBps=None), ["'device.l2_GBps'", "missing"]),
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
+        (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
         (dict(memory_MiB=-1), ["'device.memory_MiB'", "MiB of device memory as the driver reports it"]),
         (dict(default_precision="fp8"), ["'device.default_precision'", "'fp8'", "'bf16'"]),
     ],
@@ -416,9 +428,16 @@ def test_malformed_device_fields(tmp_path, device_change, fragments) -> None:
 
 def test_gemm_tiles_from_the_spec(tmp_path) -> None:
     path = tmp_path / "one-tile.json"
-    path.write_text(json.dumps(inline_device_spec(gemm_tiles=[[128, 128]])))
-    assert load_cluster(path).device.gemm.tiles == ((128, 128),)
-    assert math.isclose(load_cluster("dgx-a100-80g").device.gemm.efficiency, 271.2 / 312, rel_tol=1e-3)
+    path.write_text(json.dumps(inline_device_spec(gemm_tiles=[[128, 128]], gemm_tile_overhead_k=128)))
+    gemm = load_cluster(path).device.gemm
+    assert (gemm.tiles, gemm.tile_overhead_k) == (((128, 128),), 128)
+    dev = load_cluster("dgx-a100-80g").device
+    assert dev.gemm.tile_overhead_k == 128  # the A100's, from its measured GEMM table
+    # its efficiency is the one at which the tile model runs the MAMF measurement: 271.2 TFLOP/s at 1024x10240x5120
+    m, n, k = 1024, 10240, 5120
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    t = gemm_time_s(dev.gemm, batch=1, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=312e12, hbm_bytes_per_s=hbm)
+    assert 2.0 * m * n * k / (t + dev.launch_overhead_s) == pytest.approx(271.2e12, rel=1e-3)
 
 
 # ---------------------------------------------------------------- the measured system's plans (planlab.validation)
@@ -580,3 +599,20 @@ def test_a_formula_that_fails_raises_instead_of_falling_back_to_the_roofline():
     assert op_kernels("matmul", "F", ((8,), (8, 4), (4,)), 2) is None
     with pytest.raises(KernelFormulaError, match=r"'linear' \(F\) failed on shapes \(\(4, 8\),\)"):
         op_kernels("linear", "F", ((4, 8),), 2)  # no weight: the formula indexes past the shapes
+
+
+def test_flash_attention_pays_no_gemm_tile_overhead() -> None:
+    # on an A100 (tile overhead 128) a GEMM with k = 256 pays it; flash attention of the same flop does not
+    cost = CostModel.load("dgx-a100-80g", software="torch")
+    dev = cost.cluster.device
+    shape = (1, 128 * 12, 128 * 9, 256)
+    plain = cost.kernel_time_s(Kernel("gemm", gemm=shape), "bf16")
+    flash = [k for k in op_kernels("attention", "F", ((1, 1, shape[1], 128),) * 4, 2, "torch").kernels][0]
+    assert flash.fused and flash.gemm == (1, shape[1], shape[1], 256)
+    free = dataclasses.replace(dev.gemm, tile_overhead_k=0)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    run = dict(batch=1, k=256, elem_bytes=2, peak_flops_per_s=312e12, hbm_bytes_per_s=hbm)
+    want_flash = gemm_time_s(free, m=shape[1], n=shape[1], **run) + dev.launch_overhead_s
+    assert cost.kernel_time_s(flash, "bf16") == pytest.approx(want_flash)
+    assert plain == pytest.approx(gemm_time_s(dev.gemm, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s)
+    assert plain > gemm_time_s(free, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s

@@ -16,6 +16,11 @@ the output in fp32.
 flop at the SM's share of the peak times the GEMM efficiency (the fraction of the peak the
 best GEMMs reach; the tile's own arithmetic intensity, against the L2 bandwidth per SM,
 may lower it), and ``bytes`` reads A and B and writes C once.
+
+Each tile also pays a fixed cost that does not shrink with ``k``: filling its load pipeline
+before the first multiply and writing its output after the last (prologue and epilogue). The
+model counts it as ``tile_overhead_k`` more steps of ``k`` per tile (per split, under split-K),
+so a short ``k`` reaches a smaller fraction of the peak than a long one, as measured GEMMs do.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class GemmSpec:
         default=((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
     )
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
+    tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"
@@ -71,8 +77,9 @@ def gemm_time_s(
     hbm_bytes_per_s: float,
 ) -> float:
     """Seconds for ``batch`` GEMMs of ``m x k`` by ``k x n`` (no launch cost): the fastest tile
-    shape and split-K factor by tile and wave quantization, and at least the time to move
-    A, B and C once through memory at ``hbm_bytes_per_s`` (already the achieved bandwidth)."""
+    shape and split-K factor by tile and wave quantization, each tile with its fixed
+    ``tile_overhead_k``, and at least the time to move A, B and C once through memory at
+    ``hbm_bytes_per_s`` (already the achieved bandwidth)."""
     for name, v in (("batch", batch), ("m", m), ("n", n), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"GEMM dimension {name} must be an integer >= 1, got {v!r}")
@@ -86,7 +93,7 @@ def gemm_time_s(
                 continue  # split-K only fills SMs that would otherwise stay idle
             kk = math.ceil(k / split)
             waves = math.ceil(tiles * split / spec.sm_count)
-            t = waves * 2.0 * tm * tn * kk / (per_sm_peak * eff)
+            t = waves * 2.0 * tm * tn * (kk + spec.tile_overhead_k) / (per_sm_peak * eff)
             if split > 1:  # partial sums in fp32 written and read back once more
                 t += 2.0 * split * batch * m * n * 4 / hbm_bytes_per_s
             best = min(best, t)

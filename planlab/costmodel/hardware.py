@@ -57,6 +57,7 @@ _DEVICE_FIELDS = {
     "gemm_efficiency_fp8",
     "l2_GBps",
     "gemm_tiles",
+    "gemm_tile_overhead_k",
 }
 _NODE_FIELDS = {
     "name",
@@ -350,8 +351,9 @@ def _gemm_from(f: Fields) -> GemmSpec:
         if "gemm_efficiency_fp8" in f.obj
         else 0.0
     )
+    over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
     if "gemm_tiles" not in f.obj:
-        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8)
+        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k)
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
     if (
@@ -365,7 +367,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         )
     ):
         raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
-    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles), efficiency_fp8=eff8)
+    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles), efficiency_fp8=eff8, tile_overhead_k=over_k)
 
 
 def _builtin_device(f: Fields, key: str) -> DeviceSpec:

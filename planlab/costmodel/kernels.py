@@ -74,6 +74,7 @@ class Kernel:
     gemm: tuple[int, int, int, int] | None = None
     weight: bool = False
     fp8: bool = False  # a GEMM on FP8 operands (the device's FP8 peak and efficiency)
+    fused: bool = False  # a fused kernel priced as a GEMM of its flop (flash attention): no per-tile k overhead
 
     def __str__(self) -> str:
         if self.gemm:
@@ -112,8 +113,10 @@ def _pass(name: str, nbytes: float, weight: bool = False) -> Kernel:
     return Kernel(name, bytes=float(nbytes), weight=weight)
 
 
-def _gemm(name: str, batch: int, m: int, n: int, k: int, weight: bool = False, fp8: bool = False) -> Kernel:
-    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8)
+def _gemm(
+    name: str, batch: int, m: int, n: int, k: int, weight: bool = False, fp8: bool = False, fused: bool = False
+) -> Kernel:
+    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8, fused=fused)
 
 
 def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
@@ -207,10 +210,11 @@ def _attention(phase, shapes, eb, impl, fused_softmax=True):
     e = v[-1]
     bh = _n(q[:-2])
     scores = bh * t * s  # elements of the T x S score matrix, over batch and heads
-    if impl != "megatron":  # one fused (flash) kernel each way, priced as a GEMM of the same flop
+    if impl != "megatron":  # one fused (flash) kernel each way, priced as a GEMM of the same flop; its
+        # blocks loop over the keys, so its prologue and epilogue are not paid per T x S tile of d + e
         if phase == "F":
-            return OpKernels((_gemm("flash-attention", bh, t, s, d + e),), 1)
-        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e))),), 1)
+            return OpKernels((_gemm("flash-attention", bh, t, s, d + e, fused=True),), 1)
+        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e)), fused=True),), 1)
     ctx = _n(o) * eb
     softmax = (
         _megatron_softmax(phase, bh, t, s, scores, eb)

@@ -1,0 +1,96 @@
+"""planlab's GEMM model against a measured per-shape GEMM table, and where ``gemm_tile_overhead_k``
+and ``gemm_efficiency`` of the A100 come from.
+
+The table (``benchmarks/microbench/a100-sxm4-80gb-gemm-bf16.csv``, see the README there) is a
+kernel microbenchmark: one bf16 ``x @ W.T`` per row on an A100-SXM4-80GB, m, n and k from 256 to
+16,384. It is no training measurement and no validation set.
+
+Prints, for the built-in device, predicted over measured time by k and by size, then with ``--fit``
+the two numbers of the device spec as they are derived: for each per-tile overhead ``k0`` on a grid,
+the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
+(271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
+ratio with both; the smallest is the spec's.
+
+    .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g] [--fit]
+"""
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from planlab.costmodel.gemm import GemmSpec, gemm_time_s
+from planlab.costmodel.hardware import DeviceSpec, load_device
+
+TABLE = Path(__file__).resolve().parent / "microbench" / "a100-sxm4-80gb-gemm-bf16.csv"
+MAMF_SHAPE = (1024, 10240, 5120)  # m, n, k of the A100 SXM's best MAMF shape (M x N x K in the handbook)
+MAMF_FLOPS = 271.2e12  # bf16, torch 2.6.0+cu126: ml-engineering handbook, compute/accelerator/README.md
+K0_GRID = range(0, 321, 32)
+
+
+def model_s(dev: DeviceSpec, spec: GemmSpec, m: int, n: int, k: int) -> float:
+    """One bf16 GEMM as the cost model prices it (its launch latency included)."""
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    peak = dev.peak_flops_per_s["bf16"]
+    return gemm_time_s(spec, batch=1, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=peak, hbm_bytes_per_s=hbm) + (
+        dev.launch_overhead_s
+    )
+
+
+def log_ratios(dev: DeviceSpec, spec: GemmSpec, table: pd.DataFrame) -> pd.Series:
+    """log(predicted / measured) per row of the table."""
+    pred = [model_s(dev, spec, int(r.m), int(r.n), int(r.k)) for r in table.itertuples()]
+    return pd.Series([math.log(p / (r * 1e-3)) for p, r in zip(pred, table["latency_ms"])], index=table.index)
+
+
+def anchored_efficiency(dev: DeviceSpec, k0: int) -> float:
+    """The efficiency at which the model with per-tile overhead ``k0`` runs the MAMF shape at MAMF_FLOPS."""
+    m, n, k = MAMF_SHAPE
+    want_s = 2.0 * m * n * k / MAMF_FLOPS
+    lo, hi = 0.3, 1.0
+    for _ in range(60):  # bisection: time falls as the efficiency rises
+        mid = (lo + hi) / 2
+        spec = dataclasses.replace(dev.gemm, efficiency=mid, tile_overhead_k=k0)
+        lo, hi = (mid, hi) if model_s(dev, spec, m, n, k) > want_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
+    """Median predicted/measured by k (m >= 2048) and by GFLOP."""
+    big_m = table["m"] >= 2048
+    kbin = pd.cut(table["k"], [0, 512, 1024, 2048, 4096, 8192, 16384])
+    gbin = pd.cut(2 * table["m"] * table["n"] * table["k"] / 1e9, [0, 1, 4, 16, 64, 256, 1e6])
+    for name, groups in (
+        ("k (m >= 2048)", lr[big_m].groupby(kbin[big_m], observed=True)),
+        ("GFLOP", lr.groupby(gbin, observed=True)),
+    ):
+        cells = [f"{b}: {math.exp(s.median()):.3f} (n={len(s)})" for b, s in groups]
+        print(f"  predicted/measured by {name}: " + "; ".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="a100-80g", help="built-in device (the table is an A100-SXM4-80GB's)")
+    ap.add_argument("--fit", action="store_true", help="print the k0 grid the spec's two numbers come from")
+    args = ap.parse_args()
+    dev = load_device(args.device)
+    table = pd.read_csv(TABLE)
+    lr = log_ratios(dev, dev.gemm, table)
+    print(
+        f"{args.device} ({dev.gemm}, tile overhead k {dev.gemm.tile_overhead_k}) on {len(table)} measured GEMMs: "
+        f"median predicted/measured {math.exp(lr.median()):.3f}, mean |log ratio| {lr.abs().mean():.3f}"
+    )
+    by_group(table, lr)
+    if args.fit:
+        for k0 in K0_GRID:
+            eff = anchored_efficiency(dev, k0)
+            lr = log_ratios(dev, dataclasses.replace(dev.gemm, efficiency=eff, tile_overhead_k=k0), table)
+            print(
+                f"  k0 {k0:3d}: efficiency {eff:.4f}, mean |log ratio| {lr.abs().mean():.4f}, median {math.exp(lr.median()):.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
