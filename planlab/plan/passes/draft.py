@@ -257,8 +257,7 @@ def run_order(k: SlotKey) -> tuple[int, int]:
 
 def shares(d: Draft, op: Operator) -> tuple[int, int]:
     """How many pieces ``op`` is split into, and the micro-batches: what divides its work."""
-    L = d.layouts
-    return math.prod(s for dim, s in zip(L.dims[op.name], L.mesh[op.name].shape) if dim is not None), d.microbatches
+    return d.layouts.form(op).pieces, d.microbatches
 
 
 def piece_task(

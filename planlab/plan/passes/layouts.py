@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
@@ -13,9 +15,24 @@ from planlab.plan.plan import RING_DIM, RING_KV_DIM, OpPlan, Plan
 from planlab.plan.zigzag import sequence_zigzag
 
 
+@dataclass(frozen=True)
+class OpForm:
+    """What every operator of one form (:func:`op_forms`) placed alike shares: the layout each input
+    needs (``needs``), each output has (``has``) and each input's gradient contribution comes in
+    (``contributes``), its pieces' local shapes per micro-batch (``shapes``: inputs, then outputs;
+    :func:`piece_shapes`) and how many pieces it is split into (``pieces``)."""
+
+    needs: tuple[Layout, ...]
+    has: tuple[Layout, ...]
+    contributes: tuple[Layout, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    pieces: int
+
+
 class Layouts:
     """Mesh and layouts of every operator, at micro-batch shapes; co-located operators (coshard) in
-    ``chunks``. Refuses (InfeasiblePlan) a plan that names an operator the graph does not have,
+    ``chunks``. Operators of one form (:func:`op_forms`) on one placement share an :class:`OpForm`
+    (layers repeat: a model's thousands of operators have a few hundred). Refuses (InfeasiblePlan) a plan that names an operator the graph does not have,
     leaves one unplaced, places it on devices the plan does not have, or splits a dimension that
     cannot be split or does not divide."""
 
@@ -51,8 +68,11 @@ class Layouts:
         self._local: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
-        self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
+        self._forms: dict[str, OpForm] = {}  # per operator
+        self._form_of: dict[tuple, OpForm] = {}  # per (form, placement, ring)
+        self._op_form = graph.memo(("op_forms",), lambda: op_forms(graph))
+        self._placement: dict[str, int] = {}  # per operator, its placement's index
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
@@ -61,9 +81,9 @@ class Layouts:
             key = (p.sizes, p.dims, p.devices)
             got = placed.get(key)
             if got is None:
-                co, mesh, mdims = self._placement(op.name, p, plan.num_devices)
-                got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims)
-            co, mesh, mdims = got
+                co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
+                got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims, len(placed))
+            co, mesh, mdims, self._placement[op.name] = got
             dims, sizes = (p.dims, p.sizes) if p.sizes else ((None,), (1,))
             if co is not None:
                 self.chunks[op.name] = co
@@ -87,7 +107,7 @@ class Layouts:
         self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
 
     @staticmethod
-    def _placement(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
+    def _place_op(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
         """The co-location, mesh and mesh dimensions of a placement (``p``'s sizes, dims and devices),
         first met at operator ``name``; refuses (InfeasiblePlan) pieces that do not match their devices."""
         sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
@@ -153,13 +173,30 @@ class Layouts:
             got = self._local[key] = box_shape(layout.box(0, key[1]))
         return got
 
+    def form(self, op: Operator) -> OpForm:
+        """What ``op`` shares with every operator of its form on its placement (:class:`OpForm`)."""
+        got = self._forms.get(op.name)
+        if got is None:
+            key = (self._op_form[op.name], self._placement[op.name], self.op_plan[op.name].ring)
+            got = self._form_of.get(key)
+            if got is None:
+                got = self._form_of[key] = self._make_form(op)
+            self._forms[op.name] = got
+        return got
+
+    def _make_form(self, op: Operator) -> OpForm:
+        sig, ins = op.signature, range(len(op.inputs))
+        needs = tuple(self._place(op, sig.inputs[i], kv=self.is_ring_kv(op, i)) for i in ins)
+        has = tuple(self._place(op, axes, sig.reduce) for axes in sig.outputs)
+        contributes = tuple(self._place(op, sig.inputs[i], contrib=True, kv=self.is_ring_kv(op, i)) for i in ins)
+        shapes = tuple(self.local_shape(lay, t) for lay, t in zip(needs, op.inputs))
+        shapes += tuple(self.local_shape(lay, t) for lay, t in zip(has, op.outputs))
+        pieces = math.prod(s for dim, s in zip(self.dims[op.name], self.mesh[op.name].shape) if dim is not None)
+        return OpForm(needs, has, contributes, shapes, pieces)
+
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
-        key = ("in", op.name, i)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i], kv=self.is_ring_kv(op, i))
-        return got
+        return self.form(op).needs[i]
 
     def is_ring_kv(self, op: Operator, i: int) -> bool:
         """Whether input ``i`` of ``op`` is a ring attention's keys or values (split along ``t``)."""
@@ -167,19 +204,24 @@ class Layouts:
 
     def has(self, op: Operator, j: int) -> Layout:
         """Layout in which ``op`` produces its ``j``-th output."""
-        key = ("out", op.name, j)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.outputs[j], op.signature.reduce)
-        return got
+        return self.form(op).has[j]
 
     def contributes(self, op: Operator, i: int) -> Layout:
         """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
-        key = ("grad", op.name, i)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True, kv=self.is_ring_kv(op, i))
-        return got
+        return self.form(op).contributes[i]
+
+
+def op_forms(graph: Graph) -> dict[str, int]:
+    """Each operator's form, numbered in order of appearance: operators of one form (one kind and
+    signature, their tensors of the same shapes with their batch axes at the same places) placed
+    alike have the same layouts and pieces (:meth:`Layouts.form`) whatever their names."""
+    label, labels, index, out = graph.batch_label, graph.labels, {}, {}
+    for op in graph.operators:
+        ts = op.inputs + op.outputs
+        shapes = tuple(graph.tensors[t].shape for t in ts)
+        batch = tuple(tuple(a for a in range(len(s)) if labels.get((t, a)) == label) for t, s in zip(ts, shapes))
+        out[op.name] = index.setdefault((op.kind, op.signature, shapes, batch), len(index))
+    return out
 
 
 # Operators sized at trace time whose whole-batch value the executor narrows to a micro-batch's rows
@@ -223,8 +265,7 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
 def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
     """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
     its outputs (every piece has the same, since splits divide evenly)."""
-    ins = tuple(L.local_shape(L.needs(op, k), t) for k, t in enumerate(op.inputs))
-    return ins + tuple(L.local_shape(L.has(op, j), t) for j, t in enumerate(op.outputs))
+    return L.form(op).shapes
 
 
 def full(layout: Layout) -> Layout:
