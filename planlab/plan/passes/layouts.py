@@ -78,6 +78,7 @@ class Layouts:
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
+        checked: set[tuple] = set()
         for op in graph.operators:
             p = self.op_plan[op.name]
             key = (p.sizes, p.dims, p.devices)
@@ -91,22 +92,30 @@ class Layouts:
                 self.chunks[op.name] = co
             self.mesh[op.name] = mesh  # one object per mesh: its caches are shared
             self.dims[op.name] = mdims
-            if p.ring and RING_DIM not in dims:
-                raise InfeasiblePlan(
-                    f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
-                )
-            for d in set(x for x in dims if x is not None):
-                if not op.signature.splittable(d) and not (p.ring and d == RING_DIM):
-                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
-                n = math.prod(s for x, s in zip(dims, sizes) if x == d)
-                size = self._dim_size(op, d)
-                if size % n:
-                    raise InfeasiblePlan(
-                        f"dimension {d!r} of operator {op.name!r} has size {size} per "
-                        f"micro-batch, which does not split into {n} pieces"
-                    )
+            check = (self._op_form[op.name], self._placement[op.name], p.ring)
+            if check not in checked:  # operators of one form placed alike pass or fail alike
+                self._check_splits(op, p, dims, sizes)
+                checked.add(check)
         rings = {p.op: math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) for p in plan.ops if p.ring}
         self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
+
+    def _check_splits(self, op: Operator, p: OpPlan, dims: tuple, sizes: tuple) -> None:
+        """Refuse (InfeasiblePlan) a ring attention without a mesh axis along its sequence, and a
+        dimension of ``op`` split along ``dims`` (``sizes``) that cannot be split or does not divide."""
+        if p.ring and RING_DIM not in dims:
+            raise InfeasiblePlan(
+                f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
+            )
+        for d in set(x for x in dims if x is not None):
+            if not op.signature.splittable(d) and not (p.ring and d == RING_DIM):
+                raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
+            n = math.prod(s for x, s in zip(dims, sizes) if x == d)
+            size = self._dim_size(op, d)
+            if size % n:
+                raise InfeasiblePlan(
+                    f"dimension {d!r} of operator {op.name!r} has size {size} per "
+                    f"micro-batch, which does not split into {n} pieces"
+                )
 
     @staticmethod
     def _place_op(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
@@ -215,14 +224,16 @@ class Layouts:
 
 def op_forms(graph: Graph) -> dict[str, int]:
     """Each operator's form, numbered in order of appearance: operators of one form (one kind and
-    signature, their tensors of the same shapes with their batch axes at the same places) placed
-    alike have the same layouts and pieces (:meth:`Layouts.form`) whatever their names."""
+    signature, their tensors of the same shapes with their batch axes at the same places, the same
+    dimension sizes) placed alike have the same layouts and pieces (:meth:`Layouts.form`) and pass or
+    fail the same checks of their splits, whatever their names."""
     label, labels, index, out = graph.batch_label, graph.labels, {}, {}
     for op in graph.operators:
         ts = op.inputs + op.outputs
         shapes = tuple(graph.tensors[t].shape for t in ts)
         batch = tuple(tuple(a for a in range(len(s)) if labels.get((t, a)) == label) for t, s in zip(ts, shapes))
-        out[op.name] = index.setdefault((op.kind, op.signature, shapes, batch), len(index))
+        key = (op.kind, op.signature, shapes, batch, tuple(sorted(op.dim_sizes.items())))
+        out[op.name] = index.setdefault(key, len(index))
     return out
 
 
