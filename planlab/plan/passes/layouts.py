@@ -19,13 +19,15 @@ from planlab.plan.zigzag import sequence_zigzag
 class OpForm:
     """What every operator of one form (:func:`op_forms`) placed alike shares: the layout each input
     needs (``needs``), each output has (``has``) and each input's gradient contribution comes in
-    (``contributes``), its pieces' local shapes per micro-batch (``shapes``: inputs, then outputs;
-    :func:`piece_shapes`) and how many pieces it is split into (``pieces``); ``index`` numbers the
+    (``contributes``) and each output's gradient is summed into (``grads``: ``has`` with its partial
+    sums completed, :func:`full`), its pieces' local shapes per micro-batch (``shapes``: inputs, then
+    outputs; :func:`piece_shapes`) and how many pieces it is split into (``pieces``); ``index`` numbers the
     forms of one :class:`Layouts` (what passes key their own per-form tables by)."""
 
     needs: tuple[Layout, ...]
     has: tuple[Layout, ...]
     contributes: tuple[Layout, ...]
+    grads: tuple[Layout, ...]
     shapes: tuple[tuple[int, ...], ...]
     pieces: int
     index: int
@@ -203,7 +205,8 @@ class Layouts:
         shapes = tuple(self.local_shape(lay, t) for lay, t in zip(needs, op.inputs))
         shapes += tuple(self.local_shape(lay, t) for lay, t in zip(has, op.outputs))
         pieces = math.prod(s for dim, s in zip(self.dims[op.name], self.mesh[op.name].shape) if dim is not None)
-        return OpForm(needs, has, contributes, shapes, pieces, len(self._form_of))
+        grads = tuple(full(lay) for lay in has)
+        return OpForm(needs, has, contributes, grads, shapes, pieces, len(self._form_of))
 
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
