@@ -75,7 +75,7 @@ class Layouts:
         self._placed: dict[tuple, Layout] = {}
         self._forms: dict[str, OpForm] = {}  # per operator
         self._form_of: dict[tuple, OpForm] = {}  # per (form, placement, ring)
-        self._op_form = graph.memo(("op_forms",), lambda: op_forms(graph))
+        self._op_form = graph.memo(("op_forms", m), lambda: op_forms(graph, self.shapes))
         self._placement: dict[str, int] = {}  # per operator, its placement's index
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
@@ -225,17 +225,21 @@ class Layouts:
         return self.form(op).contributes[i]
 
 
-def op_forms(graph: Graph) -> dict[str, int]:
+def op_forms(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """Each operator's form, numbered in order of appearance: operators of one form (one kind and
-    signature, their tensors of the same shapes with their batch axes at the same places, the same
-    dimension sizes) placed alike have the same layouts and pieces (:meth:`Layouts.form`) and pass or
-    fail the same checks of their splits, whatever their names."""
-    label, labels, index, out = graph.batch_label, graph.labels, {}, {}
+    signature, their tensors of the same ``shapes`` (per micro-batch), the same dimension sizes)
+    placed alike have the same layouts and pieces (:meth:`Layouts.form`) and pass or fail the same
+    checks of their splits, whatever their names."""
+    index: dict[tuple, int] = {}
+    out: dict[str, int] = {}
     for op in graph.operators:
-        ts = op.inputs + op.outputs
-        shapes = tuple(graph.tensors[t].shape for t in ts)
-        batch = tuple(tuple(a for a in range(len(s)) if labels.get((t, a)) == label) for t, s in zip(ts, shapes))
-        key = (op.kind, op.signature, shapes, batch, tuple(sorted(op.dim_sizes.items())))
+        key = (
+            op.kind,
+            op.signature,
+            tuple(shapes[t] for t in op.inputs),
+            tuple(shapes[t] for t in op.outputs),
+            tuple(op.dim_sizes.items()),
+        )
         out[op.name] = index.setdefault(key, len(index))
     return out
 
