@@ -24,7 +24,6 @@ from planlab.plan.passes.draft import (
     ring_fields,
     shares,
 )
-from planlab.plan.passes.layouts import full
 from planlab.plan.program import Task, TaskKind
 from planlab.plan.redistribute import same_layout
 
@@ -55,7 +54,7 @@ def convert_gradients(d: Draft) -> Draft:
             if t == graph.loss or not graph.tensors[t].is_float or not uses or t in d.nograd:
                 gbufs.append(None)  # the loss: seeded with ones by the executor
                 continue
-            target = full(d.layouts.has(op, j))
+            target = d.layouts.form(op).grads[j]
             if len(uses) == 1 and same_layout(d.layouts.contributes(*uses[0]), target):
                 c, k = uses[0]
                 gbufs.append(d.names.contribution(t, c.name, k))
@@ -163,7 +162,7 @@ def backward_pieces(d: Draft) -> Draft:
             sizes.setdefault(dev, {}).update(made)
         for j, t in enumerate(op.outputs):
             if gbufs[j] is not None and gbufs[j].kind is BufferKind.GRAD:
-                nbytes = math.prod(L.local_shape(full(L.has(op, j)), t)) * d.elem_bytes(t)
+                nbytes = math.prod(L.local_shape(L.form(op).grads[j], t)) * d.elem_bytes(t)
                 for flat, dev in d.positions(mesh):
                     sizes.setdefault(dev, {})[gbufs[j]] = nbytes
     return d.replace(parts=parts, sizes=sizes)

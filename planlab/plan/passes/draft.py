@@ -32,7 +32,7 @@ from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import RING_DIM, Plan, causal_attention
 from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
-from planlab.plan.shared_params import forward_only_ops
+from planlab.plan.shared_params import forward_only_of
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -178,7 +178,8 @@ class Draft:
         software: SoftwareSpec | None = None,
     ) -> Draft:
         """The draft before any pass: the inputs and what follows from them."""
-        nograd = no_grad_tensors(graph)  # recycling: what a detach cuts off from the loss (empty without one)
+        # recycling: what a detach cuts off from the loss (empty without one); the graph's, kept by it
+        nograd = graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
         return cls(
             plan=plan,
             graph=graph,
@@ -187,10 +188,10 @@ class Draft:
             keep=keep,
             overlap=overlap,
             software=software,
-            topo={op.name: i for i, op in enumerate(graph.operators)},
+            topo=graph.memo(("topological_index",), lambda: {op.name: i for i, op in enumerate(graph.operators)}),
             stage={p.op: p.stage for p in plan.ops},
             nograd=nograd,
-            forward_only=forward_only_ops(graph, nograd) if nograd else frozenset(),
+            forward_only=forward_only_of(graph),
             names=Names(),
         )
 
@@ -257,8 +258,7 @@ def run_order(k: SlotKey) -> tuple[int, int]:
 
 def shares(d: Draft, op: Operator) -> tuple[int, int]:
     """How many pieces ``op`` is split into, and the micro-batches: what divides its work."""
-    L = d.layouts
-    return math.prod(s for dim, s in zip(L.dims[op.name], L.mesh[op.name].shape) if dim is not None), d.microbatches
+    return d.layouts.form(op).pieces, d.microbatches
 
 
 def piece_task(

@@ -24,7 +24,6 @@ from planlab.plan.passes.draft import (
     ring_fields,
     shares,
 )
-from planlab.plan.passes.layouts import piece_shapes
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
 from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers
@@ -151,21 +150,23 @@ def forward_pieces(d: Draft) -> Draft:
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
     saved_of, shapes_of = {}, {}
+    pieces: dict[tuple[int, int], dict] = {}  # per (form, position): the fields its pieces share there
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(d.names.activation(o) for o in op.outputs)
         saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision, _view_read(d, mesh))
-        red_axes = [a for a, dim in enumerate(L.dims[op.name]) if dim in op.signature.reduce]
         saved_of[op.name] = saved
-        shapes = shapes_of[op.name] = piece_shapes(L, op)
-        agree = [a for a, dim in enumerate(L.dims[op.name]) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
+        form = L.form(op)
+        shapes = shapes_of[op.name] = form.shapes
         share = shares(d, op)
         random = draws_random(op)
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
         for flat, dev in d.positions(mesh):
-            ring = ring_fields(d, op, flat)
+            fields = pieces.get((form.index, flat))
+            if fields is None:
+                fields = pieces[(form.index, flat)] = _piece_fields(d, op, flat)
             task = piece_task(
                 op,
                 TaskKind.FORWARD,
@@ -174,18 +175,34 @@ def forward_pieces(d: Draft) -> Draft:
                 outs,
                 op.flops,
                 share,
-                shape=shapes[len(op.inputs)],
                 saved=saved,
-                lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
-                shapes=shapes,
                 box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
-                **(ring or {"group": line(mesh, flat, agree)}),
+                **fields,
             )
-            if ring:
+            if "ring" in fields:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, key, i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
     return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)
+
+
+def _piece_fields(d: Draft, op: Operator, flat: int) -> dict:
+    """The fields of the forward task of piece ``flat`` of ``op`` that every operator of its form
+    (:meth:`~planlab.plan.passes.layouts.Layouts.form`) shares there: its output's and all its local
+    shapes, whether it leads its partial sums (``lead``: first along the mesh axes that split a
+    reduced dimension), and its ring (:func:`ring_fields`) or the group its pieces agree in
+    (:data:`IN_OP_GROUPS`)."""
+    L = d.layouts
+    mesh, dims, shapes = L.mesh[op.name], L.dims[op.name], L.form(op).shapes
+    red_axes = [a for a, dim in enumerate(dims) if dim in op.signature.reduce]
+    agree = [a for a, dim in enumerate(dims) if dim is not None and dim == IN_OP_GROUPS.get(op.kind)]
+    ring = ring_fields(d, op, flat)
+    return dict(
+        shape=shapes[len(op.inputs)],
+        lead=all(mesh.coord(flat)[a] == 0 for a in red_axes),
+        shapes=shapes,
+        **(ring or {"group": line(mesh, flat, agree)}),
+    )
 
 
 def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffer, int]:

@@ -22,21 +22,34 @@ def reduction_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
     Every member of a group finds the same parameters."""
     out: dict[int, dict[tuple[int, ...], Reduction]] = defaultdict(lambda: defaultdict(list))
     L = d.layouts
+    # layers repeat: a few (contribution, weight) layouts and shapes, each reduced alike at every position
+    reduced: dict[tuple, tuple[tuple[int, tuple[int, ...], int], ...]] = {}
     for p, (op, k) in d.owner.items():
-        contrib, target = L.contributes(op, k), L.needs(op, k)
-        axes = tuple(
-            a
-            for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
-            if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1
-        )
-        if not axes:
-            continue
-        mesh = contrib.mesh
-        for flat, dev in d.positions(mesh):
-            group = tuple(sorted(mesh.group_of(flat, axes)))
-            nbytes = box_numel(target.box(flat, L.shapes[p])) * d.precision.grad_bytes
+        key = (L.contributes(op, k), L.needs(op, k), L.shapes[p])
+        got = reduced.get(key)
+        if got is None:
+            got = reduced[key] = _reductions(d, *key)
+        for dev, group, nbytes in got:
             out[dev][group].append((d.topo[op.name], p, nbytes))
     return out
+
+
+def _reductions(d: Draft, contrib, target, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """``(device, group, bytes)`` of the reduction of a weight of ``shape`` whose gradient comes
+    in layout ``contrib`` and is wanted in ``target``, at each position built (none where
+    ``contrib`` is partial along no mesh axis where ``target`` is not)."""
+    axes = tuple(
+        a
+        for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
+        if isinstance(c, Partial) and not isinstance(t, Partial) and contrib.mesh.shape[a] > 1
+    )
+    if not axes:
+        return ()
+    mesh = contrib.mesh
+    return tuple(
+        (dev, tuple(sorted(mesh.group_of(flat, axes))), box_numel(target.box(flat, shape)) * d.precision.grad_bytes)
+        for flat, dev in d.positions(mesh)
+    )
 
 
 def reduce_gradients(d: Draft) -> Draft:
@@ -77,15 +90,17 @@ def overlapped_buckets(d: Draft, parts, idents: Idents, dev: int, group: tuple[i
     for st in sorted(by_stage):
         ordered = sorted(by_stage[st], key=lambda x: (-x[0], x[1]))  # backward order
         bucket: Reduction = []
+        filled = 0  # bytes in the bucket
         for k, item in enumerate(ordered):
             bucket.append(item)
-            if sum(n for _, _, n in bucket) < cap and k < len(ordered) - 1:
+            filled += item[2]
+            if filled < cap and k < len(ordered) - 1:
                 continue
             last = min(i for i, _, _ in bucket)  # the bucket is complete after this operator's backward
             name = f"grad-reduce{list(group)}#{bucket[0][1]}"
             task = all_reduce(d, bucket, group, name, idents(("bucket", params_of(bucket))), final=True, overlap=True)
             add(parts, dev, (st, "B"), last, Part.AFTER, task)
-            bucket = []
+            bucket, filled = [], 0
 
 
 def all_reduce(d: Draft, items: Reduction, group: tuple[int, ...], name: str, ident: int, **extra) -> Task:

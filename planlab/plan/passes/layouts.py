@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
@@ -13,9 +15,28 @@ from planlab.plan.plan import RING_DIM, RING_KV_DIM, OpPlan, Plan
 from planlab.plan.zigzag import sequence_zigzag
 
 
+@dataclass(frozen=True)
+class OpForm:
+    """What every operator of one form (:func:`op_forms`) placed alike shares: the layout each input
+    needs (``needs``), each output has (``has``) and each input's gradient contribution comes in
+    (``contributes``) and each output's gradient is summed into (``grads``: ``has`` with its partial
+    sums completed, :func:`full`), its pieces' local shapes per micro-batch (``shapes``: inputs, then
+    outputs; :func:`piece_shapes`) and how many pieces it is split into (``pieces``); ``index`` numbers the
+    forms of one :class:`Layouts` (what passes key their own per-form tables by)."""
+
+    needs: tuple[Layout, ...]
+    has: tuple[Layout, ...]
+    contributes: tuple[Layout, ...]
+    grads: tuple[Layout, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    pieces: int
+    index: int
+
+
 class Layouts:
     """Mesh and layouts of every operator, at micro-batch shapes; co-located operators (coshard) in
-    ``chunks``. Refuses (InfeasiblePlan) a plan that names an operator the graph does not have,
+    ``chunks``. Operators of one form (:func:`op_forms`) on one placement share an :class:`OpForm`
+    (layers repeat: a model's thousands of operators have a few hundred). Refuses (InfeasiblePlan) a plan that names an operator the graph does not have,
     leaves one unplaced, places it on devices the plan does not have, or splits a dimension that
     cannot be split or does not divide."""
 
@@ -51,38 +72,32 @@ class Layouts:
         self._local: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
         self.mesh: dict[str, Mesh] = {}
         self.dims: dict[str, tuple[str | None, ...]] = {}
-        self._memo: dict[tuple, Layout] = {}
         self._placed: dict[tuple, Layout] = {}
+        self._forms: dict[str, OpForm] = {}  # per operator
+        self._form_of: dict[tuple, OpForm] = {}  # per (form, placement, ring)
+        self._op_form = graph.memo(("op_forms", m), lambda: op_forms(graph, self.shapes))
+        self._placement: dict[str, int] = {}  # per operator, its placement's index
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
+        checked: set[tuple] = set()
         for op in graph.operators:
             p = self.op_plan[op.name]
             key = (p.sizes, p.dims, p.devices)
             got = placed.get(key)
             if got is None:
-                co, mesh, mdims = self._placement(op.name, p, plan.num_devices)
-                got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims)
-            co, mesh, mdims = got
+                co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
+                got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims, len(placed))
+            co, mesh, mdims, self._placement[op.name] = got
             dims, sizes = (p.dims, p.sizes) if p.sizes else ((None,), (1,))
             if co is not None:
                 self.chunks[op.name] = co
             self.mesh[op.name] = mesh  # one object per mesh: its caches are shared
             self.dims[op.name] = mdims
-            if p.ring and RING_DIM not in dims:
-                raise InfeasiblePlan(
-                    f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
-                )
-            for d in set(x for x in dims if x is not None):
-                if not op.signature.splittable(d) and not (p.ring and d == RING_DIM):
-                    raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
-                n = math.prod(s for x, s in zip(dims, sizes) if x == d)
-                size = self._dim_size(op, d)
-                if size % n:
-                    raise InfeasiblePlan(
-                        f"dimension {d!r} of operator {op.name!r} has size {size} per "
-                        f"micro-batch, which does not split into {n} pieces"
-                    )
+            check = (self._op_form[op.name], self._placement[op.name], p.ring)
+            if check not in checked:  # operators of one form placed alike pass or fail alike
+                self._check_splits(op, p, dims, sizes)
+                checked.add(check)
         rings = {p.op: math.prod(s for x, s in zip(p.dims, p.sizes) if x == RING_DIM) for p in plan.ops if p.ring}
         self.zigzag = sequence_zigzag(plan, graph, rings)  # the tokens' order (Plan.zigzag), or None
         if plan.kv_gather and not rings:
@@ -91,8 +106,26 @@ class Layouts:
             )
         self.kv_gather = plan.kv_gather  # the rings all-gather their keys and values (Ring.gather)
 
+    def _check_splits(self, op: Operator, p: OpPlan, dims: tuple, sizes: tuple) -> None:
+        """Refuse (InfeasiblePlan) a ring attention without a mesh axis along its sequence, and a
+        dimension of ``op`` split along ``dims`` (``sizes``) that cannot be split or does not divide."""
+        if p.ring and RING_DIM not in dims:
+            raise InfeasiblePlan(
+                f"operator {op.name!r} runs as ring attention but no mesh axis splits its sequence {RING_DIM!r}"
+            )
+        for d in set(x for x in dims if x is not None):
+            if not op.signature.splittable(d) and not (p.ring and d == RING_DIM):
+                raise InfeasiblePlan(f"dimension {d!r} of operator {op.name!r} ({op.signature}) cannot be split")
+            n = math.prod(s for x, s in zip(dims, sizes) if x == d)
+            size = self._dim_size(op, d)
+            if size % n:
+                raise InfeasiblePlan(
+                    f"dimension {d!r} of operator {op.name!r} has size {size} per "
+                    f"micro-batch, which does not split into {n} pieces"
+                )
+
     @staticmethod
-    def _placement(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
+    def _place_op(name: str, p: OpPlan, num_devices: int) -> tuple[CoLocation | None, Mesh, tuple]:
         """The co-location, mesh and mesh dimensions of a placement (``p``'s sizes, dims and devices),
         first met at operator ``name``; refuses (InfeasiblePlan) pieces that do not match their devices."""
         sizes, dims = (p.sizes, p.dims) if p.sizes else ((1,), (None,))
@@ -158,13 +191,31 @@ class Layouts:
             got = self._local[key] = box_shape(layout.box(0, key[1]))
         return got
 
+    def form(self, op: Operator) -> OpForm:
+        """What ``op`` shares with every operator of its form on its placement (:class:`OpForm`)."""
+        got = self._forms.get(op.name)
+        if got is None:
+            key = (self._op_form[op.name], self._placement[op.name], self.op_plan[op.name].ring)
+            got = self._form_of.get(key)
+            if got is None:
+                got = self._form_of[key] = self._make_form(op)
+            self._forms[op.name] = got
+        return got
+
+    def _make_form(self, op: Operator) -> OpForm:
+        sig, ins = op.signature, range(len(op.inputs))
+        needs = tuple(self._place(op, sig.inputs[i], kv=self.is_ring_kv(op, i)) for i in ins)
+        has = tuple(self._place(op, axes, sig.reduce) for axes in sig.outputs)
+        contributes = tuple(self._place(op, sig.inputs[i], contrib=True, kv=self.is_ring_kv(op, i)) for i in ins)
+        shapes = tuple(self.local_shape(lay, t) for lay, t in zip(needs, op.inputs))
+        shapes += tuple(self.local_shape(lay, t) for lay, t in zip(has, op.outputs))
+        pieces = math.prod(s for dim, s in zip(self.dims[op.name], self.mesh[op.name].shape) if dim is not None)
+        grads = tuple(full(lay) for lay in has)
+        return OpForm(needs, has, contributes, grads, shapes, pieces, len(self._form_of))
+
     def needs(self, op: Operator, i: int) -> Layout:
         """Layout in which ``op`` reads its ``i``-th input (full values of its piece)."""
-        key = ("in", op.name, i)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i], kv=self.is_ring_kv(op, i))
-        return got
+        return self.form(op).needs[i]
 
     def is_ring_kv(self, op: Operator, i: int) -> bool:
         """Whether input ``i`` of ``op`` is a ring attention's keys or values (split along ``t``)."""
@@ -172,19 +223,30 @@ class Layouts:
 
     def has(self, op: Operator, j: int) -> Layout:
         """Layout in which ``op`` produces its ``j``-th output."""
-        key = ("out", op.name, j)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.outputs[j], op.signature.reduce)
-        return got
+        return self.form(op).has[j]
 
     def contributes(self, op: Operator, i: int) -> Layout:
         """Layout of the gradient contribution ``op``'s backward gives its ``i``-th input."""
-        key = ("grad", op.name, i)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = self._place(op, op.signature.inputs[i], contrib=True, kv=self.is_ring_kv(op, i))
-        return got
+        return self.form(op).contributes[i]
+
+
+def op_forms(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Each operator's form, numbered in order of appearance: operators of one form (one kind and
+    signature, their tensors of the same ``shapes`` (per micro-batch), the same dimension sizes)
+    placed alike have the same layouts and pieces (:meth:`Layouts.form`) and pass or fail the same
+    checks of their splits, whatever their names."""
+    index: dict[tuple, int] = {}
+    out: dict[str, int] = {}
+    for op in graph.operators:
+        key = (
+            op.kind,
+            op.signature,
+            tuple(shapes[t] for t in op.inputs),
+            tuple(shapes[t] for t in op.outputs),
+            tuple(op.dim_sizes.items()),
+        )
+        out[op.name] = index.setdefault(key, len(index))
+    return out
 
 
 # Operators sized at trace time whose whole-batch value the executor narrows to a micro-batch's rows
@@ -228,8 +290,7 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
 def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
     """The local shapes of one piece of ``op`` per micro-batch: its inputs as it reads them, then
     its outputs (every piece has the same, since splits divide evenly)."""
-    ins = tuple(L.local_shape(L.needs(op, k), t) for k, t in enumerate(op.inputs))
-    return ins + tuple(L.local_shape(L.has(op, j), t) for j, t in enumerate(op.outputs))
+    return L.form(op).shapes
 
 
 def full(layout: Layout) -> Layout:
