@@ -239,7 +239,7 @@ def _program(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, 
 
 
 class Incumbents:
-    """The PRUNE_KEEP best objectives (s) of the programs solved so far for one graph and cluster,
+    """The ``keep`` (PRUNE_KEEP) best objectives (s) of the programs solved so far for one graph and cluster,
     kept in the graph's memo (so in this process): a grid point whose LP bound is at least the
     worst of them cannot enter them, and its program is not solved (its plan stays the grid's).
     Sound for the program's objective: the PRUNE_KEEP best layouts over the grid are those the
@@ -247,19 +247,20 @@ class Incumbents:
     plan drafted again (simulated, its layout reported) is the one screened; a worker of
     ``--jobs`` > 1 prunes against the programs it solved itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = PRUNE_KEEP) -> None:
+        self.keep = keep
         self._worst_first: list[float] = []  # negated objectives: heapq's min-heap as a max-heap
         self._lock = threading.Lock()
 
     def bar_s(self) -> float:
-        """The objective a point must beat to be solved (inf until PRUNE_KEEP programs are)."""
+        """The objective a point must beat to be solved (inf until ``keep`` programs are)."""
         with self._lock:
-            return -self._worst_first[0] if len(self._worst_first) >= PRUNE_KEEP else math.inf
+            return -self._worst_first[0] if len(self._worst_first) >= self.keep else math.inf
 
     def add(self, objective_s: float) -> None:
         with self._lock:
             heapq.heappush(self._worst_first, -objective_s)
-            if len(self._worst_first) > PRUNE_KEEP:
+            if len(self._worst_first) > self.keep:
                 heapq.heappop(self._worst_first)
 
 
