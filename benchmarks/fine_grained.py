@@ -23,7 +23,9 @@ Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only g
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import logging
 import math
 import os
 import resource
@@ -102,12 +104,26 @@ def _device_times(w: Workload, plan) -> str:
     )
 
 
+class _Outcomes(logging.Handler):
+    """Counts the fine space's programs by how they ended (planlab.search_spaces.fine's debug records)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: collections.Counter = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.counts[str(record.args[0]) if record.args else record.getMessage()] += 1
+
+
 def _explore(w: Workload, label: str, space: str, args, fixed: dict):
     """The best feasible row of ``space`` on ``w`` (None: none fits) and its plan; a line of counts and times."""
     import planlab
     from planlab.explore import DEFAULT_CANDIDATES
 
     s0, c0 = time.perf_counter(), _cpu_s()
+    fine_log, outcomes = logging.getLogger("planlab.search_spaces.fine"), _Outcomes()
+    fine_log.addHandler(outcomes)
+    fine_log.setLevel(logging.DEBUG)
     out = os.path.join(args.timelines, f"{w.key}-{label}") if args.timelines else None
     df = planlab.explore(
         w.model,
@@ -120,12 +136,14 @@ def _explore(w: Workload, label: str, space: str, args, fixed: dict):
         fixed=fixed,
         candidates=args.candidates or DEFAULT_CANDIDATES,
     )
+    fine_log.removeHandler(outcomes)
     ok = df[df["feasible"] == True]  # noqa: E712
     c = df.attrs["counts"]
+    programs = ", ".join(f"{n} {status}" for status, n in sorted(outcomes.counts.items()))
     print(
         f"{w.key} {label:4s} ({space}): {c['plans']} plans, {c['simulated']} simulated, "
         f"{time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU (with workers); "
-        f"load {os.getloadavg()[0]:.1f}",
+        f"load {os.getloadavg()[0]:.1f}" + (f"; fine programs (this process): {programs}" if programs else ""),
         file=sys.stderr,
     )
     return (ok.iloc[0] if len(ok) else None), df.attrs.get("best_plan")

@@ -237,3 +237,33 @@ def test_zero3_gathers_one_unit_per_device_not_one_per_layer():
     # fp32 on cpu: 4 + 4 + 8 bytes a parameter, all sharded over dp=2 under ZeRO-3; the unit's 4 gathered
     assert got[3].static_bytes == pytest.approx(got[0].static_bytes / 2, rel=1e-3)
     assert got[3].unit_static_bytes == pytest.approx(got[0].static_bytes / 4, rel=1e-3)
+
+
+def test_pruning_by_the_lp_bound_keeps_the_best_programs_of_the_unpruned_search():
+    # a family of grid points (micro-batches, stages, chunks, memory) solved in order, as the space
+    # does: each pruned point's LP bound is at least the worst of the best 3 so far, so the best 3
+    # objectives are those of solving every program, and some points were pruned
+    from planlab.search_spaces.fine import Incumbents, solve_program
+
+    head = GroupCost(2.0, 0.0, 0.0, 0.0, 0.0)
+    points = [
+        (m, stages, chunks, cap)
+        for cap in (1e9, 60.0)
+        for m in (16, 4)
+        for stages, chunks in ((2, 1), (4, 2), (4, 1), (8, 2))
+    ]
+    c = _costs(last=head)
+    full = [solve_program(c, 12, s, m, cap, "interleaved" if v > 1 else "1f1b", v) for m, s, v, cap in points]
+    keep = Incumbents(keep=3)
+    pruned = []
+    for m, s, v, cap in points:
+        got = solve_program(c, 12, s, m, cap, "interleaved" if v > 1 else "1f1b", v, keep.bar_s())
+        if got.layout is not None:
+            keep.add(got.objective_s)
+        pruned.append(got)
+    statuses = {got.status for got in pruned}
+    assert "pruned" in statuses and "optimal" in statuses
+    best = sorted(got.objective_s for got in full if got.layout is not None)[:3]
+    assert sorted(got.objective_s for got in pruned if got.layout is not None)[:3] == pytest.approx(best)
+    for a, b in zip(full, pruned):  # a pruned point's bound is a true lower bound of its program
+        assert b.status != "pruned" or b.objective_s <= a.objective_s + 1e-9

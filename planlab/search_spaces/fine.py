@@ -34,6 +34,11 @@ the simulator judges, not the program.
 from __future__ import annotations
 
 import functools
+import heapq
+import logging
+import math
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,6 +52,7 @@ from planlab.search_spaces.screen import GroupCost, Screen, flight_counts
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 from planlab.search_spaces.stages import FIRST, LAST, StageLayout, layout_problem
 
+log = logging.getLogger(__name__)  # one debug record per program solved: its Solved.status (counted by the benchmark)
 FINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 TIE = 1e-3  # the weight of the stages' own sync in the objective, which breaks ties
 
@@ -69,15 +75,20 @@ def flight_rows(schedule: str, group: int, groups: int, m: int, chunks: int) -> 
 
 class _Program:
     """The integer program under construction: its variables' positions (per stage ``n`` layers and
-    ``k`` recomputed, per device group ``o`` offloads, ``z`` = n o and ``r`` whether it recomputes
-    at all, then ``T`` the slowest device, ``S`` the slowest sync, ``C`` the slowest chunk) and its
-    rows (HiGHS' LinearConstraint)."""
+    ``k`` recomputed, per device group ``o`` offloads, ``z`` = n o, ``r`` whether it recomputes at
+    all, ``N`` and ``K`` its layers and recomputed layers over its chunks, then ``T`` the slowest
+    device, ``S`` the slowest sync, ``C`` the slowest chunk) and its rows (HiGHS' LinearConstraint).
+
+    ``N`` and ``K`` only name sums of other integers, but as integer variables of their own they
+    let HiGHS branch on a device's total (the pipeline's time depends on the chunks only through
+    it): without them an interleaved program's branch and bound splits the same total across
+    chunks in every way before it proves a bound."""
 
     def __init__(self, stages: int, chunks: int) -> None:
         self.stages, self.G = stages, stages // chunks
         self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
-        self.r = self.z + self.G
-        self.T, self.S, self.C = self.r + self.G, self.r + self.G + 1, self.r + self.G + 2
+        self.r, self.N, self.K = (self.z + self.G * i for i in (1, 2, 3))
+        self.T, self.S, self.C = (self.K + self.G + i for i in range(3))
         self.nv = self.C + 1
         self.rows, self.lo, self.hi = [], [], []
 
@@ -96,7 +107,9 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
     mine = [cc * G + d for cc in range(v)]
     ex = [_extras(c, s, lp.stages) for s in mine]
     fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
-    lp.add({lp.T: 1.0, **{n + s: -c.layer_s for s in mine}, **{k + s: -c.recompute_s for s in mine}}, fixed_s, np.inf)
+    lp.add({lp.N + d: 1.0, **{n + s: -1.0 for s in mine}}, 0.0, 0.0)
+    lp.add({lp.K + d: 1.0, **{k + s: -1.0 for s in mine}}, 0.0, 0.0)
+    lp.add({lp.T: 1.0, lp.N + d: -c.layer_s, lp.K + d: -c.recompute_s}, fixed_s, np.inf)
     sync = {lp.S: 1.0, **{n + s: -c.sync_s for s in mine}, z + d: c.sync_s - c.offload_sync_s}
     lp.add(sync, c.unit_sync_s + sum(e.sync_s for e in ex), np.inf)
     work = c.unit_static_bytes + c.work_bytes + max(0.0, *(e.work_bytes for e in ex))
@@ -123,6 +136,60 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
     lp.add({z + d: 1.0, **{n + s: -1.0 for s in mine}, o + d: -layers}, -layers, np.inf)
 
 
+NODE_LIMIT = 5_000  # HiGHS' branch-and-bound nodes per program (deterministic, unlike a time limit); see Solved
+PRUNE_KEEP = 32  # a grid point's program is solved unless its LP bound cannot enter the best this many (see Incumbents)
+
+
+@dataclass(frozen=True)
+class Solved:
+    """How one grid point's program ended: ``layout`` (None: no layout fits, or pruned), its
+    objective ``objective_s`` (the program's iteration time; for ``pruned``, the LP bound that no
+    layout of this point can beat) and ``status``: ``optimal`` (HiGHS proved it within its default
+    gap), ``node limit`` (HiGHS stopped at NODE_LIMIT nodes: a feasible layout that may not be the
+    program's best, or None when it had found none), ``infeasible`` or ``pruned``."""
+
+    layout: StageLayout | None
+    objective_s: float
+    status: str
+
+
+def solve_program(
+    c: StageCosts,
+    layers: int,
+    stages: int,
+    m: int,
+    cap_bytes: float,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    bar_s: float = math.inf,
+) -> Solved:
+    """Solve the program of :func:`solve_layout`; when ``bar_s`` is finite, first its LP relaxation,
+    a proven lower bound on every layout's objective: if that bound is ``bar_s`` or more, no layout
+    of this point can beat ``bar_s`` and the integer program is not solved (``pruned``)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+
+    cost, rows, lower, upper, integ, lp = _program(c, layers, stages, m, cap_bytes, schedule, chunks)
+    args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+    if math.isfinite(bar_s):
+        relaxed = milp(cost, **args)  # no integrality: the LP relaxation
+        if relaxed.x is None:
+            return Solved(None, math.inf, "infeasible")
+        if relaxed.fun >= bar_s:
+            return Solved(None, float(relaxed.fun), "pruned")
+    res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
+    limited = res.status == 1  # HiGHS' "iteration or time limit reached": here the node limit
+    if res.x is None:
+        return Solved(None, math.inf, "node limit" if limited else "infeasible")
+    x = np.round(res.x).astype(int)
+    layout = StageLayout(
+        layers=tuple(int(val) for val in x[lp.n : lp.n + stages]),
+        recompute=tuple(int(val) for val in x[lp.k : lp.k + stages]),
+        offload=tuple(bool(val) for val in x[lp.o : lp.o + lp.G]),
+        proven=not limited,
+    )
+    return Solved(layout, float(res.fun), "node limit" if limited else "optimal")
+
+
 def solve_layout(
     c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str = "1f1b", chunks: int = 1
 ) -> StageLayout | None:
@@ -131,8 +198,13 @@ def solve_layout(
     the model chunks (stage ``s`` on device ``s % (stages / chunks)``); each chunk gets its own
     layers (the first and the last may hold none: Llama 3's balanced pipeline) and recomputation,
     each device its offloading, and the memory limit holds at every peak of the schedule."""
+    return solve_program(c, layers, stages, m, cap_bytes, schedule, chunks).layout
+
+
+def _program(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
+    """The program's objective, rows, bounds and integrality (module docstring), and its _Program."""
     lp = _Program(stages, chunks)
-    n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, chunks
+    n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
     for d in range(G):
         _device_rows(lp, c, d, m, cap_bytes, schedule, layers)
     for s in range(stages):
@@ -152,24 +224,44 @@ def solve_layout(
     cost[n : n + stages] += TIE * c.sync_s
     cost[z : z + G] = TIE * (c.offload_sync_s - c.sync_s)
     upper = np.array(
-        [layers] * (2 * stages) + [1 if c.can_offload else 0] * G + [layers] * G + [int(v == 1)] * G + [np.inf] * 3
+        [layers] * (2 * stages)
+        + [1 if c.can_offload else 0] * G
+        + [layers] * G
+        + [int(v == 1)] * G
+        + [layers] * (2 * G)
+        + [np.inf] * 3
     )
-    lower = np.array([1] * stages + [0] * (stages + 3 * G) + [0] * 3)
+    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 3)
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
-    integ = np.array([1] * (2 * stages + 3 * G) + [0] * 3)
-    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 3)
+    return cost, np.array(lp.rows), lower, upper, integ, lp
 
-    bounds = Bounds(lower, upper)
-    res = milp(cost, constraints=LinearConstraint(np.array(lp.rows), lp.lo, lp.hi), integrality=integ, bounds=bounds)
-    if res.x is None:
-        return None
-    x = np.round(res.x).astype(int)
-    return StageLayout(
-        layers=tuple(int(val) for val in x[n : n + stages]),
-        recompute=tuple(int(val) for val in x[k : k + stages]),
-        offload=tuple(bool(val) for val in x[o : o + G]),
-    )
+
+class Incumbents:
+    """The ``keep`` (PRUNE_KEEP) best objectives (s) of the programs solved so far for one graph and cluster,
+    kept in the graph's memo (so in this process): a grid point whose LP bound is at least the
+    worst of them cannot enter them, and its program is not solved (its plan stays the grid's).
+    Sound for the program's objective: the PRUNE_KEEP best layouts over the grid are those the
+    unpruned search finds (tests/test_fine.py). Each point's outcome is memoized with it, so a
+    plan drafted again (simulated, its layout reported) is the one screened; a worker of
+    ``--jobs`` > 1 prunes against the programs it solved itself."""
+
+    def __init__(self, keep: int = PRUNE_KEEP) -> None:
+        self.keep = keep
+        self._worst_first: list[float] = []  # negated objectives: heapq's min-heap as a max-heap
+        self._lock = threading.Lock()
+
+    def bar_s(self) -> float:
+        """The objective a point must beat to be solved (inf until ``keep`` programs are)."""
+        with self._lock:
+            return -self._worst_first[0] if len(self._worst_first) >= self.keep else math.inf
+
+    def add(self, objective_s: float) -> None:
+        with self._lock:
+            heapq.heappush(self._worst_first, -objective_s)
+            if len(self._worst_first) > self.keep:
+                heapq.heappop(self._worst_first)
 
 
 def _extras(c: StageCosts, s: int, G: int) -> GroupCost:
@@ -243,9 +335,25 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
         draft.kv_gather,
     )
     costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
-    return solve_layout(
-        costs, ctx.layers, draft.num_stages, draft.microbatches, cost.device_memory_bytes, draft.schedule, draft.chunks
-    )
+    incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
+
+    def solve() -> Solved:
+        got = solve_program(
+            costs,
+            ctx.layers,
+            draft.num_stages,
+            draft.microbatches,
+            cost.device_memory_bytes,
+            draft.schedule,
+            draft.chunks,
+            incumbents.bar_s(),
+        )
+        if got.layout is not None:
+            incumbents.add(got.objective_s)
+        log.debug("fine program: %s", got.status)
+        return got
+
+    return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks), solve).layout
 
 
 def _unset(name: str, allowed: tuple) -> Constraint:

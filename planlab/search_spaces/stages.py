@@ -158,6 +158,7 @@ class StageLayout:
     layers: tuple[int, ...]
     recompute: tuple[int, ...] = ()  # empty: none
     offload: tuple[bool, ...] = ()  # per device group; empty: none
+    proven: bool = True  # False: the solver stopped at its node limit, so a better layout may exist
 
     def recomputed(self, stage: int) -> int:
         return self.recompute[stage] if self.recompute else 0
@@ -168,7 +169,8 @@ class StageLayout:
     def describe(self) -> str:
         """One line: ``layers 2/2 recompute 1/0 offload 1/0`` (stages in order)."""
         parts = [("layers", self.layers), ("recompute", self.recompute), ("offload", tuple(map(int, self.offload)))]
-        return " ".join(f"{name} {'/'.join(map(str, vals))}" for name, vals in parts if vals)
+        line = " ".join(f"{name} {'/'.join(map(str, vals))}" for name, vals in parts if vals)
+        return line if self.proven else line + " (solver's node limit: may not be the best)"
 
 
 def layout_problem(layout: StageLayout, layers: int, pp: int, chunks: int = 1) -> str | None:
