@@ -1,0 +1,56 @@
+"""Simulated rows kept across explorations, so that a plan simulated once is not simulated again.
+
+A caller exploring several spaces of one workload (a baseline, the grid, the grid's products with
+other spaces) finds the same plans in many of them: the ``megatron`` baseline's plans are the
+grid's, and a product space holds its factors' best. Passing one :class:`SimulationMemo` to each
+:func:`planlab.explore` call (``memo=``) makes each of those plans simulated once: a candidate
+whose plan the memo holds, for the same model, cluster, batch and software, takes the row the
+simulation gave it then.
+
+A plan is known by its priced identity (:func:`planlab.plan.software_passes.priced_identity`: the
+whole Plan value but its space's name and the knobs no pass reads, which only label it) through a
+SHA-256 digest of that value's ``repr``, every field typed as the dataclass holds it, so that two
+plans share a row exactly when they are the same plan. The setup (:class:`planlab.explore.Setup`:
+model, cluster, nodes, global batch, calibration profile, software, precision) keys the rows too:
+a plan priced with DeepSpeed's software is another row than with Megatron-LM's. Files named in the
+setup (a cluster spec, a software file, a profile) are taken as unchanged while the memo lives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from planlab.plan.plan import Plan
+from planlab.plan.software_passes import priced_identity
+
+
+def plan_digest(plan: Plan) -> str:
+    """The SHA-256 hex digest of ``plan``'s priced identity (its ``repr``: every field, typed)."""
+    return hashlib.sha256(repr(priced_identity(plan)).encode()).hexdigest()
+
+
+@dataclass
+class SimulationMemo:
+    """The simulated rows (``planlab.candidates.ROW_KEYS``) of the plans explored so far, per setup
+    and plan digest, owned by the caller that passes it to each exploration; ``reused`` counts the
+    candidates that took a row from it instead of being simulated."""
+
+    rows: dict[Hashable, dict[str, dict]] = field(default_factory=dict)
+    reused: int = 0
+
+    def known(self, setup: Hashable) -> dict[str, dict]:
+        """The rows of ``setup``'s plans by digest (the memo's own dict: rows recorded later show in it)."""
+        return self.rows.setdefault(setup, {})
+
+    def record(self, setup: Hashable, digest: str, row: dict) -> None:
+        """Keep ``row`` for the plan of ``digest``; a row the memo held already counts as reused."""
+        known = self.known(setup)
+        if digest in known:
+            self.reused += 1
+        else:
+            known[digest] = dict(row)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.rows.values())
