@@ -19,7 +19,6 @@ import os
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
-from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from planlab.costmodel import CostModel
 from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.inputs import check_sizes, writable_folder
-from planlab.memo import SimulationMemo, plan_digest
+from planlab.memo import DIGEST_KEY, SimulationMemo, plan_digest
 from planlab.memory_bound import memory_lower_bound_bytes
 from planlab.graph.ir import Graph
 from planlab.models.spec import ModelSpec
@@ -78,7 +77,6 @@ RESULT_COLUMNS = SCREEN_COLUMNS + [
 ]
 # the reason of a candidate the budget left unsimulated (its row's reason starts with it)
 BUDGET_REASON = "not simulated within the budget"
-DIGEST_KEY = "plan_digest"  # a row's plan digest (planlab.memo), with a memo (taken off by the parent)
 DEFAULT_CANDIDATES = 16  # the fastest plans by the screen simulated, and as many along its Pareto front
 PHASES = ("trace_s", "enumerate_s", "screen_s", "simulate_s")  # df.attrs["phases"], with "total_s"
 
@@ -331,9 +329,8 @@ def explore(
     ``precision`` are the training software the plans run with (default: the cluster's, see
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
-    ``memo`` (a :class:`planlab.memo.SimulationMemo` the caller keeps across explorations): a
-    candidate whose plan it holds for the same setup takes its row instead of being simulated again
-    (``counts["reused"]``; not on Ray), and every row simulated here is recorded in it.
+    ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray).
     """
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
@@ -352,12 +349,8 @@ def explore(
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
     assignments = sp.enumerate(ctx, fixed)
     t_enum = time.perf_counter()
-    journal = None
-    if out is not None:
-        what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
-        journal = _journal(Path(out), setup, what, resume)
-    known = None if memo is None else memo.known(setup)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=known)
+    journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans = Workers(jobs, spawned), BestPlans()
     try:
@@ -368,12 +361,11 @@ def explore(
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
-            reused = 0 if memo is None else memo.reused
-            remember = None if memo is None else partial(_remember, memo, setup)
+            remember = None if memo is None else memo.recorder(setup)
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws, remember)
             t_sim = time.perf_counter()
             counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-            counts.update({} if memo is None else {"reused": memo.reused - reused})
+            counts.update({} if remember is None else {"reused": remember.reused})
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
             drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
@@ -454,9 +446,10 @@ def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
         writable_folder(out, "--out")  # before the work, not after it
 
 
-def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
-    """The journal of simulated rows in ``out`` (resumed from, with ``resume``); ``what``: the
-    space, pinned knobs and candidates of the exploration."""
+def _journal(out: Path, setup: Setup, space: str | Space, fixed: dict | None, candidates, resume: bool) -> Journal:
+    """The journal of simulated rows in ``out`` (resumed from, with ``resume``), for the exploration
+    of ``space`` with ``fixed`` knobs and ``candidates``."""
+    what = dict(space=space if isinstance(space, str) else space.name, fixed=dict(fixed or {}), candidates=candidates)
     header = exploration_header(
         model=setup.model.to_json(),
         cluster=setup.cluster,
@@ -629,14 +622,6 @@ def _simulate_all(
                 else BUDGET_REASON
             )
     return done
-
-
-def _remember(memo: SimulationMemo, setup: Setup, result: dict) -> None:
-    """Record a worker's row in ``memo`` under its plan's digest, taken off the row (none: a row
-    resumed from the journal, or from a worker without the memo)."""
-    digest = result.pop(DIGEST_KEY, None)
-    if digest is not None:
-        memo.record(setup, digest, {k: result[k] for k in ROW_KEYS})
 
 
 def _best_plan(

@@ -22,8 +22,11 @@ import hashlib
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from planlab.candidates import ROW_KEYS
 from planlab.plan.plan import Plan
 from planlab.plan.software_passes import priced_identity
+
+DIGEST_KEY = "plan_digest"  # a worker's row carries its plan's digest with a memo (the parent takes it off)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -44,13 +47,31 @@ class SimulationMemo:
         """The rows of ``setup``'s plans by digest (the memo's own dict: rows recorded later show in it)."""
         return self.rows.setdefault(setup, {})
 
-    def record(self, setup: Hashable, digest: str, row: dict) -> None:
-        """Keep ``row`` for the plan of ``digest``; a row the memo held already counts as reused."""
+    def record(self, setup: Hashable, digest: str, row: dict) -> bool:
+        """Keep ``row`` for the plan of ``digest``; False (and counted as reused) if the memo held it."""
         known = self.known(setup)
         if digest in known:
             self.reused += 1
-        else:
-            known[digest] = dict(row)
+            return False
+        known[digest] = dict(row)
+        return True
 
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.rows.values())
+    def recorder(self, setup: Hashable) -> Recorder:
+        """What one exploration of ``setup`` calls with each row a worker returns."""
+        return Recorder(self, setup)
+
+
+@dataclass
+class Recorder:
+    """Records the rows of one exploration of ``setup`` in ``memo``, each under the digest the
+    worker put on it (``DIGEST_KEY``, taken off the row; none: a row resumed from the journal, or
+    from a worker without the memo), and counts the rows the memo held already (``reused``)."""
+
+    memo: SimulationMemo
+    setup: Hashable
+    reused: int = 0
+
+    def __call__(self, result: dict) -> None:
+        digest = result.pop(DIGEST_KEY, None)
+        if digest is not None and not self.memo.record(self.setup, digest, {k: result[k] for k in ROW_KEYS}):
+            self.reused += 1
