@@ -50,6 +50,9 @@ Every figure is the simulator's prediction with the cluster's specification (no 
 The workloads run in the order given (all: by GPU count), each line printed as its space finishes.
 
 Run: .venv/bin/python benchmarks/nnscaler_eval.py [--workloads swin-4,t5-4,...] [--jobs 2] [--out DIR]
+A plan is simulated once per workload: the spaces share one ``planlab.memo.SimulationMemo`` (``explore``'s
+``memo=``), so the ``megatron`` baseline's plans, which are the grid's, and a product space's plans that
+its factors simulated take the rows simulated first (``--no-reuse``: simulate them again; no row changes).
 (``--candidates N``: simulate N plans per space, ``planlab explore --candidates``; default explore's own,
 a smaller N is a partial measurement and the table says so.)
 """
@@ -188,10 +191,11 @@ class Best:
 
 
 def explore_run(
-    w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None, candidates: int | None = None
+    w: Workload, r: Run, cluster: str, nodes: int, jobs: int, out: Path | None, candidates: int | None = None, memo=None
 ) -> Best:
     """Explore one space for one workload and keep its best feasible simulated plan (with ``out``,
-    explore's files for it go to ``out/<workload>/<space label>``)."""
+    explore's files for it go to ``out/<workload>/<space label>``; ``memo``: the workload's
+    :class:`planlab.memo.SimulationMemo`, so that a plan another space simulated is not simulated again)."""
     import planlab
     from planlab.errors import PlanlabError
 
@@ -207,6 +211,7 @@ def explore_run(
             jobs=jobs,
             **({} if candidates is None else {"candidates": candidates}),
             software=r.software,
+            memo=memo,
             out=None if out is None else out / w.key / r.label.replace("*", "x"),
         )
     except PlanlabError as e:
@@ -248,7 +253,8 @@ def phases_of(df) -> str:
     parts = [f"{n} {ph[n + '_s']:.0f} s" for n in names if n + "_s" in ph]
     rest = ph.get("total_s", 0.0) - sum(ph.get(n + "_s", 0.0) for n in names)
     parts.append(f"rank {rest:.0f} s")
-    return ", ".join(parts) + f" ({counts.get('simulated', 0)} of {counts.get('plans', len(df))} simulated)"
+    reused = f", {counts['reused']} of them reused from earlier spaces" if counts.get("reused") else ""
+    return ", ".join(parts) + f" ({counts.get('simulated', 0)} of {counts.get('plans', len(df))} simulated{reused})"
 
 
 def speedups(b: Best, bests: dict[str, Best]) -> list[str]:
@@ -269,8 +275,13 @@ def run_workload(
     out: Path | None,
     labels: tuple[str, ...] = (),
     candidates: int | None = None,
+    reuse: bool = True,
 ) -> dict[str, Best]:
-    """Explore every space of ``w`` (with ``labels``, those only), printing one line per space as it finishes."""
+    """Explore every space of ``w`` (with ``labels``, those only), printing one line per space as it finishes;
+    with ``reuse``, a plan is simulated once for all the spaces (one :class:`planlab.memo.SimulationMemo`)."""
+    from planlab.memo import SimulationMemo
+
+    memo = SimulationMemo() if reuse else None
     cluster, nodes = cluster_for(w.gpus, specs)
     part = "" if candidates is None else f", only {candidates} plans simulated per space (a partial measurement)"
     print(f"\n== {w.key}: {w.preset} on {w.gpus} V100 ({cluster}, {nodes} node(s)), global batch {GLOBAL_BATCH}{part}")
@@ -279,7 +290,7 @@ def run_workload(
     for r in w.runs:
         if labels and r.label not in labels:
             continue
-        b = explore_run(w, r, cluster, nodes, jobs, out, candidates)
+        b = explore_run(w, r, cluster, nodes, jobs, out, candidates, memo)
         bests[r.label] = b
         fig = f"{b.time_s:.3f} s, {b.mem_gib:.1f} GiB  {b.knobs}" if b.time_s is not None else b.note
         print(f"  {r.label:<13} {b.plans:>4} plans, {b.took_s:5.0f} s ({b.cpu_s:.0f} s CPU): {fig}", flush=True)
@@ -327,6 +338,9 @@ def main() -> int:
     )
     ap.add_argument("--jobs", type=int, default=2, help="plans simulated in parallel")
     ap.add_argument("--candidates", type=int, help="plans simulated per space (default: explore's)")
+    ap.add_argument(
+        "--no-reuse", action="store_true", help="simulate a plan again in each space that holds it (no memo)"
+    )
     ap.add_argument("--specs", default="out/nnscaler_specs", help="folder for the 4- and 8-GPU cluster spec files")
     ap.add_argument("--out", help="folder for each exploration's results.csv, best_plan.json and plots")
     a = ap.parse_args()
@@ -349,7 +363,15 @@ def main() -> int:
     by_key = {w.key: w for w in WORKLOADS}
     out = None if a.out is None else Path(a.out)
     results = {
-        k: run_workload(by_key[k], jobs=a.jobs, specs=Path(a.specs), out=out, labels=labels, candidates=a.candidates)
+        k: run_workload(
+            by_key[k],
+            jobs=a.jobs,
+            specs=Path(a.specs),
+            out=out,
+            labels=labels,
+            candidates=a.candidates,
+            reuse=not a.no_reuse,
+        )
         for k in keys
     }
     print_table(results)

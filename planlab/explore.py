@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -41,18 +42,16 @@ from planlab.candidates import (
     simulate_candidates,
 )
 from planlab.costmodel import CostModel
-from planlab.costmodel.precision import Precision
-from planlab.costmodel.software import SoftwareSpec
 from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.inputs import check_sizes, writable_folder
+from planlab.memo import DIGEST_KEY, SimulationMemo, plan_digest
+from planlab.memory_bound import memory_lower_bound_bytes
 from planlab.graph.ir import Graph
 from planlab.models.spec import ModelSpec
 from planlab.models.trace_cache import trace_model
-from planlab.plan.materialize import precision_for
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
-from planlab.plan.saved import saved_activations
 from planlab.plan.software_passes import build_program
 from planlab.progress import note
 from planlab.progress import progress as progress_bar
@@ -112,84 +111,6 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
         cost.cluster.node.devices_per_node,
     )
     return ctx, cost, graph
-
-
-def memory_lower_bound_bytes(
-    plan: Plan, graph: Graph, precision: Precision | None = None, software: SoftwareSpec | None = None
-) -> tuple[int, int]:
-    """``(static, activations)`` bytes on the fullest device, without simulating: weights,
-    gradients and optimizer states (ZeRO keeps a 1/n share of the optimizer states, of the
-    gradients from stage 2, of the weights at stage 3, where n devices sum a weight's gradient),
-    plus the activations saved for the backward (each tensor once per stage, however many
-    operators save it; what the ``software``'s implementation keeps, :mod:`planlab.plan.saved`)
-    of the micro-batches the device's schedule keeps in flight at its fullest moment (until their
-    backward, or its input-gradient part ``I``). ``precision``: the cost model's (default: the
-    cluster's, ``precision_for``)."""
-    prec = precision or precision_for(plan.cluster)
-    m = plan.microbatches
-    # device set -> [static bytes, {stage: saved bytes of one micro-batch}, tensors counted]
-    by_devices: dict[tuple[int, ...], list] = {}
-    fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
-    plans = {p.op: p for p in plan.ops}
-    for p in plan.ops:
-        acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
-        op = graph.op(p.op)
-        for t in dict.fromkeys(op.inputs):
-            spec = graph.tensors[t]
-            if spec.role != "param":
-                continue
-            if fwd_only:
-                if (t, "param") in acc[2]:
-                    continue  # held once, however many passes read it
-                acc[2].add((t, "param"))
-            held = {ax[0] for ax in op.axes_of(t) if ax}
-            cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
-            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
-            red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
-            weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
-            grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
-            opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
-            opt = 0.0 if plan.offload_optimizer else opt  # ZeRO-Offload: the states are in host memory
-            acc[0] += spec.numel / cut * (weights + grad + opt)
-        if p.recompute or p.offload or p.op in fwd_only:
-            continue  # a recomputed operator keeps nothing for its backward, an offloaded one nothing on the device
-        for key, nbytes in saved_activations(op, p, graph, software, prec, m, plans):
-            if key not in acc[2]:
-                acc[2].add(key)
-                acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes
-    static = [0.0] * plan.num_devices
-    saved: list[dict[int, float]] = [{} for _ in range(plan.num_devices)]
-    for devs, (st, sv, _) in by_devices.items():
-        for dev in devs:
-            static[dev] += st
-            for s, b in sv.items():
-                saved[dev][s] = saved[dev].get(s, 0.0) + b
-    peaks: dict[tuple, float] = {}
-    worst = (0.0, 0.0)
-    for dev in range(plan.num_devices):
-        sched = plan.schedule[dev] if plan.schedule and plan.schedule[dev] else None
-        key = (id(sched), tuple(sorted(saved[dev].items())))
-        if key not in peaks:
-            peaks[key] = _activation_peak(sched, saved[dev], m)
-        total = (static[dev], peaks[key])
-        if sum(total) > sum(worst):
-            worst = total
-    return int(worst[0]), int(worst[1])
-
-
-def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
-    """The most saved-activation bytes alive at once under ``schedule`` (None: every micro-batch's
-    forwards first, as materialize orders a plan without one)."""
-    if schedule is None:
-        return m * sum(saved.values())
-    cur = peak = 0.0
-    for a in schedule:
-        if a.phase == "F":
-            cur += saved.get(a.stage, 0.0)
-            peak = max(peak, cur)
-        elif a.phase in ("B", "I"):  # zero-bubble's W keeps less than I frees: count it freed at I
-            cur -= saved.get(a.stage, 0.0)
-    return peak
 
 
 def _nan_row(reason: str, feasible: bool = False, **extra) -> dict:
@@ -290,19 +211,29 @@ def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | No
     return [(i, *_screen_one(v)) for i, v in items]
 
 
-def simulate_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, *, timeline: bool = False):
+def simulate_candidate(
+    sp: Space, ctx: Context, cost: CostModel, values: dict, *, timeline: bool = False, known: dict | None = None
+):
     """Build and simulate one assignment of ``sp``'s knobs: the simulation's columns of its row
     (``ROW_KEYS``, and under ``PLAN_KEY`` the Plan when it fits the device, so the parent need not
     build the best plan again: an alpa plan's integer programs are solved where it was built), and
     its Program and SimResult (None for a plan not simulated; with ``timeline``, the timeline
-    recorded). The same in this process, a forked worker or a Ray task."""
+    recorded). The same in this process, a forked worker or a Ray task. ``known``: rows by plan
+    digest (:class:`planlab.memo.SimulationMemo`); a plan found there is not simulated again, and
+    the row carries its digest (``DIGEST_KEY``) for the parent to record."""
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
         return _nan_row(str(e).splitlines()[0]), None
-    row, res, program = _evaluated(plan, ctx.graph, cost, timeline)
-    out = {k: row[k] for k in ROW_KEYS}
-    return ({**out, PLAN_KEY: plan} if out["feasible"] else out), (None if res is None else Simulated(program, res))
+    digest = None if known is None else plan_digest(plan)
+    if digest is not None and digest in known:
+        out, sim = {k: known[digest][k] for k in ROW_KEYS}, None
+    else:
+        row, res, program = _evaluated(plan, ctx.graph, cost, timeline)
+        out, sim = {k: row[k] for k in ROW_KEYS}, (None if res is None else Simulated(program, res))
+    if digest is not None:
+        out[DIGEST_KEY] = digest
+    return ({**out, PLAN_KEY: plan} if out["feasible"] else out), sim
 
 
 def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> Drawing:
@@ -315,17 +246,21 @@ def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> D
     return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
 
 
-def kept_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, best_s: float) -> dict:
+def kept_candidate(
+    sp: Space, ctx: Context, cost: CostModel, values: dict, best_s: float, known: dict | None = None
+) -> dict:
     """:func:`simulate_candidate`'s row, in a worker or a Ray task: with its Plan (``PLAN_KEY``)
     only when it is as fast as ``best_s``, the fastest the parent had when it was submitted (a
     slower row cannot be the best), so that the plans of the others are not sent back."""
-    row, _ = simulate_candidate(sp, ctx, cost, values)
-    return row if PLAN_KEY not in row or row["iter_time_s"] <= best_s else {k: row[k] for k in ROW_KEYS}
+    row, _ = simulate_candidate(sp, ctx, cost, values, known=known)
+    return (
+        row if PLAN_KEY not in row or row["iter_time_s"] <= best_s else {k: v for k, v in row.items() if k != PLAN_KEY}
+    )
 
 
 def _simulate_one(item: tuple[int, dict, float]) -> tuple[int, dict]:
     i, values, best_s = item
-    return i, kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, best_s)
+    return i, kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, best_s, _STATE.get("known"))
 
 
 def _draw_one(values: dict) -> Drawing:
@@ -338,7 +273,10 @@ def _simulate_here(item: tuple[int, dict]) -> tuple[int, dict]:
     (:class:`BestPlans` keeps the fastest). A lone candidate (``_STATE["lone"]``) records its
     timeline at once."""
     i, values = item
-    row, sim = simulate_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, timeline=_STATE["lone"])
+    st = _STATE
+    row, sim = simulate_candidate(
+        st["space"], st["ctx"], st["cost"], values, timeline=st["lone"], known=st.get("known")
+    )
     return i, ({**row, SIMULATED_KEY: sim} if PLAN_KEY in row and sim is not None else row)
 
 
@@ -368,6 +306,7 @@ def explore(
     resume: bool = False,
     software: str | os.PathLike | None = None,
     precision: str | None = None,
+    memo: SimulationMemo | None = None,
 ) -> pd.DataFrame:
     """Screen every plan of ``space``, simulate the best candidates, return the ranked DataFrame
     (simulated feasible plans first, fastest first).
@@ -390,6 +329,8 @@ def explore(
     ``precision`` are the training software the plans run with (default: the cluster's, see
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
+    ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray).
     """
     t0 = time.perf_counter()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
@@ -408,11 +349,8 @@ def explore(
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
     assignments = sp.enumerate(ctx, fixed)
     t_enum = time.perf_counter()
-    journal = None
-    if out is not None:
-        what = dict(space=space if isinstance(space, str) else sp.name, fixed=dict(fixed or {}), candidates=candidates)
-        journal = _journal(Path(out), setup, what, resume)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None)
+    journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans = Workers(jobs, spawned), BestPlans()
     try:
@@ -423,9 +361,11 @@ def explore(
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
-            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws)
+            remember = None if memo is None else memo.recorder(setup)
+            done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws, remember)
             t_sim = time.perf_counter()
             counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
+            counts.update({} if remember is None else {"reused": remember.reused})
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
             drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
@@ -506,9 +446,10 @@ def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
         writable_folder(out, "--out")  # before the work, not after it
 
 
-def _journal(out: Path, setup: Setup, what: dict, resume: bool) -> Journal:
-    """The journal of simulated rows in ``out`` (resumed from, with ``resume``); ``what``: the
-    space, pinned knobs and candidates of the exploration."""
+def _journal(out: Path, setup: Setup, space: str | Space, fixed: dict | None, candidates, resume: bool) -> Journal:
+    """The journal of simulated rows in ``out`` (resumed from, with ``resume``), for the exploration
+    of ``space`` with ``fixed`` knobs and ``candidates``."""
+    what = dict(space=space if isinstance(space, str) else space.name, fixed=dict(fixed or {}), candidates=candidates)
     header = exploration_header(
         model=setup.model.to_json(),
         cluster=setup.cluster,
@@ -628,11 +569,13 @@ def _simulate_all(
     journal: Journal | None,
     best: BestPlans,
     draws: Draws | None = None,
+    remember: Callable[[dict], None] | None = None,
 ) -> int:
     """Simulate ``order`` (fastest estimate first) until ``deadline``, each row journaled as it
     finishes (rows the journal already holds are taken from it), the fastest rows' plans kept in
     ``best``; returns how many were. ``draws``: where the likely best is drawn once the last
-    candidate is submitted (the fastest row yet; ties by the screen's estimate, as ranked)."""
+    candidate is submitted (the fastest row yet; ties by the screen's estimate, as ranked).
+    ``remember``: called with each row a worker returns (it takes the row's ``DIGEST_KEY`` off)."""
 
     def drained() -> None:
         if draws is not None and best.plans:
@@ -646,6 +589,8 @@ def _simulate_all(
 
     def store(i: int, result: dict) -> None:
         nonlocal done
+        if remember is not None:
+            remember(result)
         result = best.offer(i, result)
         rows[i].update(result, simulated=True)
         if journal is not None and i not in resumed:

@@ -38,9 +38,20 @@ def build_program(plan: Plan, graph: Graph, cost: CostModel, *, symmetric: bool 
     return apply_software(program, plan, cost.software)
 
 
+# the knobs of a plan that its Program depends on (read by apply_software); its other knobs and its
+# space's name only label it (materialize reads neither)
+PRICED_KNOBS = ("tp", "sequence_parallel")
+
+
+def priced_identity(plan: Plan) -> Plan:
+    """``plan`` without what only labels it: its space's name and the knobs outside ``PRICED_KNOBS``.
+    Two plans with the same identity build the same Program (:mod:`planlab.memo` keys rows by it)."""
+    return replace(plan, space="", knobs=tuple((k, v) for k, v in plan.knobs if k in PRICED_KNOBS))
+
+
 def apply_software(program: Program, plan: Plan, software: SoftwareSpec) -> Program:
-    """The software's passes on a materialized Program of ``plan``."""
-    knobs = dict(plan.knobs)
+    """The software's passes on a materialized Program of ``plan`` (they read its ``PRICED_KNOBS`` only)."""
+    knobs = dict(priced_identity(plan).knobs)
     tp = int(knobs.get("tp") or 1)
     if software.pipeline_messages == "partitioned" and tp > 1 and not knobs.get("sequence_parallel"):
         program = partition_pipeline_messages(program, tp)
