@@ -351,3 +351,27 @@ def test_v_schedules_match_one_process(n, layers, schedule):
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL
     assert {t["action"][1:2] for t in res.timeline} == {"F", "I", "W", "U"}
+
+
+@pytest.mark.parametrize(
+    "model, n, knobs",
+    [
+        ("llama-tiny", 2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="dualpipe")),
+        pytest.param(
+            "deepseek-tiny",
+            4,
+            dict(dp=2, ep=2, tp=1, pp=2, microbatch=2, schedule="dualpipe"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_dualpipe_plans_of_llama_and_expert_parallel_models_match_one_process(model, n, knobs):
+    """DualPipe on a LLaMA model (grouped-query attention, no pairs) and on an expert-parallel DeepSeek
+    model (its forward/backward chunks paired, receives posted ahead) run on gloo as one process does."""
+    spec, g = traced(model, 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
+    assert any(a.posts for s in plan.schedule for a in s)
+    assert any(a.overlaps for s in plan.schedule for a in s) == (knobs.get("ep", 1) > 1)
+    res = launch_local(plan, n, steps=2, lr=1e-2, record=True)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+    assert res.max_grad_error <= GRAD_TOL
