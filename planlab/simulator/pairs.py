@@ -82,9 +82,9 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
 
 
 def _overlapped(u: Segment, k: int) -> bool:
-    """Whether the collective of ``u``'s odd part ``k`` runs beside the other action's computation
-    (an all-to-all; a segment that does not say overlaps them all)."""
-    return not u.all_to_all or u.all_to_all[k // 2]
+    """Whether the collective of ``u``'s odd part ``k`` runs beside the other action's computation:
+    an all-to-all (the lowering marks each collective part, :attr:`Segment.all_to_all`)."""
+    return u.all_to_all[k // 2]
 
 
 def _stretched(compute_s: float, beside_s: float, slowdown: float) -> float:
