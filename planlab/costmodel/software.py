@@ -39,6 +39,12 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
     implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
     ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
+``fused_glu``
+    a gated linear unit's activation and product run as one kernel that keeps only its input, the
+    gate and up projections' outputs, for the backward, which computes the activation again
+    (Megatron-Core's ``bias_swiglu_impl`` / ``bias_geglu_impl``): the activation's output is not
+    kept (:mod:`planlab.plan.saved`). False (the default): the product keeps the activation's
+    output, as PyTorch's autograd does for ``F.silu(x @ w1) * (x @ w3)``;
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -97,6 +103,7 @@ _FIELDS = {
     "sequence_parallel_saves_shard",
     "fused_softmax",
     "fused_attention",
+    "fused_glu",
     "precisions",
     "zero3",
     "memory",
@@ -152,6 +159,7 @@ class SoftwareSpec:
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
     fused_attention: bool = False
+    fused_glu: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -235,6 +243,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
+        fused_glu=_flag(f, "fused_glu", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,
