@@ -23,6 +23,8 @@ selective recomputation recomputes the attention core.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planlab.costmodel import CostModel
@@ -176,3 +178,39 @@ def test_swiglu_layer_under_megatron_core_keeps_the_fc1_output_not_the_gate(llam
     if t == 1:
         eager = {n: activations(llama_graphs, n, t, sp, "none", TORCH) for n in (2, 4)}
         assert (eager[4][0] - eager[2][0]) / 2 - per_layer == pytest.approx(2 * S * B * LF, rel=0.01)
+
+
+# A mixture-of-experts layer: experts, choices per token, expert width (capacity_factor = experts /
+# top_k: every expert takes every token of a sequence, so the routing's shapes are exact)
+ME, MK, MF = 4, 2, 128
+
+
+@pytest.fixture(scope="module")
+def moe_graphs():
+    out = {}
+    for layers in (2, 4):
+        args = dict(
+            layers=layers, hidden=LH, heads=LA, kv_heads=LKV, ffn_hidden=MF, experts=ME, top_k=MK, seq=S, vocab=512
+        )
+        spec = ModelSpec("moe", tuple(sorted(args.items()) + [("capacity_factor", ME / MK)]))
+        model, inputs = build_model(spec, batch=B)
+        out[layers] = (spec, trace(model, inputs))
+    return out
+
+
+def test_routing_weights_in_the_experts_keep_no_gathered_outputs(moe_graphs) -> None:
+    """Megatron-Core since its memory-efficient token permutation (``--software megatron``,
+    ``routing_weights_in_experts``) multiplies the routing weights into the experts' SwiGLU, whose
+    backward computes their gradient from the input it keeps; the combine of earlier versions
+    multiplied the gathered expert outputs by the weights and kept them, ``2 s b k h`` bytes a layer.
+    The Program, the explorer's bound and the screen agree."""
+    older = CostModel.load(
+        "dgx-a100-80g", 1, software=dataclasses.replace(FUSED.software, routing_weights_in_experts=False)
+    )
+    per_layer = {}
+    for name, cost in (("now", FUSED), ("older", older)):
+        acts = {n: activations(moe_graphs, n, 1, False, "none", cost) for n in (2, 4)}
+        per_layer[name] = (acts[4][0] - acts[2][0]) / 2
+        for _, peak, bound, screen in acts.values():
+            assert bound <= peak * 1.001 and screen <= peak * 1.001
+    assert per_layer["older"] - per_layer["now"] == pytest.approx(2 * S * B * MK * LH, rel=0.01)

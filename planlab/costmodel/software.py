@@ -45,6 +45,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     (Megatron-Core's ``bias_swiglu_impl`` / ``bias_geglu_impl``): the activation's output is not
     kept (:mod:`planlab.plan.saved`). False (the default): the product keeps the activation's
     output, as PyTorch's autograd does for ``F.silu(x @ w1) * (x @ w3)``;
+``routing_weights_in_experts``
+    a mixture of experts' routing weights multiply the experts' activation inside their kernel
+    (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
+    combine keeps no gathered expert outputs for the weights' gradient; false (the default): the
+    combine multiplies the gathered outputs by the weights and keeps them (:mod:`planlab.plan.saved`);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -104,6 +109,7 @@ _FIELDS = {
     "fused_softmax",
     "fused_attention",
     "fused_glu",
+    "routing_weights_in_experts",
     "precisions",
     "zero3",
     "memory",
@@ -160,6 +166,7 @@ class SoftwareSpec:
     fused_softmax: bool = True
     fused_attention: bool = False
     fused_glu: bool = False
+    routing_weights_in_experts: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -244,6 +251,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
         fused_glu=_flag(f, "fused_glu", False),
+        routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

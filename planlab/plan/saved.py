@@ -22,6 +22,12 @@ bound and the screen all ask here:
   its input, the gate and up projections' outputs, and computes the activation again in its
   backward; the product does not keep the activation's output (:func:`glu_gate`), where PyTorch's
   autograd keeps it for ``F.silu(x @ w1) * (x @ w3)``;
+- a mixture of experts whose routing weights multiply the experts' activation inside their kernel
+  (the software's ``routing_weights_in_experts``: Megatron-Core's ``weighted_bias_swiglu_impl``,
+  whose backward computes the weights' gradient from the SwiGLU input it keeps) keeps nothing at
+  the combine: the weighted sum of the gathered expert outputs does not keep them
+  (:func:`combined_outputs`), where the combine of earlier Megatron-Core (``unpermute`` with
+  ``probs``) keeps them for the weights' gradient;
 - a saved tensor that is a broadcast view of another (``Tensor.expand``: stride 0 on the new axes,
   no storage of its own) keeps the storage under it, the view's input: autograd saves the view, and
   the view holds its base alive, nothing more (the routing's index expanded to the hidden size,
@@ -81,10 +87,12 @@ def saved_tensors(
         return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
     if op.kind == "attention" and unfused_attention(software):
         return tuple(t for t in op.saves if t not in op.outputs)
-    if op.kind == "mul" and software is not None and software.fused_glu and graph is not None:
-        gate = glu_gate(op, graph)
-        if gate is not None:
-            return tuple(t for t in op.saves if t != gate)
+    if op.kind == "mul" and software is not None and graph is not None:
+        drop = (glu_gate(op, graph) if software.fused_glu else None, None)
+        if software.routing_weights_in_experts:
+            drop = (drop[0], combined_outputs(op, graph))
+        if drop != (None, None):
+            return tuple(t for t in op.saves if t not in drop)
     if (
         op.kind == "attention"
         and software is not None
@@ -115,6 +123,27 @@ def glu_gate(op: Operator, graph: Graph) -> str | None:
         proj, other = graph.producer.get(act.inputs[0]), graph.producer.get(up)
         if proj is not None and other is not None and proj.kind in GLU_PROJECTIONS and other.kind in GLU_PROJECTIONS:
             return gate
+    return None
+
+
+def combined_outputs(op: Operator, graph: Graph) -> str | None:
+    """The experts' outputs gathered back to their tokens that ``op`` multiplies by the routing
+    weights (one per token and choice, a trailing axis of 1) when ``op`` is a mixture of experts'
+    combine, ``torch.gather(experts' output, 1, slot) * weights`` (:mod:`planlab.models.moe`), and
+    their only reader; else None."""
+    if op.kind != "mul" or len(op.inputs) != 2:
+        return None
+    for y, w in (op.inputs, op.inputs[::-1]):
+        g = graph.producer.get(y)
+        if g is None or g.kind != "gather" or tuple(graph.tensors[w].shape[-1:]) != (1,):
+            continue
+        if len(graph.consumers.get(y, ())) != 1:
+            continue
+        src = graph.producer.get(g.inputs[0])
+        while src is not None and src.kind in LAYOUT_VIEWS:
+            src = graph.producer.get(src.inputs[0])
+        if src is not None and src.kind == "matmul" and any(graph.tensors[t].role == "param" for t in src.inputs):
+            return y
     return None
 
 
