@@ -3,7 +3,8 @@ them, what its mixed precision keeps, how it reduces gradients, how its ZeRO-3 /
 weights, and what it takes of device memory before the first tensor.
 
 Built-in software lives in ``planlab/costmodel/software/NAME.json`` (``megatron``,
-``deepspeed``, ``torch``); a user's file has the same fields. Every number names its source in
+``deepspeed``, ``torch``); a user's file has the same fields, or names a ``base`` (a built-in
+name or a file) and gives only the fields that differ from it. Every number names its source in
 the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``). Fields:
 
 ``implementation``
@@ -196,16 +197,46 @@ def list_software() -> list[str]:
 
 def load_software(name_or_path: str | os.PathLike[str]) -> SoftwareSpec:
     """A built-in software by name (``list_software``) or a user's JSON file by path; ConfigError
-    for an unknown name or a malformed file (naming the file and the field)."""
+    for an unknown name or a malformed file (naming the file and the field). A file with a
+    ``base`` (a built-in name or a file) takes the base's fields and gives its own over them
+    (:func:`with_base`)."""
+    path = _software_path(name_or_path)
+    return software_from(Fields(with_base(read_json(path, _WHAT), path), str(path), what=_WHAT), str(path))
+
+
+def _software_path(name_or_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(name_or_path)
     names = list_software()
     if text in names:
-        path = SOFTWARE_DIR / f"{text}.json"
-    elif text.endswith(".json") or "/" in text or os.sep in text:
-        path = Path(text)
-    else:
-        raise ConfigError(f"unknown software {text!r}; choose {choices(names)} or a path to a JSON software file")
-    return software_from(Fields(read_json(path, _WHAT), str(path), what=_WHAT), str(path))
+        return SOFTWARE_DIR / f"{text}.json"
+    if text.endswith(".json") or "/" in text or os.sep in text:
+        return Path(text)
+    raise ConfigError(f"unknown software {text!r}; choose {choices(names)} or a path to a JSON software file")
+
+
+def with_base(obj: dict, path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A software object with its ``base`` filled in: the base's fields (itself with its own base
+    filled in), the object's fields over them, its objects (``source``, ``precisions``, ``memory``,
+    ``zero3``) merged field by field. An object without ``base`` is returned as it is."""
+    if not isinstance(obj, dict) or "base" not in obj:
+        return obj
+    base = obj["base"]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{_WHAT} {str(path)!r}: field 'base' is {base!r}; expected a built-in software name or a file"
+        )
+    base_path = _software_path(base)
+    if base_path.resolve() in _seen + (path.resolve(),):
+        raise ConfigError(f"{_WHAT} {str(path)!r}: field 'base' {base!r} leads back to itself")
+    parent = with_base(read_json(base_path, _WHAT), base_path, _seen + (path.resolve(),))
+    return _merged(parent, {k: v for k, v in obj.items() if k != "base"})
+
+
+def _merged(under: dict, over: dict) -> dict:
+    out = dict(under)
+    for key, value in over.items():
+        out[key] = _merged(under[key], value) if isinstance(value, dict) and isinstance(under.get(key), dict) else value
+    return out
 
 
 def _choice(f: Fields, key: str, valid: tuple[str, ...], default: str) -> str:
