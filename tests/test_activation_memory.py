@@ -23,6 +23,8 @@ selective recomputation recomputes the attention core.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planlab.costmodel import CostModel
@@ -134,3 +136,81 @@ def test_fused_attention_keeps_no_scores(graphs, t: int, sp: bool, recompute: st
         assert per_layer < 0.9 * korthikanti(t, sp, recompute)
     for _, peak, bound, screen in acts.values():
         assert bound <= peak * 1.001 and screen <= peak * 1.001
+
+
+# A LLaMA layer (RMSNorm, grouped-query attention with rotary embeddings, SwiGLU): hidden, heads,
+# key/value heads, SwiGLU width
+LH, LA, LKV, LF = 256, 8, 2, 640
+
+
+@pytest.fixture(scope="module")
+def llama_graphs():
+    out = {}
+    for layers in (2, 4):
+        args = dict(layers=layers, hidden=LH, heads=LA, kv_heads=LKV, ffn_hidden=LF, seq=S, vocab=512)
+        spec = ModelSpec("llama", tuple(sorted(args.items())))
+        model, inputs = build_model(spec, batch=B)
+        out[layers] = (spec, trace(model, inputs))
+    return out
+
+
+def megatron_core_llama_layer(t: int) -> float:
+    """Bytes a LLaMA layer keeps under Megatron-Core with Transformer Engine, 16-bit, no
+    recomputation (with sequence parallelism for t > 1, every term cut t ways): the attention norm's
+    input and output (2 + 2 s b h), Q (2 s b h), K and V (2 x 2 s b h kv / a), O, which the output
+    projection keeps as its input (2 s b h), the log-sum-exp (4 a s b), the MLP norm's input and output
+    (2 + 2 s b h), the fused SwiGLU's input, fc1's two outputs (2 x 2 s b f), and fc2's input (2 s b f):
+    the silu output is not kept (``SwiGLUFunction`` saves its input only)."""
+    sb = S * B
+    return (sb * LH * (12 + 4 * LKV / LA) + 6 * sb * LF + 4 * LA * sb) / t
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (2, True)])
+def test_swiglu_layer_under_megatron_core_keeps_the_fc1_output_not_the_gate(llama_graphs, t: int, sp: bool) -> None:
+    """Megatron-Core's fused SwiGLU (``--software megatron``, ``fused_glu``) keeps fc1's output and
+    computes silu again in its backward; PyTorch's autograd (``torch``) also keeps silu's output,
+    ``2 s b f`` bytes more a layer. The Program, the explorer's bound and the screen agree."""
+    acts = {n: activations(llama_graphs, n, t, sp, "none", FUSED) for n in (2, 4)}
+    per_layer = (acts[4][0] - acts[2][0]) / 2
+    assert per_layer == pytest.approx(megatron_core_llama_layer(t), rel=0.03)
+    for _, peak, bound, screen in acts.values():
+        assert bound <= peak * 1.001 and screen <= peak * 1.001
+    if t == 1:
+        eager = {n: activations(llama_graphs, n, t, sp, "none", TORCH) for n in (2, 4)}
+        assert (eager[4][0] - eager[2][0]) / 2 - per_layer == pytest.approx(2 * S * B * LF, rel=0.01)
+
+
+# A mixture-of-experts layer: experts, choices per token, expert width (capacity_factor = experts /
+# top_k: every expert takes every token of a sequence, so the routing's shapes are exact)
+ME, MK, MF = 4, 2, 128
+
+
+@pytest.fixture(scope="module")
+def moe_graphs():
+    out = {}
+    for layers in (2, 4):
+        args = dict(
+            layers=layers, hidden=LH, heads=LA, kv_heads=LKV, ffn_hidden=MF, experts=ME, top_k=MK, seq=S, vocab=512
+        )
+        spec = ModelSpec("moe", tuple(sorted(args.items()) + [("capacity_factor", ME / MK)]))
+        model, inputs = build_model(spec, batch=B)
+        out[layers] = (spec, trace(model, inputs))
+    return out
+
+
+def test_routing_weights_in_the_experts_keep_no_gathered_outputs(moe_graphs) -> None:
+    """Megatron-Core since its memory-efficient token permutation (``--software megatron``,
+    ``routing_weights_in_experts``) multiplies the routing weights into the experts' SwiGLU, whose
+    backward computes their gradient from the input it keeps; the combine of earlier versions
+    multiplied the gathered expert outputs by the weights and kept them, ``2 s b k h`` bytes a layer.
+    The Program, the explorer's bound and the screen agree."""
+    older = CostModel.load(
+        "dgx-a100-80g", 1, software=dataclasses.replace(FUSED.software, routing_weights_in_experts=False)
+    )
+    per_layer = {}
+    for name, cost in (("now", FUSED), ("older", older)):
+        acts = {n: activations(moe_graphs, n, 1, False, "none", cost) for n in (2, 4)}
+        per_layer[name] = (acts[4][0] - acts[2][0]) / 2
+        for _, peak, bound, screen in acts.values():
+            assert bound <= peak * 1.001 and screen <= peak * 1.001
+    assert per_layer["older"] - per_layer["now"] == pytest.approx(2 * S * B * MK * LH, rel=0.01)

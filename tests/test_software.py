@@ -5,6 +5,7 @@ the gradient reduction (overlapped buckets or after the backward)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -158,3 +159,41 @@ def test_megatron_runs_attention_fused_and_megatron_2022_unfused() -> None:
     assert flop[1] == pytest.approx(2.5 * flop[0])
     unfused = op_kernels("attention", "F", shapes, 2, "megatron", False, True, False)
     assert len(unfused.kernels) > 1 and any(k.name == "baddbmm-scores" for k in unfused.kernels)
+
+
+def test_a_software_file_with_a_base_gives_only_what_differs(tmp_path) -> None:
+    """``base``: the base's fields, the file's own over them, objects merged field by field;
+    ``megatron-2024`` is ``megatron`` with the routing weights applied at the combine."""
+    core, older = load_software("megatron"), load_software("megatron-2024")
+    assert core.routing_weights_in_experts and not older.routing_weights_in_experts
+    assert dataclasses.replace(older, name=core.name, path=core.path, routing_weights_in_experts=True) == core
+    assert older.precisions == core.precisions and older.memory == core.memory
+    mine = tmp_path / "mine.json"
+    mine.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "base": "megatron-2024",
+                "precisions": {"fp8": {"optimizer_bytes": 8}, "source": {"fp8": "BF16 moments"}},
+            }
+        )
+    )
+    sw = load_software(mine)
+    assert sw.precision("fp8").optimizer_bytes == 8 and sw.precision("fp8").linear_input_bytes == 1
+    assert sw.precision("bf16") == core.precision("bf16") and not sw.routing_weights_in_experts
+
+
+@pytest.mark.parametrize(
+    "base, message",
+    [
+        ("nope", "unknown software 'nope'"),
+        (3, "field 'base' is 3; expected a built-in software name or a file"),
+        ("SELF", "leads back to itself"),
+    ],
+)
+def test_a_bad_base_is_named_in_one_line(tmp_path, base, message) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "base": str(path) if base == "SELF" else base}))
+    with pytest.raises(ConfigError, match=message) as e:
+        load_software(path)
+    assert "\n" not in str(e.value)

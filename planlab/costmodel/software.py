@@ -3,7 +3,8 @@ them, what its mixed precision keeps, how it reduces gradients, how its ZeRO-3 /
 weights, and what it takes of device memory before the first tensor.
 
 Built-in software lives in ``planlab/costmodel/software/NAME.json`` (``megatron``,
-``deepspeed``, ``torch``); a user's file has the same fields. Every number names its source in
+``deepspeed``, ``torch``); a user's file has the same fields, or names a ``base`` (a built-in
+name or a file) and gives only the fields that differ from it. Every number names its source in
 the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``). Fields:
 
 ``implementation``
@@ -39,6 +40,17 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
     implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
     ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
+``fused_glu``
+    a gated linear unit's activation and product run as one kernel that keeps only its input, the
+    gate and up projections' outputs, for the backward, which computes the activation again
+    (Megatron-Core's ``bias_swiglu_impl`` / ``bias_geglu_impl``): the activation's output is not
+    kept (:mod:`planlab.plan.saved`). False (the default): the product keeps the activation's
+    output, as PyTorch's autograd does for ``F.silu(x @ w1) * (x @ w3)``;
+``routing_weights_in_experts``
+    a mixture of experts' routing weights multiply the experts' activation inside their kernel
+    (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
+    combine keeps no gathered expert outputs for the weights' gradient; false (the default): the
+    combine multiplies the gathered outputs by the weights and keeps them (:mod:`planlab.plan.saved`);
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -97,6 +109,8 @@ _FIELDS = {
     "sequence_parallel_saves_shard",
     "fused_softmax",
     "fused_attention",
+    "fused_glu",
+    "routing_weights_in_experts",
     "precisions",
     "zero3",
     "memory",
@@ -152,6 +166,8 @@ class SoftwareSpec:
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
     fused_attention: bool = False
+    fused_glu: bool = False
+    routing_weights_in_experts: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -181,16 +197,46 @@ def list_software() -> list[str]:
 
 def load_software(name_or_path: str | os.PathLike[str]) -> SoftwareSpec:
     """A built-in software by name (``list_software``) or a user's JSON file by path; ConfigError
-    for an unknown name or a malformed file (naming the file and the field)."""
+    for an unknown name or a malformed file (naming the file and the field). A file with a
+    ``base`` (a built-in name or a file) takes the base's fields and gives its own over them
+    (:func:`with_base`)."""
+    path = _software_path(name_or_path)
+    return software_from(Fields(with_base(read_json(path, _WHAT), path), str(path), what=_WHAT), str(path))
+
+
+def _software_path(name_or_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(name_or_path)
     names = list_software()
     if text in names:
-        path = SOFTWARE_DIR / f"{text}.json"
-    elif text.endswith(".json") or "/" in text or os.sep in text:
-        path = Path(text)
-    else:
-        raise ConfigError(f"unknown software {text!r}; choose {choices(names)} or a path to a JSON software file")
-    return software_from(Fields(read_json(path, _WHAT), str(path), what=_WHAT), str(path))
+        return SOFTWARE_DIR / f"{text}.json"
+    if text.endswith(".json") or "/" in text or os.sep in text:
+        return Path(text)
+    raise ConfigError(f"unknown software {text!r}; choose {choices(names)} or a path to a JSON software file")
+
+
+def with_base(obj: dict, path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A software object with its ``base`` filled in: the base's fields (itself with its own base
+    filled in), the object's fields over them, its objects (``source``, ``precisions``, ``memory``,
+    ``zero3``) merged field by field. An object without ``base`` is returned as it is."""
+    if not isinstance(obj, dict) or "base" not in obj:
+        return obj
+    base = obj["base"]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"{_WHAT} {str(path)!r}: field 'base' is {base!r}; expected a built-in software name or a file"
+        )
+    base_path = _software_path(base)
+    if base_path.resolve() in _seen + (path.resolve(),):
+        raise ConfigError(f"{_WHAT} {str(path)!r}: field 'base' {base!r} leads back to itself")
+    parent = with_base(read_json(base_path, _WHAT), base_path, _seen + (path.resolve(),))
+    return _merged(parent, {k: v for k, v in obj.items() if k != "base"})
+
+
+def _merged(under: dict, over: dict) -> dict:
+    out = dict(under)
+    for key, value in over.items():
+        out[key] = _merged(under[key], value) if isinstance(value, dict) and isinstance(under.get(key), dict) else value
+    return out
 
 
 def _choice(f: Fields, key: str, valid: tuple[str, ...], default: str) -> str:
@@ -235,6 +281,8 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
+        fused_glu=_flag(f, "fused_glu", False),
+        routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

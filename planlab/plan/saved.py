@@ -17,6 +17,17 @@ bound and the screen all ask here:
   TE's ``aux_ctx_tensors``), and no score matrix: its backward computes the scores again. Its
   output is written in the layout the output projection reads, so the heads' merge is a view and a
   projection that keeps its 16-bit input keeps the same storage (:func:`output_kept_by_reader`);
+- a gated linear unit fused into one kernel (the software's ``fused_glu``: Megatron-Core's
+  ``bias_swiglu_impl`` and ``bias_geglu_impl``, its default ``--bias-swiglu-fusion``) keeps only
+  its input, the gate and up projections' outputs, and computes the activation again in its
+  backward; the product does not keep the activation's output (:func:`glu_gate`), where PyTorch's
+  autograd keeps it for ``F.silu(x @ w1) * (x @ w3)``;
+- a mixture of experts whose routing weights multiply the experts' activation inside their kernel
+  (the software's ``routing_weights_in_experts``: Megatron-Core's ``weighted_bias_swiglu_impl``,
+  whose backward computes the weights' gradient from the SwiGLU input it keeps) keeps nothing at
+  the combine: the weighted sum of the gathered expert outputs does not keep them
+  (:func:`combined_outputs`), where the combine of earlier Megatron-Core (``unpermute`` with
+  ``probs``) keeps them for the weights' gradient;
 - a saved tensor that is a broadcast view of another (``Tensor.expand``: stride 0 on the new axes,
   no storage of its own) keeps the storage under it, the view's input: autograd saves the view, and
   the view holds its base alive, nothing more (the routing's index expanded to the hidden size,
@@ -76,6 +87,12 @@ def saved_tensors(
         return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
     if op.kind == "attention" and unfused_attention(software):
         return tuple(t for t in op.saves if t not in op.outputs)
+    if op.kind == "mul" and software is not None and graph is not None:
+        drop = (glu_gate(op, graph) if software.fused_glu else None, None)
+        if software.routing_weights_in_experts:
+            drop = (drop[0], combined_outputs(op, graph))
+        if drop != (None, None):
+            return tuple(t for t in op.saves if t not in drop)
     if (
         op.kind == "attention"
         and software is not None
@@ -86,6 +103,48 @@ def saved_tensors(
     ):
         return tuple(t for t in op.saves if t not in op.outputs)
     return op.saves
+
+
+# Operator kinds whose outputs a gated linear unit multiplies: its gate and up projections
+GLU_PROJECTIONS = frozenset({"linear", "matmul"})
+
+
+def glu_gate(op: Operator, graph: Graph) -> str | None:
+    """The activated gate ``act(x @ w1)`` that ``op`` multiplies by an up projection ``x @ w3``
+    when ``op`` is a gated linear unit's product and the only reader of that gate; else None.
+    A fused gated linear unit (the software's ``fused_glu``) keeps the projections' outputs (the
+    activation keeps its input, the product the up projection) and not the gate."""
+    if op.kind != "mul" or len(op.inputs) != 2:
+        return None
+    for gate, up in (op.inputs, op.inputs[::-1]):
+        act = graph.producer.get(gate)
+        if act is None or act.kind != "activation" or len(graph.consumers.get(gate, ())) != 1:
+            continue
+        proj, other = graph.producer.get(act.inputs[0]), graph.producer.get(up)
+        if proj is not None and other is not None and proj.kind in GLU_PROJECTIONS and other.kind in GLU_PROJECTIONS:
+            return gate
+    return None
+
+
+def combined_outputs(op: Operator, graph: Graph) -> str | None:
+    """The experts' outputs gathered back to their tokens that ``op`` multiplies by the routing
+    weights (one per token and choice, a trailing axis of 1) when ``op`` is a mixture of experts'
+    combine, ``torch.gather(experts' output, 1, slot) * weights`` (:mod:`planlab.models.moe`), and
+    their only reader; else None."""
+    if op.kind != "mul" or len(op.inputs) != 2:
+        return None
+    for y, w in (op.inputs, op.inputs[::-1]):
+        g = graph.producer.get(y)
+        if g is None or g.kind != "gather" or tuple(graph.tensors[w].shape[-1:]) != (1,):
+            continue
+        if len(graph.consumers.get(y, ())) != 1:
+            continue
+        src = graph.producer.get(g.inputs[0])
+        while src is not None and src.kind in LAYOUT_VIEWS:
+            src = graph.producer.get(src.inputs[0])
+        if src is not None and src.kind == "matmul" and any(graph.tensors[t].role == "param" for t in src.inputs):
+            return y
+    return None
 
 
 # Operator kinds that only relabel the axes of a fused attention's output: Transformer Engine writes
