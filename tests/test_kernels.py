@@ -12,7 +12,7 @@ import pytest
 
 from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
-from planlab.costmodel.kernels import Kernel, fused_softmax_available, op_kernels
+from planlab.costmodel.kernels import Kernel, flash_causal_share, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
 from planlab.plan.buffer import contribution, weight_grad
@@ -616,3 +616,60 @@ def test_flash_attention_pays_no_gemm_tile_overhead() -> None:
     assert cost.kernel_time_s(flash, "bf16") == pytest.approx(want_flash)
     assert plain == pytest.approx(gemm_time_s(dev.gemm, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s)
     assert plain > gemm_time_s(free, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s
+
+
+@pytest.mark.parametrize(
+    "t, s, head_dim, backward, share",
+    [
+        # forward at head dim 128: blocks of 128 queries x 64 keys; query block m computes key blocks
+        # up to the diagonal, 2 (m + 1) of them: 2 (1 + ... + 8) = 72 of 8 x 16
+        (1024, 1024, 128, False, 72 / 128),
+        # backward at head dim 128: 64 queries x 128 keys; key block n from query block 2 n: 16 - 2 n, 72 of 16 x 8
+        (1024, 1024, 128, True, 72 / 128),
+        # head dim 64, 128 x 128 both ways: block m computes m + 1 of 8: 36 of 64
+        (1024, 1024, 64, False, 36 / 64),
+        (1024, 1024, 64, True, 36 / 64),
+        # one block holds the whole sequence: computed in full, then masked
+        (128, 128, 64, False, 1.0),
+        # fewer queries than keys, the mask at the bottom right: query block m sees 16 + 2 (m + 1) key blocks of 32
+        (1024, 2048, 128, False, sum(min(32, 16 + 2 * (m + 1)) for m in range(8)) / 256),
+        # head dim 80 takes the blocks of 96 (128 x 64 forward)
+        (1024, 1024, 80, False, 72 / 128),
+    ],
+)
+def test_flash_causal_share_counts_the_blocks_by_hand(t, s, head_dim, backward, share) -> None:
+    assert flash_causal_share(t, s, head_dim, backward) == pytest.approx(share)
+
+
+def test_causal_flash_attention_prices_the_blocks_it_computes() -> None:
+    # fused attention (megatron with TE, torch SDPA) of a causal GPT layer: the blocks the mask hides
+    # entirely are skipped; the unfused path (megatron-2022) computes and masks every score
+    shapes = ((4, 16, 2048, 128),) * 4
+    for phase in ("F", "B"):
+        full = op_kernels("attention", phase, shapes, 2, "torch").kernels[0]
+        causal = op_kernels("attention", phase, shapes, 2, "torch", causal=True).kernels[0]
+        assert causal.gemm == full.gemm and full.computed == 1.0
+        assert causal.computed == pytest.approx(flash_causal_share(2048, 2048, 128, phase == "B"))
+        cost = CostModel.load("dgx-a100-80g", software="torch")
+        launch = cost.cluster.device.launch_overhead_s
+        assert cost.kernel_time_s(causal, "bf16") - launch == pytest.approx(
+            (cost.kernel_time_s(full, "bf16") - launch) * causal.computed
+        )
+        unfused = op_kernels("attention", phase, shapes, 2, "megatron")
+        assert op_kernels("attention", phase, shapes, 2, "megatron", causal=True) == unfused
+
+
+def test_causal_attention_tasks_are_marked_and_priced_causal() -> None:
+    # GPT's attention (is_causal=True) reaches the cost model as causal pieces, which the kernel model
+    # prices below the same task without the mask once the sequence spans several blocks
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8))
+    tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.op_kind == "attention"]
+    assert tasks and all(t.causal for t in tasks)
+    long = tasks[0].but(shapes=tuple((*s[:-2], 2048, s[-1]) for s in tasks[0].shapes))
+    cost = CostModel.load("dgx-a100-80g")
+    assert cost.device_and_host_s(long, "bf16")[0] < cost.device_and_host_s(long.but(causal=False), "bf16")[0]
