@@ -54,6 +54,20 @@ def test_gemm_split_k_fills_idle_sms() -> None:
     assert t < tile_s(8192)  # faster than one wave of the whole k
 
 
+@pytest.mark.parametrize(
+    "m, waves",
+    [
+        (128 * 109, 109 / 108),  # stream-K: the 109th tile is split along k over all SMs, not a second wave
+        (128 * 216, 2),  # whole waves cost the same either way
+        (128 * 100, 1),  # one partial wave: no tiles to spread (split-K's business), one wave
+    ],
+)
+def test_gemm_stream_k_pays_fractional_waves(m: int, waves: float) -> None:
+    spec = dataclasses.replace(ONE_TILE, stream_k=True)
+    t = gemm_time_s(spec, batch=1, m=m, n=128, k=4096, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=1e30)
+    assert t == pytest.approx(waves * tile_s(4096))
+
+
 def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
     # 128 more steps of k per tile: one full wave of k = 384 costs as k = 512 would, a third more;
     # split-K by 16 of k = 8192 pays it on each of its 16 splits of 512.
@@ -413,6 +427,7 @@ def test_unknown_software(name, fragments) -> None:
         (dict(l2_GBps=None), ["'device.l2_GBps'", "missing"]),
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
+        (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
         (dict(memory_MiB=-1), ["'device.memory_MiB'", "MiB of device memory as the driver reports it"]),
         (dict(default_precision="fp8"), ["'device.default_precision'", "'fp8'", "'bf16'"]),
     ],
@@ -575,9 +590,16 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     dev = fp8.cluster.device
     big = Kernel("gemm", gemm=(1, 8192, 8192, 8192), fp8=True)
     flop = 2.0 * 8192**3
-    # 2048 tiles of 256 x 128 on 132 SMs: 16 waves where 15.5 would do (wave quantization, 3%)
-    ideal = flop / (1979e12 * 0.709) + dev.launch_overhead_s
-    assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal * 16 / 15.52, rel=0.01)
+    # 2048 tiles of 256 x 128 on 132 SMs: 15.52 waves, the last one split along k (Hopper's stream-K), each
+    # tile 224 steps of k longer (its prologue and epilogue), at the FP8 efficiency of the spec
+    assert dev.gemm.stream_k and dev.gemm.tile_overhead_k == 224 and dev.gemm.efficiency_fp8 == 0.727
+    ideal = flop * (8192 + 224) / 8192 / (1979e12 * 0.727) + dev.launch_overhead_s
+    assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal, rel=1e-9)
+    whole = dataclasses.replace(dev.gemm, stream_k=False, efficiency=0.727)
+    # without stream-K the same GEMM pays 16 whole waves (wave quantization, 3%)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    run = dict(batch=1, m=8192, n=8192, k=8192, elem_bytes=1, peak_flops_per_s=1979e12, hbm_bytes_per_s=hbm)
+    assert gemm_time_s(whole, **run) == pytest.approx((ideal - dev.launch_overhead_s) * 16 / (2048 / 132), rel=1e-9)
     x, w, y = (4, 2048, 8192), (8192, 8192), (4, 2048, 8192)
     for phase in ("F", "B"):
         writes = (contribution("x", "fc", 0), weight_grad("w"))
