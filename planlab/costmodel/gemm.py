@@ -55,6 +55,7 @@ class GemmSpec:
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
     tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
     stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
+    flash_efficiency: float = 0.0  # the efficiency fused (flash) attention runs at (0: none measured, the GEMMs')
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"

@@ -59,6 +59,7 @@ _DEVICE_FIELDS = {
     "gemm_tiles",
     "gemm_tile_overhead_k",
     "gemm_stream_k",
+    "flash_efficiency",
 }
 _NODE_FIELDS = {
     "name",
@@ -343,7 +344,7 @@ def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
 
 def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
-    optional ``gemm_tiles``, ``gemm_tile_overhead_k`` and ``gemm_stream_k``); the rest are required
+    optional ``gemm_tiles``, ``gemm_tile_overhead_k``, ``gemm_stream_k`` and ``flash_efficiency``); the rest are required
     once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
@@ -354,11 +355,18 @@ def _gemm_from(f: Fields) -> GemmSpec:
         else 0.0
     )
     over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
+    flash = (
+        f.number("flash_efficiency", high=1.0, unit="fraction of the dense peak fused attention reaches")
+        if "flash_efficiency" in f.obj
+        else 0.0
+    )
     stream_k = f.obj.get("gemm_stream_k", False)
     if not isinstance(stream_k, bool):
         raise f.error("gemm_stream_k", f"must be true or false, got {stream_k!r}")
     if "gemm_tiles" not in f.obj:
-        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k)
+        return GemmSpec(
+            sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k, flash_efficiency=flash
+        )
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
     if (
@@ -380,6 +388,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         efficiency_fp8=eff8,
         tile_overhead_k=over_k,
         stream_k=stream_k,
+        flash_efficiency=flash,
     )
 
 

@@ -315,8 +315,8 @@ class CostModel:
         spec = dev.gemm
         if kernel.fp8 and spec.efficiency_fp8:
             spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
-        if kernel.fused and spec.tile_overhead_k:  # the per-tile overhead is a tiled GEMM's (cuBLAS), not flash's
-            spec = dataclasses.replace(spec, tile_overhead_k=0)
+        if kernel.fused:  # flash attention: no per-tile overhead (a tiled GEMM's, cuBLAS's), its own efficiency
+            spec = dataclasses.replace(spec, tile_overhead_k=0, efficiency=spec.flash_efficiency or spec.efficiency)
         return (
             gemm_time_s(
                 spec,
