@@ -1,17 +1,21 @@
 """planlab's GEMM model against a measured per-shape GEMM table, and where ``gemm_tile_overhead_k``
 and ``gemm_efficiency`` of the A100 come from.
 
-The table (``benchmarks/microbench/a100-sxm4-80gb-gemm-bf16.csv``, see the README there) is a
-kernel microbenchmark: one bf16 ``x @ W.T`` per row on an A100-SXM4-80GB, m, n and k from 256 to
-16,384. It is no training measurement and no validation set.
+The tables (``benchmarks/microbench/``, see the README there) are kernel microbenchmarks: one bf16
+``x @ W.T`` per row on an A100-SXM4-80GB (``--device a100-80g`` or ``a100-40g``) or an H100 SXM5
+80GB (``--device h100-80g``), m, n and k from 256 to 16,384. They are no training measurements and
+no validation sets.
 
 Prints, for the built-in device, predicted over measured time by k and by size, then with ``--fit``
-the two numbers of the device spec as they are derived: for each per-tile overhead ``k0`` on a grid,
+the two numbers of the A100 spec as they are derived: for each per-tile overhead ``k0`` on a grid,
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
-ratio with both; the smallest is the spec's.
+ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With
+``--flash`` (A100): fused attention's forward and backward against FlashAttention-2's measured A100
+figure (``a100-sxm4-80gb-flash2-fwd-bwd.csv``) and the grid ``flash_efficiency`` comes from. With ``--whole-waves`` the device's GEMMs pay whole
+waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
-    .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g] [--fit]
+    .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash]
 """
 
 import argparse
@@ -21,12 +25,24 @@ from pathlib import Path
 
 import pandas as pd
 
+from planlab.costmodel import CostModel
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s
 from planlab.costmodel.hardware import DeviceSpec, load_device
+from planlab.costmodel.kernels import op_kernels
 
-TABLE = Path(__file__).resolve().parent / "microbench" / "a100-sxm4-80gb-gemm-bf16.csv"
-MAMF_SHAPE = (1024, 10240, 5120)  # m, n, k of the A100 SXM's best MAMF shape (M x N x K in the handbook)
-MAMF_FLOPS = 271.2e12  # bf16, torch 2.6.0+cu126: ml-engineering handbook, compute/accelerator/README.md
+MICROBENCH = Path(__file__).resolve().parent / "microbench"
+TABLES = {  # the measured table of each device the script knows
+    "a100-80g": MICROBENCH / "a100-sxm4-80gb-gemm-bf16.csv",
+    "a100-40g": MICROBENCH / "a100-sxm4-80gb-gemm-bf16.csv",
+    "h100-80g": MICROBENCH / "h100-sxm5-80gb-gemm-bf16.csv",
+}
+# Maximum Achievable Matmul FLOPS, bf16 (ml-engineering handbook, compute/accelerator/README.md): the best
+# shape m x n x k of each SXM card and its flop/s there (A100: torch 2.6.0+cu126; H100: torch 2.7.0+cu126)
+MAMF = {
+    "a100-80g": ((1024, 10240, 5120), 271.2e12),
+    "a100-40g": ((1024, 10240, 5120), 271.2e12),
+    "h100-80g": ((2048, 2048, 13312), 794.5e12),
+}
 K0_GRID = range(0, 321, 32)
 
 
@@ -45,10 +61,11 @@ def log_ratios(dev: DeviceSpec, spec: GemmSpec, table: pd.DataFrame) -> pd.Serie
     return pd.Series([math.log(p / (r * 1e-3)) for p, r in zip(pred, table["latency_ms"])], index=table.index)
 
 
-def anchored_efficiency(dev: DeviceSpec, k0: int) -> float:
-    """The efficiency at which the model with per-tile overhead ``k0`` runs the MAMF shape at MAMF_FLOPS."""
-    m, n, k = MAMF_SHAPE
-    want_s = 2.0 * m * n * k / MAMF_FLOPS
+def anchored_efficiency(dev: DeviceSpec, k0: int, name: str) -> float:
+    """The efficiency at which the model with per-tile overhead ``k0`` runs device ``name``'s MAMF shape at
+    its MAMF flop/s."""
+    (m, n, k), flops = MAMF[name]
+    want_s = 2.0 * m * n * k / flops
     lo, hi = 0.3, 1.0
     for _ in range(60):  # bisection: time falls as the efficiency rises
         mid = (lo + hi) / 2
@@ -70,22 +87,75 @@ def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
         print(f"  predicted/measured by {name}: " + "; ".join(cells))
 
 
+FLASH_TABLE = MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv"
+FLASH_TOKENS, FLASH_HEADS = 16384, 16  # the FA2 benchmark: batch x sequence = 16k tokens, hidden 2048
+
+
+def flash_tflops(cost: CostModel, efficiency: float, seq: int, causal: bool, head_dim: int) -> float:
+    """Fused attention's forward and backward on the FlashAttention-2 benchmark's shapes as the cost model
+    prices them with ``flash_efficiency`` = ``efficiency``, in TFLOP/s as FA2 counts them (the causal half)."""
+    dev = cost.cluster.device
+    dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, flash_efficiency=efficiency))
+    cost = dataclasses.replace(
+        cost, cluster=dataclasses.replace(cost.cluster, node=dataclasses.replace(cost.cluster.node, device=dev))
+    )
+    batch = FLASH_TOKENS // seq
+    shapes = ((batch, FLASH_HEADS, seq, head_dim),) * 4
+    kernels = [k for ph in "FB" for k in op_kernels("attention", ph, shapes, 2, "torch", causal=causal).kernels]
+    flop = 4.0 * batch * FLASH_HEADS * seq * seq * head_dim * 3.5 * (0.5 if causal else 1.0)
+    return flop / sum(cost.kernel_time_s(k, "bf16") for k in kernels) / 1e12
+
+
+def flash_fit(name: str) -> None:
+    """The model's fused attention against FlashAttention-2's measured A100 figure, and the grid that gives
+    ``flash_efficiency``: the value that minimizes the mean absolute log ratio over both panels."""
+    cost = CostModel.load("dgx-a100-80g", software="torch")
+    cost = dataclasses.replace(
+        cost,
+        cluster=dataclasses.replace(
+            cost.cluster, node=dataclasses.replace(cost.cluster.node, device=load_device(name))
+        ),
+    )
+    table = pd.read_csv(FLASH_TABLE)
+
+    def ratios(eff: float) -> list[float]:
+        return [
+            flash_tflops(cost, eff, int(r.seq), bool(r.causal), int(r.head_dim)) / r.tflops for r in table.itertuples()
+        ]
+
+    now = cost.cluster.device.gemm.flash_efficiency or cost.cluster.device.gemm.efficiency
+    cells = [f"{'causal' if r.causal else 'full'} {r.seq}: {x:.3f}" for r, x in zip(table.itertuples(), ratios(now))]
+    print(f"  fused attention, model/measured TFLOP/s at efficiency {now:.3f}: " + "; ".join(cells))
+    grid = [(sum(abs(math.log(x)) for x in ratios(e / 1000)) / len(table), e / 1000) for e in range(500, 701, 5)]
+    err, best = min(grid)
+    print(f"  flash_efficiency on a grid of 0.005: {best:.3f} (mean |log ratio| {err:.4f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="a100-80g", help="built-in device (the table is an A100-SXM4-80GB's)")
+    ap.add_argument("--device", default="a100-80g", choices=sorted(TABLES), help="built-in device with a table")
     ap.add_argument("--fit", action="store_true", help="print the k0 grid the spec's two numbers come from")
+    ap.add_argument("--whole-waves", action="store_true", help="no stream-K: every wave is paid in whole")
+    ap.add_argument("--flash", action="store_true", help="fused attention against FlashAttention-2's A100 figure")
     args = ap.parse_args()
+    if args.flash and not args.device.startswith("a100"):
+        ap.error(f"--flash compares with FlashAttention-2's A100 figure; got --device {args.device}")
     dev = load_device(args.device)
-    table = pd.read_csv(TABLE)
+    if args.whole_waves:
+        dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, stream_k=False))
+    table = pd.read_csv(TABLES[args.device])
     lr = log_ratios(dev, dev.gemm, table)
     print(
-        f"{args.device} ({dev.gemm}, tile overhead k {dev.gemm.tile_overhead_k}) on {len(table)} measured GEMMs: "
+        f"{args.device} ({dev.gemm}, tile overhead k {dev.gemm.tile_overhead_k}, stream-K {dev.gemm.stream_k}) "
+        f"on {len(table)} measured GEMMs: "
         f"median predicted/measured {math.exp(lr.median()):.3f}, mean |log ratio| {lr.abs().mean():.3f}"
     )
     by_group(table, lr)
+    if args.flash:
+        flash_fit(args.device)
     if args.fit:
         for k0 in K0_GRID:
-            eff = anchored_efficiency(dev, k0)
+            eff = anchored_efficiency(dev, k0, args.device)
             lr = log_ratios(dev, dataclasses.replace(dev.gemm, efficiency=eff, tile_overhead_k=k0), table)
             print(
                 f"  k0 {k0:3d}: efficiency {eff:.4f}, mean |log ratio| {lr.abs().mean():.4f}, median {math.exp(lr.median()):.3f}"

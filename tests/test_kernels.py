@@ -12,7 +12,7 @@ import pytest
 
 from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
-from planlab.costmodel.kernels import Kernel, fused_softmax_available, op_kernels
+from planlab.costmodel.kernels import Kernel, flash_causal_share, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
 from planlab.plan.buffer import contribution, weight_grad
@@ -52,6 +52,20 @@ def test_gemm_split_k_fills_idle_sms() -> None:
     expected = tile_s(512) + 2.0 * 16 * m * n * 4 / 2e12
     assert t == pytest.approx(expected)
     assert t < tile_s(8192)  # faster than one wave of the whole k
+
+
+@pytest.mark.parametrize(
+    "m, waves",
+    [
+        (128 * 109, 109 / 108),  # stream-K: the 109th tile is split along k over all SMs, not a second wave
+        (128 * 216, 2),  # whole waves cost the same either way
+        (128 * 100, 1),  # one partial wave: no tiles to spread (split-K's business), one wave
+    ],
+)
+def test_gemm_stream_k_pays_fractional_waves(m: int, waves: float) -> None:
+    spec = dataclasses.replace(ONE_TILE, stream_k=True)
+    t = gemm_time_s(spec, batch=1, m=m, n=128, k=4096, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=1e30)
+    assert t == pytest.approx(waves * tile_s(4096))
 
 
 def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
@@ -413,6 +427,8 @@ def test_unknown_software(name, fragments) -> None:
         (dict(l2_GBps=None), ["'device.l2_GBps'", "missing"]),
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
+        (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
+        (dict(flash_efficiency=1.2), ["'device.flash_efficiency'", "(0, 1]", "fused attention"]),
         (dict(memory_MiB=-1), ["'device.memory_MiB'", "MiB of device memory as the driver reports it"]),
         (dict(default_precision="fp8"), ["'device.default_precision'", "'fp8'", "'bf16'"]),
     ],
@@ -575,9 +591,16 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     dev = fp8.cluster.device
     big = Kernel("gemm", gemm=(1, 8192, 8192, 8192), fp8=True)
     flop = 2.0 * 8192**3
-    # 2048 tiles of 256 x 128 on 132 SMs: 16 waves where 15.5 would do (wave quantization, 3%)
-    ideal = flop / (1979e12 * 0.709) + dev.launch_overhead_s
-    assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal * 16 / 15.52, rel=0.01)
+    # 2048 tiles of 256 x 128 on 132 SMs: 15.52 waves, the last one split along k (Hopper's stream-K), each
+    # tile 224 steps of k longer (its prologue and epilogue), at the FP8 efficiency of the spec
+    assert dev.gemm.stream_k and dev.gemm.tile_overhead_k == 224 and dev.gemm.efficiency_fp8 == 0.727
+    ideal = flop * (8192 + 224) / 8192 / (1979e12 * 0.727) + dev.launch_overhead_s
+    assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal, rel=1e-9)
+    whole = dataclasses.replace(dev.gemm, stream_k=False, efficiency=0.727)
+    # without stream-K the same GEMM pays 16 whole waves (wave quantization, 3%)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    run = dict(batch=1, m=8192, n=8192, k=8192, elem_bytes=1, peak_flops_per_s=1979e12, hbm_bytes_per_s=hbm)
+    assert gemm_time_s(whole, **run) == pytest.approx((ideal - dev.launch_overhead_s) * 16 / (2048 / 132), rel=1e-9)
     x, w, y = (4, 2048, 8192), (8192, 8192), (4, 2048, 8192)
     for phase in ("F", "B"):
         writes = (contribution("x", "fc", 0), weight_grad("w"))
@@ -612,7 +635,67 @@ def test_flash_attention_pays_no_gemm_tile_overhead() -> None:
     free = dataclasses.replace(dev.gemm, tile_overhead_k=0)
     hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
     run = dict(batch=1, k=256, elem_bytes=2, peak_flops_per_s=312e12, hbm_bytes_per_s=hbm)
-    want_flash = gemm_time_s(free, m=shape[1], n=shape[1], **run) + dev.launch_overhead_s
+    # at FlashAttention-2's measured efficiency, not the GEMMs'
+    assert dev.gemm.flash_efficiency == 0.61
+    flash_spec = dataclasses.replace(free, efficiency=0.61)
+    want_flash = gemm_time_s(flash_spec, m=shape[1], n=shape[1], **run) + dev.launch_overhead_s
     assert cost.kernel_time_s(flash, "bf16") == pytest.approx(want_flash)
     assert plain == pytest.approx(gemm_time_s(dev.gemm, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s)
     assert plain > gemm_time_s(free, m=shape[1], n=shape[2], **run) + dev.launch_overhead_s
+
+
+@pytest.mark.parametrize(
+    "t, s, head_dim, backward, share",
+    [
+        # forward at head dim 128: blocks of 128 queries x 64 keys; query block m computes key blocks
+        # up to the diagonal, 2 (m + 1) of them: 2 (1 + ... + 8) = 72 of 8 x 16
+        (1024, 1024, 128, False, 72 / 128),
+        # backward at head dim 128: 64 queries x 128 keys; key block n from query block 2 n: 16 - 2 n, 72 of 16 x 8
+        (1024, 1024, 128, True, 72 / 128),
+        # head dim 64, 128 x 128 both ways: block m computes m + 1 of 8: 36 of 64
+        (1024, 1024, 64, False, 36 / 64),
+        (1024, 1024, 64, True, 36 / 64),
+        # one block holds the whole sequence: computed in full, then masked
+        (128, 128, 64, False, 1.0),
+        # fewer queries than keys, the mask at the bottom right: query block m sees 16 + 2 (m + 1) key blocks of 32
+        (1024, 2048, 128, False, sum(min(32, 16 + 2 * (m + 1)) for m in range(8)) / 256),
+        # head dim 80 takes the blocks of 96 (128 x 64 forward)
+        (1024, 1024, 80, False, 72 / 128),
+    ],
+)
+def test_flash_causal_share_counts_the_blocks_by_hand(t, s, head_dim, backward, share) -> None:
+    assert flash_causal_share(t, s, head_dim, backward) == pytest.approx(share)
+
+
+def test_causal_flash_attention_prices_the_blocks_it_computes() -> None:
+    # fused attention (megatron with TE, torch SDPA) of a causal GPT layer: the blocks the mask hides
+    # entirely are skipped; the unfused path (megatron-2022) computes and masks every score
+    shapes = ((4, 16, 2048, 128),) * 4
+    for phase in ("F", "B"):
+        full = op_kernels("attention", phase, shapes, 2, "torch").kernels[0]
+        causal = op_kernels("attention", phase, shapes, 2, "torch", causal=True).kernels[0]
+        assert causal.gemm == full.gemm and full.computed == 1.0
+        assert causal.computed == pytest.approx(flash_causal_share(2048, 2048, 128, phase == "B"))
+        cost = CostModel.load("dgx-a100-80g", software="torch")
+        launch = cost.cluster.device.launch_overhead_s
+        assert cost.kernel_time_s(causal, "bf16") - launch == pytest.approx(
+            (cost.kernel_time_s(full, "bf16") - launch) * causal.computed
+        )
+        unfused = op_kernels("attention", phase, shapes, 2, "megatron")
+        assert op_kernels("attention", phase, shapes, 2, "megatron", causal=True) == unfused
+
+
+def test_causal_attention_tasks_are_marked_and_priced_causal() -> None:
+    # GPT's attention (is_causal=True) reaches the cost model as causal pieces, which the kernel model
+    # prices below the same task without the mask once the sequence spans several blocks
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=8))
+    tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.op_kind == "attention"]
+    assert tasks and all(t.causal for t in tasks)
+    long = tasks[0].but(shapes=tuple((*s[:-2], 2048, s[-1]) for s in tasks[0].shapes))
+    cost = CostModel.load("dgx-a100-80g")
+    assert cost.device_and_host_s(long, "bf16")[0] < cost.device_and_host_s(long.but(causal=False), "bf16")[0]

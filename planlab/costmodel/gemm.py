@@ -17,6 +17,13 @@ flop at the SM's share of the peak times the GEMM efficiency (the fraction of th
 best GEMMs reach; the tile's own arithmetic intensity, against the L2 bandwidth per SM,
 may lower it), and ``bytes`` reads A and B and writes C once.
 
+Hopper's GEMM kernels are persistent, one thread block per SM looping over the tiles, and their
+stream-K scheduler splits the tiles of the last, partial wave along ``k`` over every SM (CUTLASS 3's
+``PersistentTileSchedulerSm90StreamK``, include/cutlass/gemm/kernel/sm90_tile_scheduler_stream_k.hpp;
+Osama et al., "Stream-K", PPoPP 2023). A device with ``stream_k`` therefore pays for ``tiles / SMs``
+waves, not the next whole number, once its tiles fill the SMs; the partial sums' fix-up, through a
+workspace the size of one wave's tiles, is not priced.
+
 Each tile also pays a fixed cost that does not shrink with ``k``: filling its load pipeline
 before the first multiply and writing its output after the last (prologue and epilogue). The
 model counts it as ``tile_overhead_k`` more steps of ``k`` per tile (per split, under split-K),
@@ -47,6 +54,8 @@ class GemmSpec:
     )
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
     tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
+    stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
+    flash_efficiency: float = 0.0  # the efficiency fused (flash) attention runs at (0: none measured, the GEMMs')
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"
@@ -77,9 +86,10 @@ def gemm_time_s(
     hbm_bytes_per_s: float,
 ) -> float:
     """Seconds for ``batch`` GEMMs of ``m x k`` by ``k x n`` (no launch cost): the fastest tile
-    shape and split-K factor by tile and wave quantization, each tile with its fixed
-    ``tile_overhead_k``, and at least the time to move A, B and C once through memory at
-    ``hbm_bytes_per_s`` (already the achieved bandwidth)."""
+    shape and split-K factor by tile and wave quantization (under ``stream_k``, fractional waves
+    once the tiles fill the SMs), each tile with its fixed ``tile_overhead_k``, and at least the
+    time to move A, B and C once through memory at ``hbm_bytes_per_s`` (already the achieved
+    bandwidth)."""
     for name, v in (("batch", batch), ("m", m), ("n", n), ("k", k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"GEMM dimension {name} must be an integer >= 1, got {v!r}")
@@ -92,7 +102,9 @@ def gemm_time_s(
             if split > 1 and (tiles * split > spec.sm_count or k // split < MIN_SPLIT_K):
                 continue  # split-K only fills SMs that would otherwise stay idle
             kk = math.ceil(k / split)
-            waves = math.ceil(tiles * split / spec.sm_count)
+            waves = tiles * split / spec.sm_count
+            if not (spec.stream_k and tiles > spec.sm_count):
+                waves = math.ceil(waves)
             t = waves * 2.0 * tm * tn * (kk + spec.tile_overhead_k) / (per_sm_peak * eff)
             if split > 1:  # partial sums in fp32 written and read back once more
                 t += 2.0 * split * batch * m * n * 4 / hbm_bytes_per_s

@@ -58,6 +58,8 @@ _DEVICE_FIELDS = {
     "l2_GBps",
     "gemm_tiles",
     "gemm_tile_overhead_k",
+    "gemm_stream_k",
+    "flash_efficiency",
 }
 _NODE_FIELDS = {
     "name",
@@ -342,7 +344,8 @@ def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
 
 def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
-    optional ``gemm_tiles``); all but the tiles are required once ``sm_count`` is given."""
+    optional ``gemm_tiles``, ``gemm_tile_overhead_k``, ``gemm_stream_k`` and ``flash_efficiency``); the rest are required
+    once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
     l2 = f.unit("l2_GBps", "GBps") * _GB
@@ -352,8 +355,18 @@ def _gemm_from(f: Fields) -> GemmSpec:
         else 0.0
     )
     over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
+    flash = (
+        f.number("flash_efficiency", high=1.0, unit="fraction of the dense peak fused attention reaches")
+        if "flash_efficiency" in f.obj
+        else 0.0
+    )
+    stream_k = f.obj.get("gemm_stream_k", False)
+    if not isinstance(stream_k, bool):
+        raise f.error("gemm_stream_k", f"must be true or false, got {stream_k!r}")
     if "gemm_tiles" not in f.obj:
-        return GemmSpec(sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k)
+        return GemmSpec(
+            sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k, flash_efficiency=flash
+        )
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
     if (
@@ -367,7 +380,16 @@ def _gemm_from(f: Fields) -> GemmSpec:
         )
     ):
         raise f.error("gemm_tiles", f"must be {form}, got {tiles!r}")
-    return GemmSpec(sms, eff, l2, tuple((t[0], t[1]) for t in tiles), efficiency_fp8=eff8, tile_overhead_k=over_k)
+    return GemmSpec(
+        sms,
+        eff,
+        l2,
+        tuple((t[0], t[1]) for t in tiles),
+        efficiency_fp8=eff8,
+        tile_overhead_k=over_k,
+        stream_k=stream_k,
+        flash_efficiency=flash,
+    )
 
 
 def _builtin_device(f: Fields, key: str) -> DeviceSpec:

@@ -24,7 +24,9 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   (Transformer Engine's flash / cuDNN fused attention in Megatron-Core): one fused attention kernel
   each way, priced as a GEMM of the same flop; the backward computes the scores again, 2.5 times
   the forward's flop (Dao, "FlashAttention-2", 2023, section 4.1: the backward's five matrix
-  products against the forward's two).
+  products against the forward's two). Under a causal mask (``causal``) the fused kernel computes
+  only the blocks of queries and keys that the mask does not hide entirely, the diagonal ones in
+  full (:func:`flash_causal_share`); the unfused path computes every score and masks them after.
 * ``layer_norm``: one pass forward (apex's fused kernel: read ``x``, write ``y``); backward
   the input gradient (read ``dy``, ``x``, write ``dx``) and the weight gradients (read
   ``dy``, ``x``), then accumulation of both weight gradients.
@@ -63,6 +65,20 @@ from planlab.errors import KernelFormulaError
 VIEW_KINDS = frozenset({"reshape", "transpose", "permute", "expand", "getitem", "view"})
 INDEX_BYTES = 8  # int64 token ids
 
+# FlashAttention-2's blocks, (queries kBlockM, keys kBlockN), forward then backward, by the head
+# dimension it rounds up to, as its launch templates pick them on an A100 or H100 without attention
+# dropout (shared memory per block >= 144 KB): run_mha_fwd_hdimN in
+# csrc/flash_attn/src/flash_fwd_launch_template.h and run_mha_bwd_hdimN in flash_bwd_launch_template.h
+# (github.com/Dao-AILab/flash-attention). The H100 takes 64 x 64 forward at head dimension 256.
+FLASH_BLOCKS = {
+    32: ((128, 128), (128, 128)),
+    64: ((128, 128), (128, 128)),
+    96: ((128, 64), (64, 128)),
+    128: ((128, 64), (64, 128)),
+    192: ((128, 64), (64, 64)),
+    256: ((128, 64), (64, 64)),
+}
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -75,11 +91,13 @@ class Kernel:
     weight: bool = False
     fp8: bool = False  # a GEMM on FP8 operands (the device's FP8 peak and efficiency)
     fused: bool = False  # a fused kernel priced as a GEMM of its flop (flash attention): no per-tile k overhead
+    computed: float = 1.0  # the share of its blocks the kernel computes (a causal flash kernel skips the masked ones)
 
     def __str__(self) -> str:
         if self.gemm:
             b, m, n, k = self.gemm
-            return f"{self.name}[{b}x{m}x{n}x{k}]"
+            part = f" x{self.computed:.3g}" if self.computed != 1.0 else ""
+            return f"{self.name}[{b}x{m}x{n}x{k}{part}]"
         return f"{self.name}[{self.bytes / 2**20:.3g} MiB]"
 
 
@@ -114,9 +132,38 @@ def _pass(name: str, nbytes: float, weight: bool = False) -> Kernel:
 
 
 def _gemm(
-    name: str, batch: int, m: int, n: int, k: int, weight: bool = False, fp8: bool = False, fused: bool = False
+    name: str,
+    batch: int,
+    m: int,
+    n: int,
+    k: int,
+    weight: bool = False,
+    fp8: bool = False,
+    fused: bool = False,
+    computed: float = 1.0,
 ) -> Kernel:
-    return Kernel(name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8, fused=fused)
+    return Kernel(
+        name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8, fused=fused, computed=computed
+    )
+
+
+def flash_causal_share(t: int, s: int, head_dim: int, backward: bool) -> float:
+    """The share of the ``kBlockM x kBlockN`` blocks of a ``t x s`` score matrix (queries by keys)
+    that FlashAttention-2 computes under a causal mask (:data:`FLASH_BLOCKS` by ``head_dim``, the
+    ``backward`` kernel's or the forward's). The mask is aligned to the bottom right (query ``i``
+    sees keys up to ``i + s - t``, FlashAttention 2.1 on); a block the mask hides entirely is
+    skipped and one it crosses is computed in full, then masked (Dao, "FlashAttention-2", 2023,
+    section 3.1.1). The forward loops over key blocks up to the last its query block sees
+    (``n_block_max`` in flash_fwd_kernel.h); the backward, per key block, over the query blocks
+    from the first that sees it (``m_block_min`` in flash_bwd_kernel.h)."""
+    dim = next((h for h in FLASH_BLOCKS if head_dim <= h), max(FLASH_BLOCKS))
+    bm, bn = FLASH_BLOCKS[dim][1 if backward else 0]
+    rows, cols = -(-t // bm), -(-s // bn)  # query blocks, key blocks
+    if backward:
+        done = sum(rows - min(rows, max(0, (n * bn + t - s) // bm)) for n in range(cols))
+    else:
+        done = sum(min(cols, max(0, -(-((m + 1) * bm + s - t) // bn))) for m in range(rows))
+    return done / (rows * cols)
 
 
 def _accumulate(params: list[tuple[int, ...]], eb: int) -> list[Kernel]:
@@ -133,6 +180,7 @@ def op_kernels(
     fp8: bool = False,
     fused_softmax: bool = True,
     fused_attention: bool = False,
+    causal: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -140,7 +188,8 @@ def op_kernels(
     modelled (no formula for the kind, no shapes given, or a matrix product of a vector: the
     roofline prices those). ``fused_softmax`` False: Megatron's attention masks and normalizes its
     scores in separate kernels (:func:`unfused_softmax_2019`); ``fused_attention`` True: Megatron's
-    attention runs fused, as ``torch``'s does. A formula that fails on the shapes
+    attention runs fused, as ``torch``'s does; ``causal``: the attention is causal, so a fused
+    kernel skips the blocks its mask hides (:func:`flash_causal_share`). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -148,7 +197,8 @@ def op_kernels(
         return None
     try:
         if kind == "attention":
-            return _attention(phase, shapes, eb, "torch" if fused_attention else implementation, fused_softmax)
+            impl = "torch" if fused_attention else implementation
+            return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
             return _linear_fp8(phase, shapes, eb, implementation)
         return _KINDS[kind](phase, shapes, eb, implementation)
@@ -203,7 +253,7 @@ def _linear_fp8(phase, shapes, eb, impl):
     return OpKernels(tuple(ks + _accumulate(params, eb)), 2 + len(params))
 
 
-def _attention(phase, shapes, eb, impl, fused_softmax=True):
+def _attention(phase, shapes, eb, impl, fused_softmax=True, causal=False):
     q, kk, v, o = shapes[0], shapes[1], shapes[2], shapes[-1]
     t, d = q[-2], q[-1]
     s = kk[-2]
@@ -212,9 +262,10 @@ def _attention(phase, shapes, eb, impl, fused_softmax=True):
     scores = bh * t * s  # elements of the T x S score matrix, over batch and heads
     if impl != "megatron":  # one fused (flash) kernel each way, priced as a GEMM of the same flop; its
         # blocks loop over the keys, so its prologue and epilogue are not paid per T x S tile of d + e
+        share = flash_causal_share(t, s, max(d, e), phase != "F") if causal else 1.0
         if phase == "F":
-            return OpKernels((_gemm("flash-attention", bh, t, s, d + e, fused=True),), 1)
-        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e)), fused=True),), 1)
+            return OpKernels((_gemm("flash-attention", bh, t, s, d + e, fused=True, computed=share),), 1)
+        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e)), fused=True, computed=share),), 1)
     ctx = _n(o) * eb
     softmax = (
         _megatron_softmax(phase, bh, t, s, scores, eb)

@@ -167,7 +167,8 @@ class CostModel:
         rail-aware: ``p2p_time_s``), or, for an all-gather ring, after the keys' and values' all-gather
         and (backward) before their gradients' reduce-scatter; the host issues every block."""
         n = task.ring.steps
-        block = task.but(ring=None, group=(), flops=task.flops / n, bytes_moved=task.bytes_moved / n)
+        # a full block: the ring's shares price the causal mask's diagonal and skipped blocks
+        block = task.but(ring=None, group=(), causal=False, flops=task.flops / n, bytes_moved=task.bytes_moved / n)
         block_s, host_s = (
             self.device_and_host_s(block, dtype) if self.host_bound else (self._own_time_s(block, dtype), 0.0)
         )
@@ -267,7 +268,15 @@ class CostModel:
             return 0.0, call_s
         found = (
             op_kernels(
-                task.op_kind, kind, task.shapes, eb, sw.implementation, fp8, sw.fused_softmax, sw.fused_attention
+                task.op_kind,
+                kind,
+                task.shapes,
+                eb,
+                sw.implementation,
+                fp8,
+                sw.fused_softmax,
+                sw.fused_attention,
+                task.causal,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
@@ -286,8 +295,9 @@ class CostModel:
 
     def kernel_time_s(self, kernel: Kernel, dtype: str) -> float:
         """Seconds one kernel takes on the device, its launch latency included: a GEMM by tile
-        and wave quantization (:func:`planlab.costmodel.gemm.gemm_time_s`), a pass by its bytes
-        at the achieved memory bandwidth."""
+        and wave quantization (:func:`planlab.costmodel.gemm.gemm_time_s`; a fused kernel that
+        computes a share of its blocks, that share of the time), a pass by its bytes at the
+        achieved memory bandwidth."""
         dev = self.cluster.device
         if kernel.gemm is None:
             return self._pass_s(kernel.bytes)
@@ -296,14 +306,17 @@ class CostModel:
         eb = _ELEM_BYTES.get(compute.canonical_dtype(dtype), 4)
         if dev.gemm is None:
             return compute.compute_time_s(
-                dev, flops=2.0 * b * m * n * k, bytes_moved=eb * b * (m * k + k * n + m * n), dtype=dtype
+                dev,
+                flops=2.0 * b * m * n * k * kernel.computed,
+                bytes_moved=eb * b * (m * k + k * n + m * n),
+                dtype=dtype,
             )
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
         spec = dev.gemm
         if kernel.fp8 and spec.efficiency_fp8:
             spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
-        if kernel.fused and spec.tile_overhead_k:  # the per-tile overhead is a tiled GEMM's (cuBLAS), not flash's
-            spec = dataclasses.replace(spec, tile_overhead_k=0)
+        if kernel.fused:  # flash attention: no per-tile overhead (a tiled GEMM's, cuBLAS's), its own efficiency
+            spec = dataclasses.replace(spec, tile_overhead_k=0, efficiency=spec.flash_efficiency or spec.efficiency)
         return (
             gemm_time_s(
                 spec,
@@ -315,6 +328,7 @@ class CostModel:
                 peak_flops_per_s=compute.peak_flops_per_s(dev, dtype),
                 hbm_bytes_per_s=hbm,
             )
+            * kernel.computed
             + dev.launch_overhead_s
         )
 

@@ -197,7 +197,8 @@ class Task:
     of the buffer it uses (None: all of it) and ``places``, per write, ``(region, buffer shape)``
     where it adds its result (None: it writes the whole buffer). ``op_kind`` (the operator's kind,
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
-    micro-batch) let the cost model price a compute task kernel by kernel. ``ring`` marks the forward
+    micro-batch) let the cost model price a compute task kernel by kernel; ``causal`` marks a causal
+    attention's piece, whose fused kernel skips the blocks the mask hides. ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined. A load's ``order`` permutes its
     source's sequence before it takes its piece (a zigzag ring's layout). ``box`` is, on the
@@ -242,6 +243,7 @@ class Task:
     ident: int = -1
     params: float = 0.0
     ring: Ring | None = None
+    causal: bool = False
     order: Zigzag | None = None
     exchange: tuple[ExchangeAxis, ...] = ()
 

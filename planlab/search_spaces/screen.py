@@ -221,7 +221,7 @@ class Screen:
         from planlab.plan.buffer import contribution, weight_grad
         from planlab.plan.program import Task, TaskKind
 
-        kind, shapes = self.t.works[work][4:6]
+        kind, shapes, causal = self.t.works[work][4:7]
         weights = self.t.work_params.get(work, False)
         x, w = contribution("x", "op", 0), weight_grad("w")  # what gradient_parts asks: their kinds
         writes = {
@@ -238,6 +238,7 @@ class Screen:
             bytes_moved=nbytes,
             op_kind=kind,
             shapes=shapes,
+            causal=causal,
         )
         dev, host = self.cost.device_and_host_s(task, self.dtype)
         roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0

@@ -27,7 +27,7 @@ import numpy as np
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.backward_split import weight_share
 from planlab.costmodel.software import SoftwareSpec
-from planlab.plan.plan import RING_DIM, RING_KV_DIM
+from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
 from planlab.plan.saved import INTERNAL, cast_inputs, internals, keeps_producer_layout, saved_tensors, view_of
@@ -94,6 +94,13 @@ def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g.tensors[t].shape) for t in op.inputs + op.outputs)
 
 
+def work_of(g: Graph, op, w_share: float) -> tuple:
+    """An operator's class of work for the screen: (flops, bytes, backward flops ratio, weight-gradient
+    share, kind, shapes of its inputs and outputs, whether it is a causal attention)."""
+    causal = op.kind == "attention" and causal_attention(op)
+    return (op.flops, op.bytes_moved, op.bwd_flops_ratio, w_share, op.kind, shapes_of(g, op), causal)
+
+
 class Tables:
     """What the screen needs of a graph, once."""
 
@@ -147,11 +154,7 @@ class Tables:
         # the share of its backward that computes weight gradients (zero-bubble's W)
         share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
         works: dict[tuple, int] = {}
-        self.work_class = [
-            works.setdefault((op.flops, op.bytes_moved, op.bwd_flops_ratio, w, op.kind, shapes_of(g, op)), len(works))
-            for op, w in zip(ops, share)
-        ]
-        # class -> (flops, bytes, backward flops ratio, weight-gradient share, kind, shapes of its inputs and outputs)
+        self.work_class = [works.setdefault(work_of(g, op, w), len(works)) for op, w in zip(ops, share)]
         self.works = list(works)
         self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops, self.work_class)}
         batch = g.batch_label
