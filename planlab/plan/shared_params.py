@@ -33,10 +33,15 @@ def forward_only_of(graph: Graph) -> frozenset[str]:
 
     def compute() -> frozenset[str]:
         if any(op.kind == DETACH for op in graph.operators):
-            return forward_only_ops(graph, no_grad_tensors(graph))
+            return forward_only_ops(graph, no_grad_of(graph))
         return frozenset()
 
     return graph.memo(("forward_only_of",), compute)
+
+
+def no_grad_of(graph: Graph) -> frozenset[str]:
+    """:func:`~planlab.graph.ir.no_grad_tensors` of a graph, cached per graph."""
+    return graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
 
 
 def training_flops(graph: Graph) -> float:

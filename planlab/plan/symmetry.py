@@ -107,7 +107,7 @@ def _row(key, t, peer, group) -> tuple:
     """One task of an outline: what it does, with its peer or group named by class."""
     return (
         key,
-        t.kind.value,
+        t.kind,
         t.op,
         t.collective,
         group,

@@ -45,14 +45,17 @@ def convert_gradients(d: Draft) -> Draft:
         op = graph.operators[i]
         gbufs = []
         for j, t in enumerate(op.outputs):
+            if t == graph.loss or t in d.nograd or not graph.tensors[t].is_float:
+                gbufs.append(None)  # the loss: seeded with ones by the executor
+                continue
             uses = [
                 (c, k)
                 for c in graph.consumers.get(t, [])
                 for k, x in enumerate(c.inputs)
                 if x == t and c.name not in dead
             ]  # a consumer whose outputs reach no loss gives no gradient
-            if t == graph.loss or not graph.tensors[t].is_float or not uses or t in d.nograd:
-                gbufs.append(None)  # the loss: seeded with ones by the executor
+            if not uses:
+                gbufs.append(None)
                 continue
             target = d.layouts.form(op).grads[j]
             if len(uses) == 1 and same_layout(d.layouts.contributes(*uses[0]), target):
@@ -120,6 +123,8 @@ def backward_pieces(d: Draft) -> Draft:
     parts, sizes = dict(d.parts), d.copy_sizes()
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
+        if op.name in d.dead:
+            continue
         gbufs = d.grads[op.name]
         needs_grad = [
             graph.tensors[t].is_float
@@ -128,7 +133,7 @@ def backward_pieces(d: Draft) -> Draft:
             and op.kind != DETACH
             for t in op.inputs
         ]
-        if op.name in d.dead or not any(needs_grad):
+        if not any(needs_grad):
             continue
         writes = tuple(
             (d.names.weight_grad(t) if graph.tensors[t].role == "param" else d.names.contribution(t, op.name, k))

@@ -24,7 +24,7 @@ from itertools import product
 from typing import Iterable
 
 from planlab.costmodel.software import SoftwareSpec
-from planlab.graph.ir import DTYPE_BYTES, Graph, Operator, no_grad_tensors
+from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Mesh, box_numel, positions
@@ -32,7 +32,7 @@ from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import RING_DIM, Plan, causal_attention
 from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
-from planlab.plan.shared_params import forward_only_of
+from planlab.plan.shared_params import forward_only_of, no_grad_of
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -179,7 +179,7 @@ class Draft:
     ) -> Draft:
         """The draft before any pass: the inputs and what follows from them."""
         # recycling: what a detach cuts off from the loss (empty without one); the graph's, kept by it
-        nograd = graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
+        nograd = no_grad_of(graph)
         return cls(
             plan=plan,
             graph=graph,

@@ -276,14 +276,17 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
     split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
     signature): what it does with sizes fixed at the traced batch differs on a micro-batch."""
+    label, labels = graph.batch_label, graph.labels
     for op in graph.operators:
         if op.kind in NARROWED_TO_MICROBATCH:
             continue
-        can = set(op.splittable_dims())
+        can = None  # the dimensions it can split, when it reads a batch axis
         for t in op.inputs:
             for a, ax in enumerate(op.axes_of(t)):
-                if graph.labels.get((t, a)) == graph.batch_label and not (ax and ax[0] in can):
-                    return op, t, a
+                if labels.get((t, a)) == label:
+                    can = set(op.splittable_dims()) if can is None else can
+                    if not (ax and ax[0] in can):
+                        return op, t, a
     return None
 
 

@@ -67,47 +67,55 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
     freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
     together). Static buffers (weights, their gradients, shards, sources) live all along."""
     order = sorted(blocks, key=block_order)
-    first: dict[Buffer, tuple] = {}
-    last: dict[Buffer, tuple] = {}
+    # positions are numbered across the blocks in that order: a task's is its index in the walk
+    first: dict[Buffer, int] = {}
+    last: dict[Buffer, int] = {}
+    forward, internal = TaskKind.FORWARD, BufferKind.INTERNAL
+    pos = 0
     for bk in order:
-        for ti, t in enumerate(blocks[bk].tasks):
-            at = (bk, ti)
+        for t in blocks[bk].tasks:
             made = t.writes
-            if t.saved and t.kind is TaskKind.FORWARD:
-                made = made + tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL)
+            saved = t.saved
+            if saved and t.kind is forward:
+                made = made + tuple(b for b in saved if b.kind is internal)
             for b in made:
-                if b and not b.static and first.setdefault(b, at) is at:
-                    last.setdefault(b, at)
+                if b and not b.static and b not in first:
+                    first[b] = pos
+                    if b not in last:
+                        last[b] = pos
             if t.ring is not None and t.kind in RING_BLOCKS_IN_FLIGHT:  # held while the task runs
                 b = ring_in_flight(t.op, t.kind)
-                if first.setdefault(b, at) is at:
-                    last.setdefault(b, at)
+                if b not in first:
+                    first[b] = pos
+                    if b not in last:
+                        last[b] = pos
             for b in t.reads:
                 if b and not b.static:
-                    last[b] = at
-            for b in t.saved:
+                    last[b] = pos
+            for b in saved:
                 if b and not b.static:
-                    last[b] = at
-    if together:
-        rank = {bk: i for i, bk in enumerate(order)}
-        for bufs in together:
-            at = max((last[b] for b in bufs if b in last), key=lambda p: (rank[p[0]], p[1]), default=None)
-            for b in bufs:
-                if b in last:
-                    last[b] = at
-    allocs: dict[tuple, list] = defaultdict(list)
-    frees: dict[tuple, list] = defaultdict(list)
-    for b, pos in first.items():
-        allocs[pos].append((b, sizes.get(b, 0)))
-    for b, pos in last.items():
-        frees[pos].append(b)
+                    last[b] = pos
+            pos += 1
+    for bufs in together:
+        at = max((last[b] for b in bufs if b in last), default=None)
+        for b in bufs:
+            if b in last:
+                last[b] = at
+    allocs: dict[int, list] = defaultdict(list)
+    frees: dict[int, list] = defaultdict(list)
+    for b, at in first.items():
+        allocs[at].append((b, sizes.get(b, 0)))
+    for b, at in last.items():
+        frees[at].append(b)
     out = {}
+    pos = 0
     for bk in order:
         tasks = []
-        for ti, t in enumerate(blocks[bk].tasks):
-            a, f = allocs.get((bk, ti)), frees.get((bk, ti))
+        for t in blocks[bk].tasks:
+            a, f = allocs.get(pos), frees.get(pos)
             if a or f:
                 t = t.but(alloc=tuple(a or ()), free=tuple(f or ()))
             tasks.append(t)
+            pos += 1
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
     return out
