@@ -284,11 +284,20 @@ class _Lowering:
         comm = sum(min(e, d) for (_, (d, _), c), e in zip(cur, durations) if c)  # the wait counts as compute
         mem = peak = 0
         at = cur[0][0].name
+        size = self.sizes.get
         for t, _, _ in cur:
-            mem += sum(n for _, n in t.alloc)
+            if t.alloc:
+                alloc = 0
+                for _, n in t.alloc:
+                    alloc += n
+                mem += alloc
             if mem > peak:
                 peak, at = mem, t.name
-            mem -= sum(self.sizes.get(b, 0) for b in t.free)
+            if t.free:
+                freed = 0
+                for b in t.free:
+                    freed += size(b, 0)
+                mem -= freed
         self.units.append(
             Segment(
                 tuple(t.name for t, _, _ in cur),

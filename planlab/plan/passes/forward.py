@@ -22,7 +22,6 @@ from planlab.plan.passes.draft import (
     record_ring_in_flight,
     record_size,
     ring_fields,
-    shares,
 )
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -82,13 +81,15 @@ def convert_inputs(d: Draft) -> Draft:
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor made so far
     reads: dict[str, tuple[Buffer, ...]] = {}
     counters = Counters.of(d)
+    tensors, names = graph.tensors, d.names
     for i, op in enumerate(graph.operators):
         key = (d.stage[op.name], "F")
         bufs = []
+        needs = L.form(op).needs
         for ti, t in enumerate(op.inputs):
-            spec, need = graph.tensors[t], L.needs(op, ti)
+            spec, need = tensors[t], needs[ti]
             if spec.role == "param":
-                bufs.append(d.names.weight(t))
+                bufs.append(names.weight(t))
                 continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
@@ -101,9 +102,9 @@ def convert_inputs(d: Draft) -> Draft:
                     record_size(sizes, dev, task, d.elem_bytes(t))
             else:
                 prod = graph.producer[t]
-                have = L.has(prod, prod.outputs.index(t))
+                have = L.form(prod).has[prod.outputs.index(t)]
                 if same_layout(have, need):
-                    bufs.append(d.names.activation(t))
+                    bufs.append(names.activation(t))
                     continue
                 buf = buf_.activation(t, versions[t] + 1)
                 at = ((d.stage[prod.name], "F"), key, i)
@@ -151,14 +152,15 @@ def forward_pieces(d: Draft) -> Draft:
     parts, sizes = dict(d.parts), d.copy_sizes()
     saved_of, shapes_of = {}, {}
     pieces: dict[tuple[int, int], dict] = {}  # per (form, position): the fields its pieces share there
+    activation, m = d.names.activation, d.microbatches
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
-        outs = tuple(d.names.activation(o) for o in op.outputs)
+        outs = tuple(activation(o) for o in op.outputs)
         saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision, _view_read(d, mesh))
         saved_of[op.name] = saved
         form = L.form(op)
         shapes = shapes_of[op.name] = form.shapes
-        share = shares(d, op)
+        share = (form.pieces, m)  # what divides its work, as draft.shares gives it
         random = draws_random(op)
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)

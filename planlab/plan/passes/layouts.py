@@ -257,12 +257,16 @@ NARROWED_TO_MICROBATCH = frozenset({"constant", "factory"})
 def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape per micro-batch of ``m``: its batch axes divided by ``m``; refuses
     (InfeasiblePlan) a batch axis that does not split into ``m``."""
-    label, labels = graph.batch_label, graph.labels
+    batch = batch_axes(graph)
     shapes: dict[str, tuple[int, ...]] = {}
     for t, spec in graph.tensors.items():
+        axes = batch.get(t)
+        if not axes:
+            shapes[t] = tuple(spec.shape)
+            continue
         shape = list(spec.shape)
-        for a in range(len(shape)):
-            if labels.get((t, a)) == label:
+        for a in axes:
+            if a < len(shape):
                 if shape[a] % m:
                     raise InfeasiblePlan(
                         f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
@@ -272,21 +276,41 @@ def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def batch_axes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """Per tensor with any, the axes of it labelled as the batch (:attr:`Graph.batch_label`), in
+    order; cached per graph."""
+
+    def compute() -> dict[str, tuple[int, ...]]:
+        label, out = graph.batch_label, {}
+        for (t, a), lab in graph.labels.items():
+            if lab == label:
+                out.setdefault(t, []).append(a)
+        return {t: tuple(sorted(axes)) for t, axes in out.items()}
+
+    return graph.memo(("batch_axes",), compute)
+
+
 def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
     split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
     signature): what it does with sizes fixed at the traced batch differs on a micro-batch."""
-    label, labels = graph.batch_label, graph.labels
+    batch = batch_axes(graph)
     for op in graph.operators:
         if op.kind in NARROWED_TO_MICROBATCH:
             continue
         can = None  # the dimensions it can split, when it reads a batch axis
         for t in op.inputs:
-            for a, ax in enumerate(op.axes_of(t)):
-                if labels.get((t, a)) == label:
-                    can = set(op.splittable_dims()) if can is None else can
-                    if not (ax and ax[0] in can):
-                        return op, t, a
+            read = batch.get(t)
+            if not read:
+                continue
+            axes = op.axes_of(t)
+            for a in read:
+                if a >= len(axes):
+                    break
+                can = set(op.splittable_dims()) if can is None else can
+                ax = axes[a]
+                if not (ax and ax[0] in can):
+                    return op, t, a
     return None
 
 

@@ -24,11 +24,19 @@ def assemble(d: Draft) -> Program:
     programs = []
     groups: set[tuple[int, ...]] = set()
     checked: dict = {}
+    # the lifetimes found so far, with what they were found from: a class's members (a representative
+    # and its witness) name the same buffers in the same tasks, so their lifetimes are found once
+    found: list[tuple[list, dict, tuple, tuple]] = []
     for dev in range(plan.num_devices) if d.keep is None else sorted(d.keep):
         blocks = as_blocks(d.blocks.get(dev, {}))
         groups.update(tuple(sorted(t.group)) for b in blocks.values() for t in b.tasks if t.group)
         schedule = schedule_of(plan, dev, blocks, checked)
-        blocks = liveness(blocks, d.sizes.get(dev, {}), d.together.get(dev, ()))
+        sizes, together, read = d.sizes.get(dev, {}), d.together.get(dev, ()), liveness_inputs(blocks)
+        life = next((f[3] for f in found if f[0] == read and f[2] == together and f[1] == sizes), None)
+        if life is None:
+            life = lifetimes(blocks, sizes, together)
+            found.append((read, sizes, together, life))
+        blocks = with_lifetimes(blocks, life)
         params = d.params.get(dev, ())
         nparams = sum(box_numel(b) for _, b in params)
         saved_grads, saved_states, saved_weights = d.zero_saved.get(dev, (0, 0, 0))
@@ -61,7 +69,22 @@ def assemble(d: Draft) -> Program:
 
 
 def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
-    """Fill ``alloc``/``free``: a buffer is allocated by its first writer (an internal buffer,
+    """``blocks`` with each task's ``alloc``/``free`` filled (:func:`lifetimes`)."""
+    return with_lifetimes(blocks, lifetimes(blocks, sizes, together))
+
+
+def liveness_inputs(blocks: dict) -> list:
+    """What :func:`lifetimes` reads of ``blocks`` besides the sizes: per block in order, each task's
+    kind, operator, ring and buffers (two devices alike in these have the same lifetimes)."""
+    return [
+        (bk, [(t.kind, t.op, t.ring, t.reads, t.writes, t.saved) for t in blocks[bk].tasks])
+        for bk in sorted(blocks, key=block_order)
+    ]
+
+
+def lifetimes(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> tuple[dict, dict]:
+    """Where each buffer is allocated (with its bytes) and freed, by the position of the task in
+    the walk of ``blocks`` in order: a buffer is allocated by its first writer (an internal buffer,
     :mod:`planlab.plan.saved`, by the forward task that keeps it) and freed after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
     which every valid schedule preserves per micro-batch. Each group of buffers in ``together`` is
     freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
@@ -107,6 +130,13 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
         allocs[at].append((b, sizes.get(b, 0)))
     for b, at in last.items():
         frees[at].append(b)
+    return {at: tuple(a) for at, a in allocs.items()}, {at: tuple(f) for at, f in frees.items()}
+
+
+def with_lifetimes(blocks: dict, life: tuple[dict, dict]) -> dict:
+    """``blocks`` with each task's ``alloc`` and ``free`` from :func:`lifetimes`."""
+    allocs, frees = life
+    order = sorted(blocks, key=block_order)
     out = {}
     pos = 0
     for bk in order:
@@ -114,7 +144,7 @@ def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()
         for t in blocks[bk].tasks:
             a, f = allocs.get(pos), frees.get(pos)
             if a or f:
-                t = t.but(alloc=tuple(a or ()), free=tuple(f or ()))
+                t = t.but(alloc=a or (), free=f or ())
             tasks.append(t)
             pos += 1
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
