@@ -18,6 +18,7 @@ from planlab.plan.passes.draft import (
     Part,
     add,
     convert,
+    piece_base,
     piece_task,
     record_ring_in_flight,
     record_size,
@@ -121,6 +122,7 @@ def backward_pieces(d: Draft) -> Draft:
     a model input, a tensor behind a detach)."""
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
+    bases: dict[int, Task] = {}  # per position, what the pieces there share (piece_base)
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
         if op.name in d.dead:
@@ -148,10 +150,15 @@ def backward_pieces(d: Draft) -> Draft:
             for k, (t, w) in enumerate(zip(op.inputs, writes))
             if w is not None and w.kind is BufferKind.CONTRIBUTION
         }
+        ring = L.op_plan[op.name].ring
         for flat, dev in d.positions(mesh):
+            if not ring:  # what the pieces at this position share: their position alone (ring_fields: none)
+                base = bases.get(flat)
+                if base is None:
+                    base = bases[flat] = piece_base(TaskKind.BACKWARD, flat)
             task = piece_task(
                 op,
-                TaskKind.BACKWARD,
+                TaskKind.BACKWARD if ring else base,
                 flat,
                 gbufs,
                 writes,
@@ -159,7 +166,7 @@ def backward_pieces(d: Draft) -> Draft:
                 share,
                 saved=d.saved[op.name],
                 shapes=d.piece_shapes.get(op.name, ()),
-                **ring_fields(d, op, flat),
+                **(ring_fields(d, op, flat) if ring else {}),
             )
             if task.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)

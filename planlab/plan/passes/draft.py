@@ -262,12 +262,26 @@ def shares(d: Draft, op: Operator) -> tuple[int, int]:
 
 
 def piece_task(
-    op: Operator, kind: TaskKind, flat: int, reads: tuple, writes: tuple, flops: float, share: tuple, **fields
+    op: Operator, kind: TaskKind | Task, flat: int, reads: tuple, writes: tuple, flops: float, share: tuple, **fields
 ) -> Task:
     """The ``kind`` task (forward or backward) of ``op``'s piece at position ``flat`` of its mesh:
     ``flops`` (the whole operator's, for the whole batch) and its memory traffic divided by its
-    ``share`` (:func:`shares`: its pieces, then micro-batches)."""
+    ``share`` (:func:`shares`: its pieces, then micro-batches). ``kind`` may be a :func:`piece_base`
+    instead, the fields the piece shares with others at its position (``flat`` is then its ``coord``):
+    the task is that one's copy with the piece's own fields, made without checking them again
+    (materialize makes tens of thousands of pieces at cluster scale)."""
     pieces, m = share
+    if isinstance(kind, Task):
+        return kind.but(
+            name=op.name,
+            reads=reads,
+            writes=writes,
+            op=op.name,
+            flops=flops / pieces / m,
+            bytes_moved=op.bytes_moved / pieces / m,
+            op_kind=op.kind,
+            **fields,
+        )
     return Task(
         op.name,
         kind,
@@ -280,6 +294,12 @@ def piece_task(
         op_kind=op.kind,
         **fields,
     )
+
+
+def piece_base(kind: TaskKind, flat: int, **fields) -> Task:
+    """What the ``kind`` tasks of pieces at position ``flat`` share besides their operator's own
+    fields (for :func:`piece_task`): ``fields`` such as their local shapes, lead or group."""
+    return Task("", kind, coord=flat, **fields)
 
 
 def record_size(sizes: dict[int, dict[Buffer, int]], dev: int, task: Task, elem_bytes: int) -> None:

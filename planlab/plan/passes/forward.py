@@ -18,6 +18,7 @@ from planlab.plan.passes.draft import (
     add,
     convert,
     line,
+    piece_base,
     piece_task,
     record_ring_in_flight,
     record_size,
@@ -151,7 +152,7 @@ def forward_pieces(d: Draft) -> Draft:
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
     saved_of, shapes_of = {}, {}
-    pieces: dict[tuple[int, int], dict] = {}  # per (form, position): the fields its pieces share there
+    pieces: dict[tuple[int, int], Task] = {}  # per (form, position): what its pieces share there (piece_base)
     activation, m = d.names.activation, d.microbatches
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
@@ -166,12 +167,12 @@ def forward_pieces(d: Draft) -> Draft:
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
         for flat, dev in d.positions(mesh):
-            fields = pieces.get((form.index, flat))
-            if fields is None:
-                fields = pieces[(form.index, flat)] = _piece_fields(d, op, flat)
+            base = pieces.get((form.index, flat))
+            if base is None:
+                base = pieces[(form.index, flat)] = piece_base(TaskKind.FORWARD, flat, **_piece_fields(d, op, flat))
             task = piece_task(
                 op,
-                TaskKind.FORWARD,
+                base,
                 flat,
                 bufs,
                 outs,
@@ -179,9 +180,8 @@ def forward_pieces(d: Draft) -> Draft:
                 share,
                 saved=saved,
                 box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
-                **fields,
             )
-            if "ring" in fields:
+            if base.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, key, i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
@@ -212,6 +212,8 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
     (:func:`~planlab.plan.saved.cast_inputs`), each in the layout of the buffer it cast."""
     L, out = d.layouts, {}
     cast = cast_inputs(op, d.graph, d.precision)
+    if not cast:
+        return out
     for j, t in enumerate(op.inputs):
         prod = d.graph.producer.get(t)
         if t not in cast or prod is None:

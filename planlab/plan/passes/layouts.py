@@ -81,9 +81,15 @@ class Layouts:
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
         checked: set[tuple] = set()
+        # a placement's devices numbered by their value, each tuple object (many operators share one) hashed once
+        devices: dict[tuple[int, ...], int] = {}
+        by_object: dict[int, int] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
-            key = (p.sizes, p.dims, p.devices)
+            k = by_object.get(id(p.devices))
+            if k is None:
+                k = by_object[id(p.devices)] = devices.setdefault(p.devices, len(devices))
+            key = (p.sizes, p.dims, k)
             got = placed.get(key)
             if got is None:
                 co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
@@ -298,7 +304,6 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     for op in graph.operators:
         if op.kind in NARROWED_TO_MICROBATCH:
             continue
-        can = None  # the dimensions it can split, when it reads a batch axis
         for t in op.inputs:
             read = batch.get(t)
             if not read:
@@ -307,9 +312,8 @@ def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
             for a in read:
                 if a >= len(axes):
                     break
-                can = set(op.splittable_dims()) if can is None else can
-                ax = axes[a]
-                if not (ax and ax[0] in can):
+                ax = axes[a]  # splittable: one of op.splittable_dims()
+                if not (ax and op.signature.splittable(ax[0])):
                     return op, t, a
     return None
 

@@ -144,7 +144,7 @@ def with_lifetimes(blocks: dict, life: tuple[dict, dict]) -> dict:
         for t in blocks[bk].tasks:
             a, f = allocs.get(pos), frees.get(pos)
             if a or f:
-                t = t.but(alloc=a or (), free=f or ())
+                t = t.with_memory(a or (), f or ())
             tasks.append(t)
             pos += 1
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
