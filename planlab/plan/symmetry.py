@@ -118,7 +118,7 @@ def _row(key, t, peer, group) -> tuple:
         t.bytes_moved,
         t.shape,
         t.recompute,
-        tuple(n for _, n in t.alloc),
+        tuple([n for _, n in t.alloc]),
         len(t.free),
     )
 

@@ -231,7 +231,7 @@ def update_blocks(d: Draft) -> dict[int, BlockKey]:
     """Each device's update block: it runs once per iteration, in the device's first stage (the
     lowest of its blocks; 0 for a device without any)."""
     first: dict[int, int] = {}
-    for dev, (st, _), _, _ in d.parts:
+    for dev, (st, _) in {k[:2] for k in d.parts}:  # each (device, block) once
         if st < first.get(dev, st + 1):
             first[dev] = st
     return {dev: (first.get(dev, 0), "U") for dev in set(first) | set(d.params)}

@@ -92,21 +92,23 @@ def convert_inputs(d: Draft) -> Draft:
             if spec.role == "param":
                 bufs.append(names.weight(t))
                 continue
+            source = spec.role in ("input", "buffer")
+            prod = None if source else graph.producer[t]
+            if prod is not None:  # an activation read in its producer's layout (never converted to it)
+                have = L.form(prod).has[prod.outputs.index(t)]
+                if same_layout(have, need):
+                    bufs.append(names.activation(t))
+                    continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
                 continue
-            if spec.role in ("input", "buffer"):
+            if source:
                 buf = buf_.activation(t, versions[t])
                 for flat, dev in d.positions(L.mesh[op.name]):
                     task = _load(d, t, need.box(flat, L.shapes[t]), buf)
                     add(parts, dev, key, i, Part.INPUTS, task)
                     record_size(sizes, dev, task, d.elem_bytes(t))
             else:
-                prod = graph.producer[t]
-                have = L.form(prod).has[prod.outputs.index(t)]
-                if same_layout(have, need):
-                    bufs.append(names.activation(t))
-                    continue
                 buf = buf_.activation(t, versions[t] + 1)
                 at = ((d.stage[prod.name], "F"), key, i)
                 convert(d, parts, sizes, counters, have, need, t, (d.names.activation(t), buf), at, name=f"{t}:")
