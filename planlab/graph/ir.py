@@ -38,10 +38,11 @@ def no_grad_tensors(graph: "Graph") -> frozenset[str]:
     if not any(op.kind == DETACH for op in graph.operators):
         return frozenset()
     out: set[str] = set()
+    tensors = graph.tensors
     for op in graph.operators:
-        acts = [t for t in op.inputs if graph.tensors[t].role == "activation"]
-        params = [t for t in op.inputs if graph.tensors[t].role == "param"]
-        if op.kind == DETACH or (not params and all(t in out for t in acts)):
+        if op.kind == DETACH or not any(
+            (role := tensors[t].role) == "param" or (role == "activation" and t not in out) for t in op.inputs
+        ):
             out.update(op.outputs)
     return frozenset(out)
 

@@ -281,6 +281,16 @@ class Task:
         object.__setattr__(new, "__dict__", fields)
         return new
 
+    def with_memory(self, alloc: tuple[tuple[Buffer, int], ...], free: tuple[Buffer, ...]) -> Task:
+        """This task with the memory effects liveness found (:meth:`but` of ``alloc`` and ``free``,
+        without a dict of changes: liveness gives every task of a Program its own)."""
+        fields = self.__dict__.copy()
+        fields["alloc"] = alloc
+        fields["free"] = free
+        new = object.__new__(Task)
+        object.__setattr__(new, "__dict__", fields)
+        return new
+
 
 _TASK_FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 _TASK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Task) if f.default is not dataclasses.MISSING}

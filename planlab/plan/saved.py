@@ -265,8 +265,8 @@ def saved_buffers(
             out.append(base)
             continue
         j = op.inputs.index(s)
-        buf, made = bufs[j], buf_.activation(s)
-        if buf != made and keeps_producer_layout(op, s, graph, software):
+        buf = bufs[j]
+        if keeps_producer_layout(op, s, graph, software) and buf != (made := buf_.activation(s)):
             prod = graph.producer[s]
             if shards(has(prod, prod.outputs.index(s))) > shards(needs(op, j)):
                 buf = made  # the sequence shard it was gathered from

@@ -17,13 +17,16 @@ def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
     """Operators whose outputs reach the loss only through tensors in ``nograd`` (behind a detach:
     the no-grad recycling passes): they get no backward."""
     live: set[str] = set()
+    loss, tensors, consumers = graph.loss, graph.tensors, graph.consumers
     for op in reversed(graph.operators):
-        if op.outputs[0] == graph.loss or any(
-            t not in nograd and graph.tensors[t].is_float and c.name in live
-            for t in op.outputs
-            for c in graph.consumers.get(t, [])
-        ):
+        if op.outputs[0] == loss:
             live.add(op.name)
+            continue
+        for t in op.outputs:  # a float output not behind a detach that a live operator reads
+            readers = consumers.get(t)
+            if readers and t not in nograd and tensors[t].is_float and any(c.name in live for c in readers):
+                live.add(op.name)
+                break
     return frozenset(op.name for op in graph.operators if op.name not in live)
 
 
@@ -33,10 +36,15 @@ def forward_only_of(graph: Graph) -> frozenset[str]:
 
     def compute() -> frozenset[str]:
         if any(op.kind == DETACH for op in graph.operators):
-            return forward_only_ops(graph, no_grad_tensors(graph))
+            return forward_only_ops(graph, no_grad_of(graph))
         return frozenset()
 
     return graph.memo(("forward_only_of",), compute)
+
+
+def no_grad_of(graph: Graph) -> frozenset[str]:
+    """:func:`~planlab.graph.ir.no_grad_tensors` of a graph, cached per graph."""
+    return graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
 
 
 def training_flops(graph: Graph) -> float:

@@ -107,7 +107,7 @@ def _row(key, t, peer, group) -> tuple:
     """One task of an outline: what it does, with its peer or group named by class."""
     return (
         key,
-        t.kind.value,
+        t.kind,
         t.op,
         t.collective,
         group,
@@ -118,7 +118,7 @@ def _row(key, t, peer, group) -> tuple:
         t.bytes_moved,
         t.shape,
         t.recompute,
-        tuple(n for _, n in t.alloc),
+        tuple([n for _, n in t.alloc]),
         len(t.free),
     )
 

@@ -188,9 +188,12 @@ class DeviceRun:
         self.sim, self.rep = sim, rep
         self.dp = sim.program.device(rep)
         self.sizes: dict = {}
-        for b in self.dp.blocks.values():
+        self.with_final: set[tuple[int, str]] = set()  # blocks with tasks that run with the last micro-batch only
+        for key, b in self.dp.blocks.items():
             for t in b.tasks:
                 self.sizes.update(t.alloc)
+                if t.final:
+                    self.with_final.add(key)
         self.writers = overlap_writers(self.dp.blocks.values())
         self.owed_s: dict[str, float] = {}  # compute-stream copies of finished overlapped collectives, by name
         self.copy_free_s = {True: 0.0, False: 0.0}  # when each copy stream (to the host, back) is next free
@@ -341,8 +344,9 @@ class DeviceRun:
             self.sim.record(self.rep, "compute", a, "copy-out", start, env.now)
 
     def block_units(self, action: Action, final: bool) -> tuple:
-        """The units of ``action``'s block (with its ``final`` tasks on the last micro-batch)."""
-        key = (action.stage, action.phase, final)
+        """The units of ``action``'s block (with its ``final`` tasks on the last micro-batch; a block
+        without any is lowered once for every micro-batch)."""
+        key = (action.stage, action.phase, final or (action.stage, action.phase) not in self.with_final)
         got = self.units.get(key)
         if got is None:
             sim = self.sim

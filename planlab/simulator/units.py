@@ -15,8 +15,11 @@ from planlab.costmodel.host import SAVE_COPY_ROLES
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import DeadlockError
 from planlab.plan.buffer import Buffer
-from planlab.plan.program import Block, Task, TaskKind
+from planlab.plan.program import Block, Role, Task, TaskKind
 from planlab.simulator.exchange import message_tag
+
+# the roles of copies on the copy streams (SAVE_COPY_ROLES), as members: compared without reading their values
+SAVE_COPIES = frozenset(r for r in Role if r.value in SAVE_COPY_ROLES)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def overlap_writers(blocks) -> dict[Buffer, str]:
         b: t.name
         for blk in blocks
         for t in blk.tasks
-        if t.overlap or t.role.value in SAVE_COPY_ROLES
+        if t.overlap or t.role in SAVE_COPIES
         for b in t.writes
         if b and not b.static
     }
@@ -179,13 +182,13 @@ def lower_block(
     for i, t in enumerate(block.tasks):
         if t.final and not final:
             continue
-        if writers and t.role.value not in SAVE_COPY_ROLES:  # a copy back waits on its stream, not the device
+        if writers and t.role not in SAVE_COPIES:  # a copy back waits on its stream, not the device
             waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 low.flush()
                 low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
                 awaited.update(waits)
-        if t.role.value in SAVE_COPY_ROLES:
+        if t.role in SAVE_COPIES:
             low.copy(t, tuple(sorted({writers[b] for b in t.reads if b in writers})))
             awaited.difference_update(t.writes)
         elif t.overlap:
@@ -281,11 +284,20 @@ class _Lowering:
         comm = sum(min(e, d) for (_, (d, _), c), e in zip(cur, durations) if c)  # the wait counts as compute
         mem = peak = 0
         at = cur[0][0].name
+        size = self.sizes.get
         for t, _, _ in cur:
-            mem += sum(n for _, n in t.alloc)
+            if t.alloc:
+                alloc = 0
+                for _, n in t.alloc:
+                    alloc += n
+                mem += alloc
             if mem > peak:
                 peak, at = mem, t.name
-            mem -= sum(self.sizes.get(b, 0) for b in t.free)
+            if t.free:
+                freed = 0
+                for b in t.free:
+                    freed += size(b, 0)
+                mem -= freed
         self.units.append(
             Segment(
                 tuple(t.name for t, _, _ in cur),

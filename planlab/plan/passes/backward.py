@@ -18,6 +18,7 @@ from planlab.plan.passes.draft import (
     Part,
     add,
     convert,
+    piece_base,
     piece_task,
     record_ring_in_flight,
     record_size,
@@ -45,14 +46,17 @@ def convert_gradients(d: Draft) -> Draft:
         op = graph.operators[i]
         gbufs = []
         for j, t in enumerate(op.outputs):
+            if t == graph.loss or t in d.nograd or not graph.tensors[t].is_float:
+                gbufs.append(None)  # the loss: seeded with ones by the executor
+                continue
             uses = [
                 (c, k)
                 for c in graph.consumers.get(t, [])
                 for k, x in enumerate(c.inputs)
                 if x == t and c.name not in dead
             ]  # a consumer whose outputs reach no loss gives no gradient
-            if t == graph.loss or not graph.tensors[t].is_float or not uses or t in d.nograd:
-                gbufs.append(None)  # the loss: seeded with ones by the executor
+            if not uses:
+                gbufs.append(None)
                 continue
             target = d.layouts.form(op).grads[j]
             if len(uses) == 1 and same_layout(d.layouts.contributes(*uses[0]), target):
@@ -118,8 +122,11 @@ def backward_pieces(d: Draft) -> Draft:
     a model input, a tensor behind a detach)."""
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
+    bases: dict[int, Task] = {}  # per position, what the pieces there share (piece_base)
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
+        if op.name in d.dead:
+            continue
         gbufs = d.grads[op.name]
         needs_grad = [
             graph.tensors[t].is_float
@@ -128,7 +135,7 @@ def backward_pieces(d: Draft) -> Draft:
             and op.kind != DETACH
             for t in op.inputs
         ]
-        if op.name in d.dead or not any(needs_grad):
+        if not any(needs_grad):
             continue
         writes = tuple(
             (d.names.weight_grad(t) if graph.tensors[t].role == "param" else d.names.contribution(t, op.name, k))
@@ -143,10 +150,15 @@ def backward_pieces(d: Draft) -> Draft:
             for k, (t, w) in enumerate(zip(op.inputs, writes))
             if w is not None and w.kind is BufferKind.CONTRIBUTION
         }
+        ring = L.op_plan[op.name].ring
         for flat, dev in d.positions(mesh):
+            if not ring:  # what the pieces at this position share: their position alone (ring_fields: none)
+                base = bases.get(flat)
+                if base is None:
+                    base = bases[flat] = piece_base(TaskKind.BACKWARD, flat)
             task = piece_task(
                 op,
-                TaskKind.BACKWARD,
+                TaskKind.BACKWARD if ring else base,
                 flat,
                 gbufs,
                 writes,
@@ -154,7 +166,7 @@ def backward_pieces(d: Draft) -> Draft:
                 share,
                 saved=d.saved[op.name],
                 shapes=d.piece_shapes.get(op.name, ()),
-                **ring_fields(d, op, flat),
+                **(ring_fields(d, op, flat) if ring else {}),
             )
             if task.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)

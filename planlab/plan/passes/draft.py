@@ -24,7 +24,7 @@ from itertools import product
 from typing import Iterable
 
 from planlab.costmodel.software import SoftwareSpec
-from planlab.graph.ir import DTYPE_BYTES, Graph, Operator, no_grad_tensors
+from planlab.graph.ir import DTYPE_BYTES, Graph, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Layout, Mesh, box_numel, positions
@@ -32,7 +32,7 @@ from planlab.plan.passes.layouts import Layouts
 from planlab.plan.plan import RING_DIM, Plan, causal_attention
 from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
-from planlab.plan.shared_params import forward_only_of
+from planlab.plan.shared_params import forward_only_of, no_grad_of
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -179,7 +179,7 @@ class Draft:
     ) -> Draft:
         """The draft before any pass: the inputs and what follows from them."""
         # recycling: what a detach cuts off from the loss (empty without one); the graph's, kept by it
-        nograd = graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
+        nograd = no_grad_of(graph)
         return cls(
             plan=plan,
             graph=graph,
@@ -231,7 +231,7 @@ def update_blocks(d: Draft) -> dict[int, BlockKey]:
     """Each device's update block: it runs once per iteration, in the device's first stage (the
     lowest of its blocks; 0 for a device without any)."""
     first: dict[int, int] = {}
-    for dev, (st, _), _, _ in d.parts:
+    for dev, (st, _) in {k[:2] for k in d.parts}:  # each (device, block) once
         if st < first.get(dev, st + 1):
             first[dev] = st
     return {dev: (first.get(dev, 0), "U") for dev in set(first) | set(d.params)}
@@ -262,12 +262,26 @@ def shares(d: Draft, op: Operator) -> tuple[int, int]:
 
 
 def piece_task(
-    op: Operator, kind: TaskKind, flat: int, reads: tuple, writes: tuple, flops: float, share: tuple, **fields
+    op: Operator, kind: TaskKind | Task, flat: int, reads: tuple, writes: tuple, flops: float, share: tuple, **fields
 ) -> Task:
     """The ``kind`` task (forward or backward) of ``op``'s piece at position ``flat`` of its mesh:
     ``flops`` (the whole operator's, for the whole batch) and its memory traffic divided by its
-    ``share`` (:func:`shares`: its pieces, then micro-batches)."""
+    ``share`` (:func:`shares`: its pieces, then micro-batches). ``kind`` may be a :func:`piece_base`
+    instead, the fields the piece shares with others at its position (``flat`` is then its ``coord``):
+    the task is that one's copy with the piece's own fields, made without checking them again
+    (materialize makes tens of thousands of pieces at cluster scale)."""
     pieces, m = share
+    if isinstance(kind, Task):
+        return kind.but(
+            name=op.name,
+            reads=reads,
+            writes=writes,
+            op=op.name,
+            flops=flops / pieces / m,
+            bytes_moved=op.bytes_moved / pieces / m,
+            op_kind=op.kind,
+            **fields,
+        )
     return Task(
         op.name,
         kind,
@@ -281,6 +295,12 @@ def piece_task(
         causal=op.kind == "attention" and causal_attention(op),
         **fields,
     )
+
+
+def piece_base(kind: TaskKind, flat: int, **fields) -> Task:
+    """What the ``kind`` tasks of pieces at position ``flat`` share besides their operator's own
+    fields (for :func:`piece_task`): ``fields`` such as their local shapes, lead or group."""
+    return Task("", kind, coord=flat, **fields)
 
 
 def record_size(sizes: dict[int, dict[Buffer, int]], dev: int, task: Task, elem_bytes: int) -> None:

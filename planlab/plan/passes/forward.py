@@ -18,11 +18,11 @@ from planlab.plan.passes.draft import (
     add,
     convert,
     line,
+    piece_base,
     piece_task,
     record_ring_in_flight,
     record_size,
     ring_fields,
-    shares,
 )
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.redistribute import same_layout
@@ -82,29 +82,33 @@ def convert_inputs(d: Draft) -> Draft:
     versions: dict[str, int] = defaultdict(int)  # layouts of each tensor made so far
     reads: dict[str, tuple[Buffer, ...]] = {}
     counters = Counters.of(d)
+    tensors, names = graph.tensors, d.names
     for i, op in enumerate(graph.operators):
         key = (d.stage[op.name], "F")
         bufs = []
+        needs = L.form(op).needs
         for ti, t in enumerate(op.inputs):
-            spec, need = graph.tensors[t], L.needs(op, ti)
+            spec, need = tensors[t], needs[ti]
             if spec.role == "param":
-                bufs.append(d.names.weight(t))
+                bufs.append(names.weight(t))
                 continue
+            source = spec.role in ("input", "buffer")
+            prod = None if source else graph.producer[t]
+            if prod is not None:  # an activation read in its producer's layout (never converted to it)
+                have = L.form(prod).has[prod.outputs.index(t)]
+                if same_layout(have, need):
+                    bufs.append(names.activation(t))
+                    continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
                 continue
-            if spec.role in ("input", "buffer"):
+            if source:
                 buf = buf_.activation(t, versions[t])
                 for flat, dev in d.positions(L.mesh[op.name]):
                     task = _load(d, t, need.box(flat, L.shapes[t]), buf)
                     add(parts, dev, key, i, Part.INPUTS, task)
                     record_size(sizes, dev, task, d.elem_bytes(t))
             else:
-                prod = graph.producer[t]
-                have = L.has(prod, prod.outputs.index(t))
-                if same_layout(have, need):
-                    bufs.append(d.names.activation(t))
-                    continue
                 buf = buf_.activation(t, versions[t] + 1)
                 at = ((d.stage[prod.name], "F"), key, i)
                 convert(d, parts, sizes, counters, have, need, t, (d.names.activation(t), buf), at, name=f"{t}:")
@@ -150,26 +154,27 @@ def forward_pieces(d: Draft) -> Draft:
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
     saved_of, shapes_of = {}, {}
-    pieces: dict[tuple[int, int], dict] = {}  # per (form, position): the fields its pieces share there
+    pieces: dict[tuple[int, int], Task] = {}  # per (form, position): what its pieces share there (piece_base)
+    activation, m = d.names.activation, d.microbatches
     for i, op in enumerate(graph.operators):
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
-        outs = tuple(d.names.activation(o) for o in op.outputs)
+        outs = tuple(activation(o) for o in op.outputs)
         saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision, _view_read(d, mesh))
         saved_of[op.name] = saved
         form = L.form(op)
         shapes = shapes_of[op.name] = form.shapes
-        share = shares(d, op)
+        share = (form.pieces, m)  # what divides its work, as draft.shares gives it
         random = draws_random(op)
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
         for flat, dev in d.positions(mesh):
-            fields = pieces.get((form.index, flat))
-            if fields is None:
-                fields = pieces[(form.index, flat)] = _piece_fields(d, op, flat)
+            base = pieces.get((form.index, flat))
+            if base is None:
+                base = pieces[(form.index, flat)] = piece_base(TaskKind.FORWARD, flat, **_piece_fields(d, op, flat))
             task = piece_task(
                 op,
-                TaskKind.FORWARD,
+                base,
                 flat,
                 bufs,
                 outs,
@@ -177,9 +182,8 @@ def forward_pieces(d: Draft) -> Draft:
                 share,
                 saved=saved,
                 box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
-                **fields,
             )
-            if "ring" in fields:
+            if base.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, key, i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
@@ -210,6 +214,8 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
     (:func:`~planlab.plan.saved.cast_inputs`), each in the layout of the buffer it cast."""
     L, out = d.layouts, {}
     cast = cast_inputs(op, d.graph, d.precision)
+    if not cast:
+        return out
     for j, t in enumerate(op.inputs):
         prod = d.graph.producer.get(t)
         if t not in cast or prod is None:

@@ -81,9 +81,15 @@ class Layouts:
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
         checked: set[tuple] = set()
+        # a placement's devices numbered by their value, each tuple object (many operators share one) hashed once
+        devices: dict[tuple[int, ...], int] = {}
+        by_object: dict[int, int] = {}
         for op in graph.operators:
             p = self.op_plan[op.name]
-            key = (p.sizes, p.dims, p.devices)
+            k = by_object.get(id(p.devices))
+            if k is None:
+                k = by_object[id(p.devices)] = devices.setdefault(p.devices, len(devices))
+            key = (p.sizes, p.dims, k)
             got = placed.get(key)
             if got is None:
                 co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
@@ -257,12 +263,16 @@ NARROWED_TO_MICROBATCH = frozenset({"constant", "factory"})
 def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape per micro-batch of ``m``: its batch axes divided by ``m``; refuses
     (InfeasiblePlan) a batch axis that does not split into ``m``."""
-    label, labels = graph.batch_label, graph.labels
+    batch = batch_axes(graph)
     shapes: dict[str, tuple[int, ...]] = {}
     for t, spec in graph.tensors.items():
+        axes = batch.get(t)
+        if not axes:
+            shapes[t] = tuple(spec.shape)
+            continue
         shape = list(spec.shape)
-        for a in range(len(shape)):
-            if labels.get((t, a)) == label:
+        for a in axes:
+            if a < len(shape):
                 if shape[a] % m:
                     raise InfeasiblePlan(
                         f"batch axis {a} of {t!r} (size {shape[a]}) does not split into {m} micro-batches"
@@ -272,17 +282,38 @@ def microbatch_shapes(graph: Graph, m: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def batch_axes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """Per tensor with any, the axes of it labelled as the batch (:attr:`Graph.batch_label`), in
+    order; cached per graph."""
+
+    def compute() -> dict[str, tuple[int, ...]]:
+        label, out = graph.batch_label, {}
+        for (t, a), lab in graph.labels.items():
+            if lab == label:
+                out.setdefault(t, []).append(a)
+        return {t: tuple(sorted(axes)) for t, axes in out.items()}
+
+    return graph.memo(("batch_axes",), compute)
+
+
 def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
     split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
     signature): what it does with sizes fixed at the traced batch differs on a micro-batch."""
+    batch = batch_axes(graph)
     for op in graph.operators:
         if op.kind in NARROWED_TO_MICROBATCH:
             continue
-        can = set(op.splittable_dims())
         for t in op.inputs:
-            for a, ax in enumerate(op.axes_of(t)):
-                if graph.labels.get((t, a)) == graph.batch_label and not (ax and ax[0] in can):
+            read = batch.get(t)
+            if not read:
+                continue
+            axes = op.axes_of(t)
+            for a in read:
+                if a >= len(axes):
+                    break
+                ax = axes[a]  # splittable: one of op.splittable_dims()
+                if not (ax and op.signature.splittable(ax[0])):
                     return op, t, a
     return None
 

@@ -24,11 +24,19 @@ def assemble(d: Draft) -> Program:
     programs = []
     groups: set[tuple[int, ...]] = set()
     checked: dict = {}
+    # the lifetimes found so far, with what they were found from: a class's members (a representative
+    # and its witness) name the same buffers in the same tasks, so their lifetimes are found once
+    found: list[tuple[list, dict, tuple, tuple]] = []
     for dev in range(plan.num_devices) if d.keep is None else sorted(d.keep):
         blocks = as_blocks(d.blocks.get(dev, {}))
         groups.update(tuple(sorted(t.group)) for b in blocks.values() for t in b.tasks if t.group)
         schedule = schedule_of(plan, dev, blocks, checked)
-        blocks = liveness(blocks, d.sizes.get(dev, {}), d.together.get(dev, ()))
+        sizes, together, read = d.sizes.get(dev, {}), d.together.get(dev, ()), liveness_inputs(blocks)
+        life = next((f[3] for f in found if f[0] == read and f[2] == together and f[1] == sizes), None)
+        if life is None:
+            life = lifetimes(blocks, sizes, together)
+            found.append((read, sizes, together, life))
+        blocks = with_lifetimes(blocks, life)
         params = d.params.get(dev, ())
         nparams = sum(box_numel(b) for _, b in params)
         saved_grads, saved_states, saved_weights = d.zero_saved.get(dev, (0, 0, 0))
@@ -61,53 +69,83 @@ def assemble(d: Draft) -> Program:
 
 
 def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
-    """Fill ``alloc``/``free``: a buffer is allocated by its first writer (an internal buffer,
+    """``blocks`` with each task's ``alloc``/``free`` filled (:func:`lifetimes`)."""
+    return with_lifetimes(blocks, lifetimes(blocks, sizes, together))
+
+
+def liveness_inputs(blocks: dict) -> list:
+    """What :func:`lifetimes` reads of ``blocks`` besides the sizes: per block in order, each task's
+    kind, operator, ring and buffers (two devices alike in these have the same lifetimes)."""
+    return [
+        (bk, [(t.kind, t.op, t.ring, t.reads, t.writes, t.saved) for t in blocks[bk].tasks])
+        for bk in sorted(blocks, key=block_order)
+    ]
+
+
+def lifetimes(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> tuple[dict, dict]:
+    """Where each buffer is allocated (with its bytes) and freed, by the position of the task in
+    the walk of ``blocks`` in order: a buffer is allocated by its first writer (an internal buffer,
     :mod:`planlab.plan.saved`, by the forward task that keeps it) and freed after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
     which every valid schedule preserves per micro-batch. Each group of buffers in ``together`` is
     freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
     together). Static buffers (weights, their gradients, shards, sources) live all along."""
     order = sorted(blocks, key=block_order)
-    first: dict[Buffer, tuple] = {}
-    last: dict[Buffer, tuple] = {}
+    # positions are numbered across the blocks in that order: a task's is its index in the walk
+    first: dict[Buffer, int] = {}
+    last: dict[Buffer, int] = {}
+    forward, internal = TaskKind.FORWARD, BufferKind.INTERNAL
+    pos = 0
     for bk in order:
-        for ti, t in enumerate(blocks[bk].tasks):
-            at = (bk, ti)
+        for t in blocks[bk].tasks:
             made = t.writes
-            if t.saved and t.kind is TaskKind.FORWARD:
-                made = made + tuple(b for b in t.saved if b.kind is BufferKind.INTERNAL)
+            saved = t.saved
+            if saved and t.kind is forward:
+                made = made + tuple(b for b in saved if b.kind is internal)
             for b in made:
-                if b and not b.static and first.setdefault(b, at) is at:
-                    last.setdefault(b, at)
+                if b and not b.static and b not in first:
+                    first[b] = pos
+                    if b not in last:
+                        last[b] = pos
             if t.ring is not None and t.kind in RING_BLOCKS_IN_FLIGHT:  # held while the task runs
                 b = ring_in_flight(t.op, t.kind)
-                if first.setdefault(b, at) is at:
-                    last.setdefault(b, at)
+                if b not in first:
+                    first[b] = pos
+                    if b not in last:
+                        last[b] = pos
             for b in t.reads:
                 if b and not b.static:
-                    last[b] = at
-            for b in t.saved:
+                    last[b] = pos
+            for b in saved:
                 if b and not b.static:
-                    last[b] = at
-    if together:
-        rank = {bk: i for i, bk in enumerate(order)}
-        for bufs in together:
-            at = max((last[b] for b in bufs if b in last), key=lambda p: (rank[p[0]], p[1]), default=None)
-            for b in bufs:
-                if b in last:
-                    last[b] = at
-    allocs: dict[tuple, list] = defaultdict(list)
-    frees: dict[tuple, list] = defaultdict(list)
-    for b, pos in first.items():
-        allocs[pos].append((b, sizes.get(b, 0)))
-    for b, pos in last.items():
-        frees[pos].append(b)
+                    last[b] = pos
+            pos += 1
+    for bufs in together:
+        at = max((last[b] for b in bufs if b in last), default=None)
+        for b in bufs:
+            if b in last:
+                last[b] = at
+    allocs: dict[int, list] = defaultdict(list)
+    frees: dict[int, list] = defaultdict(list)
+    for b, at in first.items():
+        allocs[at].append((b, sizes.get(b, 0)))
+    for b, at in last.items():
+        frees[at].append(b)
+    return {at: tuple(a) for at, a in allocs.items()}, {at: tuple(f) for at, f in frees.items()}
+
+
+def with_lifetimes(blocks: dict, life: tuple[dict, dict]) -> dict:
+    """``blocks`` with each task's ``alloc`` and ``free`` from :func:`lifetimes`."""
+    allocs, frees = life
+    order = sorted(blocks, key=block_order)
     out = {}
+    pos = 0
     for bk in order:
         tasks = []
-        for ti, t in enumerate(blocks[bk].tasks):
-            a, f = allocs.get((bk, ti)), frees.get((bk, ti))
+        for t in blocks[bk].tasks:
+            a, f = allocs.get(pos), frees.get(pos)
             if a or f:
-                t = t.but(alloc=tuple(a or ()), free=tuple(f or ()))
+                t = t.with_memory(a or (), f or ())
             tasks.append(t)
+            pos += 1
         out[bk] = Block(bk[0], bk[1], tuple(tasks))
     return out
