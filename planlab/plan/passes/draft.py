@@ -280,6 +280,7 @@ def piece_task(
             flops=flops / pieces / m,
             bytes_moved=op.bytes_moved / pieces / m,
             op_kind=op.kind,
+            causal=op.kind == "attention" and causal_attention(op),
             **fields,
         )
     return Task(
