@@ -256,7 +256,10 @@ class DeviceRun:
                     if timeline:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
-                    self.send(u, a)
+                    if u.blocking:
+                        yield from self.send_and_wait(u, a)
+                    else:
+                        self.send(u, a)
                 elif isinstance(u, Recv):
                     yield from self.recv(u, a)
                 else:
@@ -395,9 +398,9 @@ class DeviceRun:
             t += d
         sim.memory.append((rep, sim.env.now, self.mem))
 
-    def send(self, u: Send, a: str) -> None:
+    def send(self, u: Send, a: str, delivered: simpy.Event | None = None) -> None:
         """A message leaves as a flow on the network (or, priced in closed form, is posted with its
-        arrival time); the device goes on (its buffer is freed)."""
+        arrival time); the device goes on (its buffer is freed). ``delivered`` fires on arrival."""
         sim, rep, st = self.sim, self.rep, self.st
         env = sim.env
         start, seq = env.now, next(sim.issued)
@@ -408,12 +411,25 @@ class DeviceRun:
             if sim.timeline:
                 sim.record(rep, "comm", a, u.task, start, at, seq)
             box.post(at)
+            if delivered is not None:
+                delivered.succeed(at)
 
         if u.closed:  # its arrival is known now: no flow on the network, no event of its own
             arrived(start + u.duration_s)
         else:
             sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
+
+    def send_and_wait(self, u: Send, a: str):
+        """A blocking send (the software's ``pipeline_p2p`` is ``"blocking"``): the message leaves as
+        :meth:`send` sends it and the device waits until it is delivered, its time exposed."""
+        env, start = self.sim.env, self.sim.env.now
+        delivered = env.event()
+        self.send(u, a, delivered)
+        at = yield delivered
+        if at > env.now:  # priced in closed form: posted at once with its arrival time
+            yield env.timeout(at - env.now)
+        self.st["exposed_s"] += env.now - start
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
         """Issue a collective on the communication stream (its output allocated now); it starts

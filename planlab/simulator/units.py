@@ -43,7 +43,8 @@ class Segment:
 @dataclass(frozen=True)
 class Send:
     """A message: a flow of ``duration_s`` alone on its links, or with ``closed`` a message of a
-    symmetric burst whose ``duration_s`` is the network's answer already (:mod:`planlab.simulator.exchange`)."""
+    symmetric burst whose ``duration_s`` is the network's answer already (:mod:`planlab.simulator.exchange`).
+    ``blocking``: the sender waits until it is delivered (the software's ``pipeline_p2p``)."""
 
     task: str
     peer: int
@@ -51,6 +52,7 @@ class Send:
     duration_s: float
     free_bytes: int
     closed: bool = False
+    blocking: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,9 @@ def lower_block(
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
             duration_s = cost.p2p_time_s(t.nbytes, device, t.peer) if price is None else price
-            low.apart(Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None))
+            low.apart(
+                Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None, low.blocking)
+            )
         elif t.kind is TaskKind.RECV:
             low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0]))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
@@ -214,6 +218,8 @@ class _Lowering:
     def __init__(self, device: int, cls: list[int], cost: CostModel, dtype: str, sizes: dict, prices: dict) -> None:
         self.device, self.cls, self.cost, self.dtype, self.sizes, self.prices = device, cls, cost, dtype, sizes, prices
         self.hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
+        software = getattr(cost, "software", None)
+        self.blocking = software is not None and software.pipeline_p2p == "blocking"  # sends hold the sender
         self.units: list[Unit] = []
         self.cur: list = []
 
