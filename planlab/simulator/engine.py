@@ -45,6 +45,7 @@ from planlab.simulator.units import (
     Send,
     lower_block,
     overlap_writers,
+    receives_first,
     run_parts,
 )
 
@@ -224,6 +225,7 @@ class DeviceRun:
             sim.memory.append((rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
         schedule, paired = self.dp.schedule, None
+        deferred: list[tuple[Send, str]] = []  # blocking sends put after the next block's receive
         for i, action in enumerate(schedule):
             a = str(action)
             if action.phase == "U" and (self.in_flight or self.owed_s):
@@ -235,7 +237,11 @@ class DeviceRun:
                 paired = schedule[i + 1]
                 yield from run_pair(self, action, paired, last_mb)
                 continue
-            for u in self.block_units(action, action.microbatch == last_mb):
+            units = self.block_units(action, action.microbatch == last_mb)
+            defer = i + 1 < len(schedule) and self.defers_sends(action, schedule[i + 1], last_mb)
+            for u in units:
+                if deferred and not isinstance(u, Recv):  # after the block's leading receives
+                    yield from self.send_deferred(deferred)
                 if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
                     # stretched while an overlapped collective shares the device; class-internal collectives
                     start = env.now
@@ -256,14 +262,18 @@ class DeviceRun:
                     if timeline:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
-                    if u.blocking:
-                        yield from self.send_and_wait(u, a)
-                    else:
+                    if not u.blocking:
                         self.send(u, a)
+                    elif defer:
+                        deferred.append((u, a))
+                    else:
+                        yield from self.send_and_wait(u, a)
                 elif isinstance(u, Recv):
                     yield from self.recv(u, a)
                 else:
                     yield from self.unit(u, a, action)
+        if deferred:
+            yield from self.send_deferred(deferred)
         if self.in_flight or self.owed_s:
             yield from self.drain("end")
         self.st["finish"] = sim.env.now
@@ -286,6 +296,8 @@ class DeviceRun:
         """Wait for the channel's next message (a pipeline bubble)."""
         sim, env, st = self.sim, self.sim.env, self.st
         start, box = env.now, sim.mailbox(u.peer, self.rep, u.tag)
+        if u.blocking:  # posted: a blocking sender may start
+            box.post_ready()
         arrival = box.take() if box.arrivals else (yield box.wait(env))
         if arrival > env.now:
             yield env.timeout(arrival - env.now)
@@ -361,6 +373,8 @@ class DeviceRun:
                 writers=self.writers,
                 closed=sim.exchange.get((self.rep, key[:2])),
             )
+            if action.phase == "B" and any(isinstance(u, Recv) and u.blocking for u in got):
+                got = self.units[key] = receives_first(got)
         return got
 
     def bump(self, extra: int, name: str) -> None:
@@ -420,16 +434,45 @@ class DeviceRun:
             sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
 
+    def defers_sends(self, action: Action, after: Action, last_mb: int) -> bool:
+        """Whether the blocking sends of forward ``action`` wait until the backward ``after`` has
+        received its gradient: DeepSpeed's TrainSchedule issues a forward's SendActivation in the
+        next step, a backward step, after that step's RecvGrad (schedule.py), so that two stages
+        sending to each other at once cannot both block."""
+        if action.phase != "F" or after.phase != "B":
+            return False
+        units = self.block_units(after, after.microbatch == last_mb)
+        return bool(units) and isinstance(units[0], Recv) and units[0].blocking
+
+    def send_deferred(self, deferred: list):
+        """Send the deferred blocking sends in order, each waiting until delivered."""
+        todo = list(deferred)
+        deferred.clear()
+        for u, a in todo:
+            yield from self.send_and_wait(u, a)
+
     def send_and_wait(self, u: Send, a: str):
-        """A blocking send (the software's ``pipeline_p2p`` is ``"blocking"``): the message leaves as
-        :meth:`send` sends it and the device waits until it is delivered, its time exposed."""
-        env, start = self.sim.env, self.sim.env.now
+        """A blocking send (the software's ``pipeline_p2p`` is ``"blocking"``): it starts once the
+        receiver has posted its receive (NCCL's send of a message larger than its buffers completes
+        only as the receiver takes it; the wait is the sender's bubble), leaves as :meth:`send`
+        sends it, and the device waits until it is delivered, its time exposed."""
+        sim, env, st = self.sim, self.sim.env, self.st
+        start, box = env.now, sim.mailbox(self.rep, u.peer, u.tag)
+        if box.ready:
+            box.ready.popleft()
+        else:
+            yield box.wait_ready(env)
+        st["wait_s"] += env.now - start
+        st["bubble_s"] += env.now - start
+        if sim.timeline and env.now > start:
+            sim.record(self.rep, "wait", a, u.task, start, env.now)
+        sent = env.now
         delivered = env.event()
         self.send(u, a, delivered)
         at = yield delivered
         if at > env.now:  # priced in closed form: posted at once with its arrival time
             yield env.timeout(at - env.now)
-        self.st["exposed_s"] += env.now - start
+        st["exposed_s"] += env.now - sent
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
         """Issue a collective on the communication stream (its output allocated now); it starts
@@ -586,11 +629,25 @@ def scaled(parts: tuple[float, ...], factor: float) -> tuple[float, ...]:
 
 
 class _Mailbox:
-    """Arrival times of messages on one channel, first in first out, and a waiting receiver."""
+    """Arrival times of messages on one channel, first in first out, and a waiting receiver;
+    receives posted and not yet matched (``ready``) and a blocking sender waiting for one."""
 
     def __init__(self) -> None:
         self.arrivals: deque[float] = deque()
         self.waiter: simpy.Event | None = None
+        self.ready: deque[bool] = deque()
+        self.sender: simpy.Event | None = None
+
+    def post_ready(self) -> None:
+        if self.sender is not None:
+            w, self.sender = self.sender, None
+            w.succeed()
+        else:
+            self.ready.append(True)
+
+    def wait_ready(self, env: simpy.Environment) -> simpy.Event:
+        self.sender = env.event()
+        return self.sender
 
     def post(self, arrival: float) -> None:
         if self.waiter is not None:

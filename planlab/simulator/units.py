@@ -57,10 +57,14 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
+    """A receive; ``blocking``: its sender sends only once it is posted (a rendezvous, the
+    software's ``pipeline_p2p``)."""
+
     task: str
     peer: int
     tag: int
     alloc_bytes: int
+    blocking: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,13 +206,22 @@ def lower_block(
                 Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None, low.blocking)
             )
         elif t.kind is TaskKind.RECV:
-            low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0]))
+            low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0], low.blocking))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
             low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
         else:
             low.cur.append((t, low.times(t), t.kind is TaskKind.COLLECTIVE))
     low.flush()
     return tuple(low.units)
+
+
+def receives_first(units: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    """A backward block's units with its receives first: DeepSpeed's pipeline engine runs a
+    backward step as RecvGrad, then SendActivation, then BackwardPass (schedule.py's
+    TrainSchedule), and the recomputation of a checkpointed layer runs inside the backward pass,
+    where autograd reaches it (deepspeed/runtime/activation_checkpointing/checkpointing.py,
+    CheckpointFunction.backward), so none of the block's work runs before its gradients arrive."""
+    return tuple(u for u in units if isinstance(u, Recv)) + tuple(u for u in units if not isinstance(u, Recv))
 
 
 class _Lowering:
