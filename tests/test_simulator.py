@@ -89,12 +89,16 @@ def test_pipeline_matches_the_bubble_formula(schedule, p, m):
     assert (res.iter_time_s - busy) / res.iter_time_s == pytest.approx((p - 1) / (m + p - 1))
 
 
+def _event_log(res) -> list[tuple]:
+    """The recorded events as (device, stream, action, name, start, end), times to 1e-9 s."""
+    return [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
+
+
 def test_exact_event_log_of_a_two_stage_pipeline():
     cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
     prog = _pipeline_program(2, 2, one_f_one_b, f_flops=1e9, b_flops=2e9, nbytes=int(0.5e9))
     res = simulate(prog, cost, timeline=True)
-    log = [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
-    assert log == [
+    assert _event_log(res) == [
         (0, "compute", "0F0", "f0", 0.0, 1.0),
         (0, "comm", "0F0", "send_y", 1.0, 1.5),
         (0, "compute", "0F1", "f0", 1.0, 2.0),
@@ -272,8 +276,7 @@ def test_blocking_sends_wait_for_the_receiver_and_follow_deepspeeds_order():
     assert load_software("megatron").pipeline_p2p == "async"
     prog = _pipeline_program(2, 2, one_f_one_b, f_flops=1e9, b_flops=2e9, nbytes=int(0.5e9))
     res = simulate(prog, BlockingCost(CostModel.load("dgx-a100-80g", 1)), timeline=True)
-    log = [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
-    assert log == [
+    assert _event_log(res) == [
         (0, "compute", "0F0", "f0", 0.0, 1.0),
         (0, "comm", "0F0", "send_y", 1.0, 1.5),
         (0, "compute", "0F1", "f0", 1.5, 2.5),
