@@ -9,6 +9,7 @@ from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, ma
 from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
 from planlab.simulator import device_classes, find_deadlock, simulate
+from planlab.simulator.engine import in_deepspeed_order
 from planlab.simulator.units import Recv, Segment, receives_first
 
 from conftest import traced
@@ -303,3 +304,22 @@ def test_a_blocking_backward_receives_before_it_recomputes():
     recv = Recv("recv_dy", 1, 1, 0, blocking=True)
     seg = Segment(("re:f",), 1.0, 0.0, 0, 0, (1.0,))
     assert receives_first((seg, recv, seg)) == (recv, seg, seg)
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("p, m", [(2, 1), (3, 2), (4, 2), (4, 3), (4, 8), (5, 7), (8, 3)])
+def test_blocking_sends_never_deadlock_and_cost_at_least_asynchronous_ones(schedule, p, m):
+    """With fewer micro-batches than stages too, where a forward's next DeepSpeed step has no
+    backward and its activation leaves at once."""
+    prog = _pipeline_program(p, m, schedule, nbytes=int(0.25e9))
+    free = simulate(prog, IdealCost(CostModel.load("dgx-a100-80g", 1))).iter_time_s
+    blocking = simulate(prog, BlockingCost(CostModel.load("dgx-a100-80g", 1))).iter_time_s
+    assert blocking >= free
+
+
+def test_megatrons_1f1b_is_deepspeeds_train_schedule_and_gpipe_is_not():
+    """Blocking sends meet their receives only where every stage runs DeepSpeed's order; GPipe's
+    stage 2 of 4 runs its third forward before its first backward, DeepSpeed's runs it after."""
+    for p, m in ((4, 3), (4, 8), (2, 1), (8, 3)):
+        assert all(in_deepspeed_order(tuple(one_f_one_b(s, p, m)), p) for s in range(p))
+    assert not in_deepspeed_order(tuple(gpipe(2, 4, 3)), 4)

@@ -17,6 +17,7 @@ class's representative runs as a :class:`DeviceRun` (one method per kind of unit
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections import Counter, defaultdict, deque
 from itertools import count
 
@@ -148,6 +149,10 @@ class Simulation:
         self.exchange = exchange_prices(program, cls, cost)  # sends of symmetric bursts, in closed form
         self._links: dict[tuple[int, int], tuple] = {}
         self._members = Counter(cls)
+        self.stages = 1 + max((a.stage for d in program.devices for a in d.schedule), default=0)
+        self.stages_of = {d.device: frozenset(a.stage for a in d.schedule if a.phase != "U") for d in program.devices}
+        # blocking sends meet their receives, in DeepSpeed's order, where every device runs its TrainSchedule
+        self.rendezvous = all(in_deepspeed_order(d.schedule, self.stages) for d in program.devices)
 
     def mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
         """The channel of messages with ``tag`` from ``src``'s class to ``dst``'s."""
@@ -373,8 +378,8 @@ class DeviceRun:
                 writers=self.writers,
                 closed=sim.exchange.get((self.rep, key[:2])),
             )
-            if action.phase == "B" and any(isinstance(u, Recv) and u.blocking for u in got):
-                got = self.units[key] = receives_first(got)
+            if any(isinstance(u, (Send, Recv)) and u.blocking for u in got):
+                got = self.units[key] = self.pipeline_blocking(got, action.phase == "B")
         return got
 
     def bump(self, extra: int, name: str) -> None:
@@ -434,13 +439,29 @@ class DeviceRun:
             sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
 
+    def pipeline_blocking(self, units: tuple, backward: bool) -> tuple:
+        """``units`` with only the messages between pipeline stages blocking (a software's
+        ``pipeline_p2p`` is its pipeline engine's; messages within a stage, a layout conversion's,
+        stay asynchronous), and in a backward block the receives from the next stage first."""
+        stages = self.sim.stages_of
+        out = tuple(
+            replace(u, blocking=False)
+            if isinstance(u, (Send, Recv)) and u.blocking and stages[self.rep] == stages[self.sim.cls[u.peer]]
+            else u
+            for u in units
+        )
+        return receives_first(out) if backward and any(isinstance(u, Recv) and u.blocking for u in out) else out
+
     def defers_sends(self, action: Action, after: Action, last_mb: int) -> bool:
         """Whether the blocking sends of forward ``action`` wait until the backward ``after`` has
-        received its gradient: DeepSpeed's TrainSchedule issues a forward's SendActivation in the
-        next step, a backward step, after that step's RecvGrad (schedule.py), so that two stages
-        sending to each other at once cannot both block."""
-        if action.phase != "F" or after.phase != "B":
+        received its gradient: DeepSpeed's TrainSchedule (schedule.py) runs stage s's forward of
+        micro-batch k in step 2k + s and its backward of j in step 2j + 2p - s - 1, and issues a
+        forward's SendActivation in the next step, after that step's RecvGrad when it has one (j =
+        k + s + 1 - p), so that two stages sending to each other at once cannot both block."""
+        if action.phase != "F" or after.phase != "B" or not self.sim.rendezvous:
             return False
+        if after.microbatch != action.microbatch + action.stage + 1 - self.sim.stages:
+            return False  # the step after the forward has no backward: the activation leaves at once
         units = self.block_units(after, after.microbatch == last_mb)
         return bool(units) and isinstance(units[0], Recv) and units[0].blocking
 
@@ -458,7 +479,9 @@ class DeviceRun:
         sends it, and the device waits until it is delivered, its time exposed."""
         sim, env, st = self.sim, self.sim.env, self.st
         start, box = env.now, sim.mailbox(self.rep, u.peer, u.tag)
-        if box.ready:
+        if not sim.rendezvous:  # another schedule than DeepSpeed's: the sender waits for delivery only
+            pass
+        elif box.ready:
             box.ready.popleft()
         else:
             yield box.wait_ready(env)
@@ -621,6 +644,20 @@ def host_memory(program: Program, cluster: ClusterSpec) -> dict[str, float]:
     for d in range(program.num_devices):
         nodes[d // per_node] = nodes.get(d // per_node, 0.0) + program.device(d).host_bytes
     return {"host_peak_bytes": max(nodes.values()), "host_memory_bytes": host_of(cluster).memory_bytes}
+
+
+def in_deepspeed_order(schedule: tuple[Action, ...], stages: int) -> bool:
+    """Whether ``schedule``'s forwards and backwards come in the order of DeepSpeed's
+    TrainSchedule (schedule.py), where stage s runs the forward of micro-batch k in step 2k + s and
+    the backward of j in step 2j + 2 stages - s - 1 (Megatron-LM's 1F1B is in that order)."""
+    work = [a for a in schedule if a.phase in ("F", "B")]
+    if len({a.stage for a in work}) > 1:  # several stages a device: not DeepSpeed's pipeline
+        return False
+
+    def step(a: Action) -> int:
+        return 2 * a.microbatch + a.stage if a.phase == "F" else 2 * a.microbatch + 2 * stages - a.stage - 1
+
+    return all(step(a) < step(b) for a, b in zip(work, work[1:]))
 
 
 def scaled(parts: tuple[float, ...], factor: float) -> tuple[float, ...]:

@@ -216,12 +216,13 @@ def lower_block(
 
 
 def receives_first(units: tuple[Unit, ...]) -> tuple[Unit, ...]:
-    """A backward block's units with its receives first: DeepSpeed's pipeline engine runs a
+    """A backward block's units with its blocking receives (from the next stage) first: DeepSpeed's pipeline engine runs a
     backward step as RecvGrad, then SendActivation, then BackwardPass (schedule.py's
     TrainSchedule), and the recomputation of a checkpointed layer runs inside the backward pass,
     where autograd reaches it (deepspeed/runtime/activation_checkpointing/checkpointing.py,
     CheckpointFunction.backward), so none of the block's work runs before its gradients arrive."""
-    return tuple(u for u in units if isinstance(u, Recv)) + tuple(u for u in units if not isinstance(u, Recv))
+    first = [isinstance(u, Recv) and u.blocking for u in units]
+    return tuple(u for u, f in zip(units, first) if f) + tuple(u for u, f in zip(units, first) if not f)
 
 
 class _Lowering:
