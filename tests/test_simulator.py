@@ -7,7 +7,7 @@ from planlab.costmodel.software import load_software
 from planlab.errors import DeadlockError
 from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import activation as A
-from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from planlab.simulator import device_classes, find_deadlock, simulate
 from planlab.simulator.engine import in_deepspeed_order
 from planlab.simulator.units import Recv, Segment, receives_first
@@ -323,3 +323,4 @@ def test_megatrons_1f1b_is_deepspeeds_train_schedule_and_gpipe_is_not():
     for p, m in ((4, 3), (4, 8), (2, 1), (8, 3)):
         assert all(in_deepspeed_order(tuple(one_f_one_b(s, p, m)), p) for s in range(p))
     assert not in_deepspeed_order(tuple(gpipe(2, 4, 3)), 4)
+    assert not in_deepspeed_order(tuple(zb_h1(1, 2, 4)), 2)  # 1F1B's F/B order, with W apart

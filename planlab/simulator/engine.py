@@ -650,9 +650,9 @@ def in_deepspeed_order(schedule: tuple[Action, ...], stages: int) -> bool:
     """Whether ``schedule``'s forwards and backwards come in the order of DeepSpeed's
     TrainSchedule (schedule.py), where stage s runs the forward of micro-batch k in step 2k + s and
     the backward of j in step 2j + 2 stages - s - 1 (Megatron-LM's 1F1B is in that order)."""
-    work = [a for a in schedule if a.phase in ("F", "B")]
-    if len({a.stage for a in work}) > 1:  # several stages a device: not DeepSpeed's pipeline
-        return False
+    work = [a for a in schedule if a.phase != "U"]
+    if any(a.phase not in ("F", "B") or a.overlaps for a in work) or len({a.stage for a in work}) > 1:
+        return False  # a split backward (W), pairs, several stages a device: not DeepSpeed's pipeline
 
     def step(a: Action) -> int:
         return 2 * a.microbatch + a.stage if a.phase == "F" else 2 * a.microbatch + 2 * stages - a.stage - 1
