@@ -14,7 +14,8 @@ interlaced pipeline, 3f1b and the plain recycling schedule, and a single stage a
 gradients), context and expert parallelism, ZeRO-Offload's optimizer on the host,
 co-located pieces inside recomputed layers, vocabulary-parallel heads and the model families'
 small presets, on the ``cpu`` cluster, on two DGX A100 nodes (planlab's software) and on two
-HGX A100 nodes with Megatron-LM's and DeepSpeed's software (gradients reduced after the backward).
+HGX A100 nodes with Megatron-LM's and DeepSpeed's software (gradients reduced after the backward;
+DeepSpeed's pipeline sends blocking).
 
 A change that moves a prediction on purpose (the cost model, say) regenerates the file with one
 command from the repository root, and the diff of ``tests/data/golden_predictions.json`` shows
@@ -395,6 +396,15 @@ def _cases() -> tuple[Case, ...]:
             space="megatron",
             knobs=dict(dp=16, tp=1, pp=1, microbatch=1, zero=3),
             **sw,
+        ),
+        # DeepSpeed's pipeline engine: blocking sends and receives in its TrainSchedule's order
+        Case(
+            "kernels-deepspeed-dp4-tp2-pp2",
+            "gpt-small",
+            16,
+            space="megatron",
+            knobs=dict(dp=4, tp=2, pp=2, microbatch=1, recompute="full"),
+            **dict(sw, software="deepspeed"),
         ),
     )
 

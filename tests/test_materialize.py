@@ -312,3 +312,20 @@ def test_bytes_sized_once_per_operator_are_every_pieces_bytes(model, space, knob
                 checked += 1
     assert checked >= len(g.operators)
     assert materialize(plan, g) == materialize(plan, g)
+
+
+@pytest.mark.parametrize("knobs", [dict(pp=2), dict(pp=2, tp=2)])
+def test_a_stage_sends_one_gradient_per_tensor_it_received(tiny, knobs):
+    """A stage's input feeds both a layer norm and the residual add; autograd sums the two
+    contributions on that stage and Megatron-LM's or DeepSpeed's pipeline sends the sum back: one
+    gradient message per tensor the stage received (and as many bytes), not one per consumer."""
+    spec, g = tiny
+    n = knobs["pp"] * knobs.get("tp", 1)
+    plan = get_space("megatron").build(_ctx(g, spec, n), dict(dict(dp=1, tp=1, microbatch=2), **knobs))
+    prog = materialize(plan, g)
+    find_deadlock(prog)
+    last = prog.devices[-1]
+    got = [t for t in last.blocks[(1, "F")].tasks if t.kind is TaskKind.RECV]
+    sent = [t for t in last.blocks[(1, "B")].tasks if t.kind is TaskKind.SEND]
+    assert got and sorted(t.nbytes for t in sent) == sorted(t.nbytes for t in got)
+    assert len({t.name for t in sent}) == len(sent)

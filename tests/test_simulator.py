@@ -3,11 +3,14 @@ import dataclasses
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.software import load_software
 from planlab.errors import DeadlockError
 from planlab.plan import Block, DeviceProgram, FP32, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import activation as A
-from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces import Context, get_space, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from planlab.simulator import device_classes, find_deadlock, simulate
+from planlab.simulator.engine import in_deepspeed_order
+from planlab.simulator.units import Recv, Segment, receives_first
 
 from conftest import traced
 
@@ -87,12 +90,16 @@ def test_pipeline_matches_the_bubble_formula(schedule, p, m):
     assert (res.iter_time_s - busy) / res.iter_time_s == pytest.approx((p - 1) / (m + p - 1))
 
 
+def _event_log(res) -> list[tuple]:
+    """The recorded events as (device, stream, action, name, start, end), times to 1e-9 s."""
+    return [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
+
+
 def test_exact_event_log_of_a_two_stage_pipeline():
     cost = IdealCost(CostModel.load("dgx-a100-80g", 1))
     prog = _pipeline_program(2, 2, one_f_one_b, f_flops=1e9, b_flops=2e9, nbytes=int(0.5e9))
     res = simulate(prog, cost, timeline=True)
-    log = [(e.device, e.stream, e.action, e.name, round(e.start_s, 9), round(e.end_s, 9)) for e in res.events]
-    assert log == [
+    assert _event_log(res) == [
         (0, "compute", "0F0", "f0", 0.0, 1.0),
         (0, "comm", "0F0", "send_y", 1.0, 1.5),
         (0, "compute", "0F1", "f0", 1.0, 2.0),
@@ -252,3 +259,68 @@ def test_a_collective_across_classes_needs_an_identity():
     cost = IdealCost(CostModel.load("cpu", 2))
     with pytest.raises(DeadlockError, match=r"C:all_reduce\(ar0\)@\[0, 1\] spans several device classes"):
         simulate(_two_collectives((0, 1), idents=(-1, 1)), cost)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockingCost(IdealCost):
+    """IdealCost under a software whose pipeline sends block (``pipeline_p2p``: DeepSpeed's)."""
+
+    software: object = dataclasses.field(default_factory=lambda: load_software("deepspeed"))
+
+
+def test_blocking_sends_wait_for_the_receiver_and_follow_deepspeeds_order():
+    """DeepSpeed's pipeline engine: a send starts once its receive is posted and holds the sender
+    until delivered, and a forward's activation leaves only after the next backward step has
+    received its gradient (RecvGrad, SendActivation, BackwardPass): stage 0 sends F1's output at
+    5.0, not 2.5, and the iteration takes 11 s where asynchronous sends take 10 s (above)."""
+    assert load_software("deepspeed").pipeline_p2p == "blocking"
+    assert load_software("megatron").pipeline_p2p == "async"
+    prog = _pipeline_program(2, 2, one_f_one_b, f_flops=1e9, b_flops=2e9, nbytes=int(0.5e9))
+    res = simulate(prog, BlockingCost(CostModel.load("dgx-a100-80g", 1)), timeline=True)
+    assert _event_log(res) == [
+        (0, "compute", "0F0", "f0", 0.0, 1.0),
+        (0, "comm", "0F0", "send_y", 1.0, 1.5),
+        (0, "compute", "0F1", "f0", 1.5, 2.5),
+        (0, "wait", "0B0", "recv_dy", 2.5, 5.0),
+        (0, "comm", "0F1", "send_y", 5.0, 5.5),
+        (0, "compute", "0B0", "b0", 5.5, 7.5),
+        (0, "wait", "0B1", "recv_dy", 7.5, 9.0),
+        (0, "compute", "0B1", "b0", 9.0, 11.0),
+        (1, "wait", "1F0", "recv_x", 0.0, 1.5),
+        (1, "compute", "1F0", "f1", 1.5, 2.5),
+        (1, "compute", "1B0", "b1", 2.5, 4.5),
+        (1, "comm", "1B0", "send_dx", 4.5, 5.0),
+        (1, "wait", "1F1", "recv_x", 5.0, 5.5),
+        (1, "compute", "1F1", "f1", 5.5, 6.5),
+        (1, "compute", "1B1", "b1", 6.5, 8.5),
+        (1, "comm", "1B1", "send_dx", 8.5, 9.0),
+    ]
+    assert res.iter_time_s == pytest.approx(11.0)
+
+
+def test_a_blocking_backward_receives_before_it_recomputes():
+    """Under DeepSpeed the recomputation of a checkpointed layer runs inside the backward pass,
+    after the gradient is received: the receive moves to the front of the backward block."""
+    recv = Recv("recv_dy", 1, 1, 0, blocking=True)
+    seg = Segment(("re:f",), 1.0, 0.0, 0, 0, (1.0,))
+    assert receives_first((seg, recv, seg)) == (recv, seg, seg)
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("p, m", [(2, 1), (3, 2), (4, 2), (4, 3), (4, 8), (5, 7), (8, 3)])
+def test_blocking_sends_never_deadlock_and_cost_at_least_asynchronous_ones(schedule, p, m):
+    """With fewer micro-batches than stages too, where a forward's next DeepSpeed step has no
+    backward and its activation leaves at once."""
+    prog = _pipeline_program(p, m, schedule, nbytes=int(0.25e9))
+    free = simulate(prog, IdealCost(CostModel.load("dgx-a100-80g", 1))).iter_time_s
+    blocking = simulate(prog, BlockingCost(CostModel.load("dgx-a100-80g", 1))).iter_time_s
+    assert blocking >= free
+
+
+def test_megatrons_1f1b_is_deepspeeds_train_schedule_and_gpipe_is_not():
+    """Blocking sends meet their receives only where every stage runs DeepSpeed's order; GPipe's
+    stage 2 of 4 runs its third forward before its first backward, DeepSpeed's runs it after."""
+    for p, m in ((4, 3), (4, 8), (2, 1), (8, 3)):
+        assert all(in_deepspeed_order(tuple(one_f_one_b(s, p, m)), p) for s in range(p))
+    assert not in_deepspeed_order(tuple(gpipe(2, 4, 3)), 4)
+    assert not in_deepspeed_order(tuple(zb_h1(1, 2, 4)), 2)  # 1F1B's F/B order, with W apart

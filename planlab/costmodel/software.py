@@ -22,6 +22,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``"whole"`` or ``"partitioned"`` (each tensor-parallel rank sends a tp-th of an activation
     between stages and the receivers all-gather it: Megatron-LM's scatter/gather, DeepSpeed's
     ``pipe_partitioned``);
+``pipeline_p2p``
+    ``"async"`` (the default: a stage sends an activation or a gradient and goes on computing
+    while it travels) or ``"blocking"`` (the send holds the sender's compute stream until the
+    message is delivered, as a synchronous ``torch.distributed.send`` does: DeepSpeed's pipeline
+    engine);
 ``collective_buffers``
     ``"flat"`` (all-gathers into one flat tensor, as ``all_gather_into_tensor`` takes it) or
     ``"per_rank"`` (the software passes a list of one tensor per rank, which PyTorch's
@@ -87,6 +92,7 @@ SOFTWARE_DIR = Path(__file__).parent / "software"
 IMPLEMENTATIONS = ("megatron", "torch")
 GRAD_REDUCE = ("overlapped", "after_backward")
 PIPELINE_MESSAGES = ("whole", "partitioned")
+PIPELINE_P2P = ("async", "blocking")
 COLLECTIVE_BUFFERS = ("flat", "per_rank", "copied")
 ZERO3_UNITS = ("layer", "module")
 DEFAULT_SOFTWARE = "megatron"  # on GPU clusters; the CPU cluster runs planlab's own executor: torch
@@ -105,6 +111,7 @@ _FIELDS = {
     "grad_reduce",
     "grad_bucket_elements",
     "pipeline_messages",
+    "pipeline_p2p",
     "collective_buffers",
     "sequence_parallel_saves_shard",
     "fused_softmax",
@@ -162,6 +169,7 @@ class SoftwareSpec:
     grad_reduce: str = "overlapped"
     grad_bucket_elements: int = 40_000_000
     pipeline_messages: str = "whole"
+    pipeline_p2p: str = "async"
     collective_buffers: str = "flat"
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
@@ -277,6 +285,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         grad_reduce=_choice(f, "grad_reduce", GRAD_REDUCE, "overlapped"),
         grad_bucket_elements=f.integer("grad_bucket_elements") if "grad_bucket_elements" in f.obj else 40_000_000,
         pipeline_messages=_choice(f, "pipeline_messages", PIPELINE_MESSAGES, "whole"),
+        pipeline_p2p=_choice(f, "pipeline_p2p", PIPELINE_P2P, "async"),
         collective_buffers=_choice(f, "collective_buffers", COLLECTIVE_BUFFERS, "flat"),
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),

@@ -17,6 +17,7 @@ class's representative runs as a :class:`DeviceRun` (one method per kind of unit
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections import Counter, defaultdict, deque
 from itertools import count
 
@@ -45,6 +46,7 @@ from planlab.simulator.units import (
     Send,
     lower_block,
     overlap_writers,
+    receives_first,
     run_parts,
 )
 
@@ -147,6 +149,10 @@ class Simulation:
         self.exchange = exchange_prices(program, cls, cost)  # sends of symmetric bursts, in closed form
         self._links: dict[tuple[int, int], tuple] = {}
         self._members = Counter(cls)
+        self.stages = 1 + max((a.stage for d in program.devices for a in d.schedule), default=0)
+        self.stages_of = {d.device: frozenset(a.stage for a in d.schedule if a.phase != "U") for d in program.devices}
+        # blocking sends meet their receives, in DeepSpeed's order, where every device runs its TrainSchedule
+        self.rendezvous = all(in_deepspeed_order(d.schedule, self.stages) for d in program.devices)
 
     def mailbox(self, src: int, dst: int, tag: int) -> _Mailbox:
         """The channel of messages with ``tag`` from ``src``'s class to ``dst``'s."""
@@ -227,6 +233,7 @@ class DeviceRun:
             sim.memory.append((rep, 0.0, self.mem))
         last_mb = sim.program.microbatches - 1
         schedule, paired = self.dp.schedule, None
+        deferred: list[tuple[Send, str]] = []  # blocking sends put after the next block's receive
         for i, action in enumerate(schedule):
             a = str(action)
             if action.phase == "U" and (self.in_flight or self.owed_s):
@@ -238,7 +245,11 @@ class DeviceRun:
                 paired = schedule[i + 1]
                 yield from run_pair(self, action, paired, last_mb)
                 continue
-            for u in self.block_units(action, action.microbatch == last_mb):
+            units = self.block_units(action, action.microbatch == last_mb)
+            defer = i + 1 < len(schedule) and self.defers_sends(action, schedule[i + 1], last_mb)
+            for u in units:
+                if deferred and not isinstance(u, Recv):  # after the block's leading receives
+                    yield from self.send_deferred(deferred)
                 if isinstance(u, Segment):  # computation, slowed by a straggler's factor and
                     # stretched while an overlapped collective shares the device; class-internal collectives
                     start = env.now
@@ -259,11 +270,18 @@ class DeviceRun:
                     if timeline:
                         self.record_segment(u, a, start, compute)
                 elif isinstance(u, Send):
-                    self.send(u, a)
+                    if not u.blocking:
+                        self.send(u, a)
+                    elif defer:
+                        deferred.append((u, a))
+                    else:
+                        yield from self.send_and_wait(u, a)
                 elif isinstance(u, Recv):
                     yield from self.recv(u, a)
                 else:
                     yield from self.unit(u, a, action)
+        if deferred:
+            yield from self.send_deferred(deferred)
         if self.in_flight or self.owed_s:
             yield from self.drain("end")
         self.st["finish"] = sim.env.now
@@ -286,6 +304,8 @@ class DeviceRun:
         """Wait for the channel's next message (a pipeline bubble)."""
         sim, env, st = self.sim, self.sim.env, self.st
         start, box = env.now, sim.mailbox(u.peer, self.rep, u.tag)
+        if u.blocking:  # posted: a blocking sender may start
+            box.post_ready()
         arrival = box.take() if box.arrivals else (yield box.wait(env))
         if arrival > env.now:
             yield env.timeout(arrival - env.now)
@@ -362,6 +382,8 @@ class DeviceRun:
                 writers=self.writers,
                 closed=sim.exchange.get((self.rep, key[:2])),
             )
+            if any(isinstance(u, (Send, Recv)) and u.blocking for u in got):
+                got = self.units[key] = self.pipeline_blocking(got, action.phase == "B")
         return got
 
     def bump(self, extra: int, name: str) -> None:
@@ -399,9 +421,9 @@ class DeviceRun:
             t += d
         sim.memory.append((rep, sim.env.now, self.mem))
 
-    def send(self, u: Send, a: str) -> None:
+    def send(self, u: Send, a: str, delivered: simpy.Event | None = None) -> None:
         """A message leaves as a flow on the network (or, priced in closed form, is posted with its
-        arrival time); the device goes on (its buffer is freed)."""
+        arrival time); the device goes on (its buffer is freed). ``delivered`` fires on arrival."""
         sim, rep, st = self.sim, self.rep, self.st
         env = sim.env
         start, seq = env.now, next(sim.issued)
@@ -412,12 +434,72 @@ class DeviceRun:
             if sim.timeline:
                 sim.record(rep, "comm", a, u.task, start, at, seq)
             box.post(at)
+            if delivered is not None:
+                delivered.succeed(at)
 
         if u.closed:  # its arrival is known now: no flow on the network, no event of its own
             arrived(start + u.duration_s)
         else:
             sim.net.transfer(u.duration_s, sim.links(rep, u.peer), lambda: arrived(env.now))
         self.mem -= u.free_bytes
+
+    def pipeline_blocking(self, units: tuple, backward: bool) -> tuple:
+        """``units`` with only the messages between pipeline stages blocking (a software's
+        ``pipeline_p2p`` is its pipeline engine's; messages within a stage, a layout conversion's,
+        stay asynchronous), and in a backward block the receives from the next stage first."""
+        stages = self.sim.stages_of
+        out = tuple(
+            replace(u, blocking=False)
+            if isinstance(u, (Send, Recv)) and u.blocking and stages[self.rep] == stages[self.sim.cls[u.peer]]
+            else u
+            for u in units
+        )
+        return receives_first(out) if backward and any(isinstance(u, Recv) and u.blocking for u in out) else out
+
+    def defers_sends(self, action: Action, after: Action, last_mb: int) -> bool:
+        """Whether the blocking sends of forward ``action`` wait until the backward ``after`` has
+        received its gradient: DeepSpeed's TrainSchedule (schedule.py) runs stage s's forward of
+        micro-batch k in step 2k + s and its backward of j in step 2j + 2p - s - 1, and issues a
+        forward's SendActivation in the next step, after that step's RecvGrad when it has one (j =
+        k + s + 1 - p), so that two stages sending to each other at once cannot both block."""
+        if action.phase != "F" or after.phase != "B" or not self.sim.rendezvous:
+            return False
+        if after.microbatch != action.microbatch + action.stage + 1 - self.sim.stages:
+            return False  # the step after the forward has no backward: the activation leaves at once
+        units = self.block_units(after, after.microbatch == last_mb)
+        return bool(units) and isinstance(units[0], Recv) and units[0].blocking
+
+    def send_deferred(self, deferred: list):
+        """Send the deferred blocking sends in order, each waiting until delivered."""
+        todo = list(deferred)
+        deferred.clear()
+        for u, a in todo:
+            yield from self.send_and_wait(u, a)
+
+    def send_and_wait(self, u: Send, a: str):
+        """A blocking send (the software's ``pipeline_p2p`` is ``"blocking"``): it starts once the
+        receiver has posted its receive (NCCL's send of a message larger than its buffers completes
+        only as the receiver takes it; the wait is the sender's bubble), leaves as :meth:`send`
+        sends it, and the device waits until it is delivered, its time exposed."""
+        sim, env, st = self.sim, self.sim.env, self.st
+        start, box = env.now, sim.mailbox(self.rep, u.peer, u.tag)
+        if not sim.rendezvous:  # another schedule than DeepSpeed's: the sender waits for delivery only
+            pass
+        elif box.ready:
+            box.ready.popleft()
+        else:
+            yield box.wait_ready(env)
+        st["wait_s"] += env.now - start
+        st["bubble_s"] += env.now - start
+        if sim.timeline and env.now > start:
+            sim.record(self.rep, "wait", a, u.task, start, env.now)
+        sent = env.now
+        delivered = env.event()
+        self.send(u, a, delivered)
+        at = yield delivered
+        if at > env.now:  # priced in closed form: posted at once with its arrival time
+            yield env.timeout(at - env.now)
+        st["exposed_s"] += env.now - sent
 
     def start_overlapped(self, u: AsyncCollective, a: str, action: Action):
         """Issue a collective on the communication stream (its output allocated now); it starts
@@ -568,17 +650,45 @@ def host_memory(program: Program, cluster: ClusterSpec) -> dict[str, float]:
     return {"host_peak_bytes": max(nodes.values()), "host_memory_bytes": host_of(cluster).memory_bytes}
 
 
+def in_deepspeed_order(schedule: tuple[Action, ...], stages: int) -> bool:
+    """Whether ``schedule``'s forwards and backwards come in the order of DeepSpeed's
+    TrainSchedule (schedule.py), where stage s runs the forward of micro-batch k in step 2k + s and
+    the backward of j in step 2j + 2 stages - s - 1 (Megatron-LM's 1F1B is in that order)."""
+    work = [a for a in schedule if a.phase != "U"]
+    if any(a.phase not in ("F", "B") or a.overlaps for a in work) or len({a.stage for a in work}) > 1:
+        return False  # a split backward (W), pairs, several stages a device: not DeepSpeed's pipeline
+
+    def step(a: Action) -> int:
+        return 2 * a.microbatch + a.stage if a.phase == "F" else 2 * a.microbatch + 2 * stages - a.stage - 1
+
+    return all(step(a) < step(b) for a, b in zip(work, work[1:]))
+
+
 def scaled(parts: tuple[float, ...], factor: float) -> tuple[float, ...]:
     """A segment's parts with its computation (the even parts) slowed by a straggler's ``factor``."""
     return tuple(p * factor if i % 2 == 0 else p for i, p in enumerate(parts))
 
 
 class _Mailbox:
-    """Arrival times of messages on one channel, first in first out, and a waiting receiver."""
+    """Arrival times of messages on one channel, first in first out, and a waiting receiver;
+    receives posted and not yet matched (``ready``) and a blocking sender waiting for one."""
 
     def __init__(self) -> None:
         self.arrivals: deque[float] = deque()
         self.waiter: simpy.Event | None = None
+        self.ready: deque[bool] = deque()
+        self.sender: simpy.Event | None = None
+
+    def post_ready(self) -> None:
+        if self.sender is not None:
+            w, self.sender = self.sender, None
+            w.succeed()
+        else:
+            self.ready.append(True)
+
+    def wait_ready(self, env: simpy.Environment) -> simpy.Event:
+        self.sender = env.event()
+        return self.sender
 
     def post(self, arrival: float) -> None:
         if self.waiter is not None:

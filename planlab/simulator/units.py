@@ -46,7 +46,8 @@ class Segment:
 @dataclass(frozen=True)
 class Send:
     """A message: a flow of ``duration_s`` alone on its links, or with ``closed`` a message of a
-    symmetric burst whose ``duration_s`` is the network's answer already (:mod:`planlab.simulator.exchange`)."""
+    symmetric burst whose ``duration_s`` is the network's answer already (:mod:`planlab.simulator.exchange`).
+    ``blocking``: the sender waits until it is delivered (the software's ``pipeline_p2p``)."""
 
     task: str
     peer: int
@@ -54,14 +55,19 @@ class Send:
     duration_s: float
     free_bytes: int
     closed: bool = False
+    blocking: bool = False
 
 
 @dataclass(frozen=True)
 class Recv:
+    """A receive; ``blocking``: its sender sends only once it is posted (a rendezvous, the
+    software's ``pipeline_p2p``)."""
+
     task: str
     peer: int
     tag: int
     alloc_bytes: int
+    blocking: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,15 +205,27 @@ def lower_block(
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
             duration_s = cost.p2p_time_s(t.nbytes, device, t.peer) if price is None else price
-            low.apart(Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None))
+            low.apart(
+                Send(t.name, t.peer, message_tag(t), duration_s, low.memory(t)[1], price is not None, low.blocking)
+            )
         elif t.kind is TaskKind.RECV:
-            low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0]))
+            low.apart(Recv(t.name, t.peer, message_tag(t), low.memory(t)[0], low.blocking))
         elif t.kind is TaskKind.COLLECTIVE and len({cls[d] for d in t.group}) > 1:
             low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
         else:
             low.cur.append((t, low.times(t), t.kind is TaskKind.COLLECTIVE))
     low.flush()
     return tuple(low.units)
+
+
+def receives_first(units: tuple[Unit, ...]) -> tuple[Unit, ...]:
+    """A backward block's units with its blocking receives (from the next stage) first: DeepSpeed's pipeline engine runs a
+    backward step as RecvGrad, then SendActivation, then BackwardPass (schedule.py's
+    TrainSchedule), and the recomputation of a checkpointed layer runs inside the backward pass,
+    where autograd reaches it (deepspeed/runtime/activation_checkpointing/checkpointing.py,
+    CheckpointFunction.backward), so none of the block's work runs before its gradients arrive."""
+    first = [isinstance(u, Recv) and u.blocking for u in units]
+    return tuple(u for u, f in zip(units, first) if f) + tuple(u for u, f in zip(units, first) if not f)
 
 
 class _Lowering:
@@ -217,6 +235,8 @@ class _Lowering:
     def __init__(self, device: int, cls: list[int], cost: CostModel, dtype: str, sizes: dict, prices: dict) -> None:
         self.device, self.cls, self.cost, self.dtype, self.sizes, self.prices = device, cls, cost, dtype, sizes, prices
         self.hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
+        software = getattr(cost, "software", None)
+        self.blocking = software is not None and software.pipeline_p2p == "blocking"  # sends hold the sender
         self.units: list[Unit] = []
         self.cur: list = []
 

@@ -81,7 +81,7 @@ def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str,
     """The tasks that sum the contributions ``uses`` to tensor ``t``'s gradient into its ``GRAD``
     buffer in layout ``target`` (see :func:`convert_gradients`), with the next channels, tags and
     identities of ``counters``."""
-    L, graph, op = d.layouts, d.graph, d.graph.operators[i]
+    L, op = d.layouts, d.graph.operators[i]
     key = (d.stage[op.name], "B")
     pending: list[tuple[Layout, Buffer, str]] = []  # (layout, buffer, operator on whose stage it is)
     local: dict[Layout, list[tuple[Buffer, Operator]]] = {}
@@ -96,20 +96,9 @@ def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str,
             pending += [(lay, buf, c.name) for buf, c in items]
             continue
         summed = buf_.grad_sum(t, len(pending))
-        for flat, dev in d.positions(lay.mesh):
-            for buf, _ in items:
-                task = Task(
-                    f"d{t}:sum",
-                    TaskKind.LOCAL,
-                    (buf,),
-                    (summed,),
-                    shape=box_shape(lay.box(flat, L.shapes[t])),
-                    accumulate=True,
-                    dtype=graph.tensors[t].dtype,
-                )
-                add(parts, dev, key, i, Part.INPUTS, task)
-                record_size(sizes, dev, task, d.elem_bytes(t))
+        _add_sum(d, parts, sizes, i, t, lay, [buf for buf, _ in items], summed, key)
         pending.append((lay, summed, op.name))
+    pending = _summed_on_consumers(d, parts, sizes, i, t, pending, d.stage[op.name])
     for lay, buf, src in pending:
         at = ((d.stage[src], "B"), key, i)
         convert(d, parts, sizes, counters, lay, target, t, (buf, d.names.grad(t)), at, accumulate=True, name=f"d{t}:")
@@ -178,3 +167,43 @@ def backward_pieces(d: Draft) -> Draft:
                 for flat, dev in d.positions(mesh):
                     sizes.setdefault(dev, {})[gbufs[j]] = nbytes
     return d.replace(parts=parts, sizes=sizes)
+
+
+def _summed_on_consumers(d: Draft, parts, sizes, i: int, t: str, pending: list, own_stage: int) -> list:
+    """``pending`` with the contributions of one layout on a later pipeline stage than the
+    producer's ``own_stage`` (a stage's input feeds both a layer norm and the residual add) summed
+    there first, so that one message carries their sum back, as autograd accumulates a tensor's
+    gradient before Megatron-LM's or DeepSpeed's pipeline sends it (one gradient per stage
+    boundary); contributions on the producer's stage stay as they are."""
+    groups: dict[tuple, list[tuple[Layout, Buffer, str]]] = {}
+    for item in pending:
+        groups.setdefault((item[0], d.stage[item[2]]), []).append(item)
+    out, version = [], len(pending)  # past every local sum's version (each below len(pending))
+    for (lay, stage), items in groups.items():
+        if len(items) == 1 or stage == own_stage:
+            out += items
+            continue
+        summed = buf_.grad_sum(t, version)
+        version += 1
+        _add_sum(d, parts, sizes, i, t, lay, [buf for _, buf, _ in items], summed, (stage, "B"))
+        out.append((lay, summed, items[0][2]))
+    return out
+
+
+def _add_sum(d: Draft, parts, sizes, i: int, t: str, lay: Layout, bufs: list, summed: Buffer, key) -> None:
+    """On every device of ``lay``'s mesh, the local tasks accumulating the contributions ``bufs``
+    to ``t``'s gradient into ``summed``, in operator ``i``'s slot of block ``key`` (``INPUTS``)."""
+    L, graph = d.layouts, d.graph
+    for flat, dev in d.positions(lay.mesh):
+        for buf in bufs:
+            task = Task(
+                f"d{t}:sum",
+                TaskKind.LOCAL,
+                (buf,),
+                (summed,),
+                shape=box_shape(lay.box(flat, L.shapes[t])),
+                accumulate=True,
+                dtype=graph.tensors[t].dtype,
+            )
+            add(parts, dev, key, i, Part.INPUTS, task)
+            record_size(sizes, dev, task, d.elem_bytes(t))
