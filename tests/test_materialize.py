@@ -39,6 +39,38 @@ def test_conversion_kinds(src, dst, kinds):
     assert conv.kinds == kinds
 
 
+_CONVERSIONS = [
+    (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate()))),  # two steps
+    (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(0), Shard(1)))),  # an all-to-all
+    (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(1), Shard(0)))),  # point to point
+    (Layout(M2, (Partial(),)), Layout(Mesh((2,), (2, 3)), (Shard(1),))),  # partial sums, between meshes
+    (Layout(M2, (Shard(0),)), Layout(M2, (Shard(0),))),  # no step: a local copy with accumulate
+]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("only", [None, frozenset({0, 3})])
+@pytest.mark.parametrize("src, dst", _CONVERSIONS)
+def test_a_conversion_from_the_memo_is_the_one_planned_afresh(src, dst, only, accumulate):
+    """A conversion planned before (``memo``) with other buffers, name, dtype, tags, channel and
+    identities gives the tasks planning it afresh with this call's gives."""
+    memo: dict = {}
+    first = dict(src_buf=activation("p"), dst_buf=activation("q", 1), name="dp:", dtype="float32", first_tag=3)
+    first.update(channel=7, ident=2)
+    plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, memo=memo, **first)
+    again = dict(src_buf=X, dst_buf=Y, name="dx:", dtype="bfloat16", first_tag=40, channel=9, ident=11)
+    fresh = plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, **again)
+    kept = plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, memo=memo, **again)
+    assert len(memo) == 1 and (fresh.src or fresh.dst or fresh.kinds == [] and not accumulate)
+    assert (kept.src, kept.dst, kept.kinds, kept.tags, kept.idents) == (
+        fresh.src,
+        fresh.dst,
+        fresh.kinds,
+        fresh.tags,
+        fresh.idents,
+    )
+
+
 def test_point_to_point_moves_each_slice_once():
     # stage boundary: (S0 over devices 0,1) -> (S0 over devices 2,3): 0 sends to 2, 1 sends to 3
     conv = plan_conversion(
