@@ -222,6 +222,20 @@ class Workers:
         elif spawned is not None:
             self.pool = mp.get_context("spawn").Pool(jobs, initializer=spawned[0], initargs=spawned[1])
 
+    def cpu_s(self) -> float:
+        """The CPU seconds (user and system) this process's worker processes have used so far, read
+        from ``/proc``: 0 without a pool, NaN where ``/proc`` cannot be read."""
+        if self.pool is None:
+            return 0.0
+        total = 0
+        for proc in mp.active_children():
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return math.nan
+            total += int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks (proc(5))
+        return total / os.sysconf("SC_CLK_TCK")
+
     def close(self, *, kill: bool = False) -> None:
         if self.pool is not None:
             if kill:

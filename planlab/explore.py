@@ -44,6 +44,7 @@ from planlab.candidates import (
 from planlab.costmodel import CostModel
 from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
+from planlab.gcpause import paused_gc
 from planlab.inputs import check_sizes, writable_folder
 from planlab.memo import DIGEST_KEY, SimulationMemo, plan_digest
 from planlab.memory_bound import memory_lower_bound_bytes
@@ -208,7 +209,8 @@ def _rules_of(sp: Space, values: dict) -> tuple:
 
 
 def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | None, str]]:
-    return [(i, *_screen_one(v)) for i, v in items]
+    with paused_gc():  # the collector would walk the graph's objects, and frees nothing here
+        return [(i, *_screen_one(v)) for i, v in items]
 
 
 def simulate_candidate(
@@ -221,6 +223,11 @@ def simulate_candidate(
     recorded). The same in this process, a forked worker or a Ray task. ``known``: rows by plan
     digest (:class:`planlab.memo.SimulationMemo`); a plan found there is not simulated again, and
     the row carries its digest (``DIGEST_KEY``) for the parent to record."""
+    with paused_gc():  # building a plan allocates much and frees no cycle; the collector would walk the graph
+        return _simulated_candidate(sp, ctx, cost, values, timeline, known)
+
+
+def _simulated_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, timeline: bool, known: dict | None):
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
@@ -241,9 +248,10 @@ def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> D
     simulated again with the timeline recorded, in a worker or a Ray task (where Programs are
     built), so that the parent draws the best plan without building or simulating it. Only the
     final best is drawn, in one task once every candidate is in."""
-    plan = sp.build(ctx, values)
-    program = build_program(plan, ctx.graph, cost)
-    return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
+    with paused_gc():
+        plan = sp.build(ctx, values)
+        program = build_program(plan, ctx.graph, cost)
+        return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
 
 
 def kept_candidate(
@@ -317,7 +325,8 @@ def explore(
     plan is infeasible or was not simulated) and ``pareto``. ``candidates`` plans are simulated
     besides those near the screen's Pareto front (None: every plan the memory bound leaves);
     ``budget`` (seconds from the start) stops the simulations and returns the best found so far.
-    ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
+    ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase, wall), ``phases_cpu``
+    (CPU seconds per phase: this process's and its ``jobs`` workers'; not Ray's), ``counts``,
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
     ``timeline.png`` and ``memory.png`` there, and journals each simulated row to ``simulations.jsonl``
@@ -332,7 +341,7 @@ def explore(
     ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
     the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray).
     """
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), [time.process_time()]
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile, software = (None if path is None else os.fspath(path) for path in (profile, software))
@@ -346,9 +355,12 @@ def explore(
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
+    cpu.append(time.process_time())
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
-    assignments = sp.enumerate(ctx, fixed)
+    with paused_gc():
+        assignments = sp.enumerate(ctx, fixed)
     t_enum = time.perf_counter()
+    cpu.append(time.process_time())
     journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
@@ -356,6 +368,7 @@ def explore(
     try:
         est, why = _screen_all(assignments, workers, progress)
         t_screen = time.perf_counter()
+        cpu.append(time.process_time() + workers.cpu_s())
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
         deadline = None if budget is None else t0 + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
@@ -364,6 +377,7 @@ def explore(
             remember = None if memo is None else memo.recorder(setup)
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws, remember)
             t_sim = time.perf_counter()
+            cpu.append(time.process_time() + workers.cpu_s())
             counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
             counts.update({} if remember is None else {"reused": remember.reused})
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
@@ -383,6 +397,7 @@ def explore(
         device_memory_gib=cost.device_memory_bytes / 2**30,
         counts=counts,
         phases={**phases, "total_s": time.perf_counter() - t0},
+        phases_cpu=dict(zip(PHASES, (b - a for a, b in pairwise(cpu)))),
     )
     if out is not None:
         kept = dict(simulated=plans.simulated.get(index), drawing=drawing)
@@ -482,7 +497,8 @@ def _screen_all(assignments: list[dict], workers: Workers, progress: bool) -> tu
     bar = progress_bar(n, "screen", show=progress)
     if workers.pool is None:
         for i, values in enumerate(assignments):
-            est[i], why[i] = _screen_one(values)
+            with paused_gc():
+                est[i], why[i] = _screen_one(values)
             bar.update(1)
     else:
         for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.jobs)):
