@@ -271,6 +271,29 @@ def _simulate_one(item: tuple[int, dict, float]) -> tuple[int, dict]:
     return i, kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, best_s, _STATE.get("known"))
 
 
+def _simulate_batch(item: tuple[list[int], list[dict], float]) -> list[tuple[int, dict]]:
+    """Twins (:data:`TWIN_KNOBS`) one after another in this worker: the second builds on the first's
+    draft (:func:`planlab.plan.materialize.shared_passes`)."""
+    batch, values, best_s = item
+    out = []
+    for i, v in zip(batch, values):
+        row = kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], v, best_s, _STATE.get("known"))
+        if row["feasible"]:
+            best_s = min(best_s, row["iter_time_s"])
+        out.append((i, row))
+    return out
+
+
+# the knobs whose values change only a plan's recompute groups or ZeRO stage in the built-in spaces:
+# plans that differ only there share materialize's first passes (planlab.plan.materialize.SHARED),
+# so a worker simulates them together (a hint: sharing is decided on the plans themselves)
+TWIN_KNOBS = frozenset({"zero", "recompute", "recompute_mlp", "recompute_moe_act", "recompute_mla_up_proj"})
+
+
+def _twins(values: dict) -> tuple:
+    return tuple((k, v) for k, v in values.items() if k not in TWIN_KNOBS)
+
+
 def _draw_one(values: dict) -> Drawing:
     return drawn_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values)
 
@@ -485,7 +508,9 @@ def _runner(ray: bool | str, workers: Workers, shared: tuple, *, lone: bool = Fa
     if ray is not False:
         return RayRunner(None if ray is True or ray == "" else ray, _ray_task, _ray_draw, shared)
     if workers.pool is not None:
-        return PoolRunner(workers.pool, workers.jobs, _simulate_one, _draw_one, lambda: workers.close(kill=True))
+        return PoolRunner(
+            workers.pool, workers.jobs, _simulate_one, _draw_one, lambda: workers.close(kill=True), _simulate_batch
+        )
     _STATE["lone"] = lone
     return SerialRunner(_simulate_here)
 
@@ -627,7 +652,15 @@ def _simulate_all(
         return best.time_s
 
     simulate_candidates(
-        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=fastest, drained=drained
+        todo,
+        assignments,
+        runner,
+        store=store,
+        late=late,
+        deadline=deadline,
+        fastest=fastest,
+        drained=drained,
+        twins=_twins,
     )
     bar.close()
     for i in order:

@@ -303,6 +303,40 @@ def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, kn
 
 
 @pytest.mark.parametrize(
+    "base, twins",
+    [
+        (dict(dp=2, tp=2, pp=1, microbatch=2, zero=1), [dict(zero=2), dict(zero=3), dict(zero=0)]),
+        (
+            dict(dp=2, tp=1, pp=2, microbatch=2, recompute="none"),
+            [dict(recompute="selective"), dict(recompute="full", zero=1)],
+        ),
+    ],
+)
+def test_twins_share_the_first_passes_and_build_the_programs_they_build_alone(base, twins):
+    """Plans that differ only by recompute and ZeRO stage share the draft of the passes before
+    ``recompute`` (the first twin's draft stays in the graph's memo), and each builds the Program
+    it builds after an unrelated plan."""
+    from planlab.plan.materialize import SHARED_MEMO_KEY
+
+    from conftest import traced
+
+    spec, g = traced("gpt-tiny", 8)
+    sp, ctx = get_space("megatron"), Context(g, spec, 8, "cpu", 4, 4, 1)
+    other = sp.build(ctx, dict(dp=4, tp=1, pp=1, microbatch=1))
+    first = materialize(sp.build(ctx, base), g)
+    shared = g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1]
+    for twin in twins:
+        plan = sp.build(ctx, {**base, **twin})
+        got = materialize(plan, g)
+        assert g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1] is shared  # taken, not made again
+        materialize(other, g)  # the memo holds another plan's draft
+        alone = materialize(plan, g)
+        assert got == alone and got != first
+        materialize(sp.build(ctx, base), g)
+        shared = g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1]
+
+
+@pytest.mark.parametrize(
     "model, space, knobs",
     [
         ("gpt-small", "megatron", dict(dp=1, tp=2, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
