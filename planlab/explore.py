@@ -380,16 +380,17 @@ def explore(
     t_trace = time.perf_counter()
     cpu.append(time.process_time())
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
-    with paused_gc():
-        assignments = sp.enumerate(ctx, fixed)
-    t_enum = time.perf_counter()
-    cpu.append(time.process_time())
-    journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
-    workers, plans = Workers(jobs, spawned), BestPlans()
+    workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:
-        est, why = _screen_all(assignments, workers, progress)
+        screening = Screening(sp, ctx, fixed, workers)  # the workers screen what is enumerated meanwhile
+        assignments = screening.assignments
+        t_enum = time.perf_counter()
+        cpu.append(time.process_time())  # this process's enumeration (the workers' CPU is the screen's)
+        if out is not None:  # once the space has plans (a space without any leaves a journal as it was)
+            journal = _journal(Path(out), setup, space, fixed, candidates, resume)
+        est, why = screening.results(progress)
         t_screen = time.perf_counter()
         cpu.append(time.process_time() + workers.cpu_s())
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
@@ -515,32 +516,50 @@ def _runner(ray: bool | str, workers: Workers, shared: tuple, *, lone: bool = Fa
     return SerialRunner(_simulate_here)
 
 
-def _screen_all(assignments: list[dict], workers: Workers, progress: bool) -> tuple[list, list]:
-    n = len(assignments)
-    est: list[Estimate | None] = [None] * n
-    why = [""] * n
-    bar = progress_bar(n, "screen", show=progress)
-    if workers.pool is None:
-        for i, values in enumerate(assignments):
+SCREEN_CHUNK = 256  # plans a worker screens at a time: enumerated in a row, they share structures
+
+
+class Screening:
+    """The assignments of a space (``assignments``, enumerated by this process as the object is
+    made), and the screen's estimate of each (:meth:`results`). With workers, each chunk of
+    ``SCREEN_CHUNK`` plans is handed to them as soon as it is enumerated, so they screen while the
+    rest is enumerated; without, the plans are screened here once enumerated. ConfigError when the
+    space has no plan (``Space.enumerate``'s)."""
+
+    def __init__(self, sp: Space, ctx: Context, fixed: dict | None, workers: Workers) -> None:
+        self.workers, self.pending = workers, []
+        self.assignments: list[dict] = []
+        chunk: list[tuple[int, dict]] = []
+        with paused_gc():
+            for values in sp.assignments(ctx, fixed):
+                chunk.append((len(self.assignments), values))
+                self.assignments.append(values)
+                if len(chunk) == SCREEN_CHUNK and workers.pool is not None:
+                    self.pending.append(workers.pool.apply_async(_screen_many, (chunk,)))
+                    chunk = []
+        if chunk and workers.pool is not None:
+            self.pending.append(workers.pool.apply_async(_screen_many, (chunk,)))
+        if not self.assignments:
+            raise sp.empty_error(ctx, sp.coerced(ctx, fixed or {}))
+
+    def results(self, progress: bool) -> tuple[list[Estimate | None], list[str]]:
+        """Each plan's estimate (None: see its reason) and reason (``_screen_one``)."""
+        n = len(self.assignments)
+        est: list[Estimate | None] = [None] * n
+        why = [""] * n
+        bar = progress_bar(n, "screen", show=progress)
+        if self.workers.pool is None:
             with paused_gc():
-                est[i], why[i] = _screen_one(values)
-            bar.update(1)
-    else:
-        for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.jobs)):
+                for i, values in enumerate(self.assignments):
+                    est[i], why[i] = _screen_one(values)
+                    bar.update(1)
+        for handle in self.pending:
+            chunk = handle.get()
             for i, e, w in chunk:
                 est[i], why[i] = e, w
             bar.update(len(chunk))
-    bar.close()
-    return est, why
-
-
-def _chunks(assignments: list[dict], jobs: int) -> list[list[tuple[int, dict]]]:
-    """Plans in chunks for the workers, those that share a structure together (each worker's
-    screen caches what one structure costs): sorted by every knob but the last-varying ones."""
-    keys = list(assignments[0]) if assignments else []
-    idx = sorted(range(len(assignments)), key=lambda i: tuple(str(assignments[i].get(k)) for k in keys))
-    size = max(1, math.ceil(len(idx) / (8 * jobs)))
-    return [[(i, assignments[i]) for i in idx[k : k + size]] for k in range(0, len(idx), size)]
+        bar.close()
+        return est, why
 
 
 def _plan_rows(

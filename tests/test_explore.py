@@ -309,6 +309,16 @@ def test_bad_options(kwargs, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_space_without_plans_leaves_the_journal_as_it_was(tmp_path, jobs):
+    """The plans are enumerated (and, with workers, screened meanwhile) before the journal is opened:
+    a space that has none ends with its one line and leaves an earlier exploration's journal alone."""
+    (tmp_path / "simulations.jsonl").write_text("an earlier exploration\n")
+    with pytest.raises(ConfigError, match="space 'megatron' has no plan with tp=2, pp=2 fixed"):
+        planlab.explore("gpt-tiny", **TINY, fixed={"tp": 2, "pp": 2}, jobs=jobs, out=tmp_path)
+    assert (tmp_path / "simulations.jsonl").read_text() == "an earlier exploration\n"
+
+
 def test_out_writes_the_plots_of_the_best_plan(tmp_path):
     df = planlab.explore("gpt-tiny", **TINY, out=tmp_path, candidates=4)
     for name in ("results.csv", "pareto.png", "best_plan.json", "timeline.png", "memory.png"):
