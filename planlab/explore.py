@@ -19,7 +19,6 @@ import os
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
-from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
@@ -45,7 +44,7 @@ from planlab.costmodel import CostModel
 from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.gcpause import paused_gc
-from planlab.inputs import check_sizes, writable_folder
+from planlab.inputs import check_explore_options, check_sizes
 from planlab.memo import DIGEST_KEY, SimulationMemo, plan_digest
 from planlab.memory_bound import memory_lower_bound_bytes
 from planlab.graph.ir import Graph
@@ -54,7 +53,7 @@ from planlab.models.trace_cache import trace_model
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
 from planlab.plan.software_passes import build_program
-from planlab.progress import note
+from planlab.progress import PhaseClock, note
 from planlab.progress import progress as progress_bar
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
@@ -362,13 +361,12 @@ def explore(
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
-    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray).
-    """
-    t0, cpu = time.perf_counter(), [time.process_time()]
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray)."""
+    clock = PhaseClock()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile, software = (None if path is None else os.fspath(path) for path in (profile, software))
-    _check_options(jobs, budget, candidates, ray, resume, out)
+    check_explore_options(jobs, budget, candidates, ray, resume, out)
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
@@ -377,33 +375,27 @@ def explore(
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
-    t_trace = time.perf_counter()
-    cpu.append(time.process_time())
-    note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
+    note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:
         screening = Screening(sp, ctx, fixed, workers)  # the workers screen what is enumerated meanwhile
         assignments = screening.assignments
-        t_enum = time.perf_counter()
-        cpu.append(time.process_time())  # this process's enumeration (the workers' CPU is the screen's)
-        if out is not None:  # once the space has plans (a space without any leaves a journal as it was)
-            journal = _journal(Path(out), setup, space, fixed, candidates, resume)
+        clock.mark()  # this process's enumeration (the workers' CPU is the screen's)
+        # opened once the space has plans (a space without any leaves a journal as it was)
+        journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
         est, why = screening.results(progress)
-        t_screen = time.perf_counter()
-        cpu.append(time.process_time() + workers.cpu_s())
+        clock.mark(workers.cpu_s)
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
-        deadline = None if budget is None else t0 + budget
+        deadline = None if budget is None else clock.wall[0] + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
             remember = None if memo is None else memo.recorder(setup)
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws, remember)
-            t_sim = time.perf_counter()
-            cpu.append(time.process_time() + workers.cpu_s())
-            counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-            counts.update({} if remember is None else {"reused": remember.reused})
+            clock.mark(workers.cpu_s)
+            counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]), **_reused(remember))
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
             drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
@@ -415,18 +407,21 @@ def explore(
         _STATE.clear()
         if journal is not None:
             journal.close()
-    phases = dict(zip(PHASES, (b - a for a, b in pairwise((t0, t_trace, t_enum, t_screen, t_sim)))))
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
         counts=counts,
-        phases={**phases, "total_s": time.perf_counter() - t0},
-        phases_cpu=dict(zip(PHASES, (b - a for a, b in pairwise(cpu)))),
+        phases={**clock.seconds(PHASES), "total_s": time.perf_counter() - clock.wall[0]},
+        phases_cpu=clock.seconds(PHASES, cpu=True),
     )
     if out is not None:
         kept = dict(simulated=plans.simulated.get(index), drawing=drawing)
         df.attrs["outputs"] = write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
+
+
+def _reused(remember) -> dict:
+    return {} if remember is None else {"reused": remember.reused}
 
 
 def _ranked(
@@ -468,21 +463,6 @@ def _with_layouts(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataF
     for j, name in enumerate(LAYOUT_COLUMNS):
         df.insert(at + j, name, pd.Series({p: v[j] for p, v in got.items()}, dtype=object).reindex(df.index))
     return df
-
-
-def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
-        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
-    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
-        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
-    if not isinstance(ray, (bool, str)):
-        raise ConfigError(f"--ray takes a Ray address or nothing (a local Ray instance), got {ray!r}")
-    if resume and out is None:
-        raise ConfigError("--resume needs --out, the folder of the exploration to continue")
-    if out is not None:
-        writable_folder(out, "--out")  # before the work, not after it
 
 
 def _journal(out: Path, setup: Setup, space: str | Space, fixed: dict | None, candidates, resume: bool) -> Journal:

@@ -185,32 +185,24 @@ def build(
     software: SoftwareSpec | None = None,
 ) -> Program:
     """The passes (see the module docstring), for every device or only for those in ``keep``."""
-    d = shared_passes(plan, graph, layouts, precision, keep, overlap, software)
+    d = shared_passes(Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software))
     for apply in PASSES[SHARED:]:
         d = apply(d)
     return assemble(d)  # schedules, liveness, the Program
 
 
-def shared_passes(
-    plan: Plan,
-    graph: Graph,
-    layouts: Layouts,
-    precision: Precision,
-    keep: frozenset[int] | None,
-    overlap: bool,
-    software: SoftwareSpec | None,
-) -> Draft:
-    """The draft after the first ``SHARED`` passes. The graph's memo keeps the last one made, with
-    what it was made from; a plan that differs from that one only by its recompute groups, ZeRO stage
-    or labels (its space and knobs) takes it (with its own plan and layouts for the passes after),
-    as the same passes would make it again. Passes leave the draft they are given as it was
-    (``tests/test_materialize.py``), so two builds can share it."""
-    key = (_shared_part(plan), precision, keep, overlap, software)
-    last = graph.memo(SHARED_MEMO_KEY, lambda: [None])  # [(key, draft)]
+def shared_passes(start: Draft) -> Draft:
+    """The draft after the first ``SHARED`` passes, from the draft before any (``Draft.start``). The
+    graph's memo keeps the last one made, with what it was made from; a plan that differs from that
+    one only by its recompute groups, ZeRO stage or labels (its space and knobs) takes it (with its
+    own plan and layouts for the passes after), as the same passes would make it again. Passes leave
+    the draft they are given as it was (``tests/test_materialize.py``), so two builds can share it."""
+    key = (_shared_part(start.plan), start.precision, start.keep, start.overlap, start.software)
+    last = start.graph.memo(SHARED_MEMO_KEY, lambda: [None])  # [(key, draft)]
     got = last[0]
     if got is not None and got[0] == key:
-        return got[1].replace(plan=plan, layouts=layouts)
-    d = Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software)
+        return got[1].replace(plan=start.plan, layouts=start.layouts)
+    d = start
     for apply in PASSES[:SHARED]:
         d = apply(d)
     last[0] = (key, d)
