@@ -14,7 +14,8 @@ unless ``--out`` is given), and with ``--jobs`` a worker draws the best plan's t
 includes them.
 
 Printed: the number of plans, how many were screened, pruned by the memory bound and simulated; the
-time of each phase (wall) and the process's CPU time; the total against the target; the best plan;
+time of each phase, wall and CPU (this process's and its workers': the fair figure on a shared machine);
+the process's and the workers' CPU time; the total against the target; the best plan;
 then each output's writing time (``explore``'s ``df.attrs["outputs"]``) against its target of 1 s, and
 the parent's simulation of the best plan that records its timeline apart (none when a worker drew it).
 Then the screen's agreement with the simulator: Spearman and Kendall rank correlation of the
@@ -84,6 +85,12 @@ def main() -> None:
         f"screen {ph['screen_s']:.1f} s ({ph['screen_s'] / max(1, c['screened']) * 1e3:.2f} ms per plan), "
         f"simulate {ph['simulate_s']:.1f} s ({ph['simulate_s'] / max(1, c['simulated']):.2f} s per plan with "
         f"{args.jobs} jobs)"
+    )
+    pc = df.attrs["phases_cpu"]
+    print(
+        f"  phases (CPU, this process and its workers): trace {pc['trace_s']:.1f} s, enumerate "
+        f"{pc['enumerate_s']:.2f} s, screen {pc['screen_s']:.1f} s, simulate {pc['simulate_s']:.1f} s "
+        f"({pc['simulate_s'] / max(1, c['simulated']):.2f} s per plan)"
     )
     print(
         f"  total {wall:.1f} s wall (target {TARGET_S:.0f} s, ratio {wall / TARGET_S:.2f}); CPU: this process "

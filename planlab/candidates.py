@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 from planlab.errors import ConfigError
 
@@ -173,10 +173,16 @@ def _difference(old: dict, new: dict) -> str:
 
 @dataclass
 class Pending:
-    """A candidate submitted to a runner: its index and the runner's handle."""
+    """A candidate submitted to a runner: its index and the runner's handle; or a batch of
+    candidates (``batch``: their indices, ``index`` the first), simulated one after another in one
+    worker, whose handle gives all their rows."""
 
     index: int
     handle: Any
+    batch: tuple[int, ...] = ()
+
+    def holds(self, i: int) -> bool:
+        return i == self.index or i in self.batch
 
 
 class SerialRunner:
@@ -222,6 +228,20 @@ class Workers:
         elif spawned is not None:
             self.pool = mp.get_context("spawn").Pool(jobs, initializer=spawned[0], initargs=spawned[1])
 
+    def cpu_s(self) -> float:
+        """The CPU seconds (user and system) this process's worker processes have used so far, read
+        from ``/proc``: 0 without a pool, NaN where ``/proc`` cannot be read."""
+        if self.pool is None:
+            return 0.0
+        total = 0
+        for proc in mp.active_children():
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return math.nan
+            total += int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks (proc(5))
+        return total / os.sysconf("SC_CLK_TCK")
+
     def close(self, *, kill: bool = False) -> None:
         if self.pool is not None:
             if kill:
@@ -234,15 +254,23 @@ class Workers:
 
 class PoolRunner:
     """Candidates simulated in a multiprocessing pool (``--jobs``), two in flight per worker;
-    ``draw_fn`` draws one assignment's timeline in a worker (:meth:`draw`)."""
+    ``draw_fn`` draws one assignment's timeline in a worker (:meth:`draw`); ``batch_fn`` simulates
+    a batch of candidates in one worker (:meth:`submit_batch`)."""
 
-    def __init__(self, pool, jobs: int, fn: Callable, draw_fn: Callable, on_cancel: Callable[[], None]) -> None:
-        self.pool, self.fn, self.draw_fn, self.on_cancel = pool, fn, draw_fn, on_cancel
+    def __init__(
+        self, pool, jobs: int, fn: Callable, draw_fn: Callable, on_cancel: Callable[[], None], batch_fn: Callable
+    ) -> None:
+        self.pool, self.fn, self.draw_fn, self.on_cancel, self.batch_fn = pool, fn, draw_fn, on_cancel, batch_fn
         self.slots, self.cancelled = 2 * jobs, False
 
     def submit(self, i: int, values: dict, best_s: float = math.inf) -> Pending:
         """``best_s``: the fastest feasible time yet; only a row as fast comes back with its Plan."""
         return Pending(i, self.pool.apply_async(self.fn, ((i, values, best_s),)))
+
+    def submit_batch(self, batch: list[int], values: list[dict], best_s: float = math.inf) -> Pending:
+        """Candidates ``batch`` (assignments ``values``) simulated one after another in one worker,
+        which then builds what they share once (twins: :func:`simulate_candidates`)."""
+        return Pending(batch[0], self.pool.apply_async(self.batch_fn, ((batch, values, best_s),)), tuple(batch))
 
     def draw_async(self, values: dict):
         """A task drawing one row's timeline (:class:`Draws`); None once the budget cancelled the pool."""
@@ -253,7 +281,8 @@ class PoolRunner:
 
     def wait(self, pending: list[Pending], timeout_s: float) -> list[tuple[int, dict]]:
         pending[0].handle.wait(timeout_s)
-        return [p.handle.get() for p in pending if p.handle.ready()]
+        done = [p for p in pending if p.handle.ready()]
+        return [row for p in done for row in (p.handle.get() if p.batch else [p.handle.get()])]
 
     def cancel(self, pending: list[Pending]) -> None:
         self.cancelled = True
@@ -291,32 +320,49 @@ def simulate_candidates(
     deadline: float | None,
     fastest: Callable[[], float] = lambda: math.inf,
     drained: Callable[[], None] = lambda: None,
+    twins: Callable[[dict], Hashable] | None = None,
 ) -> None:
     """Submit ``order`` (fastest estimate first) to ``runner``, at most ``runner.slots`` in flight,
     and ``store`` each row as it finishes, until done or ``late()``; the rows finished as the
     budget ran out are kept, the others cancelled. ``fastest()``: the fastest feasible time stored
     yet, given with each submission (a slower row cannot be the best: its Plan stays where it was built).
-    ``drained()``: called once, when the last candidate has been submitted."""
+    ``drained()``: called once, when the last candidate has been submitted. ``twins``: a key of an
+    assignment; where the runner takes batches (``submit_batch``), candidates with the same key are
+    submitted together, at the place of the first of them (a worker builds what they share once)."""
     pending: list[Pending] = []
-    queue = list(order)
+    queue = _batches(order, assignments, twins if hasattr(runner, "submit_batch") else None)
     while queue or pending:
         while queue and len(pending) < runner.slots and not late():
-            i = queue.pop(0)
-            pending.append(runner.submit(i, assignments[i], fastest()))
+            batch = queue.pop(0)
+            if len(batch) == 1:
+                pending.append(runner.submit(batch[0], assignments[batch[0]], fastest()))
+            else:
+                pending.append(runner.submit_batch(batch, [assignments[i] for i in batch], fastest()))
             if not queue:
                 drained()
         if not pending or late():
             break
         timeout = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.perf_counter()))
         for i, row in runner.wait(pending, timeout):
-            pending = [p for p in pending if p.index != i]
+            pending = [p for p in pending if not p.holds(i)]
             store(i, row)
     if pending:
         for i, row in runner.wait(pending, 0.0):
-            pending = [p for p in pending if p.index != i]
+            pending = [p for p in pending if not p.holds(i)]
             store(i, row)
     if pending:
         runner.cancel(pending)
+
+
+def _batches(order: list[int], assignments: list[dict], twins: Callable[[dict], Hashable] | None) -> list[list[int]]:
+    """``order`` in batches: the candidates of one ``twins`` key together, where the first of them is
+    (each alone without ``twins``)."""
+    if twins is None:
+        return [[i] for i in order]
+    by_key: dict[Hashable, list[int]] = {}
+    for i in order:
+        by_key.setdefault(twins(assignments[i]), []).append(i)
+    return list(by_key.values())
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a Ray address may take to accept a connection

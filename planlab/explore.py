@@ -19,7 +19,6 @@ import os
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
-from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
@@ -44,7 +43,8 @@ from planlab.candidates import (
 from planlab.costmodel import CostModel
 from planlab.drawing import Drawing, drawing_of
 from planlab.errors import ConfigError, InfeasiblePlan
-from planlab.inputs import check_sizes, writable_folder
+from planlab.gcpause import paused_gc
+from planlab.inputs import check_explore_options, check_sizes
 from planlab.memo import DIGEST_KEY, SimulationMemo, plan_digest
 from planlab.memory_bound import memory_lower_bound_bytes
 from planlab.graph.ir import Graph
@@ -53,7 +53,7 @@ from planlab.models.trace_cache import trace_model
 from planlab.plan.plan import Plan
 from planlab.plan.plan_file import save_plan
 from planlab.plan.software_passes import build_program
-from planlab.progress import note
+from planlab.progress import PhaseClock, note
 from planlab.progress import progress as progress_bar
 from planlab.plan.shared_params import forward_only_of, training_flops  # noqa: F401 (re-exported)
 from planlab.search_spaces.builtin import get_space
@@ -208,7 +208,8 @@ def _rules_of(sp: Space, values: dict) -> tuple:
 
 
 def _screen_many(items: list[tuple[int, dict]]) -> list[tuple[int, Estimate | None, str]]:
-    return [(i, *_screen_one(v)) for i, v in items]
+    with paused_gc():  # the collector would walk the graph's objects, and frees nothing here
+        return [(i, *_screen_one(v)) for i, v in items]
 
 
 def simulate_candidate(
@@ -221,6 +222,11 @@ def simulate_candidate(
     recorded). The same in this process, a forked worker or a Ray task. ``known``: rows by plan
     digest (:class:`planlab.memo.SimulationMemo`); a plan found there is not simulated again, and
     the row carries its digest (``DIGEST_KEY``) for the parent to record."""
+    with paused_gc():  # building a plan allocates much and frees no cycle; the collector would walk the graph
+        return _simulated_candidate(sp, ctx, cost, values, timeline, known)
+
+
+def _simulated_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict, timeline: bool, known: dict | None):
     try:
         plan = sp.build(ctx, values)
     except InfeasiblePlan as e:
@@ -241,9 +247,10 @@ def drawn_candidate(sp: Space, ctx: Context, cost: CostModel, values: dict) -> D
     simulated again with the timeline recorded, in a worker or a Ray task (where Programs are
     built), so that the parent draws the best plan without building or simulating it. Only the
     final best is drawn, in one task once every candidate is in."""
-    plan = sp.build(ctx, values)
-    program = build_program(plan, ctx.graph, cost)
-    return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
+    with paused_gc():
+        plan = sp.build(ctx, values)
+        program = build_program(plan, ctx.graph, cost)
+        return drawing_of(simulate(program, cost, model_flops=training_flops(ctx.graph), timeline=True))
 
 
 def kept_candidate(
@@ -261,6 +268,29 @@ def kept_candidate(
 def _simulate_one(item: tuple[int, dict, float]) -> tuple[int, dict]:
     i, values, best_s = item
     return i, kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], values, best_s, _STATE.get("known"))
+
+
+def _simulate_batch(item: tuple[list[int], list[dict], float]) -> list[tuple[int, dict]]:
+    """Twins (:data:`TWIN_KNOBS`) one after another in this worker: the second builds on the first's
+    draft (:func:`planlab.plan.materialize.shared_passes`)."""
+    batch, values, best_s = item
+    out = []
+    for i, v in zip(batch, values):
+        row = kept_candidate(_STATE["space"], _STATE["ctx"], _STATE["cost"], v, best_s, _STATE.get("known"))
+        if row["feasible"]:
+            best_s = min(best_s, row["iter_time_s"])
+        out.append((i, row))
+    return out
+
+
+# the knobs whose values change only a plan's recompute groups or ZeRO stage in the built-in spaces:
+# plans that differ only there share materialize's first passes (planlab.plan.materialize.SHARED),
+# so a worker simulates them together (a hint: sharing is decided on the plans themselves)
+TWIN_KNOBS = frozenset({"zero", "recompute", "recompute_mlp", "recompute_moe_act", "recompute_mla_up_proj"})
+
+
+def _twins(values: dict) -> tuple:
+    return tuple((k, v) for k, v in values.items() if k not in TWIN_KNOBS)
 
 
 def _draw_one(values: dict) -> Drawing:
@@ -317,7 +347,8 @@ def explore(
     plan is infeasible or was not simulated) and ``pareto``. ``candidates`` plans are simulated
     besides those near the screen's Pareto front (None: every plan the memory bound leaves);
     ``budget`` (seconds from the start) stops the simulations and returns the best found so far.
-    ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase), ``counts``,
+    ``df.attrs``: ``best_plan`` (a Plan or None), ``phases`` (seconds per phase, wall), ``phases_cpu``
+    (CPU seconds per phase: this process's and its ``jobs`` workers'; not Ray's), ``counts``,
     ``part_best`` (the best row of each part of a union or product), ``screen_rank_corr``.
     With ``out``, writes ``results.csv``, ``pareto.png``, ``best_plan.json`` and the best plan's
     ``timeline.png`` and ``memory.png`` there, and journals each simulated row to ``simulations.jsonl``
@@ -330,13 +361,12 @@ def explore(
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
-    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray).
-    """
-    t0 = time.perf_counter()
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray)."""
+    clock = PhaseClock()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
     profile, software = (None if path is None else os.fspath(path) for path in (profile, software))
-    _check_options(jobs, budget, candidates, ray, resume, out)
+    check_explore_options(jobs, budget, candidates, ray, resume, out)
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
@@ -345,27 +375,27 @@ def explore(
         raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
-    t_trace = time.perf_counter()
-    note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
-    assignments = sp.enumerate(ctx, fixed)
-    t_enum = time.perf_counter()
-    journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
+    note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
-    workers, plans = Workers(jobs, spawned), BestPlans()
+    workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:
-        est, why = _screen_all(assignments, workers, progress)
-        t_screen = time.perf_counter()
+        screening = Screening(sp, ctx, fixed, workers)  # the workers screen what is enumerated meanwhile
+        assignments = screening.assignments
+        clock.mark()  # this process's enumeration (the workers' CPU is the screen's)
+        # opened once the space has plans (a space without any leaves a journal as it was)
+        journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
+        est, why = screening.results(progress)
+        clock.mark(workers.cpu_s)
         rows, order, counts = _plan_rows(sp, assignments, est, why, cost, candidates)
-        deadline = None if budget is None else t0 + budget
+        deadline = None if budget is None else clock.wall[0] + budget
         runner = _runner(ray, workers, (ctx, cost, sp), lone=len(order) == 1)
         try:
             draws = Draws(runner, assignments) if out is not None else None  # the best plan's timeline
             remember = None if memo is None else memo.recorder(setup)
             done = _simulate_all(order, assignments, rows, runner, progress, deadline, journal, plans, draws, remember)
-            t_sim = time.perf_counter()
-            counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]))
-            counts.update({} if remember is None else {"reused": remember.reused})
+            clock.mark(workers.cpu_s)
+            counts.update(simulated=done, feasible=sum(1 for r in rows if r["feasible"]), **_reused(remember))
             df, best, index = _ranked(sp, ctx, assignments, rows, cost, plans)
             drawing = draws.get(index) if draws is not None and best is not None else None
         finally:
@@ -377,17 +407,21 @@ def explore(
         _STATE.clear()
         if journal is not None:
             journal.close()
-    phases = dict(zip(PHASES, (b - a for a, b in pairwise((t0, t_trace, t_enum, t_screen, t_sim)))))
     df.attrs.update(
         software=cost.describe_software(),
         device_memory_gib=cost.device_memory_bytes / 2**30,
         counts=counts,
-        phases={**phases, "total_s": time.perf_counter() - t0},
+        phases={**clock.seconds(PHASES), "total_s": time.perf_counter() - clock.wall[0]},
+        phases_cpu=clock.seconds(PHASES, cpu=True),
     )
     if out is not None:
         kept = dict(simulated=plans.simulated.get(index), drawing=drawing)
         df.attrs["outputs"] = write_outputs(df, Path(out), best=best, graph=graph, cost=cost, progress=progress, **kept)
     return df
+
+
+def _reused(remember) -> dict:
+    return {} if remember is None else {"reused": remember.reused}
 
 
 def _ranked(
@@ -431,21 +465,6 @@ def _with_layouts(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataF
     return df
 
 
-def _check_options(jobs, budget, candidates, ray, resume, out) -> None:
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
-        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
-    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
-        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
-    if not isinstance(ray, (bool, str)):
-        raise ConfigError(f"--ray takes a Ray address or nothing (a local Ray instance), got {ray!r}")
-    if resume and out is None:
-        raise ConfigError("--resume needs --out, the folder of the exploration to continue")
-    if out is not None:
-        writable_folder(out, "--out")  # before the work, not after it
-
-
 def _journal(out: Path, setup: Setup, space: str | Space, fixed: dict | None, candidates, resume: bool) -> Journal:
     """The journal of simulated rows in ``out`` (resumed from, with ``resume``), for the exploration
     of ``space`` with ``fixed`` knobs and ``candidates``."""
@@ -470,36 +489,57 @@ def _runner(ray: bool | str, workers: Workers, shared: tuple, *, lone: bool = Fa
     if ray is not False:
         return RayRunner(None if ray is True or ray == "" else ray, _ray_task, _ray_draw, shared)
     if workers.pool is not None:
-        return PoolRunner(workers.pool, workers.jobs, _simulate_one, _draw_one, lambda: workers.close(kill=True))
+        return PoolRunner(
+            workers.pool, workers.jobs, _simulate_one, _draw_one, lambda: workers.close(kill=True), _simulate_batch
+        )
     _STATE["lone"] = lone
     return SerialRunner(_simulate_here)
 
 
-def _screen_all(assignments: list[dict], workers: Workers, progress: bool) -> tuple[list, list]:
-    n = len(assignments)
-    est: list[Estimate | None] = [None] * n
-    why = [""] * n
-    bar = progress_bar(n, "screen", show=progress)
-    if workers.pool is None:
-        for i, values in enumerate(assignments):
-            est[i], why[i] = _screen_one(values)
-            bar.update(1)
-    else:
-        for chunk in workers.pool.imap_unordered(_screen_many, _chunks(assignments, workers.jobs)):
+SCREEN_CHUNK = 256  # plans a worker screens at a time: enumerated in a row, they share structures
+
+
+class Screening:
+    """The assignments of a space (``assignments``, enumerated by this process as the object is
+    made), and the screen's estimate of each (:meth:`results`). With workers, each chunk of
+    ``SCREEN_CHUNK`` plans is handed to them as soon as it is enumerated, so they screen while the
+    rest is enumerated; without, the plans are screened here once enumerated. ConfigError when the
+    space has no plan (``Space.enumerate``'s)."""
+
+    def __init__(self, sp: Space, ctx: Context, fixed: dict | None, workers: Workers) -> None:
+        self.workers, self.pending = workers, []
+        self.assignments: list[dict] = []
+        chunk: list[tuple[int, dict]] = []
+        with paused_gc():
+            for values in sp.assignments(ctx, fixed):
+                chunk.append((len(self.assignments), values))
+                self.assignments.append(values)
+                if len(chunk) == SCREEN_CHUNK and workers.pool is not None:
+                    self.pending.append(workers.pool.apply_async(_screen_many, (chunk,)))
+                    chunk = []
+        if chunk and workers.pool is not None:
+            self.pending.append(workers.pool.apply_async(_screen_many, (chunk,)))
+        if not self.assignments:
+            raise sp.empty_error(ctx, sp.coerced(ctx, fixed or {}))
+
+    def results(self, progress: bool) -> tuple[list[Estimate | None], list[str]]:
+        """Each plan's estimate (None: see its reason) and reason (``_screen_one``)."""
+        n = len(self.assignments)
+        est: list[Estimate | None] = [None] * n
+        why = [""] * n
+        bar = progress_bar(n, "screen", show=progress)
+        if self.workers.pool is None:
+            with paused_gc():
+                for i, values in enumerate(self.assignments):
+                    est[i], why[i] = _screen_one(values)
+                    bar.update(1)
+        for handle in self.pending:
+            chunk = handle.get()
             for i, e, w in chunk:
                 est[i], why[i] = e, w
             bar.update(len(chunk))
-    bar.close()
-    return est, why
-
-
-def _chunks(assignments: list[dict], jobs: int) -> list[list[tuple[int, dict]]]:
-    """Plans in chunks for the workers, those that share a structure together (each worker's
-    screen caches what one structure costs): sorted by every knob but the last-varying ones."""
-    keys = list(assignments[0]) if assignments else []
-    idx = sorted(range(len(assignments)), key=lambda i: tuple(str(assignments[i].get(k)) for k in keys))
-    size = max(1, math.ceil(len(idx) / (8 * jobs)))
-    return [[(i, assignments[i]) for i in idx[k : k + size]] for k in range(0, len(idx), size)]
+        bar.close()
+        return est, why
 
 
 def _plan_rows(
@@ -611,7 +651,15 @@ def _simulate_all(
         return best.time_s
 
     simulate_candidates(
-        todo, assignments, runner, store=store, late=late, deadline=deadline, fastest=fastest, drained=drained
+        todo,
+        assignments,
+        runner,
+        store=store,
+        late=late,
+        deadline=deadline,
+        fastest=fastest,
+        drained=drained,
+        twins=_twins,
     )
     bar.close()
     for i in order:

@@ -128,3 +128,19 @@ def check_sizes(global_batch, num_devices: int) -> None:
     """The global batch and the cluster's device count, within planlab's limits."""
     count(global_batch, "--global-batch", maximum=MAX_GLOBAL_BATCH, limit_why=" samples")
     count(num_devices, "the cluster's device count (--nodes x devices per node)", maximum=MAX_DEVICES)
+
+
+def check_explore_options(jobs, budget, candidates, ray, resume, out) -> None:
+    """``planlab.explore``'s options that need no model or cluster, checked before any work."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"--jobs must be a positive integer, got {jobs!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0):
+        raise ConfigError(f"--budget must be a number of seconds >= 0, got {budget!r}")
+    if candidates is not None and (not isinstance(candidates, int) or candidates < 1):
+        raise ConfigError(f"--candidates must be a positive integer, got {candidates!r}")
+    if not isinstance(ray, (bool, str)):
+        raise ConfigError(f"--ray takes a Ray address or nothing (a local Ray instance), got {ray!r}")
+    if resume and out is None:
+        raise ConfigError("--resume needs --out, the folder of the exploration to continue")
+    if out is not None:
+        writable_folder(out, "--out")  # before the work, not after it

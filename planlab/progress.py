@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from itertools import pairwise
+from typing import Callable, TextIO
 
 LINE_INTERVAL_S = 5.0  # seconds between two lines of one phase when stderr is not a terminal
 
@@ -68,3 +69,22 @@ def note(text: str, elapsed_s: float, *, show: bool, file: TextIO | None = None)
     1536, 4.1 s``), if it took at least :data:`LINE_INTERVAL_S`."""
     if show and elapsed_s >= LINE_INTERVAL_S:
         print(f"{text}, {elapsed_s:.1f} s", file=file if file is not None else sys.stderr, flush=True)
+
+
+class PhaseClock:
+    """The wall and CPU seconds of a command's phases: ``mark()`` at the end of each, with the CPU
+    seconds of its worker processes (``workers_cpu_s``, a running total) where they take part."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = [time.perf_counter()], [time.process_time()]
+
+    def mark(self, workers_cpu_s: Callable[[], float] = lambda: 0.0) -> float:
+        """The end of a phase (and the start of the next); returns the wall clock's reading."""
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time() + workers_cpu_s())
+        return self.wall[-1]
+
+    def seconds(self, names: tuple[str, ...], *, cpu: bool = False) -> dict[str, float]:
+        """Each phase's seconds by its name, in order (wall, or with ``cpu`` CPU)."""
+        marks = self.cpu if cpu else self.wall
+        return dict(zip(names, (b - a for a, b in pairwise(marks))))

@@ -223,6 +223,43 @@ def test_submissions_carry_the_fastest_time_yet_and_the_likely_best_is_drawn_onc
     assert draws.get(0) == ("drawn", 3.0) and runner.draws == [2.0, 3.0]  # another best: drawn then
 
 
+class _BatchRunner(_ListRunner):
+    """A ``_ListRunner`` that also takes batches, and records what it was given."""
+
+    slots = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.given = []
+
+    def submit(self, i, values, best_s):
+        self.given.append([i])
+        return super().submit(i, values, best_s)
+
+    def submit_batch(self, batch, values, best_s):
+        self.given.append(list(batch))
+        return Pending(batch[0], [(i, dict(v)) for i, v in zip(batch, values)], tuple(batch))
+
+    def wait(self, pending, timeout_s):
+        return [row for p in pending for row in (p.handle if p.batch else [p.handle])]
+
+
+def test_twins_are_submitted_together_where_the_first_of_them_comes():
+    runner, stored = _BatchRunner(), {}
+    assignments = [{"t": t, "z": z} for t, z in [(1.0, 1), (2.0, 1), (1.0, 2), (3.0, 1), (2.0, 2), (1.0, 3)]]
+    simulate_candidates(
+        [0, 1, 2, 3, 4, 5],
+        assignments,
+        runner,
+        store=lambda i, row: stored.update({i: row["t"]}),
+        late=lambda: False,
+        deadline=None,
+        twins=lambda v: v["t"],
+    )
+    assert runner.given == [[0, 2, 5], [1, 4], [3]]
+    assert stored == {i: a["t"] for i, a in enumerate(assignments)}
+
+
 def test_best_plans_keep_the_fastest_feasible_rows_only():
     kept, plan = BestPlans(), object()
     row = dict(iter_time_s=2.0, feasible=True, reason="")
@@ -270,6 +307,16 @@ def test_bad_options(kwargs, message):
     with pytest.raises(ConfigError) as info:
         planlab.explore("gpt-tiny", **TINY, **kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_space_without_plans_leaves_the_journal_as_it_was(tmp_path, jobs):
+    """The plans are enumerated (and, with workers, screened meanwhile) before the journal is opened:
+    a space that has none ends with its one line and leaves an earlier exploration's journal alone."""
+    (tmp_path / "simulations.jsonl").write_text("an earlier exploration\n")
+    with pytest.raises(ConfigError, match="space 'megatron' has no plan with tp=2, pp=2 fixed"):
+        planlab.explore("gpt-tiny", **TINY, fixed={"tp": 2, "pp": 2}, jobs=jobs, out=tmp_path)
+    assert (tmp_path / "simulations.jsonl").read_text() == "an earlier exploration\n"
 
 
 def test_out_writes_the_plots_of_the_best_plan(tmp_path):

@@ -39,6 +39,38 @@ def test_conversion_kinds(src, dst, kinds):
     assert conv.kinds == kinds
 
 
+_CONVERSIONS = [
+    (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate()))),  # two steps
+    (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(0), Shard(1)))),  # an all-to-all
+    (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(1), Shard(0)))),  # point to point
+    (Layout(M2, (Partial(),)), Layout(Mesh((2,), (2, 3)), (Shard(1),))),  # partial sums, between meshes
+    (Layout(M2, (Shard(0),)), Layout(M2, (Shard(0),))),  # no step: a local copy with accumulate
+]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("only", [None, frozenset({0, 3})])
+@pytest.mark.parametrize("src, dst", _CONVERSIONS)
+def test_a_conversion_from_the_memo_is_the_one_planned_afresh(src, dst, only, accumulate):
+    """A conversion planned before (``memo``) with other buffers, name, dtype, tags, channel and
+    identities gives the tasks planning it afresh with this call's gives."""
+    memo: dict = {}
+    first = dict(src_buf=activation("p"), dst_buf=activation("q", 1), name="dp:", dtype="float32", first_tag=3)
+    first.update(channel=7, ident=2)
+    plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, memo=memo, **first)
+    again = dict(src_buf=X, dst_buf=Y, name="dx:", dtype="bfloat16", first_tag=40, channel=9, ident=11)
+    fresh = plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, **again)
+    kept = plan_conversion(src, dst, (4, 6), 4, accumulate=accumulate, only=only, memo=memo, **again)
+    assert len(memo) == 1 and (fresh.src or fresh.dst or fresh.kinds == [] and not accumulate)
+    assert (kept.src, kept.dst, kept.kinds, kept.tags, kept.idents) == (
+        fresh.src,
+        fresh.dst,
+        fresh.kinds,
+        fresh.tags,
+        fresh.idents,
+    )
+
+
 def test_point_to_point_moves_each_slice_once():
     # stage boundary: (S0 over devices 0,1) -> (S0 over devices 2,3): 0 sends to 2, 1 sends to 3
     conv = plan_conversion(
@@ -268,6 +300,40 @@ def test_each_pass_returns_a_new_draft_and_leaves_the_one_it_was_given(space, kn
     program = assemble(d)
     assert program == build(plan, g, layouts, FP32, None)
     assert find_deadlock(program, raise_error=False) is None
+
+
+@pytest.mark.parametrize(
+    "base, twins",
+    [
+        (dict(dp=2, tp=2, pp=1, microbatch=2, zero=1), [dict(zero=2), dict(zero=3), dict(zero=0)]),
+        (
+            dict(dp=2, tp=1, pp=2, microbatch=2, recompute="none"),
+            [dict(recompute="selective"), dict(recompute="full", zero=1)],
+        ),
+    ],
+)
+def test_twins_share_the_first_passes_and_build_the_programs_they_build_alone(base, twins):
+    """Plans that differ only by recompute and ZeRO stage share the draft of the passes before
+    ``recompute`` (the first twin's draft stays in the graph's memo), and each builds the Program
+    it builds after an unrelated plan."""
+    from planlab.plan.materialize import SHARED_MEMO_KEY
+
+    from conftest import traced
+
+    spec, g = traced("gpt-tiny", 8)
+    sp, ctx = get_space("megatron"), Context(g, spec, 8, "cpu", 4, 4, 1)
+    other = sp.build(ctx, dict(dp=4, tp=1, pp=1, microbatch=1))
+    first = materialize(sp.build(ctx, base), g)
+    shared = g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1]
+    for twin in twins:
+        plan = sp.build(ctx, {**base, **twin})
+        got = materialize(plan, g)
+        assert g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1] is shared  # taken, not made again
+        materialize(other, g)  # the memo holds another plan's draft
+        alone = materialize(plan, g)
+        assert got == alone and got != first
+        materialize(sp.build(ctx, base), g)
+        shared = g.memo(SHARED_MEMO_KEY, lambda: [None])[0][1]
 
 
 @pytest.mark.parametrize(

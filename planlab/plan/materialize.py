@@ -40,6 +40,7 @@ the later passes work on the ordered lists.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from planlab.costmodel.software import SoftwareSpec
@@ -167,6 +168,13 @@ PASSES = (
 )
 
 
+# The passes before ``recompute`` read neither a plan's recompute groups nor its ZeRO stage, so plans
+# that differ only there (an exploration's twins: zero 1 and 2, recompute none and selective) share
+# the draft they make (see shared_passes).
+SHARED = PASSES.index(recompute)
+SHARED_MEMO_KEY = ("materialize: the last shared draft",)
+
+
 def build(
     plan: Plan,
     graph: Graph,
@@ -177,7 +185,32 @@ def build(
     software: SoftwareSpec | None = None,
 ) -> Program:
     """The passes (see the module docstring), for every device or only for those in ``keep``."""
-    d = Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software)
-    for apply in PASSES:
+    d = shared_passes(Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software))
+    for apply in PASSES[SHARED:]:
         d = apply(d)
     return assemble(d)  # schedules, liveness, the Program
+
+
+def shared_passes(start: Draft) -> Draft:
+    """The draft after the first ``SHARED`` passes, from the draft before any (``Draft.start``). The
+    graph's memo keeps the last one made, with what it was made from; a plan that differs from that
+    one only by its recompute groups, ZeRO stage or labels (its space and knobs) takes it (with its
+    own plan and layouts for the passes after), as the same passes would make it again. Passes leave
+    the draft they are given as it was (``tests/test_materialize.py``), so two builds can share it."""
+    key = (_shared_part(start.plan), start.precision, start.keep, start.overlap, start.software)
+    last = start.graph.memo(SHARED_MEMO_KEY, lambda: [None])  # [(key, draft)]
+    got = last[0]
+    if got is not None and got[0] == key:
+        return got[1].replace(plan=start.plan, layouts=start.layouts)
+    d = start
+    for apply in PASSES[:SHARED]:
+        d = apply(d)
+    last[0] = (key, d)
+    return d
+
+
+def _shared_part(plan: Plan) -> Plan:
+    """``plan`` without what the first ``SHARED`` passes do not read: recompute groups, the ZeRO
+    stage, its space's name and its knobs."""
+    ops = tuple(replace(op, recompute=0) if op.recompute else op for op in plan.ops)
+    return replace(plan, ops=ops, zero=0, space="", knobs=())

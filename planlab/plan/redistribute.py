@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planlab.plan.buffer import Buffer
+from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.layout import (
     Box,
     Layout,
@@ -78,6 +78,7 @@ def plan_conversion(
     only: frozenset[int] | None = None,
     channel: int = -1,
     ident: int = 0,
+    memo: dict | None = None,
 ) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
@@ -88,7 +89,84 @@ def plan_conversion(
     planned for those devices alone (the representatives of device classes);
     point-to-point messages then get tags computed from their positions, the
     same whichever devices are planned, and carry ``channel`` for the simulator.
+
+    ``memo``: a dict the caller keeps for the conversions of one graph (materialize passes the
+    graph's memo). Layers repeat, so a plan asks a few conversions hundreds of times: a conversion
+    planned before for the same layouts, shape, element size, accumulation and devices gives the
+    same tasks, with this call's buffers, name, dtype, tags, channel and identities.
     """
+    if memo is None:
+        return _planned(
+            src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype, only, channel, ident
+        )
+    key = (src, dst, tuple(shape), elem_bytes, accumulate, only)
+    template = memo.get(key)
+    if template is None:
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        template = memo[key] = _planned(
+            src, dst, shape, elem_bytes, _SRC, _DST, accumulate, 0, "", dtype, only, _CHANNEL, 0
+        )
+    return _instance(template, src_buf, dst_buf, first_tag if only is None else 0, name, dtype, channel, ident)
+
+
+# the conversions a memo keeps at most (it starts again when full): a plan of GPT-3 175B on 1,024
+# devices asks about 1,200 conversions of 15 to 115 kinds
+MEMO_ENTRIES = 4096
+# what a memo's conversion is planned with, replaced by each call's own (see _instance)
+_SRC = Buffer(BufferKind.INTERNAL, "<conversion source>")
+_DST = Buffer(BufferKind.INTERNAL, "<conversion result>")
+_CHANNEL = -2
+
+
+def _instance(
+    template: Conversion, src_buf: Buffer, dst_buf: Buffer, tag_shift: int, name: str, dtype: str, channel, ident
+) -> Conversion:
+    """``template`` (planned with ``_SRC``, ``_DST``, no name, tags from 0, channel ``_CHANNEL`` and
+    identities from 0) with these buffers, name, dtype, tags shifted by ``tag_shift``, channel and
+    identities from ``ident``."""
+    bufs = {_SRC: src_buf, _DST: dst_buf}
+
+    def buf(b: Buffer) -> Buffer:
+        got = bufs.get(b)
+        if got is None:
+            got = bufs[b] = dst_buf.at_step(b.step)
+        return got
+
+    def task(t: Task) -> Task:
+        changes = dict(
+            name=name + t.name,
+            reads=tuple(map(buf, t.reads)),
+            writes=tuple(map(buf, t.writes)),
+            dtype=dtype,
+        )
+        if t.channel == _CHANNEL:
+            changes["channel"] = channel
+        if t.ident >= 0:
+            changes["ident"] = t.ident + ident
+        if t.tag >= 0 and tag_shift:
+            changes["tag"] = t.tag + tag_shift
+            changes["name"] = message_name(name, t.kind, t.tag + tag_shift)
+        return t.but(**changes)
+
+    return Conversion(
+        src={dev: [task(t) for t in tasks] for dev, tasks in template.src.items()},
+        dst={dev: [task(t) for t in tasks] for dev, tasks in template.dst.items()},
+        kinds=list(template.kinds),
+        tags=template.tags,
+        idents=template.idents,
+    )
+
+
+def message_name(name: str, kind: TaskKind, tag: int) -> str:
+    """The name of a conversion's send or receive of tag ``tag``."""
+    return f"{name}{'send' if kind is TaskKind.SEND else 'recv'}{tag}"
+
+
+def _planned(
+    src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype, only, channel, ident
+) -> Conversion:
+    """:func:`plan_conversion`'s tasks, planned."""
     if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
         raise InternalError(f"cannot convert into a partial layout {dst}: a conversion's target holds full values")
     if _same_mesh(src, dst):
@@ -279,7 +357,7 @@ class _Messages:
     def send(self, tag: int, peer: int, region: Box, sbox: Box) -> Task:
         """The send of ``region`` (held in ``sbox``) to ``peer``."""
         return Task(
-            f"{self.name}send{tag}",
+            message_name(self.name, TaskKind.SEND, tag),
             TaskKind.SEND,
             (self.src_buf,),
             (),
@@ -294,7 +372,7 @@ class _Messages:
     def recv(self, tag: int, peer: int, region: Box, dbox: Box) -> Task:
         """The receive of ``region`` (wanted in ``dbox``) from ``peer``."""
         return Task(
-            f"{self.name}recv{tag}",
+            message_name(self.name, TaskKind.RECV, tag),
             TaskKind.RECV,
             (),
             (self.dst_buf,),

@@ -377,6 +377,7 @@ def convert(
         only=d.keep,
         channel=counters.channel,
         ident=counters.ident,
+        memo=d.graph.memo(("conversions",), dict),
     )
     counters.channel, counters.tag, counters.ident = (
         counters.channel + 1,
