@@ -33,7 +33,6 @@ the simulator judges, not the program.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import logging
 import math
@@ -46,7 +45,7 @@ from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
 from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
-from planlab.search_spaces.fine_costs import StageCosts, stage_costs
+from planlab.search_spaces.fine_costs import StageCosts, probe_key, stage_costs
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.screen import GroupCost, Screen, flight_counts
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
@@ -295,45 +294,23 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     draft.layout = layout
 
 
-@functools.lru_cache(maxsize=16)
-def _cost_model(cluster: str, nodes: int) -> CostModel:
-    return CostModel.load(cluster, nodes)
-
-
-def _has_host(cluster: str, nodes: int) -> bool:
-    return _cost_model(cluster, nodes).cluster.node.host is not None
+def _cost_model(ctx: Context) -> CostModel:
+    """The cluster's cost model (its default software), one per graph and cluster (the graph's memo)."""
+    return ctx.graph.memo(("fine_cost_model", ctx.cluster, ctx.nodes), lambda: CostModel.load(ctx.cluster, ctx.nodes))
 
 
 def _screen(ctx: Context) -> Screen:
     """One screen per graph and cluster (kept in the graph's memo)."""
     key = ("fine_screen", ctx.cluster, ctx.nodes)
-    return ctx.graph.memo(
-        key, lambda: Screen(ctx.graph, _cost_model(ctx.cluster, ctx.nodes), precision_for(ctx.cluster))
-    )
+    return ctx.graph.memo(key, lambda: Screen(ctx.graph, _cost_model(ctx), precision_for(ctx.cluster)))
 
 
 def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
     """The layout the integer program picks for ``draft``'s grid point (None: none fits)."""
     ctx = draft.ctx
-    cost = _cost_model(ctx.cluster, ctx.nodes)
+    cost = _cost_model(ctx)
     # the probe replaces the stages, chunks and schedule: grid points that differ only there share its costs
-    key = (
-        "fine_costs",
-        ctx.cluster,
-        ctx.nodes,
-        offload,
-        tuple(draft.axes),
-        tuple(draft.op_dims()),
-        draft.microbatches,
-        draft.zero,
-        tuple(draft.recompute.items()),
-        tuple(draft.colocate.items()),
-        draft.stage_base,
-        draft.stage_order,
-        draft.ring,
-        draft.zigzag,
-        draft.kv_gather,
-    )
+    key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
     costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
     incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
 
@@ -391,7 +368,7 @@ class FineStages(Space):
         _unset("recompute", ("none", "selective")),
         _unset("offload_optimizer", (False,)),
         Constraint(
-            lambda a, c: not a.get("fine_offload") or _has_host(c.cluster, c.nodes),
+            lambda a, c: not a.get("fine_offload") or _cost_model(c).cluster.node.host is not None,
             lambda a, c: (
                 f"fine_offload=True on cluster {c.cluster!r}, which gives no host side; set fine_offload=false"
             ),
