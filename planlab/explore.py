@@ -352,6 +352,9 @@ def explore(
     journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
+    if jobs > 1 and sp.ordered_drafts():  # (the fine space's pruning) as one job would, before the workers fork
+        for values in assignments:
+            sp.draft(ctx, values)
     workers, plans = Workers(jobs, spawned), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
