@@ -201,6 +201,16 @@ def _screen_one(values: dict) -> tuple[Estimate | None, str]:
 SCREEN_FAILED = "the screen could not estimate it"
 
 
+def _drafted_in_order(sp: Space, ctx: Context, assignments: list[dict], jobs: int) -> list[dict]:
+    """``assignments``, each drafted here in order first when workers will screen them and a draft of
+    ``sp`` may depend on the drafts before it (:meth:`Space.ordered_drafts`: the fine space's pruning):
+    the forked workers then find each outcome in the graph's memo, as one job would have made it."""
+    if jobs > 1 and sp.ordered_drafts():
+        for values in assignments:
+            sp.draft(ctx, values)
+    return assignments
+
+
 def _rules_of(sp: Space, values: dict) -> tuple:
     if SPACE_KEY in values and len(sp.alternatives()) > 1:
         return sp.alternative(values[SPACE_KEY]).all_rules()
@@ -347,14 +357,11 @@ def explore(
     ctx, cost, graph = make_context(setup)
     t_trace = time.perf_counter()
     note(f"trace: {spec} at batch {batch}", t_trace - t0, show=progress)
-    assignments = sp.enumerate(ctx, fixed)
+    assignments = _drafted_in_order(sp, ctx, sp.enumerate(ctx, fixed), jobs)
     t_enum = time.perf_counter()
     journal = None if out is None else _journal(Path(out), setup, space, fixed, candidates, resume)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
-    if jobs > 1 and sp.ordered_drafts():  # (the fine space's pruning) as one job would, before the workers fork
-        for values in assignments:
-            sp.draft(ctx, values)
     workers, plans = Workers(jobs, spawned), BestPlans()
     try:
         est, why = _screen_all(assignments, workers, progress)
