@@ -201,6 +201,19 @@ def _screen_one(values: dict) -> tuple[Estimate | None, str]:
 SCREEN_FAILED = "the screen could not estimate it"
 
 
+def _drafted_in_order(sp: Space, ctx: Context, fixed: dict | None, jobs: int) -> list[dict] | None:
+    """The assignments of ``sp``, each drafted here in order, when workers will screen them and a
+    draft of ``sp`` may depend on the drafts before it (:meth:`Space.ordered_drafts`: the fine
+    space's pruning): the forked workers then find each outcome in the graph's memo, as one job
+    would have made it. None otherwise (the workers screen while the parent enumerates)."""
+    if jobs <= 1 or not sp.ordered_drafts():
+        return None
+    assignments = list(sp.assignments(ctx, fixed))
+    for values in assignments:
+        sp.draft(ctx, values)
+    return assignments
+
+
 def _rules_of(sp: Space, values: dict) -> tuple:
     if SPACE_KEY in values and len(sp.alternatives()) > 1:
         return sp.alternative(values[SPACE_KEY]).all_rules()
@@ -376,11 +389,12 @@ def explore(
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
+    drafted = _drafted_in_order(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:
-        screening = Screening(sp, ctx, fixed, workers)  # the workers screen what is enumerated meanwhile
+        screening = Screening(sp, ctx, fixed, workers, drafted)  # the workers screen what is enumerated meanwhile
         assignments = screening.assignments
         clock.mark()  # this process's enumeration (the workers' CPU is the screen's)
         # opened once the space has plans (a space without any leaves a journal as it was)
@@ -504,14 +518,17 @@ class Screening:
     made), and the screen's estimate of each (:meth:`results`). With workers, each chunk of
     ``SCREEN_CHUNK`` plans is handed to them as soon as it is enumerated, so they screen while the
     rest is enumerated; without, the plans are screened here once enumerated. ConfigError when the
-    space has no plan (``Space.enumerate``'s)."""
+    space has no plan (``Space.enumerate``'s). ``drafted``: the assignments when this process has
+    already enumerated and drafted them in order (:func:`_drafted_in_order`)."""
 
-    def __init__(self, sp: Space, ctx: Context, fixed: dict | None, workers: Workers) -> None:
+    def __init__(
+        self, sp: Space, ctx: Context, fixed: dict | None, workers: Workers, drafted: list[dict] | None = None
+    ) -> None:
         self.workers, self.pending = workers, []
         self.assignments: list[dict] = []
         chunk: list[tuple[int, dict]] = []
         with paused_gc():
-            for values in sp.assignments(ctx, fixed):
+            for values in sp.assignments(ctx, fixed) if drafted is None else drafted:
                 chunk.append((len(self.assignments), values))
                 self.assignments.append(values)
                 if len(chunk) == SCREEN_CHUNK and workers.pool is not None:

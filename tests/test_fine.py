@@ -267,3 +267,61 @@ def test_pruning_by_the_lp_bound_keeps_the_best_programs_of_the_unpruned_search(
     assert sorted(got.objective_s for got in pruned if got.layout is not None)[:3] == pytest.approx(best)
     for a, b in zip(full, pruned):  # a pruned point's bound is a true lower bound of its program
         assert b.status != "pruned" or b.objective_s <= a.objective_s + 1e-9
+
+
+def test_the_balanced_bound_is_never_above_the_lp_relaxation():
+    # the bound that prunes without a solver relaxes the LP relaxation further: on a family of points
+    # (1F1B and interleaved, memory tight or not, a heavy head, offloading) it is at most the LP's
+    # objective, and on some it is close enough to prune
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from planlab.search_spaces.fine import _program, balanced_bound_s
+
+    head, emb = GroupCost(2.0, 0.1, 3.0, 1.0, 0.0), GroupCost(0.5, 0.0, 2.0, 0.5, 0.0)
+    c = _costs(first=emb, last=head, sync_s=0.01, offload_sync_s=0.005, static_bytes=6.0, can_offload=True)
+    seen = 0
+    for cap in (1e9, 90.0):
+        for m in (16, 4):
+            for stages, chunks in ((2, 1), (4, 2), (4, 1), (8, 2), (6, 3)):
+                sched = "interleaved" if chunks > 1 else "1f1b"
+                cost, rows, lower, upper, _, lp = _program(c, 12, stages, m, cap, sched, chunks)
+                relaxed = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+                if relaxed.x is None:
+                    continue
+                bound = balanced_bound_s(c, 12, stages, m, chunks)
+                assert bound <= relaxed.fun + 1e-9, (m, stages, chunks, cap)
+                seen += bound >= 0.9 * relaxed.fun
+    assert seen
+
+
+def test_two_jobs_give_the_rows_of_one(monkeypatch, caplog):
+    """The fine space prunes against the programs solved before a point; explore drafts every
+    assignment in order before its workers fork, so --jobs 2 prunes the points --jobs 1 does and
+    every row (screen figures, simulated times, per-stage layouts, reasons) is the same."""
+    import logging
+
+    import pandas as pd
+
+    import planlab
+    import planlab.search_spaces.fine as fine
+    from planlab.models import ModelSpec
+
+    monkeypatch.setattr(fine, "PRUNE_KEEP", 3)  # a small grid prunes too
+    caplog.set_level(logging.DEBUG, logger="planlab.search_spaces.fine")
+    frames = [
+        planlab.explore(
+            ModelSpec("gpt-tiny", (("layers", 6),)),
+            cluster="cpu",
+            nodes=4,
+            global_batch=16,
+            space="megatron*fine",
+            fixed=dict(zero=0),
+            candidates=2,
+            jobs=jobs,
+        )
+        for jobs in (1, 2)
+    ]
+    statuses = {str(r.args[0]) for r in caplog.records if r.name == "planlab.search_spaces.fine" and r.args}
+    assert {"pruned", "optimal"} <= statuses
+    assert frames[0]["stage_layers"].notna().any()
+    pd.testing.assert_frame_equal(frames[0], frames[1])

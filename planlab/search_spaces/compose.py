@@ -73,6 +73,9 @@ class Restricted(Space):
         self._constraints = tuple(constraints)
         self._rules = tuple(rules)
 
+    def ordered_drafts(self) -> bool:
+        return self.base.ordered_drafts()
+
     def all_knobs(self) -> tuple[Knob, ...]:
         return tuple(self._narrow(k) if k.name in self._values else k for k in self.base.all_knobs())
 
@@ -129,6 +132,9 @@ class Union(Space):
 
     def alternatives(self) -> tuple[Space, ...]:
         return self._alts
+
+    def ordered_drafts(self) -> bool:
+        return any(s.ordered_drafts() for s in self._alts)
 
     def all_knobs(self) -> tuple[Knob, ...]:
         seen: dict[str, Knob] = {}

@@ -33,7 +33,6 @@ the simulator judges, not the program.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import logging
 import math
@@ -46,7 +45,7 @@ from planlab.costmodel import CostModel
 from planlab.errors import ConfigError
 from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
-from planlab.search_spaces.fine_costs import StageCosts, stage_costs
+from planlab.search_spaces.fine_costs import StageCosts, probe_key, stage_costs
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.screen import GroupCost, Screen, flight_counts
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
@@ -163,11 +162,17 @@ def solve_program(
     chunks: int = 1,
     bar_s: float = math.inf,
 ) -> Solved:
-    """Solve the program of :func:`solve_layout`; when ``bar_s`` is finite, first its LP relaxation,
-    a proven lower bound on every layout's objective: if that bound is ``bar_s`` or more, no layout
-    of this point can beat ``bar_s`` and the integer program is not solved (``pruned``)."""
+    """Solve the program of :func:`solve_layout`; when ``bar_s`` is finite, first a proven lower
+    bound on every layout's objective (:func:`balanced_bound_s`, then the LP relaxation): if it is
+    ``bar_s`` or more, no layout of this point can beat ``bar_s`` and the integer program is not
+    solved (``pruned``)."""
     from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
 
+    if math.isfinite(bar_s):
+        bound_s = balanced_bound_s(c, layers, stages, m, chunks)
+        # strictly above the bar by more than HiGHS' tolerances: the LP relaxation would prune it too
+        if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
+            return Solved(None, bound_s, "pruned")
     cost, rows, lower, upper, integ, lp = _program(c, layers, stages, m, cap_bytes, schedule, chunks)
     args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
     if math.isfinite(bar_s):
@@ -188,6 +193,23 @@ def solve_program(
         proven=not limited,
     )
     return Solved(layout, float(res.fun), "node limit" if limited else "optimal")
+
+
+BOUND_MARGIN = 1e-6  # relative: a balanced bound this far above the bar prunes without the LP relaxation
+
+
+def balanced_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int = 1) -> float:
+    """A lower bound on the program's objective (:func:`_program`) from its rows alone, without a
+    solver: the slowest device is at least the average of the work over the devices, the slowest
+    chunk at least the average over the chunks (no layer recomputed, no memory limit), the sync at
+    least 0, and offloading at most every layer's difference in the tie-breaking terms.
+    A relaxation of the LP relaxation, so never above it (tests/test_fine.py)."""
+    G = stages // chunks
+    work_s = layers * c.layer_s + sum(_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0) for s in range(stages))
+    ties_s = TIE * layers * (c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
+    if chunks == 1:  # (M - 1) T + the layers' own time in the sum over stages (module docstring)
+        return (m - 1) * work_s / stages + layers * c.layer_s + ties_s
+    return m * work_s / G + (G - 1) * work_s / stages + TIE * layers * c.layer_s + ties_s
 
 
 def solve_layout(
@@ -244,11 +266,14 @@ class Incumbents:
     worst of them cannot enter them, and its program is not solved (its plan stays the grid's).
     Sound for the program's objective: the PRUNE_KEEP best layouts over the grid are those the
     unpruned search finds (tests/test_fine.py). Each point's outcome is memoized with it, so a
-    plan drafted again (simulated, its layout reported) is the one screened; a worker of
-    ``--jobs`` > 1 prunes against the programs it solved itself."""
+    plan drafted again (simulated, its layout reported) is the one screened. Which points are
+    pruned depends on the order they are drafted in: with ``--jobs`` > 1 explore drafts every
+    assignment in order in its own process before the workers fork (``FineStages.drafts_in_order``),
+    so that they find each outcome in the memo and the rows are those of ``--jobs 1``; a Ray task or
+    a spawned worker (no fork) that drafts a point its memo lacks prunes against its own programs."""
 
-    def __init__(self, keep: int = PRUNE_KEEP) -> None:
-        self.keep = keep
+    def __init__(self, keep: int | None = None) -> None:
+        self.keep = PRUNE_KEEP if keep is None else keep
         self._worst_first: list[float] = []  # negated objectives: heapq's min-heap as a max-heap
         self._lock = threading.Lock()
 
@@ -295,45 +320,23 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     draft.layout = layout
 
 
-@functools.lru_cache(maxsize=16)
-def _cost_model(cluster: str, nodes: int) -> CostModel:
-    return CostModel.load(cluster, nodes)
-
-
-def _has_host(cluster: str, nodes: int) -> bool:
-    return _cost_model(cluster, nodes).cluster.node.host is not None
+def _cost_model(ctx: Context) -> CostModel:
+    """The cluster's cost model (its default software), one per graph and cluster (the graph's memo)."""
+    return ctx.graph.memo(("fine_cost_model", ctx.cluster, ctx.nodes), lambda: CostModel.load(ctx.cluster, ctx.nodes))
 
 
 def _screen(ctx: Context) -> Screen:
     """One screen per graph and cluster (kept in the graph's memo)."""
     key = ("fine_screen", ctx.cluster, ctx.nodes)
-    return ctx.graph.memo(
-        key, lambda: Screen(ctx.graph, _cost_model(ctx.cluster, ctx.nodes), precision_for(ctx.cluster))
-    )
+    return ctx.graph.memo(key, lambda: Screen(ctx.graph, _cost_model(ctx), precision_for(ctx.cluster)))
 
 
 def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
     """The layout the integer program picks for ``draft``'s grid point (None: none fits)."""
     ctx = draft.ctx
-    cost = _cost_model(ctx.cluster, ctx.nodes)
+    cost = _cost_model(ctx)
     # the probe replaces the stages, chunks and schedule: grid points that differ only there share its costs
-    key = (
-        "fine_costs",
-        ctx.cluster,
-        ctx.nodes,
-        offload,
-        tuple(draft.axes),
-        tuple(draft.op_dims()),
-        draft.microbatches,
-        draft.zero,
-        tuple(draft.recompute.items()),
-        tuple(draft.colocate.items()),
-        draft.stage_base,
-        draft.stage_order,
-        draft.ring,
-        draft.zigzag,
-        draft.kv_gather,
-    )
+    key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
     costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
     incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
 
@@ -372,6 +375,7 @@ class FineStages(Space):
 
     name = "fine"
     order = 5  # after the stages, the mesh axes and the recomputation it refines
+    drafts_in_order = True  # a grid point is pruned against the programs solved before it (Incumbents)
     knobs = (Knob.bool("fine_offload", "let the integer program offload the optimizer per stage (ZeRO-Offload)"),)
     constraints = (
         _unset("schedule", FINE_SCHEDULES),
@@ -391,7 +395,7 @@ class FineStages(Space):
         _unset("recompute", ("none", "selective")),
         _unset("offload_optimizer", (False,)),
         Constraint(
-            lambda a, c: not a.get("fine_offload") or _has_host(c.cluster, c.nodes),
+            lambda a, c: not a.get("fine_offload") or _cost_model(c).cluster.node.host is not None,
             lambda a, c: (
                 f"fine_offload=True on cluster {c.cluster!r}, which gives no host side; set fine_offload=false"
             ),

@@ -56,12 +56,35 @@ def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
     )
 
 
+def probe_key(d: Draft) -> tuple:
+    """What the probe of grid point ``d`` is priced from, exactly: the mesh axes and each operator's
+    split along them, ring attention, the recomputation, co-sharding, offloaded activations, the
+    micro-batch count (with the axes, the micro-batch size), the ZeRO stage and the device order of
+    a stage. Not the stages, chunks, schedule or optimizer offloading, which the probe replaces:
+    grid points that differ only there share their probes (kept in the graph's memo)."""
+    return (
+        tuple(d.axes),
+        tuple(d.op_dims()),
+        d.ring,
+        tuple(d.recompute.items()),
+        tuple(d.colocate.items()),
+        tuple(d.offload_acts.items()),
+        d.microbatches,
+        d.zero,
+        d.stage_order,
+    )
+
+
 def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
     """The per-layer costs of grid point ``d`` (any stages; the probe replaces them). With 5 layers
     or more the probe's middle group holds two layers: its difference from a one-layer group is a
     layer's static memory and sync, and what is left of the one-layer group the device's once-only
-    part (ZeRO-3's gathered unit and last reduce-scatter; 0 where those figures add up per layer)."""
-    g, L = d.ctx.graph, d.ctx.layers
+    part (ZeRO-3's gathered unit and last reduce-scatter; 0 where those figures add up per layer).
+    Only the groups read here are priced (the first, the middle one or two and the last), each
+    probe once per graph, cluster and :func:`probe_key` (the graph's memo): as the grid point
+    recomputes, with every layer recomputed in full, and with the optimizer offloaded."""
+    ctx = d.ctx
+    g, L = ctx.graph, ctx.layers
     pair = (L - 1) // 2 if L >= 5 else None  # the probe group with two layers
     counts = tuple(2 if i == pair else 1 for i in range(L - 1)) if pair is not None else (1,) * L
     probe = dataclasses.replace(
@@ -74,13 +97,27 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         offload_stages=(),
         layout=None,
     )
-    base = group_costs(screen, probe)
-    full = group_costs(screen, dataclasses.replace(probe, recompute=dict(recompute_groups(g, "full"))))
-    off = group_costs(screen, probe, offload=(True,) * len(counts)) if can_offload else base
     mid = pair - 1 if pair is not None else (L // 2 if L > 2 else min(1, L - 1))
+    read = tuple(dict.fromkeys((0, mid) + ((pair,) if pair is not None else ()) + (len(counts) - 1,)))
+    key = ("fine_probe", ctx.cluster, ctx.nodes, probe_key(d))
+
+    def priced(variant: str) -> dict[int, GroupCost]:
+        def compute() -> dict[int, GroupCost]:
+            if variant == "full":
+                got = group_costs(
+                    screen, dataclasses.replace(probe, recompute=dict(recompute_groups(g, "full"))), only=read
+                )
+            else:
+                got = group_costs(screen, probe, offload=(variant == "offload",) * len(counts), only=read)
+            return dict(zip(read, got))
+
+        return g.memo(key + (variant,), compute)
+
+    base, full = priced("base"), priced("full")
+    off = priced("offload") if can_offload else base
     a = base[mid]
 
-    def per_layer(costs: list[GroupCost], field: str) -> tuple[float, float]:
+    def per_layer(costs: dict[int, GroupCost], field: str) -> tuple[float, float]:
         """(a layer's, the device's once-only) part of ``field``."""
         one = getattr(costs[mid], field)
         if pair is None:
@@ -102,7 +139,7 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         work_bytes=a.work_bytes,
         p2p_s=a.p2p_s,
         first=_minus(base[0], a),
-        last=_minus(base[-1], a),
+        last=_minus(base[len(counts) - 1], a),
         can_offload=can_offload,
         unit_static_bytes=unit_static,
         unit_sync_s=unit_sync,

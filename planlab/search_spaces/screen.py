@@ -617,19 +617,22 @@ class GroupCost:
     p2p_s: float = 0.0  # the pipeline transfers into the group (part of time_s)
 
 
-def group_costs(screen: Screen, d: Draft, offload: tuple[bool, ...] = ()) -> list[GroupCost]:
+def group_costs(
+    screen: Screen, d: Draft, offload: tuple[bool, ...] = (), only: tuple[int, ...] | None = None
+) -> list[GroupCost]:
     """Per device group of ``d`` (one model chunk per group), its :class:`GroupCost`; ``offload[r]``
-    prices group ``r``'s optimizer in host memory (default: ``d.offload_optimizer``). The fine-grained
-    space reads per-layer costs from it (planlab/search_spaces/fine_costs.py), on a probe with more
-    groups than the cluster has: a transfer between groups is priced between the devices of those
-    groups modulo the cluster's pipeline ranks."""
+    prices group ``r``'s optimizer in host memory (default: ``d.offload_optimizer``); ``only``: just
+    those groups, in that order (each group is priced on its own). The fine-grained space reads
+    per-layer costs from it (planlab/search_spaces/fine_costs.py), on a probe with more groups than
+    the cluster has: a transfer between groups is priced between the devices of those groups modulo
+    the cluster's pipeline ranks."""
     s = screen.structure(d)
     sizes = tuple(x for _, x in d.axes)
     m = d.microbatches
     regather = screen.regathers(d)
     ranks = d.ctx.num_devices // d.per_group
     out = []
-    for r in range(d.groups):
+    for r in range(d.groups) if only is None else only:
         p = s.profiles[r]
         off = offload[r] if offload else d.offload_optimizer
         c = screen._price(p, s.ids[r], sizes, m, d.zero, False, regather, d.stage_order, off)  # 1F1B: no ZB split

@@ -329,6 +329,9 @@ class Space(abc.ABC):
     constraints: tuple[Constraint, ...] = ()
     rules: tuple["Rule", ...] = ()
     order = 0  # product applies parts by ascending order (stages before mesh axes)
+    # True: a draft may depend on the drafts made before it in the same process (the fine space's
+    # pruning bound, planlab/search_spaces/fine.py); see ordered_drafts
+    drafts_in_order = False
 
     @abc.abstractmethod
     def apply(self, draft: Draft, values: dict) -> None:
@@ -342,6 +345,12 @@ class Space(abc.ABC):
     def alternatives(self) -> tuple["Space", ...]:
         """The spaces a union is made of (a space that is not a union: itself)."""
         return (self,)
+
+    def ordered_drafts(self) -> bool:
+        """Whether a draft of this space may depend on the drafts made before it in the same process
+        (``drafts_in_order`` of it or of a part): explore then drafts every assignment here, in order,
+        before its workers fork, so that each worker finds the same outcome in the graph's memo."""
+        return self.drafts_in_order
 
     def all_knobs(self) -> tuple[Knob, ...]:
         if self.parts() == (self,):
@@ -650,6 +659,9 @@ class Product(Space):
 
     def parts(self) -> tuple[Space, ...]:
         return self._parts
+
+    def ordered_drafts(self) -> bool:
+        return any(p.ordered_drafts() for p in self._parts)
 
     def apply(self, draft: Draft, values: dict) -> None:
         for p in sorted(self._parts, key=lambda s: s.order):
