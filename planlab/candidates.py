@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from planlab.plan.plan import Plan
     from planlab.plan.program import Program
     from planlab.drawing import Drawing
+    from planlab.search_spaces.space import Context, Space
     from planlab.simulator.result import SimResult
 
 JOURNAL = "simulations.jsonl"
@@ -211,6 +212,19 @@ def init_worker() -> None:
     forked worker inherits them: torch's elastic launcher, say), and leaves Ctrl-C to its parent."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def drafted_before_fork(sp: Space, ctx: Context, fixed: dict | None, jobs: int) -> list[dict] | None:
+    """The assignments of ``sp``, each drafted here in order, when workers will screen them and a
+    draft of ``sp`` may depend on the drafts before it (:meth:`Space.ordered_drafts`: the fine
+    space's pruning): the forked workers then find each outcome in the graph's memo, as one job
+    would have made it. None otherwise (the workers screen while the parent enumerates)."""
+    if jobs <= 1 or not sp.ordered_drafts():
+        return None
+    assignments = list(sp.assignments(ctx, fixed))
+    for values in assignments:
+        sp.draft(ctx, values)
+    return assignments
 
 
 class Workers:

@@ -30,6 +30,7 @@ from planlab.candidates import (
     SIMULATED_KEY,
     BestPlans,
     Draws,
+    drafted_before_fork,
     Journal,
     PoolRunner,
     RayRunner,
@@ -201,17 +202,12 @@ def _screen_one(values: dict) -> tuple[Estimate | None, str]:
 SCREEN_FAILED = "the screen could not estimate it"
 
 
-def _drafted_in_order(sp: Space, ctx: Context, fixed: dict | None, jobs: int) -> list[dict] | None:
-    """The assignments of ``sp``, each drafted here in order, when workers will screen them and a
-    draft of ``sp`` may depend on the drafts before it (:meth:`Space.ordered_drafts`: the fine
-    space's pruning): the forked workers then find each outcome in the graph's memo, as one job
-    would have made it. None otherwise (the workers screen while the parent enumerates)."""
-    if jobs <= 1 or not sp.ordered_drafts():
-        return None
-    assignments = list(sp.assignments(ctx, fixed))
-    for values in assignments:
-        sp.draft(ctx, values)
-    return assignments
+def _space_of(space: str | Space) -> Space:
+    """The Space ``space`` names (a built-in or composed name), or ``space`` itself."""
+    sp = get_space(space) if isinstance(space, str) else space
+    if not isinstance(sp, Space):
+        raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
+    return sp
 
 
 def _rules_of(sp: Space, values: dict) -> tuple:
@@ -383,13 +379,11 @@ def explore(
     cost = CostModel.load(cluster, nodes, profile=profile, software=software, precision=precision)
     batch = global_batch if global_batch is not None else max(8, cost.cluster.num_devices)
     check_sizes(batch, cost.cluster.num_devices)
-    sp = get_space(space) if isinstance(space, str) else space
-    if not isinstance(sp, Space):
-        raise ConfigError(f"space must be a name or a planlab Space, got a {type(space).__name__}")
+    sp = _space_of(space)
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
     ctx, cost, graph = make_context(setup)
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
-    drafted = _drafted_in_order(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
+    drafted = drafted_before_fork(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
@@ -519,7 +513,7 @@ class Screening:
     ``SCREEN_CHUNK`` plans is handed to them as soon as it is enumerated, so they screen while the
     rest is enumerated; without, the plans are screened here once enumerated. ConfigError when the
     space has no plan (``Space.enumerate``'s). ``drafted``: the assignments when this process has
-    already enumerated and drafted them in order (:func:`_drafted_in_order`)."""
+    already enumerated and drafted them in order (:func:`~planlab.candidates.drafted_before_fork`)."""
 
     def __init__(
         self, sp: Space, ctx: Context, fixed: dict | None, workers: Workers, drafted: list[dict] | None = None
