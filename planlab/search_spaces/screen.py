@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from planlab.costmodel import CostModel
 from planlab.costmodel.host import copy_time_s, host_of
+from planlab.gcpause import paused_gc
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
@@ -518,6 +519,10 @@ class Screen:
 
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""
+        with paused_gc():  # keys and arrays per operator, no cycles: the collector would only walk the graph
+            return self._estimate(d)
+
+    def _estimate(self, d: Draft) -> Estimate:
         if d.spread:
             d = pipeline_view(d)
         s = self.structure(d)
