@@ -617,8 +617,10 @@ def _recycles(c: Context) -> int:
 def recycling_stages(g: Graph, pp: int, layers: int) -> dict[str, int]:
     """Stage ``pass * pp + layer // (layers / pp)`` for the layers; other operators follow their
     computed inputs, except that a ``detach`` output counts as none (the next pass's recycling
-    embedder runs where that pass starts), else their first consumer."""
-    return stages_by_layer(g, pp, layers, passes_of(g))
+    embedder runs where that pass starts), else their first consumer. Computed once per graph and
+    degree (a fresh dict each call, which the draft may change)."""
+    key = ("recycling_stages", pp, layers)
+    return dict(g.memo(key, lambda: stages_by_layer(g, pp, layers, passes_of(g))))
 
 
 def stage_recycling(draft: Draft, pp: int, schedule: str) -> None:

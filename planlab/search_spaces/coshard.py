@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from planlab.graph.ir import Graph
 from planlab.search_spaces.builtin import LAYER_MODULE, tensor_parallel_dims
 from planlab.search_spaces.registry import register_space
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
@@ -153,26 +154,48 @@ class Coshard(Space):
         if k == 1:
             return
         part = values.get("coshard_blocks") or "attention"
-        g = draft.ctx.graph
         # a recompute group of the layer's own (nested in its full recomputation) or of the pieces' own
         nested = values.get("coshard_outputs") == "recompute"
         percent = values.get("coshard_remade_percent") or 100
-        dims = tensor_parallel_dims(g)
-        for op in g.operators:
-            block = LAYER_MODULE.search(op.module)
-            if dims[op.name] is None or block is None:
-                continue
-            if ATTENTION.search(op.module):
-                where = "attention"
-            elif MLP.search(op.module):
-                where = "mlp"
-            else:
-                continue
+        colocate, recompute = cosharded(draft.ctx.graph, part, k, nested, percent)
+        draft.colocate.update(colocate)
+        draft.recompute.update(recompute)  # recomputed piece by piece
+
+
+def _targets(g: Graph) -> tuple[tuple[str, str, str, int], ...]:
+    """Every operator coshard can split, in graph order: ``(name, tensor-parallel dimension,
+    'attention' or 'mlp', layer)``."""
+    dims = tensor_parallel_dims(g)
+    out = []
+    for op in g.operators:
+        block = LAYER_MODULE.search(op.module)
+        if dims[op.name] is None or block is None:
+            continue
+        if ATTENTION.search(op.module):
+            out.append((op.name, dims[op.name], "attention", int(block.group(2))))
+        elif MLP.search(op.module):
+            out.append((op.name, dims[op.name], "mlp", int(block.group(2))))
+    return tuple(out)
+
+
+def cosharded(
+    g: Graph, part: str, k: int, nested: bool, percent: int
+) -> tuple[dict[str, tuple[str, int]], dict[str, int]]:
+    """What coshard ``k`` of ``part`` adds to a draft: the operators co-located ``(dim, k)`` and their
+    recompute groups (a layer's own, or, with ``nested``, nested in the layer's full recomputation
+    for the ``percent`` of layers that remake their results), in graph order. Computed once per
+    graph and knobs; the caller copies them into its draft."""
+
+    def compute():
+        colocate, recompute = {}, {}
+        own = len(g.operators)
+        for name, dim, where, layer in g.memo(("coshard_targets",), lambda: _targets(g)):
             if part in (where, "both"):
-                draft.colocate[op.name] = (dims[op.name], k)
-                layer = int(block.group(2))
-                own = 0 if nested and remade(layer, percent) else len(g.operators)
-                draft.recompute[op.name] = own + layer + 1  # recomputed piece by piece
+                colocate[name] = (dim, k)
+                recompute[name] = (0 if nested and remade(layer, percent) else own) + layer + 1
+        return colocate, recompute
+
+    return g.memo(("cosharded", part, k, nested, percent), compute)
 
 
 register_space("coshard", Coshard)

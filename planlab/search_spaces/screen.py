@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from planlab.costmodel import CostModel
 from planlab.costmodel.host import copy_time_s, host_of
+from planlab.gcpause import paused_gc
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
@@ -112,6 +113,7 @@ class Screen:
         self.t = Tables(graph, precision, cost.software)
         self._splits: dict[Any, Split] = {}
         self._structures: dict[Any, Structure] = {}
+        self._arrays: dict[tuple, np.ndarray] = {}  # per operator: recompute groups, co-located pieces (by key number)
         self._priced: dict[tuple, _Priced] = {}
         self._micro: dict[tuple, tuple] = {}
         self._grad: dict[tuple, tuple] = {}
@@ -158,7 +160,7 @@ class Screen:
             G = d.groups
             stages = tuple(s if s < G else G + v_rank(s, G) for s in stages)
         rc = tuple(d.recompute.items()) if d.recompute else None
-        co = tuple((op, k) for op, (_, k) in d.colocate.items()) if d.colocate else None
+        co = tuple(d.colocate.items()) if d.colocate else None  # (op, (dim, k)): k is what counts
         off = tuple(sorted(d.offload_acts)) if d.offload_acts else None
         key = (
             skey,
@@ -171,11 +173,21 @@ class Screen:
         got = self._structures.get(key)
         if got is None:
             n = self.t.n
-            rcs = np.array([d.recompute.get(x, 0) for x in names] if rc else [0] * n, dtype=np.int64)
+            rcs = self._arrays.get(("rc", key[2]))  # plans of several structures share their recomputation
+            if rcs is None:
+                rcs = self._arrays[("rc", key[2])] = np.array(
+                    [d.recompute.get(x, 0) for x in names] if rc else [0] * n, dtype=np.int64
+                )
             pieces = None
             if co:  # coshard: the base split's work in k tasks of 1/k each, recomputed (d.recompute says so)
-                pieces = np.array([d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64)
-                split = colocated(split, pieces, self._values)
+                pieces = self._arrays.get(("co", key[4]))
+                if pieces is None:
+                    pieces = self._arrays[("co", key[4])] = np.array(
+                        [d.colocate[x][1] if x in d.colocate else 1 for x in names], dtype=np.int64
+                    )
+                split = self._splits.get((skey, key[4]))
+                if split is None:
+                    split = self._splits[(skey, key[4])] = colocated(self._splits[skey], pieces, self._values)
             offs = np.array([x in d.offload_acts for x in names], dtype=bool) if off else None
             got = self._structures[key] = aggregate(
                 self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces, offs
@@ -508,6 +520,10 @@ class Screen:
 
     def estimate(self, d: Draft) -> Estimate:
         """The estimated iteration time and memory of the plan ``d`` describes."""
+        with paused_gc():  # keys and arrays per operator, no cycles: the collector would only walk the graph
+            return self._estimate(d)
+
+    def _estimate(self, d: Draft) -> Estimate:
         if d.spread:
             d = pipeline_view(d)
         s = self.structure(d)

@@ -449,13 +449,19 @@ def colocated(sp: Split, pieces: np.ndarray, ids: Ids) -> Split:
     """``sp`` with each operator's work in ``pieces[i]`` times smaller tasks (co-located pieces,
     run one after another: ``aggregate`` counts them ``pieces[i]`` times)."""
     keys = {}
+    at = np.nonzero(pieces > 1)[0]
+    span = int(pieces.max()) + 1
     for name in ("fkey", "bkey", "wkey"):
         old = getattr(sp, name)
         new = old.copy()
-        for i in np.nonzero(pieces > 1)[0].tolist():
-            if old[i] >= 0:
-                w, n, ph = ids.values[old[i]]
-                new[i] = ids.of((w, n * int(pieces[i]), ph))
+        sel = at[old[at] >= 0]
+        # each distinct (key, pieces) once: operators of a class repeat over the layers
+        pairs, inv = np.unique(old[sel] * span + pieces[sel], return_inverse=True)
+        made = []
+        for code in pairs.tolist():
+            w, n, ph = ids.values[code // span]
+            made.append(ids.of((w, n * (code % span), ph)))
+        new[sel] = np.array(made, dtype=np.int64)[inv.ravel()] if made else new[sel]
         keys[name] = new
     return dataclasses.replace(sp, **keys)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from planlab.errors import ConfigError, InfeasiblePlan, PlanlabError, choices
+from planlab.gcpause import paused_gc
 from planlab.plan.plan import Action, Plan, PlanBuilder
 from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
@@ -519,7 +520,8 @@ class Space(abc.ABC):
     def draft(self, ctx: Context, values: dict) -> Draft:
         """The draft of one (valid) assignment, without building the plan."""
         draft = Draft(ctx)
-        apply_part(self, draft, values)
+        with paused_gc():  # many small objects beside the graph's, no cycles: the collector frees nothing
+            apply_part(self, draft, values)
         return draft
 
     def build(self, ctx: Context, values: dict) -> Plan:
@@ -534,7 +536,8 @@ class Space(abc.ABC):
                 raise ConfigError(f"space {self.name!r}: {c.message(probe, ctx)}")
         draft = self.draft(ctx, full)
         try:
-            return draft.to_plan(space=self.name, knobs=given, rules=self.all_rules())
+            with paused_gc():  # a value per operator: the collector would walk the graph's objects, freeing nothing
+                return draft.to_plan(space=self.name, knobs=given, rules=self.all_rules())
         except PlanlabError:
             raise
         except Exception as e:
