@@ -271,31 +271,20 @@ def piece_task(
     the task is that one's copy with the piece's own fields, made without checking them again
     (materialize makes tens of thousands of pieces at cluster scale)."""
     pieces, m = share
-    if isinstance(kind, Task):
-        return kind.but(
-            name=op.name,
-            reads=reads,
-            writes=writes,
-            op=op.name,
-            flops=flops / pieces / m,
-            bytes_moved=op.bytes_moved / pieces / m,
-            op_kind=op.kind,
-            causal=op.kind == "attention" and causal_attention(op),
-            **fields,
-        )
-    return Task(
-        op.name,
-        kind,
-        reads,
-        writes,
+    own = dict(
+        name=op.name,
+        reads=reads,
+        writes=writes,
         op=op.name,
-        coord=flat,
         flops=flops / pieces / m,
         bytes_moved=op.bytes_moved / pieces / m,
         op_kind=op.kind,
         causal=op.kind == "attention" and causal_attention(op),
         **fields,
     )
+    if isinstance(kind, Task):
+        return kind.but(**own)
+    return Task(kind=kind, coord=flat, **own)
 
 
 def piece_base(kind: TaskKind, flat: int, **fields) -> Task:
