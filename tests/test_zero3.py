@@ -326,7 +326,7 @@ def _deepspeed_backward(**fields):
     plan = get_space("megatron").build(
         Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, zero=3, recompute="full")
     )
-    software = replace(load_software("deepspeed-2021"), **fields)
+    software = replace(load_software("deepspeed-2021"), **{"zero3_persistence_elements": 0, **fields})
     return list(materialize(plan, g, software=software).devices[0].blocks[(0, "B")].tasks)
 
 
@@ -364,3 +364,20 @@ def test_the_recomputed_last_module_keeps_its_weights_for_its_backward(limit):
     proj = next(t for t in tasks if t.kind is TaskKind.BACKWARD and t.name == "blocks_1_mlp_proj")
     kinds = {b.kind for b in proj.reads + proj.saved if b and b.tensor.startswith("blocks.1.mlp.proj.")}
     assert kinds == {BufferKind.GATHERED_BACKWARD if limit == 0 else BufferKind.GATHERED_RECOMPUTE}
+
+
+def test_small_weights_persist_whole_and_are_never_gathered():
+    """DeepSpeed keeps parameters of fewer than ``stage3_param_persistence_threshold`` elements
+    whole (software field ``zero3.persistence_elements``): gpt-tiny's layer norms and biases are
+    not gathered, their gradients are reduce-scattered and the updated shards all-gathered once in
+    the update block, and the linear layers' weights are still gathered module by module."""
+    spec, g = traced("gpt-tiny", 8)
+    ln, fc = g.tensors["blocks.0.ln1.weight"].numel, g.tensors["blocks.0.mlp.fc.weight"].numel
+    assert ln < 1000 <= fc
+    tasks = _deepspeed_backward(zero3_persistence_elements=1000)
+    gathered = {t.name.split("#")[1] for t in tasks if t.name.startswith("zero3-gather")}
+    assert "blocks.0.mlp.fc" in gathered and not any("ln" in u for u in gathered)
+    # the recomputed forward reads the whole bias, the backward writes its gradient whole (not a ZeRO-3 full gradient)
+    bias = [b for t in tasks if t.name == "re:blocks_0_mlp_fc" for b in t.reads if b and b.tensor.endswith("fc.bias")]
+    grad = [b for t in tasks if t.name == "blocks_0_mlp_fc" for b in t.writes if b and b.tensor.endswith("fc.bias")]
+    assert [b.kind for b in bias] == [BufferKind.WEIGHT] and grad and BufferKind.FULL_GRAD not in {b.kind for b in grad}

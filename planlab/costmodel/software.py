@@ -76,7 +76,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     not gathered again, when the other units used in between hold fewer elements: DeepSpeed's
     ``stage3_max_reuse_distance``; 0 or absent: never kept), ``synchronized_fetch`` (each gather
     zero-fills its buffer and is issued with the device synchronized, so the host's time to issue it and
-    the fill delay the computation after it: DeepSpeed of 2021; absent: false);
+    the fill delay the computation after it: DeepSpeed of 2021; absent: false),
+    ``persistence_elements`` (weights of fewer elements are never gathered: kept whole on every
+    device, their gradients and optimizer states sharded and the updated shards all-gathered after
+    the step, as ZeRO-2 does: DeepSpeed's ``stage3_param_persistence_threshold``; 0 or absent: none);
 ``memory``
     ``cuda_context_MiB``, ``nccl_MiB``, ``workspace_MiB`` taken from the device's memory before
     any tensor, and ``fragmentation``, the fraction of the rest the caching allocator cannot hand out.
@@ -143,6 +146,7 @@ _ZERO3_FIELDS = {
     "max_live_elements",
     "max_reuse_elements",
     "synchronized_fetch",
+    "persistence_elements",
     "source",
 }
 _MEMORY_FIELDS = {"cuda_context_MiB", "nccl_MiB", "workspace_MiB", "fragmentation", "source"}
@@ -194,6 +198,7 @@ class SoftwareSpec:
     zero3_max_live_elements: int = 0
     zero3_max_reuse_elements: int = 0
     zero3_synchronized_fetch: bool = False
+    zero3_persistence_elements: int = 0
     memory: MemoryReserve = MemoryReserve()
     path: str = ""  # the file it was read from
 
@@ -314,6 +319,9 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
             zero3.integer("max_reuse_elements") if zero3 and "max_reuse_elements" in zero3.obj else 0
         ),
         zero3_synchronized_fetch=_flag(zero3, "synchronized_fetch", False) if zero3 else False,
+        zero3_persistence_elements=(
+            zero3.integer("persistence_elements") if zero3 and "persistence_elements" in zero3.obj else 0
+        ),
         memory=_memory(f.sub("memory")) if "memory" in f.obj else MemoryReserve(),
         path=path,
     )

@@ -152,12 +152,19 @@ def shard_zero(d: Draft) -> Draft:
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
         if d.plan.zero == 3:
             per_module = d.software is not None and d.software.zero3_unit == "module"
-            units = [units_of(mine[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
+            gathered_items, persistent = _persistent_apart(mine, d)
+            units = [units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
                 parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
             )
-            zero_saved[dev] = (numel * gb, numel * ob, numel * pb)
+            kept_grads = kept_states = 0
+            for group in sorted(persistent):  # whole weights, sharded gradients and states (as ZeRO-2)
+                n = len(group)
+                kept = _shard_bucket(parts, dev, update, group, persistent[group], d, idents)
+                kept_grads += kept * gb * (n - 1) // n
+                kept_states += kept * ob * (n - 1) // n
+            zero_saved[dev] = (numel * gb + kept_grads, numel * ob + kept_states, numel * pb)
             continue
         saved_grads = saved_states = 0
         for group in sorted(mine):
@@ -170,6 +177,21 @@ def shard_zero(d: Draft) -> Draft:
     return d.replace(
         parts=parts, sizes=sizes, zero_saved=zero_saved, sharded=sharded, together=together, next_ident=idents.next
     )
+
+
+def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
+    """A device's reduction groups' weights split into those ZeRO-3 gathers and those kept whole
+    (fewer elements than the software's ``zero3_persistence_elements``: DeepSpeed's
+    ``stage3_param_persistence_threshold``), each per group; a group without either is left out."""
+    limit = d.software.zero3_persistence_elements if d.software is not None else 0
+    gb = d.precision.grad_bytes
+    gathered, persistent = {}, {}
+    for group, items in mine.items():
+        small = [x for x in items if x[2] // gb < limit]
+        if small:
+            persistent[group] = small
+        gathered[group] = [x for x in items if x[2] // gb >= limit]
+    return gathered, persistent
 
 
 def _shard_bucket(
