@@ -113,10 +113,10 @@ def test_default_precision_by_device() -> None:
 
 
 def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
-    """DeepSpeed of 2021 passes its all-gathers a list of one tensor per rank, which PyTorch copies
-    out of a flat buffer one rank at a time: the same all-gather costs n copies more than
-    deepspeed's flat one, the extra grows with the ranks, and an all-reduce (one tensor) and a
-    reduce-scatter cost the same."""
+    """DeepSpeed of 2021 passes its all-gathers and its gradients' reduce-scatters a list of one
+    tensor per rank, which PyTorch copies out of (into) a flat buffer one rank at a time: the same
+    all-gather costs n copies more than deepspeed's flat one, the extra grows with the ranks, a
+    reduce-scatter pays the same copies, and an all-reduce (one tensor) costs the same."""
     new, old = (
         CostModel.load("dgx-a100-80g", 96, software=s, precision="fp16") for s in ("deepspeed", "deepspeed-2021")
     )
@@ -129,7 +129,8 @@ def test_per_rank_collective_buffers_cost_a_copy_per_rank() -> None:
         assert extra[n] == pytest.approx(old.buffer_copies_s("all_gather", 1.2e9, n)) and extra[n] > 0
         assert old.collective_time_s("all_reduce", 1.2e9, group) == new.collective_time_s("all_reduce", 1.2e9, group)
     assert extra[768] > extra[8]
-    assert old.buffer_copies("reduce_scatter", 768) == 0 and old.buffer_copies("all_gather", 1) == 0
+    assert old.buffer_copies("reduce_scatter", 768) == 768 and new.buffer_copies("reduce_scatter", 768) == 0
+    assert old.buffer_copies("all_reduce", 768) == 0 and old.buffer_copies("all_gather", 1) == 0
     assert old.buffer_copies("all_gather", 768) == 768 and new.buffer_copies("all_gather", 768) == 0
 
 
@@ -197,3 +198,37 @@ def test_a_bad_base_is_named_in_one_line(tmp_path, base, message) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         load_software(path)
     assert "\n" not in str(e.value)
+
+
+def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> None:
+    """DeepSpeed of 2021 zero-fills each gathered buffer and synchronizes the device before issuing
+    the all-gather (its fetch had synchronized it too): the forward block's computation waits, after
+    each gather, for the fill and for the host's issue time, its per-rank copy launches included;
+    the later deepspeed issues its gathers while the device goes on."""
+    from planlab.simulator.units import Segment, lower_block, overlap_writers
+
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    plan = get_space("megatron").build(ctx, dict(dp=8, tp=1, pp=1, microbatch=1, zero=3))
+    # gpt-tiny's weights are all below DeepSpeed's persistence threshold: gathered here all the same
+    gathering = tmp_path / "ds2021.json"
+    gathering.write_text(json.dumps({"name": "ds2021", "base": "deepspeed-2021", "zero3": {"persistence_elements": 1}}))
+    issued = {}
+    for software in ("deepspeed", str(gathering)):
+        cost = CostModel.load("dgx-a100-80g", 1, software=software, precision="fp16")
+        block = build_program(plan, g, cost).devices[0].blocks[(0, "F")]
+        units = lower_block(
+            block, device=0, cls=[0] * 8, cost=cost, dtype="fp16", sizes={}, writers=overlap_writers([block])
+        )
+        issued[software] = [
+            d
+            for u in units
+            if isinstance(u, Segment)
+            for name, d in zip(u.tasks, u.durations)
+            if name.endswith(":issue")
+        ]
+    gathers = sum(1 for t in block.tasks if t.role.value == "unit-gather")
+    assert not issued["deepspeed"] and len(issued[str(gathering)]) == gathers > 0
+    sw = load_software("deepspeed-2021")
+    # at least the host's time to issue the collective and its 8 per-rank copies
+    assert min(issued[str(gathering)]) >= sw.host_collective_s + 8 * sw.host_launch_s

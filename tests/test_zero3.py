@@ -313,3 +313,71 @@ def test_no_prefetch_beside_a_unit_at_the_max_live_parameters(limit, prefetched)
     # never prefetched: a computation runs between any two gathers (one unit gathered at a time)
     between = [any(gathers[k] < i < gathers[k + 1] for i in computes) for k in range(len(gathers) - 1)]
     assert all(between) is not prefetched
+
+
+def _deepspeed_backward(**fields):
+    """The backward block of device 0 of a dp 2 ZeRO-3 gpt-tiny plan with full recomputation, under
+    ``deepspeed-2021`` with ``fields`` replaced."""
+    from dataclasses import replace
+
+    from planlab.costmodel.software import load_software
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, zero=3, recompute="full")
+    )
+    software = replace(load_software("deepspeed-2021"), **{"zero3_persistence_elements": 0, **fields})
+    return list(materialize(plan, g, software=software).devices[0].blocks[(0, "B")].tasks)
+
+
+def test_a_recomputed_forward_gathers_one_module_ahead():
+    """DeepSpeed fetches a recomputed forward's modules as it runs them, prefetching along its
+    recorded trace: each recomputation gather comes after the recomputed task of the module two
+    before it, never all at once ahead of the recomputation (which held a layer's weights at once)."""
+    tasks = _deepspeed_backward(zero3_max_reuse_elements=0)
+    redo = [i for i, t in enumerate(tasks) if t.name.startswith("re:blocks_0")]
+    gathers = [i for i, t in enumerate(tasks) if t.name.startswith("zero3-gather-r") and "#blocks.0." in t.name]
+    assert len(gathers) >= 4 and redo
+    # the first two are issued before the recomputation starts, the others as it goes
+    assert gathers[1] < redo[0] < gathers[2]
+    assert all(any(gathers[k] < i < gathers[k + 1] for i in redo) for k in range(1, len(gathers) - 1))
+
+
+@pytest.mark.parametrize("limit", [0, 1, 10**9])
+def test_the_recomputed_last_module_keeps_its_weights_for_its_backward(limit):
+    """DeepSpeed releases a module's gathered weights after its recomputed forward unless its next
+    use comes within ``stage3_max_reuse_distance`` elements of other modules' (software field
+    ``zero3.max_reuse_elements``): at 1 element only the layer's last module (whose backward comes
+    next) keeps them, at 1e9 every module of gpt-tiny, at 0 none."""
+    tasks = _deepspeed_backward(zero3_max_reuse_elements=limit)
+    units = lambda kind: {t.name.split("#")[1] for t in tasks if t.name.startswith(kind)}  # noqa: E731
+    redone, regathered = units("zero3-gather-r"), units("zero3-gather-b")
+    last = {"blocks.0.mlp.proj", "blocks.1.mlp.proj"}  # each recomputed layer's last module
+    assert last <= redone
+    if limit == 0:
+        assert redone <= regathered
+    elif limit == 1:
+        assert regathered & redone == redone - last
+    else:
+        assert not regathered & redone
+    # a kept module's backward reads the recomputation's gather
+    proj = next(t for t in tasks if t.kind is TaskKind.BACKWARD and t.name == "blocks_1_mlp_proj")
+    kinds = {b.kind for b in proj.reads + proj.saved if b and b.tensor.startswith("blocks.1.mlp.proj.")}
+    assert kinds == {BufferKind.GATHERED_BACKWARD if limit == 0 else BufferKind.GATHERED_RECOMPUTE}
+
+
+def test_small_weights_persist_whole_and_are_never_gathered():
+    """DeepSpeed keeps parameters of fewer than ``stage3_param_persistence_threshold`` elements
+    whole (software field ``zero3.persistence_elements``): gpt-tiny's layer norms and biases are
+    not gathered, their gradients are reduce-scattered and the updated shards all-gathered once in
+    the update block, and the linear layers' weights are still gathered module by module."""
+    spec, g = traced("gpt-tiny", 8)
+    ln, fc = g.tensors["blocks.0.ln1.weight"].numel, g.tensors["blocks.0.mlp.fc.weight"].numel
+    assert ln < 1000 <= fc
+    tasks = _deepspeed_backward(zero3_persistence_elements=1000)
+    gathered = {t.name.split("#")[1] for t in tasks if t.name.startswith("zero3-gather")}
+    assert "blocks.0.mlp.fc" in gathered and not any("ln" in u for u in gathered)
+    # the recomputed forward reads the whole bias, the backward writes its gradient whole (not a ZeRO-3 full gradient)
+    bias = [b for t in tasks if t.name == "re:blocks_0_mlp_fc" for b in t.reads if b and b.tensor.endswith("fc.bias")]
+    grad = [b for t in tasks if t.name == "blocks_0_mlp_fc" for b in t.writes if b and b.tensor.endswith("fc.bias")]
+    assert [b.kind for b in bias] == [BufferKind.WEIGHT] and grad and BufferKind.FULL_GRAD not in {b.kind for b in grad}

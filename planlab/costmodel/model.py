@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the Program's task type; costmodel does not import plan at 
 _SCALE = {c.value: f for c, f in comm._RING.items()}
 _SCALE["all_to_all"] = (lambda n: n - 1, lambda n: (n - 1) / n)
 # the collectives each kind of software's collective_buffers adds copies to (software.py)
-_COPIED_KINDS = {"per_rank": ("all_gather",), "copied": ("all_gather", "reduce_scatter")}
+_COPIED_KINDS = {"per_rank": ("all_gather", "reduce_scatter"), "copied": ("all_gather", "reduce_scatter")}
 _ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # bytes per activation element by compute dtype
 
 
@@ -332,6 +332,10 @@ class CostModel:
             + dev.launch_overhead_s
         )
 
+    def fill_s(self, nbytes: float) -> float:
+        """A kernel writing ``nbytes`` once (``torch.zeros``): its traffic at the achieved bandwidth."""
+        return self._pass_s(nbytes)
+
     def _pass_s(self, nbytes: float) -> float:
         """A memory-bound kernel moving ``nbytes``: its traffic at the achieved bandwidth for its size."""
         dev = self.cluster.device
@@ -366,8 +370,8 @@ class CostModel:
 
     def buffer_copies(self, kind: str, n: int) -> int:
         """How many copy kernels the software adds to a collective ``kind`` over ``n`` ranks
-        (its ``collective_buffers``): ``per_rank``, one per rank of an all-gather (PyTorch's
-        ProcessGroupNCCL copies each rank's part out of a flat buffer of its own); ``copied``, one
+        (its ``collective_buffers``): ``per_rank``, one per rank of an all-gather or reduce-scatter
+        (PyTorch's ProcessGroupNCCL copies each rank's part out of, or into, a flat buffer of its own); ``copied``, one
         per all-gather (its output copied into the parameters it holds) and per reduce-scatter
         (its input assembled from the gradients), as FSDP2 does; ``flat``, none."""
         if n < 2 or kind not in _COPIED_KINDS.get(self.software.collective_buffers, ()):

@@ -30,8 +30,8 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
 ``collective_buffers``
     ``"flat"`` (all-gathers into one flat tensor, as ``all_gather_into_tensor`` takes it) or
     ``"per_rank"`` (the software passes a list of one tensor per rank, which PyTorch's
-    ProcessGroupNCCL copies out of a flat buffer of its own: one copy kernel per rank and
-    all-gather) or ``"copied"`` (FSDP2: each all-gather's output copied into the parameters,
+    ProcessGroupNCCL copies out of, or into, a flat buffer of its own: one copy kernel per rank
+    and all-gather or reduce-scatter) or ``"copied"`` (FSDP2: each all-gather's output copied into the parameters,
     each reduce-scatter's input assembled from the gradients, one copy kernel each);
 ``fused_softmax``
     Megatron's attention scales, masks and normalizes its scores in one fused kernel each way
@@ -71,7 +71,15 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     one per module holding weights, as DeepSpeed fetches them), ``regather_for_recompute``
     (a recomputed layer's forward gathers its weights again instead of using the backward's),
     ``max_live_elements`` (no unit is prefetched while the gathered unit holds at least this many
-    elements: DeepSpeed's ``stage3_max_live_parameters``; 0 or absent: always prefetched);
+    elements: DeepSpeed's ``stage3_max_live_parameters``; 0 or absent: always prefetched),
+    ``max_reuse_elements`` (a unit gathered for a recomputed forward is kept for its backward,
+    not gathered again, when the other units used in between hold fewer elements: DeepSpeed's
+    ``stage3_max_reuse_distance``; 0 or absent: never kept), ``synchronized_fetch`` (each gather
+    zero-fills its buffer and is issued with the device synchronized, so the host's time to issue it and
+    the fill delay the computation after it: DeepSpeed of 2021; absent: false),
+    ``persistence_elements`` (weights of fewer elements are never gathered: kept whole on every
+    device, their gradients and optimizer states sharded and the updated shards all-gathered after
+    the step, as ZeRO-2 does: DeepSpeed's ``stage3_param_persistence_threshold``; 0 or absent: none);
 ``memory``
     ``cuda_context_MiB``, ``nccl_MiB``, ``workspace_MiB`` taken from the device's memory before
     any tensor, and ``fragmentation``, the fraction of the rest the caching allocator cannot hand out.
@@ -132,7 +140,15 @@ _PRECISION_FIELDS = {
     "compute",
     "source",
 }
-_ZERO3_FIELDS = {"unit", "regather_for_recompute", "max_live_elements", "source"}
+_ZERO3_FIELDS = {
+    "unit",
+    "regather_for_recompute",
+    "max_live_elements",
+    "max_reuse_elements",
+    "synchronized_fetch",
+    "persistence_elements",
+    "source",
+}
 _MEMORY_FIELDS = {"cuda_context_MiB", "nccl_MiB", "workspace_MiB", "fragmentation", "source"}
 
 
@@ -180,6 +196,9 @@ class SoftwareSpec:
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
     zero3_max_live_elements: int = 0
+    zero3_max_reuse_elements: int = 0
+    zero3_synchronized_fetch: bool = False
+    zero3_persistence_elements: int = 0
     memory: MemoryReserve = MemoryReserve()
     path: str = ""  # the file it was read from
 
@@ -296,6 +315,13 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,
         zero3_max_live_elements=zero3.integer("max_live_elements") if zero3 and "max_live_elements" in zero3.obj else 0,
+        zero3_max_reuse_elements=(
+            zero3.integer("max_reuse_elements") if zero3 and "max_reuse_elements" in zero3.obj else 0
+        ),
+        zero3_synchronized_fetch=_flag(zero3, "synchronized_fetch", False) if zero3 else False,
+        zero3_persistence_elements=(
+            zero3.integer("persistence_elements") if zero3 and "persistence_elements" in zero3.obj else 0
+        ),
         memory=_memory(f.sub("memory")) if "memory" in f.obj else MemoryReserve(),
         path=path,
     )

@@ -152,12 +152,19 @@ def shard_zero(d: Draft) -> Draft:
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
         if d.plan.zero == 3:
             per_module = d.software is not None and d.software.zero3_unit == "module"
-            units = [units_of(mine[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
+            gathered_items, persistent = _persistent_apart(mine, d)
+            units = [units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
                 parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
             )
-            zero_saved[dev] = (numel * gb, numel * ob, numel * pb)
+            kept_grads = kept_states = 0
+            for group in sorted(persistent):  # whole weights, sharded gradients and states (as ZeRO-2)
+                n = len(group)
+                kept = _shard_bucket(parts, dev, update, group, persistent[group], d, idents)
+                kept_grads += kept * gb * (n - 1) // n
+                kept_states += kept * ob * (n - 1) // n
+            zero_saved[dev] = (numel * gb + kept_grads, numel * ob + kept_states, numel * pb)
             continue
         saved_grads = saved_states = 0
         for group in sorted(mine):
@@ -170,6 +177,21 @@ def shard_zero(d: Draft) -> Draft:
     return d.replace(
         parts=parts, sizes=sizes, zero_saved=zero_saved, sharded=sharded, together=together, next_ident=idents.next
     )
+
+
+def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
+    """A device's reduction groups' weights split into those ZeRO-3 gathers and those kept whole
+    (fewer elements than the software's ``zero3_persistence_elements``: DeepSpeed's
+    ``stage3_param_persistence_threshold``), each per group; a group without either is left out."""
+    limit = d.software.zero3_persistence_elements if d.software is not None else 0
+    gb = d.precision.grad_bytes
+    gathered, persistent = {}, {}
+    for group, items in mine.items():
+        small = [x for x in items if x[2] // gb < limit]
+        if small:
+            persistent[group] = small
+        gathered[group] = [x for x in items if x[2] // gb >= limit]
+    return gathered, persistent
 
 
 def _shard_bucket(
@@ -241,30 +263,41 @@ def shard_fully(
     units = [u for us in groups for u in us]
     first, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
     prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
+    inside: dict[SlotKey, list] = {}  # a recomputation's slot part -> (task index, (place, group), gather)
     together = []
+    kept: dict[Buffer, Buffer] = {}  # a backward's gathered weight -> the recomputation's, kept for it
     for gi, mine in enumerate(groups):
         ours = set(mine)
         for st in sorted({block[0] for u, _, block in first if u in ours}):  # the stages that read them
-            redone = [u for u in mine if (u, "R", (st, "B")) in first]
-            redone.sort(key=lambda u: first[(u, "R", (st, "B"))][0])
-            for ph, kind, order in (
-                ("F", BufferKind.GATHERED_FORWARD, mine),
-                ("B", BufferKind.GATHERED_BACKWARD, mine[::-1]),
-                ("R", BufferKind.GATHERED_RECOMPUTE, redone),  # the recomputation's, in the backward block
-            ):
-                block = (st, "B" if ph == "R" else ph)
-                present = [u for u in order if (u, ph, block) in first]
-                for k, u in enumerate(present):
-                    # issued when the unit before it (in this pass's order) starts: FSDP's prefetch;
-                    # when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
+            for block, trace in _traces(mine, st, first, d):
+                kept_units = _kept(trace, d)
+                present = [(u, ph) for u, ph in trace if (u, ph) not in kept_units]
+                for k, (u, ph) in enumerate(present):
+                    # issued when the use before it (in the block's trace) starts: FSDP's and DeepSpeed's
+                    # prefetch; when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
                     before = present[max(k - 1, 0)]
-                    start = first[(before if prefetches(before, d) else u, ph, block)][1]
-                    task = _gather(u, ph, kind, st, d.precision, idents)
+                    (_, index), start = first[(before if prefetches(before[0], d) else (u, ph)) + (block,)]
+                    task = _gather(u, ph, _GATHERED[ph], st, d.precision, idents)
                     sizes.update((b, n * d.precision.param_bytes) for b, (_, _, n) in zip(task.writes, u.weights))
-                    prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
+                    if start[3] is Part.RECOMPUTE:  # inside the recomputation, before the task it is issued at
+                        inside.setdefault(start, []).append((index, (k, gi), task))
+                    else:
+                        prefetch.setdefault((start[0], block, start[2], Part.PREFETCH), []).append(((k, gi), task))
                     together.append(task.writes)
+                for u, _ in kept_units:
+                    for _, p, _ in u.weights:
+                        kept[gathered(BufferKind.GATHERED_BACKWARD, p, u, st)] = gathered(
+                            BufferKind.GATHERED_RECOMPUTE, p, u, st
+                        )
+    if kept:
+        _read_kept(parts, keys, kept)
     for key, gathers in prefetch.items():
         add(parts, *key, *(t for _, t in sorted(gathers, key=lambda x: x[0])))
+    for key, gathers in inside.items():
+        tasks = list(parts[key])
+        for index, _, task in sorted(gathers, key=lambda x: (x[0], x[1]), reverse=True):
+            tasks.insert(index, task)
+        parts[key] = tuple(tasks)
     saved_numel = 0
     for u in units:
         if u in last_grad:  # right after the unit's last backward task
@@ -281,6 +314,68 @@ def prefetches(u: Unit, d: Draft) -> bool:
     ``stage3_max_live_parameters``)."""
     limit = d.software.zero3_max_live_elements if d.software is not None else 0
     return not limit or u.numel < limit
+
+
+_GATHERED = {
+    "F": BufferKind.GATHERED_FORWARD,
+    "B": BufferKind.GATHERED_BACKWARD,
+    "R": BufferKind.GATHERED_RECOMPUTE,  # the recomputation's, in the backward block
+}
+
+
+def _traces(mine: list[Unit], st: int, first: dict, d: Draft) -> list[tuple[BlockKey, list[tuple[Unit, str]]]]:
+    """Per block of stage ``st``, the uses ``(unit, phase)`` of one group's units in the order
+    their gathers are issued: the forward's in the units' order; the backward's in reverse, or, where
+    the software gathers again for a recomputed forward (DeepSpeed), the recomputation's and the
+    backward's as the block runs them, one trace (DeepSpeed's ``PrefetchCoordinator`` prefetches
+    along the sub-modules it recorded, recomputed forwards and backwards interleaved)."""
+    forward, backward = (st, "F"), (st, "B")
+    out = [(forward, [(u, "F") for u in mine if (u, "F", forward) in first])]
+    uses = [(u, "B") for u in mine[::-1] if (u, "B", backward) in first]
+    redone = [(u, "R") for u in mine if (u, "R", backward) in first]
+    if redone:
+        uses = sorted(uses + redone, key=lambda x: first[x + (backward,)][0])
+    out.append((backward, uses))
+    return [(block, trace) for block, trace in out if trace]
+
+
+def _kept(trace: list[tuple[Unit, str]], d: Draft) -> set[tuple[Unit, str]]:
+    """The backward uses ``(unit, "B")`` that read the recomputation's gather of their unit instead of
+    gathering it again: under the software's ``zero3_max_reuse_elements``, those whose unit's next
+    use after its recomputed forward comes before that many elements of other uses (DeepSpeed's
+    ``_keep_for_later``: a sub-module is not released when the parameters of the steps of its trace
+    up to its next use are fewer than ``stage3_max_reuse_distance``)."""
+    limit = d.software.zero3_max_reuse_elements if d.software is not None else 0
+    if not limit:
+        return set()
+    out = set()
+    for k, (u, ph) in enumerate(trace):
+        if ph != "R":
+            continue
+        between = 0
+        for v, vph in trace[k + 1 :]:
+            if v == u:
+                if vph == "B" and between < limit:
+                    out.add((u, "B"))
+                break
+            between += v.numel
+            if between >= limit:
+                break
+    return out
+
+
+def _read_kept(parts: Parts, keys: list[SlotKey], kept: dict[Buffer, Buffer]) -> None:
+    """Make the backward tasks read (and keep) the recomputation's gathered weights ``kept`` gives
+    for their backward's."""
+    for key in keys:
+        if key[1][1] != "B":
+            continue
+        tasks = parts[key]
+        if any(b in kept for t in tasks for b in t.reads + t.saved):
+            parts[key] = tuple(
+                t.but(reads=tuple(kept.get(b, b) for b in t.reads), saved=tuple(kept.get(b, b) for b in t.saved))
+                for t in tasks
+            )
 
 
 def gathered(kind: BufferKind, param: str, unit: Unit, stage: int) -> Buffer:

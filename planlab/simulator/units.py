@@ -202,6 +202,8 @@ def lower_block(
             copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
             awaited.difference_update(t.writes)
+            if low.synchronized and t.role is Role.UNIT_GATHER:
+                low.issue(t)
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
             duration_s = cost.p2p_time_s(t.nbytes, device, t.peer) if price is None else price
@@ -237,6 +239,8 @@ class _Lowering:
         self.hosted = bool(getattr(cost, "host_bound", False))  # the host's issue time bounds the device's
         software = getattr(cost, "software", None)
         self.blocking = software is not None and software.pipeline_p2p == "blocking"  # sends hold the sender
+        # ZeRO-3 gathers issued with the device synchronized (DeepSpeed of 2021)
+        self.synchronized = self.hosted and software is not None and software.zero3_synchronized_fetch
         self.units: list[Unit] = []
         self.cur: list = []
 
@@ -287,6 +291,16 @@ class _Lowering:
             )
         else:
             self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free, out, after))
+
+    def issue(self, t: Task) -> None:
+        """What a gather issued with the device synchronized costs the computation after it (the
+        software's ``zero3_synchronized_fetch``): DeepSpeed's ``_allgather_param`` of 2021 zero-fills
+        the gathered buffer and calls ``torch.cuda.synchronize()`` before the all-gather, and the
+        fetch that precedes it had synchronized the device, so the host issues the gather (its
+        per-rank copies included) while the device idles: the fill on the device, then the host's
+        issue time, before the next task."""
+        fill_s = self.cost.fill_s(t.nbytes) if hasattr(self.cost, "fill_s") else 0.0
+        self.cur.append((Task(f"{t.name}:issue", TaskKind.LOCAL, (), ()), (fill_s, self.times(t)[1]), False))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""
