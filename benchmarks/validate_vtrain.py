@@ -9,13 +9,16 @@ those files names its source, none comes from vTrain's rows. Prints where the pa
 from, then per set: planlab's mean absolute percentage error (MAPE) next to
 vTrain's own (8.37% and 14.73%), the mean signed error, the error by group (hidden size,
 micro-batch, tp, pp, dp, nodes), the worst runs and Kendall's tau of predicted against measured
-time within each model size.
+time within each model size. ``--breakdown K`` then simulates the K worst runs of each set again
+with a timeline and prints where the predicted step goes on its slowest device (:func:`breakdown`).
 
     .venv/bin/python benchmarks/validate_vtrain.py [--every N] [--multi-every M] [--jobs 2] [--csv out.csv]
+        [--breakdown K]
 """
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -23,7 +26,17 @@ import pandas as pd
 
 from planlab.costmodel.hardware import DEVICES_FILE, SPEC_DIR
 from planlab.costmodel.software import SOFTWARE_DIR
-from planlab.validation import CLUSTER, PRECISION, SOFTWARE, load_runs, mape, rank_correlation, validate
+from planlab.validation import (
+    CLUSTER,
+    PRECISION,
+    SOFTWARE,
+    MeasuredRun,
+    load_runs,
+    mape,
+    program_of,
+    rank_correlation,
+    validate,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -109,6 +122,74 @@ def cross_table(df: pd.DataFrame, rows: str, cols: str) -> str:
     return f"  signed error %, {rows} (rows) x {cols} (columns), runs in brackets:\n" + text.to_string()
 
 
+# What a task of the timeline is, by its name (planlab's Program names tasks after the model's
+# modules): the order matters, the first pattern that matches decides.
+COMM_KINDS = (
+    ("dp gradient reduce", re.compile(r"grad-reduce")),
+    ("pp send/recv", re.compile(r":(send|recv)")),
+    ("tp collectives", re.compile(r"all_reduce|all_gather|reduce_scatter")),
+)
+COMPUTE_KINDS = (
+    ("optimizer step", re.compile(r"^optimizer")),
+    ("linear layers", re.compile(r"_attn_[qkv]$|_attn_proj$|_mlp_fc$|_mlp_proj$|lm_head$")),
+    ("attention (bmm, softmax, dropout)", re.compile(r"scaled_dot_product_attention|_attn_drop$")),
+)
+
+
+def _kind(name: str, kinds) -> str:
+    bare = name.removeprefix("re:").removeprefix("d")
+    return next((k for k, pat in kinds if pat.search(name) or pat.search(bare)), "other")
+
+
+def breakdown(run: MeasuredRun, cluster: str = CLUSTER) -> dict:
+    """Where ``run``'s predicted step goes on its slowest device: busy seconds of compute by kind
+    (and how much of it is recomputation) and of communication by kind, then the device's
+    exposed communication, pipeline bubble and the rest of its time."""
+    from planlab.simulator.engine import simulate
+
+    program, cost = program_of(run, cluster)
+    res = simulate(program, cost, timeline=True)
+    slow = max(res.devices, key=lambda d: d.finish_s)
+    busy: dict[str, float] = {}
+    for e in res.events:
+        if e.device != slow.device or e.stream not in ("compute", "comm"):
+            continue
+        kind = _kind(e.name, COMPUTE_KINDS if e.stream == "compute" else COMM_KINDS)
+        key = f"{e.stream}: {kind}"
+        busy[key] = busy.get(key, 0.0) + e.end_s - e.start_s
+        if e.stream == "compute" and e.name.startswith("re:"):
+            busy["compute: of it recomputation"] = busy.get("compute: of it recomputation", 0.0) + e.end_s - e.start_s
+    return dict(
+        predicted_s=res.iter_time_s,
+        device=slow.device,
+        busy_s=dict(sorted(busy.items())),
+        exposed_comm_s=slow.exposed_comm_s,
+        bubble_s=slow.bubble_s,
+        idle_s=slow.idle_s,
+    )
+
+
+def print_breakdowns(df: pd.DataFrame, runs: list[MeasuredRun], k: int, cluster: str = CLUSTER) -> None:
+    """:func:`breakdown` of the ``k`` runs of ``df`` with the largest absolute error."""
+    by_key = {(r.gpus, r.hidden, r.layers, r.global_batch, r.micro_batch, r.tp, r.dp, r.pp): r for r in runs}
+    worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(k)
+    for _, row in worst.iterrows():
+        run = by_key[
+            tuple(int(row[c]) for c in ("gpus", "hidden", "layers", "global_batch", "micro_batch", "tp", "dp", "pp"))
+        ]
+        b = breakdown(run, cluster)
+        print(
+            f"  breakdown: h {run.hidden} x {run.layers} layers, tp {run.tp} dp {run.dp} pp {run.pp}, micro-batch "
+            f"{run.micro_batch} x {run.microbatches}: measured {run.measured_s:.3f} s, predicted {b['predicted_s']:.3f} s "
+            f"({row['error'] * 100:+.1f}%); device {b['device']}:"
+        )
+        print("    " + "; ".join(f"{key} {v:.3f} s" for key, v in b["busy_s"].items()))
+        print(
+            f"    exposed communication {b['exposed_comm_s']:.3f} s, pipeline bubble {b['bubble_s']:.3f} s, "
+            f"rest {b['idle_s']:.3f} s"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--every", type=int, default=1, help="every N-th single-node run (default: all)")
@@ -116,6 +197,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ref", default=str(_reference()))
+    ap.add_argument("--breakdown", type=int, default=0, help="break down the K worst runs of each set (default: 0)")
     args = ap.parse_args()
     print_sources(CLUSTER, SOFTWARE, PRECISION)
     frames = []
@@ -130,6 +212,8 @@ def main() -> None:
         frames.append(df)
         print(f"({kind}: {len(df)} runs simulated in {time.perf_counter() - t:.0f} s)")
         report(df, kind)
+        if args.breakdown > 0:
+            print_breakdowns(df, runs, args.breakdown)
         if args.csv:  # after each set, so a long run keeps what it has
             pd.concat(frames).to_csv(args.csv, index=False)
 

@@ -7,6 +7,7 @@ GB are 1e9 bytes (vendor datasheets); MiB and GiB are 2**20 and 2**30 bytes
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import pytest
@@ -225,6 +226,27 @@ def test_one_ndr_nic_anchor() -> None:
     c = load_cluster("dgx-h100", 2)
     gbps = GiB / p2p_time_s(c, GiB, 0, 8) / 1e9
     assert 46 * (1 - ANCHOR_TOLERANCE) <= gbps <= 48 * (1 + ANCHOR_TOLERANCE)
+
+
+def test_four_hdr_adapter_nodes_reach_their_line_rate() -> None:
+    """nccl-tests on 8-GPU A100 nodes with four HDR adapters (the spec's sources): 3 nodes, 8 B to
+    128 MiB in 1 MiB steps, average 84.8 and peak about 96 GB/s (nccl-tests issue 119); 2 nodes, 1 to
+    8 GiB, 91 GB/s (issue 100) and 86 GB/s (nccl issue 1048). Each within 20%, and 0.15 of rms log
+    error over the four: the eight-adapter DGX curve scaled to four adapters was 37% short at 3 nodes
+    (rms log error 0.32)."""
+    three = load_cluster("hgx-a100-80g-4nic", 3)
+    sweep = [bus_bandwidth(three, 8 + k * MiB, tuple(range(24))) for k in range(129)]
+    two = load_cluster("hgx-a100-80g-4nic", 2)
+    large = [bus_bandwidth(two, s * GiB, tuple(range(16))) for s in (1, 2, 4, 8)]
+    pairs = [
+        (sum(sweep) / len(sweep), 84.8),
+        (max(sweep), 96.0),
+        (sum(large) / len(large), 91.0),
+        (bus_bandwidth(two, 4 * GiB, tuple(range(16))), 86.0),
+    ]
+    for model, measured in pairs:
+        assert model == pytest.approx(measured, rel=0.2)
+    assert math.sqrt(sum(math.log(m / x) ** 2 for m, x in pairs) / len(pairs)) < 0.15
 
 
 # ---------------------------------------------------------------- collectives: shape of the model

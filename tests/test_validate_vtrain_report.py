@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
@@ -20,3 +21,41 @@ def test_the_cross_table_gives_each_pair_its_mean_signed_error_and_count_and_lea
     assert "-15.0 (2)" in rows["1"] and "(1)" not in rows["1"]  # two runs at tp 1, pp 1; none at pp 4
     assert rows["2"].split() == ["2", "+5.0", "(1)"]  # tp 2 ran at pp 4 only
     assert "-50.0 (1)" in rows["8"]
+
+
+def test_breakdown_names_each_task_by_kind():
+    from validate_vtrain import COMM_KINDS, COMPUTE_KINDS, _kind
+
+    assert _kind("grad-reduce[0, 1]", COMM_KINDS) == "dp gradient reduce"
+    assert _kind("add_3:send1", COMM_KINDS) == "pp send/recv"
+    assert _kind("dadd_3:recv1:gather", COMM_KINDS) == "pp send/recv"
+    assert _kind("re:blocks_2_mlp_proj:all_reduce0", COMM_KINDS) == "tp collectives"
+    assert _kind("blocks_2_attn_q", COMPUTE_KINDS) == "linear layers"
+    assert _kind("re:blocks_11_mlp_fc", COMPUTE_KINDS) == "linear layers"
+    assert _kind("lm_head", COMPUTE_KINDS) == "linear layers"
+    assert _kind("scaled_dot_product_attention_4", COMPUTE_KINDS) == "attention (bmm, softmax, dropout)"
+    assert _kind("blocks_0_attn_drop", COMPUTE_KINDS) == "attention (bmm, softmax, dropout)"
+    assert _kind("optimizer", COMPUTE_KINDS) == "optimizer step"
+    assert _kind("blocks_0_ln1", COMPUTE_KINDS) == "other"
+
+
+def test_breakdown_accounts_for_the_whole_busy_time_of_its_device():
+    from validate_vtrain import breakdown
+
+    from planlab.simulator.engine import simulate
+    from planlab.validation import MeasuredRun, program_of
+
+    run = MeasuredRun(8, 16, 1, 1024, 16, 12, 1024, 2, 2, 2, 0.1)  # a single-node row's shape: tp 2, dp 2, pp 2
+    b = breakdown(run)
+    res = simulate(*program_of(run))
+    dev = next(d for d in res.devices if d.device == b["device"])
+    busy = sum(v for k, v in b["busy_s"].items() if "of it" not in k)
+    assert b["predicted_s"] == res.iter_time_s
+    assert busy == pytest.approx(dev.compute_s + dev.comm_s, rel=1e-9)
+    assert (
+        0
+        < b["busy_s"]["compute: of it recomputation"]
+        < b["busy_s"]["compute: linear layers"]
+        + b["busy_s"]["compute: attention (bmm, softmax, dropout)"]
+        + b["busy_s"]["compute: other"]
+    )
