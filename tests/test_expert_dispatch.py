@@ -145,3 +145,27 @@ def test_bad_route_groups():
         ModelSpec("deepseek-tiny", (("route_groups", 3),)).config()
     with pytest.raises(ConfigError, match=r"^route_group_topk=1 groups of 1 experts hold fewer than top_k=2"):
         ModelSpec("deepseek-tiny", (("route_groups", 8), ("route_group_topk", 1))).config()
+
+
+def test_fused_permutation_leaves_the_scatter_gather_and_experts():
+    """Under a fused permutation the routing's copies, products and sums around the dispatch's scatter
+    and the combine's gather run inside their kernels (no time of their own), forward and backward;
+    the scatter, the gather and the experts' GEMMs keep their prices."""
+    from planlab.plan.expert_dispatch import fuse_token_permutation, permutation_ops
+
+    ctx = _ctx(2)
+    g = ctx.graph
+    plan = get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=1, ep=2))
+    program = fuse_token_permutation(materialize(plan, g), g)
+    ops = permutation_ops(g)
+    kinds = {op.name: op.kind for op in g.operators}
+    assert {kinds[n] for n in ops} <= {"expand", "reshape", "transpose", "mul", "fill_like", "getitem", "sum"}
+    assert len([n for n in ops if kinds[n] == "mul"]) == 2 * 3  # the kept copies and the routing weights, 3 layers
+    tasks = [t for dp in program.devices for _, t in dp.tasks_in_order()]
+    inside = [t for t in tasks if t.in_kernel]
+    assert inside and {t.kind for t in inside} <= {TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.LOCAL}
+    computing = [t for t in tasks if t.kind in (TaskKind.FORWARD, TaskKind.BACKWARD)]
+    for t in computing:
+        assert t.in_kernel == (t.op in ops)
+        if kinds.get(t.op) in ("scatter", "gather", "matmul", "activation"):
+            assert not t.in_kernel

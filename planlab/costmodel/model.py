@@ -151,6 +151,8 @@ class CostModel:
         slowdown for as many busy processes as the cluster has devices.
         """
         kind = task.kind.value
+        if task.in_kernel:  # inside another task's kernel (a fused token permutation)
+            return 0.0
         if kind == "C":
             return self.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share)
         if task.ring is not None:
@@ -241,6 +243,8 @@ class CostModel:
         GEMM data, or a profile, which measured whole tasks) the host costs nothing here."""
         sw = self.software
         kind = task.kind.value
+        if task.in_kernel:  # inside another task's kernel (a fused token permutation): nothing to issue
+            return 0.0, 0.0
         on_host = host_task_time_s(self.cluster, task)
         if not self.host_bound or on_host is not None:
             return (self.task_time_s(task, dtype) if on_host is None else on_host), 0.0

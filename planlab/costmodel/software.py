@@ -62,6 +62,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``node_dedup`` (DeepEP, HybridEP, DeepSeek's own kernels: a token crosses to each node that holds
     one of its experts once and is forwarded to those experts over NVLink there;
     :mod:`planlab.plan.expert_dispatch`);
+``fused_permute``
+    a mixture of experts permutes its tokens to and from the experts in fused kernels (Megatron-Core's
+    ``--moe-permute-fusion``, off by default; HybridEP runs them inside its dispatch and combine), so
+    planlab's routing copies around the dispatch's scatter and the combine's gather take no time of
+    their own (:mod:`planlab.plan.expert_dispatch`); false (the default): each is its own kernel;
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -126,6 +131,7 @@ _FIELDS = {
     "fused_glu",
     "routing_weights_in_experts",
     "expert_dispatch",
+    "fused_permute",
     "precisions",
     "zero3",
     "memory",
@@ -185,6 +191,7 @@ class SoftwareSpec:
     fused_glu: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
+    fused_permute: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -302,6 +309,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_glu=_flag(f, "fused_glu", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
+        fused_permute=_flag(f, "fused_permute", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

@@ -21,6 +21,14 @@ Experts lie on the expert-parallel ranks in order and the ranks on nodes in orde
 so with ``groups`` a multiple of the nodes each node holds ``groups / nodes`` whole groups, and with
 the nodes a multiple of ``groups`` a group spans ``nodes / groups`` nodes; other shapes are priced as
 unlimited routing (more nodes, so never faster).
+
+A fused token permutation (the software's ``fused_permute``: Megatron-Core's ``--moe-permute-fusion``,
+Transformer Engine's ``moe_permute`` / ``moe_unpermute`` kernels, which HybridEP's dispatch and
+combine also run inside them) makes the expert-major copies of a layer's tokens in one kernel and
+sums them back in one: :func:`fuse_token_permutation` leaves the dispatch's scatter and the
+combine's gather (each one read and one write of the ``top_k`` copies, the fused kernels' traffic)
+and marks the element-wise and layout operators planlab's static-shape routing runs around them as
+inside those kernels (``Task.in_kernel``), with their gradients.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from math import comb
 
 from planlab.graph.ir import Graph
 from planlab.plan.program import Program, TaskKind
-from planlab.search_spaces.experts import expert_dims, num_experts
+from planlab.search_spaces.experts import expert_dims, num_experts, token_hidden_dims
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,54 @@ def dedup_expert_dispatch(program: Program, graph: Graph, node_of) -> Program:
             return t
         s = share(t.group)
         return t if s >= 1.0 else t.but(node_share=s)
+
+    devices = []
+    for dp in program.devices:
+        blocks = {key: dataclasses.replace(b, tasks=tuple(marked(t) for t in b.tasks)) for key, b in dp.blocks.items()}
+        devices.append(dataclasses.replace(dp, blocks=blocks))
+    return dataclasses.replace(program, devices=tuple(devices))
+
+
+# Operator kinds on the tokens' way into and out of the experts that a fused permutation runs inside
+# its kernel: the top-k copies (expand, reshape), the kept-assignment and routing-weight products
+# (mul), the empty slots (fill_like), the sum over the top k (sum), the slots' expert-major layout
+# (reshape, transpose); the scatter and the gather stand for the fused kernels themselves
+PERMUTE_KINDS = frozenset({"expand", "reshape", "transpose", "mul", "fill_like", "getitem", "sum"})
+LAYOUT_KINDS = frozenset({"expand", "reshape", "transpose"})
+
+
+def permutation_ops(graph: Graph) -> frozenset[str]:
+    """The operators a fused token permutation runs inside its kernels (module docstring): those on
+    the tokens' way into and out of the experts of kinds ``PERMUTE_KINDS``, and the layout operators
+    beside the experts' GEMMs (memoized on the graph)."""
+
+    def find() -> frozenset[str]:
+        tokens, experts = token_hidden_dims(graph), expert_dims(graph)
+        by_name = {op.name: op for op in graph.operators}
+        return frozenset(
+            [n for n in tokens if by_name[n].kind in PERMUTE_KINDS]
+            + [n for n in experts if by_name[n].kind in LAYOUT_KINDS]
+        )
+
+    return graph.memo(("permutation_ops",), find)
+
+
+def fuse_token_permutation(program: Program, graph: Graph) -> Program:
+    """``program`` with the forward, backward and local-copy tasks of :func:`permutation_ops` (a copy
+    by the operator that made the tensor it copies) marked ``in_kernel``."""
+    ops = permutation_ops(graph)
+    if not ops:
+        return program
+
+    def marked(t):
+        if t.kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+            inside = t.op in ops
+        elif t.kind is TaskKind.LOCAL and t.reads and t.reads[0] is not None:
+            made = graph.producer.get(t.reads[0].tensor)
+            inside = made is not None and made.name in ops
+        else:
+            inside = False
+        return t.but(in_kernel=True) if inside else t
 
     devices = []
     for dp in program.devices:

@@ -202,7 +202,8 @@ class Task:
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
-    once to each node, :mod:`planlab.plan.expert_dispatch`). A load's ``order`` permutes its
+    once to each node, :mod:`planlab.plan.expert_dispatch`). ``in_kernel`` marks a task that runs
+    inside another task's kernel (a fused token permutation): it takes no time of its own. A load's ``order`` permutes its
     source's sequence before it takes its piece (a zigzag ring's layout). ``box`` is, on the
     forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
     in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
@@ -249,6 +250,7 @@ class Task:
     order: Zigzag | None = None
     exchange: tuple[ExchangeAxis, ...] = ()
     node_share: float = 1.0
+    in_kernel: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

@@ -136,6 +136,8 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
     if hasattr(cost, "task_time_s"):
         return cost.task_time_s(task, dtype)
     k = task.kind
+    if task.in_kernel:  # inside another task's kernel (a fused token permutation)
+        return 0.0
     if k in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.OPTIMIZER):
         if task.flops == 0 and task.bytes_moved == 0:
             return 0.0
@@ -258,6 +260,7 @@ class _Lowering:
             t.ring,
             t.role,
             t.node_share,
+            t.in_kernel,
         )
         got = self.prices.get(key)
         if got is None:
