@@ -28,7 +28,7 @@ from planlab.simulator.engine import simulate
 DATA = Path(__file__).resolve().parent / "data"
 
 # operator kinds of a mixture of experts' dispatch and combine around the experts' GEMMs
-ROUTING_KINDS = frozenset({"scatter_add", "gather", "one_hot", "cumsum", "topk"})
+ROUTING_KINDS = frozenset({"scatter", "gather", "one_hot", "cumsum", "topk"})
 ATTENTION_KINDS = frozenset({"attention"})
 
 
