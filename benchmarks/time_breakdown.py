@@ -1,11 +1,14 @@
 """Where a published row's predicted iteration goes, per device class, from the simulated timeline:
 computation by kind (GEMMs with dense weights, the experts' GEMMs, attention, the routing's
-operators, the rest), communication by kind (collectives by kind and group, pipeline messages), and what the class waits
-for (exposed communication, pipeline bubble, the rest idle).
+operators, the rest), communication by kind (collectives by kind and group, pipeline messages),
+and what the class waits for (exposed communication, pipeline bubble, the rest idle).
 
 Each row of a set of ``benchmarks/data/`` is built as ``validate_published.py`` builds it,
 materialized and simulated with its timeline; a task's kind is read from the Program (its
-operator's kind, its collective and group), so nothing is parsed from names.
+operator's kind, its collective and group), so nothing is parsed from names. One limit: the
+timeline keeps each part of a DualPipe pair (``planlab/simulator/pairs.py``) as one event, named
+after the part's fullest task, so a paired schedule's kinds are its parts', not every task's; the
+class totals (computing, exposed communication, bubble) hold.
 
     .venv/bin/python benchmarks/time_breakdown.py --set megatron-bridge-25.09-h100 [--row NAME]
 """
@@ -14,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from pathlib import Path
 
-from planlab.costmodel import load_cluster
-from planlab.explore import Setup, make_context, training_flops
+from planlab.explore import training_flops
 from planlab.plan.program import TaskKind
 from planlab.plan.software_passes import build_program
-from planlab.published import load_sets
-from planlab.search_spaces.builtin import get_space
 from planlab.search_spaces.experts import EXPERT_WEIGHTS
 from planlab.simulator.engine import simulate
 
-DATA = Path(__file__).resolve().parent / "data"
+from memory_breakdown import row_plan, run_rows  # the same rows and command line
 
 # operator kinds of a mixture of experts' dispatch and combine around the experts' GEMMs
 ROUTING_KINDS = frozenset({"scatter", "gather", "one_hot", "cumsum", "topk"})
@@ -55,17 +54,7 @@ def kind_of(task, expert_ops: frozenset[str]) -> str:
 
 
 def report(s, row, top: int) -> None:
-    per_node = load_cluster(row.cluster).node.devices_per_node
-    setup = Setup(
-        row.spec(),
-        row.cluster,
-        row.nodes(per_node),
-        row.global_batch,
-        software=row.software,
-        precision=row.precision_arg,
-    )
-    ctx, cost, graph = make_context(setup)
-    plan = get_space("megatron").build(ctx, row.knobs())
+    cost, graph, plan = row_plan(row)
     program = build_program(plan, graph, cost)
     res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
     expert_ops = frozenset(
@@ -89,22 +78,9 @@ def report(s, row, top: int) -> None:
             print(f"      {label}: {shown}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", required=True, metavar="NAME", help="a set of benchmarks/data")
-    ap.add_argument("--row", default=None, help="one row of the set (default: every runnable row)")
-    ap.add_argument("--top", type=int, default=10, help="how many kinds to print per stream and device class")
-    ap.add_argument("--data", default=str(DATA), help="the folder of the sets")
-    args = ap.parse_args()
-    (s,) = load_sets(args.data, [args.set])
-    rows = [r for r in s.rows if r.runnable and (args.row is None or r.row == args.row)]
-    if not rows:
-        ap.error(
-            f"no runnable row {args.row!r} in set {args.set!r}; choose from {[r.row for r in s.rows if r.runnable]}"
-        )
-    for row in rows:
-        report(s, row, args.top)
-
-
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", required=True, metavar="NAME", help="a published set of benchmarks/data")
+    parser.add_argument("--row", default=None, help="one row of it (default: every runnable row)")
+    parser.add_argument("--top", type=int, default=10, help="how many kinds to print per stream and device class")
+    run_rows(parser, report)
