@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from planlab.costmodel import load_cluster
+from planlab.errors import ConfigError
 from planlab.explore import Setup, make_context, training_flops
 from planlab.memory_bound import memory_lower_bound_bytes
 from planlab.plan.software_passes import build_program
@@ -58,7 +59,8 @@ def _maker(b, graph) -> str:
     return op.kind if op is not None else ""
 
 
-def report(row, top: int) -> None:
+def row_plan(row):
+    """``(cost model, graph, plan)`` of a published row, built as ``validate_published.py`` builds it."""
     per_node = load_cluster(row.cluster).node.devices_per_node
     setup = Setup(
         row.spec(),
@@ -70,6 +72,11 @@ def report(row, top: int) -> None:
     )
     ctx, cost, graph = make_context(setup)
     plan = get_space("megatron").build(ctx, row.knobs())
+    return cost, graph, plan
+
+
+def report(row, top: int) -> None:
+    cost, graph, plan = row_plan(row)
     mem = cost.software.memory
     cap = cost.cluster.device.memory_bytes
     print(f"\n== {row.row}: {row.model} on {row.gpus} x {cost.cluster.device.name}, software {cost.software}")
@@ -101,22 +108,27 @@ def report(row, top: int) -> None:
         print(f"      largest: {shown}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", required=True, metavar="NAME", help="a set of benchmarks/data")
-    ap.add_argument("--row", default=None, help="one row of the set (default: every runnable row)")
-    ap.add_argument("--top", type=int, default=8, help="how many (kind, maker) groups to print per device class")
+def run_rows(ap: argparse.ArgumentParser, report_row) -> None:
+    """Parse the command line of a per-row breakdown (``ap`` with its ``--set``, ``--row`` and
+    ``--top``; ``--data`` added here) and run ``report_row(set, row, top)`` for each runnable row."""
     ap.add_argument("--data", default=str(DATA), help="the folder of the sets")
     args = ap.parse_args()
-    (s,) = load_sets(args.data, [args.set])
+    try:
+        (s,) = load_sets(args.data, [args.set])
+    except ConfigError as e:
+        ap.error(str(e))
     rows = [r for r in s.rows if r.runnable and (args.row is None or r.row == args.row)]
     if not rows:
         ap.error(
             f"no runnable row {args.row!r} in set {args.set!r}; choose from {[r.row for r in s.rows if r.runnable]}"
         )
     for row in rows:
-        report(row, args.top)
+        report_row(s, row, args.top)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", required=True, metavar="NAME", help="a set of benchmarks/data")
+    parser.add_argument("--row", default=None, help="one row of the set (default: every runnable row)")
+    parser.add_argument("--top", type=int, default=8, help="how many (kind, maker) groups to print per device class")
+    run_rows(parser, lambda s, row, top: report(row, top))

@@ -86,7 +86,17 @@ METRICS = (
     "gpu_hours_per_trillion_tokens",
 )
 FLOP_FORMULAS = ("narayanan-eq3", "korthikanti-eq7", "torchtitan", "megatron-lm")
-SOFTWARE = ("megatron", "megatron-2019", "megatron-2022", "megatron-2024", "deepspeed", "deepspeed-2021", "torch")
+SOFTWARE = (
+    "megatron",
+    "megatron-2019",
+    "megatron-2022",
+    "megatron-2024",
+    "megatron-hybridep",
+    "hai-llm",
+    "deepspeed",
+    "deepspeed-2021",
+    "torch",
+)
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")
 # integer plan columns a runnable row must fill (a skipped row may leave what its source does not state)

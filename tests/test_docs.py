@@ -189,6 +189,7 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/validate_published.py --set deepseek-v3-2024 --set megatron-bridge-25.09-h100 --rows --jobs 1": Benchmark(),
     ".venv/bin/python benchmarks/validate_published.py --set megatron-core-moe-h100 --rows --jobs 1": Benchmark(),
     ".venv/bin/python benchmarks/memory_breakdown.py --set megatron-core-moe-h100 --row mixtral-8x7b-mcore0.8": Benchmark(),
+    ".venv/bin/python benchmarks/time_breakdown.py --set megatron-bridge-25.09-h100": Benchmark(),
     ".venv/bin/python benchmarks/sim_scale.py llama3": Benchmark(),
     ".venv/bin/python benchmarks/host_overhead.py": Benchmark(),
     ".venv/bin/python benchmarks/fuzz_plans.py --plans 500 --seed 0": Benchmark(),

@@ -225,10 +225,13 @@ def _hierarchical(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Plac
     return inner + outer
 
 
-def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
+def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement, node_share: float = 1.0) -> float:
     """Every rank sends ``nbytes / n`` to each other member, all pairs at once (NCCL's all_to_all
     is grouped point-to-point): the slower of the NVLink traffic and the NIC traffic of the rank
-    with the most bytes to move (see :func:`all_to_all_traffic`), plus a latency per peer."""
+    with the most bytes to move (see :func:`all_to_all_traffic`), plus a latency per peer.
+    ``node_share`` of the NIC traffic crosses the network (an expert dispatch that sends a token
+    once to each node, :mod:`planlab.plan.expert_dispatch`); NVLink's, which forwards the token to
+    its experts on the node, is taken as it is."""
     node = cluster.node
     alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s
     nvlink, nic = all_to_all_traffic(p, cluster.network.rail_optimized)
@@ -242,7 +245,7 @@ def _all_to_all(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
         rails = cluster.network.rail_optimized
         over = cluster.network.oversubscription if p.switches > 1 and not rails else 1.0
         bw = node.inter_bytes_per_s * node.inter_efficiency.at_chunk(nbytes, p.n) / over
-        t_inter = nic * nbytes / bw
+        t_inter = nic * node_share * nbytes / bw
     return (p.n - 1) * alpha + max(t_intra, t_inter)
 
 
@@ -290,13 +293,19 @@ def _kind(kind: str) -> Collective:
 
 
 def collective_time_s(
-    cluster: ClusterSpec, kind: str, nbytes: float, group: tuple[int, ...], algorithm: str | None = None
+    cluster: ClusterSpec,
+    kind: str,
+    nbytes: float,
+    group: tuple[int, ...],
+    algorithm: str | None = None,
+    node_share: float = 1.0,
 ) -> float:
     """Seconds for the collective ``kind`` on ``nbytes`` (the full buffer) among the ranks ``group``.
 
     kind: "all_reduce", "all_gather", "reduce_scatter", "all_to_all" or "broadcast".
     ``algorithm`` ("ring", "tree", "hierarchical", "direct"; see ``algorithms(kind)``) prices
     one algorithm; None prices the fastest. A hierarchical collective within one node is a ring.
+    ``node_share`` (an all-to-all's) is the share of its bytes for other nodes that crosses the network.
     A group of one rank, or zero bytes, costs 0.0. Raises ConfigError for an unknown kind or
     algorithm, a rank outside the cluster or a repeated rank.
     """
@@ -316,7 +325,7 @@ def collective_time_s(
     best = math.inf
     for a in todo:
         if a is Algorithm.DIRECT:
-            t = _all_to_all(cluster, nbytes, p)
+            t = _all_to_all(cluster, nbytes, p, node_share)
         elif a is Algorithm.NVLS:
             t = _nvls(cluster, nbytes, p)
             if t == math.inf and algorithm is not None:

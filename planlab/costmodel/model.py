@@ -151,8 +151,10 @@ class CostModel:
         slowdown for as many busy processes as the cluster has devices.
         """
         kind = task.kind.value
+        if task.in_kernel:  # inside another task's kernel (a fused token permutation)
+            return 0.0
         if kind == "C":
-            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share)
         if task.ring is not None:
             return self.ring_attention_s(task, dtype)[0]
         if kind == "F" and task.group:  # a piece that agrees with its group inside its forward
@@ -241,6 +243,8 @@ class CostModel:
         GEMM data, or a profile, which measured whole tasks) the host costs nothing here."""
         sw = self.software
         kind = task.kind.value
+        if task.in_kernel:  # inside another task's kernel (a fused token permutation): nothing to issue
+            return 0.0, 0.0
         on_host = host_task_time_s(self.cluster, task)
         if not self.host_bound or on_host is not None:
             return (self.task_time_s(task, dtype) if on_host is None else on_host), 0.0
@@ -249,7 +253,7 @@ class CostModel:
         dev = self.cluster.device
         if kind == "C":
             host_s = sw.host_collective_s + self.buffer_copies(task.collective, len(task.group)) * sw.host_launch_s
-            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group)), host_s
+            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share), host_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
         fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
@@ -349,11 +353,12 @@ class CostModel:
         processes share it; see ``Profile.slowdown_at``)."""
         return self.profile.slowdown_at(self.cluster.num_devices) if self.profile is not None else 1.0
 
-    def collective_time_s(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
-        """Seconds for a collective on the full buffer of ``nbytes`` (see ``comm.collective_time_s``).
+    def collective_time_s(self, kind: str, nbytes: float, group: tuple[int, ...], node_share: float = 1.0) -> float:
+        """Seconds for a collective on the full buffer of ``nbytes`` (see ``comm.collective_time_s``;
+        ``node_share``: an all-to-all's share of its bytes for other nodes that crosses the network).
         With a profile that measured ``kind``: its fit at the group's size, or carried from the
         nearest measured size by the ring's steps and traffic."""
-        base = comm.collective_time_s(self.cluster, kind, nbytes, group)  # validates everything
+        base = comm.collective_time_s(self.cluster, kind, nbytes, group, node_share=node_share)  # validates all
         if self.profile is None or base == 0.0:
             if base == 0.0:
                 return base

@@ -56,6 +56,17 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
     combine keeps no gathered expert outputs for the weights' gradient; false (the default): the
     combine multiplies the gathered outputs by the weights and keeps them (:mod:`planlab.plan.saved`);
+``expert_dispatch``
+    how a mixture of experts' dispatch and combine cross nodes: ``all_to_all`` (the default,
+    Megatron-Core's all-to-all dispatcher: each of a token's top-k copies is its own message) or
+    ``node_dedup`` (DeepEP, HybridEP, DeepSeek's own kernels: a token crosses to each node that holds
+    one of its experts once and is forwarded to those experts over NVLink there;
+    :mod:`planlab.plan.expert_dispatch`);
+``fused_permute``
+    a mixture of experts permutes its tokens to and from the experts in fused kernels (Megatron-Core's
+    ``--moe-permute-fusion``, off by default; HybridEP runs them inside its dispatch and combine), so
+    planlab's routing copies around the dispatch's scatter and the combine's gather take no time of
+    their own (:mod:`planlab.plan.expert_dispatch`); false (the default): each is its own kernel;
 ``sequence_parallel_saves_shard``
     with sequence parallelism, a column-parallel linear layer keeps its input's sequence shard
     for the backward and gathers it again there (Megatron-LM) instead of the gathered input;
@@ -106,6 +117,7 @@ ZERO3_UNITS = ("layer", "module")
 DEFAULT_SOFTWARE = "megatron"  # on GPU clusters; the CPU cluster runs planlab's own executor: torch
 _US = 1e-6
 _MiB = 2.0**20
+EXPERT_DISPATCH = ("all_to_all", "node_dedup")  # the software's expert_dispatch values
 _WHAT = "software file"
 _FIELDS = {
     "name",
@@ -126,6 +138,8 @@ _FIELDS = {
     "fused_attention",
     "fused_glu",
     "routing_weights_in_experts",
+    "expert_dispatch",
+    "fused_permute",
     "precisions",
     "zero3",
     "memory",
@@ -192,6 +206,8 @@ class SoftwareSpec:
     fused_attention: bool = False
     fused_glu: bool = False
     routing_weights_in_experts: bool = False
+    expert_dispatch: str = "all_to_all"
+    fused_permute: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
     zero3_regather_for_recompute: bool = False
@@ -311,6 +327,8 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_attention=_flag(f, "fused_attention", False),
         fused_glu=_flag(f, "fused_glu", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
+        expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
+        fused_permute=_flag(f, "fused_permute", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",
         zero3_regather_for_recompute=_flag(zero3, "regather_for_recompute", False) if zero3 else False,

@@ -285,7 +285,9 @@ class MoEConfig:
 @dataclass(frozen=True)
 class DeepSeekConfig:
     """Sizes of a DeepSeek-V3-style decoder (names as in the module docstring; ``ffn_hidden`` is
-    the dense layers' SwiGLU width, ``moe_ffn_hidden`` one expert's)."""
+    the dense layers' SwiGLU width, ``moe_ffn_hidden`` one expert's; ``route_groups`` and
+    ``route_group_topk``: each token's experts come from the best ``route_group_topk`` of
+    ``route_groups`` equal groups, 1 and 1 for no limit)."""
 
     layers: int
     dense_layers: int
@@ -308,6 +310,8 @@ class DeepSeekConfig:
     routed_scale: float = 2.5
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    route_groups: int = 1
+    route_group_topk: int = 1
 
     @property
     def capacity(self) -> int:

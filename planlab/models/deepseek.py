@@ -24,9 +24,11 @@ drops nothing (DeepSeek-V3 drops no token during training, section 2.1.2), and `
 each expert for an even load, which is what the big preset prices (the experts' GEMMs then
 cost ``seq x top_k`` tokens, as dropless routing with a balanced load does).
 
-Left out: node-limited routing (each token's experts on at most 4 nodes: a cap on how far the
-tokens travel, which the cost model does not price), the multi-token-prediction module (one
-more layer at depth 1, section 2.2) and FP8 training.
+Node-limited routing (section 2.1.2; ``route_groups`` and ``route_group_topk``, the released
+``modeling_deepseek.py``'s ``n_group`` and ``topk_group``): a group's score is the sum of its two
+best biased affinities, and the experts outside the best ``route_group_topk`` groups are ranked
+at 0, as that file masks them. Left out: the multi-token-prediction module (one more layer at
+depth 1, section 2.2) and FP8 training.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class DeepSeekMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.capacity = cfg.experts, cfg.top_k, cfg.capacity
         self.scale, self.balance = cfg.routed_scale, cfg.aux_loss_coef > 0
+        self.groups = (cfg.route_groups, cfg.route_group_topk) if cfg.route_group_topk < cfg.route_groups else None
         self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)  # the router
         # the balancing bias: it steers the selection only, and training updates it outside the gradient
         self.register_buffer("gate_bias", torch.zeros(cfg.experts), persistent=False)  # (E,)
@@ -94,7 +97,13 @@ class DeepSeekMoE(nn.Module):
         E, K = self.num_experts, self.top_k
         S = x.shape[1]
         scores = torch.sigmoid(self.gate(x))  # (B, S, E) affinities
-        top_i = torch.topk(scores + self.gate_bias, K, dim=-1)[1]  # (B, S, K) experts chosen with the bias
+        biased = scores + self.gate_bias  # (B, S, E) what the selection ranks
+        if self.groups is not None:  # node-limited: only the experts of the best M of G groups
+            G, M = self.groups
+            best = biased.unflatten(-1, (G, E // G)).topk(2, dim=-1)[0].sum(dim=-1)  # (B, S, G) top-2 sums
+            kept = F.one_hot(torch.topk(best, M, dim=-1)[1], G).sum(dim=-2).to(biased.dtype)  # (B, S, G) 0/1
+            biased = biased * kept.unsqueeze(-1).expand(-1, -1, -1, E // G).flatten(-2)  # the others at 0
+        top_i = torch.topk(biased, K, dim=-1)[1]  # (B, S, K) experts chosen with the bias
         top_s = torch.gather(scores, -1, top_i)  # (B, S, K) their affinities, without it
         weight = top_s / top_s.sum(dim=-1, keepdim=True) * self.scale  # (B, S, K)
         choice = F.one_hot(top_i, E)  # (B, S, K, E)

@@ -254,7 +254,9 @@ def _check_moe(cfg: MoEConfig) -> None:
 # sequence-wise balance factor 0.0001; 671B parameters, 37B active per token) and the released
 # config.json of deepseek-ai/DeepSeek-V3 (vocab_size 129,280, intermediate_size 18,432 for the dense
 # layers, qk_nope_head_dim 128, v_head_dim 128, routed_scaling_factor 2.5, rope_theta 10,000,
-# rms_norm_eps 1e-6). Sequence 4,096: the pre-training length (section 4.2). capacity_factor 1.0
+# rms_norm_eps 1e-6; n_group 8 and topk_group 4: the node-limited routing of section 2.1.2, each
+# token's experts in the best 4 of 8 groups, one group per node of its 64-way expert parallelism).
+# Sequence 4,096: the pre-training length (section 4.2). capacity_factor 1.0
 # prices a balanced load (see planlab/models/deepseek.py); DeepSeek-V3 itself drops no token.
 # deepseek-tiny runs here: capacity_factor 4 = experts / top_k drops nothing.
 DEEPSEEK_PRESETS: dict[str, DeepSeekConfig] = {
@@ -294,6 +296,8 @@ DEEPSEEK_PRESETS: dict[str, DeepSeekConfig] = {
         v_head_dim=128,
         seq=4096,
         vocab=129280,
+        route_groups=8,
+        route_group_topk=4,
     ),
 }
 
@@ -316,6 +320,16 @@ def _check_deepseek(cfg: DeepSeekConfig) -> None:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be positive")
     if cfg.aux_loss_coef < 0:
         raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
+    if cfg.experts % cfg.route_groups or not cfg.route_group_topk <= cfg.route_groups:
+        raise ConfigError(
+            f"route_groups={cfg.route_groups} must divide experts={cfg.experts}, and route_group_topk="
+            f"{cfg.route_group_topk} be at most route_groups"
+        )
+    if cfg.route_group_topk < cfg.route_groups and cfg.route_group_topk * cfg.experts // cfg.route_groups < cfg.top_k:
+        raise ConfigError(
+            f"route_group_topk={cfg.route_group_topk} groups of {cfg.experts // cfg.route_groups} experts hold "
+            f"fewer than top_k={cfg.top_k}"
+        )
 
 
 # Swin Transformer shapes (224x224 images, 4x4 patches, window 7, ImageNet-1k head). Swin-T/S/B/L from

@@ -200,7 +200,10 @@ class Task:
     micro-batch) let the cost model price a compute task kernel by kernel; ``causal`` marks a causal
     attention's piece, whose fused kernel skips the blocks the mask hides. ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
-    says, per mesh axis of its group, how pieces are cut and joined. A load's ``order`` permutes its
+    says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
+    its bytes for other nodes that crosses the network (below 1 where the software sends a token
+    once to each node, :mod:`planlab.plan.expert_dispatch`). ``in_kernel`` marks a task that runs
+    inside another task's kernel (a fused token permutation): it takes no time of its own. A load's ``order`` permutes its
     source's sequence before it takes its piece (a zigzag ring's layout). ``box`` is, on the
     forward task of a random operator (:mod:`planlab.graph.random_ops`), the box of its first output
     in the micro-batch's whole tensor: its random draws are keyed by it (:mod:`planlab.executor.randomness`).
@@ -246,6 +249,8 @@ class Task:
     causal: bool = False
     order: Zigzag | None = None
     exchange: tuple[ExchangeAxis, ...] = ()
+    node_share: float = 1.0
+    in_kernel: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

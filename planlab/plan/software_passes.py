@@ -2,6 +2,10 @@
 precision, gradient reduction and ZeRO-3 behaviour, then the passes the software applies to the
 Program (pure functions from Program to Program):
 
+- :func:`~planlab.plan.expert_dispatch.dedup_expert_dispatch`: the expert all-to-alls send a token
+  once to each node (the software's ``expert_dispatch`` is ``"node_dedup"``: DeepEP, HybridEP);
+- :func:`~planlab.plan.expert_dispatch.fuse_token_permutation`: the routing's element-wise and layout
+  operators inside the fused permutation kernels (the software's ``fused_permute``);
 - :func:`partition_pipeline_messages`: Megatron-LM's scatter/gather and DeepSpeed's
   ``pipe_partitioned`` (the software's ``pipeline_messages`` is ``"partitioned"``).
 
@@ -15,6 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from planlab.graph.ir import Graph
+from planlab.plan.expert_dispatch import dedup_expert_dispatch, fuse_token_permutation
 from planlab.plan.materialize import materialize
 from planlab.plan.plan import Plan
 from planlab.plan.program import Program, Task, TaskKind
@@ -35,6 +40,10 @@ def build_program(plan: Plan, graph: Graph, cost: CostModel, *, symmetric: bool 
         symmetric=symmetric,
         node_of=cost.cluster.node_of,
     )
+    if cost.software.expert_dispatch == "node_dedup":  # what the expert all-to-alls send across nodes
+        program = dedup_expert_dispatch(program, graph, cost.cluster.node_of)
+    if cost.software.fused_permute:  # the routing's copies inside the permutation kernels
+        program = fuse_token_permutation(program, graph)
     return apply_software(program, plan, cost.software)
 
 

@@ -136,6 +136,8 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
     if hasattr(cost, "task_time_s"):
         return cost.task_time_s(task, dtype)
     k = task.kind
+    if task.in_kernel:  # inside another task's kernel (a fused token permutation)
+        return 0.0
     if k in (TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.OPTIMIZER):
         if task.flops == 0 and task.bytes_moved == 0:
             return 0.0
@@ -144,7 +146,7 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
         n = sum(s for _, s in task.alloc) or 0
         return cost.compute_time_s(flops=0.0, bytes_moved=2.0 * n, dtype=dtype) if n else 0.0
     if k is TaskKind.COLLECTIVE:
-        return cost.collective_time_s(task.collective, task.nbytes, tuple(task.group))
+        return cost.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share)
     return 0.0  # sends and receives are priced by lower_block, which knows the device
 
 
@@ -261,6 +263,8 @@ class _Lowering:
             tuple(w and w.kind for w in t.writes) if t.kind is TaskKind.BACKWARD else (),  # I/W parts
             t.ring,
             t.role,
+            t.node_share,
+            t.in_kernel,
         )
         got = self.prices.get(key)
         if got is None:
