@@ -146,6 +146,8 @@ def task_time_s(task: Task, cost: CostModel, dtype: str) -> float:
         n = sum(s for _, s in task.alloc) or 0
         return cost.compute_time_s(flops=0.0, bytes_moved=2.0 * n, dtype=dtype) if n else 0.0
     if k is TaskKind.COLLECTIVE:
+        if task.node_share == 1.0:  # the three-argument form every cost model takes
+            return cost.collective_time_s(task.collective, task.nbytes, tuple(task.group))
         return cost.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share)
     return 0.0  # sends and receives are priced by lower_block, which knows the device
 
