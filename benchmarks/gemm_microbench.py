@@ -87,48 +87,81 @@ def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
         print(f"  predicted/measured by {name}: " + "; ".join(cells))
 
 
-FLASH_TABLE = MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv"
-FLASH_TOKENS, FLASH_HEADS = 16384, 16  # the FA2 benchmark: batch x sequence = 16k tokens, hidden 2048
+# Fused-attention speed tables per device (see microbench/README.md): each row a kernel ("flash2",
+# "cudnn", "flash3"), a pass ("fwd", "bwd" or "fwd_bwd"), a sequence, the causal mask or not, a head
+# dimension and TFLOP/s as FlashAttention counts them; a table without kernel or pass columns is one
+# kernel's forward and backward, named here
+FLASH_TABLES = {
+    "a100-80g": ((MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv", "flash2"),),
+    "a100-40g": ((MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv", "flash2"),),
+    "h100-80g": (
+        (MICROBENCH / "h100-sxm5-80gb-flash2-fwd-bwd.csv", "flash2"),
+        (MICROBENCH / "h100-sxm5-80gb-fa3-paper-attention.csv", ""),
+    ),
+}
+FLASH_TOKENS, FLASH_HIDDEN = 16384, 2048  # FlashAttention's benchmarks: batch x sequence = 16k tokens, hidden 2048
+PASS_PHASES = {"fwd": "F", "bwd": "B", "fwd_bwd": "FB"}
+PASS_FLOP = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # the backward counted as 2.5 forwards (FlashAttention-2)
 
 
-def flash_tflops(cost: CostModel, efficiency: float, seq: int, causal: bool, head_dim: int) -> float:
-    """Fused attention's forward and backward on the FlashAttention-2 benchmark's shapes as the cost model
-    prices them with ``flash_efficiency`` = ``efficiency``, in TFLOP/s as FA2 counts them (the causal half)."""
+def flash_tflops(cost: CostModel, efficiency: float, seq: int, causal: bool, head_dim: int, pass_: str) -> float:
+    """Fused attention's pass ``pass_`` on FlashAttention's benchmark shapes as the cost model prices it
+    with the fused kernel at ``efficiency``, in TFLOP/s as FlashAttention counts them (the causal half)."""
     dev = cost.cluster.device
-    dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, flash_efficiency=efficiency))
-    cost = dataclasses.replace(
-        cost, cluster=dataclasses.replace(cost.cluster, node=dataclasses.replace(cost.cluster.node, device=dev))
-    )
-    batch = FLASH_TOKENS // seq
-    shapes = ((batch, FLASH_HEADS, seq, head_dim),) * 4
-    kernels = [k for ph in "FB" for k in op_kernels("attention", ph, shapes, 2, "torch", causal=causal).kernels]
-    flop = 4.0 * batch * FLASH_HEADS * seq * seq * head_dim * 3.5 * (0.5 if causal else 1.0)
+    dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, attention_efficiency=(("bench", efficiency),)))
+    node = dataclasses.replace(cost.cluster.node, device=dev)
+    sw = dataclasses.replace(cost.software, attention_kernels=((dev.architecture, "bench"),))
+    cost = dataclasses.replace(cost, cluster=dataclasses.replace(cost.cluster, node=node), software=sw)
+    batch, heads = FLASH_TOKENS // seq, FLASH_HIDDEN // head_dim
+    shapes = ((batch, heads, seq, head_dim),) * 4
+    kernels = [
+        k for ph in PASS_PHASES[pass_] for k in op_kernels("attention", ph, shapes, 2, "torch", causal=causal).kernels
+    ]
+    flop = 4.0 * batch * heads * seq * seq * head_dim * PASS_FLOP[pass_] * (0.5 if causal else 1.0)
     return flop / sum(cost.kernel_time_s(k, "bf16") for k in kernels) / 1e12
 
 
-def flash_fit(name: str) -> None:
-    """The model's fused attention against FlashAttention-2's measured A100 figure, and the grid that gives
-    ``flash_efficiency``: the value that minimizes the mean absolute log ratio over both panels."""
-    cost = CostModel.load("dgx-a100-80g", software="torch")
-    cost = dataclasses.replace(
-        cost,
-        cluster=dataclasses.replace(
-            cost.cluster, node=dataclasses.replace(cost.cluster.node, device=load_device(name))
-        ),
-    )
-    table = pd.read_csv(FLASH_TABLE)
+def flash_rows(name: str) -> pd.DataFrame:
+    """Every measured fused-attention row of device ``name``, with its table's file name."""
+    frames = []
+    for path, kernel in FLASH_TABLES[name]:
+        t = pd.read_csv(path)
+        if kernel:
+            t = t.assign(kernel=kernel, **{"pass": "fwd_bwd"})
+        frames.append(t.assign(table=path.name))
+    return pd.concat(frames, ignore_index=True).rename(columns={"pass": "pass_"})
 
-    def ratios(eff: float) -> list[float]:
+
+def flash_fit(name: str) -> None:
+    """The model's fused attention against the measured speed tables of device ``name``, and per kernel the
+    grid value of the efficiency (0.005 apart) that minimizes the mean absolute log ratio over its rows."""
+    cost = CostModel.load("dgx-a100-80g", software="torch")
+    node = dataclasses.replace(cost.cluster.node, device=load_device(name))
+    cost = dataclasses.replace(cost, cluster=dataclasses.replace(cost.cluster, node=node))
+    rows = flash_rows(name)
+
+    def ratios(t: pd.DataFrame, eff: float) -> list[float]:
         return [
-            flash_tflops(cost, eff, int(r.seq), bool(r.causal), int(r.head_dim)) / r.tflops for r in table.itertuples()
+            flash_tflops(cost, eff, int(r.seq), bool(r.causal), int(r.head_dim), r.pass_) / r.tflops
+            for r in t.itertuples(index=False)
         ]
 
-    now = cost.cluster.device.gemm.flash_efficiency or cost.cluster.device.gemm.efficiency
-    cells = [f"{'causal' if r.causal else 'full'} {r.seq}: {x:.3f}" for r, x in zip(table.itertuples(), ratios(now))]
-    print(f"  fused attention, model/measured TFLOP/s at efficiency {now:.3f}: " + "; ".join(cells))
-    grid = [(sum(abs(math.log(x)) for x in ratios(e / 1000)) / len(table), e / 1000) for e in range(500, 701, 5)]
-    err, best = min(grid)
-    print(f"  flash_efficiency on a grid of 0.005: {best:.3f} (mean |log ratio| {err:.4f})")
+    gemm = cost.cluster.device.gemm
+    for kernel, t in rows.groupby("kernel", sort=False):
+        now = gemm.attention(kernel)
+        grid = [(sum(abs(math.log(x)) for x in ratios(t, e / 1000)) / len(t), e / 1000) for e in range(300, 901, 5)]
+        err, best = min(grid)
+        print(
+            f"  {kernel} ({len(t)} rows): efficiency now {now:.3f}, mean |log ratio| "
+            f"{sum(abs(math.log(x)) for x in ratios(t, now)) / len(t):.4f}; grid best {best:.3f} ({err:.4f})"
+        )
+        fitted = pd.Series(ratios(t, best), index=t.index)
+        for (table, pass_, causal, dim), g in t.groupby(["table", "pass_", "causal", "head_dim"], sort=False):
+            x = fitted[g.index]
+            cells = ", ".join(f"{int(s) // 1024}k {v:.2f}" for s, v in zip(g["seq"], x))
+            print(
+                f"    at {best:.3f}, model/measured, {table} {pass_} {'causal' if causal else 'full'} d{dim}: {cells}"
+            )
 
 
 def main() -> None:
@@ -136,10 +169,10 @@ def main() -> None:
     ap.add_argument("--device", default="a100-80g", choices=sorted(TABLES), help="built-in device with a table")
     ap.add_argument("--fit", action="store_true", help="print the k0 grid the spec's two numbers come from")
     ap.add_argument("--whole-waves", action="store_true", help="no stream-K: every wave is paid in whole")
-    ap.add_argument("--flash", action="store_true", help="fused attention against FlashAttention-2's A100 figure")
+    ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
     args = ap.parse_args()
-    if args.flash and not args.device.startswith("a100"):
-        ap.error(f"--flash compares with FlashAttention-2's A100 figure; got --device {args.device}")
+    if args.flash and args.device not in FLASH_TABLES:
+        ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
     dev = load_device(args.device)
     if args.whole_waves:
         dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, stream_k=False))

@@ -55,7 +55,13 @@ class GemmSpec:
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
     tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
     stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
-    flash_efficiency: float = 0.0  # the efficiency fused (flash) attention runs at (0: none measured, the GEMMs')
+    # the efficiency each fused attention kernel ("flash2", "cudnn", ...) runs at on this device, as
+    # measured by a kernel microbenchmark; a kernel not listed runs at the GEMMs' efficiency
+    attention_efficiency: tuple[tuple[str, float], ...] = ()
+
+    def attention(self, kernel: str) -> float:
+        """The efficiency fused attention kernel ``kernel`` runs at (the GEMMs' where none was measured)."""
+        return dict(self.attention_efficiency).get(kernel, self.efficiency)
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"

@@ -315,8 +315,9 @@ class CostModel:
         spec = dev.gemm
         if kernel.fp8 and spec.efficiency_fp8:
             spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
-        if kernel.fused:  # flash attention: no per-tile overhead (a tiled GEMM's, cuBLAS's), its own efficiency
-            spec = dataclasses.replace(spec, tile_overhead_k=0, efficiency=spec.flash_efficiency or spec.efficiency)
+        if kernel.fused:  # fused attention: no per-tile overhead (a tiled GEMM's, cuBLAS's), the kernel's efficiency
+            chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device
+            spec = dataclasses.replace(spec, tile_overhead_k=0, efficiency=spec.attention(chosen))
         return (
             gemm_time_s(
                 spec,
