@@ -11,8 +11,10 @@ the two numbers of the A100 spec as they are derived: for each per-tile overhead
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
 ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With
-``--flash`` (A100): fused attention's forward and backward against FlashAttention-2's measured A100
-figure (``a100-sxm4-80gb-flash2-fwd-bwd.csv``) and the grid ``flash_efficiency`` comes from. With ``--whole-waves`` the device's GEMMs pay whole
+``--flash``: fused attention against the device's measured attention tables (A100: FlashAttention-2's
+forward and backward; H100: FlashAttention-2's, and FlashAttention-3's paper's FA2, cuDNN and FA3
+forward and backward), per kernel the grid value ``attention_efficiency`` comes from and the model's
+ratio to each measured bar at it. With ``--whole-waves`` the device's GEMMs pay whole
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
     .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash]

@@ -428,7 +428,10 @@ def test_unknown_software(name, fragments) -> None:
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
         (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
-        (dict(attention_efficiency={"flash2": 1.2}), ["'device.attention_efficiency.flash2'", "(0, 1]", "fused attention"]),
+        (
+            dict(attention_efficiency={"flash2": 1.2}),
+            ["'device.attention_efficiency.flash2'", "(0, 1]", "fused attention"],
+        ),
         (dict(attention_efficiency={"flash9": 0.5}), ["'device.attention_efficiency'", "'flash9'", "'cudnn'"]),
         (dict(architecture="pascal"), ["'device.architecture'", "'pascal'", "'hopper'"]),
         (dict(memory_MiB=-1), ["'device.memory_MiB'", "MiB of device memory as the driver reports it"]),

@@ -63,7 +63,8 @@ _DEVICE_FIELDS = {
     "architecture",
 }
 ARCHITECTURES = ("volta", "ampere", "hopper", "cdna3", "cpu")  # a device's generation, as software picks kernels by it
-ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")  # fused attention kernels: FlashAttention-2/-3, cuDNN's fused attention
+# fused attention kernels: FlashAttention-2 and -3, cuDNN's fused attention
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
 _NODE_FIELDS = {
     "name",
     "description",
