@@ -25,6 +25,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from planlab.costmodel import CostModel
@@ -106,64 +107,88 @@ PASS_PHASES = {"fwd": "F", "bwd": "B", "fwd_bwd": "FB"}
 PASS_FLOP = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # the backward counted as 2.5 forwards (FlashAttention-2)
 
 
-def flash_tflops(cost: CostModel, efficiency: float, seq: int, causal: bool, head_dim: int, pass_: str) -> float:
-    """Fused attention's pass ``pass_`` on FlashAttention's benchmark shapes as the cost model prices it
-    with the fused kernel at ``efficiency``, in TFLOP/s as FlashAttention counts them (the causal half)."""
+def flash_parts(cost: CostModel, overhead_k: int, seq: int, causal: bool, head_dim: int, phase: str) -> np.ndarray:
+    """Fused attention's forward (``phase`` "F") or backward ("B") on FlashAttention's benchmark shapes as the
+    cost model prices it, in parts of its seconds: (compute at efficiency 1, memory floor, launch), so that at
+    efficiency ``e`` the pass takes ``max(compute / e, memory) + launch`` (the tile model's compute time is
+    inversely proportional to the efficiency)."""
     dev = cost.cluster.device
-    dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, attention_efficiency=(("bench", efficiency),)))
-    node = dataclasses.replace(cost.cluster.node, device=dev)
-    sw = dataclasses.replace(cost.software, attention_kernels=((dev.architecture, "bench"),))
-    cost = dataclasses.replace(cost, cluster=dataclasses.replace(cost.cluster, node=node), software=sw)
-    batch, heads = FLASH_TOKENS // seq, FLASH_HIDDEN // head_dim
-    shapes = ((batch, heads, seq, head_dim),) * 4
-    kernels = [
-        k for ph in PASS_PHASES[pass_] for k in op_kernels("attention", ph, shapes, 2, "torch", causal=causal).kernels
-    ]
-    flop = 4.0 * batch * heads * seq * seq * head_dim * PASS_FLOP[pass_] * (0.5 if causal else 1.0)
-    return flop / sum(cost.kernel_time_s(k, "bf16") for k in kernels) / 1e12
+    spec = dataclasses.replace(dev.gemm, efficiency=1.0, tile_overhead_k=overhead_k)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    shapes = ((FLASH_TOKENS // seq, FLASH_HIDDEN // head_dim, seq, head_dim),) * 4
+    (kernel,) = op_kernels("attention", phase, shapes, 2, "torch", causal=causal).kernels
+    b, m, n, k = kernel.gemm
+    peak = dev.peak_flops_per_s["bf16"]
+    compute_s = gemm_time_s(spec, batch=b, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=peak, hbm_bytes_per_s=math.inf)
+    return np.array([compute_s * kernel.computed, kernel.bytes / hbm, dev.launch_overhead_s])
 
 
 def flash_rows(name: str) -> pd.DataFrame:
-    """Every measured fused-attention row of device ``name``, with its table's file name."""
+    """Every measured fused-attention row of device ``name``, with its table's file name and the flop
+    FlashAttention counts for it."""
     frames = []
     for path, kernel in FLASH_TABLES[name]:
         t = pd.read_csv(path)
         if kernel:
             t = t.assign(kernel=kernel, **{"pass": "fwd_bwd"})
         frames.append(t.assign(table=path.name))
-    return pd.concat(frames, ignore_index=True).rename(columns={"pass": "pass_"})
+    t = pd.concat(frames, ignore_index=True).rename(columns={"pass": "pass_"})
+    scale = t["pass_"].map(PASS_FLOP) * (1.0 - 0.5 * t["causal"])
+    return t.assign(flop=4.0 * FLASH_TOKENS * t["seq"] * FLASH_HIDDEN * scale)
+
+
+EFF_GRID = np.arange(300, 1001, 5) / 1000  # efficiencies tried
+OVERHEAD_K_GRID = range(0, 257, 32)  # overheads per score element tried, in steps of k
 
 
 def flash_fit(name: str) -> None:
     """The model's fused attention against the measured speed tables of device ``name``, and per kernel the
-    grid value of the efficiency (0.005 apart) that minimizes the mean absolute log ratio over its rows."""
+    grid values of its forward and backward efficiency (0.005 apart) and overhead k (32 apart) that minimize
+    the mean absolute log ratio over its rows. A kernel measured only forward and backward together gets one
+    efficiency for both; one measured at a single head dimension gets no overhead (the two are not told
+    apart there)."""
+    dev = load_device(name)
     cost = CostModel.load("dgx-a100-80g", software="torch")
-    node = dataclasses.replace(cost.cluster.node, device=load_device(name))
-    cost = dataclasses.replace(cost, cluster=dataclasses.replace(cost.cluster, node=node))
+    cost = dataclasses.replace(
+        cost, cluster=dataclasses.replace(cost.cluster, node=dataclasses.replace(cost.cluster.node, device=dev))
+    )
     rows = flash_rows(name)
-
-    def ratios(t: pd.DataFrame, eff: float) -> list[float]:
-        return [
-            flash_tflops(cost, eff, int(r.seq), bool(r.causal), int(r.head_dim), r.pass_) / r.tflops
-            for r in t.itertuples(index=False)
-        ]
-
-    gemm = cost.cluster.device.gemm
     for kernel, t in rows.groupby("kernel", sort=False):
-        now = gemm.attention(kernel)
-        grid = [(sum(abs(math.log(x)) for x in ratios(t, e / 1000)) / len(t), e / 1000) for e in range(300, 901, 5)]
-        err, best = min(grid)
+        apart = bool(set(t["pass_"]) - {"fwd_bwd"})
+        overheads = OVERHEAD_K_GRID if t["head_dim"].nunique() > 1 else (0,)
+        has_f = np.array(["fwd" in p for p in t["pass_"]], dtype=float)[:, None, None]
+        has_b = np.array(["bwd" in p for p in t["pass_"]], dtype=float)[:, None, None]
+        want = (t["flop"] / 1e12 / t["tflops"]).to_numpy()[:, None, None]  # measured seconds
+
+        def log_ratios(k0: int) -> np.ndarray:  # rows x forward efficiency x backward efficiency
+            secs = []
+            for ph in "FB":
+                parts = np.array(
+                    [flash_parts(cost, k0, int(r.seq), bool(r.causal), int(r.head_dim), ph) for r in t.itertuples()]
+                )
+                secs.append(np.maximum(parts[:, :1] / EFF_GRID[None, :], parts[:, 1:2]) + parts[:, 2:3])
+            model = has_f * secs[0][:, :, None] + has_b * secs[1][:, None, :]
+            return np.log(want / model)  # model TFLOP/s over measured
+
+        best = None
+        for k0 in overheads:
+            lr = log_ratios(k0)
+            err = np.abs(lr).mean(axis=0)
+            if not apart:
+                err = np.where(np.eye(len(EFF_GRID), dtype=bool), err, np.inf)
+            i, j = np.unravel_index(np.argmin(err), err.shape)
+            if best is None or err[i, j] < best[0]:
+                best = (err[i, j], k0, i, j, lr[:, i, j])
+        err, k0, i, j, lr = best
         print(
-            f"  {kernel} ({len(t)} rows): efficiency now {now:.3f}, mean |log ratio| "
-            f"{sum(abs(math.log(x)) for x in ratios(t, now)) / len(t):.4f}; grid best {best:.3f} ({err:.4f})"
+            f"  {kernel} ({len(t)} rows): now {dev.gemm.attention(kernel, False)} forward, "
+            f"{dev.gemm.attention(kernel, True)} backward (efficiency, overhead k); grid best forward "
+            f"{EFF_GRID[i]:.3f}, backward {EFF_GRID[j]:.3f}, overhead k {k0} (mean |log ratio| {err:.4f})"
         )
-        fitted = pd.Series(ratios(t, best), index=t.index)
+        fitted = pd.Series(np.exp(lr), index=t.index)
         for (table, pass_, causal, dim), g in t.groupby(["table", "pass_", "causal", "head_dim"], sort=False):
-            x = fitted[g.index]
-            cells = ", ".join(f"{int(s) // 1024}k {v:.2f}" for s, v in zip(g["seq"], x))
-            print(
-                f"    at {best:.3f}, model/measured, {table} {pass_} {'causal' if causal else 'full'} d{dim}: {cells}"
-            )
+            cells = ", ".join(f"{int(s) // 1024}k {v:.2f}" for s, v in zip(g["seq"], fitted[g.index]))
+            print(f"    model/measured there, {table} {pass_} {'causal' if causal else 'full'} d{dim}: {cells}")
 
 
 def main() -> None:

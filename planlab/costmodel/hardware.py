@@ -345,17 +345,24 @@ def _architecture(f: Fields) -> str:
     return val
 
 
-def _attention_efficiency(f: Fields) -> tuple[tuple[str, float], ...]:
-    """The device's ``attention_efficiency``: an object of fused attention kernel -> fraction of the dense
-    peak it reaches (each kernel one of :data:`ATTENTION_KERNELS`); () if not given."""
+def _attention_efficiency(f: Fields) -> tuple[tuple[str, float, float, int], ...]:
+    """The device's ``attention_efficiency``: an object of fused attention kernel (one of
+    :data:`ATTENTION_KERNELS`) -> ``{"forward": x, "backward": y, "overhead_k": k0}``: the fractions of the
+    dense peak its forward and its backward kernel reach, and its work per score element as ``k0`` more
+    steps of k (optional, 0); () if not given."""
     if "attention_efficiency" not in f.obj:
         return ()
     sub = f.sub("attention_efficiency")
+    out = []
     for kernel in sub.obj:
         if kernel not in ATTENTION_KERNELS:
             raise f.error("attention_efficiency", f"names kernel {kernel!r}; choose {choices(ATTENTION_KERNELS)}")
-    unit = "fraction of the dense peak the fused attention kernel reaches"
-    return tuple((kernel, sub.number(kernel, high=1.0, unit=unit)) for kernel in sub.obj)
+        passes = sub.sub(kernel)
+        passes.only({"forward", "backward", "overhead_k"})
+        unit = "fraction of the dense peak the fused attention kernel reaches"
+        forward, backward = (passes.number(key, high=1.0, unit=unit) for key in ("forward", "backward"))
+        out.append((kernel, forward, backward, passes.integer("overhead_k") if "overhead_k" in passes.obj else 0))
+    return tuple(out)
 
 
 def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
