@@ -13,8 +13,8 @@ the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS
 ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With
 ``--flash``: fused attention against the device's measured attention tables (A100: FlashAttention-2's
 forward and backward; H100: FlashAttention-2's, and FlashAttention-3's paper's FA2, cuDNN and FA3
-forward and backward), per kernel the grid value ``attention_efficiency`` comes from and the model's
-ratio to each measured bar at it. With ``--whole-waves`` the device's GEMMs pay whole
+forward and backward), per kernel the grid values ``attention_efficiency`` comes from (forward and
+backward efficiency, overhead per score element) and the model's ratio to each measured bar there. With ``--whole-waves`` the device's GEMMs pay whole
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
     .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash]
