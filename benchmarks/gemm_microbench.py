@@ -11,8 +11,10 @@ the two numbers of the A100 spec as they are derived: for each per-tile overhead
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
 ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With
-``--flash`` (A100): fused attention's forward and backward against FlashAttention-2's measured A100
-figure (``a100-sxm4-80gb-flash2-fwd-bwd.csv``) and the grid ``flash_efficiency`` comes from. With ``--whole-waves`` the device's GEMMs pay whole
+``--flash``: fused attention against the device's measured attention tables (A100: FlashAttention-2's
+forward and backward; H100: FlashAttention-2's, and FlashAttention-3's paper's FA2, cuDNN and FA3
+forward and backward), per kernel the grid values ``attention_efficiency`` comes from (forward and
+backward efficiency, overhead per score element) and the model's ratio to each measured bar there. With ``--whole-waves`` the device's GEMMs pay whole
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
     .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash]
@@ -23,6 +25,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from planlab.costmodel import CostModel
@@ -87,48 +90,105 @@ def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
         print(f"  predicted/measured by {name}: " + "; ".join(cells))
 
 
-FLASH_TABLE = MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv"
-FLASH_TOKENS, FLASH_HEADS = 16384, 16  # the FA2 benchmark: batch x sequence = 16k tokens, hidden 2048
+# Fused-attention speed tables per device (see microbench/README.md): each row a kernel ("flash2",
+# "cudnn", "flash3"), a pass ("fwd", "bwd" or "fwd_bwd"), a sequence, the causal mask or not, a head
+# dimension and TFLOP/s as FlashAttention counts them; a table without kernel or pass columns is one
+# kernel's forward and backward, named here
+FLASH_TABLES = {
+    "a100-80g": ((MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv", "flash2"),),
+    "a100-40g": ((MICROBENCH / "a100-sxm4-80gb-flash2-fwd-bwd.csv", "flash2"),),
+    "h100-80g": (
+        (MICROBENCH / "h100-sxm5-80gb-flash2-fwd-bwd.csv", "flash2"),
+        (MICROBENCH / "h100-sxm5-80gb-fa3-paper-attention.csv", ""),
+    ),
+}
+FLASH_TOKENS, FLASH_HIDDEN = 16384, 2048  # FlashAttention's benchmarks: batch x sequence = 16k tokens, hidden 2048
+PASS_PHASES = {"fwd": "F", "bwd": "B", "fwd_bwd": "FB"}
+PASS_FLOP = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # the backward counted as 2.5 forwards (FlashAttention-2)
 
 
-def flash_tflops(cost: CostModel, efficiency: float, seq: int, causal: bool, head_dim: int) -> float:
-    """Fused attention's forward and backward on the FlashAttention-2 benchmark's shapes as the cost model
-    prices them with ``flash_efficiency`` = ``efficiency``, in TFLOP/s as FA2 counts them (the causal half)."""
+def flash_parts(cost: CostModel, overhead_k: int, seq: int, causal: bool, head_dim: int, phase: str) -> np.ndarray:
+    """Fused attention's forward (``phase`` "F") or backward ("B") on FlashAttention's benchmark shapes as the
+    cost model prices it, in parts of its seconds: (compute at efficiency 1, memory floor, launch), so that at
+    efficiency ``e`` the pass takes ``max(compute / e, memory) + launch`` (the tile model's compute time is
+    inversely proportional to the efficiency)."""
     dev = cost.cluster.device
-    dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, flash_efficiency=efficiency))
-    cost = dataclasses.replace(
-        cost, cluster=dataclasses.replace(cost.cluster, node=dataclasses.replace(cost.cluster.node, device=dev))
-    )
-    batch = FLASH_TOKENS // seq
-    shapes = ((batch, FLASH_HEADS, seq, head_dim),) * 4
-    kernels = [k for ph in "FB" for k in op_kernels("attention", ph, shapes, 2, "torch", causal=causal).kernels]
-    flop = 4.0 * batch * FLASH_HEADS * seq * seq * head_dim * 3.5 * (0.5 if causal else 1.0)
-    return flop / sum(cost.kernel_time_s(k, "bf16") for k in kernels) / 1e12
+    spec = dataclasses.replace(dev.gemm, efficiency=1.0, tile_overhead_k=overhead_k)
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    shapes = ((FLASH_TOKENS // seq, FLASH_HIDDEN // head_dim, seq, head_dim),) * 4
+    (kernel,) = op_kernels("attention", phase, shapes, 2, "torch", causal=causal).kernels
+    b, m, n, k = kernel.gemm
+    peak = dev.peak_flops_per_s["bf16"]
+    compute_s = gemm_time_s(spec, batch=b, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=peak, hbm_bytes_per_s=math.inf)
+    return np.array([compute_s * kernel.computed, kernel.bytes / hbm, dev.launch_overhead_s])
+
+
+def flash_rows(name: str) -> pd.DataFrame:
+    """Every measured fused-attention row of device ``name``, with its table's file name and the flop
+    FlashAttention counts for it."""
+    frames = []
+    for path, kernel in FLASH_TABLES[name]:
+        t = pd.read_csv(path)
+        if kernel:
+            t = t.assign(kernel=kernel, **{"pass": "fwd_bwd"})
+        frames.append(t.assign(table=path.name))
+    t = pd.concat(frames, ignore_index=True).rename(columns={"pass": "pass_"})
+    scale = t["pass_"].map(PASS_FLOP) * (1.0 - 0.5 * t["causal"])
+    return t.assign(flop=4.0 * FLASH_TOKENS * t["seq"] * FLASH_HIDDEN * scale)
+
+
+EFF_GRID = np.arange(300, 1001, 5) / 1000  # efficiencies tried
+OVERHEAD_K_GRID = range(0, 257, 32)  # overheads per score element tried, in steps of k
 
 
 def flash_fit(name: str) -> None:
-    """The model's fused attention against FlashAttention-2's measured A100 figure, and the grid that gives
-    ``flash_efficiency``: the value that minimizes the mean absolute log ratio over both panels."""
+    """The model's fused attention against the measured speed tables of device ``name``, and per kernel the
+    grid values of its forward and backward efficiency (0.005 apart) and overhead k (32 apart) that minimize
+    the mean absolute log ratio over its rows. A kernel measured only forward and backward together gets one
+    efficiency for both; one measured at a single head dimension gets no overhead (the two are not told
+    apart there)."""
+    dev = load_device(name)
     cost = CostModel.load("dgx-a100-80g", software="torch")
     cost = dataclasses.replace(
-        cost,
-        cluster=dataclasses.replace(
-            cost.cluster, node=dataclasses.replace(cost.cluster.node, device=load_device(name))
-        ),
+        cost, cluster=dataclasses.replace(cost.cluster, node=dataclasses.replace(cost.cluster.node, device=dev))
     )
-    table = pd.read_csv(FLASH_TABLE)
+    rows = flash_rows(name)
+    for kernel, t in rows.groupby("kernel", sort=False):
+        apart = bool(set(t["pass_"]) - {"fwd_bwd"})
+        overheads = OVERHEAD_K_GRID if t["head_dim"].nunique() > 1 else (0,)
+        has_f = np.array(["fwd" in p for p in t["pass_"]], dtype=float)[:, None, None]
+        has_b = np.array(["bwd" in p for p in t["pass_"]], dtype=float)[:, None, None]
+        want = (t["flop"] / 1e12 / t["tflops"]).to_numpy()[:, None, None]  # measured seconds
 
-    def ratios(eff: float) -> list[float]:
-        return [
-            flash_tflops(cost, eff, int(r.seq), bool(r.causal), int(r.head_dim)) / r.tflops for r in table.itertuples()
-        ]
+        def log_ratios(k0: int) -> np.ndarray:  # rows x forward efficiency x backward efficiency
+            secs = []
+            for ph in "FB":
+                parts = np.array(
+                    [flash_parts(cost, k0, int(r.seq), bool(r.causal), int(r.head_dim), ph) for r in t.itertuples()]
+                )
+                secs.append(np.maximum(parts[:, :1] / EFF_GRID[None, :], parts[:, 1:2]) + parts[:, 2:3])
+            model = has_f * secs[0][:, :, None] + has_b * secs[1][:, None, :]
+            return np.log(want / model)  # model TFLOP/s over measured
 
-    now = cost.cluster.device.gemm.flash_efficiency or cost.cluster.device.gemm.efficiency
-    cells = [f"{'causal' if r.causal else 'full'} {r.seq}: {x:.3f}" for r, x in zip(table.itertuples(), ratios(now))]
-    print(f"  fused attention, model/measured TFLOP/s at efficiency {now:.3f}: " + "; ".join(cells))
-    grid = [(sum(abs(math.log(x)) for x in ratios(e / 1000)) / len(table), e / 1000) for e in range(500, 701, 5)]
-    err, best = min(grid)
-    print(f"  flash_efficiency on a grid of 0.005: {best:.3f} (mean |log ratio| {err:.4f})")
+        best = None
+        for k0 in overheads:
+            lr = log_ratios(k0)
+            err = np.abs(lr).mean(axis=0)
+            if not apart:
+                err = np.where(np.eye(len(EFF_GRID), dtype=bool), err, np.inf)
+            i, j = np.unravel_index(np.argmin(err), err.shape)
+            if best is None or err[i, j] < best[0]:
+                best = (err[i, j], k0, i, j, lr[:, i, j])
+        err, k0, i, j, lr = best
+        print(
+            f"  {kernel} ({len(t)} rows): now {dev.gemm.attention(kernel, False)} forward, "
+            f"{dev.gemm.attention(kernel, True)} backward (efficiency, overhead k); grid best forward "
+            f"{EFF_GRID[i]:.3f}, backward {EFF_GRID[j]:.3f}, overhead k {k0} (mean |log ratio| {err:.4f})"
+        )
+        fitted = pd.Series(np.exp(lr), index=t.index)
+        for (table, pass_, causal, dim), g in t.groupby(["table", "pass_", "causal", "head_dim"], sort=False):
+            cells = ", ".join(f"{int(s) // 1024}k {v:.2f}" for s, v in zip(g["seq"], fitted[g.index]))
+            print(f"    model/measured there, {table} {pass_} {'causal' if causal else 'full'} d{dim}: {cells}")
 
 
 def main() -> None:
@@ -136,10 +196,10 @@ def main() -> None:
     ap.add_argument("--device", default="a100-80g", choices=sorted(TABLES), help="built-in device with a table")
     ap.add_argument("--fit", action="store_true", help="print the k0 grid the spec's two numbers come from")
     ap.add_argument("--whole-waves", action="store_true", help="no stream-K: every wave is paid in whole")
-    ap.add_argument("--flash", action="store_true", help="fused attention against FlashAttention-2's A100 figure")
+    ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
     args = ap.parse_args()
-    if args.flash and not args.device.startswith("a100"):
-        ap.error(f"--flash compares with FlashAttention-2's A100 figure; got --device {args.device}")
+    if args.flash and args.device not in FLASH_TABLES:
+        ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
     dev = load_device(args.device)
     if args.whole_waves:
         dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, stream_k=False))

@@ -428,7 +428,16 @@ def test_unknown_software(name, fragments) -> None:
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
         (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
-        (dict(flash_efficiency=1.2), ["'device.flash_efficiency'", "(0, 1]", "fused attention"]),
+        (
+            dict(attention_efficiency={"flash2": {"forward": 1.2, "backward": 0.5}}),
+            ["'device.attention_efficiency.flash2.forward'", "(0, 1]", "fused attention"],
+        ),
+        (dict(attention_efficiency={"flash9": 0.5}), ["'device.attention_efficiency'", "'flash9'", "'cudnn'"]),
+        (
+            dict(attention_efficiency={"cudnn": {"forward": 0.5, "backward": 0.5, "overhead_k": 0.5}}),
+            ["'device.attention_efficiency.cudnn.overhead_k'", "integer >= 1"],
+        ),
+        (dict(architecture="pascal"), ["'device.architecture'", "'pascal'", "'hopper'"]),
         (dict(memory_MiB=-1), ["'device.memory_MiB'", "MiB of device memory as the driver reports it"]),
         (dict(default_precision="fp8"), ["'device.default_precision'", "'fp8'", "'bf16'"]),
     ],
@@ -636,7 +645,8 @@ def test_flash_attention_pays_no_gemm_tile_overhead() -> None:
     hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
     run = dict(batch=1, k=256, elem_bytes=2, peak_flops_per_s=312e12, hbm_bytes_per_s=hbm)
     # at FlashAttention-2's measured efficiency, not the GEMMs'
-    assert dev.gemm.flash_efficiency == 0.61
+    assert dev.architecture == "ampere" and cost.software.attention_kernel("ampere") == "flash2"
+    assert dev.gemm.attention("flash2", False) == dev.gemm.attention("flash2", True) == (0.61, 0)
     flash_spec = dataclasses.replace(free, efficiency=0.61)
     want_flash = gemm_time_s(flash_spec, m=shape[1], n=shape[1], **run) + dev.launch_overhead_s
     assert cost.kernel_time_s(flash, "bf16") == pytest.approx(want_flash)
@@ -699,3 +709,40 @@ def test_causal_attention_tasks_are_marked_and_priced_causal() -> None:
     long = tasks[0].but(shapes=tuple((*s[:-2], 2048, s[-1]) for s in tasks[0].shapes))
     cost = CostModel.load("dgx-a100-80g")
     assert cost.device_and_host_s(long, "bf16")[0] < cost.device_and_host_s(long.but(causal=False), "bf16")[0]
+
+
+def test_fused_attention_runs_the_software_s_kernel_for_the_device() -> None:
+    """On an H100, Megatron-Core (Transformer Engine) runs cuDNN's fused attention and torch's SDPA
+    FlashAttention-2, each at its measured forward and backward efficiency and overhead per score
+    element; a software that names no kernel prices the fused kernel at the GEMMs' efficiency. A
+    fused kernel's memory floor is its operands, not a GEMM's T x S output."""
+    shapes = ((2, 16, 4096, 128),) * 4
+    fwd = op_kernels("attention", "F", shapes, 2, "torch").kernels[0]
+    bwd = op_kernels("attention", "B", shapes, 2, "torch").kernels[0]
+    assert fwd.fused and bwd.fused and bwd.backward and not fwd.backward
+    assert fwd.bytes == 4 * 2 * 16 * 4096 * 128 * 2 and bwd.bytes == 2 * fwd.bytes
+
+    def priced(cost: CostModel, kernel: Kernel, efficiency: float, overhead_k: int) -> float:
+        dev = cost.cluster.device
+        at = dataclasses.replace(dev.gemm, tile_overhead_k=overhead_k, efficiency=efficiency)
+        b, m, n, k = kernel.gemm
+        flop_s = gemm_time_s(
+            at, batch=b, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=989e12, hbm_bytes_per_s=math.inf
+        )
+        hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+        return max(flop_s, kernel.bytes / hbm) + dev.launch_overhead_s
+
+    times = {}
+    for software in ("megatron", "torch"):
+        cost = CostModel.load("dgx-h100", software=software)
+        dev = cost.cluster.device
+        name = cost.software.attention_kernel(dev.architecture)
+        assert name == {"megatron": "cudnn", "torch": "flash2"}[software]
+        measured = {n: (f, b, k0) for n, f, b, k0 in dev.gemm.attention_efficiency}[name]
+        for kernel, eff in ((fwd, measured[0]), (bwd, measured[1])):
+            assert cost.kernel_time_s(kernel, "bf16") == pytest.approx(priced(cost, kernel, eff, measured[2]))
+        times[software] = sum(cost.kernel_time_s(k, "bf16") for k in (fwd, bwd))
+    assert times["megatron"] < times["torch"]  # cuDNN's kernels are the faster on Hopper
+    cost = CostModel.load("dgx-h100", software="torch")
+    none = dataclasses.replace(cost, software=dataclasses.replace(cost.software, attention_kernels=()))
+    assert none.kernel_time_s(fwd, "bf16") == pytest.approx(priced(cost, fwd, cost.cluster.device.gemm.efficiency, 0))

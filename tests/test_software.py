@@ -232,3 +232,28 @@ def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> Non
     sw = load_software("deepspeed-2021")
     # at least the host's time to issue the collective and its 8 per-rank copies
     assert min(issued[str(gathering)]) >= sw.host_collective_s + 8 * sw.host_launch_s
+
+
+@pytest.mark.parametrize(
+    "kernels, message",
+    [
+        ({"pascal": "flash2"}, "names architecture 'pascal'; choose"),
+        ({"hopper": "fa9"}, "'attention_kernels.hopper' is 'fa9'; choose"),
+    ],
+)
+def test_a_bad_attention_kernel_is_named_in_one_line(tmp_path, kernels, message) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "base": "megatron", "attention_kernels": kernels}))
+    with pytest.raises(ConfigError, match=message) as e:
+        load_software(path)
+    assert "\n" not in str(e.value)
+
+
+def test_attention_kernels_by_architecture() -> None:
+    """Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere;
+    torch's SDPA runs its FlashAttention-2 on both; a software's base passes the choice on."""
+    core, torch_sw = load_software("megatron"), load_software("torch")
+    assert (core.attention_kernel("hopper"), core.attention_kernel("ampere")) == ("cudnn", "flash2")
+    assert (torch_sw.attention_kernel("hopper"), torch_sw.attention_kernel("ampere")) == ("flash2", "flash2")
+    assert load_software("megatron-2024").attention_kernel("hopper") == "cudnn"
+    assert core.attention_kernel("volta") == ""

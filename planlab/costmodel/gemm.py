@@ -55,7 +55,19 @@ class GemmSpec:
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
     tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
     stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
-    flash_efficiency: float = 0.0  # the efficiency fused (flash) attention runs at (0: none measured, the GEMMs')
+    # each fused attention kernel ("flash2", "cudnn", ...) on this device as a kernel microbenchmark measured
+    # it: (kernel, forward efficiency, backward efficiency, overhead k: its work per score element, the
+    # softmax's exponential and rescaling, as that many more steps of k); a kernel not listed runs at the
+    # GEMMs' efficiency with no overhead
+    attention_efficiency: tuple[tuple[str, float, float, int], ...] = ()
+
+    def attention(self, kernel: str, backward: bool) -> tuple[float, int]:
+        """The efficiency fused attention kernel ``kernel`` runs at, its ``backward`` or its forward, and its
+        overhead k (the GEMMs' efficiency and none where no measurement is given)."""
+        for name, forward_eff, backward_eff, overhead_k in self.attention_efficiency:
+            if name == kernel:
+                return (backward_eff if backward else forward_eff), overhead_k
+        return self.efficiency, 0
 
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"

@@ -59,8 +59,12 @@ _DEVICE_FIELDS = {
     "gemm_tiles",
     "gemm_tile_overhead_k",
     "gemm_stream_k",
-    "flash_efficiency",
+    "attention_efficiency",
+    "architecture",
 }
+ARCHITECTURES = ("volta", "ampere", "hopper", "cdna3", "cpu")  # a device's generation, as software picks kernels by it
+# fused attention kernels: FlashAttention-2 and -3, cuDNN's fused attention
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
 _NODE_FIELDS = {
     "name",
     "description",
@@ -136,6 +140,7 @@ class DeviceSpec:
     host_overhead_s: float = 0.0  # the host's time to issue one operator: a floor on its time
     gemm: GemmSpec | None = None  # SMs, GEMM efficiency and tiles: GEMMs by tile and wave quantization
     default_precision: str = "bf16"  # the precision training software uses on it unless told otherwise
+    architecture: str = ""  # its generation (ARCHITECTURES; "": not stated), which software picks kernels by
 
     def __str__(self) -> str:
         best = max(self.peak_flops_per_s.items(), key=lambda kv: kv[1] if kv[0] != "fp8" else 0.0)
@@ -326,7 +331,38 @@ def _device_from(f: Fields, name: str) -> DeviceSpec:
         host_overhead_s=f.unit("host_overhead_us", "us", strict=False) * _US if "host_overhead_us" in f.obj else 0.0,
         gemm=_gemm_from(f) if "sm_count" in f.obj else None,
         default_precision=_default_precision(f, peaks),
+        architecture=_architecture(f),
     )
+
+
+def _architecture(f: Fields) -> str:
+    """The device's ``architecture`` (one of :data:`ARCHITECTURES`; "" if not given)."""
+    if "architecture" not in f.obj:
+        return ""
+    val = f.get("architecture")
+    if val not in ARCHITECTURES:
+        raise f.error("architecture", f"is {val!r}; choose {choices(ARCHITECTURES)}")
+    return val
+
+
+def _attention_efficiency(f: Fields) -> tuple[tuple[str, float, float, int], ...]:
+    """The device's ``attention_efficiency``: an object of fused attention kernel (one of
+    :data:`ATTENTION_KERNELS`) -> ``{"forward": x, "backward": y, "overhead_k": k0}``: the fractions of the
+    dense peak its forward and its backward kernel reach, and its work per score element as ``k0`` more
+    steps of k (optional, 0); () if not given."""
+    if "attention_efficiency" not in f.obj:
+        return ()
+    sub = f.sub("attention_efficiency")
+    out = []
+    for kernel in sub.obj:
+        if kernel not in ATTENTION_KERNELS:
+            raise f.error("attention_efficiency", f"names kernel {kernel!r}; choose {choices(ATTENTION_KERNELS)}")
+        passes = sub.sub(kernel)
+        passes.only({"forward", "backward", "overhead_k"})
+        unit = "fraction of the dense peak the fused attention kernel reaches"
+        forward, backward = (passes.number(key, high=1.0, unit=unit) for key in ("forward", "backward"))
+        out.append((kernel, forward, backward, passes.integer("overhead_k") if "overhead_k" in passes.obj else 0))
+    return tuple(out)
 
 
 def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
@@ -344,7 +380,7 @@ def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
 
 def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
-    optional ``gemm_tiles``, ``gemm_tile_overhead_k``, ``gemm_stream_k`` and ``flash_efficiency``); the rest are required
+    optional ``gemm_tiles``, ``gemm_tile_overhead_k``, ``gemm_stream_k`` and ``attention_efficiency``); the rest are required
     once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
@@ -355,17 +391,13 @@ def _gemm_from(f: Fields) -> GemmSpec:
         else 0.0
     )
     over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
-    flash = (
-        f.number("flash_efficiency", high=1.0, unit="fraction of the dense peak fused attention reaches")
-        if "flash_efficiency" in f.obj
-        else 0.0
-    )
+    flash = _attention_efficiency(f)
     stream_k = f.obj.get("gemm_stream_k", False)
     if not isinstance(stream_k, bool):
         raise f.error("gemm_stream_k", f"must be true or false, got {stream_k!r}")
     if "gemm_tiles" not in f.obj:
         return GemmSpec(
-            sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k, flash_efficiency=flash
+            sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k, attention_efficiency=flash
         )
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
@@ -388,7 +420,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         efficiency_fp8=eff8,
         tile_overhead_k=over_k,
         stream_k=stream_k,
-        flash_efficiency=flash,
+        attention_efficiency=flash,
     )
 
 

@@ -82,8 +82,8 @@ FLASH_BLOCKS = {
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel: a batched GEMM ``(batch, m, n, k)`` or a memory-bound pass moving ``bytes``;
-    ``weight`` marks a backward kernel that computes or accumulates a weight's gradient."""
+    """One kernel: a batched GEMM ``(batch, m, n, k)`` or a memory-bound pass moving ``bytes`` (a fused
+    kernel priced as a GEMM: ``bytes`` is its memory traffic, which bounds its time); ``weight`` marks a backward kernel that computes or accumulates a weight's gradient."""
 
     name: str
     bytes: float = 0.0
@@ -92,6 +92,7 @@ class Kernel:
     fp8: bool = False  # a GEMM on FP8 operands (the device's FP8 peak and efficiency)
     fused: bool = False  # a fused kernel priced as a GEMM of its flop (flash attention): no per-tile k overhead
     computed: float = 1.0  # the share of its blocks the kernel computes (a causal flash kernel skips the masked ones)
+    backward: bool = False  # a fused kernel's backward (its own kernel, at its own measured efficiency)
 
     def __str__(self) -> str:
         if self.gemm:
@@ -141,9 +142,18 @@ def _gemm(
     fp8: bool = False,
     fused: bool = False,
     computed: float = 1.0,
+    nbytes: float = 0.0,
+    backward: bool = False,
 ) -> Kernel:
     return Kernel(
-        name, gemm=(int(batch), int(m), int(n), int(k)), weight=weight, fp8=fp8, fused=fused, computed=computed
+        name,
+        bytes=float(nbytes),
+        gemm=(int(batch), int(m), int(n), int(k)),
+        weight=weight,
+        fp8=fp8,
+        fused=fused,
+        computed=computed,
+        backward=backward,
     )
 
 
@@ -261,11 +271,33 @@ def _attention(phase, shapes, eb, impl, fused_softmax=True, causal=False):
     bh = _n(q[:-2])
     scores = bh * t * s  # elements of the T x S score matrix, over batch and heads
     if impl != "megatron":  # one fused (flash) kernel each way, priced as a GEMM of the same flop; its
-        # blocks loop over the keys, so its prologue and epilogue are not paid per T x S tile of d + e
+        # blocks loop over the keys, so its prologue and epilogue are not paid per T x S tile of d + e.
+        # It writes no score matrix: its memory traffic is its operands, read or written once (forward:
+        # Q, K, V in, O out; backward: Q, K, V, O, dO in, dQ, dK, dV out; Dao, FlashAttention-2, 2023,
+        # algorithms 1 and 2), not a GEMM's T x S output
         share = flash_causal_share(t, s, max(d, e), phase != "F") if causal else 1.0
+        operands = (_n(q) + _n(kk) + _n(v) + _n(o)) * eb
         if phase == "F":
-            return OpKernels((_gemm("flash-attention", bh, t, s, d + e, fused=True, computed=share),), 1)
-        return OpKernels((_gemm("flash-attention-bwd", bh, t, s, int(2.5 * (d + e)), fused=True, computed=share),), 1)
+            return OpKernels(
+                (_gemm("flash-attention", bh, t, s, d + e, fused=True, computed=share, nbytes=operands),), 1
+            )
+        k_bwd = int(2.5 * (d + e))
+        return OpKernels(
+            (
+                _gemm(
+                    "flash-attention-bwd",
+                    bh,
+                    t,
+                    s,
+                    k_bwd,
+                    fused=True,
+                    computed=share,
+                    nbytes=2 * operands,
+                    backward=True,
+                ),
+            ),
+            1,
+        )
     ctx = _n(o) * eb
     softmax = (
         _megatron_softmax(phase, bh, t, s, scores, eb)

@@ -319,8 +319,16 @@ class CostModel:
         spec = dev.gemm
         if kernel.fp8 and spec.efficiency_fp8:
             spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
-        if kernel.fused:  # flash attention: no per-tile overhead (a tiled GEMM's, cuBLAS's), its own efficiency
-            spec = dataclasses.replace(spec, tile_overhead_k=0, efficiency=spec.flash_efficiency or spec.efficiency)
+        if kernel.fused:  # fused attention: the kernel's own efficiency and overhead per score element (in place
+            # of a tiled GEMM's per-tile overhead, cuBLAS's), and its own memory traffic (no T x S output) as the floor
+            chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device
+            efficiency, overhead_k = spec.attention(chosen, kernel.backward)
+            spec = dataclasses.replace(spec, tile_overhead_k=overhead_k, efficiency=efficiency)
+            peak = compute.peak_flops_per_s(dev, dtype)
+            flop_s = gemm_time_s(
+                spec, batch=b, m=m, n=n, k=k, elem_bytes=eb, peak_flops_per_s=peak, hbm_bytes_per_s=math.inf
+            )
+            return max(flop_s * kernel.computed, kernel.bytes / hbm) + dev.launch_overhead_s
         return (
             gemm_time_s(
                 spec,

@@ -45,6 +45,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
     implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
     ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
+``attention_kernels``
+    which fused attention kernel the software runs on each device architecture: an object of
+    architecture (``ampere``, ``hopper``, ...; a device's ``architecture``) -> kernel (``flash2``,
+    ``flash3``, ``cudnn``), priced at the device's ``attention_efficiency`` of that kernel (an
+    architecture not listed, or a kernel the device has no measurement of: the GEMMs' efficiency);
 ``fused_glu``
     a gated linear unit's activation and product run as one kernel that keeps only its input, the
     gate and up projections' outputs, for the backward, which computes the activation again
@@ -104,6 +109,7 @@ from pathlib import Path
 from typing import Mapping
 
 from planlab.costmodel.fields import Fields, read_json
+from planlab.costmodel.hardware import ARCHITECTURES, ATTENTION_KERNELS
 from planlab.costmodel.precision import PRECISIONS, Precision
 from planlab.errors import ConfigError, choices
 
@@ -136,6 +142,7 @@ _FIELDS = {
     "sequence_parallel_saves_shard",
     "fused_softmax",
     "fused_attention",
+    "attention_kernels",
     "fused_glu",
     "routing_weights_in_experts",
     "expert_dispatch",
@@ -204,6 +211,7 @@ class SoftwareSpec:
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
     fused_attention: bool = False
+    attention_kernels: tuple[tuple[str, str], ...] = ()  # (device architecture, fused attention kernel)
     fused_glu: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
@@ -228,6 +236,10 @@ class SoftwareSpec:
     def attention_fused(self) -> bool:
         """Whether the attention core runs as one fused (flash) kernel each way (``fused_attention``)."""
         return self.implementation != "megatron" or self.fused_attention
+
+    def attention_kernel(self, architecture: str) -> str:
+        """The fused attention kernel the software runs on a device of ``architecture`` ("" if none is named)."""
+        return dict(self.attention_kernels).get(architecture, "")
 
     def __str__(self) -> str:
         return self.name
@@ -325,6 +337,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
+        attention_kernels=_attention_kernels(f),
         fused_glu=_flag(f, "fused_glu", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
@@ -343,6 +356,21 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         memory=_memory(f.sub("memory")) if "memory" in f.obj else MemoryReserve(),
         path=path,
     )
+
+
+def _attention_kernels(f: Fields) -> tuple[tuple[str, str], ...]:
+    """The ``attention_kernels`` object: device architecture -> fused attention kernel; () if not given."""
+    if "attention_kernels" not in f.obj:
+        return ()
+    sub = f.sub("attention_kernels")
+    out = []
+    for arch, kernel in sub.obj.items():
+        if arch not in ARCHITECTURES:
+            raise f.error("attention_kernels", f"names architecture {arch!r}; choose {choices(ARCHITECTURES)}")
+        if kernel not in ATTENTION_KERNELS:
+            raise sub.error(arch, f"is {kernel!r}; choose {choices(ATTENTION_KERNELS)}")
+        out.append((arch, kernel))
+    return tuple(out)
 
 
 def _precisions(f: Fields) -> dict[str, Precision]:
