@@ -9,6 +9,7 @@ then frees), so its peak is the simulated peak less the static bytes up to what 
 collectives hold at the simulated moment.
 
     .venv/bin/python benchmarks/memory_breakdown.py --set megatron-core-moe-h100 [--row NAME] [--top 8]
+        [--knob KNOB=VALUE ...]   (a what-if: e.g. --knob pipeline_group=4)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _maker(b, graph) -> str:
     return op.kind if op is not None else ""
 
 
-def report(row, top: int) -> None:
+def report(row, top: int, overrides: dict) -> None:
     per_node = load_cluster(row.cluster).node.devices_per_node
     setup = Setup(
         row.spec(),
@@ -69,10 +70,12 @@ def report(row, top: int) -> None:
         precision=row.precision_arg,
     )
     ctx, cost, graph = make_context(setup)
-    plan = get_space("megatron").build(ctx, row.knobs())
+    knobs = {**row.knobs(), **overrides}
+    plan = get_space("megatron").build(ctx, knobs)
     mem = cost.software.memory
     cap = cost.cluster.device.memory_bytes
-    print(f"\n== {row.row}: {row.model} on {row.gpus} x {cost.cluster.device.name}, software {cost.software}")
+    what_if = "".join(f", {k}={v}" for k, v in overrides.items())
+    print(f"\n== {row.row}{what_if}: {row.model} on {row.gpus} x {cost.cluster.device.name}, software {cost.software}")
     print(
         f"   capacity {cap / GiB:.2f} GiB - CUDA context {mem.cuda_context_bytes / MiB:.0f} MiB - NCCL "
         f"{mem.nccl_bytes / MiB:.0f} MiB - workspace {mem.workspace_bytes / MiB:.0f} MiB, x (1 - fragmentation "
@@ -107,7 +110,16 @@ def main() -> None:
     ap.add_argument("--row", default=None, help="one row of the set (default: every runnable row)")
     ap.add_argument("--top", type=int, default=8, help="how many (kind, maker) groups to print per device class")
     ap.add_argument("--data", default=str(DATA), help="the folder of the sets")
+    ap.add_argument(
+        "--knob", action="append", default=[], metavar="KNOB=VALUE", help="a what-if: change one of the row's knobs"
+    )
     args = ap.parse_args()
+    overrides = {}
+    for text in args.knob:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--knob {text!r}: expected KNOB=VALUE, e.g. pipeline_group=4")
+        overrides[key.strip()] = value.strip()
     (s,) = load_sets(args.data, [args.set])
     rows = [r for r in s.rows if r.runnable and (args.row is None or r.row == args.row)]
     if not rows:
@@ -115,7 +127,7 @@ def main() -> None:
             f"no runnable row {args.row!r} in set {args.set!r}; choose from {[r.row for r in s.rows if r.runnable]}"
         )
     for row in rows:
-        report(row, args.top)
+        report(row, args.top, overrides)
 
 
 if __name__ == "__main__":
