@@ -531,11 +531,11 @@ class PipelineParallel(Space):
         *uneven_stage_knobs(),
         Knob.int(
             "pipeline_group",
-            lambda c: tuple(range(0, 257)),
+            lambda c: (0,) + tuple(divisors(c.global_batch)),  # N divides the micro-batches, which divide the batch
             "interleaved schedule: micro-batches each model chunk runs in a row (Llama 3's N; 0: pp)",
             default=0,
             pinned=True,
-            range="0 (pp, Megatron-LM's depth-first order) or a divisor of the micro-batches up to 256",
+            range="0 (pp, Megatron-LM's depth-first order) or a divisor of the micro-batches",
         ),
     )
     constraints = (
