@@ -9,6 +9,7 @@ then frees), so its peak is the simulated peak less the static bytes up to what 
 collectives hold at the simulated moment.
 
     .venv/bin/python benchmarks/memory_breakdown.py --set megatron-core-moe-h100 [--row NAME] [--top 8]
+        [--knob KNOB=VALUE ...]   (a what-if: e.g. --knob pipeline_group=4)
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def _maker(b, graph) -> str:
     return op.kind if op is not None else ""
 
 
-def row_plan(row):
-    """``(cost model, graph, plan)`` of a published row, built as ``validate_published.py`` builds it."""
+def row_plan(row, overrides: dict | None = None):
+    """``(cost model, graph, plan)`` of a published row, built as ``validate_published.py`` builds it,
+    with ``overrides`` (knob: value, the ``--knob`` what-ifs) in place of the row's own knobs."""
     per_node = load_cluster(row.cluster).node.devices_per_node
     setup = Setup(
         row.spec(),
@@ -71,15 +73,16 @@ def row_plan(row):
         precision=row.precision_arg,
     )
     ctx, cost, graph = make_context(setup)
-    plan = get_space("megatron").build(ctx, row.knobs())
+    plan = get_space("megatron").build(ctx, {**row.knobs(), **(overrides or {})})
     return cost, graph, plan
 
 
-def report(row, top: int) -> None:
-    cost, graph, plan = row_plan(row)
+def report(row, top: int, overrides: dict) -> None:
+    cost, graph, plan = row_plan(row, overrides)
     mem = cost.software.memory
     cap = cost.cluster.device.memory_bytes
-    print(f"\n== {row.row}: {row.model} on {row.gpus} x {cost.cluster.device.name}, software {cost.software}")
+    what_if = "".join(f", {k}={v}" for k, v in overrides.items())
+    print(f"\n== {row.row}{what_if}: {row.model} on {row.gpus} x {cost.cluster.device.name}, software {cost.software}")
     print(
         f"   capacity {cap / GiB:.2f} GiB - CUDA context {mem.cuda_context_bytes / MiB:.0f} MiB - NCCL "
         f"{mem.nccl_bytes / MiB:.0f} MiB - workspace {mem.workspace_bytes / MiB:.0f} MiB, x (1 - fragmentation "
@@ -110,9 +113,18 @@ def report(row, top: int) -> None:
 
 def run_rows(ap: argparse.ArgumentParser, report_row) -> None:
     """Parse the command line of a per-row breakdown (``ap`` with its ``--set``, ``--row`` and
-    ``--top``; ``--data`` added here) and run ``report_row(set, row, top)`` for each runnable row."""
+    ``--top``; ``--data`` added here) and run ``report_row(set, row, top, overrides)`` for each runnable row."""
     ap.add_argument("--data", default=str(DATA), help="the folder of the sets")
+    ap.add_argument(
+        "--knob", action="append", default=[], metavar="KNOB=VALUE", help="a what-if: change one of the row's knobs"
+    )
     args = ap.parse_args()
+    overrides = {}
+    for text in args.knob:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--knob {text!r}: expected KNOB=VALUE, e.g. pipeline_group=4")
+        overrides[key.strip()] = value.strip()
     try:
         (s,) = load_sets(args.data, [args.set])
     except ConfigError as e:
@@ -123,7 +135,7 @@ def run_rows(ap: argparse.ArgumentParser, report_row) -> None:
             f"no runnable row {args.row!r} in set {args.set!r}; choose from {[r.row for r in s.rows if r.runnable]}"
         )
     for row in rows:
-        report_row(s, row, args.top)
+        report_row(s, row, args.top, overrides)
 
 
 if __name__ == "__main__":
@@ -131,4 +143,4 @@ if __name__ == "__main__":
     parser.add_argument("--set", required=True, metavar="NAME", help="a set of benchmarks/data")
     parser.add_argument("--row", default=None, help="one row of the set (default: every runnable row)")
     parser.add_argument("--top", type=int, default=8, help="how many (kind, maker) groups to print per device class")
-    run_rows(parser, lambda s, row, top: report(row, top))
+    run_rows(parser, lambda s, row, top, overrides: report(row, top, overrides))

@@ -53,8 +53,8 @@ def kind_of(task, expert_ops: frozenset[str]) -> str:
     return f"element-wise ({op or task.kind.name.lower()})"
 
 
-def report(s, row, top: int) -> None:
-    cost, graph, plan = row_plan(row)
+def report(s, row, top: int, overrides: dict) -> None:
+    cost, graph, plan = row_plan(row, overrides)
     program = build_program(plan, graph, cost)
     res = simulate(program, cost, model_flops=training_flops(graph), timeline=True)
     expert_ops = frozenset(

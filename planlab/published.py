@@ -74,7 +74,17 @@ COLUMNS = (
 # degree) and uneven pipeline stages (first_stage_layers, last_stage_layers, empty or 0: an even share)
 # and the modules recomputed besides recompute's (recompute_modules: Megatron-Core's --recompute-modules
 # names separated by spaces, each a recompute_<name> knob of planlab.search_spaces.recompute_modules)
-OPTIONAL_COLUMNS = ("ep", "etp", "first_stage_layers", "last_stage_layers", "cp_kind", "recompute_modules")
+# and the interleaved schedule's micro-batches a chunk runs in a row (pipeline_group: Llama 3's N, the knob of
+# planlab.search_spaces.schedules.interleaved_1f1b; empty or 0: pp, Megatron-LM's order)
+OPTIONAL_COLUMNS = (
+    "ep",
+    "etp",
+    "first_stage_layers",
+    "last_stage_layers",
+    "cp_kind",
+    "recompute_modules",
+    "pipeline_group",
+)
 RECOMPUTE_MODULES = ("moe_act", "mlp", "mla_up_proj")
 CP_KINDS = ("a2a", "ring", "allgather")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
 METRICS = (
@@ -96,6 +106,7 @@ SOFTWARE = (
     "deepspeed",
     "deepspeed-2021",
     "torch",
+    "torch-2024",
 )
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")
@@ -140,6 +151,7 @@ class PublishedRow:
     last_stage_layers: int = 0
     cp_kind: str = ""  # context parallelism's attention (the cp_kind knob); empty: the default, a2a
     recompute_modules: tuple[str, ...] = ()  # each sets knob recompute_<name> (RECOMPUTE_MODULES)
+    pipeline_group: int = 0  # interleaved: micro-batches a chunk runs in a row (Llama 3's N); 0: pp
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -182,6 +194,7 @@ class PublishedRow:
                     ("first_stage_layers", self.first_stage_layers),
                     ("last_stage_layers", self.last_stage_layers),
                     ("cp_kind", self.cp_kind),
+                    ("pipeline_group", self.pipeline_group),
                 )
                 if v
             },
@@ -414,8 +427,9 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         note=r["note"],
         ep=num("ep", optional=True) or 1 if "ep" in r else 1,
         etp=num("etp", optional=True) if "etp" in r else None,
-        first_stage_layers=_stage_layers(r, "first_stage_layers", where),
-        last_stage_layers=_stage_layers(r, "last_stage_layers", where),
+        first_stage_layers=_count(r, "first_stage_layers", where, "a layer count (empty or 0: an even share)"),
+        last_stage_layers=_count(r, "last_stage_layers", where, "a layer count (empty or 0: an even share)"),
+        pipeline_group=_count(r, "pipeline_group", where, "a number of micro-batches (empty or 0: pp)"),
         cp_kind=_cp_kind(r, where),
         recompute_modules=_recompute_modules(r, where),
         **ints,
@@ -436,12 +450,13 @@ def _cp_kind(r: dict, where: str) -> str:
     return text
 
 
-def _stage_layers(r: dict, col: str, where: str) -> int:
+def _count(r: dict, col: str, where: str, expected: str) -> int:
+    """An optional count column (empty: 0)."""
     text = (r.get(col) or "").strip()
     if not text:
         return 0
     if not text.isdigit():
-        raise ConfigError(f"{where}: column {col!r} is {text!r}; expected a layer count (empty or 0: an even share)")
+        raise ConfigError(f"{where}: column {col!r} is {text!r}; expected {expected}")
     return int(text)
 
 

@@ -173,15 +173,19 @@ def test_uneven_stage_columns_reach_the_plan_and_bad_ones_are_config_errors(tmp_
         (3,) + (4,) * 14 + (2,)
     )
     assert [r.knobs().get("cp_kind") for r in llama.rows] == [None, None, "allgather"]  # the 131K row's, as Llama 3
+    assert [r.knobs()["pipeline_group"] for r in llama.rows] == [16, 16, 16]  # N, as PyTorch's schedule picks it
     for ext in ("json", "csv"):
         shutil.copy(DATA / f"llama3-2024.{ext}", tmp_path / f"llama3-2024.{ext}")
     csv_path = tmp_path / "llama3-2024.csv"
     text = csv_path.read_text()
-    csv_path.write_text(text.replace(",1,7,7,,8,interleaved,", ",1,7,x,,8,interleaved,", 1))
+    csv_path.write_text(text.replace(",1,7,7,,16,8,interleaved,", ",1,7,x,,16,8,interleaved,", 1))
     with pytest.raises(ConfigError, match="'last_stage_layers' is 'x'"):
         load_set(tmp_path / "llama3-2024.json")
     csv_path.write_text(text.replace(",7,7,allgather,", ",7,7,wide,", 1))
     with pytest.raises(ConfigError, match=r"'cp_kind' is 'wide'; choose 'a2a', 'ring' or 'allgather'"):
+        load_set(tmp_path / "llama3-2024.json")
+    csv_path.write_text(text.replace(",7,7,allgather,16,", ",7,7,allgather,sixteen,", 1))
+    with pytest.raises(ConfigError, match=r"'pipeline_group' is 'sixteen'; expected a number of micro-batches"):
         load_set(tmp_path / "llama3-2024.json")
     swapped = text.replace("first_stage_layers,last_stage_layers", "last_stage_layers,first_stage_layers", 1)
     csv_path.write_text(swapped)

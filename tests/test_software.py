@@ -184,6 +184,24 @@ def test_a_software_file_with_a_base_gives_only_what_differs(tmp_path) -> None:
     assert sw.precision("bf16") == core.precision("bf16") and not sw.routing_weights_in_experts
 
 
+def test_torch_2024_runs_torchtitans_eager_rms_norm() -> None:
+    """``torch-2024`` is ``torch`` with torchtitan's 2024 eager RMSNorm: eight kernels forward, the
+    fp32 round trip moving several times the bytes of one fused pass each way; other kinds unchanged."""
+    now, then = load_software("torch"), load_software("torch-2024")
+    assert now.fused_rms_norm and not then.fused_rms_norm
+    assert dataclasses.replace(then, name=now.name, path=now.path, fused_rms_norm=True) == now
+    shapes = ((1, 4096, 4096), (4096,), (1, 4096, 4096))
+    n = 4096 * 4096
+    for phase, kernels, at_least in (("F", 8, 8), ("B", 13, 7)):
+        fused = op_kernels("rms_norm", phase, shapes, 2, "torch")
+        eager = op_kernels("rms_norm", phase, shapes, 2, "torch", fused_rms_norm=False)
+        assert len(eager.kernels) == kernels and len(fused.kernels) < kernels
+        assert sum(k.bytes for k in eager.kernels) > at_least * sum(k.bytes for k in fused.kernels) > at_least * 2 * n
+    assert op_kernels("linear", "F", ((1, 8, 16), (32, 16), (1, 8, 32)), 2, "torch", fused_rms_norm=False) == (
+        op_kernels("linear", "F", ((1, 8, 16), (32, 16), (1, 8, 32)), 2, "torch")
+    )
+
+
 @pytest.mark.parametrize(
     "base, message",
     [

@@ -191,6 +191,7 @@ def op_kernels(
     fused_softmax: bool = True,
     fused_attention: bool = False,
     causal: bool = False,
+    fused_rms_norm: bool = True,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -199,7 +200,8 @@ def op_kernels(
     roofline prices those). ``fused_softmax`` False: Megatron's attention masks and normalizes its
     scores in separate kernels (:func:`unfused_softmax_2019`); ``fused_attention`` True: Megatron's
     attention runs fused, as ``torch``'s does; ``causal``: the attention is causal, so a fused
-    kernel skips the blocks its mask hides (:func:`flash_causal_share`). A formula that fails on the shapes
+    kernel skips the blocks its mask hides (:func:`flash_causal_share`); ``fused_rms_norm`` False:
+    RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -211,6 +213,8 @@ def op_kernels(
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
             return _linear_fp8(phase, shapes, eb, implementation)
+        if kind == "rms_norm" and not fused_rms_norm:
+            return eager_rms_norm(phase, shapes, eb)
         return _KINDS[kind](phase, shapes, eb, implementation)
     except (IndexError, ValueError, ZeroDivisionError, TypeError, KeyError) as e:
         raise KernelFormulaError(
@@ -394,6 +398,56 @@ def _layer_norm(phase, shapes, eb, impl):
     if params:
         ks.append(_pass("layer-norm-dweight", 2 * n * eb, True))
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
+
+
+def eager_rms_norm(phase: str, shapes, eb: int) -> OpKernels:
+    """torchtitan's 2024 ``RMSNorm`` (torchtitan/models/norms.py at 3faaa1a0d and 9dec370, norm_type
+    "rmsnorm"): ``(x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w``,
+    one eager kernel per operation. Forward (``n`` elements, ``eb`` bytes each, fp32 4): the cast to
+    fp32, ``pow``, ``mean``, ``+ eps`` and ``rsqrt`` (one value per row), the product, the cast back,
+    the product by the weight. Backward, autograd's kernels in reverse: the weight product's two
+    gradients (the input's, and the weight's product and sum over rows), the cast back's (to fp32),
+    the normalizing product's two (the input's, and ``rsqrt``'s: a product and a sum over the row),
+    ``rsqrt``'s, the mean's (broadcast over the row), ``pow``'s (``2 x`` times the gradient), the sum of
+    the input's two gradients, and the cast's (to 16 bits); then the weight's accumulation."""
+    x = shapes[0]
+    n = _n(x)
+    w = shapes[1] if len(shapes) > 2 else None
+    rows = n // max(1, x[-1])
+    f32 = 4
+    if phase == "F":
+        ks = [
+            _pass("to-fp32", n * (eb + f32)),
+            _pass("pow", 2 * n * f32),
+            _pass("mean", n * f32 + rows * f32),
+            _pass("add-eps", 2 * rows * f32),
+            _pass("rsqrt", 2 * rows * f32),
+            _pass("normalize", 2 * n * f32 + rows * f32),
+            _pass("to-half", n * (f32 + eb)),
+        ]
+        if w is not None:
+            ks.append(_pass("weight-mul", 3 * n * eb))
+        return OpKernels(tuple(ks), len(ks))
+    ks = []
+    if w is not None:
+        ks += [
+            _pass("weight-mul-dx", 2 * n * eb),
+            _pass("weight-mul-dw", 3 * n * eb, True),
+            _pass("weight-mul-dw-sum", n * eb, True),
+        ]
+    ks += [
+        _pass("to-half-bwd", n * (eb + f32)),
+        _pass("normalize-dx", 2 * n * f32 + rows * f32),
+        _pass("normalize-drsqrt", 3 * n * f32),
+        _pass("normalize-drsqrt-sum", n * f32 + rows * f32),
+        _pass("rsqrt-bwd", 3 * rows * f32),
+        _pass("mean-bwd", n * f32 + rows * f32),
+        _pass("pow-bwd", 3 * n * f32),
+        _pass("add-grads", 3 * n * f32),
+        _pass("to-fp32-bwd", n * (f32 + eb)),
+    ]
+    acc = _accumulate([w], eb) if w is not None else []
+    return OpKernels(tuple(ks + acc), len(ks) + len(acc))
 
 
 def _elementwise(reads_f: float, reads_b: float):

@@ -281,6 +281,7 @@ class CostModel:
                 sw.fused_softmax,
                 sw.fused_attention,
                 task.causal,
+                sw.fused_rms_norm,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None

@@ -56,6 +56,13 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     (Megatron-Core's ``bias_swiglu_impl`` / ``bias_geglu_impl``): the activation's output is not
     kept (:mod:`planlab.plan.saved`). False (the default): the product keeps the activation's
     output, as PyTorch's autograd does for ``F.silu(x @ w1) * (x @ w3)``;
+``fused_rms_norm``
+    RMSNorm runs as one kernel each way (true, the default: Megatron-Core's Transformer Engine / apex
+    kernels, torchtitan's Triton ``fused_rmsnorm``, PyTorch's own fused ``rms_norm`` in recent
+    releases) or as eager PyTorch's composite of element-wise kernels (false: torchtitan's 2024
+    ``RMSNorm``, ``x * rsqrt(x.float().pow(2).mean(-1) + eps)``, back to 16 bits, times the weight,
+    and autograd's kernels for each; :func:`planlab.costmodel.kernels.eager_rms_norm`); time only:
+    what the eager norm keeps for its backward (its fp32 copy of the input) is not counted;
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -144,6 +151,7 @@ _FIELDS = {
     "fused_attention",
     "attention_kernels",
     "fused_glu",
+    "fused_rms_norm",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -213,6 +221,7 @@ class SoftwareSpec:
     fused_attention: bool = False
     attention_kernels: tuple[tuple[str, str], ...] = ()  # (device architecture, fused attention kernel)
     fused_glu: bool = False
+    fused_rms_norm: bool = True
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -339,6 +348,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_attention=_flag(f, "fused_attention", False),
         attention_kernels=_attention_kernels(f),
         fused_glu=_flag(f, "fused_glu", False),
+        fused_rms_norm=_flag(f, "fused_rms_norm", True),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),

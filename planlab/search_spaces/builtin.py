@@ -529,6 +529,14 @@ class PipelineParallel(Space):
             range="1, 2, 3, 4, 6 or 8 that divide the layers (or the layers + 2 or + 3, with uneven end stages)",
         ),
         *uneven_stage_knobs(),
+        Knob.int(
+            "pipeline_group",
+            lambda c: (0,) + tuple(divisors(c.global_batch)),  # N divides the micro-batches, which divide the batch
+            "interleaved schedule: micro-batches each model chunk runs in a row (Llama 3's N; 0: pp)",
+            default=0,
+            pinned=True,
+            range="0 (pp, Megatron-LM's depth-first order) or a divisor of the micro-batches",
+        ),
     )
     constraints = (
         Constraint.divides("pp", "the {n} devices", lambda c: c.num_devices),
@@ -565,9 +573,34 @@ class PipelineParallel(Space):
                 or a["pp"] is None
                 or a.get("microbatch") is None
                 or a.get("dp") is None
-                or (c.global_batch // (a["dp"] * a["microbatch"])) % a["pp"] == 0
+                or (c.global_batch // (a["dp"] * a["microbatch"])) % (a.get("pipeline_group") or a["pp"]) == 0
             ),
-            lambda a, c: "the interleaved schedule needs the number of micro-batches to divide by pp",
+            lambda a, c: (
+                f"the interleaved schedule needs the number of micro-batches "
+                f"({c.global_batch // (a['dp'] * a['microbatch'])}) to divide by "
+                + (f"pipeline_group={a['pipeline_group']}" if a.get("pipeline_group") else f"pp={a['pp']}")
+            ),
+        ),
+        Constraint(
+            lambda a, c: (
+                not a.get("pipeline_group")
+                or a["pp"] is None
+                or a["pipeline_group"] >= a["pp"]
+                or a.get("microbatch") is None
+                or a.get("dp") is None
+                or a["pipeline_group"] == c.global_batch // (a["dp"] * a["microbatch"])
+            ),
+            lambda a, c: (
+                f"pipeline_group={a['pipeline_group']} is fewer than pp={a['pp']} but not all the micro-batches: "
+                "the interleaved order deadlocks (planlab/search_spaces/schedules.py interleaved_1f1b)"
+            ),
+        ),
+        Constraint(
+            lambda a, c: not a.get("pipeline_group") or a.get("schedule") in (None, "interleaved"),
+            lambda a, c: (
+                f"pipeline_group={a['pipeline_group']} orders the chunks of schedule=interleaved, "
+                f"not schedule={a['schedule']}"
+            ),
         ),
         Constraint.where(
             lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
@@ -601,6 +634,7 @@ class PipelineParallel(Space):
             v, draft.vshape = 2, True
         draft.num_stages = pp * v
         draft.chunks = v
+        draft.group = (values.get("pipeline_group") or 0) if v > 1 else 0
         draft.schedule = values.get("schedule") or "1f1b"
         if pp * v > 1:
             counts = uneven_counts(draft.ctx.layers, pp, values)

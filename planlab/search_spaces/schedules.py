@@ -22,25 +22,44 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return out
 
 
-def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int) -> list[Action]:
-    """Megatron-LM's interleaved 1F1B: device ``rank`` holds ``chunks`` model chunks, stages
-    ``rank, rank + ranks, ...``; micro-batches go through the chunks in groups of ``ranks``.
-    Warm-up is ``2 (ranks - rank - 1) + (chunks - 1) ranks`` forwards, then one forward and
-    one backward in turn. Needs ``microbatches`` divisible by ``ranks``."""
-    if microbatches % ranks:
+def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int, group: int = 0) -> list[Action]:
+    """Interleaved 1F1B: device ``rank`` holds ``chunks`` model chunks, stages ``rank, rank + ranks,
+    ...``; micro-batches go through the chunks in groups of ``group`` (0: ``ranks``). Warm-up is
+    ``2 (ranks - rank - 1) + (chunks - 1) group`` forwards, then one forward and one backward in
+    turn. Needs ``microbatches`` divisible by ``group``.
+
+    ``group`` is N of Llama 3's pipeline schedule (Dubey et al. 2024, section 3.3.2, Figure 6: "the
+    number of contiguous micro-batches for the same stage's forward or backward", set flexibly, N = 5
+    in its figure; Megatron-LM's depth-first schedule is N = ranks). PyTorch's
+    ``ScheduleInterleaved1F1B`` (torch/distributed/pipelining/schedules.py, its "flex_pp" schedule) runs
+    N = ``microbatches_per_round`` = M // max(1, M // ranks) with this warm-up (``_get_warmup_ops``:
+    ``(n_local_stages - 1) * microbatches_per_round + 2 * (pp_group_size - 1 - rank)``), which is
+    ``ranks`` whenever the micro-batches divide by it, and never fewer than ``ranks`` unless it is all
+    of them (fewer micro-batches than stages): with several groups of fewer than ``ranks`` this order
+    deadlocks (the first rank's warm-up waits for a forward the last rank runs only after a backward
+    that waits for the first rank). N sets the chunks a device keeps in flight; ``ranks`` keeps the
+    fewest of the orders that run."""
+    group = group or ranks
+    if group < 1 or microbatches % group:
         raise ConfigError(
-            f"interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of the stages ({ranks})"
+            f"interleaved 1F1B needs the micro-batches ({microbatches}) to be a multiple of its group "
+            f"of micro-batches ({group}{'' if group != ranks else ', the stages'})"
+        )
+    if group < ranks and group != microbatches:
+        raise ConfigError(
+            f"interleaved 1F1B with a group of {group} micro-batches, fewer than the {ranks} stages, deadlocks "
+            f"over {microbatches // group} groups: take a group of at least {ranks} or all {microbatches}"
         )
     total = microbatches * chunks
 
     def unit(k: int, backward: bool) -> Action:
-        chunk = (k // ranks) % chunks
+        chunk = (k // group) % chunks
         if backward:
             chunk = chunks - 1 - chunk
-        mb = (k // (ranks * chunks)) * ranks + k % ranks
+        mb = (k // (group * chunks)) * group + k % group
         return Action(chunk * ranks + rank, "B" if backward else "F", mb)
 
-    warmup = min(total, 2 * (ranks - rank - 1) + (chunks - 1) * ranks)
+    warmup = min(total, 2 * (ranks - rank - 1) + (chunks - 1) * group)
     out = [unit(k, False) for k in range(warmup)]
     for i in range(total - warmup):
         out += [unit(warmup + i, False), unit(i, True)]

@@ -561,7 +561,7 @@ class Screen:
                 # about as much of the inputs (a product's dW = dY^T X)
                 act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
-                act = float((flight_counts(schedule, r, G, m, v) @ per_chunk).max())
+                act = float((flight_counts(schedule, r, G, m, v, d.group) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
             # twice the largest working set, not working_bytes: with the recomputed layer's regrown activations
@@ -699,7 +699,7 @@ def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4096)
-def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np.ndarray:
+def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int, group: int = 0) -> np.ndarray:
     """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
     row after each forward of its schedule; forwards add one, full or weight backwards take one
     away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
@@ -709,7 +709,7 @@ def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int) -> np
     elif schedule in V_SCHEDULES:  # chunk 1 is the way back
         actions = V_SCHEDULES[schedule](r, groups, m)
     elif chunks > 1:
-        actions = interleaved_1f1b(r, groups, m, chunks)
+        actions = interleaved_1f1b(r, groups, m, chunks, group)
     elif schedule in SCHEDULES:
         actions = SCHEDULES[schedule](r, groups, m)
     else:

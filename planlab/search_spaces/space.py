@@ -71,6 +71,7 @@ class Draft:
     stages: dict[str, int] = field(default_factory=dict)
     num_stages: int = 1
     chunks: int = 1  # stages per device group (virtual pipeline stages)
+    group: int = 0  # interleaved 1F1B: micro-batches a chunk runs in a row (Llama 3's N; 0: the device groups)
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
@@ -194,7 +195,7 @@ class Draft:
             if not self.dispatches_experts:
                 actions = [replace(a, overlaps=False) for a in actions]
         elif self.chunks > 1:
-            actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks)
+            actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks, self.group)
         else:
             if self.schedule not in SCHEDULES:
                 raise InfeasiblePlan(
