@@ -2,6 +2,9 @@
 
 - A piece's task copied from what the pieces at its position share (``piece_base``) equals the one
   made whole (``piece_task`` with a kind), field for field.
+- One operator's own fields (``piece_fields``), made once and copied onto the bases of several positions
+  (``Task.with_changes``), give each position the piece made whole; a change to that dict afterwards (a
+  random operator's box at the next position) reaches no task made before.
 - ``assemble`` finds the lifetimes of devices that name the same buffers in the same tasks once:
   every device's memory effects are those liveness finds for that device alone.
 - ``Task.with_memory`` is ``but`` of ``alloc`` and ``free``.
@@ -12,7 +15,7 @@ import pytest
 from planlab.plan import FP32
 from planlab.plan.buffer import activation
 from planlab.plan.materialize import PASSES
-from planlab.plan.passes.draft import Draft, piece_base, piece_task
+from planlab.plan.passes.draft import Draft, piece_base, piece_fields, piece_task
 from planlab.plan.passes.layouts import Layouts
 from planlab.plan.passes.liveness import assemble, liveness
 from planlab.plan.passes.order import as_blocks
@@ -34,6 +37,22 @@ def test_a_piece_copied_from_its_base_is_the_piece_made_whole(kind):
     assert copied == whole
     assert copied.__dict__ == whole.__dict__
     assert copied.coord == 3 and copied.flops == op.flops / 2 / 4
+
+
+def test_an_operators_own_fields_copied_onto_each_position_give_each_piece_made_whole():
+    _, g = traced("gpt-tiny", 8)
+    op = next(o for o in g.operators if o.kind == "linear")
+    reads, writes = tuple(activation(t) for t in op.inputs), tuple(activation(t) for t in op.outputs)
+    own = piece_fields(op, reads, writes, op.flops, (2, 4), saved=reads[:1], box=None)
+    made = []
+    for flat in (0, 3):
+        box = ((flat, flat + 1), (0, 8))
+        own["box"] = box
+        made.append((flat, box, piece_base(TaskKind.FORWARD, flat, lead=flat == 0).with_changes(own)))
+    for flat, box, task in made:
+        whole = piece_task(op, TaskKind.FORWARD, flat, reads, writes, op.flops, (2, 4), lead=flat == 0, saved=reads[:1])
+        assert task == whole.but(box=box)
+        assert task.box == box and task.coord == flat
 
 
 @pytest.mark.parametrize(

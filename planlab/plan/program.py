@@ -280,6 +280,11 @@ class Task:
     def but(self, **changes) -> Task:
         """This task with ``changes``: ``dataclasses.replace`` without re-running ``__init__`` (passes
         copy tens of thousands of tasks at cluster scale; a Task checks nothing when it is made)."""
+        return self.with_changes(changes)
+
+    def with_changes(self, changes: dict) -> Task:
+        """:meth:`but` of a dict of ``changes`` (read, not kept): a pass copying many tasks with the
+        same changes makes that dict once."""
         fields = self.__dict__.copy()
         fields.update(changes)
         new = object.__new__(Task)

@@ -19,6 +19,7 @@ from planlab.plan.passes.draft import (
     add,
     convert,
     piece_base,
+    piece_fields,
     piece_task,
     record_ring_in_flight,
     record_size,
@@ -140,23 +141,19 @@ def backward_pieces(d: Draft) -> Draft:
             if w is not None and w.kind is BufferKind.CONTRIBUTION
         }
         ring = L.op_plan[op.name].ring
+        flops = op.flops * op.bwd_flops_ratio
+        kept = dict(saved=d.saved[op.name], shapes=d.piece_shapes.get(op.name, ()))
+        own = piece_fields(op, gbufs, writes, flops, share, **kept)  # alike at every position
         for flat, dev in d.positions(mesh):
-            if not ring:  # what the pieces at this position share: their position alone (ring_fields: none)
+            if ring:
+                task = piece_task(
+                    op, TaskKind.BACKWARD, flat, gbufs, writes, flops, share, **kept, **ring_fields(d, op, flat)
+                )
+            else:  # a copy of what the pieces at this position share: their position alone (ring_fields: none)
                 base = bases.get(flat)
                 if base is None:
                     base = bases[flat] = piece_base(TaskKind.BACKWARD, flat)
-            task = piece_task(
-                op,
-                TaskKind.BACKWARD if ring else base,
-                flat,
-                gbufs,
-                writes,
-                op.flops * op.bwd_flops_ratio,
-                share,
-                saved=d.saved[op.name],
-                shapes=d.piece_shapes.get(op.name, ()),
-                **(ring_fields(d, op, flat) if ring else {}),
-            )
+                task = base.with_changes(own)
             if task.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)
             add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)

@@ -270,8 +270,18 @@ def piece_task(
     instead, the fields the piece shares with others at its position (``flat`` is then its ``coord``):
     the task is that one's copy with the piece's own fields, made without checking them again
     (materialize makes tens of thousands of pieces at cluster scale)."""
+    own = piece_fields(op, reads, writes, flops, share, **fields)
+    if isinstance(kind, Task):
+        return kind.with_changes(own)
+    return Task(kind=kind, coord=flat, **own)
+
+
+def piece_fields(op: Operator, reads: tuple, writes: tuple, flops: float, share: tuple, **fields) -> dict:
+    """The fields of ``op``'s pieces that are the operator's own, alike at every position (see
+    :func:`piece_task`): a pass makes them once per operator and copies a :func:`piece_base` with them
+    (:meth:`~planlab.plan.program.Task.with_changes`) at each position."""
     pieces, m = share
-    own = dict(
+    return dict(
         name=op.name,
         reads=reads,
         writes=writes,
@@ -282,9 +292,6 @@ def piece_task(
         causal=op.kind == "attention" and causal_attention(op),
         **fields,
     )
-    if isinstance(kind, Task):
-        return kind.but(**own)
-    return Task(kind=kind, coord=flat, **own)
 
 
 def piece_base(kind: TaskKind, flat: int, **fields) -> Task:

@@ -19,7 +19,7 @@ from planlab.plan.passes.draft import (
     convert,
     line,
     piece_base,
-    piece_task,
+    piece_fields,
     record_ring_in_flight,
     record_size,
     ring_fields,
@@ -168,21 +168,14 @@ def forward_pieces(d: Draft) -> Draft:
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
+        own = piece_fields(op, bufs, outs, op.flops, share, saved=saved, box=None)  # alike at every position
         for flat, dev in d.positions(mesh):
             base = pieces.get((form.index, flat))
             if base is None:
                 base = pieces[(form.index, flat)] = piece_base(TaskKind.FORWARD, flat, **_piece_fields(d, op, flat))
-            task = piece_task(
-                op,
-                base,
-                flat,
-                bufs,
-                outs,
-                op.flops,
-                share,
-                saved=saved,
-                box=L.has(op, 0).box(flat, L.shapes[op.outputs[0]]) if random else None,
-            )
+            if random:
+                own["box"] = L.has(op, 0).box(flat, L.shapes[op.outputs[0]])
+            task = base.with_changes(own)
             if base.ring is not None:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, key, i, Part.COMPUTE, task)
