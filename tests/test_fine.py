@@ -5,13 +5,13 @@ and a fine plan's numerics on gloo."""
 import pytest
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
-from planlab.errors import ConfigError, PlanFileError
+from planlab.errors import ConfigError, InfeasiblePlan, PlanFileError
 from planlab.executor import launch_local
 from planlab.plan import PlanBuilder, materialize, plan_from_json, plan_to_json
 from planlab.plan.plan_file import plan_to_dict
 from planlab.plan.program import Role
 from planlab.search_spaces import Context, get_space
-from planlab.search_spaces.fine import apply_layout, solve_layout
+from planlab.search_spaces.fine import apply_layout, choose_layout, solve_layout
 from planlab.search_spaces.fine_costs import StageCosts
 from planlab.search_spaces.screen import GroupCost
 from planlab.simulator import find_deadlock
@@ -125,14 +125,19 @@ def test_bad_layouts_are_refused_in_one_line_naming_the_knob():
 def test_the_space_composes_with_the_grid_and_refuses_what_it_chooses_itself():
     ctx, _ = _ctx(layers=4)
     space = get_space("megatron*fine")
-    plans = list(space.assignments(ctx, {"pp": 2, "tp": 1}))
+    plans = list(space.assignments(ctx, {"pp": 2, "tp": 1, "fine_layout": "program"}))
     assert plans and all(p["recompute"] in ("none", "selective") for p in plans)
-    with pytest.raises(ConfigError, match="fine space chooses.*recompute='full'"):
-        space.build(ctx, dict(pp=2, tp=1, recompute="full"))
+    with pytest.raises(ConfigError, match="fine space chooses.*recompute='full'.*fine_layout=program"):
+        space.build(ctx, dict(pp=2, tp=1, recompute="full", fine_layout="program"))
     with pytest.raises(ConfigError, match="fine_offload=True on cluster 'cpu'"):
         space.build(ctx, dict(pp=2, tp=1, fine_offload=True))
-    draft = space.draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
-    assert draft.layout is not None and sum(draft.layout.layers) == 4
+    with pytest.raises(ConfigError, match="fine_layout=grid keeps the grid point's own plan"):
+        space.build(_ctx(layers=4, cluster="dgx-a100-80g")[0], dict(pp=2, tp=1, fine_offload=True, fine_layout="grid"))
+    knobs = dict(pp=2, tp=1, dp=1, microbatch=2)
+    got = choose_layout(get_space("megatron").draft(ctx, space.with_defaults(knobs)), False)
+    assert got.layout is not None and got.layout.layers == (2, 2) and got.layout.recompute == (0, 0)
+    with pytest.raises(InfeasiblePlan, match="program chose the grid point's own plan"):
+        space.draft(ctx, space.with_defaults({**knobs, "fine_layout": "program"}))
 
 
 def test_a_per_stage_offloaded_plan_offloads_those_stages_only_and_round_trips():
@@ -325,3 +330,89 @@ def test_two_jobs_give_the_rows_of_one(monkeypatch, caplog):
     assert {"pruned", "optimal"} <= statuses
     assert frames[0]["stage_layers"].notna().any()
     pd.testing.assert_frame_equal(frames[0], frames[1])
+
+
+def test_the_fine_space_keeps_every_plan_of_the_grid_beside_the_program_s():
+    """megatron*fine holds each grid plan as it is (fine_layout=grid, recompute=full included)
+    besides the program's layout of its point; a program's layout that is the grid's plan again,
+    or none, is left out with its reason, so the screen sees each plan once."""
+    ctx, _ = _ctx(layers=4)
+    grid, fine = get_space("megatron"), get_space("megatron*fine")
+    ours = {tuple(sorted(a.items())) for a in fine.assignments(ctx)}
+    plans = list(grid.assignments(ctx))
+    assert any(a["recompute"] == "full" for a in plans)
+    for a in plans:
+        b = {**a, "fine_layout": "grid", "fine_offload": False}
+        assert tuple(sorted(b.items())) in ours
+        mine, theirs = fine.draft(ctx, b), grid.draft(ctx, a)
+        assert (mine.stages, mine.recompute, mine.num_stages, mine.chunks, mine.microbatches, mine.layout) == (
+            theirs.stages,
+            theirs.recompute,
+            theirs.num_stages,
+            theirs.chunks,
+            theirs.microbatches,
+            None,
+        )
+    refused = 0
+    for a in fine.assignments(ctx, {"fine_layout": "program"}):
+        try:
+            d = fine.draft(ctx, a)
+        except InfeasiblePlan as e:
+            refused += 1
+            assert "fine_layout=program:" in str(e) and "\n" not in str(e)
+            continue
+        assert d.layout is not None and (d.stages, d.recompute) != (grid.draft(ctx, a).stages, {})
+    assert refused
+
+
+def test_exploring_the_fine_space_never_loses_to_the_grid():
+    # every plan simulated (candidates=None): the fine space's best is at most the grid's, and the
+    # program's rows it left out say why
+    import planlab
+    from planlab.models import ModelSpec
+
+    fixed = dict(tp=1, zero=0, sequence_parallel=False)
+    frames = {
+        space: planlab.explore(
+            ModelSpec("gpt-tiny", (("layers", 5),)),
+            cluster="cpu",
+            nodes=2,
+            global_batch=8,
+            space=space,
+            fixed=fixed,
+            candidates=None,
+        )
+        for space in ("megatron", "megatron*fine")
+    }
+    best = {s: df[df["feasible"] == True]["iter_time_s"].min() for s, df in frames.items()}  # noqa: E712
+    assert best["megatron*fine"] <= best["megatron"]
+    df = frames["megatron*fine"]
+    program = df[df["fine_layout"] == "program"]
+    assert len(df[df["fine_layout"] == "grid"]) == len(frames["megatron"])
+    left = program[program["screen_time_s"].isna()]
+    assert len(left) and left["reason"].str.startswith("fine_layout=program:").all()
+
+
+def test_the_grid_bound_is_the_least_lp_relaxation_and_under_every_layout():
+    # the bound over every point of a small grid solves few LPs yet finds the least LP relaxation,
+    # which no point's integer optimum and no grid plan (in the program's model) goes under
+    import math
+
+    from planlab.search_spaces.fine import _cost_model, solve_program
+    from planlab.search_spaces.fine_bound import Point, fine_points, grid_bound, grid_plan_cost
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    cap = _cost_model(ctx).device_memory_bytes
+    got = grid_bound(ctx, grid)
+    points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
+    assert got.points == len(points) and got.lps < len(points)
+    assert got.least_s == pytest.approx(min(p.relaxed_s(cap) for p in points), rel=1e-9)
+    for p in points:
+        solved = solve_program(p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks)
+        assert solved.layout is None or got.least_s <= solved.objective_s + 1e-12
+    for a in grid.assignments(ctx):
+        if a["schedule"] in ("1f1b", "gpipe", "interleaved"):
+            model_s, fits, layout = grid_plan_cost(ctx, grid, a)
+            assert sum(layout.layers) == 4 and math.isfinite(model_s)
+            assert not fits or got.least_s <= model_s + 1e-12
