@@ -24,6 +24,7 @@ from planlab.errors import ConfigError
 from planlab.search_spaces.fine import (
     FINE_SCHEDULES,
     PROGRAM,
+    NODE_LIMIT,
     FineStages,
     _cost_model,
     _program,
@@ -72,6 +73,22 @@ class Point:
         """The program's objective at ``layout`` (inf: it breaks the program's memory rows)."""
         return _solved_s(self, cap_bytes, layout)
 
+    def integer(self, cap_bytes: float) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
+        none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        cost, rows, lower, upper, integ, lp = _program(
+            self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks
+        )
+        args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+        res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
+        if res.status == 2:  # HiGHS: infeasible
+            return math.inf, math.inf
+        found = math.inf if res.x is None else float(res.fun)
+        dual = float(getattr(res, "mip_dual_bound", None) or -math.inf)
+        return found, min(found, dual if not math.isnan(dual) else -math.inf)
+
 
 def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
     """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
@@ -94,15 +111,21 @@ def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
 
 @dataclass(frozen=True)
 class GridBound:
-    """The least LP relaxation over a grid's points (``least_s``, inf: no point fits), the point
-    that reaches it (``knobs``), how many points were bounded, how many LPs were solved and how
-    many of those had no layout that fits."""
+    """What every fine layout of every point of a grid reaches at best in the program's model:
+    ``least_s``, a proven lower bound (inf: no point fits); ``best_s``, the best layout found
+    (equal to ``least_s`` up to HiGHS' gap when every program it solved finished), at the point
+    ``knobs``; ``least_lp_s``, the least LP relaxation (a weaker bound, for reference); how many
+    points were bounded, LP relaxations and integer programs solved, and how many of these
+    stopped at the node limit before proving their optimum."""
 
     least_s: float
+    best_s: float
     knobs: dict
+    least_lp_s: float
     points: int
     lps: int
-    infeasible: int
+    programs: int
+    node_limited: int
 
 
 def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterator[tuple[dict, Draft]]:
@@ -121,9 +144,13 @@ def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterato
 
 
 def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBound:
-    """The least objective any fine layout of any of ``grid``'s points can reach in the program's
-    model (the module docstring): the points in increasing order of their balanced bound, the LP
-    relaxation of each until the next balanced bound is at least the least LP so far."""
+    """The best any fine layout of any of ``grid``'s points can reach in the program's model (the
+    module docstring), solving few programs: the points in increasing order of their balanced
+    bound; each point's LP relaxation, and its integer program where that relaxation is under the
+    best layout found so far; until the next balanced bound is at least that best layout (no later
+    point can beat it). ``least_lp_s`` is the least LP relaxation over every point: a point not
+    relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
+    some relaxation."""
     cap = _cost_model(ctx).device_memory_bytes
     offload = _cost_model(ctx).cluster.node.host is not None
     ranked = []
@@ -131,16 +158,26 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBoun
         p = Point.of(draft, offload)
         ranked.append((p.balanced_s(), i, knobs, p))
     ranked.sort(key=lambda t: (t[0], t[1]))
-    least, best, lps, infeasible = math.inf, {}, 0, 0
+    best, least, least_lp, where = math.inf, math.inf, math.inf, {}
+    lps = programs = limited = 0
     for balanced, _, knobs, p in ranked:
-        if balanced >= least:
+        if balanced >= best:
             break
         lps += 1
-        got = p.relaxed_s(cap)
-        infeasible += math.isinf(got)
-        if got < least:
-            least, best = got, knobs
-    return GridBound(least, best, len(ranked), lps, infeasible)
+        relaxed = p.relaxed_s(cap)
+        least_lp = min(least_lp, relaxed)
+        if relaxed >= best:
+            least = min(least, relaxed)
+            continue
+        programs += 1
+        found, proven = p.integer(cap)
+        proven = max(proven, relaxed)  # both bound the point's layouts from below
+        limited += found > proven * (1 + 1e-3)
+        least = min(least, proven)
+        if found < best:
+            best, where = found, knobs
+    # every point not reached has a balanced bound of at least best: least stays a bound for them
+    return GridBound(min(least, best), best, where, least_lp, len(ranked), lps, programs, limited)
 
 
 def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:
