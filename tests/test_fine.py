@@ -205,7 +205,8 @@ def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
     import planlab
     from planlab.models import ModelSpec
 
-    fixed = dict(pp=2, tp=1, dp=1, microbatch=2, zero=0, sequence_parallel=False)
+    # the grid's plan puts 2 layers on the first stage (last_stage_layers=1), the program 1
+    fixed = dict(pp=2, tp=1, dp=1, microbatch=8, zero=0, sequence_parallel=False, last_stage_layers=1)
     df = planlab.explore(
         ModelSpec("gpt-tiny", (("layers", 3),)),
         cluster="cpu",
@@ -213,12 +214,13 @@ def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
         global_batch=8,
         space="megatron*fine",
         fixed=fixed,
-        candidates=1,
+        candidates=None,
         out=tmp_path,
     )
-    sim = df[df["simulated"]]
-    assert len(sim) and all(sum(v) == 3 and len(v) == 2 for v in sim["stage_layers"])
+    sim = df[df["simulated"] & (df["fine_layout"] == "program")]
+    assert len(sim) and all(v == (1, 2) for v in sim["stage_layers"])
     assert all(len(v) == 2 for v in sim["stage_recompute"]) and all(len(v) == 2 for v in sim["stage_offload"])
+    assert df[df["simulated"] & (df["fine_layout"] == "grid")]["stage_layers"].isna().all()
     assert df[~df["simulated"]]["stage_layers"].isna().all()
     assert "stage_layers" in pd.read_csv(tmp_path / "results.csv").columns
 
@@ -280,7 +282,7 @@ def test_the_balanced_bound_is_never_above_the_lp_relaxation():
     # objective, and on some it is close enough to prune
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from planlab.search_spaces.fine import _program, balanced_bound_s
+    from planlab.search_spaces.fine import balanced_bound_s, program_arrays
 
     head, emb = GroupCost(2.0, 0.1, 3.0, 1.0, 0.0), GroupCost(0.5, 0.0, 2.0, 0.5, 0.0)
     c = _costs(first=emb, last=head, sync_s=0.01, offload_sync_s=0.005, static_bytes=6.0, can_offload=True)
@@ -289,7 +291,7 @@ def test_the_balanced_bound_is_never_above_the_lp_relaxation():
         for m in (16, 4):
             for stages, chunks in ((2, 1), (4, 2), (4, 1), (8, 2), (6, 3)):
                 sched = "interleaved" if chunks > 1 else "1f1b"
-                cost, rows, lower, upper, _, lp = _program(c, 12, stages, m, cap, sched, chunks)
+                cost, rows, lower, upper, _, lp = program_arrays(c, 12, stages, m, cap, sched, chunks)
                 relaxed = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
                 if relaxed.x is None:
                     continue
@@ -315,20 +317,20 @@ def test_two_jobs_give_the_rows_of_one(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="planlab.search_spaces.fine")
     frames = [
         planlab.explore(
-            ModelSpec("gpt-tiny", (("layers", 6),)),
+            ModelSpec("gpt-tiny", (("layers", 7),)),
             cluster="cpu",
             nodes=4,
             global_batch=16,
             space="megatron*fine",
             fixed=dict(zero=0),
-            candidates=2,
+            candidates=8,
             jobs=jobs,
         )
         for jobs in (1, 2)
     ]
     statuses = {str(r.args[0]) for r in caplog.records if r.name == "planlab.search_spaces.fine" and r.args}
     assert {"pruned", "optimal"} <= statuses
-    assert frames[0]["stage_layers"].notna().any()
+    assert all("stage_layers" in f and f["stage_layers"].notna().any() for f in frames)
     pd.testing.assert_frame_equal(frames[0], frames[1])
 
 
@@ -399,12 +401,12 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
     # model) goes under it
     import math
 
-    from planlab.search_spaces.fine import _cost_model, solve_program
+    from planlab.search_spaces.fine import fine_cost_model, solve_program
     from planlab.search_spaces.fine_bound import Point, fine_points, grid_bound, grid_plan_cost
 
     ctx, _ = _ctx(layers=4)
     grid = get_space("megatron")
-    cap = _cost_model(ctx).device_memory_bytes
+    cap = fine_cost_model(ctx).device_memory_bytes
     got = grid_bound(ctx, grid)
     points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
     assert got.points == len(points) and got.programs < got.lps < len(points) and got.node_limited == 0

@@ -173,7 +173,7 @@ def solve_program(
         # strictly above the bar by more than HiGHS' tolerances: the LP relaxation would prune it too
         if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
             return Solved(None, bound_s, "pruned")
-    cost, rows, lower, upper, integ, lp = _program(c, layers, stages, m, cap_bytes, schedule, chunks)
+    cost, rows, lower, upper, integ, lp = program_arrays(c, layers, stages, m, cap_bytes, schedule, chunks)
     args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
     if math.isfinite(bar_s):
         relaxed = milp(cost, **args)  # no integrality: the LP relaxation
@@ -199,7 +199,7 @@ BOUND_MARGIN = 1e-6  # relative: a balanced bound this far above the bar prunes 
 
 
 def balanced_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int = 1) -> float:
-    """A lower bound on the program's objective (:func:`_program`) from its rows alone, without a
+    """A lower bound on the program's objective (:func:`program_arrays`) from its rows alone, without a
     solver: the slowest device is at least the average of the work over the devices, the slowest
     chunk at least the average over the chunks (no layer recomputed, no memory limit), the sync at
     least 0, and offloading at most every layer's difference in the tie-breaking terms.
@@ -223,7 +223,7 @@ def solve_layout(
     return solve_program(c, layers, stages, m, cap_bytes, schedule, chunks).layout
 
 
-def _program(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
+def program_arrays(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
     """The program's objective, rows, bounds and integrality (module docstring), and its _Program."""
     lp = _Program(stages, chunks)
     n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
@@ -320,7 +320,7 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     draft.layout = layout
 
 
-def _cost_model(ctx: Context) -> CostModel:
+def fine_cost_model(ctx: Context) -> CostModel:
     """The cluster's cost model (its default software), one per graph and cluster (the graph's memo)."""
     return ctx.graph.memo(("fine_cost_model", ctx.cluster, ctx.nodes), lambda: CostModel.load(ctx.cluster, ctx.nodes))
 
@@ -328,7 +328,7 @@ def _cost_model(ctx: Context) -> CostModel:
 def _screen(ctx: Context) -> Screen:
     """One screen per graph and cluster (kept in the graph's memo)."""
     key = ("fine_screen", ctx.cluster, ctx.nodes)
-    return ctx.graph.memo(key, lambda: Screen(ctx.graph, _cost_model(ctx), precision_for(ctx.cluster)))
+    return ctx.graph.memo(key, lambda: Screen(ctx.graph, fine_cost_model(ctx), precision_for(ctx.cluster)))
 
 
 def point_costs(draft: Draft, offload: bool) -> StageCosts:
@@ -344,7 +344,7 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
     """How the integer program for ``draft``'s grid point ended (its layout: None when none fits
     or the point was pruned), once per point (the graph's memo)."""
     ctx = draft.ctx
-    cost = _cost_model(ctx)
+    cost = fine_cost_model(ctx)
     costs = point_costs(draft, offload)
     incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
 
@@ -405,7 +405,7 @@ class FineStages(Space):
     )
     constraints = (
         Constraint(
-            lambda a, c: not a.get("fine_offload") or _cost_model(c).cluster.node.host is not None,
+            lambda a, c: not a.get("fine_offload") or fine_cost_model(c).cluster.node.host is not None,
             lambda a, c: (
                 f"fine_offload=True on cluster {c.cluster!r}, which gives no host side; set fine_offload=false"
             ),

@@ -26,8 +26,8 @@ from planlab.search_spaces.fine import (
     PROGRAM,
     NODE_LIMIT,
     FineStages,
-    _cost_model,
-    _program,
+    fine_cost_model,
+    program_arrays,
     balanced_bound_s,
     point_costs,
 )
@@ -78,7 +78,7 @@ class Point:
         none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
         from scipy.optimize import Bounds, LinearConstraint, milp
 
-        cost, rows, lower, upper, integ, lp = _program(
+        cost, rows, lower, upper, integ, lp = program_arrays(
             self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks
         )
         args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
@@ -94,7 +94,7 @@ def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
     """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
     from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
 
-    cost, rows, lower, upper, _, lp = _program(
+    cost, rows, lower, upper, _, lp = program_arrays(
         p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks
     )
     if layout is not None:
@@ -133,7 +133,7 @@ def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterato
     where the cluster has a host side), each with the grid's draft of it (no program solved), one
     at a time (a draft holds a stage per operator)."""
     fine = FineStages()
-    offload = _cost_model(ctx).cluster.node.host is not None
+    offload = fine_cost_model(ctx).cluster.node.host is not None
     pinned = {**(fixed or {}), "fine_layout": PROGRAM, "fine_offload": offload}
     mine = {k.name for k in grid.all_knobs()}
     for a in (grid * fine).assignments(ctx, pinned):
@@ -151,8 +151,8 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBoun
     point can beat it). ``least_lp_s`` is the least LP relaxation over every point: a point not
     relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
     some relaxation."""
-    cap = _cost_model(ctx).device_memory_bytes
-    offload = _cost_model(ctx).cluster.node.host is not None
+    cap = fine_cost_model(ctx).device_memory_bytes
+    offload = fine_cost_model(ctx).cluster.node.host is not None
     ranked = []
     for i, (knobs, draft) in enumerate(fine_points(ctx, grid, fixed)):
         p = Point.of(draft, offload)
@@ -206,9 +206,9 @@ def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool,
     point = {**knobs, "offload_optimizer": False} | ({"recompute": "none"} if full else {})
     draft = grid.draft(ctx, grid.with_defaults(point))
     layout = draft_layout(own, full, offload)
-    host = _cost_model(ctx).cluster.node.host is not None
+    host = fine_cost_model(ctx).cluster.node.host is not None
     p = Point.of(draft, host)
-    got = p.layout_s(_cost_model(ctx).device_memory_bytes, layout)
+    got = p.layout_s(fine_cost_model(ctx).device_memory_bytes, layout)
     if math.isfinite(got):
         return got, True, layout
     return p.layout_s(NO_MEMORY_BYTES, layout), False, layout
