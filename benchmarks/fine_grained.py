@@ -17,7 +17,14 @@ Workloads (shapes from planlab/models/registry.py):
 With ``--timelines DIR`` the best plans' simulated timelines (timeline.png, memory.png) are written
 per workload and space, and the per-stage times per micro-batch of both plans (the screen's) printed.
 
+With ``--bound`` (planlab/search_spaces/fine_bound.py) it bounds, over every point of the grid
+(or of the ``--set`` slice), the least iteration time any fine layout reaches in the integer
+program's model, prices the grid best (this run's, or ``--grid-best`` KNOB=VALUE,... simulated
+here) in the same model, and prints their ratio, the largest speedup the fine space could find
+as its program sees it, with how far the model is from the simulator at the grid best.
+
 Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only gpt3-a100-512,...] [--timelines DIR]
+     [--spaces grid|fine|none] [--bound [--grid-best tp=4,pp=4,...]]
 """
 
 from __future__ import annotations
@@ -241,6 +248,9 @@ def main() -> None:
         help="with --bound and no grid run: the grid best's knobs, KNOB=VALUE,... (simulated here)",
     )
     args = ap.parse_args()
+    bad = [kv for kv in args.set + [kv for kv in args.grid_best.split(",") if kv] if "=" not in kv]
+    if bad:
+        ap.error(f"{bad[0]!r}: expected KNOB=VALUE")
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
     fixed = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.set)}
     if fixed:
@@ -291,4 +301,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from planlab.errors import PlanlabError
+
+    try:
+        main()
+    except PlanlabError as e:  # a knob or value the space refuses: its one line
+        sys.exit(f"fine_grained: {e}")
