@@ -17,7 +17,14 @@ Workloads (shapes from planlab/models/registry.py):
 With ``--timelines DIR`` the best plans' simulated timelines (timeline.png, memory.png) are written
 per workload and space, and the per-stage times per micro-batch of both plans (the screen's) printed.
 
+With ``--bound`` (planlab/search_spaces/fine_bound.py) it bounds, over every point of the grid
+(or of the ``--set`` slice), the least iteration time any fine layout reaches in the integer
+program's model, prices the grid best (this run's, or ``--grid-best`` KNOB=VALUE,... simulated
+here) in the same model, and prints their ratio, the largest speedup the fine space could find
+as its program sees it, with how far the model is from the simulator at the grid best.
+
 Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only gpt3-a100-512,...] [--timelines DIR]
+     [--spaces grid|fine|none] [--bound [--grid-best tp=4,pp=4,...]]
 """
 
 from __future__ import annotations
@@ -57,22 +64,74 @@ KNOBS = ("tp", "pp", "dp", "microbatch", "schedule", "virtual_stages", "recomput
 
 def _knobs(row) -> str:
     return " ".join(
-        f"{k}={row[k]}" for k in KNOBS + ("fine_offload",) if k in row and str(row[k]) not in ("nan", "None")
+        f"{k}={row[k]}"
+        for k in KNOBS + ("fine_layout", "fine_offload")
+        if k in row and str(row[k]) not in ("nan", "None")
     )
+
+
+def _row_knobs(sp, row) -> dict:
+    """The knobs of ``sp`` in a results row (numpy scalars and pandas' floats as Python values)."""
+    knobs = {k.name: row[k.name] for k in sp.all_knobs() if k.name in row and str(row[k.name]) not in ("nan", "None")}
+    knobs = {k: (v.item() if hasattr(v, "item") else v) for k, v in knobs.items()}
+    return {k: (int(v) if isinstance(v, float) and v == int(v) else v) for k, v in knobs.items()}
+
+
+def _context(w: Workload):
+    from planlab.explore import Setup, make_context
+    from planlab.models import ModelSpec
+
+    return make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
 
 
 def _draft(w: Workload, row, space: str):
     """The draft of the plan of ``row`` in ``space``, with the workload's cost model and graph."""
-    from planlab.explore import Setup, make_context
-    from planlab.models import ModelSpec
     from planlab.search_spaces import get_space
 
-    ctx, cost, graph = make_context(Setup(ModelSpec(w.model), w.cluster, w.nodes, w.global_batch))
+    ctx, cost, graph = _context(w)
     sp = get_space(space)
-    knobs = {k.name: row[k.name] for k in sp.all_knobs() if k.name in row and str(row[k.name]) not in ("nan", "None")}
-    knobs = {k: (v.item() if hasattr(v, "item") else v) for k, v in knobs.items()}  # numpy scalars from pandas
-    knobs = {k: (int(v) if isinstance(v, float) and v == int(v) else v) for k, v in knobs.items()}
-    return sp.draft(ctx, sp.with_defaults(knobs)), cost, graph
+    return sp.draft(ctx, sp.with_defaults(_row_knobs(sp, row))), cost, graph
+
+
+def _bound(w: Workload, grid_knobs: dict, grid_s: float | None, fixed: dict) -> float | None:
+    """Print the least time any fine layout of any grid point (of the slice ``fixed``) reaches in
+    the integer program's model, against the grid best's time in that model and simulated; return
+    the largest speedup the fine space could find in its model (None: no point fits)."""
+    from planlab.explore import evaluate
+    from planlab.search_spaces import get_space
+    from planlab.search_spaces.fine_bound import grid_bound, grid_plan_cost
+
+    s0, c0 = time.perf_counter(), _cpu_s()
+    ctx, cost, graph = _context(w)
+    grid = get_space("megatron")
+    knobs = grid.with_defaults(grid.check_values(ctx, grid_knobs))
+    if grid_s is None:  # the grid best given by its knobs: simulated here
+        grid_s = evaluate(grid.build(ctx, knobs), graph, cost)[0]["iter_time_s"]
+    model_s, fits, layout = grid_plan_cost(ctx, grid, knobs)
+    b = grid_bound(ctx, grid, fixed)
+    where = " ".join(f"{k}={v}" for k, v in b.knobs.items() if k in KNOBS + ("first_stage_layers", "last_stage_layers"))
+    print(
+        f"  bound over {b.points} grid points ({b.lps} LP relaxations, {b.programs} integer programs, "
+        f"{b.node_limited} of them stopped at the node limit; the other points' balanced bounds were higher): "
+        f"no fine layout is under {b.least_s:.3f} s in the program's model; the best found is {b.best_s:.3f} s "
+        f"at {where}; the least LP relaxation is {b.least_lp_s:.3f} s"
+    )
+    print(
+        f"  grid best in the program's model: {model_s:.3f} s (layers {'/'.join(map(str, layout.layers))}, "
+        f"recomputed {sum(layout.recompute)}; {'fits' if fits else 'over the memory rows'}), simulated "
+        f"{grid_s:.3f} s: the model is {model_s / grid_s - 1:+.1%} off the simulator there"
+    )
+    ratio = model_s / b.least_s if math.isfinite(b.least_s) else None
+    if ratio is not None:
+        print(
+            f"  largest speedup the fine space could find in its model: {ratio:.3f}x (target 1.10x; "
+            f"by the LP relaxation alone {model_s / b.least_lp_s:.3f}x)"
+        )
+    print(
+        f"  bound: {time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU, load {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+    )
+    return ratio
 
 
 def _stage_times(w: Workload, row, space: str) -> str:
@@ -178,13 +237,26 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="KNOB=VALUE pinned in both spaces (a slice of the grid)")
     ap.add_argument("--candidates", type=int, default=None, help="plans simulated per space (default: explore's)")
     ap.add_argument("--spaces", default="grid,fine", help="which of grid, fine to explore (the speedup needs both)")
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="bound what any fine layout of any grid point can reach in the program's model, against the grid best",
+    )
+    ap.add_argument(
+        "--grid-best",
+        default="",
+        help="with --bound and no grid run: the grid best's knobs, KNOB=VALUE,... (simulated here)",
+    )
     args = ap.parse_args()
+    bad = [kv for kv in args.set + [kv for kv in args.grid_best.split(",") if kv] if "=" not in kv]
+    if bad:
+        ap.error(f"{bad[0]!r}: expected KNOB=VALUE")
     chosen = [w for w in WORKLOADS if not args.only or w.key in args.only.split(",")]
     fixed = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.set)}
     if fixed:
         print(f"pinned in both spaces: {fixed} (a slice of the grid, not the full grid)")
     t0, cpu0 = time.perf_counter(), time.process_time()
-    ratios = []
+    ratios, bounds = [], []
     for w in chosen:
         best, plans = {}, {}
         for label, space in SPACES:
@@ -194,6 +266,16 @@ def main() -> None:
         print(f"\n{w.key}: {w.model} on {w.nodes} x {w.cluster}, global batch {w.global_batch}")
         for label in best:
             _print_best(w, label, best[label], plans[label], args.timelines)
+        if args.bound:
+            from planlab.search_spaces import get_space
+
+            given = dict(kv.split("=", 1) for kv in args.grid_best.split(",") if kv)
+            if g is not None:
+                bounds.append(_bound(w, _row_knobs(get_space("megatron"), g), float(g["iter_time_s"]), fixed))
+            elif given:
+                bounds.append(_bound(w, given, None, fixed))
+            else:
+                print("  --bound needs the grid best: explore the grid (--spaces grid) or give --grid-best")
         if g is None or f is None:
             continue
         ratio = g["iter_time_s"] / f["iter_time_s"]
@@ -207,6 +289,10 @@ def main() -> None:
         print(
             f"\ngeometric mean speedup over {len(ratios)} workloads: {gm:.3f}x (target 1.10x); min {min(ratios):.3f}x, max {max(ratios):.3f}x"
         )
+    bounds = [b for b in bounds if b is not None]
+    if bounds:
+        gm = math.exp(sum(math.log(b) for b in bounds) / len(bounds))
+        print(f"\nlargest speedups the fine space could find in its model: geometric mean {gm:.3f}x over {len(bounds)}")
     ch = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
         f"wall {time.perf_counter() - t0:.0f} s, CPU {time.process_time() - cpu0:.0f} s (+ workers "
@@ -215,4 +301,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from planlab.errors import PlanlabError
+
+    try:
+        main()
+    except PlanlabError as e:  # a knob or value the space refuses: its one line
+        sys.exit(f"fine_grained: {e}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
-from planlab.errors import ConfigError
+from planlab.errors import ConfigError, InfeasiblePlan
 
 if TYPE_CHECKING:
     from planlab.plan.plan import Plan
@@ -223,7 +223,10 @@ def drafted_before_fork(sp: Space, ctx: Context, fixed: dict | None, jobs: int) 
         return None
     assignments = list(sp.assignments(ctx, fixed))
     for values in assignments:
-        sp.draft(ctx, values)
+        try:
+            sp.draft(ctx, values)
+        except InfeasiblePlan:  # refused by the space's apply: the screen records why
+            pass
     return assignments
 
 

@@ -188,8 +188,8 @@ def _screen_one(values: dict) -> tuple[Estimate | None, str]:
     """The screen's estimate of one assignment; or None and the rule it breaks; or None and
     ``SCREEN_FAILED``, the screen's own failure (such plans are simulated)."""
     sp, ctx = _STATE["space"], _STATE["ctx"]
-    draft = sp.draft(ctx, values)  # ConfigError (a space that raises) ends the exploration
-    try:
+    try:  # a space's apply may refuse an assignment (InfeasiblePlan); a ConfigError ends the exploration
+        draft = sp.draft(ctx, values)
         draft.check_rules(_rules_of(sp, values), sp.name)
     except InfeasiblePlan as e:
         return None, str(e).splitlines()[0]

@@ -199,6 +199,9 @@ COMMANDS: dict[str, Run | ByTest | Benchmark | Elsewhere] = {
     ".venv/bin/python benchmarks/nnscaler_eval.py --workloads swin-4 --jobs 2": Benchmark(),
     ".venv/bin/python benchmarks/explore_speed.py": Benchmark(),
     ".venv/bin/python benchmarks/fine_grained.py --jobs 1 --timelines fine-timelines": Benchmark(),
+    ".venv/bin/python benchmarks/fine_grained.py --jobs 1 --spaces none --bound --only gpt3-175b-a100-512 "
+    "--grid-best tp=4,pp=4,dp=32,microbatch=2,schedule=interleaved,virtual_stages=8,recompute=none,zero=2,"
+    "sequence_parallel=True": Benchmark(),
     ".venv/bin/python benchmarks/checkpoint_reshard.py": Benchmark(),
     ".venv/bin/python benchmarks/executor_overhead.py --model gpt-small --batch 8 --steps 30 --repeats 7": Benchmark(),
     ".venv/bin/python benchmarks/executor_memory.py": Benchmark(),

@@ -5,13 +5,13 @@ and a fine plan's numerics on gloo."""
 import pytest
 
 from planlab.cli import GRAD_TOL, LOSS_TOL
-from planlab.errors import ConfigError, PlanFileError
+from planlab.errors import ConfigError, InfeasiblePlan, PlanFileError
 from planlab.executor import launch_local
 from planlab.plan import PlanBuilder, materialize, plan_from_json, plan_to_json
 from planlab.plan.plan_file import plan_to_dict
 from planlab.plan.program import Role
 from planlab.search_spaces import Context, get_space
-from planlab.search_spaces.fine import apply_layout, solve_layout
+from planlab.search_spaces.fine import apply_layout, choose_layout, solve_layout
 from planlab.search_spaces.fine_costs import StageCosts
 from planlab.search_spaces.screen import GroupCost
 from planlab.simulator import find_deadlock
@@ -125,14 +125,19 @@ def test_bad_layouts_are_refused_in_one_line_naming_the_knob():
 def test_the_space_composes_with_the_grid_and_refuses_what_it_chooses_itself():
     ctx, _ = _ctx(layers=4)
     space = get_space("megatron*fine")
-    plans = list(space.assignments(ctx, {"pp": 2, "tp": 1}))
+    plans = list(space.assignments(ctx, {"pp": 2, "tp": 1, "fine_layout": "program"}))
     assert plans and all(p["recompute"] in ("none", "selective") for p in plans)
-    with pytest.raises(ConfigError, match="fine space chooses.*recompute='full'"):
-        space.build(ctx, dict(pp=2, tp=1, recompute="full"))
+    with pytest.raises(ConfigError, match="fine space chooses.*recompute='full'.*fine_layout=program"):
+        space.build(ctx, dict(pp=2, tp=1, recompute="full", fine_layout="program"))
     with pytest.raises(ConfigError, match="fine_offload=True on cluster 'cpu'"):
         space.build(ctx, dict(pp=2, tp=1, fine_offload=True))
-    draft = space.draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
-    assert draft.layout is not None and sum(draft.layout.layers) == 4
+    with pytest.raises(ConfigError, match="fine_layout=grid keeps the grid point's own plan"):
+        space.build(_ctx(layers=4, cluster="dgx-a100-80g")[0], dict(pp=2, tp=1, fine_offload=True, fine_layout="grid"))
+    knobs = dict(pp=2, tp=1, dp=1, microbatch=2)
+    got = choose_layout(get_space("megatron").draft(ctx, space.with_defaults(knobs)), False)
+    assert got.layout is not None and got.layout.layers == (2, 2) and got.layout.recompute == (0, 0)
+    with pytest.raises(InfeasiblePlan, match="program chose the grid point's own plan"):
+        space.draft(ctx, space.with_defaults({**knobs, "fine_layout": "program"}))
 
 
 def test_a_per_stage_offloaded_plan_offloads_those_stages_only_and_round_trips():
@@ -200,7 +205,8 @@ def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
     import planlab
     from planlab.models import ModelSpec
 
-    fixed = dict(pp=2, tp=1, dp=1, microbatch=2, zero=0, sequence_parallel=False)
+    # the grid's plan puts 2 layers on the first stage (last_stage_layers=1), the program 1
+    fixed = dict(pp=2, tp=1, dp=1, microbatch=8, zero=0, sequence_parallel=False, last_stage_layers=1)
     df = planlab.explore(
         ModelSpec("gpt-tiny", (("layers", 3),)),
         cluster="cpu",
@@ -208,12 +214,13 @@ def test_explore_reports_each_simulated_plan_s_stage_layout(tmp_path):
         global_batch=8,
         space="megatron*fine",
         fixed=fixed,
-        candidates=1,
+        candidates=None,
         out=tmp_path,
     )
-    sim = df[df["simulated"]]
-    assert len(sim) and all(sum(v) == 3 and len(v) == 2 for v in sim["stage_layers"])
+    sim = df[df["simulated"] & (df["fine_layout"] == "program")]
+    assert len(sim) and all(v == (1, 2) for v in sim["stage_layers"])
     assert all(len(v) == 2 for v in sim["stage_recompute"]) and all(len(v) == 2 for v in sim["stage_offload"])
+    assert df[df["simulated"] & (df["fine_layout"] == "grid")]["stage_layers"].isna().all()
     assert df[~df["simulated"]]["stage_layers"].isna().all()
     assert "stage_layers" in pd.read_csv(tmp_path / "results.csv").columns
 
@@ -275,7 +282,7 @@ def test_the_balanced_bound_is_never_above_the_lp_relaxation():
     # objective, and on some it is close enough to prune
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from planlab.search_spaces.fine import _program, balanced_bound_s
+    from planlab.search_spaces.fine import balanced_bound_s, program_arrays
 
     head, emb = GroupCost(2.0, 0.1, 3.0, 1.0, 0.0), GroupCost(0.5, 0.0, 2.0, 0.5, 0.0)
     c = _costs(first=emb, last=head, sync_s=0.01, offload_sync_s=0.005, static_bytes=6.0, can_offload=True)
@@ -284,7 +291,7 @@ def test_the_balanced_bound_is_never_above_the_lp_relaxation():
         for m in (16, 4):
             for stages, chunks in ((2, 1), (4, 2), (4, 1), (8, 2), (6, 3)):
                 sched = "interleaved" if chunks > 1 else "1f1b"
-                cost, rows, lower, upper, _, lp = _program(c, 12, stages, m, cap, sched, chunks)
+                cost, rows, lower, upper, _, lp = program_arrays(c, 12, stages, m, cap, sched, chunks)
                 relaxed = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
                 if relaxed.x is None:
                     continue
@@ -310,18 +317,106 @@ def test_two_jobs_give_the_rows_of_one(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="planlab.search_spaces.fine")
     frames = [
         planlab.explore(
-            ModelSpec("gpt-tiny", (("layers", 6),)),
+            ModelSpec("gpt-tiny", (("layers", 7),)),
             cluster="cpu",
             nodes=4,
             global_batch=16,
             space="megatron*fine",
             fixed=dict(zero=0),
-            candidates=2,
+            candidates=8,
             jobs=jobs,
         )
         for jobs in (1, 2)
     ]
     statuses = {str(r.args[0]) for r in caplog.records if r.name == "planlab.search_spaces.fine" and r.args}
     assert {"pruned", "optimal"} <= statuses
-    assert frames[0]["stage_layers"].notna().any()
+    assert all("stage_layers" in f and f["stage_layers"].notna().any() for f in frames)
     pd.testing.assert_frame_equal(frames[0], frames[1])
+
+
+def test_the_fine_space_keeps_every_plan_of_the_grid_beside_the_program_s():
+    """megatron*fine holds each grid plan as it is (fine_layout=grid, recompute=full included)
+    besides the program's layout of its point; a program's layout that is the grid's plan again,
+    or none, is left out with its reason, so the screen sees each plan once."""
+    ctx, _ = _ctx(layers=4)
+    grid, fine = get_space("megatron"), get_space("megatron*fine")
+    ours = {tuple(sorted(a.items())) for a in fine.assignments(ctx)}
+    plans = list(grid.assignments(ctx))
+    assert any(a["recompute"] == "full" for a in plans)
+    for a in plans:
+        b = {**a, "fine_layout": "grid", "fine_offload": False}
+        assert tuple(sorted(b.items())) in ours
+        mine, theirs = fine.draft(ctx, b), grid.draft(ctx, a)
+        assert (mine.stages, mine.recompute, mine.num_stages, mine.chunks, mine.microbatches, mine.layout) == (
+            theirs.stages,
+            theirs.recompute,
+            theirs.num_stages,
+            theirs.chunks,
+            theirs.microbatches,
+            None,
+        )
+    refused = 0
+    for a in fine.assignments(ctx, {"fine_layout": "program"}):
+        try:
+            d = fine.draft(ctx, a)
+        except InfeasiblePlan as e:
+            refused += 1
+            assert "fine_layout=program:" in str(e) and "\n" not in str(e)
+            continue
+        assert d.layout is not None and (d.stages, d.recompute) != (grid.draft(ctx, a).stages, {})
+    assert refused
+
+
+def test_exploring_the_fine_space_never_loses_to_the_grid():
+    # every plan simulated (candidates=None): the fine space's best is at most the grid's, and the
+    # program's rows it left out say why
+    import planlab
+    from planlab.models import ModelSpec
+
+    fixed = dict(tp=1, zero=0, sequence_parallel=False)
+    frames = {
+        space: planlab.explore(
+            ModelSpec("gpt-tiny", (("layers", 5),)),
+            cluster="cpu",
+            nodes=2,
+            global_batch=8,
+            space=space,
+            fixed=fixed,
+            candidates=None,
+        )
+        for space in ("megatron", "megatron*fine")
+    }
+    best = {s: df[df["feasible"] == True]["iter_time_s"].min() for s, df in frames.items()}  # noqa: E712
+    assert best["megatron*fine"] <= best["megatron"]
+    df = frames["megatron*fine"]
+    program = df[df["fine_layout"] == "program"]
+    assert len(df[df["fine_layout"] == "grid"]) == len(frames["megatron"])
+    left = program[program["screen_time_s"].isna()]
+    assert len(left) and left["reason"].str.startswith("fine_layout=program:").all()
+
+
+def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs():
+    # the bound over every point of a small grid solves few programs yet finds the best layout of
+    # all (every program solved), the least LP relaxation, and no grid plan (in the program's
+    # model) goes under it
+    import math
+
+    from planlab.search_spaces.fine import fine_cost_model, solve_program
+    from planlab.search_spaces.fine_bound import Point, fine_points, grid_bound, grid_plan_cost
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    cap = fine_cost_model(ctx).device_memory_bytes
+    got = grid_bound(ctx, grid)
+    points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
+    assert got.points == len(points) and got.programs < got.lps < len(points) and got.node_limited == 0
+    assert got.least_lp_s == pytest.approx(min(p.relaxed_s(cap) for p in points), rel=1e-9)
+    every = [solve_program(p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks) for p in points]
+    best = min(s.objective_s for s in every if s.layout is not None)
+    assert got.best_s == pytest.approx(best, rel=1e-4) and got.least_s <= got.best_s
+    assert got.least_s >= got.least_lp_s and got.least_s == pytest.approx(best, rel=1e-4)
+    for a in grid.assignments(ctx):
+        if a["schedule"] in ("1f1b", "gpipe", "interleaved"):
+            model_s, fits, layout = grid_plan_cost(ctx, grid, a)
+            assert sum(layout.layers) == 4 and math.isfinite(model_s)
+            assert not fits or got.least_s <= model_s * (1 + 1e-9)

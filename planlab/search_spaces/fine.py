@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planlab.costmodel import CostModel
-from planlab.errors import ConfigError
+from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
 from planlab.search_spaces.fine_costs import StageCosts, probe_key, stage_costs
@@ -173,7 +173,7 @@ def solve_program(
         # strictly above the bar by more than HiGHS' tolerances: the LP relaxation would prune it too
         if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
             return Solved(None, bound_s, "pruned")
-    cost, rows, lower, upper, integ, lp = _program(c, layers, stages, m, cap_bytes, schedule, chunks)
+    cost, rows, lower, upper, integ, lp = program_arrays(c, layers, stages, m, cap_bytes, schedule, chunks)
     args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
     if math.isfinite(bar_s):
         relaxed = milp(cost, **args)  # no integrality: the LP relaxation
@@ -199,7 +199,7 @@ BOUND_MARGIN = 1e-6  # relative: a balanced bound this far above the bar prunes 
 
 
 def balanced_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int = 1) -> float:
-    """A lower bound on the program's objective (:func:`_program`) from its rows alone, without a
+    """A lower bound on the program's objective (:func:`program_arrays`) from its rows alone, without a
     solver: the slowest device is at least the average of the work over the devices, the slowest
     chunk at least the average over the chunks (no layer recomputed, no memory limit), the sync at
     least 0, and offloading at most every layer's difference in the tie-breaking terms.
@@ -223,7 +223,7 @@ def solve_layout(
     return solve_program(c, layers, stages, m, cap_bytes, schedule, chunks).layout
 
 
-def _program(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
+def program_arrays(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
     """The program's objective, rows, bounds and integrality (module docstring), and its _Program."""
     lp = _Program(stages, chunks)
     n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
@@ -320,7 +320,7 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     draft.layout = layout
 
 
-def _cost_model(ctx: Context) -> CostModel:
+def fine_cost_model(ctx: Context) -> CostModel:
     """The cluster's cost model (its default software), one per graph and cluster (the graph's memo)."""
     return ctx.graph.memo(("fine_cost_model", ctx.cluster, ctx.nodes), lambda: CostModel.load(ctx.cluster, ctx.nodes))
 
@@ -328,16 +328,24 @@ def _cost_model(ctx: Context) -> CostModel:
 def _screen(ctx: Context) -> Screen:
     """One screen per graph and cluster (kept in the graph's memo)."""
     key = ("fine_screen", ctx.cluster, ctx.nodes)
-    return ctx.graph.memo(key, lambda: Screen(ctx.graph, _cost_model(ctx), precision_for(ctx.cluster)))
+    return ctx.graph.memo(key, lambda: Screen(ctx.graph, fine_cost_model(ctx), precision_for(ctx.cluster)))
 
 
-def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
-    """The layout the integer program picks for ``draft``'s grid point (None: none fits)."""
+def point_costs(draft: Draft, offload: bool) -> StageCosts:
+    """The per-layer costs of ``draft``'s grid point (fine_costs.py), once per graph, cluster and
+    what the probe is priced from (the graph's memo): grid points that differ only in their stages,
+    chunks or schedule share them."""
     ctx = draft.ctx
-    cost = _cost_model(ctx)
-    # the probe replaces the stages, chunks and schedule: grid points that differ only there share its costs
     key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
-    costs = ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
+    return ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
+
+
+def choose_layout(draft: Draft, offload: bool) -> Solved:
+    """How the integer program for ``draft``'s grid point ended (its layout: None when none fits
+    or the point was pruned), once per point (the graph's memo)."""
+    ctx = draft.ctx
+    cost = fine_cost_model(ctx)
+    costs = point_costs(draft, offload)
     incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
 
     def solve() -> Solved:
@@ -356,32 +364,64 @@ def choose_layout(draft: Draft, offload: bool) -> StageLayout | None:
         log.debug("fine program: %s", got.status)
         return got
 
-    return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks), solve).layout
+    key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
+    return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks), solve)
+
+
+PROGRAM, GRID = "program", "grid"  # fine_layout's values: the integer program's layout, the grid point's own plan
 
 
 def _unset(name: str, allowed: tuple) -> Constraint:
+    """With fine_layout=program, knob ``name`` only at ``allowed`` (the program chooses the rest itself)."""
     return Constraint(
-        lambda a, c: a.get(name) in (None,) + allowed,
+        lambda a, c: a.get("fine_layout") != PROGRAM or a.get(name) in (None,) + allowed,
         lambda a, c: (
             f"the fine space chooses per-stage layers and recomputation itself: {name}={a.get(name)!r} "
-            f"does not go with it; choose {' or '.join(map(repr, allowed))}"
+            f"does not go with fine_layout={PROGRAM}; choose {' or '.join(map(repr, allowed))}, "
+            f"or fine_layout={GRID} for the grid's own plan"
         ),
     )
 
 
 class FineStages(Space):
     """Per stage, its layers, recomputed layers and offloading, by an integer program over the
-    screen's per-layer costs (module docstring); compose it with the grid: ``megatron*fine``."""
+    screen's per-layer costs (module docstring); compose it with the grid: ``megatron*fine``.
+    ``fine_layout`` keeps both plans of a grid point: the grid's own (``grid``, the default: every
+    plan of the grid is one of ``megatron*fine``'s) and the program's layout (``program``), which
+    is left out (the row's reason says why) where it is the grid's plan again, where no layout fits
+    and where the point was pruned: the screen and the simulation see each plan once."""
 
     name = "fine"
     order = 5  # after the stages, the mesh axes and the recomputation it refines
     drafts_in_order = True  # a grid point is pruned against the programs solved before it (Incumbents)
-    knobs = (Knob.bool("fine_offload", "let the integer program offload the optimizer per stage (ZeRO-Offload)"),)
+    knobs = (
+        Knob.choice(
+            "fine_layout",
+            (GRID, PROGRAM),
+            f"{GRID}: the grid point's own plan; {PROGRAM}: per-stage layers and recomputation chosen by the integer program",
+            default=GRID,
+        ),
+        Knob.bool("fine_offload", "let the integer program offload the optimizer per stage (ZeRO-Offload)"),
+    )
     constraints = (
+        Constraint(
+            lambda a, c: not a.get("fine_offload") or fine_cost_model(c).cluster.node.host is not None,
+            lambda a, c: (
+                f"fine_offload=True on cluster {c.cluster!r}, which gives no host side; set fine_offload=false"
+            ),
+        ),
+        Constraint(
+            lambda a, c: not a.get("fine_offload") or a.get("fine_layout") in (None, PROGRAM),
+            lambda a, c: (
+                f"fine_offload=True lets the integer program offload, and fine_layout={GRID} keeps the grid "
+                f"point's own plan; set fine_layout={PROGRAM} or fine_offload=false"
+            ),
+        ),
         _unset("schedule", FINE_SCHEDULES),
         Constraint(
             lambda a, c: (
-                not (a.get(FIRST) or a.get(LAST))
+                a.get("fine_layout") != PROGRAM
+                or not (a.get(FIRST) or a.get(LAST))
                 or a.get("pp") is None
                 or a.get("virtual_stages") is None
                 or c.layers % (a["pp"] * a["virtual_stages"]) != 0
@@ -389,25 +429,40 @@ class FineStages(Space):
             lambda a, c: (
                 f"the fine space chooses per-stage layers itself: {FIRST}={a.get(FIRST)}, {LAST}={a.get(LAST)} "
                 f"with pp={a['pp']} x virtual_stages={a['virtual_stages']}, which divide the {c.layers} layers, "
-                f"would only repeat the even plan; set both to 0"
+                f"would only repeat the even plan; set both to 0, or fine_layout={GRID}"
             ),
         ),
         _unset("recompute", ("none", "selective")),
         _unset("offload_optimizer", (False,)),
-        Constraint(
-            lambda a, c: not a.get("fine_offload") or _cost_model(c).cluster.node.host is not None,
-            lambda a, c: (
-                f"fine_offload=True on cluster {c.cluster!r}, which gives no host side; set fine_offload=false"
-            ),
-        ),
     )
 
     def apply(self, draft: Draft, values: dict) -> None:
-        if draft.vshape or draft.mirror or draft.spread or draft.recycles > 1:
+        if values.get("fine_layout", GRID) != PROGRAM:
             return
-        layout = choose_layout(draft, bool(values.get("fine_offload")))
-        if layout is not None:  # none fits: the grid's plan stays, out of memory
-            apply_layout(draft, layout)
+        if draft.vshape or draft.mirror or draft.spread or draft.recycles > 1:
+            raise InfeasiblePlan(
+                f"fine_layout={PROGRAM}: the program lays out 1F1B, GPipe and interleaved pipelines only; "
+                f"this point's plan is fine_layout={GRID}'s"
+            )
+        got = choose_layout(draft, bool(values.get("fine_offload")))
+        if got.layout is None:
+            raise InfeasiblePlan(_no_layout(got))
+        before = (draft.stages, draft.recompute)
+        apply_layout(draft, got.layout)
+        if not any(got.layout.offload) and (draft.stages, draft.recompute) == before:
+            raise InfeasiblePlan(
+                f"fine_layout={PROGRAM}: the integer program chose the grid point's own plan (fine_layout={GRID})"
+            )
+
+
+def _no_layout(got: Solved) -> str:
+    """Why a grid point has no plan of the program's (one line)."""
+    if got.status == "pruned":
+        return (
+            f"fine_layout={PROGRAM}: pruned, no layout of this point beats the {PRUNE_KEEP} best programs "
+            f"(its bound {got.objective_s:.4g} s)"
+        )
+    return f"fine_layout={PROGRAM}: no layout fits the device's memory in the program's model ({got.status})"
 
 
 register_space("fine", FineStages)

@@ -1,0 +1,214 @@
+"""A bound over a whole grid on what the fine-grained space can win, in its integer program's model.
+
+For every grid point the fine space would lay out (planlab/search_spaces/fine.py), the least
+objective any layout of that point reaches is at least its program's LP relaxation, which is at
+least the solver-free ``balanced_bound_s``. So the least LP relaxation over the points bounds, from
+below, every layout of every point: :func:`grid_bound` finds it exactly while solving few LPs (the
+points in increasing order of their balanced bound, until that bound reaches the least LP found).
+:func:`grid_plan_cost` prices a plan of the grid itself in the same model (its own layers per
+stage, its recomputation and offloading), so their ratio is the largest speedup the fine space
+could find over that plan as its program sees it. The program's model is the screen's; the
+simulator judges the plans, so a caller states the gap between the two at the plan it prices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from planlab.search_spaces.builtin import LAYER_MODULE
+from planlab.errors import ConfigError
+from planlab.search_spaces.fine import (
+    FINE_SCHEDULES,
+    PROGRAM,
+    NODE_LIMIT,
+    FineStages,
+    fine_cost_model,
+    program_arrays,
+    balanced_bound_s,
+    point_costs,
+)
+from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.space import Context, Draft, Space
+from planlab.search_spaces.stages import StageLayout
+
+NO_MEMORY_BYTES = 1e30  # a device memory no plan reaches: the program's time without its memory rows
+
+
+@dataclass(frozen=True)
+class Point:
+    """What a grid point's program is made of: the per-layer costs and the pipeline's shape."""
+
+    costs: StageCosts
+    layers: int
+    stages: int
+    microbatches: int
+    schedule: str
+    chunks: int
+
+    @classmethod
+    def of(cls, draft: Draft, offload: bool) -> Point:
+        """The program of ``draft``'s grid point (the costs from the graph's memo)."""
+        return cls(
+            point_costs(draft, offload),
+            draft.ctx.layers,
+            draft.num_stages,
+            draft.microbatches,
+            draft.schedule,
+            draft.chunks,
+        )
+
+    def balanced_s(self) -> float:
+        """The solver-free lower bound (``fine.balanced_bound_s``)."""
+        return balanced_bound_s(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
+
+    def relaxed_s(self, cap_bytes: float) -> float:
+        """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
+        return _solved_s(self, cap_bytes, None)
+
+    def layout_s(self, cap_bytes: float, layout: StageLayout) -> float:
+        """The program's objective at ``layout`` (inf: it breaks the program's memory rows)."""
+        return _solved_s(self, cap_bytes, layout)
+
+    def integer(self, cap_bytes: float) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
+        none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        cost, rows, lower, upper, integ, lp = program_arrays(
+            self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks
+        )
+        args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+        res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
+        if res.status == 2:  # HiGHS: infeasible
+            return math.inf, math.inf
+        found = math.inf if res.x is None else float(res.fun)
+        dual = float(getattr(res, "mip_dual_bound", None) or -math.inf)
+        return found, min(found, dual if not math.isnan(dual) else -math.inf)
+
+
+def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
+    """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
+    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+
+    cost, rows, lower, upper, _, lp = program_arrays(
+        p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks
+    )
+    if layout is not None:
+        lower, upper = lower.astype(float), upper.astype(float)
+        n, k, o = np.array(layout.layers), np.array(layout.recompute or (0,) * p.stages), layout.offload
+        offload = np.array([float(x) for x in (o or (False,) * lp.G)])
+        for at, vals in ((lp.n, n), (lp.k, k), (lp.o, offload)):
+            lower[at : at + len(vals)] = upper[at : at + len(vals)] = vals
+        if p.chunks == 1:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
+            lower[lp.r : lp.r + lp.G] = upper[lp.r : lp.r + lp.G] = (k > 0).astype(float)
+    res = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+    return math.inf if res.x is None else float(res.fun)
+
+
+@dataclass(frozen=True)
+class GridBound:
+    """What every fine layout of every point of a grid reaches at best in the program's model:
+    ``least_s``, a proven lower bound (inf: no point fits); ``best_s``, the best layout found
+    (equal to ``least_s`` up to HiGHS' gap when every program it solved finished), at the point
+    ``knobs``; ``least_lp_s``, the least LP relaxation (a weaker bound, for reference); how many
+    points were bounded, LP relaxations and integer programs solved, and how many of these
+    stopped at the node limit before proving their optimum."""
+
+    least_s: float
+    best_s: float
+    knobs: dict
+    least_lp_s: float
+    points: int
+    lps: int
+    programs: int
+    node_limited: int
+
+
+def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterator[tuple[dict, Draft]]:
+    """The grid points ``grid * fine`` lays out with ``fine_layout=program`` (offloading allowed
+    where the cluster has a host side), each with the grid's draft of it (no program solved), one
+    at a time (a draft holds a stage per operator)."""
+    fine = FineStages()
+    offload = fine_cost_model(ctx).cluster.node.host is not None
+    pinned = {**(fixed or {}), "fine_layout": PROGRAM, "fine_offload": offload}
+    mine = {k.name for k in grid.all_knobs()}
+    for a in (grid * fine).assignments(ctx, pinned):
+        knobs = {k: v for k, v in a.items() if k in mine}
+        draft = grid.draft(ctx, knobs)
+        if not (draft.vshape or draft.mirror or draft.spread or draft.recycles > 1):
+            yield knobs, draft
+
+
+def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBound:
+    """The best any fine layout of any of ``grid``'s points can reach in the program's model (the
+    module docstring), solving few programs: the points in increasing order of their balanced
+    bound; each point's LP relaxation, and its integer program where that relaxation is under the
+    best layout found so far; until the next balanced bound is at least that best layout (no later
+    point can beat it). ``least_lp_s`` is the least LP relaxation over every point: a point not
+    relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
+    some relaxation."""
+    cap = fine_cost_model(ctx).device_memory_bytes
+    offload = fine_cost_model(ctx).cluster.node.host is not None
+    ranked = []
+    for i, (knobs, draft) in enumerate(fine_points(ctx, grid, fixed)):
+        p = Point.of(draft, offload)
+        ranked.append((p.balanced_s(), i, knobs, p))
+    ranked.sort(key=lambda t: (t[0], t[1]))
+    best, least, least_lp, where = math.inf, math.inf, math.inf, {}
+    lps = programs = limited = 0
+    for balanced, _, knobs, p in ranked:
+        if balanced >= best:
+            break
+        lps += 1
+        relaxed = p.relaxed_s(cap)
+        least_lp = min(least_lp, relaxed)
+        if relaxed >= best:
+            least = min(least, relaxed)
+            continue
+        programs += 1
+        found, proven = p.integer(cap)
+        proven = max(proven, relaxed)  # both bound the point's layouts from below
+        limited += found > proven * (1 + 1e-3)
+        least = min(least, proven)
+        if found < best:
+            best, where = found, knobs
+    # every point not reached has a balanced bound of at least best: least stays a bound for them
+    return GridBound(min(least, best), best, where, least_lp, len(ranked), lps, programs, limited)
+
+
+def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:
+    """``draft``'s own layout: its layers per stage (model chunk), all of them recomputed in full
+    or none, its optimizer offloaded on every device group or none."""
+    per = [set() for _ in range(draft.num_stages)]
+    for op in draft.ctx.graph.operators:
+        m = LAYER_MODULE.search(op.module)
+        if m:
+            per[draft.stages.get(op.name, 0)].add(int(m.group(2)))
+    layers = tuple(len(s) for s in per)
+    return StageLayout(layers, layers if recompute_all else (), (offload,) * draft.groups)
+
+
+def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool, StageLayout]:
+    """A plan of ``grid`` (its knobs) in the fine program's model: its objective, whether it fits
+    the program's memory rows (if not, the objective is taken without them), and its layout. Its
+    point is the one the fine space would lay out: ``recompute=full`` is the base ``none`` with
+    every layer recomputed, ``offload_optimizer`` every device group offloading, and its layers
+    per stage are the plan's."""
+    own = grid.draft(ctx, grid.with_defaults(knobs))
+    full, offload = knobs.get("recompute") == "full", bool(knobs.get("offload_optimizer"))
+    if own.schedule not in FINE_SCHEDULES:
+        raise ConfigError(f"schedule {own.schedule!r}: the fine program lays out {', '.join(FINE_SCHEDULES)} only")
+    # the probe is priced from the mesh, the micro-batches, ZeRO and the base recomputation, not the stages
+    point = {**knobs, "offload_optimizer": False} | ({"recompute": "none"} if full else {})
+    draft = grid.draft(ctx, grid.with_defaults(point))
+    layout = draft_layout(own, full, offload)
+    host = fine_cost_model(ctx).cluster.node.host is not None
+    p = Point.of(draft, host)
+    got = p.layout_s(fine_cost_model(ctx).device_memory_bytes, layout)
+    if math.isfinite(got):
+        return got, True, layout
+    return p.layout_s(NO_MEMORY_BYTES, layout), False, layout
