@@ -13,6 +13,12 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   ``N x K x M``, the bias gradient (a reduction reading ``dy``) and, per parameter, the
   addition of this micro-batch's gradient into the accumulated one (PyTorch's autograd
   accumulates ``.grad`` by a separate kernel; Megatron-DeepSpeed keeps it).
+  With the software's ``fused_qkv``, an attention's query, key and value projections reading the
+  same input (``fused_widths``: their output widths ``n_q, n_k, n_v``) run as one GEMM each way, as
+  Megatron's ``query_key_value`` does: forward ``M x (n_q + n_k + n_v) x K``, backward one
+  input-gradient GEMM ``M x K x (n_q + n_k + n_v)`` (the three input gradients summed in its
+  reduction) and one weight-gradient GEMM ``(n_q + n_k + n_v) x K x M``; each projection's task is
+  charged its width's share of each (the kernel's ``computed``), the fused GEMM's launch in full.
 * ``attention`` with ``megatron``: Megatron-LM's unfused core attention. Forward: the score
   GEMM ``baddbmm`` (``B*H`` GEMMs ``T x T x D``) writes the ``T x T`` scores, the fused
   scale-mask-softmax kernel reads and writes them (where Megatron's conditions for that kernel
@@ -181,6 +187,7 @@ def op_kernels(
     fused_softmax: bool = True,
     fused_attention: bool = False,
     causal: bool = False,
+    fused_widths: tuple[int, ...] = (),
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -189,7 +196,9 @@ def op_kernels(
     roofline prices those). ``fused_softmax`` False: Megatron's attention masks and normalizes its
     scores in separate kernels (:func:`unfused_softmax_2019`); ``fused_attention`` True: Megatron's
     attention runs fused, as ``torch``'s does; ``causal``: the attention is causal, so a fused
-    kernel skips the blocks its mask hides (:func:`flash_causal_share`). A formula that fails on the shapes
+    kernel skips the blocks its mask hides (:func:`flash_causal_share`); ``fused_widths``: a linear
+    layer's GEMMs are its share of one fused with its siblings' (the output widths of all, its own
+    included; see the module docstring). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -200,7 +209,9 @@ def op_kernels(
             impl = "torch" if fused_attention else implementation
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
-            return _linear_fp8(phase, shapes, eb, implementation)
+            return _linear_fp8(phase, shapes, eb, implementation, fused_widths)
+        if kind == "linear":
+            return _linear(phase, shapes, eb, implementation, fused_widths)
         return _KINDS[kind](phase, shapes, eb, implementation)
     except (IndexError, ValueError, ZeroDivisionError, TypeError, KeyError) as e:
         raise KernelFormulaError(
@@ -209,22 +220,36 @@ def op_kernels(
         ) from e
 
 
-def _linear(phase, shapes, eb, impl):
+def _linear_gemms(phase, m, n, k, fused_widths, fp8=False):
+    """A linear layer's GEMMs, ``m x n x k`` forward, input- then weight-gradient backward; with
+    ``fused_widths`` (the output widths of the GEMM it is fused into, its ``n`` among them) the
+    fused GEMMs of the summed width, each computing this layer's share."""
+    width = sum(fused_widths) if fused_widths else n
+    share = n / width
+    if phase == "F":
+        return [_gemm("gemm", 1, m, width, k, fp8=fp8, computed=share)]
+    return [
+        _gemm("gemm-dgrad", 1, m, k, width, fp8=fp8, computed=share),
+        _gemm("gemm-wgrad", 1, width, k, m, True, fp8=fp8, computed=share),
+    ]
+
+
+def _linear(phase, shapes, eb, impl, fused_widths=()):
     x, w = shapes[0], shapes[1]
     has_bias = len(shapes) == 4
     k = x[-1]
     m = _n(x) // k
     n = w[0]
     if phase == "F":
-        return OpKernels((_gemm("gemm", 1, m, n, k),), 1)
-    ks = [_gemm("gemm-dgrad", 1, m, k, n), _gemm("gemm-wgrad", 1, n, k, m, True)]
+        return OpKernels(tuple(_linear_gemms(phase, m, n, k, fused_widths)), 1)
+    ks = _linear_gemms(phase, m, n, k, fused_widths)
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
-def _linear_fp8(phase, shapes, eb, impl):
+def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
     """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
     and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
     more for its absolute maximum."""
@@ -240,13 +265,14 @@ def _linear_fp8(phase, shapes, eb, impl):
 
     if phase == "F":
         return OpKernels(
-            (cast("fp8-cast-input", m * k), cast("fp8-cast-weight", n * k), _gemm("gemm", 1, m, n, k, fp8=True)), 3
+            (
+                cast("fp8-cast-input", m * k),
+                cast("fp8-cast-weight", n * k),
+                *_linear_gemms(phase, m, n, k, fused_widths, True),
+            ),
+            3,
         )
-    ks = [
-        cast("fp8-cast-grad", m * n),
-        _gemm("gemm-dgrad", 1, m, k, n, fp8=True),
-        _gemm("gemm-wgrad", 1, n, k, m, True, fp8=True),
-    ]
+    ks = [cast("fp8-cast-grad", m * n), *_linear_gemms(phase, m, n, k, fused_widths, True)]
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])

@@ -277,6 +277,7 @@ class CostModel:
                 sw.fused_softmax,
                 sw.fused_attention,
                 task.causal,
+                task.fused_widths if sw.fused_qkv else (),
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None

@@ -45,6 +45,12 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     output projection reads (:mod:`planlab.plan.saved`). False (the default): with the ``megatron``
     implementation, Megatron-LM's unfused score GEMM, softmax, dropout and context GEMM; the
     ``torch`` implementation's kernels are fused either way, and it keeps what the graph says;
+``fused_qkv``
+    the attention's query, key and value projections, linear layers reading the same input under
+    the same split, run as one GEMM of their summed output width each way (Megatron-LM's
+    ``query_key_value``, Megatron-Core's ``linear_qkv``): each projection's task is charged its
+    share, by its width, of the fused GEMMs' time (:mod:`planlab.costmodel.kernels`). False (the
+    default): three GEMMs each way, as ``torch.nn`` layers (torchtitan's ``wq``, ``wk``, ``wv``) run;
 ``fused_glu``
     a gated linear unit's activation and product run as one kernel that keeps only its input, the
     gate and up projections' outputs, for the backward, which computes the activation again
@@ -124,6 +130,7 @@ _FIELDS = {
     "sequence_parallel_saves_shard",
     "fused_softmax",
     "fused_attention",
+    "fused_qkv",
     "fused_glu",
     "routing_weights_in_experts",
     "precisions",
@@ -190,6 +197,7 @@ class SoftwareSpec:
     sequence_parallel_saves_shard: bool = False
     fused_softmax: bool = True
     fused_attention: bool = False
+    fused_qkv: bool = False
     fused_glu: bool = False
     routing_weights_in_experts: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
@@ -309,6 +317,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         sequence_parallel_saves_shard=_flag(f, "sequence_parallel_saves_shard", False),
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
+        fused_qkv=_flag(f, "fused_qkv", False),
         fused_glu=_flag(f, "fused_glu", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         precisions=_precisions(f.sub("precisions")),

@@ -26,6 +26,7 @@ from planlab.plan.passes.draft import (
     shares,
 )
 from planlab.plan.program import Task, TaskKind
+from planlab.plan.qkv import fused_widths
 from planlab.plan.redistribute import same_layout
 
 
@@ -140,6 +141,7 @@ def backward_pieces(d: Draft) -> Draft:
             if w is not None and w.kind is BufferKind.CONTRIBUTION
         }
         ring = L.op_plan[op.name].ring
+        widths = fused_widths(d, op.name) if op.kind == "linear" else ()
         for flat, dev in d.positions(mesh):
             if not ring:  # what the pieces at this position share: their position alone (ring_fields: none)
                 base = bases.get(flat)
@@ -155,6 +157,7 @@ def backward_pieces(d: Draft) -> Draft:
                 share,
                 saved=d.saved[op.name],
                 shapes=d.piece_shapes.get(op.name, ()),
+                fused_widths=widths,
                 **(ring_fields(d, op, flat) if ring else {}),
             )
             if task.ring is not None:
