@@ -15,7 +15,7 @@ from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
 from planlab.costmodel.kernels import Kernel, flash_causal_share, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
 from planlab.errors import ConfigError
-from planlab.plan.buffer import contribution, weight_grad
+from planlab.plan.buffer import contribution, grad, weight_grad
 from planlab.plan.program import Task, TaskKind
 
 PEAK = 312e12  # A100 dense fp16 flop/s
@@ -746,3 +746,71 @@ def test_fused_attention_runs_the_software_s_kernel_for_the_device() -> None:
     cost = CostModel.load("dgx-h100", software="torch")
     none = dataclasses.replace(cost, software=dataclasses.replace(cost.software, attention_kernels=()))
     assert none.kernel_time_s(fwd, "bf16") == pytest.approx(priced(cost, fwd, cost.cluster.device.gemm.efficiency, 0))
+
+
+def _projection_tasks(widths: tuple[int, ...], m: int, k: int) -> list[tuple[Task, Task]]:
+    """The forward and backward tasks of an attention's query, key and value projections of
+    ``widths`` reading one ``m x k`` input, as materialize marks them (``fused_widths``)."""
+    x = (1, m, k)
+    out = []
+    for name, n in zip("qkv", widths):
+        shapes = (x, (n, k), (1, m, n))
+        fields = dict(op_kind="linear", shapes=shapes, fused_widths=widths)
+        fwd = Task(name, TaskKind.FORWARD, flops=2.0 * m * n * k, **fields)
+        bwd = Task(name, TaskKind.BACKWARD, (grad(name),), (contribution("x", name, 0), weight_grad(name)), **fields)
+        out.append((fwd, bwd))
+    return out
+
+
+@pytest.mark.parametrize("widths, m, k", [((1024, 1024, 1024), 1024, 1024), ((2048, 512, 512), 2048, 2048)])
+def test_fused_qkv_prices_one_gemm_of_the_summed_width(widths, m, k) -> None:
+    """With Megatron's fused query_key_value (``fused_qkv``) the three projections together cost
+    one GEMM of their summed width each way, their last waves no longer each partly idle: less
+    than three GEMMs at these shapes (three 1024^3 GEMMs leave 108 SMs' last wave part-empty
+    three times over). Each projection pays its width's share. torch's separate wq, wk, wv stay
+    three GEMMs, the fused widths ignored."""
+    from planlab.costmodel.software import load_software
+
+    megatron = vtrain_cost()
+    assert megatron.software.fused_qkv
+    torch = CostModel(megatron.cluster, software=load_software("torch"), precision=megatron.precision)
+    assert not torch.software.fused_qkv
+    tasks = _projection_tasks(widths, m, k)
+    total = sum(widths)
+    for phase in (0, 1):
+        fused = [megatron.device_and_host_s(t[phase], "fp16")[0] for t in tasks]
+        alone = [megatron.device_and_host_s(t[phase].but(fused_widths=()), "fp16")[0] for t in tasks]
+        plain = [torch.device_and_host_s(t[phase], "fp16")[0] for t in tasks]
+        assert sum(fused) < 0.9 * sum(alone)
+        assert plain == pytest.approx(
+            [torch.device_and_host_s(t[phase].but(fused_widths=()), "fp16")[0] for t in tasks]
+        )
+    for n, (fwd, _) in zip(widths, tasks):  # each projection computes its width's share of each fused GEMM
+        gemms = [
+            kn for p in "FB" for kn in op_kernels("linear", p, fwd.shapes, 2, "megatron", fused_widths=widths).kernels
+        ]
+        gemms = [(kn.gemm, kn.computed) for kn in gemms if kn.gemm]
+        assert gemms == [((1, m, total, k), n / total), ((1, m, k, total), n / total), ((1, total, k, m), n / total)]
+    one = megatron.kernel_time_s(Kernel("gemm", gemm=(1, m, total, k)), "fp16")
+    assert sum(megatron.device_and_host_s(t[0], "fp16")[0] for t in tasks) == pytest.approx(
+        one + 2 * megatron.cluster.device.launch_overhead_s
+    )
+
+
+def test_materialize_marks_the_query_key_value_projections() -> None:
+    """The q, k and v projections of a GPT and of a LLaMA (grouped-query attention, rotary
+    embedding between projection and attention) read one input under tp 2: each forward and
+    backward piece carries the three local widths; the other linear layers none."""
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    for model, widths in (("gpt-tiny", (32, 32, 32)), ("llama-tiny", (32, 16, 16))):
+        spec, g = traced(model, 8)
+        plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=2))
+        linear = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.op_kind == "linear"]
+        marked = [t for t in linear if t.fused_widths]
+        assert {t.fused_widths for t in marked} == {widths}
+        assert {t.kind for t in marked} == {TaskKind.FORWARD, TaskKind.BACKWARD}
+        assert len({(t.kind, t.name) for t in marked}) == 6 * 2  # two layers, three projections, forward and backward
+        assert all(t.shapes[1][0] in widths for t in marked)

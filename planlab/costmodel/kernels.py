@@ -13,6 +13,12 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   ``N x K x M``, the bias gradient (a reduction reading ``dy``) and, per parameter, the
   addition of this micro-batch's gradient into the accumulated one (PyTorch's autograd
   accumulates ``.grad`` by a separate kernel; Megatron-DeepSpeed keeps it).
+  With the software's ``fused_qkv``, an attention's query, key and value projections reading the
+  same input (``fused_widths``: their output widths ``n_q, n_k, n_v``) run as one GEMM each way, as
+  Megatron's ``query_key_value`` does: forward ``M x (n_q + n_k + n_v) x K``, backward one
+  input-gradient GEMM ``M x K x (n_q + n_k + n_v)`` (the three input gradients summed in its
+  reduction) and one weight-gradient GEMM ``(n_q + n_k + n_v) x K x M``; each projection's task is
+  charged its width's share of each (the kernel's ``computed``), the fused GEMM's launch in full.
 * ``attention`` with ``megatron``: Megatron-LM's unfused core attention. Forward: the score
   GEMM ``baddbmm`` (``B*H`` GEMMs ``T x T x D``) writes the ``T x T`` scores, the fused
   scale-mask-softmax kernel reads and writes them (where Megatron's conditions for that kernel
@@ -192,6 +198,7 @@ def op_kernels(
     fused_attention: bool = False,
     causal: bool = False,
     fused_rms_norm: bool = True,
+    fused_widths: tuple[int, ...] = (),
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -201,7 +208,9 @@ def op_kernels(
     scores in separate kernels (:func:`unfused_softmax_2019`); ``fused_attention`` True: Megatron's
     attention runs fused, as ``torch``'s does; ``causal``: the attention is causal, so a fused
     kernel skips the blocks its mask hides (:func:`flash_causal_share`); ``fused_rms_norm`` False:
-    RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`). A formula that fails on the shapes
+    RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`); ``fused_widths``: a linear
+    layer's GEMMs are its share of one fused with its siblings' (the output widths of all, its own
+    included; see the module docstring). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -212,7 +221,9 @@ def op_kernels(
             impl = "torch" if fused_attention else implementation
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
-            return _linear_fp8(phase, shapes, eb, implementation)
+            return _linear_fp8(phase, shapes, eb, implementation, fused_widths)
+        if kind == "linear":
+            return _linear(phase, shapes, eb, implementation, fused_widths)
         if kind == "rms_norm" and not fused_rms_norm:
             return eager_rms_norm(phase, shapes, eb)
         return _KINDS[kind](phase, shapes, eb, implementation)
@@ -223,22 +234,36 @@ def op_kernels(
         ) from e
 
 
-def _linear(phase, shapes, eb, impl):
+def _linear_gemms(phase, m, n, k, fused_widths, fp8=False):
+    """A linear layer's GEMMs, ``m x n x k`` forward, input- then weight-gradient backward; with
+    ``fused_widths`` (the output widths of the GEMM it is fused into, its ``n`` among them) the
+    fused GEMMs of the summed width, each computing this layer's share."""
+    width = sum(fused_widths) if fused_widths else n
+    share = n / width
+    if phase == "F":
+        return [_gemm("gemm", 1, m, width, k, fp8=fp8, computed=share)]
+    return [
+        _gemm("gemm-dgrad", 1, m, k, width, fp8=fp8, computed=share),
+        _gemm("gemm-wgrad", 1, width, k, m, True, fp8=fp8, computed=share),
+    ]
+
+
+def _linear(phase, shapes, eb, impl, fused_widths=()):
     x, w = shapes[0], shapes[1]
     has_bias = len(shapes) == 4
     k = x[-1]
     m = _n(x) // k
     n = w[0]
     if phase == "F":
-        return OpKernels((_gemm("gemm", 1, m, n, k),), 1)
-    ks = [_gemm("gemm-dgrad", 1, m, k, n), _gemm("gemm-wgrad", 1, n, k, m, True)]
+        return OpKernels(tuple(_linear_gemms(phase, m, n, k, fused_widths)), 1)
+    ks = _linear_gemms(phase, m, n, k, fused_widths)
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
-def _linear_fp8(phase, shapes, eb, impl):
+def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
     """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
     and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
     more for its absolute maximum."""
@@ -254,13 +279,14 @@ def _linear_fp8(phase, shapes, eb, impl):
 
     if phase == "F":
         return OpKernels(
-            (cast("fp8-cast-input", m * k), cast("fp8-cast-weight", n * k), _gemm("gemm", 1, m, n, k, fp8=True)), 3
+            (
+                cast("fp8-cast-input", m * k),
+                cast("fp8-cast-weight", n * k),
+                *_linear_gemms(phase, m, n, k, fused_widths, True),
+            ),
+            3,
         )
-    ks = [
-        cast("fp8-cast-grad", m * n),
-        _gemm("gemm-dgrad", 1, m, k, n, fp8=True),
-        _gemm("gemm-wgrad", 1, n, k, m, True, fp8=True),
-    ]
+    ks = [cast("fp8-cast-grad", m * n), *_linear_gemms(phase, m, n, k, fused_widths, True)]
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])

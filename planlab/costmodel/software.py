@@ -50,6 +50,12 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     architecture (``ampere``, ``hopper``, ...; a device's ``architecture``) -> kernel (``flash2``,
     ``flash3``, ``cudnn``), priced at the device's ``attention_efficiency`` of that kernel (an
     architecture not listed, or a kernel the device has no measurement of: the GEMMs' efficiency);
+``fused_qkv``
+    the attention's query, key and value projections, linear layers reading the same input under
+    the same split, run as one GEMM of their summed output width each way (Megatron-LM's
+    ``query_key_value``, Megatron-Core's ``linear_qkv``): each projection's task is charged its
+    share, by its width, of the fused GEMMs' time (:mod:`planlab.costmodel.kernels`). False (the
+    default): three GEMMs each way, as ``torch.nn`` layers (torchtitan's ``wq``, ``wk``, ``wv``) run;
 ``fused_glu``
     a gated linear unit's activation and product run as one kernel that keeps only its input, the
     gate and up projections' outputs, for the backward, which computes the activation again
@@ -150,6 +156,7 @@ _FIELDS = {
     "fused_softmax",
     "fused_attention",
     "attention_kernels",
+    "fused_qkv",
     "fused_glu",
     "fused_rms_norm",
     "routing_weights_in_experts",
@@ -220,6 +227,7 @@ class SoftwareSpec:
     fused_softmax: bool = True
     fused_attention: bool = False
     attention_kernels: tuple[tuple[str, str], ...] = ()  # (device architecture, fused attention kernel)
+    fused_qkv: bool = False
     fused_glu: bool = False
     fused_rms_norm: bool = True
     routing_weights_in_experts: bool = False
@@ -347,6 +355,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_softmax=_flag(f, "fused_softmax", True),
         fused_attention=_flag(f, "fused_attention", False),
         attention_kernels=_attention_kernels(f),
+        fused_qkv=_flag(f, "fused_qkv", False),
         fused_glu=_flag(f, "fused_glu", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
