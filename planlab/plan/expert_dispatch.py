@@ -103,6 +103,15 @@ def distinct_nodes(r: Routing, nodes: int) -> float:
     return nodes * (1 - miss)
 
 
+def _each_task(program: Program, change) -> Program:
+    """``program`` with every task of every block replaced by ``change(task)``."""
+    devices = []
+    for dp in program.devices:
+        blocks = {key: dataclasses.replace(b, tasks=tuple(change(t) for t in b.tasks)) for key, b in dp.blocks.items()}
+        devices.append(dataclasses.replace(dp, blocks=blocks))
+    return dataclasses.replace(program, devices=tuple(devices))
+
+
 def dedup_expert_dispatch(program: Program, graph: Graph, node_of) -> Program:
     """``program`` with each all-to-all of a routed layer's dispatch or combine (a tensor an
     operator with the experts' axis makes or reads, its gradients included) that spans nodes
@@ -135,11 +144,7 @@ def dedup_expert_dispatch(program: Program, graph: Graph, node_of) -> Program:
         s = share(t.group)
         return t if s >= 1.0 else t.but(node_share=s)
 
-    devices = []
-    for dp in program.devices:
-        blocks = {key: dataclasses.replace(b, tasks=tuple(marked(t) for t in b.tasks)) for key, b in dp.blocks.items()}
-        devices.append(dataclasses.replace(dp, blocks=blocks))
-    return dataclasses.replace(program, devices=tuple(devices))
+    return _each_task(program, marked)
 
 
 # Operator kinds on the tokens' way into and out of the experts that a fused permutation runs inside
@@ -183,8 +188,4 @@ def fuse_token_permutation(program: Program, graph: Graph) -> Program:
             inside = False
         return t.but(in_kernel=True) if inside else t
 
-    devices = []
-    for dp in program.devices:
-        blocks = {key: dataclasses.replace(b, tasks=tuple(marked(t) for t in b.tasks)) for key, b in dp.blocks.items()}
-        devices.append(dataclasses.replace(dp, blocks=blocks))
-    return dataclasses.replace(program, devices=tuple(devices))
+    return _each_task(program, marked)

@@ -182,7 +182,8 @@ def shard_zero(d: Draft) -> Draft:
 def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
     """A device's reduction groups' weights split into those ZeRO-3 gathers and those kept whole
     (fewer elements than the software's ``zero3_persistence_elements``: DeepSpeed's
-    ``stage3_param_persistence_threshold``), each per group; a group without either is left out."""
+    ``stage3_param_persistence_threshold``), each per group: every group has its gathered list (maybe
+    empty), and only a group with small weights has a kept list."""
     limit = d.software.zero3_persistence_elements if d.software is not None else 0
     gb = d.precision.grad_bytes
     gathered, persistent = {}, {}

@@ -331,13 +331,17 @@ def _screen(ctx: Context) -> Screen:
     return ctx.graph.memo(key, lambda: Screen(ctx.graph, fine_cost_model(ctx), precision_for(ctx.cluster)))
 
 
-def point_costs(draft: Draft, offload: bool) -> StageCosts:
+def _costs_key(draft: Draft, offload: bool) -> tuple:
+    """What the per-layer costs of ``draft``'s grid point are priced from (their key in the graph's memo)."""
+    return ("fine_costs", draft.ctx.cluster, draft.ctx.nodes, offload, probe_key(draft))
+
+
+def point_costs(draft: Draft, offload: bool, key: tuple | None = None) -> StageCosts:
     """The per-layer costs of ``draft``'s grid point (fine_costs.py), once per graph, cluster and
-    what the probe is priced from (the graph's memo): grid points that differ only in their stages,
-    chunks or schedule share them."""
+    what the probe is priced from (the graph's memo, under ``key``, :func:`_costs_key` unless given):
+    grid points that differ only in their stages, chunks or schedule share them."""
     ctx = draft.ctx
-    key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
-    return ctx.graph.memo(key, lambda: stage_costs(_screen(ctx), draft, offload))
+    return ctx.graph.memo(key or _costs_key(draft, offload), lambda: stage_costs(_screen(ctx), draft, offload))
 
 
 def choose_layout(draft: Draft, offload: bool) -> Solved:
@@ -345,12 +349,12 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
     or the point was pruned), once per point (the graph's memo)."""
     ctx = draft.ctx
     cost = fine_cost_model(ctx)
-    costs = point_costs(draft, offload)
+    key = _costs_key(draft, offload)
     incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
 
     def solve() -> Solved:
         got = solve_program(
-            costs,
+            point_costs(draft, offload, key),
             ctx.layers,
             draft.num_stages,
             draft.microbatches,
@@ -364,7 +368,6 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
         log.debug("fine program: %s", got.status)
         return got
 
-    key = ("fine_costs", ctx.cluster, ctx.nodes, offload, probe_key(draft))
     return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks), solve)
 
 
