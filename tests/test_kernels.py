@@ -797,6 +797,28 @@ def test_fused_qkv_prices_one_gemm_of_the_summed_width(widths, m, k) -> None:
     )
 
 
+def test_the_simulator_prices_tasks_that_differ_only_in_kernel_fields_apart() -> None:
+    """The simulator prices tasks alike once per block; a query projection (fused into the QKV GEMM)
+    and an output projection of the same shapes (its own GEMM), or a causal and a full attention
+    piece of the same shapes, are not alike: each keeps its own price within one block."""
+    from planlab.plan.program import Block
+    from planlab.simulator.units import Segment, lower_block
+
+    cost = CostModel.load("dgx-a100-80g", 1)  # megatron: the fused QKV GEMM, FlashAttention-2
+    (q, _), _, _ = _projection_tasks((1024, 1024, 1024), 1024, 1024)
+    o = q.but(name="o", fused_widths=())
+    shapes = ((1, 16, 2048, 64),) * 4
+    att = Task("att", TaskKind.FORWARD, flops=4.0 * 16 * 2048 * 2048 * 64, op_kind="attention", shapes=shapes)
+    pairs = ((q, o), (att.but(name="causal", causal=True), att))
+    for first, second in pairs:
+        assert cost.device_and_host_s(first, "bf16")[0] != pytest.approx(cost.device_and_host_s(second, "bf16")[0])
+        for order in ((first, second), (second, first)):
+            units = lower_block(Block(0, "F", order), device=0, cls=[0], cost=cost, dtype="bf16", sizes={})
+            got = [d for u in units if isinstance(u, Segment) for d in u.durations]
+            device_s, host_s = zip(*(cost.device_and_host_s(t, "bf16") for t in order))
+            assert got == pytest.approx(host_bound_elapsed_s(list(device_s), list(host_s)))
+
+
 def test_materialize_marks_the_query_key_value_projections() -> None:
     """The q, k and v projections of a GPT and of a LLaMA (grouped-query attention, rotary
     embedding between projection and attention) read one input under tp 2: each forward and

@@ -267,6 +267,8 @@ class _Lowering:
             t.role,
             t.node_share,
             t.in_kernel,
+            t.causal,  # a causal fused attention computes part of its blocks
+            t.fused_widths,  # a query, key or value projection's share of the fused QKV GEMM
         )
         got = self.prices.get(key)
         if got is None:
