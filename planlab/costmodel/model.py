@@ -283,6 +283,7 @@ class CostModel:
                 task.causal,
                 sw.fused_rms_norm,
                 task.fused_widths if sw.fused_qkv else (),
+                task.weight_matmul and sw.fp8_weight_matmuls,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
