@@ -397,7 +397,9 @@ def test_the_experts_matmuls_are_marked_as_matmuls_with_a_weight():
     g = ctx.graph
     plan = get_space("megatron").build(ctx, dict(dp=2, ep=2, microbatch=2))
     prog = materialize(plan, g)
-    experts = {op.name for op in g.operators if op.kind == "matmul" and any(EXPERT_WEIGHTS.search(t) for t in op.inputs)}
+    experts = {
+        op.name for op in g.operators if op.kind == "matmul" and any(EXPERT_WEIGHTS.search(t) for t in op.inputs)
+    }
     assert experts
     for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
         tasks = [t for dp in prog.devices for b in dp.blocks.values() for t in b.tasks if t.kind is kind and t.op]

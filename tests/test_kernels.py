@@ -619,7 +619,9 @@ def test_fp8_runs_a_matmul_with_a_weight_in_fp8_where_the_software_says() -> Non
     task = Task("e", TaskKind.FORWARD, op_kind="matmul", shapes=(x, w, y))
     marked = Task("e", TaskKind.FORWARD, op_kind="matmul", shapes=(x, w, y), weight_matmul=True)
     assert fp8.software.name == "megatron"
-    bmm8, bmm16 = (fp8.kernel_time_s(k, "bf16") for k in (fwd.kernels[2], dataclasses.replace(fwd.kernels[2], fp8=False)))
+    bmm8, bmm16 = (
+        fp8.kernel_time_s(k, "bf16") for k in (fwd.kernels[2], dataclasses.replace(fwd.kernels[2], fp8=False))
+    )
     assert bmm8 < bmm16  # the GEMM itself at the FP8 peak; its casts may cost more than it saves at this size
     want = sum(fp8.kernel_time_s(k, "bf16") for k in fwd.kernels)
     assert fp8.device_and_host_s(marked, "fp8")[0] == pytest.approx(want, rel=1e-12)
