@@ -10,14 +10,19 @@ Prints, for the built-in device, predicted over measured time by k and by size, 
 the two numbers of the A100 spec as they are derived: for each per-tile overhead ``k0`` on a grid,
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
-ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With
+ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With ``--fp8``
+(``h100-80g``): the same for FP8 GEMMs against the H100's FP8 table (TensorRT-LLM's FP8 ``Linear`` with
+dynamic per-tensor scaling: each measured row quantizes its input, then runs the FP8 GEMM); the model's
+FP8 GEMM plus the input's quantization as the same project measured it alone, at the same m and k, against
+the row, and with ``--fit`` the grid ``gemm_tile_overhead_k_fp8`` and ``gemm_efficiency_fp8`` come from
+(anchored to MAMF's FP8 measurement, 1402.6 TFLOP/s at 1024 x 9216 x 14336). With
 ``--flash``: fused attention against the device's measured attention tables (A100: FlashAttention-2's
 forward and backward; H100: FlashAttention-2's, and FlashAttention-3's paper's FA2, cuDNN and FA3
 forward and backward), per kernel the grid values ``attention_efficiency`` comes from (forward and
 backward efficiency, overhead per score element) and the model's ratio to each measured bar there. With ``--whole-waves`` the device's GEMMs pay whole
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
-    .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash]
+    .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash] [--fp8]
 """
 
 import argparse
@@ -39,6 +44,11 @@ TABLES = {  # the measured table of each device the script knows
     "a100-40g": MICROBENCH / "a100-sxm4-80gb-gemm-bf16.csv",
     "h100-80g": MICROBENCH / "h100-sxm5-80gb-gemm-bf16.csv",
 }
+# FP8 (e4m3) GEMM tables: each row the input's dynamic quantization then the GEMM, with that quantization's two
+# kernels measured alone (compute_scale_ms, scale_matrix_ms; see microbench/README.md)
+TABLES_FP8 = {"h100-80g": MICROBENCH / "h100-sxm5-80gb-gemm-fp8.csv"}
+# Maximum Achievable Matmul FLOPS, FP8 (float8_e4m3fn, same handbook): H100 SXM, torch 2.7.0+cu126
+MAMF_FP8 = {"h100-80g": ((1024, 9216, 14336), 1402.6e12)}
 # Maximum Achievable Matmul FLOPS, bf16 (ml-engineering handbook, compute/accelerator/README.md): the best
 # shape m x n x k of each SXM card and its flop/s there (A100: torch 2.6.0+cu126; H100: torch 2.7.0+cu126)
 MAMF = {
@@ -47,33 +57,46 @@ MAMF = {
     "h100-80g": ((2048, 2048, 13312), 794.5e12),
 }
 K0_GRID = range(0, 321, 32)
+K0_GRID_FP8 = range(0, 641, 32)  # an FP8 k step takes half a 16-bit one's time, so the same overhead is twice the steps
 
 
-def model_s(dev: DeviceSpec, spec: GemmSpec, m: int, n: int, k: int) -> float:
-    """One bf16 GEMM as the cost model prices it (its launch latency included)."""
+def model_s(dev: DeviceSpec, spec: GemmSpec, m: int, n: int, k: int, fp8: bool = False) -> float:
+    """One bf16 GEMM (``fp8``: FP8 operands, by the spec's FP8 efficiency and tile overhead) as the cost model
+    prices it (its launch latency included)."""
     hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
-    peak = dev.peak_flops_per_s["bf16"]
-    return gemm_time_s(spec, batch=1, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=peak, hbm_bytes_per_s=hbm) + (
+    peak = dev.peak_flops_per_s["fp8" if fp8 else "bf16"]
+    spec, eb = (spec.fp8(), 1) if fp8 else (spec, 2)
+    return gemm_time_s(spec, batch=1, m=m, n=n, k=k, elem_bytes=eb, peak_flops_per_s=peak, hbm_bytes_per_s=hbm) + (
         dev.launch_overhead_s
     )
 
 
-def log_ratios(dev: DeviceSpec, spec: GemmSpec, table: pd.DataFrame) -> pd.Series:
-    """log(predicted / measured) per row of the table."""
-    pred = [model_s(dev, spec, int(r.m), int(r.n), int(r.k)) for r in table.itertuples()]
-    return pd.Series([math.log(p / (r * 1e-3)) for p, r in zip(pred, table["latency_ms"])], index=table.index)
+def log_ratios(dev: DeviceSpec, spec: GemmSpec, table: pd.DataFrame, fp8: bool = False) -> pd.Series:
+    """log(predicted / measured) per row of the table (``fp8``: the FP8 table, whose rows also quantize the
+    input: the model's GEMM plus that quantization as measured alone)."""
+    pred = [model_s(dev, spec, int(r.m), int(r.n), int(r.k), fp8) for r in table.itertuples()]
+    quantize_s = (table["compute_scale_ms"] + table["scale_matrix_ms"]) * 1e-3 if fp8 else 0.0 * table["m"]
+    return pd.Series(
+        [math.log((p + q) / (r * 1e-3)) for p, q, r in zip(pred, quantize_s, table["latency_ms"])], index=table.index
+    )
 
 
-def anchored_efficiency(dev: DeviceSpec, k0: int, name: str) -> float:
+def with_fit(spec: GemmSpec, efficiency: float, k0: int, fp8: bool) -> GemmSpec:
+    """``spec`` with the 16-bit (or ``fp8``) efficiency and tile overhead replaced."""
+    if fp8:
+        return dataclasses.replace(spec, efficiency_fp8=efficiency, tile_overhead_k_fp8=k0)
+    return dataclasses.replace(spec, efficiency=efficiency, tile_overhead_k=k0)
+
+
+def anchored_efficiency(dev: DeviceSpec, k0: int, name: str, fp8: bool = False) -> float:
     """The efficiency at which the model with per-tile overhead ``k0`` runs device ``name``'s MAMF shape at
-    its MAMF flop/s."""
-    (m, n, k), flops = MAMF[name]
+    its MAMF flop/s (``fp8``: the FP8 ones)."""
+    (m, n, k), flops = (MAMF_FP8 if fp8 else MAMF)[name]
     want_s = 2.0 * m * n * k / flops
     lo, hi = 0.3, 1.0
     for _ in range(60):  # bisection: time falls as the efficiency rises
         mid = (lo + hi) / 2
-        spec = dataclasses.replace(dev.gemm, efficiency=mid, tile_overhead_k=k0)
-        lo, hi = (mid, hi) if model_s(dev, spec, m, n, k) > want_s else (lo, mid)
+        lo, hi = (mid, hi) if model_s(dev, with_fit(dev.gemm, mid, k0, fp8), m, n, k, fp8) > want_s else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -197,26 +220,31 @@ def main() -> None:
     ap.add_argument("--fit", action="store_true", help="print the k0 grid the spec's two numbers come from")
     ap.add_argument("--whole-waves", action="store_true", help="no stream-K: every wave is paid in whole")
     ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
+    ap.add_argument("--fp8", action="store_true", help="FP8 GEMMs against the measured FP8 table")
     args = ap.parse_args()
     if args.flash and args.device not in FLASH_TABLES:
         ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
+    if args.fp8 and args.device not in TABLES_FP8:
+        ap.error(f"--fp8 needs a measured FP8 GEMM table; got --device {args.device}, choose {sorted(TABLES_FP8)}")
     dev = load_device(args.device)
     if args.whole_waves:
         dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, stream_k=False))
-    table = pd.read_csv(TABLES[args.device])
-    lr = log_ratios(dev, dev.gemm, table)
+    fp8 = args.fp8
+    table = pd.read_csv((TABLES_FP8 if fp8 else TABLES)[args.device])
+    lr = log_ratios(dev, dev.gemm, table, fp8)
+    now = dev.gemm.fp8() if fp8 else dev.gemm
     print(
-        f"{args.device} ({dev.gemm}, tile overhead k {dev.gemm.tile_overhead_k}, stream-K {dev.gemm.stream_k}) "
-        f"on {len(table)} measured GEMMs: "
+        f"{args.device} {'FP8' if fp8 else 'bf16'} ({now.efficiency:.4g} of peak, tile overhead k {now.tile_overhead_k}, "
+        f"stream-K {now.stream_k}) on {len(table)} measured GEMMs: "
         f"median predicted/measured {math.exp(lr.median()):.3f}, mean |log ratio| {lr.abs().mean():.3f}"
     )
     by_group(table, lr)
     if args.flash:
         flash_fit(args.device)
     if args.fit:
-        for k0 in K0_GRID:
-            eff = anchored_efficiency(dev, k0, args.device)
-            lr = log_ratios(dev, dataclasses.replace(dev.gemm, efficiency=eff, tile_overhead_k=k0), table)
+        for k0 in K0_GRID_FP8 if fp8 else K0_GRID:
+            eff = anchored_efficiency(dev, k0, args.device, fp8)
+            lr = log_ratios(dev, with_fit(dev.gemm, eff, k0, fp8), table, fp8)
             print(
                 f"  k0 {k0:3d}: efficiency {eff:.4f}, mean |log ratio| {lr.abs().mean():.4f}, median {math.exp(lr.median()):.3f}"
             )

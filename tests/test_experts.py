@@ -384,3 +384,24 @@ def test_a_saved_broadcast_view_keeps_only_the_storage_under_it():
     tasks = [t for dp in prog.devices for b in dp.blocks.values() for t in b.tasks if t.kind is TaskKind.FORWARD]
     saved = {b.tensor for t in tasks if t.op in {op.name for op, _ in kept} for b in t.saved}
     assert not saved & set(views) and {v.inputs[0] for v in views.values()} <= saved
+
+
+def test_the_experts_matmuls_are_marked_as_matmuls_with_a_weight():
+    """The experts' GEMMs (matmuls over the stacked expert weights) carry ``weight_matmul`` forward and
+    backward, so that a software with ``fp8_weight_matmuls`` runs them in FP8; the attention's and the
+    router's products and the linear layers do not."""
+    from planlab.plan import TaskKind, materialize
+    from planlab.search_spaces.experts import EXPERT_WEIGHTS
+
+    ctx = _ctx("deepseek-tiny", 2)
+    g = ctx.graph
+    plan = get_space("megatron").build(ctx, dict(dp=2, ep=2, microbatch=2))
+    prog = materialize(plan, g)
+    experts = {
+        op.name for op in g.operators if op.kind == "matmul" and any(EXPERT_WEIGHTS.search(t) for t in op.inputs)
+    }
+    assert experts
+    for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+        tasks = [t for dp in prog.devices for b in dp.blocks.values() for t in b.tasks if t.kind is kind and t.op]
+        marked = {t.op for t in tasks if t.weight_matmul}
+        assert marked == experts

@@ -427,6 +427,7 @@ def test_unknown_software(name, fragments) -> None:
         (dict(l2_GBps=None), ["'device.l2_GBps'", "missing"]),
         (dict(gemm_tiles=[[128]]), ["'device.gemm_tiles'", "[rows, columns] pairs"]),
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
+        (dict(gemm_tile_overhead_k_fp8=-2), ["'device.gemm_tile_overhead_k_fp8'", "integer >= 1", "-2"]),
         (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
         (
             dict(attention_efficiency={"flash2": {"forward": 1.2, "backward": 0.5}}),
@@ -592,6 +593,41 @@ def test_fp8_linear_casts_then_fp8_gemms(impl: str, per: int) -> None:
     assert not any(k.fp8 for k in op_kernels("linear", "F", (x, w, y), 2, impl).kernels)
 
 
+def test_fp8_runs_a_matmul_with_a_weight_in_fp8_where_the_software_says() -> None:
+    """The experts' grouped GEMMs (a matmul over stacked weights): with ``fp8_matmul`` the input and the
+    weight are cast forward and the output gradient backward, each GEMM on FP8 operands; without it (or
+    without FP8) the same 16-bit GEMMs as before. Megatron (Transformer Engine's GroupedLinear) runs them in
+    FP8; torch's Float8 training swaps nn.Linear only and leaves them in 16 bits."""
+    x, w, y = (8, 512, 1024), (8, 1024, 2048), (8, 512, 2048)  # 8 experts: (E, tokens, in) @ (E, in, out)
+    per = 2 + 2  # a cast reads 16 bits and writes the FP8 copy and its transpose
+    fwd = op_kernels("matmul", "F", (x, w, y), 2, "megatron", fp8=True, fp8_matmul=True)
+    assert [k.name for k in fwd.kernels] == ["fp8-cast-input", "fp8-cast-weight", "bmm"]
+    assert [k.bytes for k in fwd.kernels[:2]] == [8 * 512 * 1024 * per, 8 * 1024 * 2048 * per]
+    assert fwd.kernels[2].fp8 and fwd.kernels[2].gemm == (8, 512, 2048, 1024)
+    bwd = op_kernels("matmul", "B", (x, w, y), 2, "megatron", fp8=True, fp8_matmul=True)
+    assert [k.name for k in bwd.kernels] == ["fp8-cast-grad", "bmm-grad-a", "bmm-grad-b"]
+    assert bwd.kernels[0].bytes == 8 * 512 * 2048 * per and all(k.fp8 for k in bwd.kernels[1:])
+    for kw in (dict(fp8=True), dict(fp8_matmul=True), {}):
+        plain = op_kernels("matmul", "F", (x, w, y), 2, "megatron", **kw)
+        assert [(k.name, k.fp8) for k in plain.kernels] == [("bmm", False)]
+    from planlab.costmodel.software import load_software
+
+    assert load_software("megatron").fp8_weight_matmuls and load_software("megatron-hybridep").fp8_weight_matmuls
+    assert not load_software("torch").fp8_weight_matmuls
+    # the cost model asks for it only on a task marked as a matmul with a weight
+    fp8 = CostModel.load("dgx-h100", precision="fp8")
+    task = Task("e", TaskKind.FORWARD, op_kind="matmul", shapes=(x, w, y))
+    marked = Task("e", TaskKind.FORWARD, op_kind="matmul", shapes=(x, w, y), weight_matmul=True)
+    assert fp8.software.name == "megatron"
+    bmm8, bmm16 = (
+        fp8.kernel_time_s(k, "bf16") for k in (fwd.kernels[2], dataclasses.replace(fwd.kernels[2], fp8=False))
+    )
+    assert bmm8 < bmm16  # the GEMM itself at the FP8 peak; its casts may cost more than it saves at this size
+    want = sum(fp8.kernel_time_s(k, "bf16") for k in fwd.kernels)
+    assert fp8.device_and_host_s(marked, "fp8")[0] == pytest.approx(want, rel=1e-12)
+    assert fp8.device_and_host_s(task, "fp8")[0] == pytest.approx(bmm16, rel=1e-12)
+
+
 def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     from planlab.costmodel.kernels import Kernel
 
@@ -601,11 +637,16 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     big = Kernel("gemm", gemm=(1, 8192, 8192, 8192), fp8=True)
     flop = 2.0 * 8192**3
     # 2048 tiles of 256 x 128 on 132 SMs: 15.52 waves, the last one split along k (Hopper's stream-K), each
-    # tile 224 steps of k longer (its prologue and epilogue), at the FP8 efficiency of the spec
-    assert dev.gemm.stream_k and dev.gemm.tile_overhead_k == 224 and dev.gemm.efficiency_fp8 == 0.727
-    ideal = flop * (8192 + 224) / 8192 / (1979e12 * 0.727) + dev.launch_overhead_s
+    # tile 480 steps of k longer (its prologue and epilogue at FP8's rate, not the 16-bit GEMMs' 224), at the
+    # FP8 efficiency of the spec
+    assert dev.gemm.stream_k and dev.gemm.tile_overhead_k == 224
+    assert (dev.gemm.tile_overhead_k_fp8, dev.gemm.efficiency_fp8) == (480, 0.74)
+    ideal = flop * (8192 + 480) / 8192 / (1979e12 * 0.74) + dev.launch_overhead_s
     assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal, rel=1e-9)
-    whole = dataclasses.replace(dev.gemm, stream_k=False, efficiency=0.727)
+    # a 16-bit GEMM of the same shape keeps the 16-bit overhead and efficiency
+    ideal16 = flop * (8192 + 224) / 8192 / (989e12 * 0.855) + dev.launch_overhead_s
+    assert bf16.kernel_time_s(dataclasses.replace(big, fp8=False), "bf16") == pytest.approx(ideal16, rel=1e-9)
+    whole = dataclasses.replace(dev.gemm.fp8(), stream_k=False)
     # without stream-K the same GEMM pays 16 whole waves (wave quantization, 3%)
     hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
     run = dict(batch=1, m=8192, n=8192, k=8192, elem_bytes=1, peak_flops_per_s=1979e12, hbm_bytes_per_s=hbm)

@@ -33,7 +33,7 @@ so a short ``k`` reaches a smaller fraction of the peak than a long one, as meas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planlab.errors import ConfigError
 
@@ -54,12 +54,21 @@ class GemmSpec:
     )
     efficiency_fp8: float = 0.0  # fraction of the dense FP8 peak the best FP8 GEMMs reach (0: none measured)
     tile_overhead_k: int = 0  # a tile's prologue and epilogue, as that many more steps of k (0: none)
+    # the same fixed cost in steps of an FP8 GEMM's k, which the tensor cores run at twice the rate (None: as
+    # tile_overhead_k)
+    tile_overhead_k_fp8: int | None = None
     stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
     # each fused attention kernel ("flash2", "cudnn", ...) on this device as a kernel microbenchmark measured
     # it: (kernel, forward efficiency, backward efficiency, overhead k: its work per score element, the
     # softmax's exponential and rescaling, as that many more steps of k); a kernel not listed runs at the
     # GEMMs' efficiency with no overhead
     attention_efficiency: tuple[tuple[str, float, float, int], ...] = ()
+
+    def fp8(self) -> GemmSpec:
+        """The spec an FP8 GEMM runs by: the FP8 efficiency and tile overhead where they are measured, the
+        16-bit ones where not."""
+        over_k = self.tile_overhead_k if self.tile_overhead_k_fp8 is None else self.tile_overhead_k_fp8
+        return replace(self, efficiency=self.efficiency_fp8 or self.efficiency, tile_overhead_k=over_k)
 
     def attention(self, kernel: str, backward: bool) -> tuple[float, int]:
         """The efficiency fused attention kernel ``kernel`` runs at, its ``backward`` or its forward, and its

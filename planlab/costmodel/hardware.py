@@ -58,6 +58,7 @@ _DEVICE_FIELDS = {
     "l2_GBps",
     "gemm_tiles",
     "gemm_tile_overhead_k",
+    "gemm_tile_overhead_k_fp8",
     "gemm_stream_k",
     "attention_efficiency",
     "architecture",
@@ -380,7 +381,8 @@ def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
 
 def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
-    optional ``gemm_tiles``, ``gemm_tile_overhead_k``, ``gemm_stream_k`` and ``attention_efficiency``); the rest are required
+    optional ``gemm_tiles``, ``gemm_tile_overhead_k`` (and ``gemm_tile_overhead_k_fp8``), ``gemm_stream_k`` and
+    ``attention_efficiency``); the rest are required
     once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
@@ -391,13 +393,21 @@ def _gemm_from(f: Fields) -> GemmSpec:
         else 0.0
     )
     over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
+    over_k8 = f.integer("gemm_tile_overhead_k_fp8") if "gemm_tile_overhead_k_fp8" in f.obj else None
     flash = _attention_efficiency(f)
     stream_k = f.obj.get("gemm_stream_k", False)
     if not isinstance(stream_k, bool):
         raise f.error("gemm_stream_k", f"must be true or false, got {stream_k!r}")
     if "gemm_tiles" not in f.obj:
         return GemmSpec(
-            sms, eff, l2, efficiency_fp8=eff8, tile_overhead_k=over_k, stream_k=stream_k, attention_efficiency=flash
+            sms,
+            eff,
+            l2,
+            efficiency_fp8=eff8,
+            tile_overhead_k=over_k,
+            tile_overhead_k_fp8=over_k8,
+            stream_k=stream_k,
+            attention_efficiency=flash,
         )
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
@@ -419,6 +429,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         tuple((t[0], t[1]) for t in tiles),
         efficiency_fp8=eff8,
         tile_overhead_k=over_k,
+        tile_overhead_k_fp8=over_k8,
         stream_k=stream_k,
         attention_efficiency=flash,
     )

@@ -52,8 +52,9 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
 * ``matmul``: a batched GEMM; backward two.
 
 FP8 (``fp8=True``: the precision computes GEMMs in FP8, everything else in 16 bits): a
-``linear``'s GEMMs run in FP8, after casts that read the 16-bit tensor and write its FP8 copy and
-the transposed copy the other GEMM of the backward reads: Transformer Engine's fused
+``linear``'s GEMMs (and, with ``fp8_matmul``, those of a matrix product with a weight: the experts')
+run in FP8, after casts that read the 16-bit tensor and write its FP8 copy and the transposed copy
+the other GEMM of the backward reads: Transformer Engine's fused
 cast-transpose with delayed scaling (``megatron``) for the input and the weight forward and the
 output gradient backward; torchao's Float8 linear with dynamic tensorwise scaling (``torch``)
 first reads each tensor once more for its absolute maximum.
@@ -199,6 +200,7 @@ def op_kernels(
     causal: bool = False,
     fused_rms_norm: bool = True,
     fused_widths: tuple[int, ...] = (),
+    fp8_matmul: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -210,7 +212,8 @@ def op_kernels(
     kernel skips the blocks its mask hides (:func:`flash_causal_share`); ``fused_rms_norm`` False:
     RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`); ``fused_widths``: a linear
     layer's GEMMs are its share of one fused with its siblings' (the output widths of all, its own
-    included; see the module docstring). A formula that fails on the shapes
+    included; see the module docstring); ``fp8_matmul``: a matrix product with a weight runs in FP8 with
+    its casts, as a linear layer's GEMMs do under ``fp8``. A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -224,6 +227,8 @@ def op_kernels(
             return _linear_fp8(phase, shapes, eb, implementation, fused_widths)
         if kind == "linear":
             return _linear(phase, shapes, eb, implementation, fused_widths)
+        if kind == "matmul" and fp8 and fp8_matmul:
+            return _matmul_fp8(phase, shapes, eb, implementation)
         if kind == "rms_norm" and not fused_rms_norm:
             return eager_rms_norm(phase, shapes, eb)
         return _KINDS[kind](phase, shapes, eb, implementation)
@@ -556,14 +561,28 @@ def _cross_entropy(phase, shapes, eb, impl):
     return OpKernels((_pass("nll-loss-bwd", n * eb), _pass("log-softmax-bwd", 3 * n * eb)), 2)
 
 
-def _matmul(phase, shapes, eb, impl):
+def _matmul(phase, shapes, eb, impl, fp8=False):
     a, b = shapes[0], shapes[1]  # both matrices or stacks of them (op_kernels leaves vectors to the roofline)
     m, k = a[-2], a[-1]
     n = b[-1]
     batch = _n(shapes[-1][:-2])
     if phase == "F":
-        return OpKernels((_gemm("bmm", batch, m, n, k),), 1)
-    return OpKernels((_gemm("bmm-grad-a", batch, m, k, n), _gemm("bmm-grad-b", batch, k, n, m)), 1)
+        return OpKernels((_gemm("bmm", batch, m, n, k, fp8=fp8),), 1)
+    return OpKernels((_gemm("bmm-grad-a", batch, m, k, n, fp8=fp8), _gemm("bmm-grad-b", batch, k, n, m, fp8=fp8)), 1)
+
+
+def _matmul_fp8(phase, shapes, eb, impl):
+    """A matrix product with a weight (the experts' grouped GEMMs) in FP8, as :func:`_linear_fp8` runs a
+    linear layer's: forward the casts of both operands (16-bit read, the FP8 copy and its transpose
+    written), backward the cast of the output gradient, each GEMM on FP8 operands (Transformer
+    Engine's GroupedLinear: fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
+    a, b, out = shapes[0], shapes[1], shapes[-1]
+    per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast, as a linear layer's
+    gemms = _matmul(phase, shapes, eb, impl, fp8=True)
+    if phase == "F":
+        casts = (_pass("fp8-cast-input", _n(a) * per), _pass("fp8-cast-weight", _n(b) * per))
+        return OpKernels(casts + gemms.kernels, 3)
+    return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *gemms.kernels), 2)
 
 
 _KINDS = {

@@ -283,6 +283,7 @@ class CostModel:
                 task.causal,
                 sw.fused_rms_norm,
                 task.fused_widths if sw.fused_qkv else (),
+                task.weight_matmul and sw.fp8_weight_matmuls,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
@@ -319,8 +320,8 @@ class CostModel:
             )
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
         spec = dev.gemm
-        if kernel.fp8 and spec.efficiency_fp8:
-            spec = dataclasses.replace(spec, efficiency=spec.efficiency_fp8)
+        if kernel.fp8:
+            spec = spec.fp8()
         if kernel.fused:  # fused attention: the kernel's own efficiency and overhead per score element (in place
             # of a tiled GEMM's per-tile overhead, cuBLAS's), and its own memory traffic (no T x S output) as the floor
             chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device

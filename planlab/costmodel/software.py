@@ -69,6 +69,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``RMSNorm``, ``x * rsqrt(x.float().pow(2).mean(-1) + eps)``, back to 16 bits, times the weight,
     and autograd's kernels for each; :func:`planlab.costmodel.kernels.eager_rms_norm`); time only:
     what the eager norm keeps for its backward (its fp32 copy of the input) is not counted;
+``fp8_weight_matmuls``
+    under the ``fp8`` precision, matrix products with a weight (a mixture of experts' grouped GEMMs
+    over the stacked expert weights) run in FP8 with their casts, as its linear layers do (Transformer
+    Engine's ``GroupedLinear``, Megatron-Core's ``TEGroupedMLP``); false (the default): they stay in
+    16 bits (torchao's Float8 training swaps ``nn.Linear`` layers only);
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -159,6 +164,7 @@ _FIELDS = {
     "fused_qkv",
     "fused_glu",
     "fused_rms_norm",
+    "fp8_weight_matmuls",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -230,6 +236,7 @@ class SoftwareSpec:
     fused_qkv: bool = False
     fused_glu: bool = False
     fused_rms_norm: bool = True
+    fp8_weight_matmuls: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -358,6 +365,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_qkv=_flag(f, "fused_qkv", False),
         fused_glu=_flag(f, "fused_glu", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
+        fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),

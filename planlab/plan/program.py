@@ -200,7 +200,9 @@ class Task:
     micro-batch) let the cost model price a compute task kernel by kernel; ``causal`` marks a causal
     attention's piece, whose fused kernel skips the blocks the mask hides; ``fused_widths``, on a piece
     of an attention's query, key or value projection, the three pieces' local output widths
-    (:func:`planlab.plan.qkv.fused_widths`: a software with ``fused_qkv`` runs them as one GEMM). ``ring`` marks the forward
+    (:func:`planlab.plan.qkv.fused_widths`: a software with ``fused_qkv`` runs them as one GEMM).
+    ``weight_matmul`` marks a piece of a matrix product with a weight, the experts' stacked weights
+    (:func:`planlab.plan.saved.weight_matmul`: a software with ``fp8_weight_matmuls`` runs it in FP8). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
@@ -254,6 +256,7 @@ class Task:
     node_share: float = 1.0
     in_kernel: bool = False
     fused_widths: tuple[int, ...] = ()
+    weight_matmul: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

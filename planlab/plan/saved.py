@@ -193,6 +193,12 @@ LSE_BYTES = 4  # fused attention's log-sum-exp per row, fp32 (FlashAttention-2's
 CAST_KINDS = frozenset({"linear", "matmul"})
 
 
+def weight_matmul(op: Operator, graph: Graph) -> bool:
+    """Whether ``op`` is a matrix product with a weight (a parameter operand: the experts' stacked
+    weights), which an FP8 training may run as it runs a linear layer's GEMMs."""
+    return op.kind == "matmul" and any(graph.tensors[t].role == "param" for t in op.inputs)
+
+
 def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[str]:
     """The activation inputs ``op``'s backward keeps as the FP8 cast its forward GEMM made
     (``precision.linear_input_bytes`` bytes an element) instead of themselves: those of a linear
@@ -200,7 +206,7 @@ def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[s
     if not precision.linear_input_bytes or op.kind not in CAST_KINDS:
         return frozenset()
     ts = graph.tensors
-    if op.kind != "linear" and not any(ts[t].role == "param" for t in op.inputs):
+    if op.kind != "linear" and not weight_matmul(op, graph):
         return frozenset()
     return frozenset(t for t in op.saves if t in op.inputs and ts[t].role == "activation" and ts[t].is_float)
 

@@ -269,6 +269,7 @@ class _Lowering:
             t.in_kernel,
             t.causal,  # a causal fused attention computes part of its blocks
             t.fused_widths,  # a query, key or value projection's share of the fused QKV GEMM
+            t.weight_matmul,  # a matrix product with a weight (FP8 where the software runs those in FP8)
         )
         got = self.prices.get(key)
         if got is None:

@@ -27,7 +27,7 @@ from planlab.plan.passes.draft import (
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.qkv import fused_widths
 from planlab.plan.redistribute import same_layout
-from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers
+from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers, weight_matmul
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -171,7 +171,15 @@ def forward_pieces(d: Draft) -> Draft:
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
         widths = fused_widths(d, op.name) if op.kind == "linear" else ()
         own = piece_fields(
-            op, bufs, outs, op.flops, share, saved=saved, box=None, fused_widths=widths
+            op,
+            bufs,
+            outs,
+            op.flops,
+            share,
+            saved=saved,
+            box=None,
+            fused_widths=widths,
+            weight_matmul=weight_matmul(op, graph),
         )  # alike at every position
         for flat, dev in d.positions(mesh):
             base = pieces.get((form.index, flat))
