@@ -1,6 +1,7 @@
-"""DeepSpeed's work around the optimizer step without ZeRO, as its code does it: the fp16 step's
-passes and its per-tensor overflow check (``FP16_Optimizer.step``), and the copies around each
-gradient bucket's all-reduce (``allreduce_and_copy``)."""
+"""The work around the optimizer step without ZeRO, as the training software's code does it:
+DeepSpeed's fp16 step (``FP16_Optimizer.step``: its passes and its per-tensor overflow check), and
+each software's passes over a gradient bucket around its all-reduce (DeepSpeed's
+``allreduce_and_copy``, Megatron's division by the data-parallel size)."""
 
 from __future__ import annotations
 
@@ -57,21 +58,28 @@ def test_the_per_tensor_check_is_the_whole_weight_steps_only() -> None:
     assert mg.device_and_host_s(step(1e8, 5), "fp16")[0] == pytest.approx(pass_s(mg, 1e8 * 52))
 
 
-def test_a_gradient_bucket_pays_deepspeeds_three_passes() -> None:
-    ds, mg = cost_of("deepspeed"), cost_of("megatron")
-    nbytes, group = 2 * 500_000_000, tuple(range(8))  # one bucket of 5e8 fp16 gradients over 8 ranks
+@pytest.mark.parametrize(
+    "software, copies",
+    [
+        ("deepspeed", 3),  # flatten into the bucket, multiply by 1/dp, copy back (allreduce_and_copy)
+        ("megatron-2019", 3),  # flatten, divide after the all-reduce, copy back (allreduce_params)
+        ("megatron-2022", 1),  # the contiguous buffer divided by dp in place
+        ("megatron", 1),  # Megatron-Core's grad_data *= gradient_scaling_factor
+        ("torch", 0),
+    ],
+)
+def test_a_gradient_bucket_pays_the_softwares_passes(software: str, copies: int) -> None:
+    cost = cost_of(software)
+    sw = cost.software
+    nbytes, group = 2 * 500_000_000, tuple(range(8))  # a bucket of 5e8 fp16 gradients over 8 ranks
 
     def bucket(role: Role) -> Task:
         return Task("grad-reduce", TaskKind.COLLECTIVE, collective="all_reduce", group=group, nbytes=nbytes, role=role)
 
-    ring_s = ds.collective_time_s("all_reduce", nbytes, group)
-    assert ds.software.grad_reduce_copies == 3  # flatten, multiply by 1/dp, copy back
-    got, host = ds.device_and_host_s(bucket(Role.BUCKET), "fp16")
-    assert got == pytest.approx(ring_s + 3 * pass_s(ds, 2.0 * nbytes))
-    assert host == pytest.approx(ds.software.host_collective_s + 3 * ds.software.host_launch_s)
-    # another all-reduce (a tensor-parallel one) and the software that reduces in place pay none
-    assert ds.device_and_host_s(bucket(Role.PLAIN), "fp16")[0] == pytest.approx(ring_s)
-    assert mg.software.grad_reduce_copies == 0
-    assert mg.device_and_host_s(bucket(Role.BUCKET), "fp16")[0] == pytest.approx(
-        mg.collective_time_s("all_reduce", nbytes, group)
-    )
+    ring_s = cost.collective_time_s("all_reduce", nbytes, group)
+    assert sw.grad_reduce_copies == copies
+    got, host = cost.device_and_host_s(bucket(Role.BUCKET), "fp16")
+    assert got == pytest.approx(ring_s + copies * (pass_s(cost, 2.0 * nbytes) if copies else 0.0))
+    assert host == pytest.approx(sw.host_collective_s + copies * sw.host_launch_s)
+    # another all-reduce (a tensor-parallel one) pays none
+    assert cost.device_and_host_s(bucket(Role.PLAIN), "fp16")[0] == pytest.approx(ring_s)
