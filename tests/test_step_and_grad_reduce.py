@@ -43,7 +43,7 @@ def test_the_fp16_step_moves_70_bytes_a_parameter_and_syncs_once_a_tensor() -> N
     issue_s = 2 * (sw.host_call_s + sw.host_launch_s)  # x.float() and .sum(), then float() waits
     device_s, host_s = cost.device_and_host_s(step(1e8, 5), "fp16")
     assert device_s == pytest.approx(pass_s(cost, 70e8) + 5 * issue_s)
-    assert host_s == pytest.approx(sw.host_call_s + sw.host_launch_s + 5 * issue_s)
+    assert host_s == pytest.approx(sw.host_call_s + sw.host_launch_s)  # the gaps are the device's, once
     # twice the tensors, twice the synchronizations; the bytes stay
     more = cost.device_and_host_s(step(1e8, 10), "fp16")[0]
     assert more - device_s == pytest.approx(5 * issue_s)

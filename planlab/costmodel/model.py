@@ -310,15 +310,14 @@ class CostModel:
         precision's ``per_tensor_overflow_check`` holds and the step is on whole weights (not a ZeRO
         shard), one check per weight tensor (``float(g.float().sum())`` in DeepSpeed's
         ``CheckOverflow``), each a host synchronization: the device idles while the host issues each
-        next check's two kernels (a framework call and a launch each)."""
+        next check's two kernels (a framework call and a launch each). Those gaps are the device's
+        time only: the host issues the step's first kernels and then runs in step with the device,
+        so charging them to the host as well would count them twice where the host is behind."""
         sw = self.software
         device_s = self._pass_s(task.params * self.precision.optimizer_pass_bytes)
-        host_s = sw.host_call_s + sw.host_launch_s
         if self.precision.per_tensor_overflow_check and task.role == "":  # Role.PLAIN: the weights whole
-            issue_s = len(task.writes) * 2 * (sw.host_call_s + sw.host_launch_s)
-            device_s += issue_s
-            host_s += issue_s
-        return device_s, host_s
+            device_s += len(task.writes) * 2 * (sw.host_call_s + sw.host_launch_s)
+        return device_s, sw.host_call_s + sw.host_launch_s
 
     def kernel_time_s(self, kernel: Kernel, dtype: str) -> float:
         """Seconds one kernel takes on the device, its launch latency included: a GEMM by tile
