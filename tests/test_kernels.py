@@ -392,6 +392,12 @@ def software_file(**change) -> dict:
         ),
         (dict(memory={"fragmentation": 1.5}), ["'memory.fragmentation'", "fraction of the memory"]),
         (dict(memory={"cuda_context_GB": 1}), ["'memory.cuda_context_GB'", "not a known field"]),
+        (dict(grad_reduce_copies=-1), ["'grad_reduce_copies'", "whole number >= 0", "-1"]),
+        (dict(grad_reduce_copies=2.5), ["'grad_reduce_copies'", "whole number >= 0", "2.5"]),
+        (
+            dict(precisions={"fp16": {**software_file()["precisions"]["fp16"], "per_tensor_overflow_check": "yes"}}),
+            ["'precisions.fp16.per_tensor_overflow_check'", "true or false", "'yes'"],
+        ),
     ],
 )
 def test_malformed_software_file(tmp_path, change, fragments) -> None:

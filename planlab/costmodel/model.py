@@ -252,8 +252,13 @@ class CostModel:
             return self.ring_attention_s(task, dtype)
         dev = self.cluster.device
         if kind == "C":
-            host_s = sw.host_collective_s + self.buffer_copies(task.collective, len(task.group)) * sw.host_launch_s
-            return self.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share), host_s
+            copies = sw.grad_reduce_copies if task.role == "bucket" else 0  # Role.BUCKET: a gradient bucket
+            host_s = (
+                sw.host_collective_s
+                + (self.buffer_copies(task.collective, len(task.group)) + copies) * sw.host_launch_s
+            )
+            device_s = self.collective_time_s(task.collective, task.nbytes, tuple(task.group), task.node_share)
+            return device_s + copies * self._pass_s(2.0 * task.nbytes), host_s
         if kind in ("S", "R"):
             return 0.0, sw.host_collective_s
         fp8 = compute.canonical_dtype(dtype) == "fp8"  # FP8 GEMMs, 16-bit everything else
@@ -266,7 +271,7 @@ class CostModel:
             traffic = (3.0 if task.accumulate else 2.0) * nbytes
             return self._pass_s(traffic), sw.host_call_s + sw.host_launch_s
         if kind == "O":
-            return self._pass_s(task.params * self.precision.optimizer_pass_bytes), sw.host_call_s + sw.host_launch_s
+            return self.optimizer_step_s(task)
         call_s = sw.host_call_s if kind == "F" else sw.host_backward_call_s
         if task.op_kind == "dropout" and task.flops == 0 and task.bytes_moved == 0:  # p = 0 returns its input
             return 0.0, call_s
@@ -299,6 +304,21 @@ class CostModel:
             )
         device_s = sum(self.kernel_time_s(k, dtype) for k in found.kernels)
         return device_s, found.calls * call_s + len(found.kernels) * sw.host_launch_s
+
+    def optimizer_step_s(self, task: Task) -> tuple[float, float]:
+        """The device's and the host's time for an optimizer step (kernel level): its traffic per
+        parameter (the precision's ``optimizer_pass_bytes``) at the achieved bandwidth; where the
+        precision's ``per_tensor_overflow_check`` holds and the step is on whole weights (not a ZeRO
+        shard), one check per weight tensor (``float(g.float().sum())`` in DeepSpeed's
+        ``CheckOverflow``), each a host synchronization: the device idles while the host issues each
+        next check's two kernels (a framework call and a launch each). Those gaps are the device's
+        time only: the host issues the step's first kernels and then runs in step with the device,
+        so charging them to the host as well would count them twice where the host is behind."""
+        sw = self.software
+        device_s = self._pass_s(task.params * self.precision.optimizer_pass_bytes)
+        if self.precision.per_tensor_overflow_check and task.role == "":  # Role.PLAIN: the weights whole
+            device_s += len(task.writes) * 2 * (sw.host_call_s + sw.host_launch_s)
+        return device_s, sw.host_call_s + sw.host_launch_s
 
     def kernel_time_s(self, kernel: Kernel, dtype: str) -> float:
         """Seconds one kernel takes on the device, its launch latency included: a GEMM by tile

@@ -22,7 +22,10 @@ class Precision:
     ``optimizer_pass_bytes`` the memory traffic of one optimizer step per parameter;
     ``linear_input_bytes`` the bytes per element of the copy of a linear layer's input its backward
     keeps where the software keeps the FP8 cast it made for the forward GEMM instead of the input
-    (Transformer Engine under FP8 training: 1), 0 where it keeps the input itself."""
+    (Transformer Engine under FP8 training: 1), 0 where it keeps the input itself;
+    ``per_tensor_overflow_check`` True where the step on whole weights checks each gradient tensor
+    for inf/nan with a host synchronization of its own (DeepSpeed's FP16_Optimizer), False where one
+    multi-tensor kernel checks them all (or nothing is checked)."""
 
     name: str
     activation_bytes: int
@@ -32,6 +35,7 @@ class Precision:
     compute_dtype: str
     optimizer_pass_bytes: float = 0.0
     linear_input_bytes: int = 0
+    per_tensor_overflow_check: bool = False
 
     @property
     def elementwise_dtype(self) -> str:

@@ -18,6 +18,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
 ``grad_reduce``
     ``"overlapped"`` (gradient buckets all-reduced during the backward) or ``"after_backward"``
     (every bucket reduced once the backward is done); ``grad_bucket_elements`` the bucket size;
+``grad_reduce_copies``
+    passes over a data-parallel gradient bucket the software makes around its all-reduce, each
+    reading and writing the bucket once on the device (DeepSpeed's engine without ZeRO: the
+    gradients flattened into the bucket, the bucket multiplied by 1/dp after the all-reduce and
+    copied back into the gradients, 3); absent: 0 (the gradients are all-reduced where they lie);
 ``pipeline_messages``
     ``"whole"`` or ``"partitioned"`` (each tensor-parallel rank sends a tp-th of an activation
     between stages and the receivers all-gather it: Megatron-LM's scatter/gather, DeepSpeed's
@@ -99,7 +104,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     moments) per parameter, ``optimizer_pass_bytes`` (memory traffic of one optimizer step per
     parameter), ``compute`` (the dtype of the GEMMs) and, optionally, ``linear_input_bytes`` (a
     linear layer keeps the cast of its input made for an FP8 GEMM, this many bytes an element,
-    instead of the input: Transformer Engine; absent: the input itself);
+    instead of the input: Transformer Engine; absent: the input itself) and
+    ``per_tensor_overflow_check`` (the step on whole weights, without ZeRO shards, checks each
+    gradient tensor for inf/nan with a host synchronization of its own, so the device idles while
+    the host issues each next check: DeepSpeed's FP16_Optimizer; absent: false);
 ``zero3``
     ``unit`` (``"layer"``: one gather per transformer layer, as FSDP wraps them; ``"module"``:
     one per module holding weights, as DeepSpeed fetches them), ``regather_for_recompute``
@@ -154,6 +162,7 @@ _FIELDS = {
     "host_collective_us",
     "grad_reduce",
     "grad_bucket_elements",
+    "grad_reduce_copies",
     "pipeline_messages",
     "pipeline_p2p",
     "collective_buffers",
@@ -179,6 +188,7 @@ _PRECISION_FIELDS = {
     "optimizer_bytes",
     "optimizer_pass_bytes",
     "linear_input_bytes",
+    "per_tensor_overflow_check",
     "compute",
     "source",
 }
@@ -226,6 +236,7 @@ class SoftwareSpec:
     host_collective_s: float = 0.0
     grad_reduce: str = "overlapped"
     grad_bucket_elements: int = 40_000_000
+    grad_reduce_copies: int = 0
     pipeline_messages: str = "whole"
     pipeline_p2p: str = "async"
     collective_buffers: str = "flat"
@@ -327,6 +338,16 @@ def _choice(f: Fields, key: str, valid: tuple[str, ...], default: str) -> str:
     return val
 
 
+def _count(f: Fields, key: str) -> int:
+    """A whole number >= 0 (0 where the field is absent)."""
+    if key not in f.obj:
+        return 0
+    val = f.get(key)
+    if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+        raise f.error(key, f"must be a whole number >= 0, got {val!r}")
+    return val
+
+
 def _flag(f: Fields, key: str, default: bool) -> bool:
     if key not in f.obj:
         return default
@@ -355,6 +376,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         host_collective_s=us("host_collective_us"),
         grad_reduce=_choice(f, "grad_reduce", GRAD_REDUCE, "overlapped"),
         grad_bucket_elements=f.integer("grad_bucket_elements") if "grad_bucket_elements" in f.obj else 40_000_000,
+        grad_reduce_copies=_count(f, "grad_reduce_copies"),
         pipeline_messages=_choice(f, "pipeline_messages", PIPELINE_MESSAGES, "whole"),
         pipeline_p2p=_choice(f, "pipeline_p2p", PIPELINE_P2P, "async"),
         collective_buffers=_choice(f, "collective_buffers", COLLECTIVE_BUFFERS, "flat"),
@@ -427,6 +449,7 @@ def _precisions(f: Fields) -> dict[str, Precision]:
                 "optimizer_pass_bytes", strict=False, high=1000.0, unit="bytes moved per parameter"
             ),
             linear_input_bytes=nbytes("linear_input_bytes") if "linear_input_bytes" in p.obj else 0,
+            per_tensor_overflow_check=_flag(p, "per_tensor_overflow_check", False),
         )
     if not out:
         raise ConfigError(
