@@ -39,6 +39,18 @@ def test_conversion_kinds(src, dst, kinds):
     assert conv.kinds == kinds
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(Mesh((2, 3, 2), tuple(range(12))), (Shard(1), Partial(), Shard(1))),  # one axis split twice
+        Layout(Mesh((3, 2), (5, 4, 3, 2, 1, 0)), (Shard(0), Shard(2))),
+        Layout(M22, (Replicate(), Replicate())),
+    ],
+)
+def test_every_position_s_box_at_once_is_each_position_s_box(layout):
+    assert layout.boxes((6, 12, 4)) == [layout.box(flat, (6, 12, 4)) for flat in range(len(layout.mesh.devices))]
+
+
 _CONVERSIONS = [
     (Layout(M22, (Partial(), Shard(1))), Layout(M22, (Replicate(), Replicate()))),  # two steps
     (Layout(M22, (Shard(0), Shard(0))), Layout(M22, (Shard(0), Shard(1)))),  # an all-to-all

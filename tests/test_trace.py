@@ -49,6 +49,14 @@ def test_graph_facts(tiny):
     assert g.tensors["blocks.0.attn.q.weight"].role == "param"
 
 
+def test_operators_of_one_signature_share_one_signature_object(tiny):
+    _, g = tiny
+    by_value = {}
+    for op in g.operators:
+        assert by_value.setdefault(op.signature, op.signature) is op.signature
+    assert len(by_value) < len(g.operators)
+
+
 def test_a_traced_graph_is_frozen_and_caches_per_graph(tiny):
     """No pass can change a traced graph under the caches derived from it: each table refuses a
     change, and what passes derive lives in the graph's own cache (computed once per key)."""

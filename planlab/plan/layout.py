@@ -175,6 +175,27 @@ class Layout:
             out.append((idx * step, (idx + 1) * step))
         return tuple(out)
 
+    def boxes(self, shape: tuple[int, ...]) -> list[Box]:
+        """:meth:`box` of every mesh position in order, in one pass: each tensor axis's mesh axes and
+        step found once, and the axes no mesh axis shards (their whole extent) shared by every box."""
+        mesh, dims = self.mesh, []
+        for d, size in enumerate(shape):
+            axes = self.shard_axes(d)
+            n = math.prod(mesh.shape[ax] for ax in axes)
+            dims.append((d, tuple((ax, mesh.shape[ax]) for ax in axes), size // n))
+        sharded = [(d, axes, step) for d, axes, step in dims if axes]
+        whole = [(0, size) for size in shape]
+        out = []
+        for c in mesh._coords:
+            box = list(whole)
+            for d, axes, step in sharded:
+                idx = 0
+                for ax, s in axes:
+                    idx = idx * s + c[ax]
+                box[d] = (idx * step, (idx + 1) * step)
+            out.append(tuple(box))
+        return out
+
     def partial_key(self, flat: int) -> tuple[int, ...]:
         c = self.mesh.coord(flat)
         return tuple(c[a] for a in self._partial_axes())

@@ -434,7 +434,8 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
     its receiver and sender, so both ends agree without planning anyone else."""
     conv = Conversion(kinds=["p2p"])
     n_src = len(src.mesh.devices)
-    pieces = [(dev, src.box(flat, shape), src.partial_key(flat)) for flat, dev in enumerate(src.mesh.devices)]
+    sboxes, dboxes = src.boxes(shape), dst.boxes(shape)  # every position's, as box() gives them
+    pieces = [(dev, sboxes[flat], src.partial_key(flat)) for flat, dev in enumerate(src.mesh.devices)]
     keys = sorted({p[2] for p in pieces})
     key_index = {k: i for i, k in enumerate(keys)}
     make = _Messages(src_buf, dst_buf, name, dtype, eb, accumulate or len(keys) > 1, channel)
@@ -444,8 +445,8 @@ def _point_to_point_only(src, dst, shape, eb, src_buf, dst_buf, accumulate, name
     src_pos = src.mesh.position
     every = [(k, sbox, reps) for k in keys for sbox, reps in by_key[k].items()]
     planned = [(k, sbox, reps) for k, sbox, reps in every if not only.isdisjoint(reps)]
-    for flat, dd in _receivers(src, dst, shape, only):
-        dbox = dst.box(flat, shape)
+    for flat, dd in _receivers(src, dst, sboxes, dboxes, only):
+        dbox = dboxes[flat]
         # a receiver not planned needs only the messages of planned senders: pieces a planned device holds
         for k, sbox, reps in every if dd in only else planned:
             region = intersect(sbox, dbox)
@@ -473,17 +474,18 @@ def _own_pieces_last(conv: Conversion) -> Conversion:
     return conv
 
 
-def _receivers(src: Layout, dst: Layout, shape: tuple[int, ...], only: frozenset[int]) -> list[tuple[int, int]]:
-    """``(position, device)`` of the destinations planned or fed by a planned sender, in mesh order."""
+def _receivers(src: Layout, dst: Layout, sboxes: list, dboxes: list, only: frozenset[int]) -> list[tuple[int, int]]:
+    """``(position, device)`` of the destinations planned or fed by a planned sender, in mesh order
+    (``sboxes``, ``dboxes``: every source's and destination's box, by position)."""
     src_pos, dst_pos = src.mesh.position, dst.mesh.position
     wanted = {dst_pos[d]: d for d in only if d in dst_pos}
     senders = [d for d in only if d in src_pos]
     if senders:
-        mine = {src.box(src_pos[d], shape) for d in senders}
+        mine = {sboxes[src_pos[d]] for d in senders}
         fed: dict = {}  # per destination box (positions share few): whether a planned sender's piece meets it
         for flat, dd in enumerate(dst.mesh.devices):
             if flat not in wanted:
-                dbox = dst.box(flat, shape)
+                dbox = dboxes[flat]
                 hit = fed.get(dbox)
                 if hit is None:
                     hit = fed[dbox] = any(intersect(b, dbox) is not None for b in mine)
