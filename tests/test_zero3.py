@@ -381,3 +381,20 @@ def test_small_weights_persist_whole_and_are_never_gathered():
     bias = [b for t in tasks if t.name == "re:blocks_0_mlp_fc" for b in t.reads if b and b.tensor.endswith("fc.bias")]
     grad = [b for t in tasks if t.name == "blocks_0_mlp_fc" for b in t.writes if b and b.tensor.endswith("fc.bias")]
     assert [b.kind for b in bias] == [BufferKind.WEIGHT] and grad and BufferKind.FULL_GRAD not in {b.kind for b in grad}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_query_key_value_weights_are_gathered_as_one_module(fused):
+    """Megatron-LM's attention holds its query, key and value projections as one
+    ``query_key_value`` linear layer, so DeepSpeed's hooks fetch them with one gather per use: under
+    a software with ``fused_qkv`` the three projections of gpt-tiny share one unit, ``attn.qkv``,
+    gathered as much as the attention's output projection; without it each is a unit of its own."""
+    tasks = _deepspeed_backward(fused_qkv=fused)
+    count = Counter(t.name.split("#")[1] for t in tasks if t.name.startswith("zero3-gather"))
+    projections = {f"blocks.0.attn.{p}" for p in ("q", "k", "v")}
+    if fused:
+        assert count["blocks.0.attn.qkv"] == count["blocks.0.attn.proj"] > 0
+        assert not projections & set(count)
+    else:
+        assert "blocks.0.attn.qkv" not in count
+        assert {count[p] for p in projections} == {count["blocks.0.attn.proj"]}

@@ -60,6 +60,7 @@ from planlab.plan.passes.draft import (
     update_blocks,
 )
 from planlab.plan.passes.gradients import Reduction, reduction_groups
+from planlab.plan.qkv import fused_widths, qkv_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 
 
@@ -116,14 +117,21 @@ def units_of(
     grad_bytes: int,
     *,
     per_module: bool = False,
+    fused: frozenset[str] = frozenset(),
 ) -> list[Unit]:
     """Cut one group's weight gradients ``(owner index, parameter, bytes)`` into units, in forward order:
-    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``)."""
+    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``).
+    Per module, the weights of the operators ``fused`` (an attention's query, key and value
+    projections that the software runs as one fused layer, :func:`fused_projections`) share one
+    unit, named after their modules' parent (``blocks.3.attn.qkv``)."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
     for idx, p, nbytes in ordered:
-        key = (stage[names[idx]], unit_key(p, per_module))
+        name = unit_key(p, per_module)
+        if per_module and names[idx] in fused:
+            name = name.rpartition(".")[0] + ".qkv"
+        key = (stage[names[idx]], name)
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
         runs[-1][1].append((idx, p, nbytes // grad_bytes))
@@ -152,8 +160,12 @@ def shard_zero(d: Draft) -> Draft:
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
         if d.plan.zero == 3:
             per_module = d.software is not None and d.software.zero3_unit == "module"
+            fused = fused_projections(d) if per_module else frozenset()
             gathered_items, persistent = _persistent_apart(mine, d)
-            units = [units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
+            units = [
+                units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module, fused=fused)
+                for g in sorted(mine)
+            ]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
                 parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
@@ -177,6 +189,16 @@ def shard_zero(d: Draft) -> Draft:
     return d.replace(
         parts=parts, sizes=sizes, zero_saved=zero_saved, sharded=sharded, together=together, next_ident=idents.next
     )
+
+
+def fused_projections(d: Draft) -> frozenset[str]:
+    """The query, key and value projections whose weights a software with ``fused_qkv`` holds as one
+    parameter of one module (Megatron-LM's ``query_key_value`` ColumnParallelLinear, one
+    ``[3h, h]`` weight), so that ZeRO-3 fetches them with one gather per use: the operators whose
+    pieces run as one fused GEMM (:func:`planlab.plan.qkv.fused_widths`); empty without ``fused_qkv``."""
+    if d.software is None or not d.software.fused_qkv:
+        return frozenset()
+    return frozenset(name for name in qkv_groups(d.graph) if fused_widths(d, name))
 
 
 def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
