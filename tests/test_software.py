@@ -219,11 +219,13 @@ def test_a_bad_base_is_named_in_one_line(tmp_path, base, message) -> None:
 
 
 def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> None:
-    """DeepSpeed of 2021 zero-fills each gathered buffer and synchronizes the device before issuing
-    the all-gather (its fetch had synchronized it too): the forward block's computation waits, after
-    each gather, for the fill and for the host's issue time, its per-rank copy launches included;
-    the later deepspeed issues its gathers while the device goes on."""
-    from planlab.simulator.units import Segment, lower_block, overlap_writers
+    """DeepSpeed of 2021 zero-fills each gathered buffer, synchronizes the device and walks the
+    group's ranks in Python before issuing the all-gather (its fetch had synchronized it too): in the
+    forward block each gather starts after an entry on the compute stream holding the fill and that
+    host time (``zero3.gather_rank_us`` per rank and the framework call), and the computation after
+    it waits for the per-rank copy launches too; the later deepspeed issues its gathers while the
+    device goes on."""
+    from planlab.simulator.units import AsyncCollective, Segment, lower_block, overlap_writers
 
     spec, g = traced("gpt-tiny", 8)
     ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
@@ -231,25 +233,34 @@ def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> Non
     # gpt-tiny's weights are all below DeepSpeed's persistence threshold: gathered here all the same
     gathering = tmp_path / "ds2021.json"
     gathering.write_text(json.dumps({"name": "ds2021", "base": "deepspeed-2021", "zero3": {"persistence_elements": 1}}))
-    issued = {}
+    entries: dict[str, dict[str, list[float]]] = {}
     for software in ("deepspeed", str(gathering)):
         cost = CostModel.load("dgx-a100-80g", 1, software=software, precision="fp16")
         block = build_program(plan, g, cost).devices[0].blocks[(0, "F")]
         units = lower_block(
             block, device=0, cls=[0] * 8, cost=cost, dtype="fp16", sizes={}, writers=overlap_writers([block])
         )
-        issued[software] = [
-            d
-            for u in units
-            if isinstance(u, Segment)
-            for name, d in zip(u.tasks, u.durations)
-            if name.endswith(":issue")
-        ]
+        found: dict[str, list[float]] = {"prepare": [], "issue": []}
+        for k, u in enumerate(units):
+            if not isinstance(u, Segment):
+                continue
+            for name, d in zip(u.tasks, u.durations):
+                kind = name.rpartition(":")[2]
+                if kind in found:
+                    found[kind].append(d)
+            if u.tasks[-1].endswith(":prepare"):  # the gather starts right after its preparation
+                gather = units[k + 1]
+                assert isinstance(gather, AsyncCollective) and u.tasks[-1] == f"{gather.task}:prepare"
+        entries[software] = found
     gathers = sum(1 for t in block.tasks if t.role.value == "unit-gather")
-    assert not issued["deepspeed"] and len(issued[str(gathering)]) == gathers > 0
+    assert entries["deepspeed"] == {"prepare": [], "issue": []}
+    mine = entries[str(gathering)]
+    assert len(mine["prepare"]) == len(mine["issue"]) == gathers > 0
     sw = load_software("deepspeed-2021")
-    # at least the host's time to issue the collective and its 8 per-rank copies
-    assert min(issued[str(gathering)]) >= sw.host_collective_s + 8 * sw.host_launch_s
+    assert sw.zero3_gather_rank_s > 0
+    # before: at least the framework call and the loop over the 8 ranks; after: the 8 copy launches
+    assert min(mine["prepare"]) >= sw.host_collective_s + 8 * sw.zero3_gather_rank_s
+    assert min(mine["issue"]) >= 8 * sw.host_launch_s
 
 
 @pytest.mark.parametrize(

@@ -204,9 +204,12 @@ def lower_block(
         elif t.overlap:
             duration_s = low.times(t)[0]
             copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
+            issued = low.synchronized and t.role is Role.UNIT_GATHER
+            if issued:  # the fill and the host's work before the all-gather starts
+                low.prepare(t)
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
             awaited.difference_update(t.writes)
-            if low.synchronized and t.role is Role.UNIT_GATHER:
+            if issued:  # the host's work after it (its copies' launches) while it runs
                 low.issue(t)
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
@@ -300,15 +303,25 @@ class _Lowering:
         else:
             self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free, out, after))
 
-    def issue(self, t: Task) -> None:
-        """What a gather issued with the device synchronized costs the computation after it (the
-        software's ``zero3_synchronized_fetch``): DeepSpeed's ``_allgather_param`` of 2021 zero-fills
-        the gathered buffer and calls ``torch.cuda.synchronize()`` before the all-gather, and the
-        fetch that precedes it had synchronized the device, so the host issues the gather (its
-        per-rank copies included) while the device idles: the fill on the device, then the host's
-        issue time, before the next task."""
+    def prepare(self, t: Task) -> None:
+        """What a gather issued with the device synchronized (the software's
+        ``zero3_synchronized_fetch``) costs before it starts: DeepSpeed's ``_allgather_param`` of 2021
+        zero-fills the gathered buffer with ``torch.zeros``, calls ``torch.cuda.synchronize()``, then
+        makes a narrow view per rank (``zero3_gather_rank_s`` each) and calls
+        ``torch.distributed.all_gather``, whose framework call (``host_collective_s``) launches it.
+        The device idles for all of it, so it is one entry on the compute stream before the gather:
+        the fill, then the host's time."""
         fill_s = self.cost.fill_s(t.nbytes) if hasattr(self.cost, "fill_s") else 0.0
-        self.cur.append((Task(f"{t.name}:issue", TaskKind.LOCAL, (), ()), (fill_s, self.times(t)[1]), False))
+        sw = self.cost.software
+        host_s = len(t.group) * sw.zero3_gather_rank_s + sw.host_collective_s
+        self.cur.append((Task(f"{t.name}:prepare", TaskKind.LOCAL, (), ()), (fill_s + host_s, 0.0), False))
+
+    def issue(self, t: Task) -> None:
+        """The host's time after a synchronized gather is launched (:meth:`prepare`): ProcessGroupNCCL
+        launches a copy per rank of the group (``collective_buffers`` ``per_rank``) while the gather
+        runs, so the computation after it (a prefetch's module) starts that much later."""
+        host_s = max(0.0, self.times(t)[1] - self.cost.software.host_collective_s)
+        self.cur.append((Task(f"{t.name}:issue", TaskKind.LOCAL, (), ()), (0.0, host_s), False))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""
