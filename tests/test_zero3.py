@@ -398,3 +398,23 @@ def test_fused_query_key_value_weights_are_gathered_as_one_module(fused):
     else:
         assert "blocks.0.attn.qkv" not in count
         assert {count[p] for p in projections} == {count["blocks.0.attn.proj"]}
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_a_reduce_scatter_is_issued_by_the_next_gradient(later):
+    """DeepSpeed reduces a weight's gradient from the hook of the next parameter whose gradient
+    arrives, as that module's backward runs (software field ``zero3.reduce_at_next_gradient``):
+    the MLP's output projection's reduce-scatter comes just before the input projection's backward
+    (the next to write a gradient; the activation's has none); without it, right after the output
+    projection's own backward."""
+    tasks = _deepspeed_backward(zero3_max_reuse_elements=0, zero3_reduce_at_next_gradient=later)
+    names = [t.name for t in tasks]
+    proj, fc = names.index("blocks_1_mlp_proj"), names.index("blocks_1_mlp_fc")
+    reduce = next(
+        i for i, n in enumerate(names) if n.startswith("zero3-reduce-scatter") and n.endswith("#blocks.1.mlp.proj")
+    )
+    if later:
+        assert proj < names.index("blocks_1_mlp_act") < reduce < fc
+        assert not any(t.kind is TaskKind.BACKWARD for t in tasks[reduce + 1 : fc])
+    else:
+        assert reduce == proj + 1

@@ -322,12 +322,39 @@ def shard_fully(
             tasks.insert(index, task)
         parts[key] = tuple(tasks)
     saved_numel = 0
+    later = d.software is not None and d.software.zero3_reduce_at_next_gradient
+    hooks = _gradient_hooks(parts, keys) if later else {}
     for u in units:
-        if u in last_grad:  # right after the unit's last backward task
-            add(parts, dev, (u.stage, "B"), last_grad[u][1][2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
+        if u in last_grad:
+            at, key = last_grad[u]
+            hook = next((h for h in hooks.get(key[1], ()) if h[0] > at), None)
+            if hook is None:  # right after the unit's last backward task
+                add(parts, dev, (u.stage, "B"), key[2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
+            else:  # as the next backward task writing a weight's gradient starts
+                add(parts, dev, hook[1][1], hook[1][2], Part.INPUTS, _reduce_scatter(u, d.precision, idents))
         add(parts, dev, update, 0, Part.SHARD_STEPS, _shard_step(u, d.precision))
         saved_numel += u.numel - u.shard_numel
     return saved_numel, tuple(together)
+
+
+def _gradient_hooks(parts: Parts, keys: list[SlotKey]) -> dict[BlockKey, list[tuple]]:
+    """Per backward block, where its backward tasks that write a weight's gradient (a unit's full
+    gradient or a persistent weight's) are, in the order the block runs them: ``(place, slot part)``
+    as :func:`_gathered_and_reduced` gives places. DeepSpeed's gradient hooks fire there: the one
+    after a unit's last backward task issues the unit's reduce-scatter (the software's
+    ``zero3_reduce_at_next_gradient``)."""
+    out: dict[BlockKey, list[tuple]] = defaultdict(list)
+    for key in keys:
+        if key[1][1] != "B":
+            continue
+        for k, t in enumerate(parts[key]):
+            if t.kind is TaskKind.BACKWARD and any(
+                w is not None and w.kind in buf_.WEIGHT_GRAD_KINDS for w in t.writes
+            ):
+                out[key[1]].append(((run_order(key), k), key))
+    for hooks in out.values():
+        hooks.sort(key=lambda h: h[0])
+    return out
 
 
 def prefetches(u: Unit, d: Draft) -> bool:
