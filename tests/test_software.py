@@ -286,3 +286,37 @@ def test_attention_kernels_by_architecture() -> None:
     assert (torch_sw.attention_kernel("hopper"), torch_sw.attention_kernel("ampere")) == ("flash2", "flash2")
     assert load_software("megatron-2024").attention_kernel("hopper") == "cudnn"
     assert core.attention_kernel("volta") == ""
+
+
+def test_deepspeed_2021s_fetch_waits_for_the_reduce_scatters_issued_before_it(tmp_path) -> None:
+    """DeepSpeed 2021's fetch ends with ``torch.cuda.synchronize()``: a backward task waiting for
+    its gathered weights waits for every reduce-scatter issued before the task before it (the
+    attention's output projection for the MLP's input projection's, issued by the second layer
+    norm's gradient hook), not for one its own module's gradient hook issues after the fetch (the
+    MLP's input projection for its output projection's)."""
+    from planlab.simulator.units import Await, lower_block, overlap_writers
+
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    plan = get_space("megatron").build(ctx, dict(dp=8, tp=1, pp=1, microbatch=1, zero=3))
+    mine = tmp_path / "ds2021.json"
+    mine.write_text(json.dumps({"name": "ds2021", "base": "deepspeed-2021", "zero3": {"persistence_elements": 1}}))
+    cost = CostModel.load("dgx-a100-80g", 1, software=str(mine), precision="fp16")
+    block = build_program(plan, g, cost).devices[0].blocks[(0, "B")]
+    units = lower_block(
+        block, device=0, cls=[0] * 8, cost=cost, dtype="fp16", sizes={}, writers=overlap_writers([block])
+    )
+    waits = [set(u.tasks) for u in units if isinstance(u, Await)]
+
+    def reduce(unit: str) -> str:
+        return next(
+            t.name for t in block.tasks if t.name.startswith("zero3-reduce-scatter") and t.name.endswith(f"#{unit}")
+        )
+
+    def gather(unit: str) -> str:
+        return next(t.name for t in block.tasks if t.name.startswith("zero3-gather-b") and t.name.endswith(f"#{unit}"))
+
+    fc = next(w for w in waits if gather("blocks.1.mlp.fc") in w)
+    proj = next(w for w in waits if gather("blocks.1.attn.proj") in w)
+    assert reduce("blocks.1.mlp.proj") not in fc
+    assert reduce("blocks.1.mlp.fc") in proj

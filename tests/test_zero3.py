@@ -418,3 +418,26 @@ def test_a_reduce_scatter_is_issued_by_the_next_gradient(later):
         assert not any(t.kind is TaskKind.BACKWARD for t in tasks[reduce + 1 : fc])
     else:
         assert reduce == proj + 1
+
+
+def test_beside_a_unit_at_the_max_live_parameters_the_next_gather_waits_for_its_release():
+    """DeepSpeed checks for a prefetch at every module's hook: once a unit too large to prefetch
+    beside is released, the next module's hook issues the next unit's gather. The attention's
+    output projection is gathered right after the value projection (the fused QKV unit's last use),
+    so its gather runs beside the attention; the QKV gather itself waits for the first layer norm."""
+    from dataclasses import replace
+
+    from planlab.costmodel.software import load_software
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, zero=3)
+    )
+    software = replace(load_software("deepspeed-2021"), zero3_persistence_elements=0, zero3_max_live_elements=1)
+    names = [t.name for t in materialize(plan, g, software=software).devices[0].blocks[(0, "F")].tasks]
+    gather = {
+        u: next(i for i, n in enumerate(names) if n.startswith("zero3-gather-f") and n.endswith(f"#blocks.0.{u}"))
+        for u in ("attn.qkv", "attn.proj")
+    }
+    assert names.index("blocks_0_attn_v") < gather["attn.proj"] < names.index("scaled_dot_product_attention")
+    assert names.index("blocks_0_ln1") < gather["attn.qkv"] < names.index("blocks_0_attn_q")

@@ -41,6 +41,7 @@ then by group.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 
@@ -284,7 +285,8 @@ def shard_fully(
     (weights, gradients and optimizer states keep a shard) and the groups of buffers freed together
     (a unit's gathered weights)."""
     units = [u for us in groups for u in us]
-    first, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    first, last, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    places = _places(parts, keys)
     prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
     inside: dict[SlotKey, list] = {}  # a recomputation's slot part -> (task index, (place, group), gather)
     together = []
@@ -297,9 +299,15 @@ def shard_fully(
                 present = [(u, ph) for u, ph in trace if (u, ph) not in kept_units]
                 for k, (u, ph) in enumerate(present):
                     # issued when the use before it (in the block's trace) starts: FSDP's and DeepSpeed's
-                    # prefetch; when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
+                    # prefetch; when that unit is too large to prefetch beside (DeepSpeed's max live), at
+                    # the first task after its last use (DeepSpeed's next module hook once it is
+                    # released), or as u starts
                     before = present[max(k - 1, 0)]
-                    (_, index), start = first[(before if prefetches(before[0], d) else (u, ph)) + (block,)]
+                    if prefetches(before[0], d):
+                        (_, index), start = first[before + (block,)]
+                    else:
+                        held = (before[0], "B") if (before[0], "B") in kept_units else before
+                        (_, index), start = _hook_after(places[block], last[held + (block,)], first[(u, ph, block)])
                     task = _gather(u, ph, _GATHERED[ph], st, d.precision, idents)
                     sizes.update((b, n * d.precision.param_bytes) for b, (_, _, n) in zip(task.writes, u.weights))
                     if start[3] is Part.RECOMPUTE:  # inside the recomputation, before the task it is issued at
@@ -335,6 +343,30 @@ def shard_fully(
         add(parts, dev, update, 0, Part.SHARD_STEPS, _shard_step(u, d.precision))
         saved_numel += u.numel - u.shard_numel
     return saved_numel, tuple(together)
+
+
+def _places(parts: Parts, keys: list[SlotKey]) -> dict[BlockKey, list[tuple]]:
+    """Per block, every task's place ``((run order, index), slot part)`` in the order the block runs them."""
+    out: dict[BlockKey, list[tuple]] = defaultdict(list)
+    for key in keys:
+        out[key[1]].extend(((run_order(key), k), key) for k in range(len(parts[key])))
+    for places in out.values():
+        places.sort(key=lambda p: p[0])
+    return out
+
+
+def _hook_after(places: list[tuple], released: tuple, use: tuple) -> tuple:
+    """Where DeepSpeed issues a unit's gather when the unit before it was too large to prefetch
+    beside: at the first task after that unit's last use ``released`` (the next module's hook, by
+    which the unit is released and the live parameters are below ``stage3_max_live_parameters``
+    again), unless that is the unit's own first ``use``. Every traced operator stands for a module
+    here; DeepSpeed checks at each module's pre-forward and pre-backward hook."""
+    k = bisect.bisect_right([p[0] for p in places], released[0])
+    # a gather outside a recomputation goes to its slot's PREFETCH part, which runs before the slot's
+    # other parts: not in the slot of the released unit's last use
+    while k < len(places) and places[k][1][3] is not Part.RECOMPUTE and places[k][1][2] == released[1][2]:
+        k += 1
+    return places[k] if k < len(places) and places[k][0] < use[0] else use
 
 
 def _gradient_hooks(parts: Parts, keys: list[SlotKey]) -> dict[BlockKey, list[tuple]]:
@@ -443,8 +475,8 @@ def _gathered_and_reduced(
     keep them, as autograd saves them) and write full gradients; with the software's
     ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
     ``R``). Each stage reads its own gather (:func:`gathered`). Returns, per (unit, phase, block), where
-    its first task in the block is and, per unit, where its last backward task is: ``(place in the order the
-    block runs, slot part)``."""
+    its first and its last task in the block are and, per unit, where its last backward task is:
+    ``(place in the order the block runs, slot part)``."""
     names = [op.name for op in d.graph.operators]
     regather = d.software is not None and d.software.zero3_regather_for_recompute
     weights: dict[Buffer, tuple[str, Unit]] = {}  # a weight's buffer -> (parameter, unit)
@@ -460,6 +492,7 @@ def _gathered_and_reduced(
             sizes[grad[g]] = n * d.precision.grad_bytes  # a gather sets its weights' sizes
             unit_of[w] = unit_of[g] = u
     first: dict[tuple[Unit, str, BlockKey], tuple] = {}
+    last: dict[tuple[Unit, str, BlockKey], tuple] = {}
     last_grad: dict[Unit, tuple] = {}
     for key in keys:
         st, ph = key[1]
@@ -490,10 +523,12 @@ def _gathered_and_reduced(
                 u, uph = unit_of[b], "R" if redo else ph
                 if (u, uph, key[1]) not in first or at[0] < first[(u, uph, key[1])][0]:
                     first[(u, uph, key[1])] = at
+                if (u, uph, key[1]) not in last or at[0] > last[(u, uph, key[1])][0]:
+                    last[(u, uph, key[1])] = at
                 if b in grad and (u not in last_grad or at[0] > last_grad[u][0]):
                     last_grad[u] = at
         parts[key] = tuple(tasks)
-    return first, last_grad
+    return first, last, last_grad
 
 
 def _gather(u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision, idents: Idents) -> Task:

@@ -196,7 +196,12 @@ def lower_block(
             waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 low.flush()
-                low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
+                names = {writers[b] for b in waits}
+                if low.synchronized and names & low.gathers:  # the fetch's torch.cuda.synchronize() waits
+                    names |= low.in_flight  # for every collective issued before the last task too
+                low.in_flight -= names
+                low.fresh -= names
+                low.units.append(Await(tuple(sorted(names))))
                 awaited.update(waits)
         if t.role in SAVE_COPIES:
             low.copy(t, tuple(sorted({writers[b] for b in t.reads if b in writers})))
@@ -209,6 +214,9 @@ def lower_block(
                 low.prepare(t)
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
             awaited.difference_update(t.writes)
+            low.fresh.add(t.name)
+            if t.role is Role.UNIT_GATHER:
+                low.gathers.add(t.name)
             if issued:  # the host's work after it (its copies' launches) while it runs
                 low.issue(t)
         elif t.kind is TaskKind.SEND:
@@ -223,6 +231,8 @@ def lower_block(
             low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
         else:
             low.cur.append((t, low.times(t), t.kind is TaskKind.COLLECTIVE))
+            low.in_flight |= low.fresh
+            low.fresh = set()
     low.flush()
     return tuple(low.units)
 
@@ -250,6 +260,12 @@ class _Lowering:
         self.synchronized = self.hosted and software is not None and software.zero3_synchronized_fetch
         self.units: list[Unit] = []
         self.cur: list = []
+        # overlapped collectives issued and not yet waited for: before the last task the device ran
+        # (``in_flight``), or since (``fresh``: a reduce-scatter issued by the gradient hook of the
+        # module about to run, after its fetch); ``gathers``: the ZeRO-3 gathers among them
+        self.in_flight: set[str] = set()
+        self.fresh: set[str] = set()
+        self.gathers: set[str] = set()
 
     def times(self, t: Task) -> tuple[float, float]:
         """``(device s, host s)`` of a task, priced once per simulation for tasks alike."""
