@@ -219,11 +219,13 @@ def test_a_bad_base_is_named_in_one_line(tmp_path, base, message) -> None:
 
 
 def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> None:
-    """DeepSpeed of 2021 zero-fills each gathered buffer and synchronizes the device before issuing
-    the all-gather (its fetch had synchronized it too): the forward block's computation waits, after
-    each gather, for the fill and for the host's issue time, its per-rank copy launches included;
-    the later deepspeed issues its gathers while the device goes on."""
-    from planlab.simulator.units import Segment, lower_block, overlap_writers
+    """DeepSpeed of 2021 zero-fills each gathered buffer, synchronizes the device and walks the
+    group's ranks in Python before issuing the all-gather (its fetch had synchronized it too): in the
+    forward block each gather starts after an entry on the compute stream holding the fill and that
+    host time (``zero3.gather_rank_us`` per rank and the framework call), and the computation after
+    it waits for the per-rank copy launches too; the later deepspeed issues its gathers while the
+    device goes on."""
+    from planlab.simulator.units import AsyncCollective, Segment, lower_block, overlap_writers
 
     spec, g = traced("gpt-tiny", 8)
     ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
@@ -231,25 +233,34 @@ def test_deepspeed_2021_issues_each_gather_with_the_device_idle(tmp_path) -> Non
     # gpt-tiny's weights are all below DeepSpeed's persistence threshold: gathered here all the same
     gathering = tmp_path / "ds2021.json"
     gathering.write_text(json.dumps({"name": "ds2021", "base": "deepspeed-2021", "zero3": {"persistence_elements": 1}}))
-    issued = {}
+    entries: dict[str, dict[str, list[float]]] = {}
     for software in ("deepspeed", str(gathering)):
         cost = CostModel.load("dgx-a100-80g", 1, software=software, precision="fp16")
         block = build_program(plan, g, cost).devices[0].blocks[(0, "F")]
         units = lower_block(
             block, device=0, cls=[0] * 8, cost=cost, dtype="fp16", sizes={}, writers=overlap_writers([block])
         )
-        issued[software] = [
-            d
-            for u in units
-            if isinstance(u, Segment)
-            for name, d in zip(u.tasks, u.durations)
-            if name.endswith(":issue")
-        ]
+        found: dict[str, list[float]] = {"prepare": [], "issue": []}
+        for k, u in enumerate(units):
+            if not isinstance(u, Segment):
+                continue
+            for name, d in zip(u.tasks, u.durations):
+                kind = name.rpartition(":")[2]
+                if kind in found:
+                    found[kind].append(d)
+            if u.tasks[-1].endswith(":prepare"):  # the gather starts right after its preparation
+                gather = units[k + 1]
+                assert isinstance(gather, AsyncCollective) and u.tasks[-1] == f"{gather.task}:prepare"
+        entries[software] = found
     gathers = sum(1 for t in block.tasks if t.role.value == "unit-gather")
-    assert not issued["deepspeed"] and len(issued[str(gathering)]) == gathers > 0
+    assert entries["deepspeed"] == {"prepare": [], "issue": []}
+    mine = entries[str(gathering)]
+    assert len(mine["prepare"]) == len(mine["issue"]) == gathers > 0
     sw = load_software("deepspeed-2021")
-    # at least the host's time to issue the collective and its 8 per-rank copies
-    assert min(issued[str(gathering)]) >= sw.host_collective_s + 8 * sw.host_launch_s
+    assert sw.zero3_gather_rank_s > 0
+    # before: at least the framework call and the loop over the 8 ranks; after: the 8 copy launches
+    assert min(mine["prepare"]) >= sw.host_collective_s + 8 * sw.zero3_gather_rank_s
+    assert min(mine["issue"]) >= 8 * sw.host_launch_s
 
 
 @pytest.mark.parametrize(
@@ -275,3 +286,37 @@ def test_attention_kernels_by_architecture() -> None:
     assert (torch_sw.attention_kernel("hopper"), torch_sw.attention_kernel("ampere")) == ("flash2", "flash2")
     assert load_software("megatron-2024").attention_kernel("hopper") == "cudnn"
     assert core.attention_kernel("volta") == ""
+
+
+def test_deepspeed_2021s_fetch_waits_for_the_reduce_scatters_issued_before_it(tmp_path) -> None:
+    """DeepSpeed 2021's fetch ends with ``torch.cuda.synchronize()``: a backward task waiting for
+    its gathered weights waits for every reduce-scatter issued before the task before it (the
+    attention's output projection for the MLP's input projection's, issued by the second layer
+    norm's gradient hook), not for one its own module's gradient hook issues after the fetch (the
+    MLP's input projection for its output projection's)."""
+    from planlab.simulator.units import Await, lower_block, overlap_writers
+
+    spec, g = traced("gpt-tiny", 8)
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    plan = get_space("megatron").build(ctx, dict(dp=8, tp=1, pp=1, microbatch=1, zero=3))
+    mine = tmp_path / "ds2021.json"
+    mine.write_text(json.dumps({"name": "ds2021", "base": "deepspeed-2021", "zero3": {"persistence_elements": 1}}))
+    cost = CostModel.load("dgx-a100-80g", 1, software=str(mine), precision="fp16")
+    block = build_program(plan, g, cost).devices[0].blocks[(0, "B")]
+    units = lower_block(
+        block, device=0, cls=[0] * 8, cost=cost, dtype="fp16", sizes={}, writers=overlap_writers([block])
+    )
+    waits = [set(u.tasks) for u in units if isinstance(u, Await)]
+
+    def reduce(unit: str) -> str:
+        return next(
+            t.name for t in block.tasks if t.name.startswith("zero3-reduce-scatter") and t.name.endswith(f"#{unit}")
+        )
+
+    def gather(unit: str) -> str:
+        return next(t.name for t in block.tasks if t.name.startswith("zero3-gather-b") and t.name.endswith(f"#{unit}"))
+
+    fc = next(w for w in waits if gather("blocks.1.mlp.fc") in w)
+    proj = next(w for w in waits if gather("blocks.1.attn.proj") in w)
+    assert reduce("blocks.1.mlp.proj") not in fc
+    assert reduce("blocks.1.mlp.fc") in proj

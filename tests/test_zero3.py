@@ -381,3 +381,63 @@ def test_small_weights_persist_whole_and_are_never_gathered():
     bias = [b for t in tasks if t.name == "re:blocks_0_mlp_fc" for b in t.reads if b and b.tensor.endswith("fc.bias")]
     grad = [b for t in tasks if t.name == "blocks_0_mlp_fc" for b in t.writes if b and b.tensor.endswith("fc.bias")]
     assert [b.kind for b in bias] == [BufferKind.WEIGHT] and grad and BufferKind.FULL_GRAD not in {b.kind for b in grad}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_query_key_value_weights_are_gathered_as_one_module(fused):
+    """Megatron-LM's attention holds its query, key and value projections as one
+    ``query_key_value`` linear layer, so DeepSpeed's hooks fetch them with one gather per use: under
+    a software with ``fused_qkv`` the three projections of gpt-tiny share one unit, ``attn.qkv``,
+    gathered as much as the attention's output projection; without it each is a unit of its own."""
+    tasks = _deepspeed_backward(fused_qkv=fused)
+    count = Counter(t.name.split("#")[1] for t in tasks if t.name.startswith("zero3-gather"))
+    projections = {f"blocks.0.attn.{p}" for p in ("q", "k", "v")}
+    if fused:
+        assert count["blocks.0.attn.qkv"] == count["blocks.0.attn.proj"] > 0
+        assert not projections & set(count)
+    else:
+        assert "blocks.0.attn.qkv" not in count
+        assert {count[p] for p in projections} == {count["blocks.0.attn.proj"]}
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_a_reduce_scatter_is_issued_by_the_next_gradient(later):
+    """DeepSpeed reduces a weight's gradient from the hook of the next parameter whose gradient
+    arrives, as that module's backward runs (software field ``zero3.reduce_at_next_gradient``):
+    the MLP's output projection's reduce-scatter comes just before the input projection's backward
+    (the next to write a gradient; the activation's has none); without it, right after the output
+    projection's own backward."""
+    tasks = _deepspeed_backward(zero3_max_reuse_elements=0, zero3_reduce_at_next_gradient=later)
+    names = [t.name for t in tasks]
+    proj, fc = names.index("blocks_1_mlp_proj"), names.index("blocks_1_mlp_fc")
+    reduce = next(
+        i for i, n in enumerate(names) if n.startswith("zero3-reduce-scatter") and n.endswith("#blocks.1.mlp.proj")
+    )
+    if later:
+        assert proj < names.index("blocks_1_mlp_act") < reduce < fc
+        assert not any(t.kind is TaskKind.BACKWARD for t in tasks[reduce + 1 : fc])
+    else:
+        assert reduce == proj + 1
+
+
+def test_beside_a_unit_at_the_max_live_parameters_the_next_gather_waits_for_its_release():
+    """DeepSpeed checks for a prefetch at every module's hook: once a unit too large to prefetch
+    beside is released, the next module's hook issues the next unit's gather. The attention's
+    output projection is gathered right after the value projection (the fused QKV unit's last use),
+    so its gather runs beside the attention; the QKV gather itself waits for the first layer norm."""
+    from dataclasses import replace
+
+    from planlab.costmodel.software import load_software
+
+    spec, g = traced("gpt-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=2, tp=1, pp=1, microbatch=4, zero=3)
+    )
+    software = replace(load_software("deepspeed-2021"), zero3_persistence_elements=0, zero3_max_live_elements=1)
+    names = [t.name for t in materialize(plan, g, software=software).devices[0].blocks[(0, "F")].tasks]
+    gather = {
+        u: next(i for i, n in enumerate(names) if n.startswith("zero3-gather-f") and n.endswith(f"#blocks.0.{u}"))
+        for u in ("attn.qkv", "attn.proj")
+    }
+    assert names.index("blocks_0_attn_v") < gather["attn.proj"] < names.index("scaled_dot_product_attention")
+    assert names.index("blocks_0_ln1") < gather["attn.qkv"] < names.index("blocks_0_attn_q")

@@ -119,6 +119,12 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``stage3_max_reuse_distance``; 0 or absent: never kept), ``synchronized_fetch`` (each gather
     zero-fills its buffer and is issued with the device synchronized, so the host's time to issue it and
     the fill delay the computation after it: DeepSpeed of 2021; absent: false),
+    ``reduce_at_next_gradient`` (a unit's reduce-scatter is issued as the next backward task that
+    writes a weight's gradient starts, not right after the unit's last backward task: DeepSpeed's
+    gradient hooks reduce a full bucket when the next parameter's gradient arrives; absent: false),
+    ``gather_rank_us`` (with ``synchronized_fetch``: the host's time per rank of the group that
+    the software's own Python spends on a gather before it is issued, the device idle: DeepSpeed
+    2021's loop of a narrow view and ``get_rank`` per rank; absent: 0),
     ``persistence_elements`` (weights of fewer elements are never gathered: kept whole on every
     device, their gradients and optimizer states sharded and the updated shards all-gathered after
     the step, as ZeRO-2 does: DeepSpeed's ``stage3_param_persistence_threshold``; 0 or absent: none);
@@ -198,6 +204,8 @@ _ZERO3_FIELDS = {
     "max_live_elements",
     "max_reuse_elements",
     "synchronized_fetch",
+    "gather_rank_us",
+    "reduce_at_next_gradient",
     "persistence_elements",
     "source",
 }
@@ -257,6 +265,8 @@ class SoftwareSpec:
     zero3_max_live_elements: int = 0
     zero3_max_reuse_elements: int = 0
     zero3_synchronized_fetch: bool = False
+    zero3_gather_rank_s: float = 0.0
+    zero3_reduce_at_next_gradient: bool = False
     zero3_persistence_elements: int = 0
     memory: MemoryReserve = MemoryReserve()
     path: str = ""  # the file it was read from
@@ -399,6 +409,10 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
             zero3.integer("max_reuse_elements") if zero3 and "max_reuse_elements" in zero3.obj else 0
         ),
         zero3_synchronized_fetch=_flag(zero3, "synchronized_fetch", False) if zero3 else False,
+        zero3_gather_rank_s=(
+            zero3.unit("gather_rank_us", "us", strict=False) * _US if zero3 and "gather_rank_us" in zero3.obj else 0.0
+        ),
+        zero3_reduce_at_next_gradient=_flag(zero3, "reduce_at_next_gradient", False) if zero3 else False,
         zero3_persistence_elements=(
             zero3.integer("persistence_elements") if zero3 and "persistence_elements" in zero3.obj else 0
         ),

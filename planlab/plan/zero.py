@@ -41,6 +41,7 @@ then by group.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 
@@ -60,6 +61,7 @@ from planlab.plan.passes.draft import (
     update_blocks,
 )
 from planlab.plan.passes.gradients import Reduction, reduction_groups
+from planlab.plan.qkv import fused_widths, qkv_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 
 
@@ -116,14 +118,21 @@ def units_of(
     grad_bytes: int,
     *,
     per_module: bool = False,
+    fused: frozenset[str] = frozenset(),
 ) -> list[Unit]:
     """Cut one group's weight gradients ``(owner index, parameter, bytes)`` into units, in forward order:
-    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``)."""
+    runs of consecutive weights of one stage with one :func:`unit_key` (per layer, or ``per_module``).
+    Per module, the weights of the operators ``fused`` (an attention's query, key and value
+    projections that the software runs as one fused layer, :func:`fused_projections`) share one
+    unit, named after their modules' parent (``blocks.3.attn.qkv``)."""
     names = [op.name for op in graph.operators]
     ordered = sorted(items, key=lambda x: (x[0], x[1]))
     runs: list[tuple[tuple[int, str], list]] = []
     for idx, p, nbytes in ordered:
-        key = (stage[names[idx]], unit_key(p, per_module))
+        name = unit_key(p, per_module)
+        if per_module and names[idx] in fused:
+            name = name.rpartition(".")[0] + ".qkv"
+        key = (stage[names[idx]], name)
         if not runs or runs[-1][0] != key:
             runs.append((key, []))
         runs[-1][1].append((idx, p, nbytes // grad_bytes))
@@ -152,8 +161,12 @@ def shard_zero(d: Draft) -> Draft:
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
         if d.plan.zero == 3:
             per_module = d.software is not None and d.software.zero3_unit == "module"
+            fused = fused_projections(d) if per_module else frozenset()
             gathered_items, persistent = _persistent_apart(mine, d)
-            units = [units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module) for g in sorted(mine)]
+            units = [
+                units_of(gathered_items[g], g, d.graph, d.stage, gb, per_module=per_module, fused=fused)
+                for g in sorted(mine)
+            ]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
                 parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
@@ -177,6 +190,16 @@ def shard_zero(d: Draft) -> Draft:
     return d.replace(
         parts=parts, sizes=sizes, zero_saved=zero_saved, sharded=sharded, together=together, next_ident=idents.next
     )
+
+
+def fused_projections(d: Draft) -> frozenset[str]:
+    """The query, key and value projections whose weights a software with ``fused_qkv`` holds as one
+    parameter of one module (Megatron-LM's ``query_key_value`` ColumnParallelLinear, one
+    ``[3h, h]`` weight), so that ZeRO-3 fetches them with one gather per use: the operators whose
+    pieces run as one fused GEMM (:func:`planlab.plan.qkv.fused_widths`); empty without ``fused_qkv``."""
+    if d.software is None or not d.software.fused_qkv:
+        return frozenset()
+    return frozenset(name for name in qkv_groups(d.graph) if fused_widths(d, name))
 
 
 def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
@@ -262,7 +285,8 @@ def shard_fully(
     (weights, gradients and optimizer states keep a shard) and the groups of buffers freed together
     (a unit's gathered weights)."""
     units = [u for us in groups for u in us]
-    first, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    first, last, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    places = _places(parts, keys)
     prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
     inside: dict[SlotKey, list] = {}  # a recomputation's slot part -> (task index, (place, group), gather)
     together = []
@@ -275,9 +299,15 @@ def shard_fully(
                 present = [(u, ph) for u, ph in trace if (u, ph) not in kept_units]
                 for k, (u, ph) in enumerate(present):
                     # issued when the use before it (in the block's trace) starts: FSDP's and DeepSpeed's
-                    # prefetch; when that unit is too large to prefetch beside (DeepSpeed's max live), as u starts
+                    # prefetch; when that unit is too large to prefetch beside (DeepSpeed's max live), at
+                    # the first task after its last use (DeepSpeed's next module hook once it is
+                    # released), or as u starts
                     before = present[max(k - 1, 0)]
-                    (_, index), start = first[(before if prefetches(before[0], d) else (u, ph)) + (block,)]
+                    if prefetches(before[0], d):
+                        (_, index), start = first[before + (block,)]
+                    else:
+                        held = (before[0], "B") if (before[0], "B") in kept_units else before
+                        (_, index), start = _hook_after(places[block], last[held + (block,)], first[(u, ph, block)])
                     task = _gather(u, ph, _GATHERED[ph], st, d.precision, idents)
                     sizes.update((b, n * d.precision.param_bytes) for b, (_, _, n) in zip(task.writes, u.weights))
                     if start[3] is Part.RECOMPUTE:  # inside the recomputation, before the task it is issued at
@@ -300,12 +330,63 @@ def shard_fully(
             tasks.insert(index, task)
         parts[key] = tuple(tasks)
     saved_numel = 0
+    later = d.software is not None and d.software.zero3_reduce_at_next_gradient
+    hooks = _gradient_hooks(parts, keys) if later else {}
     for u in units:
-        if u in last_grad:  # right after the unit's last backward task
-            add(parts, dev, (u.stage, "B"), last_grad[u][1][2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
+        if u in last_grad:
+            at, key = last_grad[u]
+            hook = next((h for h in hooks.get(key[1], ()) if h[0] > at), None)
+            if hook is None:  # right after the unit's last backward task
+                add(parts, dev, (u.stage, "B"), key[2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
+            else:  # as the next backward task writing a weight's gradient starts
+                add(parts, dev, hook[1][1], hook[1][2], Part.INPUTS, _reduce_scatter(u, d.precision, idents))
         add(parts, dev, update, 0, Part.SHARD_STEPS, _shard_step(u, d.precision))
         saved_numel += u.numel - u.shard_numel
     return saved_numel, tuple(together)
+
+
+def _places(parts: Parts, keys: list[SlotKey]) -> dict[BlockKey, list[tuple]]:
+    """Per block, every task's place ``((run order, index), slot part)`` in the order the block runs them."""
+    out: dict[BlockKey, list[tuple]] = defaultdict(list)
+    for key in keys:
+        out[key[1]].extend(((run_order(key), k), key) for k in range(len(parts[key])))
+    for places in out.values():
+        places.sort(key=lambda p: p[0])
+    return out
+
+
+def _hook_after(places: list[tuple], released: tuple, use: tuple) -> tuple:
+    """Where DeepSpeed issues a unit's gather when the unit before it was too large to prefetch
+    beside: at the first task after that unit's last use ``released`` (the next module's hook, by
+    which the unit is released and the live parameters are below ``stage3_max_live_parameters``
+    again), unless that is the unit's own first ``use``. Every traced operator stands for a module
+    here; DeepSpeed checks at each module's pre-forward and pre-backward hook."""
+    k = bisect.bisect_right([p[0] for p in places], released[0])
+    # a gather outside a recomputation goes to its slot's PREFETCH part, which runs before the slot's
+    # other parts: not in the slot of the released unit's last use
+    while k < len(places) and places[k][1][3] is not Part.RECOMPUTE and places[k][1][2] == released[1][2]:
+        k += 1
+    return places[k] if k < len(places) and places[k][0] < use[0] else use
+
+
+def _gradient_hooks(parts: Parts, keys: list[SlotKey]) -> dict[BlockKey, list[tuple]]:
+    """Per backward block, where its backward tasks that write a weight's gradient (a unit's full
+    gradient or a persistent weight's) are, in the order the block runs them: ``(place, slot part)``
+    as :func:`_gathered_and_reduced` gives places. DeepSpeed's gradient hooks fire there: the one
+    after a unit's last backward task issues the unit's reduce-scatter (the software's
+    ``zero3_reduce_at_next_gradient``)."""
+    out: dict[BlockKey, list[tuple]] = defaultdict(list)
+    for key in keys:
+        if key[1][1] != "B":
+            continue
+        for k, t in enumerate(parts[key]):
+            if t.kind is TaskKind.BACKWARD and any(
+                w is not None and w.kind in buf_.WEIGHT_GRAD_KINDS for w in t.writes
+            ):
+                out[key[1]].append(((run_order(key), k), key))
+    for hooks in out.values():
+        hooks.sort(key=lambda h: h[0])
+    return out
 
 
 def prefetches(u: Unit, d: Draft) -> bool:
@@ -394,8 +475,8 @@ def _gathered_and_reduced(
     keep them, as autograd saves them) and write full gradients; with the software's
     ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
     ``R``). Each stage reads its own gather (:func:`gathered`). Returns, per (unit, phase, block), where
-    its first task in the block is and, per unit, where its last backward task is: ``(place in the order the
-    block runs, slot part)``."""
+    its first and its last task in the block are and, per unit, where its last backward task is:
+    ``(place in the order the block runs, slot part)``."""
     names = [op.name for op in d.graph.operators]
     regather = d.software is not None and d.software.zero3_regather_for_recompute
     weights: dict[Buffer, tuple[str, Unit]] = {}  # a weight's buffer -> (parameter, unit)
@@ -411,6 +492,7 @@ def _gathered_and_reduced(
             sizes[grad[g]] = n * d.precision.grad_bytes  # a gather sets its weights' sizes
             unit_of[w] = unit_of[g] = u
     first: dict[tuple[Unit, str, BlockKey], tuple] = {}
+    last: dict[tuple[Unit, str, BlockKey], tuple] = {}
     last_grad: dict[Unit, tuple] = {}
     for key in keys:
         st, ph = key[1]
@@ -441,10 +523,12 @@ def _gathered_and_reduced(
                 u, uph = unit_of[b], "R" if redo else ph
                 if (u, uph, key[1]) not in first or at[0] < first[(u, uph, key[1])][0]:
                     first[(u, uph, key[1])] = at
+                if (u, uph, key[1]) not in last or at[0] > last[(u, uph, key[1])][0]:
+                    last[(u, uph, key[1])] = at
                 if b in grad and (u not in last_grad or at[0] > last_grad[u][0]):
                     last_grad[u] = at
         parts[key] = tuple(tasks)
-    return first, last_grad
+    return first, last, last_grad
 
 
 def _gather(u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision, idents: Idents) -> Task:

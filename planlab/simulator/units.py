@@ -196,7 +196,12 @@ def lower_block(
             waits = {b for b in t.reads + t.saved if b in writers and b not in awaited}
             if waits:
                 low.flush()
-                low.units.append(Await(tuple(sorted({writers[b] for b in waits}))))
+                names = {writers[b] for b in waits}
+                if low.synchronized and names & low.gathers:  # the fetch's torch.cuda.synchronize() waits
+                    names |= low.in_flight  # for every collective issued before the last task too
+                low.in_flight -= names
+                low.fresh -= names
+                low.units.append(Await(tuple(sorted(names))))
                 awaited.update(waits)
         if t.role in SAVE_COPIES:
             low.copy(t, tuple(sorted({writers[b] for b in t.reads if b in writers})))
@@ -204,9 +209,15 @@ def lower_block(
         elif t.overlap:
             duration_s = low.times(t)[0]
             copy_s = min(duration_s, cost.copy_out_s(t)) if hasattr(cost, "copy_out_s") else 0.0
+            issued = low.synchronized and t.role is Role.UNIT_GATHER
+            if issued:  # the fill and the host's work before the all-gather starts
+                low.prepare(t)
             low.apart(AsyncCollective(t.name, tuple(t.group), duration_s - copy_s, *low.memory(t), _ident(t), copy_s))
             awaited.difference_update(t.writes)
-            if low.synchronized and t.role is Role.UNIT_GATHER:
+            low.fresh.add(t.name)
+            if t.role is Role.UNIT_GATHER:
+                low.gathers.add(t.name)
+            if issued:  # the host's work after it (its copies' launches) while it runs
                 low.issue(t)
         elif t.kind is TaskKind.SEND:
             price = closed.get(i)
@@ -220,6 +231,8 @@ def lower_block(
             low.apart(Collective(t.name, tuple(t.group), low.times(t)[0], *low.memory(t), _ident(t)))
         else:
             low.cur.append((t, low.times(t), t.kind is TaskKind.COLLECTIVE))
+            low.in_flight |= low.fresh
+            low.fresh = set()
     low.flush()
     return tuple(low.units)
 
@@ -247,6 +260,12 @@ class _Lowering:
         self.synchronized = self.hosted and software is not None and software.zero3_synchronized_fetch
         self.units: list[Unit] = []
         self.cur: list = []
+        # overlapped collectives issued and not yet waited for: before the last task the device ran
+        # (``in_flight``), or since (``fresh``: a reduce-scatter issued by the gradient hook of the
+        # module about to run, after its fetch); ``gathers``: the ZeRO-3 gathers among them
+        self.in_flight: set[str] = set()
+        self.fresh: set[str] = set()
+        self.gathers: set[str] = set()
 
     def times(self, t: Task) -> tuple[float, float]:
         """``(device s, host s)`` of a task, priced once per simulation for tasks alike."""
@@ -301,15 +320,25 @@ class _Lowering:
         else:
             self.apart(HostCopy((t.name,), self.times(t)[0], alloc, free, out, after))
 
-    def issue(self, t: Task) -> None:
-        """What a gather issued with the device synchronized costs the computation after it (the
-        software's ``zero3_synchronized_fetch``): DeepSpeed's ``_allgather_param`` of 2021 zero-fills
-        the gathered buffer and calls ``torch.cuda.synchronize()`` before the all-gather, and the
-        fetch that precedes it had synchronized the device, so the host issues the gather (its
-        per-rank copies included) while the device idles: the fill on the device, then the host's
-        issue time, before the next task."""
+    def prepare(self, t: Task) -> None:
+        """What a gather issued with the device synchronized (the software's
+        ``zero3_synchronized_fetch``) costs before it starts: DeepSpeed's ``_allgather_param`` of 2021
+        zero-fills the gathered buffer with ``torch.zeros``, calls ``torch.cuda.synchronize()``, then
+        makes a narrow view per rank (``zero3_gather_rank_s`` each) and calls
+        ``torch.distributed.all_gather``, whose framework call (``host_collective_s``) launches it.
+        The device idles for all of it, so it is one entry on the compute stream before the gather:
+        the fill, then the host's time."""
         fill_s = self.cost.fill_s(t.nbytes) if hasattr(self.cost, "fill_s") else 0.0
-        self.cur.append((Task(f"{t.name}:issue", TaskKind.LOCAL, (), ()), (fill_s, self.times(t)[1]), False))
+        sw = self.cost.software
+        host_s = len(t.group) * sw.zero3_gather_rank_s + sw.host_collective_s
+        self.cur.append((Task(f"{t.name}:prepare", TaskKind.LOCAL, (), ()), (fill_s + host_s, 0.0), False))
+
+    def issue(self, t: Task) -> None:
+        """The host's time after a synchronized gather is launched (:meth:`prepare`): ProcessGroupNCCL
+        launches a copy per rank of the group (``collective_buffers`` ``per_rank``) while the gather
+        runs, so the computation after it (a prefetch's module) starts that much later."""
+        host_s = max(0.0, self.times(t)[1] - self.cost.software.host_collective_s)
+        self.cur.append((Task(f"{t.name}:issue", TaskKind.LOCAL, (), ()), (0.0, host_s), False))
 
     def apart(self, unit: Unit) -> None:
         """A unit of its own, after the segment gathered so far."""
