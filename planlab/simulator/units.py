@@ -268,7 +268,8 @@ class _Lowering:
             t.node_share,
             t.in_kernel,
             t.causal,  # a causal fused attention computes part of its blocks
-            t.fused_widths,  # a query, key or value projection's share of the fused QKV GEMM
+            t.fused_widths,  # a projection's share of a fused GEMM (query, key and value; gate and up)
+            t.fusion,
         )
         got = self.prices.get(key)
         if got is None:
