@@ -67,3 +67,27 @@ def test_the_screen_follows_the_expert_dispatch_as_the_simulator_does(case, chan
     cost more than the simulator's: the two move the same way, not by the same time.)"""
     screen_s, sim_s = _moves(case, change)
     assert screen_s > 0 and sim_s > 0
+
+
+def test_the_screen_fuses_a_group_only_where_a_plan_splits_its_projections_alike() -> None:
+    """The simulator fuses projections that read one buffer under one split; the screen alike: the
+    query, key and value split by their output width together are priced as the fused GEMM's shares,
+    at the piece's shapes; the query split alone is priced as its own GEMM."""
+    from planlab.costmodel.software import Fusion
+    from planlab.search_spaces.screen_structure import Ids, Tables, split_work
+
+    spec, g = traced("llama-tiny", 8)
+    cost = CostModel.load("dgx-a100-80g", 1)
+    t = Tables(g, cost.precision, cost.software)
+    names = [op.name for op in g.operators]
+    qkv = [names.index(f"blocks_0_attention_w{x}") for x in "qkv"]
+    assert [t.works[t.work_class[i]][7] for i in qkv] == [Fusion.QKV] * 3
+    assert [t.works[t.unfused_class[i]][7:10] for i in qkv] == [(None, (), False)] * 3
+    ids = Ids()
+    for split in (qkv, qkv[:1]):
+        dims = [tuple("n" if i in split else None for i in range(t.n))]
+        sp = split_work(t, (2,), dims, ids)
+        works = [ids.values[sp.fkey[i]] for i in qkv]
+        fused = [w for w, *_ in works] == [t.work_class[i] for i in qkv]
+        assert fused == (split == qkv)
+        assert works[0][3] == (("n", 2),)  # the piece's cut: its shapes are priced
