@@ -14,6 +14,7 @@ from planlab.costmodel import CostModel, load_cluster
 from planlab.costmodel.gemm import GemmSpec, gemm_time_s, tile_efficiency
 from planlab.costmodel.kernels import Kernel, flash_causal_share, fused_softmax_available, op_kernels
 from planlab.costmodel.model import host_bound_elapsed_s
+from planlab.costmodel.software import Fusion, load_software
 from planlab.errors import ConfigError
 from planlab.plan.buffer import contribution, grad, weight_grad
 from planlab.plan.program import Task, TaskKind
@@ -795,14 +796,15 @@ def test_fused_attention_runs_the_software_s_kernel_for_the_device() -> None:
     assert none.kernel_time_s(fwd, "bf16") == pytest.approx(priced(cost, fwd, cost.cluster.device.gemm.efficiency, 0))
 
 
-def _projection_tasks(widths: tuple[int, ...], m: int, k: int) -> list[tuple[Task, Task]]:
-    """The forward and backward tasks of an attention's query, key and value projections of
-    ``widths`` reading one ``m x k`` input, as materialize marks them (``fused_widths``)."""
+def _projection_tasks(widths: tuple[int, ...], m: int, k: int, fusion: Fusion = Fusion.QKV) -> list[tuple[Task, Task]]:
+    """The forward and backward tasks of projections of ``widths`` reading one ``m x k`` input (an
+    attention's query, key and value; a gated unit's gate and up), as materialize marks them
+    (``fusion``, ``fused_widths``)."""
     x = (1, m, k)
     out = []
-    for name, n in zip("qkv", widths):
+    for name, n in zip("qkv" if fusion is Fusion.QKV else ("gate", "up"), widths):
         shapes = (x, (n, k), (1, m, n))
-        fields = dict(op_kind="linear", shapes=shapes, fused_widths=widths)
+        fields = dict(op_kind="linear", shapes=shapes, fused_widths=widths, fusion=fusion)
         fwd = Task(name, TaskKind.FORWARD, flops=2.0 * m * n * k, **fields)
         bwd = Task(name, TaskKind.BACKWARD, (grad(name),), (contribution("x", name, 0), weight_grad(name)), **fields)
         out.append((fwd, bwd))
@@ -816,8 +818,6 @@ def test_fused_qkv_prices_one_gemm_of_the_summed_width(widths, m, k) -> None:
     than three GEMMs at these shapes (three 1024^3 GEMMs leave 108 SMs' last wave part-empty
     three times over). Each projection pays its width's share. torch's separate wq, wk, wv stay
     three GEMMs, the fused widths ignored."""
-    from planlab.costmodel.software import load_software
-
     megatron = vtrain_cost()
     assert megatron.software.fused_qkv
     torch = CostModel(megatron.cluster, software=load_software("torch"), precision=megatron.precision)
@@ -878,8 +878,80 @@ def test_materialize_marks_the_query_key_value_projections() -> None:
         spec, g = traced(model, 8)
         plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=2))
         linear = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.op_kind == "linear"]
-        marked = [t for t in linear if t.fused_widths]
+        marked = [t for t in linear if t.fusion is Fusion.QKV]
         assert {t.fused_widths for t in marked} == {widths}
         assert {t.kind for t in marked} == {TaskKind.FORWARD, TaskKind.BACKWARD}
         assert len({(t.kind, t.name) for t in marked}) == 6 * 2  # two layers, three projections, forward and backward
         assert all(t.shapes[1][0] in widths for t in marked)
+
+
+def test_fused_gate_up_prices_a_swiglu_mlp_as_one_gemm_of_twice_the_width() -> None:
+    """Megatron-Core's linear_fc1 with a gated linear unit (``fused_gate_up``): LLaMA-2 7B's gate and
+    up projections under tp 4 (2752 wide each, 4096 tokens) cost one GEMM of 5504 each way, each
+    charged half, about 0.87 of two GEMMs' time on an A100 (the two GEMMs' last waves each partly
+    idle); the pair's shares sum to one GEMM. The QKV flag does not fuse them, nor does torch
+    (torchtitan's separate w1 and w3)."""
+    megatron = CostModel.load("dgx-a100-80g", 1)
+    assert megatron.software.fused_gate_up
+    torch = CostModel(megatron.cluster, software=load_software("torch"), precision=megatron.precision)
+    qkv_only = dataclasses.replace(megatron, software=dataclasses.replace(megatron.software, fused_gate_up=False))
+    m, k, f = 4096, 4096, 2752
+    tasks = _projection_tasks((f, f), m, k, Fusion.GATE_UP)
+    for phase in (0, 1):
+        fused = [megatron.device_and_host_s(t[phase], "bf16")[0] for t in tasks]
+        alone = [megatron.device_and_host_s(t[phase].but(fused_widths=(), fusion=None), "bf16")[0] for t in tasks]
+        assert sum(fused) < 0.95 * sum(alone)
+        for other in (torch, qkv_only):
+            assert [other.device_and_host_s(t[phase], "bf16")[0] for t in tasks] == pytest.approx(
+                [other.device_and_host_s(t[phase].but(fused_widths=(), fusion=None), "bf16")[0] for t in tasks]
+            )
+    gemms = [kn for kn in op_kernels("linear", "F", tasks[0][0].shapes, 2, "megatron", fused_widths=(f, f)).kernels]
+    assert [(kn.gemm, kn.computed) for kn in gemms] == [((1, m, 2 * f, k), 0.5)]
+    one = megatron.kernel_time_s(Kernel("gemm", gemm=(1, m, 2 * f, k)), "bf16")
+    assert sum(megatron.device_and_host_s(t[0], "bf16")[0] for t in tasks) == pytest.approx(
+        one + megatron.cluster.device.launch_overhead_s
+    )
+
+
+def test_an_expert_stack_fuses_its_gate_and_up_products() -> None:
+    """The experts' batched products with w1 and w3 (Megatron-Core's grouped linear_fc1, doubled per
+    expert) fuse as a linear layer's do: one batched GEMM of the summed width each way, halves."""
+    e, t, h, f = 8, 1024, 4096, 14336
+    shapes = ((e, t, h), (e, h, f), (e, t, f))
+    fused = op_kernels("matmul", "F", shapes, 2, "megatron", fused_widths=(f, f)).kernels
+    assert [(kn.gemm, kn.computed) for kn in fused] == [((e, t, 2 * f, h), 0.5)]
+    back = op_kernels("matmul", "B", shapes, 2, "megatron", fused_widths=(f, f)).kernels
+    assert [(kn.gemm, kn.computed) for kn in back] == [((e, t, h, 2 * f), 0.5), ((e, h, 2 * f, t), 0.5)]
+    alone = op_kernels("matmul", "F", shapes, 2, "megatron").kernels
+    assert [(kn.gemm, kn.computed) for kn in alone] == [((e, t, f, h), 1.0)]
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        # two layers: the attention's q, k, v (grouped-query: k and v narrower), the SwiGLU's w1 and w3
+        ("llama-tiny", {(Fusion.QKV, (32, 16, 16)): 6, (Fusion.GATE_UP, (80, 80)): 4}),
+        # four layers' self-attention q, k, v; the two decoder layers' cross-attention k and v only
+        # (its q reads the decoder); the gated-GELU's wi_0 and wi_1
+        ("t5-tiny", {(Fusion.QKV, (16, 16, 16)): 12, (Fusion.QKV, (16, 16)): 4, (Fusion.GATE_UP, (64, 64)): 8}),
+        # the experts' stacked products with w1 and w3, their width split by tp as the dense layers'
+        ("moe-tiny", {(Fusion.QKV, (32, 16, 16)): 6, (Fusion.GATE_UP, (48, 48)): 4}),
+    ],
+)
+def test_materialize_marks_every_fused_projection(model, expected) -> None:
+    """Under tp 2 each projection that a fused GEMM computes carries its fusion and its group's
+    local widths, forward and backward alike; the cross-attention's query, the output projections,
+    the MLP's down projection and the router carry none."""
+    from collections import Counter
+
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced(model, 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=2))
+    tasks = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.op_kind in ("linear", "matmul")]
+    for kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+        marked = {(t.op, t.fusion, t.fused_widths) for t in tasks if t.kind is kind and t.fusion is not None}
+        assert Counter((f, w) for _, f, w in marked) == expected
+    assert len({t.op for t in tasks if t.fusion is None}) > 0

@@ -13,12 +13,14 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   ``N x K x M``, the bias gradient (a reduction reading ``dy``) and, per parameter, the
   addition of this micro-batch's gradient into the accumulated one (PyTorch's autograd
   accumulates ``.grad`` by a separate kernel; Megatron-DeepSpeed keeps it).
-  With the software's ``fused_qkv``, an attention's query, key and value projections reading the
-  same input (``fused_widths``: their output widths ``n_q, n_k, n_v``) run as one GEMM each way, as
-  Megatron's ``query_key_value`` does: forward ``M x (n_q + n_k + n_v) x K``, backward one
-  input-gradient GEMM ``M x K x (n_q + n_k + n_v)`` (the three input gradients summed in its
-  reduction) and one weight-gradient GEMM ``(n_q + n_k + n_v) x K x M``; each projection's task is
-  charged its width's share of each (the kernel's ``computed``), the fused GEMM's launch in full.
+  Projections reading one input that the software fuses (``fused_widths``: the output widths
+  ``n_1, n_2, ...`` of the group, :mod:`planlab.plan.fused_gemms`: an attention's query, key and
+  value with ``fused_qkv``, as Megatron's ``query_key_value``; a gated unit's gate and up
+  projections with ``fused_gate_up``, as Megatron-Core's ``linear_fc1``) run as one GEMM each way:
+  forward ``M x (n_1 + n_2 + ...) x K``, backward one input-gradient GEMM ``M x K x (n_1 + n_2 + ...)``
+  (the input gradients summed in its reduction) and one weight-gradient GEMM
+  ``(n_1 + n_2 + ...) x K x M``; each projection's task is charged its width's share of each (the
+  kernel's ``computed``), the fused GEMM's launch in full.
 * ``attention`` with ``megatron``: Megatron-LM's unfused core attention. Forward: the score
   GEMM ``baddbmm`` (``B*H`` GEMMs ``T x T x D``) writes the ``T x T`` scores, the fused
   scale-mask-softmax kernel reads and writes them (where Megatron's conditions for that kernel
@@ -49,7 +51,9 @@ head dimension, ``N`` elements, ``eb`` bytes per activation element):
   (backward), each a pass over the logits. With ``torch``: log-softmax and the loss's gather,
   backward their gradients.
 * views (``reshape``, ``transpose``, ``permute``, ...): no kernel, one call each way.
-* ``matmul``: a batched GEMM; backward two.
+* ``matmul``: a batched GEMM; backward two. An expert stack's products with a weight fused as a
+  linear layer's are (``fused_widths``): one batched GEMM of the summed width each way, each
+  charged its share.
 
 FP8 (``fp8=True``: the precision computes GEMMs in FP8, everything else in 16 bits): a
 ``linear``'s GEMMs (and, with ``fp8_matmul``, those of a matrix product with a weight: the experts')
@@ -211,9 +215,10 @@ def op_kernels(
     attention runs fused, as ``torch``'s does; ``causal``: the attention is causal, so a fused
     kernel skips the blocks its mask hides (:func:`flash_causal_share`); ``fused_rms_norm`` False:
     RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`); ``fused_widths``: a linear
-    layer's GEMMs are its share of one fused with its siblings' (the output widths of all, its own
-    included; see the module docstring); ``fp8_matmul``: a matrix product with a weight runs in FP8 with
-    its casts, as a linear layer's GEMMs do under ``fp8``. A formula that fails on the shapes
+    layer's (or a weight product's) GEMMs are its share of one fused with its siblings' (the output
+    widths of all, its own included; see the module docstring); ``fp8_matmul``: a matrix product with
+    a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``. A formula that
+    fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -228,7 +233,9 @@ def op_kernels(
         if kind == "linear":
             return _linear(phase, shapes, eb, implementation, fused_widths)
         if kind == "matmul" and fp8 and fp8_matmul:
-            return _matmul_fp8(phase, shapes, eb, implementation)
+            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths)
+        if kind == "matmul":
+            return _matmul(phase, shapes, eb, implementation, fused_widths)
         if kind == "rms_norm" and not fused_rms_norm:
             return eager_rms_norm(phase, shapes, eb)
         return _KINDS[kind](phase, shapes, eb, implementation)
@@ -561,24 +568,32 @@ def _cross_entropy(phase, shapes, eb, impl):
     return OpKernels((_pass("nll-loss-bwd", n * eb), _pass("log-softmax-bwd", 3 * n * eb)), 2)
 
 
-def _matmul(phase, shapes, eb, impl, fp8=False):
+def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False):
     a, b = shapes[0], shapes[1]  # both matrices or stacks of them (op_kernels leaves vectors to the roofline)
     m, k = a[-2], a[-1]
     n = b[-1]
     batch = _n(shapes[-1][:-2])
+    width = sum(fused_widths) if fused_widths else n  # fused with its siblings: their summed width
+    share = n / width
     if phase == "F":
-        return OpKernels((_gemm("bmm", batch, m, n, k, fp8=fp8),), 1)
-    return OpKernels((_gemm("bmm-grad-a", batch, m, k, n, fp8=fp8), _gemm("bmm-grad-b", batch, k, n, m, fp8=fp8)), 1)
+        return OpKernels((_gemm("bmm", batch, m, width, k, fp8=fp8, computed=share),), 1)
+    return OpKernels(
+        (
+            _gemm("bmm-grad-a", batch, m, k, width, fp8=fp8, computed=share),
+            _gemm("bmm-grad-b", batch, k, width, m, fp8=fp8, computed=share),
+        ),
+        1,
+    )
 
 
-def _matmul_fp8(phase, shapes, eb, impl):
+def _matmul_fp8(phase, shapes, eb, impl, fused_widths=()):
     """A matrix product with a weight (the experts' grouped GEMMs) in FP8, as :func:`_linear_fp8` runs a
     linear layer's: forward the casts of both operands (16-bit read, the FP8 copy and its transpose
     written), backward the cast of the output gradient, each GEMM on FP8 operands (Transformer
     Engine's GroupedLinear: fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
     a, b, out = shapes[0], shapes[1], shapes[-1]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast, as a linear layer's
-    gemms = _matmul(phase, shapes, eb, impl, fp8=True)
+    gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True)
     if phase == "F":
         casts = (_pass("fp8-cast-input", _n(a) * per), _pass("fp8-cast-weight", _n(b) * per))
         return OpKernels(casts + gemms.kernels, 3)

@@ -61,6 +61,14 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``query_key_value``, Megatron-Core's ``linear_qkv``): each projection's task is charged its
     share, by its width, of the fused GEMMs' time (:mod:`planlab.costmodel.kernels`). False (the
     default): three GEMMs each way, as ``torch.nn`` layers (torchtitan's ``wq``, ``wk``, ``wv``) run;
+``fused_gate_up``
+    a gated linear unit's gate and up projections, linear layers (or an expert stack's batched
+    products) reading the same input under the same split, run as one GEMM of twice the width each
+    way (Megatron-Core's ``linear_fc1`` with ``gated_linear_unit``, its experts' grouped ``linear_fc1``
+    alike; Megatron-DeepSpeed's ``dense_h_to_4h`` with ``--swiglu``), each projection charged its share
+    (:mod:`planlab.plan.fused_gemms`). False (the default): two GEMMs each way, as torchtitan's ``w1``
+    and ``w3`` run. ``fused_qkv`` also covers a cross-attention's key and value projections, which
+    read the encoder's output (Megatron-Core's ``CrossAttention.linear_kv``);
 ``fused_glu``
     a gated linear unit's activation and product run as one kernel that keeps only its input, the
     gate and up projections' outputs, for the backward, which computes the activation again
@@ -143,6 +151,7 @@ from typing import Mapping
 from planlab.costmodel.fields import Fields, read_json
 from planlab.costmodel.hardware import ARCHITECTURES, ATTENTION_KERNELS
 from planlab.costmodel.precision import PRECISIONS, Precision
+from planlab.enums import StrEnum
 from planlab.errors import ConfigError, choices
 
 SOFTWARE_DIR = Path(__file__).parent / "software"
@@ -157,6 +166,15 @@ _US = 1e-6
 _MiB = 2.0**20
 EXPERT_DISPATCH = ("all_to_all", "node_dedup")  # the software's expert_dispatch values
 _WHAT = "software file"
+
+
+class Fusion(StrEnum):
+    """Projections reading one input that a software may run as one GEMM (:mod:`planlab.plan.fused_gemms`)."""
+
+    QKV = "qkv"  # an attention's query, key and value (or a cross-attention's key and value): fused_qkv
+    GATE_UP = "gate_up"  # a gated linear unit's gate and up projections: fused_gate_up
+
+
 _FIELDS = {
     "name",
     "description",
@@ -177,6 +195,7 @@ _FIELDS = {
     "fused_attention",
     "attention_kernels",
     "fused_qkv",
+    "fused_gate_up",
     "fused_glu",
     "fused_rms_norm",
     "fp8_weight_matmuls",
@@ -253,6 +272,7 @@ class SoftwareSpec:
     fused_attention: bool = False
     attention_kernels: tuple[tuple[str, str], ...] = ()  # (device architecture, fused attention kernel)
     fused_qkv: bool = False
+    fused_gate_up: bool = False
     fused_glu: bool = False
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
@@ -281,6 +301,10 @@ class SoftwareSpec:
     def attention_fused(self) -> bool:
         """Whether the attention core runs as one fused (flash) kernel each way (``fused_attention``)."""
         return self.implementation != "megatron" or self.fused_attention
+
+    def fuses(self, fusion: Fusion | None) -> bool:
+        """Whether the software runs the projections of a ``fusion`` group as one GEMM."""
+        return (fusion is Fusion.QKV and self.fused_qkv) or (fusion is Fusion.GATE_UP and self.fused_gate_up)
 
     def attention_kernel(self, architecture: str) -> str:
         """The fused attention kernel the software runs on a device of ``architecture`` ("" if none is named)."""
@@ -395,6 +419,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_attention=_flag(f, "fused_attention", False),
         attention_kernels=_attention_kernels(f),
         fused_qkv=_flag(f, "fused_qkv", False),
+        fused_gate_up=_flag(f, "fused_gate_up", False),
         fused_glu=_flag(f, "fused_glu", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),

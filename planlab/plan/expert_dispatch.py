@@ -103,6 +103,30 @@ def distinct_nodes(r: Routing, nodes: int) -> float:
     return nodes * (1 - miss)
 
 
+def node_share(r: Routing, nodes: int) -> float:
+    """The share of a dispatch or combine all-to-all's bytes for other nodes that crosses the network
+    when its group spans ``nodes`` nodes and the software sends a token once to each node:
+    :func:`distinct_nodes` over ``top_k`` (1 on one node, where nothing crosses it)."""
+    return 1.0 if nodes <= 1 else min(1.0, distinct_nodes(r, nodes) / r.top_k)
+
+
+def dispatch_tensors(graph: Graph) -> frozenset[str]:
+    """The activations a routed layer's dispatch and combine move: those an operator with the
+    experts' axis reads or makes (memoized on the graph); their gradients cross back alike."""
+
+    def find() -> frozenset[str]:
+        carriers = expert_dims(graph)
+        return frozenset(
+            t
+            for op in graph.operators
+            if op.name in carriers
+            for t in op.inputs + op.outputs
+            if graph.tensors[t].role == "activation"
+        )
+
+    return graph.memo(("dispatch_tensors",), find)
+
+
 def _each_task(program: Program, change) -> Program:
     """``program`` with every task of every block replaced by ``change(task)``."""
     devices = []
@@ -120,20 +144,13 @@ def dedup_expert_dispatch(program: Program, graph: Graph, node_of) -> Program:
     r = routing_of(graph)
     if r is None:
         return program
-    carriers = expert_dims(graph)
-    moved = {
-        t
-        for op in graph.operators
-        if op.name in carriers
-        for t in op.inputs + op.outputs
-        if graph.tensors[t].role == "activation"
-    }
+    moved = dispatch_tensors(graph)
     shares: dict[int, float] = {}
 
     def share(group: tuple[int, ...]) -> float:
         nodes = len({node_of(d) for d in group})
-        if nodes not in shares:  # one node: nothing crosses the network
-            shares[nodes] = 1.0 if nodes == 1 else min(1.0, distinct_nodes(r, nodes) / r.top_k)
+        if nodes not in shares:
+            shares[nodes] = node_share(r, nodes)
         return shares[nodes]
 
     def marked(t):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from planlab.enums import StrEnum
 from planlab.costmodel.precision import FP32, MIXED_BF16, Precision  # noqa: F401 (re-exported)
+from planlab.costmodel.software import Fusion
 from planlab.plan.buffer import Buffer
 from planlab.plan.layout import Box
 from planlab.plan.plan import Action
@@ -199,8 +200,9 @@ class Task:
     as ``Operator.kind``) and ``shapes`` (the local shapes of its inputs, then its outputs, per
     micro-batch) let the cost model price a compute task kernel by kernel; ``causal`` marks a causal
     attention's piece, whose fused kernel skips the blocks the mask hides; ``fused_widths``, on a piece
-    of an attention's query, key or value projection, the three pieces' local output widths
-    (:func:`planlab.plan.qkv.fused_widths`: a software with ``fused_qkv`` runs them as one GEMM).
+    of a projection that reads one input with others (an attention's query, key and value, a gated
+    unit's gate and up projections: ``fusion`` says which), the group's local output widths
+    (:func:`planlab.plan.fused_gemms.fused_fields`: a software that fuses them runs one GEMM).
     ``weight_matmul`` marks a piece of a matrix product with a weight, the experts' stacked weights
     (:func:`planlab.plan.saved.weight_matmul`: a software with ``fp8_weight_matmuls`` runs it in FP8). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
@@ -257,6 +259,7 @@ class Task:
     in_kernel: bool = False
     fused_widths: tuple[int, ...] = ()
     weight_matmul: bool = False
+    fusion: Fusion | None = None
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

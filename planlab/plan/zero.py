@@ -45,6 +45,7 @@ import bisect
 import dataclasses
 from collections import defaultdict
 
+from planlab.costmodel.software import Fusion
 from planlab.graph.ir import Graph
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
@@ -61,7 +62,7 @@ from planlab.plan.passes.draft import (
     update_blocks,
 )
 from planlab.plan.passes.gradients import Reduction, reduction_groups
-from planlab.plan.qkv import fused_widths, qkv_groups
+from planlab.plan.fused_gemms import fused_fields, fused_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 
 
@@ -196,10 +197,11 @@ def fused_projections(d: Draft) -> frozenset[str]:
     """The query, key and value projections whose weights a software with ``fused_qkv`` holds as one
     parameter of one module (Megatron-LM's ``query_key_value`` ColumnParallelLinear, one
     ``[3h, h]`` weight), so that ZeRO-3 fetches them with one gather per use: the operators whose
-    pieces run as one fused GEMM (:func:`planlab.plan.qkv.fused_widths`); empty without ``fused_qkv``."""
+    pieces run as one fused GEMM (:func:`planlab.plan.fused_gemms.fused_fields`); empty without ``fused_qkv``."""
     if d.software is None or not d.software.fused_qkv:
         return frozenset()
-    return frozenset(name for name in qkv_groups(d.graph) if fused_widths(d, name))
+    groups = fused_groups(d.graph)
+    return frozenset(name for name, g in groups.items() if g.fusion is Fusion.QKV and fused_fields(d, d.graph.op(name)))
 
 
 def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:

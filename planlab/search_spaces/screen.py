@@ -31,7 +31,6 @@ number of micro-batches, the ZeRO stage or the schedule: a few microseconds per 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,8 @@ from planlab.gcpause import paused_gc
 from planlab.graph.ir import Graph
 from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
+from planlab.plan.expert_dispatch import node_share, routing_of
+from planlab.plan.fused_gemms import output_width
 from planlab.search_spaces.recycling_passes import recycling_actions
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
 from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
@@ -55,6 +56,7 @@ from planlab.search_spaces.screen_structure import (
     Structure,
     Tables,
     colocated,
+    local_shapes,
 )
 from planlab.search_spaces.space import Draft
 
@@ -125,6 +127,8 @@ class Screen:
         self._compute: dict[tuple, float] = {}
         self._coll: dict[tuple, float] = {}
         self._p2p: dict[tuple, float] = {}
+        self._schedules: dict[tuple, Any] = {}  # walks of the pipeline schedules (flight_counts, ...), by shape
+        self._routing = routing_of(graph)  # the routed layers' selection (expert dispatch sent once a node)
         self.dtype = precision.compute_dtype
 
     def _key(self, t: tuple | None) -> int | None:
@@ -196,16 +200,18 @@ class Screen:
         return got
 
     # -- prices ------------------------------------------------------------------------
-    def _compute_s(self, work: int, pieces: int, m: int, phase: str) -> float:
+    def _compute_s(self, work: int, pieces: int, m: int, phase: str, cut: tuple = ()) -> float:
         """The device's seconds for one piece of a work class in ``phase`` (see :meth:`_compute_dh`)."""
-        return self._compute_dh(work, pieces, m, phase)[0]
+        return self._compute_dh(work, pieces, m, phase, cut)[0]
 
-    def _compute_dh(self, work: int, pieces: int, m: int, phase: str) -> tuple[float, float]:
+    def _compute_dh(self, work: int, pieces: int, m: int, phase: str, cut: tuple = ()) -> tuple[float, float]:
         """(device, host) seconds of one piece of a work class, one micro-batch of ``m``, in ``phase``
-        (F, B, or zero-bubble's I and W parts): the roofline on the piece's share of the flop and
-        bytes, times the implementation's factor over the roofline at the whole operator (its extra
-        passes, as the kernel model prices them; 1 off the kernel level), and the host's issue time."""
-        key = (work, pieces, m, phase)
+        (F, B, or zero-bubble's I and W parts), its dimensions split by ``cut`` ((dimension, pieces),
+        ...): the roofline on the piece's share of the flop and bytes, times the implementation's
+        factor over the roofline at the piece's shapes (its kernels' tiles and waves and extra passes,
+        as the kernel model prices them for the simulator; 1 off the kernel level), and the host's
+        issue time."""
+        key = (work, pieces, m, phase, cut)
         got = self._compute.get(key)
         if got is None:
             flops, nbytes, ratio, share = self.t.works[work][:4]
@@ -215,7 +221,7 @@ class Screen:
                 flops, nbytes = flops * ratio * share, nbytes * share
             elif phase == "I":  # the rest, the input gradients
                 flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
-            factor, host = self._kernel_factor(work, phase, flops, nbytes)
+            factor, host = self._kernel_factor(work, phase, flops / m / pieces, nbytes / m / pieces, cut, m)
             dev = (
                 factor
                 * self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
@@ -225,15 +231,25 @@ class Screen:
             got = self._compute[key] = (dev, host)
         return got
 
-    def _kernel_factor(self, work: int, phase: str, flops: float, nbytes: float) -> tuple[float, float]:
-        """The kernel model's device time over the roofline's for the whole operator in ``phase``,
-        and the host's time to issue it (1.0 and 0.0 off the kernel level)."""
-        if not self.cost.host_bound:
-            return 1.0, 0.0
+    def _kernel_factor(
+        self, work: int, phase: str, flops: float, nbytes: float, cut: tuple, m: int
+    ) -> tuple[float, float]:
+        """The kernel model's device time over the roofline's for a piece of the operator (``flops``
+        and ``nbytes``, its dimensions split by ``cut``, the batch over ``m``) in ``phase``,
+        and the host's time to issue it (1.0 and 0.0 off the kernel level): the cost model prices a
+        Task with the fields materialize and the software's passes give the simulator's (its fused
+        GEMM's share, a fused token permutation's operators inside their kernels: no time)."""
         from planlab.plan.buffer import contribution, weight_grad
         from planlab.plan.program import Task, TaskKind
 
-        kind, shapes, causal = self.t.works[work][4:7]
+        kind, whole, causal, fusion, widths, in_kernel, weight_matmul = self.t.works[work][4:11]
+        if not self.cost.host_bound:  # the roofline: only what runs inside another kernel changes it
+            return (0.0 if in_kernel else 1.0), 0.0
+        op = self.t.work_op[work]
+        shapes = local_shapes(self.graph, op, cut, m)
+        if widths:  # the fused group's local widths: each whole width as this projection's is cut
+            own = output_width(kind, whole[1])
+            widths = tuple(w * output_width(kind, shapes[1]) // own for w in widths)
         weights = self.t.work_params.get(work, False)
         x, w = contribution("x", "op", 0), weight_grad("w")  # what gradient_parts asks: their kinds
         writes = {
@@ -251,6 +267,10 @@ class Screen:
             op_kind=kind,
             shapes=shapes,
             causal=causal,
+            fusion=fusion,
+            fused_widths=widths,
+            in_kernel=in_kernel,
+            weight_matmul=weight_matmul,
         )
         dev, host = self.cost.device_and_host_s(task, self.dtype)
         roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0
@@ -267,12 +287,27 @@ class Screen:
         return tuple(sorted(order[m] for m in members) if order else sorted(members))
 
     def _coll_s(
-        self, kind: str, nbytes: float, axes: tuple[int, ...], sizes: tuple[int, ...], order: tuple[int, ...] = ()
+        self,
+        kind: str,
+        nbytes: float,
+        axes: tuple[int, ...],
+        sizes: tuple[int, ...],
+        order: tuple[int, ...] = (),
+        dispatch: bool = False,
     ) -> float:
-        key = (kind, nbytes, axes, sizes, order)
+        """A collective's seconds on the first group along ``axes``; ``dispatch``: a routed layer's
+        all-to-all that the software sends once to each node (its share of the bytes for other nodes
+        that crosses the network, as :func:`planlab.plan.expert_dispatch.dedup_expert_dispatch` marks it)."""
+        key = (kind, nbytes, axes, sizes, order, dispatch)
         got = self._coll.get(key)
         if got is None:
-            got = self._coll[key] = self.cost.collective_time_s(kind, nbytes, self._group(axes, sizes, order))
+            group = self._group(axes, sizes, order)
+            share = node_share(self._routing, len({self.cost.cluster.node_of(d) for d in group})) if dispatch else 1.0
+            if share < 1.0:
+                got = self.cost.collective_time_s(kind, nbytes, group, share)
+            else:
+                got = self.cost.collective_time_s(kind, nbytes, group)
+            self._coll[key] = got
         return got
 
     def _p2p_s(self, nbytes: float, src: int, dst: int, per: int) -> float:
@@ -310,6 +345,15 @@ class Screen:
             got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered, a2a)
         return got
 
+    def walked(self, walk, *shape):
+        """``walk(*shape)``, a pure walk of a pipeline schedule (:func:`flight_counts`,
+        :func:`paired_actions`, ...), once per screen: plans of one shape share it."""
+        key = (walk, *shape)
+        got = self._schedules.get(key)
+        if got is None:
+            got = self._schedules[key] = walk(*shape)
+        return got
+
     def regathers(self, d: Draft) -> bool:
         """Whether ZeRO-3 gathers a unit's weights again for its recomputation under ``d``."""
         return d.zero >= 3 and bool(d.recompute) and self.cost.software.zero3_regather_for_recompute
@@ -340,24 +384,24 @@ class Screen:
             f = self._block_s(p.fwd, m)
             b = self._block_s(p.bwd, m)
             each = [
-                (kind, c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes, order))
-                for (kind, axis, numel, batch, eb), c in p.comm
+                (kind, c * self._coll_s(kind, numel / (m if batch else 1) * eb, (axis,), sizes, order, dispatch))
+                for (kind, axis, numel, batch, eb, dispatch), c in p.comm
             ]
             cm = sum(t for _, t in each)
             a2a = sum(t for kind, t in each if kind == "all_to_all")
             wg = split = 0.0
-            for (w, pieces, _), c in p.wgt:
-                one = self._compute_s(w, pieces, m, "W")
+            for (w, pieces, _, cut), c in p.wgt:
+                one = self._compute_s(w, pieces, m, "W", cut)
                 wg += c * one
-                split += c * (self._compute_s(w, pieces, m, "I") + one - self._compute_s(w, pieces, m, "B"))
+                split += c * (self._compute_s(w, pieces, m, "I", cut) + one - self._compute_s(w, pieces, m, "B", cut))
             got = self._micro[key] = (f, b, cm, wg, split, a2a)
         return got
 
     def _block_s(self, entries, m: int) -> float:
         """A block's compute: the device's time, or the host's to issue it where that is longer."""
         dev = host = 0.0
-        for (w, pieces, ph), c in entries:
-            d, h = self._compute_dh(w, pieces, m, ph)
+        for (w, pieces, ph, cut), c in entries:
+            d, h = self._compute_dh(w, pieces, m, ph, cut)
             dev, host = dev + c * d, host + c * h
         return max(dev, host)
 
@@ -471,24 +515,14 @@ class Screen:
     ) -> float:
         """One ring attention's forward and backward as a ring on ``group`` (``d.zigzag``: balanced;
         ``d.kv_gather``: by all-gather), less the same priced as one piece."""
-        from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
+        from planlab.plan.plan import causal_attention
         from planlab.plan.program import Ring, Task, TaskKind
 
-        g, work = self.graph, self.t.work_class[i]
+        work = self.t.work_class[i]
         flops, nbytes, ratio, _, kind, _ = self.t.works[work][:6]
         pieces = math.prod(n for dim, n in zip(dims, sizes) if dim is not None)
-        local = []
-        for k, t in enumerate(op.inputs + op.outputs):  # the piece's shapes: every split, the batch over m
-            shape = list(g.tensors[t].shape)
-            names = [ax[0] if ax else None for ax in op.axes_of(t)]
-            for dim, n in zip(dims, sizes):
-                dim = RING_KV_DIM if dim == RING_DIM and k in (1, 2) else dim
-                if dim in names:
-                    shape[names.index(dim)] //= n
-            for a in range(len(shape)):
-                if g.labels.get((t, a)) == g.batch_label:
-                    shape[a] //= m
-            local.append(tuple(shape))
+        cut = tuple((dim, n) for dim, n in zip(dims, sizes) if dim is not None and n > 1)
+        local = local_shapes(self.graph, op, cut, m, ring=True)  # the piece's shapes: every split, the batch over m
         ring = Ring(len(group), causal_attention(op), zigzag=d.zigzag, gather=d.kv_gather)
         extra = 0.0
         for tk, f, phase in ((TaskKind.FORWARD, flops, "F"), (TaskKind.BACKWARD, flops * ratio, "B")):
@@ -502,7 +536,7 @@ class Screen:
                 group=group,
                 ring=ring,
             )
-            extra += self.cost.ring_attention_s(task, self.dtype)[0] - self._compute_s(work, pieces, m, phase)
+            extra += self.cost.ring_attention_s(task, self.dtype)[0] - self._compute_s(work, pieces, m, phase, cut)
         return extra
 
     # -- the estimate --------------------------------------------------------------------
@@ -559,9 +593,9 @@ class Screen:
                 act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
             elif schedule == "zb-h1":  # the activations until I; from I to W, what W reads: the output gradients and
                 # about as much of the inputs (a product's dW = dY^T X)
-                act = float((_zb_counts(r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
+                act = float((self.walked(_zb_counts, r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
-                act = float((flight_counts(schedule, r, G, m, v, d.group) @ per_chunk).max())
+                act = float((self.walked(flight_counts, schedule, r, G, m, v, d.group) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
             # twice the largest working set, not working_bytes: with the recomputed layer's regrown activations
@@ -607,14 +641,12 @@ class Screen:
         for r in range(G):
             a, z = prices[r], prices[G - 1 - r]
             per_pair = min((a.a2a_s + z.a2a_s) / 2, (a.fwd_s + a.bwd_s + z.fwd_s + z.bwd_s) / 2)
-            out.append(paired_actions(d.schedule, r, G, m) * per_pair / m)
+            out.append(self.walked(paired_actions, d.schedule, r, G, m) * per_pair / m)
         return out
 
 
-@functools.lru_cache(maxsize=1024)
 def paired_actions(schedule: str, r: int, groups: int, m: int) -> int:
-    """How many forward/backward pairs (``Action.overlaps``) group ``r`` of a V-shaped schedule runs
-    (cached on the schedule and its three integers)."""
+    """How many forward/backward pairs (``Action.overlaps``) group ``r`` of a V-shaped schedule runs."""
     return sum(a.overlaps for a in V_SCHEDULES[schedule](r, groups, m))
 
 
@@ -677,10 +709,9 @@ def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
     return min(m, groups - r) * chunks  # another schedule: as 1F1B
 
 
-@functools.lru_cache(maxsize=1024)
 def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
     """ZB-H1 on group ``r``: the distinct (micro-batches past F before their I, micro-batches past
-    I before their W) after each action of its schedule (cached on its three integers; read-only)."""
+    I before their W) after each action of its schedule (read-only)."""
     kept = pending = 0
     rows = [(0, 0)]
     for a in SCHEDULES["zb-h1"](r, groups, m):
@@ -698,12 +729,11 @@ def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
     return got
 
 
-@functools.lru_cache(maxsize=4096)
 def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int, group: int = 0) -> np.ndarray:
     """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
     row after each forward of its schedule; forwards add one, full or weight backwards take one
     away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
-    is ``max(rows @ w)``. Cached per schedule and shape (read-only)."""
+    is ``max(rows @ w)`` (read-only; the screen keeps each it walked, :meth:`Screen.walked`)."""
     if schedule.startswith("recycled:"):
         actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
     elif schedule in V_SCHEDULES:  # chunk 1 is the way back

@@ -26,11 +26,21 @@ import numpy as np
 
 from planlab.graph.ir import DTYPE_BYTES, Graph
 from planlab.plan.backward_split import weight_share
-from planlab.costmodel.software import SoftwareSpec
+from planlab.costmodel.software import Fusion, SoftwareSpec
+from planlab.plan.expert_dispatch import dispatch_tensors, permutation_ops, routing_of
+from planlab.plan.fused_gemms import fused_groups, whole_widths
 from planlab.plan.plan import RING_DIM, RING_KV_DIM, causal_attention
 from planlab.plan.program import Precision
 from planlab.plan.shared_params import forward_only_of
-from planlab.plan.saved import INTERNAL, cast_inputs, internals, keeps_producer_layout, saved_tensors, view_of
+from planlab.plan.saved import (
+    INTERNAL,
+    cast_inputs,
+    internals,
+    keeps_producer_layout,
+    saved_tensors,
+    view_of,
+    weight_matmul,
+)
 from planlab.plan.zero import unit_key
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
@@ -62,6 +72,7 @@ class _Edge:
     ebytes: int
     have: dict[str, int]  # producer's dims -> the tensor axis they shard, or _P for its reductions
     need: dict[str, int]  # consumer's dims -> the tensor axis they shard
+    dispatch: bool = False  # a routed layer's dispatch or combine that the software sends once to each node
 
 
 def _placement(dim: str | None, where: dict[str, int]) -> int:
@@ -94,11 +105,59 @@ def shapes_of(g: Graph, op) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g.tensors[t].shape) for t in op.inputs + op.outputs)
 
 
-def work_of(g: Graph, op, w_share: float) -> tuple:
+def local_shapes(g: Graph, op, cut: tuple[tuple[str, int], ...], m: int, ring: bool = False) -> tuple:
+    """The shapes of one piece of ``op`` (its inputs, then its outputs, as a Task's ``shapes``): each
+    dimension of ``cut`` ((dimension, pieces), ...) divided, the batch over ``m`` micro-batches; a
+    ``ring`` attention's keys and values split along their sequence where its queries are."""
+    out = []
+    for k, t in enumerate(op.inputs + op.outputs):
+        shape = list(g.tensors[t].shape)
+        names = [ax[0] if ax else None for ax in op.axes_of(t)]
+        for dim, n in cut:
+            dim = RING_KV_DIM if ring and dim == RING_DIM and k in (1, 2) else dim
+            if dim in names:
+                shape[names.index(dim)] = max(1, shape[names.index(dim)] // n)
+        for a in range(len(shape)):
+            if g.labels.get((t, a)) == g.batch_label:
+                shape[a] = max(1, shape[a] // m)
+        out.append(tuple(shape))
+    return tuple(out)
+
+
+def work_of(
+    g: Graph, op, w_share: float, fused: tuple[Fusion | None, tuple[int, ...]] = (None, ()), in_kernel: bool = False
+) -> tuple:
     """An operator's class of work for the screen: (flops, bytes, backward flops ratio, weight-gradient
-    share, kind, shapes of its inputs and outputs, whether it is a causal attention)."""
+    share, kind, shapes of its inputs and outputs, whether it is a causal attention, the fusion and
+    whole output widths of the GEMM it is fused into (:func:`planlab.plan.fused_gemms.whole_widths`),
+    whether it runs inside another operator's kernel (a fused token permutation), whether it is a
+    matrix product with a weight (FP8 where the software runs those in FP8)): the fields of the
+    Task the simulator prices (:meth:`planlab.search_spaces.screen.Screen._kernel_factor`)."""
     causal = op.kind == "attention" and causal_attention(op)
-    return (op.flops, op.bytes_moved, op.bwd_flops_ratio, w_share, op.kind, shapes_of(g, op), causal)
+    shapes = shapes_of(g, op)
+    return (
+        op.flops,
+        op.bytes_moved,
+        op.bwd_flops_ratio,
+        w_share,
+        op.kind,
+        shapes,
+        causal,
+        *fused,
+        in_kernel,
+        weight_matmul(op, g),
+    )
+
+
+def _software_work(g: Graph, software: SoftwareSpec | None) -> tuple[dict, frozenset[str]]:
+    """What the software changes of the operators' work, as its passes change the simulator's tasks:
+    per projection it runs fused, the fusion and the group's whole widths; the operators a fused
+    token permutation runs inside its kernels (:mod:`planlab.plan.expert_dispatch`)."""
+    if software is None:
+        return {}, frozenset()
+    groups = fused_groups(g)
+    fused = {n: whole_widths(g, n) for n, grp in groups.items() if software.fuses(grp.fusion)}
+    return fused, permutation_ops(g) if software.fused_permute else frozenset()
 
 
 class Tables:
@@ -141,6 +200,31 @@ class Tables:
             prods.append(None)
         return ss, names, prods
 
+    def _classify_work(self, g: Graph, share: list[float], software: SoftwareSpec | None, index: dict) -> None:
+        """Each operator's work class (``work_class``, ``works``), as the software runs it; a fused
+        projection's work as its own GEMM too (``unfused_class``), for a plan that splits its group
+        apart (the simulator fuses only pieces that read one buffer under one split:
+        :func:`planlab.plan.fused_gemms.fused_fields`), and its group's other members (``fused_with``)."""
+        ops = g.operators
+        works: dict[tuple, int] = {}
+        fused, inside = _software_work(g, software)
+        self.work_class = [
+            works.setdefault(work_of(g, op, w, fused.get(op.name, (None, ())), op.name in inside), len(works))
+            for op, w in zip(ops, share)
+        ]
+        self.unfused_class = [
+            works.setdefault(work_of(g, op, w, (None, ()), op.name in inside), len(works)) if op.name in fused else c
+            for op, w, c in zip(ops, share, self.work_class)
+        ]
+        groups = fused_groups(g)
+        self.fused_with = [
+            tuple(index[n] for n in groups[op.name].ops if n != op.name) if op.name in fused else () for op in ops
+        ]
+        self.works = list(works)
+        self.work_op = {}  # per work class: an operator of it (its axes name the dimensions a cut splits)
+        for op, c in zip(ops + ops, self.work_class + self.unfused_class):
+            self.work_op.setdefault(c, op)
+
     def __init__(self, g: Graph, prec: Precision, software: SoftwareSpec | None = None) -> None:
         ops = g.operators
         per_module = software is not None and software.zero3_unit == "module"  # DeepSpeed's ZeRO-3 units
@@ -153,10 +237,8 @@ class Tables:
 
         # the share of its backward that computes weight gradients (zero-bubble's W)
         share = [weight_share(op.kind, grads(op, "param"), grads(op, "activation")) for op in ops]
-        works: dict[tuple, int] = {}
-        self.work_class = [works.setdefault(work_of(g, op, w), len(works)) for op, w in zip(ops, share)]
-        self.works = list(works)
-        self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops, self.work_class)}
+        self._classify_work(g, share, software, index)
+        self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops + ops, self.work_class + self.unfused_class)}
         batch = g.batch_label
 
         def is_batch(t: str) -> bool:
@@ -179,6 +261,8 @@ class Tables:
         self.edges: list[_Edge] = []
         has_backward = []
         fwd_only = forward_only_of(g)  # recycling passes behind a detach: no backward, nothing saved
+        dedup = software is not None and software.expert_dispatch == "node_dedup" and routing_of(g) is not None
+        moved = dispatch_tensors(g) if dedup else frozenset()
         self.fwd_only = np.array([op.name in fwd_only for op in ops], dtype=bool)
         for i, op in enumerate(ops):
             ps, us = [], []
@@ -205,7 +289,17 @@ class Tables:
                 have = axis_map(prod, t)
                 have.update({d: _P for d in prod.signature.reduce if d not in have})
                 self.edges.append(
-                    _Edge(index[prod.name], i, t, g.tensors[t].numel, is_batch(t), ebytes(t), have, axis_map(op, t))
+                    _Edge(
+                        index[prod.name],
+                        i,
+                        t,
+                        g.tensors[t].numel,
+                        is_batch(t),
+                        ebytes(t),
+                        have,
+                        axis_map(op, t),
+                        t in moved,
+                    )
                 )
         self.has_backward = np.array(has_backward, dtype=bool)
         classes: dict[tuple, int] = {}
@@ -216,7 +310,8 @@ class Tables:
         classes = {}
         self.edge_class = [
             classes.setdefault(
-                (e.numel, e.batch, e.ebytes, tuple(sorted(e.have.items())), tuple(sorted(e.need.items()))), len(classes)
+                (e.numel, e.batch, e.ebytes, tuple(sorted(e.have.items())), tuple(sorted(e.need.items())), e.dispatch),
+                len(classes),
             )
             for e in self.edges
         ]
@@ -233,9 +328,9 @@ class Split:
     """Per operator and edge, what the mesh axes and their dimensions make of it (stages aside);
     keys are numbers of the screen's ``Ids``."""
 
-    fkey: np.ndarray  # per operator: its forward's price key, (work class, pieces, "F")
-    bkey: np.ndarray  # per operator: its backward's, (work class, pieces, "B")
-    wkey: np.ndarray  # per operator: its backward's weight-gradient part, (work class, pieces, "W"); -1: none
+    fkey: np.ndarray  # per operator: its forward's price key, (work class, pieces, "F", cut): cut ((dim, pieces), ...)
+    bkey: np.ndarray  # per operator: its backward's, (work class, pieces, "B", cut)
+    wkey: np.ndarray  # per operator: its backward's weight-gradient part, (work class, pieces, "W", cut); -1: none
     work: np.ndarray  # per operator: its local output's batch bytes (a working set)
     s_op: np.ndarray  # per saved tensor of an operator: the operator
     s_key: np.ndarray  # ... (tensor, cut): the buffer (several operators may save one)
@@ -271,10 +366,13 @@ def split_work(
     for i in range(n):
         od = tuple(c[i] for c in cols)
         pods = tuple(None if j is None else tuple(c[j] for c in cols) for j in t.save_producers[i])
-        key = (t.op_class[i], od, t.work_class[i], pods, i in ring)
+        w = t.work_class[i]
+        if any(tuple(c[j] for c in cols) != od for j in t.fused_with[i]):  # its fused group split apart
+            w = t.unfused_class[i]
+        key = (t.op_class[i], od, w, pods, i in ring)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _op_split(t, i, live, sizes, od, ids, pods, i in ring)
+            got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring)
         fkey[i], bkey[i], wkey[i], work[i], params, saves = got
         for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
@@ -331,10 +429,10 @@ def split_work(
 
 
 def _op_split(
-    t: Tables, i: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
+    t: Tables, i: int, w: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
 ) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
-    elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` split along ``od``
+    elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` (work class ``w``) split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
     the producer's layout (else None); a ``ring`` attention keeps its keys and values split along
     their sequence as its queries are."""
@@ -354,9 +452,9 @@ def _op_split(
         saves.append((cut, numel / cut * eb if batch else 0.0, 0.0 if batch else numel / cut * eb))
     numel, odset, batch, eb = t.out[i]
     work = numel / math.prod(sizes[a] for a, dm in split if dm in odset) * eb if batch else 0.0
-    w = t.work_class[i]
-    wkey = ids.of((w, pieces, "W")) if t.works[w][3] > 0 else -1
-    return ids.of((w, pieces, "F")), ids.of((w, pieces, "B")), wkey, work, tuple(params), tuple(saves)
+    cut = tuple((dm, sizes[a]) for a, dm in split)  # the piece's shapes: planlab.search_spaces.screen prices them
+    wkey = ids.of((w, pieces, "W", cut)) if t.works[w][3] > 0 else -1
+    return ids.of((w, pieces, "F", cut)), ids.of((w, pieces, "B", cut)), wkey, work, tuple(params), tuple(saves)
 
 
 def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids) -> tuple:
@@ -367,14 +465,14 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids
     recv = e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0)
     keep = e.numel / math.prod(sizes[a] for a, x, h in zip(live, need, have) if x >= 0 and h >= 0)
     cf = tuple(
-        ids.of((kind, axis, numel, e.batch, e.ebytes))
+        ids.of((kind, axis, numel, e.batch, e.ebytes, e.dispatch and kind == "all_to_all"))
         for kind, axis, numel in _conversions(have, need, live, sizes, e.numel)
     )
     # the gradient contribution: partial where the consumer splits a dimension the tensor lacks
     contrib = tuple(_P if (d is not None and x == _R) else x for d, x in zip(cd, need))
     target = tuple(_R if h == _P else h for h in have)
     cb = tuple(
-        ids.of((kind, axis, numel, e.batch, e.ebytes))
+        ids.of((kind, axis, numel, e.batch, e.ebytes, e.dispatch and kind == "all_to_all"))
         for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel)
     )
     return need, recv, keep, cf, contrib, cb
@@ -384,10 +482,10 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids
 class ScreenProfile:
     """What one device group computes and communicates per micro-batch, before pricing."""
 
-    fwd: tuple  # ((work class, pieces, priced as phase), tasks), ...
+    fwd: tuple  # ((work class, pieces, priced as phase, cut), tasks), ...
     bwd: tuple  # the backward's, with recomputed forwards
-    wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W"), tasks)
-    comm: tuple  # ((kind, axis, elements, batch, element bytes), collectives), ...
+    wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W", cut), tasks)
+    comm: tuple  # ((kind, axis, elements, batch, element bytes, an expert dispatch sent once a node), collectives), ...
     params: tuple  # ((reduction axes, elements), ...)
     units: tuple  # ((reduction axes, (ZeRO-3 units, the largest's elements)), ...)
     saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
@@ -459,8 +557,8 @@ def colocated(sp: Split, pieces: np.ndarray, ids: Ids) -> Split:
         pairs, inv = np.unique(old[sel] * span + pieces[sel], return_inverse=True)
         made = []
         for code in pairs.tolist():
-            w, n, ph = ids.values[code // span]
-            made.append(ids.of((w, n * (code % span), ph)))
+            w, n, ph, cut = ids.values[code // span]
+            made.append(ids.of((w, n * (code % span), ph, cut)))
         new[sel] = np.array(made, dtype=np.int64)[inv.ravel()] if made else new[sel]
         keys[name] = new
     return dataclasses.replace(sp, **keys)

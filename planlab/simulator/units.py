@@ -287,7 +287,8 @@ class _Lowering:
             t.node_share,
             t.in_kernel,
             t.causal,  # a causal fused attention computes part of its blocks
-            t.fused_widths,  # a query, key or value projection's share of the fused QKV GEMM
+            t.fused_widths,  # a projection's share of a fused GEMM (query, key and value; gate and up)
+            t.fusion,
             t.weight_matmul,  # a matrix product with a weight (FP8 where the software runs those in FP8)
         )
         got = self.prices.get(key)

@@ -27,7 +27,7 @@ from planlab.plan.passes.draft import (
     shares,
 )
 from planlab.plan.program import Task, TaskKind
-from planlab.plan.qkv import fused_widths
+from planlab.plan.fused_gemms import fused_fields
 from planlab.plan.saved import weight_matmul
 from planlab.plan.redistribute import same_layout
 
@@ -144,12 +144,11 @@ def backward_pieces(d: Draft) -> Draft:
         }
         ring = L.op_plan[op.name].ring
         flops = op.flops * op.bwd_flops_ratio
-        widths = fused_widths(d, op.name) if op.kind == "linear" else ()
         kept = dict(
             saved=d.saved[op.name],
             shapes=d.piece_shapes.get(op.name, ()),
-            fused_widths=widths,
             weight_matmul=weight_matmul(op, graph),
+            **fused_fields(d, op),
         )
         own = piece_fields(op, gbufs, writes, flops, share, **kept)  # alike at every position
         for flat, dev in d.positions(mesh):

@@ -25,7 +25,7 @@ from planlab.plan.passes.draft import (
     ring_fields,
 )
 from planlab.plan.program import Role, Task, TaskKind
-from planlab.plan.qkv import fused_widths
+from planlab.plan.fused_gemms import fused_fields
 from planlab.plan.redistribute import same_layout
 from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers, weight_matmul
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
@@ -169,7 +169,6 @@ def forward_pieces(d: Draft) -> Draft:
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
-        widths = fused_widths(d, op.name) if op.kind == "linear" else ()
         own = piece_fields(
             op,
             bufs,
@@ -178,8 +177,8 @@ def forward_pieces(d: Draft) -> Draft:
             share,
             saved=saved,
             box=None,
-            fused_widths=widths,
             weight_matmul=weight_matmul(op, graph),
+            **fused_fields(d, op),
         )  # alike at every position
         for flat, dev in d.positions(mesh):
             base = pieces.get((form.index, flat))
