@@ -17,7 +17,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 
 from planlab.search_spaces.builtin import LAYER_MODULE
 from planlab.errors import ConfigError
@@ -27,11 +26,12 @@ from planlab.search_spaces.fine import (
     NODE_LIMIT,
     FineStages,
     fine_cost_model,
-    program_arrays,
+    milp_args,
     balanced_bound_s,
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
 
@@ -48,6 +48,7 @@ class Point:
     microbatches: int
     schedule: str
     chunks: int
+    group: int = 0  # interleaved 1F1B's micro-batches a chunk in a row (Llama 3's N; 0: the device groups)
 
     @classmethod
     def of(cls, draft: Draft, offload: bool) -> Point:
@@ -59,7 +60,26 @@ class Point:
             draft.microbatches,
             draft.schedule,
             draft.chunks,
+            draft.group,
         )
+
+    def milp_args(self, cap_bytes: float, layout: StageLayout | None = None):
+        """HiGHS' arguments for this point's program (``fine.milp_args``)."""
+        return milp_args(
+            self.costs,
+            self.layers,
+            self.stages,
+            self.microbatches,
+            cap_bytes,
+            self.schedule,
+            self.chunks,
+            self.group,
+            layout,
+        )
+
+    def walk_s(self, layout: StageLayout) -> float:
+        """``layout``'s iteration time with its pipeline walked action by action (fine_walk.py)."""
+        return walk_s(self.costs, layout, self.microbatches, self.schedule, self.chunks, self.group)
 
     def balanced_s(self) -> float:
         """The solver-free lower bound (``fine.balanced_bound_s``)."""
@@ -76,12 +96,9 @@ class Point:
     def integer(self, cap_bytes: float) -> tuple[float, float]:
         """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
         none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
-        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.optimize import milp
 
-        cost, rows, lower, upper, integ, lp = program_arrays(
-            self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks
-        )
-        args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+        cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
         if res.status == 2:  # HiGHS: infeasible
             return math.inf, math.inf
@@ -92,20 +109,10 @@ class Point:
 
 def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
     """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+    from scipy.optimize import milp  # on first use: scipy takes a second to import
 
-    cost, rows, lower, upper, _, lp = program_arrays(
-        p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks
-    )
-    if layout is not None:
-        lower, upper = lower.astype(float), upper.astype(float)
-        n, k, o = np.array(layout.layers), np.array(layout.recompute or (0,) * p.stages), layout.offload
-        offload = np.array([float(x) for x in (o or (False,) * lp.G)])
-        for at, vals in ((lp.n, n), (lp.k, k), (lp.o, offload)):
-            lower[at : at + len(vals)] = upper[at : at + len(vals)] = vals
-        if p.chunks == 1:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
-            lower[lp.r : lp.r + lp.G] = upper[lp.r : lp.r + lp.G] = (k > 0).astype(float)
-    res = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+    cost, args, _, _ = p.milp_args(cap_bytes, layout)
+    res = milp(cost, **args)
     return math.inf if res.x is None else float(res.fun)
 
 
