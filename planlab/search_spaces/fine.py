@@ -87,8 +87,8 @@ class _Program:
         self.stages, self.G = stages, stages // chunks
         self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
         self.r, self.N, self.K = (self.z + self.G * i for i in (1, 2, 3))
-        self.T, self.S, self.C = (self.K + self.G + i for i in range(3))
-        self.nv = self.C + 1
+        self.T, self.S, self.C, self.W = (self.K + self.G + i for i in range(4))  # W: the walked time (fine_cuts.py)
+        self.nv = self.W + 1
         self.rows, self.lo, self.hi = [], [], []
 
     def add(self, coefs: dict[int, float], low: float, high: float) -> None:
@@ -164,12 +164,24 @@ def solve_program(
     chunks: int = 1,
     bar_s: float = math.inf,
     group: int = 0,
+    walked: bool = False,
 ) -> Solved:
     """Solve the program of :func:`solve_layout`; when ``bar_s`` is finite, first a proven lower
     bound on every layout's objective (:func:`balanced_bound_s`, then the LP relaxation): if it is
     ``bar_s`` or more, no layout of this point can beat ``bar_s`` and the integer program is not
-    solved (``pruned``). ``group``: interleaved 1F1B's micro-batches a chunk in a row (0: the device groups)."""
+    solved (``pruned``). ``group``: interleaved 1F1B's micro-batches a chunk in a row (0: the device groups).
+    ``walked``: the objective is the pipeline walked action by action (planlab/search_spaces/fine_cuts.py)."""
     from scipy.optimize import milp  # on first use: scipy takes a second to import
+
+    if walked:
+        from planlab.search_spaces.fine_cuts import solve_walked, walked_bound_s
+
+        if math.isfinite(bar_s):
+            bound_s = walked_bound_s(c, layers, stages, m, chunks)
+            if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
+                return Solved(None, bound_s, "pruned")
+        got = solve_walked(c, layers, stages, m, cap_bytes, schedule, chunks, group, bar_s, math.isfinite(bar_s))
+        return Solved(got[0], got[1] if got[0] is not None else got[2], got[3])
 
     if math.isfinite(bar_s):
         bound_s = balanced_bound_s(c, layers, stages, m, chunks)
@@ -235,13 +247,18 @@ def milp_args(
     chunks: int,
     group: int = 0,
     layout: StageLayout | None = None,
+    walked: bool = False,
+    cuts: tuple = (),
 ):
     """HiGHS' arguments for the program (:func:`program_arrays`): its objective, ``constraints`` and
     ``bounds`` as ``scipy.optimize.milp`` keywords, its integrality and its _Program; with ``layout``,
-    its integers fixed there (the LP then prices that layout)."""
+    its integers fixed there (the LP then prices that layout); with ``walked``, the walked objective
+    bounded by each device's chain and the ``cuts`` (fine_walk.Walk's critical paths)."""
     from scipy.optimize import Bounds, LinearConstraint
 
-    cost, rows, lower, upper, integ, lp = program_arrays(c, layers, stages, m, cap_bytes, schedule, chunks, group)
+    cost, rows, lower, upper, integ, lp = program_arrays(
+        c, layers, stages, m, cap_bytes, schedule, chunks, group, walked, cuts
+    )
     if layout is not None:
         lower, upper = lower.astype(float), upper.astype(float)
         n, k = np.array(layout.layers), np.array(layout.recompute or (0,) * stages)
@@ -254,9 +271,21 @@ def milp_args(
 
 
 def program_arrays(
-    c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int, group: int = 0
+    c: StageCosts,
+    layers: int,
+    stages: int,
+    m: int,
+    cap_bytes: float,
+    schedule: str,
+    chunks: int,
+    group: int = 0,
+    walked: bool = False,
+    cuts: tuple = (),
 ):
-    """The program's objective, rows, bounds and integrality (module docstring), and its _Program."""
+    """The program's objective, rows, bounds and integrality (module docstring), and its _Program.
+    ``walked``: the objective is instead ``W``, the pipeline's time walked action by action, bounded
+    from below by rows of the chains of actions through it (planlab/search_spaces/fine_cuts.py: each
+    device's own actions here, the walks' critical paths added by its solver)."""
     lp = _Program(stages, chunks)
     n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
     for d in range(G):
@@ -283,12 +312,16 @@ def program_arrays(
         + [layers] * G
         + [int(v == 1)] * G
         + [layers] * (2 * G)
-        + [np.inf] * 3
+        + [np.inf] * 4
     )
-    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 3)
+    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 4)
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
-    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 3)
+    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 4)
+    if walked:
+        from planlab.search_spaces.fine_cuts import walked_objective
+
+        cost = walked_objective(lp, c, m, cuts)
     return cost, np.array(lp.rows), lower, upper, integ, lp
 
 
@@ -407,6 +440,7 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
             draft.chunks,
             incumbents.bar_s(),
             draft.group,
+            walked=True,
         )
         if got.layout is not None:
             incumbents.add(got.objective_s)

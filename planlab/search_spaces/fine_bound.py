@@ -31,6 +31,7 @@ from planlab.search_spaces.fine import (
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.fine_cuts import solve_walked, ties_s, walked_bound_s
 from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
@@ -49,9 +50,10 @@ class Point:
     schedule: str
     chunks: int
     group: int = 0  # interleaved 1F1B's micro-batches a chunk in a row (Llama 3's N; 0: the device groups)
+    walked: bool = True  # the pipeline walked action by action (fine_cuts.py); False: fine.py's closed form
 
     @classmethod
-    def of(cls, draft: Draft, offload: bool) -> Point:
+    def of(cls, draft: Draft, offload: bool, walked: bool = True) -> Point:
         """The program of ``draft``'s grid point (the costs from the graph's memo)."""
         return cls(
             point_costs(draft, offload),
@@ -61,6 +63,7 @@ class Point:
             draft.schedule,
             draft.chunks,
             draft.group,
+            walked,
         )
 
     def milp_args(self, cap_bytes: float, layout: StageLayout | None = None):
@@ -75,6 +78,7 @@ class Point:
             self.chunks,
             self.group,
             layout,
+            self.walked,
         )
 
     def walk_s(self, layout: StageLayout) -> float:
@@ -82,22 +86,33 @@ class Point:
         return walk_s(self.costs, layout, self.microbatches, self.schedule, self.chunks, self.group)
 
     def balanced_s(self) -> float:
-        """The solver-free lower bound (``fine.balanced_bound_s``)."""
-        return balanced_bound_s(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
+        """The solver-free lower bound (``fine.balanced_bound_s``, or ``fine_cuts.walked_bound_s``)."""
+        bound = walked_bound_s if self.walked else balanced_bound_s
+        return bound(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
 
     def relaxed_s(self, cap_bytes: float) -> float:
         """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
         return _solved_s(self, cap_bytes, None)
 
     def layout_s(self, cap_bytes: float, layout: StageLayout) -> float:
-        """The program's objective at ``layout`` (inf: it breaks the program's memory rows)."""
-        return _solved_s(self, cap_bytes, layout)
+        """The program's objective at ``layout`` (inf: it breaks the program's memory rows); walked,
+        the walk's time and the ties."""
+        got = _solved_s(self, cap_bytes, layout)
+        if not self.walked or not math.isfinite(got):
+            return got
+        return self.walk_s(layout) + ties_s(self.costs, layout)
 
     def integer(self, cap_bytes: float) -> tuple[float, float]:
         """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
         none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
         from scipy.optimize import milp
 
+        if self.walked:
+            p = self
+            got = solve_walked(
+                p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group, math.inf, False
+            )
+            return (got[1] if got[0] is not None else math.inf), got[2]
         cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
         if res.status == 2:  # HiGHS: infeasible
@@ -199,7 +214,7 @@ def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayou
     return StageLayout(layers, layers if recompute_all else (), (offload,) * draft.groups)
 
 
-def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool, StageLayout]:
+def grid_plan_cost(ctx: Context, grid: Space, knobs: dict, walked: bool = True) -> tuple[float, bool, StageLayout]:
     """A plan of ``grid`` (its knobs) in the fine program's model: its objective, whether it fits
     the program's memory rows (if not, the objective is taken without them), and its layout. Its
     point is the one the fine space would lay out: ``recompute=full`` is the base ``none`` with
@@ -214,7 +229,7 @@ def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool,
     draft = grid.draft(ctx, grid.with_defaults(point))
     layout = draft_layout(own, full, offload)
     host = fine_cost_model(ctx).cluster.node.host is not None
-    p = Point.of(draft, host)
+    p = Point.of(draft, host, walked)
     got = p.layout_s(fine_cost_model(ctx).device_memory_bytes, layout)
     if math.isfinite(got):
         return got, True, layout

@@ -24,6 +24,8 @@ operator's), transfers overlapped with compute, and collectives that contend for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planlab.errors import ConfigError
 from planlab.search_spaces.fine_costs import StageCosts
 from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b
@@ -56,25 +58,47 @@ def sync_times_s(c: StageCosts, layout: StageLayout, groups: int) -> list[float]
     return out
 
 
-def walk_s(
+@dataclass(frozen=True)
+class Walk:
+    """A walked pipeline: its iteration time, and the chain of actions that set it (the critical
+    path), as counts: per stage its forwards and backwards on the chain, the transfers between
+    stages on it, and the device whose sync ends the iteration. The same chain is there whatever
+    the layout (the order does not depend on it), so its length, linear in the layout's layers,
+    recomputed layers and offloading, bounds every layout's time from below (:func:`path_row`)."""
+
+    time_s: float
+    forwards: tuple[int, ...]
+    backwards: tuple[int, ...]
+    hops: int
+    device: int
+
+
+def orders_of(stages: int, microbatches: int, schedule: str, chunks: int, group: int) -> list:
+    """Each device group's actions in the order it runs them (planlab/search_spaces/schedules.py)."""
+    G = stages // chunks
+    if chunks > 1:
+        return [interleaved_1f1b(d, G, microbatches, chunks, group) for d in range(G)]
+    if schedule in SCHEDULES and schedule != "zb-h1":
+        return [SCHEDULES[schedule](d, G, microbatches) for d in range(G)]
+    raise ConfigError(f"schedule {schedule!r}: the walk runs 1f1b, gpipe and interleaved pipelines only")
+
+
+def walk(
     c: StageCosts, layout: StageLayout, microbatches: int, schedule: str = "1f1b", chunks: int = 1, group: int = 0
-) -> float:
-    """The iteration time of ``layout`` (one stage per model chunk; ``chunks`` > 1: interleaved
-    1F1B with ``group`` micro-batches a chunk in a row, 0 for the pipeline's size), its pipeline
-    walked action by action in the order the plan runs (module docstring). ConfigError in one
-    line for a schedule that the walk does not know or whose order deadlocks."""
+) -> Walk:
+    """``layout`` (one stage per model chunk; ``chunks`` > 1: interleaved 1F1B with ``group``
+    micro-batches a chunk in a row, 0 for the pipeline's size) walked action by action in the order
+    the plan runs (module docstring). ConfigError in one line for a schedule that the walk does not
+    know or whose order deadlocks."""
     S = len(layout.layers)
     G = S // chunks
     fwd, bwd = stage_times_s(c, layout)
     hop_s = c.p2p_s / 2 if G > 1 else 0.0
-    if chunks > 1:
-        orders = [interleaved_1f1b(d, G, microbatches, chunks, group) for d in range(G)]
-    elif schedule in SCHEDULES and schedule != "zb-h1":
-        orders = [SCHEDULES[schedule](d, G, microbatches) for d in range(G)]
-    else:
-        raise ConfigError(f"schedule {schedule!r}: the walk runs 1f1b, gpipe and interleaved pipelines only")
+    orders = orders_of(S, microbatches, schedule, chunks, group)
     done: dict[tuple[int, str, int], float] = {}  # (stage, phase, micro-batch): when it ended
+    came: dict[tuple[int, str, int], tuple | None] = {}  # what it waited for last: the critical path's step back
     free = [0.0] * G  # when each device finishes what it has run so far
+    last: list[tuple | None] = [None] * G  # each device's last action run
     at = [0] * G  # each device's next action
     left = sum(len(o) for o in orders)
     while left:
@@ -91,8 +115,11 @@ def walk_s(
                 if dep is not None and dep not in done:
                     break
                 ready = 0.0 if dep is None else done[dep] + (hop_s if dep[0] != a.stage else 0.0)
+                key = (a.stage, a.phase, a.microbatch)
+                came[key] = dep if dep is not None and ready > free[d] else last[d]
                 free[d] = max(free[d], ready) + took
-                done[(a.stage, a.phase, a.microbatch)] = free[d]
+                done[key] = free[d]
+                last[d] = key
                 at[d] += 1
                 left -= 1
                 moved = True
@@ -100,4 +127,19 @@ def walk_s(
             raise ConfigError(
                 f"the {schedule} order of {S} stages on {G} devices deadlocks at {microbatches} micro-batches"
             )
-    return max(f + s for f, s in zip(free, sync_times_s(c, layout, G)))
+    ends = [f + s for f, s in zip(free, sync_times_s(c, layout, G))]
+    end = max(range(G), key=lambda d: ends[d])
+    forwards, backwards, hops = [0] * S, [0] * S, 0
+    step, before = last[end], None
+    while step is not None:
+        (forwards if step[1] == "F" else backwards)[step[0]] += 1
+        before, step = step, came[step]
+        hops += step is not None and step[0] != before[0]
+    return Walk(ends[end], tuple(forwards), tuple(backwards), hops, end)
+
+
+def walk_s(
+    c: StageCosts, layout: StageLayout, microbatches: int, schedule: str = "1f1b", chunks: int = 1, group: int = 0
+) -> float:
+    """The iteration time of ``layout`` walked action by action (:func:`walk`)."""
+    return walk(c, layout, microbatches, schedule, chunks, group).time_s
