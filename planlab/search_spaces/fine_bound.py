@@ -102,15 +102,16 @@ class Point:
             return got
         return self.walk_s(layout) + ties_s(self.costs, layout)
 
-    def integer(self, cap_bytes: float) -> tuple[float, float]:
-        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
-        none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
+    def integer(self, cap_bytes: float, bar_s: float = math.inf) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, by fine_cuts.solve_walked): its
+        best layout's objective (inf: none found, or walked and its proven bound reached ``bar_s``) and
+        a proven lower bound on every layout's (inf: none fits)."""
         from scipy.optimize import milp
 
         if self.walked:
             p = self
             got = solve_walked(
-                p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group, math.inf, False
+                p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group, bar_s, False
             )
             return (got[1] if got[0] is not None else math.inf), got[2]
         cost, args, integ, _ = self.milp_args(cap_bytes)
@@ -192,9 +193,9 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBoun
             least = min(least, relaxed)
             continue
         programs += 1
-        found, proven = p.integer(cap)
+        found, proven = p.integer(cap, best)  # pruned (inf found) once proven at least the best so far
         proven = max(proven, relaxed)  # both bound the point's layouts from below
-        limited += found > proven * (1 + 1e-3)
+        limited += math.isfinite(found) and found > proven * (1 + 2e-3)
         least = min(least, proven)
         if found < best:
             best, where = found, knobs

@@ -64,7 +64,7 @@ class Walk:
     path), as counts: per stage its forwards and backwards on the chain, the transfers between
     stages on it, and the device whose sync ends the iteration. The same chain is there whatever
     the layout (the order does not depend on it), so its length, linear in the layout's layers,
-    recomputed layers and offloading, bounds every layout's time from below (:func:`path_row`)."""
+    recomputed layers and offloading, bounds every layout's time from below (fine_cuts.chain_row)."""
 
     time_s: float
     forwards: tuple[int, ...]
@@ -86,7 +86,14 @@ def orders_of(stages: int, microbatches: int, schedule: str, chunks: int, group:
 def walk(
     c: StageCosts, layout: StageLayout, microbatches: int, schedule: str = "1f1b", chunks: int = 1, group: int = 0
 ) -> Walk:
-    """``layout`` (one stage per model chunk; ``chunks`` > 1: interleaved 1F1B with ``group``
+    """The longest of :func:`walk_paths`: the iteration's time and its critical path."""
+    return max(walk_paths(c, layout, microbatches, schedule, chunks, group), key=lambda p: p.time_s)
+
+
+def walk_paths(
+    c: StageCosts, layout: StageLayout, microbatches: int, schedule: str = "1f1b", chunks: int = 1, group: int = 0
+) -> tuple[Walk, ...]:
+    """Per device group, the chain of actions that ends with its sync, ``layout`` (one stage per model chunk; ``chunks`` > 1: interleaved 1F1B with ``group``
     micro-batches a chunk in a row, 0 for the pipeline's size) walked action by action in the order
     the plan runs (module docstring). ConfigError in one line for a schedule that the walk does not
     know or whose order deadlocks."""
@@ -128,14 +135,17 @@ def walk(
                 f"the {schedule} order of {S} stages on {G} devices deadlocks at {microbatches} micro-batches"
             )
     ends = [f + s for f, s in zip(free, sync_times_s(c, layout, G))]
-    end = max(range(G), key=lambda d: ends[d])
-    forwards, backwards, hops = [0] * S, [0] * S, 0
-    step, before = last[end], None
+    return tuple(_path(came, last[d], S, ends[d], d) for d in range(G))
+
+
+def _path(came: dict, step: tuple | None, stages: int, time_s: float, device: int) -> Walk:
+    """The chain that ends at ``step`` on ``device``, walked back through what each action waited for."""
+    forwards, backwards, hops, before = [0] * stages, [0] * stages, 0, None
     while step is not None:
         (forwards if step[1] == "F" else backwards)[step[0]] += 1
         before, step = step, came[step]
         hops += step is not None and step[0] != before[0]
-    return Walk(ends[end], tuple(forwards), tuple(backwards), hops, end)
+    return Walk(time_s, tuple(forwards), tuple(backwards), hops, device)
 
 
 def walk_s(
