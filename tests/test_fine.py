@@ -487,3 +487,15 @@ def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages
     assert found_s == pytest.approx(min(every), rel=1e-6)
     assert least_s <= min(every) * (1 + 1e-6)
     assert walk_s(c, layout, m, schedule, chunks) + ties_s(c, layout) == pytest.approx(found_s)
+
+
+def test_a_fine_offload_row_that_offloads_nothing_is_left_out():
+    # a tiny model on an A100 has room for everything: the program allowed to offload offloads no
+    # stage, so its plan is the fine_offload=false row's, and that row is not screened twice
+    ctx, _ = _ctx(layers=4, cluster="dgx-a100-80g")
+    space = get_space("megatron*fine")
+    knobs = space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2, fine_layout="program", fine_offload=True))
+    with pytest.raises(InfeasiblePlan, match="offloads nothing and lays out the plan of fine_offload=false"):
+        space.draft(ctx, knobs)
+    grid = get_space("megatron").draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
+    assert choose_layout(grid, True).layout == choose_layout(grid, False).layout

@@ -526,9 +526,17 @@ class FineStages(Space):
                 f"fine_layout={PROGRAM}: the program lays out 1F1B, GPipe and interleaved pipelines only; "
                 f"this point's plan is fine_layout={GRID}'s"
             )
-        got = choose_layout(draft, bool(values.get("fine_offload")))
+        offload = bool(values.get("fine_offload"))
+        got = choose_layout(draft, offload)
         if got.layout is None:
             raise InfeasiblePlan(_no_layout(got))
+        if offload and not any(got.layout.offload):  # the fine_offload=false row's plan again? (its program, memoized)
+            plain = choose_layout(draft, False).layout
+            if plain is not None and (plain.layers, plain.recompute) == (got.layout.layers, got.layout.recompute):
+                raise InfeasiblePlan(
+                    f"fine_layout={PROGRAM}: with fine_offload=true the program offloads nothing and lays out "
+                    "the plan of fine_offload=false"
+                )
         before = (draft.stages, draft.recompute)
         apply_layout(draft, got.layout)
         if not any(got.layout.offload) and (draft.stages, draft.recompute) == before:
