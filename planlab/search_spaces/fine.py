@@ -106,7 +106,7 @@ def _device_rows(
     """Device group ``d``'s rows: its time, its sync, its memory at each peak, its offloaded layers."""
     n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, lp.stages // lp.G
     mine = [cc * G + d for cc in range(v)]
-    ex = [_extras(c, s, lp.stages) for s in mine]
+    ex = [stage_extras(c, s, lp.stages) for s in mine]
     fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
     lp.add({lp.N + d: 1.0, **{n + s: -1.0 for s in mine}}, 0.0, 0.0)
     lp.add({lp.K + d: 1.0, **{k + s: -1.0 for s in mine}}, 0.0, 0.0)
@@ -219,7 +219,9 @@ def balanced_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: in
     least 0, and offloading at most every layer's difference in the tie-breaking terms.
     A relaxation of the LP relaxation, so never above it (tests/test_fine.py)."""
     G = stages // chunks
-    work_s = layers * c.layer_s + sum(_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0) for s in range(stages))
+    work_s = layers * c.layer_s + sum(
+        stage_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0) for s in range(stages)
+    )
     ties_s = TIE * layers * (c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
     if chunks == 1:  # (M - 1) T + the layers' own time in the sum over stages (module docstring)
         return (m - 1) * work_s / stages + layers * c.layer_s + ties_s
@@ -292,7 +294,7 @@ def program_arrays(
         _device_rows(lp, c, d, m, cap_bytes, schedule, layers, group)
     for s in range(stages):
         lp.add({k + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
-        fixed_s = _extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
+        fixed_s = stage_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
         lp.add({lp.C: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, fixed_s, np.inf)
     lp.add({n + s: 1.0 for s in range(stages)}, layers, layers)
     cost = np.zeros(lp.nv)
@@ -354,7 +356,7 @@ class Incumbents:
                 heapq.heappop(self._worst_first)
 
 
-def _extras(c: StageCosts, s: int, G: int) -> GroupCost:
+def stage_extras(c: StageCosts, s: int, G: int) -> GroupCost:
     """Stage ``s``'s extras: the first stage's, the last's, or both's on one stage."""
     parts = ([c.first] if s == 0 else []) + ([c.last] if s == G - 1 else [])
     return GroupCost(

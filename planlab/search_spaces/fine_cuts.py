@@ -42,19 +42,19 @@ def _ties_coefs(lp, c: StageCosts) -> np.ndarray:
 def chain_row(lp, c: StageCosts, w: Walk) -> None:
     """``W >=`` the length of ``w``'s chain: its forwards and backwards per stage, its transfers, and
     its device's sync (fine_walk.py's module docstring prices each)."""
-    from planlab.search_spaces.fine import _extras
+    from planlab.search_spaces.fine import stage_extras
 
     S, G, share = lp.stages, lp.G, c.forward_share
     coefs, const = {lp.W: 1.0}, 0.0
     for s in range(S):
         f, b = w.forwards[s], w.backwards[s]
         busy = f * share + b * (1 - share)  # times the stage's e_s + n_s l
-        const += busy * _extras(c, s, S).time_s
+        const += busy * stage_extras(c, s, S).time_s
         coefs[lp.n + s] = -busy * c.layer_s
         coefs[lp.k + s] = -b * c.recompute_s
     const += w.hops * (c.p2p_s / 2 if G > 1 else 0.0)
     d = w.device
-    const += c.unit_sync_s + sum(_extras(c, s, S).sync_s for s in range(d, S, G))
+    const += c.unit_sync_s + sum(stage_extras(c, s, S).sync_s for s in range(d, S, G))
     for s in range(d, S, G):
         coefs[lp.n + s] -= c.sync_s
     coefs[lp.z + d] = -(c.offload_sync_s - c.sync_s)
@@ -100,10 +100,10 @@ def walked_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int 
     """A lower bound on the walked program's objective from its rows alone, without a solver: the
     device chains' average (every layer's time over the device groups, nothing recomputed, the sync
     at least 0) and the least ties."""
-    from planlab.search_spaces.fine import TIE, _extras
+    from planlab.search_spaces.fine import TIE, stage_extras
 
     G = stages // chunks
-    work_s = layers * c.layer_s + sum(_extras(c, s, stages).time_s for s in range(stages))
+    work_s = layers * c.layer_s + sum(stage_extras(c, s, stages).time_s for s in range(stages))
     return m * work_s / G + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
 
 

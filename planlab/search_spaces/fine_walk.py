@@ -34,12 +34,12 @@ from planlab.search_spaces.stages import StageLayout
 
 def stage_times_s(c: StageCosts, layout: StageLayout) -> tuple[list[float], list[float]]:
     """Per stage (model chunk) of ``layout``, its forward's and its backward's seconds per micro-batch."""
-    from planlab.search_spaces.fine import _extras
+    from planlab.search_spaces.fine import stage_extras
 
     S = len(layout.layers)
     fwd, bwd = [], []
     for s, n in enumerate(layout.layers):
-        busy_s = _extras(c, s, S).time_s + n * c.layer_s
+        busy_s = stage_extras(c, s, S).time_s + n * c.layer_s
         fwd.append(c.forward_share * busy_s)
         bwd.append((1 - c.forward_share) * busy_s + layout.recomputed(s) * c.recompute_s)
     return fwd, bwd
@@ -47,14 +47,14 @@ def stage_times_s(c: StageCosts, layout: StageLayout) -> tuple[list[float], list
 
 def sync_times_s(c: StageCosts, layout: StageLayout, groups: int) -> list[float]:
     """Per device group, its gradient reduction and optimizer step after its last backward."""
-    from planlab.search_spaces.fine import _extras
+    from planlab.search_spaces.fine import stage_extras
 
     S = len(layout.layers)
     out = []
     for d in range(groups):
         per_layer_s = c.offload_sync_s if layout.offloads(d) else c.sync_s
         mine = range(d, S, groups)
-        out.append(c.unit_sync_s + sum(layout.layers[s] * per_layer_s + _extras(c, s, S).sync_s for s in mine))
+        out.append(c.unit_sync_s + sum(layout.layers[s] * per_layer_s + stage_extras(c, s, S).sync_s for s in mine))
     return out
 
 
