@@ -482,7 +482,9 @@ def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages
         if sum(n) == layers and min(inner) >= 1 and min(n) >= low:
             lay = StageLayout(n, (0,) * stages, (False,) * (stages // chunks))
             every.append(walk_s(c, lay, m, schedule, chunks) + ties_s(c, lay))
-    layout, found_s, least_s, status = solve_walked(c, layers, stages, m, 1e9, schedule, chunks, 0, float("inf"), False)
+    layout, found_s, least_s, status = solve_walked(
+        (c, layers, stages, m, 1e9, schedule, chunks, 0), float("inf"), False
+    )
     assert status == "optimal" and sum(layout.layers) == layers
     assert found_s == pytest.approx(min(every), rel=1e-6)
     assert least_s <= min(every) * (1 + 1e-6)

@@ -180,7 +180,7 @@ def solve_program(
             bound_s = walked_bound_s(c, layers, stages, m, chunks)
             if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
                 return Solved(None, bound_s, "pruned")
-        got = solve_walked(c, layers, stages, m, cap_bytes, schedule, chunks, group, bar_s, math.isfinite(bar_s))
+        got = solve_walked((c, layers, stages, m, cap_bytes, schedule, chunks, group), bar_s, math.isfinite(bar_s))
         return Solved(got[0], got[1] if got[0] is not None else got[2], got[3])
 
     if math.isfinite(bar_s):
@@ -239,35 +239,21 @@ def solve_layout(
     return solve_program(c, layers, stages, m, cap_bytes, schedule, chunks).layout
 
 
-def milp_args(
-    c: StageCosts,
-    layers: int,
-    stages: int,
-    m: int,
-    cap_bytes: float,
-    schedule: str,
-    chunks: int,
-    group: int = 0,
-    layout: StageLayout | None = None,
-    walked: bool = False,
-    cuts: tuple = (),
-):
-    """HiGHS' arguments for the program (:func:`program_arrays`): its objective, ``constraints`` and
-    ``bounds`` as ``scipy.optimize.milp`` keywords, its integrality and its _Program; with ``layout``,
-    its integers fixed there (the LP then prices that layout); with ``walked``, the walked objective
-    bounded by each device's chain and the ``cuts`` (fine_walk.Walk's critical paths)."""
+def milp_args(*program, layout: StageLayout | None = None, **walked):
+    """HiGHS' arguments for the program of :func:`program_arrays` (``program`` and ``walked``, its
+    arguments): its objective, ``constraints`` and ``bounds`` as ``scipy.optimize.milp`` keywords,
+    its integrality and its _Program; with ``layout``, its integers fixed there (the LP then prices
+    that layout)."""
     from scipy.optimize import Bounds, LinearConstraint
 
-    cost, rows, lower, upper, integ, lp = program_arrays(
-        c, layers, stages, m, cap_bytes, schedule, chunks, group, walked, cuts
-    )
+    cost, rows, lower, upper, integ, lp = program_arrays(*program, **walked)
     if layout is not None:
         lower, upper = lower.astype(float), upper.astype(float)
-        n, k = np.array(layout.layers), np.array(layout.recompute or (0,) * stages)
+        n, k = np.array(layout.layers), np.array(layout.recompute or (0,) * lp.stages)
         offload = np.array([float(x) for x in (layout.offload or (False,) * lp.G)])
         for at, vals in ((lp.n, n), (lp.k, k), (lp.o, offload)):
             lower[at : at + len(vals)] = upper[at : at + len(vals)] = vals
-        if chunks == 1:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
+        if lp.G == lp.stages:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
             lower[lp.r : lp.r + lp.G] = upper[lp.r : lp.r + lp.G] = (k > 0).astype(float)
     return cost, dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper)), integ, lp
 

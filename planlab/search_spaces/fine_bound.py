@@ -68,18 +68,8 @@ class Point:
 
     def milp_args(self, cap_bytes: float, layout: StageLayout | None = None):
         """HiGHS' arguments for this point's program (``fine.milp_args``)."""
-        return milp_args(
-            self.costs,
-            self.layers,
-            self.stages,
-            self.microbatches,
-            cap_bytes,
-            self.schedule,
-            self.chunks,
-            self.group,
-            layout,
-            self.walked,
-        )
+        program = (self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks)
+        return milp_args(*program, self.group, layout=layout, walked=self.walked)
 
     def walk_s(self, layout: StageLayout) -> float:
         """``layout``'s iteration time with its pipeline walked action by action (fine_walk.py)."""
@@ -110,9 +100,8 @@ class Point:
 
         if self.walked:
             p = self
-            got = solve_walked(
-                p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group, bar_s, False
-            )
+            program = (p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group)
+            got = solve_walked(program, bar_s, False)
             return (got[1] if got[0] is not None else math.inf), got[2]
         cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)

@@ -107,19 +107,10 @@ def walked_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int 
     return m * work_s / G + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
 
 
-def solve_walked(
-    c: StageCosts,
-    layers: int,
-    stages: int,
-    m: int,
-    cap_bytes: float,
-    schedule: str,
-    chunks: int,
-    group: int,
-    bar_s: float,
-    relax_first: bool,
-):
-    """The walked program solved by adding critical paths (module docstring): ``(layout, its walked
+def solve_walked(program: tuple, bar_s: float, relax_first: bool):
+    """The walked program of ``program``, fine.program_arrays' arguments (per-layer costs, layers,
+    stages, micro-batches, the device's memory, schedule, chunks and pipeline_group), solved by
+    adding critical paths (module docstring): ``(layout, its walked
     objective, the proven lower bound on every layout's, status)``; status ``optimal``, ``cut
     limit`` or ``node limit`` (a layout that may not be the best), ``infeasible`` (no layout fits the
     memory rows) or ``pruned`` (the bound reached ``bar_s``: no layout of this point beats it).
@@ -128,10 +119,11 @@ def solve_walked(
 
     from planlab.search_spaces.fine import NODE_LIMIT, milp_args
 
+    c, _, stages, m, _, schedule, chunks, group = program
     cuts: list[Walk] = []
     best, best_s, least_s, status = None, math.inf, -math.inf, "cut limit"
     if relax_first:
-        cost, args, _, _ = milp_args(c, layers, stages, m, cap_bytes, schedule, chunks, group, walked=True)
+        cost, args, _, _ = milp_args(*program, walked=True)
         relaxed = milp(cost, **args)
         if relaxed.x is None:
             return None, math.inf, math.inf, "infeasible"
@@ -139,9 +131,7 @@ def solve_walked(
         if least_s >= bar_s:
             return None, least_s, least_s, "pruned"
     for _ in range(CUT_LIMIT):
-        cost, args, integ, lp = milp_args(
-            c, layers, stages, m, cap_bytes, schedule, chunks, group, walked=True, cuts=tuple(cuts)
-        )
+        cost, args, integ, lp = milp_args(*program, walked=True, cuts=tuple(cuts))
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
         if res.status == 2 or res.x is None:  # infeasible, or the node limit before any layout
             if best is None:
