@@ -24,7 +24,7 @@ here) in the same model, and prints their ratio, the largest speedup the fine sp
 as its program sees it, with how far the model is from the simulator at the grid best.
 
 Run: nice -n 10 .venv/bin/python benchmarks/fine_grained.py [--jobs 1] [--only gpt3-a100-512,...] [--timelines DIR]
-     [--spaces grid|fine|none] [--bound [--grid-best tp=4,pp=4,...]]
+     [--spaces grid|fine|none] [--bound [--grid-best tp=4,pp=4,...] [--simulate-best]]
 """
 
 from __future__ import annotations
@@ -93,10 +93,12 @@ def _draft(w: Workload, row, space: str):
     return sp.draft(ctx, sp.with_defaults(_row_knobs(sp, row))), cost, graph
 
 
-def _bound(w: Workload, grid_knobs: dict, grid_s: float | None, fixed: dict) -> float | None:
+def _bound(w: Workload, grid_knobs: dict, grid_s: float | None, fixed: dict, simulate_best: bool) -> float | None:
     """Print the least time any fine layout of any grid point (of the slice ``fixed``) reaches in
-    the integer program's model, against the grid best's time in that model and simulated; return
-    the largest speedup the fine space could find in its model (None: no point fits)."""
+    the integer program's model (the pipeline walked, planlab/search_spaces/fine_cuts.py), against
+    the grid best's time in that model, in fine.py's closed form and simulated; with
+    ``simulate_best``, simulate the fine plan of the bound's best point; return the largest
+    speedup the fine space could find in its model (None: no point fits)."""
     from planlab.explore import evaluate
     from planlab.search_spaces import get_space
     from planlab.search_spaces.fine_bound import grid_bound, grid_plan_cost
@@ -108,24 +110,37 @@ def _bound(w: Workload, grid_knobs: dict, grid_s: float | None, fixed: dict) -> 
     if grid_s is None:  # the grid best given by its knobs: simulated here
         grid_s = evaluate(grid.build(ctx, knobs), graph, cost)[0]["iter_time_s"]
     model_s, fits, layout = grid_plan_cost(ctx, grid, knobs)
+    closed_s = grid_plan_cost(ctx, grid, knobs, walked=False)[0]
     b = grid_bound(ctx, grid, fixed)
     where = " ".join(f"{k}={v}" for k, v in b.knobs.items() if k in KNOBS + ("first_stage_layers", "last_stage_layers"))
     print(
         f"  bound over {b.points} grid points ({b.lps} LP relaxations, {b.programs} integer programs, "
-        f"{b.node_limited} of them stopped at the node limit; the other points' balanced bounds were higher): "
-        f"no fine layout is under {b.least_s:.3f} s in the program's model; the best found is {b.best_s:.3f} s "
+        f"{b.node_limited} of them stopped short of their optimum; the other points' balanced bounds were higher): "
+        f"no fine layout is under {b.least_s:.3f} s in the program's walked model; the best found is {b.best_s:.3f} s "
         f"at {where}; the least LP relaxation is {b.least_lp_s:.3f} s"
     )
     print(
-        f"  grid best in the program's model: {model_s:.3f} s (layers {'/'.join(map(str, layout.layers))}, "
-        f"recomputed {sum(layout.recompute)}; {'fits' if fits else 'over the memory rows'}), simulated "
-        f"{grid_s:.3f} s: the model is {model_s / grid_s - 1:+.1%} off the simulator there"
+        f"  grid best in the program's model: {model_s:.3f} s walked, {closed_s:.3f} s in the closed form (layers "
+        f"{'/'.join(map(str, layout.layers))}, recomputed {sum(layout.recompute)}; {'fits' if fits else 'over the memory rows'}), "
+        f"simulated {grid_s:.3f} s: the model is {model_s / grid_s - 1:+.1%} off the simulator there "
+        f"(the closed form {closed_s / grid_s - 1:+.1%})"
     )
     ratio = model_s / b.least_s if math.isfinite(b.least_s) else None
     if ratio is not None:
         print(
             f"  largest speedup the fine space could find in its model: {ratio:.3f}x (target 1.10x; "
             f"by the LP relaxation alone {model_s / b.least_lp_s:.3f}x)"
+        )
+    if simulate_best and b.knobs:
+        fine = get_space("megatron*fine")
+        host = cost.cluster.node.host is not None
+        fk = fine.with_defaults(fine.check_values(ctx, {**b.knobs, "fine_layout": "program", "fine_offload": host}))
+        row, _ = evaluate(fine.build(ctx, fk), graph, cost)
+        got = row.get("iter_time_s", math.nan)
+        d = fine.draft(ctx, fk)
+        print(
+            f"  the fine plan at that point ({d.layout.describe()}) simulates {got:.3f} s, {row.get('peak_mem_gib', math.nan):.1f} GiB: "
+            f"the model is {b.best_s / got - 1:+.1%} off there; {grid_s / got:.3f}x over the grid best"
         )
     print(
         f"  bound: {time.perf_counter() - s0:.0f} s wall, {_cpu_s() - c0:.0f} s CPU, load {os.getloadavg()[0]:.1f}",
@@ -247,6 +262,11 @@ def main() -> None:
         default="",
         help="with --bound and no grid run: the grid best's knobs, KNOB=VALUE,... (simulated here)",
     )
+    ap.add_argument(
+        "--simulate-best",
+        action="store_true",
+        help="with --bound: simulate the fine plan at the point where the program's best layout is",
+    )
     args = ap.parse_args()
     bad = [kv for kv in args.set + [kv for kv in args.grid_best.split(",") if kv] if "=" not in kv]
     if bad:
@@ -271,9 +291,11 @@ def main() -> None:
 
             given = dict(kv.split("=", 1) for kv in args.grid_best.split(",") if kv)
             if g is not None:
-                bounds.append(_bound(w, _row_knobs(get_space("megatron"), g), float(g["iter_time_s"]), fixed))
+                bounds.append(
+                    _bound(w, _row_knobs(get_space("megatron"), g), float(g["iter_time_s"]), fixed, args.simulate_best)
+                )
             elif given:
-                bounds.append(_bound(w, given, None, fixed))
+                bounds.append(_bound(w, given, None, fixed, args.simulate_best))
             else:
                 print("  --bound needs the grid best: explore the grid (--spaces grid) or give --grid-best")
         if g is None or f is None:

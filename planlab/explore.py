@@ -110,6 +110,9 @@ def make_context(setup: Setup, graph: Graph | None = None) -> tuple[Context, Cos
         setup.nodes,
         cost.cluster.num_devices,
         cost.cluster.node.devices_per_node,
+        setup.profile,
+        setup.software,
+        setup.precision,
     )
     return ctx, cost, graph
 

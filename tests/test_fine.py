@@ -411,7 +411,12 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
     points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
     assert got.points == len(points) and got.programs < got.lps < len(points) and got.node_limited == 0
     assert got.least_lp_s == pytest.approx(min(p.relaxed_s(cap) for p in points), rel=1e-9)
-    every = [solve_program(p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks) for p in points]
+    every = [
+        solve_program(
+            p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks, group=p.group, walked=True
+        )
+        for p in points
+    ]
     best = min(s.objective_s for s in every if s.layout is not None)
     assert got.best_s == pytest.approx(best, rel=1e-4) and got.least_s <= got.best_s
     assert got.least_s >= got.least_lp_s and got.least_s == pytest.approx(best, rel=1e-4)
@@ -420,3 +425,79 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
             model_s, fits, layout = grid_plan_cost(ctx, grid, a)
             assert sum(layout.layers) == 4 and math.isfinite(model_s)
             assert not fits or got.least_s <= model_s * (1 + 1e-9)
+
+
+def test_the_walk_gives_the_closed_forms_of_even_pipelines():
+    # even stages, nothing else: 1F1B is (M - 1) t + G t, interleaved 1F1B M T + (G - 1) t_chunk,
+    # each plus the last device's sync; a forward is a third of a layer's time here
+    from planlab.search_spaces.fine_walk import walk
+    from planlab.search_spaces.stages import StageLayout
+
+    c = _costs(layer_s=3.0, sync_s=0.1, forward_share=1 / 3)
+    w = walk(c, StageLayout((2, 2, 2, 2)), 8)
+    assert w.time_s == pytest.approx(7 * 6 + 4 * 6 + 0.2)
+    # the critical path: micro-batch 0 through the pipeline, the last stage's 8, the way back, device 0's sync
+    assert (w.forwards, w.backwards, w.hops, w.device) == ((1, 1, 1, 8), (1, 1, 1, 8), 6, 0)
+    assert walk(c, StageLayout((1,) * 8), 8, "interleaved", 2).time_s == pytest.approx(8 * 6 + 3 * 3 + 0.2)
+    # a transfer between stages is half the stage's p2p each way, on the path, not on the devices: 1F1B on
+    # two stages waits for one at each of the 4 hand-offs of its critical path (worked by hand: 30.4)
+    got = walk(_costs(layer_s=3.0, p2p_s=0.2), StageLayout((2, 2)), 4)
+    assert got.time_s == pytest.approx(3 * 6 + 2 * 6 + 4 * 0.1) and got.hops == 4
+
+
+def test_the_walk_sees_an_uneven_interleaved_pipeline_stall_where_the_closed_form_does_not():
+    # two devices with 8 layers each; unevenly chunked, the interleaved order makes a device wait
+    # for the other's long chunk in every round: the walk is 102 against 66 for even chunks, while
+    # M T + (G - 1) C (each device's total is the same 8 layers) moves only by the slowest chunk
+    from planlab.search_spaces.fine_bound import Point
+    from planlab.search_spaces.fine_walk import walk_s
+    from planlab.search_spaces.stages import StageLayout
+
+    c = _costs(layer_s=1.0)
+    even, uneven = StageLayout((2,) * 8), StageLayout((0, 1, 1, 1, 6, 1, 1, 5))
+    closed = Point(c, 16, 8, 8, "interleaved", 4, walked=False)
+    assert closed.layout_s(1e9, uneven) - closed.layout_s(1e9, even) == pytest.approx(4.0)  # (G - 1) x (6 - 2)
+    assert walk_s(c, even, 8, "interleaved", 4) == pytest.approx(66.0)
+    assert walk_s(c, uneven, 8, "interleaved", 4) == pytest.approx(102.0)
+    walked = Point(c, 16, 8, 8, "interleaved", 4)
+    assert walked.layout_s(1e9, uneven) == pytest.approx(102.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 3, 1), ("interleaved", 4, 2)])
+def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages, chunks):
+    # the cutting-plane loop against every layout walked: its layout's walk is the least of all,
+    # and its proven bound is under every layout's walk (the chains' rows are valid for all)
+    import itertools
+
+    from planlab.search_spaces.fine_cuts import solve_walked, ties_s
+    from planlab.search_spaces.fine_walk import walk_s
+    from planlab.search_spaces.stages import StageLayout
+
+    head = GroupCost(2.5, 0.0, 0.0, 0.0, 0.0)
+    c = _costs(last=head, p2p_s=0.3, sync_s=0.05, forward_share=0.3)
+    layers, m, low = 7, 4, 0 if chunks > 1 else 1
+    every = []
+    for n in itertools.product(range(layers + 1), repeat=stages):
+        inner = n[1:-1] if chunks > 1 else n
+        if sum(n) == layers and min(inner) >= 1 and min(n) >= low:
+            lay = StageLayout(n, (0,) * stages, (False,) * (stages // chunks))
+            every.append(walk_s(c, lay, m, schedule, chunks) + ties_s(c, lay))
+    layout, found_s, least_s, status = solve_walked(
+        (c, layers, stages, m, 1e9, schedule, chunks, 0), float("inf"), False
+    )
+    assert status == "optimal" and sum(layout.layers) == layers
+    assert found_s == pytest.approx(min(every), rel=1e-6)
+    assert least_s <= min(every) * (1 + 1e-6)
+    assert walk_s(c, layout, m, schedule, chunks) + ties_s(c, layout) == pytest.approx(found_s)
+
+
+def test_a_fine_offload_row_that_offloads_nothing_is_left_out():
+    # a tiny model on an A100 has room for everything: the program allowed to offload offloads no
+    # stage, so its plan is the fine_offload=false row's, and that row is not screened twice
+    ctx, _ = _ctx(layers=4, cluster="dgx-a100-80g")
+    space = get_space("megatron*fine")
+    knobs = space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2, fine_layout="program", fine_offload=True))
+    with pytest.raises(InfeasiblePlan, match="offloads nothing and lays out the plan of fine_offload=false"):
+        space.draft(ctx, knobs)
+    grid = get_space("megatron").draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
+    assert choose_layout(grid, True).layout == choose_layout(grid, False).layout

@@ -43,7 +43,6 @@ import numpy as np
 
 from planlab.costmodel import CostModel
 from planlab.errors import ConfigError, InfeasiblePlan
-from planlab.plan.materialize import precision_for
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
 from planlab.search_spaces.fine_costs import StageCosts, probe_key, stage_costs
 from planlab.search_spaces.registry import register_space
@@ -61,13 +60,14 @@ def in_flight(schedule: str, stage: int, stages: int, m: int) -> int:
     return m if schedule == "gpipe" else min(m, stages - stage)
 
 
-def flight_rows(schedule: str, group: int, groups: int, m: int, chunks: int) -> np.ndarray:
-    """Per model chunk of device ``group``, the micro-batches in flight at each of its schedule's
+def flight_rows(schedule: str, rank: int, groups: int, m: int, chunks: int, group: int = 0) -> np.ndarray:
+    """Per model chunk of device group ``rank``, the micro-batches in flight at each of its schedule's
     possible peaks (rows; the activation peak for per-chunk bytes ``w`` is ``max(rows @ w)``):
-    1F1B's and GPipe's one count, or interleaved 1F1B's rows that no other row covers."""
+    1F1B's and GPipe's one count, or interleaved 1F1B's rows that no other row covers (``group``
+    micro-batches a chunk in a row, Llama 3's N; 0: the device groups)."""
     if chunks == 1:
-        return np.array([[in_flight(schedule, group, groups, m)]])
-    rows = flight_counts("interleaved", group, groups, m, chunks)
+        return np.array([[in_flight(schedule, rank, groups, m)]])
+    rows = flight_counts("interleaved", rank, groups, m, chunks, group)
     keep = [r for r in rows if not any((o >= r).all() and (o > r).any() for o in rows)]
     return np.array(keep)
 
@@ -87,8 +87,8 @@ class _Program:
         self.stages, self.G = stages, stages // chunks
         self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
         self.r, self.N, self.K = (self.z + self.G * i for i in (1, 2, 3))
-        self.T, self.S, self.C = (self.K + self.G + i for i in range(3))
-        self.nv = self.C + 1
+        self.T, self.S, self.C, self.W = (self.K + self.G + i for i in range(4))  # W: the walked time (fine_cuts.py)
+        self.nv = self.W + 1
         self.rows, self.lo, self.hi = [], [], []
 
     def add(self, coefs: dict[int, float], low: float, high: float) -> None:
@@ -100,11 +100,13 @@ class _Program:
         self.hi.append(high)
 
 
-def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, schedule: str, layers: int) -> None:
+def _device_rows(
+    lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, schedule: str, layers: int, group: int
+) -> None:
     """Device group ``d``'s rows: its time, its sync, its memory at each peak, its offloaded layers."""
     n, k, o, z, G, v = lp.n, lp.k, lp.o, lp.z, lp.G, lp.stages // lp.G
     mine = [cc * G + d for cc in range(v)]
-    ex = [_extras(c, s, lp.stages) for s in mine]
+    ex = [stage_extras(c, s, lp.stages) for s in mine]
     fixed_s = sum(e.time_s + (c.p2p_s if s else 0.0) for e, s in zip(ex, mine))
     lp.add({lp.N + d: 1.0, **{n + s: -1.0 for s in mine}}, 0.0, 0.0)
     lp.add({lp.K + d: 1.0, **{k + s: -1.0 for s in mine}}, 0.0, 0.0)
@@ -122,7 +124,7 @@ def _device_rows(lp: _Program, c: StageCosts, d: int, m: int, cap_bytes: float, 
         lp.add({k + mine[0]: 1.0, lp.r + d: -layers}, -np.inf, 0.0)
     else:
         work += regrow
-    for f in flight_rows(schedule, d, G, m, v):
+    for f in flight_rows(schedule, d, G, m, v, group):
         mem = dict(static)
         for fc, s in zip(f, mine):
             mem[n + s] += fc * c.saved_bytes
@@ -161,20 +163,32 @@ def solve_program(
     schedule: str = "1f1b",
     chunks: int = 1,
     bar_s: float = math.inf,
+    group: int = 0,
+    walked: bool = False,
 ) -> Solved:
     """Solve the program of :func:`solve_layout`; when ``bar_s`` is finite, first a proven lower
     bound on every layout's objective (:func:`balanced_bound_s`, then the LP relaxation): if it is
     ``bar_s`` or more, no layout of this point can beat ``bar_s`` and the integer program is not
-    solved (``pruned``)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+    solved (``pruned``). ``group``: interleaved 1F1B's micro-batches a chunk in a row (0: the device groups).
+    ``walked``: the objective is the pipeline walked action by action (planlab/search_spaces/fine_cuts.py)."""
+    from scipy.optimize import milp  # on first use: scipy takes a second to import
+
+    if walked:
+        from planlab.search_spaces.fine_cuts import solve_walked, walked_bound_s
+
+        if math.isfinite(bar_s):
+            bound_s = walked_bound_s(c, layers, stages, m, chunks)
+            if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
+                return Solved(None, bound_s, "pruned")
+        got = solve_walked((c, layers, stages, m, cap_bytes, schedule, chunks, group), bar_s, math.isfinite(bar_s))
+        return Solved(got[0], got[1] if got[0] is not None else got[2], got[3])
 
     if math.isfinite(bar_s):
         bound_s = balanced_bound_s(c, layers, stages, m, chunks)
         # strictly above the bar by more than HiGHS' tolerances: the LP relaxation would prune it too
         if bound_s > bar_s + BOUND_MARGIN * abs(bar_s):
             return Solved(None, bound_s, "pruned")
-    cost, rows, lower, upper, integ, lp = program_arrays(c, layers, stages, m, cap_bytes, schedule, chunks)
-    args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+    cost, args, integ, lp = milp_args(c, layers, stages, m, cap_bytes, schedule, chunks, group)
     if math.isfinite(bar_s):
         relaxed = milp(cost, **args)  # no integrality: the LP relaxation
         if relaxed.x is None:
@@ -205,7 +219,9 @@ def balanced_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: in
     least 0, and offloading at most every layer's difference in the tie-breaking terms.
     A relaxation of the LP relaxation, so never above it (tests/test_fine.py)."""
     G = stages // chunks
-    work_s = layers * c.layer_s + sum(_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0) for s in range(stages))
+    work_s = layers * c.layer_s + sum(
+        stage_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0) for s in range(stages)
+    )
     ties_s = TIE * layers * (c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
     if chunks == 1:  # (M - 1) T + the layers' own time in the sum over stages (module docstring)
         return (m - 1) * work_s / stages + layers * c.layer_s + ties_s
@@ -223,15 +239,48 @@ def solve_layout(
     return solve_program(c, layers, stages, m, cap_bytes, schedule, chunks).layout
 
 
-def program_arrays(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: float, schedule: str, chunks: int):
-    """The program's objective, rows, bounds and integrality (module docstring), and its _Program."""
+def milp_args(*program, layout: StageLayout | None = None, **walked):
+    """HiGHS' arguments for the program of :func:`program_arrays` (``program`` and ``walked``, its
+    arguments): its objective, ``constraints`` and ``bounds`` as ``scipy.optimize.milp`` keywords,
+    its integrality and its _Program; with ``layout``, its integers fixed there (the LP then prices
+    that layout)."""
+    from scipy.optimize import Bounds, LinearConstraint
+
+    cost, rows, lower, upper, integ, lp = program_arrays(*program, **walked)
+    if layout is not None:
+        lower, upper = lower.astype(float), upper.astype(float)
+        n, k = np.array(layout.layers), np.array(layout.recompute or (0,) * lp.stages)
+        offload = np.array([float(x) for x in (layout.offload or (False,) * lp.G)])
+        for at, vals in ((lp.n, n), (lp.k, k), (lp.o, offload)):
+            lower[at : at + len(vals)] = upper[at : at + len(vals)] = vals
+        if lp.G == lp.stages:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
+            lower[lp.r : lp.r + lp.G] = upper[lp.r : lp.r + lp.G] = (k > 0).astype(float)
+    return cost, dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper)), integ, lp
+
+
+def program_arrays(
+    c: StageCosts,
+    layers: int,
+    stages: int,
+    m: int,
+    cap_bytes: float,
+    schedule: str,
+    chunks: int,
+    group: int = 0,
+    walked: bool = False,
+    cuts: tuple = (),
+):
+    """The program's objective, rows, bounds and integrality (module docstring), and its _Program.
+    ``walked``: the objective is instead ``W``, the pipeline's time walked action by action, bounded
+    from below by rows of the chains of actions through it (planlab/search_spaces/fine_cuts.py: each
+    device's own actions here, the walks' critical paths added by its solver)."""
     lp = _Program(stages, chunks)
     n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
     for d in range(G):
-        _device_rows(lp, c, d, m, cap_bytes, schedule, layers)
+        _device_rows(lp, c, d, m, cap_bytes, schedule, layers, group)
     for s in range(stages):
         lp.add({k + s: 1.0, n + s: -1.0}, -np.inf, 0.0)
-        fixed_s = _extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
+        fixed_s = stage_extras(c, s, stages).time_s + (c.p2p_s if s else 0.0)
         lp.add({lp.C: 1.0, n + s: -c.layer_s, k + s: -c.recompute_s}, fixed_s, np.inf)
     lp.add({n + s: 1.0 for s in range(stages)}, layers, layers)
     cost = np.zeros(lp.nv)
@@ -251,12 +300,16 @@ def program_arrays(c: StageCosts, layers: int, stages: int, m: int, cap_bytes: f
         + [layers] * G
         + [int(v == 1)] * G
         + [layers] * (2 * G)
-        + [np.inf] * 3
+        + [np.inf] * 4
     )
-    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 3)
+    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 4)
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
-    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 3)
+    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 4)
+    if walked:
+        from planlab.search_spaces.fine_cuts import walked_objective
+
+        cost = walked_objective(lp, c, m, cuts)
     return cost, np.array(lp.rows), lower, upper, integ, lp
 
 
@@ -289,7 +342,7 @@ class Incumbents:
                 heapq.heappop(self._worst_first)
 
 
-def _extras(c: StageCosts, s: int, G: int) -> GroupCost:
+def stage_extras(c: StageCosts, s: int, G: int) -> GroupCost:
     """Stage ``s``'s extras: the first stage's, the last's, or both's on one stage."""
     parts = ([c.first] if s == 0 else []) + ([c.last] if s == G - 1 else [])
     return GroupCost(
@@ -320,20 +373,32 @@ def apply_layout(draft: Draft, layout: StageLayout) -> None:
     draft.layout = layout
 
 
+def priced_by(ctx: Context) -> tuple:
+    """What prices ``ctx``'s plans: the cluster, its nodes, and the exploration's calibration profile,
+    software and precision (a part of every key the fine space keeps in the graph's memo)."""
+    return (ctx.cluster, ctx.nodes, ctx.profile, ctx.software, ctx.precision)
+
+
 def fine_cost_model(ctx: Context) -> CostModel:
-    """The cluster's cost model (its default software), one per graph and cluster (the graph's memo)."""
-    return ctx.graph.memo(("fine_cost_model", ctx.cluster, ctx.nodes), lambda: CostModel.load(ctx.cluster, ctx.nodes))
+    """The exploration's cost model (its profile, software and precision: explore's ``Setup``), one
+    per graph and :func:`priced_by` (the graph's memo)."""
+    return ctx.graph.memo(
+        ("fine_cost_model",) + priced_by(ctx),
+        lambda: CostModel.load(
+            ctx.cluster, ctx.nodes, profile=ctx.profile, software=ctx.software, precision=ctx.precision
+        ),
+    )
 
 
 def _screen(ctx: Context) -> Screen:
-    """One screen per graph and cluster (kept in the graph's memo)."""
-    key = ("fine_screen", ctx.cluster, ctx.nodes)
-    return ctx.graph.memo(key, lambda: Screen(ctx.graph, fine_cost_model(ctx), precision_for(ctx.cluster)))
+    """One screen per graph and :func:`priced_by` (kept in the graph's memo)."""
+    key = ("fine_screen",) + priced_by(ctx)
+    return ctx.graph.memo(key, lambda: Screen(ctx.graph, fine_cost_model(ctx), fine_cost_model(ctx).precision))
 
 
 def _costs_key(draft: Draft, offload: bool) -> tuple:
     """What the per-layer costs of ``draft``'s grid point are priced from (their key in the graph's memo)."""
-    return ("fine_costs", draft.ctx.cluster, draft.ctx.nodes, offload, probe_key(draft))
+    return ("fine_costs",) + priced_by(draft.ctx) + (offload, probe_key(draft))
 
 
 def point_costs(draft: Draft, offload: bool, key: tuple | None = None) -> StageCosts:
@@ -350,7 +415,7 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
     ctx = draft.ctx
     cost = fine_cost_model(ctx)
     key = _costs_key(draft, offload)
-    incumbents = ctx.graph.memo(("fine_incumbents", ctx.cluster, ctx.nodes), Incumbents)
+    incumbents = ctx.graph.memo(("fine_incumbents",) + priced_by(ctx), Incumbents)
 
     def solve() -> Solved:
         got = solve_program(
@@ -362,13 +427,15 @@ def choose_layout(draft: Draft, offload: bool) -> Solved:
             draft.schedule,
             draft.chunks,
             incumbents.bar_s(),
+            draft.group,
+            walked=True,
         )
         if got.layout is not None:
             incumbents.add(got.objective_s)
         log.debug("fine program: %s", got.status)
         return got
 
-    return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks), solve)
+    return ctx.graph.memo(key + ("fine_layout", draft.num_stages, draft.schedule, draft.chunks, draft.group), solve)
 
 
 PROGRAM, GRID = "program", "grid"  # fine_layout's values: the integer program's layout, the grid point's own plan
@@ -447,9 +514,17 @@ class FineStages(Space):
                 f"fine_layout={PROGRAM}: the program lays out 1F1B, GPipe and interleaved pipelines only; "
                 f"this point's plan is fine_layout={GRID}'s"
             )
-        got = choose_layout(draft, bool(values.get("fine_offload")))
+        offload = bool(values.get("fine_offload"))
+        got = choose_layout(draft, offload)
         if got.layout is None:
             raise InfeasiblePlan(_no_layout(got))
+        if offload and not any(got.layout.offload):  # the fine_offload=false row's plan again? (its program, memoized)
+            plain = choose_layout(draft, False).layout
+            if plain is not None and (plain.layers, plain.recompute) == (got.layout.layers, got.layout.recompute):
+                raise InfeasiblePlan(
+                    f"fine_layout={PROGRAM}: with fine_offload=true the program offloads nothing and lays out "
+                    "the plan of fine_offload=false"
+                )
         before = (draft.stages, draft.recompute)
         apply_layout(draft, got.layout)
         if not any(got.layout.offload) and (draft.stages, draft.recompute) == before:

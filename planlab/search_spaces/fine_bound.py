@@ -17,7 +17,6 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 
 from planlab.search_spaces.builtin import LAYER_MODULE
 from planlab.errors import ConfigError
@@ -27,11 +26,13 @@ from planlab.search_spaces.fine import (
     NODE_LIMIT,
     FineStages,
     fine_cost_model,
-    program_arrays,
+    milp_args,
     balanced_bound_s,
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.fine_cuts import solve_walked, ties_s, walked_bound_s
+from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
 
@@ -48,9 +49,11 @@ class Point:
     microbatches: int
     schedule: str
     chunks: int
+    group: int = 0  # interleaved 1F1B's micro-batches a chunk in a row (Llama 3's N; 0: the device groups)
+    walked: bool = True  # the pipeline walked action by action (fine_cuts.py); False: fine.py's closed form
 
     @classmethod
-    def of(cls, draft: Draft, offload: bool) -> Point:
+    def of(cls, draft: Draft, offload: bool, walked: bool = True) -> Point:
         """The program of ``draft``'s grid point (the costs from the graph's memo)."""
         return cls(
             point_costs(draft, offload),
@@ -59,29 +62,48 @@ class Point:
             draft.microbatches,
             draft.schedule,
             draft.chunks,
+            draft.group,
+            walked,
         )
 
+    def milp_args(self, cap_bytes: float, layout: StageLayout | None = None):
+        """HiGHS' arguments for this point's program (``fine.milp_args``)."""
+        program = (self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks)
+        return milp_args(*program, self.group, layout=layout, walked=self.walked)
+
+    def walk_s(self, layout: StageLayout) -> float:
+        """``layout``'s iteration time with its pipeline walked action by action (fine_walk.py)."""
+        return walk_s(self.costs, layout, self.microbatches, self.schedule, self.chunks, self.group)
+
     def balanced_s(self) -> float:
-        """The solver-free lower bound (``fine.balanced_bound_s``)."""
-        return balanced_bound_s(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
+        """The solver-free lower bound (``fine.balanced_bound_s``, or ``fine_cuts.walked_bound_s``)."""
+        bound = walked_bound_s if self.walked else balanced_bound_s
+        return bound(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
 
     def relaxed_s(self, cap_bytes: float) -> float:
         """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
         return _solved_s(self, cap_bytes, None)
 
     def layout_s(self, cap_bytes: float, layout: StageLayout) -> float:
-        """The program's objective at ``layout`` (inf: it breaks the program's memory rows)."""
-        return _solved_s(self, cap_bytes, layout)
+        """The program's objective at ``layout`` (inf: it breaks the program's memory rows); walked,
+        the walk's time and the ties."""
+        got = _solved_s(self, cap_bytes, layout)
+        if not self.walked or not math.isfinite(got):
+            return got
+        return self.walk_s(layout) + ties_s(self.costs, layout)
 
-    def integer(self, cap_bytes: float) -> tuple[float, float]:
-        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes): its best layout's objective (inf:
-        none found) and HiGHS' proven lower bound on every layout's (inf: none fits)."""
-        from scipy.optimize import Bounds, LinearConstraint, milp
+    def integer(self, cap_bytes: float, bar_s: float = math.inf) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, by fine_cuts.solve_walked): its
+        best layout's objective (inf: none found, or walked and its proven bound reached ``bar_s``) and
+        a proven lower bound on every layout's (inf: none fits)."""
+        from scipy.optimize import milp
 
-        cost, rows, lower, upper, integ, lp = program_arrays(
-            self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks
-        )
-        args = dict(constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+        if self.walked:
+            p = self
+            program = (p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group)
+            got = solve_walked(program, bar_s, False)
+            return (got[1] if got[0] is not None else math.inf), got[2]
+        cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
         if res.status == 2:  # HiGHS: infeasible
             return math.inf, math.inf
@@ -92,20 +114,10 @@ class Point:
 
 def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
     """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # on first use: scipy takes a second to import
+    from scipy.optimize import milp  # on first use: scipy takes a second to import
 
-    cost, rows, lower, upper, _, lp = program_arrays(
-        p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks
-    )
-    if layout is not None:
-        lower, upper = lower.astype(float), upper.astype(float)
-        n, k, o = np.array(layout.layers), np.array(layout.recompute or (0,) * p.stages), layout.offload
-        offload = np.array([float(x) for x in (o or (False,) * lp.G)])
-        for at, vals in ((lp.n, n), (lp.k, k), (lp.o, offload)):
-            lower[at : at + len(vals)] = upper[at : at + len(vals)] = vals
-        if p.chunks == 1:  # 1F1B: r_d, whether device d recomputes at all (its working set regrown)
-            lower[lp.r : lp.r + lp.G] = upper[lp.r : lp.r + lp.G] = (k > 0).astype(float)
-    res = milp(cost, constraints=LinearConstraint(rows, lp.lo, lp.hi), bounds=Bounds(lower, upper))
+    cost, args, _, _ = p.milp_args(cap_bytes, layout)
+    res = milp(cost, **args)
     return math.inf if res.x is None else float(res.fun)
 
 
@@ -170,9 +182,9 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None) -> GridBoun
             least = min(least, relaxed)
             continue
         programs += 1
-        found, proven = p.integer(cap)
+        found, proven = p.integer(cap, best)  # pruned (inf found) once proven at least the best so far
         proven = max(proven, relaxed)  # both bound the point's layouts from below
-        limited += found > proven * (1 + 1e-3)
+        limited += math.isfinite(found) and found > proven * (1 + 2e-3)
         least = min(least, proven)
         if found < best:
             best, where = found, knobs
@@ -192,7 +204,7 @@ def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayou
     return StageLayout(layers, layers if recompute_all else (), (offload,) * draft.groups)
 
 
-def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool, StageLayout]:
+def grid_plan_cost(ctx: Context, grid: Space, knobs: dict, walked: bool = True) -> tuple[float, bool, StageLayout]:
     """A plan of ``grid`` (its knobs) in the fine program's model: its objective, whether it fits
     the program's memory rows (if not, the objective is taken without them), and its layout. Its
     point is the one the fine space would lay out: ``recompute=full`` is the base ``none`` with
@@ -207,7 +219,7 @@ def grid_plan_cost(ctx: Context, grid: Space, knobs: dict) -> tuple[float, bool,
     draft = grid.draft(ctx, grid.with_defaults(point))
     layout = draft_layout(own, full, offload)
     host = fine_cost_model(ctx).cluster.node.host is not None
-    p = Point.of(draft, host)
+    p = Point.of(draft, host, walked)
     got = p.layout_s(fine_cost_model(ctx).device_memory_bytes, layout)
     if math.isfinite(got):
         return got, True, layout

@@ -44,6 +44,9 @@ class StageCosts:
     unit_sync_s: float = 0.0
     # work_bytes when the stage recomputes a layer in full: its forward, run again, keeps its activations
     recompute_work_bytes: float = 0.0
+    # the forward's share of layer_s and of the extras' time (the rest, and recompute_s, is the backward's):
+    # what the schedule walk (fine_walk.py) needs to order a stage's forwards and backwards
+    forward_share: float = 1 / 3
 
 
 def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
@@ -99,7 +102,7 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
     )
     mid = pair - 1 if pair is not None else (L // 2 if L > 2 else min(1, L - 1))
     read = tuple(dict.fromkeys((0, mid) + ((pair,) if pair is not None else ()) + (len(counts) - 1,)))
-    key = ("fine_probe", ctx.cluster, ctx.nodes, probe_key(d))
+    key = ("fine_probe", ctx.cluster, ctx.nodes, ctx.profile, ctx.software, ctx.precision, probe_key(d))
 
     def priced(variant: str) -> dict[int, GroupCost]:
         def compute() -> dict[int, GroupCost]:
@@ -144,4 +147,5 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         unit_static_bytes=unit_static,
         unit_sync_s=unit_sync,
         recompute_work_bytes=full[mid].work_bytes,
+        forward_share=a.forward_s / (a.time_s - a.p2p_s) if a.time_s > a.p2p_s else 1 / 3,
     )

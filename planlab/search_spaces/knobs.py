@@ -30,6 +30,11 @@ class Context:
     nodes: int
     num_devices: int
     devices_per_node: int
+    # how the exploration prices the cluster (planlab.explore.Setup's): a space that prices plans itself
+    # (the fine-grained space's integer program) loads the same cost model; None: the cluster's default
+    profile: str | None = None
+    software: str | None = None
+    precision: str | None = None
 
     @functools.cached_property
     def config(self) -> ModelConfig:

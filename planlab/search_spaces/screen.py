@@ -663,6 +663,7 @@ class GroupCost:
     saved_bytes: float
     work_bytes: float
     p2p_s: float = 0.0  # the pipeline transfers into the group (part of time_s)
+    forward_s: float = 0.0  # the forward's part of time_s without p2p_s (its collectives by its share of the compute)
 
 
 def group_costs(
@@ -687,7 +688,9 @@ def group_costs(
         p2p = screen.p2p_in_s(s, r, m, d.per_group, ranks) if ranks > 1 else 0.0
         saved = sum(b / m + o for _, (b, o) in p.saved)
         work = working_bytes(p) / m + c.gathered_bytes
-        out.append(GroupCost(c.fwd_s + c.bwd_s + c.comm_s + p2p, c.sync_s, c.static_bytes, saved, work, p2p))
+        busy = c.fwd_s + c.bwd_s
+        forward = c.fwd_s + (c.comm_s * c.fwd_s / busy if busy > 0 else 0.0)
+        out.append(GroupCost(busy + c.comm_s + p2p, c.sync_s, c.static_bytes, saved, work, p2p, forward))
     return out
 
 
