@@ -600,6 +600,29 @@ def test_fp8_linear_casts_then_fp8_gemms(impl: str, per: int) -> None:
     assert not any(k.fp8 for k in op_kernels("linear", "F", (x, w, y), 2, impl).kernels)
 
 
+def test_fp8_projections_fused_into_one_gemm_cast_their_shared_input_once() -> None:
+    """A fused GEMM is one Transformer Engine module (Megatron-Core's linear_qkv, linear_fc1, an
+    expert stack's grouped linear_fc1), which casts the input its projections share once: the
+    projections' input casts sum to one cast, each weight is still cast whole."""
+    per = 2 + 2
+    x = (2, 256, 512)
+    widths = (1024, 256, 256)  # q, k, v of a grouped-query attention
+    casts = []
+    for n in widths:
+        w, y = (n, 512), (2, 256, n)
+        fwd = op_kernels("linear", "F", (x, w, y), 2, "megatron", fp8=True, fused_widths=widths)
+        assert fwd.kernels[1].bytes == n * 512 * per  # its own weight's cast
+        casts.append(fwd.kernels[0].bytes)
+    assert sum(casts) == pytest.approx(512 * 512 * per)
+    alone = op_kernels("linear", "F", (x, (1024, 512), (2, 256, 1024)), 2, "megatron", fp8=True)
+    assert alone.kernels[0].bytes == 512 * 512 * per
+    xs, ws = (8, 512, 1024), (8, 1024, 2048)  # an expert stack's gate (and its up twin)
+    gate = op_kernels(
+        "matmul", "F", (xs, ws, (8, 512, 2048)), 2, "megatron", True, fused_widths=(2048, 2048), fp8_matmul=True
+    )
+    assert gate.kernels[0].bytes == 8 * 512 * 1024 * per / 2
+
+
 def test_fp8_runs_a_matmul_with_a_weight_in_fp8_where_the_software_says() -> None:
     """The experts' grouped GEMMs (a matmul over stacked weights): with ``fp8_matmul`` the input and the
     weight are cast forward and the output gradient backward, each GEMM on FP8 operands; without it (or

@@ -61,7 +61,10 @@ run in FP8, after casts that read the 16-bit tensor and write its FP8 copy and t
 the other GEMM of the backward reads: Transformer Engine's fused
 cast-transpose with delayed scaling (``megatron``) for the input and the weight forward and the
 output gradient backward; torchao's Float8 linear with dynamic tensorwise scaling (``torch``)
-first reads each tensor once more for its absolute maximum.
+first reads each tensor once more for its absolute maximum. Projections run as one fused GEMM are
+one module (Megatron-Core's ``linear_qkv``, ``linear_fc1``: one Transformer Engine linear or
+grouped linear), which casts the input they share once: each is charged its width's share of
+that cast.
 
 ``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
 """
@@ -285,14 +288,15 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
     m = _n(x) // k
     n = w[0]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast
+    share = n / sum(fused_widths) if fused_widths else 1.0  # a fused GEMM's one module casts its input once
 
-    def cast(name: str, elems: int, weight: bool = False) -> Kernel:
+    def cast(name: str, elems: float, weight: bool = False) -> Kernel:
         return _pass(name, elems * per, weight)
 
     if phase == "F":
         return OpKernels(
             (
-                cast("fp8-cast-input", m * k),
+                cast("fp8-cast-input", m * k * share),
                 cast("fp8-cast-weight", n * k),
                 *_linear_gemms(phase, m, n, k, fused_widths, True),
             ),
@@ -594,8 +598,9 @@ def _matmul_fp8(phase, shapes, eb, impl, fused_widths=()):
     a, b, out = shapes[0], shapes[1], shapes[-1]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast, as a linear layer's
     gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True)
+    share = b[-1] / sum(fused_widths) if fused_widths else 1.0  # one fused module casts its input once
     if phase == "F":
-        casts = (_pass("fp8-cast-input", _n(a) * per), _pass("fp8-cast-weight", _n(b) * per))
+        casts = (_pass("fp8-cast-input", _n(a) * per * share), _pass("fp8-cast-weight", _n(b) * per))
         return OpKernels(casts + gemms.kernels, 3)
     return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *gemms.kernels), 2)
 
