@@ -978,3 +978,29 @@ def test_materialize_marks_every_fused_projection(model, expected) -> None:
         marked = {(t.op, t.fusion, t.fused_widths) for t in tasks if t.kind is kind and t.fusion is not None}
         assert Counter((f, w) for _, f, w in marked) == expected
     assert len({t.op for t in tasks if t.fusion is None}) > 0
+
+
+def test_fp8_keeps_the_output_projection_in_16_bits() -> None:
+    """torchtitan's Float8 filter leaves the ``output`` linear out and Megatron-Core's output_layer is no
+    Transformer Engine module: under FP8 the projection whose output reaches the loss is marked, priced
+    with 16-bit GEMMs and no casts, and keeps its 16-bit input for the backward; the other linear
+    layers run in FP8 and keep their input's cast."""
+    from conftest import traced
+    from planlab.costmodel.precision import Precision
+    from planlab.plan.saved import cast_inputs, output_layer
+
+    _, g = traced("llama-tiny", 8)
+    marked = {op.name for op in g.operators if output_layer(op, g)}
+    assert marked == {"output"}
+    fp8 = Precision("fp8", 2, 2, 4, 12, "fp8", linear_input_bytes=1)
+    out = g.op("output")
+    assert not cast_inputs(out, g, fp8)
+    other = next(op for op in g.operators if op.kind == "linear" and op.name != "output")
+    assert cast_inputs(other, g, fp8)
+    cost = CostModel.load("dgx-h100", precision="fp8")
+    x, w, y = (2, 256, 512), (1024, 512), (2, 256, 1024)
+    head = Task("o", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, y), output_layer=True)
+    body = Task("o", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, y))
+    as16 = CostModel.load("dgx-h100", precision="bf16")
+    assert cost.device_and_host_s(head, "fp8") == as16.device_and_host_s(body, "bf16")
+    assert cost.device_and_host_s(body, "fp8") != cost.device_and_host_s(head, "fp8")

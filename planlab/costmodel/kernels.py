@@ -64,7 +64,8 @@ output gradient backward; torchao's Float8 linear with dynamic tensorwise scalin
 first reads each tensor once more for its absolute maximum. Projections run as one fused GEMM are
 one module (Megatron-Core's ``linear_qkv``, ``linear_fc1``: one Transformer Engine linear or
 grouped linear), which casts the input they share once: each is charged its width's share of
-that cast.
+that cast. The model's output projection stays in 16 bits (``Task.output_layer``: torchtitan's
+Float8 filter leaves ``output`` out, Megatron-Core's ``output_layer`` is no Transformer Engine module).
 
 ``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
 """

@@ -282,7 +282,7 @@ class CostModel:
                 task.shapes,
                 eb,
                 sw.implementation,
-                fp8,
+                fp8 and not task.output_layer,  # FP8 recipes keep the output projection in 16 bits
                 sw.fused_softmax,
                 sw.fused_attention,
                 task.causal,

@@ -204,7 +204,9 @@ class Task:
     unit's gate and up projections: ``fusion`` says which), the group's local output widths
     (:func:`planlab.plan.fused_gemms.fused_fields`: a software that fuses them runs one GEMM).
     ``weight_matmul`` marks a piece of a matrix product with a weight, the experts' stacked weights
-    (:func:`planlab.plan.saved.weight_matmul`: a software with ``fp8_weight_matmuls`` runs it in FP8). ``ring`` marks the forward
+    (:func:`planlab.plan.saved.weight_matmul`: a software with ``fp8_weight_matmuls`` runs it in FP8);
+    ``output_layer`` marks a piece of the model's output projection, which FP8 trainings keep in 16 bits
+    (:func:`planlab.plan.saved.output_layer`). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
@@ -260,6 +262,7 @@ class Task:
     fused_widths: tuple[int, ...] = ()
     weight_matmul: bool = False
     fusion: Fusion | None = None
+    output_layer: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

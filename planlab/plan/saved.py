@@ -199,6 +199,30 @@ def weight_matmul(op: Operator, graph: Graph) -> bool:
     return op.kind == "matmul" and any(graph.tensors[t].role == "param" for t in op.inputs)
 
 
+LOSS_KINDS = frozenset({"cross_entropy", "vocab_cross_entropy"})
+_OUTPUT_VIEWS = frozenset({"reshape", "view", "transpose", "permute", "getitem", "expand"})
+
+
+def output_layer(op: Operator, graph: Graph) -> bool:
+    """Whether ``op`` is the model's output projection: a linear layer (or a product with a weight,
+    a tied embedding's) whose output reaches the loss through views only. FP8 trainings keep it in
+    16 bits: torchtitan converts every ``nn.Linear`` but the one named ``output``
+    (``torchtitan/float8.py``'s module filter), and Megatron-Core's ``output_layer`` is a
+    ``tensor_parallel.ColumnParallelLinear``, not a Transformer Engine module, so ``fp8_autocast``
+    leaves it in 16 bits (``megatron/core/models/gpt/gpt_model.py``)."""
+    if op.kind != "linear" and not weight_matmul(op, graph):
+        return False
+    frontier, seen = list(op.outputs), set()
+    while frontier:
+        for user in graph.consumers.get(frontier.pop(), ()):
+            if user.kind in LOSS_KINDS:
+                return True
+            if user.kind in _OUTPUT_VIEWS and user.name not in seen:
+                seen.add(user.name)
+                frontier.extend(user.outputs)
+    return False
+
+
 def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[str]:
     """The activation inputs ``op``'s backward keeps as the FP8 cast its forward GEMM made
     (``precision.linear_input_bytes`` bytes an element) instead of themselves: those of a linear
@@ -207,6 +231,8 @@ def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[s
         return frozenset()
     ts = graph.tensors
     if op.kind != "linear" and not weight_matmul(op, graph):
+        return frozenset()
+    if output_layer(op, graph):  # runs in 16 bits: keeps its input itself
         return frozenset()
     return frozenset(t for t in op.saves if t in op.inputs and ts[t].role == "activation" and ts[t].is_float)
 

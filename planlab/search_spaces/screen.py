@@ -242,7 +242,7 @@ class Screen:
         from planlab.plan.buffer import contribution, weight_grad
         from planlab.plan.program import Task, TaskKind
 
-        kind, whole, causal, fusion, widths, in_kernel, weight_matmul = self.t.works[work][4:11]
+        kind, whole, causal, fusion, widths, in_kernel, weight_matmul, output_layer = self.t.works[work][4:12]
         if not self.cost.host_bound:  # the roofline: only what runs inside another kernel changes it
             return (0.0 if in_kernel else 1.0), 0.0
         op = self.t.work_op[work]
@@ -271,6 +271,7 @@ class Screen:
             fused_widths=widths,
             in_kernel=in_kernel,
             weight_matmul=weight_matmul,
+            output_layer=output_layer,
         )
         dev, host = self.cost.device_and_host_s(task, self.dtype)
         roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0

@@ -39,6 +39,7 @@ from planlab.plan.saved import (
     keeps_producer_layout,
     saved_tensors,
     view_of,
+    output_layer,
     weight_matmul,
 )
 from planlab.plan.zero import unit_key
@@ -131,7 +132,8 @@ def work_of(
     share, kind, shapes of its inputs and outputs, whether it is a causal attention, the fusion and
     whole output widths of the GEMM it is fused into (:func:`planlab.plan.fused_gemms.whole_widths`),
     whether it runs inside another operator's kernel (a fused token permutation), whether it is a
-    matrix product with a weight (FP8 where the software runs those in FP8)): the fields of the
+    matrix product with a weight (FP8 where the software runs those in FP8), whether it is the
+    output projection (16 bits under FP8)): the fields of the
     Task the simulator prices (:meth:`planlab.search_spaces.screen.Screen._kernel_factor`)."""
     causal = op.kind == "attention" and causal_attention(op)
     shapes = shapes_of(g, op)
@@ -146,6 +148,7 @@ def work_of(
         *fused,
         in_kernel,
         weight_matmul(op, g),
+        output_layer(op, g),
     )
 
 

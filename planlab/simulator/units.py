@@ -290,6 +290,7 @@ class _Lowering:
             t.fused_widths,  # a projection's share of a fused GEMM (query, key and value; gate and up)
             t.fusion,
             t.weight_matmul,  # a matrix product with a weight (FP8 where the software runs those in FP8)
+            t.output_layer,  # the output projection (16 bits under FP8)
         )
         got = self.prices.get(key)
         if got is None:

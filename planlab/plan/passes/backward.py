@@ -28,7 +28,7 @@ from planlab.plan.passes.draft import (
 )
 from planlab.plan.program import Task, TaskKind
 from planlab.plan.fused_gemms import fused_fields
-from planlab.plan.saved import weight_matmul
+from planlab.plan.saved import output_layer, weight_matmul
 from planlab.plan.redistribute import same_layout
 
 
@@ -148,6 +148,7 @@ def backward_pieces(d: Draft) -> Draft:
             saved=d.saved[op.name],
             shapes=d.piece_shapes.get(op.name, ()),
             weight_matmul=weight_matmul(op, graph),
+            output_layer=output_layer(op, graph),
             **fused_fields(d, op),
         )
         own = piece_fields(op, gbufs, writes, flops, share, **kept)  # alike at every position

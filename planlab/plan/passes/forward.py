@@ -27,7 +27,7 @@ from planlab.plan.passes.draft import (
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.fused_gemms import fused_fields
 from planlab.plan.redistribute import same_layout
-from planlab.plan.saved import cast_inputs, fp8_cast, internals, saved_buffers, weight_matmul
+from planlab.plan.saved import cast_inputs, fp8_cast, internals, output_layer, saved_buffers, weight_matmul
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -178,6 +178,7 @@ def forward_pieces(d: Draft) -> Draft:
             saved=saved,
             box=None,
             weight_matmul=weight_matmul(op, graph),
+            output_layer=output_layer(op, graph),
             **fused_fields(d, op),
         )  # alike at every position
         for flat, dev in d.positions(mesh):
