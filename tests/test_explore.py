@@ -95,6 +95,22 @@ def test_the_screen_follows_zero3_zero_bubble_and_coshard(space, fixed, step):
         assert e.bound_bytes <= r.peak_mem_bytes * 1.001 and bound <= r.peak_mem_bytes * 1.001, a
 
 
+def test_a_co_located_piece_is_priced_at_its_share_of_the_split_piece():
+    """coshard's k pieces of a split's piece each cost 1/k of it on the kernel level (the split
+    piece's kernel factor over the roofline), not the split piece's kernels over 1/k of its flop: a
+    k-fold overprice that cost nnScaler's Swin workloads their co-sharded plans in the screen."""
+    spec, g = traced("gpt3-6.7b", 8)  # GEMMs of thousands: their time is their work, not a launch
+    cost = CostModel.load("dgx-a100-80g", 1)
+    scr = Screen(g, cost, cost.precision)
+    linear = next(i for i, op in enumerate(g.operators) if op.kind == "linear")
+    work = scr.t.work_class[linear]
+    for cut in ((), (("out", 2),)):
+        split = math.prod(n for _, n in cut)
+        for phase in ("F", "B"):
+            whole = scr._compute_s(work, split, 1, phase, cut)
+            assert scr._compute_s(work, 4 * split, 1, phase, cut) * 4 == pytest.approx(whole, rel=0.05)
+
+
 def test_memory_bounds_stay_below_the_simulated_peak(small_grid):
     """Pruning is safe: the screen's bound and the plan's bound never exceed the simulated peak."""
     for a, e, r, (static, acts) in small_grid:

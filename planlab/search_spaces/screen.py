@@ -221,7 +221,10 @@ class Screen:
                 flops, nbytes = flops * ratio * share, nbytes * share
             elif phase == "I":  # the rest, the input gradients
                 flops, nbytes = flops * ratio * (1 - share), nbytes * (1 - share)
-            factor, host = self._kernel_factor(work, phase, flops / m / pieces, nbytes / m / pieces, cut, m)
+            # the factor at the split's piece (``cut``); co-located pieces (coshard) divide it further,
+            # ``pieces`` over the split's, and take its factor
+            base = math.prod(n for _, n in cut)
+            factor, host = self._kernel_factor(work, phase, flops / m / base, nbytes / m / base, cut, m)
             dev = (
                 factor
                 * self.cost.compute_time_s(flops=flops / m / pieces, bytes_moved=nbytes / m / pieces, dtype=self.dtype)
