@@ -55,6 +55,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from planlab.plan.plan import RING_DIM, RING_KV_DIM
+from planlab.costmodel.kernels import VIEW_KINDS
 from planlab.graph.ir import Graph, Operator
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer
@@ -200,7 +201,6 @@ def weight_matmul(op: Operator, graph: Graph) -> bool:
 
 
 LOSS_KINDS = frozenset({"cross_entropy", "vocab_cross_entropy"})
-_OUTPUT_VIEWS = frozenset({"reshape", "view", "transpose", "permute", "getitem", "expand"})
 
 
 def output_layer(op: Operator, graph: Graph) -> bool:
@@ -217,7 +217,7 @@ def output_layer(op: Operator, graph: Graph) -> bool:
         for user in graph.consumers.get(frontier.pop(), ()):
             if user.kind in LOSS_KINDS:
                 return True
-            if user.kind in _OUTPUT_VIEWS and user.name not in seen:
+            if user.kind in VIEW_KINDS and user.name not in seen:
                 seen.add(user.name)
                 frontier.extend(user.outputs)
     return False
