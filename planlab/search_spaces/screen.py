@@ -345,8 +345,10 @@ class Screen:
                     p, pid, sizes, regather, order
                 )  # unit ahead: computation hides all but the first
                 cm += max(first, zc - (f + b))
-            # buckets overlap the last micro-batch's backward; the last one does not
-            got = self._priced[key] = _Priced(f, b, cm, fixed + max(last, ar - b) + opt_s, static, w, gathered, a2a)
+            # buckets overlap the last micro-batch's backward, the last one does not; a software that
+            # all-reduces after the backward (Megatron-LM's default) exposes them all
+            exposed = max(last, ar - b) if self.cost.software.grad_reduce == "overlapped" else ar
+            got = self._priced[key] = _Priced(f, b, cm, fixed + exposed + opt_s, static, w, gathered, a2a)
         return got
 
     def walked(self, walk, *shape):

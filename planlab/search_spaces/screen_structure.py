@@ -97,6 +97,8 @@ def _conversions(have: tuple, need: tuple, live: list[int], sizes, numel: int) -
         kind = _kind(h, w)
         if kind:
             cut = math.prod(sizes[live[k]] for k in range(len(live)) if k != j and (have[k] >= 0 or need[k] >= 0))
+            if kind == "all_to_all":  # priced on one rank's buffer (planlab.costmodel.comm), the others on the full one
+                cut *= sizes[live[j]]
             out.append((kind, live[j], numel / cut))
     return tuple(out)
 
