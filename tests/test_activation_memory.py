@@ -207,10 +207,29 @@ def test_routing_weights_in_the_experts_keep_no_gathered_outputs(moe_graphs) -> 
     older = CostModel.load(
         "dgx-a100-80g", 1, software=dataclasses.replace(FUSED.software, routing_weights_in_experts=False)
     )
-    per_layer = {}
-    for name, cost in (("now", FUSED), ("older", older)):
-        acts = {n: activations(moe_graphs, n, 1, False, "none", cost) for n in (2, 4)}
-        per_layer[name] = (acts[4][0] - acts[2][0]) / 2
-        for _, peak, bound, screen in acts.values():
-            assert bound <= peak * 1.001 and screen <= peak * 1.001
-    assert per_layer["older"] - per_layer["now"] == pytest.approx(2 * S * B * MK * LH, rel=0.01)
+    gained = layer_bytes(moe_graphs, older) - layer_bytes(moe_graphs, FUSED)
+    assert gained == pytest.approx(2 * S * B * MK * LH, rel=0.01)
+
+
+def layer_bytes(graphs, cost: CostModel) -> float:
+    """Bytes one layer keeps (no parallelism, no recomputation) under ``cost``, the explorer's
+    bound and the screen's checked below the simulated peak on the way."""
+    acts = {n: activations(graphs, n, 1, False, "none", cost) for n in (2, 4)}
+    for _, peak, bound, screen in acts.values():
+        assert bound <= peak * 1.001 and screen <= peak * 1.001
+    return (acts[4][0] - acts[2][0]) / 2
+
+
+HAI = CostModel.load("dgx-h100", 1, software="hai-llm", precision="fp8")
+
+
+def test_swiglu_input_stored_in_fp8_under_hai_llm(llama_graphs, moe_graphs) -> None:
+    """DeepSeek-V3's HAI-LLM (``--software hai-llm --precision fp8``: the precision's
+    ``glu_input_bytes`` 1, Megatron-Core's ``activation_func_fp8_input_store``) keeps the fused
+    SwiGLU's input, fc1's two outputs, as a one-byte cast: ``2 s b f`` bytes a dense layer less than
+    Megatron-Core's FP8 training, which keeps them in 16 bits, and ``2 s b k f`` per expert layer
+    (every expert takes every token here: ``E s b f`` elements of each of the two outputs). The
+    Program, the explorer's bound and the screen agree."""
+    assert HAI.precision.glu_input_bytes == 1 and FP8.precision.glu_input_bytes == 0
+    for graphs, saved in ((llama_graphs, 2 * S * B * LF), (moe_graphs, 2 * ME * S * B * MF)):
+        assert layer_bytes(graphs, FP8) - layer_bytes(graphs, HAI) == pytest.approx(saved, rel=0.01)

@@ -14,6 +14,7 @@ from planlab.explore import memory_lower_bound_bytes
 from planlab.plan.backward_split import weight_share
 from planlab.plan import FP32, Action, Block, DeviceProgram, Program, Task, TaskKind, materialize
 from planlab.plan.buffer import BufferKind, weight_grad
+from planlab.plan.saved import fp8_cast
 from planlab.plan.buffer import activation as A
 from planlab.search_spaces import Context, get_space, one_f_one_b, zb_h1
 from planlab.search_spaces.schedules import format_schedule, parse_schedule
@@ -227,3 +228,30 @@ def test_zb_h1_matches_one_process(n, knobs):
     assert res.losses[1] < res.losses[0]
     ran = {(t["device"], t["action"][1:2]) for t in res.timeline}
     assert {ph for _, ph in ran} == {"F", "I", "W", "U"}
+
+
+def test_fp8_w_keeps_the_output_gradients_fp8_cast_not_the_gradient():
+    """Under Transformer Engine's FP8 training (``megatron``, ``fp8``) a linear layer's deferred
+    weight-gradient GEMM keeps the FP8 cast of its output gradient that ``I`` made (TE's
+    ``wgrad_store``): the 16-bit gradient is freed after ``I``, the one-byte cast, half its bytes,
+    after ``W``. In 16 bits (and in the output layer, kept in 16 bits) ``W`` reads the gradient itself."""
+    fp8 = CostModel.load("dgx-h100", 1, software="megatron", precision="fp8")
+    plan, g = _plan(2, dict(dp=1, tp=1, pp=2, microbatch=1, schedule="zb-h1"))
+    kind = {op.name: op.kind for op in g.operators}
+    for prec, sw in ((fp8.precision, fp8.software), (None, fp8.software)):
+        for d in materialize(plan, g, precision=prec, software=sw).devices:
+            s = d.device
+            inp = {t.name: t for t in d.blocks[(s, "I")].tasks if t.kind is TaskKind.BACKWARD}
+            wgt = [t for t in d.blocks[(s, "W")].tasks if t.kind is TaskKind.BACKWARD and kind[t.op] == "linear"]
+            assert wgt
+            for w in wgt:
+                i = inp[w.name]
+                grads = [b for b in i.reads if b]
+                if prec is None or w.output_layer:  # 16 bits (the output layer is no FP8 module)
+                    assert w.reads == i.reads and not set(grads) & set(i.free)
+                    continue
+                casts = [fp8_cast(b) for b in grads]
+                assert not any(w.reads) and grads and set(grads) <= set(i.free)
+                assert set(casts) <= set(w.saved) & set(w.free) and set(casts) <= {b for b, _ in i.alloc}
+                sizes = {b: n for blk in d.blocks.values() for t in blk.tasks for b, n in t.alloc}
+                assert all(2 * sizes[c] == sizes[b] > 0 for b, c in zip(grads, casts))

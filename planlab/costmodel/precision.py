@@ -23,6 +23,9 @@ class Precision:
     ``linear_input_bytes`` the bytes per element of the copy of a linear layer's input its backward
     keeps where the software keeps the FP8 cast it made for the forward GEMM instead of the input
     (Transformer Engine under FP8 training: 1), 0 where it keeps the input itself;
+    ``glu_input_bytes`` the bytes per element of the copy of a fused gated linear unit's input (its
+    gate and up projections' outputs) its backward keeps where the software stores it cast
+    (Megatron-Core's ``activation_func_fp8_input_store``: 1), 0 where it keeps the input itself;
     ``per_tensor_overflow_check`` True where the step on whole weights checks each gradient tensor
     for inf/nan with a host synchronization of its own (DeepSpeed's FP16_Optimizer), False where one
     multi-tensor kernel checks them all (or nothing is checked)."""
@@ -35,6 +38,7 @@ class Precision:
     compute_dtype: str
     optimizer_pass_bytes: float = 0.0
     linear_input_bytes: int = 0
+    glu_input_bytes: int = 0
     per_tensor_overflow_check: bool = False
 
     @property

@@ -112,7 +112,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     moments) per parameter, ``optimizer_pass_bytes`` (memory traffic of one optimizer step per
     parameter), ``compute`` (the dtype of the GEMMs) and, optionally, ``linear_input_bytes`` (a
     linear layer keeps the cast of its input made for an FP8 GEMM, this many bytes an element,
-    instead of the input: Transformer Engine; absent: the input itself) and
+    instead of the input: Transformer Engine; absent: the input itself), ``glu_input_bytes`` (a
+    fused gated linear unit, ``fused_glu``, keeps its input cast to this many bytes an element and
+    casts it back in its backward: Megatron-Core's ``activation_func_fp8_input_store``; absent: the
+    input itself) and
     ``per_tensor_overflow_check`` (the step on whole weights, without ZeRO shards, checks each
     gradient tensor for inf/nan with a host synchronization of its own, so the device idles while
     the host issues each next check: DeepSpeed's FP16_Optimizer; absent: false);
@@ -213,6 +216,7 @@ _PRECISION_FIELDS = {
     "optimizer_bytes",
     "optimizer_pass_bytes",
     "linear_input_bytes",
+    "glu_input_bytes",
     "per_tensor_overflow_check",
     "compute",
     "source",
@@ -488,6 +492,7 @@ def _precisions(f: Fields) -> dict[str, Precision]:
                 "optimizer_pass_bytes", strict=False, high=1000.0, unit="bytes moved per parameter"
             ),
             linear_input_bytes=nbytes("linear_input_bytes") if "linear_input_bytes" in p.obj else 0,
+            glu_input_bytes=nbytes("glu_input_bytes") if "glu_input_bytes" in p.obj else 0,
             per_tensor_overflow_check=_flag(p, "per_tensor_overflow_check", False),
         )
     if not out:

@@ -14,6 +14,16 @@ autograd graph, which its ``W`` task uses and frees, so the product's saved inpu
 gradient live until ``W``. Other operators (layer norms) compute their weight gradients in ``I``
 (:func:`weight_share`).
 
+Under FP8 training with Transformer Engine (the precision's ``linear_input_bytes``) the weight-gradient
+GEMM of a linear layer (or of a product with a weight) reads the FP8 cast of its output gradient
+that the input-gradient GEMM made, and a deferred ``W`` keeps that cast, not the 16-bit gradient:
+TE's ``_Linear.backward`` puts ``[inputmat_total, grad_output]`` in its ``wgrad_store`` when
+``delay_wgrad_compute()``, ``grad_output`` being the quantized tensor of ``grad_output_preprocess``
+(Megatron-Core's ``--delay-wgrad-compute``); DeepSeek-V3's report (section 3.3, Figure 6) runs
+Wgrad on the FP8 output gradient. The ``I`` task makes the cast (:func:`planlab.plan.saved.fp8_cast`
+of each output gradient it reads, kept in its ``saved`` and allocated there) and the ``W`` task
+keeps it instead of reading the gradient, which is freed after ``I``.
+
 With recomputation the inputs ``W`` keeps are the recomputed ones: a micro-batch between its
 ``I`` and its ``W`` holds, for every layer of the stage, each product's input and output gradient,
 about as much as a layer keeps without recomputation (Qi et al.'s ``M_W = 32 b s h`` against
@@ -24,13 +34,17 @@ docs/spaces.md).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from planlab.graph.ir import Graph
 from planlab.plan.buffer import WEIGHT_GRAD_KINDS
 from planlab.plan.passes.draft import Draft
 from planlab.plan.plan import Action
 from planlab.plan.program import Role, Task, TaskKind
+from planlab.plan.saved import cast_inputs, fp8_cast
+
+if TYPE_CHECKING:
+    from planlab.costmodel.precision import Precision
 
 # operators whose weight gradient is one product as large as the forward (dW = dY^T X)
 PRODUCT_KINDS = ("linear", "matmul", "einsum", "conv")
@@ -56,9 +70,11 @@ def weight_share(kind: str, weights: int, inputs: int) -> float:
     return 0.5 if kind in PRODUCT_KINDS else 0.0
 
 
-def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
+def split_task(task: Task, kind: str, cast: bool = False) -> tuple[Task | None, Task | None]:
     """A backward task as its ``I`` and ``W`` parts (None where there is nothing to compute). An
-    ``I`` part whose ``W`` part follows keeps the piece's autograd graph for it (``Role.KEEP_GRAPH``)."""
+    ``I`` part whose ``W`` part follows keeps the piece's autograd graph for it (``Role.KEEP_GRAPH``);
+    with ``cast`` (an FP8 weight-gradient GEMM) its ``W`` part keeps the FP8 casts of the output
+    gradients the ``I`` part made instead of reading the gradients (module docstring)."""
     is_w = [w is not None and w.kind in WEIGHT_GRAD_KINDS for w in task.writes]
     is_i = [bool(w) and not x for w, x in zip(task.writes, is_w)]
     share = weight_share(kind, sum(is_w), sum(is_i))
@@ -66,16 +82,20 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
         return task, None
     if share == 1.0:
         return None, task
+    casts = tuple(fp8_cast(g) for g in task.reads if g) if cast else ()
     inp = task.but(
         writes=tuple(w if i else None for w, i in zip(task.writes, is_i)),
         flops=task.flops * (1 - share),
         bytes_moved=task.bytes_moved * (1 - share),
         role=Role.KEEP_GRAPH,
+        saved=task.saved + casts,
     )
     wgt = task.but(
         writes=tuple(w if x else None for w, x in zip(task.writes, is_w)),
         flops=task.flops * share,
         bytes_moved=task.bytes_moved * share,
+        reads=tuple(None for _ in task.reads) if casts else task.reads,
+        saved=task.saved + casts,
     )
     return inp, wgt
 
@@ -83,15 +103,32 @@ def split_task(task: Task, kind: str) -> tuple[Task | None, Task | None]:
 def split_zero_bubble(d: Draft) -> Draft:
     """On every device whose schedule has ``I`` and ``W`` actions, the backward blocks of those
     stages split (:func:`split_backward`)."""
-    blocks = d.copy_blocks()
+    blocks, sizes = d.copy_blocks(), d.copy_sizes()
+    cast = fp8_weight_grads(d.graph, d.precision)
     for dev, mine in blocks.items():
         given = d.plan.schedule[dev] if d.plan.schedule and dev < len(d.plan.schedule) else ()
         if any(a.phase in ("I", "W") for a in given):
-            split_backward(mine, split_stages(given), d.graph)
-    return d.replace(blocks=blocks)
+            split_backward(mine, split_stages(given), d.graph, cast)
+            own = sizes.setdefault(dev, {})
+            for t in (t for k, ts in mine.items() if k[1] == "I" for t in ts if t.role is Role.KEEP_GRAPH):
+                if t.op in cast:
+                    for g in t.reads:
+                        if g and g in own:
+                            own[fp8_cast(g)] = own[g] * d.precision.linear_input_bytes // d.precision.activation_bytes
+    return d.replace(blocks=blocks, sizes=sizes)
 
 
-def split_backward(blocks: dict[tuple[int, str], list[Task]], stages: set[int], graph: Graph) -> None:
+def fp8_weight_grads(graph: Graph, precision: Precision) -> frozenset[str]:
+    """The operators whose weight-gradient GEMM reads the FP8 cast of their output gradient (module
+    docstring): under a precision with ``linear_input_bytes``, those that keep their inputs' casts."""
+    if not precision.linear_input_bytes:
+        return frozenset()
+    return frozenset(op.name for op in graph.operators if cast_inputs(op, graph, precision))
+
+
+def split_backward(
+    blocks: dict[tuple[int, str], list[Task]], stages: set[int], graph: Graph, cast: frozenset[str] = frozenset()
+) -> None:
     """Replace the ``(stage, "B")`` blocks (task lists) of ``stages`` by ``I`` and ``W`` blocks (in
     place); each task keeps its place in the backward order. ``W`` gets each backward task's
     weight-gradient part and the overlapped reductions of weight gradients, ``I`` the rest."""
@@ -102,7 +139,7 @@ def split_backward(blocks: dict[tuple[int, str], list[Task]], stages: set[int], 
         inp, wgt = blocks.setdefault((st, "I"), []), blocks.setdefault((st, "W"), [])
         for t in items:
             if t.kind is TaskKind.BACKWARD:
-                i, w = split_task(t, graph.op(t.op).kind)
+                i, w = split_task(t, graph.op(t.op).kind, t.op in cast)
                 if i is not None:
                     inp.append(i)
                 if w is not None:

@@ -41,7 +41,12 @@ bound and the screen all ask here:
   (:func:`cast_inputs`): one cast of a tensor in one layout, shared by the layers that read it
   there (one fused GEMM in Megatron-Core: its QKV and SwiGLU fc1 layers), buffer
   :func:`fp8_cast` of the buffer cast, the screen's and the explorer's key
-  ``INTERNAL + "<tensor>:fp8"``.
+  ``INTERNAL + "<tensor>:fp8"``;
+- a fused gated linear unit whose software stores its input cast (the precision's
+  ``glu_input_bytes``: Megatron-Core's ``activation_func_fp8_input_store``, whose
+  ``SwiGLUFunction`` saves ``input.to(torch.float8_e4m3fn)`` and casts it back to the original
+  dtype in its backward) keeps the projections' outputs as that cast (:func:`glu_inputs`), the
+  same buffer :func:`fp8_cast` names.
 
 An *internal* is a buffer that is no tensor of the graph: ``(tag, base tensor, elements per
 element of the base, bytes per element)``; materialize's buffer for it is
@@ -223,18 +228,48 @@ def output_layer(op: Operator, graph: Graph) -> bool:
     return False
 
 
-def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[str]:
-    """The activation inputs ``op``'s backward keeps as the FP8 cast its forward GEMM made
-    (``precision.linear_input_bytes`` bytes an element) instead of themselves: those of a linear
-    layer, or of a matrix product with a weight, where the precision says so (module docstring)."""
+def cast_inputs(
+    op: Operator, graph: Graph, precision: Precision, software: SoftwareSpec | None = None
+) -> dict[str, int]:
+    """The activation inputs ``op``'s backward keeps as a cast its forward made instead of
+    themselves, with the bytes an element of each cast: those of a linear layer, or of a matrix
+    product with a weight, kept as the FP8 cast of the forward GEMM where the precision says so
+    (``precision.linear_input_bytes``), and those of a fused gated linear unit stored cast where
+    the software fuses it and the precision says so (``precision.glu_input_bytes``:
+    :func:`glu_inputs`) (module docstring)."""
+    if precision.glu_input_bytes and software is not None and software.fused_glu:
+        glu = glu_inputs(op, graph)
+        if glu:
+            return dict.fromkeys(glu, precision.glu_input_bytes)
     if not precision.linear_input_bytes or op.kind not in CAST_KINDS:
-        return frozenset()
+        return {}
     ts = graph.tensors
     if op.kind != "linear" and not weight_matmul(op, graph):
-        return frozenset()
+        return {}
     if output_layer(op, graph):  # runs in 16 bits: keeps its input itself
-        return frozenset()
-    return frozenset(t for t in op.saves if t in op.inputs and ts[t].role == "activation" and ts[t].is_float)
+        return {}
+    return {
+        t: precision.linear_input_bytes
+        for t in op.saves
+        if t in op.inputs and ts[t].role == "activation" and ts[t].is_float
+    }
+
+
+def glu_inputs(op: Operator, graph: Graph) -> tuple[str, ...]:
+    """The inputs a fused gated linear unit keeps through ``op``: the gate projection's output
+    where ``op`` is its activation (its one reader a product :func:`glu_gate` names), the up
+    projection's output where ``op`` is its product; () for any other operator. Megatron-Core's
+    ``SwiGLUFunction`` saves its one input, both projections' outputs side by side
+    (``megatron/core/fusions/fused_bias_swiglu.py``)."""
+    if op.kind == "mul":
+        gate = glu_gate(op, graph)
+        return tuple(t for t in op.inputs if t != gate and t in op.saves) if gate is not None else ()
+    if op.kind != "activation" or len(op.outputs) != 1:
+        return ()
+    readers = graph.consumers.get(op.outputs[0], ())
+    if len(readers) == 1 and glu_gate(readers[0], graph) == op.outputs[0]:
+        return tuple(t for t in op.inputs[:1] if t in op.saves)
+    return ()
 
 
 def fp8_cast(buf: Buffer) -> Buffer:
@@ -284,7 +319,7 @@ def saved_buffers(
     ``view_read(view operator)`` instead, the buffer the view operator read here (None: the view).
     An input kept as its FP8 cast (:func:`cast_inputs`) is kept as :func:`fp8_cast` of its buffer."""
     out = []
-    cast = cast_inputs(op, graph, precision)
+    cast = cast_inputs(op, graph, precision, software)
     for s in saved_tensors(op, software, graph, precision):
         if s in op.outputs:
             out.append(outs[op.outputs.index(s)])
@@ -339,7 +374,7 @@ def saved_activations(
         return spec.numel / cut / (microbatches if batch else 1) * per * eb
 
     out = []
-    cast = cast_inputs(op, graph, precision)
+    cast = cast_inputs(op, graph, precision, software)
     for t in saved_tensors(op, software, graph, precision):
         if graph.tensors[t].role == "param":
             continue
@@ -354,7 +389,7 @@ def saved_activations(
             prod = graph.producer[t]
             cut = max(cut, cut_of(plans[prod.name], prod, t))
         if t in cast:
-            out.append(((f"{INTERNAL}{t}:fp8", cut), per_microbatch(t, cut, nbytes=precision.linear_input_bytes)))
+            out.append(((f"{INTERNAL}{t}:fp8", cut), per_microbatch(t, cut, nbytes=cast[t])))
             continue
         out.append(((t, cut), per_microbatch(t, cut)))
     for tag, base, per, nbytes in internals(op, graph, software, precision.activation_bytes):

@@ -176,7 +176,7 @@ class Tables:
         ss, names, prods = [], [], []
         if op.name in fwd_only:
             return ss, names, prods
-        cast = cast_inputs(op, g, prec)
+        cast = cast_inputs(op, g, prec, software)
         for t in saved_tensors(op, software, g, prec):
             spec = g.tensors[t]
             if spec.role == "param":
@@ -192,9 +192,9 @@ class Tables:
                 continue
             kept = keeps_producer_layout(op, t, g, software)  # cut as its producer cuts it, where more
             prod = g.producer[t] if kept else None
-            fp8 = t in cast  # its FP8 cast instead (planlab.plan.saved.cast_inputs)
+            fp8 = t in cast  # its cast instead (planlab.plan.saved.cast_inputs)
             ss.append(
-                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), prec.linear_input_bytes if fp8 else ebytes(t))
+                (spec.numel, frozenset(axis_map(op, t)), is_batch(t), cast[t] if fp8 else ebytes(t))
                 + ((frozenset(axis_map(prod, t)),) if kept else ())
             )
             names.append(f"{INTERNAL}{t}:fp8" if fp8 else t)

@@ -218,7 +218,7 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
     """The bytes of the FP8 casts of its inputs one piece of ``op`` keeps for its backward
     (:func:`~planlab.plan.saved.cast_inputs`), each in the layout of the buffer it cast."""
     L, out = d.layouts, {}
-    cast = cast_inputs(op, d.graph, d.precision)
+    cast = cast_inputs(op, d.graph, d.precision, d.software)
     if not cast:
         return out
     for j, t in enumerate(op.inputs):
@@ -227,7 +227,7 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
             continue
         for b, lay in ((d.reads[op.name][j], L.needs(op, j)), (buf_.activation(t), L.has(prod, prod.outputs.index(t)))):
             if fp8_cast(b) in saved:
-                out[fp8_cast(b)] = math.prod(L.local_shape(lay, t)) * d.precision.linear_input_bytes
+                out[fp8_cast(b)] = math.prod(L.local_shape(lay, t)) * cast[t]
     return out
 
 

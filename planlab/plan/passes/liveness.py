@@ -85,21 +85,24 @@ def liveness_inputs(blocks: dict) -> list:
 def lifetimes(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> tuple[dict, dict]:
     """Where each buffer is allocated (with its bytes) and freed, by the position of the task in
     the walk of ``blocks`` in order: a buffer is allocated by its first writer (an internal buffer,
-    :mod:`planlab.plan.saved`, by the forward task that keeps it) and freed after its last reader, in the canonical block order (:func:`~planlab.plan.passes.order.block_order`),
-    which every valid schedule preserves per micro-batch. Each group of buffers in ``together`` is
+    :mod:`planlab.plan.saved`, by the forward task that keeps it, or by zero-bubble's ``I`` task
+    that makes the FP8 casts of its output gradients for its ``W``,
+    :mod:`planlab.plan.backward_split`) and freed after its last reader, in the canonical block
+    order (:func:`~planlab.plan.passes.order.block_order`), which every valid schedule preserves
+    per micro-batch. Each group of buffers in ``together`` is
     freed at once, after the last reader of any of them (ZeRO-3 frees a layer's gathered weights
     together). Static buffers (weights, their gradients, shards, sources) live all along."""
     order = sorted(blocks, key=block_order)
     # positions are numbered across the blocks in that order: a task's is its index in the walk
     first: dict[Buffer, int] = {}
     last: dict[Buffer, int] = {}
-    forward, internal = TaskKind.FORWARD, BufferKind.INTERNAL
+    forward, internal, keep = TaskKind.FORWARD, BufferKind.INTERNAL, Role.KEEP_GRAPH
     pos = 0
     for bk in order:
         for t in blocks[bk].tasks:
             made = t.writes
             saved = t.saved
-            if saved and t.kind is forward:
+            if saved and (t.kind is forward or t.role is keep):  # internals kept from here (zero-bubble's I: FP8 casts)
                 made = made + tuple(b for b in saved if b.kind is internal)
             for b in made:
                 if b and not b.static and b not in first:
