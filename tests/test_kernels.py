@@ -440,7 +440,10 @@ def test_unknown_software(name, fragments) -> None:
             dict(attention_efficiency={"flash2": {"forward": 1.2, "backward": 0.5}}),
             ["'device.attention_efficiency.flash2.forward'", "(0, 1]", "fused attention"],
         ),
-        (dict(attention_efficiency={"flash9": 0.5}), ["'device.attention_efficiency'", "'flash9'", "'cudnn'"]),
+        (
+            dict(attention_efficiency={"flash9": 0.5}),
+            ["'device.attention_efficiency'", "'flash9'", "'cudnn'", "'unfused'"],
+        ),
         (
             dict(attention_efficiency={"cudnn": {"forward": 0.5, "backward": 0.5, "overhead_k": 0.5}}),
             ["'device.attention_efficiency.cudnn.overhead_k'", "integer >= 1"],

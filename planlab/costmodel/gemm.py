@@ -78,6 +78,10 @@ class GemmSpec:
                 return (backward_eff if backward else forward_eff), overhead_k
         return self.efficiency, 0
 
+    def measured_attention(self, kernel: str) -> bool:
+        """Whether ``attention_efficiency`` lists ``kernel`` (a measurement, not the GEMMs' fallback)."""
+        return any(name == kernel for name, *_ in self.attention_efficiency)
+
     def __str__(self) -> str:
         return f"{self.sm_count} SMs, {self.efficiency:.3g} of peak, {len(self.tiles)} tiles"
 

@@ -66,6 +66,9 @@ _DEVICE_FIELDS = {
 ARCHITECTURES = ("volta", "ampere", "hopper", "cdna3", "cpu")  # a device's generation, as software picks kernels by it
 # fused attention kernels: FlashAttention-2 and -3, cuDNN's fused attention
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn")
+# the batched GEMMs of an unfused attention core (Megatron's baddbmm and bmm writing and reading the T x S scores):
+# a device may list their measured efficiency beside the fused kernels'; no software runs it as a fused kernel
+UNFUSED_ATTENTION = "unfused"
 _NODE_FIELDS = {
     "name",
     "description",
@@ -348,16 +351,20 @@ def _architecture(f: Fields) -> str:
 
 def _attention_efficiency(f: Fields) -> tuple[tuple[str, float, float, int], ...]:
     """The device's ``attention_efficiency``: an object of fused attention kernel (one of
-    :data:`ATTENTION_KERNELS`) -> ``{"forward": x, "backward": y, "overhead_k": k0}``: the fractions of the
-    dense peak its forward and its backward kernel reach, and its work per score element as ``k0`` more
-    steps of k (optional, 0); () if not given."""
+    :data:`ATTENTION_KERNELS`, or :data:`UNFUSED_ATTENTION` for the batched GEMMs of an unfused core) ->
+    ``{"forward": x, "backward": y, "overhead_k": k0}``: the fractions of the dense peak its forward and its
+    backward kernel reach, and its work per score element (a GEMM's per tile) as ``k0`` more steps of k
+    (optional, 0); () if not given."""
     if "attention_efficiency" not in f.obj:
         return ()
     sub = f.sub("attention_efficiency")
     out = []
     for kernel in sub.obj:
-        if kernel not in ATTENTION_KERNELS:
-            raise f.error("attention_efficiency", f"names kernel {kernel!r}; choose {choices(ATTENTION_KERNELS)}")
+        if kernel not in (*ATTENTION_KERNELS, UNFUSED_ATTENTION):
+            raise f.error(
+                "attention_efficiency",
+                f"names kernel {kernel!r}; choose {choices((*ATTENTION_KERNELS, UNFUSED_ATTENTION))}",
+            )
         passes = sub.sub(kernel)
         passes.only({"forward", "backward", "overhead_k"})
         unit = "fraction of the dense peak the fused attention kernel reaches"

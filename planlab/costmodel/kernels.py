@@ -108,6 +108,9 @@ class Kernel:
     fused: bool = False  # a fused kernel priced as a GEMM of its flop (flash attention): no per-tile k overhead
     computed: float = 1.0  # the share of its blocks the kernel computes (a causal flash kernel skips the masked ones)
     backward: bool = False  # a fused kernel's backward (its own kernel, at its own measured efficiency)
+    # a batched GEMM of an unfused attention core (Megatron's baddbmm and bmm and their backward), which writes or
+    # reads the T x S scores: at the device's measured "unfused" attention efficiency where it has one
+    core: bool = False
 
     def __str__(self) -> str:
         if self.gemm:
@@ -159,6 +162,7 @@ def _gemm(
     computed: float = 1.0,
     nbytes: float = 0.0,
     backward: bool = False,
+    core: bool = False,
 ) -> Kernel:
     return Kernel(
         name,
@@ -169,6 +173,7 @@ def _gemm(
         fused=fused,
         computed=computed,
         backward=backward,
+        core=core,
     )
 
 
@@ -354,10 +359,10 @@ def _attention(phase, shapes, eb, impl, fused_softmax=True, causal=False):
     if phase == "F":
         return OpKernels(
             (
-                _gemm("baddbmm-scores", bh, t, s, d),
+                _gemm("baddbmm-scores", bh, t, s, d, core=True),
                 *softmax,
                 _pass("attention-dropout", scores * (2 * eb + 1)),
-                _gemm("bmm-context", bh, t, e, s),
+                _gemm("bmm-context", bh, t, e, s, core=True),
                 _pass("permute-contiguous", 2 * ctx),
             ),
             11 + len(softmax),
@@ -365,12 +370,12 @@ def _attention(phase, shapes, eb, impl, fused_softmax=True, causal=False):
     return OpKernels(
         (
             _pass("permute-contiguous", 2 * ctx),
-            _gemm("bmm-grad-probs", bh, t, s, e),
-            _gemm("bmm-grad-value", bh, s, e, t),
+            _gemm("bmm-grad-probs", bh, t, s, e, backward=True, core=True),
+            _gemm("bmm-grad-value", bh, s, e, t, backward=True, core=True),
             _pass("attention-dropout-bwd", scores * (2 * eb + 1)),
             *softmax,
-            _gemm("baddbmm-grad-query", bh, t, d, s),
-            _gemm("baddbmm-grad-key", bh, s, d, t),
+            _gemm("baddbmm-grad-query", bh, t, d, s, backward=True, core=True),
+            _gemm("baddbmm-grad-key", bh, s, d, t, backward=True, core=True),
         ),
         9 + len(softmax),
     )

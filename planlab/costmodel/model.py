@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from planlab.costmodel import comm, compute, ring
 from planlab.costmodel.gemm import gemm_time_s
-from planlab.costmodel.hardware import ClusterSpec, load_cluster
+from planlab.costmodel.hardware import UNFUSED_ATTENTION, ClusterSpec, load_cluster
 from planlab.costmodel.host import host_task_time_s
 from planlab.costmodel.kernels import Kernel, op_kernels
 from planlab.costmodel.precision import Precision
@@ -342,6 +342,10 @@ class CostModel:
         spec = dev.gemm
         if kernel.fp8:
             spec = spec.fp8()
+        if kernel.core and spec.measured_attention(UNFUSED_ATTENTION):  # an unfused attention core's batched GEMM:
+            # the tile model at the efficiency and tile overhead its kernel microbenchmark gives (devices.json)
+            efficiency, overhead_k = spec.attention(UNFUSED_ATTENTION, kernel.backward)
+            spec = dataclasses.replace(spec, tile_overhead_k=overhead_k, efficiency=efficiency)
         if kernel.fused:  # fused attention: the kernel's own efficiency and overhead per score element (in place
             # of a tiled GEMM's per-tile overhead, cuBLAS's), and its own memory traffic (no T x S output) as the floor
             chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device
