@@ -56,6 +56,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from planlab.enums import StrEnum
+from planlab.costmodel import nccl
 from planlab.costmodel.hardware import ClusterSpec, NodeSpec
 from planlab.errors import ConfigError, choices
 
@@ -174,11 +175,29 @@ def scale_efficiency(node: NodeSpec, nodes: int) -> float:
 def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
     node = cluster.node
     steps, traffic = _RING[kind]
-    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
     bw = _intra_bw(node, nbytes, p.n)  # bytes/s, at the ring's per-rank chunk
     if p.nodes > 1:  # g_min rings, one NIC each
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails, p.n))
+    if p.nodes > 1 and node.collective_library == "nccl":
+        return _nccl_ring(kind, nbytes, p, bw)
+    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
     return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
+
+
+def _nccl_ring(kind: Collective, nbytes: float, p: Placement, bw: float) -> float:
+    """A ring over nodes as NCCL's tuner prices it: the fastest protocol, each with its latency
+    (a base, an NVLink hop per step inside a node, a network hop per step between nodes) and its
+    share of the links' achieved bandwidth ``bw`` (:mod:`planlab.costmodel.nccl`)."""
+    steps, traffic = _RING[kind]
+    net_steps = (2 if kind is Collective.ALL_REDUCE else 1) * (p.nodes - 1)  # nInterSteps
+    best = math.inf
+    for proto, cost in nccl.RING.items():
+        lat = nccl.ring_latency_s(cost, steps(p.n), net_steps)
+        plateau = nbytes >= p.n * nccl.RING_PLATEAU_BYTES_PER_RANK
+        if kind is Collective.ALL_REDUCE and proto is nccl.Protocol.SIMPLE and plateau:
+            lat *= nccl.RING_PLATEAU
+        best = min(best, lat + traffic(p.n) * nbytes / (cost.bandwidth * bw))
+    return best
 
 
 # NCCL's tuning model derates a tree's bus bandwidth to 0.9 of what its channels carry in a ring
@@ -198,6 +217,11 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))
+    if p.nodes > 1 and node.collective_library == "nccl":  # NCCL's protocols, the fastest
+        return min(
+            nccl.tree_latency_s(cost, p.g_max, p.nodes) + 2.0 * nbytes / (TREE_BANDWIDTH * cost.bandwidth * bw)
+            for cost in nccl.TREE.values()
+        )
     return 2.0 * depth_s + 2.0 * nbytes / (TREE_BANDWIDTH * bw)
 
 
@@ -322,6 +346,10 @@ def collective_time_s(
     if p.n == 1 or nbytes == 0:
         return 0.0
     todo = (algo,) if algorithm is not None else _APPLICABLE[kind_]
+    if algorithm is None and cluster.node.collective_library == "nccl":
+        # NCCL's tuner chooses among its own algorithms: rings and trees, no hierarchy of rings
+        # ("if (coll != ncclFuncAllReduce && a != NCCL_ALGO_RING) continue;", ncclTopoTuneModel, v2.8.3)
+        todo = tuple(a for a in todo if a is not Algorithm.HIERARCHICAL)
     best = math.inf
     for a in todo:
         if a is Algorithm.DIRECT:
