@@ -81,10 +81,14 @@ def main() -> None:
         with DATA.open() as fh:
             rows = [r for r in csv.DictReader(fh) if r["set"] == "echo-a100" and r["nodes"] == "2"]
         top, half_mib, exponent = fit_inter_efficiency(rows)
-        print(f"inter_efficiency fitted to {len(rows)} two-node rows: max {top}, half_MiB {half_mib}, exponent {exponent}\n")
+        print(
+            f"inter_efficiency fitted to {len(rows)} two-node rows: max {top}, half_MiB {half_mib}, exponent {exponent}\n"
+        )
     errors: dict[str, list[float]] = {}
-    print(f"{'set':<14} {'cluster':<18} {'nodes':>5} {'ranks':>5} {'collective':<11} {'bytes':>11}"
-          f" {'measured':>10} {'planlab':>10} {'error':>7}  algorithm")
+    print(
+        f"{'set':<14} {'cluster':<18} {'nodes':>5} {'ranks':>5} {'collective':<11} {'bytes':>11}"
+        f" {'measured':>10} {'planlab':>10} {'error':>7}  algorithm"
+    )
     with DATA.open() as fh:
         for row in csv.DictReader(fh):
             nodes, ranks, nbytes = int(row["nodes"]), int(row["ranks"]), int(row["bytes"])
@@ -101,8 +105,10 @@ def main() -> None:
                 unit = "us"
                 err = measured / model - 1  # > 0: planlab too fast, as for bandwidth
             errors.setdefault(row["set"], []).append(err)
-            print(f"{row['set']:<14} {row['cluster']:<18} {nodes:>5} {ranks:>5} {kind:<11} {nbytes:>11}"
-                  f" {measured:>7.1f}{unit:>3} {model:>7.1f}{unit:>3} {err:>+7.1%}  {algo}")
+            print(
+                f"{row['set']:<14} {row['cluster']:<18} {nodes:>5} {ranks:>5} {kind:<11} {nbytes:>11}"
+                f" {measured:>7.1f}{unit:>3} {model:>7.1f}{unit:>3} {err:>+7.1%}  {algo}"
+            )
     print("\nerror > 0: planlab faster than measured (bandwidth higher, or time shorter)")
     for name, errs in errors.items():
         mape = sum(abs(e) for e in errs) / len(errs)

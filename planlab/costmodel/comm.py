@@ -34,7 +34,11 @@ Placement decides the link. Within one node: the intra-node link per device,
 nodes, with g members on the node that has fewest: g rings run in parallel,
 one per member's NIC, and each ring also crosses intra-node links, so
 ``bandwidth = min(intra * eff_intra(nbytes), g * inter * eff_inter(nbytes))``
-and every ring step pays the inter-node latency. When the nodes sit under more
+and every ring step pays the inter-node latency; on a cluster whose ``collective_library`` is
+``"nccl"`` a ring or tree spanning nodes is priced as NCCL's tuner prices it instead (the fastest
+of its protocols, each with a base latency, an NVLink hop per step inside a node and a network hop
+per step between nodes, at its share of the bandwidth: :mod:`planlab.costmodel.nccl`), and only
+NCCL's algorithms are chosen (no hierarchical all_gather or reduce_scatter). When the nodes sit under more
 than one leaf switch of an oversubscribed fat tree, the inter-node bandwidth is
 divided by the oversubscription. all_to_all spanning nodes is bounded by the
 slower of the traffic to node peers (intra link) and to other nodes (the rank's
