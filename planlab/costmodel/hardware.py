@@ -341,11 +341,16 @@ def _device_from(f: Fields, name: str) -> DeviceSpec:
 
 def _architecture(f: Fields) -> str:
     """The device's ``architecture`` (one of :data:`ARCHITECTURES`; "" if not given)."""
-    if "architecture" not in f.obj:
+    return _optional_choice(f, "architecture", ARCHITECTURES)
+
+
+def _optional_choice(f: Fields, key: str, allowed: tuple[str, ...]) -> str:
+    """Field ``key``, one of ``allowed``; "" when not given."""
+    if key not in f.obj:
         return ""
-    val = f.get("architecture")
-    if val not in ARCHITECTURES:
-        raise f.error("architecture", f"is {val!r}; choose {choices(ARCHITECTURES)}")
+    val = f.get(key)
+    if val not in allowed:
+        raise f.error(key, f"is {val!r}; choose {choices(allowed)}")
     return val
 
 
@@ -496,12 +501,7 @@ def _collective_sms(f: Fields, device: DeviceSpec) -> int:
 def _collective_library(f: Fields) -> str:
     """``collective_library``: ``"nccl"`` prices collectives spanning nodes by NCCL's protocols and
     their latencies (:mod:`planlab.costmodel.nccl`); "" (not given) by the spec's latencies alone."""
-    if "collective_library" not in f.obj:
-        return ""
-    name = f.text("collective_library")
-    if name not in COLLECTIVE_LIBRARIES:
-        raise f.error("collective_library", f"is {name!r}; choose {choices(COLLECTIVE_LIBRARIES)}")
-    return name
+    return _optional_choice(f, "collective_library", COLLECTIVE_LIBRARIES)
 
 
 def _host_from(f: Fields, per_node: int) -> HostSpec:
