@@ -205,7 +205,10 @@ def bus_bandwidth(cluster: ClusterSpec, nbytes: float, group: tuple[int, ...]) -
         ("dgx-a100-40g", 2, 16, 16 * MiB, 85.7),
         ("dgx-a100-40g", 2, 16, 128 * MiB, 123.4),
         ("dgx-a100-40g", 2, 16, 1 * GiB, 124.5),
-        # same logs, 16 nodes: large messages only (NCCL uses trees for small ones; a ring is slower)
+        # same logs, 16 nodes: small messages run NCCL's tree, priced with its protocols' latencies
+        # (planlab.costmodel.nccl; with 1.5 us per step and no protocols they were +87% and +24%)
+        ("dgx-a100-40g", 16, 128, 1 * MiB, 11.4),
+        ("dgx-a100-40g", 16, 128, 16 * MiB, 66.4),
         ("dgx-a100-40g", 16, 128, 128 * MiB, 100.3),
         ("dgx-a100-40g", 16, 128, 1 * GiB, 128.5),
         # vTrain's all-reduce lookup table, 8x A100 NVSwitch, 1 GiB
@@ -281,15 +284,16 @@ def test_trivial_cases_cost_nothing(kind: str) -> None:
     assert collective_time_s(c, kind, 0, (0, 1, 8)) == 0.0
 
 
-@pytest.mark.parametrize("group", [tuple(range(8)), tuple(range(16)), (0, 8)])
-def test_ring_identities(group: tuple[int, ...]) -> None:
-    """Large messages: all_reduce = reduce_scatter + all_gather = 2 x all_gather."""
+@pytest.mark.parametrize("group, rel", [(tuple(range(8)), 1e-9), (tuple(range(16)), 0.01), ((0, 8), 0.01)])
+def test_ring_identities(group: tuple[int, ...], rel: float) -> None:
+    """Large messages: all_reduce = reduce_scatter + all_gather = 2 x all_gather; over nodes within
+    NCCL's latencies (one base per call, the Simple ring all_reduce's plateau: planlab.costmodel.nccl)."""
     c = load_cluster("dgx-a100-80g", 2)
     ar = collective_time_s(c, "all_reduce", GiB, group, algorithm="ring")
     rs = collective_time_s(c, "reduce_scatter", GiB, group, algorithm="ring")
     ag = collective_time_s(c, "all_gather", GiB, group, algorithm="ring")
     assert rs == ag
-    assert ar == pytest.approx(rs + ag, rel=1e-9)
+    assert ar == pytest.approx(rs + ag, rel=rel)
 
 
 @pytest.mark.parametrize(
@@ -712,9 +716,10 @@ def test_rail_optimized_traffic_stays_on_its_rail(tmp_path) -> None:
 
 def test_a_ring_steps_at_its_per_rank_chunk() -> None:
     """A ring over n ranks moves nbytes / n per rank and step: the inter-node curve (fitted on 16
-    ranks) prices 1 GiB over 128 ranks as 128 MiB over 16. With it (and NCCL's 0.9 tree derating)
-    the model is within 4.2% on average of Echo's ten DGX A100 nccl-tests anchors, 13% at worst
-    (1 MiB on two nodes); with whole buffers it was 6.0% and 23%."""
+    ranks) prices 1 GiB over 128 ranks as 128 MiB over 16. With it, NCCL's 0.9 tree derating and,
+    over nodes, NCCL's protocols and latencies, the model is within 5.6% on average of Echo's twelve
+    DGX A100 nccl-tests anchors, 14.2% at worst (1 MiB on two nodes); with whole buffers and 1.5 us
+    per step it was 6.0% and 23% on ten of them (the 16-node 1 and 16 MiB rows +87% and +24%)."""
     node = load_cluster("dgx-a100-40g").node
     assert node.inter_efficiency.ranks == 16 and node.intra_efficiency.ranks == 0
     assert node.inter_efficiency.at_chunk(GiB, 128) == node.inter_efficiency.at(128 * MiB)
@@ -727,6 +732,8 @@ def test_a_ring_steps_at_its_per_rank_chunk() -> None:
         (2, 16, 16 * MiB, 85.7),
         (2, 16, 128 * MiB, 123.4),
         (2, 16, GiB, 124.5),
+        (16, 128, MiB, 11.4),
+        (16, 128, 16 * MiB, 66.4),
         (16, 128, 128 * MiB, 100.3),
         (16, 128, GiB, 128.5),
     ]
@@ -734,7 +741,7 @@ def test_a_ring_steps_at_its_per_rank_chunk() -> None:
         abs(bus_bandwidth(load_cluster("dgx-a100-40g", nodes), nbytes, tuple(range(n))) / busbw - 1)
         for nodes, n, nbytes, busbw in anchors
     ]
-    assert sum(errors) / len(errors) < 0.045 and max(errors) < 0.14
+    assert sum(errors) / len(errors) < 0.06 and max(errors) < 0.15
 
 
 @pytest.mark.parametrize(

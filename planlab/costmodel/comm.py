@@ -34,7 +34,11 @@ Placement decides the link. Within one node: the intra-node link per device,
 nodes, with g members on the node that has fewest: g rings run in parallel,
 one per member's NIC, and each ring also crosses intra-node links, so
 ``bandwidth = min(intra * eff_intra(nbytes), g * inter * eff_inter(nbytes))``
-and every ring step pays the inter-node latency. When the nodes sit under more
+and every ring step pays the inter-node latency; on a cluster whose ``collective_library`` is
+``"nccl"`` a ring or tree spanning nodes is priced as NCCL's tuner prices it instead (the fastest
+of its protocols, each with a base latency, an NVLink hop per step inside a node and a network hop
+per step between nodes, at its share of the bandwidth: :mod:`planlab.costmodel.nccl`), and only
+NCCL's algorithms are chosen (no hierarchical all_gather or reduce_scatter). When the nodes sit under more
 than one leaf switch of an oversubscribed fat tree, the inter-node bandwidth is
 divided by the oversubscription. all_to_all spanning nodes is bounded by the
 slower of the traffic to node peers (intra link) and to other nodes (the rank's
@@ -56,6 +60,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from planlab.enums import StrEnum
+from planlab.costmodel import nccl
 from planlab.costmodel.hardware import ClusterSpec, NodeSpec
 from planlab.errors import ConfigError, choices
 
@@ -174,11 +179,29 @@ def scale_efficiency(node: NodeSpec, nodes: int) -> float:
 def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
     node = cluster.node
     steps, traffic = _RING[kind]
-    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
     bw = _intra_bw(node, nbytes, p.n)  # bytes/s, at the ring's per-rank chunk
     if p.nodes > 1:  # g_min rings, one NIC each
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails, p.n))
+    if p.nodes > 1 and node.collective_library == "nccl":
+        return _nccl_ring(kind, nbytes, p, bw)
+    alpha = node.intra_latency_s if p.nodes == 1 else node.inter_latency_s  # s per ring step
     return steps(p.n) * alpha + traffic(p.n) * nbytes / bw
+
+
+def _nccl_ring(kind: Collective, nbytes: float, p: Placement, bw: float) -> float:
+    """A ring over nodes as NCCL's tuner prices it: the fastest protocol, each with its latency
+    (a base, an NVLink hop per step inside a node, a network hop per step between nodes) and its
+    share of the links' achieved bandwidth ``bw`` (:mod:`planlab.costmodel.nccl`)."""
+    steps, traffic = _RING[kind]
+    net_steps = (2 if kind is Collective.ALL_REDUCE else 1) * (p.nodes - 1)  # nInterSteps
+    best = math.inf
+    for proto, cost in nccl.RING.items():
+        lat = nccl.ring_latency_s(cost, steps(p.n), net_steps)
+        plateau = nbytes >= p.n * nccl.RING_PLATEAU_BYTES_PER_RANK
+        if kind is Collective.ALL_REDUCE and proto is nccl.Protocol.SIMPLE and plateau:
+            lat *= nccl.RING_PLATEAU
+        best = min(best, lat + traffic(p.n) * nbytes / (cost.bandwidth * bw))
+    return best
 
 
 # NCCL's tuning model derates a tree's bus bandwidth to 0.9 of what its channels carry in a ring
@@ -198,6 +221,11 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))
+    if p.nodes > 1 and node.collective_library == "nccl":  # NCCL's protocols, the fastest
+        return min(
+            nccl.tree_latency_s(cost, p.g_max, p.nodes) + 2.0 * nbytes / (TREE_BANDWIDTH * cost.bandwidth * bw)
+            for cost in nccl.TREE.values()
+        )
     return 2.0 * depth_s + 2.0 * nbytes / (TREE_BANDWIDTH * bw)
 
 
@@ -322,6 +350,10 @@ def collective_time_s(
     if p.n == 1 or nbytes == 0:
         return 0.0
     todo = (algo,) if algorithm is not None else _APPLICABLE[kind_]
+    if algorithm is None and cluster.node.collective_library == "nccl":
+        # NCCL's tuner chooses among its own algorithms: rings and trees, no hierarchy of rings
+        # ("if (coll != ncclFuncAllReduce && a != NCCL_ALGO_RING) continue;", ncclTopoTuneModel, v2.8.3)
+        todo = tuple(a for a in todo if a is not Algorithm.HIERARCHICAL)
     best = math.inf
     for a in todo:
         if a is Algorithm.DIRECT:

@@ -30,6 +30,7 @@ SPEC_DIR = Path(__file__).parent / "specs"
 DEVICES_FILE = "devices.json"
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOPOLOGIES = ("fat_tree", "rail_optimized")
+COLLECTIVE_LIBRARIES = ("nccl",)
 
 # Unit definitions (not hardware numbers): spec field unit -> SI factor.
 _GB = 1e9  # bytes
@@ -88,6 +89,7 @@ _NODE_FIELDS = {
     "inter_scale_efficiency",
     "intra_nvls_GBps",
     "collective_sms",
+    "collective_library",
     "host",
 }
 _HOST_FIELDS = {
@@ -187,6 +189,7 @@ class NodeSpec:
     nvls_bytes_per_s: float = 0.0  # bus bandwidth of NVLink SHARP all-reduces in the node (0: no NVLS)
     host: HostSpec | None = None  # the host link, memory and CPU (None: the spec gives none; offloading is refused)
     collective_sms: int = 0  # SMs a running NCCL collective takes from computation (0: not stated, none)
+    collective_library: str = ""  # "nccl": collectives over nodes priced by NCCL's protocols (costmodel.nccl)
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
@@ -341,11 +344,16 @@ def _device_from(f: Fields, name: str) -> DeviceSpec:
 
 def _architecture(f: Fields) -> str:
     """The device's ``architecture`` (one of :data:`ARCHITECTURES`; "" if not given)."""
-    if "architecture" not in f.obj:
+    return _optional_choice(f, "architecture", ARCHITECTURES)
+
+
+def _optional_choice(f: Fields, key: str, allowed: tuple[str, ...]) -> str:
+    """Field ``key``, one of ``allowed``; "" when not given."""
+    if key not in f.obj:
         return ""
-    val = f.get("architecture")
-    if val not in ARCHITECTURES:
-        raise f.error("architecture", f"is {val!r}; choose {choices(ARCHITECTURES)}")
+    val = f.get(key)
+    if val not in allowed:
+        raise f.error(key, f"is {val!r}; choose {choices(allowed)}")
     return val
 
 
@@ -479,6 +487,7 @@ def _node_from(f: Fields) -> NodeSpec:
         nvls_bytes_per_s=f.unit("intra_nvls_GBps", "GBps") * _GB if "intra_nvls_GBps" in f.obj else 0.0,
         host=_host_from(f.sub("host"), per_node) if "host" in f.obj else None,
         collective_sms=_collective_sms(f, device),
+        collective_library=_collective_library(f),
     )
 
 
@@ -494,6 +503,12 @@ def _collective_sms(f: Fields, device: DeviceSpec) -> int:
             "collective_sms", f"is {sms}; expected fewer than the device's SMs (device {device.name}: {have})"
         )
     return sms
+
+
+def _collective_library(f: Fields) -> str:
+    """``collective_library``: ``"nccl"`` prices collectives spanning nodes by NCCL's protocols and
+    their latencies (:mod:`planlab.costmodel.nccl`); "" (not given) by the spec's latencies alone."""
+    return _optional_choice(f, "collective_library", COLLECTIVE_LIBRARIES)
 
 
 def _host_from(f: Fields, per_node: int) -> HostSpec:
