@@ -66,6 +66,9 @@ one module (Megatron-Core's ``linear_qkv``, ``linear_fc1``: one Transformer Engi
 grouped linear), which casts the input they share once: each is charged its width's share of
 that cast. The model's output projection stays in 16 bits (``Task.output_layer``: torchtitan's
 Float8 filter leaves ``output`` out, Megatron-Core's ``output_layer`` is no Transformer Engine module).
+A software that keeps the weights' casts across a step's micro-batches (``fp8_weight_cache``,
+Transformer Engine's ``is_first_microbatch``) charges each forward its share of one cast a step
+(``weight_casts``).
 
 ``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
 """
@@ -209,6 +212,7 @@ def op_kernels(
     fused_rms_norm: bool = True,
     fused_widths: tuple[int, ...] = (),
     fp8_matmul: bool = False,
+    weight_casts: float = 1.0,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -221,8 +225,10 @@ def op_kernels(
     RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`); ``fused_widths``: a linear
     layer's (or a weight product's) GEMMs are its share of one fused with its siblings' (the output
     widths of all, its own included; see the module docstring); ``fp8_matmul``: a matrix product with
-    a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``. A formula that
-    fails on the shapes
+    a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``; ``weight_casts``:
+    the share of its weight's FP8 cast an FP8 forward makes (1: every forward casts it; ``1 / M``:
+    the software keeps the cast across a step's ``M`` micro-batches, each charged its share; 0: a
+    forward that reads the kept cast, no cast kernel). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -233,11 +239,11 @@ def op_kernels(
             impl = "torch" if fused_attention else implementation
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
-            return _linear_fp8(phase, shapes, eb, implementation, fused_widths)
+            return _linear_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts)
         if kind == "linear":
             return _linear(phase, shapes, eb, implementation, fused_widths)
         if kind == "matmul" and fp8 and fp8_matmul:
-            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths)
+            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts)
         if kind == "matmul":
             return _matmul(phase, shapes, eb, implementation, fused_widths)
         if kind == "rms_norm" and not fused_rms_norm:
@@ -279,10 +285,11 @@ def _linear(phase, shapes, eb, impl, fused_widths=()):
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
-def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
+def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
     """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
     and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
-    more for its absolute maximum."""
+    more for its absolute maximum. The weight's cast is charged ``weight_casts`` of its traffic
+    (:func:`op_kernels`), and left out at 0."""
     x, w = shapes[0], shapes[1]
     has_bias = len(shapes) == 4
     k = x[-1]
@@ -295,13 +302,14 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
         return _pass(name, elems * per, weight)
 
     if phase == "F":
+        weight = (cast("fp8-cast-weight", n * k * weight_casts),) if weight_casts else ()
         return OpKernels(
             (
                 cast("fp8-cast-input", m * k * share),
-                cast("fp8-cast-weight", n * k),
+                *weight,
                 *_linear_gemms(phase, m, n, k, fused_widths, True),
             ),
-            3,
+            2 + len(weight),
         )
     ks = [cast("fp8-cast-grad", m * n), *_linear_gemms(phase, m, n, k, fused_widths, True)]
     if has_bias:
@@ -591,18 +599,20 @@ def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False):
     )
 
 
-def _matmul_fp8(phase, shapes, eb, impl, fused_widths=()):
+def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
     """A matrix product with a weight (the experts' grouped GEMMs) in FP8, as :func:`_linear_fp8` runs a
     linear layer's: forward the casts of both operands (16-bit read, the FP8 copy and its transpose
-    written), backward the cast of the output gradient, each GEMM on FP8 operands (Transformer
-    Engine's GroupedLinear: fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
+    written; the weight's charged ``weight_casts`` of it, as a linear layer's), backward the cast of
+    the output gradient, each GEMM on FP8 operands (Transformer Engine's GroupedLinear:
+    fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
     a, b, out = shapes[0], shapes[1], shapes[-1]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast, as a linear layer's
     gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True)
     share = b[-1] / sum(fused_widths) if fused_widths else 1.0  # one fused module casts its input once
     if phase == "F":
-        casts = (_pass("fp8-cast-input", _n(a) * per * share), _pass("fp8-cast-weight", _n(b) * per))
-        return OpKernels(casts + gemms.kernels, 3)
+        weight = (_pass("fp8-cast-weight", _n(b) * per * weight_casts),) if weight_casts else ()
+        casts = (_pass("fp8-cast-input", _n(a) * per * share), *weight)
+        return OpKernels(casts + gemms.kernels, 2 + len(weight))
     return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *gemms.kernels), 2)
 
 

@@ -87,6 +87,14 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     over the stacked expert weights) run in FP8 with their casts, as its linear layers do (Transformer
     Engine's ``GroupedLinear``, Megatron-Core's ``TEGroupedMLP``); false (the default): they stay in
     16 bits (torchao's Float8 training swaps ``nn.Linear`` layers only);
+``fp8_weight_cache``
+    under the ``fp8`` precision, each FP8 linear layer (and product with a weight) casts its weight to
+    FP8 (with its transpose) in the first micro-batch of a step only and keeps that cast for the
+    step's other micro-batches and recomputed forwards (Transformer Engine's ``is_first_microbatch``,
+    which Megatron-Core's schedules pass): the cast is priced once a step (each forward of a step's
+    ``M`` micro-batches charged ``1 / M`` of it, a recomputed forward nothing) and the kept FP8 weight
+    and its transpose (two bytes per weight element) are static memory. False (the default): the
+    weight is cast in every forward, recomputed ones included (torchao's Float8 linear);
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -199,6 +207,7 @@ _FIELDS = {
     "fused_glu",
     "fused_rms_norm",
     "fp8_weight_matmuls",
+    "fp8_weight_cache",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -276,6 +285,7 @@ class SoftwareSpec:
     fused_glu: bool = False
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
+    fp8_weight_cache: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -423,6 +433,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_glu=_flag(f, "fused_glu", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
+        fp8_weight_cache=_flag(f, "fp8_weight_cache", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),

@@ -223,6 +223,24 @@ def output_layer(op: Operator, graph: Graph) -> bool:
     return False
 
 
+CAST_WEIGHT_BYTES = 2  # a kept FP8 weight: its FP8 copy and its transpose, one byte an element each
+
+
+def cached_fp8_weights(graph: Graph, software: SoftwareSpec | None, precision: Precision) -> frozenset[str]:
+    """The weights whose FP8 casts the software keeps across a step's micro-batches
+    (``fp8_weight_cache``, Transformer Engine's workspaces: :data:`CAST_WEIGHT_BYTES` an element, static
+    memory): under an FP8 precision, those of the linear layers and, with ``fp8_weight_matmuls``, of
+    the products with a weight, the output projection (16 bits) left out; empty otherwise."""
+    if software is None or not software.fp8_weight_cache or precision.compute_dtype != "fp8":
+        return frozenset()
+    names = set()
+    for op in graph.operators:
+        fp8 = op.kind == "linear" or (software.fp8_weight_matmuls and weight_matmul(op, graph))
+        if fp8 and not output_layer(op, graph):
+            names.update(t for t in op.inputs if graph.tensors[t].role == "param" and graph.tensors[t].is_float)
+    return frozenset(names)
+
+
 def cast_inputs(op: Operator, graph: Graph, precision: Precision) -> frozenset[str]:
     """The activation inputs ``op``'s backward keeps as the FP8 cast its forward GEMM made
     (``precision.linear_input_bytes`` bytes an element) instead of themselves: those of a linear

@@ -291,6 +291,8 @@ class _Lowering:
             t.fusion,
             t.weight_matmul,  # a matrix product with a weight (FP8 where the software runs those in FP8)
             t.output_layer,  # the output projection (16 bits under FP8)
+            t.step_microbatches,  # a weight's FP8 cast kept across a step's micro-batches
+            t.recompute,  # a recomputed forward reads the kept cast
         )
         got = self.prices.get(key)
         if got is None:
