@@ -1072,3 +1072,49 @@ def test_the_kept_fp8_weight_casts_are_static_memory_and_the_forwards_know_the_s
     own = sum(box_numel(b) for p, b in dp.params if p in weights)
     assert kept == {("megatron", "fp8"): 2 * own, ("torch", "fp8"): 0, ("megatron", "bf16"): 0}
     assert dp.static_bytes == dp.param_bytes + dp.grad_bytes + dp.optimizer_bytes
+
+
+def test_fp8_all_gather_moves_fp8_weights_and_the_linears_skip_their_weight_cast() -> None:
+    """torchtitan's Float8 with enable_fsdp_float8_all_gather (software torch-float8-fsdp): FSDP gathers
+    the Float8 linear layers' weights in FP8, one byte an element, cast on the shard; a linear layer
+    reading such a weight does not cast it forward and copies it into its transposed layout backward
+    (torchao's preprocess_addmm); the 16-bit output projection and the norms are gathered in bf16."""
+    from conftest import traced
+    from planlab.plan.program import Role
+    from planlab.plan.saved import fp8_gathered_weights, output_layer
+    from planlab.plan.software_passes import build_program
+    from planlab.search_spaces import Context, get_space
+
+    x, w, y = (2, 256, 512), (1024, 512), (2, 256, 1024)
+    fwd = op_kernels("linear", "F", (x, w, y), 2, "torch", True, fp8_gathered=True)
+    bwd = op_kernels("linear", "B", (x, w, y), 2, "torch", True, fp8_gathered=True)
+    assert [k.name for k in fwd.kernels] == ["fp8-cast-input", "gemm"]
+    plain = op_kernels("linear", "B", (x, w, y), 2, "torch", True)
+    assert [k.name for k in bwd.kernels] == [plain.kernels[0].name, "fp8-transpose-weight"] + [
+        k.name for k in plain.kernels[1:]
+    ]
+    assert bwd.kernels[1].bytes == 2 * 1024 * 512
+    assert load_software("torch-float8-fsdp").fp8_all_gather and not load_software("torch").fp8_all_gather
+
+    spec, g = traced("llama-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "dgx-h100", 1, 2, 8), dict(dp=2, tp=1, pp=1, microbatch=1, zero=3, recompute="none")
+    )
+    gathers, marked = {}, {}
+    for software in ("torch", "torch-float8-fsdp"):
+        cost = CostModel.load("dgx-h100", software=software, precision="fp8")
+        dp = build_program(plan, g, cost, symmetric=False).devices[0]
+        tasks = [t for b in dp.blocks.values() for t in b.tasks]
+        gathers[software] = {t.name: (t.nbytes, t.writes) for t in tasks if t.role is Role.UNIT_GATHER}
+        marked[software] = {t.op for t in tasks if t.fp8_gathered}
+    fp8 = fp8_gathered_weights(g, load_software("torch-float8-fsdp"), cost.precision)
+    linears = {op.name for op in g.operators if op.kind == "linear" and not output_layer(op, g)}
+    assert fp8 == {g.op(name).inputs[1] for name in linears} and g.op("output").inputs[1] not in fp8
+    assert marked == {"torch": set(), "torch-float8-fsdp": linears}
+    assert gathers["torch"].keys() == gathers["torch-float8-fsdp"].keys()
+    lighter = 0
+    for name, (nbytes, writes) in gathers["torch"].items():
+        fp8_elems = sum(math.prod(g.tensors[b.tensor].shape) for b in writes if b.tensor in fp8)
+        assert nbytes - gathers["torch-float8-fsdp"][name][0] == fp8_elems  # one byte less an element
+        lighter += fp8_elems
+    assert lighter > 0

@@ -213,6 +213,7 @@ def op_kernels(
     fused_widths: tuple[int, ...] = (),
     fp8_matmul: bool = False,
     weight_casts: float = 1.0,
+    fp8_gathered: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -228,7 +229,10 @@ def op_kernels(
     a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``; ``weight_casts``:
     the share of its weight's FP8 cast an FP8 forward makes (1: every forward casts it; ``1 / M``:
     the software keeps the cast across a step's ``M`` micro-batches, each charged its share; 0: a
-    forward that reads the kept cast, no cast kernel). A formula that fails on the shapes
+    forward that reads the kept cast, no cast kernel); ``fp8_gathered``: the weight arrived in FP8 from a
+    ZeRO-3 gather (cast on the shard before it): no cast forward, and the backward copies it into the
+    transposed layout its input-gradient GEMM reads (torchao: ``_scaled_mm`` takes its second operand
+    column-major, ``preprocess_addmm`` copies a row-major one). A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -239,11 +243,11 @@ def op_kernels(
             impl = "torch" if fused_attention else implementation
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
-            return _linear_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts)
+            return _linear_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts, fp8_gathered)
         if kind == "linear":
             return _linear(phase, shapes, eb, implementation, fused_widths)
         if kind == "matmul" and fp8 and fp8_matmul:
-            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts)
+            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts, fp8_gathered)
         if kind == "matmul":
             return _matmul(phase, shapes, eb, implementation, fused_widths)
         if kind == "rms_norm" and not fused_rms_norm:
@@ -285,11 +289,12 @@ def _linear(phase, shapes, eb, impl, fused_widths=()):
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
-def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
+def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_gathered=False):
     """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
     and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
     more for its absolute maximum. The weight's cast is charged ``weight_casts`` of its traffic
-    (:func:`op_kernels`), and left out at 0."""
+    (:func:`op_kernels`), and left out at 0 or for a weight gathered in FP8 (``fp8_gathered``), whose
+    backward copies it into its transposed layout instead (read and write one byte an element)."""
     x, w = shapes[0], shapes[1]
     has_bias = len(shapes) == 4
     k = x[-1]
@@ -302,7 +307,7 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
         return _pass(name, elems * per, weight)
 
     if phase == "F":
-        weight = (cast("fp8-cast-weight", n * k * weight_casts),) if weight_casts else ()
+        weight = (cast("fp8-cast-weight", n * k * weight_casts),) if weight_casts and not fp8_gathered else ()
         return OpKernels(
             (
                 cast("fp8-cast-input", m * k * share),
@@ -311,7 +316,11 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
             ),
             2 + len(weight),
         )
-    ks = [cast("fp8-cast-grad", m * n), *_linear_gemms(phase, m, n, k, fused_widths, True)]
+    ks = [
+        cast("fp8-cast-grad", m * n),
+        *_fp8_transpose(n * k, fp8_gathered),
+        *_linear_gemms(phase, m, n, k, fused_widths, True),
+    ]
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
@@ -599,7 +608,13 @@ def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False):
     )
 
 
-def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
+def _fp8_transpose(elems: float, gathered: bool) -> tuple[Kernel, ...]:
+    """The backward's copy of a weight gathered in FP8 into its transposed layout (one byte an element
+    read and written), or nothing for a weight the forward's cast transposed already."""
+    return (_pass("fp8-transpose-weight", 2 * elems),) if gathered else ()
+
+
+def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_gathered=False):
     """A matrix product with a weight (the experts' grouped GEMMs) in FP8, as :func:`_linear_fp8` runs a
     linear layer's: forward the casts of both operands (16-bit read, the FP8 copy and its transpose
     written; the weight's charged ``weight_casts`` of it, as a linear layer's), backward the cast of
@@ -610,10 +625,10 @@ def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0):
     gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True)
     share = b[-1] / sum(fused_widths) if fused_widths else 1.0  # one fused module casts its input once
     if phase == "F":
-        weight = (_pass("fp8-cast-weight", _n(b) * per * weight_casts),) if weight_casts else ()
+        weight = (_pass("fp8-cast-weight", _n(b) * per * weight_casts),) if weight_casts and not fp8_gathered else ()
         casts = (_pass("fp8-cast-input", _n(a) * per * share), *weight)
         return OpKernels(casts + gemms.kernels, 2 + len(weight))
-    return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *gemms.kernels), 2)
+    return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *_fp8_transpose(_n(b), fp8_gathered), *gemms.kernels), 2)
 
 
 _KINDS = {

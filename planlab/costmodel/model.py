@@ -290,6 +290,7 @@ class CostModel:
                 task.fused_widths if sw.fuses(task.fusion) else (),
                 task.weight_matmul and sw.fp8_weight_matmuls,
                 weight_casts(task, sw),
+                task.fp8_gathered,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None

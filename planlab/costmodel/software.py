@@ -95,6 +95,14 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``M`` micro-batches charged ``1 / M`` of it, a recomputed forward nothing) and the kept FP8 weight
     and its transpose (two bytes per weight element) are static memory. False (the default): the
     weight is cast in every forward, recomputed ones included (torchao's Float8 linear);
+``fp8_all_gather``
+    under the ``fp8`` precision with ZeRO-3 / FSDP, the gather carries the FP8 linear layers' weights in
+    FP8: each device casts its shard with a scale computed once a step after the optimizer (torchao's
+    ``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``), so the
+    gather moves and holds one byte an element, the forward uses the gathered FP8 weight without a
+    cast, and the backward copies it into the transposed layout its input-gradient GEMM reads
+    (:func:`planlab.costmodel.kernels.op_kernels`' ``fp8_gathered``). False (the default): bf16 weights
+    are gathered and cast in each forward;
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -208,6 +216,7 @@ _FIELDS = {
     "fused_rms_norm",
     "fp8_weight_matmuls",
     "fp8_weight_cache",
+    "fp8_all_gather",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -286,6 +295,7 @@ class SoftwareSpec:
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
     fp8_weight_cache: bool = False
+    fp8_all_gather: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -434,6 +444,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
         fp8_weight_cache=_flag(f, "fp8_weight_cache", False),
+        fp8_all_gather=_flag(f, "fp8_all_gather", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),

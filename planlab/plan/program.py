@@ -209,7 +209,9 @@ class Task:
     (:func:`planlab.plan.saved.output_layer`). ``step_microbatches``, on the forward of a piece that
     multiplies by a weight (a linear layer's, a product with a weight), is the number of micro-batches
     of a step: a software that keeps a weight's FP8 cast across them (``fp8_weight_cache``) charges
-    each forward its share of one cast a step. ``ring`` marks the forward
+    each forward its share of one cast a step; ``fp8_gathered`` marks a forward or backward piece whose
+    weight a ZeRO-3 gather brought in FP8 (:func:`planlab.plan.saved.fp8_gathered_weights`: no cast in
+    the forward, a transposing copy in the backward). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
@@ -267,6 +269,7 @@ class Task:
     fusion: Fusion | None = None
     output_layer: bool = False
     step_microbatches: int = 1
+    fp8_gathered: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

@@ -293,6 +293,7 @@ class _Lowering:
             t.output_layer,  # the output projection (16 bits under FP8)
             t.step_microbatches,  # a weight's FP8 cast kept across a step's micro-batches
             t.recompute,  # a recomputed forward reads the kept cast
+            t.fp8_gathered,  # its weight gathered in FP8 (no cast forward, a transposing copy backward)
         )
         got = self.prices.get(key)
         if got is None:
