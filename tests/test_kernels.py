@@ -1118,3 +1118,36 @@ def test_fp8_all_gather_moves_fp8_weights_and_the_linears_skip_their_weight_cast
         assert nbytes - gathers["torch-float8-fsdp"][name][0] == fp8_elems  # one byte less an element
         lighter += fp8_elems
     assert lighter > 0
+
+
+def test_block_scaled_fp8_runs_block_scaled_gemms_and_casts_that_write_their_scales() -> None:
+    """DeepSeek-V3's FP8 recipe (software hai-llm): one fp32 scale per 1 x 128 tile of activations and
+    gradients (row-wise and column-wise copies) and per 128 x 128 block of weights; its GEMMs run by the
+    device's block-scaled GEMM figures, slower than per-tensor ones at large shapes (AIConfigurator's H100
+    fp8_block table); Megatron-Core as the Bridge row ran it keeps per-tensor scales."""
+    x, w, y = (2, 2048, 4096), (4096, 4096), (2, 2048, 4096)
+    per = 2 + 2  # a cast reads 16 bits and writes the FP8 copy and its transpose
+    tensor = op_kernels("linear", "F", (x, w, y), 2, "megatron", True)
+    block = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, fp8_block=True)
+    assert [k.name for k in block.kernels] == [k.name for k in tensor.kernels]
+    assert block.kernels[0].bytes == 4096 * 4096 * (per + 8 / 128)
+    assert block.kernels[1].bytes == 4096 * 4096 * (per + 8 / 128**2)
+    assert block.kernels[2].block and block.kernels[2].fp8 and not tensor.kernels[2].block
+    back = op_kernels("linear", "B", (x, w, y), 2, "megatron", True, fp8_block=True)
+    assert back.kernels[0].bytes == 4096 * 4096 * (per + 8 / 128) and all(k.block for k in back.kernels if k.gemm)
+    assert load_software("hai-llm").fp8_block_scaling
+    assert not load_software("megatron").fp8_block_scaling and not load_software("megatron-hybridep").fp8_block_scaling
+    cost = CostModel.load("dgx-h100", precision="fp8")
+    dev = cost.cluster.device
+    spec = dev.gemm.fp8_block()
+    assert (spec.efficiency, spec.tile_overhead_k) == (
+        dev.gemm.efficiency_fp8_block,
+        dev.gemm.tile_overhead_k_fp8_block,
+    )
+    gemm = block.kernels[2]
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    want = gemm_time_s(
+        spec, batch=1, m=4096, n=4096, k=4096, elem_bytes=1, peak_flops_per_s=1979e12, hbm_bytes_per_s=hbm
+    )
+    assert cost.kernel_time_s(gemm, "bf16") == pytest.approx(want + dev.launch_overhead_s, rel=1e-12)
+    assert cost.kernel_time_s(gemm, "bf16") > cost.kernel_time_s(tensor.kernels[2], "bf16")

@@ -291,6 +291,7 @@ class CostModel:
                 task.weight_matmul and sw.fp8_weight_matmuls,
                 weight_casts(task, sw),
                 task.fp8_gathered,
+                sw.fp8_block_scaling,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
@@ -343,7 +344,7 @@ class CostModel:
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
         spec = dev.gemm
         if kernel.fp8:
-            spec = spec.fp8()
+            spec = spec.fp8_block() if kernel.block else spec.fp8()
         if kernel.fused:  # fused attention: the kernel's own efficiency and overhead per score element (in place
             # of a tiled GEMM's per-tile overhead, cuBLAS's), and its own memory traffic (no T x S output) as the floor
             chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device

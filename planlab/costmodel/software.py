@@ -103,6 +103,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     cast, and the backward copies it into the transposed layout its input-gradient GEMM reads
     (:func:`planlab.costmodel.kernels.op_kernels`' ``fp8_gathered``). False (the default): bf16 weights
     are gathered and cast in each forward;
+``fp8_block_scaling``
+    under the ``fp8`` precision, FP8 with block scales (DeepSeek-V3's recipe: one scale per 1 x 128
+    tile of activations and gradients, per 128 x 128 block of weights): block-scaled GEMMs
+    (``GemmSpec.fp8_block``, the device's ``gemm_efficiency_fp8_block``) and casts that write the scales.
+    False (the default): per-tensor scales;
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -217,6 +222,7 @@ _FIELDS = {
     "fp8_weight_matmuls",
     "fp8_weight_cache",
     "fp8_all_gather",
+    "fp8_block_scaling",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -296,6 +302,7 @@ class SoftwareSpec:
     fp8_weight_matmuls: bool = False
     fp8_weight_cache: bool = False
     fp8_all_gather: bool = False
+    fp8_block_scaling: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -445,6 +452,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
         fp8_weight_cache=_flag(f, "fp8_weight_cache", False),
         fp8_all_gather=_flag(f, "fp8_all_gather", False),
+        fp8_block_scaling=_flag(f, "fp8_block_scaling", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),
