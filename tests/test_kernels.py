@@ -1151,3 +1151,9 @@ def test_block_scaled_fp8_runs_block_scaled_gemms_and_casts_that_write_their_sca
     )
     assert cost.kernel_time_s(gemm, "bf16") == pytest.approx(want + dev.launch_overhead_s, rel=1e-12)
     assert cost.kernel_time_s(gemm, "bf16") > cost.kernel_time_s(tensor.kernels[2], "bf16")
+    hai = CostModel.load("dgx-h100", software="hai-llm", precision="fp8")
+    task = Task("fc", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, y))
+    blocked = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, fp8_block=True)
+    want = sum(hai.kernel_time_s(k, "bf16") for k in blocked.kernels)
+    assert hai.device_and_host_s(task, "fp8")[0] == pytest.approx(want, rel=1e-12)
+    assert cost.device_and_host_s(task, "fp8")[0] < want  # megatron's per-tensor scales
