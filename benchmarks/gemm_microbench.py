@@ -47,6 +47,9 @@ TABLES = {  # the measured table of each device the script knows
 # FP8 (e4m3) GEMM tables: each row the input's dynamic quantization then the GEMM, with that quantization's two
 # kernels measured alone (compute_scale_ms, scale_matrix_ms; see microbench/README.md)
 TABLES_FP8 = {"h100-80g": MICROBENCH / "h100-sxm5-80gb-gemm-fp8.csv"}
+# block-scaled FP8 GEMM tables: each row the input's 1 x 128 quantization then the GEMM (microbench/README.md)
+TABLES_FP8_BLOCK = {"h100-80g": MICROBENCH / "h100-sxm5-80gb-gemm-fp8-block.csv"}
+QUANT_1X128_BYTES = 2 + 1 + 4 / 128  # per input element: bf16 read, FP8 written, one fp32 scale per 128
 # Maximum Achievable Matmul FLOPS, FP8 (float8_e4m3fn, same handbook): H100 SXM, torch 2.7.0+cu126
 MAMF_FP8 = {"h100-80g": ((1024, 9216, 14336), 1402.6e12)}
 # Maximum Achievable Matmul FLOPS, bf16 (ml-engineering handbook, compute/accelerator/README.md): the best
@@ -57,6 +60,7 @@ MAMF = {
     "h100-80g": ((2048, 2048, 13312), 794.5e12),
 }
 K0_GRID = range(0, 321, 32)
+K0_GRID_FP8_BLOCK = range(0, 1025, 64)  # block-scaled: the fp32 promotion every 128 of k may add per-step cost
 K0_GRID_FP8 = range(0, 641, 32)  # an FP8 k step takes half a 16-bit one's time, so the same overhead is twice the steps
 
 
@@ -214,6 +218,43 @@ def flash_fit(name: str) -> None:
             print(f"    model/measured there, {table} {pass_} {'causal' if causal else 'full'} d{dim}: {cells}")
 
 
+def block_ratios(dev: DeviceSpec, spec: GemmSpec, table: pd.DataFrame) -> np.ndarray:
+    """log(predicted / measured) per row of the block-scaled FP8 table: the model's block-scaled GEMM
+    (``spec.fp8_block()``) plus the input's 1 x 128 quantization, one pass of :data:`QUANT_1X128_BYTES` an
+    element at the achieved bandwidth with its launch (not measured alone)."""
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    peak, block = dev.peak_flops_per_s["fp8"], spec.fp8_block()
+    out = []
+    for r in table.itertuples():
+        m, n, k = int(r.m), int(r.n), int(r.k)
+        gemm = gemm_time_s(block, batch=1, m=m, n=n, k=k, elem_bytes=1, peak_flops_per_s=peak, hbm_bytes_per_s=hbm)
+        quantize = m * k * QUANT_1X128_BYTES / hbm
+        out.append(math.log((gemm + quantize + 2 * dev.launch_overhead_s) / (r.latency_ms * 1e-3)))
+    return np.array(out)
+
+
+def block_fit(dev: DeviceSpec, table: pd.DataFrame) -> None:
+    """For each tile overhead k0 of the grid, the efficiency that minimizes the block-scaled table's mean
+    |log ratio| (golden-section search; no MAMF measurement of block-scaled GEMMs to anchor to)."""
+    for k0 in K0_GRID_FP8_BLOCK:
+
+        def cost(eff: float) -> float:
+            spec = dataclasses.replace(dev.gemm, efficiency_fp8_block=eff, tile_overhead_k_fp8_block=k0)
+            return float(np.abs(block_ratios(dev, spec, table)).mean())
+
+        lo, hi = 0.4, 1.0
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(14):
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, b) if cost(a) < cost(b) else (a, hi)
+        eff = (lo + hi) / 2
+        spec = dataclasses.replace(dev.gemm, efficiency_fp8_block=eff, tile_overhead_k_fp8_block=k0)
+        lr = block_ratios(dev, spec, table)
+        print(
+            f"  k0 {k0:4d}: efficiency {eff:.4f}, mean |log ratio| {np.abs(lr).mean():.4f}, median {math.exp(np.median(lr)):.3f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="a100-80g", choices=sorted(TABLES), help="built-in device with a table")
@@ -221,12 +262,30 @@ def main() -> None:
     ap.add_argument("--whole-waves", action="store_true", help="no stream-K: every wave is paid in whole")
     ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
     ap.add_argument("--fp8", action="store_true", help="FP8 GEMMs against the measured FP8 table")
+    ap.add_argument("--fp8-block", action="store_true", help="block-scaled FP8 GEMMs against their measured table")
     args = ap.parse_args()
     if args.flash and args.device not in FLASH_TABLES:
         ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
     if args.fp8 and args.device not in TABLES_FP8:
         ap.error(f"--fp8 needs a measured FP8 GEMM table; got --device {args.device}, choose {sorted(TABLES_FP8)}")
     dev = load_device(args.device)
+    if args.fp8_block:
+        if args.device not in TABLES_FP8_BLOCK:
+            ap.error(
+                f"--fp8-block needs a measured table; got --device {args.device}, choose {sorted(TABLES_FP8_BLOCK)}"
+            )
+        table = pd.read_csv(TABLES_FP8_BLOCK[args.device])
+        lr = block_ratios(dev, dev.gemm, table)
+        now = dev.gemm.fp8_block()
+        print(
+            f"{args.device} block-scaled FP8 ({now.efficiency:.4g} of the FP8 peak, tile overhead k {now.tile_overhead_k}) "
+            f"on {len(table)} measured GEMMs: median predicted/measured {math.exp(np.median(lr)):.3f}, "
+            f"mean |log ratio| {np.abs(lr).mean():.3f}"
+        )
+        by_group(table, pd.Series(lr, index=table.index))
+        if args.fit:
+            block_fit(dev, table)
+        return
     if args.whole_waves:
         dev = dataclasses.replace(dev, gemm=dataclasses.replace(dev.gemm, stream_k=False))
     fp8 = args.fp8

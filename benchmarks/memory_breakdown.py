@@ -101,7 +101,8 @@ def report(row, top: int, overrides: dict) -> None:
         print(
             f"   device {d.device} (x{d.members}): peak {d.peak_mem_bytes / GiB:.2f} GiB = weights "
             f"{dp.param_bytes / GiB:.2f} + gradients {dp.grad_bytes / GiB:.2f} + optimizer states "
-            f"{dp.optimizer_bytes / GiB:.2f} + buffers (replayed: {dyn / GiB:.2f}, at {where})"
+            f"{dp.optimizer_bytes / GiB:.2f} + kept FP8 weight casts {dp.cast_weight_bytes / GiB:.2f} + buffers "
+            f"(replayed: {dyn / GiB:.2f}, at {where})"
         )
         shown = ", ".join(f"{k.name.lower()} {v / GiB:.2f}" for k, v in kinds.most_common() if v > MiB)
         print(f"      by kind: {shown}")

@@ -107,6 +107,7 @@ SOFTWARE = (
     "deepspeed-2021",
     "torch",
     "torch-2024",
+    "torch-float8-fsdp",
 )
 PRECISIONS = ("fp16", "bf16", "mixed", "fp8")
 CONDITIONS = ("hardware", "interconnect", "software", "precision", "sequence", "parallel", "recomputation", "batch")

@@ -1007,3 +1007,156 @@ def test_fp8_keeps_the_output_projection_in_16_bits() -> None:
     as16 = CostModel.load("dgx-h100", precision="bf16")
     assert cost.device_and_host_s(head, "fp8") == as16.device_and_host_s(body, "bf16")
     assert cost.device_and_host_s(body, "fp8") != cost.device_and_host_s(head, "fp8")
+
+
+def test_fp8_weight_cast_is_made_once_a_step_where_the_software_keeps_it() -> None:
+    """Transformer Engine keeps a weight's FP8 cast (and its transpose) from a step's first micro-batch
+    for the others and for recomputed forwards (Megatron-Core passes ``is_first_microbatch``): with
+    ``fp8_weight_cache`` each forward of a step's M micro-batches is charged 1/M of the cast and a
+    recomputed forward none; torchao's Float8 linear casts its weight in every forward."""
+    from planlab.plan.program import Recompute
+
+    x, w, y = (2, 256, 512), (1024, 512), (2, 256, 1024)
+    per = 2 + 2  # a cast reads 16 bits and writes the FP8 copy and its transpose
+    every = op_kernels("linear", "F", (x, w, y), 2, "megatron", True)
+    quarter = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, weight_casts=0.25)
+    kept = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, weight_casts=0.0)
+    assert [k.name for k in every.kernels] == ["fp8-cast-input", "fp8-cast-weight", "gemm"]
+    assert every.kernels[1].bytes == 1024 * 512 * per and quarter.kernels[1].bytes == 1024 * 512 * per / 4
+    assert [k.name for k in kept.kernels] == ["fp8-cast-input", "gemm"] and kept.calls == every.calls - 1
+    experts = op_kernels("matmul", "F", ((8, 64, 512), (8, 512, 256), (8, 64, 256)), 2, "megatron", True,
+                         fp8_matmul=True, weight_casts=0.5)  # fmt: skip
+    assert experts.kernels[1].name == "fp8-cast-weight" and experts.kernels[1].bytes == 8 * 512 * 256 * per / 2
+    for name in ("megatron", "megatron-hybridep", "hai-llm"):
+        assert load_software(name).fp8_weight_cache
+    assert not load_software("torch").fp8_weight_cache
+    mega = CostModel.load("dgx-h100", precision="fp8")
+    titan = CostModel.load("dgx-h100", software="torch", precision="fp8")
+    cast_s = mega.kernel_time_s(every.kernels[1], "bf16")
+    base = dict(op_kind="linear", shapes=(x, w, y))
+    one, four = (Task("fc", TaskKind.FORWARD, step_microbatches=n, **base) for n in (1, 4))
+    redo = Task("fc", TaskKind.FORWARD, step_microbatches=4, recompute=Recompute.REDO, **base)
+    t1, t4, tr = (mega.device_and_host_s(t, "fp8")[0] for t in (one, four, redo))
+    assert t1 - t4 == pytest.approx(cast_s - mega.kernel_time_s(quarter.kernels[1], "bf16"), rel=1e-9)
+    assert t1 - tr == pytest.approx(cast_s, rel=1e-9)
+    assert (
+        titan.device_and_host_s(one, "fp8")
+        == titan.device_and_host_s(four, "fp8")
+        == titan.device_and_host_s(redo, "fp8")
+    )
+
+
+def test_the_kept_fp8_weight_casts_are_static_memory_and_the_forwards_know_the_step_s_microbatches() -> None:
+    """A Program under FP8 with a software that keeps the weights' casts: every forward piece of a linear
+    layer carries the step's micro-batch count, and each device's static memory holds two bytes (the FP8
+    copy and its transpose) per element of its pieces of the FP8 linear layers' weights, the 16-bit
+    output projection's left out; none under torch or in 16 bits."""
+    from conftest import traced
+    from planlab.plan.layout import box_numel
+    from planlab.plan.saved import output_layer
+    from planlab.plan.software_passes import build_program
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced("llama-tiny", 8)
+    knobs = dict(dp=1, tp=2, pp=1, microbatch=2, zero=0, recompute="full")
+    plan = get_space("megatron").build(Context(g, spec, 8, "dgx-h100", 1, 2, 8), knobs)
+    weights = {op.inputs[1] for op in g.operators if op.kind == "linear" and not output_layer(op, g)}
+    assert weights and g.op("output").inputs[1] not in weights
+    kept = {}
+    for software, precision in (("megatron", "fp8"), ("torch", "fp8"), ("megatron", "bf16")):
+        cost = CostModel.load("dgx-h100", software=software, precision=precision)
+        program = build_program(plan, g, cost, symmetric=False)
+        dp = program.devices[0]
+        kept[(software, precision)] = dp.cast_weight_bytes
+        linears = [
+            t for b in dp.blocks.values() for t in b.tasks if t.kind is TaskKind.FORWARD and t.op_kind == "linear"
+        ]
+        assert linears and {t.step_microbatches for t in linears} == {plan.microbatches} == {4}
+    own = sum(box_numel(b) for p, b in dp.params if p in weights)
+    assert kept == {("megatron", "fp8"): 2 * own, ("torch", "fp8"): 0, ("megatron", "bf16"): 0}
+    assert dp.static_bytes == dp.param_bytes + dp.grad_bytes + dp.optimizer_bytes
+
+
+def test_fp8_all_gather_moves_fp8_weights_and_the_linears_skip_their_weight_cast() -> None:
+    """torchtitan's Float8 with enable_fsdp_float8_all_gather (software torch-float8-fsdp): FSDP gathers
+    the Float8 linear layers' weights in FP8, one byte an element, cast on the shard; a linear layer
+    reading such a weight does not cast it forward and copies it into its transposed layout backward
+    (torchao's preprocess_addmm); the 16-bit output projection and the norms are gathered in bf16."""
+    from conftest import traced
+    from planlab.plan.program import Role
+    from planlab.plan.saved import fp8_gathered_weights, output_layer
+    from planlab.plan.software_passes import build_program
+    from planlab.search_spaces import Context, get_space
+
+    x, w, y = (2, 256, 512), (1024, 512), (2, 256, 1024)
+    fwd = op_kernels("linear", "F", (x, w, y), 2, "torch", True, fp8_gathered=True)
+    bwd = op_kernels("linear", "B", (x, w, y), 2, "torch", True, fp8_gathered=True)
+    assert [k.name for k in fwd.kernels] == ["fp8-cast-input", "gemm"]
+    plain = op_kernels("linear", "B", (x, w, y), 2, "torch", True)
+    assert [k.name for k in bwd.kernels] == [plain.kernels[0].name, "fp8-transpose-weight"] + [
+        k.name for k in plain.kernels[1:]
+    ]
+    assert bwd.kernels[1].bytes == 2 * 1024 * 512
+    assert load_software("torch-float8-fsdp").fp8_all_gather and not load_software("torch").fp8_all_gather
+
+    spec, g = traced("llama-tiny", 8)
+    plan = get_space("megatron").build(
+        Context(g, spec, 8, "dgx-h100", 1, 2, 8), dict(dp=2, tp=1, pp=1, microbatch=1, zero=3, recompute="none")
+    )
+    gathers, marked = {}, {}
+    for software in ("torch", "torch-float8-fsdp"):
+        cost = CostModel.load("dgx-h100", software=software, precision="fp8")
+        dp = build_program(plan, g, cost, symmetric=False).devices[0]
+        tasks = [t for b in dp.blocks.values() for t in b.tasks]
+        gathers[software] = {t.name: (t.nbytes, t.writes) for t in tasks if t.role is Role.UNIT_GATHER}
+        marked[software] = {t.op for t in tasks if t.fp8_gathered}
+    fp8 = fp8_gathered_weights(g, load_software("torch-float8-fsdp"), cost.precision)
+    linears = {op.name for op in g.operators if op.kind == "linear" and not output_layer(op, g)}
+    assert fp8 == {g.op(name).inputs[1] for name in linears} and g.op("output").inputs[1] not in fp8
+    assert marked == {"torch": set(), "torch-float8-fsdp": linears}
+    assert gathers["torch"].keys() == gathers["torch-float8-fsdp"].keys()
+    lighter = 0
+    for name, (nbytes, writes) in gathers["torch"].items():
+        fp8_elems = sum(math.prod(g.tensors[b.tensor].shape) for b in writes if b.tensor in fp8)
+        assert nbytes - gathers["torch-float8-fsdp"][name][0] == fp8_elems  # one byte less an element
+        lighter += fp8_elems
+    assert lighter > 0
+
+
+def test_block_scaled_fp8_runs_block_scaled_gemms_and_casts_that_write_their_scales() -> None:
+    """DeepSeek-V3's FP8 recipe (software hai-llm): one fp32 scale per 1 x 128 tile of activations and
+    gradients (row-wise and column-wise copies) and per 128 x 128 block of weights; its GEMMs run by the
+    device's block-scaled GEMM figures, slower than per-tensor ones at large shapes (AIConfigurator's H100
+    fp8_block table); Megatron-Core as the Bridge row ran it keeps per-tensor scales."""
+    x, w, y = (2, 2048, 4096), (4096, 4096), (2, 2048, 4096)
+    per = 2 + 2  # a cast reads 16 bits and writes the FP8 copy and its transpose
+    tensor = op_kernels("linear", "F", (x, w, y), 2, "megatron", True)
+    block = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, fp8_block=True)
+    assert [k.name for k in block.kernels] == [k.name for k in tensor.kernels]
+    assert block.kernels[0].bytes == 4096 * 4096 * (per + 8 / 128)
+    assert block.kernels[1].bytes == 4096 * 4096 * (per + 8 / 128**2)
+    assert block.kernels[2].block and block.kernels[2].fp8 and not tensor.kernels[2].block
+    back = op_kernels("linear", "B", (x, w, y), 2, "megatron", True, fp8_block=True)
+    assert back.kernels[0].bytes == 4096 * 4096 * (per + 8 / 128) and all(k.block for k in back.kernels if k.gemm)
+    assert load_software("hai-llm").fp8_block_scaling
+    assert not load_software("megatron").fp8_block_scaling and not load_software("megatron-hybridep").fp8_block_scaling
+    cost = CostModel.load("dgx-h100", precision="fp8")
+    dev = cost.cluster.device
+    spec = dev.gemm.fp8_block()
+    assert (spec.efficiency, spec.tile_overhead_k) == (
+        dev.gemm.efficiency_fp8_block,
+        dev.gemm.tile_overhead_k_fp8_block,
+    )
+    gemm = block.kernels[2]
+    hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
+    want = gemm_time_s(
+        spec, batch=1, m=4096, n=4096, k=4096, elem_bytes=1, peak_flops_per_s=1979e12, hbm_bytes_per_s=hbm
+    )
+    assert cost.kernel_time_s(gemm, "bf16") == pytest.approx(want + dev.launch_overhead_s, rel=1e-12)
+    assert cost.kernel_time_s(gemm, "bf16") > cost.kernel_time_s(tensor.kernels[2], "bf16")
+    hai = CostModel.load("dgx-h100", software="hai-llm", precision="fp8")
+    task = Task("fc", TaskKind.FORWARD, op_kind="linear", shapes=(x, w, y))
+    blocked = op_kernels("linear", "F", (x, w, y), 2, "megatron", True, fp8_block=True)
+    want = sum(hai.kernel_time_s(k, "bf16") for k in blocked.kernels)
+    assert hai.device_and_host_s(task, "fp8")[0] == pytest.approx(want, rel=1e-12)
+    assert cost.device_and_host_s(task, "fp8")[0] < want  # megatron's per-tensor scales

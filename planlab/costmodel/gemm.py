@@ -58,6 +58,10 @@ class GemmSpec:
     # tile_overhead_k)
     tile_overhead_k_fp8: int | None = None
     stream_k: bool = False  # the last partial wave's tiles are split along k over all SMs (Hopper's kernels)
+    # a block-scaled FP8 GEMM's (1 x 128 input, 128 x 128 weight scales, promoted to fp32 every 128 of k):
+    # its fraction of the FP8 peak and its tile overhead in FP8 steps of k (0 / None: as the per-tensor FP8 GEMM's)
+    efficiency_fp8_block: float = 0.0
+    tile_overhead_k_fp8_block: int | None = None
     # each fused attention kernel ("flash2", "cudnn", ...) on this device as a kernel microbenchmark measured
     # it: (kernel, forward efficiency, backward efficiency, overhead k: its work per score element, the
     # softmax's exponential and rescaling, as that many more steps of k); a kernel not listed runs at the
@@ -69,6 +73,13 @@ class GemmSpec:
         16-bit ones where not."""
         over_k = self.tile_overhead_k if self.tile_overhead_k_fp8 is None else self.tile_overhead_k_fp8
         return replace(self, efficiency=self.efficiency_fp8 or self.efficiency, tile_overhead_k=over_k)
+
+    def fp8_block(self) -> GemmSpec:
+        """The spec a block-scaled FP8 GEMM runs by: its own efficiency and tile overhead where they are
+        measured, the per-tensor FP8 GEMM's where not."""
+        spec = self.fp8()
+        over_k = spec.tile_overhead_k if self.tile_overhead_k_fp8_block is None else self.tile_overhead_k_fp8_block
+        return replace(spec, efficiency=self.efficiency_fp8_block or spec.efficiency, tile_overhead_k=over_k)
 
     def attention(self, kernel: str, backward: bool) -> tuple[float, int]:
         """The efficiency fused attention kernel ``kernel`` runs at, its ``backward`` or its forward, and its

@@ -60,6 +60,8 @@ _DEVICE_FIELDS = {
     "gemm_tiles",
     "gemm_tile_overhead_k",
     "gemm_tile_overhead_k_fp8",
+    "gemm_efficiency_fp8_block",
+    "gemm_tile_overhead_k_fp8_block",
     "gemm_stream_k",
     "attention_efficiency",
     "architecture",
@@ -409,6 +411,16 @@ def _gemm_from(f: Fields) -> GemmSpec:
     )
     over_k = f.integer("gemm_tile_overhead_k") if "gemm_tile_overhead_k" in f.obj else 0
     over_k8 = f.integer("gemm_tile_overhead_k_fp8") if "gemm_tile_overhead_k_fp8" in f.obj else None
+    block = dict(
+        efficiency_fp8_block=(
+            f.number("gemm_efficiency_fp8_block", high=1.0, unit="fraction of the dense FP8 peak of block-scaled GEMMs")
+            if "gemm_efficiency_fp8_block" in f.obj
+            else 0.0
+        ),
+        tile_overhead_k_fp8_block=(
+            f.integer("gemm_tile_overhead_k_fp8_block") if "gemm_tile_overhead_k_fp8_block" in f.obj else None
+        ),
+    )
     flash = _attention_efficiency(f)
     stream_k = f.obj.get("gemm_stream_k", False)
     if not isinstance(stream_k, bool):
@@ -423,6 +435,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
             tile_overhead_k_fp8=over_k8,
             stream_k=stream_k,
             attention_efficiency=flash,
+            **block,
         )
     tiles = f.get("gemm_tiles")
     form = "a list of [rows, columns] pairs of positive integers, e.g. [[256, 128], [128, 128]]"
@@ -447,6 +460,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         tile_overhead_k_fp8=over_k8,
         stream_k=stream_k,
         attention_efficiency=flash,
+        **block,
     )
 
 

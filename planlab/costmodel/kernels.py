@@ -66,6 +66,9 @@ one module (Megatron-Core's ``linear_qkv``, ``linear_fc1``: one Transformer Engi
 grouped linear), which casts the input they share once: each is charged its width's share of
 that cast. The model's output projection stays in 16 bits (``Task.output_layer``: torchtitan's
 Float8 filter leaves ``output`` out, Megatron-Core's ``output_layer`` is no Transformer Engine module).
+A software that keeps the weights' casts across a step's micro-batches (``fp8_weight_cache``,
+Transformer Engine's ``is_first_microbatch``) charges each forward its share of one cast a step
+(``weight_casts``).
 
 ``None`` for kinds not listed: the cost model then prices the task by its flop and bytes.
 """
@@ -79,6 +82,7 @@ from planlab.errors import KernelFormulaError
 
 VIEW_KINDS = frozenset({"reshape", "transpose", "permute", "expand", "getitem", "view"})
 INDEX_BYTES = 8  # int64 token ids
+SCALE_BYTES, SCALE_BLOCK = 4, 128  # block-scaled FP8: one fp32 scale per 128 elements (per 128 x 128 of a weight)
 
 # FlashAttention-2's blocks, (queries kBlockM, keys kBlockN), forward then backward, by the head
 # dimension it rounds up to, as its launch templates pick them on an A100 or H100 without attention
@@ -105,6 +109,7 @@ class Kernel:
     gemm: tuple[int, int, int, int] | None = None
     weight: bool = False
     fp8: bool = False  # a GEMM on FP8 operands (the device's FP8 peak and efficiency)
+    block: bool = False  # an FP8 GEMM with block scales (1 x 128 inputs, 128 x 128 weights: GemmSpec.fp8_block)
     fused: bool = False  # a fused kernel priced as a GEMM of its flop (flash attention): no per-tile k overhead
     computed: float = 1.0  # the share of its blocks the kernel computes (a causal flash kernel skips the masked ones)
     backward: bool = False  # a fused kernel's backward (its own kernel, at its own measured efficiency)
@@ -163,6 +168,7 @@ def _gemm(
     nbytes: float = 0.0,
     backward: bool = False,
     core: bool = False,
+    block: bool = False,
 ) -> Kernel:
     return Kernel(
         name,
@@ -170,6 +176,7 @@ def _gemm(
         gemm=(int(batch), int(m), int(n), int(k)),
         weight=weight,
         fp8=fp8,
+        block=block,
         fused=fused,
         computed=computed,
         backward=backward,
@@ -214,6 +221,9 @@ def op_kernels(
     fused_rms_norm: bool = True,
     fused_widths: tuple[int, ...] = (),
     fp8_matmul: bool = False,
+    weight_casts: float = 1.0,
+    fp8_gathered: bool = False,
+    fp8_block: bool = False,
 ) -> OpKernels | None:
     """The kernels of one piece of an operator of ``kind`` in ``phase`` (``"F"`` or ``"B"``),
     given the local shapes of its inputs then outputs and ``eb`` bytes per activation element
@@ -226,8 +236,15 @@ def op_kernels(
     RMSNorm as eager PyTorch's element-wise kernels (:func:`eager_rms_norm`); ``fused_widths``: a linear
     layer's (or a weight product's) GEMMs are its share of one fused with its siblings' (the output
     widths of all, its own included; see the module docstring); ``fp8_matmul``: a matrix product with
-    a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``. A formula that
-    fails on the shapes
+    a weight runs in FP8 with its casts, as a linear layer's GEMMs do under ``fp8``; ``weight_casts``:
+    the share of its weight's FP8 cast an FP8 forward makes (1: every forward casts it; ``1 / M``:
+    the software keeps the cast across a step's ``M`` micro-batches, each charged its share; 0: a
+    forward that reads the kept cast, no cast kernel); ``fp8_gathered``: the weight arrived in FP8 from a
+    ZeRO-3 gather (cast on the shard before it): no cast forward, and the backward copies it into the
+    transposed layout its input-gradient GEMM reads (torchao: ``_scaled_mm`` takes its second operand
+    column-major, ``preprocess_addmm`` copies a row-major one); ``fp8_block``: FP8 with block scales
+    (1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights), block-scaled GEMMs and
+    casts that write the scales too. A formula that fails on the shapes
     it is given is a bug: KernelFormulaError, never a silent roofline."""
     if kind in VIEW_KINDS and kind not in _KINDS:
         return OpKernels((), 1)
@@ -238,11 +255,11 @@ def op_kernels(
             impl = "torch" if fused_attention else implementation
             return _attention(phase, shapes, eb, impl, fused_softmax, causal)
         if kind == "linear" and fp8:
-            return _linear_fp8(phase, shapes, eb, implementation, fused_widths)
+            return _linear_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts, fp8_gathered, fp8_block)
         if kind == "linear":
             return _linear(phase, shapes, eb, implementation, fused_widths)
         if kind == "matmul" and fp8 and fp8_matmul:
-            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths)
+            return _matmul_fp8(phase, shapes, eb, implementation, fused_widths, weight_casts, fp8_gathered, fp8_block)
         if kind == "matmul":
             return _matmul(phase, shapes, eb, implementation, fused_widths)
         if kind == "rms_norm" and not fused_rms_norm:
@@ -255,17 +272,17 @@ def op_kernels(
         ) from e
 
 
-def _linear_gemms(phase, m, n, k, fused_widths, fp8=False):
+def _linear_gemms(phase, m, n, k, fused_widths, fp8=False, block=False):
     """A linear layer's GEMMs, ``m x n x k`` forward, input- then weight-gradient backward; with
     ``fused_widths`` (the output widths of the GEMM it is fused into, its ``n`` among them) the
     fused GEMMs of the summed width, each computing this layer's share."""
     width = sum(fused_widths) if fused_widths else n
     share = n / width
     if phase == "F":
-        return [_gemm("gemm", 1, m, width, k, fp8=fp8, computed=share)]
+        return [_gemm("gemm", 1, m, width, k, fp8=fp8, computed=share, block=block)]
     return [
-        _gemm("gemm-dgrad", 1, m, k, width, fp8=fp8, computed=share),
-        _gemm("gemm-wgrad", 1, width, k, m, True, fp8=fp8, computed=share),
+        _gemm("gemm-dgrad", 1, m, k, width, fp8=fp8, computed=share, block=block),
+        _gemm("gemm-wgrad", 1, width, k, m, True, fp8=fp8, computed=share, block=block),
     ]
 
 
@@ -284,10 +301,14 @@ def _linear(phase, shapes, eb, impl, fused_widths=()):
     return OpKernels(tuple(ks + _accumulate(params, eb)), 1 + len(params))
 
 
-def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
+def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_gathered=False, block=False):
     """A linear layer with FP8 GEMMs: each cast reads the 16-bit tensor and writes its FP8 copy
     and the transposed copy (``eb + 2`` bytes per element); dynamic scaling (``torch``) reads it once
-    more for its absolute maximum."""
+    more for its absolute maximum. The weight's cast is charged ``weight_casts`` of its traffic
+    (:func:`op_kernels`), and left out at 0 or for a weight gathered in FP8 (``fp8_gathered``), whose
+    backward copies it into its transposed layout instead (read and write one byte an element). With
+    ``block`` scales (DeepSeek-V3's recipe) the GEMMs are block-scaled and each cast also writes its
+    scales, one fp32 per 128 elements of each copy (per 128 x 128 of a weight)."""
     x, w = shapes[0], shapes[1]
     has_bias = len(shapes) == 4
     k = x[-1]
@@ -295,20 +316,30 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=()):
     n = w[0]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast
     share = n / sum(fused_widths) if fused_widths else 1.0  # a fused GEMM's one module casts its input once
+    tile, square = _scale_bytes(block)
 
     def cast(name: str, elems: float, weight: bool = False) -> Kernel:
-        return _pass(name, elems * per, weight)
+        return _pass(name, elems * (per + tile), weight)
 
     if phase == "F":
+        weight = (
+            (_pass("fp8-cast-weight", n * k * weight_casts * (per + square)),)
+            if weight_casts and not fp8_gathered
+            else ()
+        )
         return OpKernels(
             (
                 cast("fp8-cast-input", m * k * share),
-                cast("fp8-cast-weight", n * k),
-                *_linear_gemms(phase, m, n, k, fused_widths, True),
+                *weight,
+                *_linear_gemms(phase, m, n, k, fused_widths, True, block),
             ),
-            3,
+            2 + len(weight),
         )
-    ks = [cast("fp8-cast-grad", m * n), *_linear_gemms(phase, m, n, k, fused_widths, True)]
+    ks = [
+        cast("fp8-cast-grad", m * n),
+        *_fp8_transpose(n * k, fp8_gathered),
+        *_linear_gemms(phase, m, n, k, fused_widths, True, block),
+    ]
     if has_bias:
         ks.append(_pass("bias-grad", m * n * eb + n * eb, True))
     params = [w] + ([shapes[2]] if has_bias else [])
@@ -578,7 +609,7 @@ def _cross_entropy(phase, shapes, eb, impl):
     return OpKernels((_pass("nll-loss-bwd", n * eb), _pass("log-softmax-bwd", 3 * n * eb)), 2)
 
 
-def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False):
+def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False, block=False):
     a, b = shapes[0], shapes[1]  # both matrices or stacks of them (op_kernels leaves vectors to the roofline)
     m, k = a[-2], a[-1]
     n = b[-1]
@@ -586,29 +617,52 @@ def _matmul(phase, shapes, eb, impl, fused_widths=(), fp8=False):
     width = sum(fused_widths) if fused_widths else n  # fused with its siblings: their summed width
     share = n / width
     if phase == "F":
-        return OpKernels((_gemm("bmm", batch, m, width, k, fp8=fp8, computed=share),), 1)
+        return OpKernels((_gemm("bmm", batch, m, width, k, fp8=fp8, computed=share, block=block),), 1)
     return OpKernels(
         (
-            _gemm("bmm-grad-a", batch, m, k, width, fp8=fp8, computed=share),
-            _gemm("bmm-grad-b", batch, k, width, m, fp8=fp8, computed=share),
+            _gemm("bmm-grad-a", batch, m, k, width, fp8=fp8, computed=share, block=block),
+            _gemm("bmm-grad-b", batch, k, width, m, fp8=fp8, computed=share, block=block),
         ),
         1,
     )
 
 
-def _matmul_fp8(phase, shapes, eb, impl, fused_widths=()):
+def _scale_bytes(block: bool) -> tuple[float, float]:
+    """Bytes per element the block scales of a cast add, (an activation's or gradient's, a weight's): one
+    fp32 scale per 1 x 128 tile of the row-wise copy and per 128 x 1 tile of the column-wise one, or per
+    128 x 128 block of each weight copy (DeepSeek-V3 report, section 3.3.2); none per tensor."""
+    if not block:
+        return 0.0, 0.0
+    return 2 * SCALE_BYTES / SCALE_BLOCK, 2 * SCALE_BYTES / SCALE_BLOCK**2
+
+
+def _fp8_transpose(elems: float, gathered: bool) -> tuple[Kernel, ...]:
+    """The backward's copy of a weight gathered in FP8 into its transposed layout (one byte an element
+    read and written), or nothing for a weight the forward's cast transposed already."""
+    return (_pass("fp8-transpose-weight", 2 * elems),) if gathered else ()
+
+
+def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_gathered=False, block=False):
     """A matrix product with a weight (the experts' grouped GEMMs) in FP8, as :func:`_linear_fp8` runs a
     linear layer's: forward the casts of both operands (16-bit read, the FP8 copy and its transpose
-    written), backward the cast of the output gradient, each GEMM on FP8 operands (Transformer
-    Engine's GroupedLinear: fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
+    written; the weight's charged ``weight_casts`` of it, as a linear layer's), backward the cast of
+    the output gradient, each GEMM on FP8 operands (Transformer Engine's GroupedLinear:
+    fp8_multi_cast_transpose_fused, then fp8_grouped_gemm)."""
     a, b, out = shapes[0], shapes[1], shapes[-1]
     per = eb + 2 + (eb if impl == "torch" else 0)  # bytes per element of a cast, as a linear layer's
-    gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True)
+    tile, square = _scale_bytes(block)
+    gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True, block=block)
     share = b[-1] / sum(fused_widths) if fused_widths else 1.0  # one fused module casts its input once
     if phase == "F":
-        casts = (_pass("fp8-cast-input", _n(a) * per * share), _pass("fp8-cast-weight", _n(b) * per))
-        return OpKernels(casts + gemms.kernels, 3)
-    return OpKernels((_pass("fp8-cast-grad", _n(out) * per), *gemms.kernels), 2)
+        weight = (
+            (_pass("fp8-cast-weight", _n(b) * (per + square) * weight_casts),)
+            if weight_casts and not fp8_gathered
+            else ()
+        )
+        casts = (_pass("fp8-cast-input", _n(a) * (per + tile) * share), *weight)
+        return OpKernels(casts + gemms.kernels, 2 + len(weight))
+    grad = _pass("fp8-cast-grad", _n(out) * (per + tile))
+    return OpKernels((grad, *_fp8_transpose(_n(b), fp8_gathered), *gemms.kernels), 2)
 
 
 _KINDS = {

@@ -289,6 +289,9 @@ class CostModel:
                 sw.fused_rms_norm,
                 task.fused_widths if sw.fuses(task.fusion) else (),
                 task.weight_matmul and sw.fp8_weight_matmuls,
+                weight_casts(task, sw),
+                task.fp8_gathered,
+                sw.fp8_block_scaling,
             )
             if task.op_kind and task.shapes and kind in ("F", "B")
             else None
@@ -341,7 +344,7 @@ class CostModel:
         hbm = dev.hbm_bytes_per_s * dev.memory_efficiency.max
         spec = dev.gemm
         if kernel.fp8:
-            spec = spec.fp8()
+            spec = spec.fp8_block() if kernel.block else spec.fp8()
         if kernel.core and spec.measured_attention(UNFUSED_ATTENTION):  # an unfused attention core's batched GEMM:
             # the tile model at the efficiency and tile overhead its kernel microbenchmark gives (devices.json)
             efficiency, overhead_k = spec.attention(UNFUSED_ATTENTION, kernel.backward)
@@ -467,6 +470,15 @@ def precision_of(software: SoftwareSpec, cluster: ClusterSpec, name: str | None)
             f"device {cluster.device.name!r} has no {prec.compute_dtype} peak for precision {name!r}; choose {choices(have)}"
         )
     return prec
+
+
+def weight_casts(task: Task, software: SoftwareSpec) -> float:
+    """The share of its weight's FP8 cast a forward ``task`` makes: every forward casts it, unless the
+    software keeps the cast across a step's micro-batches (``fp8_weight_cache``), which charges each
+    forward ``1 / task.step_microbatches`` of the one cast a step and a recomputed forward nothing."""
+    if not software.fp8_weight_cache:
+        return 1.0
+    return 0.0 if task.recompute == "redo" else 1.0 / task.step_microbatches  # Recompute.REDO
 
 
 def gradient_parts(task: Task) -> dict[str, bool]:

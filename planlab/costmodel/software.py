@@ -87,6 +87,27 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     over the stacked expert weights) run in FP8 with their casts, as its linear layers do (Transformer
     Engine's ``GroupedLinear``, Megatron-Core's ``TEGroupedMLP``); false (the default): they stay in
     16 bits (torchao's Float8 training swaps ``nn.Linear`` layers only);
+``fp8_weight_cache``
+    under the ``fp8`` precision, each FP8 linear layer (and product with a weight) casts its weight to
+    FP8 (with its transpose) in the first micro-batch of a step only and keeps that cast for the
+    step's other micro-batches and recomputed forwards (Transformer Engine's ``is_first_microbatch``,
+    which Megatron-Core's schedules pass): the cast is priced once a step (each forward of a step's
+    ``M`` micro-batches charged ``1 / M`` of it, a recomputed forward nothing) and the kept FP8 weight
+    and its transpose (two bytes per weight element) are static memory. False (the default): the
+    weight is cast in every forward, recomputed ones included (torchao's Float8 linear);
+``fp8_all_gather``
+    under the ``fp8`` precision with ZeRO-3 / FSDP, the gather carries the FP8 linear layers' weights in
+    FP8: each device casts its shard with a scale computed once a step after the optimizer (torchao's
+    ``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``), so the
+    gather moves and holds one byte an element, the forward uses the gathered FP8 weight without a
+    cast, and the backward copies it into the transposed layout its input-gradient GEMM reads
+    (:func:`planlab.costmodel.kernels.op_kernels`' ``fp8_gathered``). False (the default): bf16 weights
+    are gathered and cast in each forward;
+``fp8_block_scaling``
+    under the ``fp8`` precision, FP8 with block scales (DeepSeek-V3's recipe: one scale per 1 x 128
+    tile of activations and gradients, per 128 x 128 block of weights): block-scaled GEMMs
+    (``GemmSpec.fp8_block``, the device's ``gemm_efficiency_fp8_block``) and casts that write the scales.
+    False (the default): per-tensor scales;
 ``routing_weights_in_experts``
     a mixture of experts' routing weights multiply the experts' activation inside their kernel
     (Megatron-Core's weighted SwiGLU, since its "memory efficient token permutation"), so the
@@ -202,6 +223,9 @@ _FIELDS = {
     "fused_glu",
     "fused_rms_norm",
     "fp8_weight_matmuls",
+    "fp8_weight_cache",
+    "fp8_all_gather",
+    "fp8_block_scaling",
     "routing_weights_in_experts",
     "expert_dispatch",
     "fused_permute",
@@ -280,6 +304,9 @@ class SoftwareSpec:
     fused_glu: bool = False
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
+    fp8_weight_cache: bool = False
+    fp8_all_gather: bool = False
+    fp8_block_scaling: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
     fused_permute: bool = False
@@ -427,6 +454,9 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_glu=_flag(f, "fused_glu", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
+        fp8_weight_cache=_flag(f, "fp8_weight_cache", False),
+        fp8_all_gather=_flag(f, "fp8_all_gather", False),
+        fp8_block_scaling=_flag(f, "fp8_block_scaling", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
         fused_permute=_flag(f, "fused_permute", False),

@@ -206,7 +206,12 @@ class Task:
     ``weight_matmul`` marks a piece of a matrix product with a weight, the experts' stacked weights
     (:func:`planlab.plan.saved.weight_matmul`: a software with ``fp8_weight_matmuls`` runs it in FP8);
     ``output_layer`` marks a piece of the model's output projection, which FP8 trainings keep in 16 bits
-    (:func:`planlab.plan.saved.output_layer`). ``ring`` marks the forward
+    (:func:`planlab.plan.saved.output_layer`). ``step_microbatches``, on the forward of a piece that
+    multiplies by a weight (a linear layer's, a product with a weight), is the number of micro-batches
+    of a step: a software that keeps a weight's FP8 cast across them (``fp8_weight_cache``) charges
+    each forward its share of one cast a step; ``fp8_gathered`` marks a forward or backward piece whose
+    weight a ZeRO-3 gather brought in FP8 (:func:`planlab.plan.saved.fp8_gathered_weights`: no cast in
+    the forward, a transposing copy in the backward). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
@@ -263,6 +268,8 @@ class Task:
     weight_matmul: bool = False
     fusion: Fusion | None = None
     output_layer: bool = False
+    step_microbatches: int = 1
+    fp8_gathered: bool = False
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four
@@ -329,7 +336,8 @@ class Block:
 
 @dataclass(frozen=True)
 class DeviceProgram:
-    """One device's blocks, schedule and static memory (weights, gradients, optimizer states)."""
+    """One device's blocks, schedule and static memory (weights, gradients, optimizer states, and the
+    weights' FP8 casts where the software keeps them across micro-batches)."""
 
     device: int
     blocks: dict[tuple[int, str], Block]
@@ -341,6 +349,7 @@ class DeviceProgram:
     host_bytes: int = (
         0  # host memory (a pool apart): offloaded master weights, optimizer states, gradients, activations
     )
+    cast_weight_bytes: int = 0  # FP8 weight casts kept across micro-batches (saved.cached_fp8_weights)
 
     def steps(self):
         """Yield ``(action, task, Step)`` in the order the device issues them: each action's posted
@@ -361,7 +370,7 @@ class DeviceProgram:
 
     @property
     def static_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.cast_weight_bytes
 
     def block(self, action: Action) -> Block:
         return self.blocks[(action.stage, action.phase)]

@@ -228,6 +228,47 @@ def output_layer(op: Operator, graph: Graph) -> bool:
     return False
 
 
+CAST_WEIGHT_BYTES = 2  # a kept FP8 weight: its FP8 copy and its transpose, one byte an element each
+FP8_BYTES = 1  # an FP8 element (E4M3 or E5M2)
+
+
+def fp8_weights(graph: Graph, software: SoftwareSpec | None, precision: Precision) -> frozenset[str]:
+    """The weights FP8 GEMMs multiply by under an FP8 precision: the linear layers' and, with the
+    software's ``fp8_weight_matmuls``, the products with a weight's, the output projection's (16 bits)
+    left out; empty in another precision (kept in the graph's memo)."""
+    if precision.compute_dtype != "fp8":
+        return frozenset()
+    matmuls = software is not None and software.fp8_weight_matmuls
+
+    def find() -> frozenset[str]:
+        names = set()
+        for op in graph.operators:
+            fp8 = op.kind == "linear" or (matmuls and weight_matmul(op, graph))
+            if fp8 and not output_layer(op, graph):
+                names.update(t for t in op.inputs if graph.tensors[t].role == "param" and graph.tensors[t].is_float)
+        return frozenset(names)
+
+    return graph.memo(("fp8_weights", matmuls), find)
+
+
+def cached_fp8_weights(graph: Graph, software: SoftwareSpec | None, precision: Precision) -> frozenset[str]:
+    """The weights whose FP8 casts the software keeps across a step's micro-batches
+    (``fp8_weight_cache``, Transformer Engine's workspaces: :data:`CAST_WEIGHT_BYTES` an element, static
+    memory): :func:`fp8_weights` where the software keeps them, empty otherwise."""
+    if software is None or not software.fp8_weight_cache:
+        return frozenset()
+    return fp8_weights(graph, software, precision)
+
+
+def fp8_gathered_weights(graph: Graph, software: SoftwareSpec | None, precision: Precision) -> frozenset[str]:
+    """The weights a ZeRO-3 / FSDP gather carries in FP8, cast on each device's shard before the gather
+    (the software's ``fp8_all_gather``: torchao's float8 all-gather): :func:`fp8_weights` where the
+    software does so, empty otherwise."""
+    if software is None or not software.fp8_all_gather:
+        return frozenset()
+    return fp8_weights(graph, software, precision)
+
+
 def cast_inputs(
     op: Operator, graph: Graph, precision: Precision, software: SoftwareSpec | None = None
 ) -> dict[str, int]:

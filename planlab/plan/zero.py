@@ -64,6 +64,7 @@ from planlab.plan.passes.draft import (
 from planlab.plan.passes.gradients import Reduction, reduction_groups
 from planlab.plan.fused_gemms import fused_fields, fused_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
+from planlab.plan.saved import FP8_BYTES, fp8_gathered_weights
 
 
 def unit_key(param: str, per_module: bool = False) -> str:
@@ -287,7 +288,8 @@ def shard_fully(
     (weights, gradients and optimizer states keep a shard) and the groups of buffers freed together
     (a unit's gathered weights)."""
     units = [u for us in groups for u in us]
-    first, last, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes)
+    fp8 = fp8_gathered_weights(d.graph, d.software, d.precision)  # gathered in FP8, cast on the shard
+    first, last, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes, fp8)
     places = _places(parts, keys)
     prefetch: dict[SlotKey, list] = {}  # slot part -> ((place, group), gather)
     inside: dict[SlotKey, list] = {}  # a recomputation's slot part -> (task index, (place, group), gather)
@@ -310,8 +312,10 @@ def shard_fully(
                     else:
                         held = (before[0], "B") if (before[0], "B") in kept_units else before
                         (_, index), start = _hook_after(places[block], last[held + (block,)], first[(u, ph, block)])
-                    task = _gather(u, ph, _GATHERED[ph], st, d.precision, idents)
-                    sizes.update((b, n * d.precision.param_bytes) for b, (_, _, n) in zip(task.writes, u.weights))
+                    task = _gather(u, ph, _GATHERED[ph], st, d.precision, idents, fp8)
+                    sizes.update(
+                        (b, n * _gathered_bytes(p, d.precision, fp8)) for b, (_, p, n) in zip(task.writes, u.weights)
+                    )
                     if start[3] is Part.RECOMPUTE:  # inside the recomputation, before the task it is issued at
                         inside.setdefault(start, []).append((index, (k, gi), task))
                     else:
@@ -470,13 +474,14 @@ def gathered(kind: BufferKind, param: str, unit: Unit, stage: int) -> Buffer:
 
 
 def _gathered_and_reduced(
-    parts: Parts, keys: list[SlotKey], units: list[Unit], d: Draft, sizes: dict[Buffer, int]
+    parts: Parts, keys: list[SlotKey], units: list[Unit], d: Draft, sizes: dict[Buffer, int], fp8: frozenset[str]
 ) -> tuple[dict, dict]:
     """Rewrite the forward and backward tasks that use the units' weights (in ``parts``): forward
     tasks read the forward's gathered weights, backward blocks the backward's (their backward tasks
     keep them, as autograd saves them) and write full gradients; with the software's
     ``zero3_regather_for_recompute`` a recomputed forward reads the recomputation's gather (phase
-    ``R``). Each stage reads its own gather (:func:`gathered`). Returns, per (unit, phase, block), where
+    ``R``). Each stage reads its own gather (:func:`gathered`); a task reading a weight gathered in FP8
+    (``fp8``, :func:`~planlab.plan.saved.fp8_gathered_weights`) is marked ``fp8_gathered``. Returns, per (unit, phase, block), where
     its first and its last task in the block are and, per unit, where its last backward task is:
     ``(place in the order the block runs, slot part)``."""
     names = [op.name for op in d.graph.operators]
@@ -519,6 +524,7 @@ def _gathered_and_reduced(
                 reads=tuple(ren.get(r, r) for r in t.reads),
                 writes=tuple(grad.get(w, w) for w in t.writes),
                 saved=saved,
+                fp8_gathered=t.fp8_gathered or any(weights[w][0] in fp8 for w in t.reads if w in weights),
             )
             at = ((run_order(key), k), key)
             for b in used:
@@ -533,9 +539,19 @@ def _gathered_and_reduced(
     return first, last, last_grad
 
 
-def _gather(u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision, idents: Idents) -> Task:
-    """The all-gather of unit ``u``'s weights for phase ``ph`` of stage ``stage`` into ``kind`` buffers."""
+def _gathered_bytes(param: str, precision: Precision, fp8: frozenset[str]) -> int:
+    """Bytes per element of ``param`` as gathered: one for a weight gathered in FP8 (``fp8``), else the
+    precision's weight bytes."""
+    return FP8_BYTES if param in fp8 else precision.param_bytes
+
+
+def _gather(
+    u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision, idents: Idents, fp8: frozenset[str]
+) -> Task:
+    """The all-gather of unit ``u``'s weights for phase ``ph`` of stage ``stage`` into ``kind`` buffers
+    (the weights ``fp8`` in FP8, one byte an element)."""
     own = stage == u.stage
+    light = sum(n for _, p, n in u.weights if p in fp8) * (precision.param_bytes - FP8_BYTES)
     return Task(
         f"zero3-gather-{ph.lower()}{list(u.group)}#{u.name}" + ("" if own else f"@{stage}"),
         TaskKind.COLLECTIVE,
@@ -543,7 +559,7 @@ def _gather(u: Unit, ph: str, kind: BufferKind, stage: int, precision: Precision
         tuple(gathered(kind, p, u, stage) for _, p, _ in u.weights),
         collective="all_gather",
         group=u.group,
-        nbytes=u.shard_numel * len(u.group) * precision.param_bytes,
+        nbytes=u.shard_numel * len(u.group) * precision.param_bytes - light,
         overlap=True,
         role=Role.UNIT_GATHER,
         ident=idents(("zero3-gather", ph, tuple(p for _, p, _ in u.weights)) + (() if own else (stage,))),

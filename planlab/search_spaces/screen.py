@@ -275,6 +275,7 @@ class Screen:
             in_kernel=in_kernel,
             weight_matmul=weight_matmul,
             output_layer=output_layer,
+            step_microbatches=m if kind == "linear" or weight_matmul else 1,  # as forward_pieces gives it
         )
         dev, host = self.cost.device_and_host_s(task, self.dtype)
         roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0

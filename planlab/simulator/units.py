@@ -291,6 +291,9 @@ class _Lowering:
             t.fusion,
             t.weight_matmul,  # a matrix product with a weight (FP8 where the software runs those in FP8)
             t.output_layer,  # the output projection (16 bits under FP8)
+            t.step_microbatches,  # a weight's FP8 cast kept across a step's micro-batches
+            t.recompute,  # a recomputed forward reads the kept cast
+            t.fp8_gathered,  # its weight gathered in FP8 (no cast forward, a transposing copy backward)
         )
         got = self.prices.get(key)
         if got is None:

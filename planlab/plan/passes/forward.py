@@ -179,6 +179,7 @@ def forward_pieces(d: Draft) -> Draft:
             box=None,
             weight_matmul=weight_matmul(op, graph),
             output_layer=output_layer(op, graph),
+            step_microbatches=m if op.kind == "linear" or weight_matmul(op, graph) else 1,  # kept FP8 weight casts
             **fused_fields(d, op),
         )  # alike at every position
         for flat, dev in d.positions(mesh):

@@ -12,6 +12,7 @@ from planlab.plan.passes.order import as_blocks, block_order, schedule_of
 from planlab.plan.passes.act_offload import host_activation_bytes
 from planlab.plan.passes.offload import host_bytes_per_param
 from planlab.plan.program import Block, DeviceProgram, Program, Role, TaskKind
+from planlab.plan.saved import CAST_WEIGHT_BYTES, cached_fp8_weights
 
 
 def assemble(d: Draft) -> Program:
@@ -19,7 +20,8 @@ def assemble(d: Draft) -> Program:
     frees (:func:`liveness`), its schedule (:func:`~planlab.plan.passes.order.schedule_of`), its
     pieces of parameters and its static bytes (weights, gradients and optimizer states, less what
     ZeRO shards, and, offloaded, the optimizer states and the activations, which live in host memory:
-    ``host_bytes``); the collective groups; the devices holding the loss."""
+    ``host_bytes``; the weights' FP8 casts a software keeps across micro-batches:
+    ``cast_weight_bytes``); the collective groups; the devices holding the loss."""
     plan, pr = d.plan, d.precision
     programs = []
     groups: set[tuple[int, ...]] = set()
@@ -27,6 +29,7 @@ def assemble(d: Draft) -> Program:
     # the lifetimes found so far, with what they were found from: a class's members (a representative
     # and its witness) name the same buffers in the same tasks, so their lifetimes are found once
     found: list[tuple[list, dict, tuple, tuple]] = []
+    cached = cached_fp8_weights(d.graph, d.software, pr)  # kept FP8 casts of these weights (static)
     for dev in range(plan.num_devices) if d.keep is None else sorted(d.keep):
         blocks = as_blocks(d.blocks.get(dev, {}))
         groups.update(tuple(sorted(t.group)) for b in blocks.values() for t in b.tasks if t.group)
@@ -51,6 +54,7 @@ def assemble(d: Draft) -> Program:
                 grad_bytes=nparams * pr.grad_bytes - saved_grads,
                 optimizer_bytes=0 if offloaded else nparams * pr.optimizer_bytes - saved_states,
                 host_bytes=int(offloaded * host_bytes_per_param(pr)) + host_activation_bytes(blocks, schedule),
+                cast_weight_bytes=CAST_WEIGHT_BYTES * sum(box_numel(b) for p, b in params if p in cached),
             )
         )
     lay = d.layouts.has(d.graph.producer[d.graph.loss], 0)
