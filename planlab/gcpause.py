@@ -6,7 +6,7 @@ collector walks them all, which costs a fifth of the run and frees nothing.
 
 When the collector comes back on, what the block allocated and kept would all sit in the
 youngest generation, and the next young collection would walk every one of them (a 3f1b
-build at 1,024 devices keeps about 730,000 tracked objects: 0.25-0.3 s) to free nothing. So
+build at 1,024 devices keeps about 730,000 tracked objects: 0.14-0.28 s) to free nothing. So
 the outermost block ends by moving them to the oldest generation at once, as ``gc.freeze()``
 then ``gc.unfreeze()`` do (CPython's ``gcmodule.c``: freeze splices every generation's list
 onto the permanent one and zeroes the young count; unfreeze splices the permanent list onto
