@@ -501,3 +501,35 @@ def test_a_fine_offload_row_that_offloads_nothing_is_left_out():
         space.draft(ctx, knobs)
     grid = get_space("megatron").draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
     assert choose_layout(grid, True).layout == choose_layout(grid, False).layout
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 4, 1), ("interleaved", 8, 2)])
+def test_each_chain_of_a_walk_priced_as_its_row_is_at_most_the_walk_and_the_critical_one_meets_it(
+    schedule, stages, chunks
+):
+    # a chain's row must bound every layout's walk from below, so at the layout it was walked at it is
+    # no longer than the walk: a device's step from one chunk to its next pays no transfer (interleaved)
+    import itertools
+
+    import numpy as np
+
+    from planlab.search_spaces.fine import _Program
+    from planlab.search_spaces.fine_cuts import chain_row
+    from planlab.search_spaces.fine_walk import walk_paths
+    from planlab.search_spaces.stages import StageLayout
+
+    head = GroupCost(2.5, 0.0, 0.0, 0.0, 0.0)
+    c = _costs(last=head, p2p_s=0.3, sync_s=0.05, forward_share=0.3)
+    groups, m = stages // chunks, 8
+    for n in itertools.islice(itertools.product((0, 1, 3), repeat=stages), 0, None, 7):
+        lay = StageLayout(n, tuple(min(1, x) for x in n), (False,) * groups)
+        x = np.zeros(_Program(stages, chunks).nv)
+        x[:stages], x[stages : 2 * stages] = n, lay.recompute
+        lengths = []
+        for w in walk_paths(c, lay, m, schedule, chunks):
+            lp = _Program(stages, chunks)
+            chain_row(lp, c, w)
+            row = lp.rows[-1]
+            lengths.append(lp.lo[-1] - row @ x)  # the row: W - (its layers' terms) >= its constant
+            assert lengths[-1] <= w.time_s + 1e-9
+        assert max(lengths) == pytest.approx(max(w.time_s for w in walk_paths(c, lay, m, schedule, chunks)))
