@@ -410,7 +410,8 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
     got = grid_bound(ctx, grid)
     points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
     assert got.points == len(points) and got.programs < got.lps < len(points) and got.node_limited == 0
-    assert got.least_lp_s == pytest.approx(min(p.relaxed_s(cap) for p in points), rel=1e-9)
+    # the relaxations solved hold the chains walked at earlier points of their shape: no weaker than without
+    assert min(p.relaxed_s(cap) for p in points) <= got.least_lp_s * (1 + 1e-9) <= got.least_s * (1 + 1e-9)
     every = [
         solve_program(
             p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks, group=p.group, walked=True
@@ -482,7 +483,7 @@ def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages
         if sum(n) == layers and min(inner) >= 1 and min(n) >= low:
             lay = StageLayout(n, (0,) * stages, (False,) * (stages // chunks))
             every.append(walk_s(c, lay, m, schedule, chunks) + ties_s(c, lay))
-    layout, found_s, least_s, status = solve_walked(
+    layout, found_s, least_s, status, _ = solve_walked(
         (c, layers, stages, m, 1e9, schedule, chunks, 0), float("inf"), False
     )
     assert status == "optimal" and sum(layout.layers) == layers
@@ -501,3 +502,50 @@ def test_a_fine_offload_row_that_offloads_nothing_is_left_out():
         space.draft(ctx, knobs)
     grid = get_space("megatron").draft(ctx, space.with_defaults(dict(pp=2, tp=1, dp=1, microbatch=2)))
     assert choose_layout(grid, True).layout == choose_layout(grid, False).layout
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 4, 1), ("interleaved", 8, 2)])
+def test_each_chain_of_a_walk_priced_as_its_row_is_at_most_the_walk_and_the_critical_one_meets_it(
+    schedule, stages, chunks
+):
+    # a chain's row must bound every layout's walk from below, so at the layout it was walked at it is
+    # no longer than the walk: a device's step from one chunk to its next pays no transfer (interleaved)
+    import itertools
+
+    import numpy as np
+
+    from planlab.search_spaces.fine import _Program
+    from planlab.search_spaces.fine_cuts import chain_row
+    from planlab.search_spaces.fine_walk import walk_paths
+    from planlab.search_spaces.stages import StageLayout
+
+    head = GroupCost(2.5, 0.0, 0.0, 0.0, 0.0)
+    c = _costs(last=head, p2p_s=0.3, sync_s=0.05, forward_share=0.3)
+    groups, m = stages // chunks, 8
+    for n in itertools.islice(itertools.product((0, 1, 3), repeat=stages), 0, None, 7):
+        lay = StageLayout(n, tuple(min(1, x) for x in n), (False,) * groups)
+        x = np.zeros(_Program(stages, chunks).nv)
+        x[:stages], x[stages : 2 * stages] = n, lay.recompute
+        lengths = []
+        for w in walk_paths(c, lay, m, schedule, chunks):
+            lp = _Program(stages, chunks)
+            chain_row(lp, c, w)
+            row = lp.rows[-1]
+            lengths.append(lp.lo[-1] - row @ x)  # the row: W - (its layers' terms) >= its constant
+            assert lengths[-1] <= w.time_s + 1e-9
+        assert max(lengths) == pytest.approx(max(w.time_s for w in walk_paths(c, lay, m, schedule, chunks)))
+
+
+def test_a_grid_bound_from_an_incumbent_solves_fewer_programs_and_finds_the_same_best():
+    # the grid best's own layout given as the first incumbent prunes the points that cannot beat it;
+    # the best layout found is the same, and an incumbent no layout beats is the answer, with no knobs
+    from planlab.search_spaces.fine_bound import grid_bound
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    free = grid_bound(ctx, grid)
+    got = grid_bound(ctx, grid, incumbent_s=free.best_s * 1.01)
+    assert got.best_s == pytest.approx(free.best_s, rel=1e-4) and got.knobs == free.knobs
+    assert got.lps <= free.lps and got.programs <= free.programs
+    low = grid_bound(ctx, grid, incumbent_s=free.least_s * 0.99)
+    assert low.knobs == {} and low.best_s == low.least_s == pytest.approx(free.least_s * 0.99)

@@ -107,29 +107,37 @@ def walked_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int 
     return m * work_s / G + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
 
 
-def solve_walked(program: tuple, bar_s: float, relax_first: bool):
+def _chain(w: Walk) -> tuple:
+    """What makes ``w`` a row: its actions, transfers and sync (not the time it was walked at)."""
+    return w.forwards, w.backwards, w.hops, w.device
+
+
+def solve_walked(program: tuple, bar_s: float, relax_first: bool, start: tuple[Walk, ...] = ()):
     """The walked program of ``program``, fine.program_arrays' arguments (per-layer costs, layers,
     stages, micro-batches, the device's memory, schedule, chunks and pipeline_group), solved by
     adding critical paths (module docstring): ``(layout, its walked
-    objective, the proven lower bound on every layout's, status)``; status ``optimal``, ``cut
-    limit`` or ``node limit`` (a layout that may not be the best), ``infeasible`` (no layout fits the
-    memory rows) or ``pruned`` (the bound reached ``bar_s``: no layout of this point beats it).
-    ``relax_first``: solve the LP relaxation first and prune on it."""
+    objective, the proven lower bound on every layout's, status, the chains its rows held)``; status
+    ``optimal``, ``cut limit`` or ``node limit`` (a layout that may not be the best), ``infeasible``
+    (no layout fits the memory rows) or ``pruned`` (the bound reached ``bar_s``: no layout of this
+    point beats it). ``relax_first``: solve the LP relaxation first and prune on it. ``start``: chains
+    to begin with, walked at any program of the same pipeline shape (stages, micro-batches, schedule,
+    chunks and group: the order of actions, so the chains, are the same; their rows are priced with
+    this program's costs), which saves the rounds that would find them again."""
     from scipy.optimize import milp  # on first use: scipy takes a second to import
 
     from planlab.search_spaces.fine import NODE_LIMIT, milp_args
 
     c, _, stages, m, _, schedule, chunks, group = program
-    cuts: list[Walk] = []
+    cuts: list[Walk] = list(start)
     best, best_s, least_s, status = None, math.inf, -math.inf, "cut limit"
     if relax_first:
-        cost, args, _, _ = milp_args(*program, walked=True)
+        cost, args, _, _ = milp_args(*program, walked=True, cuts=tuple(cuts))
         relaxed = milp(cost, **args)
         if relaxed.x is None:
-            return None, math.inf, math.inf, "infeasible"
+            return None, math.inf, math.inf, "infeasible", tuple(cuts)
         least_s = float(relaxed.fun)
         if least_s >= bar_s:
-            return None, least_s, least_s, "pruned"
+            return None, least_s, least_s, "pruned", tuple(cuts)
     for _ in range(CUT_LIMIT):
         cost, args, integ, lp = milp_args(*program, walked=True, cuts=tuple(cuts))
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
@@ -140,6 +148,7 @@ def solve_walked(program: tuple, bar_s: float, relax_first: bool):
                     math.inf,
                     (math.inf if res.status == 2 else least_s),
                     ("infeasible" if res.status == 2 else "node limit"),
+                    tuple(cuts),
                 )
             status = "node limit"
             break
@@ -159,11 +168,12 @@ def solve_walked(program: tuple, bar_s: float, relax_first: bool):
         if got_s < best_s:
             best, best_s = layout, got_s
         if least_s >= bar_s:
-            return None, least_s, least_s, "pruned"
+            return None, least_s, least_s, "pruned", tuple(cuts)
         if best_s <= least_s * (1 + GAP):
             status = "node limit" if limited else "optimal"
             break
-        cuts.append(walked)
+        if all(_chain(w) != _chain(walked) for w in cuts):  # a start chain may be this layout's critical path
+            cuts.append(walked)
     least_s = min(least_s, best_s)
     proven = status == "optimal"
-    return StageLayout(best.layers, best.recompute, best.offload, proven), best_s, least_s, status
+    return StageLayout(best.layers, best.recompute, best.offload, proven), best_s, least_s, status, tuple(cuts)

@@ -103,7 +103,8 @@ def walk_paths(
     hop_s = c.p2p_s / 2 if G > 1 else 0.0
     orders = orders_of(S, microbatches, schedule, chunks, group)
     done: dict[tuple[int, str, int], float] = {}  # (stage, phase, micro-batch): when it ended
-    came: dict[tuple[int, str, int], tuple | None] = {}  # what it waited for last: the critical path's step back
+    # what it waited for last (the critical path's step back), and whether that was a transfer from another stage
+    came: dict[tuple[int, str, int], tuple[tuple | None, bool]] = {}
     free = [0.0] * G  # when each device finishes what it has run so far
     last: list[tuple | None] = [None] * G  # each device's last action run
     at = [0] * G  # each device's next action
@@ -123,7 +124,8 @@ def walk_paths(
                     break
                 ready = 0.0 if dep is None else done[dep] + (hop_s if dep[0] != a.stage else 0.0)
                 key = (a.stage, a.phase, a.microbatch)
-                came[key] = dep if dep is not None and ready > free[d] else last[d]
+                waited = dep is not None and ready > free[d]
+                came[key] = (dep, dep[0] != a.stage) if waited else (last[d], False)
                 free[d] = max(free[d], ready) + took
                 done[key] = free[d]
                 last[d] = key
@@ -139,12 +141,14 @@ def walk_paths(
 
 
 def _path(came: dict, step: tuple | None, stages: int, time_s: float, device: int) -> Walk:
-    """The chain that ends at ``step`` on ``device``, walked back through what each action waited for."""
-    forwards, backwards, hops, before = [0] * stages, [0] * stages, 0, None
+    """The chain that ends at ``step`` on ``device``, walked back through what each action waited for.
+    Its hops are the transfers it waited for: a device's step from one of its chunks to the next
+    (interleaved 1F1B) runs on the device and pays none."""
+    forwards, backwards, hops = [0] * stages, [0] * stages, 0
     while step is not None:
         (forwards if step[1] == "F" else backwards)[step[0]] += 1
-        before, step = step, came[step]
-        hops += step is not None and step[0] != before[0]
+        step, crossed = came[step]
+        hops += crossed
     return Walk(time_s, tuple(forwards), tuple(backwards), hops, device)
 
 
