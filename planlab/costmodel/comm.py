@@ -194,11 +194,11 @@ def _nccl_ring(kind: Collective, nbytes: float, p: Placement, bw: float) -> floa
     share of the links' achieved bandwidth ``bw`` (:mod:`planlab.costmodel.nccl`)."""
     steps, traffic = _RING[kind]
     net_steps = (2 if kind is Collective.ALL_REDUCE else 1) * (p.nodes - 1)  # nInterSteps
+    plateau = kind is Collective.ALL_REDUCE and nbytes >= p.n * nccl.RING_PLATEAU_BYTES_PER_RANK
     best = math.inf
     for proto, cost in nccl.RING.items():
         lat = nccl.ring_latency_s(cost, steps(p.n), net_steps)
-        plateau = nbytes >= p.n * nccl.RING_PLATEAU_BYTES_PER_RANK
-        if kind is Collective.ALL_REDUCE and proto is nccl.Protocol.SIMPLE and plateau:
+        if plateau and proto is nccl.Protocol.SIMPLE:
             lat *= nccl.RING_PLATEAU
         best = min(best, lat + traffic(p.n) * nbytes / (cost.bandwidth * bw))
     return best
@@ -213,11 +213,6 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
     """all_reduce as a pipelined reduce up and broadcast down a tree of nodes, chains within them,
     at :data:`TREE_BANDWIDTH` of the links' achieved bandwidth."""
     node = cluster.node
-    depth_s = math.ceil(math.log2(p.nodes)) * node.inter_latency_s if p.nodes > 1 else 0.0
-    if p.nodes == 1:
-        depth_s = math.ceil(math.log2(p.n)) * node.intra_latency_s
-    else:
-        depth_s += (p.g_max - 1) * node.intra_latency_s
     bw = _intra_bw(node, nbytes)
     if p.nodes > 1:
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails))
@@ -226,6 +221,10 @@ def _tree(cluster: ClusterSpec, nbytes: float, p: Placement) -> float:
             nccl.tree_latency_s(cost, p.g_max, p.nodes) + 2.0 * nbytes / (TREE_BANDWIDTH * cost.bandwidth * bw)
             for cost in nccl.TREE.values()
         )
+    if p.nodes == 1:
+        depth_s = math.ceil(math.log2(p.n)) * node.intra_latency_s
+    else:
+        depth_s = math.ceil(math.log2(p.nodes)) * node.inter_latency_s + (p.g_max - 1) * node.intra_latency_s
     return 2.0 * depth_s + 2.0 * nbytes / (TREE_BANDWIDTH * bw)
 
 

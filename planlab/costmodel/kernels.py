@@ -322,11 +322,7 @@ def _linear_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_
         return _pass(name, elems * (per + tile), weight)
 
     if phase == "F":
-        weight = (
-            (_pass("fp8-cast-weight", n * k * weight_casts * (per + square)),)
-            if weight_casts and not fp8_gathered
-            else ()
-        )
+        weight = _fp8_weight_cast(n * k * (per + square), weight_casts, fp8_gathered)
         return OpKernels(
             (
                 cast("fp8-cast-input", m * k * share),
@@ -636,6 +632,12 @@ def _scale_bytes(block: bool) -> tuple[float, float]:
     return 2 * SCALE_BYTES / SCALE_BLOCK, 2 * SCALE_BYTES / SCALE_BLOCK**2
 
 
+def _fp8_weight_cast(nbytes: float, weight_casts: float, gathered: bool) -> tuple[Kernel, ...]:
+    """The forward's cast of a weight to FP8 (``nbytes`` its traffic), charged ``weight_casts`` of it
+    (:func:`op_kernels`); nothing where the forward reads a kept cast (0) or a weight gathered in FP8."""
+    return (_pass("fp8-cast-weight", nbytes * weight_casts),) if weight_casts and not gathered else ()
+
+
 def _fp8_transpose(elems: float, gathered: bool) -> tuple[Kernel, ...]:
     """The backward's copy of a weight gathered in FP8 into its transposed layout (one byte an element
     read and written), or nothing for a weight the forward's cast transposed already."""
@@ -654,11 +656,7 @@ def _matmul_fp8(phase, shapes, eb, impl, fused_widths=(), weight_casts=1.0, fp8_
     gemms = _matmul(phase, shapes, eb, impl, fused_widths, fp8=True, block=block)
     share = b[-1] / sum(fused_widths) if fused_widths else 1.0  # one fused module casts its input once
     if phase == "F":
-        weight = (
-            (_pass("fp8-cast-weight", _n(b) * (per + square) * weight_casts),)
-            if weight_casts and not fp8_gathered
-            else ()
-        )
+        weight = _fp8_weight_cast(_n(b) * (per + square), weight_casts, fp8_gathered)
         casts = (_pass("fp8-cast-input", _n(a) * (per + tile) * share), *weight)
         return OpKernels(casts + gemms.kernels, 2 + len(weight))
     grad = _pass("fp8-cast-grad", _n(out) * (per + tile))

@@ -109,13 +109,16 @@ def split_zero_bubble(d: Draft) -> Draft:
         given = d.plan.schedule[dev] if d.plan.schedule and dev < len(d.plan.schedule) else ()
         if any(a.phase in ("I", "W") for a in given):
             split_backward(mine, split_stages(given), d.graph, cast)
-            own = sizes.setdefault(dev, {})
-            for t in (t for k, ts in mine.items() if k[1] == "I" for t in ts if t.role is Role.KEEP_GRAPH):
-                if t.op in cast:
-                    for g in t.reads:
-                        if g and g in own:
-                            own[fp8_cast(g)] = own[g] * d.precision.linear_input_bytes // d.precision.activation_bytes
+            _size_casts(mine, cast, sizes.setdefault(dev, {}), d.precision)
     return d.replace(blocks=blocks, sizes=sizes)
+
+
+def _size_casts(blocks: dict, cast: frozenset[str], own: dict, precision: Precision) -> None:
+    """Give ``own`` (a device's buffer bytes) the FP8 casts of the output gradients that the ``I``
+    tasks of ``cast`` operators make for their ``W`` (module docstring), in place."""
+    keep = [t for k, ts in blocks.items() if k[1] == "I" for t in ts if t.role is Role.KEEP_GRAPH and t.op in cast]
+    for g in (g for t in keep for g in t.reads if g and g in own):
+        own[fp8_cast(g)] = own[g] * precision.linear_input_bytes // precision.activation_bytes
 
 
 def fp8_weight_grads(graph: Graph, precision: Precision) -> frozenset[str]:

@@ -205,6 +205,13 @@ def weight_matmul(op: Operator, graph: Graph) -> bool:
     return op.kind == "matmul" and any(graph.tensors[t].role == "param" for t in op.inputs)
 
 
+def step_microbatches(kind: str, with_weight: bool, microbatches: int) -> int:
+    """A forward piece's ``Task.step_microbatches``: a step's ``microbatches`` for a piece that
+    multiplies by a weight (a linear layer's, or a product with a weight's: ``with_weight``), among
+    which a software that keeps a weight's FP8 cast shares one cast; 1 for any other."""
+    return microbatches if kind == "linear" or with_weight else 1
+
+
 LOSS_KINDS = frozenset({"cross_entropy", "vocab_cross_entropy"})
 
 

@@ -244,6 +244,7 @@ class Screen:
         GEMM's share, a fused token permutation's operators inside their kernels: no time)."""
         from planlab.plan.buffer import contribution, weight_grad
         from planlab.plan.program import Task, TaskKind
+        from planlab.plan.saved import step_microbatches
 
         kind, whole, causal, fusion, widths, in_kernel, weight_matmul, output_layer = self.t.works[work][4:12]
         if not self.cost.host_bound:  # the roofline: only what runs inside another kernel changes it
@@ -275,7 +276,7 @@ class Screen:
             in_kernel=in_kernel,
             weight_matmul=weight_matmul,
             output_layer=output_layer,
-            step_microbatches=m if kind == "linear" or weight_matmul else 1,  # as forward_pieces gives it
+            step_microbatches=step_microbatches(kind, weight_matmul, m),  # as forward_pieces gives it
         )
         dev, host = self.cost.device_and_host_s(task, self.dtype)
         roof = self.cost.compute_time_s(flops=flops, bytes_moved=nbytes, dtype=self.dtype) if (flops or nbytes) else 0.0

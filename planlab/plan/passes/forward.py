@@ -27,7 +27,15 @@ from planlab.plan.passes.draft import (
 from planlab.plan.program import Role, Task, TaskKind
 from planlab.plan.fused_gemms import fused_fields
 from planlab.plan.redistribute import same_layout
-from planlab.plan.saved import cast_inputs, fp8_cast, internals, output_layer, saved_buffers, weight_matmul
+from planlab.plan.saved import (
+    cast_inputs,
+    fp8_cast,
+    internals,
+    output_layer,
+    saved_buffers,
+    step_microbatches,
+    weight_matmul,
+)
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -169,6 +177,7 @@ def forward_pieces(d: Draft) -> Draft:
         key = (d.stage[op.name], "F")
         # every piece's buffers have the same bytes (splits divide evenly)
         made = _piece_bytes(d, op, outs, shapes[len(op.inputs) :]) | _cast_bytes(d, op, saved)
+        with_weight = weight_matmul(op, graph)
         own = piece_fields(
             op,
             bufs,
@@ -177,9 +186,9 @@ def forward_pieces(d: Draft) -> Draft:
             share,
             saved=saved,
             box=None,
-            weight_matmul=weight_matmul(op, graph),
+            weight_matmul=with_weight,
             output_layer=output_layer(op, graph),
-            step_microbatches=m if op.kind == "linear" or weight_matmul(op, graph) else 1,  # kept FP8 weight casts
+            step_microbatches=step_microbatches(op.kind, with_weight, m),  # kept FP8 weight casts
             **fused_fields(d, op),
         )  # alike at every position
         for flat, dev in d.positions(mesh):
