@@ -231,5 +231,21 @@ def test_swiglu_input_stored_in_fp8_under_hai_llm(llama_graphs, moe_graphs) -> N
     (every expert takes every token here: ``E s b f`` elements of each of the two outputs). The
     Program, the explorer's bound and the screen agree."""
     assert HAI.precision.glu_input_bytes == 1 and FP8.precision.glu_input_bytes == 0
+    kept_output = CostModel.load(
+        "dgx-h100", 1, software=dataclasses.replace(HAI.software, glu_output_recomputed=False), precision="fp8"
+    )
     for graphs, saved in ((llama_graphs, 2 * S * B * LF), (moe_graphs, 2 * ME * S * B * MF)):
-        assert layer_bytes(graphs, FP8) - layer_bytes(graphs, HAI) == pytest.approx(saved, rel=0.01)
+        assert layer_bytes(graphs, FP8) - layer_bytes(graphs, kept_output) == pytest.approx(saved, rel=0.01)
+
+
+def test_swiglu_output_recomputed_for_the_down_projection_under_hai_llm(llama_graphs, moe_graphs) -> None:
+    """DeepSeek-V3's report (section 3.3.3) computes the SwiGLU's output again in the backward from
+    its kept input (``hai-llm``'s ``glu_output_recomputed``): the down projection, fc2, keeps no FP8
+    cast of its input, ``s b f`` bytes a dense layer less (one byte an element) and ``E s b f`` an
+    expert layer. The Program, the explorer's bound and the screen agree."""
+    assert HAI.software.glu_output_recomputed
+    kept_output = CostModel.load(
+        "dgx-h100", 1, software=dataclasses.replace(HAI.software, glu_output_recomputed=False), precision="fp8"
+    )
+    for graphs, saved in ((llama_graphs, S * B * LF), (moe_graphs, ME * S * B * MF)):
+        assert layer_bytes(graphs, kept_output) - layer_bytes(graphs, HAI) == pytest.approx(saved, rel=0.01)

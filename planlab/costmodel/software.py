@@ -75,6 +75,13 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     (Megatron-Core's ``bias_swiglu_impl`` / ``bias_geglu_impl``): the activation's output is not
     kept (:mod:`planlab.plan.saved`). False (the default): the product keeps the activation's
     output, as PyTorch's autograd does for ``F.silu(x @ w1) * (x @ w3)``;
+``glu_output_recomputed``
+    with ``fused_glu``, the layer that reads a gated linear unit's output (its down projection) does
+    not keep that output for its weight gradient: the backward computes it again from the input the
+    unit keeps (DeepSeek-V3's report, section 3.3.3: "we cache the inputs of the SwiGLU operator and
+    recompute its output in the backward pass"). The recomputation's elementwise pass is not priced
+    (:mod:`planlab.plan.saved`). False (the default): the down projection keeps it (its FP8 cast
+    under ``linear_input_bytes``);
 ``fused_rms_norm``
     RMSNorm runs as one kernel each way (true, the default: Megatron-Core's Transformer Engine / apex
     kernels, torchtitan's Triton ``fused_rmsnorm``, PyTorch's own fused ``rms_norm`` in recent
@@ -221,6 +228,7 @@ _FIELDS = {
     "fused_qkv",
     "fused_gate_up",
     "fused_glu",
+    "glu_output_recomputed",
     "fused_rms_norm",
     "fp8_weight_matmuls",
     "fp8_weight_cache",
@@ -302,6 +310,7 @@ class SoftwareSpec:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     fused_glu: bool = False
+    glu_output_recomputed: bool = False
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
     fp8_weight_cache: bool = False
@@ -452,6 +461,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_qkv=_flag(f, "fused_qkv", False),
         fused_gate_up=_flag(f, "fused_gate_up", False),
         fused_glu=_flag(f, "fused_glu", False),
+        glu_output_recomputed=_flag(f, "glu_output_recomputed", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
         fp8_weight_cache=_flag(f, "fp8_weight_cache", False),

@@ -42,6 +42,9 @@ bound and the screen all ask here:
   there (one fused GEMM in Megatron-Core: its QKV and SwiGLU fc1 layers), buffer
   :func:`fp8_cast` of the buffer cast, the screen's and the explorer's key
   ``INTERNAL + "<tensor>:fp8"``;
+- with the software's ``glu_output_recomputed`` the layer that reads a fused gated linear unit's
+  output does not keep it: its backward computes it again from the unit's kept input
+  (:func:`recomputed_glu_outputs`; DeepSeek-V3's report, section 3.3.3);
 - a fused gated linear unit whose software stores its input cast (the precision's
   ``glu_input_bytes``: Megatron-Core's ``activation_func_fp8_input_store``, whose
   ``SwiGLUFunction`` saves ``input.to(torch.float8_e4m3fn)`` and casts it back to the original
@@ -93,6 +96,8 @@ def saved_tensors(
         return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
     if op.kind == "attention" and unfused_attention(software):
         return tuple(t for t in op.saves if t not in op.outputs)
+    if op.kind in CAST_KINDS and graph is not None and (recomputed := recomputed_glu_outputs(op, graph, software)):
+        return tuple(t for t in op.saves if t not in recomputed)
     if op.kind == "mul" and software is not None and graph is not None:
         drop = (glu_gate(op, graph) if software.fused_glu else None, None)
         if software.routing_weights_in_experts:
@@ -130,6 +135,23 @@ def glu_gate(op: Operator, graph: Graph) -> str | None:
         if proj is not None and other is not None and proj.kind in GLU_PROJECTIONS and other.kind in GLU_PROJECTIONS:
             return gate
     return None
+
+
+def recomputed_glu_outputs(op: Operator, graph: Graph, software: SoftwareSpec | None) -> tuple[str, ...]:
+    """The inputs of ``op`` (a linear layer or a product with a weight) that are a fused gated linear
+    unit's output and that its backward computes again from the unit's kept input instead of keeping
+    them (the software's ``glu_output_recomputed`` with ``fused_glu``: DeepSeek-V3's report, section
+    3.3.3); () otherwise."""
+    if software is None or not (software.fused_glu and software.glu_output_recomputed):
+        return ()
+    if op.kind != "linear" and not weight_matmul(op, graph):
+        return ()
+    return tuple(t for t in op.inputs if t in op.saves and _glu_product(graph.producer.get(t), graph))
+
+
+def _glu_product(op: Operator | None, graph: Graph) -> bool:
+    """Whether ``op`` is a gated linear unit's product (:func:`glu_gate`)."""
+    return op is not None and glu_gate(op, graph) is not None
 
 
 def combined_outputs(op: Operator, graph: Graph) -> str | None:
