@@ -9,7 +9,10 @@ those files names its source, none comes from vTrain's rows. Prints where the pa
 from, then per set: planlab's mean absolute percentage error (MAPE) next to
 vTrain's own (8.37% and 14.73%), the mean signed error, the error by group (hidden size,
 micro-batch, tp, pp, dp, nodes), the worst runs and Kendall's tau of predicted against measured
-time within each model size. ``--breakdown K`` then simulates the K worst runs of each set again
+time within each model size, and how much of the signed error by micro-batch is the cost an
+iteration pays once (:func:`fixed_share`: per configuration measured at several global batches, the
+least-squares split of its times into a fixed cost and a cost per pipeline step, measured against
+predicted). ``--breakdown K`` then simulates the K worst runs of each set again
 with a timeline and prints where the predicted step goes on its slowest device (:func:`breakdown`).
 
     .venv/bin/python benchmarks/validate_vtrain.py [--every N] [--multi-every M] [--jobs 2] [--csv out.csv]
@@ -22,6 +25,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from planlab.costmodel.hardware import DEVICES_FILE, SPEC_DIR
@@ -94,6 +98,7 @@ def report(df: pd.DataFrame, kind: str) -> None:
         print(f"  by {g}: " + "; ".join(parts))
     for rows, cols in CROSS:
         print(cross_table(df, rows, cols))
+    print(fixed_share(df))
     worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(8)
     print(
         worst[
@@ -120,6 +125,53 @@ def cross_table(df: pd.DataFrame, rows: str, cols: str) -> str:
     cell = df.groupby([rows, cols])["error"].agg(["mean", "size"])
     text = cell.apply(lambda r: f"{r['mean'] * 100:+.1f} ({int(r['size'])})", axis=1).unstack(cols).fillna("")
     return f"  signed error %, {rows} (rows) x {cols} (columns), runs in brackets:\n" + text.to_string()
+
+
+SHAPE = ("hidden", "layers", "tp", "dp", "pp")  # one configuration, measured at several global batches
+
+
+def step_costs(df: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration measured at two or more numbers of micro-batches ``m`` (the same shape, degrees
+    and micro-batch, another global batch), the least-squares ``time = fixed + (m + pp - 1) x per``
+    of the measured and of the predicted times: ``fixed`` is what an iteration pays once (the optimizer
+    step, the gradient all-reduce), ``per`` a pipeline step's. Columns ``fixed_measured_s``,
+    ``fixed_predicted_s``, ``per_measured_s``, ``per_predicted_s`` beside the configuration's."""
+    df = df.assign(m=df["global_batch"] // (df["dp"] * df["micro_batch"]))
+    rows = []
+    for key, g in df.groupby(list(SHAPE) + ["micro_batch"]):
+        steps = g["m"] + g["pp"] - 1
+        if steps.nunique() < 2:
+            continue
+        (per_m, fixed_m), (per_p, fixed_p) = (np.polyfit(steps, g[c], 1) for c in ("measured_s", "predicted_s"))
+        rows.append(
+            dict(zip(list(SHAPE) + ["micro_batch"], key))
+            | dict(fixed_measured_s=fixed_m, fixed_predicted_s=fixed_p, per_measured_s=per_m, per_predicted_s=per_p)
+        )
+    return pd.DataFrame(rows)
+
+
+def fixed_share(df: pd.DataFrame) -> str:
+    """How much of each micro-batch size's mean signed error is the once-an-iteration cost
+    (:func:`step_costs`; a configuration's fixed cost, the median over its micro-batch sizes, also
+    stands for its rows measured at one global batch): the predicted less the measured fixed cost over
+    each row's measured time, and the rest of the error, as a printable table."""
+    costs = step_costs(df)
+    if costs.empty:
+        return "  once an iteration: no configuration measured at two numbers of micro-batches"
+    fixed = costs.groupby(list(SHAPE))[["fixed_measured_s", "fixed_predicted_s"]].median().reset_index()
+    rows = df.merge(fixed, on=list(SHAPE))
+    rows["fixed"] = (rows["fixed_predicted_s"] - rows["fixed_measured_s"]) / rows["measured_s"]
+    rows["rest"] = rows["error"] - rows["fixed"]
+    table = rows.groupby("micro_batch")[["error", "fixed", "rest"]].mean() * 100
+    ms = costs.groupby(["hidden", "tp", "pp"])[["fixed_measured_s", "fixed_predicted_s"]].median() * 1e3
+    cells = ms.apply(lambda r: f"{r['fixed_measured_s']:.1f} / {r['fixed_predicted_s']:.1f}", axis=1).unstack("pp")
+    return (
+        f"  once an iteration ({len(costs)} configurations at two or more global batches, {len(rows)} rows): "
+        f"signed error % by micro-batch, the fixed cost's share and the rest:\n"
+        + table.round(1).to_string()
+        + "\n  fixed cost, measured / predicted ms (median), hidden and tp (rows) x pp (columns):\n"
+        + cells.fillna("").to_string()
+    )
 
 
 # What a task of the timeline is, by its name (planlab's Program names tasks after the model's

@@ -5,9 +5,12 @@ each software's passes over a gradient bucket around its all-reduce (DeepSpeed's
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planlab.costmodel import CostModel
+from planlab.costmodel.software import Fusion
 from planlab.plan.buffer import weight, weight_grad
 from planlab.plan.program import Role, Task, TaskKind
 
@@ -83,3 +86,29 @@ def test_a_gradient_bucket_pays_the_softwares_passes(software: str, copies: int)
     assert host == pytest.approx(sw.host_collective_s + copies * sw.host_launch_s)
     # another all-reduce (a tensor-parallel one) pays none
     assert cost.device_and_host_s(bucket(Role.PLAIN), "fp16")[0] == pytest.approx(ring_s)
+
+
+@pytest.mark.parametrize(
+    "model, merged",
+    [
+        ("gpt-tiny", {Fusion.QKV: 2 * 4}),  # two layers: q, k, v weights as one tensor, their biases as another
+        ("llama-tiny", {Fusion.QKV: 2 * 2, Fusion.GATE_UP: 2 * 1}),  # no biases; gate and up as one weight
+    ],
+)
+def test_the_overflow_check_counts_the_tensors_as_megatron_holds_them(model: str, merged: dict) -> None:
+    """Megatron's query_key_value (and linear_fc1 of gate and up) is one tensor where the graph keeps
+    three (two): a software fusing them checks that many fewer tensors; one that does not, every one."""
+    from conftest import traced
+    from planlab.plan import materialize
+    from planlab.search_spaces import Context, get_space
+
+    spec, g = traced(model, 8)
+    plan = get_space("megatron").build(Context(g, spec, 8, "cpu", 2, 2, 1), dict(dp=1, tp=2, pp=1, microbatch=2))
+    (opt,) = [t for _, t in materialize(plan, g).devices[0].tasks_in_order() if t.kind is TaskKind.OPTIMIZER]
+    assert dict(opt.merged_tensors) == merged
+    ds = cost_of("deepspeed")
+    issue_s = 2 * (ds.software.host_call_s + ds.software.host_launch_s)
+    fused = ds.device_and_host_s(opt, "fp16")[0]
+    assert fused == pytest.approx(pass_s(ds, 70 * opt.params) + (len(opt.writes) - sum(merged.values())) * issue_s)
+    apart = dataclasses.replace(ds, software=dataclasses.replace(ds.software, fused_qkv=False, fused_gate_up=False))
+    assert apart.device_and_host_s(opt, "fp16")[0] - fused == pytest.approx(sum(merged.values()) * issue_s)

@@ -59,3 +59,25 @@ def test_breakdown_accounts_for_the_whole_busy_time_of_its_device():
         + b["busy_s"]["compute: attention (bmm, softmax, dropout)"]
         + b["busy_s"]["compute: other"]
     )
+
+
+def test_step_costs_split_a_configurations_times_into_once_an_iteration_and_per_pipeline_step():
+    """Times that are exactly ``fixed + (m + pp - 1) x per`` give back ``fixed`` and ``per``, for the
+    measured and the predicted column apart; a configuration at one global batch has no split."""
+    from validate_vtrain import fixed_share, step_costs
+
+    shape = dict(hidden=1024, layers=12, tp=2, dp=2, pp=2, micro_batch=2)
+    rows = [
+        shape
+        | dict(global_batch=gb, measured_s=0.010 + (gb // 4 + 1) * 0.050, predicted_s=0.030 + (gb // 4 + 1) * 0.045)
+        for gb in (8, 16, 32)
+    ] + [dict(shape, tp=4, global_batch=8, measured_s=0.2, predicted_s=0.2)]
+    df = pd.DataFrame(rows)
+    df["error"] = df["predicted_s"] / df["measured_s"] - 1
+    (cost,) = step_costs(df).to_dict("records")
+    assert cost["tp"] == 2
+    assert cost["fixed_measured_s"] == pytest.approx(0.010) and cost["per_measured_s"] == pytest.approx(0.050)
+    assert cost["fixed_predicted_s"] == pytest.approx(0.030) and cost["per_predicted_s"] == pytest.approx(0.045)
+    text = fixed_share(df)
+    assert "1 configurations" in text and "3 rows" in text  # the tp 4 row has no fixed cost of its own
+    assert "10.0 / 30.0" in text

@@ -314,13 +314,16 @@ class CostModel:
         precision's ``per_tensor_overflow_check`` holds and the step is on whole weights (not a ZeRO
         shard), one check per weight tensor (``float(g.float().sum())`` in DeepSpeed's
         ``CheckOverflow``), each a host synchronization: the device idles while the host issues each
-        next check's two kernels (a framework call and a launch each). Those gaps are the device's
+        next check's two kernels (a framework call and a launch each). The tensors are the software's:
+        projections it fuses keep their weights in one tensor (``Task.merged_tensors``: Megatron's
+        ``query_key_value`` for the query, key and value). Those gaps are the device's
         time only: the host issues the step's first kernels and then runs in step with the device,
         so charging them to the host as well would count them twice where the host is behind."""
         sw = self.software
         device_s = self._pass_s(task.params * self.precision.optimizer_pass_bytes)
         if self.precision.per_tensor_overflow_check and task.role == "":  # Role.PLAIN: the weights whole
-            device_s += len(task.writes) * 2 * (sw.host_call_s + sw.host_launch_s)
+            merged = sum(n for fusion, n in task.merged_tensors if sw.fuses(fusion))
+            device_s += (len(task.writes) - merged) * 2 * (sw.host_call_s + sw.host_launch_s)
         return device_s, sw.host_call_s + sw.host_launch_s
 
     def kernel_time_s(self, kernel: Kernel, dtype: str) -> float:

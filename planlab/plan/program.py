@@ -211,7 +211,10 @@ class Task:
     of a step: a software that keeps a weight's FP8 cast across them (``fp8_weight_cache``) charges
     each forward its share of one cast a step; ``fp8_gathered`` marks a forward or backward piece whose
     weight a ZeRO-3 gather brought in FP8 (:func:`planlab.plan.saved.fp8_gathered_weights`: no cast in
-    the forward, a transposing copy in the backward). ``ring`` marks the forward
+    the forward, a transposing copy in the backward). ``merged_tensors``, on an optimizer step, gives per
+    fusion how many of the weight tensors it steps a software fusing those projections keeps inside another's
+    (Megatron's ``query_key_value`` holds the query's, key's and value's weights as one tensor and their biases
+    as another: 2 of 3 each; :func:`planlab.plan.passes.optimizer.merged_tensors`). ``ring`` marks the forward
     and backward of a ring attention's piece, whose ring is ``group``. An all-to-all's ``exchange``
     says, per mesh axis of its group, how pieces are cut and joined, and ``node_share`` the share of
     its bytes for other nodes that crosses the network (below 1 where the software sends a token
@@ -270,6 +273,7 @@ class Task:
     output_layer: bool = False
     step_microbatches: int = 1
     fp8_gathered: bool = False
+    merged_tensors: tuple[tuple[Fusion, int], ...] = ()
 
     def __init__(self, name: str, kind: TaskKind, *args, **fields) -> None:
         # Fields are written at once (a frozen dataclass's own __init__ sets them one by one, four

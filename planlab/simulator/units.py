@@ -294,6 +294,7 @@ class _Lowering:
             t.step_microbatches,  # a weight's FP8 cast kept across a step's micro-batches
             t.recompute,  # a recomputed forward reads the kept cast
             t.fp8_gathered,  # its weight gathered in FP8 (no cast forward, a transposing copy backward)
+            t.merged_tensors,  # an optimizer step's tensors that a fused projection's tensor holds
         )
         got = self.prices.get(key)
         if got is None:

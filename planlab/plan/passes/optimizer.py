@@ -3,9 +3,33 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+from planlab.costmodel.software import Fusion
+from planlab.plan.fused_gemms import fused_groups
 from planlab.plan.layout import box_numel
 from planlab.plan.passes.draft import Draft, Part, add, update_blocks
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Task, TaskKind
+
+
+def merged_tensors(d: Draft, held: list[tuple[str, tuple]]) -> tuple[tuple[Fusion, int], ...]:
+    """Per fusion, how many of the weight pieces ``held`` (a device's, stepped whole) a software that runs
+    the fusion's projections as one GEMM keeps inside another's tensor: the projections of one group
+    (:func:`planlab.plan.fused_gemms.fused_groups`) that read their weights (or their biases) at the same
+    input are one tensor there, as Megatron-LM's ``query_key_value`` (``ColumnParallelLinear`` of
+    ``3 * projection_size``, one weight and one bias) holds what the graph keeps as the query's, key's and
+    value's; a group of ``n`` pieces at one input merges ``n - 1``."""
+    groups = fused_groups(d.graph)
+    found: Counter = Counter()
+    for p, _ in held:
+        op, index = d.owner.get(p, (None, -1))
+        group = groups.get(op.name) if op is not None else None
+        if group is not None:
+            found[(group.fusion, group.ops, index)] += 1
+    merged: Counter = Counter()
+    for (fusion, _, _), n in found.items():
+        merged[fusion] += n - 1
+    return tuple((f, n) for f, n in sorted(merged.items()) if n)
 
 
 def step_optimizer(d: Draft) -> Draft:
@@ -37,6 +61,7 @@ def step_optimizer(d: Draft) -> Draft:
                 flops=ADAM_FLOPS_PER_PARAM * nparams,
                 bytes_moved=nparams * (2 * pr.param_bytes + pr.grad_bytes + 2 * pr.optimizer_bytes),
                 params=float(nparams),
+                merged_tensors=merged_tensors(d, rest),  # Megatron's fused query_key_value: fewer tensors
             ),
         )
     return d.replace(parts=parts)
