@@ -1,6 +1,11 @@
-"""ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over the devices that
-sum a weight's gradient (its data-parallel replicas): the ``materialize`` pass :func:`shard_zero`,
-after recomputation, in place of the gradient buckets of :mod:`planlab.plan.passes.gradients`.
+"""ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over a weight's
+data-parallel replicas (:func:`~planlab.plan.passes.gradients.shard_groups`): the ``materialize``
+pass :func:`shard_zero`, after recomputation, in place of the gradient buckets of
+:mod:`planlab.plan.passes.gradients`. A gradient that tensor-parallel ranks also sum (a norm's
+weight under sequence parallelism, a row-parallel bias:
+:func:`~planlab.plan.passes.gradients.tensor_parallel_groups`) is all-reduced over them before it
+is reduce-scattered, as the software does: FSDP2 per parameter in its post-backward hook (ZeRO-3),
+Megatron-Core coalesced after the backward (ZeRO-1/2, and ZeRO-3's weights kept whole).
 
 ZeRO-1 and 2 (DeepSpeed's stages 1 and 2), per device and reduction group: the group's gradients
 are reduce-scattered in the update block into this device's shard of the flattened bucket
