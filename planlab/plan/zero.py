@@ -5,7 +5,9 @@ pass :func:`shard_zero`, after recomputation, in place of the gradient buckets o
 weight under sequence parallelism, a row-parallel bias:
 :func:`~planlab.plan.passes.gradients.tensor_parallel_groups`) is all-reduced over them before it
 is reduce-scattered, as the software does: FSDP2 per parameter in its post-backward hook (ZeRO-3),
-Megatron-Core coalesced after the backward (ZeRO-1/2, and ZeRO-3's weights kept whole).
+Megatron-Core coalesced after the backward (ZeRO-1/2, and ZeRO-3's weights kept whole). DeepSpeed's
+ZeRO-3 gets FSDP2's: no source was found for how Megatron-DeepSpeed sums such gradients under it
+(the DeepSpeed sets here run without tensor parallelism).
 
 ZeRO-1 and 2 (DeepSpeed's stages 1 and 2), per device and reduction group: the group's gradients
 are reduce-scattered in the update block into this device's shard of the flattened bucket
