@@ -504,3 +504,16 @@ def test_zero_1_and_2_shard_over_the_data_parallel_ranks_after_the_tensor_parall
             ("param-all-gather", tuple(sorted((d.device, d.device ^ 2)))),
         ]
         assert {b.tensor for b in update[0].reads} == TP_SUMMED
+
+
+def test_context_parallel_ranks_stay_in_the_shard_group():
+    """Context parallelism splits the sequence but shards no weight: FSDP2 shards over dp x cp
+    (torchtitan's ``fsdp`` mesh is dp_shard x cp), so every ZeRO-3 collective of llama-tiny on
+    dp 2 x cp 2 spans all four ranks and nothing is summed over tensor-parallel ranks first."""
+    spec, g = traced("llama-tiny", 8)
+    knobs = dict(dp=2, cp=2, tp=1, pp=1, microbatch=2, zero=3, cp_kind="ring")
+    prog = materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 4, 4, 1), knobs), g)
+    tasks = [t for d in prog.devices for blk in d.blocks.values() for t in blk.tasks]
+    zero = [t for t in tasks if t.role in (Role.UNIT_GATHER, Role.UNIT_GRADS)]
+    assert zero and {tuple(sorted(t.group)) for t in zero} == {(0, 1, 2, 3)}
+    assert not any("tp-reduce" in t.name for t in tasks)
