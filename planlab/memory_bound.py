@@ -10,8 +10,10 @@ import math
 from planlab.costmodel.precision import Precision
 from planlab.costmodel.software import SoftwareSpec
 from planlab.graph.ir import Graph
+from planlab.graph.ir import Operator
+from planlab.plan.layout import Mesh
 from planlab.plan.materialize import precision_for
-from planlab.plan.plan import Plan
+from planlab.plan.plan import OpPlan, Plan
 from planlab.plan.saved import saved_activations
 from planlab.plan.shared_params import forward_only_of
 
@@ -33,6 +35,7 @@ def memory_lower_bound_bytes(
     by_devices: dict[tuple[int, ...], list] = {}
     fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
     plans = {p.op: p for p in plan.ops}
+    shards = _ShardAxes(plan, graph)
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
@@ -46,8 +49,9 @@ def memory_lower_bound_bytes(
                 acc[2].add((t, "param"))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
-            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards there
-            red = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d not in held)
+            # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards
+            # over those of them that are data-parallel (planlab.plan.passes.gradients.shard_groups)
+            red = math.prod(p.sizes[i] for i in shards.axes(p, op, held)) if plan.zero else 1
             weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
             grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
             opt = prec.optimizer_bytes / red if plan.zero >= 1 else prec.optimizer_bytes
@@ -92,3 +96,39 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
         elif a.phase in ("B", "I"):  # zero-bubble's W keeps less than I frees: count it freed at I
             cur -= saved.get(a.stage, 0.0)
     return peak
+
+
+class _ShardAxes:
+    """Along which axes of its placement ZeRO shards a weight, from the plan alone, as
+    :func:`planlab.plan.passes.gradients.shard_groups` finds them from the layouts: the axes that
+    split a dimension the weight lacks, less the tensor-parallel ones (splitting a dimension other
+    than the batch, along devices that split some weight), unless that leaves none."""
+
+    def __init__(self, plan: Plan, graph: Graph) -> None:
+        self.graph = graph
+        self._groups: dict[tuple, tuple] = {}  # per (devices' id, sizes, axis): the groups along it
+        self.sharding: set[tuple[int, ...]] = set()
+        for p in plan.ops:
+            op = graph.op(p.op)
+            for t in op.inputs:
+                if graph.tensors[t].role == "param":
+                    held = {ax[0] for ax in op.axes_of(t) if ax}
+                    for i, (d, n) in enumerate(zip(p.dims, p.sizes)):
+                        if d is not None and d in held and n > 1:
+                            self.sharding.update(self.groups(p, i))
+
+    def groups(self, p: OpPlan, axis: int) -> tuple[tuple[int, ...], ...]:
+        """The device groups (sorted) of ``p``'s placement along its mesh axis ``axis``."""
+        key = (id(p.devices), p.sizes, axis)
+        got = self._groups.get(key)
+        if got is None or got[0] is not p.devices:
+            mesh = Mesh(tuple(p.sizes), tuple(p.devices))
+            got = self._groups[key] = (p.devices, tuple(tuple(sorted(g)) for g in mesh.group_map((axis,)).values()))
+        return got[1]
+
+    def axes(self, p: OpPlan, op: Operator, held: set[str]) -> tuple[int, ...]:
+        """The axes of ``p`` over which ZeRO shards ``op``'s weight that has the dimensions ``held``."""
+        summed = tuple(i for i, (d, n) in enumerate(zip(p.dims, p.sizes)) if d is not None and d not in held and n > 1)
+        batch = self.graph.dim_with_label(op, self.graph.batch_label)
+        dp = tuple(i for i in summed if p.dims[i] == batch or not any(g in self.sharding for g in self.groups(p, i)))
+        return dp or summed

@@ -33,6 +33,8 @@ def _check(plan, n, steps=2):
         (2, dict(dp=1, tp=2, pp=1, microbatch=4, recompute="full")),  # recomputed layers
         (2, dict(dp=1, tp=1, pp=2, microbatch=2, schedule="interleaved", virtual_stages=2)),
         (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=2)),  # ZeRO-2: sharded Adam steps, weights all-gathered
+        # ZeRO-3 over the dp ranks, norms' gradients summed over tp first (sequence parallelism)
+        (4, dict(dp=2, tp=2, pp=1, microbatch=2, zero=3, sequence_parallel=True)),
     ],
 )
 def test_megatron_plans_match_one_process(n, knobs):

@@ -441,3 +441,79 @@ def test_beside_a_unit_at_the_max_live_parameters_the_next_gather_waits_for_its_
     }
     assert names.index("blocks_0_attn_v") < gather["attn.proj"] < names.index("scaled_dot_product_attention")
     assert names.index("blocks_0_ln1") < gather["attn.qkv"] < names.index("blocks_0_attn_q")
+
+
+# gpt-tiny's weights that tensor parallelism with sequence parallelism leaves whole and whose
+# gradients come as partial sums over the tensor-parallel pair: the layer norms (split along the
+# sequence) and the row-parallel linears' biases
+TP_SUMMED = {f"blocks.{i}.{w}" for i in (0, 1) for w in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias")} | {
+    f"blocks.{i}.{m}.proj.bias" for i in (0, 1) for m in ("attn", "mlp")
+}
+
+
+def test_a_weight_tensor_parallelism_replicates_is_sharded_over_the_data_parallel_ranks_only():
+    """tp 2 x dp 2 with sequence parallelism, ZeRO-3: FSDP2 shards over its data-parallel mesh and
+    keeps every weight Replicate on the tensor-parallel one, so each layer is one unit (its norms
+    with its linears) gathered and reduce-scattered over the device's dp pair, never over all four;
+    the norms' and row-parallel biases' gradients are all-reduced over the tp pair one by one, on the
+    compute stream, after the layer's last backward task and before its reduce-scatter (FSDP2's
+    post-backward redistribute of a Partial gradient)."""
+    plan, g, prog = _program(4, dict(dp=2, tp=2, pp=1, microbatch=2, sequence_parallel=True), 3)
+    for d in prog.devices:
+        dp_pair, tp_pair = tuple(sorted((d.device, d.device ^ 2))), tuple(sorted((d.device, d.device ^ 1)))
+        tasks = [t for blk in d.blocks.values() for t in blk.tasks]
+        zero = [t for t in tasks if t.role in (Role.UNIT_GATHER, Role.UNIT_GRADS)]
+        assert {tuple(sorted(t.group)) for t in zero} == {dp_pair}
+        assert {t.name.split("#")[1] for t in zero} == set(UNITS)
+        back = d.blocks[(0, "B")].tasks
+        summed = {t.name.split("#")[1]: i for i, t in enumerate(back) if t.name.startswith("zero3-tp-reduce")}
+        assert set(summed) == TP_SUMMED
+        for p, i in summed.items():
+            t, full = back[i], Buffer(BufferKind.FULL_GRAD, p)
+            assert (t.collective, tuple(sorted(t.group)), t.overlap, t.reads, t.writes) == (
+                "all_reduce",
+                tp_pair,
+                False,
+                (full,),
+                (full,),
+            )
+            unit = unit_key(p)
+            last = max(
+                k
+                for k, b in enumerate(back)
+                if b.kind is TaskKind.BACKWARD
+                and any(
+                    w is not None and w.kind is BufferKind.FULL_GRAD and unit_key(w.tensor) == unit for w in b.writes
+                )
+            )
+            scatter = next(k for k, b in enumerate(back) if b.role is Role.UNIT_GRADS and b.name.endswith("#" + unit))
+            assert last < i < scatter
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_shard_over_the_data_parallel_ranks_after_the_tensor_parallel_sum(zero):
+    """tp 2 x dp 2 with sequence parallelism, ZeRO-1/2: Megatron-Core's distributed optimizer shards
+    over the data-parallel group; the sequence-parallel weights' gradients are summed over the tp
+    pair by one coalesced all-reduce (``finalize_model_grads``), here before the reduce-scatter."""
+    _, _, prog = _program(4, dict(dp=2, tp=2, pp=1, microbatch=2, sequence_parallel=True), zero)
+    for d in prog.devices:
+        update = [t for t in d.blocks[(0, "U")].tasks if t.kind is TaskKind.COLLECTIVE]
+        assert [(t.name.split("[")[0], tuple(sorted(t.group))) for t in update] == [
+            ("grad-tp-reduce", tuple(sorted((d.device, d.device ^ 1)))),
+            ("grad-reduce-scatter", tuple(sorted((d.device, d.device ^ 2)))),
+            ("param-all-gather", tuple(sorted((d.device, d.device ^ 2)))),
+        ]
+        assert {b.tensor for b in update[0].reads} == TP_SUMMED
+
+
+def test_context_parallel_ranks_stay_in_the_shard_group():
+    """Context parallelism splits the sequence but shards no weight: FSDP2 shards over dp x cp
+    (torchtitan's ``fsdp`` mesh is dp_shard x cp), so every ZeRO-3 collective of llama-tiny on
+    dp 2 x cp 2 spans all four ranks and nothing is summed over tensor-parallel ranks first."""
+    spec, g = traced("llama-tiny", 8)
+    knobs = dict(dp=2, cp=2, tp=1, pp=1, microbatch=2, zero=3, cp_kind="ring")
+    prog = materialize(get_space("megatron").build(Context(g, spec, 8, "cpu", 4, 4, 1), knobs), g)
+    tasks = [t for d in prog.devices for blk in d.blocks.values() for t in blk.tasks]
+    zero = [t for t in tasks if t.role in (Role.UNIT_GATHER, Role.UNIT_GRADS)]
+    assert zero and {tuple(sorted(t.group)) for t in zero} == {(0, 1, 2, 3)}
+    assert not any("tp-reduce" in t.name for t in tasks)

@@ -1,6 +1,13 @@
-"""ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over the devices that
-sum a weight's gradient (its data-parallel replicas): the ``materialize`` pass :func:`shard_zero`,
-after recomputation, in place of the gradient buckets of :mod:`planlab.plan.passes.gradients`.
+"""ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over a weight's
+data-parallel replicas (:func:`~planlab.plan.passes.gradients.shard_groups`): the ``materialize``
+pass :func:`shard_zero`, after recomputation, in place of the gradient buckets of
+:mod:`planlab.plan.passes.gradients`. A gradient that tensor-parallel ranks also sum (a norm's
+weight under sequence parallelism, a row-parallel bias:
+:func:`~planlab.plan.passes.gradients.tensor_parallel_groups`) is all-reduced over them before it
+is reduce-scattered, as the software does: FSDP2 per parameter in its post-backward hook (ZeRO-3),
+Megatron-Core coalesced after the backward (ZeRO-1/2, and ZeRO-3's weights kept whole). DeepSpeed's
+ZeRO-3 gets FSDP2's: no source was found for how Megatron-DeepSpeed sums such gradients under it
+(the DeepSpeed sets here run without tensor parallelism).
 
 ZeRO-1 and 2 (DeepSpeed's stages 1 and 2), per device and reduction group: the group's gradients
 are reduce-scattered in the update block into this device's shard of the flattened bucket
@@ -61,7 +68,7 @@ from planlab.plan.passes.draft import (
     run_order,
     update_blocks,
 )
-from planlab.plan.passes.gradients import Reduction, reduction_groups
+from planlab.plan.passes.gradients import Reduction, all_reduce, params_of, shard_groups, tensor_parallel_groups
 from planlab.plan.fused_gemms import fused_fields, fused_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 from planlab.plan.saved import FP8_BYTES, fp8_gathered_weights
@@ -156,11 +163,12 @@ def shard_zero(d: Draft) -> Draft:
     idents = Idents(d.next_ident)
     zero_saved, sharded, together = {}, {}, {}
     pb, gb, ob = d.precision.param_bytes, d.precision.grad_bytes, d.precision.optimizer_bytes
-    groups = reduction_groups(d)
+    groups, tensor_parallel = shard_groups(d), tensor_parallel_groups(d)
     blocks = by_block(d.parts)
     for dev, update in sorted(update_blocks(d).items()):
         mine = groups[dev]
         sharded[dev] = frozenset(p for items in mine.values() for _, p, _ in items)
+        tp_of = {p: g for g, items in tensor_parallel[dev].items() for _, p, _ in items}
         if d.plan.zero == 3:
             per_module = d.software is not None and d.software.zero3_unit == "module"
             fused = fused_projections(d) if per_module else frozenset()
@@ -171,8 +179,9 @@ def shard_zero(d: Draft) -> Draft:
             ]
             keys = [k for (dv, _), ks in blocks.items() if dv == dev for k in ks]
             numel, together[dev] = shard_fully(
-                parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents
+                parts, dev, keys, update, units, d=d, sizes=sizes.setdefault(dev, {}), idents=idents, tp_of=tp_of
             )
+            _reduce_tensor_parallel(parts, dev, update, persistent, tp_of, d, idents)
             kept_grads = kept_states = 0
             for group in sorted(persistent):  # whole weights, sharded gradients and states (as ZeRO-2)
                 n = len(group)
@@ -182,6 +191,7 @@ def shard_zero(d: Draft) -> Draft:
             zero_saved[dev] = (numel * gb + kept_grads, numel * ob + kept_states, numel * pb)
             continue
         saved_grads = saved_states = 0
+        _reduce_tensor_parallel(parts, dev, update, mine, tp_of, d, idents)
         for group in sorted(mine):
             numel = _shard_bucket(parts, dev, update, group, mine[group], d, idents)
             n = len(group)
@@ -203,6 +213,32 @@ def fused_projections(d: Draft) -> frozenset[str]:
         return frozenset()
     groups = fused_groups(d.graph)
     return frozenset(name for name, g in groups.items() if g.fusion is Fusion.QKV and fused_fields(d, d.graph.op(name)))
+
+
+def _reduce_tensor_parallel(
+    parts: Parts,
+    dev: int,
+    update: BlockKey,
+    mine: dict[tuple[int, ...], Reduction],
+    tp_of: dict[str, tuple[int, ...]],
+    d: Draft,
+    idents: Idents,
+) -> None:
+    """The weight gradients of ``mine`` (per shard group) that their tensor-parallel group sums first
+    (``tp_of``, :func:`~planlab.plan.passes.gradients.tensor_parallel_groups`), summed in the update
+    block before ZeRO's reduce-scatters: one all-reduce of them as one flat buffer per tensor-parallel
+    group, as Megatron-Core's ``finalize_model_grads`` all-reduces the sequence-parallel weights'
+    gradients coalesced (``_flatten_dense_tensors``; it runs after the data-parallel reduction, the
+    same bytes)."""
+    by_group: dict[tuple[int, ...], Reduction] = defaultdict(list)
+    for items in mine.values():
+        for item in items:
+            if item[1] in tp_of:
+                by_group[tp_of[item[1]]].append(item)
+    for group in sorted(by_group):
+        ordered = sorted(by_group[group])
+        ident = idents(("zero-tp-reduce", params_of(ordered)))
+        add(parts, dev, update, 0, Part.REDUCE, all_reduce(d, ordered, group, f"grad-tp-reduce{list(group)}", ident))
 
 
 def _persistent_apart(mine: dict[tuple[int, ...], Reduction], d: Draft) -> tuple[dict, dict]:
@@ -279,6 +315,7 @@ def shard_fully(
     d: Draft,
     sizes: dict[Buffer, int],
     idents: Idents,
+    tp_of: dict[str, tuple[int, ...]] | None = None,
 ) -> tuple[int, tuple[tuple[Buffer, ...], ...]]:
     """Apply ZeRO-3 to device ``dev`` (its forward and backward slot parts ``keys``, in the order
     they run; ``parts`` is changed): rewrite its forward and backward tasks to read the gathered weights
@@ -286,8 +323,12 @@ def shard_fully(
     its ``update`` block) of the units of each of its reduction ``groups`` (see the module
     docstring); ``sizes`` gets the new buffers' bytes. Returns the elements no longer held whole
     (weights, gradients and optimizer states keep a shard) and the groups of buffers freed together
-    (a unit's gathered weights)."""
+    (a unit's gathered weights). The weights whose gradients a tensor-parallel group sums first
+    (``tp_of``: the group per parameter) are all-reduced over it one by one, on the compute stream,
+    after the unit's last backward task and before its reduce-scatter, as FSDP2's post-backward hook
+    redistributes each Partial gradient before ``foreach_reduce`` (:func:`_tensor_parallel_sum`)."""
     units = [u for us in groups for u in us]
+    tp_of = tp_of or {}
     fp8 = fp8_gathered_weights(d.graph, d.software, d.precision)  # gathered in FP8, cast on the shard
     first, last, last_grad = _gathered_and_reduced(parts, keys, units, d, sizes, fp8)
     places = _places(parts, keys)
@@ -341,6 +382,10 @@ def shard_fully(
     for u in units:
         if u in last_grad:
             at, key = last_grad[u]
+            for _, p, n in u.weights:
+                if p in tp_of:
+                    task = _tensor_parallel_sum(p, n, tp_of[p], d.precision, idents)
+                    add(parts, dev, (u.stage, "B"), key[2], Part.AFTER, task)
             hook = next((h for h in hooks.get(key[1], ()) if h[0] > at), None)
             if hook is None:  # right after the unit's last backward task
                 add(parts, dev, (u.stage, "B"), key[2], Part.AFTER, _reduce_scatter(u, d.precision, idents))
@@ -580,6 +625,24 @@ def _reduce_scatter(u: Unit, precision: Precision, idents: Idents) -> Task:
         overlap=True,
         role=Role.UNIT_GRADS,
         ident=idents(("zero3-reduce-scatter", tuple(p for _, p, _ in u.weights))),
+    )
+
+
+def _tensor_parallel_sum(param: str, numel: int, group: tuple[int, ...], precision: Precision, idents: Idents) -> Task:
+    """The all-reduce of ``param``'s full gradient (``numel`` elements) over its tensor-parallel
+    ``group``, in place, on the compute stream: FSDP2's ``FSDPParam._get_grad_inner_tensor``
+    (``grad.redistribute`` from Partial to the parameter's Replicate placement on the tensor-parallel
+    mesh), called per parameter by ``FSDPParamGroup.post_backward`` before ``foreach_reduce``."""
+    full = Buffer(BufferKind.FULL_GRAD, param)
+    return Task(
+        f"zero3-tp-reduce{list(group)}#{param}",
+        TaskKind.COLLECTIVE,
+        (full,),
+        (full,),
+        collective="all_reduce",
+        group=group,
+        nbytes=numel * precision.grad_bytes,
+        ident=idents(("zero3-tp-reduce", param)),
     )
 
 

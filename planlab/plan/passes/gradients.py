@@ -5,8 +5,9 @@ or in one all-reduce per group after the backward."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
-from planlab.plan.layout import Partial, box_numel
+from planlab.plan.layout import Partial, Shard, box_numel
 from planlab.plan.passes.draft import Draft, Idents, Part, add, update_blocks
 from planlab.plan.program import Role, Task, TaskKind
 
@@ -20,24 +21,91 @@ def reduction_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
     """Per device and reduction group, the weight gradients the group sums: those whose owner's
     contribution is a partial sum along mesh axes where the weight itself is not (its replicas).
     Every member of a group finds the same parameters."""
+    return _grouped(d, lambda r: r.group)
+
+
+def shard_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
+    """Per device and ZeRO shard group, the weight gradients the group sums and shards: a weight's
+    reduction group less its tensor-parallel ranks (:func:`tensor_parallel_groups`), its
+    data-parallel group. FSDP2 shards over the data-parallel mesh it is given and keeps a weight
+    Replicate on the tensor-parallel mesh (torchtitan's ``parallelize_llama``: ``fully_shard`` on
+    the ``fsdp`` mesh, ``dp_shard x cp``); DeepSpeed's ZeRO-3 partitions over
+    ``mpu.get_data_parallel_group()`` (``deepspeed.zero.Init(data_parallel_group=...)``) and
+    Megatron-Core's distributed optimizer over ``get_data_parallel_group(with_context_parallel=True)``."""
+    return _grouped(d, lambda r: r.shard)
+
+
+def tensor_parallel_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
+    """Per device and tensor-parallel group, the weight gradients that group sums before ZeRO
+    shards them (a norm's weight under sequence parallelism, whose pieces of the sequence each give
+    a partial sum): the reduction axes along which the owner splits a dimension other than the batch
+    and along whose devices some weight is sharded (the tensor-parallel ranks; context parallelism
+    shards no weight, expert parallelism splits the dense operators' batch). FSDP2 all-reduces such
+    a gradient over the tensor-parallel mesh in its post-backward hook, before the reduce-scatter
+    (``FSDPParam._get_grad_inner_tensor`` redistributes the Partial gradient to the parameter's
+    Replicate placement on the non-data-parallel mesh dims); Megatron-Core all-reduces the sequence-
+    parallel weights' gradients over the tensor-parallel group after the backward
+    (``finalize_model_grads``: ``_allreduce_non_tensor_model_parallel_grads``)."""
+    return _grouped(d, lambda r: r.tp, skip_empty=True)
+
+
+@dataclass(frozen=True)
+class _Reduced:
+    """One position's reduction of a weight's gradient: its device, the whole reduction group, the
+    data-parallel (shard) and tensor-parallel parts of it (``tp`` empty without one), its bytes."""
+
+    device: int
+    group: tuple[int, ...]
+    shard: tuple[int, ...]
+    tp: tuple[int, ...]
+    nbytes: int
+
+
+def _grouped(d: Draft, which, skip_empty: bool = False) -> dict[int, dict[tuple[int, ...], Reduction]]:
+    """Per device, the weight gradients grouped by ``which`` group of their :class:`_Reduced`."""
     out: dict[int, dict[tuple[int, ...], Reduction]] = defaultdict(lambda: defaultdict(list))
     L = d.layouts
-    # layers repeat: a few (contribution, weight) layouts and shapes, each reduced alike at every position
-    reduced: dict[tuple, tuple[tuple[int, tuple[int, ...], int], ...]] = {}
+    # layers repeat: a few (contribution, weight, splits) layouts and shapes, each reduced alike at every position
+    reduced: dict[tuple, tuple[_Reduced, ...]] = {}
+    sharding: set[tuple[int, ...]] | None = None
+    batch = d.graph.batch_label
     for p, (op, k) in d.owner.items():
-        key = (L.contributes(op, k), L.needs(op, k), L.shapes[p])
+        key = (L.contributes(op, k), L.needs(op, k), L.shapes[p], L.dims[op.name], d.graph.dim_with_label(op, batch))
         got = reduced.get(key)
         if got is None:
-            got = reduced[key] = _reductions(d, *key)
-        for dev, group, nbytes in got:
-            out[dev][group].append((d.topo[op.name], p, nbytes))
+            if sharding is None:
+                sharding = weight_sharding_groups(d)
+            got = reduced[key] = _reductions(d, *key, sharding)
+        for r in got:
+            group = which(r)
+            if group or not skip_empty:
+                out[r.device][group].append((d.topo[op.name], p, r.nbytes))
     return out
 
 
-def _reductions(d: Draft, contrib, target, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
-    """``(device, group, bytes)`` of the reduction of a weight of ``shape`` whose gradient comes
-    in layout ``contrib`` and is wanted in ``target``, at each position built (none where
-    ``contrib`` is partial along no mesh axis where ``target`` is not)."""
+def weight_sharding_groups(d: Draft) -> set[tuple[int, ...]]:
+    """The device groups (sorted) along which some weight is split: the tensor-parallel (and expert-
+    parallel) ranks of the plan's meshes."""
+    out: set[tuple[int, ...]] = set()
+    seen: set = set()
+    for op, k in d.owner.values():
+        lay = d.layouts.needs(op, k)
+        if lay in seen:
+            continue
+        seen.add(lay)
+        for a, pl in enumerate(lay.placements):
+            if isinstance(pl, Shard) and lay.mesh.shape[a] > 1:
+                out.update(tuple(sorted(g)) for g in lay.mesh.group_map((a,)).values())
+    return out
+
+
+def _reductions(
+    d: Draft, contrib, target, shape: tuple[int, ...], dims: tuple, batch: str | None, sharding: set
+) -> tuple[_Reduced, ...]:
+    """The reductions (:class:`_Reduced`) of a weight of ``shape`` whose gradient comes in layout
+    ``contrib`` and is wanted in ``target`` from an owner splitting ``dims`` along the mesh axes
+    (``batch``: its batch dimension), at each position built (none where ``contrib`` is partial
+    along no mesh axis where ``target`` is not); ``sharding``: :func:`weight_sharding_groups`."""
     axes = tuple(
         a
         for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
@@ -46,10 +114,19 @@ def _reductions(d: Draft, contrib, target, shape: tuple[int, ...]) -> tuple[tupl
     if not axes:
         return ()
     mesh = contrib.mesh
-    return tuple(
-        (dev, tuple(sorted(mesh.group_of(flat, axes))), box_numel(target.box(flat, shape)) * d.precision.grad_bytes)
-        for flat, dev in d.positions(mesh)
+    tp = tuple(
+        a for a in axes if dims[a] != batch and any(tuple(sorted(g)) in sharding for g in mesh.group_map((a,)).values())
     )
+    dp = tuple(a for a in axes if a not in tp)
+    if not dp:  # no data-parallel replicas to shard over: ZeRO shards over the whole group, as before
+        tp, dp = (), axes
+    out = []
+    for flat, dev in d.positions(mesh):
+        group = tuple(sorted(mesh.group_of(flat, axes)))
+        shard = tuple(sorted(mesh.group_of(flat, dp)))
+        tp_group = tuple(sorted(mesh.group_of(flat, tp))) if tp else ()
+        out.append(_Reduced(dev, group, shard, tp_group, box_numel(target.box(flat, shape)) * d.precision.grad_bytes))
+    return tuple(out)
 
 
 def reduce_gradients(d: Draft) -> Draft:
