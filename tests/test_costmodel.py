@@ -258,7 +258,7 @@ def test_nvswitch_all_reduce_by_number_of_ranks(cluster: str) -> None:
     """vTrain's measured all-reduce tables of one A100 NVSwitch node (VIA-Research/vTrain
     trace/a100/AR_GPU{2,4}_1M_1024M_LUT, out-of-place bus bandwidth, GB/s): 2 and 4 ranks reach less
     than 8 (197.3 and 221.9 against 229.3 at 1 GiB). Each anchor within 8%: the 8-rank curve for every
-    group was 12-16% fast at 2 ranks from 32 MiB up (190-230 GB/s for 166-197 measured)."""
+    group priced 2 ranks 10-16% short in time from 32 MiB up (188-235 GB/s for 166-197 measured)."""
     anchors = {  # (ranks, MiB): bus bandwidth GB/s
         (2, 1): 23.72,
         (2, 16): 127.16,
