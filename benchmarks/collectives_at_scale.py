@@ -7,9 +7,11 @@ planlab's all_gather over 48 to 192 DGX A100 nodes at the sizes of ZeRO-3's gath
 measurement: what the model predicts there). ``--fit`` fits ``dgx-a100-40g``'s ``inter_efficiency``
 (max, half_MiB, exponent <= 1, so that a bigger message never takes less time; fit_ranks 16) to the
 two-node rows of ``echo-a100`` by least squares on log bus bandwidth, with every other field of the
-spec as it is, and prints it.
+spec as it is, and prints it. ``--fit-intra`` fits the A100 nodes' ``intra_efficiency_by_ranks``
+(a curve per number of ranks, 2 to 7, inside one node) the same way to the rows of ``vtrain-a100``
+(vTrain's all-reduce tables of one A100 NVSwitch node); 8 ranks keep ``intra_efficiency``.
 
-    .venv/bin/python benchmarks/collectives_at_scale.py [--gathers] [--fit]
+    .venv/bin/python benchmarks/collectives_at_scale.py [--gathers] [--fit] [--fit-intra]
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def predict(cluster: str | ClusterSpec, nodes: int, ranks: int, kind: str, nbyte
     return t, "?"
 
 
-def fit_inter_efficiency(rows: list[dict[str, str]]) -> tuple[float, float, float]:
-    """``dgx-a100-40g``'s inter_efficiency (max, half_MiB, exponent) that best fits ``rows`` (least
-    squares on log bus bandwidth), rounded to 2 decimals."""
+def _fit_curve(rows: list[dict[str, str]], cluster: str, with_curve, start: Efficiency) -> tuple[float, float, float]:
+    """The (max, half_MiB, exponent <= 1) of an efficiency curve that best fits ``rows`` (least squares
+    on log bus bandwidth), rounded to 2 decimals; ``with_curve(spec, curve)`` puts the curve into
+    ``cluster``'s spec, every other field as it is."""
     from scipy.optimize import minimize
 
     def error(x: tuple[float, float, float]) -> float:
@@ -57,26 +60,56 @@ def fit_inter_efficiency(rows: list[dict[str, str]]) -> tuple[float, float, floa
             return math.inf
         total = 0.0
         for row in rows:
-            c = load_cluster("dgx-a100-40g", int(row["nodes"]))
-            curve = Efficiency(top, half_mib * MiB, exponent, c.node.inter_efficiency.ranks)
-            c = dataclasses.replace(c, node=dataclasses.replace(c.node, inter_efficiency=curve))
+            c = load_cluster(cluster, int(row["nodes"]))
+            c = with_curve(c, Efficiency(top, half_mib * MiB, exponent, start.ranks))
             n, nbytes = int(row["ranks"]), int(row["bytes"])
             t, _ = predict(c, int(row["nodes"]), n, row["collective"], nbytes)
             total += math.log(nbytes / t * bus_factor(row["collective"], n) / 1e9 / float(row["busbw_GBps"])) ** 2
         return total
 
-    e = load_cluster("dgx-a100-40g").node.inter_efficiency
-    start = [e.max, e.half / MiB, min(e.exponent, 0.99)]
+    x0 = [start.max, start.half / MiB, min(start.exponent, 0.99)]
     bounds = [(0.01, 1.0), (0.01, 1000.0), (0.05, 1.0)]
-    best = minimize(error, start, method="Nelder-Mead", bounds=bounds, options={"xatol": 1e-4})
+    best = minimize(error, x0, method="Nelder-Mead", bounds=bounds, options={"xatol": 1e-4})
     return tuple(round(float(v), 2) for v in best.x)  # type: ignore[return-value]
+
+
+def fit_inter_efficiency(rows: list[dict[str, str]]) -> tuple[float, float, float]:
+    """``dgx-a100-40g``'s inter_efficiency (max, half_MiB, exponent) that best fits ``rows`` (least
+    squares on log bus bandwidth), rounded to 2 decimals."""
+
+    def with_curve(c: ClusterSpec, curve: Efficiency) -> ClusterSpec:
+        return dataclasses.replace(c, node=dataclasses.replace(c.node, inter_efficiency=curve))
+
+    return _fit_curve(rows, "dgx-a100-40g", with_curve, load_cluster("dgx-a100-40g").node.inter_efficiency)
+
+
+def fit_intra_efficiency(rows: list[dict[str, str]], ranks: int) -> tuple[float, float, float]:
+    """``hgx-a100-80g-4nic``'s ``intra_efficiency_by_ranks`` curve for rings of ``ranks`` ranks inside
+    one node (max, half_MiB, exponent) that best fits ``rows`` (least squares on log bus bandwidth),
+    starting from the 8-rank curve ``intra_efficiency``, rounded to 2 decimals."""
+
+    def with_curve(c: ClusterSpec, curve: Efficiency) -> ClusterSpec:
+        return dataclasses.replace(c, node=dataclasses.replace(c.node, intra_by_ranks=((ranks, curve),)))
+
+    start = load_cluster("hgx-a100-80g-4nic").node.intra_efficiency
+    return _fit_curve(rows, "hgx-a100-80g-4nic", with_curve, start)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gathers", action="store_true", help="also print all_gather over 48 to 192 DGX A100 nodes")
     ap.add_argument("--fit", action="store_true", help="fit dgx-a100-40g's inter_efficiency to the two-node rows")
+    ap.add_argument(
+        "--fit-intra", action="store_true", help="fit the A100 node's intra_efficiency_by_ranks to vtrain-a100's rows"
+    )
     args = ap.parse_args()
+    if args.fit_intra:
+        with DATA.open() as fh:
+            lut = [r for r in csv.DictReader(fh) if r["set"] == "vtrain-a100"]
+        for n in sorted({int(r["ranks"]) for r in lut} - {8}):
+            top, half_mib, exponent = fit_intra_efficiency([r for r in lut if int(r["ranks"]) == n], n)
+            print(f'intra_efficiency_by_ranks "{n}": max {top}, half_MiB {half_mib}, exponent {exponent}')
+        print()
     if args.fit:
         with DATA.open() as fh:
             rows = [r for r in csv.DictReader(fh) if r["set"] == "echo-a100" and r["nodes"] == "2"]

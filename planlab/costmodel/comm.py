@@ -137,10 +137,13 @@ def _check_nbytes(nbytes: float) -> None:
         raise ConfigError(f"nbytes must be a number >= 0, got {nbytes!r}")
 
 
-def _intra_bw(node: NodeSpec, nbytes: float, ranks: int = 0) -> float:
+def _intra_bw(node: NodeSpec, nbytes: float, ranks: int = 0, *, one_node: bool = False) -> float:
     """Achieved intra-node bandwidth per device for a message of nbytes, bytes/s; for a ring over
-    ``ranks`` ranks at its per-rank chunk (``Efficiency.at_chunk``)."""
-    return node.intra_bytes_per_s * node.intra_efficiency.at_chunk(nbytes, ranks)
+    ``ranks`` ranks at its per-rank chunk (``Efficiency.at_chunk``). A ring of ``ranks`` inside
+    ``one_node`` runs at that many ranks' curve (``NodeSpec.intra_curve``: NCCL's rings over
+    NVSwitch reach less bus bandwidth with fewer ranks)."""
+    curve = node.intra_curve(ranks) if one_node else node.intra_efficiency
+    return node.intra_bytes_per_s * curve.at_chunk(nbytes, ranks)
 
 
 def _inter_bw(
@@ -179,7 +182,7 @@ def scale_efficiency(node: NodeSpec, nodes: int) -> float:
 def _ring(cluster: ClusterSpec, kind: Collective, nbytes: float, p: Placement) -> float:
     node = cluster.node
     steps, traffic = _RING[kind]
-    bw = _intra_bw(node, nbytes, p.n)  # bytes/s, at the ring's per-rank chunk
+    bw = _intra_bw(node, nbytes, p.n, one_node=p.nodes == 1)  # bytes/s, at the ring's per-rank chunk
     if p.nodes > 1:  # g_min rings, one NIC each
         bw = min(bw, p.g_min * _inter_bw(cluster, nbytes, p.switches, p.nodes, p.rails, p.n))
     if p.nodes > 1 and node.collective_library == "nccl":

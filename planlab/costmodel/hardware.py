@@ -82,6 +82,7 @@ _NODE_FIELDS = {
     "intra_GBps",
     "intra_latency_us",
     "intra_efficiency",
+    "intra_efficiency_by_ranks",
     "inter_link",
     "inter_Gbps",
     "inter_adapters",
@@ -192,9 +193,16 @@ class NodeSpec:
     host: HostSpec | None = None  # the host link, memory and CPU (None: the spec gives none; offloading is refused)
     collective_sms: int = 0  # SMs a running NCCL collective takes from computation (0: not stated, none)
     collective_library: str = ""  # "nccl": collectives over nodes priced by NCCL's protocols (costmodel.nccl)
+    # (ranks, curve): a ring of that many ranks inside one node reaches this curve, not intra_efficiency
+    intra_by_ranks: tuple[tuple[int, Efficiency], ...] = ()
 
     def __str__(self) -> str:
         return f"{self.name} ({self.devices_per_node}x {self.device.name})"
+
+    def intra_curve(self, ranks: int) -> Efficiency:
+        """The efficiency curve of a ring of ``ranks`` ranks inside one node: the spec's
+        ``intra_efficiency_by_ranks`` entry for that many ranks, else ``intra_efficiency``."""
+        return next((curve for n, curve in self.intra_by_ranks if n == ranks), self.intra_efficiency)
 
 
 @dataclass(frozen=True)
@@ -494,6 +502,7 @@ def _node_from(f: Fields) -> NodeSpec:
         inter_bytes_per_s=f.unit("inter_Gbps", "Gbps") * _GBIT * adapters / per_node,
         inter_latency_s=f.unit("inter_latency_us", "us", strict=False) * _US,
         intra_efficiency=_efficiency(f, "intra_efficiency", "half_MiB", _MiB),
+        intra_by_ranks=_intra_by_ranks(f, per_node) if "intra_efficiency_by_ranks" in f.obj else (),
         inter_efficiency=_efficiency(f, "inter_efficiency", "half_MiB", _MiB),
         intra_link=f.text("intra_link") if "intra_link" in f.obj else "",
         inter_link=f.text("inter_link") if "inter_link" in f.obj else "",
@@ -542,6 +551,28 @@ def _host_from(f: Fields, per_node: int) -> HostSpec:
         memory_bytes=f.unit("memory_GB", "GB") * _GB,
         adam_params_per_s=per_core * 1e9 * cores / per_node,
     )
+
+
+def _intra_by_ranks(f: Fields, per_node: int) -> tuple[tuple[int, Efficiency], ...]:
+    """``{"2": {"max": 0.65, "half_MiB": 8, "exponent": 0.9}, ...}``: the efficiency curve of a ring
+    of that many ranks inside one node (2 to ``devices_per_node``), where it differs from
+    ``intra_efficiency`` (measured all-reduce bus bandwidth by the number of ranks)."""
+    e = f.sub("intra_efficiency_by_ranks")
+    out = []
+    for key in e.obj:
+        if str(key).startswith("_"):
+            continue
+        if not str(key).isdigit() or not 2 <= int(key) <= per_node:
+            raise e.error(
+                key, f'must be a number of ranks from 2 to devices_per_node ({per_node}), as a string, e.g. "2"'
+            )
+        out.append((int(key), _efficiency(e, key, "half_MiB", _MiB)))
+    if not out:
+        raise f.error(
+            "intra_efficiency_by_ranks",
+            'must map numbers of ranks to curves, e.g. {"2": {"max": 0.65, "half_MiB": 8, "exponent": 0.9}}',
+        )
+    return tuple(sorted(out))
 
 
 def _inter_scale(f: Fields) -> tuple[tuple[int, float], ...]:
