@@ -295,9 +295,8 @@ def _simulate_batch(item: tuple[list[int], list[dict], float]) -> list[tuple[int
     return out
 
 
-# the knobs whose values change only a plan's recompute groups or ZeRO stage in the built-in spaces:
-# plans that differ only there share materialize's first passes (planlab.plan.materialize.SHARED),
-# so a worker simulates them together (a hint: sharing is decided on the plans themselves)
+# the knobs that change only a plan's recompute groups or ZeRO stage in the built-in spaces: such plans share
+# materialize's first passes (plan.materialize.SHARED), so a worker simulates them together (a hint)
 TWIN_KNOBS = frozenset({"zero", "recompute", "recompute_mlp", "recompute_moe_act", "recompute_mla_up_proj"})
 
 
@@ -373,7 +372,7 @@ def explore(
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
-    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray)."""
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray); its graph is traced once."""
     clock = PhaseClock()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
@@ -384,7 +383,8 @@ def explore(
     check_sizes(batch, cost.cluster.num_devices)
     sp = _space_of(space)
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
-    ctx, cost, graph = make_context(setup)
+    traced = memo.graph((spec, batch), lambda: trace_model(spec, batch)) if memo else None  # traced once
+    ctx, cost, graph = make_context(setup, traced)
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     drafted = drafted_before_fork(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
     _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)

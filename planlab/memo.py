@@ -14,15 +14,22 @@ plans share a row exactly when they are the same plan. The setup (:class:`planla
 model, cluster, nodes, global batch, calibration profile, software, precision) keys the rows too:
 a plan priced with DeepSpeed's software is another row than with Megatron-LM's. Files named in the
 setup (a cluster spec, a software file, a profile) are taken as unchanged while the memo lives.
+
+The memo also keeps each model's traced graph (:meth:`SimulationMemo.graph`, by model specification
+and batch): the explorations of one workload then share one Graph object, read from the trace cache
+(or traced) once, and with it the graph's memo (what the spaces, the screen's tables and materialize
+derive from the graph alone), which the first exploration fills and the later ones find. A model's
+code is taken as unchanged while the memo lives, as the setup's files are.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from planlab.candidates import ROW_KEYS
+from planlab.graph.ir import Graph
 from planlab.plan.plan import Plan
 from planlab.plan.software_passes import priced_identity
 
@@ -38,10 +45,19 @@ def plan_digest(plan: Plan) -> str:
 class SimulationMemo:
     """The simulated rows (``planlab.candidates.ROW_KEYS``) of the plans explored so far, per setup
     and plan digest, owned by the caller that passes it to each exploration; ``reused`` counts the
-    candidates that took a row from it instead of being simulated."""
+    candidates that took a row from it instead of being simulated; ``graphs`` holds the traced graphs
+    by model specification and batch (:meth:`graph`)."""
 
     rows: dict[Hashable, dict[str, dict]] = field(default_factory=dict)
     reused: int = 0
+    graphs: dict[Hashable, Graph] = field(default_factory=dict)
+
+    def graph(self, key: Hashable, trace: Callable[[], Graph]) -> Graph:
+        """The graph of ``key`` (a model specification and batch): ``trace()``'s the first time it is
+        asked for, the same object after (with the memo its earlier explorations filled)."""
+        if key not in self.graphs:
+            self.graphs[key] = trace()
+        return self.graphs[key]
 
     def known(self, setup: Hashable) -> dict[str, dict]:
         """The rows of ``setup``'s plans by digest (the memo's own dict: rows recorded later show in it)."""
