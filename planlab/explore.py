@@ -5,9 +5,8 @@ Phases, in order:
 2. screen every plan (``planlab.search_spaces.screen``): an analytic estimate of its iteration
    time and memory from its Draft, without materializing;
 3. prune the plans whose memory lower bound exceeds the device's (their ``reason`` says why);
-4. simulate (materialize + simpy) the candidates: the ``candidates`` fastest by the screen, those
-   near the screen's Pareto front and the fastest of each part of the space, fastest first, in
-   ``jobs`` processes, until ``budget`` seconds have passed since the start;
+4. simulate (materialize + simpy) the candidates (the ``candidates`` fastest by the screen, those near its Pareto
+   front, the fastest of each part of the space), fastest first, in ``jobs`` processes, until ``budget`` s from the start;
 5. rank: simulated feasible plans first, fastest first; the Pareto front of time against memory.
 """
 
@@ -387,7 +386,8 @@ def explore(
     ctx, cost, graph = make_context(setup, traced)
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     drafted = drafted_before_fork(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
+    screen = Screen(graph, cost, cost.precision)  # made before the workers fork: they inherit its tables
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=screen, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:
