@@ -382,8 +382,7 @@ def explore(
     check_sizes(batch, cost.cluster.num_devices)
     sp = _space_of(space)
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
-    traced = memo.graph((spec, batch), lambda: trace_model(spec, batch)) if memo else None  # traced once
-    ctx, cost, graph = make_context(setup, traced)
+    ctx, cost, graph = make_context(setup, memo.graph(spec, batch) if memo else None)  # a memo's: traced once
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     drafted = drafted_before_fork(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
     screen = Screen(graph, cost, cost.precision)  # made before the workers fork: they inherit its tables

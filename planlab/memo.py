@@ -25,11 +25,13 @@ code is taken as unchanged while the memo lives, as the setup's files are.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from planlab.candidates import ROW_KEYS
 from planlab.graph.ir import Graph
+from planlab.models.spec import ModelSpec
+from planlab.models.trace_cache import trace_model
 from planlab.plan.plan import Plan
 from planlab.plan.software_passes import priced_identity
 
@@ -50,14 +52,15 @@ class SimulationMemo:
 
     rows: dict[Hashable, dict[str, dict]] = field(default_factory=dict)
     reused: int = 0
-    graphs: dict[Hashable, Graph] = field(default_factory=dict)
+    graphs: dict[tuple[ModelSpec, int], Graph] = field(default_factory=dict)
 
-    def graph(self, key: Hashable, trace: Callable[[], Graph]) -> Graph:
-        """The graph of ``key`` (a model specification and batch): ``trace()``'s the first time it is
-        asked for, the same object after (with the memo its earlier explorations filled)."""
-        if key not in self.graphs:
-            self.graphs[key] = trace()
-        return self.graphs[key]
+    def graph(self, spec: ModelSpec, batch: int) -> Graph:
+        """The graph of ``spec`` at ``batch`` samples: traced (or read from the trace cache,
+        :func:`planlab.models.trace_cache.trace_model`) the first time it is asked for, the same object
+        after (with the memo its earlier explorations filled)."""
+        if (spec, batch) not in self.graphs:
+            self.graphs[spec, batch] = trace_model(spec, batch)
+        return self.graphs[spec, batch]
 
     def known(self, setup: Hashable) -> dict[str, dict]:
         """The rows of ``setup``'s plans by digest (the memo's own dict: rows recorded later show in it)."""

@@ -69,10 +69,13 @@ def test_a_digest_ignores_the_labels_and_keeps_what_is_priced(without_memo):
 
 
 def test_a_memo_traces_its_model_once_for_all_its_explorations(monkeypatch):
-    explore_module = importlib.import_module("planlab.explore")  # planlab.explore is also the function
     traced = []
-    trace = explore_module.trace_model
-    monkeypatch.setattr(explore_module, "trace_model", lambda spec, batch: traced.append(spec) or trace(spec, batch))
+    for module in ("planlab.explore", "planlab.memo"):  # (planlab.explore is also the function's name)
+        where = importlib.import_module(module)
+        trace = where.trace_model
+        monkeypatch.setattr(
+            where, "trace_model", lambda spec, batch, trace=trace: traced.append(spec) or trace(spec, batch)
+        )
     memo = SimulationMemo()
     _explored(memo, (1, 2, 1))
     assert len(traced) == 1  # the three explorations (one with forked workers) share the first one's graph
