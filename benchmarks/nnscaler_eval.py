@@ -246,13 +246,18 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+PHASE_NAMES = ("trace", "enumerate", "screen", "simulate")
+
+
 def phases_of(df) -> str:
-    """``trace 3 s, screen 10 s, simulate 40 s (16 of 72 simulated)``: where an exploration's time went."""
-    ph, counts = df.attrs.get("phases", {}), df.attrs.get("counts", {})
-    names = ("trace", "enumerate", "screen", "simulate")
-    parts = [f"{n} {ph[n + '_s']:.0f} s" for n in names if n + "_s" in ph]
-    rest = ph.get("total_s", 0.0) - sum(ph.get(n + "_s", 0.0) for n in names)
+    """``trace 3 s, screen 10 s, simulate 40 s, rank 0 s; CPU 2 s, 0 s, 19 s, 75 s (16 of 72 simulated)``:
+    where an exploration's time went, wall then CPU (this process's and its workers', per phase)."""
+    ph, cpu, counts = df.attrs.get("phases", {}), df.attrs.get("phases_cpu", {}), df.attrs.get("counts", {})
+    parts = [f"{n} {ph[n + '_s']:.0f} s" for n in PHASE_NAMES if n + "_s" in ph]
+    rest = ph.get("total_s", 0.0) - sum(ph.get(n + "_s", 0.0) for n in PHASE_NAMES)
     parts.append(f"rank {rest:.0f} s")
+    if cpu:
+        parts[-1] += "; CPU " + ", ".join(f"{n} {cpu[n + '_s']:.0f} s" for n in PHASE_NAMES if n + "_s" in cpu)
     reused = f", {counts['reused']} of them reused from earlier spaces" if counts.get("reused") else ""
     return ", ".join(parts) + f" ({counts.get('simulated', 0)} of {counts.get('plans', len(df))} simulated{reused})"
 

@@ -5,9 +5,8 @@ Phases, in order:
 2. screen every plan (``planlab.search_spaces.screen``): an analytic estimate of its iteration
    time and memory from its Draft, without materializing;
 3. prune the plans whose memory lower bound exceeds the device's (their ``reason`` says why);
-4. simulate (materialize + simpy) the candidates: the ``candidates`` fastest by the screen, those
-   near the screen's Pareto front and the fastest of each part of the space, fastest first, in
-   ``jobs`` processes, until ``budget`` seconds have passed since the start;
+4. simulate (materialize + simpy) the candidates (the ``candidates`` fastest by the screen, those near its Pareto
+   front, the fastest of each part of the space), fastest first, in ``jobs`` processes, until ``budget`` s from the start;
 5. rank: simulated feasible plans first, fastest first; the Pareto front of time against memory.
 """
 
@@ -295,9 +294,8 @@ def _simulate_batch(item: tuple[list[int], list[dict], float]) -> list[tuple[int
     return out
 
 
-# the knobs whose values change only a plan's recompute groups or ZeRO stage in the built-in spaces:
-# plans that differ only there share materialize's first passes (planlab.plan.materialize.SHARED),
-# so a worker simulates them together (a hint: sharing is decided on the plans themselves)
+# the knobs that change only a plan's recompute groups or ZeRO stage in the built-in spaces: such plans share
+# materialize's first passes (plan.materialize.SHARED), so a worker simulates them together (a hint)
 TWIN_KNOBS = frozenset({"zero", "recompute", "recompute_mlp", "recompute_moe_act", "recompute_mla_up_proj"})
 
 
@@ -373,7 +371,7 @@ def explore(
     ``CostModel.load``); the frame's ``software`` and ``precision`` columns and
     ``df.attrs["software"]`` (one line for the printout) say which, and the best plan records them.
     ``memo`` (a :class:`planlab.memo.SimulationMemo` kept across explorations): a plan it holds for
-    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray)."""
+    the same setup takes its row, not simulated again (``counts["reused"]``; not on Ray); its graph is traced once."""
     clock = PhaseClock()
     spec = model if isinstance(model, ModelSpec) else ModelSpec(model)
     spec.config()  # unknown model -> ConfigError before any work
@@ -384,10 +382,11 @@ def explore(
     check_sizes(batch, cost.cluster.num_devices)
     sp = _space_of(space)
     setup = Setup(spec, cluster, nodes, batch, profile, software, precision)
-    ctx, cost, graph = make_context(setup)
+    ctx, cost, graph = make_context(setup, memo.graph(spec, batch) if memo else None)  # a memo's: traced once
     note(f"trace: {spec} at batch {batch}", clock.mark() - clock.wall[0], show=progress)
     drafted = drafted_before_fork(sp, ctx, fixed, jobs)  # before the workers fork (None: not needed)
-    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=None, known=memo.known(setup) if memo else None)
+    screen = Screen(graph, cost, cost.precision)  # made before the workers fork: they inherit its tables
+    _STATE.update(ctx=ctx, cost=cost, graph=graph, space=sp, screen=screen, known=memo.known(setup) if memo else None)
     spawned = (_init_spawned, (setup, space)) if isinstance(space, str) else None
     workers, plans, journal = Workers(jobs, spawned), BestPlans(), None
     try:

@@ -14,6 +14,12 @@ plans share a row exactly when they are the same plan. The setup (:class:`planla
 model, cluster, nodes, global batch, calibration profile, software, precision) keys the rows too:
 a plan priced with DeepSpeed's software is another row than with Megatron-LM's. Files named in the
 setup (a cluster spec, a software file, a profile) are taken as unchanged while the memo lives.
+
+The memo also keeps each model's traced graph (:meth:`SimulationMemo.graph`, by model specification
+and batch): the explorations of one workload then share one Graph object, read from the trace cache
+(or traced) once, and with it the graph's memo (what the spaces, the screen's tables and materialize
+derive from the graph alone), which the first exploration fills and the later ones find. A model's
+code is taken as unchanged while the memo lives, as the setup's files are.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from planlab.candidates import ROW_KEYS
+from planlab.graph.ir import Graph
+from planlab.models.spec import ModelSpec
+from planlab.models.trace_cache import trace_model
 from planlab.plan.plan import Plan
 from planlab.plan.software_passes import priced_identity
 
@@ -38,10 +47,20 @@ def plan_digest(plan: Plan) -> str:
 class SimulationMemo:
     """The simulated rows (``planlab.candidates.ROW_KEYS``) of the plans explored so far, per setup
     and plan digest, owned by the caller that passes it to each exploration; ``reused`` counts the
-    candidates that took a row from it instead of being simulated."""
+    candidates that took a row from it instead of being simulated; ``graphs`` holds the traced graphs
+    by model specification and batch (:meth:`graph`)."""
 
     rows: dict[Hashable, dict[str, dict]] = field(default_factory=dict)
     reused: int = 0
+    graphs: dict[tuple[ModelSpec, int], Graph] = field(default_factory=dict)
+
+    def graph(self, spec: ModelSpec, batch: int) -> Graph:
+        """The graph of ``spec`` at ``batch`` samples: traced (or read from the trace cache,
+        :func:`planlab.models.trace_cache.trace_model`) the first time it is asked for, the same object
+        after (with the memo its earlier explorations filled)."""
+        if (spec, batch) not in self.graphs:
+            self.graphs[spec, batch] = trace_model(spec, batch)
+        return self.graphs[spec, batch]
 
     def known(self, setup: Hashable) -> dict[str, dict]:
         """The rows of ``setup``'s plans by digest (the memo's own dict: rows recorded later show in it)."""

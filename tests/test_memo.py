@@ -1,6 +1,7 @@
 """planlab.memo: a plan simulated in one exploration is not simulated again in another, and no row changes."""
 
 import dataclasses
+import importlib
 
 import pandas as pd
 import pytest
@@ -65,3 +66,19 @@ def test_a_digest_ignores_the_labels_and_keeps_what_is_priced(without_memo):
     assert plan_digest(dataclasses.replace(plan, zero=3 - plan.zero)) != plan_digest(plan)
     assert plan_digest(dataclasses.replace(plan, microbatches=plan.microbatches * 2)) != plan_digest(plan)
     assert "tp" in {k.name for k in get_space("megatron").all_knobs()}
+
+
+def test_a_memo_traces_its_model_once_for_all_its_explorations(monkeypatch):
+    traced = []
+    for module in ("planlab.explore", "planlab.memo"):  # (planlab.explore is also the function's name)
+        where = importlib.import_module(module)
+        trace = where.trace_model
+        monkeypatch.setattr(
+            where, "trace_model", lambda spec, batch, trace=trace: traced.append(spec) or trace(spec, batch)
+        )
+    memo = SimulationMemo()
+    _explored(memo, (1, 2, 1))
+    assert len(traced) == 1  # the three explorations (one with forked workers) share the first one's graph
+    assert list(memo.graphs) == [(traced[0], TINY["global_batch"])]
+    _explored(None)
+    assert len(traced) == 4  # without a memo, each exploration traces (or reads the trace cache) again

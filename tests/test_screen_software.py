@@ -115,3 +115,15 @@ def test_the_screen_exposes_the_gradient_all_reduce_where_the_software_runs_it_a
     under either setting and did not move)."""
     screen_s, sim_s = _moves(LLAMA, dict(grad_reduce="overlapped"))
     assert screen_s > 0 and sim_s > 0
+
+
+def test_the_screens_of_one_graph_share_its_tables_per_software() -> None:
+    """The screen's tables of a graph are made once per precision and software (the graph's memo): the
+    explorations of one workload share a graph (planlab.memo), and explore makes its Screen before the
+    workers fork, so neither they nor a later exploration make them again; another software has its own."""
+    model, args, batch, cluster, nodes, _ = LLAMA
+    _, g = traced(model, batch, args)
+    megatron = CostModel.load(cluster, nodes, software="megatron")
+    torch_ = CostModel.load(cluster, nodes, software="torch")
+    assert Screen(g, megatron, megatron.precision).t is Screen(g, megatron, megatron.precision).t
+    assert Screen(g, torch_, torch_.precision).t is not Screen(g, megatron, megatron.precision).t

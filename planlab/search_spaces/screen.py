@@ -112,7 +112,10 @@ class Screen:
 
     def __init__(self, graph: Graph, cost: CostModel, precision: Precision) -> None:
         self.graph, self.cost, self.prec = graph, cost, precision
-        self.t = Tables(graph, precision, cost.software)
+        # the graph's tables, once per precision and software (the graph's memo: shared by every Screen of it)
+        self.t = graph.memo(
+            ("screen tables", precision, cost.software), lambda: Tables(graph, precision, cost.software)
+        )
         self._splits: dict[Any, Split] = {}
         self._structures: dict[Any, Structure] = {}
         self._arrays: dict[tuple, np.ndarray] = {}  # per operator: recompute groups, co-located pieces (by key number)
