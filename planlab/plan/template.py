@@ -1,30 +1,36 @@
 """Structural templates: a model's repeated blocks built once, the other instances mapped from it.
 
-A model of many alike layers (AlphaFold2's 48 Evoformer blocks run three times: 144 instances of six
-structures hold 95.5% of its 21,687 operators) makes materialize's per-operator passes do the same work
-over and over under other names. This module finds, per graph, the *runs* of operators one numbered
-module holds (``blocks.7``: the operators whose module path starts with it, contiguous in topological
-order) and gives each run a *structure*: two runs have one structure when operator ``k`` of one
-matches operator ``k`` of the other in everything but names (:func:`_op_key`: kind, signature,
-dimension sizes, costs, what it saves and draws, its tensors' shapes, dtypes, roles, axis labels and
-whether a detach cuts them off from the loss, whether it has a backward, which operator of the run
-makes each input or reads each output, the kinds of the operators outside the run that do, and what
-the kernel choices read from further away: whether it is the output layer, a gated linear unit's
-product or a fused GEMM's member, which are decided per operator here and compared). Per
-materialization (:func:`block_map`), a run whose operators are also placed alike to its structure's
-first run (the same :class:`~planlab.plan.plan.OpPlan` but for its name, the same
-:class:`~planlab.plan.passes.layouts.OpForm`, its outside producers' forms alike) is an
-:class:`Instance` of that run, its *template*.
+What it maps. A model of many alike layers (AlphaFold2's 48 Evoformer blocks run three times: 144
+runs of 150 operators, 99.6% of its 21,687 operators) makes materialize's piece passes do the same
+work over and over under other names. :func:`block_runs` finds, per graph, the *runs* of operators
+of one numbered module (``blocks.7``: the operators whose module path starts with it, contiguous in
+topological order) and gives each run a *structure*: two runs have one structure when operator ``k``
+of one matches operator ``k`` of the other in everything but names (:meth:`_Keys.op_key`: kind,
+signature, dimension sizes, costs, what it saves and whether it draws random numbers, whether it has
+a backward; its tensors' shapes, dtypes, roles, batch axes, whether a detach cuts them off from the
+loss, how many operators read each output; which operator of the run makes each input, or the kind
+of the one outside the run that does; and what the kernel and saved-tensor choices read from
+further away, decided here per operator: output layer, product with a weight, a gated linear unit's
+gate, a mixture's combine, a fused GEMM's members, the readers of an attention's output). Per
+materialization, :func:`block_map` groups the runs of one structure that are also placed alike (the
+same :class:`~planlab.plan.plan.OpPlan` but for its name, the same
+:class:`~planlab.plan.passes.layouts.OpForm`, the producers outside the run of the same form and
+mesh). ``forward_pieces`` builds each group's first run and ``backward_pieces`` (in reverse
+order) its last, and both map the group's other runs from it, operator by operator.
 
-Why a mapped instance is what building it makes: a pass's products for an operator are a function of
-what the structure and the placement fix, and of names. The pass builds the template's operators
-as always; an instance's operator then takes its template operator's products with the names
-replaced (:class:`Renaming`): the buffers it reads are the instance's own (what the passes before
-made), each template buffer standing for the instance buffer read in the same place (a renaming
-that must be one to one over the whole instance, else the instance is built), its outputs and
-internal buffers named after its own tensors and operator. Whatever a pass cannot map that way (a
-buffer outside the renaming, a ring attention's buffers in flight) is built as without a template;
-``tests/test_template.py`` checks a templated build against an untemplated one.
+Why a mapped operator is the one building it makes. A piece pass's products for an operator (its
+tasks, the bytes of the buffers they make, what its backward keeps) are a function of what the
+structure and the placement fix, and of names: the operator's name, the buffers the passes before
+gave it (``reads``, ``grads``) and the buffers named after its tensors and itself. The mapped
+operator takes its template operator's tasks with those names replaced, each buffer found by its
+*place* (:class:`Places`: its index among the buffers the operator reads and writes, or the tag of
+one of its internal buffers). The map is taken only where it is one to one (the template's and the
+instance's buffers each :func:`distinct`) and where the passes before gave the instance buffers of
+the same kinds (``backward_pieces`` compares its gradients'); a buffer found in no place (another
+operator's, an FP8 cast) or a ring attention's (its buffers in flight are sized per operator) has
+the operator built as without a template. ``tests/test_template.py`` checks templated against
+untemplated builds and that a wrong grouping is caught; ``benchmarks/same_programs.py`` compares
+every golden case's Program.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from planlab.graph.ir import Graph, Operator
+from planlab.graph.random_ops import draws_random
 from planlab.plan import buffer as buf_
 from planlab.plan.buffer import Buffer, BufferKind
 from planlab.plan.fused_gemms import fused_groups
@@ -112,7 +119,7 @@ def _block_runs(graph: Graph) -> tuple[Run, ...]:
     ops, producer = graph.operators, graph.producer
     topo = graph.memo(("topological_index",), lambda: {op.name: i for i, op in enumerate(ops)})
     keys = _Keys(graph, topo)
-    structures: dict[tuple, int] = {}
+    structures: dict[tuple[int, ...], int] = {}
     runs = []
     for s, e in _spans(graph):
         key = tuple(keys.op_key(ops[i], s, e) for i in range(s, e))
@@ -127,23 +134,31 @@ def _block_runs(graph: Graph) -> tuple[Run, ...]:
 
 
 class _Keys:
-    """Operators' keys in their runs (:meth:`op_key`), with each tensor's key made once."""
+    """Operators' keys in their runs (:meth:`op_key`), each a number: equal numbers for equal keys
+    (each tensor's and each operator's key is hashed once; signatures, shared by their operators, by
+    identity, which only ever tells equal ones apart)."""
 
     def __init__(self, graph: Graph, topo: Mapping[str, int]) -> None:
         self.graph, self.topo = graph, topo
         self.nograd, self.forward_only = no_grad_of(graph), forward_only_of(graph)
         self.fused, self.batch = fused_groups(graph), batch_axes(graph)
-        self._tensors: dict[str, tuple] = {}
+        self._tensors: dict[str, int] = {}
+        self._numbers: dict[tuple, int] = {}
+        self._signatures: dict[int, int] = {}
 
-    def tensor(self, t: str) -> tuple:
+    def _number(self, key: tuple) -> int:
+        return self._numbers.setdefault(key, len(self._numbers))
+
+    def tensor(self, t: str) -> int:
         """What a tensor is, names aside: shape, dtype, role, batch axes, cut off from the loss."""
         got = self._tensors.get(t)
         if got is None:
             spec = self.graph.tensors[t]
-            got = self._tensors[t] = (spec.shape, spec.dtype, spec.role, self.batch.get(t), t in self.nograd)
+            key = ("tensor", spec.shape, spec.dtype, spec.role, self.batch.get(t), t in self.nograd)
+            got = self._tensors[t] = self._number(key)
         return got
 
-    def op_key(self, op: Operator, s: int, e: int) -> tuple:
+    def op_key(self, op: Operator, s: int, e: int) -> int:
         """Operator ``op`` of the run from ``s`` to ``e`` (exclusive) with its names replaced by
         places: what two runs of one structure have alike operator by operator."""
         g, topo, tensor = self.graph, self.topo, self.tensor
@@ -155,24 +170,24 @@ class _Keys:
             else:
                 k = topo[p.name]
                 ins.append((tensor(t), k - s if s <= k < e else p.kind, p.outputs.index(t)))
-        outs = tuple((tensor(t), len(g.consumers.get(t, ()))) for t in op.outputs)
         group = self.fused.get(op.name)
-        return (
-            op.kind,
-            op.signature,
-            tuple(op.dim_sizes.items()),
-            op.flops,
-            op.bytes_moved,
-            tuple(_slot(op, t) for t in op.saves),
-            op.bwd_flops_ratio,
-            op.add_once,
-            op.random,
-            op.call is None,
-            op.name in self.forward_only,
-            tuple(ins),
-            outs,
-            self._kernel(op),
-            None if group is None else (group.fusion, tuple(_place(topo[n], s, e) for n in group.ops)),
+        return self._number(
+            (
+                op.kind,
+                self._signatures.setdefault(id(op.signature), len(self._signatures)),
+                tuple(op.dim_sizes.items()),
+                op.flops,
+                op.bytes_moved,
+                tuple(_slot(op, t) for t in op.saves),
+                op.bwd_flops_ratio,
+                op.add_once,
+                draws_random(op),
+                op.name in self.forward_only,
+                tuple(ins),
+                tuple((tensor(t), len(g.consumers.get(t, ()))) for t in op.outputs),
+                self._kernel(op),
+                None if group is None else (group.fusion, tuple(_place(topo[n], s, e) for n in group.ops)),
+            )
         )
 
     def _kernel(self, op: Operator) -> tuple:
