@@ -7,6 +7,7 @@ visited."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from planlab.graph.ir import DETACH, Operator
 from planlab.plan import buffer as buf_
@@ -115,10 +116,15 @@ def backward_pieces(d: Draft) -> Draft:
     L, graph = d.layouts, d.graph
     parts, sizes = dict(d.parts), d.copy_sizes()
     bases: dict[int, Task] = {}  # per position, what the pieces there share (piece_base)
+    blocks, templates = d.repeats, {}  # a repeated block's operators mapped (planlab.plan.template)
     for i in range(len(graph.operators) - 1, -1, -1):
         op = graph.operators[i]
         if op.name in d.dead:
             continue
+        last = blocks.last(i)  # built in reverse order: the group's last run is the template
+        if last is not None and last != i and (template := templates.get(last)) is not None:
+            if _mapped(d, op, template, parts, sizes):
+                continue
         gbufs = d.grads[op.name]
         needs_grad = [
             graph.tensors[t].is_float
@@ -166,12 +172,72 @@ def backward_pieces(d: Draft) -> Draft:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.BACKWARD)
             add(parts, dev, (d.stage[op.name], "B"), i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
+        grad_bytes = []
         for j, t in enumerate(op.outputs):
             if gbufs[j] is not None and gbufs[j].kind is BufferKind.GRAD:
                 nbytes = math.prod(L.local_shape(L.form(op).grads[j], t)) * d.elem_bytes(t)
+                grad_bytes.append((j, nbytes))
                 for flat, dev in d.positions(mesh):
                     sizes.setdefault(dev, {})[gbufs[j]] = nbytes
+        if last == i and not ring:
+            templates[i] = _template(d, op, parts, writes, made, tuple(grad_bytes))
     return d.replace(parts=parts, sizes=sizes)
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A template operator's backward pieces, as its instances take them (:func:`_mapped`): its
+    devices and their tasks, the kind of each output's gradient buffer (None: none), of each input's
+    (``WEIGHT_GRAD``, ``CONTRIBUTION`` or None), the bytes of its contributions and of its
+    gradients summed (``GRAD``: output index and bytes)."""
+
+    devices: tuple[int, ...]
+    tasks: tuple[Task, ...]
+    grads: tuple[BufferKind | None, ...]
+    writes: tuple[BufferKind | None, ...]
+    nbytes: tuple[int, ...]
+    grad_bytes: tuple[tuple[int, int], ...]
+
+
+def _template(d: Draft, op: Operator, parts, writes: tuple, made: dict, grad_bytes: tuple) -> _Made:
+    """What an instance of ``op`` takes from it (:class:`_Made`)."""
+    devs = tuple(dev for _, dev in d.positions(d.layouts.mesh[op.name]))
+    key, i = (d.stage[op.name], "B"), d.topo[op.name]
+    return _Made(
+        devs,
+        tuple(parts[(dev, key, i, Part.COMPUTE)][0] for dev in devs),
+        tuple(g.kind if g is not None else None for g in d.grads[op.name]),
+        tuple(w.kind if w is not None else None for w in writes),
+        tuple(made.values()),
+        grad_bytes,
+    )
+
+
+def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes) -> bool:
+    """Put the backward pieces of ``op``, an instance of ``template``'s operator, in ``parts`` and
+    ``sizes``: the template's tasks with ``op``'s names; False where its gradients do not come as
+    the template's (``op`` is then built)."""
+    gbufs, names = d.grads[op.name], d.names
+    if tuple(g.kind if g is not None else None for g in gbufs) != template.grads:
+        return False
+    writes = tuple(
+        None
+        if kind is None
+        else names.weight_grad(t)
+        if kind is BufferKind.WEIGHT_GRAD
+        else names.contribution(t, op.name, k)
+        for k, (t, kind) in enumerate(zip(op.inputs, template.writes))
+    )
+    made = dict(zip((w for w in writes if w is not None and w.kind is BufferKind.CONTRIBUTION), template.nbytes))
+    changes = dict(name=op.name, op=op.name, reads=gbufs, writes=writes, saved=d.saved[op.name])
+    key, i = (d.stage[op.name], "B"), d.topo[op.name]
+    for dev, task in zip(template.devices, template.tasks):
+        add(parts, dev, key, i, Part.COMPUTE, task.with_changes(changes))
+        sizes.setdefault(dev, {}).update(made)
+    for j, nbytes in template.grad_bytes:
+        for dev in template.devices:
+            sizes.setdefault(dev, {})[gbufs[j]] = nbytes
+    return True
 
 
 def _summed_on_consumers(d: Draft, parts, sizes, i: int, t: str, pending: list, own_stage: int) -> list:

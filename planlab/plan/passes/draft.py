@@ -33,6 +33,7 @@ from planlab.plan.plan import RING_DIM, Plan, causal_attention
 from planlab.plan.program import Precision, Ring, Task, TaskKind
 from planlab.plan.redistribute import plan_conversion
 from planlab.plan.shared_params import forward_only_of, no_grad_of
+from planlab.plan.template import BlockMap, block_map
 
 BlockKey = tuple[int, str]  # (stage, phase)
 
@@ -120,7 +121,8 @@ class Draft:
     planlab's own), and what follows from them:
     ``topo`` (each operator's topological index), ``stage`` (each operator's stage), ``nograd``
     (tensors a detach cuts off from the loss), ``forward_only`` (operators without a backward
-    because of it), and ``names``, the buffers every device names alike (:class:`Names`).
+    because of it), ``names``, the buffers every device names alike (:class:`Names`), and ``repeats``,
+    the repeated blocks the piece passes build once and map (:mod:`planlab.plan.template`).
 
     Products: ``parts``, the tasks of each part of each operator's slot in each device's block
     (until the ordering pass), then ``blocks`` per device and block (task lists in order);
@@ -148,6 +150,7 @@ class Draft:
     nograd: frozenset[str]
     forward_only: frozenset[str]
     names: Names
+    repeats: BlockMap
     parts: Parts = field(default_factory=dict)
     blocks: dict[int, dict[BlockKey, list[Task]]] = field(default_factory=dict)
     sizes: dict[int, dict[Buffer, int]] = field(default_factory=dict)
@@ -193,6 +196,7 @@ class Draft:
             nograd=nograd,
             forward_only=forward_only_of(graph),
             names=Names(),
+            repeats=block_map(graph, layouts),
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from planlab.graph.ir import Operator
 from planlab.graph.random_ops import draws_random
@@ -37,6 +38,7 @@ from planlab.plan.saved import (
     weight_matmul,
 )
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
+from planlab.plan.template import Places, distinct
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
 # forward (Megatron's vocabulary-parallel loss: all-reduces of each token's largest logit and sum of
@@ -165,7 +167,13 @@ def forward_pieces(d: Draft) -> Draft:
     saved_of, shapes_of = {}, {}
     pieces: dict[tuple[int, int], Task] = {}  # per (form, position): what its pieces share there (piece_base)
     activation, m = d.names.activation, d.microbatches
+    blocks, templates = d.repeats, {}  # a repeated block's operators mapped (planlab.plan.template)
     for i, op in enumerate(graph.operators):
+        first = blocks.first(i)
+        if first is not None and first != i:
+            template = templates.get(first)
+            if template is not None and _mapped(d, op, template, parts, sizes, saved_of, shapes_of):
+                continue
         mesh, bufs = L.mesh[op.name], d.reads[op.name]
         outs = tuple(activation(o) for o in op.outputs)
         saved = saved_buffers(op, bufs, outs, graph, L.has, L.needs, d.software, d.precision, _view_read(d, mesh))
@@ -202,7 +210,56 @@ def forward_pieces(d: Draft) -> Draft:
                 record_ring_in_flight(d, sizes, dev, op, flat, TaskKind.FORWARD)
             add(parts, dev, key, i, Part.COMPUTE, task)
             sizes.setdefault(dev, {}).update(made)
+        if first == i:
+            templates[i] = _template(d, op, parts, key, made, saved, shapes)
     return d.replace(parts=parts, sizes=sizes, saved=saved_of, piece_shapes=shapes_of)
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A template operator's forward pieces, as its instances take them (:func:`_mapped`): its
+    devices and their tasks, where its saved buffers and the buffers it makes are among what it
+    reads and writes (:class:`~planlab.plan.template.Places`), those buffers' bytes, its shapes."""
+
+    devices: tuple[int, ...]
+    tasks: tuple[Task, ...]
+    saved: Places
+    made: Places
+    nbytes: tuple[int, ...]
+    shapes: tuple
+
+
+def _template(d: Draft, op: Operator, parts, key, made: dict, saved: tuple, shapes: tuple) -> _Made | None:
+    """What an instance of ``op`` takes from it (:class:`_Made`); None where nothing can be taken:
+    a ring attention (its buffers in flight are sized per operator), a buffer read in two places."""
+    bufs = d.reads[op.name] + tuple(map(d.names.activation, op.outputs))
+    if d.layouts.op_plan[op.name].ring or not distinct(bufs):
+        return None
+    where, made_at = Places.of(saved, bufs, op.name), Places.of(made, bufs, op.name)
+    if where is None or made_at is None:
+        return None
+    devs = tuple(dev for _, dev in d.positions(d.layouts.mesh[op.name]))
+    tasks = tuple(parts[(dev, key, d.topo[op.name], Part.COMPUTE)][0] for dev in devs)
+    return _Made(devs, tasks, where, made_at, tuple(made.values()), shapes)
+
+
+def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes, saved_of, shapes_of) -> bool:
+    """Put the forward pieces of ``op``, an instance of ``template``'s operator, in the pass's
+    products (parts, sizes, saved, piece shapes): the template's tasks with ``op``'s names; False
+    where its buffers are not as many distinct ones (``op`` is then built)."""
+    outs = tuple(map(d.names.activation, op.outputs))
+    bufs = d.reads[op.name] + outs
+    if not distinct(bufs):
+        return False
+    saved = template.saved.take(bufs, op.name)
+    changes = dict(name=op.name, op=op.name, reads=d.reads[op.name], writes=outs, saved=saved)
+    made = dict(zip(template.made.take(bufs, op.name), template.nbytes))
+    key, i = (d.stage[op.name], "F"), d.topo[op.name]
+    for dev, task in zip(template.devices, template.tasks):
+        add(parts, dev, key, i, Part.COMPUTE, task.with_changes(changes))
+        sizes.setdefault(dev, {}).update(made)
+    saved_of[op.name], shapes_of[op.name] = saved, template.shapes
+    return True
 
 
 def _piece_fields(d: Draft, op: Operator, flat: int) -> dict:
