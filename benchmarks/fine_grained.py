@@ -95,7 +95,7 @@ def _draft(w: Workload, row, space: str):
 
 def _bound(w: Workload, grid_knobs: dict, grid_s: float | None, fixed: dict, simulate_best: bool) -> float | None:
     """Print the least time any fine layout of any grid point (of the slice ``fixed``) reaches in
-    the integer program's model (the pipeline walked, planlab/search_spaces/fine_cuts.py), against
+    the integer program's model (the pipeline walked, planlab/search_spaces/fine_paths.py), against
     the grid best's time in that model, in fine.py's closed form and simulated; with
     ``simulate_best``, simulate the fine plan of the bound's best point; return the largest
     speedup the fine space could find in its model (None: no point fits)."""
