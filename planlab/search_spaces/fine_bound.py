@@ -156,7 +156,9 @@ def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterato
             yield knobs, draft
 
 
-def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s: float = math.inf) -> GridBound:
+def grid_bound(
+    ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s: float = math.inf, enough_s: float = math.inf
+) -> GridBound:
     """The best any fine layout of any of ``grid``'s points can reach in the program's model (the
     module docstring), solving few programs: the points in increasing order of their balanced
     bound; each point's LP relaxation, and its integer program where that relaxation is under the
@@ -165,7 +167,10 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s
     relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
     some relaxation. ``incumbent_s``: the objective of a layout known beforehand (the grid best's own,
     ``grid_plan_cost``), the best so far from the start: the points that cannot beat it are pruned
-    from the first, and ``knobs`` stays empty when no layout found beats it."""
+    from the first, and ``knobs`` stays empty when no layout found beats it. ``enough_s``: a bound that is
+    enough (the incumbent over a target speedup): a point whose bound reaches it is solved no
+    further, and the points are taken only until their balanced bound does, so ``least_s`` is the
+    exact bound or, when that is over ``enough_s``, at least ``enough_s``."""
     cap = fine_cost_model(ctx).device_memory_bytes
     offload = fine_cost_model(ctx).cluster.node.host is not None
     ranked = []
@@ -176,24 +181,24 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s
     best, least, least_lp, where = incumbent_s, math.inf, math.inf, {}
     lps = programs = limited = 0
     for balanced, _, knobs, p in ranked:
-        if balanced >= best:
+        if balanced >= min(best, enough_s):
             break
         lps += 1
         relaxed = p.relaxed_s(cap)
         least_lp = min(least_lp, relaxed)
-        if relaxed >= best:
+        if relaxed >= min(best, enough_s):
             least = min(least, relaxed)
             continue
         programs += 1
         # pruned (inf found) once proven at least the best so far
-        found, proven = p.integer(cap, best)
+        found, proven = p.integer(cap, min(best, enough_s))
         proven = max(proven, relaxed)  # both bound the point's layouts from below
         limited += math.isfinite(found) and found > proven * (1 + 2e-3)
         least = min(least, proven)
         if found < best:
             best, where = found, knobs
-    # every point not reached has a balanced bound of at least best: least stays a bound for them
-    return GridBound(min(least, best), best, where, least_lp, len(ranked), lps, programs, limited)
+    # every point not reached has a balanced bound of at least best (or enough): least stays a bound for them
+    return GridBound(min(least, best, enough_s), best, where, least_lp, len(ranked), lps, programs, limited)
 
 
 def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:
