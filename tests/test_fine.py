@@ -548,3 +548,18 @@ def test_a_grid_bound_from_an_incumbent_solves_fewer_programs_and_finds_the_same
     assert got.lps <= free.lps and got.programs <= free.programs
     low = grid_bound(ctx, grid, incumbent_s=free.least_s * 0.99)
     assert low.knobs == {} and low.best_s == low.least_s == pytest.approx(free.least_s * 0.99)
+
+
+def test_a_grid_bound_asked_for_enough_proves_that_much_solving_no_more():
+    # enough_s under the exact bound (the grid best over a target speedup): the bound proven is
+    # enough_s itself, from no more LPs and programs; over the best layout, the exact answer again
+    from planlab.search_spaces.fine_bound import grid_bound
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    free = grid_bound(ctx, grid)
+    low = grid_bound(ctx, grid, enough_s=free.least_s * 0.95)
+    assert low.least_s == pytest.approx(free.least_s * 0.95)
+    assert low.lps <= free.lps and low.programs <= free.programs
+    high = grid_bound(ctx, grid, enough_s=free.best_s * 1.05)
+    assert (high.least_s, high.best_s, high.knobs) == (free.least_s, free.best_s, free.knobs)
