@@ -466,11 +466,11 @@ def test_the_walk_sees_an_uneven_interleaved_pipeline_stall_where_the_closed_for
 
 @pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 3, 1), ("interleaved", 4, 2)])
 def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages, chunks):
-    # the cutting-plane loop against every layout walked: its layout's walk is the least of all,
-    # and its proven bound is under every layout's walk (the chains' rows are valid for all)
+    # the walked program against every layout walked: its layout's walk is the least of all,
+    # and its proven bound is under every layout's walk
     import itertools
 
-    from planlab.search_spaces.fine_cuts import solve_walked, ties_s
+    from planlab.search_spaces.fine_paths import solve_walked, ties_s
     from planlab.search_spaces.fine_walk import walk_s
     from planlab.search_spaces.stages import StageLayout
 
@@ -483,7 +483,7 @@ def test_the_walked_program_finds_the_best_walk_of_every_layout(schedule, stages
         if sum(n) == layers and min(inner) >= 1 and min(n) >= low:
             lay = StageLayout(n, (0,) * stages, (False,) * (stages // chunks))
             every.append(walk_s(c, lay, m, schedule, chunks) + ties_s(c, lay))
-    layout, found_s, least_s, status, _ = solve_walked(
+    layout, found_s, least_s, status = solve_walked(
         (c, layers, stages, m, 1e9, schedule, chunks, 0), float("inf"), False
     )
     assert status == "optimal" and sum(layout.layers) == layers
@@ -504,36 +504,35 @@ def test_a_fine_offload_row_that_offloads_nothing_is_left_out():
     assert choose_layout(grid, True).layout == choose_layout(grid, False).layout
 
 
-@pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 4, 1), ("interleaved", 8, 2)])
-def test_each_chain_of_a_walk_priced_as_its_row_is_at_most_the_walk_and_the_critical_one_meets_it(
-    schedule, stages, chunks
-):
-    # a chain's row must bound every layout's walk from below, so at the layout it was walked at it is
-    # no longer than the walk: a device's step from one chunk to its next pays no transfer (interleaved)
+@pytest.mark.parametrize(
+    "schedule,stages,chunks,group",
+    [("1f1b", 4, 1, 0), ("gpipe", 3, 1, 0), ("interleaved", 8, 2, 0), ("interleaved", 6, 3, 4)],
+)
+def test_the_walked_program_at_any_layout_is_its_walk(schedule, stages, chunks, group):
+    # the program's rows hold W at the longest path through the schedule's actions, so with the
+    # layout fixed its LP gives the walk exactly (with recomputation, offloading, transfers, a heavy
+    # head and uneven chunks), not a chain under it: its relaxation bounds every layout at once
     import itertools
 
-    import numpy as np
-
-    from planlab.search_spaces.fine import _Program
-    from planlab.search_spaces.fine_cuts import chain_row
-    from planlab.search_spaces.fine_walk import walk_paths
+    from planlab.search_spaces.fine_bound import Point, _solved_s
+    from planlab.search_spaces.fine_paths import ties_s
+    from planlab.search_spaces.fine_walk import walk_s
     from planlab.search_spaces.stages import StageLayout
 
-    head = GroupCost(2.5, 0.0, 0.0, 0.0, 0.0)
-    c = _costs(last=head, p2p_s=0.3, sync_s=0.05, forward_share=0.3)
+    head, emb = GroupCost(2.5, 0.1, 0.0, 0.0, 0.0), GroupCost(0.4, 0.02, 0.0, 0.0, 0.0)
+    c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=0.2, forward_share=0.3, can_offload=True)
     groups, m = stages // chunks, 8
-    for n in itertools.islice(itertools.product((0, 1, 3), repeat=stages), 0, None, 7):
-        lay = StageLayout(n, tuple(min(1, x) for x in n), (False,) * groups)
-        x = np.zeros(_Program(stages, chunks).nv)
-        x[:stages], x[stages : 2 * stages] = n, lay.recompute
-        lengths = []
-        for w in walk_paths(c, lay, m, schedule, chunks):
-            lp = _Program(stages, chunks)
-            chain_row(lp, c, w)
-            row = lp.rows[-1]
-            lengths.append(lp.lo[-1] - row @ x)  # the row: W - (its layers' terms) >= its constant
-            assert lengths[-1] <= w.time_s + 1e-9
-        assert max(lengths) == pytest.approx(max(w.time_s for w in walk_paths(c, lay, m, schedule, chunks)))
+    seen = 0
+    for n in itertools.islice(itertools.product((0, 1, 3), repeat=stages), 0, None, 2):
+        if chunks == 1 and min(n) == 0 or chunks > 1 and min(n[1:-1]) == 0:
+            continue
+        off = tuple(d % 2 == 1 for d in range(groups))
+        lay = StageLayout(n, tuple(min(1, x) for x in n), off)
+        p = Point(c, sum(n), stages, m, schedule, chunks, group)
+        want = walk_s(c, lay, m, schedule, chunks, group) + ties_s(c, lay)
+        assert _solved_s(p, 1e9, lay) == pytest.approx(want, rel=1e-7)
+        seen += 1
+    assert seen >= 4
 
 
 def test_a_grid_bound_from_an_incumbent_solves_fewer_programs_and_finds_the_same_best():
@@ -549,3 +548,18 @@ def test_a_grid_bound_from_an_incumbent_solves_fewer_programs_and_finds_the_same
     assert got.lps <= free.lps and got.programs <= free.programs
     low = grid_bound(ctx, grid, incumbent_s=free.least_s * 0.99)
     assert low.knobs == {} and low.best_s == low.least_s == pytest.approx(free.least_s * 0.99)
+
+
+def test_a_grid_bound_asked_for_enough_proves_that_much_solving_no_more():
+    # enough_s under the exact bound (the grid best over a target speedup): the bound proven is
+    # enough_s itself, from no more LPs and programs; over the best layout, the exact answer again
+    from planlab.search_spaces.fine_bound import grid_bound
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    free = grid_bound(ctx, grid)
+    low = grid_bound(ctx, grid, enough_s=free.least_s * 0.95)
+    assert low.least_s == pytest.approx(free.least_s * 0.95)
+    assert low.lps <= free.lps and low.programs <= free.programs
+    high = grid_bound(ctx, grid, enough_s=free.best_s * 1.05)
+    assert (high.least_s, high.best_s, high.knobs) == (free.least_s, free.best_s, free.knobs)

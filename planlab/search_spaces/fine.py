@@ -83,21 +83,32 @@ class _Program:
     it): without them an interleaved program's branch and bound splits the same total across
     chunks in every way before it proves a bound."""
 
-    def __init__(self, stages: int, chunks: int) -> None:
+    def __init__(self, stages: int, chunks: int, actions: int = 0) -> None:
         self.stages, self.G = stages, stages // chunks
         self.n, self.k, self.o, self.z = 0, stages, 2 * stages, 2 * stages + self.G
         self.r, self.N, self.K = (self.z + self.G * i for i in (1, 2, 3))
-        self.T, self.S, self.C, self.W = (self.K + self.G + i for i in range(4))  # W: the walked time (fine_cuts.py)
-        self.nv = self.W + 1
-        self.rows, self.lo, self.hi = [], [], []
+        self.T, self.S, self.C, self.W = (self.K + self.G + i for i in range(4))  # W: the walked time (fine_paths.py)
+        self.a = self.W + 1  # walked: the ``actions`` schedule actions' ends (fine_paths.actions_of)
+        self.nv = self.a + actions
+        self.cols: list[list[int]] = []
+        self.vals: list[list[float]] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
 
     def add(self, coefs: dict[int, float], low: float, high: float) -> None:
-        r = np.zeros(self.nv)
-        for i, v in coefs.items():
-            r[i] += v
-        self.rows.append(r)
+        self.cols.append(list(coefs))
+        self.vals.append(list(coefs.values()))
         self.lo.append(low)
         self.hi.append(high)
+
+    def matrix(self):
+        """The rows as a sparse matrix (a walked program has two rows per action of the schedule)."""
+        from scipy.sparse import csr_array
+
+        ptr = np.cumsum([0] + [len(c) for c in self.cols])
+        cols = np.fromiter((i for c in self.cols for i in c), dtype=np.int64, count=ptr[-1])
+        vals = np.fromiter((v for r in self.vals for v in r), dtype=float, count=ptr[-1])
+        return csr_array((vals, cols, ptr), shape=(len(self.lo), self.nv))
 
 
 def _device_rows(
@@ -170,11 +181,11 @@ def solve_program(
     bound on every layout's objective (:func:`balanced_bound_s`, then the LP relaxation): if it is
     ``bar_s`` or more, no layout of this point can beat ``bar_s`` and the integer program is not
     solved (``pruned``). ``group``: interleaved 1F1B's micro-batches a chunk in a row (0: the device groups).
-    ``walked``: the objective is the pipeline walked action by action (planlab/search_spaces/fine_cuts.py)."""
+    ``walked``: the objective is the pipeline walked action by action (planlab/search_spaces/fine_paths.py)."""
     from scipy.optimize import milp  # on first use: scipy takes a second to import
 
     if walked:
-        from planlab.search_spaces.fine_cuts import solve_walked, walked_bound_s
+        from planlab.search_spaces.fine_paths import solve_walked, walked_bound_s
 
         if math.isfinite(bar_s):
             bound_s = walked_bound_s(c, layers, stages, m, chunks)
@@ -268,13 +279,14 @@ def program_arrays(
     chunks: int,
     group: int = 0,
     walked: bool = False,
-    cuts: tuple = (),
 ):
-    """The program's objective, rows, bounds and integrality (module docstring), and its _Program.
-    ``walked``: the objective is instead ``W``, the pipeline's time walked action by action, bounded
-    from below by rows of the chains of actions through it (planlab/search_spaces/fine_cuts.py: each
-    device's own actions here, the walks' critical paths added by its solver)."""
-    lp = _Program(stages, chunks)
+    """The program's objective, rows (sparse), bounds and integrality (module docstring), and its
+    _Program. ``walked``: the objective is instead ``W``, the pipeline's time walked action by action,
+    held at the longest path through the schedule's actions by a variable per action's end
+    (planlab/search_spaces/fine_paths.py)."""
+    from planlab.search_spaces.fine_paths import actions_of, walked_objective
+
+    lp = _Program(stages, chunks, len(actions_of(stages, m, schedule, chunks, group)) if walked else 0)
     n, k, z, G, v = lp.n, lp.k, lp.z, lp.G, chunks
     for d in range(G):
         _device_rows(lp, c, d, m, cap_bytes, schedule, layers, group)
@@ -300,17 +312,15 @@ def program_arrays(
         + [layers] * G
         + [int(v == 1)] * G
         + [layers] * (2 * G)
-        + [np.inf] * 4
+        + [np.inf] * (4 + lp.nv - lp.a)
     )
-    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * 4)
+    lower = np.array([1] * stages + [0] * (stages + 5 * G) + [0] * (4 + lp.nv - lp.a))
     if v > 1:  # Llama 3's balanced interleaved pipeline: an end chunk may run only the embedding or the head
         lower[n], lower[n + stages - 1] = 0, 0
-    integ = np.array([1] * (2 * stages + 5 * G) + [0] * 4)
+    integ = np.array([1] * (2 * stages + 5 * G) + [0] * (4 + lp.nv - lp.a))
     if walked:
-        from planlab.search_spaces.fine_cuts import walked_objective
-
-        cost = walked_objective(lp, c, m, cuts)
-    return cost, np.array(lp.rows), lower, upper, integ, lp
+        cost = walked_objective(lp, c, m, schedule, chunks, group)
+    return cost, lp.matrix(), lower, upper, integ, lp
 
 
 class Incumbents:

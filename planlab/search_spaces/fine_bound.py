@@ -31,8 +31,8 @@ from planlab.search_spaces.fine import (
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
-from planlab.search_spaces.fine_cuts import solve_walked, ties_s, walked_bound_s
-from planlab.search_spaces.fine_walk import Walk, walk_s
+from planlab.search_spaces.fine_paths import solve_walked, ties_s, walked_bound_s
+from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
 
@@ -50,7 +50,7 @@ class Point:
     schedule: str
     chunks: int
     group: int = 0  # interleaved 1F1B's micro-batches a chunk in a row (Llama 3's N; 0: the device groups)
-    walked: bool = True  # the pipeline walked action by action (fine_cuts.py); False: fine.py's closed form
+    walked: bool = True  # the pipeline walked action by action (fine_paths.py); False: fine.py's closed form
 
     @classmethod
     def of(cls, draft: Draft, offload: bool, walked: bool = True) -> Point:
@@ -66,31 +66,23 @@ class Point:
             walked,
         )
 
-    @property
-    def shape(self) -> tuple:
-        """The pipeline's shape: points of one shape run their actions in one order, so a chain of
-        actions walked at one is a row of the others' walked programs (fine_cuts.solve_walked)."""
-        return self.stages, self.microbatches, self.schedule, self.chunks, self.group
-
-    def milp_args(self, cap_bytes: float, layout: StageLayout | None = None, cuts: tuple[Walk, ...] = ()):
-        """HiGHS' arguments for this point's program (``fine.milp_args``; walked, with ``cuts``' rows)."""
+    def milp_args(self, cap_bytes: float, layout: StageLayout | None = None):
+        """HiGHS' arguments for this point's program (``fine.milp_args``)."""
         program = (self.costs, self.layers, self.stages, self.microbatches, cap_bytes, self.schedule, self.chunks)
-        more = {"cuts": cuts} if self.walked else {}
-        return milp_args(*program, self.group, layout=layout, walked=self.walked, **more)
+        return milp_args(*program, self.group, layout=layout, walked=self.walked)
 
     def walk_s(self, layout: StageLayout) -> float:
         """``layout``'s iteration time with its pipeline walked action by action (fine_walk.py)."""
         return walk_s(self.costs, layout, self.microbatches, self.schedule, self.chunks, self.group)
 
     def balanced_s(self) -> float:
-        """The solver-free lower bound (``fine.balanced_bound_s``, or ``fine_cuts.walked_bound_s``)."""
+        """The solver-free lower bound (``fine.balanced_bound_s``, or ``fine_paths.walked_bound_s``)."""
         bound = walked_bound_s if self.walked else balanced_bound_s
         return bound(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
 
-    def relaxed_s(self, cap_bytes: float, cuts: tuple[Walk, ...] = ()) -> float:
-        """The LP relaxation's objective (walked, with ``cuts``' rows, chains of this point's shape): no
-        layout of this point has a smaller one (inf: none fits)."""
-        return _solved_s(self, cap_bytes, None, cuts)
+    def relaxed_s(self, cap_bytes: float) -> float:
+        """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
+        return _solved_s(self, cap_bytes, None)
 
     def layout_s(self, cap_bytes: float, layout: StageLayout) -> float:
         """The program's objective at ``layout`` (inf: it breaks the program's memory rows); walked,
@@ -100,34 +92,31 @@ class Point:
             return got
         return self.walk_s(layout) + ties_s(self.costs, layout)
 
-    def integer(
-        self, cap_bytes: float, bar_s: float = math.inf, cuts: tuple[Walk, ...] = ()
-    ) -> tuple[float, float, tuple[Walk, ...]]:
-        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, by fine_cuts.solve_walked from
-        ``cuts``, chains of this point's shape): its best layout's objective (inf: none found, or walked
-        and its proven bound reached ``bar_s``), a proven lower bound on every layout's (inf: none
-        fits), and the chains its rows held (walked; ``cuts`` and those it found)."""
+    def integer(self, cap_bytes: float, bar_s: float = math.inf) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, fine_paths.solve_walked's):
+        its best layout's objective (inf: none found, or walked and its proven bound reached
+        ``bar_s``) and a proven lower bound on every layout's (inf: none fits)."""
         from scipy.optimize import milp
 
         if self.walked:
             p = self
             program = (p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group)
-            got = solve_walked(program, bar_s, False, cuts)
-            return (got[1] if got[0] is not None else math.inf), got[2], got[4]
+            got = solve_walked(program, bar_s, False)
+            return (got[1] if got[0] is not None else math.inf), got[2]
         cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
         if res.status == 2:  # HiGHS: infeasible
-            return math.inf, math.inf, ()
+            return math.inf, math.inf
         found = math.inf if res.x is None else float(res.fun)
         dual = float(getattr(res, "mip_dual_bound", None) or -math.inf)
-        return found, min(found, dual if not math.isnan(dual) else -math.inf), ()
+        return found, min(found, dual if not math.isnan(dual) else -math.inf)
 
 
-def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None, cuts: tuple[Walk, ...] = ()) -> float:
+def _solved_s(p: Point, cap_bytes: float, layout: StageLayout | None) -> float:
     """The LP of ``p``'s program, with its integers fixed at ``layout`` (None: relaxed); its objective."""
     from scipy.optimize import milp  # on first use: scipy takes a second to import
 
-    cost, args, _, _ = p.milp_args(cap_bytes, layout, cuts)
+    cost, args, _, _ = p.milp_args(cap_bytes, layout)
     res = milp(cost, **args)
     return math.inf if res.x is None else float(res.fun)
 
@@ -137,8 +126,8 @@ class GridBound:
     """What every fine layout of every point of a grid reaches at best in the program's model:
     ``least_s``, a proven lower bound (inf: no point fits); ``best_s``, the best layout found
     (equal to ``least_s`` up to HiGHS' gap when every program it solved finished), at the point
-    ``knobs`` (empty: the incumbent given, which no layout found beats); ``least_lp_s``, the least LP relaxation solved (a weaker bound, for reference; walked,
-    with the rows of the chains walked at the points of its shape solved before it); how many
+    ``knobs`` (empty: the incumbent given, which no layout found beats); ``least_lp_s``, the least
+    LP relaxation solved (a weaker bound, for reference); how many
     points were bounded, LP relaxations and integer programs solved, and how many of these
     stopped at the node limit before proving their optimum."""
 
@@ -167,7 +156,9 @@ def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterato
             yield knobs, draft
 
 
-def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s: float = math.inf) -> GridBound:
+def grid_bound(
+    ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s: float = math.inf, enough_s: float = math.inf
+) -> GridBound:
     """The best any fine layout of any of ``grid``'s points can reach in the program's model (the
     module docstring), solving few programs: the points in increasing order of their balanced
     bound; each point's LP relaxation, and its integer program where that relaxation is under the
@@ -176,8 +167,10 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s
     relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
     some relaxation. ``incumbent_s``: the objective of a layout known beforehand (the grid best's own,
     ``grid_plan_cost``), the best so far from the start: the points that cannot beat it are pruned
-    from the first, and ``knobs`` stays empty when no layout found beats it. Rows of the chains
-    walked at one point start the programs of the points of its shape (``Point.shape``)."""
+    from the first, and ``knobs`` stays empty when no layout found beats it. ``enough_s``: a bound that is
+    enough (the incumbent over a target speedup): a point whose bound reaches it is solved no
+    further, and the points are taken only until their balanced bound does, so ``least_s`` is the
+    exact bound or, when that is over ``enough_s``, at least ``enough_s``."""
     cap = fine_cost_model(ctx).device_memory_bytes
     offload = fine_cost_model(ctx).cluster.node.host is not None
     ranked = []
@@ -187,26 +180,25 @@ def grid_bound(ctx: Context, grid: Space, fixed: dict | None = None, incumbent_s
     ranked.sort(key=lambda t: (t[0], t[1]))
     best, least, least_lp, where = incumbent_s, math.inf, math.inf, {}
     lps = programs = limited = 0
-    shared: dict[tuple, tuple[Walk, ...]] = {}  # per pipeline shape, the chains walked so far (Point.shape)
     for balanced, _, knobs, p in ranked:
-        if balanced >= best:
+        if balanced >= min(best, enough_s):
             break
         lps += 1
-        relaxed = p.relaxed_s(cap, shared.get(p.shape, ()))
+        relaxed = p.relaxed_s(cap)
         least_lp = min(least_lp, relaxed)
-        if relaxed >= best:
+        if relaxed >= min(best, enough_s):
             least = min(least, relaxed)
             continue
         programs += 1
         # pruned (inf found) once proven at least the best so far
-        found, proven, shared[p.shape] = p.integer(cap, best, shared.get(p.shape, ()))
+        found, proven = p.integer(cap, min(best, enough_s))
         proven = max(proven, relaxed)  # both bound the point's layouts from below
         limited += math.isfinite(found) and found > proven * (1 + 2e-3)
         least = min(least, proven)
         if found < best:
             best, where = found, knobs
-    # every point not reached has a balanced bound of at least best: least stays a bound for them
-    return GridBound(min(least, best), best, where, least_lp, len(ranked), lps, programs, limited)
+    # every point not reached has a balanced bound of at least best (or enough): least stays a bound for them
+    return GridBound(min(least, best, enough_s), best, where, least_lp, len(ranked), lps, programs, limited)
 
 
 def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:

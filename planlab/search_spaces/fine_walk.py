@@ -64,7 +64,7 @@ class Walk:
     path), as counts: per stage its forwards and backwards on the chain, the transfers between
     stages on it, and the device whose sync ends the iteration. The same chain is there whatever
     the layout (the order does not depend on it), so its length, linear in the layout's layers,
-    recomputed layers and offloading, bounds every layout's time from below (fine_cuts.chain_row)."""
+    recomputed layers and offloading, bounds every layout's time from below."""
 
     time_s: float
     forwards: tuple[int, ...]

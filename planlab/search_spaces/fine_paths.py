@@ -1,0 +1,176 @@
+"""The fine-grained program with the pipeline walked: its objective is the walked time of
+planlab/search_spaces/fine_walk.py, exactly, as a longest path over the schedule's actions.
+
+A pipeline's actions run in an order fixed by the schedule, whatever the layout; only their
+durations depend on it, linearly in each stage's layers ``n_s`` and recomputed layers ``k_s`` and
+each device's offloading ``o_d``. The walk ends each action at the later of its device's previous
+action and what it waits for (the previous stage's forward, plus a transfer; the next stage's
+backward, plus a transfer; its own forward), plus its own duration; the iteration ends at the last
+device's sync. That is the longest path through a graph whose shape the schedule fixes, so with one
+continuous variable ``e_a`` per action (its end) the rows
+
+    e_a >= e_(device's previous action) + dur_a        e_a >= e_(what a waits for) + hop + dur_a
+    W   >= e_(device d's last action) + sync_d         for every device d
+
+hold ``W`` at or above the walked time, and minimizing ``W`` meets it: at any fixed layout the LP
+gives the walk (tests/test_fine.py). So the program's LP relaxation is at least as strong as every
+chain of actions added as a row (fine11's cutting planes, which one critical path a round did not
+converge on 48-chunk interleaved pipelines), and one HiGHS program solves the walked layout, up to
+its node limit: :func:`solve_walked`. The memory rows are the program's (planlab/search_spaces/fine.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from planlab.search_spaces.fine_costs import StageCosts
+from planlab.search_spaces.fine_walk import orders_of, walk_s
+from planlab.search_spaces.stages import StageLayout
+
+GAP = 1e-3  # relative: HiGHS stops once its layout is this close to its bound (0.1%)
+NODE_LIMIT = 200  # branch-and-bound nodes per walked program (deterministic): a node's LP has two rows per action
+
+
+def actions_of(stages: int, m: int, schedule: str, chunks: int, group: int) -> dict[tuple, int]:
+    """Each action of the schedule, ``(stage, phase, micro-batch)``, numbered device by device in the
+    order each runs them (fine_walk.orders_of): its end's variable is the program's ``a`` + that number."""
+    orders = orders_of(stages, m, schedule, chunks, group)
+    return {(x.stage, x.phase, x.microbatch): i for i, x in enumerate(x for o in orders for x in o)}
+
+
+def _ties_coefs(lp, c: StageCosts) -> np.ndarray:
+    """The tie-breaking terms of the walked objective (fine.TIE times a layer's time, its recomputation,
+    its sync and offloading's change of it): no needless recomputation or offloading."""
+    from planlab.search_spaces.fine import TIE
+
+    cost = np.zeros(lp.nv)
+    cost[lp.n : lp.n + lp.stages] = TIE * (c.layer_s + c.sync_s)
+    cost[lp.k : lp.k + lp.stages] = TIE * c.recompute_s
+    cost[lp.z : lp.z + lp.G] = TIE * (c.offload_sync_s - c.sync_s)
+    return cost
+
+
+def _after(lp, c: StageCosts, stage: int, phase: str, coefs: dict[int, float]) -> float:
+    """Take an action's duration (fine_walk.stage_times_s) from ``coefs``' layout terms; its constant."""
+    from planlab.search_spaces.fine import stage_extras
+
+    share = c.forward_share if phase == "F" else 1 - c.forward_share
+    coefs[lp.n + stage] = coefs.get(lp.n + stage, 0.0) - share * c.layer_s
+    if phase == "B":
+        coefs[lp.k + stage] = coefs.get(lp.k + stage, 0.0) - c.recompute_s
+    return share * stage_extras(c, stage, lp.stages).time_s
+
+
+def walked_objective(lp, c: StageCosts, m: int, schedule: str, chunks: int, group: int) -> np.ndarray:
+    """Add the rows of every action's end and of ``W`` (module docstring) to ``lp``, whose variables
+    from ``lp.a`` on are the actions' ends (:func:`actions_of`); the objective ``W`` + ties."""
+    from planlab.search_spaces.fine import stage_extras
+
+    S, G = lp.stages, lp.G
+    hop_s = c.p2p_s / 2 if G > 1 else 0.0
+    index = actions_of(S, m, schedule, chunks, group)
+    for d, order in enumerate(orders_of(S, m, schedule, chunks, group)):
+        prev = None
+        for x in order:
+            me = lp.a + index[(x.stage, x.phase, x.microbatch)]
+            if x.phase == "F":
+                dep = (x.stage - 1, "F", x.microbatch) if x.stage > 0 else None
+            else:
+                dep = (x.stage + 1, "B", x.microbatch) if x.stage < S - 1 else (x.stage, "F", x.microbatch)
+            waits = ([(prev, 0.0)] if prev is not None else []) + (
+                [(lp.a + index[dep], hop_s if dep[0] != x.stage else 0.0)] if dep is not None else []
+            )
+            for before, wait_s in waits or [(None, 0.0)]:  # the first action of all waits for nothing
+                coefs = {me: 1.0} | ({before: -1.0} if before is not None else {})
+                lp.add(coefs, wait_s + _after(lp, c, x.stage, x.phase, coefs), np.inf)
+            prev = me
+        mine = range(d, S, G)
+        sync = {lp.W: 1.0, prev: -1.0, lp.z + d: -(c.offload_sync_s - c.sync_s)} | {lp.n + s: -c.sync_s for s in mine}
+        lp.add(sync, c.unit_sync_s + sum(stage_extras(c, s, S).sync_s for s in mine), np.inf)
+    cost = _ties_coefs(lp, c)
+    cost[lp.W] = 1.0
+    return cost
+
+
+def ties_s(c: StageCosts, layout: StageLayout) -> float:
+    """The tie-breaking terms of the walked objective at ``layout``."""
+    from planlab.search_spaces.fine import TIE
+
+    n, k, G = sum(layout.layers), sum(layout.recompute or (0,)), len(layout.offload)
+    z = sum(layout.layers[s] for s in range(len(layout.layers)) if G and layout.offloads(s % G))
+    return TIE * (n * (c.layer_s + c.sync_s) + k * c.recompute_s + z * (c.offload_sync_s - c.sync_s))
+
+
+def walked_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int = 1) -> float:
+    """A lower bound on the walked program's objective from its rows alone, without a solver: a
+    device's own actions' average (every layer's time over the device groups, nothing recomputed,
+    the sync at least 0) and the least ties."""
+    from planlab.search_spaces.fine import TIE, stage_extras
+
+    G = stages // chunks
+    work_s = layers * c.layer_s + sum(stage_extras(c, s, stages).time_s for s in range(stages))
+    return m * work_s / G + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
+
+
+def solve_walked(program: tuple, bar_s: float, relax_first: bool):
+    """The walked program of ``program``, fine.program_arrays' arguments (per-layer costs, layers,
+    stages, micro-batches, the device's memory, schedule, chunks and pipeline_group), solved by HiGHS
+    (module docstring): ``(layout, its walked objective, the proven lower bound on every layout's,
+    status)``; status ``optimal`` (within GAP), ``node limit`` (a layout that may not be the best, and
+    HiGHS' bound), ``infeasible`` (no layout fits the memory rows) or ``pruned`` (the LP relaxation
+    reached ``bar_s``: no layout of this point beats it). ``relax_first``: solve the LP relaxation
+    first and prune on it."""
+    from scipy.optimize import milp  # on first use: scipy takes a second to import
+
+    from planlab.search_spaces.fine import milp_args
+
+    c, _, stages, m, _, schedule, chunks, group = program
+    cost, args, integ, lp = milp_args(*program, walked=True)
+    least_s = -math.inf
+    if relax_first:
+        relaxed = milp(cost, **args)
+        if relaxed.x is None:
+            return None, math.inf, math.inf, "infeasible"
+        least_s = float(relaxed.fun)
+        if least_s >= bar_s:
+            return None, least_s, least_s, "pruned"
+    # the program with only the device groups' totals and offloading integer (each chunk's layers and
+    # recomputed layers relaxed): a lower bound that HiGHS proves in few nodes, where the whole program's
+    # branch and bound splits each total over the chunks in every way before it lifts its own bound
+    totals = integ.copy()
+    totals[lp.n : lp.n + 2 * stages] = 0
+    low = milp(cost, integrality=totals, options={"node_limit": NODE_LIMIT, "mip_rel_gap": GAP}, **args)
+    if low.status == 2:
+        return None, math.inf, math.inf, "infeasible"
+    least_s = max(least_s, _proven_s(low))
+    if least_s >= bar_s:
+        return None, least_s, least_s, "pruned"
+    res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT, "mip_rel_gap": GAP}, **args)
+    if res.status == 2:
+        return None, math.inf, math.inf, "infeasible"
+    least_s = max(least_s, _proven_s(res))
+    if res.x is None:
+        return None, math.inf, least_s, "node limit"
+    x = np.round(res.x).astype(int)
+    best = StageLayout(
+        layers=tuple(int(v) for v in x[lp.n : lp.n + stages]),
+        recompute=tuple(int(v) for v in x[lp.k : lp.k + stages]),
+        offload=tuple(bool(v) for v in x[lp.o : lp.o + lp.G]),
+    )
+    best_s = walk_s(c, best, m, schedule, chunks, group) + ties_s(c, best)  # the LP's W at it, exactly
+    least_s = min(least_s, best_s)
+    if least_s >= bar_s:
+        return None, least_s, least_s, "pruned"
+    done = best_s <= least_s * (1 + GAP)
+    status = "optimal" if done else "node limit"
+    return StageLayout(best.layers, best.recompute, best.offload, done), best_s, least_s, status
+
+
+def _proven_s(res) -> float:
+    """The lower bound HiGHS proved on a program's objective (its dual bound; -inf: none)."""
+    dual = getattr(res, "mip_dual_bound", None)
+    if dual is not None and not math.isnan(dual):
+        return float(dual)
+    return float(res.fun) if res.status == 0 and res.x is not None else -math.inf
