@@ -50,7 +50,7 @@ def memory_lower_bound_bytes(
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards
-            # over those of them that are data-parallel (planlab.plan.passes.gradients.shard_groups)
+            # over those of them that are data-parallel (planlab.plan.passes.gradients.zero_groups)
             red = math.prod(p.sizes[i] for i in shards.axes(p, op, held)) if plan.zero else 1
             weights = prec.param_bytes / red if plan.zero >= 3 else prec.param_bytes
             grad = prec.grad_bytes / red if plan.zero >= 2 else prec.grad_bytes
@@ -100,7 +100,7 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
 
 class _ShardAxes:
     """Along which axes of its placement ZeRO shards a weight, from the plan alone, as
-    :func:`planlab.plan.passes.gradients.shard_groups` finds them from the layouts: the axes that
+    :func:`planlab.plan.passes.gradients.zero_groups` finds them from the layouts: the axes that
     split a dimension the weight lacks, less the tensor-parallel ones (splitting a dimension other
     than the batch, along devices that split some weight), unless that leaves none."""
 

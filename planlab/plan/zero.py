@@ -1,9 +1,9 @@
 """ZeRO: optimizer states (stage 1), gradients (2) and weights (3) sharded over a weight's
-data-parallel replicas (:func:`~planlab.plan.passes.gradients.shard_groups`): the ``materialize``
+data-parallel replicas (:func:`~planlab.plan.passes.gradients.zero_groups`): the ``materialize``
 pass :func:`shard_zero`, after recomputation, in place of the gradient buckets of
 :mod:`planlab.plan.passes.gradients`. A gradient that tensor-parallel ranks also sum (a norm's
 weight under sequence parallelism, a row-parallel bias:
-:func:`~planlab.plan.passes.gradients.tensor_parallel_groups`) is all-reduced over them before it
+:func:`~planlab.plan.passes.gradients.zero_groups`) is all-reduced over them before it
 is reduce-scattered, as the software does: FSDP2 per parameter in its post-backward hook (ZeRO-3),
 Megatron-Core coalesced after the backward (ZeRO-1/2, and ZeRO-3's weights kept whole). DeepSpeed's
 ZeRO-3 gets FSDP2's: no source was found for how Megatron-DeepSpeed sums such gradients under it
@@ -68,7 +68,7 @@ from planlab.plan.passes.draft import (
     run_order,
     update_blocks,
 )
-from planlab.plan.passes.gradients import Reduction, all_reduce, params_of, shard_groups, tensor_parallel_groups
+from planlab.plan.passes.gradients import Reduction, all_reduce, params_of, zero_groups
 from planlab.plan.fused_gemms import fused_fields, fused_groups
 from planlab.plan.program import ADAM_FLOPS_PER_PARAM, Precision, Recompute, Role, Task, TaskKind
 from planlab.plan.saved import FP8_BYTES, fp8_gathered_weights
@@ -163,7 +163,7 @@ def shard_zero(d: Draft) -> Draft:
     idents = Idents(d.next_ident)
     zero_saved, sharded, together = {}, {}, {}
     pb, gb, ob = d.precision.param_bytes, d.precision.grad_bytes, d.precision.optimizer_bytes
-    groups, tensor_parallel = shard_groups(d), tensor_parallel_groups(d)
+    groups, tensor_parallel = zero_groups(d)
     blocks = by_block(d.parts)
     for dev, update in sorted(update_blocks(d).items()):
         mine = groups[dev]
@@ -225,7 +225,7 @@ def _reduce_tensor_parallel(
     idents: Idents,
 ) -> None:
     """The weight gradients of ``mine`` (per shard group) that their tensor-parallel group sums first
-    (``tp_of``, :func:`~planlab.plan.passes.gradients.tensor_parallel_groups`), summed in the update
+    (``tp_of``, :func:`~planlab.plan.passes.gradients.zero_groups`), summed in the update
     block before ZeRO's reduce-scatters: one all-reduce of them as one flat buffer per tensor-parallel
     group, as Megatron-Core's ``finalize_model_grads`` all-reduces the sequence-parallel weights'
     gradients coalesced (``_flatten_dense_tensors``; it runs after the data-parallel reduction, the

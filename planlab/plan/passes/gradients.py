@@ -21,32 +21,33 @@ def reduction_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
     """Per device and reduction group, the weight gradients the group sums: those whose owner's
     contribution is a partial sum along mesh axes where the weight itself is not (its replicas).
     Every member of a group finds the same parameters."""
-    return _grouped(d, lambda r: r.group)
+    return _grouped(_reduced(d, split=False), lambda r: r.group)
 
 
-def shard_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
-    """Per device and ZeRO shard group, the weight gradients the group sums and shards: a weight's
-    reduction group less its tensor-parallel ranks (:func:`tensor_parallel_groups`), its
-    data-parallel group. FSDP2 shards over the data-parallel mesh it is given and keeps a weight
-    Replicate on the tensor-parallel mesh (torchtitan's ``parallelize_llama``: ``fully_shard`` on
-    the ``fsdp`` mesh, ``dp_shard x cp``); DeepSpeed's ZeRO-3 partitions over
-    ``mpu.get_data_parallel_group()`` (``deepspeed.zero.Init(data_parallel_group=...)``) and
-    Megatron-Core's distributed optimizer over ``get_data_parallel_group(with_context_parallel=True)``."""
-    return _grouped(d, lambda r: r.shard)
+def zero_groups(
+    d: Draft,
+) -> tuple[dict[int, dict[tuple[int, ...], Reduction]], dict[int, dict[tuple[int, ...], Reduction]]]:
+    """Per device, the weight gradients ZeRO shards, by shard group, and those a tensor-parallel
+    group sums before ZeRO shards them, by that group (one walk over the weights for both).
 
+    The shard group is a weight's reduction group less its tensor-parallel ranks: its data-parallel
+    group. FSDP2 shards over the data-parallel mesh it is given and keeps a weight Replicate on the
+    tensor-parallel mesh (torchtitan's ``parallelize_llama``: ``fully_shard`` on the ``fsdp`` mesh,
+    ``dp_shard x cp``); DeepSpeed's ZeRO-3 partitions over ``mpu.get_data_parallel_group()``
+    (``deepspeed.zero.Init(data_parallel_group=...)``) and Megatron-Core's distributed optimizer over
+    ``get_data_parallel_group(with_context_parallel=True)``.
 
-def tensor_parallel_groups(d: Draft) -> dict[int, dict[tuple[int, ...], Reduction]]:
-    """Per device and tensor-parallel group, the weight gradients that group sums before ZeRO
-    shards them (a norm's weight under sequence parallelism, whose pieces of the sequence each give
-    a partial sum): the reduction axes along which the owner splits a dimension other than the batch
-    and along whose devices some weight is sharded (the tensor-parallel ranks; context parallelism
-    shards no weight, expert parallelism splits the dense operators' batch). FSDP2 all-reduces such
-    a gradient over the tensor-parallel mesh in its post-backward hook, before the reduce-scatter
-    (``FSDPParam._get_grad_inner_tensor`` redistributes the Partial gradient to the parameter's
-    Replicate placement on the non-data-parallel mesh dims); Megatron-Core all-reduces the sequence-
-    parallel weights' gradients over the tensor-parallel group after the backward
+    The tensor-parallel ranks (a norm's weight under sequence parallelism, whose pieces of the
+    sequence each give a partial sum) are the reduction axes along which the owner splits a
+    dimension other than the batch and along whose devices some weight is sharded (context
+    parallelism shards no weight, expert parallelism splits the dense operators' batch). FSDP2
+    all-reduces such a gradient over the tensor-parallel mesh in its post-backward hook, before the
+    reduce-scatter (``FSDPParam._get_grad_inner_tensor`` redistributes the Partial gradient to the
+    parameter's Replicate placement on the non-data-parallel mesh dims); Megatron-Core all-reduces
+    the sequence-parallel weights' gradients over the tensor-parallel group after the backward
     (``finalize_model_grads``: ``_allreduce_non_tensor_model_parallel_grads``)."""
-    return _grouped(d, lambda r: r.tp, skip_empty=True)
+    items = _reduced(d, split=True)
+    return _grouped(items, lambda r: r.shard), _grouped(items, lambda r: r.tp, skip_empty=True)
 
 
 @dataclass(frozen=True)
@@ -61,25 +62,33 @@ class _Reduced:
     nbytes: int
 
 
-def _grouped(d: Draft, which, skip_empty: bool = False) -> dict[int, dict[tuple[int, ...], Reduction]]:
-    """Per device, the weight gradients grouped by ``which`` group of their :class:`_Reduced`."""
-    out: dict[int, dict[tuple[int, ...], Reduction]] = defaultdict(lambda: defaultdict(list))
+def _reduced(d: Draft, split: bool) -> list[tuple[_Reduced, int, str]]:
+    """Every position's reduction of every weight's gradient, with its owner's topological index and
+    the parameter; ``split``: tell the tensor-parallel ranks from the data-parallel ones (ZeRO;
+    without it ``shard`` is the whole group and ``tp`` empty)."""
+    out = []
     L = d.layouts
     # layers repeat: a few (contribution, weight, splits) layouts and shapes, each reduced alike at every position
     reduced: dict[tuple, tuple[_Reduced, ...]] = {}
-    sharding: set[tuple[int, ...]] | None = None
+    sharding = weight_sharding_groups(d) if split else None
     batch = d.graph.batch_label
     for p, (op, k) in d.owner.items():
         key = (L.contributes(op, k), L.needs(op, k), L.shapes[p], L.dims[op.name], d.graph.dim_with_label(op, batch))
         got = reduced.get(key)
         if got is None:
-            if sharding is None:
-                sharding = weight_sharding_groups(d)
             got = reduced[key] = _reductions(d, *key, sharding)
-        for r in got:
-            group = which(r)
-            if group or not skip_empty:
-                out[r.device][group].append((d.topo[op.name], p, r.nbytes))
+        out.extend((r, d.topo[op.name], p) for r in got)
+    return out
+
+
+def _grouped(items, which, skip_empty: bool = False) -> dict[int, dict[tuple[int, ...], Reduction]]:
+    """Per device, the weight gradients of ``items`` (:func:`_reduced`) grouped by ``which`` group of
+    their :class:`_Reduced`."""
+    out: dict[int, dict[tuple[int, ...], Reduction]] = defaultdict(lambda: defaultdict(list))
+    for r, topo, p in items:
+        group = which(r)
+        if group or not skip_empty:
+            out[r.device][group].append((topo, p, r.nbytes))
     return out
 
 
@@ -100,12 +109,13 @@ def weight_sharding_groups(d: Draft) -> set[tuple[int, ...]]:
 
 
 def _reductions(
-    d: Draft, contrib, target, shape: tuple[int, ...], dims: tuple, batch: str | None, sharding: set
+    d: Draft, contrib, target, shape: tuple[int, ...], dims: tuple, batch: str | None, sharding: set | None
 ) -> tuple[_Reduced, ...]:
     """The reductions (:class:`_Reduced`) of a weight of ``shape`` whose gradient comes in layout
     ``contrib`` and is wanted in ``target`` from an owner splitting ``dims`` along the mesh axes
     (``batch``: its batch dimension), at each position built (none where ``contrib`` is partial
-    along no mesh axis where ``target`` is not); ``sharding``: :func:`weight_sharding_groups`."""
+    along no mesh axis where ``target`` is not); ``sharding``: :func:`weight_sharding_groups` (None:
+    the whole group is the shard group)."""
     axes = tuple(
         a
         for a, (c, t) in enumerate(zip(contrib.placements, target.placements))
@@ -115,7 +125,11 @@ def _reductions(
         return ()
     mesh = contrib.mesh
     tp = tuple(
-        a for a in axes if dims[a] != batch and any(tuple(sorted(g)) in sharding for g in mesh.group_map((a,)).values())
+        a
+        for a in axes
+        if sharding is not None
+        and dims[a] != batch
+        and any(tuple(sorted(g)) in sharding for g in mesh.group_map((a,)).values())
     )
     dp = tuple(a for a in axes if a not in tp)
     if not dp:  # no data-parallel replicas to shard over: ZeRO shards over the whole group, as before
