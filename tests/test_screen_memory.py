@@ -26,3 +26,25 @@ def test_a_recomputed_layer_keeps_what_it_would_have_saved_for_its_backward():
     assert one_layer > 0 and full.regrow == one_layer
     assert working_bytes(full) >= full.regrow  # the estimate holds it besides what is in flight
     assert _profile(2, "none").regrow == 0.0  # nothing recomputes, nothing is kept again
+
+
+def _zero_estimate(zero: int, sp: bool):
+    """The screen's estimate of LLaMA-2 7B's two layers on one DGX A100, dp 2 x tp 4, with ``zero``
+    and sequence parallelism ``sp``."""
+    spec, g = traced("llama2-7b", 8, (("layers", 2),))
+    ctx = Context(g, spec, 8, "dgx-a100-80g", 1, 8, 8)
+    space = get_space("megatron")
+    cost = CostModel.load("dgx-a100-80g", 1, software="megatron")
+    knobs = space.with_defaults({**KNOBS, "dp": 2, "tp": 4, "microbatch": 1, "zero": zero, "sequence_parallel": sp})
+    return Screen(g, cost, cost.precision).estimate(space.draft(ctx, knobs))
+
+
+def test_zero_shards_a_sequence_parallel_norm_over_its_data_parallel_ranks_only():
+    """Under sequence parallelism a norm's weight gradient is summed over tp (each rank holds a part of
+    the sequence), but ZeRO shards the weight over dp only, as materialize does
+    (``gradients.zero_groups``): its states take the same bytes as without sequence parallelism,
+    and the tp all-reduce before the reduce-scatter costs time."""
+    for zero in (1, 2, 3):
+        with_sp, without = _zero_estimate(zero, True), _zero_estimate(zero, False)
+        assert with_sp.static_bytes == without.static_bytes, zero
+    assert _zero_estimate(2, True).grad_sync_s > _zero_estimate(2, False).grad_sync_s

@@ -430,12 +430,16 @@ class Screen:
             for axes, (n_units, _) in p.units:
                 if math.prod(sizes[a] for a in axes) == 1:
                     continue
-                elems = dict(p.params)[axes] / n_units  # units of a model are alike (its layers)
+                mine = [(tp, e / n_units) for (shard, tp), e in p.params if shard == axes]  # units are alike (layers)
+                elems = sum(e for _, e in mine)
                 ag = self._coll_s("all_gather", elems * prec.param_bytes, axes, sizes, order)
                 gathers = 3 if regather else 2
                 total += n_units * (
                     gathers * ag + self._coll_s("reduce_scatter", elems * prec.grad_bytes, axes, sizes, order)
                 )
+                for tp, e in mine:  # what tensor parallelism sums first (FSDP2's post-backward redistribute)
+                    if math.prod(sizes[a] for a in tp) > 1:
+                        total += n_units * self._coll_s("all_reduce", e * prec.grad_bytes, tp, sizes, order)
                 first = max(first, 2 * ag)
             got = self._zero3[key] = (total, first)
         return got
@@ -460,19 +464,27 @@ class Screen:
         prec = self.prec
         sync = opt = static = ar = last = gathered = 0.0
         units = dict(p.units)
-        for axes, elems in p.params:
+        unit_groups: set[tuple[int, ...]] = set()
+        for (shard, tp), elems in p.params:
+            # ZeRO shards over the data-parallel axes after a sum over the tensor-parallel ones; without
+            # ZeRO one all-reduce over both (plan.passes.gradients.zero_groups)
+            axes = shard if zero else tuple(sorted(shard + tp))
             n_red = math.prod(sizes[a] for a in axes)
+            if zero and n_red > 1 and math.prod(sizes[a] for a in tp) > 1 and zero < 3:
+                sync += self._coll_s("all_reduce", elems * prec.grad_bytes, tp, sizes, order)  # in the update block
             static += elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes)
             if n_red > 1 and zero >= 3:
                 # weights, gradients and states sharded; the unit computed is gathered (static: a lower
                 # bound), the next one prefetched and a unit's full gradient alive (gathered)
-                big = units[axes][1]
                 static -= elems * (prec.param_bytes + prec.grad_bytes + prec.optimizer_bytes) * (n_red - 1) / n_red
-                static += big * prec.param_bytes
-                gathered = max(gathered, big * (prec.param_bytes + prec.grad_bytes))
-                sync = max(
-                    sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes, order)
-                )  # the last unit's
+                if shard not in unit_groups:  # a unit holds its weights of every grouping sharded alike
+                    unit_groups.add(shard)
+                    big = units[shard][1]
+                    static += big * prec.param_bytes
+                    gathered = max(gathered, big * (prec.param_bytes + prec.grad_bytes))
+                    sync = max(
+                        sync, self._coll_s("reduce_scatter", big * prec.grad_bytes, axes, sizes, order)
+                    )  # the last unit's
                 opt += elems / n_red
                 continue
             if n_red > 1 and zero:

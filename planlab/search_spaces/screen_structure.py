@@ -245,6 +245,9 @@ class Tables:
         self._classify_work(g, share, software, index)
         self.work_params = {c: grads(op, "param") > 0 for op, c in zip(ops + ops, self.work_class + self.unfused_class)}
         batch = g.batch_label
+        # per operator, its batch dimension's name (None: no batch): the axes splitting another dimension
+        # of a weight's owner are tensor-parallel ranks of its gradient's reduction (ZeRO shards over the rest)
+        self.batch_dim = [g.dim_with_label(op, batch) if batch else None for op in ops]
 
         def is_batch(t: str) -> bool:
             return any(g.labels.get((t, a)) == batch for a in range(len(g.tensors[t].shape)))
@@ -367,6 +370,7 @@ def split_work(
     n = t.n
     fkey, bkey, wkey, work = [0] * n, [0] * n, [0] * n, [0.0] * n
     s_op, s_key, s_bytes, p_op, p_red, p_elems, p_unit = [], [], [], [], [], [], []
+    weight_axes: set[int] = set()  # the mesh axes along which some weight is split (tensor/expert parallelism)
     memo: dict[tuple, tuple] = {}
     for i in range(n):
         od = tuple(c[i] for c in cols)
@@ -374,11 +378,12 @@ def split_work(
         w = t.work_class[i]
         if any(tuple(c[j] for c in cols) != od for j in t.fused_with[i]):  # its fused group split apart
             w = t.unfused_class[i]
-        key = (t.op_class[i], od, w, pods, i in ring)
+        key = (t.op_class[i], od, w, pods, i in ring, t.batch_dim[i])
         got = memo.get(key)
         if got is None:
             got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring)
-        fkey[i], bkey[i], wkey[i], work[i], params, saves = got
+        fkey[i], bkey[i], wkey[i], work[i], params, saves, sharding = got
+        weight_axes |= sharding
         for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
             p_red.append(red)
@@ -388,6 +393,8 @@ def split_work(
             s_op.append(i)
             s_key.append(ids.of((name, cut)))
             s_bytes.append((sb, so))
+    groupings: dict[tuple, int] = {}
+    p_red = [groupings.setdefault(r, ids.of(_zero_axes(r, weight_axes))) for r in p_red]
     recv, keep, cf_edge, cf_key, cb_edge, cb_key = [], [], [], [], [], []
     fdone: set = set()
     bdone: set = set()
@@ -436,17 +443,21 @@ def split_work(
 def _op_split(
     t: Tables, i: int, w: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
 ) -> tuple:
-    """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
-    elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` (work class ``w``) split along ``od``
+    """(forward key, backward key, weight-gradient key or -1, working set, (((axis, splits its batch)
+    per reduction axis, elements), ...), ((cut, batch bytes, other bytes), ...), the axes splitting a weight)
+    of operator ``i`` (work class ``w``) split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
     the producer's layout (else None); a ``ring`` attention keeps its keys and values split along
     their sequence as its queries are."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
+    sharding: set[int] = set()
     for numel, pdims in t.params[i]:
         cut = math.prod(sizes[a] for a, dm in split if dm in pdims)
-        params.append((ids.of(tuple(a for a, dm in split if dm not in pdims)), numel / cut))
+        sharding.update(a for a, dm in split if dm in pdims)
+        red = tuple((a, dm == t.batch_dim[i]) for a, dm in split if dm not in pdims)
+        params.append((red, numel / cut))
     saves = []
     for k, (numel, sdims, batch, eb, *pdims) in enumerate(t.saves[i]):
         if ring and RING_KV_DIM in sdims:
@@ -459,7 +470,28 @@ def _op_split(
     work = numel / math.prod(sizes[a] for a, dm in split if dm in odset) * eb if batch else 0.0
     cut = tuple((dm, sizes[a]) for a, dm in split)  # the piece's shapes: planlab.search_spaces.screen prices them
     wkey = ids.of((w, pieces, "W", cut)) if t.works[w][3] > 0 else -1
-    return ids.of((w, pieces, "F", cut)), ids.of((w, pieces, "B", cut)), wkey, work, tuple(params), tuple(saves)
+    return (
+        ids.of((w, pieces, "F", cut)),
+        ids.of((w, pieces, "B", cut)),
+        wkey,
+        work,
+        tuple(params),
+        tuple(saves),
+        frozenset(sharding),
+    )
+
+
+def _zero_axes(red: tuple[tuple[int, bool], ...], weight_axes: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A weight gradient's reduction axes ``red`` (``(axis, splits the owner's batch)``) as ``(shard
+    axes, tensor-parallel axes)``: ZeRO shards it over its data-parallel axes and first sums it over
+    the axes that split another of its owner's dimensions along which some weight is split
+    (``weight_axes``), as :func:`planlab.plan.passes.gradients.zero_groups` does; all its axes are
+    shard axes when no data-parallel one remains. Without ZeRO the gradient is all-reduced over both."""
+    tp = tuple(a for a, batch in red if not batch and a in weight_axes)
+    shard = tuple(a for a, _ in red if a not in tp)
+    if not shard:
+        return tuple(a for a, _ in red), ()
+    return shard, tp
 
 
 def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids) -> tuple:
@@ -491,8 +523,8 @@ class ScreenProfile:
     bwd: tuple  # the backward's, with recomputed forwards
     wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W", cut), tasks)
     comm: tuple  # ((kind, axis, elements, batch, element bytes, an expert dispatch sent once a node), collectives), ...
-    params: tuple  # ((reduction axes, elements), ...)
-    units: tuple  # ((reduction axes, (ZeRO-3 units, the largest's elements)), ...)
+    params: tuple  # (((shard axes, tensor-parallel axes), elements), ...): see _zero_axes
+    units: tuple  # ((shard axes, (ZeRO-3 units, the largest's elements)), ...)
     saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
     work: float  # the largest operator's working set, batch bytes
     dy: float = 0.0  # output-gradient and saved-input batch bytes of the operators with weights (what
@@ -535,9 +567,12 @@ def _per_group(groups: np.ndarray, keys: np.ndarray, G: int, ids: Ids, weights: 
 
 
 def _units(groups: np.ndarray, red: np.ndarray, unit: np.ndarray, elems: np.ndarray, G: int, ids: Ids) -> list:
-    """Per group, ``((reduction axes, (units, the largest unit's elements)), ...)``."""
+    """Per group, ``((shard axes, (units, the largest unit's elements)), ...)``: a ZeRO-3 unit (a
+    layer) holds its weights of every reduction grouping (``red``) that shards over those axes."""
     out: list[dict] = [{} for _ in range(G)]
     if len(red):
+        shard: dict[int, int] = {}
+        red = np.array([shard.setdefault(r, ids.of(ids.values[r][0])) for r in red.tolist()], dtype=np.int64)
         nu, nr = int(unit.max()) + 1, len(ids.values) + 1
         u, inv = np.unique((groups * nr + red) * nu + unit, return_inverse=True)
         tot = np.bincount(inv.ravel(), weights=elems)
