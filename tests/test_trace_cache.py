@@ -73,8 +73,35 @@ def test_a_corrupt_or_foreign_entry_is_traced_again_and_rewritten(cache, damage)
     (entry,) = cache.iterdir()
     damage(entry)
     _same_graph(trace_model(SPEC, 8), trace_model(ModelSpec("gpt-tiny"), 8))
-    fmt, key, graph = pickle.loads(entry.read_bytes())
-    assert fmt == tc.ENTRY_FORMAT and key == TraceKey.of(SPEC, 8) and len(graph.operators) > 10
+    fmt, key, traced = pickle.loads(entry.read_bytes())
+    assert fmt == tc.ENTRY_FORMAT and key == TraceKey.of(SPEC, 8) and len(traced.graph.operators) > 10
+
+
+def test_a_loaded_graph_holds_what_a_build_derives_from_the_graph_alone(cache, monkeypatch):
+    """The block runs and the analyses the build reads come with a cached graph, equal to what the
+    graph gives when derived again, and a build from it does not derive them."""
+    from planlab.plan import template
+    from planlab.plan.fused_gemms import fused_groups
+    from planlab.plan.passes.layouts import batch_axes, whole_batch_read
+    from planlab.plan.shared_params import forward_only_of, no_grad_of
+    from planlab.plan.template import BLOCK_RUNS_KEY, block_runs
+
+    spec = ModelSpec("evoformer-tiny", (("blocks", 4), ("recycles", 2)))
+    trace_model(spec, 8)
+    loaded = trace_model(spec, 8)
+    kept = dict(loaded.memo_entries())
+    assert BLOCK_RUNS_KEY in kept and len(kept) >= 6
+    fresh = tc.for_planning(loaded)  # the same tables, an empty memo
+    assert fresh.memo_entries() == ()
+    for analysis in (block_runs, no_grad_of, forward_only_of, fused_groups, batch_axes, whole_batch_read):
+        assert analysis(loaded) == analysis(fresh)
+    assert len(block_runs(loaded)) > 4
+
+    def derived_again(graph):
+        raise AssertionError("the block runs were derived again")
+
+    monkeypatch.setattr(template, "_block_runs", derived_again)
+    assert block_runs(trace_model(spec, 8)) == block_runs(fresh)
 
 
 def test_the_key_holds_the_spec_batch_planlab_source_torch_and_python(cache, monkeypatch):

@@ -199,6 +199,12 @@ class Graph:
         with self._memo_lock:
             return self._memo.setdefault(key, value)
 
+    def memo_entries(self) -> tuple[tuple[tuple, object], ...]:
+        """What the memo holds, as ``(key, value)`` pairs: what a cache of traced graphs keeps with a
+        graph (:mod:`planlab.models.trace_cache`) and puts back with :meth:`memo`."""
+        with self._memo_lock:
+            return tuple(self._memo.items())
+
     def op(self, name: str) -> Operator:
         try:
             return self._by_name[name]

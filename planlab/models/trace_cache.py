@@ -5,9 +5,12 @@ An entry is keyed by everything the trace depends on (:class:`TraceKey`): the mo
 specification and batch, planlab's version and the digest of its own source files, torch's
 version file and Python's version. It lives in ``$PLANLAB_CACHE_DIR`` if set (empty: no cache),
 else ``$XDG_CACHE_HOME/planlab`` or ``~/.cache/planlab``, as a pickle of ``(ENTRY_FORMAT, key,
-graph)`` written to a temporary file and renamed into place, so that concurrent writers leave one
+Traced)`` written to a temporary file and renamed into place, so that concurrent writers leave one
 whole entry. An entry that does not load, or holds another key, is ignored and written again; a
-folder that cannot be written leaves the graph uncached. Never cached: users' models
+folder that cannot be written leaves the graph uncached. Beside the graph the entry keeps what the
+build derives from the graph alone (:func:`derived`: the structural template's block runs and the
+analyses it and the layouts read), put back into a loaded graph's memo, so that a build in a new
+process does not derive it again. Never cached: users' models
 (``package.module:function``, whose code planlab cannot version) and any trace made after
 :func:`planlab.register_op` registered one of torch's functions (it changes a built-in model's trace).
 
@@ -32,8 +35,9 @@ from planlab.graph.ir import Graph
 from planlab.models.spec import ModelSpec, is_user_model
 
 CACHE_ENV = "PLANLAB_CACHE_DIR"
-# the layout of an entry: (ENTRY_FORMAT, TraceKey, Graph); 2: the Graph is frozen, pickled by its tables
-ENTRY_FORMAT = 2
+# the layout of an entry: (ENTRY_FORMAT, TraceKey, Traced); 2: the Graph is frozen, pickled by its tables;
+# 3: a Traced, the graph with what is derived from it alone
+ENTRY_FORMAT = 3
 
 
 def cache_dir() -> Path | None:
@@ -89,6 +93,38 @@ class TraceKey:
         """One file per model and batch: an entry of another planlab, torch or Python is stale,
         found so on reading (its key differs) and written over, so the folder does not grow."""
         return f"graph-{hashlib.sha256(repr((self.model, self.batch)).encode()).hexdigest()[:32]}.pkl"
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A cache entry's value: the graph, and what the build derives from it alone (:func:`derived`),
+    as ``(memo key, value)`` pairs of the graph's memo."""
+
+    graph: Graph
+    memo: tuple[tuple[tuple, object], ...]
+
+    def loaded(self) -> Graph:
+        """The graph with its derived values in its memo."""
+        for key, value in self.memo:
+            self.graph.memo(key, lambda value=value: value)
+        return self.graph
+
+
+def derived(graph: Graph) -> tuple[tuple[tuple, object], ...]:
+    """What every build derives from ``graph`` alone, as the ``(memo key, value)`` pairs of the
+    graph's memo, ``graph`` fresh from tracing (its memo empty): the structural template's block runs
+    (:func:`planlab.plan.template.block_runs`, about 10 us an operator) and the analyses it and the
+    layouts read (what a detach cuts off, fused GEMMs, batch axes, an operator reading the batch
+    whole). The entry's key holds planlab's source digest, so a loaded value is what this planlab
+    would derive."""
+    from planlab.plan.fused_gemms import fused_groups
+    from planlab.plan.passes.layouts import batch_axes, whole_batch_read
+    from planlab.plan.shared_params import forward_only_of, no_grad_of
+    from planlab.plan.template import block_runs
+
+    for analysis in (no_grad_of, forward_only_of, fused_groups, batch_axes, whole_batch_read, block_runs):
+        analysis(graph)
+    return graph.memo_entries()
 
 
 def for_planning(graph: Graph) -> Graph:
@@ -157,8 +193,9 @@ def trace_model(spec: ModelSpec, batch: int) -> Graph:
     if folder is not None and cacheable(spec):
         key = TraceKey.of(spec, batch)
         path = folder / key.file_name()
-        graph = read_entry(path, ENTRY_FORMAT, key, Graph)
-        if graph is not None:
+        entry = read_entry(path, ENTRY_FORMAT, key, Traced)
+        if entry is not None:
+            graph = entry.loaded()
             for what in graph.unknown:
                 warnings.warn(f"planlab: no signature for {what}; it is kept whole", stacklevel=2)
             return graph
@@ -168,5 +205,5 @@ def trace_model(spec: ModelSpec, batch: int) -> Graph:
     model, inputs = build_model(spec, batch=batch)
     graph = for_planning(trace(model, inputs))
     if folder is not None and cacheable(spec):
-        write_entry(folder, path, (ENTRY_FORMAT, key, graph))
+        write_entry(folder, path, (ENTRY_FORMAT, key, Traced(graph, derived(graph))))
     return graph

@@ -82,10 +82,15 @@ class BlockMap:
         return None if got is None else self.groups[got[0]][-1] + got[1]
 
 
+# the graph's memo key of :func:`block_runs` (a function of the graph alone, which the trace cache
+# keeps with the graph, :func:`planlab.models.trace_cache.derived`)
+BLOCK_RUNS_KEY = ("template: block runs",)
+
+
 def block_runs(graph: Graph) -> tuple[Run, ...]:
     """The graph's runs of numbered modules with their structures (see the module docstring),
     memoized on the graph."""
-    return graph.memo(("template: block runs",), lambda: _block_runs(graph))
+    return graph.memo(BLOCK_RUNS_KEY, lambda: _block_runs(graph))
 
 
 def _module_head(module: str) -> str | None:

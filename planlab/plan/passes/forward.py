@@ -94,14 +94,32 @@ def convert_inputs(d: Draft) -> Draft:
     reads: dict[str, tuple[Buffer, ...]] = {}
     counters = Counters.of(d)
     tensors, names = graph.tensors, d.names
+    # per operator of a repeated block's first run, per input: WEIGHT or OWN where it reads a weight
+    # or its producer's output as it is; the group's other runs read theirs alike (what decides,
+    # the tensor's role and the layouts it has and needs, is theirs too: planlab.plan.template)
+    blocks, direct = d.repeats, {}
     for i, op in enumerate(graph.operators):
         key = (d.stage[op.name], "F")
         bufs = []
+        first = blocks.first(i)
+        mapped = direct.get(first) if first is not None and first != i else None
+        taken = [] if first == i else None
         needs = L.form(op).needs
         for ti, t in enumerate(op.inputs):
+            how = mapped[ti] if mapped is not None else None
+            if how is _WEIGHT:
+                bufs.append(names.weight(t))
+                continue
+            if how is _OWN:
+                bufs.append(names.activation(t))
+                continue
+            if taken is not None:
+                taken.append(None)
             spec, need = tensors[t], needs[ti]
             if spec.role == "param":
                 bufs.append(names.weight(t))
+                if taken is not None:
+                    taken[ti] = _WEIGHT
                 continue
             source = spec.role in ("input", "buffer")
             prod = None if source else graph.producer[t]
@@ -109,6 +127,8 @@ def convert_inputs(d: Draft) -> Draft:
                 have = L.form(prod).has[prod.outputs.index(t)]
                 if same_layout(have, need):
                     bufs.append(names.activation(t))
+                    if taken is not None:
+                        taken[ti] = _OWN
                     continue
             if (t, need) in converted:
                 bufs.append(converted[(t, need)])
@@ -127,7 +147,13 @@ def convert_inputs(d: Draft) -> Draft:
             versions[t] += 1
             bufs.append(buf)
         reads[op.name] = tuple(bufs)
+        if taken is not None:
+            direct[i] = taken
     return d.replace(parts=parts, sizes=sizes, reads=reads, **counters.fields())
+
+
+# how a repeated block's operator reads an input without a conversion (convert_inputs)
+_WEIGHT, _OWN = "weight", "own"
 
 
 def _load(d: Draft, t: str, box: tuple, buf: Buffer) -> Task:

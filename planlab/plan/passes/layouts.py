@@ -59,7 +59,7 @@ class Layouts:
                 f"({len(missing)} of its {len(names)} operators are not in the plan): "
                 "was the plan made for another model or size?"
             )
-        if m > 1 and (whole := graph.memo(("whole_batch_read",), lambda: whole_batch_read(graph))):
+        if m > 1 and (whole := whole_batch_read(graph)):
             # its size under a micro-batch is not the plan's
             raise InfeasiblePlan(
                 f"operator {whole[0].name!r} ({whole[0].kind}) reads the batch axis {whole[2]} of {whole[1]!r} whole "
@@ -299,7 +299,12 @@ def batch_axes(graph: Graph) -> dict[str, tuple[int, ...]]:
 def whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     """The first operator (with the tensor and axis) that reads a batch axis as a dimension it cannot
     split (``x.narrow(0, ...)``, ``x.split(4, dim=0)``, an operator kept whole for want of a
-    signature): what it does with sizes fixed at the traced batch differs on a micro-batch."""
+    signature): what it does with sizes fixed at the traced batch differs on a micro-batch; cached
+    per graph."""
+    return graph.memo(("whole_batch_read",), lambda: _whole_batch_read(graph))
+
+
+def _whole_batch_read(graph: Graph) -> tuple[Operator, str, int] | None:
     batch = batch_axes(graph)
     for op in graph.operators:
         if op.kind in NARROWED_TO_MICROBATCH:
