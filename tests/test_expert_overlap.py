@@ -2,6 +2,10 @@
 interleaved schedule's paired steps (``expert_overlap``): the order, the plan it builds, what the
 simulator and the screen hide with it, and its errors in one line."""
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 from planlab.costmodel import CostModel
@@ -88,7 +92,7 @@ def test_expert_overlap_needs_the_interleaved_schedule():
 
 
 def test_the_published_column_is_true_or_false(tmp_path):
-    src = next(p for p in __import__("pathlib").Path("benchmarks/data").glob("megatron-bridge-25.09-h100.csv"))
+    src = Path(__file__).resolve().parent.parent / "benchmarks/data/megatron-bridge-25.09-h100.csv"
     (tmp_path / "x.json").write_text((src.with_suffix(".json")).read_text())
     (tmp_path / "x.csv").write_text(src.read_text().replace(",true,4,interleaved", ",yes,4,interleaved"))
     with pytest.raises(ConfigError, match=r"column 'expert_overlap' is 'yes'; expected true or false") as e:
@@ -97,3 +101,31 @@ def test_the_published_column_is_true_or_false(tmp_path):
     (tmp_path / "x.csv").write_text(src.read_text())
     (row,) = load_set(tmp_path / "x.json").rows
     assert row.expert_overlap and row.knobs()["expert_overlap"] is True
+
+
+def test_the_dispatch_kernels_sms_slow_the_computation_beside_them_in_a_pair():
+    """DeepEP holds 20 of an H100's 132 SMs (Megatron-Core's moe_deepep_num_sms): computation beside
+    the other action's dispatch runs 132/112 as long, so the paired plan takes longer than with the
+    cluster's figure (none on dgx-h100) and still less than unpaired; a software without the field
+    keeps the cluster's."""
+    assert CostModel.load("dgx-h100", 2, software="megatron-deepep").dispatch_slowdown == pytest.approx(132 / 112)
+    plain = CostModel.load("dgx-h100", 2, software="megatron")
+    assert plain.dispatch_slowdown == plain.overlap_slowdown == 1.0
+    ctx, g = _moe_ctx()
+    space = get_space("megatron")
+    paired = materialize(space.build(ctx, dict(_KNOBS, expert_overlap=True)), g)
+    unpaired = materialize(space.build(ctx, dict(_KNOBS, expert_overlap=False)), g)
+    sms = CostModel.load("dgx-h100", 2, software=dataclasses.replace(plain.software, expert_dispatch_sms=20))
+    t = simulate(paired, sms).iter_time_s
+    assert simulate(paired, plain).iter_time_s < t < simulate(unpaired, sms).iter_time_s
+
+
+@pytest.mark.parametrize(
+    "sms, text", [(-1, "must be a whole number >= 0, got -1"), (132, "leaves none of the device's")]
+)
+def test_bad_dispatch_sms_is_one_line(tmp_path, sms, text):
+    f = tmp_path / "sw.json"
+    f.write_text(json.dumps({"name": "x", "base": "megatron", "expert_dispatch_sms": sms}))
+    with pytest.raises(ConfigError, match=text) as e:
+        CostModel.load("dgx-h100", 1, software=str(f)).dispatch_slowdown
+    assert "\n" not in str(e.value)
