@@ -27,16 +27,8 @@ from planlab.search_spaces.stages import (
     layers_per_stage,
     uneven_problem,
 )
-from planlab.search_spaces.space import (  # noqa: F401 (divisors re-exported)
-    Constraint,
-    Context,
-    Draft,
-    Knob,
-    Product,
-    Space,
-    divisors,
-    in_graph_order,
-)
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space, in_graph_order
+from planlab.search_spaces.space import divisors  # noqa: F401 (re-exported: alpa and the spaces read it here)
 
 
 def powers_of_two_upto(n: int) -> tuple[int, ...]:
