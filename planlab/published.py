@@ -76,6 +76,8 @@ COLUMNS = (
 # names separated by spaces, each a recompute_<name> knob of planlab.search_spaces.recompute_modules)
 # and the interleaved schedule's micro-batches a chunk runs in a row (pipeline_group: Llama 3's N, the knob of
 # planlab.search_spaces.schedules.interleaved_1f1b; empty or 0: pp, Megatron-LM's order)
+# and the interleaved schedule's paired forward and backward (expert_overlap: true for Megatron-Core's
+# --overlap-moe-expert-parallel-comm, the knob expert_overlap; empty or false: off)
 OPTIONAL_COLUMNS = (
     "ep",
     "etp",
@@ -84,6 +86,7 @@ OPTIONAL_COLUMNS = (
     "cp_kind",
     "recompute_modules",
     "pipeline_group",
+    "expert_overlap",
 )
 RECOMPUTE_MODULES = ("moe_act", "mlp", "mla_up_proj")
 CP_KINDS = ("a2a", "ring", "allgather")  # the cp_kind column: planlab.search_spaces.context's cp_kind knob (empty: a2a)
@@ -102,6 +105,7 @@ SOFTWARE = (
     "megatron-2022",
     "megatron-2024",
     "megatron-hybridep",
+    "megatron-deepep",
     "hai-llm",
     "deepspeed",
     "deepspeed-2021",
@@ -153,6 +157,7 @@ class PublishedRow:
     cp_kind: str = ""  # context parallelism's attention (the cp_kind knob); empty: the default, a2a
     recompute_modules: tuple[str, ...] = ()  # each sets knob recompute_<name> (RECOMPUTE_MODULES)
     pipeline_group: int = 0  # interleaved: micro-batches a chunk runs in a row (Llama 3's N); 0: pp
+    expert_overlap: bool = False  # interleaved: each steady-state forward beside the next backward
 
     def __str__(self) -> str:
         return f"{self.set}/{self.row}"
@@ -196,6 +201,7 @@ class PublishedRow:
                     ("last_stage_layers", self.last_stage_layers),
                     ("cp_kind", self.cp_kind),
                     ("pipeline_group", self.pipeline_group),
+                    ("expert_overlap", self.expert_overlap),
                 )
                 if v
             },
@@ -432,6 +438,7 @@ def _parse_row(r: dict, name: str, where: str) -> PublishedRow:
         last_stage_layers=_count(r, "last_stage_layers", where, "a layer count (empty or 0: an even share)"),
         pipeline_group=_count(r, "pipeline_group", where, "a number of micro-batches (empty or 0: pp)"),
         cp_kind=_cp_kind(r, where),
+        expert_overlap=_flag(r, "expert_overlap", where),
         recompute_modules=_recompute_modules(r, where),
         **ints,
     )
@@ -449,6 +456,14 @@ def _cp_kind(r: dict, where: str) -> str:
     if text and text not in CP_KINDS:
         raise ConfigError(f"{where}: column 'cp_kind' is {text!r}; choose {choices(CP_KINDS)} (empty: a2a)")
     return text
+
+
+def _flag(r: dict, col: str, where: str) -> bool:
+    """An optional true/false column (empty: false)."""
+    text = (r.get(col) or "").strip()
+    if text not in ("", "true", "false"):
+        raise ConfigError(f"{where}: column {col!r} is {text!r}; expected true or false (empty: false)")
+    return text == "true"
 
 
 def _count(r: dict, col: str, where: str, expected: str) -> int:

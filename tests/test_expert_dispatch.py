@@ -3,6 +3,7 @@ the mean number of nodes a token's experts are on, by enumeration; the all-to-al
 the network share it prices; and DeepSeek-V3's node-limited routing token by token."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def test_bad_route_groups():
 def test_fused_permutation_leaves_the_scatter_gather_and_experts():
     """Under a fused permutation the routing's copies, products and sums around the dispatch's scatter
     and the combine's gather run inside their kernels (no time of their own), forward and backward;
-    the scatter, the gather and the experts' GEMMs keep their prices."""
+    the scatter, the gather and the experts' GEMMs keep their own tasks."""
     from planlab.plan.expert_dispatch import fuse_token_permutation, permutation_ops
 
     ctx = _ctx(2)
@@ -169,3 +170,35 @@ def test_fused_permutation_leaves_the_scatter_gather_and_experts():
         assert t.in_kernel == (t.op in ops)
         if kinds.get(t.op) in ("scatter", "gather", "matmul", "activation"):
             assert not t.in_kernel
+
+
+def test_fused_permutation_moves_each_copy_once():
+    """The dispatch's scatter and the combine's gather stand for Transformer Engine's fused permute and
+    unpermute (forward and backward): top_k copies of each token written (read) once, the token read
+    (written) once, an int32 row-map entry a copy; unfused, PyTorch's scatter_add and gather also read the
+    empty buffer and the expanded int64 index, several times as much. Other tasks keep their bytes."""
+    from planlab.plan.expert_dispatch import fuse_token_permutation, fused_permute_bytes, permutation_kernels
+
+    ctx = _ctx(2)
+    g = ctx.graph
+    r = routing_of(g)
+    plan = get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=1, ep=2))
+    before = materialize(plan, g)
+    after = fuse_token_permutation(before, g)
+    kinds = {op.name: op.kind for op in g.operators}
+    kernels = permutation_kernels(g)
+    assert {kinds[n] for n in kernels} == {"scatter", "gather"} and len(kernels) == 2 * 3  # one each, 3 layers
+    eb = before.precision.activation_bytes
+    moved = set()
+    for d0, d1 in zip(before.devices, after.devices):
+        for (_, t0), (_, t1) in zip(d0.tasks_in_order(), d1.tasks_in_order()):
+            if t0.op in kernels and t0.kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+                copies = math.prod(t0.shapes[1])
+                want = copies * eb + copies // r.top_k * eb + copies // t0.shapes[1][-1] * 4
+                assert t1.bytes_moved == pytest.approx(want) == fused_permute_bytes(t0.shapes, r.top_k, eb)
+                assert t1.bytes_moved < t0.bytes_moved / 2
+                moved.add((d0.device, t0.op, t0.kind))
+            else:
+                assert t1.bytes_moved == t0.bytes_moved
+    # on every device the scatter and the gather of the 3 layers, forward and backward
+    assert len(moved) == 2 * 3 * 2 * len(before.devices)

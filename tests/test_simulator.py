@@ -34,6 +34,10 @@ class IdealCost:
     def overlap_slowdown(self):
         return 1.0
 
+    @property
+    def dispatch_slowdown(self):
+        return 1.0
+
     def compute_time_s(self, *, flops, bytes_moved, dtype):
         return flops / 1e9
 

@@ -100,6 +100,21 @@ class CostModel:
         return sms / (sms - node.collective_sms)
 
     @property
+    def dispatch_slowdown(self) -> float:
+        """How much longer computation takes beside the expert dispatch or combine of the other action of
+        a forward/backward pair: the device's SMs over those the dispatch kernels leave (the software's
+        ``expert_dispatch_sms``); :attr:`overlap_slowdown` where the software states none."""
+        gemm, taken = self.cluster.node.device.gemm, self.software.expert_dispatch_sms
+        if not taken or gemm is None:
+            return self.overlap_slowdown
+        if taken >= gemm.sm_count:
+            raise ConfigError(
+                f"software {self.software.name!r}: expert_dispatch_sms={taken} leaves none of the device's "
+                f"{gemm.sm_count} SMs to compute; expected fewer"
+            )
+        return gemm.sm_count / (gemm.sm_count - taken)
+
+    @property
     def kernel_level(self) -> bool:
         """True when compute is priced kernel by kernel (the device gives its SMs and GEMM
         efficiency, and no profile replaces the spec)."""

@@ -126,6 +126,11 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     ``node_dedup`` (DeepEP, HybridEP, DeepSeek's own kernels: a token crosses to each node that holds
     one of its experts once and is forwarded to those experts over NVLink there;
     :mod:`planlab.plan.expert_dispatch`);
+``expert_dispatch_sms``
+    the SMs the expert dispatch and combine kernels hold while they run (DeepEP's ``Buffer.num_sms``,
+    Megatron-Core's ``--moe-deepep-num-sms``, 20 by default; DeepSeek-V3's report: 20 SMs): computation
+    running beside one in a forward/backward pair has the others only (:attr:`CostModel.dispatch_slowdown`,
+    :mod:`planlab.simulator.pairs`); 0 (the default): those of the cluster's collectives (``collective_sms``);
 ``fused_permute``
     a mixture of experts permutes its tokens to and from the experts in fused kernels (Megatron-Core's
     ``--moe-permute-fusion``, off by default; HybridEP runs them inside its dispatch and combine), so
@@ -236,6 +241,7 @@ _FIELDS = {
     "fp8_block_scaling",
     "routing_weights_in_experts",
     "expert_dispatch",
+    "expert_dispatch_sms",
     "fused_permute",
     "precisions",
     "zero3",
@@ -318,6 +324,7 @@ class SoftwareSpec:
     fp8_block_scaling: bool = False
     routing_weights_in_experts: bool = False
     expert_dispatch: str = "all_to_all"
+    expert_dispatch_sms: int = 0
     fused_permute: bool = False
     precisions: Mapping[str, Precision] = field(default_factory=dict, hash=False, compare=False)
     zero3_unit: str = "layer"
@@ -469,6 +476,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fp8_block_scaling=_flag(f, "fp8_block_scaling", False),
         routing_weights_in_experts=_flag(f, "routing_weights_in_experts", False),
         expert_dispatch=_choice(f, "expert_dispatch", EXPERT_DISPATCH, "all_to_all"),
+        expert_dispatch_sms=_count(f, "expert_dispatch_sms"),
         fused_permute=_flag(f, "fused_permute", False),
         precisions=_precisions(f.sub("precisions")),
         zero3_unit=_choice(zero3, "unit", ZERO3_UNITS, "layer") if zero3 else "layer",

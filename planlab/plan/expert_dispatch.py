@@ -34,6 +34,7 @@ inside those kernels (``Task.in_kernel``), with their gradients.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from math import comb
 
@@ -188,15 +189,49 @@ def permutation_ops(graph: Graph) -> frozenset[str]:
     return graph.memo(("permutation_ops",), find)
 
 
+# Transformer Engine's fused permutation kernels index each row of the copies with one int32 entry of their
+# row map (transformer_engine/pytorch/permutation.py: moe_permute / moe_unpermute, row_id_map int32)
+ROW_MAP_BYTES = 4
+
+
+def permutation_kernels(graph: Graph) -> frozenset[str]:
+    """The scatter and gather on the tokens' way into and out of the experts: the dispatch's scatter and
+    the combine's gather, which stand for the fused permute and unpermute kernels (memoized on the graph)."""
+
+    def find() -> frozenset[str]:
+        by_name = {op.name: op for op in graph.operators}
+        return frozenset(n for n in token_hidden_dims(graph) if by_name[n].kind in ("scatter", "gather"))
+
+    return graph.memo(("permutation_kernels",), find)
+
+
+def fused_permute_bytes(shapes: tuple[tuple[int, ...], ...], top_k: int, elem_bytes: int) -> float:
+    """The memory traffic of one fused permute or unpermute kernel (or of its gradient) whose index
+    (``shapes[1]``, planlab's index expanded over the hidden axis) has one row per token copy: each of
+    the ``top_k`` copies of a token written (read) once, the token read (written) once, and a row-map
+    entry per copy (Transformer Engine's ``moe_permute`` reads a token's row and writes it to each of its
+    experts' rows; ``moe_unpermute`` reads a token's copies and writes their weighted sum). PyTorch's
+    scatter_add and gather, as priced without the fusion, also read the empty buffer and the index at its
+    expanded 8 bytes an element."""
+    index = shapes[1]
+    copies = math.prod(index)
+    return copies * elem_bytes * (1 + 1 / top_k) + copies / index[-1] * ROW_MAP_BYTES
+
+
 def fuse_token_permutation(program: Program, graph: Graph) -> Program:
     """``program`` with the forward, backward and local-copy tasks of :func:`permutation_ops` (a copy
-    by the operator that made the tensor it copies) marked ``in_kernel``."""
-    ops = permutation_ops(graph)
-    if not ops:
+    by the operator that made the tensor it copies) marked ``in_kernel``, and the dispatch's scatter and
+    the combine's gather (:func:`permutation_kernels`, forward and backward) moving what the fused
+    kernels move (:func:`fused_permute_bytes`)."""
+    ops, kernels, r = permutation_ops(graph), permutation_kernels(graph), routing_of(graph)
+    if not ops or r is None:
         return program
+    eb = program.precision.activation_bytes
 
     def marked(t):
         if t.kind in (TaskKind.FORWARD, TaskKind.BACKWARD):
+            if t.op in kernels and len(t.shapes) > 1:
+                return t.but(bytes_moved=fused_permute_bytes(t.shapes, r.top_k, eb))
             inside = t.op in ops
         elif t.kind is TaskKind.LOCAL and t.reads and t.reads[0] is not None:
             made = graph.producer.get(t.reads[0].tensor)

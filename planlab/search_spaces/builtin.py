@@ -15,6 +15,7 @@ from planlab.search_spaces.registry import parse_space, register_space, space_na
 from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
 from planlab.search_spaces.recompute_modules import MODULE_DOCS, MODULE_KNOBS, module_groups
+from planlab.search_spaces.interleaved import interleaved_constraints, interleaved_knobs
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
 from planlab.search_spaces.stages import (
@@ -27,11 +28,7 @@ from planlab.search_spaces.stages import (
     uneven_problem,
 )
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Product, Space, in_graph_order
-
-
-def divisors(n: int) -> tuple[int, ...]:
-    """The divisors of ``n``, ascending."""
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+from planlab.search_spaces.space import divisors  # noqa: F401 (re-exported: alpa and the spaces read it here)
 
 
 def powers_of_two_upto(n: int) -> tuple[int, ...]:
@@ -529,14 +526,7 @@ class PipelineParallel(Space):
             range="1, 2, 3, 4, 6 or 8 that divide the layers (or the layers + 2 or + 3, with uneven end stages)",
         ),
         *uneven_stage_knobs(),
-        Knob.int(
-            "pipeline_group",
-            lambda c: (0,) + tuple(divisors(c.global_batch)),  # N divides the micro-batches, which divide the batch
-            "interleaved schedule: micro-batches each model chunk runs in a row (Llama 3's N; 0: pp)",
-            default=0,
-            pinned=True,
-            range="0 (pp, Megatron-LM's depth-first order) or a divisor of the micro-batches",
-        ),
+        *interleaved_knobs(),
     )
     constraints = (
         Constraint.divides("pp", "the {n} devices", lambda c: c.num_devices),
@@ -567,41 +557,7 @@ class PipelineParallel(Space):
                 f"(and only with it), not schedule={a['schedule']}"
             ),
         ),
-        Constraint(
-            lambda a, c: (
-                a["schedule"] != "interleaved"
-                or a["pp"] is None
-                or a.get("microbatch") is None
-                or a.get("dp") is None
-                or (c.global_batch // (a["dp"] * a["microbatch"])) % (a.get("pipeline_group") or a["pp"]) == 0
-            ),
-            lambda a, c: (
-                f"the interleaved schedule needs the number of micro-batches "
-                f"({c.global_batch // (a['dp'] * a['microbatch'])}) to divide by "
-                + (f"pipeline_group={a['pipeline_group']}" if a.get("pipeline_group") else f"pp={a['pp']}")
-            ),
-        ),
-        Constraint(
-            lambda a, c: (
-                not a.get("pipeline_group")
-                or a["pp"] is None
-                or a["pipeline_group"] >= a["pp"]
-                or a.get("microbatch") is None
-                or a.get("dp") is None
-                or a["pipeline_group"] == c.global_batch // (a["dp"] * a["microbatch"])
-            ),
-            lambda a, c: (
-                f"pipeline_group={a['pipeline_group']} is fewer than pp={a['pp']} but not all the micro-batches: "
-                "the interleaved order deadlocks (planlab/search_spaces/schedules.py interleaved_1f1b)"
-            ),
-        ),
-        Constraint(
-            lambda a, c: not a.get("pipeline_group") or a.get("schedule") in (None, "interleaved"),
-            lambda a, c: (
-                f"pipeline_group={a['pipeline_group']} orders the chunks of schedule=interleaved, "
-                f"not schedule={a['schedule']}"
-            ),
-        ),
+        *interleaved_constraints(),
         Constraint.where(
             lambda k: k["schedule"] == "1f1b" or k["pp"] > 1,
             "schedule={schedule} orders pipeline stages: it needs pp > 1, not pp={pp}",
@@ -635,6 +591,7 @@ class PipelineParallel(Space):
         draft.num_stages = pp * v
         draft.chunks = v
         draft.group = (values.get("pipeline_group") or 0) if v > 1 else 0
+        draft.paired = bool(values.get("expert_overlap")) and v > 1
         draft.schedule = values.get("schedule") or "1f1b"
         if pp * v > 1:
             counts = uneven_counts(draft.ctx.layers, pp, values)

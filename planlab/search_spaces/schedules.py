@@ -22,11 +22,21 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return out
 
 
-def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int, group: int = 0) -> list[Action]:
+def interleaved_1f1b(
+    rank: int, ranks: int, microbatches: int, chunks: int, group: int = 0, paired: bool = False
+) -> list[Action]:
     """Interleaved 1F1B: device ``rank`` holds ``chunks`` model chunks, stages ``rank, rank + ranks,
     ...``; micro-batches go through the chunks in groups of ``group`` (0: ``ranks``). Warm-up is
     ``2 (ranks - rank - 1) + (chunks - 1) group`` forwards, then one forward and one backward in
     turn. Needs ``microbatches`` divisible by ``group``.
+
+    ``paired``: Megatron-Core's batch-level expert all-to-all overlap (``--overlap-moe-expert-parallel-comm``,
+    core_r0.14.0 ``pipeline_parallel/schedules.py``: ``get_pp_rank_microbatches`` schedules one more
+    warm-up forward "to ensure the forward and backward computations are independent in all 1f1b
+    steps", and each steady-state step runs its forward and backward as one combined step,
+    ``combined_1f1b_schedule_for_interleaved_pipelining``, the all-to-alls of each beside the
+    computation of the other, "inspired by the DSv3 DualPipe implementation", its MoE README): each
+    steady-state forward ``overlaps`` the backward after it (:mod:`planlab.simulator.pairs`).
 
     ``group`` is N of Llama 3's pipeline schedule (Dubey et al. 2024, section 3.3.2, Figure 6: "the
     number of contiguous micro-batches for the same stage's forward or backward", set flexibly, N = 5
@@ -59,10 +69,11 @@ def interleaved_1f1b(rank: int, ranks: int, microbatches: int, chunks: int, grou
         mb = (k // (group * chunks)) * group + k % group
         return Action(chunk * ranks + rank, "B" if backward else "F", mb)
 
-    warmup = min(total, 2 * (ranks - rank - 1) + (chunks - 1) * group)
+    warmup = min(total, 2 * (ranks - rank - 1) + (chunks - 1) * group + paired)
     out = [unit(k, False) for k in range(warmup)]
     for i in range(total - warmup):
-        out += [unit(warmup + i, False), unit(i, True)]
+        f = unit(warmup + i, False)
+        out += [Action(f.stage, f.phase, f.microbatch, overlaps=True) if paired else f, unit(i, True)]
     out += [unit(k, True) for k in range(total - warmup, total)]
     return out
 

@@ -591,6 +591,7 @@ class Screen:
         if d.recycles > 1:  # a chunk per recycling pass: walk the schedule the plan runs (recycling.py)
             schedule = f"recycled:{d.schedule}"
         zb = schedule in ("zb-h1", "zb-v")
+        paired = d.paired and d.dispatches_experts and v > 1 and not d.vshape  # as Draft.schedule_actions
         deferred = min(1.0, (m - 1) / max(1, G - 1))
         times, back, fill, syncs, mems, bounds, prices = [], [], [], [], [], [], []
         rings = self._rings_s(d, sizes, m)
@@ -618,7 +619,7 @@ class Screen:
                 # about as much of the inputs (a product's dW = dY^T X)
                 act = float((self.walked(_zb_counts, r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
-                act = float((self.walked(flight_counts, schedule, r, G, m, v, d.group) @ per_chunk).max())
+                act = float((self.walked(flight_counts, schedule, r, G, m, v, d.group, paired) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
             bounds.append(c.static_bytes + min(m, G - r) * float(per_chunk.min()))
             # twice the largest working set, not working_bytes: with the recomputed layer's regrown activations
@@ -629,6 +630,8 @@ class Screen:
             hidden = self.pairs_hidden_s(d, prices)
             times = [times[r] + times[G - 1 - r] - hidden[r] for r in range(G)]
             mems = [mems[r] + prices[G - 1 - r].static_bytes for r in range(G)]
+        elif paired:  # interleaved with paired steady-state steps: each pair hides a chunk's all-to-alls
+            times = [t - h for t, h in zip(times, self.pairs_hidden_s(d, prices))]
         t_max = max(times)
         slow = max(range(G), key=lambda r: times[r])
         pipe = m * t_max + (sum(fill) - fill[slow]) / v
@@ -656,10 +659,20 @@ class Screen:
         forward/backward pairs hide (:mod:`planlab.simulator.pairs`): each pair runs one chunk's
         all-to-alls beside the other's computation, so it hides a chunk's all-to-alls (forward and
         backward, the two stages' average) up to a chunk's computation; pairs only where the plan
-        dispatches experts (:attr:`Draft.dispatches_experts`), as many as its schedule overlaps."""
+        dispatches experts (:attr:`Draft.dispatches_experts`), as many as its schedule overlaps.
+        An interleaved plan with paired steady-state steps (``Draft.paired``, Megatron-Core's expert
+        all-to-all overlap) hides one of its chunks' all-to-alls per pair alike."""
         G, m = d.groups, d.microbatches
-        if not d.dispatches_experts or d.schedule not in V_SCHEDULES:
+        if not d.dispatches_experts or not (d.schedule in V_SCHEDULES or (d.paired and d.chunks > 1)):
             return [0.0] * G
+        if d.schedule not in V_SCHEDULES:  # interleaved: a group's own chunks, prices per micro-batch of all
+            return [
+                self.walked(paired_interleaved, r, G, m, d.chunks, d.group)
+                * min(prices[r].a2a_s, prices[r].fwd_s + prices[r].bwd_s)
+                / d.chunks
+                / m
+                for r in range(G)
+            ]
         out = []
         for r in range(G):
             a, z = prices[r], prices[G - 1 - r]
@@ -671,6 +684,11 @@ class Screen:
 def paired_actions(schedule: str, r: int, groups: int, m: int) -> int:
     """How many forward/backward pairs (``Action.overlaps``) group ``r`` of a V-shaped schedule runs."""
     return sum(a.overlaps for a in V_SCHEDULES[schedule](r, groups, m))
+
+
+def paired_interleaved(r: int, groups: int, m: int, chunks: int, group: int) -> int:
+    """How many forward/backward pairs group ``r`` of a paired interleaved schedule runs."""
+    return sum(a.overlaps for a in interleaved_1f1b(r, groups, m, chunks, group, paired=True))
 
 
 @dataclass(frozen=True)
@@ -755,17 +773,20 @@ def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
     return got
 
 
-def flight_counts(schedule: str, r: int, groups: int, m: int, chunks: int, group: int = 0) -> np.ndarray:
+def flight_counts(
+    schedule: str, r: int, groups: int, m: int, chunks: int, group: int = 0, paired: bool = False
+) -> np.ndarray:
     """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
     row after each forward of its schedule; forwards add one, full or weight backwards take one
-    away), walking the schedule the plan will run. The activation peak for per-chunk bytes ``w``
+    away), walking the schedule the plan will run (``paired``: the interleaved schedule's paired
+    forwards and backwards, one more warm-up forward). The activation peak for per-chunk bytes ``w``
     is ``max(rows @ w)`` (read-only; the screen keeps each it walked, :meth:`Screen.walked`)."""
     if schedule.startswith("recycled:"):
         actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
     elif schedule in V_SCHEDULES:  # chunk 1 is the way back
         actions = V_SCHEDULES[schedule](r, groups, m)
     elif chunks > 1:
-        actions = interleaved_1f1b(r, groups, m, chunks, group)
+        actions = interleaved_1f1b(r, groups, m, chunks, group, paired)
     elif schedule in SCHEDULES:
         actions = SCHEDULES[schedule](r, groups, m)
     else:

@@ -59,6 +59,11 @@ def in_graph_order(graph: Graph, name: str, dims: Callable[[Graph], Mapping[str,
     return graph.memo(("in_graph_order", name), lambda: tuple(dims(graph).get(op.name) for op in graph.operators))
 
 
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
 @dataclass
 class Draft:
     """A plan under construction: mesh axes, per-operator split dims and stages, the schedule.
@@ -72,6 +77,7 @@ class Draft:
     num_stages: int = 1
     chunks: int = 1  # stages per device group (virtual pipeline stages)
     group: int = 0  # interleaved 1F1B: micro-batches a chunk runs in a row (Llama 3's N; 0: the device groups)
+    paired: bool = False  # interleaved 1F1B: each steady-state forward overlaps the next backward (expert_overlap)
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
@@ -195,7 +201,9 @@ class Draft:
             if not self.dispatches_experts:
                 actions = [replace(a, overlaps=False) for a in actions]
         elif self.chunks > 1:
-            actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks, self.group)
+            # paired only where experts are dispatched, as DualPipe's pairs above (Megatron-Core asserts ep > 1)
+            paired = self.paired and self.dispatches_experts
+            actions = interleaved_1f1b(rank, self.groups, self.microbatches, self.chunks, self.group, paired)
         else:
             if self.schedule not in SCHEDULES:
                 raise InfeasiblePlan(

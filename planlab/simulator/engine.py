@@ -67,6 +67,8 @@ def simulate(
     ``stragglers`` maps devices to a factor (> 1) slowing their computation, for what-if studies.
     ``overlap_slowdown`` (>= 1) stretches computation while an overlapped collective shares the device
     (None: the cost model's, :attr:`CostModel.overlap_slowdown`, from the SMs the cluster's collectives take)."""
+    # a pair's computation beside the other action's expert dispatch: the dispatch kernels' SMs (the software's)
+    pair_slowdown = cost.dispatch_slowdown if overlap_slowdown is None else overlap_slowdown
     if overlap_slowdown is None:
         overlap_slowdown = cost.overlap_slowdown
     with paused_gc():
@@ -75,7 +77,15 @@ def simulate(
             cls = list(program.classes)
         else:
             cls = device_classes(program, cost.cluster, slow) if symmetry else list(range(program.num_devices))
-        sim = Simulation(program, cost, cls, timeline=timeline, slow=slow, overlap_slowdown=overlap_slowdown)
+        sim = Simulation(
+            program,
+            cost,
+            cls,
+            timeline=timeline,
+            slow=slow,
+            overlap_slowdown=overlap_slowdown,
+            pair_slowdown=pair_slowdown,
+        )
         reps = sorted(set(cls))
         for r in reps:
             DeviceRun(sim, r).start()
@@ -131,9 +141,12 @@ class Simulation:
         timeline: bool,
         slow: dict[int, float],
         overlap_slowdown: float,
+        pair_slowdown: float | None = None,
     ) -> None:
         self.program, self.cost, self.cls = program, cost, cls
         self.timeline, self.slow, self.overlap_slowdown = timeline, slow, overlap_slowdown
+        # computation beside the other action's expert dispatch in a pair (planlab.simulator.pairs)
+        self.pair_slowdown = overlap_slowdown if pair_slowdown is None else pair_slowdown
         self.dtype = program.precision.compute_dtype
         self.env = simpy.Environment()
         self.net = Network(self.env)

@@ -13,8 +13,8 @@ stream, as Megatron-Core's overlapped 1F1B (``--overlap-moe-expert-parallel-comm
 ``overlapped_forward_backward`` leave them; DeepSeek-V3's report (section 3.2.1) hides only the
 all-to-all and the pipeline's messages, and trains without tensor parallelism. Its messages and its
 collectives across classes run as outside a pair. A computation that starts while the other's
-collective runs is slowed as the simulator slows computation beside any overlapped collective
-(``overlap_slowdown``: the SMs the collective takes), until that collective ends (one that starts
+collective runs is slowed by the SMs the dispatch kernels hold (``pair_slowdown``: the software's
+``expert_dispatch_sms``, else the simulator's ``overlap_slowdown`` for any overlapped collective), until that collective ends (one that starts
 during the computation does not slow it). The pair ends when both actions have. Communication is counted exposed only where the compute stream idled
 in the pair and no pipeline message was awaited.
 """
@@ -66,7 +66,7 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
                         if beside:
                             comm_until[0] = t0 + part
                     else:
-                        took = _stretched(part * run.factor, comm_until[0] - t0, run.sim.overlap_slowdown)
+                        took = _stretched(part * run.factor, comm_until[0] - t0, run.sim.pair_slowdown)
                     yield env.timeout(took)
                 finally:
                     for s, turn in zip(held, turns):
