@@ -14,7 +14,8 @@ from planlab.plan import materialize
 from planlab.published import load_set
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.schedules import interleaved_1f1b
-from planlab.search_spaces.screen import Screen, flight_counts, paired_interleaved
+from planlab.search_spaces.schedule_walks import flight_counts, paired_interleaved
+from planlab.search_spaces.screen import Screen
 from planlab.simulator import find_deadlock, simulate
 
 from conftest import traced

@@ -18,7 +18,8 @@ from planlab.plan.buffer import weight_grad
 from planlab.search_spaces import Context, get_space, one_f_one_b
 from planlab.search_spaces.schedules import format_schedule, parse_schedule
 from planlab.search_spaces.schedules_v import dualpipe, peak_in_flight, v_rank, zb_v
-from planlab.search_spaces.screen import Screen, paired_actions
+from planlab.search_spaces.schedule_walks import paired_actions
+from planlab.search_spaces.screen import Screen
 from planlab.simulator import find_deadlock, simulate
 
 from conftest import traced

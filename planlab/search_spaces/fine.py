@@ -24,7 +24,7 @@ group its ``o_d``, and the program follows Megatron-LM's model of that schedule:
     static_d + max over the schedule's peaks of sum_c f_c activations_c + work_d <= memory
 
 (``f_c``: micro-batches in flight on chunk ``c`` at a peak, walked from the schedule the plan
-runs, planlab/search_spaces/screen.py's ``flight_counts``). The grid decides which (pp, v) it
+runs, planlab/search_spaces/schedule_walks.py's ``flight_counts``). The grid decides which (pp, v) it
 offers: pp x v divides the layers, or uneven end stages. The V schedules (ZB-V, DualPipe) are
 left out: their weight-gradient passes fill the bubble, which the per-layer costs here (one 1F1B
 backward each) do not separate. The plan the solution describes is then simulated like any other:
@@ -46,7 +46,8 @@ from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.search_spaces.builtin import pipeline_stages, recompute_groups
 from planlab.search_spaces.fine_costs import StageCosts, probe_key, stage_costs
 from planlab.search_spaces.registry import register_space
-from planlab.search_spaces.screen import GroupCost, Screen, flight_counts
+from planlab.search_spaces.schedule_walks import flight_counts
+from planlab.search_spaces.screen import GroupCost, Screen
 from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
 from planlab.search_spaces.stages import FIRST, LAST, StageLayout, layout_problem
 

@@ -44,8 +44,13 @@ from planlab.plan.passes.gradients import BUCKET_ELEMENTS
 from planlab.plan.program import Precision
 from planlab.plan.expert_dispatch import node_share, routing_of
 from planlab.plan.fused_gemms import output_width
-from planlab.search_spaces.recycling_passes import recycling_actions
-from planlab.search_spaces.schedules import SCHEDULES, interleaved_1f1b, one_f_one_b
+from planlab.search_spaces.schedule_walks import (
+    flight_counts,
+    in_flight,
+    paired_actions,
+    paired_interleaved,
+    zb_counts,
+)
 from planlab.search_spaces.schedules_v import V_SCHEDULES, v_rank
 from planlab.search_spaces.screen_structure import (
     aggregate,
@@ -614,10 +619,10 @@ class Screen:
             for stage, (b, o) in p.saved:
                 per_chunk[min(v - 1, stage // G)] += b / m + o
             if v == 1 and schedule in ("1f1b", "gpipe"):
-                act = _in_flight(schedule, r, G, m, v) * per_chunk[0]
+                act = in_flight(schedule, r, G, m, v) * per_chunk[0]
             elif schedule == "zb-h1":  # the activations until I; from I to W, what W reads: the output gradients and
                 # about as much of the inputs (a product's dW = dY^T X)
-                act = float((self.walked(_zb_counts, r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
+                act = float((self.walked(zb_counts, r, G, m) @ np.array([per_chunk[0], p.dy / m])).max())
             else:
                 act = float((self.walked(flight_counts, schedule, r, G, m, v, d.group, paired) @ per_chunk).max())
             # the bound: what 1F1B keeps at least (every schedule here keeps as much), of the smallest chunk
@@ -681,16 +686,6 @@ class Screen:
         return out
 
 
-def paired_actions(schedule: str, r: int, groups: int, m: int) -> int:
-    """How many forward/backward pairs (``Action.overlaps``) group ``r`` of a V-shaped schedule runs."""
-    return sum(a.overlaps for a in V_SCHEDULES[schedule](r, groups, m))
-
-
-def paired_interleaved(r: int, groups: int, m: int, chunks: int, group: int) -> int:
-    """How many forward/backward pairs group ``r`` of a paired interleaved schedule runs."""
-    return sum(a.overlaps for a in interleaved_1f1b(r, groups, m, chunks, group, paired=True))
-
-
 @dataclass(frozen=True)
 class GroupCost:
     """One pipeline device group's figures from the screen (seconds and bytes per device): its time
@@ -740,67 +735,3 @@ def working_bytes(p: ScreenProfile) -> float:
     working set (an operator's output and its gradient), or in the backward of a recomputed group
     what its forward, run again, keeps for that backward and twice its largest working set."""
     return max(2 * p.work, p.regrow + 2 * p.regrow_work)
-
-
-def _in_flight(schedule: str, r: int, groups: int, m: int, chunks: int) -> int:
-    """Micro-batch units (one chunk's activations each) device group ``r`` keeps at its peak."""
-    if schedule == "interleaved":
-        return min(m * chunks, 2 * (groups - r - 1) + (chunks - 1) * groups + 1)
-    if schedule == "1f1b":
-        return min(m, groups - r)
-    if schedule == "gpipe":
-        return m
-    return min(m, groups - r) * chunks  # another schedule: as 1F1B
-
-
-def _zb_counts(r: int, groups: int, m: int) -> np.ndarray:
-    """ZB-H1 on group ``r``: the distinct (micro-batches past F before their I, micro-batches past
-    I before their W) after each action of its schedule (read-only)."""
-    kept = pending = 0
-    rows = [(0, 0)]
-    for a in SCHEDULES["zb-h1"](r, groups, m):
-        if a.phase == "F":
-            kept += 1
-        elif a.phase == "I":
-            kept, pending = kept - 1, pending + 1
-        elif a.phase == "W":
-            pending -= 1
-        elif a.phase == "B":
-            kept -= 1
-        rows.append((kept, pending))
-    got = np.unique(np.array(rows, dtype=np.int32), axis=0)
-    got.flags.writeable = False
-    return got
-
-
-def flight_counts(
-    schedule: str, r: int, groups: int, m: int, chunks: int, group: int = 0, paired: bool = False
-) -> np.ndarray:
-    """The distinct vectors of micro-batches in flight per model chunk of device group ``r`` (one
-    row after each forward of its schedule; forwards add one, full or weight backwards take one
-    away), walking the schedule the plan will run (``paired``: the interleaved schedule's paired
-    forwards and backwards, one more warm-up forward). The activation peak for per-chunk bytes ``w``
-    is ``max(rows @ w)`` (read-only; the screen keeps each it walked, :meth:`Screen.walked`)."""
-    if schedule.startswith("recycled:"):
-        actions = recycling_actions(schedule.split(":", 1)[1], r, groups, m, chunks)
-    elif schedule in V_SCHEDULES:  # chunk 1 is the way back
-        actions = V_SCHEDULES[schedule](r, groups, m)
-    elif chunks > 1:
-        actions = interleaved_1f1b(r, groups, m, chunks, group, paired)
-    elif schedule in SCHEDULES:
-        actions = SCHEDULES[schedule](r, groups, m)
-    else:
-        actions = one_f_one_b(r, groups, m)
-    steps = np.zeros((len(actions), chunks), dtype=np.int32)
-    fwd = np.zeros(len(actions), dtype=bool)
-    for k, a in enumerate(actions):
-        c = a.stage // groups
-        if a.phase == "F":
-            steps[k, c] = 1
-            fwd[k] = True
-        elif a.phase in ("B", "W"):
-            steps[k, c] = -1
-    rows = np.cumsum(steps, axis=0)[fwd] if len(actions) else np.zeros((1, chunks), dtype=np.int32)
-    got = np.unique(rows, axis=0)
-    got.flags.writeable = False
-    return got
