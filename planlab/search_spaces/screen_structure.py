@@ -307,6 +307,14 @@ class Tables:
                     )
                 )
         self.has_backward = np.array(has_backward, dtype=bool)
+        # what partial_grads.deferred_axes reads: per operator, its batch dimension, whether it makes the
+        # loss, and the edges (indices) of its floating outputs to their consumers
+        self.batch_dim = [g.dim_with_label(op, batch) for op in ops]
+        self.makes_loss = [g.loss in op.outputs for op in ops]
+        self.out_edges: list[list[int]] = [[] for _ in ops]
+        for j, e in enumerate(self.edges):
+            if g.tensors[e.tensor].is_float:
+                self.out_edges[e.producer].append(j)
         classes: dict[tuple, int] = {}
         self.op_class = [
             classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
@@ -365,6 +373,7 @@ def split_work(
     live = [a for a, s in enumerate(sizes) if s > 1]
     cols = [dims[a] for a in live]
     n = t.n
+    deferred = _deferred(t, live, cols)
     fkey, bkey, wkey, work = [0] * n, [0] * n, [0] * n, [0.0] * n
     s_op, s_key, s_bytes, p_op, p_red, p_elems, p_unit = [], [], [], [], [], [], []
     memo: dict[tuple, tuple] = {}
@@ -374,10 +383,10 @@ def split_work(
         w = t.work_class[i]
         if any(tuple(c[j] for c in cols) != od for j in t.fused_with[i]):  # its fused group split apart
             w = t.unfused_class[i]
-        key = (t.op_class[i], od, w, pods, i in ring)
+        key = (t.op_class[i], od, w, pods, i in ring, deferred.get(i))
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring)
+            got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring, deferred.get(i, ()))
         fkey[i], bkey[i], wkey[i], work[i], params, saves = got
         for (red, elems), unit in zip(params, t.param_units[i]):
             p_op.append(i)
@@ -397,10 +406,11 @@ def split_work(
         cd = tuple(c[e.consumer] for c in cols)
         if e.consumer in ring and RING_KV_DIM in e.need and RING_DIM not in e.need:  # its keys or values
             cd = tuple(RING_KV_DIM if x == RING_DIM else x for x in cd)
-        key = (t.edge_class[j], pd, cd)
+        pdef, cdef = deferred.get(e.producer, ()), deferred.get(e.consumer, ())
+        key = (t.edge_class[j], pd, cd, pdef, cdef)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _edge_split(e, live, sizes, pd, cd, ids)
+            got = memo[key] = _edge_split(e, live, sizes, pd, cd, ids, pdef, cdef)
         need, r, k, cf, contrib, cb = got
         recv.append(r)
         keep.append(k)
@@ -433,20 +443,58 @@ def split_work(
     )
 
 
+def _deferred(t: Tables, live: list[int], cols: list) -> dict[int, tuple[int, ...]]:
+    """Per operator with any, the live positions (indices into ``live``) along which its
+    gradients stay partial sums over data-parallel replicas, as
+    :func:`planlab.plan.partial_grads.deferred_axes` decides on a plan's meshes (here without its
+    pipeline stages: one mesh for all); operators in reverse order, consumers first."""
+    out: dict[int, tuple[int, ...]] = {}
+    for i in range(t.n - 1, -1, -1):
+        edges = t.out_edges[i]
+        if not edges or t.makes_loss[i]:
+            continue
+        keep = []
+        for j, col in enumerate(cols):
+            if col[i] is not None:
+                continue
+            for k in edges:
+                e = t.edges[k]
+                c = e.consumer
+                d = col[c]
+                if not (j in out.get(c, ()) or (d is not None and d == t.batch_dim[c] and d not in e.need)):
+                    break
+            else:
+                keep.append(j)
+        if keep:
+            out[i] = tuple(keep)
+    return out
+
+
 def _op_split(
-    t: Tables, i: int, w: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
+    t: Tables,
+    i: int,
+    w: int,
+    live: list[int],
+    sizes,
+    od: tuple,
+    ids: Ids,
+    pods: tuple = (),
+    ring: bool = False,
+    deferred: tuple[int, ...] = (),
 ) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, ((reduction axes,
     elements), ...), ((cut, batch bytes, other bytes), ...)) of operator ``i`` (work class ``w``) split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
     the producer's layout (else None); a ``ring`` attention keeps its keys and values split along
-    their sequence as its queries are."""
+    their sequence as its queries are; its weights' gradients are also reduced along the live
+    positions ``deferred`` (:func:`_deferred`)."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
     for numel, pdims in t.params[i]:
         cut = math.prod(sizes[a] for a, dm in split if dm in pdims)
-        params.append((ids.of(tuple(a for a, dm in split if dm not in pdims)), numel / cut))
+        red = tuple(a for j, a in enumerate(live) if j in deferred or (od[j] is not None and od[j] not in pdims))
+        params.append((ids.of(red), numel / cut))
     saves = []
     for k, (numel, sdims, batch, eb, *pdims) in enumerate(t.saves[i]):
         if ring and RING_KV_DIM in sdims:
@@ -462,9 +510,13 @@ def _op_split(
     return ids.of((w, pieces, "F", cut)), ids.of((w, pieces, "B", cut)), wkey, work, tuple(params), tuple(saves)
 
 
-def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids) -> tuple:
+def _edge_split(
+    e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids, pdef: tuple = (), cdef: tuple = ()
+) -> tuple:
     """(the consumer's layout, elements received, elements kept, activation conversions, the
-    gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers."""
+    gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers;
+    ``pdef`` and ``cdef``: the live positions along which the producer's and the consumer's
+    gradients stay partial sums (:func:`_deferred`)."""
     need = tuple(_placement(d, e.need) for d in cd)
     have = tuple(_placement(d, e.have) for d in pd)
     recv = e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0)
@@ -474,8 +526,8 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids
         for kind, axis, numel in _conversions(have, need, live, sizes, e.numel)
     )
     # the gradient contribution: partial where the consumer splits a dimension the tensor lacks
-    contrib = tuple(_P if (d is not None and x == _R) else x for d, x in zip(cd, need))
-    target = tuple(_R if h == _P else h for h in have)
+    contrib = tuple(_P if (j in cdef or (d is not None and x == _R)) else x for j, (d, x) in enumerate(zip(cd, need)))
+    target = tuple(_P if j in pdef else _R if h == _P else h for j, h in enumerate(have))
     cb = tuple(
         ids.of((kind, axis, numel, e.batch, e.ebytes, e.dispatch and kind == "all_to_all"))
         for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel)
