@@ -103,3 +103,24 @@ def test_data_parallel_plans_match_one_process_with_the_gradient_left_partial():
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
     assert res.max_grad_error <= GRAD_TOL
     assert res.losses[1] < res.losses[0]
+
+
+def test_a_conversion_keeps_a_partial_sum_only_where_its_source_has_one():
+    """Contributions that are partial sums over the data-parallel ranks are summed locally into a
+    gradient that stays one (T5's bias, read by every layer); a conversion never makes a partial
+    sum out of full values."""
+    from planlab.errors import InternalError
+    from planlab.plan.buffer import Buffer
+    from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard
+    from planlab.plan.redistribute import plan_conversion
+
+    mesh = Mesh((2, 2), (0, 1, 2, 3))
+    kept = Layout(mesh, (Partial(), Shard(0)))
+    bufs = dict(src_buf=Buffer(BufferKind.CONTRIBUTION, "x"), dst_buf=Buffer(BufferKind.GRAD, "x"))
+    conv = plan_conversion(kept, kept, (4, 4), 4, accumulate=True, **bufs)
+    tasks = [t for ts in conv.dst.values() for t in ts] + [t for ts in conv.src.values() for t in ts]
+    assert len(tasks) == 4 and all(t.kind is TaskKind.LOCAL and t.accumulate for t in tasks)
+    gathered = plan_conversion(kept, Layout(mesh, (Partial(), Replicate())), (4, 4), 4, **bufs)
+    assert gathered.kinds == ["all_gather"]  # along the other axis only
+    with pytest.raises(InternalError, match="partial"):
+        plan_conversion(Layout(mesh, (Replicate(), Shard(0))), kept, (4, 4), 4, **bufs)
