@@ -307,14 +307,7 @@ class Tables:
                     )
                 )
         self.has_backward = np.array(has_backward, dtype=bool)
-        # what partial_grads.deferred_axes reads: per operator, its batch dimension, whether it makes the
-        # loss, and the edges (indices) of its floating outputs to their consumers
-        self.batch_dim = [g.dim_with_label(op, batch) for op in ops]
-        self.makes_loss = [g.loss in op.outputs for op in ops]
-        self.out_edges: list[list[int]] = [[] for _ in ops]
-        for j, e in enumerate(self.edges):
-            if g.tensors[e.tensor].is_float:
-                self.out_edges[e.producer].append(j)
+        self._partial_grad_tables(g)
         classes: dict[tuple, int] = {}
         self.op_class = [
             classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
@@ -334,6 +327,18 @@ class Tables:
         self.e_consumer = np.array([e.consumer for e in self.edges], dtype=np.int64)
         self.e_batch = np.array([e.batch for e in self.edges], dtype=bool)
         self.e_ebytes = np.array([e.ebytes for e in self.edges], dtype=np.float64)
+
+    def _partial_grad_tables(self, g: Graph) -> None:
+        """What :func:`_deferred` reads (as :func:`planlab.plan.partial_grads.deferred_axes` does): per
+        operator, its batch dimension, whether it makes the loss, and the edges (indices) of its
+        floating outputs to their consumers."""
+        ops = g.operators
+        self.batch_dim = [g.dim_with_label(op, g.batch_label) for op in ops]
+        self.makes_loss = [g.loss in op.outputs for op in ops]
+        self.out_edges: list[list[int]] = [[] for _ in ops]
+        for j, e in enumerate(self.edges):
+            if g.tensors[e.tensor].is_float:
+                self.out_edges[e.producer].append(j)
 
 
 @dataclass
