@@ -13,6 +13,7 @@ from planlab.graph.ir import Graph
 from planlab.graph.ir import Operator
 from planlab.plan.layout import Mesh
 from planlab.plan.materialize import precision_for
+from planlab.plan.partial_grads import deferred_axes
 from planlab.plan.plan import OpPlan, Plan
 from planlab.plan.saved import saved_activations
 from planlab.plan.shared_params import forward_only_of
@@ -101,12 +102,21 @@ def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:
 class _ShardAxes:
     """Along which axes of its placement ZeRO shards a weight, from the plan alone, as
     :func:`planlab.plan.passes.gradients.zero_groups` finds them from the layouts: the axes that
-    split a dimension the weight lacks, less the tensor-parallel ones (splitting a dimension other
+    split a dimension the weight lacks or along which its operator's gradients stay partial sums
+    (:mod:`planlab.plan.partial_grads`), less the tensor-parallel ones (splitting a dimension other
     than the batch, along devices that split some weight), unless that leaves none."""
 
     def __init__(self, plan: Plan, graph: Graph) -> None:
         self.graph = graph
         self._groups: dict[tuple, tuple] = {}  # per (devices' id, sizes, axis): the groups along it
+        # the axes along which an operator's gradients stay partial over data-parallel replicas: its
+        # weights' too (co-located pieces taken as any other: at most more axes, a lower bound still)
+        meshes: dict[tuple, Mesh] = {}
+        mesh = {
+            p.op: meshes.setdefault((p.sizes, p.devices), Mesh(tuple(p.sizes) or (1,), tuple(p.devices)))
+            for p in plan.ops
+        }
+        self.deferred = deferred_axes(graph, mesh, {p.op: tuple(p.dims) or (None,) for p in plan.ops}, ())
         self.sharding: set[tuple[int, ...]] = set()
         for p in plan.ops:
             op = graph.op(p.op)
@@ -128,7 +138,12 @@ class _ShardAxes:
 
     def axes(self, p: OpPlan, op: Operator, held: set[str]) -> tuple[int, ...]:
         """The axes of ``p`` over which ZeRO shards ``op``'s weight that has the dimensions ``held``."""
-        summed = tuple(i for i, (d, n) in enumerate(zip(p.dims, p.sizes)) if d is not None and d not in held and n > 1)
+        deferred = self.deferred.get(p.op, ())
+        summed = tuple(
+            i
+            for i, (d, n) in enumerate(zip(p.dims, p.sizes))
+            if n > 1 and (i in deferred or (d is not None and d not in held))
+        )
         batch = self.graph.dim_with_label(op, self.graph.batch_label)
         dp = tuple(i for i in summed if p.dims[i] == batch or not any(g in self.sharding for g in self.groups(p, i)))
         return dp or summed

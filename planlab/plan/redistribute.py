@@ -82,7 +82,8 @@ def plan_conversion(
 ) -> Conversion:
     """Tasks that make ``dst_buf`` hold the tensor in layout ``dst`` from ``src_buf`` in ``src``.
 
-    ``dst`` must hold full values (no Partial). With ``accumulate`` the result
+    ``dst`` must hold full values (no Partial) but along mesh axes where ``src`` is Partial too,
+    on the same mesh (a partial sum kept, converted axis by axis). With ``accumulate`` the result
     is added into ``dst_buf`` (gradient accumulation). Point-to-point messages take tags
     ``first_tag, first_tag + 1, ...`` (``Conversion.tags`` of them); the collectives of step ``k``
     take identity ``ident + k`` on every device (``Conversion.idents`` of them). With ``only``, tasks are
@@ -167,12 +168,17 @@ def _planned(
     src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, first_tag, name, dtype, only, channel, ident
 ) -> Conversion:
     """:func:`plan_conversion`'s tasks, planned."""
-    if any(isinstance(p, Partial) for p, s in zip(dst.placements, dst.mesh.shape) if s > 1):
+    # a partial sum is kept, not made: only along mesh axes where the source is one too (a gradient
+    # left partial over data-parallel replicas, planlab.plan.partial_grads), on the same mesh
+    partial = [a for a, (p, s) in enumerate(zip(dst.placements, dst.mesh.shape)) if s > 1 and isinstance(p, Partial)]
+    if partial and not (_same_mesh(src, dst) and all(isinstance(src.placements[a], Partial) for a in partial)):
         raise InternalError(f"cannot convert into a partial layout {dst}: a conversion's target holds full values")
     if _same_mesh(src, dst):
         conv = _per_axis(src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, ident)
         if conv is not None:
             return conv
+        if partial:
+            raise InternalError(f"cannot convert {src} into {dst}, which keeps a partial sum, but axis by axis")
     if only is not None:
         return _point_to_point_only(
             src, dst, shape, elem_bytes, src_buf, dst_buf, accumulate, name, dtype, only, channel

@@ -43,6 +43,7 @@ from planlab.plan.saved import (
     weight_matmul,
 )
 from planlab.plan.zero import unit_key
+from planlab.search_spaces.screen_gradients import deferred_positions, zero_axes
 
 _R = -1  # replicated (a placement: -1 replicated, -2 partial, i >= 0 sharded along tensor axis i)
 _P = -2
@@ -310,6 +311,7 @@ class Tables:
                     )
                 )
         self.has_backward = np.array(has_backward, dtype=bool)
+        self._partial_grad_tables(g)
         classes: dict[tuple, int] = {}
         self.op_class = [
             classes.setdefault((tuple(self.params[i]), tuple(self.saves[i]), self.out[i]), len(classes))
@@ -329,6 +331,17 @@ class Tables:
         self.e_consumer = np.array([e.consumer for e in self.edges], dtype=np.int64)
         self.e_batch = np.array([e.batch for e in self.edges], dtype=bool)
         self.e_ebytes = np.array([e.ebytes for e in self.edges], dtype=np.float64)
+
+    def _partial_grad_tables(self, g: Graph) -> None:
+        """What :func:`~planlab.search_spaces.screen_gradients.deferred_positions` reads (as :func:`planlab.plan.partial_grads.deferred_axes` does): per
+        operator, its batch dimension, whether it makes the loss, and the edges (indices) of its
+        floating outputs to their consumers."""
+        ops = g.operators
+        self.makes_loss = [g.loss in op.outputs for op in ops]
+        self.out_edges: list[list[int]] = [[] for _ in ops]
+        for j, e in enumerate(self.edges):
+            if g.tensors[e.tensor].is_float:
+                self.out_edges[e.producer].append(j)
 
 
 @dataclass
@@ -368,6 +381,7 @@ def split_work(
     live = [a for a, s in enumerate(sizes) if s > 1]
     cols = [dims[a] for a in live]
     n = t.n
+    deferred = deferred_positions(t, live, cols)
     fkey, bkey, wkey, work = [0] * n, [0] * n, [0] * n, [0.0] * n
     s_op, s_key, s_bytes, p_op, p_red, p_elems, p_unit = [], [], [], [], [], [], []
     weight_axes: set[int] = set()  # the mesh axes along which some weight is split (tensor/expert parallelism)
@@ -378,10 +392,10 @@ def split_work(
         w = t.work_class[i]
         if any(tuple(c[j] for c in cols) != od for j in t.fused_with[i]):  # its fused group split apart
             w = t.unfused_class[i]
-        key = (t.op_class[i], od, w, pods, i in ring, t.batch_dim[i])
+        key = (t.op_class[i], od, w, pods, i in ring, t.batch_dim[i], deferred.get(i))
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring)
+            got = memo[key] = _op_split(t, i, w, live, sizes, od, ids, pods, i in ring, deferred.get(i, ()))
         fkey[i], bkey[i], wkey[i], work[i], params, saves, sharding = got
         weight_axes |= sharding
         for (red, elems), unit in zip(params, t.param_units[i]):
@@ -394,7 +408,7 @@ def split_work(
             s_key.append(ids.of((name, cut)))
             s_bytes.append((sb, so))
     groupings: dict[tuple, int] = {}
-    p_red = [groupings.setdefault(r, ids.of(_zero_axes(r, weight_axes))) for r in p_red]
+    p_red = [groupings.setdefault(r, ids.of(zero_axes(r, weight_axes))) for r in p_red]
     recv, keep, cf_edge, cf_key, cb_edge, cb_key = [], [], [], [], [], []
     fdone: set = set()
     bdone: set = set()
@@ -404,10 +418,11 @@ def split_work(
         cd = tuple(c[e.consumer] for c in cols)
         if e.consumer in ring and RING_KV_DIM in e.need and RING_DIM not in e.need:  # its keys or values
             cd = tuple(RING_KV_DIM if x == RING_DIM else x for x in cd)
-        key = (t.edge_class[j], pd, cd)
+        pdef, cdef = deferred.get(e.producer, ()), deferred.get(e.consumer, ())
+        key = (t.edge_class[j], pd, cd, pdef, cdef)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _edge_split(e, live, sizes, pd, cd, ids)
+            got = memo[key] = _edge_split(e, live, sizes, pd, cd, ids, pdef, cdef)
         need, r, k, cf, contrib, cb = got
         recv.append(r)
         keep.append(k)
@@ -441,14 +456,24 @@ def split_work(
 
 
 def _op_split(
-    t: Tables, i: int, w: int, live: list[int], sizes, od: tuple, ids: Ids, pods: tuple = (), ring: bool = False
+    t: Tables,
+    i: int,
+    w: int,
+    live: list[int],
+    sizes,
+    od: tuple,
+    ids: Ids,
+    pods: tuple = (),
+    ring: bool = False,
+    deferred: tuple[int, ...] = (),
 ) -> tuple:
     """(forward key, backward key, weight-gradient key or -1, working set, (((axis, splits its batch)
     per reduction axis, elements), ...), ((cut, batch bytes, other bytes), ...), the axes splitting a weight)
     of operator ``i`` (work class ``w``) split along ``od``
     (per live axis); ``pods``, per saved tensor, its producer's split where the tensor is kept in
     the producer's layout (else None); a ``ring`` attention keeps its keys and values split along
-    their sequence as its queries are."""
+    their sequence as its queries are; its weights' gradients are also reduced along the live
+    positions ``deferred`` (:func:`~planlab.search_spaces.screen_gradients.deferred_positions`)."""
     split = [(a, d) for a, d in zip(live, od) if d is not None]
     pieces = math.prod(sizes[a] for a, _ in split)
     params = []
@@ -456,7 +481,13 @@ def _op_split(
     for numel, pdims in t.params[i]:
         cut = math.prod(sizes[a] for a, dm in split if dm in pdims)
         sharding.update(a for a, dm in split if dm in pdims)
-        red = tuple((a, dm == t.batch_dim[i]) for a, dm in split if dm not in pdims)
+        # reduced along the axes splitting another of its dimensions, and along those its gradient
+        # stays a partial sum over (deferred: data-parallel replicas, like a batch split)
+        red = tuple(
+            (a, j in deferred or od[j] == t.batch_dim[i])
+            for j, a in enumerate(live)
+            if j in deferred or (od[j] is not None and od[j] not in pdims)
+        )
         params.append((red, numel / cut))
     saves = []
     for k, (numel, sdims, batch, eb, *pdims) in enumerate(t.saves[i]):
@@ -481,22 +512,13 @@ def _op_split(
     )
 
 
-def _zero_axes(red: tuple[tuple[int, bool], ...], weight_axes: set[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A weight gradient's reduction axes ``red`` (``(axis, splits the owner's batch)``) as ``(shard
-    axes, tensor-parallel axes)``: ZeRO shards it over its data-parallel axes and first sums it over
-    the axes that split another of its owner's dimensions along which some weight is split
-    (``weight_axes``), as :func:`planlab.plan.passes.gradients.zero_groups` does; all its axes are
-    shard axes when no data-parallel one remains. Without ZeRO the gradient is all-reduced over both."""
-    tp = tuple(a for a, batch in red if not batch and a in weight_axes)
-    shard = tuple(a for a, _ in red if a not in tp)
-    if not shard:
-        return tuple(a for a, _ in red), ()
-    return shard, tp
-
-
-def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids) -> tuple:
+def _edge_split(
+    e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids, pdef: tuple = (), cdef: tuple = ()
+) -> tuple:
     """(the consumer's layout, elements received, elements kept, activation conversions, the
-    gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers."""
+    gradient contribution's layout, its conversions) of edge ``e``; conversions as key numbers;
+    ``pdef`` and ``cdef``: the live positions along which the producer's and the consumer's
+    gradients stay partial sums (:func:`~planlab.search_spaces.screen_gradients.deferred_positions`)."""
     need = tuple(_placement(d, e.need) for d in cd)
     have = tuple(_placement(d, e.have) for d in pd)
     recv = e.numel / math.prod(sizes[a] for a, x in zip(live, need) if x >= 0)
@@ -506,8 +528,8 @@ def _edge_split(e: _Edge, live: list[int], sizes, pd: tuple, cd: tuple, ids: Ids
         for kind, axis, numel in _conversions(have, need, live, sizes, e.numel)
     )
     # the gradient contribution: partial where the consumer splits a dimension the tensor lacks
-    contrib = tuple(_P if (d is not None and x == _R) else x for d, x in zip(cd, need))
-    target = tuple(_R if h == _P else h for h in have)
+    contrib = tuple(_P if (j in cdef or (d is not None and x == _R)) else x for j, (d, x) in enumerate(zip(cd, need)))
+    target = tuple(_P if j in pdef else _R if h == _P else h for j, h in enumerate(have))
     cb = tuple(
         ids.of((kind, axis, numel, e.batch, e.ebytes, e.dispatch and kind == "all_to_all"))
         for kind, axis, numel in _conversions(contrib, target, live, sizes, e.numel)
@@ -523,7 +545,7 @@ class ScreenProfile:
     bwd: tuple  # the backward's, with recomputed forwards
     wgt: tuple  # the weight-gradient part of the backward's (zero-bubble's W), ((work class, pieces, "W", cut), tasks)
     comm: tuple  # ((kind, axis, elements, batch, element bytes, an expert dispatch sent once a node), collectives), ...
-    params: tuple  # (((shard axes, tensor-parallel axes), elements), ...): see _zero_axes
+    params: tuple  # (((shard axes, tensor-parallel axes), elements), ...): see screen_gradients.zero_axes
     units: tuple  # ((shard axes, (ZeRO-3 units, the largest's elements)), ...)
     saved: tuple[tuple[int, tuple[float, float]], ...]  # (stage, (batch, other) bytes one micro-batch keeps)
     work: float  # the largest operator's working set, batch bytes

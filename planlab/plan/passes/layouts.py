@@ -11,6 +11,7 @@ from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph, Operator
 from planlab.plan.colocation import CoLocation, colocation
 from planlab.plan.layout import Layout, Mesh, Partial, Replicate, Shard, box_shape
+from planlab.plan.partial_grads import deferred_axes
 from planlab.plan.plan import RING_DIM, RING_KV_DIM, OpPlan, Plan
 from planlab.plan.zigzag import sequence_zigzag
 
@@ -111,6 +112,8 @@ class Layouts:
                 "kv_gather: the plan runs no attention as a ring; the all-gather is a ring's keys and values"
             )
         self.kv_gather = plan.kv_gather  # the rings all-gather their keys and values (Ring.gather)
+        # per operator with any: the data-parallel axes its gradients stay partial sums along
+        self.deferred = deferred_axes(graph, self.mesh, self.dims, self.chunks)
 
     def _check_splits(self, op: Operator, p: OpPlan, dims: tuple, sizes: tuple) -> None:
         """Refuse (InfeasiblePlan) a ring attention without a mesh axis along its sequence, and a
@@ -157,7 +160,9 @@ class Layouts:
                     return full // inner
         return op.dim_sizes[dim]
 
-    def _place(self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False, kv=False) -> Layout:
+    def _place(
+        self, op: Operator, tensor_axes, partial_dims=frozenset(), contrib=False, kv=False, partial_axes=frozenset()
+    ) -> Layout:
         dims, mesh = self.dims[op.name], self.mesh[op.name]
         if kv:  # a ring attention's keys and values: split along their sequence where its queries are
             dims = tuple(RING_KV_DIM if d == RING_DIM else d for d in dims)
@@ -167,18 +172,26 @@ class Layouts:
             tuple(tensor_axes),
             contrib,
             frozenset(d for d in dims if d in partial_dims) if partial_dims else frozenset(),
+            partial_axes,
         )
         got = self._placed.get(key)  # layers repeat: most operators share a few layouts
         if got is None:
-            got = self._placed[key] = self._make_layout(dims, mesh, tensor_axes, partial_dims, contrib)
+            got = self._placed[key] = self._make_layout(dims, mesh, tensor_axes, partial_dims, contrib, partial_axes)
         return got
 
     @staticmethod
-    def _make_layout(dims, mesh: Mesh, tensor_axes, partial_dims, contrib: bool) -> Layout:
+    def _make_layout(dims, mesh: Mesh, tensor_axes, partial_dims, contrib: bool, partial_axes=frozenset()) -> Layout:
+        """The placements ``dims`` give a tensor of ``tensor_axes`` on ``mesh``: sharded where a
+        dimension is the tensor's, partial where it is a reduction (``partial_dims``) or, for a
+        gradient contribution (``contrib``), any dimension the tensor lacks, and along
+        ``partial_axes`` (a gradient left partial over data-parallel replicas,
+        :mod:`planlab.plan.partial_grads`); replicated elsewhere."""
         out = []
-        for d in dims:
+        for a_mesh, d in enumerate(dims):
             axis = next((a for a, ax in enumerate(tensor_axes) if ax and ax[0] == d), None) if d else None
-            if d is None:
+            if a_mesh in partial_axes:
+                out.append(Partial())
+            elif d is None:
                 out.append(Replicate())
             elif axis is not None:
                 out.append(Shard(axis))
@@ -201,7 +214,12 @@ class Layouts:
         """What ``op`` shares with every operator of its form on its placement (:class:`OpForm`)."""
         got = self._forms.get(op.name)
         if got is None:
-            key = (self._op_form[op.name], self._placement[op.name], self.op_plan[op.name].ring)
+            key = (
+                self._op_form[op.name],
+                self._placement[op.name],
+                self.op_plan[op.name].ring,
+                self.deferred.get(op.name, frozenset()),
+            )
             got = self._form_of.get(key)
             if got is None:
                 got = self._form_of[key] = self._make_form(op)
@@ -210,13 +228,16 @@ class Layouts:
 
     def _make_form(self, op: Operator) -> OpForm:
         sig, ins = op.signature, range(len(op.inputs))
+        deferred = self.deferred.get(op.name, frozenset())  # gradients left partial over these axes
         needs = tuple(self._place(op, sig.inputs[i], kv=self.is_ring_kv(op, i)) for i in ins)
         has = tuple(self._place(op, axes, sig.reduce) for axes in sig.outputs)
-        contributes = tuple(self._place(op, sig.inputs[i], contrib=True, kv=self.is_ring_kv(op, i)) for i in ins)
+        contributes = tuple(
+            self._place(op, sig.inputs[i], contrib=True, kv=self.is_ring_kv(op, i), partial_axes=deferred) for i in ins
+        )
         shapes = tuple(self.local_shape(lay, t) for lay, t in zip(needs, op.inputs))
         shapes += tuple(self.local_shape(lay, t) for lay, t in zip(has, op.outputs))
         pieces = math.prod(s for dim, s in zip(self.dims[op.name], self.mesh[op.name].shape) if dim is not None)
-        grads = tuple(full(lay) for lay in has)
+        grads = tuple(full(lay, keep=deferred) for lay in has)
         return OpForm(needs, has, contributes, grads, shapes, pieces, len(self._form_of))
 
     def needs(self, op: Operator, i: int) -> Layout:
@@ -329,6 +350,13 @@ def piece_shapes(L: Layouts, op: Operator) -> tuple[tuple[int, ...], ...]:
     return L.form(op).shapes
 
 
-def full(layout: Layout) -> Layout:
-    """``layout`` with its partial sums completed (replicated instead)."""
-    return Layout(layout.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements))
+def full(layout: Layout, keep: frozenset[int] = frozenset()) -> Layout:
+    """``layout`` with its partial sums completed (replicated instead), but along the mesh axes
+    ``keep``, where it is a partial sum (:mod:`planlab.plan.partial_grads`)."""
+    return Layout(
+        layout.mesh,
+        tuple(
+            Partial() if a in keep else Replicate() if isinstance(p, Partial) else p
+            for a, p in enumerate(layout.placements)
+        ),
+    )
