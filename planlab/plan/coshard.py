@@ -273,8 +273,9 @@ class _Stage:
 
     def _local(self, op: Operator, flat: int, phase: str, dim: str) -> tuple:
         """``(local shape, axis of dim)`` per read and write of ``op``'s piece at ``flat`` in
-        ``phase``, and their total size."""
-        key = (op.name, flat, phase)
+        ``phase``, and their total size: the same at every position (a layout splits a tensor
+        evenly, :meth:`~planlab.plan.layout.Layout.box`), so kept per operator and phase."""
+        key = (op.name, phase)
         got = self.shapes.get(key)
         if got is None:
             L = self.L
