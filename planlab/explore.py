@@ -461,9 +461,9 @@ LAYOUT_COLUMNS = ("stage_layers", "stage_recompute", "stage_offload")
 def _with_layouts(sp: Space, ctx: Context, assignments: list[dict], df: pd.DataFrame) -> pd.DataFrame:
     """The simulated plans' per-stage layouts (the fine space's StageLayout: layers and fully
     recomputed layers per stage, optimizer offload per device group) as columns before the
-    screen's; no columns when no plan has one."""
+    screen's; no columns when no plan has one (drafted again only where the space sets layouts)."""
     got = {}
-    for pos in df.index[df["simulated"]]:
+    for pos in df.index[df["simulated"]] if sp.sets_layouts() else ():
         layout = sp.draft(ctx, assignments[int(df.at[pos, "_index"])]).layout
         if layout is not None:
             got[pos] = (layout.layers, layout.recompute, layout.offload)

@@ -532,3 +532,22 @@ def test_a_share_of_the_layers_remakes_its_results_spread_over_the_layers():
     sp = get_space("megatron*coshard")
     with pytest.raises(ConfigError, match="coshard_remade_percent=50 .* needs coshard_outputs='recompute' .*'keep'"):
         sp.build(ctx, dict(base, coshard_outputs="keep", coshard_remade_percent=50))
+
+
+def test_groups_spliced_at_once_land_as_spliced_one_by_one():
+    """run_chunks replaces each group's members by its chunk tasks in one pass when the groups' spans
+    do not overlap: the same list as splicing them one at a time, the last first, with the tasks
+    between a group's members that read its results moved after its chunks and the others before."""
+    from planlab.plan.buffer import activation
+    from planlab.plan.coshard import _splice_all
+    from planlab.plan.program import Task
+
+    b = [activation(f"t{i}") for i in range(10)]
+    reads = {1: (b[0],), 2: (b[1],), 3: (b[0],), 6: (b[4],)}
+    tasks = [Task(f"t{i}", TaskKind.FORWARD, reads=reads.get(i, ()), writes=(b[i],)) for i in range(10)]
+    a_seq = [Task("a@0", TaskKind.FORWARD, writes=(b[1],)), Task("a@1", TaskKind.FORWARD, writes=(b[3],))]
+    b_seq = [Task("b@0", TaskKind.FORWARD, writes=(b[4], b[7]))]
+    jobs = [([1, 3], a_seq, ["t1", "t3"]), ([4, 7], b_seq, ["t4", "t7"])]
+    at_once = _splice_all(tasks, jobs)
+    assert [t.name for t in at_once] == ["t0", "a@0", "a@1", "t2", "t5", "b@0", "t6", "t8", "t9"]
+    assert at_once == _splice_all(_splice_all(tasks, jobs[1:]), jobs[:1])

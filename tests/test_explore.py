@@ -297,6 +297,26 @@ def test_a_union_explores_both_parts_and_marks_each_best(tmp_path):
     assert set(saved["space"]) == {"dp", "tp"}
 
 
+def test_the_ranking_drafts_plans_again_only_for_a_space_that_sets_stage_layouts(monkeypatch):
+    """Ranking reads each simulated plan's per-stage layout by drafting it again, which for alpa
+    solves its integer programs again: only a space with the fine space in it sets one."""
+    from planlab.explore import _with_layouts
+
+    assert get_space("megatron*fine").sets_layouts() and get_space("fine|dp").sets_layouts()
+    assert not any(get_space(s).sets_layouts() for s in ("alpa*recompute", "megatron*coshard", "dp|tp", "3f1b"))
+    df = pd.DataFrame({"simulated": [True, False], "_index": [0, 1], "screen_time_s": [1.0, 2.0]})
+    for name, drafted in (("dp*tp", 0), ("dp*tp*fine", 1)):
+        sp, calls = get_space(name), []
+        monkeypatch.setattr(sp, "draft", lambda ctx, values, calls=calls: calls.append(values) or DraftOf(None))
+        out = _with_layouts(sp, None, [{"dp": 1}, {"dp": 2}], df)
+        assert len(calls) == drafted and list(out.columns) == list(df.columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOf:
+    layout: object
+
+
 def test_plans_that_break_a_rule_are_rows_with_the_rule():
     sp = get_space("megatron").allow_split(r"mlp\.fc$", ("a0",))  # batch only: no tensor parallelism there
     df = planlab.explore("gpt-tiny", **TINY, space=sp, candidates=None)

@@ -273,26 +273,27 @@ class _Stage:
 
     def _local(self, op: Operator, flat: int, phase: str, dim: str) -> tuple:
         """``(local shape, axis of dim)`` per read and write of ``op``'s piece at ``flat`` in
-        ``phase``, and their total size."""
-        key = (op.name, flat, phase)
+        ``phase``, and their total size: the same at every position (a layout splits a tensor
+        evenly, :meth:`~planlab.plan.layout.Layout.box`), so kept per operator and phase."""
+        key = (op.name, phase)
         got = self.shapes.get(key)
         if got is None:
             L = self.L
-            ins = [
+            ins = tuple(
                 (box_shape(L.needs(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
                 for i, t in enumerate(op.inputs)
-            ]
-            outs = [
+            )
+            outs = tuple(
                 (box_shape(L.has(op, j).box(flat, L.shapes[t])), _axis(op.signature.outputs[j], dim))
                 for j, t in enumerate(op.outputs)
-            ]
+            )
             if phase == "B":
                 ins, outs = (
                     outs,
-                    [
+                    tuple(
                         (box_shape(L.contributes(op, i).box(flat, L.shapes[t])), _axis(op.signature.inputs[i], dim))
                         for i, t in enumerate(op.inputs)
-                    ],
+                    ),
                 )
             got = self.shapes[key] = (ins, outs, sum(math.prod(s) for s, _ in ins + outs))
         return got
@@ -302,31 +303,41 @@ class _Stage:
         writes the outputs) or backward (B: reads are the outputs' gradients, writes the inputs'):
         per read and write ``(slice or None, chunk box, local shape, chunk shape)``, the share of the
         piece's memory traffic the chunk moves (a tensor without the split dimension is read whole
-        by every chunk), the chunk's first output shape, and whether it may add terms added once."""
+        by every chunk), the chunk's first output shape, and whether it may add terms added once.
+        Pieces of the same local shapes (the same operator in every layer, or on every device) share
+        one value, kept under those shapes."""
         key = (op.name, flat, phase, c)
         got = self.shapes.get(key)
         if got is None:
             co = self.L.chunks[op.name]
             reads, writes, total = self._local(op, flat, phase, co.dim)
-
-            def parts(pairs) -> tuple:
-                out = []
-                for shape, axis in pairs:
-                    box = _chunk(shape, axis, c, co.k)
-                    out.append((box if axis is not None else None, box, shape, box_shape(box)))
-                return tuple(out)
-
-            rgeo, wgeo = parts(reads), parts(writes)
-            moved = sum(math.prod(g[3]) for g in rgeo + wgeo)
-            first = (wgeo if phase == "F" else rgeo)[0][3]
-            got = self.shapes[key] = (
-                rgeo,
-                wgeo,
-                moved / max(1, total),
-                first,
-                c == 0 or co.dim not in op.signature.reduce,
-            )
+            lead = c == 0 or co.dim not in op.signature.reduce
+            same = (CHUNK_GEOMETRY, reads, writes, phase, c, co.k, lead)
+            got = self.shapes.get(same)
+            if got is None:
+                got = self.shapes[same] = _chunk_geometry(reads, writes, total, phase, c, co.k, lead)
+            self.shapes[key] = got
         return got
+
+
+CHUNK_GEOMETRY = "chunk geometry"  # the first item of _Stage.geometry's keys by local shapes
+
+
+def _chunk_geometry(reads: tuple, writes: tuple, total: int, phase: str, c: int, k: int, lead: bool) -> tuple:
+    """:meth:`_Stage.geometry` of chunk ``c`` of ``k`` of a piece whose reads and writes have the
+    local shapes and split axes ``reads`` and ``writes`` (of ``total`` elements in all)."""
+
+    def parts(pairs) -> tuple:
+        out = []
+        for shape, axis in pairs:
+            box = _chunk(shape, axis, c, k)
+            out.append((box if axis is not None else None, box, shape, box_shape(box)))
+        return tuple(out)
+
+    rgeo, wgeo = parts(reads), parts(writes)
+    moved = sum(math.prod(g[3]) for g in rgeo + wgeo)
+    first = (wgeo if phase == "F" else rgeo)[0][3]
+    return rgeo, wgeo, moved / max(1, total), first, lead
 
 
 def _users(fw: list[Task], bw: list[Task]) -> tuple[dict, dict]:
@@ -386,6 +397,7 @@ class _Chunks:
         self.s, self.k, self.internal, self.relay = stage, k, internal, relay
         self.remade = frozenset(b for t in ftasks if t.op in stage.recomputed for b in t.writes if b)
         self.chunk_shape: dict[Buffer, tuple[int, ...]] = {}
+        self.named: dict[tuple[Buffer, int], Buffer] = {}  # (buffer, chunk) -> the chunk's buffer
 
     def _sized(self, new: Buffer, b: Buffer, local: tuple[int, ...], chunk: tuple[int, ...]) -> Buffer:
         """``new``, a chunk of ``b`` (local shape ``local``) of shape ``chunk``, with its size registered."""
@@ -395,16 +407,18 @@ class _Chunks:
         return new
 
     def _name(self, b: Buffer, c: int, local: tuple[int, ...], chunk: tuple[int, ...]) -> Buffer:
-        """Chunk ``c`` of ``b``, with its size registered."""
-        new = self._sized(b.at_chunk(c), b, local, chunk)
+        """Chunk ``c`` of ``b``, with its size registered (the first time its writer or a reader asks)."""
+        new = self.named.get((b, c))
+        if new is None:
+            new = self.named[b, c] = self._sized(b.at_chunk(c), b, local, chunk)
         self.chunk_shape[new] = chunk
         return new
 
-    def _fields(self, t: Task, c: int, op: Operator, phase: str, reads, writes, rd, wr) -> dict:
+    def _fields(self, t: Task, c: int, op: Operator, phase: str, reads, writes, rd, wr, geo: tuple) -> dict:
         """Reads, writes, slices and places of chunk ``c`` of ``t`` (``phase`` F: of a forward task,
-        B: of a backward task): ``rd``/``wr`` map a buffer to its chunk's own buffer, or to None when
-        the chunk uses its slice of the whole buffer."""
-        rgeo, wgeo, frac, _, lead = self.s.geometry(op, t.coord, phase, c)
+        B: of a backward task; ``geo``: its :meth:`_Stage.geometry`): ``rd``/``wr`` map a buffer to its
+        chunk's own buffer, or to None when the chunk uses its slice of the whole buffer."""
+        rgeo, wgeo, frac, _, lead = geo
         out_r, slices, out_w, places = [], [], [], []
         for b, (sl, _, full, chunk) in zip(reads, rgeo):
             new = rd(b, c, full, chunk) if b else None
@@ -414,7 +428,9 @@ class _Chunks:
             new = wr(b, c, full, chunk) if b else None
             out_w.append(new or b)
             places.append(None if new or not b else (box, full))
-        fgeo = self.s.geometry(op, t.coord, "F", c) if t.shapes else None  # the chunk's shapes (cost model)
+        fgeo = (
+            (geo if phase == "F" else self.s.geometry(op, t.coord, "F", c)) if t.shapes else None
+        )  # for the cost model
         box = t.box
         if box is not None and phase == "F":  # a random operator's chunk: its own box in the whole tensor
             box = tuple((lo + a, lo + b) for (lo, _), (a, b) in zip(box, wgeo[0][1]))
@@ -440,8 +456,9 @@ class _Chunks:
     def forward(self, t: Task, c: int) -> Task:
         """Chunk ``c`` of forward task ``t``: without the graph when its operator is recomputed."""
         op = self._op(t)
-        f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner)
-        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        geo = self.s.geometry(op, t.coord, "F", c)
+        f = self._fields(t, c, op, "F", t.reads, t.writes, self._inner, self._inner, geo)
+        shape = geo[3]
         if op.name in self.s.recomputed:
             return t.but(name=f"{t.name}@{c}", shape=shape, recompute=Recompute.DROP, saved=(), **f)
         saved = tuple(b.at_chunk(c) if b in self.internal else b for b in t.saved)
@@ -460,8 +477,9 @@ class _Chunks:
             return self._sized(_r(b, c), b, local, chunk)
 
         reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
-        f = self._fields(t, c, op, "F", reads, t.writes, rd, wr)
-        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        geo = self.s.geometry(op, t.coord, "F", c)
+        f = self._fields(t, c, op, "F", reads, t.writes, rd, wr, geo)
+        shape = geo[3]
         return t.but(
             name=f"re:{t.name}@{c}",
             shape=shape,
@@ -483,8 +501,9 @@ class _Chunks:
 
         reads = tuple(in_backward(self.relay.get(b, b)) for b in t.reads)  # ZeRO-3: the backward's gather
         writes = tuple(remade.get(b, b) for b in t.writes)
-        f = self._fields(t, c, op, "F", reads, writes, inner, inner)
-        shape = self.s.geometry(op, t.coord, "F", c)[3]
+        geo = self.s.geometry(op, t.coord, "F", c)
+        f = self._fields(t, c, op, "F", reads, writes, inner, inner, geo)
+        shape = geo[3]
         return t.but(name=f"re:{t.name}@{c}:outer", shape=shape, recompute=Recompute.DROP, saved=(), **f)
 
     def _saved(self, b: Buffer, c: int, remade: bool) -> Buffer:
@@ -519,7 +538,9 @@ class _Chunks:
                 ident=self.s.idents((t.ident, c)) if t.ident >= 0 else -1,
             )
         op = self._op(t)
-        f = self._fields(t, c, op, "B", t.reads, t.writes, self._inner, self._inner)
+        f = self._fields(
+            t, c, op, "B", t.reads, t.writes, self._inner, self._inner, self.s.geometry(op, t.coord, "B", c)
+        )
         remade = op.name in self.s.recomputed
         return t.but(name=f"{t.name}@{c}", saved=tuple(self._saved(b, c, remade) for b in t.saved), **f)
 
@@ -546,10 +567,23 @@ def _renamed(bw: list[Task], remakes: list[tuple[frozenset[int], dict[Buffer, Bu
 def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[str]]]) -> list[Task]:
     """``tasks`` with each job's members (at positions ``idx``) replaced by its ``seq``, the last
     job first: a splice moves nothing before its first member, so earlier jobs keep their
-    positions unless their members interleave (then they are found again by identity)."""
+    positions unless their members interleave (then they are found again by identity). When no two
+    jobs' spans overlap (the usual case), each job's run is made from the tasks as they are and
+    the list is put together once, not copied again for every job."""
+    order = sorted(range(len(jobs)), key=lambda n: -jobs[n][0][0])
+    spans = sorted((jobs[n][0][0], jobs[n][0][-1]) for n in order)
+    if all(a[1] < b[0] for a, b in zip(spans, spans[1:])):
+        runs = [(jobs[n][0][0], jobs[n][0][-1], _spliced(tasks, *jobs[n])) for n in order]  # refused in this order
+        out: list[Task] = []
+        at = 0
+        for first, last, run in reversed(runs):
+            out += tasks[at:first]
+            out += run
+            at = last + 1
+        return out + tasks[at:]
     ids = [{id(tasks[i]) for i in idx} for idx, _, _ in jobs]
     bound = len(tasks)
-    for n in sorted(range(len(jobs)), key=lambda n: -jobs[n][0][0]):
+    for n in order:
         idx, seq, ops = jobs[n]
         if idx[-1] >= bound:  # members inside a later job's span: find them where it put them
             idx = [i for i in idx if i < bound]
@@ -560,15 +594,15 @@ def _splice_all(tasks: list[Task], jobs: list[tuple[list[int], list[Task], list[
                 if id(tasks[i]) in ids[n]:
                     idx.append(i)
                     want -= 1
-        tasks = _splice(tasks, idx, seq, ops)
+        tasks = tasks[: idx[0]] + _spliced(tasks, idx, seq, ops) + tasks[idx[-1] + 1 :]
         bound = idx[0]
     return tasks
 
 
-def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) -> list[Task]:
-    """``tasks`` with the members at ``idx`` replaced by ``seq``, placed where the last member was:
-    the tasks between the first and last member that read what the group (or a task moved after
-    it) writes move after ``seq``, the others before it."""
+def _spliced(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) -> list[Task]:
+    """What replaces ``tasks[idx[0] : idx[-1] + 1]`` when the members at ``idx`` are replaced by
+    ``seq``, placed where the last member was: the tasks between the first and last member that
+    read what the group (or a task moved after it) writes move after ``seq``, the others before it."""
     first, last = idx[0], idx[-1]
     inside = set(idx)
     out = {w for i in idx for w in tasks[i].writes if w}
@@ -592,4 +626,4 @@ def _splice(tasks: list[Task], idx: list[int], seq: list[Task], ops: list[str]) 
                 "group's own results (a tensor passed between them in another layout); co-locate them "
                 "with the same split or not at all"
             )
-    return tasks[:first] + before + seq + after + tasks[last + 1 :]
+    return before + seq + after

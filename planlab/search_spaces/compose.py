@@ -76,6 +76,9 @@ class Restricted(Space):
     def ordered_drafts(self) -> bool:
         return self.base.ordered_drafts()
 
+    def sets_layouts(self) -> bool:
+        return self.base.sets_layouts()
+
     def all_knobs(self) -> tuple[Knob, ...]:
         return tuple(self._narrow(k) if k.name in self._values else k for k in self.base.all_knobs())
 
@@ -135,6 +138,9 @@ class Union(Space):
 
     def ordered_drafts(self) -> bool:
         return any(s.ordered_drafts() for s in self._alts)
+
+    def sets_layouts(self) -> bool:
+        return any(s.sets_layouts() for s in self._alts)
 
     def all_knobs(self) -> tuple[Knob, ...]:
         seen: dict[str, Knob] = {}

@@ -475,6 +475,7 @@ class FineStages(Space):
     name = "fine"
     order = 5  # after the stages, the mesh axes and the recomputation it refines
     drafts_in_order = True  # a grid point is pruned against the programs solved before it (Incumbents)
+    lays_out_stages = True  # apply_layout sets Draft.layout
     knobs = (
         Knob.choice(
             "fine_layout",

@@ -342,6 +342,8 @@ class Space(abc.ABC):
     # True: a draft may depend on the drafts made before it in the same process (the fine space's
     # pruning bound, planlab/search_spaces/fine.py); see ordered_drafts
     drafts_in_order = False
+    # True: apply may set Draft.layout (a per-stage StageLayout: the fine space); see sets_layouts
+    lays_out_stages = False
 
     @abc.abstractmethod
     def apply(self, draft: Draft, values: dict) -> None:
@@ -361,6 +363,12 @@ class Space(abc.ABC):
         (``drafts_in_order`` of it or of a part): explore then drafts every assignment here, in order,
         before its workers fork, so that each worker finds the same outcome in the graph's memo."""
         return self.drafts_in_order
+
+    def sets_layouts(self) -> bool:
+        """Whether a draft of this space may carry a per-stage layout (``Draft.layout``:
+        ``lays_out_stages`` of it or of a part); explore reads the simulated plans' layouts only then
+        (drafting them again, which for a space that solves programs solves them again)."""
+        return self.lays_out_stages
 
     def all_knobs(self) -> tuple[Knob, ...]:
         if self.parts() == (self,):
@@ -674,6 +682,9 @@ class Product(Space):
 
     def ordered_drafts(self) -> bool:
         return any(p.ordered_drafts() for p in self._parts)
+
+    def sets_layouts(self) -> bool:
+        return any(p.sets_layouts() for p in self._parts)
 
     def apply(self, draft: Draft, values: dict) -> None:
         for p in sorted(self._parts, key=lambda s: s.order):
