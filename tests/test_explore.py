@@ -508,7 +508,15 @@ def test_the_screen_counts_each_pipeline_transfer_once(knobs):
     ctx = Context(g, spec, 8, "cpu", n, n, 1)
     base = dict(zero=0, sequence_parallel=False, recompute="none", ep=1, etp=1, cp=1, cp_kind="a2a", cp_layout="auto")
     modules = dict(recompute_moe_act=False, recompute_mlp=False, recompute_mla_up_proj=False)
-    values = {**base, **modules, "first_stage_layers": 0, "last_stage_layers": 0, "pipeline_group": 0, **knobs}
+    values = {
+        **base,
+        **modules,
+        "first_stage_layers": 0,
+        "last_stage_layers": 0,
+        "pipeline_group": 0,
+        "expert_overlap": False,
+        **knobs,
+    }
     assert values in get_space("megatron").enumerate(ctx)
     d = get_space("megatron").draft(ctx, values)
     s = Screen(g, CostModel.load("cpu", n), precision_for("cpu")).structure(d)
