@@ -563,3 +563,50 @@ def test_a_grid_bound_asked_for_enough_proves_that_much_solving_no_more():
     assert low.lps <= free.lps and low.programs <= free.programs
     high = grid_bound(ctx, grid, enough_s=free.best_s * 1.05)
     assert (high.least_s, high.best_s, high.knobs) == (free.least_s, free.best_s, free.knobs)
+
+
+@pytest.mark.parametrize(
+    "schedule,stages,chunks,group",
+    [("1f1b", 4, 1, 0), ("gpipe", 3, 1, 0), ("1f1b", 8, 1, 0), ("interleaved", 8, 2, 0), ("interleaved", 6, 3, 4)],
+)
+def test_the_chains_bound_is_never_above_the_walked_relaxation_and_sees_the_bubble(schedule, stages, chunks, group):
+    # grid_bound settles a point on the chains' bound without the program's relaxation: so it must
+    # never be above that relaxation (a point pruned on it could otherwise hold a layout under the
+    # target), on points with transfers, a heavy head, offloading cheaper or dearer than the sync and
+    # a tight memory; and where micro-batches are few it is above the bound without the bubble
+    from planlab.search_spaces.fine_bound import Point
+    from planlab.search_spaces.fine_paths import path_bound_s, walked_bound_s
+
+    head, emb = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0), GroupCost(0.4, 0.02, 2.0, 0.5, 0.0)
+    above = 0
+    for off_s in (0.01, 0.2):
+        c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=off_s, forward_share=0.3)
+        c = _costs(**{**c.__dict__, "can_offload": True, "static_bytes": 6.0})
+        for m in (4, 8, 16):
+            for cap in (1e9, 120.0):
+                p = Point(c, 12, stages, m, schedule, chunks, group)
+                relaxed = p.relaxed_s(cap)
+                bound = path_bound_s(c, 12, stages, m, schedule, chunks, group)
+                assert bound <= relaxed * (1 + 1e-9), (off_s, m, cap)
+                above += bound > walked_bound_s(c, 12, stages, m, chunks) * 1.01
+    assert above
+
+
+def test_a_grid_bound_with_the_chains_bound_reaches_the_same_bound_from_fewer_relaxations(monkeypatch):
+    # the chains' bound only settles points before their LP relaxation: with it taken away (every point
+    # relaxed), the bound, the best layout and where it is are the same, from no fewer relaxations
+    import math
+
+    from planlab.search_spaces.fine_bound import Point, grid_bound
+
+    ctx, _ = _ctx(layers=4)
+    grid = get_space("megatron")
+    free = grid_bound(ctx, grid)
+    low = grid_bound(ctx, grid, enough_s=free.least_s * 0.97)
+    monkeypatch.setattr(Point, "chains_s", lambda self: -math.inf)
+    every = grid_bound(ctx, grid)
+    every_low = grid_bound(ctx, grid, enough_s=free.least_s * 0.97)
+    assert (free.least_s, free.best_s, free.knobs) == (every.least_s, every.best_s, every.knobs)
+    assert low.least_s == every_low.least_s
+    assert free.lps <= every.lps and low.lps <= every_low.lps and free.chains == every.chains
+    assert free.lps < free.chains or low.lps < low.chains  # the chains settled some point on their own

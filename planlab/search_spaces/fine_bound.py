@@ -31,7 +31,7 @@ from planlab.search_spaces.fine import (
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
-from planlab.search_spaces.fine_paths import solve_walked, ties_s, walked_bound_s
+from planlab.search_spaces.fine_paths import path_bound_s, solve_walked, ties_s, walked_bound_s
 from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
@@ -79,6 +79,17 @@ class Point:
         """The solver-free lower bound (``fine.balanced_bound_s``, or ``fine_paths.walked_bound_s``)."""
         bound = walked_bound_s if self.walked else balanced_bound_s
         return bound(self.costs, self.layers, self.stages, self.microbatches, self.chunks)
+
+    def chains_s(self) -> float:
+        """A lower bound from a few chains of the walked program and an LP over the layers alone
+        (``fine_paths.path_bound_s``): never above :meth:`relaxed_s`, at a fraction of its cost, and
+        above :meth:`balanced_s` where the pipeline's fill and drain matter; the closed form's, its
+        balanced bound."""
+        if not self.walked:
+            return self.balanced_s()
+        return path_bound_s(
+            self.costs, self.layers, self.stages, self.microbatches, self.schedule, self.chunks, self.group
+        )
 
     def relaxed_s(self, cap_bytes: float) -> float:
         """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
@@ -129,7 +140,8 @@ class GridBound:
     ``knobs`` (empty: the incumbent given, which no layout found beats); ``least_lp_s``, the least
     LP relaxation solved (a weaker bound, for reference); how many
     points were bounded, LP relaxations and integer programs solved, and how many of these
-    stopped at the node limit before proving their optimum."""
+    stopped at the node limit before proving their optimum; ``chains``, how many points were
+    bounded by their chains (``Point.chains_s``), of which the others needed their LP relaxation."""
 
     least_s: float
     best_s: float
@@ -139,6 +151,7 @@ class GridBound:
     lps: int
     programs: int
     node_limited: int
+    chains: int = 0
 
 
 def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterator[tuple[dict, Draft]]:
@@ -163,9 +176,10 @@ def grid_bound(
     module docstring), solving few programs: the points in increasing order of their balanced
     bound; each point's LP relaxation, and its integer program where that relaxation is under the
     best layout found so far; until the next balanced bound is at least that best layout (no later
-    point can beat it). ``least_lp_s`` is the least LP relaxation over every point: a point not
-    relaxed has a balanced bound, so a relaxation, of at least the best layout, itself at least
-    some relaxation. ``incumbent_s``: the objective of a layout known beforehand (the grid best's own,
+    point can beat it). A point's chains' bound (``Point.chains_s``, a relaxation of its LP
+    relaxation) is taken before its LP relaxation, which is solved only where that bound is under
+    the best so far (or ``enough_s``). ``least_lp_s`` is the least LP relaxation solved: a weaker
+    bound, for reference (every point not relaxed has a bound of at least the best layout). ``incumbent_s``: the objective of a layout known beforehand (the grid best's own,
     ``grid_plan_cost``), the best so far from the start: the points that cannot beat it are pruned
     from the first, and ``knobs`` stays empty when no layout found beats it. ``enough_s``: a bound that is
     enough (the incumbent over a target speedup): a point whose bound reaches it is solved no
@@ -179,10 +193,15 @@ def grid_bound(
         ranked.append((p.balanced_s(), i, knobs, p))
     ranked.sort(key=lambda t: (t[0], t[1]))
     best, least, least_lp, where = incumbent_s, math.inf, math.inf, {}
-    lps = programs = limited = 0
+    lps = programs = limited = chained = 0
     for balanced, _, knobs, p in ranked:
         if balanced >= min(best, enough_s):
             break
+        chained += 1
+        chains = p.chains_s()
+        if chains >= min(best, enough_s):
+            least = min(least, chains)
+            continue
         lps += 1
         relaxed = p.relaxed_s(cap)
         least_lp = min(least_lp, relaxed)
@@ -198,7 +217,7 @@ def grid_bound(
         if found < best:
             best, where = found, knobs
     # every point not reached has a balanced bound of at least best (or enough): least stays a bound for them
-    return GridBound(min(least, best, enough_s), best, where, least_lp, len(ranked), lps, programs, limited)
+    return GridBound(min(least, best, enough_s), best, where, least_lp, len(ranked), lps, programs, limited, chained)
 
 
 def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:

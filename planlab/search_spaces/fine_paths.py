@@ -26,10 +26,12 @@ import math
 import numpy as np
 
 from planlab.search_spaces.fine_costs import StageCosts
-from planlab.search_spaces.fine_walk import orders_of, walk_s
+from planlab.search_spaces.fine_walk import orders_of, walk_paths, walk_s
 from planlab.search_spaces.stages import StageLayout
 
 GAP = 1e-3  # relative: HiGHS stops once its layout is this close to its bound (0.1%)
+PATH_ROUNDS = 6  # path_bound_s' LPs at most, each after the walk's chains at the last one's layers
+PATH_GAIN = 1e-3  # relative: path_bound_s stops once a round lifts its bound less than this
 NODE_LIMIT = 200  # branch-and-bound nodes per walked program (deterministic): a node's LP has two rows per action
 
 
@@ -174,3 +176,97 @@ def _proven_s(res) -> float:
     if dual is not None and not math.isnan(dual):
         return float(dual)
     return float(res.fun) if res.status == 0 and res.x is not None else -math.inf
+
+
+def path_bound_s(c: StageCosts, layers: int, stages: int, m: int, schedule: str, chunks: int, group: int = 0) -> float:
+    """A lower bound on the walked program's objective, from a few of its chains and a small LP
+    (a variable per stage's layers, a row per chain), far cheaper than the program's relaxation
+    (a variable per action) and above :func:`walked_bound_s` where the pipeline's fill and drain
+    matter. Per device group, two chains of the action graph (module docstring): the forward of
+    the first micro-batch through the stages before the device's first action, the device's own
+    actions in order, then either its own sync, or the actions that wait in turn for its last
+    one (each previous stage's backward of that micro-batch), the rest of the device they reach
+    and that device's sync. Each chain is a sum of the program's rows, nothing recomputed (``k``
+    >= 0) and the cheaper sync per layer (offloaded or not); the memory rows are dropped. So the
+    LP over the layers alone (the program's bounds on them, their sum the model's layers), least
+    ``t`` at or above every chain, relaxes the program's LP relaxation and is never above it
+    (tests/test_fine.py). inf: no split of the layers meets the bounds."""
+    from scipy.optimize import linprog  # on first use: scipy takes a second to import
+
+    from planlab.search_spaces.fine import TIE, stage_extras
+
+    S, G = stages, stages // chunks
+    hop_s = c.p2p_s / 2 if G > 1 else 0.0
+    orders = [[(x.stage, x.phase, x.microbatch) for x in o] for o in orders_of(S, m, schedule, chunks, group)]
+    where = {a: (d, i) for d, o in enumerate(orders) for i, a in enumerate(o)}
+
+    def dep(a: tuple) -> tuple | None:  # what action ``a`` waits for besides its device (walked_objective's)
+        s, phase, mb = a
+        if phase == "F":
+            return (s - 1, "F", mb) if s > 0 else None
+        return (s + 1, "B", mb) if s < S - 1 else (s, "F", mb)
+
+    waiter = {dep(a): a for a in where if dep(a) is not None}  # each action's one waiter on another's result
+    extras = [stage_extras(c, s, S) for s in range(S)]
+    per_sync_s = min(c.sync_s, c.offload_sync_s)
+
+    def chain_row(steps: list[tuple], device: int) -> tuple[np.ndarray, float]:
+        """A chain's length, linear in the layers per stage: its actions, its transfers, ``device``'s sync."""
+        coefs, const = np.zeros(S), c.unit_sync_s
+        for i, (s, phase, _) in enumerate(steps):
+            share = c.forward_share if phase == "F" else 1 - c.forward_share
+            coefs[s] += share * c.layer_s
+            const += share * extras[s].time_s
+            crossed = i > 0 and dep(steps[i]) == steps[i - 1] and steps[i - 1][0] != s
+            const += hop_s if crossed else 0.0
+        for s in range(device, S, G):
+            coefs[s] += per_sync_s
+            const += extras[s].sync_s
+        return coefs, const
+
+    rows = []
+    for d, order in enumerate(orders):
+        prefix, a = [], dep(order[0])
+        while a is not None:
+            prefix.insert(0, a)
+            a = dep(a)
+        rows.append(chain_row(prefix + order, d))
+        suffix, a = [], order[-1]
+        while a in waiter:
+            a = waiter[a]
+            suffix.append(a)
+        if suffix:
+            e, i = where[suffix[-1]]
+            rows.append(chain_row(prefix + order + suffix + orders[e][i + 1 :], e))
+    lower = [1.0] * S
+    if chunks > 1:  # the program's bounds (fine.program_arrays): an interleaved end chunk may hold no layer
+        lower[0] = lower[-1] = 0.0
+    best_s = -math.inf
+    for _ in range(PATH_ROUNDS):
+        coefs = np.array([list(r) + [-1.0] for r, _ in rows])
+        got = linprog(
+            np.eye(S + 1)[S],
+            A_ub=coefs,
+            b_ub=[-const for _, const in rows],
+            A_eq=[[1.0] * S + [0.0]],
+            b_eq=[layers],
+            bounds=[(lo, layers) for lo in lower] + [(0, None)],
+            method="highs",
+        )
+        if got.status == 2:  # infeasible
+            return math.inf
+        if got.fun <= best_s * (1 + PATH_GAIN):
+            break
+        best_s = float(got.fun)
+        # the chains that set the walk at the LP's (fractional) layers: rows for every layout, as they order
+        # the same actions; the next LP moves the layers off them
+        at = StageLayout(tuple(float(n) for n in got.x[:S]), (), ())
+        for w in walk_paths(c, at, m, schedule, chunks, group):
+            coefs = np.array([c.forward_share * f + (1 - c.forward_share) * b for f, b in zip(w.forwards, w.backwards)])
+            const = w.hops * hop_s + float(coefs @ [e.time_s for e in extras]) + c.unit_sync_s
+            coefs = coefs * c.layer_s
+            for s in range(w.device, S, G):
+                coefs[s] += per_sync_s
+                const += extras[s].sync_s
+            rows.append((coefs, const))
+    return best_s + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
