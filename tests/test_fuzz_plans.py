@@ -12,13 +12,14 @@ import fuzz_plans  # noqa: E402
 # (index, what, Plan.describe(), refusals) as main 133605e drew them for seed 0; since then the pp space
 # names its uneven-stage knobs at their default 0 (an even split) in the assignment and the description,
 # the recompute space its module knobs at their default False, and the pp space Llama 3's pipeline group
-# at its default 0 (pp: Megatron-LM's order); the plan is the same
+# at its default 0 (pp: Megatron-LM's order) and its expert all-to-all overlap off; the plan is the same
 SEED0 = [
     (
         157,
         "llama-tiny on 2, pp {'pp': 2, 'schedule': '1f1b', 'virtual_stages': 1, 'first_stage_layers': 0, 'last_stage_layers': 0, '"
-        "pipeline_group': 0}",
-        "pp(first_stage_layers=0 last_stage_layers=0 pipeline_group=0 pp=2 schedule=1f1b virtual_stages=1) on 2 devices, "
+        "pipeline_group': 0, 'expert_overlap': False}",
+        "pp(expert_overlap=False first_stage_layers=0 last_stage_layers=0 pipeline_group=0 pp=2 schedule=1f1b "
+        "virtual_stages=1) on 2 devices, "
         "1 micro-batches",
         [],
     ),
@@ -36,8 +37,9 @@ SEED0 = [
     (
         162,
         "swin-tiny on 2, pp {'pp': 2, 'schedule': '1f1b', 'virtual_stages': 1, 'first_stage_layers': 0, 'last_stage_layers': 0, '"
-        "pipeline_group': 0}",
-        "pp(first_stage_layers=0 last_stage_layers=0 pipeline_group=0 pp=2 schedule=1f1b virtual_stages=1) on 2 devices, "
+        "pipeline_group': 0, 'expert_overlap': False}",
+        "pp(expert_overlap=False first_stage_layers=0 last_stage_layers=0 pipeline_group=0 pp=2 schedule=1f1b "
+        "virtual_stages=1) on 2 devices, "
         "1 micro-batches",
         [],
     ),
