@@ -47,16 +47,12 @@ from __future__ import annotations
 from planlab.graph.ir import Graph
 from planlab.plan.plan import RING_DIM
 from planlab.plan.zigzag import order_dependent
-from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space, divisors
 
 CP_KINDS = ("a2a", "ring", "allgather")
 RING_KINDS = ("ring", "allgather")  # the kinds that split the attention's queries' sequence (PlanBuilder.ring)
 # auto, the default: zigzag (Megatron-Core's for a causal ring) where the model computes the same in that order
 CP_LAYOUTS = ("auto", "zigzag", "contiguous")
-
-
-def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def sequence_length(g: Graph) -> int:
@@ -66,7 +62,7 @@ def sequence_length(g: Graph) -> int:
 
 
 def _cp_values(c: Context) -> tuple[int, ...]:
-    return tuple(d for d in _divisors(c.num_devices) if sequence_length(c.graph) % d == 0)
+    return tuple(d for d in divisors(c.num_devices) if sequence_length(c.graph) % d == 0)
 
 
 def context_parallel_dims(g: Graph, ring: bool = False) -> dict[str, str | None]:
@@ -216,7 +212,7 @@ class ContextParallel(Space):
             lambda a, c: (
                 f"cp={a['cp']} with cp_kind=a2a splits the {_heads_per_tp(a, c)} key/value heads of a "
                 f"tensor-parallel rank (tp={a.get('tp') or 1}), which it does not divide; choose cp in "
-                + ", ".join(str(d) for d in _divisors(_heads_per_tp(a, c)))
+                + ", ".join(str(d) for d in divisors(_heads_per_tp(a, c)))
                 + " or cp_kind=ring or allgather"
             ),
         ),

@@ -29,7 +29,7 @@ import re
 
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import Graph
-from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space
+from planlab.search_spaces.space import Constraint, Context, Draft, Knob, Space, divisors
 
 # The stacked expert weights of planlab's MoE families, ``(experts, in, out)`` (planlab.models.moe).
 EXPERT_WEIGHTS = re.compile(r"(^|\.)experts\.(w1|w2|w3)$")
@@ -104,13 +104,9 @@ def _num_experts(g: Graph) -> int:
     return next((g.tensors[t].shape[0] for t in g.tensors if EXPERT_WEIGHTS.search(t)), 0)
 
 
-def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
-
-
 def _ep_values(c: Context) -> tuple[int, ...]:
     e = num_experts(c.graph)
-    return tuple(d for d in _divisors(c.num_devices) if e % d == 0) if e else (1,)
+    return tuple(d for d in divisors(c.num_devices) if e % d == 0) if e else (1,)
 
 
 def _tp_over_etp(a: dict) -> int:
