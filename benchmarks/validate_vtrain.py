@@ -11,8 +11,9 @@ vTrain's own (8.37% and 14.73%), the mean signed error, the error by group (hidd
 micro-batch, tp, pp, dp, nodes), the worst runs and Kendall's tau of predicted against measured
 time within each model size, and how much of the signed error by micro-batch is the cost an
 iteration pays once (:func:`fixed_share`: per configuration measured at several global batches, the
-least-squares split of its times into a fixed cost and a cost per pipeline step, measured against
-predicted). ``--breakdown K`` then simulates the K worst runs of each set again
+least-squares split of its times into a fixed cost and a cost per pipeline step, vTrain's against
+predicted; on the single-node set vTrain's "fixed cost" is its composed constant plus its own all-reduce
+table, not a measured optimizer step: ``benchmarks/vtrain_composition.py``). ``--breakdown K`` then simulates the K worst runs of each set again
 with a timeline and prints where the predicted step goes on its slowest device (:func:`breakdown`).
 
     .venv/bin/python benchmarks/validate_vtrain.py [--every N] [--multi-every M] [--jobs 2] [--csv out.csv]
@@ -169,8 +170,8 @@ def fixed_share(df: pd.DataFrame) -> str:
         f"  once an iteration ({len(costs)} configurations at two or more global batches, {len(rows)} rows): "
         f"signed error % by micro-batch, the fixed cost's share and the rest:\n"
         + table.round(1).to_string()
-        + "\n  fixed cost, measured / predicted ms (median), hidden and tp (rows) x pp (columns):\n"
-        + cells.fillna("").to_string()
+        + "\n  fixed cost, vTrain's (single-node: composed, vtrain_composition.py) / predicted ms (median),"
+        " hidden and tp (rows) x pp (columns):\n" + cells.fillna("").to_string()
     )
 
 
