@@ -316,6 +316,7 @@ class DeepSeekConfig:
     route_group_topk: int = 1
     mtp_layers: int = 0
     mtp_loss_coef: float = 0.1
+    vocab_parallel: int = 0  # 1: Megatron-Core's vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
 
     @property
     def capacity(self) -> int:
@@ -340,7 +341,14 @@ class DeepSeekConfig:
         layer = self.attention_params() + 2 * h
         moe_layers = self.layers - self.dense_layers
         mtp = self.vocab * h + 3 * h + 2 * h * h + layer + moe
-        return 2 * self.vocab * h + self.layers * layer + self.dense_layers * dense + moe_layers * moe + h + self.mtp_layers * mtp
+        return (
+            2 * self.vocab * h
+            + self.layers * layer
+            + self.dense_layers * dense
+            + moe_layers * moe
+            + h
+            + self.mtp_layers * mtp
+        )
 
     def active_params(self) -> int:
         """Parameters one token uses: all but the ``experts - top_k`` routed experts it skips per MoE layer."""

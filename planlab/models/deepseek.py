@@ -54,15 +54,8 @@ import torch.nn.functional as F
 
 from planlab.models.configs import DeepSeekConfig  # noqa: F401 (re-exported)
 from planlab.models.llama import FeedForward, rotary_angles
-from planlab.models.moe import (
-    MoE,
-    Experts,
-    add_balance,
-    decoder_loss,
-    decoder_states,
-    route_to_experts,
-    with_balance_loss,
-)
+from planlab.models.moe import MoE, Experts, add_balance, route_to_experts, with_balance_loss
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 class LatentAttention(nn.Module):
@@ -176,10 +169,11 @@ class MultiTokenPrediction(nn.Module):
         self.norm = nn.RMSNorm(h, eps=cfg.norm_eps)
 
     def forward(
-        self, h: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # h: (B, T, C) the previous depth's normalised states; ids: (B, T) the tokens k places ahead
-        x = torch.cat((self.enorm(self.embed(ids)), self.hnorm(h)), dim=-1)  # (B, T, 2C)
+        # h: (B, T, C) the previous depth's normalised states; e: (B, T, C) the embedding (in
+        # self.embed, looked up by the model) of the tokens k places ahead
+        x = torch.cat((self.enorm(e), self.hnorm(h)), dim=-1)  # (B, T, 2C)
         x, aux = self.block(self.eh_proj(x), cos, sin)  # (B, T, C), (B,) or None
         return self.norm(x), aux
 
@@ -202,26 +196,41 @@ class DeepSeek(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not self.cfg.mtp_layers:  # a config constant
-            return decoder_loss(self, idx, targets)
-        # idx, targets: (B, T) token ids
-        x, aux = decoder_states(self, idx)  # (B, T, C), (B,) or None
+        # idx, targets: (B, T) token ids; the branches on the config are constants
+        x, aux = self.embed(self.tok_embeddings, idx), None  # (B, T, C)
+        for block in self.blocks:
+            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
+            aux = add_balance(aux, a)
+        if not self.cfg.mtp_layers:
+            loss = self.cross_entropy(self.output(self.norm(x)), targets)  # logits (B, T, V)
+            return with_balance_loss(self, loss, aux, idx.shape[0])
         states, ids = [self.norm(x)], idx  # per depth (B, T, C): the main model's, then each module's
         for module in self.mtp:
             ids = torch.roll(ids, -1, dims=1)  # (B, T) the tokens one place further ahead
-            h, a = module(states[-1], ids, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
-            states.append(h)
+            h, a = module(states[-1], self.embed(module.embed, ids), self.rope_cos, self.rope_sin)
+            states.append(h)  # (B, T, C)
             aux = add_balance(aux, a)
         # the shared head scores every depth at once: (B, T, 1 + D, V)
         logits = self.output(torch.cat([h.unsqueeze(2) for h in states], dim=2))
-        loss = F.cross_entropy(logits[:, :, 0].flatten(0, 1), targets.flatten(0, 1))
+        loss = self.cross_entropy(logits[:, :, 0], targets)
         extra, later = None, targets
         for k in range(1, len(states)):
             later = torch.roll(later, -1, dims=1)  # (B, T) the targets k places further on
-            term = F.cross_entropy(logits[:, :, k].flatten(0, 1), later.flatten(0, 1))
+            term = self.cross_entropy(logits[:, :, k], later)
             extra = term if extra is None else extra + term
         loss = loss + extra * (self.cfg.mtp_loss_coef / self.cfg.mtp_layers)
         return with_balance_loss(self, loss, aux, idx.shape[0])
+
+    def embed(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding (B, T, C) of ``ids`` (B, T) in ``table``, vocabulary-parallel with ``vocab_parallel``."""
+        return vocab_embedding(ids, table.weight) if self.cfg.vocab_parallel else table(ids)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy of ``logits`` (B, T, V) against ``targets`` (B, T), as Megatron-Core's
+        vocabulary-parallel loss with ``vocab_parallel``."""
+        if self.cfg.vocab_parallel:
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     # token ids and next-token targets of shape (batch, seq), as the MoE family's
     example_inputs = staticmethod(MoE.example_inputs)
