@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import traced
 
+import dataclasses
 import json
 
 from planlab.cli import LOSS_TOL
@@ -131,6 +132,17 @@ def test_up_projections_alone_free_more_than_none_and_cost_less_than_with_the_co
     with_core = simulate(_up_proj_program(deepseek, "selective")[1], FP8)
     assert alone.peak_mem_bytes < none.peak_mem_bytes
     assert none.iter_time_s < alone.iter_time_s < with_core.iter_time_s
+    # the explorer's bound and the screen leave the discarded outputs out, and stay below the simulation
+    knobs = dict(dp=2, tp=1, pp=1, microbatch=2, recompute="none", recompute_mla_up_proj=True)
+    plan = get_space("megatron").build(ctx, knobs)
+    bound = sum(memory_lower_bound_bytes(plan, g, FP8.precision, FP8.software))
+    draft = get_space("megatron").draft(ctx, knobs)
+    screen = Screen(g, FP8, FP8.precision).estimate(draft).bound_bytes
+    assert bound <= alone.peak_mem_bytes and screen <= alone.peak_mem_bytes
+    # counted as kept, the queries, keys and values would raise both
+    kept = sum(memory_lower_bound_bytes(dataclasses.replace(plan, discard_outputs=()), g, FP8.precision, FP8.software))
+    draft.discard_outputs = set()
+    assert kept > bound and Screen(g, FP8, FP8.precision).estimate(draft).bound_bytes > screen
 
 
 def test_a_plan_file_keeps_the_discarded_groups(deepseek):
