@@ -74,3 +74,14 @@ def test_a_pipeline_with_the_module_on_2_ranks_matches_one_process():
     plan = get_space("megatron").build(ctx, dict(dp=1, tp=1, pp=2, microbatch=2))
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+
+
+def test_a_vocabulary_parallel_head_splits_over_tp_and_matches_one_process():
+    spec, g = traced("deepseek-tiny", 8, MTP + (("vocab_parallel", 1),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    plan = get_space("megatron").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=2, sequence_parallel=True))
+    # Megatron-Core's column-parallel output layer: the head's vocabulary split over the tp ranks
+    assert "n" in plan.op_plan("output").dims
+    assert [op.kind for op in g.operators].count("vocab_cross_entropy") == 2
+    res = launch_local(plan, 2, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
