@@ -161,3 +161,25 @@ def test_up_projections_alone_on_2_ranks_match_one_process(deepseek):
     plan = get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=1, microbatch=2, recompute_mla_up_proj=True))
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+
+
+def test_the_experts_second_gemm_keeps_the_remade_activation_under_moe_act(deepseek):
+    spec, g = deepseek
+    bf16 = CostModel.load("dgx-h100", 1, software="megatron", precision="bf16")
+    ctx = Context(g, spec, 8, "dgx-h100", 1, 2, 8)
+    peaks = []
+    for more in ({}, dict(recompute_moe_act=True)):
+        plan = get_space("megatron").build(ctx, dict(dp=2, ep=2, tp=1, pp=1, microbatch=2, **more))
+        program = build_program(plan, g, bf16)
+        peaks.append(simulate(program, bf16).peak_mem_bytes)
+    act = module_groups(g, "recompute_moe_act")
+    assert set(plan.discard_outputs) == set(act.values())
+    made = {t for op in g.operators if op.name in act for t in op.outputs}
+    second = [
+        t
+        for b in program.devices[0].blocks.values()
+        for t in b.tasks
+        if t.kind is TaskKind.BACKWARD and any(x.tensor in made for x in t.saved) and t.op not in act
+    ]
+    assert second and all(x.kind is BufferKind.RECOMPUTED for t in second for x in t.saved if x.tensor in made)
+    assert peaks[1] < peaks[0]

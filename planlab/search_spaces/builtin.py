@@ -14,7 +14,7 @@ from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
-from planlab.search_spaces.recompute_modules import DISCARDED, MODULE_DOCS, MODULE_KNOBS, layer_number, module_groups
+from planlab.search_spaces.recompute_modules import MODULE_DOCS, MODULE_KNOBS, discards, layer_number, module_groups
 from planlab.search_spaces.interleaved import interleaved_constraints, interleaved_knobs
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
@@ -671,7 +671,7 @@ class Recompute(Space):
             if values.get(knob):
                 groups = module_groups(g, knob, alone=mode == "none")
                 draft.recompute.update(groups)
-                if knob in DISCARDED and mode == "none":
+                if discards(knob, mode):
                     draft.discard_outputs.update(groups.values())
 
 

@@ -8,7 +8,10 @@ each a bool set only with ``--set`` (an exploration keeps them off):
 
 - ``recompute_moe_act``: the experts' activation (SwiGLU's ``silu`` and product: the operators of a
   layer's ``experts`` module that are not its GEMMs), as ``moe_act`` and as DeepSeek-V3 does
-  (report section 3.3.3: the SwiGLU's inputs are cached and its output recomputed);
+  (report section 3.3.3: the SwiGLU's inputs are cached and its output recomputed). Megatron-Core
+  (core_r0.14.0 ``moe/experts.py``) frees its output once the second GEMM has run and makes it again
+  for that GEMM's backward: a group whose outputs are discarded too (under FP8 the GEMM keeps its
+  input's FP8 cast, which stays);
 - ``recompute_mlp``: the whole MLP of the layers without routed experts (the dense layers'
   ``feed_forward``), as ``mlp``;
 - ``recompute_mla_up_proj``: multi-head latent attention's up-projections (the query and key/value
@@ -47,8 +50,16 @@ MODULE_DOCS = {
     "recompute_mla_up_proj": "latent attention (an 'attention' module with 'wq_b' and 'wkv_b')",
 }
 MODULE_KNOBS = tuple(MODULE_DOCS)
-# the knobs whose groups discard their outputs when alone (Megatron-Core's CheckpointWithoutOutput)
-DISCARDED = frozenset({"recompute_mla_up_proj"})
+# the knobs whose groups discard their outputs when alone (Megatron-Core's CheckpointWithoutOutput:
+# multi_latent_attention.py for mla_up_proj, moe/experts.py for moe_act, whose output fc2 reads)
+DISCARDED = frozenset({"recompute_mla_up_proj", "recompute_moe_act"})
+
+
+def discards(knob: str, mode: str) -> bool:
+    """Whether knob ``knob``'s groups discard their outputs under ``recompute=mode``: the
+    ``CheckpointWithoutOutput`` modules (:data:`DISCARDED`) in a group of their own (the
+    up-projections join the attention core's group under ``selective``)."""
+    return knob in DISCARDED and (mode == "none" or knob != "recompute_mla_up_proj")
 
 
 def layer_number(g: Graph, module: str) -> int | None:
