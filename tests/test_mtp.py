@@ -66,6 +66,8 @@ def test_bad_module_counts_are_one_line():
         ModelSpec("deepseek-tiny", (("mtp_layers", -1),)).config()
     with pytest.raises(ConfigError, match=r"^mtp_loss_coef=-0.5 must be at least 0"):
         ModelSpec("deepseek-tiny", (("mtp_loss_coef", -0.5),)).config()
+    with pytest.raises(ConfigError, match=r"^vocab_parallel=2 must be 0 or 1"):
+        ModelSpec("deepseek-tiny", (("vocab_parallel", 2),)).config()
 
 
 def test_a_pipeline_with_the_module_on_2_ranks_matches_one_process():
