@@ -37,6 +37,7 @@ def memory_lower_bound_bytes(
     fwd_only = forward_only_of(graph)  # recycling: passes without backward keep nothing, share the weights
     plans = {p.op: p for p in plan.ops}
     shards = _ShardAxes(plan, graph)
+    gone = discarded_tensors(plan, graph)  # remade for the backward of the operators reading them
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
@@ -61,7 +62,7 @@ def memory_lower_bound_bytes(
         if p.recompute or p.offload or p.op in fwd_only:
             continue  # a recomputed operator keeps nothing for its backward, an offloaded one nothing on the device
         for key, nbytes in saved_activations(op, p, graph, software, prec, m, plans):
-            if key not in acc[2]:
+            if key not in acc[2] and key[0] not in gone:
                 acc[2].add(key)
                 acc[1][p.stage] = acc[1].get(p.stage, 0.0) + nbytes
     static = [0.0] * plan.num_devices
@@ -82,6 +83,15 @@ def memory_lower_bound_bytes(
         if sum(total) > sum(worst):
             worst = total
     return int(worst[0]), int(worst[1])
+
+
+def discarded_tensors(plan: Plan, graph: Graph) -> frozenset[str]:
+    """The outputs of the operators of a plan's recompute groups whose outputs are discarded too
+    (``Plan.discard_outputs``): no operator keeps them across the step's forward and backward."""
+    if not plan.discard_outputs:
+        return frozenset()
+    groups = set(plan.discard_outputs)
+    return frozenset(t for p in plan.ops if p.recompute in groups for t in graph.op(p.op).outputs)
 
 
 def _activation_peak(schedule, saved: dict[int, float], m: int) -> float:

@@ -287,7 +287,9 @@ class DeepSeekConfig:
     """Sizes of a DeepSeek-V3-style decoder (names as in the module docstring; ``ffn_hidden`` is
     the dense layers' SwiGLU width, ``moe_ffn_hidden`` one expert's; ``route_groups`` and
     ``route_group_topk``: each token's experts come from the best ``route_group_topk`` of
-    ``route_groups`` equal groups, 1 and 1 for no limit)."""
+    ``route_groups`` equal groups, 1 and 1 for no limit; ``mtp_layers`` multi-token-prediction
+    modules, each predicting one token further, their losses weighted ``mtp_loss_coef`` / ``mtp_layers``:
+    DeepSeek-V3 report section 2.2, Megatron-Core's ``mtp_num_layers`` and ``mtp_loss_scaling_factor``)."""
 
     layers: int
     dense_layers: int
@@ -312,6 +314,9 @@ class DeepSeekConfig:
     norm_eps: float = 1e-6
     route_groups: int = 1
     route_group_topk: int = 1
+    mtp_layers: int = 0
+    mtp_loss_coef: float = 0.1
+    vocab_parallel: int = 0  # 1: Megatron-Core's vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
 
     @property
     def capacity(self) -> int:
@@ -327,18 +332,28 @@ class DeepSeekConfig:
         return q + kv + n * self.v_head_dim * h
 
     def num_params(self) -> int:
-        """Parameter count of the module: embedding, layers, final norm and untied output."""
+        """Parameter count of the module: embedding, layers, final norm and untied output, and per
+        multi-token-prediction module its embedding table (the copy Megatron-Core keeps on the
+        module's stage), its three norms, its projection of the two halves and a MoE layer."""
         h = self.hidden
         dense = 3 * h * self.ffn_hidden
         moe = h * self.experts + (self.experts + self.shared_experts) * 3 * h * self.moe_ffn_hidden
         layer = self.attention_params() + 2 * h
         moe_layers = self.layers - self.dense_layers
-        return 2 * self.vocab * h + self.layers * layer + self.dense_layers * dense + moe_layers * moe + h
+        mtp = self.vocab * h + 3 * h + 2 * h * h + layer + moe
+        return (
+            2 * self.vocab * h
+            + self.layers * layer
+            + self.dense_layers * dense
+            + moe_layers * moe
+            + h
+            + self.mtp_layers * mtp
+        )
 
     def active_params(self) -> int:
         """Parameters one token uses: all but the ``experts - top_k`` routed experts it skips per MoE layer."""
         skipped = (self.experts - self.top_k) * 3 * self.hidden * self.moe_ffn_hidden
-        return self.num_params() - (self.layers - self.dense_layers) * skipped
+        return self.num_params() - (self.layers - self.dense_layers + self.mtp_layers) * skipped
 
     def __str__(self) -> str:
         return (

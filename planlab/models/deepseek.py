@@ -27,8 +27,23 @@ cost ``seq x top_k`` tokens, as dropless routing with a balanced load does).
 Node-limited routing (section 2.1.2; ``route_groups`` and ``route_group_topk``, the released
 ``modeling_deepseek.py``'s ``n_group`` and ``topk_group``): a group's score is the sum of its two
 best biased affinities, and the experts outside the best ``route_group_topk`` groups are ranked
-at 0, as that file masks them. Left out: the multi-token-prediction module (one more layer at
-depth 1, section 2.2) and FP8 training.
+at 0, as that file masks them.
+
+Multi-token prediction (section 2.2; ``mtp_layers`` modules, Megatron-Core core_r0.14.0's
+``MultiTokenPredictionLayer`` in ``megatron/core/transformer/multi_token_prediction.py``): module
+``k`` takes the previous depth's normalised output (the decoder's after its final norm), normalises
+it again (``hnorm``) and joins it with the normalised embedding (``enorm``) of the tokens ``k``
+places ahead (the ids rolled by one more place per depth), projects the ``2 x hidden`` join to
+``hidden`` (``eh_proj``), runs one MoE decoder layer and its own final norm, and scores the result
+with the main output head against the targets ``k`` places further on. Megatron-Core keeps a copy
+of the embedding table on the module's pipeline stage (``GPTModel.embedding`` when
+``mtp_process``), so each module has its own table here; the output head is shared as there: the
+main and the modules' states go through the one output layer together (stacked on an axis of
+``1 + mtp_layers``). The modules' losses are weighted ``mtp_loss_coef / mtp_layers``
+(``mtp_loss_scaling_factor / mtp_num_layers``). Megatron-Core masks the last ``k`` positions of
+depth ``k``'s loss (their targets run past the sequence); here their targets wrap around (the
+rolled targets), which changes the loss's value by a ``k / seq`` share and no cost. Left out: FP8
+training (a software option, not the module).
 """
 
 from __future__ import annotations
@@ -39,7 +54,8 @@ import torch.nn.functional as F
 
 from planlab.models.configs import DeepSeekConfig  # noqa: F401 (re-exported)
 from planlab.models.llama import FeedForward, rotary_angles
-from planlab.models.moe import MoE, Experts, decoder_loss, route_to_experts
+from planlab.models.moe import MoE, Experts, add_balance, route_to_experts, with_balance_loss
+from planlab.models.vocab_parallel import vocab_cross_entropy, vocab_embedding
 
 
 class LatentAttention(nn.Module):
@@ -138,6 +154,30 @@ class Block(nn.Module):
         return x + y, aux
 
 
+class MultiTokenPrediction(nn.Module):
+    """One multi-token-prediction module (see the module docstring): returns its normalised
+    output, which the shared head scores and the next module reads, and its balance loss."""
+
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        h = cfg.hidden
+        self.embed = nn.Embedding(cfg.vocab, h)  # Megatron-Core's copy on the module's stage
+        self.enorm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.hnorm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = Block(cfg, moe=cfg.dense_layers < cfg.layers)
+        self.norm = nn.RMSNorm(h, eps=cfg.norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # h: (B, T, C) the previous depth's normalised states; e: (B, T, C) the embedding (in
+        # self.embed, looked up by the model) of the tokens k places ahead
+        x = torch.cat((self.enorm(e), self.hnorm(h)), dim=-1)  # (B, T, 2C)
+        x, aux = self.block(self.eh_proj(x), cos, sin)  # (B, T, C), (B,) or None
+        return self.norm(x), aux
+
+
 class DeepSeek(nn.Module):
     """DeepSeek-V3-style decoder whose forward returns the mean next-token cross-entropy plus
     ``aux_loss_coef`` times the sequence-wise balance loss summed over the MoE layers."""
@@ -151,10 +191,46 @@ class DeepSeek(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # (T, rope)
         self.blocks = nn.ModuleList(Block(cfg, i >= cfg.dense_layers) for i in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        # after the layers and the final norm (an empty list without multi-token prediction)
+        self.mtp = nn.ModuleList(MultiTokenPrediction(cfg) for _ in range(cfg.mtp_layers))
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return decoder_loss(self, idx, targets)
+        # idx, targets: (B, T) token ids; the branches on the config are constants
+        x, aux = self.embed(self.tok_embeddings, idx), None  # (B, T, C)
+        for block in self.blocks:
+            x, a = block(x, self.rope_cos, self.rope_sin)  # (B, T, C), (B,) or None
+            aux = add_balance(aux, a)
+        if not self.cfg.mtp_layers:
+            loss = self.cross_entropy(self.output(self.norm(x)), targets)  # logits (B, T, V)
+            return with_balance_loss(self, loss, aux, idx.shape[0])
+        states, ids = [self.norm(x)], idx  # per depth (B, T, C): the main model's, then each module's
+        for module in self.mtp:
+            ids = torch.roll(ids, -1, dims=1)  # (B, T) the tokens one place further ahead
+            h, a = module(states[-1], self.embed(module.embed, ids), self.rope_cos, self.rope_sin)
+            states.append(h)  # (B, T, C)
+            aux = add_balance(aux, a)
+        # the shared head scores every depth at once: (B, T, 1 + D, V)
+        logits = self.output(torch.cat([h.unsqueeze(2) for h in states], dim=2))
+        loss = self.cross_entropy(logits[:, :, 0], targets)
+        extra, later = None, targets
+        for k in range(1, len(states)):
+            later = torch.roll(later, -1, dims=1)  # (B, T) the targets k places further on
+            term = self.cross_entropy(logits[:, :, k], later)
+            extra = term if extra is None else extra + term
+        loss = loss + extra * (self.cfg.mtp_loss_coef / self.cfg.mtp_layers)
+        return with_balance_loss(self, loss, aux, idx.shape[0])
+
+    def embed(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding (B, T, C) of ``ids`` (B, T) in ``table``, vocabulary-parallel with ``vocab_parallel``."""
+        return vocab_embedding(ids, table.weight) if self.cfg.vocab_parallel else table(ids)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy of ``logits`` (B, T, V) against ``targets`` (B, T), as Megatron-Core's
+        vocabulary-parallel loss with ``vocab_parallel``."""
+        if self.cfg.vocab_parallel:
+            return vocab_cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1)).reshape(())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
     # token ids and next-token targets of shape (batch, seq), as the MoE family's
     example_inputs = staticmethod(MoE.example_inputs)

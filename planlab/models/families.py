@@ -305,7 +305,11 @@ DEEPSEEK_PRESETS: dict[str, DeepSeekConfig] = {
 def _check_deepseek(cfg: DeepSeekConfig) -> None:
     for name in DeepSeekConfig.__dataclass_fields__:
         v = getattr(cfg, name)
-        if isinstance(v, int) and name not in ("dense_layers", "shared_experts") and v < 1:
+        if (
+            isinstance(v, int)
+            and name not in ("dense_layers", "shared_experts", "mtp_layers", "vocab_parallel")
+            and v < 1
+        ):
             raise ConfigError(f"{name}={v} must be at least 1")
     if not 0 <= cfg.dense_layers <= cfg.layers:
         raise ConfigError(f"dense_layers={cfg.dense_layers} must be between 0 and layers={cfg.layers}")
@@ -320,6 +324,12 @@ def _check_deepseek(cfg: DeepSeekConfig) -> None:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be positive")
     if cfg.aux_loss_coef < 0:
         raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be at least 0")
+    if cfg.mtp_layers < 0:
+        raise ConfigError(f"mtp_layers={cfg.mtp_layers} must be at least 0 (0: no multi-token prediction)")
+    if cfg.vocab_parallel not in (0, 1):
+        raise ConfigError(f"vocab_parallel={cfg.vocab_parallel} must be 0 or 1")
+    if cfg.mtp_loss_coef < 0:
+        raise ConfigError(f"mtp_loss_coef={cfg.mtp_loss_coef} must be at least 0")
     if cfg.experts % cfg.route_groups or not cfg.route_group_topk <= cfg.route_groups:
         raise ConfigError(
             f"route_groups={cfg.route_groups} must divide experts={cfg.experts}, and route_group_topk="

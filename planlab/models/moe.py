@@ -163,15 +163,34 @@ def decoder_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> 
     ``model`` has ``tok_embeddings``, ``blocks``, ``rope_cos``/``rope_sin``, ``norm``, ``output`` and
     ``cfg`` (:class:`MoE`, :class:`planlab.models.deepseek.DeepSeek`)."""
     # idx, targets: (B, T) token ids
+    x, aux = decoder_states(model, idx)  # (B, T, C), (B,) or None
+    logits = model.output(model.norm(x))  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+    return with_balance_loss(model, loss, aux, idx.shape[0])
+
+
+def decoder_states(model: nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The last layer's output (B, T, C) for token ids ``idx`` (B, T), and the balance losses
+    summed over the layers ((B,), None without any); ``model`` as in :func:`decoder_loss`."""
     x = model.tok_embeddings(idx)  # (B, T, C)
     aux = None
     for block in model.blocks:
         x, a = block(x, model.rope_cos, model.rope_sin)  # (B, T, C), (B,) or None
-        if a is not None:  # None for dense layers and without a balance loss: config constants
-            aux = a if aux is None else aux + a
-    logits = model.output(model.norm(x))  # (B, T, V)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        aux = add_balance(aux, a)
+    return x, aux
+
+
+def add_balance(aux: torch.Tensor | None, a: torch.Tensor | None) -> torch.Tensor | None:
+    """Two per-sample balance losses summed (None for dense layers and without a balance loss:
+    config constants, so the traced graph has no branch)."""
+    if a is None:
+        return aux
+    return a if aux is None else aux + a
+
+
+def with_balance_loss(model: nn.Module, loss: torch.Tensor, aux: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """``loss`` plus ``aux_loss_coef`` times the balance losses ``aux`` (B,) averaged over the batch."""
     if aux is None:
         return loss
     # the batch mean as a sum over samples divided by the whole batch, so pieces add up
-    return loss + aux.sum() * (model.cfg.aux_loss_coef / idx.shape[0])
+    return loss + aux.sum() * (model.cfg.aux_loss_coef / batch)

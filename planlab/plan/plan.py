@@ -136,6 +136,10 @@ class Plan:
     # the ring attentions all-gather their keys and values over the ring instead of passing them around
     # (context parallelism as Llama 3 runs it, cp_kind=allgather: planlab.plan.program.Ring.gather)
     kv_gather: bool = False
+    # recompute groups whose outputs are dropped too: freed once the operators after the group have
+    # run their forward, and remade for those operators' backward (Megatron-Core's
+    # CheckpointWithoutOutput with discard_output_and_register_recompute, PlanBuilder.discard_outputs)
+    discard_outputs: tuple[int, ...] = ()
 
     def __deepcopy__(self, memo) -> "Plan":
         # immutable all the way down: a copy is the plan itself (pandas deep-copies a DataFrame's
@@ -191,6 +195,7 @@ class PlanBuilder:
         self._ring: set[str] = set()
         self._zigzag = False
         self._kv_gather = False
+        self._discard: set[int] = set()
         self._checked: set[tuple[int, ...]] = set()
         self._microbatches = 1
         self._zero = 0
@@ -265,6 +270,16 @@ class PlanBuilder:
         if not isinstance(group, int) or group < 0:
             raise InfeasiblePlan(f"recompute({op!r}): the group must be a non-negative integer, got {group!r}")
         self._recompute[op] = group
+
+    def discard_outputs(self, group: int) -> None:
+        """Drop recompute ``group``'s outputs as well as what it keeps inside: the operators that
+        read them keep no copy for their backward and read the ones the group's recomputation makes,
+        which then runs before the first of those backwards (Megatron-Core's
+        ``CheckpointWithoutOutput``: MLA's ``mla_up_proj`` frees the queries, keys and values once the
+        attention core has read them)."""
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise InfeasiblePlan(f"discard_outputs({group!r}): the group must be a positive integer")
+        self._discard.add(group)
 
     def offload_activations(self, op: str, group: int) -> None:
         """Keep what ``op``'s backward saves in host memory (activation offload, as Megatron-Core's
@@ -390,4 +405,5 @@ class PlanBuilder:
             offload_stages=self._offload_stages,
             zigzag=self._zigzag,
             kv_gather=self._kv_gather,
+            discard_outputs=tuple(sorted(self._discard)),
         )

@@ -3,7 +3,8 @@
 Version 3 (written) lists each distinct device mesh once (``meshes``), each distinct split and
 placement once (``placements``: dims, sizes, mesh, stage, recompute, and ``ring`` for an attention run as
 ring attention, written only when true, so a plan without one is the file it was before; ``zigzag`` likewise at the
-top, for the tokens in a zigzag ring's order, and ``kv_gather`` for rings run by all-gather), every operator by name with
+top, for the tokens in a zigzag ring's order, ``kv_gather`` for rings run by all-gather, and ``discard_outputs`` for
+the recompute groups whose outputs are remade too), every operator by name with
 the index of its placement (``ops``), and each distinct schedule once (``schedules``, with
 ``device_schedule`` giving each device's), so a plan for 1,024 devices does not repeat its device
 lists per operator. Versions 1 and 2 (read) list every operator with its devices, and every
@@ -66,6 +67,7 @@ def plan_to_dict(plan: Plan) -> dict:
         **({"offload_stages": list(plan.offload_stages)} if plan.offload_stages else {}),
         **({"zigzag": True} if plan.zigzag else {}),
         **({"kv_gather": True} if plan.kv_gather else {}),
+        **({"discard_outputs": list(plan.discard_outputs)} if plan.discard_outputs else {}),
         **({"software": plan.software} if plan.software else {}),
         **({"precision": plan.precision} if plan.precision else {}),
     }
@@ -134,6 +136,7 @@ def plan_from_dict(d: dict, where: str = "plan") -> Plan:
         precision=_optional_text(d, "precision", where),
         zigzag=_flag(d, "zigzag", where),
         kv_gather=_flag(d, "kv_gather", where),
+        discard_outputs=_discard_outputs(d, where),
     )
 
 
@@ -314,6 +317,15 @@ def _flag(d: dict, name: str, where: str) -> bool:
     if not isinstance(on, bool):
         raise PlanFileError(f"{where}: field {name!r} must be true or false, got {on!r}")
     return on
+
+
+def _discard_outputs(d: dict, where: str) -> tuple[int, ...]:
+    groups = d.get("discard_outputs", [])
+    if not isinstance(groups, list) or not all(
+        isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in groups
+    ):
+        raise PlanFileError(f"{where}: field 'discard_outputs' must be a list of recompute groups >= 1, got {groups!r}")
+    return tuple(sorted(set(groups)))
 
 
 def _offload_stages(d: dict, where: str) -> tuple[int, ...]:

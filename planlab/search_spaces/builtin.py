@@ -14,7 +14,7 @@ from planlab.search_spaces.recycling_passes import num_passes, passes_of
 from planlab.search_spaces.registry import parse_space, register_space, space_names
 from planlab.search_spaces.context import ContextParallel
 from planlab.search_spaces.experts import ExpertParallel, ExpertTensorParallel
-from planlab.search_spaces.recompute_modules import MODULE_DOCS, MODULE_KNOBS, module_groups
+from planlab.search_spaces.recompute_modules import MODULE_DOCS, MODULE_KNOBS, discards, layer_number, module_groups
 from planlab.search_spaces.interleaved import interleaved_constraints, interleaved_knobs
 from planlab.search_spaces.schedules import SCHEDULES
 from planlab.search_spaces.schedules_v import V_SCHEDULES
@@ -637,20 +637,13 @@ class Recompute(Space):
         Knob.bool("recompute_moe_act", "recompute the experts' activation (Megatron-Core's moe_act)", pinned=True),
         Knob.bool("recompute_mlp", "recompute the dense layers' MLP (Megatron-Core's mlp)", pinned=True),
         Knob.bool(
-            "recompute_mla_up_proj", "recompute MLA's up-projections with the attention core (mla_up_proj)", pinned=True
+            "recompute_mla_up_proj", "recompute MLA's up-projections, freeing their outputs (mla_up_proj)", pinned=True
         ),
     )
     constraints = (
         Constraint(
             lambda a, c: a["recompute"] in (None, "none", "selective", "full"),
             lambda a, c: f"recompute={a['recompute']!r}: choose 'none', 'selective' or 'full'",
-        ),
-        Constraint(
-            lambda a, c: not a.get("recompute_mla_up_proj") or a.get("recompute") == "selective",
-            lambda a, c: (
-                f"recompute_mla_up_proj=true with recompute={a.get('recompute')!r}: planlab recomputes the "
-                "up-projections in one group with the attention core, so it needs recompute='selective'"
-            ),
         ),
         Constraint(
             lambda a, c: not any(a.get(k) for k in MODULE_KNOBS) or a.get("recompute") != "full",
@@ -676,7 +669,10 @@ class Recompute(Space):
             draft.recompute.update(recompute_groups(g, mode))
         for knob in MODULE_KNOBS:
             if values.get(knob):
-                draft.recompute.update(module_groups(g, knob))
+                groups = module_groups(g, knob, alone=mode == "none")
+                draft.recompute.update(groups)
+                if discards(knob, mode):
+                    draft.discard_outputs.update(groups.values())
 
 
 def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
@@ -685,9 +681,9 @@ def recompute_groups(g: Graph, mode: str) -> dict[str, int]:
     def compute() -> dict[str, int]:
         out = {}
         for op in g.operators:
-            m = LAYER_MODULE.search(op.module)
-            if m and (mode == "full" or op.kind in ATTENTION_CORE):
-                out[op.name] = int(m.group(2)) + 1
+            layer = layer_number(g, op.module)  # a multi-token-prediction module's layer too
+            if layer is not None and (mode == "full" or op.kind in ATTENTION_CORE):
+                out[op.name] = layer + 1
         return out
 
     return g.memo(("recompute_groups", mode), compute)

@@ -171,7 +171,7 @@ class Screen:
         if stages and d.vshape:  # stage s on group s % G as chunk s // G: the V's way back numbered G + group
             G = d.groups
             stages = tuple(s if s < G else G + v_rank(s, G) for s in stages)
-        rc = tuple(d.recompute.items()) if d.recompute else None
+        rc = (tuple(d.recompute.items()), tuple(sorted(d.discard_outputs))) if d.recompute else None
         co = tuple(d.colocate.items()) if d.colocate else None  # (op, (dim, k)): k is what counts
         off = tuple(sorted(d.offload_acts)) if d.offload_acts else None
         key = (
@@ -201,11 +201,27 @@ class Screen:
                 if split is None:
                     split = self._splits[(skey, key[4])] = colocated(self._splits[skey], pieces, self._values)
             offs = np.array([x in d.offload_acts for x in names], dtype=bool) if off else None
+            gone = self._discarded(d, names, split) if rc and d.discard_outputs else None
             got = self._structures[key] = aggregate(
-                self.t, split, np.array(stages or [0] * n, dtype=np.int64), rcs, d.groups, self._values, pieces, offs
+                self.t,
+                split,
+                np.array(stages or [0] * n, dtype=np.int64),
+                rcs,
+                d.groups,
+                self._values,
+                pieces,
+                offs,
+                gone,
             )
             got.ids = [self._profile_ids.setdefault(p, len(self._profile_ids)) for p in got.profiles]
         return got
+
+    def _discarded(self, d, names, split) -> np.ndarray:
+        """Per saved buffer of ``split``, whether it is an output of a recompute group whose outputs
+        are discarded too (``Draft.discard_outputs``): its readers keep the remade one instead."""
+        groups = set(d.discard_outputs)
+        made = {t for x in names if d.recompute.get(x, 0) in groups for t in self.graph.op(x).outputs}
+        return np.array([self._values.values[k][0] in made for k in split.s_key.tolist()], dtype=bool)
 
     # -- prices ------------------------------------------------------------------------
     def _compute_s(self, work: int, pieces: int, m: int, phase: str, cut: tuple = ()) -> float:

@@ -649,10 +649,12 @@ def aggregate(
     ids: Ids,
     pieces: np.ndarray | None = None,
     offs: np.ndarray | None = None,
+    gone: np.ndarray | None = None,
 ) -> Structure:
     """Per device group (stage ``s`` runs on group ``s % G``), the profile of one micro-batch;
     ``pieces[i]``: tasks operator ``i`` runs in turn per micro-batch (co-located pieces; None: 1);
-    ``offs[i]``: operator ``i``'s saved activations are offloaded to the host (None: none are)."""
+    ``offs[i]``: operator ``i``'s saved activations are offloaded to the host (None: none are);
+    ``gone[j]``: saved buffer ``j`` is remade for its readers' backward (None: none is)."""
     grp = stage % G
     rc = (rcs != 0) & ~t.fwd_only  # a pass without backward has nothing to recompute
     hb = t.has_backward
@@ -672,7 +674,7 @@ def aggregate(
     wop = hb & (sp.wkey >= 0)  # operators with a weight-gradient part
     dy = np.bincount(grp[wop], weights=sp.work[wop], minlength=G)
     # saved activations: each buffer once per group (several operators may save one), not when recomputed
-    keep = ~rc[sp.s_op]
+    keep = ~rc[sp.s_op] if gone is None else ~rc[sp.s_op] & ~gone
     s_op, s_bytes, s_key = sp.s_op[keep], sp.s_bytes[keep], sp.s_key[keep]
     key = grp[s_op] * (len(ids.values) + 1) + s_key  # a buffer in a group
     offloaded, first = _offloaded(grp, s_op, s_bytes, key, _first(key), offs, G)

@@ -81,6 +81,7 @@ class Draft:
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: dict[str, int] = field(default_factory=dict)
+    discard_outputs: set[int] = field(default_factory=set)  # recompute groups whose outputs are remade too
     zero: int = 0
     offload_optimizer: bool = False  # ZeRO-Offload (planlab.plan.passes.offload)
     offload_stages: tuple[int, ...] = ()  # with offload_optimizer: only the groups of these first stages (empty: all)
@@ -238,6 +239,8 @@ class Draft:
         b.offload_optimizer(self.offload_optimizer, self.offload_stages)
         b.zigzag(self.zigzag)
         b.kv_gather(self.kv_gather)
+        for group in sorted(self.discard_outputs):
+            b.discard_outputs(group)
         self.issue(b, rules, space)
         return b.build()
 

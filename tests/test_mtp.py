@@ -1,0 +1,89 @@
+"""DeepSeek-V3's multi-token prediction (report section 2.2; Megatron-Core's ``mtp_num_layers``):
+the module as a traced part of the model, its loss against a hand computation, where a pipeline
+puts it, and a plan that runs it on gloo matching one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planlab.cli import LOSS_TOL
+from planlab.errors import ConfigError
+from planlab.executor import launch_local
+from planlab.models import ModelSpec, build_model
+from planlab.models.init import build_full
+from planlab.search_spaces import Context, get_space
+
+from conftest import traced
+
+MTP = (("mtp_layers", 1),)
+
+
+def test_the_module_traces_with_its_parameters_and_adds_one_moe_layer():
+    spec, g = traced("deepseek-tiny", 4, MTP)
+    _, base = traced("deepseek-tiny", 4)
+    model, _ = build_model(spec, batch=1)
+    assert not g.unknown
+    assert g.num_params == sum(p.numel() for p in model.parameters()) == spec.config().num_params()
+    kinds = [op.kind for op in g.operators]
+    assert kinds.count("topk") == [op.kind for op in base.operators].count("topk") + 1  # its MoE layer
+    assert kinds.count("embedding") == 2  # its own table, as Megatron-Core keeps one on its stage
+    # the head is shared: one output layer scores both depths
+    heads = [op for op in g.operators if op.module == "output"]
+    assert len(heads) == 1 and g.tensors[heads[0].outputs[0]].shape[2] == 2
+
+
+def test_the_loss_is_the_main_loss_plus_the_weighted_next_next_token_loss():
+    spec = ModelSpec("deepseek-tiny", MTP + (("aux_loss_coef", 0.0),))
+    model, (idx, targets) = build_full(spec, batch=2)
+    with torch.no_grad():
+        cos, sin = model.rope_cos, model.rope_sin
+        x = model.tok_embeddings(idx)
+        for block in model.blocks:
+            x, _ = block(x, cos, sin)
+        h = model.norm(x)
+        m = model.mtp[0]
+        ahead = torch.roll(idx, -1, dims=1)  # the token after each target
+        y, _ = m.block(m.eh_proj(torch.cat((m.enorm(m.embed(ahead)), m.hnorm(h)), dim=-1)), cos, sin)
+        main = F.cross_entropy(model.output(h).flatten(0, 1), targets.flatten(0, 1))
+        depth1 = F.cross_entropy(model.output(m.norm(y)).flatten(0, 1), torch.roll(targets, -1, dims=1).flatten(0, 1))
+        assert torch.allclose(model(idx, targets), main + 0.1 * depth1, atol=1e-5)
+
+
+def test_a_pipeline_puts_the_module_on_the_last_stage_with_the_head():
+    spec, g = traced("deepseek-tiny", 8, MTP)
+    ctx = Context(g, spec, 8, "dgx-h100", 1, 4, 4)
+    plan = get_space("megatron").build(ctx, dict(dp=2, tp=1, pp=2, microbatch=2))
+    stage = {p.op: p.stage for p in plan.ops}
+    mtp = [op.name for op in g.operators if op.module.startswith("mtp.")]
+    assert mtp and {stage[n] for n in mtp} == {1}
+    assert {stage[op.name] for op in g.operators if op.module == "tok_embeddings"} == {0}
+
+
+def test_bad_module_counts_are_one_line():
+    with pytest.raises(ConfigError, match=r"^mtp_layers=-1 must be at least 0"):
+        ModelSpec("deepseek-tiny", (("mtp_layers", -1),)).config()
+    with pytest.raises(ConfigError, match=r"^mtp_loss_coef=-0.5 must be at least 0"):
+        ModelSpec("deepseek-tiny", (("mtp_loss_coef", -0.5),)).config()
+    with pytest.raises(ConfigError, match=r"^vocab_parallel=2 must be 0 or 1"):
+        ModelSpec("deepseek-tiny", (("vocab_parallel", 2),)).config()
+
+
+def test_a_pipeline_with_the_module_on_2_ranks_matches_one_process():
+    spec, g = traced("deepseek-tiny", 8, MTP)
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    plan = get_space("megatron").build(ctx, dict(dp=1, tp=1, pp=2, microbatch=2))
+    res = launch_local(plan, 2, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+
+
+def test_a_vocabulary_parallel_head_splits_over_tp_and_matches_one_process():
+    spec, g = traced("deepseek-tiny", 8, MTP + (("vocab_parallel", 1),))
+    ctx = Context(g, spec, 8, "cpu", 2, 2, 1)
+    plan = get_space("megatron").build(ctx, dict(dp=1, tp=2, pp=1, microbatch=2, sequence_parallel=True))
+    # Megatron-Core's column-parallel output layer: the head's vocabulary split over the tp ranks
+    assert "n" in plan.op_plan("output").dims
+    assert [op.kind for op in g.operators].count("vocab_cross_entropy") == 2
+    res = launch_local(plan, 2, steps=2, lr=1e-2)
+    assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
