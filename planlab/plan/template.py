@@ -286,7 +286,7 @@ class Places:
 
     def take(self, among: tuple[Buffer, ...], op: str) -> tuple[Buffer, ...]:
         """The buffers at these places among ``among`` and in operator ``op``'s internals."""
-        return tuple(among[k] if type(k) is int else buf_.internal(op, k) for k in self.where)
+        return tuple([among[k] if type(k) is int else buf_.internal(op, k) for k in self.where])
 
 
 def distinct(bufs: tuple[Buffer, ...]) -> bool:
