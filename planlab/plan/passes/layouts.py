@@ -77,7 +77,8 @@ class Layouts:
         self._forms: dict[str, OpForm] = {}  # per operator
         self._form_of: dict[tuple, OpForm] = {}  # per (form, placement, ring)
         self._op_form = graph.memo(("op_forms", m), lambda: op_forms(graph, self.shapes))
-        self._placement: dict[str, int] = {}  # per operator, its placement's index
+        # per operator, its placement's index: one index, one (dims, sizes, devices) of its OpPlan
+        self.placement: dict[str, int] = {}
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
@@ -95,13 +96,13 @@ class Layouts:
             if got is None:
                 co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
                 got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims, len(placed))
-            co, mesh, mdims, self._placement[op.name] = got
+            co, mesh, mdims, self.placement[op.name] = got
             dims, sizes = (p.dims, p.sizes) if p.sizes else ((None,), (1,))
             if co is not None:
                 self.chunks[op.name] = co
             self.mesh[op.name] = mesh  # one object per mesh: its caches are shared
             self.dims[op.name] = mdims
-            check = (self._op_form[op.name], self._placement[op.name], p.ring)
+            check = (self._op_form[op.name], self.placement[op.name], p.ring)
             if check not in checked:  # operators of one form placed alike pass or fail alike
                 self._check_splits(op, p, dims, sizes)
                 checked.add(check)
@@ -216,7 +217,7 @@ class Layouts:
         if got is None:
             key = (
                 self._op_form[op.name],
-                self._placement[op.name],
+                self.placement[op.name],
                 self.op_plan[op.name].ring,
                 self.deferred.get(op.name, frozenset()),
             )
