@@ -98,17 +98,19 @@ def test_places_rename_place_by_place_and_refuse_a_buffer_elsewhere():
 def _forms_per_operator(g, shapes):
     """Each operator's form keyed operator by operator at its micro-batch shapes (what ``op_forms``
     computed before it merged the graph's traced forms), numbered in order of appearance."""
-    index, out = {}, {}
-    for op in g.operators:
-        key = (
-            op.kind,
-            op.signature,
-            tuple(shapes[t] for t in op.inputs),
-            tuple(shapes[t] for t in op.outputs),
-            tuple(op.dim_sizes.items()),
+    index: dict = {}
+    return {
+        op.name: index.setdefault(
+            (
+                op.kind,
+                op.signature,
+                *(tuple(map(shapes.get, ts)) for ts in (op.inputs, op.outputs)),
+                *op.dim_sizes.items(),
+            ),
+            len(index),
         )
-        out[op.name] = index.setdefault(key, len(index))
-    return out
+        for op in g.operators
+    }
 
 
 @pytest.mark.parametrize("name,args,space,knobs,batch", CASES)
