@@ -3,6 +3,9 @@ first (forward) or last (backward) instance makes the Program a build of every o
 the comparison catches a mapping that is wrong."""
 
 import pytest
+import torch
+
+import planlab
 
 from planlab.errors import InfeasiblePlan
 from planlab.plan import template
@@ -90,3 +93,84 @@ def test_places_rename_place_by_place_and_refuse_a_buffer_elsewhere():
     assert template.Places.of((c,), (a, b), "op1") is None  # another operator's buffer
     assert template.Places.of((Buffer(BufferKind.INTERNAL, "op9:mask"),), (a, b), "op1") is None
     assert template.distinct((x, y)) and not template.distinct((x, x))
+
+
+def _forms_per_operator(g, shapes):
+    """Each operator's form keyed operator by operator at its micro-batch shapes (what ``op_forms``
+    computed before it merged the graph's traced forms), numbered in order of appearance."""
+    index: dict = {}
+    return {
+        op.name: index.setdefault(
+            (
+                op.kind,
+                op.signature,
+                *(tuple(map(shapes.get, ts)) for ts in (op.inputs, op.outputs)),
+                *op.dim_sizes.items(),
+            ),
+            len(index),
+        )
+        for op in g.operators
+    }
+
+
+@pytest.mark.parametrize("name,args,space,knobs,batch", CASES)
+def test_forms_found_from_traced_forms_are_those_keyed_per_operator(name, args, space, knobs, batch):
+    from planlab.plan.passes.layouts import microbatch_shapes, op_forms, traced_forms
+
+    _, g = _plan(name, args, space, knobs, batch)
+    traced, firsts = traced_forms(g)
+    assert len(firsts) < len(g.operators)  # repeated layers share forms
+    for m in (1, 2, 4):
+        if batch % m == 0:
+            shapes = microbatch_shapes(g, m)
+            assert op_forms(g, shapes) == _forms_per_operator(g, shapes)
+
+
+@pytest.mark.parametrize("name,args,space,knobs,batch", CASES)
+def test_runs_are_grouped_by_the_placement_their_operators_name(name, args, space, knobs, batch):
+    """block_map keys an operator's dims, sizes and devices by the placement index Layouts gives
+    them: the groups are those keyed by the OpPlan's fields themselves."""
+    from planlab.plan.passes.layouts import Layouts
+
+    plan, g = _plan(name, args, space, knobs, batch)
+    L = Layouts(plan, g)
+    found: dict = {}
+    for run in template.block_runs(g):
+        ops = g.operators[run.start : run.start + run.length]
+        placed = tuple(
+            (p.dims, p.sizes, p.devices, p.stage, p.recompute, p.ring, p.offload, L.form(op).index)
+            for op in ops
+            for p in (L.op_plan[op.name],)
+        )
+        outside = tuple(
+            (L.form(prod).index, L.mesh[prod.name], prod.outputs.index(t))
+            for k, j in run.outside
+            for t in (g.operators[run.start + k].inputs[j],)
+            for prod in (g.producer[t],)
+        )
+        found.setdefault((run.structure, placed, outside), []).append(run.start)
+    groups = tuple(tuple(starts) for starts in found.values() if len(starts) > 1)
+    assert template.block_map(g, L).groups == groups
+
+
+class _TwoExps(torch.nn.Module):
+    """exp of a [4, 4] input (its axis 0 the batch) and of a [4, 4] weight: one kind, signature and
+    traced shape, but under micro-batches of 2 the input's exp reads [2, 4]."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        return torch.exp(x).sum() + torch.exp(self.w).sum()
+
+
+def test_a_batch_axis_separates_traced_forms_of_one_shape():
+    from planlab.plan.passes.layouts import microbatch_shapes, op_forms
+
+    g = planlab.trace(_TwoExps(), (torch.ones(4, 4),))
+    shapes = microbatch_shapes(g, 2)
+    forms = op_forms(g, shapes)
+    assert forms == _forms_per_operator(g, shapes)
+    exps = [op.name for op in g.operators if op.kind == "pointwise"]
+    assert len(exps) == 2 and forms[exps[0]] != forms[exps[1]]

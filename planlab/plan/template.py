@@ -250,8 +250,8 @@ def block_map(graph: Graph, L: Layouts) -> BlockMap:
 
 
 def _placement(L: Layouts, op: Operator) -> tuple:
-    p = L.op_plan[op.name]
-    return (p.dims, p.sizes, p.devices, p.stage, p.recompute, p.ring, p.offload, L.form(op).index)
+    p = L.op_plan[op.name]  # its dims, sizes and devices by their index (devices: hundreds of ints to hash)
+    return (L.placement[op.name], p.stage, p.recompute, p.ring, p.offload, L.form(op).index)
 
 
 def _producer_form(L: Layouts, graph: Graph, t: str) -> tuple:
@@ -286,7 +286,7 @@ class Places:
 
     def take(self, among: tuple[Buffer, ...], op: str) -> tuple[Buffer, ...]:
         """The buffers at these places among ``among`` and in operator ``op``'s internals."""
-        return tuple(among[k] if type(k) is int else buf_.internal(op, k) for k in self.where)
+        return tuple([among[k] if type(k) is int else buf_.internal(op, k) for k in self.where])
 
 
 def distinct(bufs: tuple[Buffer, ...]) -> bool:

@@ -46,18 +46,16 @@ def convert_gradients(d: Draft) -> Draft:
     dead: set[str] = set()
     grads: dict[str, tuple[Buffer | None, ...]] = {}
     counters = Counters.of(d)
-    for i in range(len(graph.operators) - 1, -1, -1):
-        op = graph.operators[i]
+    ops, loss, nograd, tensors, consumers = graph.operators, graph.loss, d.nograd, graph.tensors, graph.consumers
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
         gbufs = []
         for j, t in enumerate(op.outputs):
-            if t == graph.loss or t in d.nograd or not graph.tensors[t].is_float:
+            if t == loss or t in nograd or not tensors[t].is_float:
                 gbufs.append(None)  # the loss: seeded with ones by the executor
                 continue
             uses = [
-                (c, k)
-                for c in graph.consumers.get(t, [])
-                for k, x in enumerate(c.inputs)
-                if x == t and c.name not in dead
+                (c, k) for c in consumers.get(t, ()) if c.name not in dead for k, x in enumerate(c.inputs) if x == t
             ]  # a consumer whose outputs reach no loss gives no gradient
             if not uses:
                 gbufs.append(None)
@@ -70,7 +68,7 @@ def convert_gradients(d: Draft) -> Draft:
             _sum_and_convert(d, parts, sizes, counters, i, t, uses, target)
             gbufs.append(d.names.grad(t))
         grads[op.name] = tuple(gbufs)
-        if op.outputs[0] != graph.loss and all(g is None for g in gbufs):
+        if op.outputs[0] != loss and gbufs.count(None) == len(gbufs):  # no output has a gradient
             dead.add(op.name)
     return d.replace(
         parts=parts,

@@ -273,18 +273,22 @@ def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes, saved_of, sha
     """Put the forward pieces of ``op``, an instance of ``template``'s operator, in the pass's
     products (parts, sizes, saved, piece shapes): the template's tasks with ``op``'s names; False
     where its buffers are not as many distinct ones (``op`` is then built)."""
+    name, reads = op.name, d.reads[op.name]
     outs = tuple(map(d.names.activation, op.outputs))
-    bufs = d.reads[op.name] + outs
+    bufs = reads + outs
     if not distinct(bufs):
         return False
-    saved = template.saved.take(bufs, op.name)
-    changes = dict(name=op.name, op=op.name, reads=d.reads[op.name], writes=outs, saved=saved)
-    made = dict(zip(template.made.take(bufs, op.name), template.nbytes))
-    key, i = (d.stage[op.name], "F"), d.topo[op.name]
+    saved = template.saved.take(bufs, name)
+    changes = {"name": name, "op": name, "reads": reads, "writes": outs, "saved": saved}
+    made = dict(zip(template.made.take(bufs, name), template.nbytes))
+    key, i = (d.stage[name], "F"), d.topo[name]
     for dev, task in zip(template.devices, template.tasks):
         add(parts, dev, key, i, Part.COMPUTE, task.with_changes(changes))
-        sizes.setdefault(dev, {}).update(made)
-    saved_of[op.name], shapes_of[op.name] = saved, template.shapes
+        mine = sizes.get(dev)  # (not setdefault: that makes a dict every call)
+        if mine is None:
+            mine = sizes[dev] = {}
+        mine.update(made)
+    saved_of[name], shapes_of[name] = saved, template.shapes
     return True
 
 

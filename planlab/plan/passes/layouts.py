@@ -77,7 +77,8 @@ class Layouts:
         self._forms: dict[str, OpForm] = {}  # per operator
         self._form_of: dict[tuple, OpForm] = {}  # per (form, placement, ring)
         self._op_form = graph.memo(("op_forms", m), lambda: op_forms(graph, self.shapes))
-        self._placement: dict[str, int] = {}  # per operator, its placement's index
+        # per operator, its placement's index: one index, one (dims, sizes, devices) of its OpPlan
+        self.placement: dict[str, int] = {}
         self.chunks: dict[str, CoLocation] = {}  # co-located operators (coshard)
         placed: dict[tuple, tuple] = {}  # layers repeat: operators share a few placements, checked once each
         interned: dict[Mesh, Mesh] = {}
@@ -95,13 +96,13 @@ class Layouts:
             if got is None:
                 co, mesh, mdims = self._place_op(op.name, p, plan.num_devices)
                 got = placed[key] = (co, interned.setdefault(mesh, mesh), mdims, len(placed))
-            co, mesh, mdims, self._placement[op.name] = got
+            co, mesh, mdims, self.placement[op.name] = got
             dims, sizes = (p.dims, p.sizes) if p.sizes else ((None,), (1,))
             if co is not None:
                 self.chunks[op.name] = co
             self.mesh[op.name] = mesh  # one object per mesh: its caches are shared
             self.dims[op.name] = mdims
-            check = (self._op_form[op.name], self._placement[op.name], p.ring)
+            check = (self._op_form[op.name], self.placement[op.name], p.ring)
             if check not in checked:  # operators of one form placed alike pass or fail alike
                 self._check_splits(op, p, dims, sizes)
                 checked.add(check)
@@ -216,7 +217,7 @@ class Layouts:
         if got is None:
             key = (
                 self._op_form[op.name],
-                self._placement[op.name],
+                self.placement[op.name],
                 self.op_plan[op.name].ring,
                 self.deferred.get(op.name, frozenset()),
             )
@@ -261,10 +262,12 @@ def op_forms(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]
     """Each operator's form, numbered in order of appearance: operators of one form (one kind and
     signature, their tensors of the same ``shapes`` (per micro-batch), the same dimension sizes)
     placed alike have the same layouts and pieces (:meth:`Layouts.form`) and pass or fail the same
-    checks of their splits, whatever their names."""
+    checks of their splits, whatever their names. Found from the graph's traced forms
+    (:func:`traced_forms`), which the micro-batch count can only merge: one key per traced form."""
+    of_op, firsts = traced_forms(graph)
     index: dict[tuple, int] = {}
-    out: dict[str, int] = {}
-    for op in graph.operators:
+    number = []  # per traced form, its form here (traced forms in order of their first operator)
+    for op in firsts:
         key = (
             op.kind,
             op.signature,
@@ -272,8 +275,41 @@ def op_forms(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]
             tuple(shapes[t] for t in op.outputs),
             tuple(op.dim_sizes.items()),
         )
-        out[op.name] = index.setdefault(key, len(index))
-    return out
+        number.append(index.setdefault(key, len(index)))
+    return {name: number[k] for name, k in of_op.items()}
+
+
+def traced_forms(graph: Graph) -> tuple[dict[str, int], tuple[Operator, ...]]:
+    """Each operator's form at the traced shapes, numbered in order of appearance, and each form's
+    first operator: one kind and signature, its tensors of the same shapes and batch axes, the same
+    dimension sizes. A tensor's shape per micro-batch is a function of its shape and batch axes
+    (:func:`microbatch_shapes`), so operators of one traced form are of one form (:func:`op_forms`)
+    for any micro-batch count; cached per graph (and with the trace, as a function of the graph
+    alone: :func:`planlab.models.trace_cache.derived`)."""
+
+    def compute() -> tuple[dict[str, int], tuple[Operator, ...]]:
+        batch, tensors = batch_axes(graph), graph.tensors
+        index: dict[tuple, int] = {}
+        out: dict[str, int] = {}
+        firsts: list[Operator] = []
+        for op in graph.operators:
+            key = (
+                op.kind,
+                op.signature,
+                tuple((tuple(tensors[t].shape), batch.get(t)) for t in op.inputs),
+                tuple((tuple(tensors[t].shape), batch.get(t)) for t in op.outputs),
+                tuple(op.dim_sizes.items()),
+            )
+            k = out[op.name] = index.setdefault(key, len(index))
+            if k == len(firsts):
+                firsts.append(op)
+        return out, tuple(firsts)
+
+    return graph.memo(TRACED_FORMS_KEY, compute)
+
+
+# the graph's memo key of :func:`traced_forms`
+TRACED_FORMS_KEY = ("layouts: traced forms",)
 
 
 # Operators sized at trace time whose whole-batch value the executor narrows to a micro-batch's rows
