@@ -89,8 +89,8 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     section 3.2.3: "we recompute all RMSNorm operations ... during back-propagation, thereby
     eliminating the need to persistently store their output activations"). The recomputed norm and
     its cast are not priced (:mod:`planlab.plan.saved`). False (the default): the reader keeps it
-    (its FP8 cast under ``linear_input_bytes``), as Megatron-Core keeps a linear layer's FP8 input
-    whether or not its ``layernorm`` module is recomputed;
+    (its FP8 cast under ``linear_input_bytes``), as ``megatron`` counts Megatron-Core's linear
+    layers (:mod:`planlab.search_spaces.recompute_modules`);
 ``fused_rms_norm``
     RMSNorm runs as one kernel each way (true, the default: Megatron-Core's Transformer Engine / apex
     kernels, torchtitan's Triton ``fused_rmsnorm``, PyTorch's own fused ``rms_norm`` in recent
