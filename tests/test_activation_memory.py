@@ -232,7 +232,10 @@ def test_swiglu_input_stored_in_fp8_under_hai_llm(llama_graphs, moe_graphs) -> N
     Program, the explorer's bound and the screen agree."""
     assert HAI.precision.glu_input_bytes == 1 and FP8.precision.glu_input_bytes == 0
     kept_output = CostModel.load(
-        "dgx-h100", 1, software=dataclasses.replace(HAI.software, glu_output_recomputed=False), precision="fp8"
+        "dgx-h100",
+        1,
+        software=dataclasses.replace(HAI.software, glu_output_recomputed=False, norm_output_recomputed=False),
+        precision="fp8",
     )
     for graphs, saved in ((llama_graphs, 2 * S * B * LF), (moe_graphs, 2 * ME * S * B * MF)):
         assert layer_bytes(graphs, FP8) - layer_bytes(graphs, kept_output) == pytest.approx(saved, rel=0.01)
@@ -249,3 +252,18 @@ def test_swiglu_output_recomputed_for_the_down_projection_under_hai_llm(llama_gr
     )
     for graphs, saved in ((llama_graphs, S * B * LF), (moe_graphs, ME * S * B * MF)):
         assert layer_bytes(graphs, kept_output) - layer_bytes(graphs, HAI) == pytest.approx(saved, rel=0.01)
+
+
+def test_norm_outputs_recomputed_under_hai_llm(llama_graphs, moe_graphs) -> None:
+    """DeepSeek-V3's report (section 3.2.3) computes every RMSNorm again in the backward instead of
+    keeping its output (``hai-llm``'s ``norm_output_recomputed``): the layers reading a norm's output
+    (the QKV projections, the MLP's or the router's and experts' dispatch) keep no FP8 cast of it,
+    ``2 s b h`` bytes a layer less (the attention's and the MLP's norm, one byte an element, one cast
+    shared by the projections reading it); the norms keep their inputs as before. The Program, the
+    explorer's bound and the screen agree."""
+    assert HAI.software.norm_output_recomputed and not FP8.software.norm_output_recomputed
+    kept_output = CostModel.load(
+        "dgx-h100", 1, software=dataclasses.replace(HAI.software, norm_output_recomputed=False), precision="fp8"
+    )
+    for graphs in (llama_graphs, moe_graphs):
+        assert layer_bytes(graphs, kept_output) - layer_bytes(graphs, HAI) == pytest.approx(2 * S * B * LH, rel=0.01)

@@ -46,11 +46,14 @@ def _moves(case: tuple, change: dict) -> tuple[float, float]:
 
 def test_the_screen_prices_the_fused_gemms_as_the_simulator_does() -> None:
     """LLaMA-2 7B's layers under tp 4: without Megatron's fused QKV and fc1 GEMMs both the screen
-    and the simulator take longer, by the same time (measured: 5.455 ms each; the screen prices
-    each piece's kernels at its own shapes, as the simulator does)."""
+    and the simulator take longer, by the GEMMs' time alike (measured: 5.455 ms each; the screen
+    prices each piece's kernels at its own shapes, as the simulator does). The simulator also
+    charges the separate projections' input gradients summed after them, which a fused GEMM writes
+    as one (:func:`planlab.plan.passes.backward.fused_writers`) and the screen prices for no
+    operator: 6.402 ms in all, the screen's move within 20% of it."""
     screen_s, sim_s = _moves(LLAMA, dict(fused_qkv=False, fused_gate_up=False))
-    assert screen_s < 0 and sim_s < 0
-    assert screen_s == pytest.approx(sim_s, rel=0.1)
+    assert screen_s < 0 and sim_s < screen_s
+    assert screen_s == pytest.approx(sim_s, rel=0.2)
 
 
 @pytest.mark.parametrize(

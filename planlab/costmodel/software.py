@@ -82,6 +82,15 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     recompute its output in the backward pass"). The recomputation's elementwise pass is not priced
     (:mod:`planlab.plan.saved`). False (the default): the down projection keeps it (its FP8 cast
     under ``linear_input_bytes``);
+``norm_output_recomputed``
+    a linear layer (or a product with a weight) that reads a normalization's output (RMSNorm,
+    LayerNorm) does not keep that output, nor its FP8 cast, for its weight gradient: the backward
+    computes the norm again from the input the norm keeps for its own backward (DeepSeek-V3's report,
+    section 3.2.3: "we recompute all RMSNorm operations ... during back-propagation, thereby
+    eliminating the need to persistently store their output activations"). The recomputed norm and
+    its cast are not priced (:mod:`planlab.plan.saved`). False (the default): the reader keeps it
+    (its FP8 cast under ``linear_input_bytes``), as ``megatron`` counts Megatron-Core's linear
+    layers (:mod:`planlab.search_spaces.recompute_modules`);
 ``fused_rms_norm``
     RMSNorm runs as one kernel each way (true, the default: Megatron-Core's Transformer Engine / apex
     kernels, torchtitan's Triton ``fused_rmsnorm``, PyTorch's own fused ``rms_norm`` in recent
@@ -234,6 +243,7 @@ _FIELDS = {
     "fused_gate_up",
     "fused_glu",
     "glu_output_recomputed",
+    "norm_output_recomputed",
     "fused_rms_norm",
     "fp8_weight_matmuls",
     "fp8_weight_cache",
@@ -317,6 +327,7 @@ class SoftwareSpec:
     fused_gate_up: bool = False
     fused_glu: bool = False
     glu_output_recomputed: bool = False
+    norm_output_recomputed: bool = False
     fused_rms_norm: bool = True
     fp8_weight_matmuls: bool = False
     fp8_weight_cache: bool = False
@@ -469,6 +480,7 @@ def software_from(f: Fields, path: str = "") -> SoftwareSpec:
         fused_gate_up=_flag(f, "fused_gate_up", False),
         fused_glu=_flag(f, "fused_glu", False),
         glu_output_recomputed=_flag(f, "glu_output_recomputed", False),
+        norm_output_recomputed=_flag(f, "norm_output_recomputed", False),
         fused_rms_norm=_flag(f, "fused_rms_norm", True),
         fp8_weight_matmuls=_flag(f, "fp8_weight_matmuls", False),
         fp8_weight_cache=_flag(f, "fp8_weight_cache", False),

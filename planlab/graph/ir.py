@@ -47,6 +47,30 @@ def no_grad_tensors(graph: "Graph") -> frozenset[str]:
     return frozenset(out)
 
 
+# Operator kinds that make a tensor like another (``torch.zeros_like``, ``ones_like``, ``full_like``,
+# ``empty_like``): a factory function, whose result never requires a gradient and whose autograd
+# records no edge to its input
+FILL_LIKE = "fill_like"
+
+
+def constant_tensors(graph: "Graph") -> frozenset[str]:
+    """Activations that carry no gradient in any graph because they hold a constant: the outputs of
+    ``fill_like`` operators (PyTorch's ``*_like`` factories return tensors with ``requires_grad``
+    false), and of operators without parameters that read such a tensor and no other float
+    activation (a view of the zeros, ``zeros_like(x).expand(...)``). An operator reading one (the
+    experts' dispatch, ``scatter_add(zeros, index, tokens)``) computes no gradient for it."""
+    out: set[str] = set()
+    tensors = graph.tensors
+    for op in graph.operators:
+        if op.kind == FILL_LIKE:
+            out.update(op.outputs)
+            continue
+        floats = [t for t in op.inputs if tensors[t].is_float and tensors[t].role in ("activation", "param")]
+        if floats and all(t in out for t in floats):
+            out.update(op.outputs)
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor of the graph. ``role`` is input, param, buffer or activation."""

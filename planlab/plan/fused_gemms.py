@@ -11,8 +11,10 @@ width (:meth:`planlab.costmodel.software.SoftwareSpec.fuses`):
   layers, or an expert stack's batched products with a weight; the software's ``fused_gate_up``.
 
 The graph keeps the projections as ``torch.nn`` models write them; what fuses them is the software,
-so the graph, the layouts and the memory stay as they are and only the price of their GEMMs changes
-(:func:`planlab.costmodel.kernels.op_kernels`, ``fused_widths``). The groups are found once per graph
+so the graph and the layouts stay as they are: the price of their GEMMs changes
+(:func:`planlab.costmodel.kernels.op_kernels`, ``fused_widths``), and the fused input-gradient GEMM
+writes one gradient of the shared input, not one per projection summed after
+(:func:`planlab.plan.passes.backward.fused_writers`). The groups are found once per graph
 (memoized on it) and shared by materialize (:func:`fused_fields`, the simulator's tasks) and the
 explorer's screen (:func:`whole_widths`).
 """

@@ -45,6 +45,9 @@ bound and the screen all ask here:
 - with the software's ``glu_output_recomputed`` the layer that reads a fused gated linear unit's
   output does not keep it: its backward computes it again from the unit's kept input
   (:func:`recomputed_glu_outputs`; DeepSeek-V3's report, section 3.3.3);
+- with the software's ``norm_output_recomputed`` a linear layer that reads a normalization's
+  output does not keep it: its backward computes the norm again from the norm's kept input
+  (:func:`recomputed_norm_outputs`; DeepSeek-V3's report, section 3.2.3);
 - a fused gated linear unit whose software stores its input cast (the precision's
   ``glu_input_bytes``: Megatron-Core's ``activation_func_fp8_input_store``, whose
   ``SwiGLUFunction`` saves ``input.to(torch.float8_e4m3fn)`` and casts it back to the original
@@ -96,7 +99,7 @@ def saved_tensors(
         return tuple(t for t in op.saves if t not in op.outputs)  # the mask instead (internals)
     if op.kind == "attention" and unfused_attention(software):
         return tuple(t for t in op.saves if t not in op.outputs)
-    if op.kind in CAST_KINDS and graph is not None and (recomputed := recomputed_glu_outputs(op, graph, software)):
+    if op.kind in CAST_KINDS and graph is not None and (recomputed := recomputed_inputs(op, graph, software)):
         return tuple(t for t in op.saves if t not in recomputed)
     if op.kind == "mul" and software is not None and graph is not None:
         drop = (glu_gate(op, graph) if software.fused_glu else None, None)
@@ -147,6 +150,35 @@ def recomputed_glu_outputs(op: Operator, graph: Graph, software: SoftwareSpec | 
     if op.kind != "linear" and not weight_matmul(op, graph):
         return ()
     return tuple(t for t in op.inputs if t in op.saves and _glu_product(graph.producer.get(t), graph))
+
+
+# Operator kinds of a normalization whose output a software may compute again in the backward
+NORM_KINDS = frozenset({"rms_norm", "rms_norm_fn", "layer_norm", "layer_norm_fn"})
+
+
+def recomputed_norm_outputs(op: Operator, graph: Graph, software: SoftwareSpec | None) -> tuple[str, ...]:
+    """The inputs of ``op`` (a linear layer or a product with a weight) that a normalization made
+    and that its backward computes again from the norm's kept input instead of keeping them (the
+    software's ``norm_output_recomputed``: DeepSeek-V3's report, section 3.2.3); () otherwise. The
+    norm keeps its input for its own backward, so the recomputation keeps nothing more."""
+    if software is None or not software.norm_output_recomputed:
+        return ()
+    if op.kind != "linear" and not weight_matmul(op, graph):
+        return ()
+    return tuple(
+        t
+        for t in op.inputs
+        if t in op.saves
+        and (p := graph.producer.get(t)) is not None
+        and p.kind in NORM_KINDS
+        and p.inputs[0] in p.saves
+    )
+
+
+def recomputed_inputs(op: Operator, graph: Graph, software: SoftwareSpec | None) -> tuple[str, ...]:
+    """The inputs ``op``'s backward computes again instead of keeping: :func:`recomputed_glu_outputs`
+    and :func:`recomputed_norm_outputs`."""
+    return recomputed_glu_outputs(op, graph, software) + recomputed_norm_outputs(op, graph, software)
 
 
 def _glu_product(op: Operator | None, graph: Graph) -> bool:

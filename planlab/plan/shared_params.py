@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from planlab.errors import InfeasiblePlan
-from planlab.graph.ir import DETACH, Graph, Operator, no_grad_tensors
+from planlab.graph.ir import DETACH, Graph, Operator, constant_tensors, no_grad_tensors
 
 
 def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
@@ -45,6 +45,11 @@ def forward_only_of(graph: Graph) -> frozenset[str]:
 def no_grad_of(graph: Graph) -> frozenset[str]:
     """:func:`~planlab.graph.ir.no_grad_tensors` of a graph, cached per graph."""
     return graph.memo(("no_grad_tensors",), lambda: no_grad_tensors(graph))
+
+
+def constants_of(graph: Graph) -> frozenset[str]:
+    """:func:`~planlab.graph.ir.constant_tensors` of a graph, cached per graph."""
+    return graph.memo(("constant_tensors",), lambda: constant_tensors(graph))
 
 
 def training_flops(graph: Graph) -> float:

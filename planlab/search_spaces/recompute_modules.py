@@ -31,7 +31,9 @@ with the decoder's layer spec and configuration, so the same modules recompute t
 
 ``layernorm`` is not a knob: under FP8 the layers after a norm keep its output's FP8 cast
 (:func:`planlab.plan.saved.cast_inputs`) and the norm keeps only its input, which its
-recomputation would keep too, so it changes nothing planlab counts.
+recomputation would keep too, so it changes nothing planlab counts for Megatron-Core. DeepSeek's
+HAI-LLM recomputes the norm and its cast for the layers after it (report section 3.2.3): the
+software's ``norm_output_recomputed`` (:func:`planlab.plan.saved.recomputed_norm_outputs`).
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ from planlab.plan.passes.draft import (
     shares,
 )
 from planlab.plan.program import Task, TaskKind
-from planlab.plan.fused_gemms import fused_fields
+from planlab.plan.fused_gemms import fused_fields, fused_groups
 from planlab.plan.saved import output_layer, weight_matmul
+from planlab.plan.shared_params import constants_of
 from planlab.plan.redistribute import same_layout
 
 
@@ -47,16 +48,24 @@ def convert_gradients(d: Draft) -> Draft:
     grads: dict[str, tuple[Buffer | None, ...]] = {}
     counters = Counters.of(d)
     ops, loss, nograd, tensors, consumers = graph.operators, graph.loss, d.nograd, graph.tensors, graph.consumers
+    constants = constants_of(graph)  # a *_like factory's zeros and their views: no gradient
+    writer = fused_writers(d)  # a fused projection's contribution to its input is its group's
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         gbufs = []
         for j, t in enumerate(op.outputs):
-            if t == loss or t in nograd or not tensors[t].is_float:
+            if t == loss or t in nograd or t in constants or not tensors[t].is_float:
                 gbufs.append(None)  # the loss: seeded with ones by the executor
                 continue
-            uses = [
-                (c, k) for c in consumers.get(t, ()) if c.name not in dead for k, x in enumerate(c.inputs) if x == t
-            ]  # a consumer whose outputs reach no loss gives no gradient
+            uses = list(
+                dict.fromkeys(
+                    (graph.op(writer[c.name]) if k == 0 and c.name in writer else c, k)
+                    for c in consumers.get(t, ())
+                    if c.name not in dead
+                    for k, x in enumerate(c.inputs)
+                    if x == t
+                )
+            )  # a consumer whose outputs reach no loss gives no gradient; a fused GEMM gives one
             if not uses:
                 gbufs.append(None)
                 continue
@@ -106,12 +115,40 @@ def _sum_and_convert(d: Draft, parts, sizes, counters: Counters, i: int, t: str,
         convert(d, parts, sizes, counters, lay, target, t, (buf, d.names.grad(t)), at, accumulate=True, name=f"d{t}:")
 
 
+def fused_writers(d: Draft) -> dict[str, str]:
+    """Per projection that one of the software's fused GEMMs computes (:mod:`planlab.plan.fused_gemms`,
+    :meth:`~planlab.costmodel.software.SoftwareSpec.fuses`), its group reading the shared input as one
+    buffer and taking its gradient in one layout: the group's member whose backward runs first (the
+    last in topological order). Its contribution buffer to the shared input (input 0) is the one the
+    whole group writes: the fused GEMM's input-gradient product multiplies the concatenated output
+    gradients by the concatenated weights and writes one gradient of the input (Megatron-Core's
+    ``linear_fc1`` and ``linear_qkv``, Megatron-LM's ``query_key_value``: one dgrad GEMM each), not
+    one per projection summed after. Empty without such a software (the executor's programs)."""
+    software = d.software
+    if software is None or not (software.fused_qkv or software.fused_gate_up):
+        return {}
+    out: dict[str, str] = {}
+    for name, group in fused_groups(d.graph).items():
+        if name in out or not software.fuses(group.fusion):
+            continue
+        ops = [d.graph.op(n) for n in group.ops]
+        if len({d.reads[o.name][0] for o in ops}) != 1:
+            continue
+        lays = [d.layouts.contributes(o, 0) for o in ops]
+        if not all(same_layout(lay, lays[0]) for lay in lays[1:]):
+            continue
+        first = max(group.ops, key=lambda n: d.topo[n])
+        out.update((n, first) for n in group.ops)
+    return out
+
+
 def backward_pieces(d: Draft) -> Draft:
     """One backward task per piece of every operator with a backward: it reads its outputs'
     gradients (:func:`convert_gradients`) and writes its inputs' contributions (``CONTRIBUTION``)
     and its weights' gradients (``WEIGHT_GRAD``), None where an input takes no gradient (an integer,
-    a model input, a tensor behind a detach)."""
+    a model input, a tensor behind a detach, a constant: :func:`~planlab.graph.ir.constant_tensors`)."""
     L, graph = d.layouts, d.graph
+    constants, writer = constants_of(graph), fused_writers(d)
     parts, sizes = dict(d.parts), d.copy_sizes()
     bases: dict[int, Task] = {}  # per position, what the pieces there share (piece_base)
     blocks, templates = d.repeats, {}  # a repeated block's operators mapped (planlab.plan.template)
@@ -121,20 +158,25 @@ def backward_pieces(d: Draft) -> Draft:
             continue
         last = blocks.last(i)  # built in reverse order: the group's last run is the template
         if last is not None and last != i and (template := templates.get(last)) is not None:
-            if _mapped(d, op, template, parts, sizes):
+            if _mapped(d, op, template, parts, sizes, writer):
                 continue
         gbufs = d.grads[op.name]
         needs_grad = [
             graph.tensors[t].is_float
             and graph.tensors[t].role in ("activation", "param")
             and t not in d.nograd
+            and t not in constants
             and op.kind != DETACH
             for t in op.inputs
         ]
         if not any(needs_grad):
             continue
         writes = tuple(
-            (d.names.weight_grad(t) if graph.tensors[t].role == "param" else d.names.contribution(t, op.name, k))
+            (
+                d.names.weight_grad(t)
+                if graph.tensors[t].role == "param"
+                else d.names.contribution(t, writer.get(op.name, op.name) if k == 0 else op.name, k)
+            )
             if ng
             else None
             for k, (t, ng) in enumerate(zip(op.inputs, needs_grad))
@@ -211,10 +253,10 @@ def _template(d: Draft, op: Operator, parts, writes: tuple, made: dict, grad_byt
     )
 
 
-def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes) -> bool:
+def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes, writer: dict[str, str]) -> bool:
     """Put the backward pieces of ``op``, an instance of ``template``'s operator, in ``parts`` and
     ``sizes``: the template's tasks with ``op``'s names; False where its gradients do not come as
-    the template's (``op`` is then built)."""
+    the template's (``op`` is then built). ``writer``: :func:`fused_writers`."""
     gbufs, names = d.grads[op.name], d.names
     if tuple(g.kind if g is not None else None for g in gbufs) != template.grads:
         return False
@@ -223,7 +265,7 @@ def _mapped(d: Draft, op: Operator, template: _Made, parts, sizes) -> bool:
         if kind is None
         else names.weight_grad(t)
         if kind is BufferKind.WEIGHT_GRAD
-        else names.contribution(t, op.name, k)
+        else names.contribution(t, writer.get(op.name, op.name) if k == 0 else op.name, k)
         for k, (t, kind) in enumerate(zip(op.inputs, template.writes))
     )
     made = dict(zip((w for w in writes if w is not None and w.kind is BufferKind.CONTRIBUTION), template.nbytes))

@@ -35,6 +35,7 @@ from planlab.plan.saved import (
     output_layer,
     saved_buffers,
     step_microbatches,
+    view_of,
     weight_matmul,
 )
 from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
@@ -331,9 +332,13 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
 def _piece_bytes(d: Draft, op: Operator, outs: tuple[Buffer, ...], out_shapes: tuple) -> dict[Buffer, int]:
     """The bytes of the buffers one forward piece of ``op`` makes: its outputs (local shapes
     ``out_shapes``) and the internal buffers its implementation keeps for the backward, each a share
-    of a base tensor's piece (:func:`~planlab.plan.saved.internals`)."""
+    of a base tensor's piece (:func:`~planlab.plan.saved.internals`). A broadcast view
+    (:func:`~planlab.plan.saved.view_of`: ``Tensor.expand``, stride 0 on the new axes) takes the bytes
+    of the storage under it, its input's piece, which it holds alive, not its own size."""
     L = d.layouts
     made = {b: math.prod(shape) * d.elem_bytes(o) for b, shape, o in zip(outs, out_shapes, op.outputs)}
+    if view_of(op.outputs[0], d.graph) is op:  # a broadcast view: no storage but its input's, which it holds
+        made[outs[0]] = math.prod(L.local_shape(L.needs(op, 0), op.inputs[0])) * d.elem_bytes(op.inputs[0])
     for tag, base, per, nbytes in internals(op, d.graph, d.software, d.precision.activation_bytes):
         j = op.inputs.index(base) if base in op.inputs else None
         lay = L.needs(op, j) if j is not None else L.has(op, op.outputs.index(base))
