@@ -460,6 +460,18 @@ def test_candidates_keep_the_fastest_within_the_screens_memory_error():
     assert candidates(est, k=1, memory_bytes=80 * gib)[:2] == [1, 2]
 
 
+def test_a_parts_fastest_within_the_screens_memory_error_is_not_crowded_out_by_the_other_parts():
+    """A product's part (the grid in ``megatron*coshard``, where co-sharded plans fill the k fastest
+    within the screen's memory error) keeps the plan the part alone would find through that error:
+    swin-32's grid best, 29.3 GiB by the screen on a 26.2 GiB device (25.2 simulated)."""
+    gib = 2**30
+    est = [(3.0, 90 * gib), (1.0, 85 * gib), (2.0, 88 * gib), (5.0, 50 * gib), (6.0, 40 * gib)]
+    grid = [True, False, False, False, True]
+    got = candidates(est, k=2, memory_bytes=80 * gib, parts={"grid": grid, "coshard": [not g for g in grid]})
+    assert got == [1, 2, 0, 3, 4]  # 1 and 2 by the error, 3 and 4 that fit; 0: the grid's fastest within the error
+    assert 0 not in candidates(est, k=2, memory_bytes=80 * gib)  # not without the parts
+
+
 def test_evaluate_prunes_by_the_bound_and_names_the_memory():
     spec, g = traced("gpt-tiny", 8)
     cost = CostModel.load("cpu", 2)
