@@ -92,6 +92,27 @@ def pareto_mask(df: pd.DataFrame) -> list[bool]:
     return front([(r.iter_time_s, r.peak_mem_gib) if bool(r.feasible) else None for r in df.itertuples()])
 
 
+def factor_masks(space: Space, df: pd.DataFrame) -> dict[str, list[bool]]:
+    """:func:`part_masks`, and for a product also its factors as it was composed of them
+    (``megatron*coshard``'s grid: every coshard knob at its default), whose fastest plans
+    :func:`candidates` keeps, so that a product simulates its factors' own best."""
+    out = part_masks(space, df)
+    factors = space.factors()
+    if len(factors) < 2 or len(space.alternatives()) > 1:
+        return out
+    knobs = space.all_knobs()
+    for f in factors:
+        if f.name in out:
+            continue
+        mine = {k.name for k in f.all_knobs()}
+        mask = pd.Series(True, index=df.index)
+        for k in knobs:
+            if k.name not in mine and k.default is not None and k.name in df:
+                mask &= df[k.name] == k.default
+        out[f.name] = list(mask)
+    return out
+
+
 def part_masks(space: Space, df: pd.DataFrame) -> dict[str, list[bool]]:
     """Rows that belong to each part: a union's alternatives by the ``space`` column; a product's
     parts where every knob of the other parts is at its default (off). One part: empty."""
