@@ -61,7 +61,7 @@ from planlab.search_spaces.compose import SPACE_KEY
 from planlab.search_spaces.screen import Estimate, Screen
 from planlab.search_spaces.selection import MEMORY_SLACK
 from planlab.search_spaces.selection import candidates as choose_candidates
-from planlab.search_spaces.selection import pareto_mask, part_masks
+from planlab.search_spaces.selection import factor_masks, pareto_mask, part_masks
 from planlab.search_spaces.space import Context, Space
 from planlab.simulator.engine import simulate
 
@@ -609,7 +609,7 @@ def _strip(sp: Space, values: dict) -> dict:
 
 
 def _frame_parts(sp: Space, assignments: list[dict]) -> dict[str, list[bool]]:
-    return part_masks(sp, pd.DataFrame(assignments)) if assignments else {}
+    return factor_masks(sp, pd.DataFrame(assignments)) if assignments else {}
 
 
 def _simulate_all(

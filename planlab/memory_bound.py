@@ -120,13 +120,13 @@ class _ShardAxes:
         self.graph = graph
         self._groups: dict[tuple, tuple] = {}  # per (devices' id, sizes, axis): the groups along it
         # the axes along which an operator's gradients stay partial over data-parallel replicas: its
-        # weights' too (co-located pieces taken as any other: at most more axes, a lower bound still)
+        # weights' too (co-located pieces taken as any other, as materialize takes them)
         meshes: dict[tuple, Mesh] = {}
         mesh = {
             p.op: meshes.setdefault((p.sizes, p.devices), Mesh(tuple(p.sizes) or (1,), tuple(p.devices)))
             for p in plan.ops
         }
-        self.deferred = deferred_axes(graph, mesh, {p.op: tuple(p.dims) or (None,) for p in plan.ops}, ())
+        self.deferred = deferred_axes(graph, mesh, {p.op: tuple(p.dims) or (None,) for p in plan.ops})
         self.sharding: set[tuple[int, ...]] = set()
         for p in plan.ops:
             op = graph.op(p.op)

@@ -118,6 +118,22 @@ def test_edge_costs_are_zero_when_layouts_agree_and_priced_by_collectives_otherw
     assert all(d in (None, "a0", "a1") for s in t.strategies(g.op("scaled_dot_product_attention")) for d in s)
 
 
+def test_a_partial_gradient_over_the_data_parallel_replicas_is_reduced_once_a_step_at_its_weight():
+    """GPT's position embedding, replicated, feeds a batch-split add: its gradient stays a partial
+    sum over the replicas (no all-reduce per micro-batch on the edge, which was priced before), and
+    the embedding's weight gradient is all-reduced once a step (planlab.plan.partial_grads)."""
+    spec, g = traced("gpt-tiny", 8, ARGS)
+    cost = CostModel.load("cpu", 2)
+    t = CostTables(g, cost, FP32, Mesh2D((2, 1)), 2)
+    wpe, add = g.op("wpe"), g.op("add")
+    split = t.strategies(add).index((g.dim_with_label(add, g.batch_label), None))
+    assert t.edge_costs(wpe, add, "wpe")[t.strategies(wpe).index((None, None)), split] == 0.0
+    alone = CostTables(g, cost, FP32, Mesh2D((1, 1)), 2).node_costs(wpe)[0][0]  # the same compute
+    reduce_s = t._collective_s("all_reduce", g.tensors["wpe.weight"].numel * FP32.grad_bytes, 0)
+    assert reduce_s > 0
+    assert t.node_costs(wpe)[0][t.strategies(wpe).index((None, None))] == pytest.approx(alone + reduce_s)
+
+
 # -- plans -----------------------------------------------------------------------------------------
 def _ctx(n):
     spec, g = traced("gpt-tiny", 8, ARGS)

@@ -22,7 +22,7 @@ from planlab.plan.materialize import precision_for
 from planlab.plan.software_passes import build_program
 from planlab.search_spaces import Context, get_space
 from planlab.search_spaces.screen import Screen
-from planlab.search_spaces.selection import SCREEN_MEMORY_ERROR, candidates, front
+from planlab.search_spaces.selection import SCREEN_MEMORY_ERROR, candidates, factor_masks, front, part_masks
 from planlab.simulator import simulate
 
 TINY = dict(cluster="cpu", nodes=2, global_batch=8)
@@ -458,6 +458,33 @@ def test_candidates_keep_the_fastest_within_the_screens_memory_error():
     got = candidates(est, k=2, memory_bytes=80 * gib)
     assert got[:3] == [1, 2, 3] and 0 not in got  # 1 by the error; 2 and 3, the fastest that fit
     assert candidates(est, k=1, memory_bytes=80 * gib)[:2] == [1, 2]
+
+
+def test_a_parts_fastest_within_the_screens_memory_error_is_not_crowded_out_by_the_other_parts():
+    """A product's part (the grid in ``megatron*coshard``, where co-sharded plans fill the k fastest
+    within the screen's memory error) keeps the plan the part alone would find through that error:
+    swin-32's grid best, 29.3 GiB by the screen on a 26.2 GiB device (25.2 simulated)."""
+    gib = 2**30
+    est = [(3.0, 90 * gib), (1.0, 85 * gib), (2.0, 88 * gib), (5.0, 50 * gib), (6.0, 40 * gib)]
+    grid = [True, False, False, False, True]
+    got = candidates(est, k=2, memory_bytes=80 * gib, parts={"grid": grid, "coshard": [not g for g in grid]})
+    assert got == [1, 2, 0, 3, 4]  # 1 and 2 by the error, 3 and 4 that fit; 0: the grid's fastest within the error
+    assert 0 not in candidates(est, k=2, memory_bytes=80 * gib)  # not without the parts
+
+
+def test_a_products_factors_as_composed_are_parts_whose_fastest_is_kept():
+    """``megatron*coshard``'s parts are the grid's own (pp, dp, tp, ...) and coshard; the grid itself
+    (every coshard knob at its default) is a factor too, so its fastest plan is simulated."""
+    sp = get_space("megatron*coshard")
+    assert [f.name for f in sp.factors()] == ["megatron", "coshard"] and "megatron" not in part_masks(
+        sp, pd.DataFrame()
+    )
+    rows = [dict(dp=2, tp=1, coshard=c, coshard_blocks="attention", coshard_outputs="keep") for c in (1, 2)]
+    masks = factor_masks(sp, pd.DataFrame(rows))
+    assert masks["megatron"] == [True, False] and masks["coshard"] == part_masks(sp, pd.DataFrame(rows))["coshard"]
+    assert factor_masks(get_space("megatron"), pd.DataFrame(rows)) == part_masks(
+        get_space("megatron"), pd.DataFrame(rows)
+    )
 
 
 def test_evaluate_prunes_by_the_bound_and_names_the_memory():

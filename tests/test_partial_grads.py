@@ -20,9 +20,9 @@ from planlab.search_spaces.screen_structure import Ids, Tables, split_work
 DP2 = dict(dp=2, tp=1, pp=1, microbatch=2)  # 2 ranks, 2 micro-batches each
 
 
-def _plan(model: str, knobs: dict, n: int = 2):
+def _plan(model: str, knobs: dict, n: int = 2, space: str = "megatron"):
     spec, g = traced(model, 8)
-    return g, get_space("megatron").build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
+    return g, get_space(space).build(Context(g, spec, 8, "cpu", n, n, 1), knobs)
 
 
 def _collectives(program, dev: int = 0) -> list:
@@ -36,19 +36,24 @@ def _collectives(program, dev: int = 0) -> list:
     ]
 
 
+SWIN_BIAS = {"blocks.0.attn.relative_position_bias_table"}
+
+
 @pytest.mark.parametrize(
-    "model, weights",
+    "model, weights, space, knobs",
     [
-        ("gpt-tiny", {"wpe.weight"}),
-        ("swin-tiny", {"blocks.0.attn.relative_position_bias_table"}),
-        ("t5-tiny", {"blocks.0.self_attn.position_bias.relative_attention_bias.weight"}),
+        ("gpt-tiny", {"wpe.weight"}, "megatron", DP2),
+        ("swin-tiny", SWIN_BIAS, "megatron", DP2),
+        ("t5-tiny", {"blocks.0.self_attn.position_bias.relative_attention_bias.weight"}, "megatron", DP2),
+        # co-located (co-sharded) attention: the bias gathers' chunks hand the partial sums on as they are
+        ("swin-tiny", SWIN_BIAS, "megatron*coshard", dict(DP2, coshard=2, coshard_blocks="attention")),
     ],
 )
-def test_a_weight_broadcast_over_the_batch_is_reduced_once_a_step(model, weights):
+def test_a_weight_broadcast_over_the_batch_is_reduced_once_a_step(model, weights, space, knobs):
     """Under data parallelism no collective runs in the backward but the gradient buckets (was: an
-    all-reduce of the position embedding's gradient every micro-batch), and the weight's gradient is
-    in a bucket over the data-parallel ranks."""
-    g, plan = _plan(model, DP2)
+    all-reduce of the position embedding's gradient every micro-batch; under coshard, one per chunk),
+    and the weight's gradient is in a bucket over the data-parallel ranks."""
+    g, plan = _plan(model, knobs, space=space)
     program = materialize(plan, g)
     assert program.microbatches == 2
     assert _collectives(program) == []

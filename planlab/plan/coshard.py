@@ -56,22 +56,25 @@ def _chunk(shape: tuple[int, ...], axis: int | None, c: int, k: int) -> Box:
     return tuple(box)
 
 
-def _all_reduced(contrib: Layout, need: Layout) -> bool:
-    """True when gradient contributions in ``contrib`` become ``need`` as they are or by all-reduces."""
-    if contrib.mesh != need.mesh:
+def _handed_back(contrib: Layout, grad: Layout) -> bool:
+    """True when gradient contributions in ``contrib`` are summed into a gradient in ``grad`` as they
+    are or by all-reduces: a partial sum the gradient keeps (over the data-parallel replicas,
+    :mod:`planlab.plan.partial_grads`) is handed on as it is, chunk by chunk."""
+    if contrib.mesh != grad.mesh:
         return False
     return all(
-        c == n or isinstance(c, Partial) and isinstance(n, Replicate) or size == 1
-        for c, n, size in zip(contrib.placements, need.placements, need.mesh.shape)
+        c == g or isinstance(c, Partial) and isinstance(g, Replicate) or size == 1
+        for c, g, size in zip(contrib.placements, grad.placements, grad.mesh.shape)
     )
 
 
 def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
     """Co-located operators whose chunks run together, each group in topological order: those
     joined by tensors that pass, to co-located readers only, in one layout chunked along the
-    same axis, and whose gradients pass back in that layout too or as partial sums that one
-    all-reduce completes (a tensor without the batch axis read by data-parallel pieces: that
-    all-reduce then runs per chunk)."""
+    same axis, and whose gradients pass back into the producer's gradient layout as they are or as
+    partial sums that one all-reduce completes (that all-reduce then runs per chunk). A tensor
+    without the batch axis read by data-parallel pieces passes back as it is: its gradient stays
+    a partial sum over the replicas (:mod:`planlab.plan.partial_grads`)."""
     chunks: dict[str, CoLocation] = L.chunks
     parent = {name: name for name in chunks}
 
@@ -89,7 +92,7 @@ def groups(graph: Graph, L, stage: dict[str, int]) -> list[list[str]]:
             a is not None
             and a == _axis(op.signature.inputs[i], co.dim)
             and same_layout(L.has(prod, j), L.needs(op, i))
-            and _all_reduced(L.contributes(op, i), L.needs(op, i))
+            and _handed_back(L.contributes(op, i), L.form(prod).grads[j])
         )
 
     for prod in graph.operators:

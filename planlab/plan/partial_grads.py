@@ -29,22 +29,22 @@ def deferred_axes(
     graph: Graph,
     mesh: dict[str, Mesh],
     dims: dict[str, tuple[str | None, ...]],
-    colocated: frozenset[str] | set[str] | dict,
 ) -> dict[str, frozenset[int]]:
     """Per operator with any, the mesh axes along which its outputs' gradients stay partial sums
     (and so do its inputs' gradient contributions, its weights' among them): axes of size > 1 along
     which it splits nothing and along which every consumer of every floating output, on the same
     mesh, either splits its batch where the tensor has no batch axis (its contribution is a partial
     sum over the data-parallel ranks) or defers the axis itself. Not for the operator that makes the
-    loss, nor for co-located operators (``colocated``); operators are walked in reverse topological
-    order, so a consumer is decided before its producers."""
+    loss. Co-located operators (coshard) are no exception: their chunks add their contributions into
+    the same partial sums (:func:`planlab.plan.coshard.groups` hands them on as they are).
+    Operators are walked in reverse topological order, so a consumer is decided before its producers."""
     batch = graph.batch_label
     out: dict[str, frozenset[int]] = {}
     batch_dim: dict[str, str | None] = {}
     for op in reversed(graph.operators):
         m, od = mesh[op.name], dims[op.name]
         axes = [a for a, (d, s) in enumerate(zip(od, m.shape)) if d is None and s > 1]
-        if not axes or op.name in colocated or graph.loss in op.outputs:
+        if not axes or graph.loss in op.outputs:
             continue
         uses = [
             (c, k)
@@ -59,9 +59,7 @@ def deferred_axes(
         keep = frozenset(
             a
             for a in axes
-            if all(
-                _partial_over_replicas(graph, c, k, a, m, mesh, dims, out, batch_dim, batch, colocated) for c, k in uses
-            )
+            if all(_partial_over_replicas(graph, c, k, a, m, mesh, dims, out, batch_dim, batch) for c, k in uses)
         )
         if keep:
             out[op.name] = keep
@@ -69,11 +67,11 @@ def deferred_axes(
 
 
 def _partial_over_replicas(
-    graph: Graph, c: Operator, k: int, a: int, m: Mesh, mesh, dims, out, batch_dim: dict, batch: str, colocated
+    graph: Graph, c: Operator, k: int, a: int, m: Mesh, mesh, dims, out, batch_dim: dict, batch: str
 ) -> bool:
     """Whether consumer ``c``'s gradient contribution to its ``k``-th input is a partial sum over
     the data-parallel ranks along mesh axis ``a`` of ``m``."""
-    if c.name in colocated or mesh[c.name] != m:
+    if mesh[c.name] != m:
         return False
     if a in out.get(c.name, ()):
         return True

@@ -10,7 +10,10 @@ layout of a tensor into the consumer's, one collective per mesh axis that differ
 (:mod:`planlab.plan.redistribute`): ``P -> R`` all-reduce, ``P -> S`` reduce-scatter, ``S -> R``
 all-gather, ``R -> S`` a local slice (free), ``S(i) -> S(j)`` all-to-all; and in the backward the
 gradient back (a consumer that splits along a dimension its input lacks leaves partial
-gradients). Every collective is priced by the cost model on the stage's device groups.
+gradients). A partial sum over data-parallel replicas (a consumer splits its batch along an axis
+along which the producer splits nothing, the tensor has no batch axis) stays one until it reaches
+a weight, reduced once a step, as materialize does (:mod:`planlab.plan.partial_grads`). Every
+collective is priced by the cost model on the stage's device groups.
 """
 
 from __future__ import annotations
@@ -152,18 +155,24 @@ class CostTables:
         ps, cs = self.strategies(prod), self.strategies(cons)
         nbytes = self.tensor_bytes(tensor)
         out = np.zeros((len(ps), len(cs)))
+        whole = self.has_batch(tensor)
+        batch = self.g.dim_with_label(cons, self.batch) if self.g.labels and not whole else None
         for i, sp in enumerate(ps):
             lp = self.layout(prod, tensor, sp, True)
             want_grad = tuple(R if p == P else p for p in lp)
             for j, sc in enumerate(cs):
                 fwd = self.convert_s(lp, self.layout(cons, tensor, sc, False), nbytes)
-                bwd = self.convert_s(self.grad_layout(cons, tensor, sc), want_grad, nbytes)
+                grad = self.grad_layout(cons, tensor, sc)
+                if batch is not None:  # a partial sum over data-parallel replicas stays one (deferred)
+                    grad = tuple(w if d == batch and q is None else g for g, w, d, q in zip(grad, want_grad, sc, sp))
+                bwd = self.convert_s(grad, want_grad, nbytes)
                 out[i, j] = (fwd + bwd) * self.m
         return out
 
     def node_costs(self, op: Operator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per strategy: seconds per iteration (compute of every micro-batch's forward and
-        backward, and the gradient all-reduce of weights whose gradient is partial over an axis),
+        backward, and the once-a-step gradient all-reduce of weights whose gradient is partial over
+        an axis, :mod:`planlab.plan.partial_grads`'s deferred axes among them),
         static bytes (weights, gradients, optimizer states) and the activation bytes one
         micro-batch saves for the backward."""
         ss = self.strategies(op)
@@ -186,7 +195,11 @@ class CostTables:
                 shard = math.prod(n for p, n in zip(lay, self.mesh.sizes) if isinstance(p, int))
                 static[k] += spec.numel / shard * per_param
                 for a, (p, d) in enumerate(zip(lay, s)):
-                    if p == R and d is not None and self.mesh.sizes[a] > 1:  # partial gradient over axis a
+                    # partial gradient over axis a: the operator splits along it, or (nothing it
+                    # reads or makes has the batch) its consumers split their batch along it and
+                    # leave it partial sums over those replicas (edge_costs), reduced once a step
+                    deferred = d is None and not batched and bool(self.g.labels)
+                    if p == R and (d is not None or deferred) and self.mesh.sizes[a] > 1:
                         other = math.prod(
                             n for b2, n in enumerate(self.mesh.sizes) if b2 != a and isinstance(lay[b2], int)
                         )

@@ -3,7 +3,7 @@
 ``candidates`` picks, among the plans the screen estimated, the ``k`` fastest that fit in memory
 by the screen's estimate, the ``k`` fastest that fit within the screen's known memory error (so that
 an overestimated peak does not drop a fast plan that fits), every plan near the screen's Pareto front
-(time against memory), and the fastest of each part of the space; ``pareto_mask`` marks the front of simulated plans;
+(time against memory), and the fastest of each part of the space by both memory cuts; ``pareto_mask`` marks the front of simulated plans;
 ``part_masks`` says which rows belong to which part of a union or product (for the plots).
 """
 
@@ -57,7 +57,8 @@ def candidates(
     ``k`` fastest whose estimated memory fits (with :data:`MEMORY_SLACK`; topped up with the
     smallest if fewer fit), the ``k`` fastest whose estimate is within :data:`SCREEN_MEMORY_ERROR`
     of the device's memory (the screen may overestimate their peak), up to ``k`` plans within ``tol`` of the screen's Pareto front (spread
-    along it, from the fastest to the smallest), and the fastest of each part. ``est[i]`` is
+    along it, from the fastest to the smallest), and the fastest of each part that fits and that is
+    within the screen's memory error. ``est[i]`` is
     ``(time_s, mem_bytes)``, or None to leave the plan out."""
     known = [i for i, e in enumerate(est) if e is not None]
     if k is None:
@@ -76,16 +77,40 @@ def candidates(
         on = sorted((i for i, n in enumerate(near) if n), key=lambda i: est[i][0])
         step = max(1.0, (len(on) - 1) / max(1, k - 1))
         chosen.update(on[min(len(on) - 1, round(j * step))] for j in range(min(k, len(on))))
+        # each part's fastest by both memory cuts above: a part's best found through the screen's
+        # memory error (as the part alone would find it) is not crowded out by the other parts' plans
         for mask in (parts or {}).values():
-            mine = [i for i in fits if mask[i]]
-            if mine:
-                chosen.add(min(mine, key=lambda i: est[i][0]))
+            for pool in (fits, maybe):
+                mine = [i for i in pool if mask[i]]
+                if mine:
+                    chosen.add(min(mine, key=lambda i: est[i][0]))
     return sorted(chosen, key=lambda i: est[i][0])
 
 
 def pareto_mask(df: pd.DataFrame) -> list[bool]:
     """True for feasible plans that no other feasible plan beats in both time and memory."""
     return front([(r.iter_time_s, r.peak_mem_gib) if bool(r.feasible) else None for r in df.itertuples()])
+
+
+def factor_masks(space: Space, df: pd.DataFrame) -> dict[str, list[bool]]:
+    """:func:`part_masks`, and for a product also its factors as it was composed of them
+    (``megatron*coshard``'s grid: every coshard knob at its default), whose fastest plans
+    :func:`candidates` keeps, so that a product simulates its factors' own best."""
+    out = part_masks(space, df)
+    factors = space.factors()
+    if len(factors) < 2 or len(space.alternatives()) > 1:
+        return out
+    knobs = space.all_knobs()
+    for f in factors:
+        if f.name in out:
+            continue
+        mine = {k.name for k in f.all_knobs()}
+        mask = pd.Series(True, index=df.index)
+        for k in knobs:
+            if k.name not in mine and k.default is not None and k.name in df:
+                mask &= df[k.name] == k.default
+        out[f.name] = list(mask)
+    return out
 
 
 def part_masks(space: Space, df: pd.DataFrame) -> dict[str, list[bool]]:

@@ -361,6 +361,11 @@ class Space(abc.ABC):
         """The spaces a union is made of (a space that is not a union: itself)."""
         return (self,)
 
+    def factors(self) -> tuple["Space", ...]:
+        """The spaces a product was composed of, as given (``megatron*coshard``: the grid and
+        coshard, where :meth:`parts` are the grid's own parts and coshard); not a product: itself."""
+        return (self,)
+
     def ordered_drafts(self) -> bool:
         """Whether a draft of this space may depend on the drafts made before it in the same process
         (``drafts_in_order`` of it or of a part): explore then drafts every assignment here, in order,
@@ -678,10 +683,14 @@ class Product(Space):
         for s in spaces:
             flat.extend(s.parts())
         self._parts = tuple(flat)
+        self._factors = tuple(spaces)
         self.name = name or "*".join(s.name for s in spaces)
 
     def parts(self) -> tuple[Space, ...]:
         return self._parts
+
+    def factors(self) -> tuple[Space, ...]:
+        return self._factors
 
     def ordered_drafts(self) -> bool:
         return any(p.ordered_drafts() for p in self._parts)

@@ -114,7 +114,7 @@ class Layouts:
             )
         self.kv_gather = plan.kv_gather  # the rings all-gather their keys and values (Ring.gather)
         # per operator with any: the data-parallel axes its gradients stay partial sums along
-        self.deferred = deferred_axes(graph, self.mesh, self.dims, self.chunks)
+        self.deferred = deferred_axes(graph, self.mesh, self.dims)
 
     def _check_splits(self, op: Operator, p: OpPlan, dims: tuple, sizes: tuple) -> None:
         """Refuse (InfeasiblePlan) a ring attention without a mesh axis along its sequence, and a
