@@ -100,8 +100,10 @@ def _bound(
     the integer program's model (the pipeline walked, planlab/search_spaces/fine_paths.py), against
     the grid best's time in that model, in fine.py's closed form and simulated; with
     ``simulate_best``, simulate the fine plan of the bound's best point; with ``target`` (a speedup),
-    prove only that no layout reaches it (grid_bound's ``enough_s``: the grid best over the target);
-    return the largest speedup the fine space could find in its model (None: no point fits)."""
+    prove only that no layout reaches it (grid_bound's ``enough_s``: the grid best, the slower of
+    walked and simulated, over the target);
+    return the largest speedup the fine space could find, against the slower of the grid best walked
+    and simulated (None: no point fits)."""
     from planlab.explore import evaluate
     from planlab.search_spaces import get_space
     from planlab.search_spaces.fine_bound import grid_bound, grid_plan_cost
