@@ -354,11 +354,12 @@ class Incumbents:
 
 
 def stage_extras(c: StageCosts, s: int, G: int) -> GroupCost:
-    """Stage ``s``'s extras: the first stage's, the last's, or both's on one stage."""
+    """Stage ``s``'s extras: the first stage's, the last's, or both's on one stage, and every stage's
+    once-only time per micro-batch (``StageCosts.unit_s``)."""
     parts = ([c.first] if s == 0 else []) + ([c.last] if s == G - 1 else [])
-    return GroupCost(
-        *(sum(getattr(p, f) for p in parts) for f in ("time_s", "sync_s", "static_bytes", "saved_bytes", "work_bytes"))
-    )
+    fields = ("time_s", "sync_s", "static_bytes", "saved_bytes", "work_bytes")
+    time_s, *rest = (sum(getattr(p, f) for p in parts) for f in fields)
+    return GroupCost(time_s + c.unit_s, *rest)
 
 
 def apply_layout(draft: Draft, layout: StageLayout) -> None:

@@ -47,6 +47,9 @@ class StageCosts:
     # the forward's share of layer_s and of the extras' time (the rest, and recompute_s, is the backward's):
     # what the schedule walk (fine_walk.py) needs to order a stage's forwards and backwards
     forward_share: float = 1 / 3
+    # a stage's once-only time per micro-batch, whatever its layers (ZeRO-3: its first unit's gathers,
+    # which no computation ahead of them hides; the next units' are prefetched behind the layer before)
+    unit_s: float = 0.0
 
 
 def _minus(a: GroupCost, b: GroupCost) -> GroupCost:
@@ -82,7 +85,9 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
     """The per-layer costs of grid point ``d`` (any stages; the probe replaces them). With 5 layers
     or more the probe's middle group holds two layers: its difference from a one-layer group is a
     layer's static memory and sync, and what is left of the one-layer group the device's once-only
-    part (ZeRO-3's gathered unit and last reduce-scatter; 0 where those figures add up per layer).
+    part (ZeRO-3's gathered unit and last reduce-scatter; 0 where those figures add up per layer);
+    so is its time, less the once-only time a stage pays whatever its layers (``unit_s``: ZeRO-3's first
+    unit's gathers, which a one-layer group exposes per layer and a stage of many layers once).
     Only the groups read here are priced (the first, the middle one or two and the last), each
     probe once per graph, cluster and :func:`probe_key` (the graph's memo): as the grid point
     recomputes, with every layer recomputed in full, and with the optimizer offloaded."""
@@ -130,8 +135,12 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
 
     static, unit_static = per_layer(base, "static_bytes")
     sync, unit_sync = per_layer(base, "sync_s")
+    # a layer's time: what the second layer of the two-layer group adds, never more than a one-layer
+    # group's (screen.Screen._price: ZeRO-3 exposes a group's first unit's gathers once, not once a layer)
+    busy = {i: base[i].time_s - base[i].p2p_s for i in base}
+    layer_s = min(busy[mid], busy[pair] - busy[mid]) if pair is not None else busy[mid]
     return StageCosts(
-        layer_s=a.time_s - a.p2p_s,
+        layer_s=layer_s,
         recompute_s=max(0.0, full[mid].time_s - a.time_s),
         sync_s=sync,
         offload_sync_s=per_layer(off, "sync_s")[0],
@@ -148,4 +157,5 @@ def stage_costs(screen: Screen, d: Draft, can_offload: bool) -> StageCosts:
         unit_sync_s=unit_sync,
         recompute_work_bytes=full[mid].work_bytes,
         forward_share=a.forward_s / (a.time_s - a.p2p_s) if a.time_s > a.p2p_s else 1 / 3,
+        unit_s=busy[mid] - layer_s,
     )

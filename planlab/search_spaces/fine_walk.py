@@ -16,7 +16,8 @@ Per stage (model chunk) ``s`` of ``n_s`` layers, ``k_s`` recomputed, on a device
     forward  f_s = share (e_s + n_s l)           backward  b_s = (1 - share)(e_s + n_s l) + k_s r
     a transfer between stages: half the stage's p2p_s each way (the activation in, its gradient back)
     sync_d = unit + sum over device d's chunks of n_s (sync or offloaded sync) + the extras' sync
-(``e_s``: the first stage's embedding and the last's head and loss; ``share``: the forward's part of
+(``e_s``: the first stage's embedding and the last's head and loss, and every stage's once-only
+time, ZeRO-3's first unit's gathers; ``share``: the forward's part of
 a layer's time, from the screen). What the walk leaves out, the simulator has: per-layer compute
 priced at each piece's own shapes (the screen prices a kernel's efficiency at the whole
 operator's), transfers overlapped with compute, and collectives that contend for links.
