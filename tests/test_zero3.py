@@ -519,3 +519,40 @@ def test_context_parallel_ranks_stay_in_the_shard_group():
     zero = [t for t in tasks if t.role in (Role.UNIT_GATHER, Role.UNIT_GRADS)]
     assert zero and {tuple(sorted(t.group)) for t in zero} == {(0, 1, 2, 3)}
     assert not any("tp-reduce" in t.name for t in tasks)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 1.3])
+def test_gathers_within_a_class_taken_at_once_simulate_as_at_their_barriers(slowdown, monkeypatch):
+    """One class of four devices takes each ZeRO-3 collective on the stream as it is issued
+    (``DeviceRun.overlapped_now``); device by device (``symmetry=False``) each is a process that
+    waits at its barrier. Same iteration, peaks, statistics and timeline, with and without the
+    computation slowed beside the stream."""
+    from planlab.simulator.engine import DeviceRun
+
+    taken = Counter()
+    at_once = DeviceRun.overlapped_now
+
+    def counted(self, *args):
+        taken[self.sim.timeline] += 1
+        return at_once(self, *args)
+
+    monkeypatch.setattr(DeviceRun, "overlapped_now", counted)
+    cost = CostModel.load("cpu", 4)
+    prog = _program(4, dict(dp=4, tp=1, pp=1, microbatch=1), 3)[2]
+    classes = simulate(prog, cost, timeline=True, overlap_slowdown=slowdown)
+    assert taken[True] > 0 and len(classes.devices) == 1
+    taken.clear()
+    apart = simulate(prog, cost, timeline=True, overlap_slowdown=slowdown, symmetry=False)
+    assert not taken and len(apart.devices) == 4
+    assert apart.iter_time_s == classes.iter_time_s
+    one = classes.devices[0]
+    for d in apart.devices:
+        assert (d.finish_s, d.compute_s, d.comm_s, d.exposed_comm_s, d.peak_mem_bytes, d.peak_at_s) == (
+            one.finish_s,
+            one.compute_s,
+            one.comm_s,
+            one.exposed_comm_s,
+            one.peak_mem_bytes,
+            one.peak_at_s,
+        )
+    assert [e for e in apart.events if e.device == 0] == [e for e in classes.events if e.device == 0]

@@ -162,6 +162,7 @@ class Simulation:
         self.exchange = exchange_prices(program, cls, cost)  # sends of symmetric bursts, in closed form
         self._links: dict[tuple[int, int], tuple] = {}
         self._members = Counter(cls)
+        self._within: dict[tuple[int, ...], bool] = {}  # group -> within one class (Simulation.within_class)
         self.stages = 1 + max((a.stage for d in program.devices for a in d.schedule), default=0)
         self.stages_of = {d.device: frozenset(a.stage for a in d.schedule if a.phase != "U") for d in program.devices}
         # blocking sends meet their receives, in DeepSpeed's order, where every device runs its TrainSchedule
@@ -182,6 +183,14 @@ class Simulation:
             kind = "nvlink" if self.cost.cluster.node_of(src) == self.cost.cluster.node_of(dst) else "nic"
             port = self.cls[dst] if self._members[self.cls[src]] == self._members[self.cls[dst]] else dst
             got = self._links[(src, dst)] = ((kind, "out", src), (kind, "in", port))
+        return got
+
+    def within_class(self, group: tuple[int, ...]) -> bool:
+        """Whether every member of ``group`` stands with one representative (its barrier is reached
+        as soon as that representative issues the collective)."""
+        got = self._within.get(group)
+        if got is None:
+            got = self._within[group] = len({self.cls[d] for d in group}) == 1
         return got
 
     def barrier(self, ident: int, microbatch: int, group: tuple[int, ...]) -> simpy.Event:
@@ -416,7 +425,8 @@ class DeviceRun:
         """Wait for the overlapped collectives still running, then run the copies still owed."""
         env = self.sim.env
         start = env.now
-        yield env.all_of(self.in_flight)
+        # those done already would only be counted (a ZeRO-3 iteration issues hundreds of thousands)
+        yield env.all_of([e for e in self.in_flight if e.callbacks is not None])
         self.in_flight.clear()
         self.st["exposed_s"] += env.now - start
         yield from self.copy_out(None, a)
@@ -523,12 +533,49 @@ class DeviceRun:
             self.mem += u.alloc_bytes
             if sim.timeline:
                 sim.memory.append((self.rep, sim.env.now, self.mem))
-        ready = sim.barrier(u.ident, action.microbatch, u.group)
-        proc = sim.env.process(self.overlapped(u, ready, a, next(sim.issued)))
-        self.in_flight.append(proc)
-        self.by_name[u.task] = proc
-        self.pending += 1
+        if not self.pending and u.duration_s and sim.within_class(u.group):
+            done = self.overlapped_now(u, a, next(sim.issued))
+        else:
+            ready = sim.barrier(u.ident, action.microbatch, u.group)
+            done = sim.env.process(self.overlapped(u, ready, a, next(sim.issued)))
+            self.pending += 1
+        self.in_flight.append(done)
+        self.by_name[u.task] = done
         yield from ()
+
+    def overlapped_now(self, u: AsyncCollective, a: str, seq: int) -> simpy.Event:
+        """An overlapped collective whose members are all in this class, issued with no other
+        waiting for its barrier: it takes the stream now, after what the stream holds, as
+        :meth:`overlapped` would once its barrier fires at this instant, so its end is known at
+        once. Its timeout (whose callback does what :meth:`overlapped` does at the end) and the
+        event returned (which fires after, as a process's end would) stand for the process, its
+        start and its barrier: a ZeRO-3 run issues hundreds of thousands, and events run in the
+        same order. Computation that starts now sees the stream's new end (:meth:`share`), as it
+        would once the collective's start interrupted it at this same instant."""
+        sim, rep = self.sim, self.rep
+        env = sim.env
+        issued_at = env.now
+        start = max(issued_at, sim.coll_free[rep])
+        sim.coll_free[rep] = start + u.duration_s
+        done = env.event()
+
+        def end(_) -> None:
+            self.overlapped_end(u, a, issued_at, seq)
+            done.succeed()
+
+        env.timeout(sim.coll_free[rep] - issued_at).callbacks.append(end)
+        return done
+
+    def overlapped_end(self, u: AsyncCollective, a: str, issued_at: float, seq: int) -> None:
+        """What an overlapped collective does as it ends: its time counted, its copy out owed, its
+        event recorded, its input freed."""
+        sim, rep = self.sim, self.rep
+        sim.stats[rep]["comm_s"] += u.duration_s
+        if u.copy_out_s:
+            self.owed_s[u.task] = self.owed_s.get(u.task, 0.0) + u.copy_out_s
+        if sim.timeline:
+            sim.record(rep, "comm", a, u.task, issued_at, sim.env.now, seq)  # in flight
+        self.release(u.free_bytes)
 
     def start_copy(self, u: HostCopy, a: str, mb: int) -> None:
         """Issue copies on the device's copy stream (what they write allocated now); they run after
@@ -574,19 +621,17 @@ class DeviceRun:
             self.computing = False  # is interrupted (once) and goes on from where it was
             self.proc.interrupt()
         yield env.timeout(sim.coll_free[rep] - env.now)
-        sim.stats[rep]["comm_s"] += u.duration_s
-        if u.copy_out_s:
-            self.owed_s[u.task] = self.owed_s.get(u.task, 0.0) + u.copy_out_s
-        if sim.timeline:
-            sim.record(rep, "comm", a, u.task, issued_at, env.now, seq)  # in flight
-        self.release(u.free_bytes)
+        self.overlapped_end(u, a, issued_at, seq)
 
     def wait_for(self, u: Await, a: str):
         """Wait for the latest runs of the overlapped collectives the next task reads from (no
         event of its own: the collectives' events show the wait), then run their copies out."""
         env = self.sim.env
         start = env.now
-        yield env.all_of([self.by_name[name] for name in u.tasks if name in self.by_name])
+        awaited = [self.by_name[name] for name in u.tasks if name in self.by_name]
+        # all done and nothing else due now: the condition's event would be the next to run
+        if env.peek() <= start or any(e.callbacks is not None for e in awaited):
+            yield env.all_of(awaited)
         self.st["exposed_s"] += env.now - start
         yield from self.copy_out(u.tasks, a)
 
