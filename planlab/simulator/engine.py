@@ -426,7 +426,7 @@ class DeviceRun:
         env = self.sim.env
         start = env.now
         # those done already would only be counted (a ZeRO-3 iteration issues hundreds of thousands)
-        yield env.all_of([e for e in self.in_flight if e.callbacks is not None])
+        yield env.all_of([e for e in self.in_flight if not e.processed])
         self.in_flight.clear()
         self.st["exposed_s"] += env.now - start
         yield from self.copy_out(None, a)
@@ -630,7 +630,7 @@ class DeviceRun:
         start = env.now
         awaited = [self.by_name[name] for name in u.tasks if name in self.by_name]
         # all done and nothing else due now: the condition's event would be the next to run
-        if env.peek() <= start or any(e.callbacks is not None for e in awaited):
+        if env.peek() <= start or any(not e.processed for e in awaited):
             yield env.all_of(awaited)
         self.st["exposed_s"] += env.now - start
         yield from self.copy_out(u.tasks, a)
