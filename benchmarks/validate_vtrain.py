@@ -13,7 +13,9 @@ time within each model size, and how much of the signed error by micro-batch is 
 iteration pays once (:func:`fixed_share`: per configuration measured at several global batches, the
 least-squares split of its times into a fixed cost and a cost per pipeline step, vTrain's against
 predicted; on the single-node set vTrain's "fixed cost" is its composed constant plus its own all-reduce
-table, not a measured optimizer step: ``benchmarks/vtrain_composition.py``). ``--breakdown K`` then simulates the K worst runs of each set again
+table, not a measured optimizer step: ``benchmarks/vtrain_composition.py``), and the rows that do the
+same work per GPU under the same pipeline schedule at several tensor-parallel degrees, with the pairs
+whose measured order is the opposite of the predicted one (:func:`matched_work`). ``--breakdown K`` then simulates the K worst runs of each set again
 with a timeline and prints where the predicted step goes on its slowest device (:func:`breakdown`).
 
     .venv/bin/python benchmarks/validate_vtrain.py [--every N] [--multi-every M] [--jobs 2] [--csv out.csv]
@@ -24,6 +26,7 @@ import argparse
 import json
 import re
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +103,7 @@ def report(df: pd.DataFrame, kind: str) -> None:
     for rows, cols in CROSS:
         print(cross_table(df, rows, cols))
     print(fixed_share(df))
+    print(matched_work(df))
     worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(8)
     print(
         worst[
@@ -173,6 +177,74 @@ def fixed_share(df: pd.DataFrame) -> str:
         + "\n  fixed cost, vTrain's (single-node: composed, vtrain_composition.py) / predicted ms (median),"
         " hidden and tp (rows) x pp (columns):\n" + cells.fillna("").to_string()
     )
+
+
+MATCH = ("hidden", "layers", "pp", "m", "work")  # same model, schedule and work per GPU: only tp differs
+
+
+def matched_groups(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows that do the same work per GPU under the same pipeline schedule with different tensor-
+    parallel degrees: same model (hidden, layers), same pp and number of micro-batches ``m`` (so the same
+    1F1B bubble), and the same micro-batch per tp rank (``micro_batch / tp``: the same FLOPs per GPU and
+    micro-batch, and with DeepSpeed's tp-partitioned pipeline messages the same bytes between stages).
+    What differs is only what grows with tp (the tp all-reduces, the element-wise work every tp rank repeats,
+    narrower GEMMs) and what shrinks with it (parameters per GPU: the optimizer step, the gradient
+    all-reduce, whose bytes per node are the same at every tp). Columns: the row's with ``m`` and ``work``
+    (the micro-batch per tp rank) added, sorted by group and tp; only groups with two or more tp."""
+    df = df.assign(
+        m=df["global_batch"] // (df["dp"] * df["micro_batch"]),
+        work=[Fraction(int(mb), int(tp)) for mb, tp in zip(df["micro_batch"], df["tp"])],
+    )
+    keep = df.groupby(list(MATCH))["tp"].transform("nunique") > 1
+    return df[keep].sort_values(list(MATCH) + ["tp"]).reset_index(drop=True)
+
+
+def order_contradictions(df: pd.DataFrame) -> pd.DataFrame:
+    """Within each group of :func:`matched_groups`, every pair of rows (lower tp ``a``, higher tp ``b``)
+    whose measured order is the opposite of the predicted one, with the measured and predicted time of
+    each: columns ``hidden``, ``pp``, ``m``, ``tp_a``, ``tp_b``, ``measured_a``, ``measured_b``,
+    ``predicted_a``, ``predicted_b``."""
+    rows = []
+    for key, g in matched_groups(df).groupby(list(MATCH)):
+        recs = g.to_dict("records")
+        for i, a in enumerate(recs):
+            for b in recs[i + 1 :]:
+                if a["tp"] == b["tp"]:
+                    continue
+                measured, predicted = a["measured_s"] - b["measured_s"], a["predicted_s"] - b["predicted_s"]
+                if measured * predicted < 0:
+                    rows.append(
+                        dict(hidden=key[0], pp=key[2], m=key[3], tp_a=a["tp"], tp_b=b["tp"])
+                        | dict(measured_a=a["measured_s"], measured_b=b["measured_s"])
+                        | dict(predicted_a=a["predicted_s"], predicted_b=b["predicted_s"])
+                    )
+    return pd.DataFrame(rows)
+
+
+def matched_work(df: pd.DataFrame) -> str:
+    """:func:`matched_groups` as a printable table (measured / predicted s and the signed error per tp),
+    then the pairs whose measured order contradicts the predicted one (:func:`order_contradictions`)."""
+    groups = matched_groups(df)
+    if groups.empty:
+        return "  same work per GPU at several tp: no such rows"
+    lines = [
+        f"  same work per GPU and schedule at several tp ({groups.groupby(list(MATCH)).ngroups} groups, "
+        f"{len(groups)} rows): measured / predicted s (signed error), by tp:"
+    ]
+    for key, g in groups.groupby(list(MATCH)):
+        cells = " | ".join(
+            f"tp {r.tp} mb {r.micro_batch}: {r.measured_s:.2f} / {r.predicted_s:.2f} ({r.error * 100:+.0f}%)"
+            for r in g.itertuples()
+        )
+        lines.append(f"    h {key[0]} pp {key[2]} m {key[3]}: {cells}")
+    bad = order_contradictions(df)
+    lines.append(f"  pairs whose measured order contradicts the predicted one: {len(bad)}")
+    for r in bad.itertuples():
+        lines.append(
+            f"    h {r.hidden} pp {r.pp} m {r.m}: tp {r.tp_a} / tp {r.tp_b} measured {r.measured_a / r.measured_b:.2f}, "
+            f"predicted {r.predicted_a / r.predicted_b:.2f}"
+        )
+    return "\n".join(lines)
 
 
 # What a task of the timeline is, by its name (planlab's Program names tasks after the model's

@@ -81,3 +81,30 @@ def test_step_costs_split_a_configurations_times_into_once_an_iteration_and_per_
     text = fixed_share(df)
     assert "1 configurations" in text and "3 rows" in text  # the tp 4 row has no fixed cost of its own
     assert "10.0 / 30.0" in text
+
+
+def test_matched_groups_pair_rows_of_the_same_work_per_gpu_and_schedule_and_flag_contradicted_orders():
+    """Rows of one model with the same pp, micro-batches and micro-batch per tp rank form a group; a
+    pair whose measured order is the opposite of the predicted one is listed, an agreeing pair is not,
+    and a row of another schedule (another pp) or another work per GPU stays out."""
+    from validate_vtrain import matched_groups, matched_work, order_contradictions
+
+    base = dict(hidden=8192, layers=48, gpus=512, global_batch=1536)
+    rows = [
+        dict(base, tp=2, dp=16, pp=16, micro_batch=2, measured_s=23.7, predicted_s=14.2),  # m 48, work 1
+        dict(base, tp=4, dp=8, pp=16, micro_batch=4, measured_s=15.6, predicted_s=15.0),  # m 48, work 1
+        dict(base, tp=8, dp=4, pp=16, micro_batch=8, measured_s=16.9, predicted_s=17.3),  # m 48, work 1
+        dict(base, tp=8, dp=4, pp=16, micro_batch=4, measured_s=15.9, predicted_s=16.0),  # m 96: alone
+        dict(base, tp=4, dp=16, pp=8, micro_batch=4, measured_s=17.4, predicted_s=14.1),  # pp 8: alone
+    ]
+    df = pd.DataFrame(rows)
+    df["error"] = df["predicted_s"] / df["measured_s"] - 1
+    groups = matched_groups(df)
+    assert list(groups["tp"]) == [2, 4, 8] and set(groups["m"]) == {48}
+    bad = order_contradictions(df)
+    # tp 2 measures slower than tp 4 and tp 8 while it is predicted faster; tp 4 < tp 8 both ways
+    assert sorted(zip(bad["tp_a"], bad["tp_b"])) == [(2, 4), (2, 8)]
+    text = matched_work(df)
+    assert "1 groups, 3 rows" in text and "contradicts the predicted one: 2" in text
+    assert "tp 2 / tp 4 measured 1.52, predicted 0.95" in text
+    assert matched_work(df.iloc[3:]) == "  same work per GPU at several tp: no such rows"
