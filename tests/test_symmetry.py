@@ -147,3 +147,42 @@ def test_an_fsdp2_plan_simulates_alike_reduced_and_full():
     assert any(cost.copy_out_s(t) > 0 for dp in reduced.devices for b in dp.blocks.values() for t in b.tasks)
     a = _simulate_alike(reduced, full, cost)
     assert sum(d.members for d in a.devices) == 16
+
+
+@pytest.mark.parametrize("model, args, batch, space, knobs", CASES[2:], ids=["3f1b", "megatron"])
+def test_a_witness_built_without_allocations_compares_as_one_built_whole(model, args, batch, space, knobs):
+    """A symmetric build assembles its witnesses bare, their lifetimes apart (``assemble_bare``): each
+    witness's outline, and so the reduced Program, is what the witness assembled whole gives."""
+    from planlab.plan.materialize import precision_for, run_passes
+    from planlab.plan.passes.draft import Draft
+    from planlab.plan.passes.layouts import Layouts
+    from planlab.plan.passes.liveness import assemble, assemble_bare
+    from planlab.plan.symmetry import _outline, plan_classes, reduce_program
+
+    plan, g, cost = _plan(model, args, batch, space, knobs)
+    node_of = cost.cluster.node_of
+    layouts = Layouts(plan, g)
+    classes = plan_classes(plan, layouts.mesh.values(), node_of)
+    witnesses = {c: d for d, c in enumerate(classes) if d != c}
+    bare_devices = frozenset(witnesses.values())
+    keep = frozenset(classes) | bare_devices
+    draft = run_passes(Draft.start(plan, g, layouts, precision_for(plan.cluster), keep=keep, overlap=True))
+    whole = assemble(draft)
+    bare, lives = assemble_bare(draft, bare_devices)
+    assert witnesses and set(lives) == bare_devices
+    for w, b in zip(whole.devices, bare.devices):
+        if w.device not in bare_devices:
+            assert b == w
+            continue
+        tasks = [t for blk in b.blocks.values() for t in blk.tasks]
+        assert not any(t.alloc or t.free for t in tasks)
+        assert any(t.alloc for blk in w.blocks.values() for t in blk.tasks)
+        assert _outline(b, classes, node_of, {}, lives[w.device]) == _outline(w, classes, node_of, {})
+    reduced = reduce_program(whole, classes, witnesses, node_of)
+    assert reduced is not None and reduce_program(bare, classes, witnesses, node_of, lives) == reduced
+    # a witness whose lifetimes differed from its representative's is told apart
+    w = min(bare_devices)
+    allocs, frees = lives[w]
+    first = min(allocs)
+    wrong = {**lives, w: ({**allocs, first: allocs[first][1:]}, frees)}
+    assert reduce_program(bare, classes, witnesses, node_of, wrong) is None

@@ -115,14 +115,23 @@ def derived(graph: Graph) -> tuple[tuple[tuple, object], ...]:
     graph's memo, ``graph`` fresh from tracing (its memo empty): the structural template's block runs
     (:func:`planlab.plan.template.block_runs`, about 10 us an operator) and the analyses it and the
     layouts read (what a detach cuts off, fused GEMMs, batch axes, an operator reading the batch
-    whole, the operators' forms at the traced shapes). The entry's key holds planlab's source digest, so a loaded value is what this planlab
+    whole, the operators' forms at the traced shapes, the activations holding a constant). The entry's key holds planlab's source digest, so a loaded value is what this planlab
     would derive."""
     from planlab.plan.fused_gemms import fused_groups
     from planlab.plan.passes.layouts import batch_axes, traced_forms, whole_batch_read
-    from planlab.plan.shared_params import forward_only_of, no_grad_of
+    from planlab.plan.shared_params import constants_of, forward_only_of, no_grad_of
     from planlab.plan.template import block_runs
 
-    for analysis in (no_grad_of, forward_only_of, fused_groups, batch_axes, whole_batch_read, traced_forms, block_runs):
+    for analysis in (
+        no_grad_of,
+        forward_only_of,
+        constants_of,
+        fused_groups,
+        batch_axes,
+        whole_batch_read,
+        traced_forms,
+        block_runs,
+    ):
         analysis(graph)
     return graph.memo_entries()
 

@@ -55,7 +55,7 @@ from planlab.plan.passes.forward import convert_inputs, forward_pieces, place_we
 from planlab.plan.passes.gradients import reduce_gradients
 from planlab.plan.passes.layouts import Layouts
 from planlab.plan.passes.offload import offload_optimizer
-from planlab.plan.passes.liveness import assemble
+from planlab.plan.passes.liveness import assemble, assemble_bare
 from planlab.plan.passes.optimizer import step_optimizer
 from planlab.plan.passes.order import order_blocks
 from planlab.plan.passes.recompute import recompute
@@ -141,8 +141,10 @@ def _materialize(
                 if d != c:
                     witnesses[c] = d  # the last member of each class
             keep = frozenset(reps) | frozenset(witnesses.values())
-            program = build(plan, graph, L, precision, keep, overlap, software)
-            reduced = reduce_program(program, classes, witnesses, node_of)
+            start = Draft.start(plan, graph, L, precision, keep=keep, overlap=overlap, software=software)
+            # the witnesses are compared and dropped: their tasks keep no allocations and frees
+            program, lives = assemble_bare(run_passes(start), frozenset(witnesses.values()))
+            reduced = reduce_program(program, classes, witnesses, node_of, lives)
             if reduced is not None:
                 return reduced
     return build(plan, graph, L, precision, None, overlap, software)
@@ -185,10 +187,18 @@ def build(
     software: SoftwareSpec | None = None,
 ) -> Program:
     """The passes (see the module docstring), for every device or only for those in ``keep``."""
-    d = shared_passes(Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software))
+    return assemble(
+        run_passes(Draft.start(plan, graph, layouts, precision, keep=keep, overlap=overlap, software=software))
+    )
+
+
+def run_passes(start: Draft) -> Draft:
+    """The draft after every pass of :data:`PASSES`, from the draft before any (``Draft.start``);
+    ``assemble`` then makes it a Program (schedules, liveness)."""
+    d = shared_passes(start)
     for apply in PASSES[SHARED:]:
         d = apply(d)
-    return assemble(d)  # schedules, liveness, the Program
+    return d
 
 
 def shared_passes(start: Draft) -> Draft:

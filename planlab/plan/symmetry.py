@@ -29,6 +29,7 @@ from itertools import combinations
 from typing import Callable, Iterable
 
 from planlab.plan.layout import Mesh
+from planlab.plan.passes.order import block_order
 from planlab.plan.plan import Plan
 from planlab.plan.program import DeviceProgram, Program, TaskKind
 
@@ -103,8 +104,9 @@ def _refined(classes: list[int], partners: list[list[int]]) -> tuple[int, ...]:
         classes = new
 
 
-def _row(key, t, peer, group) -> tuple:
-    """One task of an outline: what it does, with its peer or group named by class."""
+def _row(key, t, peer, group, alloc, free) -> tuple:
+    """One task of an outline: what it does, with its peer or group named by class, and its
+    allocations and frees (``alloc``, ``free``: its own, or those its device's lifetimes give it)."""
     return (
         key,
         t.kind,
@@ -118,8 +120,8 @@ def _row(key, t, peer, group) -> tuple:
         t.bytes_moved,
         t.shape,
         t.recompute,
-        tuple([n for _, n in t.alloc]),
-        len(t.free),
+        tuple([n for _, n in alloc]),
+        len(free),
     )
 
 
@@ -130,16 +132,30 @@ def _row(key, t, peer, group) -> tuple:
 _RUNS = (TaskKind.SEND, TaskKind.RECV)
 
 
-def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int], int], groups: dict) -> tuple:
+def _outline(
+    dp: DeviceProgram,
+    classes: tuple[int, ...],
+    node_of: Callable[[int], int],
+    groups: dict,
+    life: tuple[dict, dict] | None = None,
+) -> tuple:
     """A device's program with its peers named relative to it: by their classes and whether they
     share its node, the messages of a run of sends (or of receives) as a sorted run (``groups``
-    caches the outline of each collective group)."""
+    caches the outline of each collective group). ``life``: the lifetimes of a device built without
+    its tasks' allocations and frees (:func:`~planlab.plan.passes.liveness.assemble_bare`), which
+    give each task those :func:`~planlab.plan.passes.liveness.with_lifetimes` would."""
     me = node_of(dp.device)
     out: list = [dp.schedule, dp.static_bytes]
+    allocs, frees = life if life is not None else ({}, {})
+    start = {}  # the lifetimes' position of each block's first task (they walk the blocks in block order)
+    pos = 0
+    for key in sorted(dp.blocks, key=block_order):
+        start[key] = pos
+        pos += len(dp.blocks[key].tasks)
     for key in sorted(dp.blocks):
         run: list = []
         run_kind = None
-        for t in dp.blocks[key].tasks:
+        for at, t in enumerate(dp.blocks[key].tasks, start[key]):
             if run and t.kind is not run_kind:
                 out.append(_run(run))
                 run = []
@@ -149,7 +165,10 @@ def _outline(dp: DeviceProgram, classes: tuple[int, ...], node_of: Callable[[int
                 group = groups.get(t.group)
                 if group is None:
                     group = groups[t.group] = (tuple(sorted(classes[d] for d in t.group)), _spread(t.group, node_of))
-            row = _row(key, t, peer, group)
+            if life is None:
+                row = _row(key, t, peer, group, t.alloc, t.free)
+            else:
+                row = _row(key, t, peer, group, allocs.get(at, ()), frees.get(at, ()))
             if t.kind in _RUNS:
                 run.append(row)
                 run_kind = t.kind
@@ -168,16 +187,23 @@ def _run(rows: list[tuple]) -> tuple:
 
 
 def reduce_program(
-    program: Program, classes: tuple[int, ...], witnesses: dict[int, int], node_of: Callable[[int], int]
+    program: Program,
+    classes: tuple[int, ...],
+    witnesses: dict[int, int],
+    node_of: Callable[[int], int],
+    lives: dict[int, tuple[dict, dict]] | None = None,
 ) -> Program | None:
     """The Program of the representatives alone, or None when a witness (another member of
-    a class) differs from its representative or the classes' messages do not pair up."""
+    a class) differs from its representative or the classes' messages do not pair up. ``lives``:
+    the lifetimes of the witnesses built without their tasks' allocations and frees
+    (:func:`~planlab.plan.passes.liveness.assemble_bare`)."""
     by_dev = {dp.device: dp for dp in program.devices}
+    lives = lives or {}
     groups: dict = {}
     for rep, other in witnesses.items():
         if by_dev[rep].schedule != by_dev[other].schedule or _outline(
-            by_dev[rep], classes, node_of, groups
-        ) != _outline(by_dev[other], classes, node_of, groups):
+            by_dev[rep], classes, node_of, groups, lives.get(rep)
+        ) != _outline(by_dev[other], classes, node_of, groups, lives.get(other)):
             return None
     reps = sorted(set(classes))
     balance: Counter = Counter()  # per (sender class, receiver class, channel): sends - receives per micro-batch

@@ -22,7 +22,16 @@ def assemble(d: Draft) -> Program:
     ZeRO shards, and, offloaded, the optimizer states and the activations, which live in host memory:
     ``host_bytes``; the weights' FP8 casts a software keeps across micro-batches:
     ``cast_weight_bytes``); the collective groups; the devices holding the loss."""
+    return assemble_bare(d, frozenset())[0]
+
+
+def assemble_bare(d: Draft, bare: frozenset[int]) -> tuple[Program, dict[int, tuple[dict, dict]]]:
+    """:func:`assemble`, but the devices in ``bare`` keep their tasks without allocations and frees:
+    their lifetimes (:func:`lifetimes`) come apart, per device. A symmetric build's witnesses
+    (:func:`planlab.plan.symmetry.reduce_program` compares them with their representatives and drops
+    them) need no copy of every task to carry them."""
     plan, pr = d.plan, d.precision
+    lives: dict[int, tuple[dict, dict]] = {}
     programs = []
     groups: set[tuple[int, ...]] = set()
     checked: dict = {}
@@ -39,7 +48,10 @@ def assemble(d: Draft) -> Program:
         if life is None:
             life = lifetimes(blocks, sizes, together)
             found.append((read, sizes, together, life))
-        blocks = with_lifetimes(blocks, life)
+        if dev in bare:
+            lives[dev] = life
+        else:
+            blocks = with_lifetimes(blocks, life)
         params = d.params.get(dev, ())
         nparams = sum(box_numel(b) for _, b in params)
         saved_grads, saved_states, saved_weights = d.zero_saved.get(dev, (0, 0, 0))
@@ -63,13 +75,14 @@ def assemble(d: Draft) -> Program:
         c = lay.mesh.coord(flat)
         primary = all(c[a] == 0 for a, p in enumerate(lay.placements) if isinstance(p, Replicate))
         holders.append((dev, d.names.activation(d.graph.loss), int(primary)))
-    return Program(
+    program = Program(
         devices=tuple(programs),
         microbatches=plan.microbatches,
         precision=pr,
         groups=tuple(sorted(g for g in groups if len(g) > 1)),
         loss_holders=tuple(holders),
     )
+    return program, lives
 
 
 def liveness(blocks: dict, sizes: dict[Buffer, int], together: tuple | list = ()) -> dict:
