@@ -325,7 +325,7 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
             continue
         for b, lay in ((d.reads[op.name][j], L.needs(op, j)), (buf_.activation(t), L.has(prod, prod.outputs.index(t)))):
             if fp8_cast(b) in saved:
-                out[fp8_cast(b)] = math.prod(L.local_shape(lay, t)) * cast[t]
+                out[fp8_cast(b)] = math.ceil(math.prod(L.local_shape(lay, t)) * cast[t])
     return out
 
 
