@@ -14,7 +14,10 @@ from planlab.errors import ConfigError, InfeasiblePlan
 from planlab.executor import launch_local
 from planlab.models import ModelSpec, build_model
 from planlab.models.init import build_full
+from planlab.explore import memory_lower_bound_bytes
 from planlab.plan.software_passes import build_program
+from planlab.search_spaces.screen import Screen
+from planlab.simulator import simulate
 from planlab.search_spaces import Context, get_space
 
 from conftest import traced
@@ -129,8 +132,21 @@ def test_a_shared_embedding_trains_as_one_process_on_2_ranks(knobs):
     copy = build_program(get_space("megatron").build(Context(copy_g, spec, 8, "cpu", 2, 2, 1), knobs), copy_g, cost)
     for a, b in zip(copy.devices, shared.devices):
         assert a.param_bytes - b.param_bytes == cfg.vocab * cfg.hidden * param
+    if knobs.get("schedule") == "dualpipe":  # the explorer's bound and the screen hold the table once too
+        table = cfg.vocab * cfg.hidden * (param + cost.precision.grad_bytes + cost.precision.optimizer_bytes)
+        held = [_bounds(gr, Context(gr, spec, 8, "cpu", 2, 2, 1), knobs, cost) for gr in (copy_g, g)]
+        assert all(bound <= peak and screen <= peak for bound, screen, peak in held)
+        assert [a - b for a, b in zip(*held)] == [table] * 3
     res = launch_local(plan, 2, steps=2, lr=1e-2)
     assert res.max_loss_error <= LOSS_TOL, (res.losses, res.ref_losses)
+
+
+def _bounds(g, ctx, knobs, cost) -> tuple[float, float, int]:
+    """(the explorer's memory bound, the screen's, the simulated peak) of a plan."""
+    plan = get_space("megatron").build(ctx, knobs)
+    bound = sum(memory_lower_bound_bytes(plan, g, cost.precision, cost.software))
+    screen = Screen(g, cost, cost.precision).estimate(get_space("megatron").draft(ctx, knobs)).bound_bytes
+    return bound, screen, simulate(build_program(plan, g, cost), cost).peak_mem_bytes
 
 
 def test_a_shared_embedding_on_two_pipeline_ranks_is_refused_in_one_line():
