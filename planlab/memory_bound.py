@@ -38,6 +38,7 @@ def memory_lower_bound_bytes(
     plans = {p.op: p for p in plan.ops}
     shards = _ShardAxes(plan, graph)
     gone = discarded_tensors(plan, graph)  # remade for the backward of the operators reading them
+    tied: set[tuple[str, frozenset[int]]] = set()  # a tied weight is held once on its devices (shared_params)
     for p in plan.ops:
         acc = by_devices.setdefault(p.devices, [0.0, {}, set()])
         op = graph.op(p.op)
@@ -49,6 +50,10 @@ def memory_lower_bound_bytes(
                 if (t, "param") in acc[2]:
                     continue  # held once, however many passes read it
                 acc[2].add((t, "param"))
+            elif (t, frozenset(p.devices)) in tied:
+                continue  # a tied weight's later reader adds into the first's gradient
+            else:
+                tied.add((t, frozenset(p.devices)))
             held = {ax[0] for ax in op.axes_of(t) if ax}
             cut = math.prod(n for d, n in zip(p.dims, p.sizes) if d is not None and d in held)
             # the gradient is summed over the axes that split a dimension the weight lacks: ZeRO shards

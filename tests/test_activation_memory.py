@@ -237,6 +237,9 @@ def test_swiglu_input_stored_in_fp8_under_hai_llm(llama_graphs, moe_graphs) -> N
         software=dataclasses.replace(HAI.software, glu_output_recomputed=False, norm_output_recomputed=False),
         precision="fp8",
     )
+    kept_output = dataclasses.replace(  # the attention's output as Megatron-Core keeps it (checked below)
+        kept_output, precision=dataclasses.replace(kept_output.precision, attention_output_bytes=0.0)
+    )
     for graphs, saved in ((llama_graphs, 2 * S * B * LF), (moe_graphs, 2 * ME * S * B * MF)):
         assert layer_bytes(graphs, FP8) - layer_bytes(graphs, kept_output) == pytest.approx(saved, rel=0.01)
 
@@ -267,3 +270,16 @@ def test_norm_outputs_recomputed_under_hai_llm(llama_graphs, moe_graphs) -> None
     )
     for graphs in (llama_graphs, moe_graphs):
         assert layer_bytes(graphs, kept_output) - layer_bytes(graphs, HAI) == pytest.approx(2 * S * B * LH, rel=0.01)
+
+
+def test_attention_output_cached_once_in_e5m6_under_hai_llm(llama_graphs, moe_graphs) -> None:
+    """DeepSeek-V3's report (section 3.3.3) caches the inputs of the linear layer after the attention
+    once, in a 12-bit E5M6 format, for that layer's backward and the attention's (``hai-llm``'s fp8
+    ``attention_output_bytes`` 1.5): where Megatron-Core's FP8 training keeps the fused attention's
+    16-bit output for its backward and the output projection's one-byte cast of it (3 bytes an
+    element), HAI-LLM keeps 1.5, ``1.5 s b h`` bytes a layer less (the heads' outputs, h channels). The
+    Program, the explorer's bound and the screen agree."""
+    assert HAI.precision.attention_output_bytes == 1.5 and FP8.precision.attention_output_bytes == 0
+    separate = dataclasses.replace(HAI, precision=dataclasses.replace(HAI.precision, attention_output_bytes=0.0))
+    for graphs in (llama_graphs, moe_graphs):
+        assert layer_bytes(graphs, separate) - layer_bytes(graphs, HAI) == pytest.approx(1.5 * S * B * LH, rel=0.01)

@@ -26,6 +26,10 @@ class Precision:
     ``glu_input_bytes`` the bytes per element of the copy of a fused gated linear unit's input (its
     gate and up projections' outputs) its backward keeps where the software stores it cast
     (Megatron-Core's ``activation_func_fp8_input_store``: 1), 0 where it keeps the input itself;
+    ``attention_output_bytes`` the bytes per element of the one copy of a fused attention's output
+    that both its own backward and its output projection's backward read, where the software keeps
+    a single cast of that output for the two (DeepSeek-V3's report, section 3.3.3: E5M6, 12 bits,
+    1.5), 0 where the attention keeps its output and the projection its own input (or FP8 cast);
     ``per_tensor_overflow_check`` True where the step on whole weights checks each gradient tensor
     for inf/nan with a host synchronization of its own (DeepSpeed's FP16_Optimizer), False where one
     multi-tensor kernel checks them all (or nothing is checked)."""
@@ -39,6 +43,7 @@ class Precision:
     optimizer_pass_bytes: float = 0.0
     linear_input_bytes: int = 0
     glu_input_bytes: int = 0
+    attention_output_bytes: float = 0.0
     per_tensor_overflow_check: bool = False
 
     @property

@@ -157,7 +157,10 @@ the file's ``source`` objects. Units are in the field names (``_us``, ``_MiB``).
     instead of the input: Transformer Engine; absent: the input itself), ``glu_input_bytes`` (a
     fused gated linear unit, ``fused_glu``, keeps its input cast to this many bytes an element and
     casts it back in its backward: Megatron-Core's ``activation_func_fp8_input_store``; absent: the
-    input itself) and
+    input itself), ``attention_output_bytes`` (a fused attention's output that an FP8 linear layer
+    reads is kept once, cast to this many bytes an element, for both the attention's backward and
+    the layer's: DeepSeek-V3's E5M6, 1.5; absent: the attention keeps its output and the layer its
+    own cast) and
     ``per_tensor_overflow_check`` (the step on whole weights, without ZeRO shards, checks each
     gradient tensor for inf/nan with a host synchronization of its own, so the device idles while
     the host issues each next check: DeepSpeed's FP16_Optimizer; absent: false);
@@ -265,6 +268,7 @@ _PRECISION_FIELDS = {
     "optimizer_pass_bytes",
     "linear_input_bytes",
     "glu_input_bytes",
+    "attention_output_bytes",
     "per_tensor_overflow_check",
     "compute",
     "source",
@@ -553,6 +557,11 @@ def _precisions(f: Fields) -> dict[str, Precision]:
             ),
             linear_input_bytes=nbytes("linear_input_bytes") if "linear_input_bytes" in p.obj else 0,
             glu_input_bytes=nbytes("glu_input_bytes") if "glu_input_bytes" in p.obj else 0,
+            attention_output_bytes=(
+                p.number("attention_output_bytes", high=16, unit="bytes per element")
+                if "attention_output_bytes" in p.obj
+                else 0.0
+            ),
             per_tensor_overflow_check=_flag(p, "per_tensor_overflow_check", False),
         )
     if not out:

@@ -289,7 +289,10 @@ class DeepSeekConfig:
     ``route_group_topk``: each token's experts come from the best ``route_group_topk`` of
     ``route_groups`` equal groups, 1 and 1 for no limit; ``mtp_layers`` multi-token-prediction
     modules, each predicting one token further, their losses weighted ``mtp_loss_coef`` / ``mtp_layers``:
-    DeepSeek-V3 report section 2.2, Megatron-Core's ``mtp_num_layers`` and ``mtp_loss_scaling_factor``)."""
+    DeepSeek-V3 report section 2.2, Megatron-Core's ``mtp_num_layers`` and ``mtp_loss_scaling_factor``;
+    ``mtp_shared_embedding=1``: the modules look their tokens up in the main model's embedding table,
+    one parameter with one gradient, as DeepSeek-V3 shares it physically (report section 3.2.3),
+    instead of each keeping its own copy as Megatron-Core does on the modules' stage)."""
 
     layers: int
     dense_layers: int
@@ -316,6 +319,7 @@ class DeepSeekConfig:
     route_group_topk: int = 1
     mtp_layers: int = 0
     mtp_loss_coef: float = 0.1
+    mtp_shared_embedding: int = 0
     vocab_parallel: int = 0  # 1: Megatron-Core's vocabulary-parallel embedding and loss (planlab.models.vocab_parallel)
 
     @property
@@ -334,13 +338,14 @@ class DeepSeekConfig:
     def num_params(self) -> int:
         """Parameter count of the module: embedding, layers, final norm and untied output, and per
         multi-token-prediction module its embedding table (the copy Megatron-Core keeps on the
-        module's stage), its three norms, its projection of the two halves and a MoE layer."""
+        module's stage; none with ``mtp_shared_embedding``), its three norms, its projection of the
+        two halves and a MoE layer."""
         h = self.hidden
         dense = 3 * h * self.ffn_hidden
         moe = h * self.experts + (self.experts + self.shared_experts) * 3 * h * self.moe_ffn_hidden
         layer = self.attention_params() + 2 * h
         moe_layers = self.layers - self.dense_layers
-        mtp = self.vocab * h + 3 * h + 2 * h * h + layer + moe
+        mtp = (0 if self.mtp_shared_embedding else self.vocab * h) + 3 * h + 2 * h * h + layer + moe
         return (
             2 * self.vocab * h
             + self.layers * layer

@@ -37,7 +37,12 @@ places ahead (the ids rolled by one more place per depth), projects the ``2 x hi
 ``hidden`` (``eh_proj``), runs one MoE decoder layer and its own final norm, and scores the result
 with the main output head against the targets ``k`` places further on. Megatron-Core keeps a copy
 of the embedding table on the module's pipeline stage (``GPTModel.embedding`` when
-``mtp_process``), so each module has its own table here; the output head is shared as there: the
+``mtp_process``), so each module has its own table here, unless ``mtp_shared_embedding=1``: the
+modules then look their tokens up in the main table, one parameter read by two operators with one
+gradient, as DeepSeek-V3's DualPipe puts the embedding and the modules on one pipeline rank and
+shares the table physically (report section 3.2.3, "Shared Embedding and Output Head for
+Multi-Token Prediction"; a plan must place both readers' pieces alike,
+:mod:`planlab.plan.shared_params`). The output head is shared as there: the
 main and the modules' states go through the one output layer together (stacked on an axis of
 ``1 + mtp_layers``). The modules' losses are weighted ``mtp_loss_coef / mtp_layers``
 (``mtp_loss_scaling_factor / mtp_num_layers``). Megatron-Core masks the last ``k`` positions of
@@ -161,7 +166,8 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
         h = cfg.hidden
-        self.embed = nn.Embedding(cfg.vocab, h)  # Megatron-Core's copy on the module's stage
+        if not cfg.mtp_shared_embedding:  # Megatron-Core's copy on the module's stage
+            self.embed = nn.Embedding(cfg.vocab, h)
         self.enorm = nn.RMSNorm(h, eps=cfg.norm_eps)
         self.hnorm = nn.RMSNorm(h, eps=cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
@@ -172,7 +178,7 @@ class MultiTokenPrediction(nn.Module):
         self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # h: (B, T, C) the previous depth's normalised states; e: (B, T, C) the embedding (in
-        # self.embed, looked up by the model) of the tokens k places ahead
+        # self.embed or the main table, looked up by the model) of the tokens k places ahead
         x = torch.cat((self.enorm(e), self.hnorm(h)), dim=-1)  # (B, T, 2C)
         x, aux = self.block(self.eh_proj(x), cos, sin)  # (B, T, C), (B,) or None
         return self.norm(x), aux
@@ -207,7 +213,8 @@ class DeepSeek(nn.Module):
         states, ids = [self.norm(x)], idx  # per depth (B, T, C): the main model's, then each module's
         for module in self.mtp:
             ids = torch.roll(ids, -1, dims=1)  # (B, T) the tokens one place further ahead
-            h, a = module(states[-1], self.embed(module.embed, ids), self.rope_cos, self.rope_sin)
+            table = self.tok_embeddings if self.cfg.mtp_shared_embedding else module.embed
+            h, a = module(states[-1], self.embed(table, ids), self.rope_cos, self.rope_sin)
             states.append(h)  # (B, T, C)
             aux = add_balance(aux, a)
         # the shared head scores every depth at once: (B, T, 1 + D, V)

@@ -307,7 +307,7 @@ def _check_deepseek(cfg: DeepSeekConfig) -> None:
         v = getattr(cfg, name)
         if (
             isinstance(v, int)
-            and name not in ("dense_layers", "shared_experts", "mtp_layers", "vocab_parallel")
+            and name not in ("dense_layers", "shared_experts", "mtp_layers", "mtp_shared_embedding", "vocab_parallel")
             and v < 1
         ):
             raise ConfigError(f"{name}={v} must be at least 1")
@@ -328,6 +328,8 @@ def _check_deepseek(cfg: DeepSeekConfig) -> None:
         raise ConfigError(f"mtp_layers={cfg.mtp_layers} must be at least 0 (0: no multi-token prediction)")
     if cfg.vocab_parallel not in (0, 1):
         raise ConfigError(f"vocab_parallel={cfg.vocab_parallel} must be 0 or 1")
+    if cfg.mtp_shared_embedding not in (0, 1):
+        raise ConfigError(f"mtp_shared_embedding={cfg.mtp_shared_embedding} must be 0 or 1")
     if cfg.mtp_loss_coef < 0:
         raise ConfigError(f"mtp_loss_coef={cfg.mtp_loss_coef} must be at least 0")
     if cfg.experts % cfg.route_groups or not cfg.route_group_topk <= cfg.route_groups:

@@ -42,6 +42,11 @@ bound and the screen all ask here:
   there (one fused GEMM in Megatron-Core: its QKV and SwiGLU fc1 layers), buffer
   :func:`fp8_cast` of the buffer cast, the screen's and the explorer's key
   ``INTERNAL + "<tensor>:fp8"``;
+- where the precision has ``attention_output_bytes`` (DeepSeek-V3's report, section 3.3.3: the
+  inputs of the linear layer after the attention cached once, in a 12-bit E5M6 format, for the
+  attention's backward too) the fused attention's output that an FP8 linear layer reads through
+  views is kept once, as that layer's cast at those bytes an element, and the attention does not
+  keep its output (:func:`attention_output_cast`, :func:`output_kept_by_reader`);
 - with the software's ``glu_output_recomputed`` the layer that reads a fused gated linear unit's
   output does not keep it: its backward computes it again from the unit's kept input
   (:func:`recomputed_glu_outputs`; DeepSeek-V3's report, section 3.3.3);
@@ -113,7 +118,7 @@ def saved_tensors(
         and software.fused_attention
         and graph is not None
         and precision is not None
-        and output_kept_by_reader(op, graph, precision)
+        and output_kept_by_reader(op, graph, precision, software)
     ):
         return tuple(t for t in op.saves if t not in op.outputs)
     return op.saves
@@ -213,10 +218,13 @@ def combined_outputs(op: Operator, graph: Graph) -> str | None:
 LAYOUT_VIEWS = frozenset({"transpose", "reshape", "permute", "view"})
 
 
-def output_kept_by_reader(op: Operator, graph: Graph, precision: Precision) -> bool:
+def output_kept_by_reader(
+    op: Operator, graph: Graph, precision: Precision, software: SoftwareSpec | None = None
+) -> bool:
     """Whether the layer that reads ``op``'s output, through views of it only (the heads merged: a
     transpose and a reshape), keeps that output itself for its backward (a linear layer keeping its
-    16-bit input, not an FP8 cast): one storage, which the fused attention and its output
+    16-bit input, not an FP8 cast), or keeps the one cast of it that the attention's backward reads
+    too (:func:`attention_output_cast`): one storage, which the fused attention and its output
     projection both keep, counted once there."""
     t = op.outputs[0]
     while True:
@@ -225,8 +233,38 @@ def output_kept_by_reader(op: Operator, graph: Graph, precision: Precision) -> b
             return False
         reader = readers[0]
         if reader.kind not in LAYOUT_VIEWS:
-            return reader.kind == "linear" and t in reader.saves and t not in cast_inputs(reader, graph, precision)
+            if reader.kind != "linear" or t not in reader.saves:
+                return False
+            return t not in cast_inputs(reader, graph, precision) or attention_output_cast(
+                reader, t, graph, precision, software
+            )
         t = reader.outputs[0]
+
+
+def attention_output_cast(
+    op: Operator, t: str, graph: Graph, precision: Precision, software: SoftwareSpec | None
+) -> bool:
+    """Whether input ``t`` of ``op`` (a linear layer that keeps an FP8 cast of its input) is a fused
+    attention's output, reached through views only (the heads merged), of which the software keeps
+    one cast for both the attention's backward and the layer's (the precision's
+    ``attention_output_bytes``): DeepSeek-V3's report, section 3.3.3, "Inputs of the Linear after
+    the attention operator. These activations are also used in the backward pass of the attention
+    operator ... We adopt a customized E5M6 data format exclusively for these activations"."""
+    if not precision.attention_output_bytes or software is None or not software.fused_attention:
+        return False
+    if op.kind != "linear" or output_layer(op, graph):
+        return False
+    while True:
+        if len(graph.consumers.get(t, ())) != 1:
+            return False
+        prod = graph.producer.get(t)
+        if prod is None:
+            return False
+        if prod.kind == "attention":
+            return prod.outputs[0] == t
+        if prod.kind not in LAYOUT_VIEWS:
+            return False
+        t = prod.inputs[0]
 
 
 def internals(op: Operator, graph: Graph, software: SoftwareSpec | None, activation_bytes: int) -> tuple:
@@ -332,13 +370,14 @@ def fp8_gathered_weights(graph: Graph, software: SoftwareSpec | None, precision:
 
 def cast_inputs(
     op: Operator, graph: Graph, precision: Precision, software: SoftwareSpec | None = None
-) -> dict[str, int]:
+) -> dict[str, float]:
     """The activation inputs ``op``'s backward keeps as a cast its forward made instead of
     themselves, with the bytes an element of each cast: those of a linear layer, or of a matrix
     product with a weight, kept as the FP8 cast of the forward GEMM where the precision says so
-    (``precision.linear_input_bytes``), and those of a fused gated linear unit stored cast where
-    the software fuses it and the precision says so (``precision.glu_input_bytes``:
-    :func:`glu_inputs`) (module docstring)."""
+    (``precision.linear_input_bytes``; a fused attention's output kept once for both backwards,
+    ``precision.attention_output_bytes``: :func:`attention_output_cast`), and those of a fused
+    gated linear unit stored cast where the software fuses it and the precision says so
+    (``precision.glu_input_bytes``: :func:`glu_inputs`) (module docstring)."""
     if precision.glu_input_bytes and software is not None and software.fused_glu:
         glu = glu_inputs(op, graph)
         if glu:
@@ -351,7 +390,11 @@ def cast_inputs(
     if output_layer(op, graph):  # runs in 16 bits: keeps its input itself
         return {}
     return {
-        t: precision.linear_input_bytes
+        t: (
+            precision.attention_output_bytes
+            if attention_output_cast(op, t, graph, precision, software)
+            else precision.linear_input_bytes
+        )
         for t in op.saves
         if t in op.inputs and ts[t].role == "activation" and ts[t].is_float
     }

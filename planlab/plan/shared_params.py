@@ -1,8 +1,19 @@
-"""Parameters read by several operators of which at most one has a backward: AlphaFold2's
-recycling (:mod:`planlab.models.evoformer`) runs the same trunk once per pass, all passes but the
-last behind a ``detach`` and without gradients. The operator with a backward owns the parameter's
-gradient; each device holds each piece of the parameter once, whatever the passes reading it.
-Two users with a backward (tied weights) stay refused.
+"""Parameters read by several operators.
+
+Of which at most one has a backward: AlphaFold2's recycling (:mod:`planlab.models.evoformer`) runs
+the same trunk once per pass, all passes but the last behind a ``detach`` and without gradients.
+The operator with a backward owns the parameter's gradient; each device holds each piece of the
+parameter once, whatever the passes reading it.
+
+Several with a backward (tied weights): DeepSeek-V3's multi-token-prediction modules look their
+tokens up in the main embedding table, which DualPipe puts on the same pipeline ranks as the
+modules, so the two share one parameter and one gradient physically (report section 3.2.3). The
+first reader in the graph's order owns the gradient (its backward is the last to write it, so the
+gradient's reduction follows both); every other reader's backward adds its contribution into the
+same gradient buffer, as a later micro-batch's does. A tie is planned only where every reader holds
+the same pieces on the same devices and gives a partial sum over the same devices, so the one
+gradient and its one reduction serve them all; a tie across devices (Megatron-Core's embedding
+group, all-reducing two copies once a step) is refused (:func:`check_tied`).
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from collections import defaultdict
 
 from planlab.errors import InfeasiblePlan
 from planlab.graph.ir import DETACH, Graph, Operator, constant_tensors, no_grad_tensors
+from planlab.plan.layout import Layout, Partial
 
 
 def forward_only_ops(graph: Graph, nograd: frozenset[str]) -> frozenset[str]:
@@ -108,3 +120,30 @@ def check_shared_params(params_on: dict, owned_pieces: dict[str, list[tuple[int,
                     "gradients, but the pass with gradients does not hold that piece there: "
                     "place and split each pass's operators as the last pass's"
                 )
+
+
+def check_tied(owner: dict[str, tuple[Operator, int]], tied: dict[str, list[tuple[Operator, int]]], placed) -> None:
+    """Each parameter read with a backward by several operators (``tied``: per parameter, the
+    readers besides its ``owner``) is read by each as its owner reads it: the same pieces on the same
+    devices, and a gradient contribution that is partial over the same devices; InfeasiblePlan
+    otherwise. ``placed(op, k)``: ``(pieces, contribution)``, the (device, box) pairs ``op`` reads of
+    its input ``k`` and the layout of its gradient contribution there."""
+    for t, readers in tied.items():
+        first, k = owner[t]
+        pieces, contrib = placed(first, k)
+        want = (frozenset(pieces), partial_groups(contrib))
+        for op, j in readers:
+            got, other = placed(op, j)
+            if (frozenset(got), partial_groups(other)) != want:
+                raise InfeasiblePlan(
+                    f"parameter {t!r} is read with a backward by operators {first.name!r} and {op.name!r} "
+                    "(tied weights) placed differently: a tied weight needs the same pieces on the same "
+                    "devices for each reader (one parameter, one gradient); place them alike"
+                )
+
+
+def partial_groups(layout: Layout) -> frozenset[tuple[int, ...]]:
+    """The groups of devices whose pieces of a gradient contribution in ``layout`` are summed (its
+    partial mesh axes)."""
+    axes = tuple(a for a, p in enumerate(layout.placements) if isinstance(p, Partial) and layout.mesh.shape[a] > 1)
+    return frozenset(tuple(sorted(g)) for g in layout.mesh.group_map(axes).values())

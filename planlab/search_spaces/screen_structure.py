@@ -273,12 +273,12 @@ class Tables:
         dedup = software is not None and software.expert_dispatch == "node_dedup" and routing_of(g) is not None
         moved = dispatch_tensors(g) if dedup else frozenset()
         self.fwd_only = np.array([op.name in fwd_only for op in ops], dtype=bool)
+        owned: set[str] = set()  # parameters read with a backward so far: a tied one is held once (shared_params)
         for i, op in enumerate(ops):
-            ps, us = [], []
-            for t in op.inputs:
-                if g.tensors[t].role == "param":
-                    ps.append((g.tensors[t].numel, frozenset(axis_map(op, t))))
-                    us.append(units.setdefault(unit_key(t, per_module), len(units)))
+            held = [t for t in op.inputs if g.tensors[t].role == "param" and (op.name in fwd_only or t not in owned)]
+            ps = [(g.tensors[t].numel, frozenset(axis_map(op, t))) for t in held]
+            us = [units.setdefault(unit_key(t, per_module), len(units)) for t in held]
+            owned.update(t for t in op.inputs if g.tensors[t].role == "param" and op.name not in fwd_only)
             ss, names, prods = self._saves_of(g, op, software, prec, fwd_only, index, axis_map, is_batch, ebytes)
             self.save_producers.append(tuple(prods))
             self.params.append(ps)

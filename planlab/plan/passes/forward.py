@@ -38,7 +38,7 @@ from planlab.plan.saved import (
     view_of,
     weight_matmul,
 )
-from planlab.plan.shared_params import check_shared_params, claim, use_shared_param
+from planlab.plan.shared_params import check_tied, check_shared_params, claim, use_shared_param
 from planlab.plan.template import Places, distinct
 
 # Operators whose pieces, split along the named dimension, agree with each other inside their
@@ -51,11 +51,14 @@ IN_OP_GROUPS = {"vocab_cross_entropy": "v"}
 def place_weights(d: Draft) -> Draft:
     """Each device's pieces of each parameter (in the order operators read them) and the operator
     whose backward makes each parameter's gradient (its owner). A parameter read by several
-    operators is refused (tied weights), unless all but one read it without a backward (recycling's
-    passes behind a detach, :mod:`planlab.plan.shared_params`): each device then holds a piece once."""
+    operators (:mod:`planlab.plan.shared_params`) is held once a piece on each device: where all
+    but one read it without a backward (recycling's passes behind a detach), or where several with
+    a backward read it alike (tied weights: the first in the graph's order owns the gradient, the
+    others add into it; readers placed differently are refused)."""
     L, graph = d.layouts, d.graph
     params: dict[int, list] = defaultdict(list)
     owner: dict = {}
+    tied: dict[str, list] = defaultdict(list)  # per tied parameter, its readers besides the owner
     held: dict[int, set] = defaultdict(set)
     for op in graph.operators:
         mesh = L.mesh[op.name]
@@ -66,9 +69,21 @@ def place_weights(d: Draft) -> Draft:
             if d.nograd:  # planlab/search_spaces/recycling.py
                 use_shared_param(op, ti, t, pieces, owner, d.forward_only, params, held)
                 continue
+            if t in owner and owner[t][0] is not op:  # a tied weight's later reader
+                tied[t].append((op, ti))
+                continue
             claim(owner, op, ti, t)
             for dev, box in pieces:
                 params[dev].append((t, box))
+    if tied:
+        check_tied(
+            owner,
+            tied,
+            lambda op, k: (
+                [(dev, L.needs(op, k).box(flat, L.shapes[op.inputs[k]])) for flat, dev in d.positions(L.mesh[op.name])],
+                L.contributes(op, k),
+            ),
+        )
     if d.nograd:
         check_shared_params(
             params,
@@ -325,7 +340,7 @@ def _cast_bytes(d: Draft, op: Operator, saved: tuple[Buffer, ...]) -> dict[Buffe
             continue
         for b, lay in ((d.reads[op.name][j], L.needs(op, j)), (buf_.activation(t), L.has(prod, prod.outputs.index(t)))):
             if fp8_cast(b) in saved:
-                out[fp8_cast(b)] = math.prod(L.local_shape(lay, t)) * cast[t]
+                out[fp8_cast(b)] = math.ceil(math.prod(L.local_shape(lay, t)) * cast[t])
     return out
 
 
