@@ -117,6 +117,52 @@ def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
         print(f"  predicted/measured by {name}: " + "; ".join(cells))
 
 
+# the size classes --classes reports the signed error by: the GEMM's GFLOP, its k, and its output's m * n (in 2^20)
+SIZE_CLASSES = {
+    "GFLOP": [0, 1, 4, 16, 64, 256, 1024, 1e6],
+    "k": [0, 512, 1024, 2048, 4096, 8192, 16384],
+    "m*n (2^20)": [0, 1, 4, 16, 64, 256],
+}
+
+
+def size_classes(name: str, table: pd.DataFrame, lr: pd.Series) -> None:
+    """The model's signed error (predicted over measured time, less 1) by size class: mean, median and mean
+    absolute per class of :data:`SIZE_CLASSES` (negative: the model is too fast)."""
+    err = np.exp(lr) - 1.0
+    print(
+        f"{name}: {len(table)} rows, mean |error| {100 * err.abs().mean():.1f}%, signed mean "
+        f"{100 * err.mean():+.1f}%, median {100 * err.median():+.1f}%"
+    )
+    size = {
+        "GFLOP": 2 * table["m"] * table["n"] * table["k"] / 1e9,
+        "k": table["k"],
+        "m*n (2^20)": table["m"] * table["n"] / 2**20,
+    }
+    for what, bins in SIZE_CLASSES.items():
+        groups = err.groupby(pd.cut(size[what], bins), observed=True)
+        cells = [
+            f"{b}: {100 * e.mean():+.1f}/{100 * e.median():+.1f}/{100 * e.abs().mean():.1f} (n={len(e)})"
+            for b, e in groups
+        ]
+        print(f"  by {what} (signed mean/median/mean |error| %): " + "; ".join(cells))
+
+
+def every_table() -> None:
+    """:func:`size_classes` of the model against every carried GEMM table (each built-in device with its own)."""
+    for name in ("a100-80g", "h100-80g"):
+        dev = load_device(name)
+        table = pd.read_csv(TABLES[name])
+        size_classes(f"{name} bf16 ({TABLES[name].name})", table, log_ratios(dev, dev.gemm, table))
+        if name in TABLES_FP8:
+            table = pd.read_csv(TABLES_FP8[name])
+            lr = log_ratios(dev, dev.gemm, table, fp8=True)
+            size_classes(f"{name} FP8 + measured quantization ({TABLES_FP8[name].name})", table, lr)
+        if name in TABLES_FP8_BLOCK:
+            table = pd.read_csv(TABLES_FP8_BLOCK[name])
+            lr = pd.Series(block_ratios(dev, dev.gemm, table), index=table.index)
+            size_classes(f"{name} block-scaled FP8 + quantization ({TABLES_FP8_BLOCK[name].name})", table, lr)
+
+
 # Fused-attention speed tables per device (see microbench/README.md): each row a kernel ("flash2",
 # "cudnn", "flash3"), a pass ("fwd", "bwd" or "fwd_bwd"), a sequence, the causal mask or not, a head
 # dimension and TFLOP/s as FlashAttention counts them; a table without kernel or pass columns is one
@@ -263,7 +309,11 @@ def main() -> None:
     ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
     ap.add_argument("--fp8", action="store_true", help="FP8 GEMMs against the measured FP8 table")
     ap.add_argument("--fp8-block", action="store_true", help="block-scaled FP8 GEMMs against their measured table")
+    ap.add_argument("--classes", action="store_true", help="the signed error by size class on every carried table")
     args = ap.parse_args()
+    if args.classes:
+        every_table()
+        return
     if args.flash and args.device not in FLASH_TABLES:
         ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
     if args.fp8 and args.device not in TABLES_FP8:
