@@ -6,11 +6,13 @@ The tables (``benchmarks/microbench/``, see the README there) are kernel microbe
 80GB (``--device h100-80g``), m, n and k from 256 to 16,384. They are no training measurements and
 no validation sets.
 
-Prints, for the built-in device, predicted over measured time by k and by size, then with ``--fit``
+Prints, for the built-in device, predicted over measured time by k and by size (with ``--classes``: the signed error by GFLOP, k and m * n
+class on every carried table), then with ``--fit``
 the two numbers of the A100 spec as they are derived: for each per-tile overhead ``k0`` on a grid,
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
-ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With ``--fp8``
+ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape), under the power ceiling
+``gemm_power_ceiling``, which MAMF also gives: the fastest rate any shape of its search reached, the kernel's own. With ``--fp8``
 (``h100-80g``): the same for FP8 GEMMs against the H100's FP8 table (TensorRT-LLM's FP8 ``Linear`` with
 dynamic per-tensor scaling: each measured row quantizes its input, then runs the FP8 GEMM); the model's
 FP8 GEMM plus the input's quantization as the same project measured it alone, at the same m and k, against
@@ -23,6 +25,7 @@ backward efficiency, overhead per score element) and the model's ratio to each m
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
     .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash] [--fp8]
+    .venv/bin/python benchmarks/gemm_microbench.py --classes
 """
 
 import argparse
@@ -102,6 +105,15 @@ def anchored_efficiency(dev: DeviceSpec, k0: int, name: str, fp8: bool = False) 
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if model_s(dev, with_fit(dev.gemm, mid, k0, fp8), m, n, k, fp8) > want_s else (lo, mid)
     return (lo + hi) / 2
+
+
+def mamf_ceiling(dev: DeviceSpec, name: str) -> float:
+    """The power ceiling (``gemm_power_ceiling``) device ``name``'s bf16 MAMF measurement gives: the rate of the
+    kernel itself (the device's launch latency taken off the measured time) as a fraction of the dense peak. MAMF
+    is the fastest rate a brute-force search over shapes, run back to back, reached on the card."""
+    (m, n, k), flops = MAMF[name]
+    kernel_s = 2.0 * m * n * k / flops - dev.launch_overhead_s
+    return 2.0 * m * n * k / kernel_s / dev.peak_flops_per_s["bf16"]
 
 
 def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
@@ -350,6 +362,11 @@ def main() -> None:
     by_group(table, lr)
     if args.flash:
         flash_fit(args.device)
+    if args.fit and not fp8:
+        print(
+            f"  power ceiling from MAMF ({MAMF[args.device][1] / 1e12:.1f} TFLOP/s, launch taken off): "
+            f"{mamf_ceiling(dev, args.device):.4f} of the peak (the spec's gemm_power_ceiling: {dev.gemm.power_ceiling})"
+        )
     if args.fit:
         for k0 in K0_GRID_FP8 if fp8 else K0_GRID:
             eff = anchored_efficiency(dev, k0, args.device, fp8)
