@@ -6,11 +6,13 @@ The tables (``benchmarks/microbench/``, see the README there) are kernel microbe
 80GB (``--device h100-80g``), m, n and k from 256 to 16,384. They are no training measurements and
 no validation sets.
 
-Prints, for the built-in device, predicted over measured time by k and by size, then with ``--fit``
+Prints, for the built-in device, predicted over measured time by k and by size (with ``--classes``: the signed error by GFLOP, k and m * n
+class on every carried table), then with ``--fit``
 the two numbers of the A100 spec as they are derived: for each per-tile overhead ``k0`` on a grid,
 the efficiency at which the model reproduces the Maximum Achievable Matmul FLOPS measurement
 (271.2 TFLOP/s at 1024 x 10240 x 5120, ml-engineering handbook), and the table's mean absolute log
-ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape). With ``--fp8``
+ratio with both; the smallest is the spec's (the H100's likewise at its own MAMF shape), under the power ceiling
+``gemm_power_ceiling``, which MAMF also gives: the fastest rate any shape of its search reached, the kernel's own. With ``--fp8``
 (``h100-80g``): the same for FP8 GEMMs against the H100's FP8 table (TensorRT-LLM's FP8 ``Linear`` with
 dynamic per-tensor scaling: each measured row quantizes its input, then runs the FP8 GEMM); the model's
 FP8 GEMM plus the input's quantization as the same project measured it alone, at the same m and k, against
@@ -23,6 +25,7 @@ backward efficiency, overhead per score element) and the model's ratio to each m
 waves even where its spec splits the last one (``gemm_stream_k``): the model before that field.
 
     .venv/bin/python benchmarks/gemm_microbench.py [--device a100-80g|h100-80g] [--fit] [--whole-waves] [--flash] [--fp8]
+    .venv/bin/python benchmarks/gemm_microbench.py --classes
 """
 
 import argparse
@@ -104,6 +107,15 @@ def anchored_efficiency(dev: DeviceSpec, k0: int, name: str, fp8: bool = False) 
     return (lo + hi) / 2
 
 
+def mamf_ceiling(dev: DeviceSpec, name: str) -> float:
+    """The power ceiling (``gemm_power_ceiling``) device ``name``'s bf16 MAMF measurement gives: the rate of the
+    kernel itself (the device's launch latency taken off the measured time) as a fraction of the dense peak. MAMF
+    is the fastest rate a brute-force search over shapes, run back to back, reached on the card."""
+    (m, n, k), flops = MAMF[name]
+    kernel_s = 2.0 * m * n * k / flops - dev.launch_overhead_s
+    return 2.0 * m * n * k / kernel_s / dev.peak_flops_per_s["bf16"]
+
+
 def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
     """Median predicted/measured by k (m >= 2048) and by GFLOP."""
     big_m = table["m"] >= 2048
@@ -115,6 +127,52 @@ def by_group(table: pd.DataFrame, lr: pd.Series) -> None:
     ):
         cells = [f"{b}: {math.exp(s.median()):.3f} (n={len(s)})" for b, s in groups]
         print(f"  predicted/measured by {name}: " + "; ".join(cells))
+
+
+# the size classes --classes reports the signed error by: the GEMM's GFLOP, its k, and its output's m * n (in 2^20)
+SIZE_CLASSES = {
+    "GFLOP": [0, 1, 4, 16, 64, 256, 1024, 1e6],
+    "k": [0, 512, 1024, 2048, 4096, 8192, 16384],
+    "m*n (2^20)": [0, 1, 4, 16, 64, 256],
+}
+
+
+def size_classes(name: str, table: pd.DataFrame, lr: pd.Series) -> None:
+    """The model's signed error (predicted over measured time, less 1) by size class: mean, median and mean
+    absolute per class of :data:`SIZE_CLASSES` (negative: the model is too fast)."""
+    err = np.exp(lr) - 1.0
+    print(
+        f"{name}: {len(table)} rows, mean |error| {100 * err.abs().mean():.1f}%, signed mean "
+        f"{100 * err.mean():+.1f}%, median {100 * err.median():+.1f}%"
+    )
+    size = {
+        "GFLOP": 2 * table["m"] * table["n"] * table["k"] / 1e9,
+        "k": table["k"],
+        "m*n (2^20)": table["m"] * table["n"] / 2**20,
+    }
+    for what, bins in SIZE_CLASSES.items():
+        groups = err.groupby(pd.cut(size[what], bins), observed=True)
+        cells = [
+            f"{b}: {100 * e.mean():+.1f}/{100 * e.median():+.1f}/{100 * e.abs().mean():.1f} (n={len(e)})"
+            for b, e in groups
+        ]
+        print(f"  by {what} (signed mean/median/mean |error| %): " + "; ".join(cells))
+
+
+def every_table() -> None:
+    """:func:`size_classes` of the model against every carried GEMM table (each built-in device with its own)."""
+    for name in ("a100-80g", "h100-80g"):
+        dev = load_device(name)
+        table = pd.read_csv(TABLES[name])
+        size_classes(f"{name} bf16 ({TABLES[name].name})", table, log_ratios(dev, dev.gemm, table))
+        if name in TABLES_FP8:
+            table = pd.read_csv(TABLES_FP8[name])
+            lr = log_ratios(dev, dev.gemm, table, fp8=True)
+            size_classes(f"{name} FP8 + measured quantization ({TABLES_FP8[name].name})", table, lr)
+        if name in TABLES_FP8_BLOCK:
+            table = pd.read_csv(TABLES_FP8_BLOCK[name])
+            lr = pd.Series(block_ratios(dev, dev.gemm, table), index=table.index)
+            size_classes(f"{name} block-scaled FP8 + quantization ({TABLES_FP8_BLOCK[name].name})", table, lr)
 
 
 # Fused-attention speed tables per device (see microbench/README.md): each row a kernel ("flash2",
@@ -263,7 +321,11 @@ def main() -> None:
     ap.add_argument("--flash", action="store_true", help="fused attention against the measured attention tables")
     ap.add_argument("--fp8", action="store_true", help="FP8 GEMMs against the measured FP8 table")
     ap.add_argument("--fp8-block", action="store_true", help="block-scaled FP8 GEMMs against their measured table")
+    ap.add_argument("--classes", action="store_true", help="the signed error by size class on every carried table")
     args = ap.parse_args()
+    if args.classes:
+        every_table()
+        return
     if args.flash and args.device not in FLASH_TABLES:
         ap.error(f"--flash needs a measured attention table; got --device {args.device}, choose {sorted(FLASH_TABLES)}")
     if args.fp8 and args.device not in TABLES_FP8:
@@ -300,6 +362,11 @@ def main() -> None:
     by_group(table, lr)
     if args.flash:
         flash_fit(args.device)
+    if args.fit and not fp8:
+        print(
+            f"  power ceiling from MAMF ({MAMF[args.device][1] / 1e12:.1f} TFLOP/s, launch taken off): "
+            f"{mamf_ceiling(dev, args.device):.4f} of the peak (the spec's gemm_power_ceiling: {dev.gemm.power_ceiling})"
+        )
     if args.fit:
         for k0 in K0_GRID_FP8 if fp8 else K0_GRID:
             eff = anchored_efficiency(dev, k0, args.device, fp8)

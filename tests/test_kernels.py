@@ -79,6 +79,35 @@ def test_gemm_tile_overhead_costs_each_tile_and_each_split() -> None:
     assert split == pytest.approx(tile_s(512 + 128) + 2.0 * 16 * 256 * 256 * 4 / 2e12)
 
 
+def test_gemm_power_ceiling_caps_the_multiply_adds_not_the_tile_overhead() -> None:
+    # one full wave of 108 tiles at efficiency 0.8, capped at 0.5 of the peak: the tiles' multiply-adds (padding
+    # included) run at half the peak. The tile overhead is not capped: with 2048 more steps at k 2048, the tile
+    # model's 4096 steps at 0.8 take longer than the capped 2048 at 0.5, and set the time
+    spec = dataclasses.replace(ONE_TILE, power_ceiling=0.5)
+    run = dict(batch=1, m=128 * 12, n=128 * 9, elem_bytes=2, peak_flops_per_s=PEAK, hbm_bytes_per_s=1e30)
+    assert gemm_time_s(spec, k=4096, **run) == pytest.approx(2.0 * 128 * 12 * 128 * 9 * 4096 / (0.5 * PEAK))
+    overhead = dataclasses.replace(spec, tile_overhead_k=2048)  # 2048 + 2048 steps at 0.8 beat 2048 at 0.5
+    assert gemm_time_s(overhead, k=2048, **run) == pytest.approx(tile_s(4096))
+    padded = gemm_time_s(spec, k=4096, **{**run, "n": 128 * 9 - 1})  # the padded column is multiplied too
+    assert padded == pytest.approx(2.0 * 128 * 12 * 128 * 9 * 4096 / (0.5 * PEAK))
+    # a ceiling above what the tile model reaches changes nothing; FP8 GEMMs have none of their own
+    assert gemm_time_s(dataclasses.replace(ONE_TILE, power_ceiling=0.9), k=4096, **run) == pytest.approx(tile_s(4096))
+    assert spec.fp8().power_ceiling == 0.0
+
+
+def test_the_device_power_ceiling_slows_long_gemms_only() -> None:
+    # h100-80g: at 8192 x 8192 x 16384 the tile model alone runs above the MAMF rate, the ceiling holds it there;
+    # a short-k GEMM and fused attention keep their time
+    dev = load_cluster("dgx-h100").device
+    assert dev.gemm.power_ceiling == 0.815
+    free = dataclasses.replace(dev.gemm, power_ceiling=0.0)
+    peak = dev.peak_flops_per_s["bf16"]
+    run = dict(batch=1, m=8192, n=8192, elem_bytes=2, peak_flops_per_s=peak, hbm_bytes_per_s=3e12)
+    assert gemm_time_s(dev.gemm, k=16384, **run) == pytest.approx(2.0 * 8192 * 8192 * 16384 / (0.815 * peak))
+    assert gemm_time_s(free, k=16384, **run) < gemm_time_s(dev.gemm, k=16384, **run)
+    assert gemm_time_s(free, k=1024, **run) == gemm_time_s(dev.gemm, k=1024, **run)
+
+
 def test_gemm_memory_floor() -> None:
     # an outer product writes a large output: 8192 x 8 by 8 x 8192 in fp16 at 1 TB/s
     m, n, k = 8192, 8192, 8
@@ -436,6 +465,7 @@ def test_unknown_software(name, fragments) -> None:
         (dict(gemm_tile_overhead_k=0.5), ["'device.gemm_tile_overhead_k'", "integer >= 1", "0.5"]),
         (dict(gemm_tile_overhead_k_fp8=-2), ["'device.gemm_tile_overhead_k_fp8'", "integer >= 1", "-2"]),
         (dict(gemm_stream_k="yes"), ["'device.gemm_stream_k'", "true or false", "'yes'"]),
+        (dict(gemm_power_ceiling=1.2), ["'device.gemm_power_ceiling'", "(0, 1]", "power limit", "1.2"]),
         (
             dict(attention_efficiency={"flash2": {"forward": 1.2, "backward": 0.5}}),
             ["'device.attention_efficiency.flash2.forward'", "(0, 1]", "fused attention"],
@@ -676,8 +706,10 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_efficiency() -> None:
     assert (dev.gemm.tile_overhead_k_fp8, dev.gemm.efficiency_fp8) == (480, 0.74)
     ideal = flop * (8192 + 480) / 8192 / (1979e12 * 0.74) + dev.launch_overhead_s
     assert fp8.kernel_time_s(big, "fp8") == pytest.approx(ideal, rel=1e-9)
-    # a 16-bit GEMM of the same shape keeps the 16-bit overhead and efficiency
-    ideal16 = flop * (8192 + 224) / 8192 / (989e12 * 0.855) + dev.launch_overhead_s
+    # a 16-bit GEMM of the same shape keeps the 16-bit overhead and efficiency, which would run it at 823 TFLOP/s:
+    # above the power ceiling (0.815 of the peak), which sets its time; the FP8 GEMM has no ceiling of its own
+    assert flop * (8192 + 224) / 8192 / (989e12 * 0.855) < flop / (989e12 * 0.815)
+    ideal16 = flop / (989e12 * 0.815) + dev.launch_overhead_s
     assert bf16.kernel_time_s(dataclasses.replace(big, fp8=False), "bf16") == pytest.approx(ideal16, rel=1e-9)
     whole = dataclasses.replace(dev.gemm.fp8(), stream_k=False)
     # without stream-K the same GEMM pays 16 whole waves (wave quantization, 3%)
@@ -798,7 +830,8 @@ def test_fused_attention_runs_the_software_s_kernel_for_the_device() -> None:
 
     def priced(cost: CostModel, kernel: Kernel, efficiency: float, overhead_k: int) -> float:
         dev = cost.cluster.device
-        at = dataclasses.replace(dev.gemm, tile_overhead_k=overhead_k, efficiency=efficiency)
+        # no GEMM power ceiling: the kernel's measured efficiency holds what the power limit takes
+        at = dataclasses.replace(dev.gemm, tile_overhead_k=overhead_k, efficiency=efficiency, power_ceiling=0.0)
         b, m, n, k = kernel.gemm
         flop_s = gemm_time_s(
             at, batch=b, m=m, n=n, k=k, elem_bytes=2, peak_flops_per_s=989e12, hbm_bytes_per_s=math.inf

@@ -67,12 +67,18 @@ class GemmSpec:
     # softmax's exponential and rescaling, as that many more steps of k); a kernel not listed runs at the
     # GEMMs' efficiency with no overhead
     attention_efficiency: tuple[tuple[str, float, float, int], ...] = ()
+    # the board power limit's ceiling on the tensor cores' multiply-add rate, as a fraction of the 16-bit dense
+    # peak (0: none measured): past it the clock falls to keep the power within the limit
+    power_ceiling: float = 0.0
 
     def fp8(self) -> GemmSpec:
         """The spec an FP8 GEMM runs by: the FP8 efficiency and tile overhead where they are measured, the
         16-bit ones where not."""
         over_k = self.tile_overhead_k if self.tile_overhead_k_fp8 is None else self.tile_overhead_k_fp8
-        return replace(self, efficiency=self.efficiency_fp8 or self.efficiency, tile_overhead_k=over_k)
+        # the 16-bit GEMMs' power ceiling is not the FP8 ones' (another energy per multiply-add; none measured)
+        return replace(
+            self, efficiency=self.efficiency_fp8 or self.efficiency, tile_overhead_k=over_k, power_ceiling=0.0
+        )
 
     def fp8_block(self) -> GemmSpec:
         """The spec a block-scaled FP8 GEMM runs by: its own efficiency and tile overhead where they are
@@ -142,6 +148,8 @@ def gemm_time_s(
             if not (spec.stream_k and tiles > spec.sm_count):
                 waves = math.ceil(waves)
             t = waves * 2.0 * tm * tn * (kk + spec.tile_overhead_k) / (per_sm_peak * eff)
+            if spec.power_ceiling:  # the multiply-adds the tiles run (padding included) at the power-limited rate
+                t = max(t, tiles * split * 2.0 * tm * tn * kk / (peak_flops_per_s * spec.power_ceiling))
             if split > 1:  # partial sums in fp32 written and read back once more
                 t += 2.0 * split * batch * m * n * 4 / hbm_bytes_per_s
             best = min(best, t)

@@ -63,6 +63,7 @@ _DEVICE_FIELDS = {
     "gemm_efficiency_fp8_block",
     "gemm_tile_overhead_k_fp8_block",
     "gemm_stream_k",
+    "gemm_power_ceiling",
     "attention_efficiency",
     "architecture",
 }
@@ -406,8 +407,8 @@ def _default_precision(f: Fields, peaks: Mapping[str, float]) -> str:
 
 def _gemm_from(f: Fields) -> GemmSpec:
     """The tile model's numbers of a device (``sm_count``, ``gemm_efficiency``, ``l2_GBps``,
-    optional ``gemm_tiles``, ``gemm_tile_overhead_k`` (and ``gemm_tile_overhead_k_fp8``), ``gemm_stream_k`` and
-    ``attention_efficiency``); the rest are required
+    optional ``gemm_tiles``, ``gemm_tile_overhead_k`` (and ``gemm_tile_overhead_k_fp8``), ``gemm_stream_k``,
+    ``gemm_power_ceiling`` and ``attention_efficiency``); the rest are required
     once ``sm_count`` is given."""
     sms = f.integer("sm_count")
     eff = f.number("gemm_efficiency", high=1.0, unit="fraction of the dense peak reached by large GEMMs")
@@ -430,6 +431,11 @@ def _gemm_from(f: Fields) -> GemmSpec:
         ),
     )
     flash = _attention_efficiency(f)
+    ceiling = (
+        f.number("gemm_power_ceiling", high=1.0, unit="fraction of the dense peak the power limit lets GEMMs sustain")
+        if "gemm_power_ceiling" in f.obj
+        else 0.0
+    )
     stream_k = f.obj.get("gemm_stream_k", False)
     if not isinstance(stream_k, bool):
         raise f.error("gemm_stream_k", f"must be true or false, got {stream_k!r}")
@@ -443,6 +449,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
             tile_overhead_k_fp8=over_k8,
             stream_k=stream_k,
             attention_efficiency=flash,
+            power_ceiling=ceiling,
             **block,
         )
     tiles = f.get("gemm_tiles")
@@ -468,6 +475,7 @@ def _gemm_from(f: Fields) -> GemmSpec:
         tile_overhead_k_fp8=over_k8,
         stream_k=stream_k,
         attention_efficiency=flash,
+        power_ceiling=ceiling,
         **block,
     )
 

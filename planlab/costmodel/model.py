@@ -371,7 +371,8 @@ class CostModel:
             # of a tiled GEMM's per-tile overhead, cuBLAS's), and its own memory traffic (no T x S output) as the floor
             chosen = self.software.attention_kernel(dev.architecture)  # the kernel the software runs on this device
             efficiency, overhead_k = spec.attention(chosen, kernel.backward)
-            spec = dataclasses.replace(spec, tile_overhead_k=overhead_k, efficiency=efficiency)
+            # (the kernel's measured efficiency already holds whatever the power limit took: no GEMM power ceiling)
+            spec = dataclasses.replace(spec, tile_overhead_k=overhead_k, efficiency=efficiency, power_ceiling=0.0)
             peak = compute.peak_flops_per_s(dev, dtype)
             flop_s = gemm_time_s(
                 spec, batch=b, m=m, n=n, k=k, elem_bytes=eb, peak_flops_per_s=peak, hbm_bytes_per_s=math.inf
