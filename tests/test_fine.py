@@ -434,9 +434,10 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
     cap = fine_cost_model(ctx).device_memory_bytes
     got = grid_bound(ctx, grid)
     points = [Point.of(d, False) for _, d in fine_points(ctx, grid)]
-    assert got.points == len(points) and got.programs < got.lps < len(points) and got.node_limited == 0
+    assert got.points == len(points) and got.chain_programs < got.chain_lps < len(points) and got.node_limited == 0
+    assert got.programs <= got.lps <= got.chain_programs
     # the relaxations solved hold the chains walked at earlier points of their shape: no weaker than without
-    assert min(p.relaxed_s(cap) for p in points) <= got.least_lp_s * (1 + 1e-9) <= got.least_s * (1 + 1e-9)
+    assert min(p.relaxed_s(cap) for p in points) <= got.least_lp_s * (1 + 1e-9) <= got.least_s * (1 + 1e-6)
     every = [
         solve_program(
             p.costs, p.layers, p.stages, p.microbatches, cap, p.schedule, p.chunks, group=p.group, walked=True
