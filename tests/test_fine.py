@@ -636,3 +636,64 @@ def test_a_grid_bound_with_the_chains_bound_reaches_the_same_bound_from_fewer_re
     assert low.least_s == every_low.least_s
     assert free.lps <= every.lps and low.lps <= every_low.lps and free.chains == every.chains
     assert free.lps < free.chains or low.lps < low.chains  # the chains settled some point on their own
+
+
+@pytest.mark.parametrize(
+    "schedule,stages,chunks,group",
+    [("1f1b", 4, 1, 0), ("gpipe", 3, 1, 0), ("interleaved", 8, 2, 0), ("interleaved", 6, 3, 4)],
+)
+def test_the_chains_program_is_never_above_the_walked_program_and_sees_the_memory(schedule, stages, chunks, group):
+    # grid_bound settles a point on its chains program (relaxed or integer) without the walked program:
+    # so its bound must never be above the walked relaxation (relaxed) or the walked optimum (integer),
+    # also when stopped early at one node; its layout walks as it says; and under a tight memory, where
+    # recomputation or offloading is forced, it is above the chains' bound over the layers alone
+    import math
+
+    from planlab.search_spaces.fine_bound import Point
+    from planlab.search_spaces.fine_paths import chains_program, path_bound_s, solve_walked, ties_s
+    from planlab.search_spaces.fine_walk import walk_s
+
+    head, emb = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0), GroupCost(0.4, 0.02, 2.0, 0.5, 0.0)
+    above = 0
+    for off_s in (0.01, 0.2):
+        c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=off_s, forward_share=0.3)
+        c = _costs(**{**c.__dict__, "can_offload": True, "static_bytes": 6.0})
+        for cap in (1e9, 60.0):
+            program = (c, 12, stages, 8, cap, schedule, chunks, group)
+            relaxed = Point(c, 12, stages, 8, schedule, chunks, group).relaxed_s(cap)
+            _, optimum_s, _, status = solve_walked(program, math.inf, False)
+            assert status == "optimal"
+            lp_s, _, _ = chains_program(program, math.inf, False)
+            assert lp_s <= relaxed * (1 + 1e-9), (off_s, cap)
+            for nodes in (1, 200):
+                least_s, layout, found_s = chains_program(program, math.inf, True, nodes)
+                # both solved within HiGHS' gap: the bound under either layout, neither found far under the other
+                assert least_s <= min(optimum_s, found_s) * (1 + 1e-6), (off_s, cap, nodes)
+                assert found_s >= optimum_s * (1 - 2e-3), (off_s, cap, nodes)
+                assert found_s == pytest.approx(walk_s(c, layout, 8, schedule, chunks, group) + ties_s(c, layout))
+            above += lp_s > path_bound_s(c, 12, stages, 8, schedule, chunks, group) * 1.01
+    assert above
+
+
+def test_a_walked_program_stopped_early_keeps_a_bound_never_above_its_optimum(monkeypatch):
+    # grid_bound stops the walked program after PROGRAM_TIME_S and keeps HiGHS' proven bound: on
+    # programs stopped at once (a time limit of a microsecond) and at every node limit, that bound is
+    # never above the optimum the unstopped program proves, and a layout found is never under it
+    import math
+
+    import planlab.search_spaces.fine_paths as fine_paths
+    from planlab.search_spaces.fine_paths import solve_walked
+
+    head = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0)
+    c = _costs(last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=0.2, forward_share=0.3, can_offload=True)
+    for schedule, stages, chunks in (("1f1b", 4, 1), ("interleaved", 8, 2)):
+        program = (c, 12, stages, 8, 60.0, schedule, chunks, 0)
+        _, optimum_s, proven_s, status = solve_walked(program, math.inf, False)
+        assert status == "optimal" and proven_s <= optimum_s
+        _, found_s, least_s, _ = solve_walked(program, math.inf, False, time_limit_s=1e-6)
+        assert least_s <= optimum_s * (1 + 1e-6) and (found_s >= optimum_s * (1 - 1e-3) or math.isinf(found_s))
+        for nodes in (1, 2, 5):
+            monkeypatch.setattr(fine_paths, "NODE_LIMIT", nodes)
+            _, found_s, least_s, _ = solve_walked(program, math.inf, False)
+            assert least_s <= optimum_s * (1 + 1e-6), (schedule, nodes)
+            assert math.isinf(found_s) or found_s >= optimum_s * (1 - 1e-3)

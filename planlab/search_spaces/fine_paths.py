@@ -278,7 +278,9 @@ def path_bound_s(c: StageCosts, layers: int, stages: int, m: int, schedule: str,
         # the chains that set the walk at the LP's (fractional) layers: rows for every layout, as they order
         # the same actions; the next LP moves the layers off them
         at = StageLayout(tuple(float(n) for n in got.x[:S]), (), ())
-        rows += [chain_row(w.forwards, w.backwards, w.hops, w.device) for w in walk_paths(c, at, m, schedule, chunks, group)]
+        rows += [
+            chain_row(w.forwards, w.backwards, w.hops, w.device) for w in walk_paths(c, at, m, schedule, chunks, group)
+        ]
     return best_s + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
 
 
