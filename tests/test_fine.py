@@ -446,7 +446,7 @@ def test_the_grid_bound_is_the_best_layout_of_every_point_solving_few_programs()
     ]
     best = min(s.objective_s for s in every if s.layout is not None)
     assert got.best_s == pytest.approx(best, rel=1e-4) and got.least_s <= got.best_s
-    assert got.least_s >= got.least_lp_s and got.least_s == pytest.approx(best, rel=1e-4)
+    assert got.least_s >= got.least_lp_s * (1 - 1e-9) and got.least_s == pytest.approx(best, rel=1e-4)
     for a in grid.assignments(ctx):
         if a["schedule"] in ("1f1b", "gpipe", "interleaved"):
             model_s, fits, layout = grid_plan_cost(ctx, grid, a)
@@ -591,6 +591,14 @@ def test_a_grid_bound_asked_for_enough_proves_that_much_solving_no_more():
     assert (high.least_s, high.best_s, high.knobs) == (free.least_s, free.best_s, free.knobs)
 
 
+def _bound_costs(offload_sync_s: float):
+    """Per-layer costs for the bounds' tests: transfers, a heavy head, an embedding, offloading
+    (cheaper or dearer than the sync per ``offload_sync_s``) and a static memory that a small device fills."""
+    head, emb = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0), GroupCost(0.4, 0.02, 2.0, 0.5, 0.0)
+    c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=offload_sync_s, forward_share=0.3)
+    return _costs(**{**c.__dict__, "can_offload": True, "static_bytes": 6.0})
+
+
 @pytest.mark.parametrize(
     "schedule,stages,chunks,group",
     [("1f1b", 4, 1, 0), ("gpipe", 3, 1, 0), ("1f1b", 8, 1, 0), ("interleaved", 8, 2, 0), ("interleaved", 6, 3, 4)],
@@ -603,11 +611,9 @@ def test_the_chains_bound_is_never_above_the_walked_relaxation_and_sees_the_bubb
     from planlab.search_spaces.fine_bound import Point
     from planlab.search_spaces.fine_paths import path_bound_s, walked_bound_s
 
-    head, emb = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0), GroupCost(0.4, 0.02, 2.0, 0.5, 0.0)
     above = 0
     for off_s in (0.01, 0.2):
-        c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=off_s, forward_share=0.3)
-        c = _costs(**{**c.__dict__, "can_offload": True, "static_bytes": 6.0})
+        c = _bound_costs(off_s)
         for m in (4, 8, 16):
             for cap in (1e9, 120.0):
                 p = Point(c, 12, stages, m, schedule, chunks, group)
@@ -653,11 +659,9 @@ def test_the_chains_program_is_never_above_the_walked_program_and_sees_the_memor
     from planlab.search_spaces.fine_paths import chains_program, path_bound_s, solve_walked, ties_s
     from planlab.search_spaces.fine_walk import walk_s
 
-    head, emb = GroupCost(2.5, 0.1, 3.0, 1.0, 0.0), GroupCost(0.4, 0.02, 2.0, 0.5, 0.0)
     above = 0
     for off_s in (0.01, 0.2):
-        c = _costs(first=emb, last=head, p2p_s=0.3, sync_s=0.05, offload_sync_s=off_s, forward_share=0.3)
-        c = _costs(**{**c.__dict__, "can_offload": True, "static_bytes": 6.0})
+        c = _bound_costs(off_s)
         for cap in (1e9, 60.0):
             program = (c, 12, stages, 8, cap, schedule, chunks, group)
             relaxed = Point(c, 12, stages, 8, schedule, chunks, group).relaxed_s(cap)
