@@ -125,8 +125,9 @@ def _bound(
     )  # the grid best's own layout: the first incumbent
     where = " ".join(f"{k}={v}" for k, v in b.knobs.items() if k in KNOBS + ("first_stage_layers", "last_stage_layers"))
     print(
-        f"  bound over {b.points} grid points ({b.chains} bounded by their chains, {b.lps} of them then by their "
-        f"LP relaxations, {b.programs} integer programs, "
+        f"  bound over {b.points} grid points ({b.chains} bounded by their chains, {b.chain_lps} of them then by "
+        f"their chains programs' LPs, {b.chain_programs} by their chains' integer programs, {b.lps} by their "
+        f"walked LP relaxations, {b.programs} walked integer programs, "
         f"{b.node_limited} of them stopped short of their optimum; the other points' balanced bounds were higher): "
         f"no fine layout is under {b.least_s:.3f} s in the program's walked model; the best found is {b.best_s:.3f} s "
         f"at {where or 'the grid best, its own layout'}; the least LP relaxation solved is {b.least_lp_s:.3f} s"

@@ -31,12 +31,13 @@ from planlab.search_spaces.fine import (
     point_costs,
 )
 from planlab.search_spaces.fine_costs import StageCosts
-from planlab.search_spaces.fine_paths import path_bound_s, solve_walked, ties_s, walked_bound_s
+from planlab.search_spaces.fine_paths import chains_program, path_bound_s, solve_walked, ties_s, walked_bound_s
 from planlab.search_spaces.fine_walk import walk_s
 from planlab.search_spaces.space import Context, Draft, Space
 from planlab.search_spaces.stages import StageLayout
 
 NO_MEMORY_BYTES = 1e30  # a device memory no plan reaches: the program's time without its memory rows
+PROGRAM_TIME_S = 120.0  # grid_bound's walked integer program stops here (wall s), keeping HiGHS' proven bound
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,19 @@ class Point:
             self.costs, self.layers, self.stages, self.microbatches, self.schedule, self.chunks, self.group
         )
 
+    def chains_program(self, cap_bytes: float, bar_s: float, integral: bool) -> tuple[float, float]:
+        """The program over the layers, recomputation, offloading and memory rows alone, ``W`` held
+        above chains of the walk (``fine_paths.chains_program``): a lower bound on every layout's
+        objective (inf: none fits), never above :meth:`relaxed_s` (``integral`` False) or the
+        integer program's optimum (True), and the walked objective of the best layout it found
+        (inf: none). Walked points only (the closed form's: its balanced bound)."""
+        if not self.walked:
+            return self.balanced_s(), math.inf
+        p = self
+        program = (p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group)
+        least_s, _, found_s = chains_program(program, bar_s, integral)
+        return least_s, found_s
+
     def relaxed_s(self, cap_bytes: float) -> float:
         """The LP relaxation's objective: no layout of this point has a smaller one (inf: none fits)."""
         return _solved_s(self, cap_bytes, None)
@@ -103,16 +117,19 @@ class Point:
             return got
         return self.walk_s(layout) + ties_s(self.costs, layout)
 
-    def integer(self, cap_bytes: float, bar_s: float = math.inf) -> tuple[float, float]:
-        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, fine_paths.solve_walked's):
-        its best layout's objective (inf: none found, or walked and its proven bound reached
-        ``bar_s``) and a proven lower bound on every layout's (inf: none fits)."""
+    def integer(
+        self, cap_bytes: float, bar_s: float = math.inf, time_limit_s: float | None = None
+    ) -> tuple[float, float]:
+        """The program solved (HiGHS, ``fine.NODE_LIMIT`` nodes; walked, fine_paths.solve_walked's,
+        stopped after ``time_limit_s`` if given): its best layout's objective (inf: none found, or
+        walked and its proven bound reached ``bar_s``) and a proven lower bound on every layout's
+        (inf: none fits), HiGHS' own bound when it stopped short."""
         from scipy.optimize import milp
 
         if self.walked:
             p = self
             program = (p.costs, p.layers, p.stages, p.microbatches, cap_bytes, p.schedule, p.chunks, p.group)
-            got = solve_walked(program, bar_s, False)
+            got = solve_walked(program, bar_s, False, time_limit_s)
             return (got[1] if got[0] is not None else math.inf), got[2]
         cost, args, integ, _ = self.milp_args(cap_bytes)
         res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT}, **args)
@@ -141,7 +158,10 @@ class GridBound:
     LP relaxation solved (a weaker bound, for reference); how many
     points were bounded, LP relaxations and integer programs solved, and how many of these
     stopped at the node limit before proving their optimum; ``chains``, how many points were
-    bounded by their chains (``Point.chains_s``), of which the others needed their LP relaxation."""
+    bounded by their chains (``Point.chains_s``), of which the others needed their LP relaxation;
+    ``chain_lps`` and ``chain_programs``, how many points' chains programs (``Point.chains_program``)
+    were solved, relaxed and integer, before their walked program's relaxation (``lps``) and
+    integer program (``programs``)."""
 
     least_s: float
     best_s: float
@@ -152,6 +172,8 @@ class GridBound:
     programs: int
     node_limited: int
     chains: int = 0
+    chain_lps: int = 0
+    chain_programs: int = 0
 
 
 def fine_points(ctx: Context, grid: Space, fixed: dict | None = None) -> Iterator[tuple[dict, Draft]]:
@@ -176,9 +198,12 @@ def grid_bound(
     module docstring), solving few programs: the points in increasing order of their balanced
     bound; each point's LP relaxation, and its integer program where that relaxation is under the
     best layout found so far; until the next balanced bound is at least that best layout (no later
-    point can beat it). A point's chains' bound (``Point.chains_s``, a relaxation of its LP
-    relaxation) is taken before its LP relaxation, which is solved only where that bound is under
-    the best so far (or ``enough_s``). ``least_lp_s`` is the least LP relaxation solved: a weaker
+    point can beat it). Before a point's LP relaxation come cheaper bounds, each a relaxation of
+    it or of its integer program: its chains' bound (``Point.chains_s``), then its chains program
+    (``Point.chains_program``) relaxed and integer, the layouts it finds walked as incumbents; each
+    next step is taken only where the bounds so far are under the best so far (or ``enough_s``),
+    and the walked integer program stops after PROGRAM_TIME_S with HiGHS' proven bound. ``least_lp_s``
+    is the least LP bound solved (the chains program's relaxation or the walked one's): a weaker
     bound, for reference (every point not relaxed has a bound of at least the best layout). ``incumbent_s``: the objective of a layout known beforehand (the grid best's own,
     ``grid_plan_cost``), the best so far from the start: the points that cannot beat it are pruned
     from the first, and ``knobs`` stays empty when no layout found beats it. ``enough_s``: a bound that is
@@ -193,31 +218,59 @@ def grid_bound(
         ranked.append((p.balanced_s(), i, knobs, p))
     ranked.sort(key=lambda t: (t[0], t[1]))
     best, least, least_lp, where = incumbent_s, math.inf, math.inf, {}
-    lps = programs = limited = chained = 0
+    lps = programs = limited = chained = chain_lps = chain_programs = 0
     for balanced, _, knobs, p in ranked:
         if balanced >= min(best, enough_s):
             break
+        # each step a proven lower bound on this point's layouts, each dearer than the last and taken only
+        # while the bounds so far are under the bar (the best so far, or enough): the chains' LP over the
+        # layers alone, the chains program's LP and integer program (the memory rows and recomputation
+        # too), then the walked program's relaxation and its integer program, stopped at PROGRAM_TIME_S
         chained += 1
-        chains = p.chains_s()
-        if chains >= min(best, enough_s):
-            least = min(least, chains)
-            continue
-        lps += 1
-        relaxed = p.relaxed_s(cap)
-        least_lp = min(least_lp, relaxed)
-        if relaxed >= min(best, enough_s):
-            least = min(least, relaxed)
+        lower = p.chains_s()
+        if lower < min(best, enough_s):
+            chain_lps += 1
+            lower = max(lower, p.chains_program(cap, min(best, enough_s), False)[0])
+            least_lp = min(least_lp, lower)
+        if lower < min(best, enough_s):
+            chain_programs += 1
+            proven, found = p.chains_program(cap, min(best, enough_s), True)
+            lower = max(lower, proven)
+            if found < best:
+                best, where = found, knobs
+            if found <= lower * (1 + 2e-3):  # solved within HiGHS' gap: no further bound needed
+                least = min(least, lower)
+                continue
+        if lower < min(best, enough_s):
+            lps += 1
+            relaxed = p.relaxed_s(cap)
+            least_lp = min(least_lp, relaxed)
+            lower = max(lower, relaxed)
+        if lower >= min(best, enough_s):
+            least = min(least, lower)
             continue
         programs += 1
         # pruned (inf found) once proven at least the best so far
-        found, proven = p.integer(cap, min(best, enough_s))
-        proven = max(proven, relaxed)  # both bound the point's layouts from below
+        found, proven = p.integer(cap, min(best, enough_s), PROGRAM_TIME_S)
+        proven = max(proven, lower)  # both bound the point's layouts from below
         limited += math.isfinite(found) and found > proven * (1 + 2e-3)
         least = min(least, proven)
         if found < best:
             best, where = found, knobs
     # every point not reached has a balanced bound of at least best (or enough): least stays a bound for them
-    return GridBound(min(least, best, enough_s), best, where, least_lp, len(ranked), lps, programs, limited, chained)
+    return GridBound(
+        min(least, best, enough_s),
+        best,
+        where,
+        least_lp,
+        len(ranked),
+        lps,
+        programs,
+        limited,
+        chained,
+        chain_lps,
+        chain_programs,
+    )
 
 
 def draft_layout(draft: Draft, recompute_all: bool, offload: bool) -> StageLayout:

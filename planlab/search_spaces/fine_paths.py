@@ -116,14 +116,16 @@ def walked_bound_s(c: StageCosts, layers: int, stages: int, m: int, chunks: int 
     return m * work_s / G + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
 
 
-def solve_walked(program: tuple, bar_s: float, relax_first: bool):
+def solve_walked(program: tuple, bar_s: float, relax_first: bool, time_limit_s: float | None = None):
     """The walked program of ``program``, fine.program_arrays' arguments (per-layer costs, layers,
     stages, micro-batches, the device's memory, schedule, chunks and pipeline_group), solved by HiGHS
     (module docstring): ``(layout, its walked objective, the proven lower bound on every layout's,
     status)``; status ``optimal`` (within GAP), ``node limit`` (a layout that may not be the best, and
     HiGHS' bound), ``infeasible`` (no layout fits the memory rows) or ``pruned`` (the LP relaxation
     reached ``bar_s``: no layout of this point beats it). ``relax_first``: solve the LP relaxation
-    first and prune on it."""
+    first and prune on it. ``time_limit_s``: HiGHS' time limit per program besides its node limit
+    (wall seconds, so not deterministic: for bounds, where a program stopped early still gives its
+    proven bound, never above its optimum; None: the node limit alone)."""
     from scipy.optimize import milp  # on first use: scipy takes a second to import
 
     from planlab.search_spaces.fine import milp_args
@@ -141,15 +143,16 @@ def solve_walked(program: tuple, bar_s: float, relax_first: bool):
     # the program with only the device groups' totals and offloading integer (each chunk's layers and
     # recomputed layers relaxed): a lower bound that HiGHS proves in few nodes, where the whole program's
     # branch and bound splits each total over the chunks in every way before it lifts its own bound
+    limits = {"node_limit": NODE_LIMIT, "mip_rel_gap": GAP} | ({"time_limit": time_limit_s} if time_limit_s else {})
     totals = integ.copy()
     totals[lp.n : lp.n + 2 * stages] = 0
-    low = milp(cost, integrality=totals, options={"node_limit": NODE_LIMIT, "mip_rel_gap": GAP}, **args)
+    low = milp(cost, integrality=totals, options=limits, **args)
     if low.status == 2:
         return None, math.inf, math.inf, "infeasible"
     least_s = max(least_s, _proven_s(low))
     if least_s >= bar_s:
         return None, least_s, least_s, "pruned"
-    res = milp(cost, integrality=integ, options={"node_limit": NODE_LIMIT, "mip_rel_gap": GAP}, **args)
+    res = milp(cost, integrality=integ, options=limits, **args)
     if res.status == 2:
         return None, math.inf, math.inf, "infeasible"
     least_s = max(least_s, _proven_s(res))
@@ -178,6 +181,47 @@ def _proven_s(res) -> float:
     return float(res.fun) if res.status == 0 and res.x is not None else -math.inf
 
 
+def first_chains(S: int, m: int, schedule: str, chunks: int, group: int) -> list[tuple]:
+    """Per device group, two chains of the walked program's action graph (:func:`path_bound_s`),
+    each as ``(forwards per stage, backwards per stage, transfers, the device whose sync ends it)``:
+    the forward of the first micro-batch through the stages before the device's first action, the
+    device's own actions in order, then either its own sync, or the actions that wait in turn for
+    its last one, the rest of the device they reach and that device's sync."""
+    G = S // chunks
+    orders = [[(x.stage, x.phase, x.microbatch) for x in o] for o in orders_of(S, m, schedule, chunks, group)]
+    where = {a: (d, i) for d, o in enumerate(orders) for i, a in enumerate(o)}
+
+    def dep(a: tuple) -> tuple | None:  # what action ``a`` waits for besides its device (walked_objective's)
+        s, phase, mb = a
+        if phase == "F":
+            return (s - 1, "F", mb) if s > 0 else None
+        return (s + 1, "B", mb) if s < S - 1 else (s, "F", mb)
+
+    def counts(steps: list[tuple], device: int) -> tuple:
+        forwards, backwards, hops = [0] * S, [0] * S, 0
+        for i, (s, phase, _) in enumerate(steps):
+            (forwards if phase == "F" else backwards)[s] += 1
+            hops += G > 1 and i > 0 and dep(steps[i]) == steps[i - 1] and steps[i - 1][0] != s
+        return forwards, backwards, hops, device
+
+    waiter = {dep(a): a for a in where if dep(a) is not None}  # each action's one waiter on another's result
+    chains = []
+    for d, order in enumerate(orders):
+        prefix, a = [], dep(order[0])
+        while a is not None:
+            prefix.insert(0, a)
+            a = dep(a)
+        chains.append(counts(prefix + order, d))
+        suffix, a = [], order[-1]
+        while a in waiter:
+            a = waiter[a]
+            suffix.append(a)
+        if suffix:
+            e, i = where[suffix[-1]]
+            chains.append(counts(prefix + order + suffix + orders[e][i + 1 :], e))
+    return chains
+
+
 def path_bound_s(c: StageCosts, layers: int, stages: int, m: int, schedule: str, chunks: int, group: int = 0) -> float:
     """A lower bound on the walked program's objective, from a few of its chains and a small LP
     (a variable per stage's layers, a row per chain), far cheaper than the program's relaxation
@@ -197,47 +241,20 @@ def path_bound_s(c: StageCosts, layers: int, stages: int, m: int, schedule: str,
 
     S, G = stages, stages // chunks
     hop_s = c.p2p_s / 2 if G > 1 else 0.0
-    orders = [[(x.stage, x.phase, x.microbatch) for x in o] for o in orders_of(S, m, schedule, chunks, group)]
-    where = {a: (d, i) for d, o in enumerate(orders) for i, a in enumerate(o)}
-
-    def dep(a: tuple) -> tuple | None:  # what action ``a`` waits for besides its device (walked_objective's)
-        s, phase, mb = a
-        if phase == "F":
-            return (s - 1, "F", mb) if s > 0 else None
-        return (s + 1, "B", mb) if s < S - 1 else (s, "F", mb)
-
-    waiter = {dep(a): a for a in where if dep(a) is not None}  # each action's one waiter on another's result
     extras = [stage_extras(c, s, S) for s in range(S)]
     per_sync_s = min(c.sync_s, c.offload_sync_s)
 
-    def chain_row(steps: list[tuple], device: int) -> tuple[np.ndarray, float]:
+    def chain_row(forwards, backwards, hops: int, device: int) -> tuple[np.ndarray, float]:
         """A chain's length, linear in the layers per stage: its actions, its transfers, ``device``'s sync."""
-        coefs, const = np.zeros(S), c.unit_sync_s
-        for i, (s, phase, _) in enumerate(steps):
-            share = c.forward_share if phase == "F" else 1 - c.forward_share
-            coefs[s] += share * c.layer_s
-            const += share * extras[s].time_s
-            crossed = i > 0 and dep(steps[i]) == steps[i - 1] and steps[i - 1][0] != s
-            const += hop_s if crossed else 0.0
+        passes = np.array([c.forward_share * f + (1 - c.forward_share) * b for f, b in zip(forwards, backwards)])
+        coefs = passes * c.layer_s
+        const = hops * hop_s + float(passes @ [e.time_s for e in extras]) + c.unit_sync_s
         for s in range(device, S, G):
             coefs[s] += per_sync_s
             const += extras[s].sync_s
         return coefs, const
 
-    rows = []
-    for d, order in enumerate(orders):
-        prefix, a = [], dep(order[0])
-        while a is not None:
-            prefix.insert(0, a)
-            a = dep(a)
-        rows.append(chain_row(prefix + order, d))
-        suffix, a = [], order[-1]
-        while a in waiter:
-            a = waiter[a]
-            suffix.append(a)
-        if suffix:
-            e, i = where[suffix[-1]]
-            rows.append(chain_row(prefix + order + suffix + orders[e][i + 1 :], e))
+    rows = [chain_row(*w) for w in first_chains(S, m, schedule, chunks, group)]
     lower = [1.0] * S
     if chunks > 1:  # the program's bounds (fine.program_arrays): an interleaved end chunk may hold no layer
         lower[0] = lower[-1] = 0.0
@@ -261,12 +278,95 @@ def path_bound_s(c: StageCosts, layers: int, stages: int, m: int, schedule: str,
         # the chains that set the walk at the LP's (fractional) layers: rows for every layout, as they order
         # the same actions; the next LP moves the layers off them
         at = StageLayout(tuple(float(n) for n in got.x[:S]), (), ())
-        for w in walk_paths(c, at, m, schedule, chunks, group):
-            coefs = np.array([c.forward_share * f + (1 - c.forward_share) * b for f, b in zip(w.forwards, w.backwards)])
-            const = w.hops * hop_s + float(coefs @ [e.time_s for e in extras]) + c.unit_sync_s
-            coefs = coefs * c.layer_s
-            for s in range(w.device, S, G):
-                coefs[s] += per_sync_s
-                const += extras[s].sync_s
-            rows.append((coefs, const))
+        rows += [
+            chain_row(w.forwards, w.backwards, w.hops, w.device) for w in walk_paths(c, at, m, schedule, chunks, group)
+        ]
     return best_s + TIE * layers * (c.layer_s + c.sync_s + min(0.0, c.offload_sync_s - c.sync_s))
+
+
+CHAIN_ROUNDS = 16  # chains_program's rounds at most: each adds the walk's chains at the last solution
+
+
+def chains_program(program: tuple, bar_s: float, integral: bool, node_limit: int = NODE_LIMIT):
+    """A lower bound on the walked program of ``program`` (solve_walked's), from its own variables
+    and rows but the actions': the layers, recomputed layers and offloading per stage and device,
+    the memory rows at every peak, and ``W`` held at or above a few chains of the action graph
+    (:func:`first_chains`, then each round the walk's chains at the last solution), each chain's
+    length the sum of its actions' rows, recomputation and offloading included. Every chain is
+    a path the walked program's rows hold ``W`` above, whatever the layout, so this program
+    relaxes the walked one and its LP relaxation the walked one's (tests/test_fine.py), at a
+    fraction of their size: a row per chain where the walked program has two per action.
+    ``integral``: the layers, recomputation and offloading integer (HiGHS, ``node_limit`` nodes,
+    its proven bound), and each round's layout walked exactly. Stops once the bound reaches
+    ``bar_s``, the rounds run out, or (``integral``) a layout
+    walks within GAP of the bound (not: the walk at the LP's point within GAP of its ``W``, the
+    walked program's relaxation reached). Returns ``(bound, layout, its walked objective)``: the bound
+    inf when no layout fits the memory rows; the layout None (and inf) when none was found."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_array, vstack
+
+    from planlab.search_spaces.fine import program_arrays, stage_extras
+
+    c, layers, S, m, cap_bytes, schedule, chunks, group = program
+    _, rows, lower, upper, integ, lp = program_arrays(c, layers, S, m, cap_bytes, schedule, chunks, group)
+    G, hop_s = lp.G, (c.p2p_s / 2 if lp.G > 1 else 0.0)
+    extras = [stage_extras(c, s, S) for s in range(S)]
+    cost = _ties_coefs(lp, c)
+    cost[lp.W] = 1.0
+
+    def chain_row(forwards, backwards, hops: int, device: int) -> tuple[np.ndarray, float]:
+        """``W`` - the chain's length >= its constant: walked_objective's rows summed along the chain."""
+        row = np.zeros(lp.nv)
+        passes = np.array([c.forward_share * f + (1 - c.forward_share) * b for f, b in zip(forwards, backwards)])
+        row[lp.W] = 1.0
+        row[lp.n : lp.n + S] = -passes * c.layer_s
+        row[lp.k : lp.k + S] = -np.array(backwards, dtype=float) * c.recompute_s
+        row[lp.z + device] = -(c.offload_sync_s - c.sync_s)
+        const = hops * hop_s + float(passes @ [e.time_s for e in extras]) + c.unit_sync_s
+        for s in range(device, S, G):
+            row[lp.n + s] -= c.sync_s
+            const += extras[s].sync_s
+        return row, const
+
+    chains = [chain_row(*w) for w in first_chains(S, m, schedule, chunks, group)]
+    least_s, best, best_s = -math.inf, None, math.inf
+    options = {"node_limit": node_limit, "mip_rel_gap": GAP} if integral else {}
+    for _ in range(CHAIN_ROUNDS):
+        matrix = vstack([rows, csr_array(np.array([r for r, _ in chains]))])
+        lo = np.concatenate([lp.lo, [b for _, b in chains]])
+        hi = np.concatenate([lp.hi, [np.inf] * len(chains)])
+        res = milp(
+            cost,
+            constraints=LinearConstraint(matrix, lo, hi),
+            bounds=Bounds(lower, upper),
+            integrality=integ if integral else None,
+            options=options,
+        )
+        if res.status == 2:  # infeasible: no layout fits the memory rows
+            return math.inf, None, math.inf
+        least_s = max(least_s, _proven_s(res))  # each round's program relaxes the walked one: every bound holds
+        if least_s >= bar_s or res.x is None:
+            break
+        x = np.round(res.x) if integral else res.x
+        at = StageLayout(
+            tuple(float(v) for v in x[lp.n : lp.n + S]),
+            tuple(float(v) for v in x[lp.k : lp.k + S]),
+            tuple(bool(v > 0.5) for v in x[lp.o : lp.o + G]),
+        )
+        paths = walk_paths(c, at, m, schedule, chunks, group)
+        if integral:
+            layout = StageLayout(
+                tuple(int(v) for v in at.layers), tuple(int(v) for v in at.recompute), at.offload, False
+            )
+            walked_s = max(p.time_s for p in paths) + ties_s(c, layout)
+            if walked_s < best_s:
+                best, best_s = layout, walked_s
+            if best_s <= least_s * (1 + GAP):
+                break
+        elif max(p.time_s for p in paths) + ties_s(c, at) <= res.fun * (1 + GAP):
+            break  # the walk at the LP's point is its W: the walked program's relaxation is reached
+        chains += [chain_row(w.forwards, w.backwards, w.hops, w.device) for w in paths]
+    least_s = min(least_s, best_s)  # a layout walked is a bound of its own (HiGHS' tolerances aside)
+    if best is not None:
+        best = StageLayout(best.layers, best.recompute, best.offload, best_s <= least_s * (1 + GAP))
+    return least_s, best, best_s
