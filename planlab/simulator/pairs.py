@@ -17,6 +17,20 @@ collective runs is slowed by the SMs the dispatch kernels hold (``pair_slowdown`
 ``expert_dispatch_sms``, else the simulator's ``overlap_slowdown`` for any overlapped collective), until that collective ends (one that starts
 during the computation does not slow it). The pair ends when both actions have. Communication is counted exposed only where the compute stream idled
 in the pair and no pipeline message was awaited.
+
+The computation runs in the order the software issues it, not in the order its inputs arrive:
+Megatron-Core's combined 1F1B step (``TransformerLayerSchedulePlan.run`` in
+``megatron/core/models/common/model_chunk_schedule_plan.py``, core_r0.14.0) launches, layer by layer,
+the backward's head and combine backward, the forward's attention, the backward's MLP (with its
+weight gradients), the forward's MLP, the backward's attention, each kernel on its stream in that
+order, and a CUDA stream runs its kernels in launch order; DeepSeek-V3's report (figure 4) draws its
+pair in the same alternation. So when both actions dispatch experts, the computation between two of
+an action's all-to-alls (a block) waits for its turn: the backward's block ``b`` for the forward's
+blocks before ``b``, the forward's block ``b`` for the backward's blocks up to ``b`` (B0 F0 B1 F1 ...,
+:class:`_Turns`); once one action has ended, the other runs freely. A greedy order (whichever action
+asks first takes the stream) would let a slower kernel shorten the step, by moving a later-arriving
+block ahead of the other's. A pair whose actions do not both dispatch keeps the greedy order (no
+all-to-all to delimit the turns).
 """
 
 from __future__ import annotations
@@ -34,18 +48,56 @@ def run_pair(run, first: Action, second: Action, last_mb: int):
     streams = (simpy.Resource(env, capacity=1), simpy.Resource(env, capacity=1))  # compute, communication
     start, compute0, bubble0, exposed0 = env.now, st["compute_s"], st["bubble_s"], st["exposed_s"]
     comm_until = [0.0]  # when the communication stream's current collective ends
+    units = [run.block_units(x, x.microbatch == last_mb) for x in (first, second)]
+    turns = _Turns(env, lead=0 if first.phase == "B" else 1) if all(map(_dispatches, units)) else None
     yield env.all_of(
-        [env.process(_half(run, x, streams, comm_until, x.microbatch == last_mb)) for x in (first, second)]
+        [
+            env.process(_half(run, x, u, streams, comm_until, turns, h))
+            for h, (x, u) in enumerate(zip((first, second), units))
+        ]
     )
     busy = (st["compute_s"] - compute0) + (st["bubble_s"] - bubble0)
     st["exposed_s"] = exposed0 + max(0.0, env.now - start - busy)
 
 
-def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], comm_until: list, final: bool):
-    """One action of a pair: its units in order, its computation holding the compute stream, its
-    all-to-alls the communication stream and its other class-internal collectives both (``streams``)."""
+class _Turns:
+    """The launch order of a pair's computation blocks (the module's docstring): action ``lead`` (the
+    backward) runs its block ``b`` after the other's blocks before ``b``, the other its block ``b`` after
+    the lead's blocks up to ``b``. A block ends when its action starts its next all-to-all."""
+
+    def __init__(self, env: simpy.Environment, lead: int):
+        self.env, self.lead = env, lead
+        self.block, self.ended = [0, 0], [False, False]
+        self.moved = env.event()  # succeeds when either action ends a block or ends
+
+    def may_compute(self, h: int) -> bool:
+        """Whether action ``h`` may launch the computation of its current block."""
+        other = 1 - h
+        if self.ended[other]:
+            return True
+        return self.block[other] >= self.block[h] + (h != self.lead)
+
+    def advance(self, h: int, ended: bool = False) -> None:
+        """Action ``h`` ended its block (it starts an all-to-all), or ended (``ended``)."""
+        if ended:
+            self.ended[h] = True
+        else:
+            self.block[h] += 1
+        moved, self.moved = self.moved, self.env.event()
+        moved.succeed()
+
+
+def _dispatches(units: tuple) -> bool:
+    """Whether an action's units hold an all-to-all (the expert dispatch or combine)."""
+    return any(isinstance(u, Segment) and any(u.all_to_all) for u in units)
+
+
+def _half(run, action: Action, units: tuple, streams: tuple, comm_until: list, turns: _Turns | None, h: int):
+    """One action of a pair (``h``: 0 or 1): its ``units`` in order, its computation holding the compute
+    stream (in its turn, with ``turns``), its all-to-alls the communication stream and its other
+    class-internal collectives both (``streams``: compute, communication)."""
     env, st, a = run.sim.env, run.st, str(action)
-    for u in run.block_units(action, final):
+    for u in units:
         if isinstance(u, Segment):
             if u.peak_bytes + run.mem > st["peak"]:
                 run.bump(u.peak_bytes, u.peak_task)
@@ -55,11 +107,15 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
                 comm = k % 2  # odd parts: class-internal collectives
                 beside = not comm or _overlapped(u, k)
                 held = (streams[comm],) if beside else streams  # compute first, one at a time: no deadlock
-                turns = []
+                if turns is not None and comm and beside:  # an all-to-all ends the action's block
+                    turns.advance(h)
+                while turns is not None and not comm and not turns.may_compute(h):  # its block's turn
+                    yield turns.moved
+                requests = []
                 try:
                     for s in held:
-                        turns.append(s.request())
-                        yield turns[-1]
+                        requests.append(s.request())
+                        yield requests[-1]
                     t0 = env.now
                     if comm:
                         took = part
@@ -69,8 +125,8 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
                         took = _stretched(part * run.factor, comm_until[0] - t0, run.sim.pair_slowdown)
                     yield env.timeout(took)
                 finally:
-                    for s, turn in zip(held, turns):
-                        s.release(turn)
+                    for s, request in zip(held, requests):
+                        s.release(request)
                 st["comm_s" if comm else "compute_s"] += took
                 if run.sim.timeline:
                     run.sim.record(run.rep, "comm" if comm else "compute", a, u.peak_task or a, t0, env.now)
@@ -79,6 +135,8 @@ def _half(run, action: Action, streams: tuple[simpy.Resource, simpy.Resource], c
             run.send(u, a)
         else:
             yield from run.unit(u, a, action)
+    if turns is not None:
+        turns.advance(h, ended=True)
 
 
 def _overlapped(u: Segment, k: int) -> bool:
